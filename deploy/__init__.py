@@ -1,0 +1,1 @@
+"""Winning config -> engine args -> Kubernetes objects -> validation -> apply. Imports no ML packages."""

@@ -1,0 +1,1 @@
+"""Everything that generates tokens and measures them."""

@@ -1,0 +1,135 @@
+"""Compose `conf/` with Hydra's compose API and validate it once into a typed `Config`.
+
+Every user mistake (unknown group option, unknown key, wrong type, out-of-range value, an
+impossible combination) becomes a `UserError` with one line naming the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from tuner.schema import Config, UserError
+
+GROUPS = ("model", "hardware", "engine", "search", "deploy", "workload")
+
+
+def conf_dir() -> Path:
+    """The config tree: `tuner/conf` inside an installed wheel, `conf/` beside the packages in a checkout."""
+    here = Path(__file__).resolve().parent
+    for cand in (here / "conf", here.parent / "conf"):
+        if (cand / "config.yaml").is_file():
+            return cand
+    raise UserError(f"config tree not found (looked in {here / 'conf'} and {here.parent / 'conf'})")
+
+
+def available(group: str) -> list[str]:
+    """Names of the options of a config group, e.g. available('workload') -> ['chat', 'code', ...]."""
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+
+
+def _hydra_error_line(exc: Exception, overrides: list[str]) -> str:
+    msg = str(exc)
+    m = re.search(r"Could not find '(\w+)/([^']+)'", msg)
+    if m:
+        group, opt = m.groups()
+        return f"{group}={opt}: unknown option for group '{group}' (available: {', '.join(available(group))})"
+    m = re.search(r"Could not override '([^']+)'", msg)
+    if m:
+        key = m.group(1)
+        if key in GROUPS:
+            return (f"{key} is not in the defaults list: add it with +{key}=NAME "
+                    f"(available: {', '.join(available(key))})")
+        m2 = re.search(r"Key '([^']+)' is not in struct", msg)
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        bad = m2.group(1) if m2 else key
+        return f"{key}: unknown key '{bad}'" + (f" in '{parent}'" if parent else "") + " (see `tuner config` for the valid keys)"
+    m = re.search(r"Could not append to config. An item is already at '([^']+)'", msg)
+    if m:
+        return f"+{m.group(1)}: already set; override it without '+' ({m.group(1)}=...)"
+    if "appears more than once" in msg or "Multiple values for" in msg:
+        return msg.splitlines()[0] + " (give each group once, without '+' for groups in the defaults)"
+    first = next((ln.strip() for ln in msg.splitlines() if ln.strip()), type(exc).__name__)
+    return f"bad override ({' '.join(overrides)}): {first}"
+
+
+def _validation_line(err: ValidationError, raw: dict[str, Any]) -> str:
+    e = err.errors()[0]
+    loc = ".".join(str(p) for p in e["loc"])
+    msg = e["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+        return msg if "=" in msg or not loc else f"{loc}: {msg}"
+    if e["type"] == "extra_forbidden":
+        parent = loc.rsplit(".", 1)[0] if "." in loc else "the top level"
+        return f"{loc}: unknown key in {parent} (see `tuner config` for the valid keys)"
+    if e["type"] == "missing":
+        return f"{loc}: required key is missing"
+    return f"{loc}={e.get('input')!r}: {msg}"
+
+
+def compose(overrides: list[str] | None = None) -> dict[str, Any]:
+    """Compose the config tree with Hydra overrides and return it as a plain dict (resolved)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    overrides = list(overrides or [])
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            cfg = hydra_compose(config_name="config", overrides=overrides)
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # type: ignore[return-value]
+    except UserError:
+        raise
+    except Exception as exc:  # Hydra/OmegaConf raise many types; all are the user's override here
+        raise UserError(_hydra_error_line(exc, overrides)) from None
+
+
+def validate(raw: dict[str, Any]) -> Config:
+    """Validate a composed dict into a Config, including the hardware fit check for GPU targets."""
+    try:
+        cfg = Config.model_validate(raw)
+    except ValidationError as err:
+        raise UserError(_validation_line(err, raw)) from None
+    if cfg.hardware.accelerator == "cuda":
+        from deploy.fit import tensor_parallel_size
+
+        tensor_parallel_size(cfg.model, cfg.hardware, cfg.deploy)
+    return cfg
+
+
+def load_config(overrides: list[str] | None = None) -> Config:
+    """Compose + validate: the one entry point every command uses."""
+    return validate(compose(overrides))
+
+
+def require_workload(cfg: Config) -> None:
+    """Fail with one line listing the workloads when a command that needs one has none."""
+    if cfg.workload is None:
+        raise UserError(f"this command needs a workload: add +workload=NAME (available: {', '.join(available('workload'))})")
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def to_json(cfg: Config) -> str:
+    return json.dumps(cfg.model_dump(mode="json"), indent=2)
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    """Write the composed, validated config (Hydra's compose API has no run dir of its own)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(to_yaml(cfg))
+
+
+def load_saved_config(path: Path) -> Config:
+    """Read back a config written by save_config (e.g. from a run directory)."""
+    if not path.is_file():
+        raise UserError(f"{path}: no such config file")
+    return validate(yaml.safe_load(path.read_text()))

