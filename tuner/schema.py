@@ -317,3 +317,41 @@ class Config(_Strict):
         if self.hardware.accelerator == "cpu" and self.engine.kind == "sglang":
             raise ValueError("engine=sglang with hardware=cpu: SGLang needs a CUDA GPU (allowed engines on cpu: builtin, vllm)")
         return self
+
+
+class Figures(_Strict):
+    """Measured figures of one configuration (medians with a confidence interval)."""
+
+    output_tokens_per_s: float
+    ci_low: float | None = None
+    ci_high: float | None = None
+    tau: float | None = None
+    ttft_p99_ms: float | None = None
+    tpot_p99_ms: float | None = None
+
+
+class Provenance(_Strict):
+    study: str
+    trial: int | None = None
+    storage: str | None = None
+    date: str  # ISO 8601
+    model: str
+    hardware: str
+    engine: str
+    workload: str
+    spectune_version: str = "0.1.0"
+
+
+class BestResult(_Strict):
+    """`best.yaml` in a run directory: written by `tuner optimize`, read by `tuner render --from`."""
+
+    spec: SpecConfig  # the winner (method 'off' when speculation did not beat the baseline)
+    chain_spec: SpecConfig | None = None  # best chain (topk=1) of the study, for vLLM targets
+    k_schedule_note: str | None = None
+    metrics: Figures | None = None  # the winner on the tuning prompts
+    baseline: Figures | None = None  # speculation off, measured adjacent in time
+    speedup: float | None = None
+    heldout: Figures | None = None  # the winner re-measured on the held-out prompts
+    heldout_speedup: float | None = None
+    reason: str | None = None  # why the winner is what it is (e.g. the slowdown trap)
+    provenance: Provenance
