@@ -103,6 +103,8 @@ class ModelConfig(_Strict):
     hf_id: str
     gguf: GGUFSource | None = None  # local packaged weights (converted once into an HF checkpoint)
     local_path: str | None = None  # an HF checkpoint dir on disk, used instead of hf_id when set
+    # Tests: a random Llama with these dimensions, built in code, using the packaged SmolLM2 tokenizer.
+    random_init: bool = False
     params_b: float = Field(gt=0)  # parameters, billions
     num_layers: int = Field(gt=0)
     hidden_size: int = Field(gt=0)
