@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class UserError(Exception):
@@ -278,6 +278,15 @@ class DeployConfig(_Strict):
     pdb_min_available: int = Field(1, ge=0)
     hpa: HPAConfig = HPAConfig()
     extra_args: list[str] = []
+
+    @field_validator("k8s_version", mode="before")
+    @classmethod
+    def _version_str(cls, v: object) -> object:
+        # Hydra parses `deploy.k8s_version=1.30` as the float 1.3: restore the two-digit minor.
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            major, _, minor = repr(float(v)).partition(".")
+            return f"{major}.{minor.ljust(2, '0')}"
+        return v
 
 
 class ServeConfig(_Strict):
