@@ -1,0 +1,489 @@
+"""The built-in engine as an OpenAI-compatible server (FastAPI + uvicorn).
+
+Endpoints: /v1/completions, /v1/chat/completions (streaming and not, with `usage`), /v1/models,
+/health, /metrics (Prometheus, vLLM's metric names so one load generator and one dashboard serve
+every engine). Requests wait in a bounded queue (serve.queue_size) and one worker thread runs the
+engine, one request at a time; a full queue answers 429. Every bad request gets a 4xx in the
+OpenAI error shape and the server stays healthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.api import GenResult, SamplingParams, TextEngine
+from tuner.schema import Config
+
+# ---------------------------------------------------------------------------------------------
+# request bodies (unknown OpenAI fields are ignored, as OpenAI-compatible servers do)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)  # vLLM extension; -1 or 0: no top-k filter
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=1)  # one choice per request
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+
+
+class _TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class _Message(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[_TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Body):
+    messages: list[_Message] = Field(min_length=1)
+
+
+class CompletionRequest(_Body):
+    prompt: str | list[int] = Field(min_length=1)
+
+
+class APIError(Exception):
+    """An OpenAI-shaped error answer."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def _validation_error(err: ValidationError) -> APIError:
+    e = err.errors()[0]
+    loc = ".".join(str(p) for p in e["loc"])
+    return APIError(400, f"{loc}: {e['msg']}" if loc else e["msg"], param=loc or None)
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics (a registry per app, so tests can run several servers in one process)
+
+
+class Metrics:
+    """The server's Prometheus metrics, under vLLM's names."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, lab = self.registry, ["model_name"]
+        self.model = model_name
+        self.drafts = Counter("vllm:spec_decode_num_drafts", "Verify steps that carried drafted tokens", lab, registry=r)
+        self.draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Drafted tokens offered for verification",
+                                    lab, registry=r)
+        self.accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Drafted tokens accepted", lab, registry=r)
+        self.accepted_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                    "Accepted drafted tokens per draft position", lab + ["position"], registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting in the queue", lab, registry=r)
+        self.running = Gauge("vllm:num_requests_running", "Requests being generated", lab, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", lab, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", lab, registry=r)
+        self.success = Counter("vllm:request_success", "Finished requests", lab + ["finished_reason"], registry=r)
+        lat = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", lab,
+                             buckets=lat, registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token (queueing included)", lab,
+                              buckets=lat, registry=r)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds", "Per-request time per output token", lab,
+                              buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=r)
+        for m in (self.drafts, self.draft_tokens, self.accepted, self.waiting, self.running, self.prompt_tokens,
+                  self.generation_tokens):
+            m.labels(model_name=model_name)  # expose zeros before the first request
+
+    def record(self, res: GenResult, prompt_len: int, ttft_s: float, e2e_s: float) -> None:
+        m, st = self.model, res.stats
+        self.drafts.labels(m).inc(st.draft_steps)
+        self.draft_tokens.labels(m).inc(st.drafted_tokens)
+        self.accepted.labels(m).inc(st.accepted_tokens)
+        for pos, n in enumerate(st.accepted_per_pos):
+            self.accepted_pos.labels(m, str(pos)).inc(n)
+        self.prompt_tokens.labels(m).inc(prompt_len)
+        self.generation_tokens.labels(m).inc(st.new_tokens)
+        self.success.labels(m, res.finish_reason).inc()
+        self.e2e.labels(m).observe(e2e_s)
+        self.ttft.labels(m).observe(ttft_s)
+        if st.new_tokens > 1:
+            self.tpot.labels(m).observe((e2e_s - ttft_s) / (st.new_tokens - 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# the queue and the worker thread
+
+
+class _Cancelled(Exception):
+    """Raised from the token callback to stop generating for a client that went away."""
+
+
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrival: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+
+    def emit(self, kind: str, payload: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:  # the event loop is gone (server shutting down)
+            self.cancelled = True
+
+
+class Worker:
+    """One thread that runs the engine on queued jobs, first come, first served."""
+
+    def __init__(self, engine: TextEngine, metrics: Metrics, queue_size: int) -> None:
+        self.engine, self.metrics = engine, metrics
+        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
+        self.thread = threading.Thread(target=self._loop, name="spectune-engine", daemon=True)
+
+    def submit(self, job: Job) -> None:
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            raise APIError(429, f"the server's queue is full ({self.jobs.maxsize} requests waiting); retry later",
+                           code="queue_full", type_="rate_limit_error") from None
+        self.metrics.waiting.labels(self.metrics.model).set(self.jobs.qsize())
+
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+        self.thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        m = self.metrics
+        while (job := self.jobs.get()) is not None:
+            m.waiting.labels(m.model).set(self.jobs.qsize())
+            if job.cancelled:
+                continue
+            m.running.labels(m.model).set(1)
+            first: list[float] = []
+
+            def on_tokens(toks: list[int], job: Job = job, first: list[float] = first) -> None:
+                if job.cancelled:
+                    raise _Cancelled()
+                if not first:
+                    first.append(time.perf_counter())
+                job.emit("tokens", list(toks))
+
+            try:
+                res = self.engine.generate(job.prompt_ids, job.params, on_tokens=on_tokens)
+            except _Cancelled:
+                pass
+            except Exception as exc:  # the request fails, the server goes on
+                job.emit("error", f"{type(exc).__name__}: {exc}")
+            else:
+                end = time.perf_counter()
+                m.record(res, len(job.prompt_ids), (first[0] if first else end) - job.arrival, end - job.arrival)
+                job.emit("done", res)
+            finally:
+                m.running.labels(m.model).set(0)
+
+
+class TextStream:
+    """Incremental detokenisation: emits only text that can no longer change.
+
+    Holds back a trailing partial UTF-8 character and, with stop strings, enough characters to
+    hide a stop string that is still being generated (the engine never emits stop strings).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], stops: list[str]) -> None:
+        self.decode, self.stops = decode, stops
+        self.tokens: list[int] = []
+        self.sent = ""
+        self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def push(self, toks: list[int]) -> str:
+        self.tokens.extend(toks)
+        text = self.decode(self.tokens)
+        if any(s in text for s in self.stops):
+            return ""  # the final text (cut at the stop string) comes with finish()
+        safe = text[: len(text) - self.hold] if self.hold else text
+        safe = safe.rstrip("\ufffd")
+        if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
+            return ""
+        delta, self.sent = safe[len(self.sent):], safe
+        return delta
+
+    def finish(self, final_text: str) -> str:
+        delta = final_text[len(self.sent):] if final_text.startswith(self.sent) else ""
+        self.sent = final_text
+        return delta
+
+
+def _tokenizer(engine: TextEngine) -> Any:
+    tok = getattr(engine, "tokenizer", None)
+    if tok is None:
+        raise RuntimeError("the engine exposes no tokenizer (needed to stream text)")
+    return tok
+
+
+# ---------------------------------------------------------------------------------------------
+# the app
+
+
+def create_app(cfg: Config, engine: TextEngine) -> FastAPI:
+    """The FastAPI app serving `engine` (already set to `cfg.spec`) under `cfg.serve`."""
+    metrics = Metrics(cfg.model.name)
+    worker = Worker(engine, metrics, cfg.serve.queue_size)
+    names = {cfg.model.name, cfg.model.hf_id}
+    tok = _tokenizer(engine)
+
+    def decode(ids: list[int]) -> str:
+        return tok.decode(ids, skip_special_tokens=True)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        worker.start()
+        yield
+        worker.stop()
+
+    app = FastAPI(title="spectune built-in engine", lifespan=lifespan)
+    app.state.metrics = metrics
+    app.state.worker = worker
+
+    @app.exception_handler(APIError)
+    async def _api_error(_req: Request, err: APIError) -> JSONResponse:
+        return _error_response(err)
+
+    @app.exception_handler(404)
+    async def _not_found(req: Request, _exc: Exception) -> JSONResponse:
+        return _error_response(APIError(404, f"no route {req.method} {req.url.path}", code="not_found"))
+
+    @app.exception_handler(405)
+    async def _bad_method(req: Request, _exc: Exception) -> JSONResponse:
+        return _error_response(APIError(405, f"method {req.method} not allowed on {req.url.path}"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not worker.alive():
+            return JSONResponse({"status": "engine worker stopped"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prom() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": cfg.model.name, "object": "model", "created": 0,
+                                            "owned_by": "spectune", "root": cfg.model.hf_id,
+                                            "max_model_len": cfg.model.max_context}]}
+
+    async def parse(request: Request, model: type[_Body]) -> Any:
+        try:
+            raw = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"request body is not valid JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise APIError(400, "request body must be a JSON object")
+        try:
+            body = model.model_validate(raw)
+        except ValidationError as err:
+            raise _validation_error(err) from None
+        if body.model is not None and body.model not in names:
+            raise APIError(404, f"the model '{body.model}' does not exist (served: {cfg.model.name})",
+                           param="model", code="model_not_found")
+        return body
+
+    def sampling(body: _Body, prompt_len: int) -> SamplingParams:
+        ctx, limit = cfg.model.max_context, cfg.serve.max_tokens_limit
+        if prompt_len >= ctx:
+            raise APIError(400, f"the prompt has {prompt_len} tokens; the model's context is {ctx} tokens",
+                           param="messages" if isinstance(body, ChatRequest) else "prompt", code="context_length_exceeded")
+        requested = body.max_completion_tokens or body.max_tokens
+        if requested is not None and requested > limit:
+            raise APIError(400, f"max_tokens={requested} exceeds this server's limit of {limit}", param="max_tokens")
+        max_new = requested if requested is not None else min(limit, ctx - prompt_len)
+        if prompt_len + max_new > ctx:
+            raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_new}) exceeds the model's context "
+                                f"of {ctx} tokens", param="max_tokens", code="context_length_exceeded")
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if any(not s for s in stops):
+            raise APIError(400, "stop strings must not be empty", param="stop")
+        return SamplingParams(max_new_tokens=max_new, temperature=body.temperature, top_p=body.top_p,
+                              top_k=max(0, body.top_k), stop=stops, seed=body.seed)
+
+    def chat_ids(body: ChatRequest) -> list[int]:
+        msgs = body.messages
+        if len(msgs) == 1 and msgs[0].role == "user":
+            return engine.encode_prompt(msgs[0].text(), True)  # exactly what the in-process runner sends
+        if msgs[-1].role != "user":
+            raise APIError(400, "the last message must have role 'user'", param="messages")
+        rendered = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in msgs],
+                                           tokenize=False, add_generation_prompt=True)
+        return engine.encode_prompt(rendered, False)
+
+    def completion_ids(body: CompletionRequest) -> list[int]:
+        if isinstance(body.prompt, list):
+            vocab = cfg.model.vocab_size
+            if any(t < 0 or t >= vocab for t in body.prompt):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+            return list(body.prompt)
+        return engine.encode_prompt(body.prompt, False)
+
+    async def run(request: Request, body: _Body, prompt_ids: list[int], chat: bool) -> Response:
+        params = sampling(body, len(prompt_ids))
+        job = Job(prompt_ids=prompt_ids, params=params, loop=asyncio.get_running_loop())
+        worker.submit(job)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        usage_wanted = bool((body.stream_options or {}).get("include_usage"))
+        obj = "chat.completion" if chat else "text_completion"
+        if body.stream:
+            gen = _stream(job, rid, created, chat, usage_wanted, TextStream(decode, params.stop))
+            return StreamingResponse(gen, media_type="text/event-stream")
+        try:
+            while True:
+                kind, payload = await job.events.get()
+                if kind == "error":
+                    raise APIError(500, f"generation failed: {payload}", type_="server_error")
+                if kind == "done":
+                    break
+        finally:
+            job.cancelled = True  # a client that went away stops the generation
+        res: GenResult = payload
+        choice: dict[str, Any] = {"index": 0, "finish_reason": res.finish_reason, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": res.text}
+        else:
+            choice["text"] = res.text
+        return JSONResponse({"id": rid, "object": obj, "created": created, "model": cfg.model.name,
+                             "choices": [choice], "usage": _usage(len(prompt_ids), res)})
+
+    async def _stream(job: Job, rid: str, created: int, chat: bool, usage_wanted: bool,
+                      text: TextStream) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(piece: str | None, finish: str | None = None, first: bool = False) -> str:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else (
+                    {"content": piece} if piece else {})
+                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": piece or "", "finish_reason": finish, "logprobs": None}
+            return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": cfg.model.name,
+                                          "choices": [choice]}) + "\n\n"
+
+        try:
+            if chat:
+                yield chunk(None, first=True)
+            while True:
+                kind, payload = await job.events.get()
+                if kind == "tokens":
+                    piece = text.push(payload)
+                    if piece:
+                        yield chunk(piece)
+                elif kind == "error":
+                    err = APIError(500, f"generation failed: {payload}", type_="server_error")
+                    yield "data: " + json.dumps(err.body()) + "\n\n"
+                    break
+                else:
+                    res: GenResult = payload
+                    tail = text.finish(res.text)
+                    if tail:
+                        yield chunk(tail)
+                    yield chunk(None, finish=res.finish_reason)
+                    if usage_wanted:
+                        yield "data: " + json.dumps({"id": rid, "object": obj, "created": created,
+                                                     "model": cfg.model.name, "choices": [],
+                                                     "usage": _usage(len(job.prompt_ids), res)}) + "\n\n"
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancelled = True
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await parse(request, ChatRequest)
+        return await run(request, body, chat_ids(body), chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await parse(request, CompletionRequest)
+        return await run(request, body, completion_ids(body), chat=False)
+
+    return app
+
+
+def _usage(prompt_len: int, res: GenResult) -> dict[str, int]:
+    n = res.stats.new_tokens
+    return {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}
+
+
+# ---------------------------------------------------------------------------------------------
+# running it
+
+
+def serve(cfg: Config, engine: TextEngine) -> None:
+    """Serve until interrupted, on cfg.serve.host:cfg.serve.port."""
+    import uvicorn
+
+    uvicorn.run(create_app(cfg, engine), host=cfg.serve.host, port=cfg.serve.port, log_level="info")
+
+
+def serve_in_thread(cfg: Config, engine: TextEngine, host: str = "127.0.0.1",
+                    startup_timeout_s: float = 30.0) -> tuple[str, Callable[[], None]]:
+    """Start a real uvicorn server on a free port of `host` in a thread: (base_url, stop)."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))  # bound before uvicorn starts: no race for the port
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(cfg, engine), log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="spectune-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the built-in server did not start")
+        time.sleep(0.02)
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+    return f"http://{host}:{port}", stop
