@@ -36,3 +36,39 @@ def tensor_parallel_size(model: ModelConfig, hardware: HardwareConfig, deploy: D
         f"+ {headroom:.1f} GiB KV headroom per GPU exceed {hardware.gpu_count} x {hardware.gpu_memory_gib:g} GiB "
         f"at gpu_memory_utilization={deploy.gpu_memory_utilization} (choose hardware with more or larger GPUs)"
     )
+
+
+# Model load rate assumed for the startup budget: the first start downloads the weights from the
+# Hub into the cache volume (often 100-500 MB/s); a slow link must not trip the startup probe.
+LOAD_GIB_PER_S = 0.1
+# Engine start beyond reading weights: CUDA graph capture, torch.compile, drafter load, warm-up.
+ENGINE_INIT_S = {"vllm": 180, "sglang": 180, "builtin": 60}
+
+
+def served_weight_gib(model: ModelConfig, quantization: str) -> float:
+    """Weight GiB the server reads at start: FP8 when quantized, else the model's native dtype."""
+    if quantization == "fp8":
+        return fp8_weight_gib(model)
+    native_bytes = 4 if model.native_dtype == "float32" else 2
+    return model.params_b * 1e9 * native_bytes / GIB
+
+
+def startup_budget_s(model: ModelConfig, deploy: DeployConfig) -> int:
+    """Seconds a pod may take to become healthy: weights GiB / load rate + engine init."""
+    return int(ENGINE_INIT_S[deploy.target] + served_weight_gib(model, deploy.quantization) / LOAD_GIB_PER_S)
+
+
+def max_model_len(model: ModelConfig, hardware: HardwareConfig, deploy: DeployConfig, tp: int) -> int:
+    """Context length to serve: deploy.max_model_len, else the model's context capped by what the
+    KV headroom of `tp` GPUs holds for one sequence (engines refuse to start otherwise).
+
+    KV heads shard across tensor-parallel ranks, so the headroom adds up over the TP group.
+    Rounded down to a multiple of 1024 for readable manifests.
+    """
+    if deploy.max_model_len is not None:
+        return deploy.max_model_len
+    if hardware.accelerator == "cpu":
+        return model.max_context
+    kv_elem = 1.0 if deploy.kv_cache_dtype == "fp8" else 2.0
+    kv_tokens = hardware.gpu_memory_gib * deploy.kv_headroom_frac * tp * GIB / model.kv_bytes_per_token(kv_elem)
+    return max(1024, min(model.max_context, int(kv_tokens) // 1024 * 1024))

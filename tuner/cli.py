@@ -47,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Modules that define more subcommands, each with `register(subparsers)`. One line per issue's
 # command module keeps this file thin: the handlers live beside the library code they wrap.
-COMMAND_MODULES: list[str] = []
+COMMAND_MODULES: list[str] = [
+    "tuner.cli_deploy",
+]
 
 
 def _extensions() -> list[Callable[[argparse._SubParsersAction], None]]:

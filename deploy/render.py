@@ -1,0 +1,62 @@
+"""Write the manifests of a winner to a directory: one stable YAML file per object + kustomization.yaml.
+
+Byte-identical output for the same input (CI diffs it): keys keep the models' fixed order, no
+line wrapping, no timestamps except the provenance date that comes from best.yaml.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from deploy.manifests import Plan, build
+from tuner.schema import BestResult, Config, UserError
+
+HEADER = "# Rendered by `tuner render` (spectune). Change the config and re-render rather than editing.\n"
+KUSTOMIZATION = "kustomization.yaml"
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the ConfigMap's YAML files) as readable literal blocks."""
+
+
+def _str(dumper: yaml.SafeDumper, s: str) -> yaml.ScalarNode:
+    return dumper.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def dump(doc: dict) -> str:
+    """One document as stable YAML (no wrapping: long engine flags stay on one line)."""
+    return yaml.dump(doc, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=10**6, allow_unicode=True)
+
+
+def load_best(path: Path) -> BestResult:
+    """Read and validate a run's best.yaml."""
+    if not path.is_file():
+        raise UserError(f"{path}: no such file (a run directory of `tuner optimize` holds best.yaml)")
+    try:
+        return BestResult.model_validate(yaml.safe_load(path.read_text()))
+    except ValidationError as err:
+        e = err.errors()[0]
+        raise UserError(f"{path}: {'.'.join(str(x) for x in e['loc'])}: {e['msg']}") from None
+
+
+def kustomization(files: list[str]) -> dict:
+    """kustomization.yaml listing every rendered file, so `kubectl apply -k DIR` works."""
+    return {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": files}
+
+
+def render(cfg: Config, best: BestResult | None, out: Path) -> tuple[Plan, list[Path]]:
+    """Build and write all manifests into `out` (created; stale files we own are replaced)."""
+    p, docs = build(cfg, best)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, doc in docs + [(KUSTOMIZATION, kustomization([n for n, _ in docs]))]:
+        path = out / name
+        path.write_text(HEADER + dump(doc))
+        written.append(path)
+    return p, written

@@ -1,0 +1,99 @@
+"""Strict offline validation of manifests: Kubernetes kinds with kubernetes-validate, CRDs with vendored schemas.
+
+Every problem becomes one line `FILE: Kind/name: path: message`, so CI output points at the field.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from importlib import resources
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import yaml
+from kubernetes_validate.utils import SchemaNotFoundError, VersionNotSupportedError
+
+from tuner.schema import UserError
+
+# (apiVersion, kind) -> vendored JSON schema under deploy/schemas/ (CRDs kubernetes-validate does not know).
+CRD_SCHEMAS = {("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor.json"}
+KUSTOMIZATION = "kustomization.yaml"
+
+
+@cache
+def _crd_validator(file: str) -> jsonschema.protocols.Validator:
+    schema = json.loads(resources.files("deploy").joinpath("schemas", file).read_text())
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema)
+
+
+def _where(err: jsonschema.ValidationError) -> str:
+    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err.absolute_path).lstrip(".")
+    return f"{path or '(root)'}: {err.message}"
+
+
+def doc_error(doc: object, version: str) -> str | None:
+    """Why `doc` is not a valid object for Kubernetes `version` (strict), or None when it is."""
+    if not isinstance(doc, dict) or "apiVersion" not in doc or "kind" not in doc:
+        return "not a Kubernetes object (needs apiVersion and kind)"
+    crd = CRD_SCHEMAS.get((doc["apiVersion"], doc["kind"]))
+    if crd is not None:
+        errors = sorted(_crd_validator(crd).iter_errors(doc), key=lambda e: list(e.absolute_path))
+        return _where(errors[0]) if errors else None
+    try:
+        kubernetes_validate.validate(doc, version, strict=True)
+    except VersionNotSupportedError:
+        raise UserError(f"deploy.k8s_version={version}: not supported by kubernetes-validate") from None
+    except SchemaNotFoundError:
+        return f"no schema for {doc['apiVersion']} {doc['kind']} in Kubernetes {version}"
+    except jsonschema.ValidationError as err:
+        return _where(err)
+    return None
+
+
+def _ident(doc: object) -> str:
+    if isinstance(doc, dict):
+        name = (doc.get("metadata") or {}).get("name", "?")
+        return f"{doc.get('kind', '?')}/{name}"
+    return "?"
+
+
+def check_docs(docs: list[tuple[str, dict]], version: str) -> list[str]:
+    """One line per invalid document: `FILE: Kind/name: path: message`."""
+    lines = []
+    for file, doc in docs:
+        err = doc_error(doc, version)
+        if err is not None:
+            lines.append(f"{file}: {_ident(doc)}: {err}")
+    return lines
+
+
+def load_dir(directory: Path) -> tuple[list[tuple[str, dict]], list[str]]:
+    """Documents of every YAML file in a directory (kustomization aside) and the problems reading them."""
+    if not directory.is_dir():
+        raise UserError(f"{directory}: no such directory")
+    docs, problems = [], []
+    files = sorted(p for p in directory.iterdir() if p.suffix in (".yaml", ".yml") and p.name != KUSTOMIZATION)
+    if not files:
+        raise UserError(f"{directory}: no .yaml manifests to check")
+    for path in files:
+        try:
+            for doc in yaml.safe_load_all(path.read_text()):
+                if doc is not None:
+                    docs.append((path.name, doc))
+        except yaml.YAMLError as err:
+            problems.append(f"{path.name}: not valid YAML: {str(err).splitlines()[0]}")
+    kust = directory / KUSTOMIZATION
+    if kust.is_file():
+        listed = (yaml.safe_load(kust.read_text()) or {}).get("resources", [])
+        problems += [f"{KUSTOMIZATION}: resource {r} does not exist" for r in listed if not (directory / r).is_file()]
+    return docs, problems
+
+
+def check_dir(directory: Path, version: str) -> list[str]:
+    """Validate every manifest in `directory` strictly for Kubernetes `version`; return error lines."""
+    docs, problems = load_dir(directory)
+    return problems + check_docs(docs, version)

@@ -1,0 +1,117 @@
+"""`tuner render` and `tuner apply`: thin over deploy.render / deploy.validate / deploy.apply."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from tuner.schema import BestResult, Config, UserError
+
+GROUP_KEYS = ("model", "hardware", "engine", "search", "deploy", "workload")
+
+
+def _override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _get(d: dict, path: list[str]) -> Any:
+    for p in path:
+        if not isinstance(d, dict) or p not in d:
+            raise KeyError(p)
+        d = d[p]
+    return d
+
+
+def config_for_run(run_dir: Path, overrides: list[str]) -> Config:
+    """The run's saved config with command-line overrides applied on top.
+
+    Hydra composes the overrides on the default tree; each overridden key (or whole group, for
+    `deploy=sglang`) is then copied from that composition onto the run's saved config.
+    """
+    import yaml
+
+    from tuner.config import compose, validate
+
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise UserError(f"{path}: no such file (tuner render --from takes a run directory of `tuner optimize`)")
+    saved = yaml.safe_load(path.read_text())
+    if overrides:
+        composed = compose(overrides)
+        for ov in overrides:
+            keys = _override_key(ov).split(".")
+            parent = _get(saved, keys[:-1]) if len(keys) > 1 else saved
+            try:
+                parent[keys[-1]] = _get(composed, keys)
+            except KeyError:
+                parent.pop(keys[-1], None)  # `~key` deleted it
+    return validate(saved)
+
+
+def render_run(run_dir: Path, overrides: list[str] = (), out: Path | None = None) -> tuple[Any, list[Path]]:
+    """Render a run's best.yaml into RUN_DIR/k8s (or `out`); what `tuner optimize` calls at its end."""
+    from deploy.render import load_best, render
+
+    cfg = config_for_run(run_dir, list(overrides))
+    best: BestResult = load_best(run_dir / "best.yaml")
+    return render(cfg, best, out or run_dir / "k8s")
+
+
+def _cmd_render(args: argparse.Namespace) -> int:
+    from deploy.validate import check_dir
+    from tuner.config import load_config
+
+    if args.check is not None:
+        version = load_config(args.overrides).deploy.k8s_version
+        errors = check_dir(args.check, version)
+        for line in errors:
+            print(line, file=sys.stderr)
+        if errors:
+            return 2
+        print(f"{args.check}: all manifests valid for Kubernetes {version} (strict)")
+        return 0
+    if args.run_dir is not None:
+        plan, files = render_run(args.run_dir, args.overrides, args.out)
+    else:
+        from deploy.render import render
+
+        cfg = load_config(args.overrides)
+        plan, files = render(cfg, None, args.out or Path(cfg.run_dir) / "k8s")
+    for note in plan.served.notes:
+        print(f"note: {note}", file=sys.stderr)
+    cfg = plan.cfg
+    errors = check_dir(files[0].parent, cfg.deploy.k8s_version)
+    for line in errors:  # never expected: a failure here is a renderer bug, reported like --check does
+        print(line, file=sys.stderr)
+    print(f"rendered {len(files)} files into {files[0].parent} (deploy={cfg.deploy.target}, spec '{plan.served.spec.key()}', "
+          f"TP {plan.tp}, Kubernetes {cfg.deploy.k8s_version}{', INVALID' if errors else ', valid'})")
+    return 2 if errors else 0
+
+
+def _cmd_apply(args: argparse.Namespace) -> int:
+    from deploy.apply import api_client, apply_dir
+
+    results = apply_dir(args.dir, api_client(args.kubeconfig, args.context), dry_run=args.dry_run)
+    for r in results:
+        print(r.line())
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `render` and `apply` to the `tuner` command line."""
+    r = sub.add_parser("render", help="render the winner into Kubernetes manifests (or --check existing ones)")
+    r.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. deploy=sglang hardware=h100x8 deploy.replicas=3")
+    r.add_argument("--from", dest="run_dir", type=Path, help="run directory holding best.yaml and config.yaml")
+    r.add_argument("--out", type=Path, help="output directory (default RUN_DIR/k8s, or <run_dir>/k8s without --from)")
+    r.add_argument("--check", type=Path, metavar="DIR",
+                   help="validate the manifests in DIR strictly for deploy.k8s_version instead of rendering")
+    r.set_defaults(func=_cmd_render)
+
+    a = sub.add_parser("apply", help="server-side apply rendered manifests (fieldManager=spectune)")
+    a.add_argument("dir", type=Path, help="directory of rendered manifests (e.g. RUN_DIR/k8s)")
+    a.add_argument("--dry-run", action="store_true", help="server-side dry run (dryRun=All): nothing is changed")
+    a.add_argument("--kubeconfig", help="kubeconfig file (default $KUBECONFIG or ~/.kube/config)")
+    a.add_argument("--context", help="kubeconfig context (default: the current one)")
+    a.set_defaults(func=_cmd_apply)
