@@ -315,6 +315,14 @@ def _median(values: list[float | None]) -> float | None:
     return float(statistics.median(vals)) if vals else None
 
 
+def _mean_lists(lists: list[list[float]]) -> list[float]:
+    lists = [x for x in lists if x]
+    if not lists:
+        return []
+    n = max(len(x) for x in lists)
+    return [statistics.fmean(x[i] if i < len(x) else 0.0 for x in lists) for i in range(n)]
+
+
 @dataclass
 class Summary:
     """Repeated measurements of one configuration: medians over repeats, and a 95% t-interval of
@@ -330,6 +338,7 @@ class Summary:
     tpot_p50_ms: float | None
     tpot_p99_ms: float | None
     request_throughput: float
+    accepted_per_pos: list[float]  # mean over repeats
     errors: list[str]
 
     @classmethod
@@ -346,6 +355,7 @@ class Summary:
             ttft_p50_ms=_median([m.ttft_p50_ms for m in runs]), ttft_p99_ms=_median([m.ttft_p99_ms for m in runs]),
             tpot_p50_ms=_median([m.tpot_p50_ms for m in runs]), tpot_p99_ms=_median([m.tpot_p99_ms for m in runs]),
             request_throughput=float(statistics.median(m.request_throughput for m in runs)),
+            accepted_per_pos=[float(x) for x in _mean_lists([m.accepted_per_pos for m in runs])],
             errors=[e for m in runs for e in m.errors],
         )
 

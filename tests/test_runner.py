@@ -1,0 +1,182 @@
+"""The one load generator: /metrics parsing and deltas, closed-loop timing, repeats and CI, and
+the same figures in-process and over HTTP against the real built-in server (tiny-random model)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engine.api import GenResult, GenStats, SamplingParams
+from engine.promparse import SpecCounters, parse_samples, spec_counters, tau_from_delta
+from engine.runner import Measurement, Summary, measure, request_body, run_inprocess
+from engine.workloads import Prompt
+
+# A /metrics page shaped like vLLM's: _total suffixes, model_name and engine labels, per-position
+# counts, other metrics around the spec_decode ones.
+VLLM_PAGE = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0",model_name="m"}} 1.0
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {drafts}
+# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="m"}} {draft_tokens}
+# HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="m"}} {accepted}
+# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="0"}} {p0}
+vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="1"}} {p1}
+vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="2"}} {p2}
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{{engine="0",model_name="m"}} 9999.0
+"""
+
+
+def _page(drafts: float, draft_tokens: float, accepted: float, p: tuple[float, float, float]) -> str:
+    return VLLM_PAGE.format(drafts=drafts, draft_tokens=draft_tokens, accepted=accepted, p0=p[0], p1=p[1], p2=p[2])
+
+
+def test_spec_counters_parse_a_vllm_page() -> None:
+    c = spec_counters(_page(10, 30, 17, (8, 6, 3)))
+    assert c.present
+    assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens) == (10, 30, 17)
+    assert c.accepted_per_pos == {0: 8, 1: 6, 2: 3}
+
+
+def test_counters_sum_over_engines_but_not_positions() -> None:
+    page = _page(10, 30, 17, (8, 6, 3)) + (
+        'vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 5.0\n'
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="m",position="0"} 2.0\n')
+    c = spec_counters(page)
+    assert c.num_drafts == 15
+    assert c.accepted_per_pos[0] == 10 and c.accepted_per_pos[1] == 6
+
+
+def test_delta_tau_and_acceptance_per_position() -> None:
+    before = spec_counters(_page(100, 300, 150, (80, 50, 20)))
+    after = spec_counters(_page(140, 420, 210, (110, 70, 30)))
+    d = after - before
+    assert (d.num_drafts, d.num_draft_tokens, d.num_accepted_tokens) == (40, 120, 60)
+    assert d.acceptance_per_pos() == pytest.approx([30 / 40, 20 / 40, 10 / 40])
+    # 100 output tokens, 60 of them accepted drafts: 40 target forwards -> tau 2.5
+    assert tau_from_delta(100, d) == pytest.approx(2.5)
+
+
+def test_no_spec_counters_means_no_tau() -> None:
+    c = spec_counters("# TYPE foo counter\nfoo_total 3.0\n")
+    assert not c.present
+    assert tau_from_delta(100, c - c) is None
+    assert c.acceptance_per_pos() == []
+
+
+def test_parse_samples_drops_created_and_total_suffix() -> None:
+    s = parse_samples("# TYPE x counter\nx_total{a=\"1\"} 4.0\nx_created{a=\"1\"} 1.7e9\n")
+    assert s == {("x", (("a", "1"),)): 4.0}
+
+
+def test_request_body_chat_and_completion() -> None:
+    p = Prompt(id="a", text="hello", source="t")
+    sp = SamplingParams(max_new_tokens=9, temperature=0.0, top_k=5, stop=["\n\n"], seed=3)
+    path, body = request_body("m", p, sp, chat_template=True)
+    assert path == "/v1/chat/completions" and body["messages"] == [{"role": "user", "content": "hello"}]
+    assert body["stream"] and body["stream_options"] == {"include_usage": True}
+    assert (body["max_tokens"], body["top_k"], body["stop"], body["seed"]) == (9, 5, ["\n\n"], 3)
+    path, body = request_body("m", p, SamplingParams(), chat_template=False)
+    assert path == "/v1/completions" and body["prompt"] == "hello" and "top_k" not in body
+
+
+class SleepyEngine:
+    """A stand-in engine with known service time, to check the closed-loop timing arithmetic."""
+
+    def __init__(self, step_s: float = 0.01, tokens: int = 4) -> None:
+        self.step_s, self.tokens, self.calls = step_s, tokens, 0
+
+    def encode_prompt(self, text: str, chat_template: bool) -> list[int]:
+        return [1, 2, 3]
+
+    def generate(self, prompt_ids, params, on_tokens=None) -> GenResult:
+        self.calls += 1
+        st = GenStats(accepted_per_pos=[1])
+        for i in range(self.tokens // 2):  # 2 tokens per forward: tau 2
+            time.sleep(self.step_s)
+            if on_tokens:
+                on_tokens([i, i])
+            st.target_forwards += 1
+            st.draft_steps += 1
+            st.accepted_tokens += 1
+        st.accepted_per_pos = [st.draft_steps]
+        st.new_tokens = self.tokens
+        return GenResult(tokens=[0] * self.tokens, text="x" * self.tokens, finish_reason="length", stats=st)
+
+
+PROMPTS = [Prompt(id=f"p{i}", text=f"t{i}", source="t") for i in range(4)]
+
+
+def test_inprocess_concurrency_counts_queueing_from_arrival() -> None:
+    eng = SleepyEngine(step_s=0.01, tokens=4)  # each request >= 20 ms, first token >= 10 ms
+    m1 = run_inprocess(eng, PROMPTS, SamplingParams(), concurrency=1)
+    m4 = run_inprocess(eng, PROMPTS, SamplingParams(), concurrency=4)
+    assert m1.n_requests == m4.n_requests == 4 and m1.output_tokens == 16
+    assert m1.tau == pytest.approx(2.0) and m1.accepted_per_pos == [1.0]
+    # c=1: each request arrives when the previous ends, so no TTFT includes another's service time.
+    # c=4: all four arrive at once; the last waits for three requests (>= 60 ms) before its first token.
+    assert m4.ttft_p99_ms is not None and m4.ttft_p99_ms >= 3 * 20 + 10
+    assert m1.ttft_p99_ms is not None and m1.ttft_p99_ms < m4.ttft_p99_ms
+    assert m1.tpot_p50_ms is not None and m1.tpot_p50_ms > 0
+
+
+def test_inprocess_records_a_failed_request_and_goes_on() -> None:
+    class Flaky(SleepyEngine):
+        def generate(self, prompt_ids, params, on_tokens=None):
+            if self.calls == 1:
+                self.calls += 1
+                raise RuntimeError("boom")
+            return super().generate(prompt_ids, params, on_tokens)
+
+    m = run_inprocess(Flaky(step_s=0.001), PROMPTS, SamplingParams())
+    assert m.n_requests == 3 and len(m.errors) == 1 and "boom" in m.errors[0] and m.texts[1] == ""
+
+
+class CountingTarget:
+    def __init__(self, values: list[float]) -> None:
+        self.values, self.calls = list(values), []
+
+    def run(self, prompts, params, concurrency) -> Measurement:
+        self.calls.append((len(prompts), concurrency))
+        v = self.values.pop(0)
+        return Measurement(output_tokens_per_s=v, request_throughput=1.0, ttft_p50_ms=1, ttft_p90_ms=1,
+                           ttft_p99_ms=2, tpot_p50_ms=1, tpot_p90_ms=1, tpot_p99_ms=2, itl_p50_ms=1, itl_p90_ms=1,
+                           itl_p99_ms=1, tau=2.0, accepted_per_pos=[0.5], n_requests=len(prompts),
+                           output_tokens=10, wall_s=1.0, concurrency=concurrency, texts=[], errors=[])
+
+
+def test_measure_warms_up_then_repeats_and_reports_median_and_ci() -> None:
+    t = CountingTarget([999.0, 10.0, 14.0, 12.0])
+    s = measure(t, PROMPTS, SamplingParams(), concurrency=2, warmup=3, repeats=3)
+    assert t.calls == [(3, 1), (4, 2), (4, 2), (4, 2)], "warm-up: 3 requests at c=1, then 3 full passes"
+    assert s.output_tokens_per_s == 12.0, "median of the measured repeats, warm-up excluded"
+    assert s.ci_low is not None and s.ci_high is not None and s.ci_low < 12.0 < s.ci_high
+    assert s.figures().output_tokens_per_s == 12.0
+
+
+def test_measure_stops_early_when_the_ci_is_narrow() -> None:
+    t = CountingTarget([10.0, 10.0, 99.0, 99.0])
+    s = measure(t, PROMPTS, SamplingParams(), warmup=0, repeats=4, ci_rel_width=0.05)
+    assert len(s.runs) == 2 and len(t.values) == 2
+
+
+def test_single_repeat_has_no_ci() -> None:
+    s = Summary.of([CountingTarget([5.0]).run(PROMPTS, SamplingParams(), 1)])
+    assert s.ci_low is None and s.rel_ci_half_width is None
+
+
+def test_spec_counters_subtraction_keeps_new_positions() -> None:
+    a = SpecCounters(num_drafts=1, accepted_per_pos={0: 1}, present=True)
+    b = SpecCounters(num_drafts=3, accepted_per_pos={0: 2, 1: 1}, present=True)
+    assert (b - a).accepted_per_pos == {0: 1, 1: 1}
