@@ -1,0 +1,311 @@
+"""`tuner optimize`: compose the config, load the model once, run the study, pick and prove the winner.
+
+The flow: config -> run directory (config.yaml, study.db) -> engine (model loaded once) -> the
+draft (n-gram needs nothing) -> the study (trial 0 `off`, the engines' defaults, then the sampler)
+with live progress -> the winner (ties within noise go to the smaller budget; `off` when nothing
+beats the baseline beyond noise) -> the winner re-measured on the held-out prompts -> best.yaml,
+trials.csv, report.html, PNGs -> manifests in k8s/.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from tuner.config import load_config, load_saved_config, require_workload, save_config
+from tuner.objective import OFF, MeasureFn, Objective, Sample, TrialOutcome, spec_of
+from tuner.report import write_report
+from tuner.schema import BestResult, Config, Figures, Provenance, SpecConfig, UserError
+from tuner.space import SearchSpace
+from tuner.study import create_study, default_study_name, finished_count, load_study, role, storage_url, waiting_count
+
+CONFIG_FILE = "config.yaml"
+# Below this many tokens per target forward, drafts are too rarely accepted to pay for drafting
+# and verification at all; above it, a slowdown means verifying costs more than it saves.
+TAU_LOW = 1.3
+SUPPORTED_ENGINES = ("builtin",)
+
+
+# ---- the winner ---------------------------------------------------------------------------------
+
+@dataclass
+class Winner:
+    spec: SpecConfig
+    trial: FrozenTrial | None  # None: the baseline wins without a trial of its own being picked
+    reason: str
+    chain: FrozenTrial | None = None  # best chain (topk=1) beating the baseline, for vLLM targets
+
+
+def _feasible(t: FrozenTrial) -> bool:
+    return all(c <= 0 for c in (t.constraints or []))
+
+
+def _beats_baseline(t: FrozenTrial, noise_rel: float) -> bool:
+    a = t.user_attrs
+    lo = a.get("speedup_ci_low")
+    return a["speedup"] >= 1 + noise_rel and (lo is None or lo > 1.0)
+
+
+def _cheapest_of_best(cands: list[FrozenTrial], noise_rel: float) -> tuple[FrozenTrial, int]:
+    """The best speedup, and among those within noise of it the smallest budget (then depth)."""
+    top = max(c.user_attrs["speedup"] for c in cands)
+    tied = [c for c in cands if c.user_attrs["speedup"] >= top * (1 - noise_rel)]
+    pick = min(tied, key=lambda c: (spec_of(c).budget, spec_of(c).depth, -c.user_attrs["speedup"]))
+    return pick, len(tied)
+
+
+def pick_winner(trials: list[FrozenTrial], noise_rel: float, concurrency: list[int]) -> Winner:
+    """The proven winner of a study, or `off` with the reason why speculation does not pay."""
+    done = [t for t in trials if t.state == TrialState.COMPLETE and role(t) != "baseline"
+            and spec_of(t) is not None and spec_of(t).method != "off" and "speedup" in t.user_attrs]
+    if not done:
+        return Winner(OFF, None, "no speculative configuration completed a measurement: speculation stays off")
+    feasible = [t for t in done if _feasible(t)]
+    if not feasible:
+        viol = sorted({t.user_attrs.get("slo_violations", "") for t in done} - {""})
+        return Winner(OFF, None, "no speculative configuration met the workload's SLOs "
+                                 f"({'; '.join(viol[:3])}): speculation stays off")
+    winners = [t for t in feasible if _beats_baseline(t, noise_rel)]
+    chains = [t for t in winners if spec_of(t).topk == 1]
+    chain = _cheapest_of_best(chains, noise_rel)[0] if chains else None
+    if not winners:
+        best = max(feasible, key=lambda t: t.user_attrs["speedup"])
+        a, spec = best.user_attrs, spec_of(best)
+        ci = (f", 95% CI [{a['speedup_ci_low']:.3f}, {a['speedup_ci_high']:.3f}]"
+              if a.get("speedup_ci_low") is not None else "")
+        head = (f"slowdown trap: no speculative configuration beats the baseline beyond noise "
+                f"(+{noise_rel:.0%}); the best, {spec.key()}, reached {a['speedup']:.3f}x{ci}. ")
+        tau = a.get("tau")
+        if tau is None or tau < TAU_LOW:
+            why = (f"Acceptance too low: tau={tau:.2f} tokens per target forward, so drafts are rarely "
+                   "accepted and drafting plus verifying is pure overhead." if tau is not None else
+                   "Acceptance unknown (the engine reported no tau).")
+        else:
+            why = (f"Verification too costly at concurrency {concurrency}: tau={tau:.2f} tokens per target "
+                   f"forward, but verifying {spec.budget} tokens per step costs more than the accepted tokens save.")
+        return Winner(OFF, None, head + why + " Serve without speculation.")
+    pick, n_tied = _cheapest_of_best(winners, noise_rel)
+    a = pick.user_attrs
+    reason = (f"{spec_of(pick).key()}: {a['speedup']:.3f}x over the baseline measured adjacent in time "
+              f"(tau {a['tau']:.2f})" if a.get("tau") is not None else
+              f"{spec_of(pick).key()}: {a['speedup']:.3f}x over the baseline measured adjacent in time")
+    if n_tied > 1:
+        reason += f"; {n_tied} configurations were within noise ({noise_rel:.0%}) of the best: the smallest budget wins"
+    return Winner(spec_of(pick), pick, reason, chain)
+
+
+# ---- measuring with the engine ------------------------------------------------------------------
+
+def make_measure(engine: Any, cfg: Config, prompts: dict[str, list[Any]]) -> MeasureFn:
+    """A MeasureFn over the built-in engine and the shared load generator (engine.runner)."""
+    from engine.runner import InProcessTarget
+    from engine.workloads import sampling_params
+
+    wl = cfg.workload
+    target = InProcessTarget(engine, chat_template=wl.chat_template)
+    params = sampling_params(wl, seed=cfg.seed)
+    current: list[SpecConfig | None] = [None]
+
+    def measure(spec: SpecConfig, split: str, concurrency: int) -> Sample:
+        if current[0] != spec:
+            current[0] = None  # a failing set_spec must not leave a stale 'current'
+            engine.set_spec(spec)
+            current[0] = spec
+        m = target.run(prompts[split], params, concurrency)
+        if m.errors:  # a configuration that breaks requests is no candidate
+            raise RuntimeError(f"{len(m.errors)}/{len(prompts[split])} requests failed; first: {m.errors[0]}")
+        return Sample(m.output_tokens_per_s, m.tau, m.ttft_p99_ms, m.tpot_p99_ms)
+
+    return measure
+
+
+def open_engine(cfg: Config) -> Any:
+    """The built-in engine with the target model loaded (once per process)."""
+    from engine.loop import Engine
+
+    return Engine.from_config(cfg)
+
+
+# ---- the study loop -----------------------------------------------------------------------------
+
+def run_study(study: optuna.Study, objective: Objective, cfg: Config,
+              on_trial: Callable[[TrialOutcome], None] | None = None) -> None:
+    """Run trials until search.n_trials are finished (all sessions together) or search.timeout_s."""
+    started = time.monotonic()
+    while finished_count(study) < cfg.search.n_trials:
+        if cfg.search.timeout_s is not None and time.monotonic() - started > cfg.search.timeout_s:
+            break
+        if cfg.search.sampler == "grid" and waiting_count(study) == 0:
+            break  # every grid point measured
+        outcome = objective.run_one()
+        if on_trial is not None:
+            on_trial(outcome)
+
+
+class Progress:
+    """Live progress on stderr: trial k/N, parameters, tok/s, speedup, best so far, ETA."""
+
+    def __init__(self, study: optuna.Study, n_trials: int, quiet: bool = False) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import Progress as RichProgress
+
+        self.study = study
+        self.console = Console(stderr=True, quiet=quiet)
+        self.bar = RichProgress(TextColumn("[bold]trials"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("{task.description}"), TimeElapsedColumn(),
+                                TextColumn("ETA"), TimeRemainingColumn(), console=self.console, transient=False)
+        self.task = self.bar.add_task("", total=n_trials, completed=finished_count(study))
+        self.best: float | None = None
+
+    def __enter__(self) -> "Progress":
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.bar.__exit__(*exc)
+
+    def log(self, text: str) -> None:
+        self.console.print(text, highlight=False)
+
+    def __call__(self, o: TrialOutcome) -> None:
+        n = finished_count(self.study)
+        if o.state == TrialState.COMPLETE and o.spec.method != "off" and o.speedup is not None:
+            self.best = max(self.best or 0.0, o.speedup)
+        if o.state == TrialState.COMPLETE:
+            what = f"{o.tok_s:7.2f} tok/s  speedup {o.speedup:.3f}x"
+        else:
+            what = f"{o.state.name}: {o.reason}"
+        best = f"best {self.best:.3f}x" if self.best is not None else "best -"
+        self.log(f"trial {o.number:3d} ({n}/{self.task_total}) {o.spec.key():22s} {what}  | {best}")
+        self.bar.update(self.task, completed=n, description=best)
+
+    @property
+    def task_total(self) -> int:
+        return int(self.bar.tasks[0].total or 0)
+
+
+# ---- the whole command --------------------------------------------------------------------------
+
+def prepare_run(overrides: list[str] | None, resume: Path | None) -> tuple[Config, Path, bool]:
+    """(config, run directory, is_resume). A new run saves its composed config first."""
+    if resume is not None:
+        if overrides:
+            raise UserError(f"--resume {resume}: overrides are not allowed (the run continues its saved "
+                            f"{CONFIG_FILE}); got {' '.join(overrides)}")
+        cfg = load_saved_config(resume / CONFIG_FILE)
+        return cfg, resume, True
+    cfg = load_config(overrides)
+    require_workload(cfg)
+    if cfg.engine.kind not in SUPPORTED_ENGINES:
+        raise UserError(f"engine={cfg.engine.kind}: optimize supports engine={', '.join(SUPPORTED_ENGINES)} "
+                        "on this build (vLLM/SGLang trials need the launcher)")
+    cfg.search.study_name = default_study_name(cfg)
+    run_dir = Path(cfg.run_dir) / cfg.search.study_name
+    if (run_dir / CONFIG_FILE).exists():
+        raise UserError(f"{run_dir} already holds a study: continue it with --resume {run_dir} "
+                        "or set search.study_name=NEW")
+    save_config(cfg, run_dir / CONFIG_FILE)
+    return cfg, run_dir, False
+
+
+def get_draft(cfg: Config, engine: Any) -> str | None:
+    """The drafter the searched methods need: n-gram needs none; EAGLE heads come from training."""
+    needs_head = [m for m in cfg.search.methods if m in ("eagle", "eagle3", "medusa")]
+    if not needs_head:
+        return None
+    try:
+        from engine.train import ensure_head
+    except ImportError:
+        raise UserError(f"search.methods={list(cfg.search.methods)}: {needs_head[0]} needs a trained draft head "
+                        "and head training is not available in this build; allowed: [ngram]") from None
+    return str(ensure_head(cfg, engine))
+
+
+def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, objective: Objective) -> BestResult:
+    """Re-measure the winner on the held-out prompts and assemble best.yaml."""
+    trials = study.get_trials(deepcopy=False)
+    base_trial = next((t for t in trials if role(t) == "baseline" and t.state == TrialState.COMPLETE), None)
+
+    def figs(a: dict[str, Any], prefix: str = "tok_s") -> Figures:
+        return Figures(output_tokens_per_s=a[prefix], ci_low=a.get(f"{prefix}_ci_low"),
+                       ci_high=a.get(f"{prefix}_ci_high"), tau=a.get("tau"),
+                       ttft_p99_ms=a.get("ttft_p99_ms"), tpot_p99_ms=a.get("tpot_p99_ms"))
+
+    if win.trial is not None:
+        metrics = figs(win.trial.user_attrs)
+        baseline = Figures(output_tokens_per_s=win.trial.user_attrs["baseline_tok_s"])
+        speedup = win.trial.user_attrs["speedup"]
+    else:
+        metrics = figs(base_trial.user_attrs) if base_trial is not None else None
+        baseline = metrics
+        speedup = 1.0 if metrics is not None else None
+    heldout = heldout_speedup = None
+    if cfg.workload.num_heldout > 0:
+        h = objective.evaluate(win.spec, "heldout")
+        heldout = Figures(output_tokens_per_s=h["tok_s"], ci_low=h["tok_s_ci_low"], ci_high=h["tok_s_ci_high"],
+                          tau=h["tau"], ttft_p99_ms=h["ttft_p99_ms"], tpot_p99_ms=h["tpot_p99_ms"])
+        heldout_speedup = h["speedup"]
+    chain = spec_of(win.chain) if win.chain is not None else None
+    return BestResult(
+        spec=win.spec, chain_spec=chain, metrics=metrics, baseline=baseline, speedup=speedup,
+        heldout=heldout, heldout_speedup=heldout_speedup, reason=win.reason,
+        k_schedule_note=("K per concurrency band tuned (spec.k_per_batch_size)" if win.spec.k_per_batch_size else None),
+        provenance=Provenance(
+            study=study.study_name, trial=win.trial.number if win.trial is not None else
+            (base_trial.number if base_trial is not None else None),
+            storage=storage_url(cfg.search, run_dir), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            model=cfg.model.name, hardware=cfg.hardware.name, engine=cfg.engine.kind, workload=cfg.workload.name),
+    )
+
+
+def render_manifests(run_dir: Path) -> list[Path]:
+    """Render RUN_DIR/k8s from best.yaml with the deployment code (same as `tuner render --from`)."""
+    from tuner.cli_deploy import render_run
+
+    _, files = render_run(run_dir)
+    return files
+
+
+def optimize(overrides: list[str] | None = None, resume: Path | None = None, quiet: bool = False,
+             engine: Any = None, measure: MeasureFn | None = None) -> Path:
+    """The whole `tuner optimize` flow; returns the run directory (see the module docstring).
+
+    `engine` / `measure` let a caller that already holds a loaded engine (or a benchmark that
+    replays measurements) reuse it; by default the engine is loaded here, once.
+    """
+    from engine.workloads import load_prompts
+
+    cfg, run_dir, resuming = prepare_run(overrides, resume)
+    if engine is None and measure is None:
+        engine = open_engine(cfg)
+    head = get_draft(cfg, engine)
+    space = SearchSpace.from_config(cfg, head_path=head)
+    if resuming:
+        study = load_study(cfg, run_dir, cfg.search.study_name)
+    else:
+        study = create_study(cfg, space, run_dir, cfg.search.study_name)
+    if measure is None:
+        prompts = {"tune": load_prompts(cfg.workload, "tune"), "heldout": load_prompts(cfg.workload, "heldout")}
+        measure = make_measure(engine, cfg, prompts)
+    objective = Objective(study, space, measure, cfg.workload, cfg.search)
+    with Progress(study, cfg.search.n_trials, quiet=quiet) as progress:
+        if resuming:
+            progress.log(f"resuming {study.study_name}: {finished_count(study)} trials already finished")
+        run_study(study, objective, cfg, progress)
+        win = pick_winner(study.get_trials(deepcopy=False), cfg.search.noise_rel, cfg.workload.concurrency)
+        progress.log(f"winner: {win.spec.key()} — {win.reason}")
+        if cfg.workload.num_heldout > 0:
+            progress.log("re-measuring the winner on the held-out prompts")
+        best = best_result(cfg, study, run_dir, win, objective)
+    write_report(study, run_dir, best)
+    render_manifests(run_dir)
+    print(run_dir)
+    return run_dir
