@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 # command module keeps this file thin: the handlers live beside the library code they wrap.
 COMMAND_MODULES: list[str] = [
     "tuner.cli_deploy",
+    "tuner.cli_bench",
     "tuner.cli_optimize",
 ]
 

@@ -1,0 +1,185 @@
+"""`tuner bench` (measure the configured engine and spec on a workload) and `tuner serve` (the
+built-in engine behind an OpenAI-compatible HTTP server). Both are thin over engine.runner and
+engine.server; `bench()` is the library function the command prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from tuner.schema import Config, SpecConfig, UserError
+
+OFF = SpecConfig(method="off")
+
+
+@contextmanager
+def _targets(cfg: Config) -> Iterator[Callable[[SpecConfig], Any]]:
+    """Yields target_for(spec) -> a runner Target serving that spec (one engine or server reused)."""
+    from engine.runner import HttpTarget, InProcessTarget
+
+    assert cfg.workload is not None
+    chat = cfg.workload.chat_template
+    if cfg.engine.kind == "builtin":
+        from engine.loop import Engine
+
+        engine = Engine.from_config(cfg)
+
+        def inproc(spec: SpecConfig) -> InProcessTarget:
+            engine.set_spec(spec)
+            return InProcessTarget(engine, chat)
+
+        yield inproc
+        return
+    try:
+        from engine.launch import EngineStartError, Launcher
+    except ImportError:
+        raise UserError(f"engine={cfg.engine.kind}: this build benches engine=builtin only (no launcher)") from None
+    with Launcher.from_config(cfg) as launcher:
+
+        def launched(spec: SpecConfig) -> HttpTarget:
+            try:
+                url = launcher.ensure(spec)
+            except EngineStartError as exc:
+                raise UserError(f"engine={cfg.engine.kind} did not start: {exc}") from None
+            return HttpTarget(url, launcher.model, chat)
+
+        yield launched
+
+
+def _figures(s: Any) -> dict[str, Any]:
+    return {
+        "output_tokens_per_s": s.output_tokens_per_s,
+        "ci": [s.ci_low, s.ci_high] if s.ci_low is not None else None,
+        "tau": s.tau,
+        "ttft_ms": {"p50": s.ttft_p50_ms, "p99": s.ttft_p99_ms},
+        "tpot_ms": {"p50": s.tpot_p50_ms, "p99": s.tpot_p99_ms},
+        "request_throughput": s.request_throughput,
+        "accepted_per_pos": s.accepted_per_pos,
+        "n_requests": sum(m.n_requests for m in s.runs),
+        "errors": s.errors[:5],
+    }
+
+
+def bench(cfg: Config) -> dict[str, Any]:
+    """Measure cfg.spec (and, with bench.baseline, speculation off) on cfg.workload at each of its
+    concurrency levels. Top-level figures are those of the first level; `levels` has them all."""
+    from engine.runner import measure
+    from engine.workloads import load_prompts, sampling_params
+    from tuner.config import require_workload
+
+    require_workload(cfg)
+    wl = cfg.workload
+    assert wl is not None
+    split = "heldout" if cfg.bench.heldout else "tune"
+    if split == "heldout" and wl.num_heldout == 0:
+        raise UserError("bench.heldout=true with workload.num_heldout=0: there are no held-out prompts")
+    prompts = load_prompts(wl, split)
+    params = sampling_params(wl)
+    b = cfg.bench
+    levels: list[dict[str, Any]] = [{"concurrency": c} for c in wl.concurrency]
+    with _targets(cfg) as target_for:
+        # All levels of one spec before the other: a launched engine restarts only once.
+        for lvl in levels:
+            lvl.update(_figures(measure(target_for(cfg.spec), prompts, params, lvl["concurrency"],
+                                        b.warmup, b.repeats)))
+        if b.baseline:
+            for lvl in levels:
+                base = _figures(measure(target_for(OFF), prompts, params, lvl["concurrency"], b.warmup, b.repeats))
+                lvl["baseline"] = base
+                lvl["speedup"] = (lvl["output_tokens_per_s"] / base["output_tokens_per_s"]
+                                  if base["output_tokens_per_s"] > 0 else None)
+    for lvl in levels:
+        if lvl["n_requests"] == 0:
+            raise UserError(f"every request failed at concurrency {lvl['concurrency']}: {lvl['errors'][0]}")
+    out: dict[str, Any] = {
+        "engine": cfg.engine.kind, "model": cfg.model.name, "hardware": cfg.hardware.name,
+        "spec": cfg.spec.model_dump(mode="json"), "spec_key": cfg.spec.key(),
+        "workload": wl.name, "split": split, "n_prompts": len(prompts),
+        "max_new_tokens": wl.max_new_tokens, "temperature": wl.temperature,
+        "warmup": b.warmup, "repeats": b.repeats,
+    }
+    out.update(levels[0])
+    out["levels"] = levels
+    return out
+
+
+def _ms(d: dict[str, Any], key: str) -> str:
+    p50, p99 = d[key]["p50"], d[key]["p99"]
+    return "-" if p50 is None else f"{p50:.1f} / {p99:.1f}"
+
+
+def _row(name: str, c: int, f: dict[str, Any], speedup: float | None) -> list[str]:
+    tps = f"{f['output_tokens_per_s']:.1f}"
+    if f["ci"]:
+        tps += f" [{f['ci'][0]:.1f}, {f['ci'][1]:.1f}]"
+    acc = " ".join(f"{a:.2f}" for a in f["accepted_per_pos"][:6]) or "-"
+    return [str(c), name, tps, "-" if f["tau"] is None else f"{f['tau']:.2f}", _ms(f, "ttft_ms"), _ms(f, "tpot_ms"),
+            acc, "-" if speedup is None else f"{speedup:.2f}x", str(len(f["errors"]))]
+
+
+def print_table(result: dict[str, Any]) -> None:
+    """The bench result as a rich table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{result['engine']} · {result['model']} · workload {result['workload']} ({result['split']}, "
+                    f"{result['n_prompts']} prompts, {result['repeats']} repeats)")
+    for col in ("conc", "spec", "tok/s [95% CI]", "tau", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
+                "accept/pos", "speedup", "errors"):
+        t.add_column(col, justify="left" if col == "spec" else "right")
+    for lvl in result["levels"]:
+        t.add_row(*_row(result["spec_key"], lvl["concurrency"], lvl, lvl.get("speedup")))
+        if "baseline" in lvl:
+            t.add_row(*_row("off (baseline)", lvl["concurrency"], lvl["baseline"], None))
+    Console().print(t)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from tuner.config import load_config
+
+    result = bench(load_config(args.overrides))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(result)
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from tuner.config import load_config
+
+    cfg = load_config(args.overrides)
+    if cfg.engine.kind != "builtin":
+        raise UserError(f"engine={cfg.engine.kind}: `tuner serve` runs the built-in engine only (engine=builtin); "
+                        "vLLM and SGLang serve themselves (see `tuner render`)")
+    host, port = cfg.serve.host, cfg.serve.port
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise UserError(f"serve.host/serve.port: cannot listen on {host}:{port} ({exc.strerror})") from None
+    from engine.loop import Engine
+    from engine.server import serve
+
+    engine = Engine.from_config(cfg)
+    engine.set_spec(cfg.spec)
+    print(f"serving {cfg.model.name} (spec {cfg.spec.key()}) on http://{host}:{port}/v1 "
+          f"(metrics: /metrics, health: /health)", flush=True)
+    serve(cfg, engine)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `bench` and `serve` to the tuner CLI."""
+    b = sub.add_parser("bench", help="measure the configured engine and spec on a workload (rich table or --json)")
+    b.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. spec.depth=6 bench.baseline=true +workload=code")
+    b.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    b.set_defaults(func=_cmd_bench)
+    s = sub.add_parser("serve", help="serve the built-in engine with the configured spec (OpenAI-compatible API)")
+    s.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. serve.port=8001 spec.method=ngram")
+    s.set_defaults(func=_cmd_serve)
