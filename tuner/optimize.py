@@ -44,7 +44,7 @@ class Winner:
 
 
 def _feasible(t: FrozenTrial) -> bool:
-    return all(c <= 0 for c in (t.constraints or []))
+    return all(c <= 0 for c in t.constraints.values())
 
 
 def _beats_baseline(t: FrozenTrial, noise_rel: float) -> bool:

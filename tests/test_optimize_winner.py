@@ -1,0 +1,116 @@
+"""Winner selection (ties, SLOs, slowdown trap), storage URLs and stale-trial recovery, on real storage files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.distributions import IntDistribution
+from optuna.trial import TrialState, create_trial
+
+from tuner.config import load_config
+from tuner.optimize import pick_winner
+from tuner.schema import SpecConfig, UserError
+from tuner.study import FAIL_REASON, ROLE, load_study, open_storage, storage_url
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+NOISE = 0.05
+
+
+def _trial(spec: SpecConfig | None, speedup: float, tau: float | None = 2.0, ci: tuple[float, float] | None = None,
+           feasible: bool = True, state: TrialState = TrialState.COMPLETE, role: str = "search"):
+    spec = spec or SpecConfig(method="off")
+    attrs = {ROLE: role, "spec": spec.key(), "spec_json": spec.model_dump(mode="json"), "spec_method": spec.method,
+             "speedup": speedup, "tok_s": 10 * speedup, "baseline_tok_s": 10.0, "tau": tau,
+             "speedup_ci_low": ci[0] if ci else None, "speedup_ci_high": ci[1] if ci else None}
+    t = create_trial(state=state, value=10 * speedup if state == TrialState.COMPLETE else None,
+                     params={"depth": spec.depth}, distributions={"depth": IntDistribution(1, 16)},
+                     user_attrs=attrs, system_attrs={"constraints:tpot_p99_ms": -1.0 if feasible else 5.0})
+    return t
+
+
+def ng(depth: int) -> SpecConfig:
+    return SpecConfig(method="ngram", depth=depth, topk=1, budget=depth + 1)
+
+
+def tree(depth: int, topk: int, budget: int) -> SpecConfig:
+    return SpecConfig(method="eagle", depth=depth, topk=topk, budget=budget)
+
+
+def test_best_speedup_wins_when_clearly_ahead() -> None:
+    w = pick_winner([_trial(None, 1.0, role="baseline"), _trial(ng(2), 1.3), _trial(ng(4), 1.6)], NOISE, [1])
+    assert w.spec == ng(4)
+    assert "1.600x" in w.reason
+
+
+def test_ties_within_noise_go_to_the_smaller_budget() -> None:
+    trials = [_trial(tree(5, 4, 16), 1.62), _trial(tree(5, 4, 8), 1.58), _trial(tree(3, 2, 6), 1.40)]
+    w = pick_winner(trials, NOISE, [1])
+    assert w.spec == tree(5, 4, 8)  # 1.58 is within 5% of 1.62 and verifies half the tokens
+    assert "smallest budget" in w.reason
+
+
+def test_slowdown_trap_low_acceptance() -> None:
+    w = pick_winner([_trial(None, 1.0, role="baseline"), _trial(ng(2), 1.03, tau=1.05), _trial(ng(4), 0.9, tau=1.1)],
+                    NOISE, [1])
+    assert w.spec.method == "off"
+    assert "slowdown trap" in w.reason and "Acceptance too low" in w.reason
+
+
+def test_slowdown_trap_verification_too_costly() -> None:
+    w = pick_winner([_trial(tree(6, 8, 40), 0.8, tau=2.4)], NOISE, [8])
+    assert w.spec.method == "off"
+    assert "Verification too costly at concurrency [8]" in w.reason
+
+
+def test_a_ci_that_includes_one_is_not_a_win() -> None:
+    w = pick_winner([_trial(ng(3), 1.10, ci=(0.95, 1.25))], NOISE, [1])
+    assert w.spec.method == "off"
+    w = pick_winner([_trial(ng(3), 1.10, ci=(1.04, 1.16))], NOISE, [1])
+    assert w.spec == ng(3)
+
+
+def test_infeasible_trials_never_win() -> None:
+    w = pick_winner([_trial(ng(4), 2.0, feasible=False), _trial(ng(2), 1.3)], NOISE, [1])
+    assert w.spec == ng(2)
+    w = pick_winner([_trial(ng(4), 2.0, feasible=False)], NOISE, [1])
+    assert w.spec.method == "off" and "SLO" in w.reason
+
+
+def test_failed_and_pruned_trials_are_ignored() -> None:
+    trials = [_trial(ng(4), 3.0, state=TrialState.FAIL), _trial(ng(3), 2.5, state=TrialState.PRUNED),
+              _trial(ng(2), 1.2)]
+    assert pick_winner(trials, NOISE, [1]).spec == ng(2)
+
+
+def test_best_chain_is_recorded_for_vllm_targets() -> None:
+    w = pick_winner([_trial(tree(5, 4, 8), 1.8), _trial(ng(3), 1.4), _trial(ng(2), 1.1)], NOISE, [1])
+    assert w.spec == tree(5, 4, 8) and w.chain is not None
+    assert w.chain.user_attrs["spec"] == "ngram d3 k1 b4"
+
+
+def test_storage_urls(tmp_path: Path) -> None:
+    search = load_config(["search=quick"]).search
+    assert storage_url(search, tmp_path) == f"sqlite:///{tmp_path.resolve()}/study.db"
+    search.storage = "journal:j/study.log"
+    url = storage_url(search, tmp_path)
+    assert url == f"journal:{tmp_path.resolve()}/j/study.log"
+    st = open_storage(url)
+    optuna.create_study(storage=st, study_name="x").optimize(lambda t: t.suggest_int("a", 0, 3), n_trials=2)
+    assert (tmp_path / "j" / "study.log").stat().st_size > 0
+    search.storage = "nosuchdb://user@host/db"
+    with pytest.raises(UserError, match="search.storage='nosuchdb"):
+        open_storage(storage_url(search, tmp_path))
+
+
+def test_resume_marks_stale_running_trials_fail(tmp_path: Path) -> None:
+    cfg = load_config(["model=tiny-random", "+workload=code", "search=quick", "search.study_name=s"])
+    study = optuna.create_study(study_name="s", storage=open_storage(storage_url(cfg.search, tmp_path)),
+                                direction="maximize")
+    study.tell(study.ask(), 1.0)
+    study.ask()  # left RUNNING, as after kill -9
+    again = load_study(cfg, tmp_path, "s")
+    states = [t.state for t in again.trials]
+    assert states == [TrialState.COMPLETE, TrialState.FAIL]
+    assert "interrupted" in again.trials[1].user_attrs[FAIL_REASON]
