@@ -1,0 +1,80 @@
+"""Drafters behind one interface (engine.drafters.base.Drafter) and the factory the engine uses."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+from engine.drafters.base import Drafter, ModelDrafter
+from engine.drafters.draft_model import DraftModelDrafter
+from engine.drafters.eagle import EagleDrafter
+from engine.drafters.ngram import NgramDrafter
+from tuner.schema import SpecConfig, UserError
+
+__all__ = ["Drafter", "ModelDrafter", "NgramDrafter", "DraftModelDrafter", "EagleDrafter", "make_drafter",
+           "load_draft_model"]
+
+SUPPORTED = ("off", "ngram", "draft_model", "eagle")
+_LOCK = threading.Lock()
+_MODELS: dict[tuple, torch.nn.Module] = {}
+_HEADS: dict[tuple, torch.nn.Module] = {}
+
+
+def _vocab_signature(tok) -> tuple:
+    return (len(tok), tok.eos_token_id, tuple(sorted(tok.get_vocab().items())))
+
+
+def load_draft_model(path: str, target, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """A local HF causal LM with exactly the target's tokenizer, loaded once per process."""
+    key = (str(Path(path).expanduser().resolve()), str(dtype), str(device), id(target.tokenizer))
+    with _LOCK:
+        if key in _MODELS:
+            return _MODELS[key]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    p = Path(path).expanduser()
+    if not (p / "config.json").is_file():
+        raise UserError(f"spec.draft_model={path}: not a local HF checkpoint directory (no config.json); hub ids are not downloaded")
+    try:
+        dtok = AutoTokenizer.from_pretrained(str(p))
+    except Exception as exc:  # noqa: BLE001 - any load failure means: no usable tokenizer there
+        raise UserError(f"spec.draft_model={path}: no tokenizer in the directory ({type(exc).__name__}); "
+                        "a draft model must ship the target's tokenizer") from None
+    if _vocab_signature(dtok) != _vocab_signature(target.tokenizer):
+        raise UserError(f"spec.draft_model={path}: its tokenizer differs from the target's "
+                        f"({len(dtok)} vs {len(target.tokenizer)} tokens); a draft must share the target's tokenizer")
+    model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    model.requires_grad_(False)
+    with _LOCK:
+        return _MODELS.setdefault(key, model)
+
+
+def load_eagle_head(spec: SpecConfig, target, seed: int = 0) -> torch.nn.Module:
+    """The EAGLE-1 head of `spec.head_path`, or a seeded random head when no path is given (cached)."""
+    from engine.eagle import load_head, random_head
+
+    model = target.model
+    key = (spec.head_path and str(Path(spec.head_path).expanduser().resolve()), id(model), seed)
+    with _LOCK:
+        if key in _HEADS:
+            return _HEADS[key]
+    head = load_head(spec.head_path, model.config) if spec.head_path else random_head(model.config, seed)
+    head = head.to(device=target.device, dtype=target.dtype).eval()
+    head.requires_grad_(False)
+    with _LOCK:
+        return _HEADS.setdefault(key, head)
+
+
+def make_drafter(spec: SpecConfig, target, seed: int = 0) -> Drafter | None:
+    """The drafter for a SpecConfig (None for method 'off'); models and heads are loaded once per process."""
+    if spec.method not in SUPPORTED:
+        raise UserError(f"spec.method={spec.method}: the built-in engine supports {', '.join(SUPPORTED)}")
+    if spec.method == "off":
+        return None
+    if spec.method == "ngram":
+        return NgramDrafter(spec)
+    if spec.method == "draft_model":
+        return DraftModelDrafter(spec, load_draft_model(spec.draft_model, target, target.dtype, target.device))
+    return EagleDrafter(spec, load_eagle_head(spec, target, seed), target.model)

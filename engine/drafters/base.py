@@ -1,0 +1,88 @@
+"""The one interface every drafter implements, and the shared machinery of model-based drafters."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from engine.api import SamplingParams
+from engine.tree import Tree, build_dynamic_tree
+from tuner.schema import SpecConfig
+
+
+class Drafter(ABC):
+    """Proposes a draft tree rooted at the last committed token.
+
+    Per generation: `reset(prompt_ids)`, then repeatedly `observe(features)` with the target's
+    final hidden states of newly committed positions (so len(features seen) == len(ids) - 1)
+    and `draft(ids, params)` with all committed tokens, ids[-1] being the root."""
+
+    def __init__(self, spec: SpecConfig) -> None:
+        self.spec = spec
+
+    def reset(self, prompt_ids: list[int]) -> None:  # noqa: B027 - optional hook
+        """A new generation starts."""
+
+    def observe(self, features: torch.Tensor) -> None:  # noqa: B027 - optional hook
+        """Target features [m, h] (after the final norm) of the m newly committed positions."""
+
+    @abstractmethod
+    def draft(self, ids: list[int], params: SamplingParams, generator: torch.Generator | None = None) -> Tree:
+        """A tree whose root is ids[-1]."""
+
+
+class ModelDrafter(Drafter):
+    """A drafter backed by a neural model with its own KV cache over the committed context.
+
+    Subclasses implement `_catch_up(ids)` (feed committed context not yet cached, return the logits
+    for the root's children) and `_run(tokens, parent_slots, positions, mask)` (run tree nodes,
+    return their children's logits), plus `_rollback()` (drop the tree's cache entries).
+    The EAGLE-2 expansion (engine.tree) calls `_expand` once per level with the frontier."""
+
+    def __init__(self, spec: SpecConfig, device: torch.device) -> None:
+        super().__init__(spec)
+        self.device = device
+        n_slots = max(1, spec.depth * spec.topk)
+        self._anc = torch.zeros(n_slots, n_slots, dtype=torch.bool, device=device)
+        self._slot: dict[int, int] = {}
+        self._n_slots = 0
+        self._ctx_len = 0  # committed positions in the drafter's cache
+        self._root_pos = 0  # rotary position of the first tree level minus 1
+
+    @abstractmethod
+    def _catch_up(self, ids: list[int]) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _run(self, tokens: list[int], parent_slots: list[int], positions: torch.Tensor,
+             mask: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _rollback(self) -> None: ...
+
+    def _expand(self, nodes: list[int], tokens: list[int], parents: list[int], level: int) -> torch.Tensor:
+        first = self._n_slots
+        k = len(nodes)
+        parent_slots = [self._slot.get(p, -1) for p in parents]
+        for j, (node, ps) in enumerate(zip(nodes, parent_slots)):
+            s = first + j
+            self._slot[node] = s
+            self._anc[s].zero_()
+            if ps >= 0:
+                self._anc[s] = self._anc[ps]
+            self._anc[s, s] = True
+        self._n_slots = first + k
+        mask = torch.ones(k, self._ctx_len + self._n_slots, dtype=torch.bool, device=self.device)
+        mask[:, self._ctx_len:] = self._anc[first:self._n_slots, :self._n_slots]
+        positions = torch.full((1, k), self._root_pos + level, device=self.device)
+        return self._run(tokens, parent_slots, positions, mask[None, None])
+
+    @torch.inference_mode()
+    def draft(self, ids: list[int], params: SamplingParams, generator: torch.Generator | None = None) -> Tree:
+        root_logits = self._catch_up(ids)
+        self._slot, self._n_slots = {}, 0
+        try:
+            return build_dynamic_tree(ids[-1], root_logits, self._expand, self.spec.depth, self.spec.topk,
+                                      self.spec.budget, temperature=params.temperature, generator=generator)
+        finally:
+            self._rollback()

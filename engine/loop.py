@@ -1,0 +1,224 @@
+"""The one decode loop: autoregressive decoding is the tree with only a root, speculation the same
+loop with drafted nodes. Each step: draft a tree rooted at the last committed token, run ONE target
+forward over prefix cache + tree, verify, commit the accepted nodes' KV and drop the rest."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import torch
+from transformers import DynamicCache
+
+from engine.api import GenResult, GenStats, SamplingParams, TokenCallback
+from engine.cache import commit
+from engine.drafters import Drafter, make_drafter
+from engine.model import Target, load_target
+from engine.tree import Tree
+from engine.verify import process_logits, verify
+from tuner.schema import Config, SpecConfig, UserError
+
+
+class _Stopper:
+    """Decides, token by token, where generation ends; identical for every drafter, so speculative
+    output stops exactly where autoregressive output does. Tokens that might begin a stop string are
+    held back from the stream until that is settled (a stop string is never emitted)."""
+
+    def __init__(self, tokenizer, eos: set[int], params: SamplingParams, on_tokens: TokenCallback | None) -> None:
+        self.tok, self.eos, self.params, self.on_tokens = tokenizer, eos, params, on_tokens
+        self.stops = [s for s in params.stop if s]
+        self.tokens: list[int] = []
+        self.emitted = 0
+        self.finish: str | None = None
+        self.cut: int | None = None  # text length when a stop string ended generation
+
+    def push(self, new: Iterable[int]) -> bool:
+        """Commit tokens in order; returns True once generation is finished."""
+        for t in new:
+            if t in self.eos:
+                self.finish = "stop"
+                break
+            self.tokens.append(t)
+            if self.stops and self._check_stop():
+                break
+            if len(self.tokens) >= self.params.max_new_tokens:
+                self.finish = "length"
+                break
+        self._flush()
+        return self.finish is not None
+
+    def _check_stop(self) -> bool:
+        text = self.tok.decode(self.tokens, skip_special_tokens=False)
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.finish, self.cut = "stop", min(hits)
+            # keep the tokens whose text ends before the stop string
+            k = len(self.tokens) - 1
+            while k > 0 and len(self.tok.decode(self.tokens[:k], skip_special_tokens=False)) > self.cut:
+                k -= 1
+            del self.tokens[k:]
+            return True
+        return False
+
+    def _safe_len(self) -> int:
+        """How many tokens may be streamed: all, except those whose text could begin a stop string."""
+        if not self.stops or self.finish is not None:
+            return len(self.tokens)
+        text = self.tok.decode(self.tokens, skip_special_tokens=False)
+        held = max((n for s in self.stops for n in range(min(len(s) - 1, len(text)), 0, -1)
+                    if text.endswith(s[:n])), default=0)
+        if held == 0:
+            return len(self.tokens)
+        k = len(self.tokens)
+        while k > self.emitted and len(self.tok.decode(self.tokens[:k], skip_special_tokens=False)) > len(text) - held:
+            k -= 1
+        return k
+
+    def _flush(self) -> None:
+        n = self._safe_len()
+        if n > self.emitted and self.on_tokens is not None:
+            self.on_tokens(self.tokens[self.emitted:n])
+        self.emitted = max(self.emitted, n)
+
+    def text(self) -> str:
+        text = self.tok.decode(self.tokens, skip_special_tokens=True)
+        return text if self.cut is None else text[: self.cut]
+
+
+class Engine:
+    """The built-in engine: one target per process, any drafter, the TextEngine contract."""
+
+    def __init__(self, target: Target, max_context: int, spec: SpecConfig | None = None, seed: int = 0) -> None:
+        self.target = target
+        self.model = target.model
+        self.tokenizer = target.tokenizer
+        self.model_name = target.name
+        self.max_context = max_context
+        self.seed = seed
+        self.device = target.device
+        self.eos = self._eos_ids()
+        self.spec = SpecConfig()
+        self.drafter: Drafter | None = None
+        if spec is not None:
+            self.set_spec(spec)
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "Engine":
+        """Load (or reuse) the target of cfg.model under cfg.engine.builtin and apply cfg.spec."""
+        if cfg.engine.builtin.threads:
+            torch.set_num_threads(cfg.engine.builtin.threads)
+        target = load_target(cfg.model, cfg.engine.builtin, cfg.cache_dir, cfg.seed)
+        return cls(target, cfg.model.max_context, cfg.spec, cfg.seed)
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        for src in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
+            if isinstance(src, int):
+                ids.add(src)
+            elif src:
+                ids.update(int(x) for x in src)
+        return ids
+
+    def set_spec(self, spec: SpecConfig) -> None:
+        """Switch the speculative configuration; the target is never reloaded, draft models and heads
+        are loaded once per process."""
+        self.drafter = make_drafter(spec, self.target, self.seed)
+        self.spec = spec
+
+    def set_drafter(self, drafter: Drafter | None, spec: SpecConfig) -> None:
+        """Use a drafter built elsewhere (tests: an oracle that drafts with the target)."""
+        self.drafter, self.spec = drafter, spec
+
+    def encode_prompt(self, text: str, chat_template: bool) -> list[int]:
+        """Token ids of a user prompt, through the model's chat template (with the assistant prefix) or raw."""
+        if chat_template and getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                      add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, cache: DynamicCache,
+                 mask: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.model.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache,
+                                  use_cache=True).last_hidden_state[0]
+        logits = self.model.lm_head(hidden[-1:] if last_only else hidden)
+        return hidden, logits
+
+    def _pick(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+        if params.temperature <= 0:
+            return int(logits.argmax())
+        return int(torch.multinomial(process_logits(logits, params), 1, generator=gen))
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 on_tokens: TokenCallback | None = None) -> GenResult:
+        """Generate from prompt ids; on_tokens receives each batch of newly committed tokens."""
+        if not prompt_ids:
+            raise UserError("prompt is empty: at least one token is needed")
+        if len(prompt_ids) >= self.max_context:
+            raise UserError(f"prompt has {len(prompt_ids)} tokens; model.max_context={self.max_context}")
+        t_start = time.perf_counter()
+        dev = self.device
+        gen = None
+        if params.temperature > 0:
+            gen = torch.Generator(device=dev)
+            gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        stats = GenStats(accepted_per_pos=[0] * (self.spec.depth if self.drafter else 0))
+        stop = _Stopper(self.tokenizer, self.eos, params, on_tokens)
+        cache = DynamicCache(config=self.model.config)
+        drafter = self.drafter
+        if drafter is not None:
+            drafter.reset(prompt_ids)
+
+        t = time.perf_counter()
+        ids_t = torch.tensor([prompt_ids], device=dev)
+        hidden, logits = self._forward(ids_t, torch.arange(len(prompt_ids), device=dev)[None], cache, None, True)
+        ids = list(prompt_ids)
+        ids.append(self._pick(logits[-1], params, gen))
+        if drafter is not None:
+            drafter.observe(hidden)
+        stats.target_forwards = 1
+        stats.verify_s += time.perf_counter() - t
+        stats.ttft_s = time.perf_counter() - t_start
+        done = stop.push(ids[-1:])
+
+        while not done:
+            prefix = len(ids) - 1  # the root is committed but not yet in the target's cache
+            t = time.perf_counter()
+            tree = drafter.draft(ids, params, gen) if drafter is not None else Tree([ids[-1]], [-1], [0])
+            t_draft = time.perf_counter()
+            stats.draft_s += t_draft - t
+            if prefix + tree.size > self.max_context:
+                stop.finish = stop.finish or "length"
+                break
+            n = tree.size
+            if n == 1:
+                hidden, logits = self._forward(torch.tensor([[ids[-1]]], device=dev),
+                                               torch.tensor([[prefix]], device=dev), cache, None, False)
+                path, bonus = [0], self._pick(logits[0], params, gen)
+            else:
+                # a chain is causal: HF builds that mask itself; a branching tree needs the ancestor mask
+                mask = None if tree.is_chain else tree.attention_mask(prefix, dev)
+                hidden, logits = self._forward(torch.tensor([tree.tokens], device=dev),
+                                               tree.position_ids(prefix, dev), cache, mask, False)
+                path, bonus = verify(tree, logits, params, gen)
+                commit(cache, prefix, path)
+                stats.draft_steps += 1
+                stats.drafted_tokens += n - 1
+                stats.accepted_tokens += len(path) - 1
+                for d in range(1, len(path)):
+                    if d > len(stats.accepted_per_pos):
+                        stats.accepted_per_pos.append(0)
+                    stats.accepted_per_pos[d - 1] += 1
+            if drafter is not None:
+                drafter.observe(hidden[path] if len(path) > 1 else hidden[:1])
+            stats.target_forwards += 1
+            stats.verify_s += time.perf_counter() - t_draft
+            new = [tree.tokens[i] for i in path[1:]] + [bonus]
+            ids.extend(new)
+            done = stop.push(new)
+
+        stats.new_tokens = len(stop.tokens)
+        stats.total_s = time.perf_counter() - t_start
+        return GenResult(tokens=list(stop.tokens), text=stop.text(), finish_reason=stop.finish or "length",
+                         stats=stats)
