@@ -303,6 +303,29 @@ class BenchConfig(_Strict):
     heldout: bool = False
 
 
+class TrainConfig(_Strict):
+    """`tuner train-draft`: self-distillation data and EAGLE head training (engine.train)."""
+
+    prompts: int = Field(160, ge=1)  # prompts answered by the target, the workload's own set first
+    max_new_tokens: int = Field(192, ge=8, le=4096)  # per response
+    samples: int = Field(1, ge=0, le=8)  # sampled responses per prompt, besides the greedy one
+    sample_temperature: float = Field(0.8, gt=0.0, le=2.0)
+    gen_batch: int = Field(16, ge=1)  # sequences generated together
+    steps: int = Field(1200, ge=1)
+    batch: int = Field(8, ge=1)  # sequences per optimizer step
+    seq_len: int = Field(512, ge=16)  # tokens per training sequence (longer ones are cut)
+    lr: float = Field(1e-3, gt=0.0)
+    warmup: int = Field(50, ge=0)  # linear warm-up steps, then cosine decay to 10%
+    ce_weight: float = Field(0.1, ge=0.0)  # loss = SmoothL1(feature) + ce_weight * CE
+    noise: float = Field(0.1, ge=0.0)  # std of Gaussian noise on input features (relative to their rms)
+    unroll: int = Field(3, ge=1, le=8)  # training-time test: steps the head runs on its own features
+    unroll_decay: float = Field(0.8, gt=0.0, le=1.0)  # loss weight of unrolled step i: decay**i
+    draft_vocab: int = Field(8192, ge=0)  # draft over the N most frequent target tokens (0: full vocab)
+    checkpoint_every: int = Field(100, ge=1)  # steps between resumable checkpoints
+    eval_fraction: float = Field(0.05, ge=0.0, lt=0.5)  # sequences kept out of training to measure acceptance
+    seed: int = 0
+
+
 class Config(_Strict):
     """The whole composed configuration."""
 
@@ -315,6 +338,7 @@ class Config(_Strict):
     workload: WorkloadConfig | None = None
     serve: ServeConfig = ServeConfig()
     bench: BenchConfig = BenchConfig()
+    train: TrainConfig = TrainConfig()
     run_dir: str = "runs"
     cache_dir: str | None = None  # None: ~/.cache/spectune (converted models, trained heads)
     seed: int = 0
