@@ -318,3 +318,34 @@ def test_check_catches_fields_unknown_to_an_older_version(tmp_path: Path) -> Non
     (tmp_path / "deployment.yaml").write_text(yaml.safe_dump(dep))
     assert check_dir(tmp_path, "1.37") == []
     assert len(check_dir(tmp_path, "1.29")) == 1
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+def test_kubectl_kustomize_builds_the_directory(rendered: dict[str, Path]) -> None:
+    import subprocess
+
+    r = subprocess.run(["kubectl", "kustomize", str(rendered["vllm-h100x8"])], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    kinds = [d["kind"] for d in yaml.safe_load_all(r.stdout)]
+    assert sorted(kinds) == sorted(["Namespace", "ConfigMap", "PersistentVolumeClaim", "Deployment", "Service",
+                                    "ServiceMonitor", "PodDisruptionBudget", "HorizontalPodAutoscaler"])
+
+
+def test_example_ci_workflow_commands_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shlex
+
+    workflow = yaml.safe_load((Path(__file__).parents[1] / "docs/ci/render-manifests.yml").read_text())
+    _, best = CASES["vllm-h200x1"]  # a tree winner with a chain_spec
+    run = tmp_path / "run"
+    save_config(load_config(["model=llama-3.1-8b-instruct", "hardware=h100x8"]), run / "config.yaml")
+    (run / "best.yaml").write_text(yaml.safe_dump(best.model_dump(mode="json")))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RUN_DIR", str(run))
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    commands = [ln.strip() for step in workflow["jobs"]["render"]["steps"] for ln in step.get("run", "").splitlines()
+                if ln.strip().startswith("tuner ") and "apply" not in ln]
+    assert len(commands) >= 5
+    for cmd in commands:
+        argv = [os.path.expandvars(a) for a in shlex.split(cmd)[1:]]
+        assert main(argv) == 0, cmd
+    assert _docs(tmp_path / "out")["deployment.yaml"]["spec"]["replicas"] == 3
