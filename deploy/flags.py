@@ -111,6 +111,7 @@ def sglang_args(
     mem_fraction_static: float | None = None,
     served_model_name: str | None = None,
     draft_ref: str | None = None,
+    disable_cuda_graph: bool = False,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
     """Arguments after `python -m sglang.launch_server`.
@@ -134,6 +135,8 @@ def sglang_args(
         args += ["--mem-fraction-static", f"{mem_fraction_static:g}"]
     if served_model_name:
         args += ["--served-model-name", served_model_name]
+    if disable_cuda_graph:  # SGLang's counterpart of vLLM's --enforce-eager
+        args.append("--disable-cuda-graph")
     if spec.method != "off":
         if spec.method not in SGLANG_METHODS:
             raise UserError(

@@ -116,6 +116,16 @@ def test_sglang_chain_draft_tokens_are_steps_plus_one() -> None:
 def test_sglang_off_has_no_speculative_flags() -> None:
     args = sglang_args("t", SpecConfig(method="off"))
     assert not any(a.startswith("--speculative") for a in args)
+    assert "--disable-cuda-graph" not in args and "--tp" not in args
+
+
+def test_sglang_general_flags() -> None:
+    args = sglang_args("t", SpecConfig(method="off"), dtype="bfloat16", context_length=4096, mem_fraction_static=0.85,
+                       served_model_name="m", disable_cuda_graph=True, host="127.0.0.1", port=8100, extra_args=["--x"])
+    assert (_opt(args, "--dtype"), _opt(args, "--context-length"), _opt(args, "--mem-fraction-static")) == (
+        "bfloat16", "4096", "0.85")
+    assert _opt(args, "--served-model-name") == "m" and _opt(args, "--port") == "8100"
+    assert "--disable-cuda-graph" in args and args[-1] == "--x"
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "medusa"])
