@@ -349,3 +349,16 @@ def test_example_ci_workflow_commands_run(tmp_path: Path, monkeypatch: pytest.Mo
         argv = [os.path.expandvars(a) for a in shlex.split(cmd)[1:]]
         assert main(argv) == 0, cmd
     assert _docs(tmp_path / "out")["deployment.yaml"]["spec"]["replicas"] == 3
+
+
+def test_retargeting_a_run_says_the_speedup_was_measured_elsewhere(tmp_path: Path) -> None:
+    _, best = CASES["sglang-h100x8"]
+    run = tmp_path / "run"
+    save_config(load_config(["model=llama-3.1-8b-instruct", "hardware=h100x8", "deploy=sglang"]), run / "config.yaml")
+    (run / "best.yaml").write_text(yaml.safe_dump(best.model_dump(mode="json")))
+    plan, _ = render_run(run, [], tmp_path / "same")
+    assert plan.served.notes == ()
+    plan, _ = render_run(run, ["hardware=h200x1", "+workload=code", "deploy.hpa.max_replicas=8"], tmp_path / "other")
+    assert plan.cfg.hardware.name == "h200x1" and plan.cfg.workload.name == "code"
+    assert plan.cfg.deploy.target == "sglang" and plan.cfg.deploy.hpa.max_replicas == 8  # the rest stays the run's
+    assert any("tuned for model llama-3.1-8b-instruct on h100x8" in n and "h200x1" in n for n in plan.served.notes)

@@ -38,15 +38,18 @@ def config_for_run(run_dir: Path, overrides: list[str]) -> Config:
     if not path.is_file():
         raise UserError(f"{path}: no such file (tuner render --from takes a run directory of `tuner optimize`)")
     saved = yaml.safe_load(path.read_text())
-    if overrides:
-        composed = compose(overrides)
-        for ov in overrides:
-            keys = _override_key(ov).split(".")
-            parent = _get(saved, keys[:-1]) if len(keys) > 1 else saved
-            try:
-                parent[keys[-1]] = _get(composed, keys)
-            except KeyError:
-                parent.pop(keys[-1], None)  # `~key` deleted it
+    composed = compose(overrides) if overrides else {}
+    for ov in overrides:
+        keys = _override_key(ov).split(".")
+        parent = saved
+        for key in keys[:-1]:
+            if not isinstance(parent.get(key), dict):
+                parent[key] = {}
+            parent = parent[key]
+        try:
+            parent[keys[-1]] = _get(composed, keys)
+        except KeyError:
+            parent.pop(keys[-1], None)  # `~key` deleted it
     return validate(saved)
 
 
