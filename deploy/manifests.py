@@ -206,15 +206,22 @@ def deployment(p: Plan, config_hash: str) -> k.V1Deployment:
     return k.V1Deployment(
         api_version="apps/v1", kind="Deployment", metadata=_meta(p),
         spec=k.V1DeploymentSpec(
-            replicas=d.replicas, strategy=strategy,
+            # With an HPA the replica count is the HPA's: a replicas field here would be reset on every apply.
+            replicas=None if d.hpa.enabled else d.replicas, strategy=strategy,
             selector=k.V1LabelSelector(match_labels=_selector(p)),
             template=k.V1PodTemplateSpec(metadata=k.V1ObjectMeta(labels=_labels(p), annotations=annotations),
                                          spec=pod)))
 
 
+def hpa_bounds(p: Plan) -> tuple[int, int]:
+    """HPA min/max replicas: deploy.replicas is a floor (e.g. a CI override `deploy.replicas=3`)."""
+    h = p.cfg.deploy.hpa
+    lo = max(h.min_replicas, p.cfg.deploy.replicas)
+    return lo, max(h.max_replicas, lo)
+
+
 def _max_pods(p: Plan) -> int:
-    d = p.cfg.deploy
-    return max(d.replicas, d.hpa.max_replicas if d.hpa.enabled else 0)
+    return hpa_bounds(p)[1] if p.cfg.deploy.hpa.enabled else p.cfg.deploy.replicas
 
 
 def service_monitor(p: Plan) -> dict:
@@ -268,7 +275,7 @@ def build(cfg: Config, best: BestResult | None = None) -> tuple[Plan, list[tuple
             api_version="autoscaling/v2", kind="HorizontalPodAutoscaler", metadata=_meta(p),
             spec=k.V2HorizontalPodAutoscalerSpec(
                 scale_target_ref=k.V2CrossVersionObjectReference(api_version="apps/v1", kind="Deployment", name=d.name),
-                min_replicas=d.hpa.min_replicas, max_replicas=d.hpa.max_replicas,
+                min_replicas=hpa_bounds(p)[0], max_replicas=hpa_bounds(p)[1],
                 metrics=[k.V2MetricSpec(type="Pods", pods=k.V2PodsMetricSource(
                     metric=k.V2MetricIdentifier(name=d.hpa.metric),
                     target=k.V2MetricTarget(type="AverageValue", average_value=d.hpa.target_average)))]))))

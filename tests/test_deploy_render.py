@@ -155,7 +155,9 @@ def test_vllm_70b_tensor_parallel_gpus_and_node_placement(rendered: dict[str, Pa
 
 def test_sglang_ci_override_replicas_and_tree_flags(rendered: dict[str, Path]) -> None:
     docs = _docs(rendered["sglang-h100x8"])
-    assert docs["deployment.yaml"]["spec"]["replicas"] == 3
+    # The HPA owns the replica count; deploy.replicas=3 becomes its floor (a replicas field would fight it).
+    assert "replicas" not in docs["deployment.yaml"]["spec"]
+    assert (docs["hpa.yaml"]["spec"]["minReplicas"], docs["hpa.yaml"]["spec"]["maxReplicas"]) == (3, 4)
     c = docs["deployment.yaml"]["spec"]["template"]["spec"]["containers"][0]
     assert c["command"] == ["python3", "-m", "sglang.launch_server"]
     a = c["args"]
@@ -265,7 +267,7 @@ def test_tree_to_chain_note_on_stderr(tmp_path: Path, capsys: pytest.CaptureFixt
     notes = [ln for ln in out.err.splitlines() if ln.startswith("note:")]
     assert len(notes) == 1 and "serving the study's best chain 'eagle3 d4 k1 b5'" in notes[0]
     assert "deploy=vllm" in out.out and "valid" in out.out
-    assert _docs(run / "k8s")["deployment.yaml"]["spec"]["replicas"] == 2
+    assert _docs(run / "k8s")["hpa.yaml"]["spec"]["minReplicas"] == 2
 
 
 def test_ci_override_command(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -277,7 +279,11 @@ def test_ci_override_command(tmp_path: Path, capsys: pytest.CaptureFixture) -> N
     out = tmp_path / "b"
     assert main(["render", "model=llama-3.1-8b-instruct", "deploy=sglang", "hardware=h100x8", "deploy.replicas=3",
                  "--out", str(out)]) == 0
-    assert _docs(out)["deployment.yaml"]["spec"]["replicas"] == 3
+    assert _docs(out)["hpa.yaml"]["spec"]["minReplicas"] == 3
+    fixed = tmp_path / "c"  # without an HPA the Deployment carries the count itself
+    assert main(["render", "model=llama-3.1-8b-instruct", "deploy=sglang", "hardware=h100x8", "deploy.replicas=3",
+                 "deploy.hpa.enabled=false", "--out", str(fixed)]) == 0
+    assert _docs(fixed)["deployment.yaml"]["spec"]["replicas"] == 3 and not (fixed / "hpa.yaml").exists()
     assert _opt(_container(out)["args"], "--speculative-algorithm") == "EAGLE3"
     assert main(["render", "--check", str(out)]) == 0
 
@@ -348,7 +354,7 @@ def test_example_ci_workflow_commands_run(tmp_path: Path, monkeypatch: pytest.Mo
     for cmd in commands:
         argv = [os.path.expandvars(a) for a in shlex.split(cmd)[1:]]
         assert main(argv) == 0, cmd
-    assert _docs(tmp_path / "out")["deployment.yaml"]["spec"]["replicas"] == 3
+    assert _docs(tmp_path / "out")["hpa.yaml"]["spec"]["minReplicas"] == 3
 
 
 def test_retargeting_a_run_says_the_speedup_was_measured_elsewhere(tmp_path: Path) -> None:
