@@ -180,3 +180,111 @@ def test_spec_counters_subtraction_keeps_new_positions() -> None:
     a = SpecCounters(num_drafts=1, accepted_per_pos={0: 1}, present=True)
     b = SpecCounters(num_drafts=3, accepted_per_pos={0: 2, 1: 1}, present=True)
     assert (b - a).accepted_per_pos == {0: 1, 1: 1}
+
+
+# ---------------------------------------------------------------------------------------------
+# the real built-in engine (tiny-random), in-process and behind the real server on 127.0.0.1
+
+REAL = ["model=tiny-random", "spec.method=ngram", "spec.depth=3", "spec.budget=4", "+workload=code",
+        "workload.num_prompts=4", "workload.num_heldout=1", "workload.max_new_tokens=12"]
+
+
+@pytest.fixture(scope="module")
+def real_cfg():
+    from tuner.config import load_config
+
+    return load_config(REAL)
+
+
+@pytest.fixture(scope="module")
+def real_engine(real_cfg):
+    from engine.loop import Engine
+
+    eng = Engine.from_config(real_cfg)
+    eng.set_spec(real_cfg.spec)
+    return eng
+
+
+@pytest.fixture(scope="module")
+def real_server(real_cfg, real_engine):
+    from engine.server import serve_in_thread
+
+    url, stop = serve_in_thread(real_cfg, real_engine)
+    yield url
+    stop()
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_http_against_the_builtin_server_measures_what_inprocess_does(real_cfg, real_engine, real_server,
+                                                                      concurrency: int) -> None:
+    from engine.runner import run_http
+    from engine.workloads import load_prompts, sampling_params
+
+    prompts = load_prompts(real_cfg.workload, "tune")
+    params = sampling_params(real_cfg.workload)
+    local = run_inprocess(real_engine, prompts, params, concurrency=1)
+    m = run_http(real_server, real_cfg.model.name, prompts, params, concurrency=concurrency)
+    assert m.errors == [] and m.n_requests == len(prompts) and m.concurrency == concurrency
+    assert m.texts == local.texts, "greedy texts over HTTP (in prompt order) equal the in-process ones"
+    assert m.output_tokens == local.output_tokens, "usage.completion_tokens counts what the engine generated"
+    # tau over HTTP follows from the /metrics delta: output / (output - accepted) over the run.
+    results = [real_engine.generate(real_engine.encode_prompt(p.text, True), params) for p in prompts]
+    out = sum(r.stats.new_tokens for r in results)
+    acc = sum(r.stats.accepted_tokens for r in results)
+    drafts = sum(r.stats.draft_steps for r in results)
+    assert m.tau == pytest.approx(out / (out - acc))
+    per_pos = [sum(r.stats.accepted_per_pos[i] for r in results if i < len(r.stats.accepted_per_pos)) / drafts
+               for i in range(max(len(r.stats.accepted_per_pos) for r in results))] if drafts else []
+    assert m.accepted_per_pos == pytest.approx(per_pos)
+    for v in (m.ttft_p50_ms, m.ttft_p99_ms, m.tpot_p50_ms, m.itl_p50_ms):
+        assert v is not None and v > 0
+    assert m.ttft_p50_ms <= m.ttft_p99_ms and m.output_tokens_per_s > 0 and m.wall_s > 0
+
+
+def test_http_records_failed_requests(real_cfg, real_server) -> None:
+    from engine.runner import run_http
+
+    m = run_http(real_server, "no-such-model", PROMPTS[:2], SamplingParams(max_new_tokens=2), concurrency=2)
+    assert m.n_requests == 0 and len(m.errors) == 2 and "404" in m.errors[0] and m.output_tokens_per_s == 0
+
+
+def test_inprocess_real_engine_reports_tau_and_stats(real_cfg, real_engine) -> None:
+    from engine.workloads import load_prompts, sampling_params
+
+    prompts = load_prompts(real_cfg.workload, "tune")
+    m = run_inprocess(real_engine, prompts, sampling_params(real_cfg.workload), concurrency=2)
+    assert m.errors == [] and m.tau is not None and m.tau >= 1.0
+    assert m.draft_s is not None and m.verify_s is not None and m.verify_s > 0
+
+
+def test_bench_json_on_tiny_random(capsys) -> None:
+    import json
+
+    from tuner.cli import main
+
+    rc = main(["bench", *REAL, "workload.num_prompts=2", "workload.max_new_tokens=8", "bench.warmup=1",
+               "bench.repeats=2", "bench.baseline=true", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["engine"] == "builtin" and out["workload"] == "code" and out["spec"]["method"] == "ngram"
+    for key in ("output_tokens_per_s", "tau"):
+        assert out[key] > 0 and out["baseline"][key] > 0
+    for key in ("ttft_ms", "tpot_ms"):
+        assert set(out[key]) == {"p50", "p99"} and out[key]["p50"] <= out[key]["p99"]
+    assert out["baseline"]["tau"] <= 1.0 + 1e-9, "speculation off: at most one token per target forward"
+    assert out["speedup"] == pytest.approx(out["output_tokens_per_s"] / out["baseline"]["output_tokens_per_s"])
+    assert out["n_requests"] == 2 * 2 and out["levels"][0]["concurrency"] == 1
+
+
+def test_bench_table_and_user_errors(capsys, monkeypatch) -> None:
+    from tuner.cli import main
+
+    monkeypatch.setenv("COLUMNS", "200")  # rich wraps cells at 80 columns when not on a terminal
+
+    assert main(["bench", *REAL, "workload.num_prompts=1", "workload.max_new_tokens=4", "bench.repeats=1"]) == 0
+    table = capsys.readouterr().out
+    assert "ngram d3 k1 b4" in table and "tok/s" in table
+    assert main(["bench", "model=tiny-random"]) == 2
+    assert "+workload=NAME" in capsys.readouterr().err
+    assert main(["bench", *REAL, "workload.num_heldout=0", "bench.heldout=true"]) == 2
+    assert "no held-out prompts" in capsys.readouterr().err
