@@ -9,9 +9,11 @@ nothing: server-side apply is idempotent by construction.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
 from kubernetes import client as k
 from kubernetes import config as kconfig
 
@@ -74,8 +76,6 @@ def api_client(kubeconfig: str | None = None, context: str | None = None) -> k.A
     """An ApiClient from a kubeconfig file ($KUBECONFIG / ~/.kube/config) or the pod's service account."""
     try:
         if kubeconfig is None and not Path(kconfig.KUBE_CONFIG_DEFAULT_LOCATION).expanduser().exists():
-            import os
-
             if "KUBERNETES_SERVICE_HOST" in os.environ:
                 kconfig.load_incluster_config()
                 return k.ApiClient()
@@ -86,8 +86,6 @@ def api_client(kubeconfig: str | None = None, context: str | None = None) -> k.A
 
 def _order(docs: list[tuple[str, dict]], directory: Path) -> list[dict]:
     """Namespaces first (and one for every namespace used), then kustomization order, then file order."""
-    import yaml
-
     kust = directory / KUSTOMIZATION
     listed = (yaml.safe_load(kust.read_text()) or {}).get("resources", []) if kust.is_file() else []
     rank = {f: i for i, f in enumerate(listed)}

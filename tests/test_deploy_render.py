@@ -368,3 +368,9 @@ def test_retargeting_a_run_says_the_speedup_was_measured_elsewhere(tmp_path: Pat
     assert plan.cfg.hardware.name == "h200x1" and plan.cfg.workload.name == "code"
     assert plan.cfg.deploy.target == "sglang" and plan.cfg.deploy.hpa.max_replicas == 8  # the rest stays the run's
     assert any("tuned for model llama-3.1-8b-instruct on h100x8" in n and "h200x1" in n for n in plan.served.notes)
+
+
+def test_check_reports_a_missing_kustomization_resource(tmp_path: Path) -> None:
+    render(load_config([]), None, tmp_path)
+    (tmp_path / "pvc.yaml").unlink()
+    assert check_dir(tmp_path, "1.33") == ["kustomization.yaml: resource pvc.yaml does not exist"]

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tuner.schema import BestResult, Config, UserError
 
-GROUP_KEYS = ("model", "hardware", "engine", "search", "deploy", "workload")
+if TYPE_CHECKING:
+    from deploy.manifests import Plan
 
 
 def _override_key(override: str) -> str:
@@ -24,7 +26,7 @@ def _get(d: dict, path: list[str]) -> Any:
     return d
 
 
-def config_for_run(run_dir: Path, overrides: list[str]) -> Config:
+def config_for_run(run_dir: Path, overrides: Sequence[str]) -> Config:
     """The run's saved config with command-line overrides applied on top.
 
     Hydra composes the overrides on the default tree; each overridden key (or whole group, for
@@ -38,7 +40,7 @@ def config_for_run(run_dir: Path, overrides: list[str]) -> Config:
     if not path.is_file():
         raise UserError(f"{path}: no such file (tuner render --from takes a run directory of `tuner optimize`)")
     saved = yaml.safe_load(path.read_text())
-    composed = compose(overrides) if overrides else {}
+    composed = compose(list(overrides)) if overrides else {}
     for ov in overrides:
         keys = _override_key(ov).split(".")
         parent = saved
@@ -53,7 +55,7 @@ def config_for_run(run_dir: Path, overrides: list[str]) -> Config:
     return validate(saved)
 
 
-def render_run(run_dir: Path, overrides: list[str] = (), out: Path | None = None) -> tuple[Any, list[Path]]:
+def render_run(run_dir: Path, overrides: Sequence[str] = (), out: Path | None = None) -> tuple[Plan, list[Path]]:
     """Render a run's best.yaml into RUN_DIR/k8s (or `out`); what `tuner optimize` calls at its end."""
     from deploy.render import load_best, render
 
