@@ -227,3 +227,51 @@ def test_text_stream_holds_back_stop_strings_and_partial_characters() -> None:
     assert out + ts.finish("abc") == "abc"
     ts2 = TextStream(lambda ids: "".join(pieces[i] for i in ids), stops=[])
     assert ts2.push([1]) == "ab" and ts2.push([4]) == "", "a partial UTF-8 character is held back"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tuner_serve_command_serves_until_terminated() -> None:
+    import subprocess
+    import sys
+    import time
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tuner.cli", "serve", "model=tiny-random",
+                             f"serve.port={port}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "tuner serve did not become healthy"
+            time.sleep(0.25)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
+                       json={"model": "tiny-random", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert f"on http://127.0.0.1:{port}/v1" in out
+
+
+def test_tuner_serve_on_a_busy_port_is_a_user_error(capsys) -> None:
+    import socket
+
+    from tuner.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert main(["serve", "model=tiny-random", f"serve.port={s.getsockname()[1]}"]) == 2
+    assert "cannot listen" in capsys.readouterr().err
