@@ -181,12 +181,12 @@ def builtin_args(
     fp8_weights: bool = False,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
-    """Hydra overrides after `tuner serve`: the model group, every spec.* field, serve.host/port.
+    """Hydra overrides after `tuner serve`: model and engine groups, every spec.* field, serve.host/port.
 
     All spec fields are written (not only non-defaults) so the served config never depends on
     the image's conf/ defaults.
     """
-    args = [f"model={model}"]
+    args = [f"model={model}", "engine=builtin"]
     for name, value in spec.model_dump(mode="python").items():
         args.append(f"spec.{name}={_hydra_value(value)}")
     if dtype is not None:

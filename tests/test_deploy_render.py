@@ -180,7 +180,8 @@ def test_builtin_is_cpu_only_non_root_and_serves_the_spec(rendered: dict[str, Pa
     assert c["resources"]["requests"] == {"cpu": "2", "memory": "12Gi"}
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 1000
     # The overrides compose back into the same spec, with the local head moved into the cache volume.
-    cfg = load_config([a for a in c["args"] if not a.startswith("cache_dir=")])
+    cfg = load_config(c["args"])  # exactly what `tuner serve` composes in the pod
+    assert cfg.engine.kind == "builtin" and cfg.cache_dir == "/models/spectune"
     assert cfg.spec == SpecConfig(method="eagle", depth=3, topk=2, budget=5, head_path="/models/drafts/smollm2-eagle")
     tiny = _docs(rendered["builtin-cpu-tiny"])
     assert {"hpa.yaml", "servicemonitor.yaml", "pdb.yaml"}.isdisjoint(tiny)
