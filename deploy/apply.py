@@ -13,11 +13,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 from kubernetes import client as k
 from kubernetes import config as kconfig
 
-from deploy.validate import KUSTOMIZATION, load_dir
+from deploy.validate import load_dir
 from tuner.schema import UserError
 
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
@@ -84,12 +83,8 @@ def api_client(kubeconfig: str | None = None, context: str | None = None) -> k.A
         raise UserError(f"kubeconfig: {str(err).splitlines()[0]} (set KUBECONFIG or pass --kubeconfig)") from None
 
 
-def _order(docs: list[tuple[str, dict]], directory: Path) -> list[dict]:
-    """Namespaces first (and one for every namespace used), then kustomization order, then file order."""
-    kust = directory / KUSTOMIZATION
-    listed = (yaml.safe_load(kust.read_text()) or {}).get("resources", []) if kust.is_file() else []
-    rank = {f: i for i, f in enumerate(listed)}
-    docs = sorted(docs, key=lambda fd: rank.get(fd[0], len(rank)))
+def _order(docs: list[tuple[str, dict]]) -> list[dict]:
+    """Namespaces first (plus one for every namespace used without its own document), then as loaded."""
     objs = [d for _, d in docs]
     have = {(d.get("metadata") or {}).get("name") for d in objs if d.get("kind") == "Namespace"}
     used = sorted({(d.get("metadata") or {}).get("namespace") for d in objs} - {None} - have)
@@ -147,4 +142,4 @@ def apply_dir(directory: Path, api: k.ApiClient, *, dry_run: bool = False) -> li
     docs, problems = load_dir(directory)
     if problems:
         raise UserError(problems[0])
-    return apply_docs(_order(docs, directory), api, dry_run=dry_run)
+    return apply_docs(_order(docs), api, dry_run=dry_run)

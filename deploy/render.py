@@ -51,11 +51,17 @@ def kustomization(files: list[str]) -> dict:
 
 
 def render(cfg: Config, best: BestResult | None, out: Path) -> tuple[Plan, list[Path]]:
-    """Build and write all manifests into `out` (created; stale files we own are replaced)."""
+    """Build and write all manifests into `out` (created). Files an earlier render wrote that this
+    one does not (e.g. hpa.yaml after deploy.hpa.enabled=false) are removed; other files are kept."""
     p, docs = build(cfg, best)
     out.mkdir(parents=True, exist_ok=True)
+    files = docs + [(KUSTOMIZATION, kustomization([n for n, _ in docs]))]
+    names = {n for n, _ in files}
+    for old in out.glob("*.yaml"):
+        if old.name not in names and old.read_text().startswith(HEADER):
+            old.unlink()
     written = []
-    for name, doc in docs + [(KUSTOMIZATION, kustomization([n for n, _ in docs]))]:
+    for name, doc in files:
         path = out / name
         path.write_text(HEADER + dump(doc))
         written.append(path)

@@ -72,12 +72,22 @@ def check_docs(docs: list[tuple[str, dict]], version: str) -> list[str]:
 
 
 def load_dir(directory: Path) -> tuple[list[tuple[str, dict]], list[str]]:
-    """Documents of every YAML file in a directory (kustomization aside) and the problems reading them."""
+    """Documents of a manifest directory and the problems reading them.
+
+    With a kustomization.yaml, its `resources` in their order (what `kubectl apply -k` applies);
+    without one, every .yaml / .yml file in name order.
+    """
     if not directory.is_dir():
         raise UserError(f"{directory}: no such directory")
     docs, problems = [], []
-    files = sorted(p for p in directory.iterdir() if p.suffix in (".yaml", ".yml") and p.name != KUSTOMIZATION)
-    if not files:
+    kust = directory / KUSTOMIZATION
+    if kust.is_file():
+        listed = (yaml.safe_load(kust.read_text()) or {}).get("resources", [])
+        problems += [f"{KUSTOMIZATION}: resource {r} does not exist" for r in listed if not (directory / r).is_file()]
+        files = [directory / r for r in listed if (directory / r).is_file()]
+    else:
+        files = sorted(p for p in directory.iterdir() if p.suffix in (".yaml", ".yml"))
+    if not files and not problems:
         raise UserError(f"{directory}: no .yaml manifests to check")
     for path in files:
         try:
@@ -86,10 +96,6 @@ def load_dir(directory: Path) -> tuple[list[tuple[str, dict]], list[str]]:
                     docs.append((path.name, doc))
         except yaml.YAMLError as err:
             problems.append(f"{path.name}: not valid YAML: {str(err).splitlines()[0]}")
-    kust = directory / KUSTOMIZATION
-    if kust.is_file():
-        listed = (yaml.safe_load(kust.read_text()) or {}).get("resources", [])
-        problems += [f"{KUSTOMIZATION}: resource {r} does not exist" for r in listed if not (directory / r).is_file()]
     return docs, problems
 
 

@@ -375,3 +375,12 @@ def test_check_reports_a_missing_kustomization_resource(tmp_path: Path) -> None:
     render(load_config([]), None, tmp_path)
     (tmp_path / "pvc.yaml").unlink()
     assert check_dir(tmp_path, "1.33") == ["kustomization.yaml: resource pvc.yaml does not exist"]
+
+
+def test_rerender_removes_files_it_no_longer_writes(tmp_path: Path) -> None:
+    render(load_config([]), None, tmp_path)
+    assert (tmp_path / "hpa.yaml").exists()
+    (tmp_path / "mine.yaml").write_text("# kept: not written by tuner render\n")
+    render(load_config(["deploy.hpa.enabled=false"]), None, tmp_path)
+    assert not (tmp_path / "hpa.yaml").exists() and (tmp_path / "mine.yaml").exists()
+    assert check_dir(tmp_path, "1.33") == []  # the kustomization's resources, as kubectl apply -k sees them
