@@ -72,3 +72,20 @@ def max_model_len(model: ModelConfig, hardware: HardwareConfig, deploy: DeployCo
     kv_elem = 1.0 if deploy.kv_cache_dtype == "fp8" else 2.0
     kv_tokens = hardware.gpu_memory_gib * deploy.kv_headroom_frac * tp * GIB / model.kv_bytes_per_token(kv_elem)
     return max(1024, min(model.max_context, int(kv_tokens) // 1024 * 1024))
+
+
+def builtin_memory_gib(model: ModelConfig, hardware: HardwareConfig, dtype: str, fp8_weights: bool) -> int:
+    """Memory request of a built-in (CPU) server pod: half the node, more when the weights need it.
+
+    Weights at the engine's dtype (1 byte with FP8 weights) x 1.5 for activations and the KV cache,
+    + 1 GiB for the process; one line when the node cannot hold that.
+    """
+    per_param = 1 if fp8_weights else (4 if dtype == "float32" else 2)
+    need = model.params_b * 1e9 * per_param / GIB * 1.5 + 1
+    if need > hardware.memory_gib:
+        raise UserError(
+            f"model {model.name} needs ~{need:.0f} GiB of memory on the built-in server ({dtype}"
+            f"{', fp8 weights' if fp8_weights else ''}) but hardware {hardware.name} has {hardware.memory_gib:g} GiB "
+            "(choose a smaller model, deploy.quantization=fp8, or deploy=vllm on GPUs)"
+        )
+    return int(min(hardware.memory_gib, max(hardware.memory_gib / 2, need)))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import yaml
 from kubernetes import client as k
 
-from deploy.fit import max_model_len, startup_budget_s, tensor_parallel_size
+from deploy.fit import builtin_memory_gib, max_model_len, startup_budget_s, tensor_parallel_size
 from deploy.flags import builtin_args, sglang_args, vllm_args
 from deploy.winner import MODEL_DIR, Served, served_spec
 from tuner.schema import BestResult, Config, UserError
@@ -52,7 +52,8 @@ def plan(cfg: Config, best: BestResult | None) -> Plan:
         raise UserError(f"deploy={d.target} with hardware={cfg.hardware.name}: a GPU target needs a cuda hardware profile "
                         "(or render deploy=builtin for CPU clusters)")
     served = served_spec(cfg, best)
-    tp = tensor_parallel_size(m, cfg.hardware, d)
+    # The built-in server runs on CPU nodes without tensor parallelism.
+    tp = 1 if d.target == "builtin" else tensor_parallel_size(m, cfg.hardware, d)
     max_len = max_model_len(m, cfg.hardware, d, tp)
     quant = None if d.quantization == "none" else d.quantization
     if d.target == "vllm":
@@ -66,7 +67,10 @@ def plan(cfg: Config, best: BestResult | None) -> Plan:
                            mem_fraction_static=d.gpu_memory_utilization, served_model_name=m.name,
                            extra_args=d.extra_args)
     else:
-        args = builtin_args(m.name, served.spec, host="0.0.0.0", port=d.port, fp8_weights=quant == "fp8",
+        e = cfg.engine.builtin
+        fp8 = quant == "fp8" or e.fp8_weights
+        builtin_memory_gib(m, cfg.hardware, e.dtype, fp8)
+        args = builtin_args(m.name, served.spec, host="0.0.0.0", port=d.port, dtype=e.dtype, fp8_weights=fp8,
                             extra_args=[f"cache_dir={MODEL_DIR}/spectune", *d.extra_args])
     return Plan(cfg=cfg, best=best, served=served, tp=tp, max_len=max_len, command=COMMANDS[d.target],
                 args=args, startup_s=startup_budget_s(m, d))
@@ -132,7 +136,9 @@ def _resources(p: Plan) -> k.V1ResourceRequirements:
         cpu, mem = max(2, int(hw.cpu_cores * share / 2)), max(8, int(hw.memory_gib * share / 2))
         gpus = {hw.gpu_resource: str(p.tp)}
     else:
-        cpu, mem, gpus = hw.cpu_cores, max(2, int(hw.memory_gib / 2)), {}
+        e = p.cfg.engine.builtin
+        cpu, gpus = hw.cpu_cores, {}
+        mem = builtin_memory_gib(p.cfg.model, hw, e.dtype, p.cfg.deploy.quantization == "fp8" or e.fp8_weights)
     return k.V1ResourceRequirements(requests={"cpu": str(cpu), "memory": f"{mem}Gi", **gpus},
                                     limits={"memory": f"{mem}Gi", **gpus})
 

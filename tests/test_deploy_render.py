@@ -384,3 +384,12 @@ def test_rerender_removes_files_it_no_longer_writes(tmp_path: Path) -> None:
     render(load_config(["deploy.hpa.enabled=false"]), None, tmp_path)
     assert not (tmp_path / "hpa.yaml").exists() and (tmp_path / "mine.yaml").exists()
     assert check_dir(tmp_path, "1.33") == []  # the kustomization's resources, as kubectl apply -k sees them
+
+
+def test_builtin_memory_fit_and_dtype(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["render", "model=llama-3.1-8b-instruct", "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs ~46 GiB of memory on the built-in server" in err[0] and "has 24 GiB" in err[0]
+    # The engine's dtype / FP8 emulation travel to the pod (acceptance was measured under them).
+    p, _ = render(load_config(["engine.builtin.dtype=bfloat16", "engine.builtin.fp8_weights=true"]), None, tmp_path / "b")
+    assert "engine.builtin.dtype=bfloat16" in p.args and "engine.builtin.fp8_weights=true" in p.args
