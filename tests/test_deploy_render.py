@@ -393,3 +393,22 @@ def test_builtin_memory_fit_and_dtype(tmp_path: Path, capsys: pytest.CaptureFixt
     # The engine's dtype / FP8 emulation travel to the pod (acceptance was measured under them).
     p, _ = render(load_config(["engine.builtin.dtype=bfloat16", "engine.builtin.fp8_weights=true"]), None, tmp_path / "b")
     assert "engine.builtin.dtype=bfloat16" in p.args and "engine.builtin.fp8_weights=true" in p.args
+
+
+def test_servicemonitor_schema_is_strict() -> None:
+    from deploy.validate import doc_error
+
+    from deploy.manifests import build
+
+    _, docs = build(load_config([]))
+    sm = dict(docs)["servicemonitor.yaml"]
+    assert doc_error(sm, "1.33") is None
+    typo = json.loads(json.dumps(sm))
+    typo["spec"]["endpoints"][0]["portt"] = "http"
+    assert "'portt' was unexpected" in doc_error(typo, "1.33")
+    no_selector = json.loads(json.dumps(sm))
+    del no_selector["spec"]["selector"]
+    assert "'selector' is a required property" in doc_error(no_selector, "1.33")
+    bad_scheme = json.loads(json.dumps(sm))
+    bad_scheme["spec"]["endpoints"][0]["scheme"] = "tcp"
+    assert doc_error(bad_scheme, "1.33").startswith("spec.endpoints[0].scheme:")
