@@ -396,9 +396,8 @@ def test_builtin_memory_fit_and_dtype(tmp_path: Path, capsys: pytest.CaptureFixt
 
 
 def test_servicemonitor_schema_is_strict() -> None:
-    from deploy.validate import doc_error
-
     from deploy.manifests import build
+    from deploy.validate import doc_error
 
     _, docs = build(load_config([]))
     sm = dict(docs)["servicemonitor.yaml"]
