@@ -51,11 +51,14 @@ def _targets(cfg: Config) -> Iterator[Callable[[SpecConfig], Any]]:
         yield launched
 
 
-def _figures(s: Any) -> dict[str, Any]:
+def _figures(s: Any, spec: SpecConfig) -> dict[str, Any]:
+    # Without speculation every target forward yields one token: tau is 1 by definition, also for
+    # an HTTP engine that exposes no spec_decode counters when speculation is off (vLLM).
+    tau = 1.0 if s.tau is None and spec.method == "off" else s.tau
     return {
         "output_tokens_per_s": s.output_tokens_per_s,
         "ci": [s.ci_low, s.ci_high] if s.ci_low is not None else None,
-        "tau": s.tau,
+        "tau": tau,
         "ttft_ms": {"p50": s.ttft_p50_ms, "p99": s.ttft_p99_ms},
         "tpot_ms": {"p50": s.tpot_p50_ms, "p99": s.tpot_p99_ms},
         "request_throughput": s.request_throughput,
@@ -86,10 +89,11 @@ def bench(cfg: Config) -> dict[str, Any]:
         # All levels of one spec before the other: a launched engine restarts only once.
         for lvl in levels:
             lvl.update(_figures(measure(target_for(cfg.spec), prompts, params, lvl["concurrency"],
-                                        b.warmup, b.repeats)))
+                                        b.warmup, b.repeats), cfg.spec))
         if b.baseline:
             for lvl in levels:
-                base = _figures(measure(target_for(OFF), prompts, params, lvl["concurrency"], b.warmup, b.repeats))
+                base = _figures(measure(target_for(OFF), prompts, params, lvl["concurrency"], b.warmup,
+                                        b.repeats), OFF)
                 lvl["baseline"] = base
                 lvl["speedup"] = (lvl["output_tokens_per_s"] / base["output_tokens_per_s"]
                                   if base["output_tokens_per_s"] > 0 else None)
