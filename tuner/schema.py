@@ -231,9 +231,31 @@ class SearchConfig(_Strict):
     ci_rel_width: float = Field(0.10, gt=0)  # stop repeating when the CI half-width / mean is below this
     trial_timeout_s: float = Field(600, gt=0)
     noise_rel: float = Field(0.05, ge=0)  # a speedup within this of 1.0 (or of the best) is a tie
-    storage: str | None = None  # None: SQLite file in the run directory; or an SQLAlchemy URL / journal:PATH
+    storage: str | None = None  # None: SQLite file in the run directory; or an SQLAlchemy URL / journal:PATH / env
     study_name: str | None = None
     workers: int = Field(1, ge=1, le=64)
+    # Distributed studies: a RUNNING trial whose worker sent no heartbeat for this long is marked FAIL.
+    heartbeat_grace_s: float = Field(120, ge=1)
+
+    @field_validator("storage")
+    @classmethod
+    def _no_password(cls, v: str | None) -> str | None:
+        # A password here would land in config.yaml, logs and the process list. (The message must
+        # not echo the value.)
+        if v is not None and "://" in v:
+            from urllib.parse import urlsplit
+
+            try:
+                has_pw = urlsplit(v).password is not None
+            except ValueError:
+                has_pw = False
+            if has_pw:
+                raise ValueError(
+                    "search.storage=<URL with a password>: credentials never go on the command line or into "
+                    "config.yaml; give the password by PGPASSWORD (or ~/.pgpass), or the whole URL by "
+                    "SPECTUNE_STORAGE_URL with search.storage=env"
+                )
+        return v
 
     @model_validator(mode="after")
     def _space(self) -> "SearchConfig":
@@ -289,6 +311,26 @@ class DeployConfig(_Strict):
         return v
 
 
+class DistributedConfig(_Strict):
+    """`tuner render-tuner`: the Kubernetes objects of a distributed study (PostgreSQL + worker Jobs)."""
+
+    name: str = "spectune-tuner"  # prefix of every object's name
+    namespace: str = "spectune"
+    image: str = "ghcr.io/spectune/spectune"  # the tuner image (runs `tuner optimize --worker`)
+    image_tag: str = "0.1.0"
+    postgres_image: str = "postgres"
+    postgres_tag: str = "16.4"
+    postgres_storage: str = "10Gi"
+    storage_class: str | None = None
+    # Secret (created by the user) with keys user, password, database: the in-cluster PostgreSQL's
+    # credentials, read by every pod through secretKeyRef only.
+    db_secret: str = "spectune-tuner-db"
+    # An existing database instead of the in-cluster PostgreSQL: a Secret key holding the whole URL.
+    external_url_secret: SecretRef | None = None
+    results_storage: str = "1Gi"  # PVC the report Job writes best.yaml, the report and manifests into
+    backoff_limit: int = Field(4, ge=0)  # pod retries per worker index
+
+
 class ServeConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
@@ -339,6 +381,7 @@ class Config(_Strict):
     serve: ServeConfig = ServeConfig()
     bench: BenchConfig = BenchConfig()
     train: TrainConfig = TrainConfig()
+    distributed: DistributedConfig = DistributedConfig()
     run_dir: str = "runs"
     cache_dir: str | None = None  # None: ~/.cache/spectune (converted models, trained heads)
     seed: int = 0
