@@ -23,6 +23,15 @@ N_SAMPLES = 3000
 PARAMS = SamplingParams(temperature=1.0)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # thousands of tiny tensor ops: intra-op threads only add hand-off latency on a shared machine
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _tables(seed: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     p = torch.softmax(torch.randn(VOCAB, VOCAB, generator=g) * 1.5, -1)

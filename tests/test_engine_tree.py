@@ -14,6 +14,14 @@ from tuner.config import load_config
 from tuner.schema import SpecConfig
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
     return random_llama(load_config(["model=tiny-random"]).model).eval()
