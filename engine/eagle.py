@@ -10,6 +10,11 @@ architectures ["LlamaForCausalLM"]; safetensors with `fc.weight`,
 `layers.0.self_attn.{q,k,v,o}_proj.weight`, `layers.0.mlp.{gate,up,down}_proj.weight`,
 `layers.0.post_attention_layernorm.weight`. `fc.bias` is loaded when present (some public heads have
 one) but never created for new heads: vLLM silently drops it.
+
+Optional draft vocabulary (heads trained by engine.train): `draft_vocab.json` beside the weights
+lists the target token ids the head drafts over (a row slice of the lm_head, EAGLE-3's d2t idea).
+It is a JSON file, not a tensor, because vLLM loads every *.safetensors in the directory and
+refuses unknown tensor names; vLLM ignores it and drafts over the full vocabulary.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 from tuner.schema import UserError
 
 WEIGHTS = "model.safetensors"
+DRAFT_VOCAB = "draft_vocab.json"
 _IGNORED = ("embed_tokens.weight", "lm_head.weight")  # shared from the target
 
 
@@ -81,6 +87,8 @@ class EagleHead(nn.Module):
         self.fc = nn.Linear(2 * h, h, bias=fc_bias)
         self.layers = nn.ModuleList([EagleLayer(cfg)])
         self.rotary_emb = LlamaRotaryEmbedding(cfg)
+        # target ids of the draft vocabulary (None: the full vocabulary); not a weight of the layout
+        self.register_buffer("draft_ids", None, persistent=False)
 
     def forward(self, token_embeds: torch.Tensor, features: torch.Tensor, position_ids: torch.Tensor,
                 mask: torch.Tensor | None = None, past: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -129,6 +137,8 @@ def save_head(head: EagleHead, path: str | Path) -> Path:
     (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str) + "\n")
     state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items() if not k.startswith("rotary_emb")}
     save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
+    if head.draft_ids is not None:
+        (out / DRAFT_VOCAB).write_text(json.dumps({"target_ids": head.draft_ids.tolist()}) + "\n")
     return out
 
 
@@ -159,4 +169,9 @@ def load_head(path: str | Path, target_config: LlamaConfig | None = None) -> Eag
     missing = [k for k in missing if not k.startswith("rotary_emb")]
     if missing or unexpected:
         raise UserError(f"spec.head_path={path}: not an EAGLE-1 head (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    if (p / DRAFT_VOCAB).is_file():
+        ids = json.loads((p / DRAFT_VOCAB).read_text())["target_ids"]
+        if ids and (min(ids) < 0 or max(ids) >= cfg.vocab_size):
+            raise UserError(f"spec.head_path={path}: {DRAFT_VOCAB} has token ids outside the vocabulary")
+        head.draft_ids = torch.tensor(ids, dtype=torch.long)
     return head

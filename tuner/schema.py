@@ -348,11 +348,11 @@ class BenchConfig(_Strict):
 class TrainConfig(_Strict):
     """`tuner train-draft`: self-distillation data and EAGLE head training (engine.train)."""
 
-    prompts: int = Field(160, ge=1)  # prompts answered by the target, the workload's own set first
-    max_new_tokens: int = Field(192, ge=8, le=4096)  # per response
-    samples: int = Field(1, ge=0, le=8)  # sampled responses per prompt, besides the greedy one
+    prompts: int = Field(120, ge=1)  # prompts answered by the target, the workload's own set first
+    max_new_tokens: int = Field(160, ge=8, le=4096)  # per response
+    samples: int = Field(0, ge=0, le=8)  # sampled responses per prompt, besides the greedy one
     sample_temperature: float = Field(0.8, gt=0.0, le=2.0)
-    gen_batch: int = Field(16, ge=1)  # sequences generated together
+    gen_batch: int = Field(12, ge=1)  # sequences generated together
     steps: int = Field(1200, ge=1)
     batch: int = Field(8, ge=1)  # sequences per optimizer step
     seq_len: int = Field(512, ge=16)  # tokens per training sequence (longer ones are cut)

@@ -19,6 +19,10 @@ class EagleDrafter(ModelDrafter):
         self.head = head
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
+        # a head with a draft vocabulary scores only those rows of the lm_head (most of a draft
+        # step's cost on CPU); the other tokens get -inf, so the tree never proposes them
+        self._vocab = head.draft_ids
+        self._lm_rows = None if self._vocab is None else self.lm_head.weight[self._vocab].detach().contiguous()
         self._pending: list[torch.Tensor] = []
         self._past: tuple[torch.Tensor, torch.Tensor] | None = None
         self._root_feat: torch.Tensor | None = None
@@ -42,7 +46,7 @@ class EagleDrafter(ModelDrafter):
         out, self._past = self.head(self.embed(toks), feats[None], pos, mask, self._past)
         self._ctx_len, self._root_pos = n, n - 1
         self._root_feat = out[0, -1]
-        return self.lm_head(self._root_feat)
+        return self._logits(self._root_feat)
 
     def _run(self, tokens: list[int], parent_slots: list[int], positions: torch.Tensor,
              mask: torch.Tensor) -> torch.Tensor:
@@ -50,7 +54,14 @@ class EagleDrafter(ModelDrafter):
         toks = torch.tensor([tokens], device=self.device)
         out, self._past = self.head(self.embed(toks), feats[None], positions, mask, self._past)
         self._slot_feat.extend(out[0].unbind(0))
-        return self.lm_head(out[0])
+        return self._logits(out[0])
+
+    def _logits(self, feat: torch.Tensor) -> torch.Tensor:
+        if self._lm_rows is None:
+            return self.lm_head(feat)
+        full = feat.new_full((*feat.shape[:-1], self.lm_head.weight.shape[0]), float("-inf"))
+        full[..., self._vocab] = feat @ self._lm_rows.T
+        return full
 
     def _rollback(self) -> None:
         k, v = self._past
