@@ -200,6 +200,8 @@ class Objective:
             "ttft_p99_ms": _max_opt([x.ttft_p99_ms for x in flat]),
             "tpot_p99_ms": _max_opt([x.tpot_p99_ms for x in flat]),
             "repeats": len(ratios),
+            "ratios": ratios,
+            "tok_s_samples": tok,
         }
 
     def _value(self, figures: dict[str, Any]) -> float:

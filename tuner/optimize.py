@@ -9,6 +9,7 @@ trials.csv, report.html, PNGs -> manifests in k8s/.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from tuner.config import load_config, load_saved_config, require_workload, save_config
-from tuner.objective import OFF, MeasureFn, Objective, Sample, TrialOutcome, spec_of
+from tuner.objective import OFF, MeasureFn, Objective, Sample, TrialOutcome, mean_ci, spec_of
 from tuner.report import write_report
 from tuner.schema import BestResult, Config, Figures, Provenance, SpecConfig, UserError
 from tuner.space import SearchSpace
@@ -36,69 +37,110 @@ SUPPORTED_ENGINES = ("builtin",)
 # ---- the winner ---------------------------------------------------------------------------------
 
 @dataclass
+class Candidate:
+    """All complete trials of one SpecConfig, pooled: a point sampled twice is twice the evidence."""
+
+    spec: SpecConfig
+    trials: list[FrozenTrial]
+    speedup: float
+    ci_low: float | None
+    ci_high: float | None
+    tau: float | None
+    feasible: bool
+
+    @classmethod
+    def of(cls, spec: SpecConfig, trials: list[FrozenTrial]) -> "Candidate":
+        if len(trials) == 1:  # keep the trial's own interval
+            a = trials[0].user_attrs
+            sp, lo, hi = a["speedup"], a.get("speedup_ci_low"), a.get("speedup_ci_high")
+        else:
+            sp, lo, hi = mean_ci([r for t in trials for r in t.user_attrs.get("ratios", [t.user_attrs["speedup"]])])
+        taus = [t.user_attrs["tau"] for t in trials if t.user_attrs.get("tau") is not None]
+        return cls(spec, trials, sp, lo, hi, statistics.fmean(taus) if taus else None,
+                   all(all(c <= 0 for c in t.constraints.values()) for t in trials))
+
+    def mean(self, key: str) -> float | None:
+        vals = [t.user_attrs[key] for t in self.trials if t.user_attrs.get(key) is not None]
+        return statistics.fmean(vals) if vals else None
+
+    def beats_baseline(self, noise_rel: float) -> bool:
+        """Faster than the baseline beyond noise. Without accepted drafts (tau ~ 1) nothing can be
+        faster than plain decoding, so such a measurement is noise, however large."""
+        return (self.speedup >= 1 + noise_rel and (self.ci_low is None or self.ci_low > 1.0)
+                and (self.tau is None or self.tau >= 1 + noise_rel))
+
+
+@dataclass
 class Winner:
     spec: SpecConfig
-    trial: FrozenTrial | None  # None: the baseline wins without a trial of its own being picked
+    candidate: Candidate | None  # None: speculation off wins
     reason: str
-    chain: FrozenTrial | None = None  # best chain (topk=1) beating the baseline, for vLLM targets
+    chain: Candidate | None = None  # best chain (topk=1) beating the baseline, for vLLM targets
 
 
-def _feasible(t: FrozenTrial) -> bool:
-    return all(c <= 0 for c in t.constraints.values())
+def candidates(trials: list[FrozenTrial]) -> list[Candidate]:
+    """Complete speculative trials grouped by SpecConfig, in order of first appearance."""
+    groups: dict[str, list[FrozenTrial]] = {}
+    specs: dict[str, SpecConfig] = {}
+    for t in trials:
+        spec = spec_of(t)
+        if (t.state != TrialState.COMPLETE or role(t) == "baseline" or spec is None or spec.method == "off"
+                or "speedup" not in t.user_attrs):
+            continue
+        key = spec.model_dump_json()
+        groups.setdefault(key, []).append(t)
+        specs[key] = spec
+    return [Candidate.of(specs[k], ts) for k, ts in groups.items()]
 
 
-def _beats_baseline(t: FrozenTrial, noise_rel: float) -> bool:
-    a = t.user_attrs
-    lo = a.get("speedup_ci_low")
-    return a["speedup"] >= 1 + noise_rel and (lo is None or lo > 1.0)
-
-
-def _cheapest_of_best(cands: list[FrozenTrial], noise_rel: float) -> tuple[FrozenTrial, int]:
+def _cheapest_of_best(cands: list[Candidate], noise_rel: float) -> tuple[Candidate, int]:
     """The best speedup, and among those within noise of it the smallest budget (then depth)."""
-    top = max(c.user_attrs["speedup"] for c in cands)
-    tied = [c for c in cands if c.user_attrs["speedup"] >= top * (1 - noise_rel)]
-    pick = min(tied, key=lambda c: (spec_of(c).budget, spec_of(c).depth, -c.user_attrs["speedup"]))
-    return pick, len(tied)
+    top = max(c.speedup for c in cands)
+    tied = [c for c in cands if c.speedup >= top * (1 - noise_rel)]
+    return min(tied, key=lambda c: (c.spec.budget, c.spec.depth, -c.speedup)), len(tied)
 
 
 def pick_winner(trials: list[FrozenTrial], noise_rel: float, concurrency: list[int]) -> Winner:
     """The proven winner of a study, or `off` with the reason why speculation does not pay."""
-    done = [t for t in trials if t.state == TrialState.COMPLETE and role(t) != "baseline"
-            and spec_of(t) is not None and spec_of(t).method != "off" and "speedup" in t.user_attrs]
+    done = candidates(trials)
     if not done:
         return Winner(OFF, None, "no speculative configuration completed a measurement: speculation stays off")
-    feasible = [t for t in done if _feasible(t)]
+    feasible = [c for c in done if c.feasible]
     if not feasible:
-        viol = sorted({t.user_attrs.get("slo_violations", "") for t in done} - {""})
+        viol = sorted({t.user_attrs.get("slo_violations", "") for c in done for t in c.trials} - {""})
         return Winner(OFF, None, "no speculative configuration met the workload's SLOs "
                                  f"({'; '.join(viol[:3])}): speculation stays off")
-    winners = [t for t in feasible if _beats_baseline(t, noise_rel)]
-    chains = [t for t in winners if spec_of(t).topk == 1]
+    winners = [c for c in feasible if c.beats_baseline(noise_rel)]
+    chains = [c for c in winners if c.spec.topk == 1]
     chain = _cheapest_of_best(chains, noise_rel)[0] if chains else None
     if not winners:
-        best = max(feasible, key=lambda t: t.user_attrs["speedup"])
-        a, spec = best.user_attrs, spec_of(best)
-        ci = (f", 95% CI [{a['speedup_ci_low']:.3f}, {a['speedup_ci_high']:.3f}]"
-              if a.get("speedup_ci_low") is not None else "")
+        best = max(feasible, key=lambda c: c.speedup)
+        ci = f", 95% CI [{best.ci_low:.3f}, {best.ci_high:.3f}]" if best.ci_low is not None else ""
         head = (f"slowdown trap: no speculative configuration beats the baseline beyond noise "
-                f"(+{noise_rel:.0%}); the best, {spec.key()}, reached {a['speedup']:.3f}x{ci}. ")
-        tau = a.get("tau")
-        if tau is None or tau < TAU_LOW:
+                f"(+{noise_rel:.0%}); the best, {best.spec.key()}, reached {best.speedup:.3f}x{ci}. ")
+        tau = best.tau
+        if tau is None:
+            why = "Acceptance unknown (the engine reported no tau)."
+        elif tau < TAU_LOW:
             why = (f"Acceptance too low: tau={tau:.2f} tokens per target forward, so drafts are rarely "
-                   "accepted and drafting plus verifying is pure overhead." if tau is not None else
-                   "Acceptance unknown (the engine reported no tau).")
+                   "accepted and drafting plus verifying is pure overhead.")
         else:
             why = (f"Verification too costly at concurrency {concurrency}: tau={tau:.2f} tokens per target "
-                   f"forward, but verifying {spec.budget} tokens per step costs more than the accepted tokens save.")
+                   f"forward, but verifying {best.spec.budget} tokens per step costs more than the accepted "
+                   "tokens save.")
         return Winner(OFF, None, head + why + " Serve without speculation.")
     pick, n_tied = _cheapest_of_best(winners, noise_rel)
-    a = pick.user_attrs
-    reason = (f"{spec_of(pick).key()}: {a['speedup']:.3f}x over the baseline measured adjacent in time "
-              f"(tau {a['tau']:.2f})" if a.get("tau") is not None else
-              f"{spec_of(pick).key()}: {a['speedup']:.3f}x over the baseline measured adjacent in time")
+    n = len(pick.trials)
+    reason = f"{pick.spec.key()}: {pick.speedup:.3f}x over the baseline measured adjacent in time"
+    if pick.ci_low is not None:
+        reason += f" (95% CI [{pick.ci_low:.3f}, {pick.ci_high:.3f}])"
+    if pick.tau is not None:
+        reason += f", tau {pick.tau:.2f}"
+    if n > 1:
+        reason += f", pooled over {n} trials"
     if n_tied > 1:
         reason += f"; {n_tied} configurations were within noise ({noise_rel:.0%}) of the best: the smallest budget wins"
-    return Winner(spec_of(pick), pick, reason, chain)
+    return Winner(pick.spec, pick, reason, chain)
 
 
 # ---- measuring with the engine ------------------------------------------------------------------
@@ -180,11 +222,11 @@ class Progress:
         if o.state == TrialState.COMPLETE and o.spec.method != "off" and o.speedup is not None:
             self.best = max(self.best or 0.0, o.speedup)
         if o.state == TrialState.COMPLETE:
-            what = f"{o.tok_s:7.2f} tok/s  speedup {o.speedup:.3f}x"
+            what = f"{o.tok_s:7.2f} tok/s {o.speedup:.3f}x"
         else:
             what = f"{o.state.name}: {o.reason}"
         best = f"best {self.best:.3f}x" if self.best is not None else "best -"
-        self.log(f"trial {o.number:3d} ({n}/{self.task_total}) {o.spec.key():22s} {what}  | {best}")
+        self.log(f"trial {n}/{self.task_total} #{o.number} {o.spec.key()}: {what} | {best}")
         self.bar.update(self.task, completed=n, description=best)
 
     @property
@@ -239,10 +281,14 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
                        ci_high=a.get(f"{prefix}_ci_high"), tau=a.get("tau"),
                        ttft_p99_ms=a.get("ttft_p99_ms"), tpot_p99_ms=a.get("tpot_p99_ms"))
 
-    if win.trial is not None:
-        metrics = figs(win.trial.user_attrs)
-        baseline = Figures(output_tokens_per_s=win.trial.user_attrs["baseline_tok_s"])
-        speedup = win.trial.user_attrs["speedup"]
+    c = win.candidate
+    if c is not None:
+        metrics = Figures(output_tokens_per_s=c.mean("tok_s"), ci_low=c.mean("tok_s_ci_low"),
+                          ci_high=c.mean("tok_s_ci_high"), tau=c.tau,
+                          ttft_p99_ms=max(t.user_attrs.get("ttft_p99_ms") or 0.0 for t in c.trials) or None,
+                          tpot_p99_ms=max(t.user_attrs.get("tpot_p99_ms") or 0.0 for t in c.trials) or None)
+        baseline = Figures(output_tokens_per_s=c.mean("baseline_tok_s"))
+        speedup = c.speedup
     else:
         metrics = figs(base_trial.user_attrs) if base_trial is not None else None
         baseline = metrics
@@ -253,13 +299,13 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
         heldout = Figures(output_tokens_per_s=h["tok_s"], ci_low=h["tok_s_ci_low"], ci_high=h["tok_s_ci_high"],
                           tau=h["tau"], ttft_p99_ms=h["ttft_p99_ms"], tpot_p99_ms=h["tpot_p99_ms"])
         heldout_speedup = h["speedup"]
-    chain = spec_of(win.chain) if win.chain is not None else None
+    chain = win.chain.spec if win.chain is not None else None
     return BestResult(
         spec=win.spec, chain_spec=chain, metrics=metrics, baseline=baseline, speedup=speedup,
         heldout=heldout, heldout_speedup=heldout_speedup, reason=win.reason,
         k_schedule_note=("K per concurrency band tuned (spec.k_per_batch_size)" if win.spec.k_per_batch_size else None),
         provenance=Provenance(
-            study=study.study_name, trial=win.trial.number if win.trial is not None else
+            study=study.study_name, trial=c.trials[0].number if c is not None else
             (base_trial.number if base_trial is not None else None),
             storage=storage_url(cfg.search, run_dir), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             model=cfg.model.name, hardware=cfg.hardware.name, engine=cfg.engine.kind, workload=cfg.workload.name),
@@ -283,7 +329,12 @@ def optimize(overrides: list[str] | None = None, resume: Path | None = None, qui
     """
     from engine.workloads import load_prompts
 
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # our own progress says what happens
     cfg, run_dir, resuming = prepare_run(overrides, resume)
+    if cfg.search.workers > 1:  # N worker processes on one shared study
+        from tuner.distributed import optimize_parallel
+
+        return optimize_parallel(cfg, run_dir, resuming, quiet=quiet, engine=engine, measure=measure)
     if engine is None and measure is None:
         engine = open_engine(cfg)
     head = get_draft(cfg, engine)

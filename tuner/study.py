@@ -118,7 +118,9 @@ def create_study(cfg: Config, space: SearchSpace, run_dir: Path, name: str) -> o
             f"search.study_name={name!r} already exists in {storage_url(cfg.search, run_dir)}: "
             "resume it with --resume RUN_DIR or choose another name"
         ) from None
-    study.set_metric_names(METRICS_MULTI if multi else METRICS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study.set_metric_names(METRICS_MULTI if multi else METRICS)
     study.set_user_attr("workload", cfg.workload.name if cfg.workload else None)
     study.set_user_attr("model", cfg.model.name)
     study.set_user_attr("engine", cfg.engine.kind)
