@@ -345,8 +345,12 @@ class Launcher:
         with open(self.log_path, "wb") as log:
             log.write(("$ " + " ".join(cmd) + "\n").encode())
             log.flush()
-            self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                          env=full_env, start_new_session=True)
+            try:
+                self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                              env=full_env, start_new_session=True)
+            except OSError as exc:  # not executable, bad interpreter line
+                raise EngineStartError(f"{self.kind} could not be executed ({cmd[0]}): {exc}",
+                                       log_path=self.log_path) from None
         with _LIVE_LOCK:
             _LIVE.add(self)
         try:

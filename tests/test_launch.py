@@ -243,6 +243,16 @@ def test_failed_start_raises_with_the_servers_error_line(fake) -> None:
     assert not launcher.running
 
 
+def test_unrunnable_executable_is_a_failed_start(tmp_path: Path) -> None:
+    exe = tmp_path / "vllm"
+    exe.write_text("#!/nonexistent/python\n")
+    exe.chmod(0o755)
+    launcher = Launcher("vllm", LaunchedEngineConfig(executable=str(exe), port=_free_port()), "m", log_dir=tmp_path)
+    with pytest.raises(EngineStartError, match="could not be executed"):
+        launcher.ensure(SpecConfig(method="off"))
+    assert not launcher.running
+
+
 def test_health_timeout_kills_the_whole_group(fake) -> None:
     launcher = fake("hang", startup_timeout_s=1.5)
     t0 = time.monotonic()
