@@ -180,7 +180,8 @@ def step_loss(head: EagleHead, embed: torch.Tensor, lm_w: torch.Tensor, t2d: tor
         total = total + w * (l_feat + tc.ce_weight * l_ce)
         wsum += w
         if j == 0:
-            parts = {"feat": float(l_feat), "ce": float(l_ce), "acc": float((logits.argmax(-1) == lab).float().mean())}
+            with torch.no_grad():
+                parts = {"feat": float(l_feat), "ce": float(l_ce), "acc": float((logits.argmax(-1) == lab).float().mean())}
     return total / max(wsum, 1e-9), parts
 
 
@@ -278,12 +279,12 @@ def train_head(data: DistillData, target: torch.nn.Module, tc: TrainConfig, work
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
         opt.step()
-        history.append(round(float(loss), 5))
+        history.append(round(float(loss.detach()), 5))
         done = step + 1
         if done % tc.checkpoint_every == 0 or done == tc.steps:
             _save_ckpt(ckpt, head, opt, done, fingerprint, history)
         if report:
-            report("train", done, tc.steps, {"loss": float(loss), **parts})
+            report("train", done, tc.steps, {"loss": float(loss.detach()), **parts})
     head.eval().requires_grad_(False)
     head.draft_ids = ids
     summary = {"steps": tc.steps, "resumed_from": start, "train_seconds": round(time.perf_counter() - t0, 1),

@@ -51,6 +51,7 @@ COMMAND_MODULES: list[str] = [
     "tuner.cli_deploy",
     "tuner.cli_bench",
     "tuner.cli_optimize",
+    "tuner.cli_train",
 ]
 
 
