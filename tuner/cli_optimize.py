@@ -21,6 +21,16 @@ def _run_dir(path: str) -> Path:
 def _cmd_optimize(args: argparse.Namespace) -> int:
     from tuner.optimize import optimize
 
+    if args.worker or args.create_only:  # distributed studies (tuner.distributed)
+        from tuner import distributed
+
+        if args.resume:
+            raise UserError("--resume is for a run directory; a worker joins its study with --worker")
+        if args.create_only:
+            print(distributed.create_only(args.overrides))
+        else:
+            distributed.run_worker(args.overrides, quiet=args.quiet)
+        return 0
     optimize(args.overrides, resume=_run_dir(args.resume) if args.resume else None, quiet=args.quiet)
     return 0
 
@@ -43,7 +53,24 @@ def open_run_study(run_dir: Path):  # -> optuna.Study
 def _cmd_report(args: argparse.Namespace) -> int:
     from tuner.report import write_report
 
+    if args.storage or args.study:  # a shared study, read from its storage (tuner.distributed)
+        from tuner.distributed import report_from_storage
+
+        if not (args.storage and args.study) or args.run_dir:
+            raise UserError("tuner report takes RUN_DIR, or --storage URL with --study NAME")
+        print(report_from_storage(args.storage, args.study, args.out, args.wait))
+        return 0
+    if args.run_dir is None:
+        raise UserError("tuner report takes RUN_DIR, or --storage URL with --study NAME")
     run_dir = _run_dir(args.run_dir)
+    from tuner.distributed import is_distributed_run, report_from_storage
+
+    if is_distributed_run(run_dir):  # a worker's run dir: best.yaml and manifests from the shared study
+        from tuner.config import load_saved_config
+
+        search = load_saved_config(run_dir / "config.yaml").search
+        print(report_from_storage(search.storage, search.study_name, args.out or run_dir))
+        return 0
     write_report(open_run_study(run_dir), run_dir)
     print(run_dir / "report.html")
     return 0
@@ -74,10 +101,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     o.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +workload=code search=quick")
     o.add_argument("--resume", metavar="RUN_DIR", help="continue the study of RUN_DIR after an interruption")
     o.add_argument("--quiet", action="store_true", help="no live progress, only the run directory")
+    o.add_argument("--worker", action="store_true",
+                   help="join the shared study search.study_name in search.storage (its config comes from the "
+                        "study; only search.storage, search.study_name, engine.*, run_dir, cache_dir are taken)")
+    o.add_argument("--create-only", action="store_true",
+                   help="create the shared study (baseline and defaults enqueued once) and exit; idempotent")
     o.set_defaults(func=_cmd_optimize)
 
-    r = sub.add_parser("report", help="re-render trials.csv, the PNGs and report.html of a run directory")
-    r.add_argument("run_dir", metavar="RUN_DIR")
+    r = sub.add_parser("report", help="re-render trials.csv, the PNGs and report.html of a run directory; for a "
+                                    "shared study (--storage/--study, or a worker's run dir) also best.yaml and "
+                                    "the manifests")
+    r.add_argument("run_dir", metavar="RUN_DIR", nargs="?")
+    r.add_argument("--storage", help="a shared study's storage: postgresql://USER@HOST/DB (password from "
+                                     "PGPASSWORD), env (SPECTUNE_STORAGE_URL) or journal:PATH")
+    r.add_argument("--study", help="the shared study's name (with --storage)")
+    r.add_argument("--out", type=Path, help="directory for best.yaml, the report and manifests "
+                                            "(default RUN_DIR, or <run_dir>/<study>)")
+    r.add_argument("--wait", type=float, metavar="SECONDS",
+                   help="with --storage: first wait up to SECONDS until the study's budget is spent")
     r.set_defaults(func=_cmd_report)
 
     d = sub.add_parser("dashboard", help="optuna-dashboard on 127.0.0.1 for a run directory's study")

@@ -483,10 +483,15 @@ def _work_and_finish(cfg: Config, url: str, name: str, run_dir: Path, quiet: boo
     from tuner.space import SearchSpace
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # Spawned workers load their engines while this one does, unless a draft head must be trained
+    # first (once, here; they then find it cached).
+    needs_head = any(m in ("eagle", "eagle3", "medusa") for m in cfg.search.methods)
+    if before_work is not None and not needs_head:
+        before_work()
     if engine is None and measure is None:
         engine = open_engine(cfg)
     space = SearchSpace.from_config(cfg, head_path=get_draft(cfg, engine))
-    if before_work is not None:
+    if before_work is not None and needs_head:
         before_work()
     study = open_worker_study(cfg, url, name)
     if measure is None:
@@ -542,7 +547,7 @@ def optimize_parallel(cfg: Config, run_dir: Path, resuming: bool, quiet: bool = 
         # The children see the URL as given (`env` stays `env`, resolved from their inherited
         # environment); a relative journal path becomes absolute.
         given = f"journal:{url[len('journal:'):]}" if url.startswith("journal:") else cfg.search.storage
-        cmd = [sys.executable, "-m", "tuner.cli", "optimize", "--worker", "--quiet",
+        cmd = [sys.executable, "-m", "tuner.cli", "optimize", "--worker",
                f"search.storage={given}", f"search.study_name={name}", f"run_dir={cfg.run_dir}"]
         if cfg.cache_dir:
             cmd.append(f"cache_dir={cfg.cache_dir}")
@@ -551,7 +556,6 @@ def optimize_parallel(cfg: Config, run_dir: Path, resuming: bool, quiet: bool = 
                 children.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
 
     try:
-        # The engine and any draft head come first (spawned workers then find the head cached).
         best = _work_and_finish(cfg, url, name, run_dir, quiet, engine, measure, force=True, children=children,
                                 before_work=spawn)
     finally:
@@ -590,6 +594,24 @@ def report_from_storage(storage: str, study_name: str, out: Path | None = None, 
     save_config(cfg, run_dir / "config.yaml")
     write_run(study, cfg, run_dir, best)
     return run_dir
+
+
+def is_distributed_run(run_dir: Path) -> bool:
+    """Whether RUN_DIR belongs to a shared study (its config names a shared storage and the study
+    was created by the distributed flow), so its report comes from the storage."""
+    from tuner.config import load_saved_config
+    from tuner.study import storage_url
+
+    search = load_saved_config(run_dir / "config.yaml").search
+    if search.storage is None or not search.study_name:
+        return False
+    url = resolve_storage(storage_url(search, run_dir))
+    if not is_shared(url):
+        return False
+    storage = open_storage(url)
+    if search.study_name not in optuna.study.get_all_study_names(storage):
+        return False
+    return CONFIG_ATTR in optuna.load_study(study_name=search.study_name, storage=storage).user_attrs
 
 
 def wait_for_study(url: str, study_name: str | None, timeout_s: float, done: bool = False) -> None:

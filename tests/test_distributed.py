@@ -1,0 +1,212 @@
+"""Distributed tuning against a real PostgreSQL server (started here, tests/pg.py) and journal files:
+the shared budget, the enqueued trials running once, heartbeats and the stale-trial sweep,
+credentials, and the study's config and winner kept in the storage. Fast: a fake measurement
+instead of an engine (the end-to-end runs with real workers are in test_distributed_e2e.py)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+import pg
+from tuner import distributed as d
+from tuner.cli import main
+from tuner.config import load_config
+from tuner.objective import Objective, Sample
+from tuner.schema import SpecConfig, UserError
+from tuner.space import SearchSpace
+
+BASE = ["model=tiny-random", "+workload=code", "search=quick", "workload.num_heldout=0"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with pg.postgres_server() as s:
+        old = os.environ.get("PGPASSWORD")
+        os.environ["PGPASSWORD"] = pg.PASSWORD
+        try:
+            yield s
+        finally:
+            if old is None:
+                os.environ.pop("PGPASSWORD", None)
+            else:
+                os.environ["PGPASSWORD"] = old
+
+
+def fake_measure(delay_s: float = 0.02):
+    """Speculation 'helps' a little with depth; each call takes delay_s (a trial makes two)."""
+
+    def measure(spec: SpecConfig, split: str, concurrency: int) -> Sample:
+        time.sleep(delay_s)
+        if spec.method == "off":
+            return Sample(100.0, 1.0, 10.0, 10.0)
+        return Sample(100.0 + 20 * spec.depth, 1.0 + 0.3 * spec.depth, 10.0, 9.0)
+
+    return measure
+
+
+def _workers(cfg, url: str, n: int, delay_s: float = 0.02) -> list[int]:
+    """n worker threads on the study, each with its own WorkerStudy (own connections); trials each ran."""
+    space = SearchSpace.from_config(cfg)
+    ran = [0] * n
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            study = d.open_worker_study(cfg, url, cfg.search.study_name)
+            ran[i] = d.work(study, Objective(study, space, fake_measure(delay_s), cfg.workload, cfg.search), cfg)
+        except BaseException as exc:  # surfaced by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return ran
+
+
+def _study(url: str, name: str) -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=d.open_storage(url))
+
+
+def test_budget_holds_across_workers_and_enqueued_trials_run_once(server, tmp_path: Path) -> None:
+    cfg = load_config([*BASE, f"search.storage={server.url}", "search.study_name=budget", "search.n_trials=14"])
+    study, created = d.create_shared_study(cfg, server.url, SearchSpace.from_config(cfg))
+    assert created
+    # Creating again (a retried creator Job) adds nothing: baseline and defaults are enqueued once.
+    assert d.create_shared_study(cfg, server.url, SearchSpace.from_config(cfg))[1] is False
+    assert len(study.get_trials(states=(TrialState.WAITING,))) == 2
+
+    ran = _workers(cfg, server.url, 4)
+    trials = _study(server.url, "budget").get_trials()
+    assert len(trials) == 14 and sum(ran) == 14  # exactly the budget, although 4 workers raced for it
+    assert all(t.state == TrialState.COMPLETE for t in trials)
+    roles = Counter(t.user_attrs.get("role", "search") for t in trials)
+    assert roles["baseline"] == 1 and roles["default"] == 1
+    assert sum(1 for t in trials if t.user_attrs["spec"] == "off") == 1
+    assert len({t.user_attrs[d.WORKER] for t in trials}) == 1  # threads of one process: one host:pid
+    assert len({t.number for t in trials}) == 14
+    assert sum(1 for r in ran if r > 0) >= 2  # the work was shared
+
+    # Every worker that finds the budget spent asks no more.
+    assert _workers(cfg, server.url, 2) == [0, 0]
+    assert len(_study(server.url, "budget").get_trials()) == 14
+
+
+def test_grid_points_each_run_once_over_a_journal_file(tmp_path: Path) -> None:
+    url = f"journal:{tmp_path / 'study.journal'}"
+    cfg = load_config([*BASE, f"search.storage={url}", "search.study_name=grid", "search.sampler=grid",
+                       "search.n_trials=50"])
+    space = SearchSpace.from_config(cfg)
+    d.create_shared_study(cfg, url, space)
+    _workers(cfg, url, 3)
+    trials = _study(url, "grid").get_trials()
+    specs = [t.user_attrs["spec"] for t in trials]
+    assert len(specs) == len(space.points()) + 1  # every point once, plus the baseline
+    assert sorted(specs) == sorted(["off"] + [p.key() for p in space.points()])
+
+
+def test_dead_worker_trial_is_swept_fail_and_live_ones_are_not(server) -> None:
+    cfg = load_config([*BASE, f"search.storage={server.url}", "search.study_name=sweep", "search.n_trials=3",
+                       "search.heartbeat_grace_s=2"])
+    d.create_shared_study(cfg, server.url, SearchSpace.from_config(cfg))
+    alive = d.open_worker_study(cfg, server.url, "sweep")
+    dead = d.open_worker_study(cfg, server.url, "sweep")
+    t_dead = dead.ask()
+    dead.heartbeat.stop()  # what SIGKILL does to the heartbeat thread
+    t_alive = alive.ask()
+    time.sleep(3.5)  # beyond the grace period: the live trial's heartbeat kept it fresh
+    assert d.sweep_stale(alive, cfg.search.heartbeat_grace_s) == [t_dead.number]
+    frozen = {t.number: t for t in alive.get_trials()}
+    assert frozen[t_dead.number].state == TrialState.FAIL
+    assert "no heartbeat" in frozen[t_dead.number].user_attrs["fail_reason"]
+    assert frozen[t_alive.number].state == TrialState.RUNNING
+    assert frozen[t_alive.number].user_attrs[d.HEARTBEAT] > time.time() - 2
+    alive.tell(t_alive, 1.0)
+    # The presumed-dead worker comes back and tells: its trial keeps the FAIL the others counted.
+    assert dead.tell(t_dead, 2.0).state == TrialState.FAIL
+    # The swept trial counts against the budget: one more trial, then it is spent.
+    assert alive.started() == 2 and not alive.budget_spent()
+    alive.tell(alive.ask(), 1.0)
+    alive.heartbeat.stop()
+    with pytest.raises(d.BudgetSpent):
+        alive.ask()
+
+
+def test_winner_stored_in_the_study_and_report_from_storage(server, tmp_path: Path) -> None:
+    cfg = load_config([*BASE, f"search.storage={server.url}", "search.study_name=rep", "search.n_trials=5",
+                       f"run_dir={tmp_path}"])
+    d.create_shared_study(cfg, server.url, SearchSpace.from_config(cfg))
+    _workers(cfg, server.url, 2)
+    study = d.open_worker_study(cfg, server.url, "rep")
+    assert d.claim_finalize(study, 60) is True
+    assert d.claim_finalize(study, 60) is False  # one finalizer
+    best = d.finalize(study, cfg, tmp_path, None, force=True)
+    assert best is not None and best.spec.method == "ngram" and best.spec.depth == 4  # the default d4 is the fake engine's best
+    assert best.provenance.storage == server.url  # no password in it: none was given
+    assert d.stored_best(study) == best
+
+    out = tmp_path / "report"
+    assert main(["report", "--storage", server.url, "--study", "rep", "--out", str(out)]) == 0
+    for f in ("config.yaml", "best.yaml", "trials.csv", "report.html", "k8s/kustomization.yaml"):
+        assert (out / f).is_file(), f
+    assert "ngram d4 k1 b5" in (out / "best.yaml").read_text()
+    # The same from a run directory whose config names the shared study.
+    (out / "best.yaml").unlink()
+    assert main(["report", str(out)]) == 0 and (out / "best.yaml").is_file()
+
+
+def test_credentials_never_on_the_command_line_and_masked(server, monkeypatch, capsys, tmp_path: Path) -> None:
+    secret = "pa55word-xyz"
+    url_pw = server.url.replace("spectune@", f"spectune:{secret}@")
+    with pytest.raises(UserError) as e:
+        load_config([*BASE, f"search.storage={url_pw}"])
+    assert secret not in str(e.value) and "PGPASSWORD" in str(e.value)
+    assert main(["report", "--storage", url_pw, "--study", "x"]) == 2
+    assert secret not in capsys.readouterr().err
+
+    assert d.mask_url(url_pw) == server.url.replace("spectune@", "spectune:***@")
+    monkeypatch.delenv(d.STORAGE_ENV, raising=False)
+    with pytest.raises(UserError, match="SPECTUNE_STORAGE_URL"):
+        d.resolve_storage("env")
+    # The whole URL (password included) from the environment: works, and is masked in best.yaml.
+    monkeypatch.setenv(d.STORAGE_ENV, server.url.replace("spectune@", f"spectune:{pg.PASSWORD}@"))
+    monkeypatch.delenv("PGPASSWORD")
+    cfg = load_config([*BASE, "search.storage=env", "search.study_name=envy", "search.n_trials=3",
+                       f"run_dir={tmp_path}"])
+    url = d.resolve_storage("env")
+    d.create_shared_study(cfg, url, SearchSpace.from_config(cfg))
+    _workers(cfg, url, 1)
+    best = d.finalize(d.open_worker_study(cfg, url, "envy"), cfg, tmp_path, None, force=True)
+    assert best.provenance.storage == server.url.replace("spectune@", "spectune:***@")
+    stored = _study(url, "envy").user_attrs[d.CONFIG_ATTR]
+    assert stored["search"]["storage"] == "env" and pg.PASSWORD not in repr(stored)
+
+
+def test_user_errors(server, tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="shared by processes"):
+        d.check_shared(f"sqlite:///{tmp_path}/x.db", "search.workers=3")
+    with pytest.raises(UserError, match="takes its config from the study"):
+        d.worker_config([f"search.storage={server.url}", "search.study_name=x", "search.n_trials=99"])
+    with pytest.raises(UserError, match="no such study"):
+        d.worker_config([f"search.storage={server.url}", "search.study_name=nope"])
+    with pytest.raises(UserError, match="needs search.storage"):
+        d.worker_config(["search.study_name=nope"])
+    assert main(["optimize", "--create-only", *BASE, f"search.storage={server.url}"]) == 2  # no study name
+    assert main(["optimize", "--create-only", *BASE, f"search.storage={server.url}", "search.study_name=c1"]) == 0
+    assert main(["optimize", "--create-only", *BASE, f"search.storage={server.url}", "search.study_name=c1"]) == 0
+    # A worker's own overrides land on the study's config (engine settings differ per machine).
+    cfg, _, name = d.worker_config([f"search.storage={server.url}", "search.study_name=c1",
+                                    "engine.builtin.threads=1", f"run_dir={tmp_path}"])
+    assert name == "c1" and cfg.engine.builtin.threads == 1 and cfg.model.name == "tiny-random"
+    with pytest.raises(UserError, match="gave up after"):
+        d.wait_for_study(server.url, "never", 0.5)
