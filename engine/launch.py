@@ -119,34 +119,55 @@ def server_env(kind: Kind, ecfg: LaunchedEngineConfig, model_ref: str, accelerat
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 # vLLM prefixes its log lines: "(EngineCore_DP0 pid=12) ERROR 11-29 10:20:00 [core.py:708] text".
-_PREFIX = re.compile(r"^(\(\w+ pid=\d+\)\s*)?((INFO|WARNING|ERROR|DEBUG|CRITICAL)\s+\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)?\s+\[[^\]]*\]\s*)?")
+_PREFIX = re.compile(r"^(\(\w+ pid=\d+\)\s*)?(?:(INFO|WARNING|ERROR|DEBUG|CRITICAL)\s+\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)?\s+\[[^\]]*\]\s*)?")
 # "ValueError: ...", "torch.OutOfMemoryError: ...", argparse's "vllm: error: unrecognized arguments".
 _EXC = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*?:\s*\S|[\w.-]+: error: )")
 # pydantic puts the reason on the line after "1 validation error for SpeculativeConfig".
 _PYDANTIC = re.compile(r"\d+ validation errors? for ")
 _ERRORISH = re.compile(r"error|exception|failed|out of memory|killed|not found|unrecognized|invalid|refused", re.I)
-# Wrappers that only point elsewhere ("see root cause above"): never the line worth reporting.
+# Wrappers that only point elsewhere ("see root cause above"): reported only when nothing better exists.
 _GENERIC = re.compile(
     r"see root cause above|engine core initialization failed|traceback \(most recent call last\)|"
     r"during handling of the above exception|the above exception was the direct cause", re.I)
 
 
+def _log_lines(log_text: str) -> list[tuple[str, str]]:
+    """(level, text) of each meaningful log line; level is '' for lines without vLLM's prefix."""
+    out = []
+    for raw in log_text.splitlines():
+        line = _ANSI.sub("", raw).strip()
+        m = _PREFIX.match(line)
+        level = (m.group(2) or "") if m else ""
+        line = line[m.end():].strip() if m else line
+        if line and not line.startswith('File "') and set(line) - set("^~ -|+"):
+            out.append((level, line))
+    return out
+
+
 def error_line(log_text: str, limit: int = 400) -> str:
     """The most telling line of a server log: the last exception or `error:` line that is not a
-    wrapper pointing elsewhere; else the last error-ish line; else the last non-empty line."""
-    lines = []
-    for raw in log_text.splitlines():
-        line = _PREFIX.sub("", _ANSI.sub("", raw).strip()).strip()
-        if line and not line.startswith('File "') and set(line) - set("^~ -|+"):
-            lines.append(line)
-    for pattern in (_EXC, _ERRORISH):
-        for i in range(len(lines) - 1, -1, -1):
-            line = lines[i]
-            if pattern.search(line) and not _GENERIC.search(line):
-                if _PYDANTIC.search(line) and i + 1 < len(lines):
-                    line = f"{line}: {lines[i + 1]}"
-                return line[:limit]
-    return lines[-1][:limit] if lines else "(the server wrote no log)"
+    wrapper pointing elsewhere; else the last error-ish line that is not INFO/WARNING; else the
+    wrapper itself; else the last line."""
+    lines = _log_lines(log_text)
+    for i in range(len(lines) - 1, -1, -1):
+        line = lines[i][1]
+        if _EXC.search(line) and not _GENERIC.search(line):
+            if _PYDANTIC.search(line) and i + 1 < len(lines):
+                line = f"{line}: {lines[i + 1][1]}"
+            return line[:limit]
+    for level, line in reversed(lines):
+        if level not in ("INFO", "WARNING", "DEBUG") and _ERRORISH.search(line) and not _GENERIC.search(line):
+            return line[:limit]
+    for _, line in reversed(lines):
+        if _EXC.search(line):
+            return line[:limit]
+    return lines[-1][1][:limit] if lines else "(the server wrote no log)"
+
+
+def last_line(log_text: str, limit: int = 400) -> str:
+    """The last meaningful line of a server log (where a start-up that never finished got to)."""
+    lines = _log_lines(log_text)
+    return lines[-1][1][:limit] if lines else "(the server wrote no log)"
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -369,14 +390,15 @@ class Launcher:
         while True:
             rc = self._proc.poll()
             if rc is not None:
-                raise EngineStartError(f"{self.kind} exited with code {rc} during start-up: {self._error_line()}",
+                how = f"was killed by signal {-rc} (out of memory?)" if rc < 0 else f"exited with code {rc}"
+                raise EngineStartError(f"{self.kind} {how} during start-up: {error_line(self._log_text())}",
                                        log_path=self.log_path, returncode=rc)
             if self._healthy():
                 return
             if time.monotonic() - t0 > timeout:
                 raise EngineStartError(
                     f"{self.kind} not healthy after {timeout:g} s (engine.{self.kind}.startup_timeout_s); "
-                    f"last log line: {self._error_line()}", log_path=self.log_path)
+                    f"last log line: {last_line(self._log_text())}", log_path=self.log_path)
             time.sleep(self.poll_s)
 
     def _healthy(self) -> bool:
@@ -388,16 +410,14 @@ class Launcher:
         except (urllib.error.URLError, OSError, ValueError):
             return False
 
-    def _error_line(self) -> str:
+    def _log_text(self) -> str:
         if self.log_path is None or not self.log_path.is_file():
-            return "(no log)"
-        return error_line(self.log_path.read_text(errors="replace"))
+            return ""
+        return self.log_path.read_text(errors="replace")
 
     def log_tail(self, n: int = 40) -> str:
         """The last n lines of the current server log."""
-        if self.log_path is None or not self.log_path.is_file():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return "\n".join(self._log_text().splitlines()[-n:])
 
     def stop(self) -> None:
         """Stop the server (its whole process group). Safe to call at any time, repeatedly."""

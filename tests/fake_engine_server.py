@@ -1,10 +1,10 @@
 """A stand-in for `vllm serve` / `python -m sglang.launch_server` in the launcher's fast tests.
 
 FAKE_MODE chooses the behaviour: ok (serves /health), fail (prints a traceback and exits 1),
-hang (never listens), stubborn (serves /health and ignores SIGTERM). In every mode it first
-spawns a child in its process group, the way vLLM forks its engine core, and records its argv,
-its pid and the child's pid in FAKE_RECORD (one JSON line per start), so tests can check that
-the launcher stops the whole group.
+oom (dies of SIGKILL), hang (never listens), stubborn (serves /health and ignores SIGTERM).
+In every mode it first spawns a child in its process group, the way vLLM forks its engine core,
+and records its argv, its pid and the child's pid in FAKE_RECORD (one JSON line per start), so
+tests can check that the launcher stops the whole group.
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ def main() -> None:
               "RuntimeError: Engine core initialization failed. See root cause above.", flush=True)
         child.kill()
         sys.exit(1)
+    if mode == "oom":  # what the kernel's OOM killer does
+        child.kill()
+        os.kill(os.getpid(), signal.SIGKILL)
     if mode == "hang":
         time.sleep(600)
         return

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.launch import EngineStartError, Launcher, error_line, server_command, server_env
+from engine.launch import EngineStartError, Launcher, error_line, last_line, server_command, server_env
 from tuner.config import load_config
 from tuner.schema import LaunchedEngineConfig, SpecConfig, UserError
 
@@ -220,6 +220,13 @@ def test_error_line_skips_wrappers_and_prefixes() -> None:
         RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
         """)
     assert error_line(log) == "torch.OutOfMemoryError: could not allocate 2.0 GiB"
+    # A warning that merely says "not found" is not the error; the wrapper is the best there is.
+    killed = ("(Worker pid=3) WARNING 11-29 10:22:16 [cpu_worker.py:114] libiomp is not found in LD_PRELOAD.\n"
+              "RuntimeError: Engine core initialization failed. See root cause above. "
+              "Failed core proc(s): {'EngineCore': -9}\n")
+    assert error_line(killed).startswith("RuntimeError: Engine core initialization failed")
+    assert last_line(killed + "\n\n") == error_line(killed)
+    assert last_line("INFO 11-29 10:14:28 [core.py:1] loading weights\n") == "loading weights"
     argparse_log = "usage: vllm [-h]\nvllm: error: unrecognized arguments: --no-such-flag\n"
     assert error_line(argparse_log) == "vllm: error: unrecognized arguments: --no-such-flag"
     pyd = ("pydantic_core._pydantic_core.ValidationError: 1 validation error for SpeculativeConfig\n"
@@ -241,6 +248,13 @@ def test_failed_start_raises_with_the_servers_error_line(fake) -> None:
     assert "\n" not in msg and err.value.returncode == 1
     assert err.value.log_path is not None and "Traceback" in err.value.log_path.read_text()
     assert not launcher.running
+
+
+def test_server_killed_during_start_up(fake) -> None:
+    launcher = fake("oom")
+    with pytest.raises(EngineStartError, match="killed by signal 9") as err:
+        launcher.ensure(SpecConfig(method="off"))
+    assert err.value.returncode == -9 and not launcher.running
 
 
 def test_unrunnable_executable_is_a_failed_start(tmp_path: Path) -> None:
