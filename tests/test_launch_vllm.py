@@ -60,7 +60,8 @@ def test_vllm_ngram_matches_plain_greedy_and_reports_tau(tmp_path) -> None:
     prompts = load_prompts(cfg.workload)
     params = sampling_params(cfg.workload)
     off = SpecConfig(method="off")
-    ngram = SpecConfig(method="ngram", depth=4, budget=5, ngram_min=2, ngram_max=4)
+    # With vLLM's per-batch-size K schedule: K=4 alone, K=1 when batched.
+    ngram = SpecConfig(method="ngram", depth=4, budget=5, ngram_min=2, ngram_max=4, k_per_batch_size=[(1, 1, 4), (2, 64, 1)])
     launcher = Launcher.from_config(cfg, log_dir=tmp_path)
     pids = []
     with launcher:
@@ -74,16 +75,21 @@ def test_vllm_ngram_matches_plain_greedy_and_reports_tau(tmp_path) -> None:
         assert launcher.starts == 2 and not launcher.reused
         assert _group_gone(pids[0]), "the plain server outlived its replacement"
         spec = run_http(url, launcher.model, prompts, params, concurrency=1, chat_template=True)
-        assert launcher.ensure(SpecConfig(method="ngram", depth=4, budget=5)) == url  # same flags: reused
+        batched = run_http(url, launcher.model, prompts, params, concurrency=3, chat_template=True)
+        assert launcher.ensure(ngram.model_copy()) == url  # same flags: reused
         assert launcher.reused and launcher.startup_s == 0.0 and launcher.pid == pids[1]
     print(f"\nvLLM-cpu start-up {plain_start:.1f} s / {spec_start:.1f} s; "
           f"plain {plain.output_tokens_per_s:.1f} tok/s, ngram {spec.output_tokens_per_s:.1f} tok/s, tau {spec.tau:.2f}, "
-          f"acceptance per position {[round(a, 2) for a in spec.accepted_per_pos]}")
+          f"acceptance per position {[round(a, 2) for a in spec.accepted_per_pos]}, "
+          f"batched (K=1 schedule) {[round(a, 2) for a in batched.accepted_per_pos]}")
     assert plain.errors == [] and spec.errors == []
     assert all(t for t in plain.texts) and spec.texts == plain.texts  # lossless: greedy output unchanged
     assert plain.tau is None  # no speculation: vLLM exposes no spec_decode counters
     assert spec.tau is not None and spec.tau > 1.0
     assert len(spec.accepted_per_pos) == 4 and spec.accepted_per_pos[0] > 0
+    # The schedule reached vLLM: batched steps draft one token, so deeper positions are (almost) never accepted.
+    assert batched.errors == [] and batched.accepted_per_pos[0] > 0
+    assert spec.accepted_per_pos[1] > 0 and batched.accepted_per_pos[1] <= 0.5 * spec.accepted_per_pos[1]
     assert all(_group_gone(p) for p in pids) and _servers_on(cfg.engine.vllm.port) == ""
 
 
