@@ -189,8 +189,10 @@ class Engine:
             t_draft = time.perf_counter()
             stats.draft_s += t_draft - t
             if prefix + tree.size > self.max_context:
-                stop.finish = stop.finish or "length"
-                break
+                if prefix + 1 > self.max_context:
+                    stop.finish = "length"
+                    break
+                tree = Tree([ids[-1]], [-1], [0])  # near the context limit: decode as AR would
             n = tree.size
             if n == 1:
                 hidden, logits = self._forward(torch.tensor([[ids[-1]]], device=dev),

@@ -265,3 +265,23 @@ def test_fp8_weights() -> None:
     e = Engine.from_config(load_config(["model=tiny-random", "engine.builtin.fp8_weights=true", "spec.method=ngram"]))
     res = e.generate(e.encode_prompt("hello", True), SamplingParams(max_new_tokens=5))
     assert len(res.tokens) == 5
+
+
+def test_context_limit_stops_like_autoregressive(engine: Engine, prompts) -> None:
+    limit = len(prompts[2]) + 9
+    saved = engine.max_context
+    engine.max_context = limit
+    try:
+        outs = []
+        for spec in [SpecConfig(method="off"), SpecConfig(method="ngram", depth=4, topk=1, budget=5,
+                                                          ngram_min=1, ngram_max=2)]:
+            engine.set_spec(spec)
+            res = engine.generate(prompts[2], SamplingParams(max_new_tokens=N_NEW))
+            assert res.finish_reason == "length" and len(prompts[2]) + len(res.tokens) <= limit + 1
+            outs.append(res.tokens)
+        assert outs[0] == outs[1] and len(outs[0]) == 10
+        with pytest.raises(UserError, match="max_context"):
+            engine.generate([1] * (limit + 1), SamplingParams(max_new_tokens=2))
+    finally:
+        engine.max_context = saved
+        engine.set_spec(SpecConfig(method="off"))

