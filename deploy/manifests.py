@@ -18,7 +18,7 @@ from kubernetes import client as k
 from deploy.fit import builtin_memory_gib, max_model_len, startup_budget_s, tensor_parallel_size
 from deploy.flags import builtin_args, sglang_args, vllm_args
 from deploy.winner import MODEL_DIR, Served, served_spec
-from tuner.schema import BestResult, Config, UserError
+from tuner.schema import BestResult, Config, HardwareConfig, UserError
 
 PORT_NAME = "http"
 HEALTH_PATH = "/health"
@@ -159,10 +159,33 @@ def _env(p: Plan) -> list[k.V1EnvVar]:
     return env
 
 
+def security_contexts(non_root_uid: int | None) -> tuple[k.V1PodSecurityContext, k.V1SecurityContext]:
+    """Pod and container security contexts: no privilege, no capabilities, RuntimeDefault seccomp;
+    with a uid, the pod runs as that non-root user (and group, owning its volumes)."""
+    seccomp = k.V1SeccompProfile(type="RuntimeDefault")
+    container = k.V1SecurityContext(
+        allow_privilege_escalation=False, privileged=False, capabilities=k.V1Capabilities(drop=["ALL"]),
+        seccomp_profile=seccomp, run_as_non_root=True if non_root_uid is not None else None)
+    pod = k.V1PodSecurityContext(seccomp_profile=seccomp)
+    if non_root_uid is not None:
+        pod = k.V1PodSecurityContext(run_as_non_root=True, run_as_user=non_root_uid, run_as_group=non_root_uid,
+                                     fs_group=non_root_uid, seccomp_profile=seccomp)
+    return pod, container
+
+
+def gpu_placement(hw: HardwareConfig) -> tuple[dict[str, str] | None, list[k.V1Toleration] | None]:
+    """Node selector and toleration that put a pod on the hardware profile's GPU nodes."""
+    if hw.accelerator != "cuda":
+        return None, None
+    return ({"nvidia.com/gpu.product": hw.gpu_product},
+            [k.V1Toleration(key=hw.gpu_resource, operator="Exists", effect="NoSchedule")])
+
+
 def deployment(p: Plan, config_hash: str) -> k.V1Deployment:
     d, hw = p.cfg.deploy, p.cfg.hardware
     gpu = d.target != "builtin"
     non_root = d.target == "builtin"
+    pod_sc, container_sc = security_contexts(BUILTIN_UID if non_root else None)
     container = k.V1Container(
         name="server",
         image=f"{d.image}:{d.image_tag}",
@@ -177,16 +200,9 @@ def deployment(p: Plan, config_hash: str) -> k.V1Deployment:
         startup_probe=_probe(p, STARTUP_PERIOD_S, math.ceil(p.startup_s / STARTUP_PERIOD_S)),
         liveness_probe=_probe(p, 10, 3),
         readiness_probe=_probe(p, 5, 3),
-        security_context=k.V1SecurityContext(
-            allow_privilege_escalation=False, privileged=False,
-            capabilities=k.V1Capabilities(drop=["ALL"]),
-            seccomp_profile=k.V1SeccompProfile(type="RuntimeDefault"),
-            run_as_non_root=True if non_root else None),
+        security_context=container_sc,
     )
-    pod_sc = k.V1PodSecurityContext(seccomp_profile=k.V1SeccompProfile(type="RuntimeDefault"))
-    if non_root:
-        pod_sc = k.V1PodSecurityContext(run_as_non_root=True, run_as_user=BUILTIN_UID, run_as_group=BUILTIN_UID,
-                                        fs_group=BUILTIN_UID, seccomp_profile=pod_sc.seccomp_profile)
+    node_selector, tolerations = gpu_placement(hw) if gpu else (None, None)
     pod = k.V1PodSpec(
         containers=[container],
         security_context=pod_sc,
@@ -201,8 +217,8 @@ def deployment(p: Plan, config_hash: str) -> k.V1Deployment:
             k.V1Volume(name="dshm", empty_dir=k.V1EmptyDirVolumeSource(medium="Memory",
                                                                         size_limit="16Gi" if gpu else "1Gi")),
         ],
-        node_selector={"nvidia.com/gpu.product": hw.gpu_product} if gpu else None,
-        tolerations=[k.V1Toleration(key=hw.gpu_resource, operator="Exists", effect="NoSchedule")] if gpu else None,
+        node_selector=node_selector,
+        tolerations=tolerations,
     )
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(d.port),
                    "prometheus.io/path": METRICS_PATH, "spectune.dev/config-hash": config_hash}
