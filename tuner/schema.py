@@ -231,6 +231,9 @@ class SearchConfig(_Strict):
     ci_rel_width: float = Field(0.10, gt=0)  # stop repeating when the CI half-width / mean is below this
     trial_timeout_s: float = Field(600, gt=0)
     noise_rel: float = Field(0.05, ge=0)  # a speedup within this of 1.0 (or of the best) is a tie
+    # Tuning prompts each trial plays (the first N of the workload's tuning split; None: all). The
+    # winner is re-measured on the held-out prompts either way. Keeps CPU studies within minutes.
+    trial_prompts: int | None = Field(None, ge=1)
     storage: str | None = None  # None: SQLite file in the run directory; or an SQLAlchemy URL / journal:PATH / env
     study_name: str | None = None
     workers: int = Field(1, ge=1, le=64)
