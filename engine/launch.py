@@ -53,10 +53,8 @@ class EngineStartError(RuntimeError):
 
 
 def resolve_executable(executable: str) -> str:
-    """An absolute path for `executable`: as given, else relative to the project root, else on PATH.
-
-    Missing is a UserError naming the set-up command (the environment is created by `make vllm`).
-    """
+    """An absolute path for `executable`: as given (relative to the working directory), else
+    relative to the project root (where `make vllm` puts .venv-vllm), else on PATH; '' if none."""
     for cand in (Path(executable).expanduser(), PROJECT_ROOT / executable):
         if cand.is_file() and os.access(cand, os.X_OK):
             return str(cand.absolute())
