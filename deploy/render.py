@@ -54,6 +54,12 @@ def render(cfg: Config, best: BestResult | None, out: Path) -> tuple[Plan, list[
     """Build and write all manifests into `out` (created). Files an earlier render wrote that this
     one does not (e.g. hpa.yaml after deploy.hpa.enabled=false) are removed; other files are kept."""
     p, docs = build(cfg, best)
+    return p, write_docs(docs, out)
+
+
+def write_docs(docs: list[tuple[str, dict]], out: Path) -> list[Path]:
+    """Write (file name, document) pairs and a kustomization.yaml listing them into `out`, removing
+    rendered files (our header) that are no longer part of the set."""
     out.mkdir(parents=True, exist_ok=True)
     files = docs + [(KUSTOMIZATION, kustomization([n for n, _ in docs]))]
     names = {n for n, _ in files}
@@ -65,4 +71,4 @@ def render(cfg: Config, best: BestResult | None, out: Path) -> tuple[Plan, list[
         path = out / name
         path.write_text(HEADER + dump(doc))
         written.append(path)
-    return p, written
+    return written

@@ -52,6 +52,7 @@ COMMAND_MODULES: list[str] = [
     "tuner.cli_bench",
     "tuner.cli_optimize",
     "tuner.cli_train",
+    "tuner.cli_distributed",
 ]
 
 

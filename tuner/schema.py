@@ -333,6 +333,12 @@ class DistributedConfig(_Strict):
     results_storage: str = "1Gi"  # PVC the report Job writes best.yaml, the report and manifests into
     backoff_limit: int = Field(4, ge=0)  # pod retries per worker index
 
+    @field_validator("image_tag", "postgres_tag", mode="before")
+    @classmethod
+    def _tag_str(cls, v: object) -> object:
+        # Hydra parses `distributed.postgres_tag=17.2` as a float: a tag is a string.
+        return str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+
 
 class ServeConfig(_Strict):
     host: str = "127.0.0.1"
