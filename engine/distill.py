@@ -85,7 +85,8 @@ def collect_prompts(primary: WorkloadConfig, others: Sequence[WorkloadConfig], n
                     seed: int = 0) -> list[Prompt]:
     """Up to n distinct prompts, never a held-out prompt of `primary` or of `others`: the primary
     workload's tuning split first, then half of n from the rest of its source, the other half
-    shared evenly by the other workloads' sources (what one source lacks, the next fills)."""
+    shared evenly by the other workloads' sources (what one source lacks, the next fills). The
+    selection is deterministic given the seed and the order of `others`."""
     workloads = [primary, *[w for w in others if w.name != primary.name]]
     heldout = {p.text for w in workloads for p in load_prompts(w, "heldout")}
     rng = random.Random(seed)

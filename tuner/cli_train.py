@@ -10,12 +10,18 @@ from pathlib import Path
 from tuner.schema import Config, WorkloadConfig
 
 
+# Diversity sources in a fixed order (prompt selection depends on it, and so does the data cache key):
+# the packaged workloads first, then any others found in conf/workload.
+ORDER = ("code", "chat", "math", "json", "creative")
+
+
 def packaged_workloads(cfg: Config) -> list[WorkloadConfig]:
     """Every packaged workload other than cfg's: diversity prompts, and held-out sets to exclude."""
     from tuner.config import available, load_config
 
     own = cfg.workload.name if cfg.workload else None
-    return [w for w in (load_config([f"+workload={name}"]).workload for name in available("workload"))
+    names = [n for n in ORDER if n in available("workload")] + [n for n in available("workload") if n not in ORDER]
+    return [w for w in (load_config([f"+workload={name}"]).workload for name in names)
             if w is not None and w.name != own]
 
 

@@ -362,17 +362,17 @@ class TrainConfig(_Strict):
     samples: int = Field(0, ge=0, le=8)  # sampled responses per prompt, besides the greedy one
     sample_temperature: float = Field(0.8, gt=0.0, le=2.0)
     gen_batch: int = Field(12, ge=1)  # sequences generated together
-    steps: int = Field(1200, ge=1)
+    steps: int = Field(120, ge=1)
     batch: int = Field(8, ge=1)  # sequences per optimizer step
-    seq_len: int = Field(512, ge=16)  # tokens per training sequence (longer ones are cut)
-    lr: float = Field(1e-3, gt=0.0)
-    warmup: int = Field(50, ge=0)  # linear warm-up steps, then cosine decay to 10%
+    seq_len: int = Field(256, ge=16)  # tokens per training sequence (longer ones are cut)
+    lr: float = Field(2e-3, gt=0.0)
+    warmup: int = Field(10, ge=0)  # linear warm-up steps, then cosine decay to 10%
     ce_weight: float = Field(0.1, ge=0.0)  # loss = SmoothL1(feature) + ce_weight * CE
     noise: float = Field(0.1, ge=0.0)  # std of Gaussian noise on input features (relative to their rms)
-    unroll: int = Field(3, ge=1, le=8)  # training-time test: steps the head runs on its own features
+    unroll: int = Field(2, ge=1, le=8)  # training-time test: steps the head runs on its own features
     unroll_decay: float = Field(0.8, gt=0.0, le=1.0)  # loss weight of unrolled step i: decay**i
     draft_vocab: int = Field(8192, ge=0)  # draft over the N most frequent target tokens (0: full vocab)
-    checkpoint_every: int = Field(100, ge=1)  # steps between resumable checkpoints
+    checkpoint_every: int = Field(10, ge=1)  # steps between resumable checkpoints
     eval_fraction: float = Field(0.05, ge=0.0, lt=0.5)  # sequences kept out of training to measure acceptance
     seed: int = 0
 
