@@ -80,10 +80,14 @@ def test_quick_study_end_to_end(tmp_path: Path, engine, capsys) -> None:
 
 
 def test_winner_is_off_when_speculation_cannot_help(tmp_path: Path, engine) -> None:
-    # A random model's drafts (n-gram lookup over its random output) are essentially never accepted.
-    run_dir = _run(tmp_path, engine)
+    # A random model's drafts are essentially never accepted: n-gram lookup over its random output,
+    # and an EAGLE head trained for a few steps on it (engine.train, cached per target and workload).
+    run_dir = _run(tmp_path, engine, "search.methods=[ngram,eagle]", "search.n_trials=7", "train.prompts=4",
+                   "train.steps=5", "train.max_new_tokens=16")
     study = open_run_study(run_dir)
-    taus = [t.user_attrs["tau"] for t in study.trials if t.user_attrs.get("spec_method") == "ngram"]
+    methods = {t.user_attrs.get("spec_method") for t in study.trials if t.state == TrialState.COMPLETE}
+    assert {"off", "ngram", "eagle"} <= methods
+    taus = [t.user_attrs["tau"] for t in study.trials if t.user_attrs.get("spec_method") in ("ngram", "eagle")]
     assert taus and max(taus) < 1.3  # the premise: no acceptance
     best = BestResult.model_validate(yaml.safe_load((run_dir / "best.yaml").read_text()))
     assert best.spec.method == "off"

@@ -272,17 +272,30 @@ def prepare_run(overrides: list[str] | None, resume: Path | None) -> tuple[Confi
     return cfg, run_dir, False
 
 
-def get_draft(cfg: Config, engine: Any) -> str | None:
-    """The drafter the searched methods need: n-gram needs none; EAGLE heads come from training."""
+def get_draft(cfg: Config, engine: Any, quiet: bool = False) -> str | None:
+    """The drafter the searched methods need: n-gram needs none; EAGLE heads come from training
+    (engine.train.ensure_head: the cached head of this target and workload, or a new one)."""
     needs_head = [m for m in cfg.search.methods if m in ("eagle", "eagle3", "medusa")]
     if not needs_head:
         return None
-    try:
-        from engine.train import ensure_head
-    except ImportError:
-        raise UserError(f"search.methods={list(cfg.search.methods)}: {needs_head[0]} needs a trained draft head "
-                        "and head training is not available in this build; allowed: [ngram]") from None
-    return str(ensure_head(cfg, engine))
+    from engine.train import cached_head, ensure_head
+    from rich.console import Console
+
+    console = Console(stderr=True, quiet=quiet)
+    if cached_head(cfg) is not None:
+        return str(cached_head(cfg))
+    console.print(f"training an EAGLE head for {cfg.model.name} on workload {cfg.workload.name} "
+                  "(once: cached for later studies)", highlight=False)
+    shown: dict[str, int] = {}
+
+    def report(phase: str, done: int, total: int, info: dict) -> None:
+        tenth = 10 * done // max(total, 1)
+        if shown.get(phase, -1) < tenth:  # one line per 10%
+            shown[phase] = tenth
+            loss = f" loss {info['loss']:.3f}" if "loss" in info else ""
+            console.print(f"  {phase} {done}/{total}{loss}", highlight=False)
+
+    return str(ensure_head(cfg, engine, report=report))
 
 
 def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, objective: Objective) -> BestResult:
@@ -367,7 +380,7 @@ def optimize(overrides: list[str] | None = None, resume: Path | None = None, qui
     launched = cfg.engine.kind in ("vllm", "sglang")
     if engine is None and measure is None and not launched:
         engine = open_engine(cfg)
-    head = get_draft(cfg, engine)
+    head = get_draft(cfg, engine, quiet)
     space = SearchSpace.from_config(cfg, head_path=head)
     if resuming:
         study = load_study(cfg, run_dir, cfg.search.study_name)
