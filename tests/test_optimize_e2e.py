@@ -109,6 +109,16 @@ def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path: Path, engin
     assert any(r["state"] == "FAIL" and "nonexistent" in r["fail_reason"] for r in _rows(run_dir))
 
 
+def test_a_trial_past_its_time_limit_fails_and_the_winner_is_off(tmp_path: Path, engine) -> None:
+    run_dir = _run(tmp_path, engine, "search.trial_timeout_s=0.05", "search.n_trials=2")
+    study = open_run_study(run_dir)
+    assert [t.state for t in study.trials] == [TrialState.FAIL, TrialState.FAIL]
+    assert all("exceeded search.trial_timeout_s=0.05" in t.user_attrs["fail_reason"] for t in study.trials)
+    best = BestResult.model_validate(yaml.safe_load((run_dir / "best.yaml").read_text()))
+    assert best.spec.method == "off" and "no speculative configuration completed" in best.reason
+    assert (run_dir / "report.html").is_file()
+
+
 def test_an_slo_no_config_can_meet_makes_every_trial_infeasible(tmp_path: Path, engine) -> None:
     run_dir = _run(tmp_path, engine, "workload.slo.tpot_p99_ms=0.001", "search.n_trials=4")
     study = open_run_study(run_dir)

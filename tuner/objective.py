@@ -49,8 +49,9 @@ class Sample:
 MeasureFn = Callable[[SpecConfig, str, int], Sample]
 
 
-class TrialTimeout(Exception):
-    """The trial ran past search.trial_timeout_s."""
+class TrialTimeout(BaseException):
+    """The trial ran past search.trial_timeout_s. A BaseException (like KeyboardInterrupt) so that the
+    load generator, which records an Exception as one failed request and goes on, lets it through."""
 
 
 @contextmanager
@@ -225,6 +226,9 @@ class Objective:
             trial.set_user_attr("prune_reason", str(exc))
             self.study.tell(trial, state=TrialState.PRUNED)
             return TrialOutcome(trial.number, TrialState.PRUNED, spec, reason=str(exc))
+        except TrialTimeout as exc:
+            self._fail(trial, f"TrialTimeout: {exc}")
+            return TrialOutcome(trial.number, TrialState.FAIL, spec, reason=f"TrialTimeout: {exc}")
         except KeyboardInterrupt:
             self._fail(trial, "interrupted by the user (Ctrl-C)")
             raise
