@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import optuna
 import pytest
 import yaml
 from optuna.trial import TrialState
@@ -190,5 +189,3 @@ def test_resume_takes_no_overrides_and_a_run_dir_is_not_reused(tmp_path: Path, e
     assert main(["optimize", *SMALL, f"run_dir={tmp_path}", "search.study_name=s"]) == 2
     assert "--resume" in capsys.readouterr().err
 
-
-_ = optuna

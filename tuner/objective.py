@@ -31,7 +31,6 @@ from tuner.space import SearchSpace
 from tuner.study import FAIL_REASON, role
 
 OFF = SpecConfig(method="off")
-Z95 = 1.96
 
 
 @dataclass
