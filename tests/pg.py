@@ -50,6 +50,10 @@ class Server:
         return f"postgresql://{USER}@127.0.0.1:{self.port}/{DB}"
 
     @property
+    def log(self) -> Path:
+        return self.data.parent / "log"
+
+    @property
     def env(self) -> dict[str, str]:
         return {"PGPASSWORD": PASSWORD}
 
@@ -63,8 +67,9 @@ def _runner() -> tuple[list[str], int | None, int | None]:
 
 
 @contextmanager
-def postgres_server() -> Iterator[Server]:
-    """Start a fresh server (user `spectune` with a password, database `spectune`); stop it on exit."""
+def postgres_server(settings: dict[str, str] | None = None) -> Iterator[Server]:
+    """Start a fresh server (user `spectune` with a password, database `spectune`); stop it on exit.
+    `settings`: extra server parameters, e.g. {"log_statement": "all"} (the log is `Server.log`)."""
     bins = bin_dir()
     if bins is None:
         raise RuntimeError("PostgreSQL is not installed: `make setup` installs Debian's postgresql package")
@@ -83,6 +88,7 @@ def postgres_server() -> Iterator[Server]:
             "-E", "UTF8", "--no-sync")
         # fsync off: a test database need not survive a power cut, and it makes every commit cheap.
         opts = f"-h 127.0.0.1 -p {port} -k {root} -c fsync=off -c max_connections=100"
+        opts += "".join(f" -c {k}={v}" for k, v in (settings or {}).items())
         run(str(bins / "pg_ctl"), "-D", str(data), "-o", opts, "-l", str(root / "log"), "-w", "-t", "60", "start")
         env = {**os.environ, "PGPASSWORD": PASSWORD}
         subprocess.run([str(bins / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", USER, DB],

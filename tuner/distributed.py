@@ -181,12 +181,18 @@ def last_sign_of_life(t: optuna.trial.FrozenTrial) -> float:
     return t.datetime_start.timestamp() if t.datetime_start is not None else time.time()
 
 
-def sweep_stale(study: optuna.Study, grace_s: float, now: float | None = None) -> list[int]:
-    """Mark FAIL every RUNNING trial without a heartbeat for `grace_s` seconds; their numbers."""
-    now = time.time() if now is None else now
+def sweep_stale(study: optuna.Study, grace_s: float,
+                trials: list[optuna.trial.FrozenTrial] | None = None) -> list[int]:
+    """Mark FAIL every RUNNING trial (of `trials`, default: the study's) without a heartbeat for
+    `grace_s` seconds; their numbers."""
+    now = time.time()
     storage = study._storage
     swept = []
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+    if trials is None:
+        trials = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    for t in trials:
+        if t.state != TrialState.RUNNING:
+            continue
         age = now - last_sign_of_life(t)
         if age <= grace_s:
             continue
@@ -241,8 +247,9 @@ class WorkerStudy(optuna.Study):
     def ask(self, fixed_distributions: Any = None) -> optuna.Trial:
         """Ask one trial if the budget allows (BudgetSpent otherwise) and start its heartbeat."""
         with self.lock():
-            self.swept += sweep_stale(self, self.grace_s)
-            if self.budget_spent():
+            trials = self.get_trials(deepcopy=False)  # one listing for the sweep and the budget
+            self.swept += sweep_stale(self, self.grace_s, trials)
+            if self.budget_spent(trials):  # a swept trial still counts: FAIL, not WAITING
                 raise BudgetSpent
             trial = super().ask(fixed_distributions)
             # Stamped before the lock is released: no other worker can see it RUNNING without a heartbeat.
