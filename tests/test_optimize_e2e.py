@@ -36,8 +36,9 @@ def engine():
     return Engine.from_config(load_config(SMALL))
 
 
-def _run(tmp_path: Path, engine, *extra: str, name: str = "s") -> Path:
-    return optimize([*SMALL, f"run_dir={tmp_path}", f"search.study_name={name}", *extra], engine=engine, quiet=True)
+def _run(tmp_path: Path, engine, *extra: str, name: str = "s", measure=None) -> Path:
+    return optimize([*SMALL, f"run_dir={tmp_path}", f"search.study_name={name}", *extra], engine=engine,
+                    quiet=True, measure=measure)
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -178,6 +179,42 @@ def test_resume_after_kill_9_loses_at_most_the_running_trial(tmp_path: Path, eng
     assert all(after[n] == v for n, v in before.items())  # nothing measured was lost
     interrupted = [t for t in study.trials if "interrupted" in t.user_attrs.get("fail_reason", "")]
     assert len(interrupted) <= 1
+    assert (run_dir / "best.yaml").is_file()
+
+
+def test_trials_measured_over_http_like_a_launched_server(tmp_path: Path, engine) -> None:
+    # The path engine=vllm/sglang trials take (launcher.ensure(spec) -> URL, the load generator over
+    # HTTP, tau from /metrics), here against the built-in OpenAI server: its "launcher" switches the
+    # served engine's spec instead of restarting a process.
+    from engine.server import serve_in_thread
+    from engine.workloads import load_prompts
+    from tuner.optimize import make_launched_measure
+
+    cfg = load_config(SMALL)
+    url, stop = serve_in_thread(cfg, engine)
+
+    class BuiltinServer:
+        model = cfg.model.name
+        served: list[str] = []
+
+        def ensure(self, spec: SpecConfig) -> str:
+            engine.set_spec(spec)
+            self.served.append(spec.key())
+            return url
+
+    launcher = BuiltinServer()
+    prompts = {s: load_prompts(cfg.workload, s) for s in ("tune", "heldout")}
+    try:
+        run_dir = _run(tmp_path, engine, "search.n_trials=3",
+                       measure=make_launched_measure(launcher, cfg, prompts))
+    finally:
+        stop()
+    study = open_run_study(run_dir)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 3
+    assert {"off", "ngram d4 k1 b5"} <= set(launcher.served)
+    for t in study.trials[1:]:
+        assert t.user_attrs["tau"] is not None and t.user_attrs["tau"] >= 1.0  # from /metrics deltas
+        assert t.user_attrs["tpot_p99_ms"] > 0 and t.user_attrs["ttft_p99_ms"] > 0
     assert (run_dir / "best.yaml").is_file()
 
 
