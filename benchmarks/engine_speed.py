@@ -37,36 +37,24 @@ def code_prompts(engine: Engine, n: int) -> list[list[int]]:
     return [engine.encode_prompt("Complete this Python function:\n" + p["prompt"], True) for p in problems]
 
 
-def run_hf(engine: Engine, prompts: list[list[int]], max_new: int, lookup: int | None) -> dict:
+def hf_generate(engine: Engine, prompt: list[int], max_new: int, lookup: int | None) -> tuple[list[int], float, int | None]:
+    """(new tokens without EOS, seconds, target forwards: unknown for HF)."""
     model, eos = engine.model, sorted(engine.eos)
     kw = {"prompt_lookup_num_tokens": lookup} if lookup else {}
-    tokens, elapsed, outs = 0, 0.0, []
-    for p in prompts:
-        ids = torch.tensor([p], device=engine.device)
-        t = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                                 do_sample=False, eos_token_id=eos, pad_token_id=eos[0], **kw)
-        elapsed += time.perf_counter() - t
-        new = out[0, len(p):].tolist()
-        new = new[:-1] if new and new[-1] in eos else new
-        tokens += len(new)
-        outs.append(new)
-    return {"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed, "tau": None, "outputs": outs}
+    ids = torch.tensor([prompt], device=engine.device)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                             do_sample=False, eos_token_id=eos, pad_token_id=eos[0], **kw)
+    elapsed = time.perf_counter() - t
+    new = out[0, len(prompt):].tolist()
+    return (new[:-1] if new and new[-1] in eos else new), elapsed, None
 
 
-def run_builtin(engine: Engine, prompts: list[list[int]], max_new: int, spec: SpecConfig) -> dict:
-    engine.set_spec(spec)
-    tokens, forwards, elapsed, draft_s, outs = 0, 0, 0.0, 0.0, []
-    for p in prompts:
-        res = engine.generate(p, SamplingParams(max_new_tokens=max_new))
-        tokens += res.stats.new_tokens
-        forwards += res.stats.target_forwards
-        elapsed += res.stats.total_s
-        draft_s += res.stats.draft_s
-        outs.append(res.tokens)
-    return {"tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed, "tau": tokens / forwards,
-            "draft_share": draft_s / elapsed, "outputs": outs}
+def builtin_generate(engine: Engine, prompt: list[int], max_new: int, spec: SpecConfig) -> tuple[list[int], float, int | None]:
+    engine.set_spec(spec)  # never reloads the target; an n-gram drafter is free to build
+    res = engine.generate(prompt, SamplingParams(max_new_tokens=max_new))
+    return res.tokens, res.stats.total_s, res.stats.target_forwards
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,26 +64,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depths", default="2,4,6,8", help="n-gram draft depths")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = ap.parse_args(argv)
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cfg = load_config([f"model={args.model}", f"engine.builtin.dtype={args.dtype}", "spec.method=off"])
     engine = Engine.from_config(cfg)
     prompts = code_prompts(engine, args.prompts)
-    # warm-up: first calls allocate and pick kernels
-    run_hf(engine, prompts[:1], 8, None)
-    run_hf(engine, prompts[:1], 8, 4)
-    run_builtin(engine, prompts[:1], 8, SpecConfig(method="ngram", depth=4, topk=1, budget=5))
-    run_builtin(engine, prompts[:1], 8, SpecConfig(method="off"))
-
-    rows: list[tuple[str, dict]] = [
-        ("HF generate, autoregressive", run_hf(engine, prompts, args.max_new_tokens, None)),
-        ("HF generate, prompt_lookup_num_tokens=4", run_hf(engine, prompts, args.max_new_tokens, 4)),
-        ("built-in, autoregressive", run_builtin(engine, prompts, args.max_new_tokens, SpecConfig(method="off"))),
-    ]
+    m = args.max_new_tokens
+    runs = {
+        "HF generate, autoregressive": lambda p, n: hf_generate(engine, p, n, None),
+        "HF generate, prompt_lookup_num_tokens=4": lambda p, n: hf_generate(engine, p, n, 4),
+        "built-in, autoregressive": lambda p, n: builtin_generate(engine, p, n, SpecConfig(method="off")),
+    }
     for d in (int(x) for x in args.depths.split(",")):
         spec = SpecConfig(method="ngram", depth=d, topk=1, budget=d + 1, ngram_min=2, ngram_max=4)
-        rows.append((f"built-in, n-gram depth {d}", run_builtin(engine, prompts, args.max_new_tokens, spec)))
-
+        runs[f"built-in, n-gram depth {d}"] = lambda p, n, spec=spec: builtin_generate(engine, p, n, spec)
+    for fn in runs.values():  # warm-up: first calls allocate and pick kernels
+        fn(prompts[0], 8)
+    acc = {name: {"tokens": 0, "seconds": 0.0, "forwards": 0, "outputs": []} for name in runs}
+    # prompts outer, engines inner: load drifting on a shared machine hits every row alike
+    for p in prompts:
+        for name, fn in runs.items():
+            toks, secs, fwd = fn(p, m)
+            a = acc[name]
+            a["tokens"] += len(toks); a["seconds"] += secs; a["outputs"].append(toks)
+            a["forwards"] = None if fwd is None else a["forwards"] + fwd
+    rows = [(name, {**a, "tok_s": a["tokens"] / a["seconds"],
+                    "tau": None if a["forwards"] is None else a["tokens"] / a["forwards"]}) for name, a in acc.items()]
     hf_ar = rows[0][1]["tok_s"]
     ref = rows[2][1]["outputs"]
     table = Table(title=f"SmolLM2-135M {args.dtype}, {len(prompts)} HumanEval prompts, T=0, "
