@@ -361,7 +361,7 @@ def stored_best(study: optuna.Study) -> BestResult | None:
 
 def compute_best(cfg: Config, study: optuna.Study, run_dir: Path, objective: Any | None) -> BestResult:
     """Pick the winner from the shared trials; re-measure it on the held-out prompts when an
-    objective (an engine) is at hand. The storage in the provenance is masked."""
+    objective (an engine) is at hand."""
     from tuner.optimize import best_result, pick_winner
 
     trials = study.get_trials(deepcopy=False)
@@ -370,10 +370,7 @@ def compute_best(cfg: Config, study: optuna.Study, run_dir: Path, objective: Any
     if objective is None and cfg.workload.num_heldout > 0:
         c = cfg.model_copy(deep=True)
         c.workload.num_heldout = 0  # no engine here: the held-out figures stay empty
-    best = best_result(c, study, run_dir, win, objective)
-    if best.provenance.storage:
-        best.provenance.storage = mask_url(resolve_storage(best.provenance.storage))
-    return best
+    return best_result(c, study, run_dir, win, objective)
 
 
 def finalize(study: WorkerStudy, cfg: Config, run_dir: Path, objective: Any | None, force: bool = False,
@@ -532,11 +529,7 @@ def optimize_parallel(cfg: Config, run_dir: Path, resuming: bool, quiet: bool = 
     """
     from tuner.study import storage_url
 
-    if cfg.search.storage is None:
-        raise UserError(f"search.workers={cfg.search.workers} needs a storage shared by processes: "
-                        "search.storage=postgresql://USER@HOST/DB, env or journal:PATH")
-    url = storage_url(cfg.search, run_dir)
-    url = resolve_storage(url)
+    url = storage_url(cfg.search, run_dir)  # resolved: `env` becomes SPECTUNE_STORAGE_URL's value
     check_shared(url, f"search.workers={cfg.search.workers}")
     name = cfg.search.study_name
     children: list[subprocess.Popen] = []

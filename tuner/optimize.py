@@ -22,6 +22,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from tuner.config import load_config, load_saved_config, require_workload, save_config
+from tuner.distributed import mask_url
 from tuner.objective import OFF, MeasureFn, Objective, Sample, TrialOutcome, mean_ci, spec_of
 from tuner.report import write_report
 from tuner.schema import BestResult, Config, Figures, Provenance, SpecConfig, UserError
@@ -334,7 +335,8 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
         provenance=Provenance(
             study=study.study_name, trial=c.trials[0].number if c is not None else
             (base_trial.number if base_trial is not None else None),
-            storage=storage_url(cfg.search, run_dir), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            storage=mask_url(storage_url(cfg.search, run_dir)),  # no password in best.yaml
+            date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             model=cfg.model.name, hardware=cfg.hardware.name, engine=cfg.engine.kind, workload=cfg.workload.name),
     )
 

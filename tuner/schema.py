@@ -266,6 +266,10 @@ class SearchConfig(_Strict):
             raise ValueError(f"search.topk={self.topk}: each choice must be in [1, 16]")
         if self.repeats_min > self.repeats_max:
             raise ValueError(f"search.repeats_min={self.repeats_min} > search.repeats_max={self.repeats_max}")
+        if self.workers > 1 and (self.storage is None or self.storage.startswith("sqlite")):
+            raise ValueError(f"search.workers={self.workers} needs a storage shared by processes: search.storage="
+                             "postgresql://USER@HOST/DB (password from PGPASSWORD), env or journal:PATH "
+                             "(SQLite is for one process)")
         return self
 
 

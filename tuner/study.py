@@ -52,6 +52,10 @@ def storage_url(search: SearchConfig, run_dir: Path) -> str:
     if search.storage.startswith("journal:"):
         path = Path(search.storage[len("journal:"):])
         return f"journal:{path if path.is_absolute() else (run_dir / path).resolve()}"
+    if search.storage == "env":  # the whole URL from SPECTUNE_STORAGE_URL (mask it before showing it)
+        from tuner.distributed import resolve_storage
+
+        return resolve_storage("env")
     return search.storage
 
 
@@ -68,10 +72,12 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
             Path(url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
         return optuna.storages.RDBStorage(url)
     except Exception as exc:  # SQLAlchemy raises many types (bad URL, missing driver, refused connection)
+        from tuner.distributed import mask_url
+
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(
-            f"search.storage={url!r} cannot be opened ({first}); allowed: null (SQLite in the run dir), "
-            "an SQLAlchemy URL, journal:PATH"
+            f"search.storage={mask_url(url)!r} cannot be opened ({first}); allowed: null (SQLite in the run dir), "
+            "an SQLAlchemy URL, journal:PATH, env (SPECTUNE_STORAGE_URL)"
         ) from None
 
 
