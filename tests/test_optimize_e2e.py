@@ -119,6 +119,19 @@ def test_a_trial_past_its_time_limit_fails_and_the_winner_is_off(tmp_path: Path,
     assert (run_dir / "report.html").is_file()
 
 
+@pytest.mark.parametrize("ci_rel_width,expected", [(10.0, 2), (1e-9, 3)])
+def test_repeats_stop_when_the_interval_is_tight(tmp_path: Path, engine, ci_rel_width: float, expected: int) -> None:
+    # noise_rel=0.5 keeps the pruner out of it: hopeless means below (1 - 2*0.5) = 0 x the best
+    run_dir = _run(tmp_path, engine, "search.n_trials=3", "search.repeats_min=2", "search.repeats_max=3",
+                   f"search.ci_rel_width={ci_rel_width}", "search.noise_rel=0.5")
+    study = open_run_study(run_dir)
+    spec_trials = [t for t in study.trials if t.user_attrs["spec_method"] != "off"]
+    assert [t.user_attrs["repeats"] for t in spec_trials] == [expected] * len(spec_trials)
+    assert all(len(t.user_attrs["ratios"]) == expected and t.user_attrs["speedup_ci_low"] is not None
+               for t in spec_trials)
+    assert all(len(t.intermediate_values) == expected for t in spec_trials)
+
+
 def test_an_slo_no_config_can_meet_makes_every_trial_infeasible(tmp_path: Path, engine) -> None:
     run_dir = _run(tmp_path, engine, "workload.slo.tpot_p99_ms=0.001", "search.n_trials=4")
     study = open_run_study(run_dir)

@@ -12,7 +12,7 @@ from optuna.trial import TrialState, create_trial
 from tuner.config import load_config
 from tuner.optimize import pick_winner
 from tuner.schema import SpecConfig, UserError
-from tuner.study import FAIL_REASON, ROLE, load_study, open_storage, storage_url
+from tuner.study import FAIL_REASON, ROLE, HopelessPruner, load_study, open_storage, storage_url
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 NOISE = 0.05
@@ -131,3 +131,19 @@ def test_resume_marks_stale_running_trials_fail(tmp_path: Path) -> None:
     states = [t.state for t in again.trials]
     assert states == [TrialState.COMPLETE, TrialState.FAIL]
     assert "interrupted" in again.trials[1].user_attrs[FAIL_REASON]
+
+
+def test_hopeless_pruner_compares_with_the_baseline_and_the_best(tmp_path: Path) -> None:
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path}/p.db", direction="maximize",
+                                pruner=HopelessPruner(noise_rel=0.05))
+    study.set_user_attr("reference_tok_s", 100.0)
+    t = study.ask()
+    t.report(85.0, 0)
+    assert t.should_prune()  # 15% below the baseline: beyond twice the 5% noise band
+    t2 = study.ask()
+    t2.report(95.0, 0)
+    assert not t2.should_prune()  # within noise: worth another repeat
+    study.tell(t2, 130.0)
+    t3 = study.ask()
+    t3.report(110.0, 0)
+    assert t3.should_prune()  # beats the baseline but is hopeless against the best so far (130)

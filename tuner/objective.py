@@ -142,8 +142,9 @@ class Objective:
         return s, b
 
     def evaluate(self, spec: SpecConfig, split: str = "tune", trial: optuna.Trial | None = None,
-                 started: float | None = None) -> dict[str, Any]:
-        """Measure `spec` with adjacent baselines until the speedup CI is tight (or repeats_max).
+                 started: float | None = None, repeats_max: int | None = None) -> dict[str, Any]:
+        """Measure `spec` with adjacent baselines until the speedup CI is tight (or repeats_max,
+        by default search.repeats_max).
 
         Reports intermediate values to `trial` and raises TrialPruned when it is hopeless.
         Returns the figures (tok/s, baseline, speedup and its CI, tau, p99 latencies, repeats).
@@ -153,7 +154,8 @@ class Objective:
         spec_s: list[list[Sample]] = []
         base_s: list[list[Sample]] = []
         is_off = spec.method == "off"
-        for r in range(self.search.repeats_max):
+        repeats_max = repeats_max or self.search.repeats_max
+        for r in range(repeats_max):
             if is_off:  # the baseline itself: one measurement per repeat, speedup 1 by definition
                 s = self._at_levels(OFF, split)
                 b = s
@@ -171,7 +173,7 @@ class Objective:
             done = len(ratios) >= self.search.repeats_min and (
                 is_off and self._tight([statistics.fmean(x.tok_s for x in s_) for s_ in spec_s])
                 or not is_off and self._tight(ratios))
-            if done or r + 1 == self.search.repeats_max:
+            if done or r + 1 == repeats_max:
                 break
             # Pruning is single-objective only in Optuna; the study's pruner is HopelessPruner.
             if trial is not None and not self.multi and not is_off and trial.should_prune():
@@ -183,7 +185,7 @@ class Objective:
     def _tight(self, xs: list[float]) -> bool:
         m, lo, hi = mean_ci(xs)
         if lo is None or hi is None:
-            return self.search.repeats_max <= 1
+            return False
         return (hi - lo) / 2 / m <= self.search.ci_rel_width
 
     def _figures(self, spec_s: list[list[Sample]], base_s: list[list[Sample]], ratios: list[float]) -> dict[str, Any]:
