@@ -132,8 +132,10 @@ def study_lock(storage: optuna.storages.BaseStorage, url: str, study_name: str) 
 # ---- heartbeats and the stale-trial sweep ----------------------------------------------------
 
 def worker_id() -> str:
-    """host:pid, recorded on every trial a worker runs."""
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """host:pid (plus :thread for a worker that is not the main thread), recorded on every trial."""
+    me = threading.current_thread()
+    suffix = "" if me is threading.main_thread() else f":{me.name}"
+    return f"{socket.gethostname()}:{os.getpid()}{suffix}"
 
 
 def heartbeat_interval(grace_s: float) -> float:
