@@ -363,7 +363,7 @@ def create_app(cfg: Config, engine: TextEngine) -> FastAPI:
             return list(body.prompt)
         return engine.encode_prompt(body.prompt, False)
 
-    async def run(request: Request, body: _Body, prompt_ids: list[int], chat: bool) -> Response:
+    async def run(body: _Body, prompt_ids: list[int], chat: bool) -> Response:
         params = sampling(body, len(prompt_ids))
         job = Job(prompt_ids=prompt_ids, params=params, loop=asyncio.get_running_loop())
         worker.submit(job)
@@ -437,12 +437,12 @@ def create_app(cfg: Config, engine: TextEngine) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await parse(request, ChatRequest)
-        return await run(request, body, chat_ids(body), chat=True)
+        return await run(body, chat_ids(body), chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await parse(request, CompletionRequest)
-        return await run(request, body, completion_ids(body), chat=False)
+        return await run(body, completion_ids(body), chat=False)
 
     return app
 
