@@ -168,7 +168,9 @@ def test_wrong_method_is_405(server) -> None:
 
 
 def test_full_queue_answers_429_and_recovers(cfg) -> None:
-    """queue_size=1 and an engine held inside generate: the 2nd waiting request is refused."""
+    """queue_size=1, request 1 held inside generate, request 2 waiting: request 3 gets 429."""
+    import time
+
     from engine.api import GenResult, GenStats
 
     gate, started = threading.Event(), threading.Event()
@@ -202,10 +204,10 @@ def test_full_queue_answers_429_and_recovers(cfg) -> None:
         t2 = threading.Thread(target=lambda: results.append(httpx.post(f"{url}/v1/completions", json=req,
                                                                        timeout=30).status_code))
         t2.start()
-        for _ in range(200):  # request 2 waits in the queue
-            if 'vllm:num_requests_waiting{model_name="tiny-random"} 1.0' in httpx.get(f"{url}/metrics").text:
-                break
-            threading.Event().wait(0.02)
+        deadline = time.monotonic() + 30
+        while 'vllm:num_requests_waiting{model_name="tiny-random"} 1.0' not in httpx.get(f"{url}/metrics").text:
+            assert time.monotonic() < deadline, "request 2 never reached the queue"
+            time.sleep(0.02)
         r3 = httpx.post(f"{url}/v1/completions", json=req, timeout=30)
         assert r3.status_code == 429 and r3.json()["error"]["code"] == "queue_full"
         assert httpx.get(f"{url}/health").status_code == 200
