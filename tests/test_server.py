@@ -277,3 +277,16 @@ def test_tuner_serve_on_a_busy_port_is_a_user_error(capsys) -> None:
         s.listen()
         assert main(["serve", "model=tiny-random", f"serve.port={s.getsockname()[1]}"]) == 2
     assert "cannot listen" in capsys.readouterr().err
+
+
+def test_client_that_leaves_mid_stream_does_not_hurt_the_server(server, cfg) -> None:
+    req = {"model": cfg.model.name, "prompt": "Once upon a time", "max_tokens": 60, "temperature": 0,
+           "stream": True}
+    with httpx.Client(timeout=60) as c, c.stream("POST", f"{server}/v1/completions", json=req) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # leave after the first chunk
+    assert httpx.get(f"{server}/health").status_code == 200
+    ok = httpx.post(f"{server}/v1/completions", timeout=60, json={**req, "stream": False, "max_tokens": 4})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
