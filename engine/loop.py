@@ -81,8 +81,9 @@ class _Stopper:
         self.emitted = max(self.emitted, n)
 
     def text(self) -> str:
-        text = self.tok.decode(self.tokens, skip_special_tokens=True)
-        return text if self.cut is None else text[: self.cut]
+        if self.cut is None:
+            return self.tok.decode(self.tokens, skip_special_tokens=True)
+        return self.tok.decode(self.tokens, skip_special_tokens=False)[: self.cut]  # cut was found in this text
 
 
 class Engine:
