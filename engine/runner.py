@@ -348,7 +348,7 @@ class Summary:
         if len(tps) >= 2:
             mean = statistics.fmean(tps)
             half = _t95(len(tps)) * statistics.stdev(tps) / math.sqrt(len(tps))
-            lo, hi = mean - half, mean + half
+            lo, hi = max(0.0, mean - half), mean + half  # a rate is never negative
         return cls(
             runs=runs, output_tokens_per_s=float(statistics.median(tps)), ci_low=lo, ci_high=hi,
             tau=_median([m.tau for m in runs]),
