@@ -16,7 +16,7 @@ from deploy.tuner_manifests import STORAGE_ENV, build, worker_gpus
 from deploy.validate import check_docs
 from tuner.cli import main
 from tuner.cli_distributed import render_tuner
-from tuner.config import load_config
+from tuner.cli_distributed import tuner_config as load_config  # the render's own composition
 from tuner.distributed import WORKER_KEYS
 
 REPO = Path(__file__).resolve().parent.parent

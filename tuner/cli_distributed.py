@@ -7,7 +7,18 @@ import argparse
 import sys
 from pathlib import Path
 
+from tuner.schema import Config
+
 DEFAULT_OUT = Path("k8s/tuner")
+
+
+def tuner_config(overrides: list[str]) -> Config:
+    """The config a render describes. Its storage is the pods' business (set in their arguments),
+    so one is assumed here when the overrides give none (search.workers>1 requires one)."""
+    from tuner.config import load_config
+
+    given = any(o.lstrip("+~").startswith("search.storage=") for o in overrides)
+    return load_config(overrides if given else [*overrides, "search.storage=env"])
 
 
 def render_tuner(overrides: list[str], out: Path) -> tuple[list[Path], list[str]]:
@@ -15,21 +26,19 @@ def render_tuner(overrides: list[str], out: Path) -> tuple[list[Path], list[str]
     from deploy.render import write_docs
     from deploy.tuner_manifests import build
     from deploy.validate import check_dir
-    from tuner.config import load_config
 
-    cfg = load_config(overrides)
+    cfg = tuner_config(overrides)
     files = write_docs(build(cfg, overrides), out)
     return files, check_dir(out, cfg.deploy.k8s_version)
 
 
 def _cmd_render_tuner(args: argparse.Namespace) -> int:
     from deploy.tuner_manifests import study_name, worker_gpus
-    from tuner.config import load_config
 
     files, errors = render_tuner(args.overrides, args.out)
     for line in errors:  # never expected: a failure here is a renderer bug
         print(line, file=sys.stderr)
-    cfg = load_config(args.overrides)
+    cfg = tuner_config(args.overrides)
     db = (f"external database (Secret {cfg.distributed.external_url_secret.name})"
           if cfg.distributed.external_url_secret else f"PostgreSQL (Secret {cfg.distributed.db_secret})")
     print(f"rendered {len(files)} files into {args.out}: study {study_name(cfg)}, {cfg.search.workers} worker(s) x "
