@@ -57,18 +57,18 @@ def render(cfg: Config, best: BestResult | None, out: Path) -> tuple[Plan, list[
     return p, write_docs(docs, out)
 
 
-def write_docs(docs: list[tuple[str, dict]], out: Path) -> list[Path]:
+def write_docs(docs: list[tuple[str, dict]], out: Path, header: str = HEADER) -> list[Path]:
     """Write (file name, document) pairs and a kustomization.yaml listing them into `out`, removing
-    rendered files (our header) that are no longer part of the set."""
+    rendered files (starting with `header`) that are no longer part of the set."""
     out.mkdir(parents=True, exist_ok=True)
     files = docs + [(KUSTOMIZATION, kustomization([n for n, _ in docs]))]
     names = {n for n, _ in files}
     for old in out.glob("*.yaml"):
-        if old.name not in names and old.read_text().startswith(HEADER):
+        if old.name not in names and old.read_text().startswith(header):
             old.unlink()
     written = []
     for name, doc in files:
         path = out / name
-        path.write_text(HEADER + dump(doc))
+        path.write_text(header + dump(doc))
         written.append(path)
     return written

@@ -10,6 +10,7 @@ from pathlib import Path
 from tuner.schema import Config
 
 DEFAULT_OUT = Path("k8s/tuner")
+HEADER = "# Rendered by `tuner render-tuner` (spectune). Change the config and re-render rather than editing.\n"
 
 
 def tuner_config(overrides: list[str]) -> Config:
@@ -28,7 +29,7 @@ def render_tuner(overrides: list[str], out: Path) -> tuple[list[Path], list[str]
     from deploy.validate import check_dir
 
     cfg = tuner_config(overrides)
-    files = write_docs(build(cfg, overrides), out)
+    files = write_docs(build(cfg, overrides), out, HEADER)
     return files, check_dir(out, cfg.deploy.k8s_version)
 
 
