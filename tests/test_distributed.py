@@ -22,6 +22,7 @@ from tuner.config import load_config
 from tuner.objective import Objective, Sample
 from tuner.schema import SpecConfig, UserError
 from tuner.space import SearchSpace
+from tuner.study import open_storage, storage_url
 
 BASE = ["model=tiny-random", "+workload=code", "search=quick", "workload.num_heldout=0"]
 
@@ -190,6 +191,11 @@ def test_credentials_never_on_the_command_line_and_masked(server, monkeypatch, c
     assert best.provenance.storage == server.url.replace("spectune@", "spectune:***@")
     stored = _study(url, "envy").user_attrs[d.CONFIG_ATTR]
     assert stored["search"]["storage"] == "env" and pg.PASSWORD not in repr(stored)
+    assert storage_url(cfg.search, tmp_path) == url  # the single-machine flow resolves `env` the same way
+    # A storage that cannot be opened: the error names it masked.
+    with pytest.raises(UserError) as e:
+        open_storage(f"postgresql://spectune:{secret}@127.0.0.1:1/nowhere")
+    assert secret not in str(e.value) and "spectune:***@127.0.0.1:1" in str(e.value)
 
 
 def test_user_errors(server, tmp_path: Path) -> None:
