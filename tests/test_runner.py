@@ -304,3 +304,18 @@ def test_bench_table_and_user_errors(capsys, monkeypatch) -> None:
     assert "+workload=NAME" in capsys.readouterr().err
     assert main(["bench", *REAL, "workload.num_heldout=0", "bench.heldout=true"]) == 2
     assert "no held-out prompts" in capsys.readouterr().err
+
+
+def test_bench_url_measures_a_running_endpoint(real_server, capsys) -> None:
+    import json
+
+    from tuner.cli import main
+
+    rc = main(["bench", *REAL, "workload.num_prompts=2", "workload.max_new_tokens=6", "bench.repeats=1",
+               "--url", real_server, "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["engine"] == "http" and out["model"] == "tiny-random" and out["spec_key"] == real_server
+    assert out["n_requests"] == 2 and out["output_tokens_per_s"] > 0 and out["tau"] is not None
+    assert main(["bench", *REAL, "bench.baseline=true", "--url", real_server]) == 2
+    assert "cannot switch speculation off" in capsys.readouterr().err

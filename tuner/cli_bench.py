@@ -18,12 +18,17 @@ OFF = SpecConfig(method="off")
 
 
 @contextmanager
-def _targets(cfg: Config) -> Iterator[Callable[[SpecConfig], Any]]:
-    """Yields target_for(spec) -> a runner Target serving that spec (one engine or server reused)."""
+def _targets(cfg: Config, url: str | None = None, model: str | None = None) -> Iterator[Callable[[SpecConfig], Any]]:
+    """Yields target_for(spec) -> a runner Target serving that spec (one engine or server reused).
+    With `url`, every spec is the endpoint's own: nothing is started."""
     from engine.runner import HttpTarget, InProcessTarget
 
     assert cfg.workload is not None
     chat = cfg.workload.chat_template
+    if url is not None:
+        served = model or cfg.model.name
+        yield lambda _spec: HttpTarget(url, served, chat)
+        return
     if cfg.engine.kind == "builtin":
         from engine.loop import Engine
 
@@ -68,9 +73,22 @@ def _figures(s: Any, spec: SpecConfig) -> dict[str, Any]:
     }
 
 
-def bench(cfg: Config) -> dict[str, Any]:
+def _served_model(url: str) -> str:
+    """The first model an OpenAI-compatible endpoint lists under /v1/models."""
+    import httpx
+
+    try:
+        r = httpx.get(url.rstrip("/") + "/v1/models", timeout=10)
+        return str(r.json()["data"][0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise UserError(f"--url {url}: cannot read a model from /v1/models ({type(exc).__name__}); "
+                        "is the endpoint up? (or name the model with --model)") from None
+
+
+def bench(cfg: Config, url: str | None = None, model: str | None = None) -> dict[str, Any]:
     """Measure cfg.spec (and, with bench.baseline, speculation off) on cfg.workload at each of its
-    concurrency levels. Top-level figures are those of the first level; `levels` has them all."""
+    concurrency levels. Top-level figures are those of the first level; `levels` has them all.
+    With `url`, measure that running OpenAI-compatible endpoint as it is (engine "http")."""
     from engine.runner import measure
     from engine.workloads import load_prompts, sampling_params
     from tuner.config import require_workload
@@ -85,7 +103,11 @@ def bench(cfg: Config) -> dict[str, Any]:
     params = sampling_params(wl)
     b = cfg.bench
     levels: list[dict[str, Any]] = [{"concurrency": c} for c in wl.concurrency]
-    with _targets(cfg) as target_for:
+    if url is not None and b.baseline:
+        raise UserError("bench.baseline=true with --url: a running endpoint cannot switch speculation off")
+    if url is not None and model is None:
+        model = _served_model(url)
+    with _targets(cfg, url, model) as target_for:
         # All levels of one spec before the other: a launched engine restarts only once.
         for lvl in levels:
             lvl.update(_figures(measure(target_for(cfg.spec), prompts, params, lvl["concurrency"],
@@ -101,8 +123,8 @@ def bench(cfg: Config) -> dict[str, Any]:
         if lvl["n_requests"] == 0:
             raise UserError(f"every request failed at concurrency {lvl['concurrency']}: {lvl['errors'][0]}")
     out: dict[str, Any] = {
-        "engine": cfg.engine.kind, "model": cfg.model.name, "hardware": cfg.hardware.name,
-        "spec": cfg.spec.model_dump(mode="json"), "spec_key": cfg.spec.key(),
+        "engine": "http" if url else cfg.engine.kind, "model": model or cfg.model.name, "hardware": cfg.hardware.name,
+        "spec": None if url else cfg.spec.model_dump(mode="json"), "spec_key": url or cfg.spec.key(),
         "workload": wl.name, "split": split, "n_prompts": len(prompts),
         "max_new_tokens": wl.max_new_tokens, "temperature": wl.temperature,
         "warmup": b.warmup, "repeats": b.repeats,
@@ -146,7 +168,7 @@ def print_table(result: dict[str, Any]) -> None:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from tuner.config import load_config
 
-    result = bench(load_config(args.overrides))
+    result = bench(load_config(args.overrides), args.url, args.model)
     if args.json:
         print(json.dumps(result))
     else:
@@ -183,6 +205,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="measure the configured engine and spec on a workload (rich table or --json)")
     b.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. spec.depth=6 bench.baseline=true +workload=code")
     b.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    b.add_argument("--url", help="measure this running OpenAI-compatible endpoint instead of starting an engine")
+    b.add_argument("--model", help="with --url: the model name to request (default: the first in /v1/models)")
     b.set_defaults(func=_cmd_bench)
     s = sub.add_parser("serve", help="serve the built-in engine with the configured spec (OpenAI-compatible API)")
     s.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. serve.port=8001 spec.method=ngram")
