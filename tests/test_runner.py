@@ -319,3 +319,16 @@ def test_bench_url_measures_a_running_endpoint(real_server, capsys) -> None:
     assert out["n_requests"] == 2 and out["output_tokens_per_s"] > 0 and out["tau"] is not None
     assert main(["bench", *REAL, "bench.baseline=true", "--url", real_server]) == 2
     assert "cannot switch speculation off" in capsys.readouterr().err
+
+
+def test_without_chat_template_both_paths_send_the_raw_text(real_cfg, real_engine, real_server) -> None:
+    from engine.runner import run_http
+    from engine.workloads import load_prompts
+
+    prompts = load_prompts(real_cfg.workload, "tune")[:2]
+    params = SamplingParams(max_new_tokens=6)
+    local = run_inprocess(real_engine, prompts, params, chat_template=False)
+    m = run_http(real_server, real_cfg.model.name, prompts, params, chat_template=False)
+    assert m.errors == [] and m.texts == local.texts and m.output_tokens == local.output_tokens
+    templated = run_inprocess(real_engine, prompts, params, chat_template=True)
+    assert templated.texts != local.texts, "the chat template changes what the model sees"
