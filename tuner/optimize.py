@@ -353,7 +353,10 @@ def search(cfg: Config, study: optuna.Study, space: SearchSpace, measure: Measur
            resuming: bool, quiet: bool) -> BestResult:
     """Run the study with live progress, pick the winner and re-measure it on the held-out prompts."""
     objective = Objective(study, space, measure, cfg.workload, cfg.search)
-    with Progress(study, cfg.search.n_trials, quiet=quiet) as progress:
+    total = cfg.search.n_trials
+    if cfg.search.sampler == "grid":  # the grid ends when every enqueued point is measured
+        total = min(total, finished_count(study) + waiting_count(study))
+    with Progress(study, total, quiet=quiet) as progress:
         if resuming:
             progress.log(f"resuming {study.study_name}: {finished_count(study)} trials already finished")
         run_study(study, objective, cfg, progress)
