@@ -129,7 +129,7 @@ def build_dynamic_tree(root: int, root_logits: torch.Tensor, expand: ExpandFn, d
     for level in range(2, depth + 1):
         logits = expand(frontier, [tokens[i] for i in frontier], [parents[i] for i in frontier], level - 1)
         vals, toks = children_of(frontier, logits)
-        cum = vals + torch.tensor([scores[i] for i in frontier])[:, None]
+        cum = vals + torch.tensor([scores[i] for i in frontier], device=vals.device)[:, None]
         flat_cum, flat_tok = cum.flatten().tolist(), toks.flatten().tolist()
         k = toks.shape[1]
         first = len(tokens)

@@ -40,6 +40,10 @@ def _normalise(r: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
     return r / s if s > 0 else fallback
 
 
+def _uniform(generator: torch.Generator | None, device: torch.device) -> float:
+    return float(torch.rand((), generator=generator, device=generator.device if generator is not None else device))
+
+
 def accept_topk(r: torch.Tensor, x: int, q: torch.Tensor | None, u: float) -> tuple[bool, torch.Tensor]:
     """Deterministic sibling x: accept with probability r(x); otherwise remove x from r."""
     if u < float(r[x]):
@@ -82,7 +86,7 @@ def verify_sample(tree: Tree, logits: torch.Tensor, params: SamplingParams,
                 q_j = q
                 for x in tree.sampled[node]:
                     if x in children:
-                        u = float(torch.rand((), generator=generator))
+                        u = _uniform(generator, r.device)
                         ok, r = accept_sampled(r, x, q, q_j, u)
                         if ok:
                             nxt = children[x]
@@ -94,7 +98,7 @@ def verify_sample(tree: Tree, logits: torch.Tensor, params: SamplingParams,
             else:
                 q = tree.q.get(node)
                 for x, child in children.items():
-                    u = float(torch.rand((), generator=generator))
+                    u = _uniform(generator, r.device)
                     ok, r = accept_topk(r, x, q, u)
                     if ok:
                         nxt = child
