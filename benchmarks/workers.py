@@ -5,8 +5,8 @@ processes started together, each with its own built-in engine on the tiny random
 
 - wall_s: first worker started -> last worker exited (includes each process's start-up);
 - study_s: first trial started -> last trial finished (the storage's timestamps);
-- coordination overhead per trial (ms): per worker, the gaps between one trial's tell and its next
-  trial's start (budget lock, stale sweep, trial listing, sampling), summed over workers / trials;
+- coordination overhead per trial (ms): the mean gap between a trial's tell and the same worker's
+  next trial's start (budget lock, stale sweep, trial listing, sampling, progress output);
 - storage round-trips per trial: statements PostgreSQL executed (log_statement=all: every simple
   query and every extended-protocol execute is one round-trip), from study creation to the last
   worker's exit, divided by the trials.
@@ -113,7 +113,8 @@ def run(server: pg.Server, n_workers: int, trials: int, tmp: Path, fake_delay_s:
     gap_count = sum(len(ts) - 1 for ts in by_worker.values())
     study_s = (max(t.datetime_complete for t in done) - min(t.datetime_start for t in done)).total_seconds()
     return {
-        "workers": n_workers, "engine": "fake" if fake_delay_s is not None else "tiny-random", "trials": trials, "wall_s": round(wall, 1), "study_s": round(study_s, 1),
+        "workers": n_workers, "engine": "fake" if fake_delay_s is not None else "tiny-random", "trials": trials,
+        "wall_s": round(wall, 1), "study_s": round(study_s, 1),
         "trial_s_mean": round(in_trials / trials, 2),
         "trials_per_worker": sorted(len(ts) for ts in by_worker.values()),
         "overhead_ms_per_trial": round(1000 * gaps / max(1, gap_count), 1),

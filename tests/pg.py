@@ -72,7 +72,8 @@ def postgres_server(settings: dict[str, str] | None = None) -> Iterator[Server]:
     `settings`: extra server parameters, e.g. {"log_statement": "all"} (the log is `Server.log`)."""
     bins = bin_dir()
     if bins is None:
-        raise RuntimeError("PostgreSQL is not installed: `make postgres` (part of `make test`) installs Debian's postgresql package")
+        raise RuntimeError("PostgreSQL is not installed: `make postgres` (part of `make test`) installs "
+                           "Debian's postgresql package")
     prefix, uid, gid = _runner()
     root = Path(tempfile.mkdtemp(prefix="spectune-pg-"))
     data, pwfile = root / "data", root / "pw"

@@ -80,7 +80,8 @@ def test_workers_job_parallelism_gpus_and_placement() -> None:
     # Only the workers ask for GPUs.
     for name, p in _pods(docs).items():
         if name != "workers-job.yaml":
-            assert "nodeSelector" not in p and all("nvidia.com/gpu" not in str(c.get("resources")) for c in p["containers"])
+            assert "nodeSelector" not in p
+            assert all("nvidia.com/gpu" not in str(c.get("resources")) for c in p["containers"])
     # CPU hardware: no GPUs, no GPU placement.
     cpu_pod = _docs(DEFAULT)["workers-job.yaml"]["spec"]["template"]["spec"]
     assert "nodeSelector" not in cpu_pod and "nvidia.com/gpu" not in str(cpu_pod["containers"][0]["resources"])
@@ -131,7 +132,7 @@ def test_kubectl_kustomize_builds_the_base() -> None:
                        timeout=60)
     assert r.returncode == 0, r.stderr
     kinds = [d["kind"] for d in yaml.safe_load_all(r.stdout)]
-    assert sorted(kinds) == sorted(["Namespace", "Service", "StatefulSet", "PersistentVolumeClaim", "Job", "Job", "Job"])
+    assert sorted(kinds) == sorted(["Namespace", "Service", "StatefulSet", "PersistentVolumeClaim"] + ["Job"] * 3)
 
 
 def test_cli(tmp_path: Path, capsys) -> None:
