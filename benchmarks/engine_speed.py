@@ -4,7 +4,7 @@
 
 Rows (all in the same process, same prompts, in the same run): HF generate autoregressive,
 HF generate(prompt_lookup_num_tokens=4), built-in autoregressive, built-in n-gram at several depths.
-EAGLE is skipped until a trained head exists (a random head accepts nothing: no meaningful row).
+EAGLE rows only with --eagle-head (a trained head; a random head accepts nothing: no meaningful row).
 Prints a table (tok/s, ratio to HF AR, tau, greedy agreement with built-in AR); the last line of
 output is one JSON object with the figures. Timings are noisy when the CPUs are shared.
 """
@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--eagle-head", default=None, help="a trained EAGLE-1 head dir (tuner train-draft): adds EAGLE rows")
     args = ap.parse_args(argv)
 
     if args.threads:
@@ -81,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     for d in (int(x) for x in args.depths.split(",")):
         spec = SpecConfig(method="ngram", depth=d, topk=1, budget=d + 1, ngram_min=2, ngram_max=4)
         runs[f"built-in, n-gram depth {d}"] = lambda p, n, spec=spec: builtin_generate(engine, p, n, spec)
+    if args.eagle_head:
+        for d, k, b in ((3, 1, 4), (4, 4, 8)):
+            spec = SpecConfig(method="eagle", depth=d, topk=k, budget=b, head_path=args.eagle_head)
+            runs[f"built-in, EAGLE {spec.key()[6:]}"] = lambda p, n, spec=spec: builtin_generate(engine, p, n, spec)
     for fn in runs.values():  # warm-up: first calls allocate and pick kernels
         fn(prompts[0], 8)
     acc = {name: {"tokens": 0, "seconds": 0.0, "forwards": 0, "outputs": []} for name in runs}
