@@ -118,20 +118,20 @@ def test_grid_points_each_run_once_over_a_journal_file(tmp_path: Path) -> None:
 
 def test_dead_worker_trial_is_swept_fail_and_live_ones_are_not(server) -> None:
     cfg = load_config([*BASE, f"search.storage={server.url}", "search.study_name=sweep", "search.n_trials=3",
-                       "search.heartbeat_grace_s=2"])
+                       "search.heartbeat_grace_s=3"])
     d.create_shared_study(cfg, server.url, SearchSpace.from_config(cfg))
     alive = d.open_worker_study(cfg, server.url, "sweep")
     dead = d.open_worker_study(cfg, server.url, "sweep")
     t_dead = dead.ask()
     dead.heartbeat.stop()  # what SIGKILL does to the heartbeat thread
     t_alive = alive.ask()
-    time.sleep(3.5)  # beyond the grace period: the live trial's heartbeat kept it fresh
+    time.sleep(4.5)  # beyond the grace period: the live trial's heartbeat kept it fresh
     assert d.sweep_stale(alive, cfg.search.heartbeat_grace_s) == [t_dead.number]
     frozen = {t.number: t for t in alive.get_trials()}
     assert frozen[t_dead.number].state == TrialState.FAIL
     assert "no heartbeat" in frozen[t_dead.number].user_attrs["fail_reason"]
     assert frozen[t_alive.number].state == TrialState.RUNNING
-    assert frozen[t_alive.number].user_attrs[d.HEARTBEAT] > time.time() - 2
+    assert frozen[t_alive.number].user_attrs[d.HEARTBEAT] > time.time() - 3
     alive.tell(t_alive, 1.0)
     # The presumed-dead worker comes back and tells: its trial keeps the FAIL the others counted.
     assert dead.tell(t_dead, 2.0).state == TrialState.FAIL

@@ -44,7 +44,6 @@ from typing import Any
 import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import TrialState
-
 from pydantic import ValidationError
 
 from tuner.schema import BestResult, Config, SearchConfig, UserError
@@ -482,18 +481,19 @@ def run_worker(overrides: list[str], quiet: bool = False, engine: Any = None, me
 def _work_and_finish(cfg: Config, url: str, name: str, run_dir: Path, quiet: bool, engine: Any, measure: Any,
                      force: bool, children: list[subprocess.Popen] | None = None,
                      before_work: Callable[[], None] | None = None) -> BestResult | None:
+    """One worker's whole life: engine, trials until the budget is spent, the winner (see finalize)."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # Spawned workers import torch and load their engines while this one does (so before the heavy
+    # imports here), unless a draft head must be trained first (once, here; they find it cached).
+    needs_head = any(m in ("eagle", "eagle3", "medusa") for m in cfg.search.methods)
+    if before_work is not None and not needs_head:
+        before_work()
     from engine.workloads import load_prompts
 
     from tuner.objective import Objective
     from tuner.optimize import Progress, get_draft, make_measure, open_engine
     from tuner.space import SearchSpace
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    # Spawned workers load their engines while this one does, unless a draft head must be trained
-    # first (once, here; they then find it cached).
-    needs_head = any(m in ("eagle", "eagle3", "medusa") for m in cfg.search.methods)
-    if before_work is not None and not needs_head:
-        before_work()
     if engine is None and measure is None:
         engine = open_engine(cfg)
     space = SearchSpace.from_config(cfg, head_path=get_draft(cfg, engine))
