@@ -202,6 +202,9 @@ def test_credentials_never_on_the_command_line_and_masked(server, monkeypatch, c
 def test_user_errors(server, tmp_path: Path) -> None:
     with pytest.raises(UserError, match="shared by processes"):
         d.check_shared(f"sqlite:///{tmp_path}/x.db", "search.workers=3")
+    for storage in ([], [f"search.storage=sqlite:///{tmp_path}/x.db"]):  # before any run directory exists
+        with pytest.raises(UserError, match="search.workers=3 needs a storage shared by processes"):
+            load_config([*BASE, "search.workers=3", *storage])
     with pytest.raises(UserError, match="takes its config from the study"):
         d.worker_config([f"search.storage={server.url}", "search.study_name=x", "search.n_trials=99"])
     with pytest.raises(UserError, match="no such study"):
