@@ -504,7 +504,10 @@ def _work_and_finish(cfg: Config, url: str, name: str, run_dir: Path, quiet: boo
         prompts = {"tune": load_prompts(cfg.workload, "tune"), "heldout": load_prompts(cfg.workload, "heldout")}
         measure = make_measure(engine, cfg, prompts)
     objective = Objective(study, space, measure, cfg.workload, cfg.search)
-    with Progress(study, cfg.search.n_trials, quiet=quiet) as progress:
+    total = cfg.search.n_trials
+    if cfg.search.sampler == "grid":  # the grid ends when every enqueued point is handed out
+        total = min(total, len(study.get_trials(deepcopy=False)))
+    with Progress(study, total, quiet=quiet) as progress:
         progress.log(f"worker {worker_id()} on study {name} in {mask_url(url)}")
         n = work(study, objective, cfg, progress, progress.log)
         progress.log(f"budget spent: this worker ran {n} trial(s)")
