@@ -39,6 +39,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _tau(t: float | None) -> str:
+    return "-" if t is None else f"{t:.2f}"
+
+
 def _row(engine: str, spec: SpecConfig, s: Summary | None, startup_s: float | None, error: str | None = None) -> dict[str, Any]:
     return {
         "engine": engine, "config": spec.key(), "depth": None if spec.method == "off" else spec.depth,
@@ -60,7 +64,7 @@ def run_builtin(overrides: list[str], specs: list[SpecConfig], warmup: int, repe
         engine.set_spec(spec)
         s = measure(InProcessTarget(engine, cfg.workload.chat_template), prompts, params, 1, warmup, repeats)
         rows.append(_row("builtin", spec, s, None))
-        print(f"  builtin {spec.key():<18} {s.output_tokens_per_s:7.1f} tok/s  tau {s.tau or 0:.2f}", file=sys.stderr)
+        print(f"  builtin {spec.key():<18} {s.output_tokens_per_s:7.1f} tok/s  tau {_tau(s.tau)}", file=sys.stderr)
     del engine
     gc.collect()
     return rows
@@ -82,7 +86,7 @@ def run_vllm(overrides: list[str], specs: list[SpecConfig], warmup: int, repeats
             startup = launcher.startup_s
             s = measure(HttpTarget(url, launcher.model, cfg.workload.chat_template), prompts, params, 1, warmup, repeats)
             rows.append(_row("vllm", spec, s, startup))
-            print(f"  vllm    {spec.key():<18} {s.output_tokens_per_s:7.1f} tok/s  tau {s.tau or 0:.2f}  "
+            print(f"  vllm    {spec.key():<18} {s.output_tokens_per_s:7.1f} tok/s  tau {_tau(s.tau)}  "
                   f"(start-up {startup:.0f} s)", file=sys.stderr)
     return rows
 
@@ -140,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         own, vs = _ratio(r, own_ar), _ratio(r, v_ar)
         startup = "" if r["startup_s"] is None else f"{r['startup_s']:.0f} s"
-        print(f"{r['engine']:<8} {r['config']:<18} {r['tok_s']:7.1f} {r['tau'] or 0:5.2f} "
+        print(f"{r['engine']:<8} {r['config']:<18} {r['tok_s']:7.1f} {_tau(r['tau']):>5} "
               f"{own or 0:8.2f}x {vs or 0:9.2f}x {startup:>8}")
     ratios = {
         "builtin_ar_over_vllm_ar": _ratio(b_ar, v_ar),
