@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--depths", default="2,4,6,8", help="n-gram draft depths")
+    ap.add_argument("--ngram-mins", default="2", help="n-gram shortest match lengths (longest: 4)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -79,9 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         "HF generate, prompt_lookup_num_tokens=4": lambda p, n: hf_generate(engine, p, n, 4),
         "built-in, autoregressive": lambda p, n: builtin_generate(engine, p, n, SpecConfig(method="off")),
     }
-    for d in (int(x) for x in args.depths.split(",")):
-        spec = SpecConfig(method="ngram", depth=d, topk=1, budget=d + 1, ngram_min=2, ngram_max=4)
-        runs[f"built-in, n-gram depth {d}"] = lambda p, n, spec=spec: builtin_generate(engine, p, n, spec)
+    for lo in (int(x) for x in args.ngram_mins.split(",")):
+        for d in (int(x) for x in args.depths.split(",")):
+            spec = SpecConfig(method="ngram", depth=d, topk=1, budget=d + 1, ngram_min=lo, ngram_max=4)
+            runs[f"built-in, n-gram depth {d} (match {lo}-4)"] = lambda p, n, spec=spec: builtin_generate(engine, p, n, spec)
     if args.eagle_head:
         for d, k, b in ((3, 1, 4), (4, 4, 8)):
             spec = SpecConfig(method="eagle", depth=d, topk=k, budget=b, head_path=args.eagle_head)
