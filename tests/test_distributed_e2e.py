@@ -20,7 +20,9 @@ from optuna.trial import TrialState
 import pg
 from tuner import distributed as d
 from tuner.cli import main
+from tuner.config import load_config
 from tuner.schema import BestResult
+from tuner.space import SearchSpace
 
 # Small: a trial is a few seconds; one intra-op thread per worker so three share two cores fairly.
 SMALL = ["model=tiny-random", "+workload=code", "search=quick", "workload.num_prompts=2", "workload.num_heldout=1",
@@ -107,8 +109,14 @@ def test_local_workers_over_a_journal_file_survive_a_kill(tmp_path: Path) -> Non
     """`tuner optimize search.workers=3` with a journal file: this process plus two spawned workers;
     a grid study, so every point runs exactly once (the killed one stays FAIL)."""
     url = f"journal:{tmp_path / 'study.journal'}"
-    cmd = [sys.executable, "-m", "tuner.cli", "optimize", *SMALL, f"search.storage={url}", "search.workers=3",
-           "search.sampler=grid", "search.study_name=j", f"run_dir={tmp_path}", "--quiet"]
+    # Six grid points (n-gram chains of depth 1..6): enough work that the spawned workers, which
+    # start after this process, surely get some of it.
+    grid = [*SMALL, f"search.storage={url}", "search.workers=3", "search.sampler=grid", "search.depth.max=6",
+            "search.budget_max=7", "search.n_trials=20"]
+    n_points = len(SearchSpace.from_config(load_config(grid)).points())
+    assert n_points == 6
+    cmd = [sys.executable, "-m", "tuner.cli", "optimize", *grid, "search.study_name=j", f"run_dir={tmp_path}",
+           "--quiet"]
     parent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         # Children are the workers whose pid is not the parent's: kill one of them mid-trial.
@@ -131,8 +139,8 @@ def test_local_workers_over_a_journal_file_survive_a_kill(tmp_path: Path) -> Non
     run_dir = tmp_path / "j"
     assert out.strip().splitlines()[-1] == str(run_dir)
     trials = _trials(url, "j")
-    n_points = 4  # search=quick: n-gram chains of depth 1..4
-    assert len(trials) == n_points + 1 and all(t.state in (TrialState.COMPLETE, TrialState.FAIL) for t in trials)
+    assert len(trials) == n_points + 1, [(t.number, t.state.name) for t in trials]
+    assert all(t.state in (TrialState.COMPLETE, TrialState.FAIL) for t in trials), [t.state.name for t in trials]
     specs = Counter(t.user_attrs.get("spec") for t in trials)
     assert all(v == 1 for v in specs.values()), specs  # each grid point exactly once
     assert {t.number for t in trials if t.state == TrialState.FAIL} == {killed}
