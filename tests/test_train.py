@@ -201,3 +201,25 @@ def test_cache_reused_and_retrain(engine: Engine, tmp_path, monkeypatch) -> None
     # another workload is another head
     p2 = T.ensure_head(cfg.model_copy(update={"workload": load_config(["+workload=math"]).workload}), engine)
     assert p2 != p1 and p2.parent == p1.parent
+
+
+def test_unrolled_training_forward_is_what_the_drafter_computes(data: DistillData, engine: Engine) -> None:
+    """Training-time test must see exactly what drafting sees: step 0 at index t = the drafter's
+    catch-up output at t (token t+1, feature t, position t); step 1 at index t = a depth-1 tree node
+    drafted after position t (its own token, the root's predicted feature, position t+1)."""
+    from engine.drafters import EagleDrafter
+
+    head = T.init_head(engine.model.config, 3).eval()
+    tok, feat, _, start = data.sequence(0)
+    n = start + 5  # ids[:n+1] committed, ids[n] the root
+    outs = T.unrolled(head, engine.model.get_input_embeddings().weight, tok[None], feat[None], 2)
+    spec = SpecConfig(method="eagle", depth=2, topk=1, budget=3)
+    d = EagleDrafter(spec, head, engine.model)
+    with torch.no_grad():
+        d.reset(tok[:n].tolist())
+        d.observe(feat[:n])
+        d._catch_up(tok[:n + 1].tolist())
+        assert torch.allclose(d._root_feat, outs[0][0, n - 1], atol=1e-5)
+        d._slot, d._n_slots = {}, 0
+        d._expand([1], [int(tok[n + 1])], [0], 1)
+        assert torch.allclose(d._slot_feat[0], outs[1][0, n - 1], atol=1e-5)
