@@ -343,8 +343,13 @@ def ensure_head(cfg: Config, engine=None, retrain: bool = False, workloads: Sequ
     if cfg.workload is None:
         raise UserError("train-draft needs a workload: add +workload=NAME")
     out = head_dir(cfg)
+    work = out.parent / f".{out.name}.work"  # checkpoints of a run in progress
     if not retrain and (out / META).is_file():
         return out
+    if retrain:
+        # forget the old head and checkpoints now: an interrupted retrain then resumes on the next call
+        (out / META).unlink(missing_ok=True)
+        shutil.rmtree(work, ignore_errors=True)
     if engine is None:
         from engine.loop import Engine
 
@@ -370,9 +375,6 @@ def ensure_head(cfg: Config, engine=None, retrain: bool = False, workloads: Sequ
                              meta={"key": key, "target": thash, "workloads": [cfg.workload.name, *[w.name for w in workloads]]})
         data.meta["generate_seconds"] = round(time.perf_counter() - t0, 1)
         data.save(data_path)
-    work = out.parent / f".{out.name}.work"
-    if retrain:
-        shutil.rmtree(work, ignore_errors=True)
     head, summary = train_head(data, engine.model, tc, work, report, eos=sorted(engine.eos))
     if out.exists():
         shutil.rmtree(out)
