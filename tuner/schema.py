@@ -373,7 +373,7 @@ class TrainConfig(_Strict):
     warmup: int = Field(10, ge=0)  # linear warm-up steps, then cosine decay to 10%
     ce_weight: float = Field(0.1, ge=0.0)  # loss = SmoothL1(feature) + ce_weight * CE
     noise: float = Field(0.1, ge=0.0)  # std of Gaussian noise on input features (relative to their rms)
-    unroll: int = Field(2, ge=1, le=8)  # training-time test: steps the head runs on its own features
+    unroll: int = Field(3, ge=1, le=8)  # training-time test: steps the head runs on its own features
     unroll_decay: float = Field(0.8, gt=0.0, le=1.0)  # loss weight of unrolled step i: decay**i
     draft_vocab: int = Field(8192, ge=0)  # draft over the N most frequent target tokens (0: full vocab)
     checkpoint_every: int = Field(10, ge=1)  # steps between resumable checkpoints
