@@ -296,7 +296,10 @@ def get_draft(cfg: Config, engine: Any, quiet: bool = False) -> str | None:
             loss = f" loss {info['loss']:.3f}" if "loss" in info else ""
             console.print(f"  {phase} {done}/{total}{loss}", highlight=False)
 
-    return str(ensure_head(cfg, engine, report=report))
+    from tuner.cli_train import packaged_workloads
+
+    # The other packaged workloads add diversity and, above all, have their held-out prompts excluded.
+    return str(ensure_head(cfg, engine, report=report, workloads=packaged_workloads(cfg)))
 
 
 def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, objective: Objective) -> BestResult:
