@@ -23,13 +23,7 @@ PROMPTS = ["def fib(n):", "Write a haiku about the sea.", "a b c d a b c d a b c
 N_NEW = 40
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny matmuls: thread hand-offs cost more than they save on a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -23,13 +23,7 @@ N_SAMPLES = 3000
 PARAMS = SamplingParams(temperature=1.0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # thousands of tiny tensor ops: intra-op threads only add hand-off latency on a shared machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _tables(seed: int = 7) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,13 +26,7 @@ PUBLIC = {"fc.weight", "layers.0.post_attention_layernorm.weight"} | {
     f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"} | {f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny matmuls on a shared 2-core machine: thread hand-offs cost more than they save
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def cfg_of(*extra: str, tmp=None):
