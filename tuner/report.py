@@ -134,7 +134,7 @@ def plot_bars(rows: list[tuple[str, float, float | None, float | None]], path: P
     fig, ax = plt.subplots(figsize=(6, 3.5))
     names = [r[0] for r in rows]
     vals = [r[1] for r in rows]
-    err = [[max(0.0, v - (lo if lo is not None else v)) for _, v, lo, _ in rows],
+    err = [[min(v, max(0.0, v - (lo if lo is not None else v))) for _, v, lo, _ in rows],  # no bar below 0
            [max(0.0, (hi if hi is not None else v) - v) for _, v, _, hi in rows]]
     ax.bar(names, vals, yerr=err, capsize=4, color=["#888", "#6a9fd8", "#2a7", "#5c5"][: len(rows)])
     for i, v in enumerate(vals):
@@ -148,7 +148,11 @@ def _bar_rows(study: optuna.Study, best: BestResult | None) -> list[tuple[str, f
     rows: list[tuple[str, float, float | None, float | None]] = []
     trials = complete(study)
     base = next((t for t in trials if role(t) == "baseline"), None)
-    if base is not None:
+    if best is not None and best.baseline is not None:
+        # The winner's own adjacent baseline: trial 0 may have run under other load.
+        b = best.baseline
+        rows.append(("baseline (off)", b.output_tokens_per_s, b.ci_low, b.ci_high))
+    elif base is not None:
         a = base.user_attrs
         rows.append(("baseline (off)", a["tok_s"], a.get("tok_s_ci_low"), a.get("tok_s_ci_high")))
     default = next((t for t in trials if role(t) == "default"), None)
