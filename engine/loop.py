@@ -135,7 +135,6 @@ class Engine:
         if chat_template and getattr(self.tokenizer, "chat_template", None):
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                       add_generation_prompt=True, tokenize=False)
-            return self.tokenizer.encode(text, add_special_tokens=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, cache: DynamicCache,
