@@ -376,11 +376,15 @@ def compute_best(cfg: Config, study: optuna.Study, run_dir: Path, objective: Any
 
 def finalize(study: WorkerStudy, cfg: Config, run_dir: Path, objective: Any | None, force: bool = False,
              log: Callable[[str], None] = lambda s: None) -> BestResult | None:
-    """The study's best.yaml: the stored one, or (for the claiming worker, or with force) computed
-    now, held-out prompts included, and stored in the study for every reader."""
+    """The study's best.yaml for the one worker that writes the run: computed now (held-out prompts
+    included) and stored in the study by the claiming worker; with force (the coordinator of
+    search.workers=N), the stored one if another worker got there first. None for every other
+    worker: `tuner report --storage` gives anyone the stored result."""
     best = stored_best(study)
     if best is not None:
-        return best
+        if not force:
+            log("the winner was stored by another worker")
+        return best if force else None
     stale = cfg.search.trial_timeout_s + cfg.search.heartbeat_grace_s
     if not (force or claim_finalize(study, stale)):
         return None
