@@ -40,8 +40,8 @@ def measure_grid(args: argparse.Namespace) -> Path:
     over = [
         f"model={args.model}", "+workload=code", "search=grid", f"search.methods=[{args.methods}]",
         f"search.depth.min=1", f"search.depth.max={args.depth_max}", f"search.topk=[{args.topk}]",
-        f"search.budget_max={args.budget_max}", "search.n_trials=100000", "search.repeats_min=1",
-        "search.repeats_max=1", f"workload.num_prompts={args.prompts}", "workload.num_heldout=2",
+        f"search.budget_max={args.budget_max}", "search.n_trials=100000", f"search.repeats_min={args.repeats}",
+        f"search.repeats_max={args.repeats}", f"workload.num_prompts={args.prompts}", "workload.num_heldout=2",
         f"workload.max_new_tokens={args.tokens}", f"engine.builtin.threads={args.threads}",
         f"run_dir={args.run_dir}", f"search.study_name=search-efficiency-grid-{stamp}",
         *[f"train.{kv}" for kv in args.train],
@@ -124,6 +124,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=2, help="measurements per grid point (pooled): one is too noisy here")
     p.add_argument("--seeds", default="0,1,2,3,4")
     p.add_argument("--within", type=float, default=0.03)
     p.add_argument("--run-dir", default="runs")

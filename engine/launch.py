@@ -336,6 +336,12 @@ class Launcher:
 
     # -- lifecycle
 
+    def serves(self, spec: SpecConfig) -> bool:
+        """Whether the running server was started with exactly `spec`'s flags (ensure would reuse it)."""
+        with self._lock:
+            key = (tuple(self.command(spec)), tuple(sorted(self.env().items())))
+            return self.running and key == self._key
+
     def ensure(self, spec: SpecConfig) -> str:
         """A healthy server for `spec`: the running one when its flags are identical, else a new one."""
         with self._lock:

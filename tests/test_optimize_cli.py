@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tuner.cli import main
 from tuner.config import load_config, save_config
@@ -49,6 +50,9 @@ def test_dashboard_serves_the_run_dirs_study_on_localhost(tmp_path: Path) -> Non
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+    # SIGTERM to `tuner dashboard` stops the server itself: nothing is left listening
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{port}/api/studies", timeout=2)
 
 
 def test_report_of_an_unfinished_study_and_of_a_wrong_dir(tmp_path: Path, capsys) -> None:

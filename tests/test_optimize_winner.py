@@ -147,3 +147,56 @@ def test_hopeless_pruner_compares_with_the_baseline_and_the_best(tmp_path: Path)
     t3 = study.ask()
     t3.report(110.0, 0)
     assert t3.should_prune()  # beats the baseline but is hopeless against the best so far (130)
+
+
+def test_a_launched_server_is_measured_serving_first_so_two_repeats_restart_it_twice(tmp_path: Path) -> None:
+    # A vLLM/SGLang trial restarts the server whenever the measured spec changes. Measuring the spec
+    # the server already runs first (the order still alternating between repeats) saves one restart
+    # per trial; the start-ups are recorded on the trial, outside every measurement.
+    from tuner.objective import Objective, Sample
+    from tuner.optimize import make_launched_measure
+    from tuner.space import SearchSpace
+    from tuner.study import create_study
+
+    cfg = load_config(["model=tiny-random", "+workload=code", "search=quick", "search.repeats_min=2",
+                       "search.repeats_max=2", "search.n_trials=3", "search.ci_rel_width=0.0001"])
+
+    class Launcher:
+        model = "m"
+        starts, total_startup_s, running = 0, 0.0, None
+
+        def serves(self, spec: SpecConfig) -> bool:
+            return self.running == spec
+
+        def ensure(self, spec: SpecConfig) -> str:
+            if self.running != spec:
+                self.running, self.starts, self.total_startup_s = spec, self.starts + 1, self.total_startup_s + 30.0
+            order.append(spec.method)
+            return "http://127.0.0.1:9"
+
+    order: list[str] = []
+    launcher = Launcher()
+    measure = make_launched_measure(launcher, cfg, {"tune": [], "heldout": []})
+
+    def fake(spec: SpecConfig, split: str, concurrency: int) -> Sample:
+        launcher.ensure(spec)  # the real measure would now run the load generator against the server
+        return Sample(tok_s=20.0 if spec.method == "off" else 30.0, tau=2.0, ttft_p99_ms=1.0, tpot_p99_ms=1.0)
+
+    fake.serving, fake.startups = measure.serving, measure.startups  # type: ignore[attr-defined]
+    space = SearchSpace.from_config(cfg)
+    study = create_study(cfg, space, tmp_path, "restarts")
+    objective = Objective(study, space, fake, cfg.workload, cfg.search)
+    for _ in range(3):
+        objective.run_one()
+    trials = study.trials
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
+    # trial 0 (off): one start; every speculative trial: exactly two, and both repeats measured
+    assert [t.user_attrs["server_starts"] for t in trials] == [1, 2, 2]
+    assert trials[1].user_attrs["server_startup_s"] == 60.0
+    assert [t.user_attrs["repeats"] for t in trials[1:]] == [2, 2]
+    assert launcher.starts == 5
+    # within each speculative trial the two repeats ran in opposite orders (drift still cancels)
+    spec_trials = order[2:]
+    pairs = [spec_trials[i:i + 4] for i in (0, 4)]
+    for p in pairs:
+        assert p[:2] != p[2:] and sorted(p[:2]) == sorted(p[2:])

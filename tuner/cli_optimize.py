@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -90,8 +90,12 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
         cmd += ["--storage-class", "JournalFileStorage", url[len("journal:"):]]
     else:
         cmd.append(url)
-    print(f"optuna-dashboard on http://127.0.0.1:{args.port}/ (Ctrl-C to stop)", file=sys.stderr)
-    return subprocess.call(cmd)
+    print(f"optuna-dashboard on http://127.0.0.1:{args.port}/ (Ctrl-C to stop)", file=sys.stderr, flush=True)
+    # Become the dashboard: a signal sent to `tuner dashboard` (SIGTERM from a supervisor) then
+    # reaches the server itself instead of orphaning it.
+    sys.stdout.flush()
+    os.execv(exe, cmd)
+    return 0  # not reached
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -45,6 +45,8 @@ class Sample:
 
 # (spec, split "tune"|"heldout", concurrency) -> Sample. The optimize flow builds it from the
 # engine and the shared runner; nothing here generates tokens itself.
+# A MeasureFn over a launched server may also carry `serving(spec) -> bool` (is that server up now?)
+# and `startups() -> (starts, seconds)` (cumulative server start-ups), both optional.
 MeasureFn = Callable[[SpecConfig, str, int], Sample]
 
 
@@ -155,16 +157,25 @@ class Objective:
         base_s: list[list[Sample]] = []
         is_off = spec.method == "off"
         repeats_max = repeats_max or self.search.repeats_max
+        # The order still alternates between repeats; a launched server that already serves the
+        # baseline is measured first, so a trial of 2 repeats restarts it twice instead of three times.
+        serving = getattr(self.measure, "serving", None)
+        flip = int(not is_off and serving is not None and serving(OFF) and not serving(spec))
+        startups = getattr(self.measure, "startups", None)
+        starts0, startup0 = startups() if startups is not None else (0, 0.0)
         for r in range(repeats_max):
             if is_off:  # the baseline itself: one measurement per repeat, speedup 1 by definition
                 s = self._at_levels(OFF, split)
                 b = s
             else:
-                s, b = self.measure_pair(spec, split, r)
+                s, b = self.measure_pair(spec, split, r + flip)
             spec_s.append(s)
             base_s.append(b)
             ratios.append(_geomean([x.tok_s / y.tok_s for x, y in zip(s, b)]) if not is_off else 1.0)
             figures = self._figures(spec_s, base_s, ratios)
+            if startups is not None:  # server start-ups are never inside a measurement; recorded apart
+                starts, startup = startups()
+                figures.update(server_starts=starts - starts0, server_startup_s=round(startup - startup0, 2))
             if trial is not None:
                 for k, v in figures.items():
                     trial.set_user_attr(k, v)
@@ -180,7 +191,7 @@ class Objective:
                 raise optuna.TrialPruned(f"hopeless after {r + 1} repeat(s): speedup {ratios[-1]:.3f}")
             if time.monotonic() - started > self.search.trial_timeout_s:
                 raise TrialTimeout(f"exceeded search.trial_timeout_s={self.search.trial_timeout_s:g}")
-        return self._figures(spec_s, base_s, ratios)
+        return figures
 
     def _tight(self, xs: list[float]) -> bool:
         m, lo, hi = mean_ci(xs)

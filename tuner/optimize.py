@@ -183,6 +183,9 @@ def make_launched_measure(launcher: Any, cfg: Config, prompts: dict[str, list[An
         target = HttpTarget(launcher.ensure(spec), launcher.model, cfg.workload.chat_template)
         return _sample(target.run(prompts[split], params, concurrency), len(prompts[split]))
 
+    # A restart costs far more than a measurement: the objective measures the served spec first.
+    measure.serving = getattr(launcher, "serves", None)  # type: ignore[attr-defined]
+    measure.startups = lambda: (getattr(launcher, "starts", 0), getattr(launcher, "total_startup_s", 0.0))  # type: ignore[attr-defined]
     return measure
 
 
