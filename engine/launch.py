@@ -8,7 +8,8 @@ stopped and a new one started. The launcher never measures: the shared load gene
 
 Each server runs in its own process group (vLLM forks an engine-core process and workers), so
 stopping it is one SIGTERM to the group, then SIGKILL for whatever is left. Servers still running
-when the tuner exits (normally, by Ctrl-C, or by SIGTERM/SIGHUP) are stopped the same way.
+when the tuner exits (normally, by Ctrl-C, or by SIGTERM/SIGHUP) are stopped the same way; when
+the tuner is SIGKILLed the kernel sends the server SIGTERM (Linux parent-death signal).
 A start that fails (bad flag, out of memory, busy port, health timeout) raises `EngineStartError`
 carrying the server's own error line from its log; it never hangs.
 """
@@ -181,6 +182,31 @@ def port_in_use(host: str, port: int) -> bool:
 _LIVE: set["Launcher"] = set()
 _LIVE_LOCK = threading.Lock()
 _HANDLERS_INSTALLED = False
+
+
+# SIGKILL of the tuner runs no handler at all. On Linux the server then gets SIGTERM from the kernel
+# (PR_SET_PDEATHSIG) and shuts its engine core down as on any SIGTERM. The death signal follows the
+# *thread* that started the server, so it is set only for servers started from the main thread.
+_PR_SET_PDEATHSIG = 1
+try:
+    import ctypes
+
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child must not look it up
+except (OSError, AttributeError):  # not Linux / no glibc: no death signal, handlers still cover the rest
+    _prctl = None
+
+
+def _death_signal(parent: int):
+    """A preexec_fn giving the server SIGTERM when the tuner dies (None where unsupported)."""
+    if _prctl is None or threading.current_thread() is not threading.main_thread():
+        return None
+
+    def arm() -> None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the tuner died before the signal was armed
+            os._exit(1)
+
+    return arm
 
 
 def stop_process_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
@@ -372,7 +398,8 @@ class Launcher:
             log.flush()
             try:
                 self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                              env=full_env, start_new_session=True)
+                                              env=full_env, start_new_session=True,
+                                              preexec_fn=_death_signal(os.getpid()))
             except OSError as exc:  # not executable, bad interpreter line
                 raise EngineStartError(f"{self.kind} could not be executed ({cmd[0]}): {exc}",
                                        log_path=self.log_path) from None

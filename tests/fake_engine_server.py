@@ -37,6 +37,12 @@ def main() -> None:
     if mode == "stubborn":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    if mode != "stubborn":  # like vLLM: SIGTERM shuts the engine core down, then the server
+        def shutdown(signum: int, frame: object) -> None:
+            child.kill()
+            os._exit(0)
+
+        signal.signal(signal.SIGTERM, shutdown)
     with open(os.environ["FAKE_RECORD"], "a") as f:
         f.write(json.dumps({"argv": sys.argv[1:], "pid": os.getpid(), "child": child.pid,
                             "env": {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "VLLM_CPU_KVCACHE_SPACE")}}) + "\n")

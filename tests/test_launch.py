@@ -340,10 +340,10 @@ launcher = Launcher("vllm", ecfg, "/models/m", log_dir=sys.argv[5], poll_s=0.05,
 
 
 @pytest.mark.parametrize("mode,sig", [("ok", signal.SIGTERM), ("ok", signal.SIGINT), ("hang", signal.SIGINT),
-                                      ("ok", signal.SIGHUP)])
+                                      ("ok", signal.SIGHUP), ("ok", signal.SIGKILL)])
 def test_interrupted_tuner_leaves_no_orphan(fake, tmp_path: Path, mode: str, sig: int) -> None:
-    """The tuner is stopped (Ctrl-C while waiting for health or while measuring, SIGTERM, SIGHUP):
-    the server's whole process group goes with it."""
+    """The tuner is stopped (Ctrl-C while waiting for health or while measuring, SIGTERM, SIGHUP,
+    SIGKILL): the server's whole process group goes with it."""
     body = "launcher.ensure(SpecConfig(method='off')); print('healthy', flush=True); time.sleep(600)" if mode == "ok" \
         else "launcher.ensure(SpecConfig(method='off'))"
     exe = _exe(tmp_path, "vllm")
