@@ -2,13 +2,18 @@
 
 1. Measure the exhaustive grid of a small space ONCE on the real model and engine, with the real
    `tuner optimize` flow (search.sampler=grid: every point enqueued, each with its adjacent baseline).
+   Each point is measured `--repeats` times (pooled): with one short measurement per point the
+   grid's best is a noise spike rather than a configuration.
 2. For a few seeds, run the study's own TPE sampler (trial 0 `off`, then the engines' clipped
-   defaults, then TPE) and REPLAY the grid's measured values as a lookup table instead of
-   measuring again: count the trials (baseline and defaults included) until a speculative one
-   reaches 97% of the grid's best speculative value (objective: drift-corrected tok/s).
-3. Goal: the median over seeds is at most 10% of the grid's size.
+   defaults, then TPE, with the default search's n_trials=8 setting its start-up) and REPLAY the
+   grid's measured values as a lookup table instead of measuring again (pruned points replay as
+   pruned, with their intermediate value): count the trials (baseline and defaults included)
+   until a speculative one reaches 97% of the grid's best speculative value (objective:
+   drift-corrected tok/s). Random search is replayed the same way, for comparison.
+3. Goal: the TPE median over seeds is at most 10% of the grid's size.
 
-The last line printed is one JSON object. Usage:
+Prints a table (samplers side by side), writes <grid run>/search_efficiency.png (best so far
+against trials, per seed), and the last line printed is one JSON object. Usage:
 
     python benchmarks/search_efficiency.py                    # SmolLM2, ngram + EAGLE head, measures the grid
     python benchmarks/search_efficiency.py --grid-run runs/X  # replay an already measured grid run
@@ -17,6 +22,7 @@ The last line printed is one JSON object. Usage:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -54,64 +60,152 @@ def _key(spec) -> str:
     return spec.model_copy(update={"head_path": None, "draft_model": None}).model_dump_json()
 
 
-def replay(run_dir: Path, seeds: list[int], within: float) -> dict:
-    """TPE replays of a measured grid run (lookup table of its measured values)."""
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    cfg = load_saved_config(run_dir / "config.yaml")
+def _grid_table(run_dir: Path) -> tuple[dict[str, float], dict[str, float]]:
+    """(complete point -> value, pruned point -> its last intermediate value) of a grid run."""
     grid = open_run_study(run_dir)
     table: dict[str, float] = {}
+    pruned: dict[str, float] = {}
     for t in grid.trials:
-        if t.state == optuna.trial.TrialState.COMPLETE and spec_of(t) is not None:
-            table.setdefault(_key(spec_of(t)), t.value)
-    base = next(t.value for t in grid.trials if role(t) == "baseline" and t.value is not None)
-    points = [k for k in table if k != _key(OFF)]
-    # The target is the best SPECULATIVE point: when `off` wins, trial 0 would find it trivially.
-    best = max(table[k] for k in points)
-    target = (1 - within) * best
-    needed: list[int | None] = []  # None: not reached within the replay's limit
-    needed_noise: list[int | None] = []  # the same for the noise band (search.noise_rel, e.g. 5%)
-    limit = 10 * len(table)
-    for seed in seeds:
-        tpe = cfg.model_copy(deep=True)
-        tpe.search.sampler = "tpe"
-        tpe.search.seed = seed
-        tpe.search.n_trials = len(points) + 1
-        tpe.search.storage = None  # a throwaway SQLite file: nothing is measured in a replay
-        space = SearchSpace.from_config(tpe, head_path=None)
-        hit: int | None = None
-        hit_noise: int | None = None
-        with tempfile.TemporaryDirectory() as tmp:
-            study = create_study(tpe, space, Path(tmp), f"replay-{seed}")
-            for n in range(1, limit + 1):
-                trial = study.ask()
-                spec = OFF if role(trial) == "baseline" else space.suggest(trial)
-                key = _key(spec)
-                if key not in table:  # a point that crashed in the grid: a failed trial here too
-                    study.tell(trial, state=optuna.trial.TrialState.FAIL)
-                    continue
+        spec = spec_of(t)
+        if spec is None:
+            continue
+        if t.state == optuna.trial.TrialState.COMPLETE:
+            table.setdefault(_key(spec), t.value)
+        elif t.state == optuna.trial.TrialState.PRUNED and t.intermediate_values:
+            pruned.setdefault(_key(spec), t.intermediate_values[max(t.intermediate_values)])
+    return table, pruned
+
+
+class _NoDefaults(SearchSpace):
+    """The same space without the engines' defaults enqueued: what the sampler finds on its own."""
+
+    def defaults(self) -> list:
+        return []
+
+
+def _replay_one(cfg, table: dict[str, float], pruned: dict[str, float], sampler: str, defaults: bool, seed: int,
+                n_trials: int, target: float, best: float, limit: int) -> tuple[int | None, list[float]]:
+    """One replay: (trials until a speculative point reaches `target`, best-so-far / best per trial).
+    The sampler sees what it would see live: values, pruned trials with their intermediate value."""
+    c = cfg.model_copy(deep=True)
+    c.search.sampler, c.search.seed, c.search.n_trials = sampler, seed, n_trials
+    c.search.storage = None  # a throwaway SQLite file: nothing is measured in a replay
+    space = SearchSpace.from_config(c, head_path=None)
+    if not defaults:
+        space = _NoDefaults(**dataclasses.asdict(space))
+    curve: list[float] = []
+    so_far = 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        study = create_study(c, space, Path(tmp), f"replay-{sampler}-{seed}")
+        for n in range(1, limit + 1):
+            trial = study.ask()
+            spec = OFF if role(trial) == "baseline" else space.suggest(trial)
+            key = _key(spec)
+            if key in table:
                 study.tell(trial, table[key])
-                if key != _key(OFF) and hit_noise is None and table[key] >= (1 - cfg.search.noise_rel) * best:
-                    hit_noise = n
-                if key != _key(OFF) and table[key] >= target:
-                    hit = n
-                    break
-        needed.append(hit)
-        needed_noise.append(hit_noise)
-    # a seed that never got there counts as the limit (so the median is a lower bound then)
-    med = statistics.median(n if n is not None else limit for n in needed)
-    med_noise = statistics.median(n if n is not None else limit for n in needed_noise)
+                if key != _key(OFF):
+                    so_far = max(so_far, table[key])
+            elif key in pruned:
+                trial.report(pruned[key], 0)
+                study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+            else:  # a point that failed in the grid fails here too
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            curve.append(so_far / best)
+            if so_far >= target:
+                return n, curve
+    return None, curve
+
+
+def plot(curves: dict[str, list[list[float]]], within: float, grid_points: int, out: Path) -> None:
+    """Best-so-far (share of the grid's best) against trials, one line per seed and sampler."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for (name, runs), color in zip(curves.items(), ("tab:blue", "tab:orange", "tab:green")):
+        for i, c in enumerate(runs):
+            ax.step(range(1, len(c) + 1), c, where="post", color=color, alpha=0.6,
+                    label=name if i == 0 else None)
+    ax.axhline(1 - within, color="k", ls="--", lw=1, label=f"{1 - within:.0%} of the grid's best")
+    ax.axvline(0.10 * grid_points, color="r", ls=":", lw=1, label="10% of the grid")
+    ax.set_xscale("log")  # the interesting part is the first few trials; misses run to the limit
+    ax.set_ylim(0.5, 1.02)
+    ax.set_xlabel("trials (baseline and defaults included)")
+    ax.set_ylabel("best speculative value / grid best")
+    ax.set_title(f"Replays against a measured {grid_points}-point grid")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+# (row label, sampler, engines' defaults enqueued): the first row is what `tuner optimize` does.
+SAMPLERS = (("tpe", "tpe", True), ("tpe, no defaults", "tpe", False), ("random, no defaults", "random", False))
+
+
+def replay(run_dir: Path, seeds: list[int], within: float, n_trials: int,
+           samplers: tuple[tuple[str, str, bool], ...] = SAMPLERS) -> dict:
+    """Replays of a measured grid run (lookup table of its measured values) for each sampler."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    cfg = load_saved_config(run_dir / "config.yaml")
+    table, pruned = _grid_table(run_dir)
+    grid = open_run_study(run_dir)
+    base = next(t.value for t in grid.trials if role(t) == "baseline" and t.value is not None)
+    points = [k for k in (*table, *pruned) if k != _key(OFF)]
+    # The target is the best SPECULATIVE point: when `off` wins, trial 0 would find it trivially.
+    best = max(table[k] for k in table if k != _key(OFF))
+    limit = 10 * len(points)
+    per: dict[str, dict] = {}
+    curves: dict[str, list[list[float]]] = {}
+    for label, sampler, defaults in samplers:
+        needed, needed_noise, runs = [], [], []
+        for seed in seeds:
+            hit, curve = _replay_one(cfg, table, pruned, sampler, defaults, seed, n_trials, (1 - within) * best,
+                                     best, limit)
+            needed.append(hit)
+            runs.append(curve)
+            # within the noise band (search.noise_rel, e.g. 5%): the first trial at that level
+            band = next((i + 1 for i, v in enumerate(curve) if v >= 1 - cfg.search.noise_rel), None)
+            needed_noise.append(band)
+        # a seed that never got there counts as the limit (so the median is a lower bound then)
+        med = statistics.median(n if n is not None else limit for n in needed)
+        per[label] = {"trials_needed": needed, "median_trials": med,
+                        "median_share_of_grid": round(med / len(points), 3),
+                        "trials_needed_within_noise": needed_noise}
+        curves[label] = runs
+    png = run_dir / "search_efficiency.png"
+    plot(curves, within, len(points), png)
+    tpe = per["tpe"]
+    close = sorted((table[k] / best, json.loads(k)) for k in table if k != _key(OFF))[::-1]
     return {
         "benchmark": "search_efficiency", "run_dir": str(run_dir), "model": cfg.model.name,
         "space": {"methods": list(cfg.search.methods), "depth_max": cfg.search.depth.max,
                   "topk": list(cfg.search.topk), "budget_max": cfg.search.budget_max},
-        "grid_points": len(points), "grid_best_value": round(best, 3), "baseline_value": round(base, 3),
-        "grid_best_spec": next(json.loads(k) for k in points if table[k] == best),
-        "within": within, "seeds": seeds, "trials_needed": needed, "median_trials": med, "replay_limit": limit,
-        "noise_rel": cfg.search.noise_rel, "trials_needed_within_noise": needed_noise,
-        "median_trials_within_noise": med_noise,
-        "median_share_of_grid": round(med / len(points), 3), "goal_share": 0.10,
-        "goal_met": med / len(points) <= 0.10, "replayed": True,
+        "grid_points": len(points), "grid_repeats": cfg.search.repeats_max, "grid_best_value": round(best, 3),
+        "baseline_value": round(base, 3), "grid_best_spec": close[0][1],
+        "points_within": sum(1 for r, _ in close if r >= 1 - within),
+        "within": within, "seeds": seeds, "replay_n_trials": n_trials, "replay_limit": limit,
+        "trials_needed": tpe["trials_needed"], "median_trials": tpe["median_trials"],
+        "median_share_of_grid": tpe["median_share_of_grid"], "samplers": per,
+        "goal_share": 0.10, "goal_met": tpe["median_share_of_grid"] <= 0.10, "replayed": True, "plot": str(png),
     }
+
+
+def table_print(out: dict) -> None:
+    """The replay figures side by side (sampler, trials per seed, median, share of the grid)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{out['grid_points']}-point grid, best {out['grid_best_value']:.2f} "
+                    f"({out['points_within']} point(s) within {out['within']:.0%}); goal: median <= 10% of the grid")
+    for col in ("sampler", "trials per seed", "median", "share of grid", "within noise band"):
+        t.add_column(col)
+    for name, r in out["samplers"].items():
+        t.add_row(name, ", ".join("-" if n is None else str(n) for n in r["trials_needed"]), f"{r['median_trials']:g}",
+                  f"{r['median_share_of_grid']:.0%}", ", ".join("-" if n is None else str(n) for n in r["trials_needed_within_noise"]))
+    Console(stderr=True).print(t)
 
 
 def main() -> None:
@@ -127,6 +221,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="measurements per grid point (pooled): one is too noisy here")
     p.add_argument("--seeds", default="0,1,2,3,4")
     p.add_argument("--within", type=float, default=0.03)
+    p.add_argument("--replay-trials", type=int, default=8,
+                   help="search.n_trials of the replayed study (sets TPE's start-up; conf/search/default has 8)")
     p.add_argument("--run-dir", default="runs")
     p.add_argument("--grid-run", type=Path, help="replay this measured grid run instead of measuring one")
     p.add_argument("--train", nargs="*", default=["prompts=24", "steps=150", "max_new_tokens=96"],
@@ -135,8 +231,9 @@ def main() -> None:
     args = p.parse_args()
     t0 = time.monotonic()
     run_dir = args.grid_run or measure_grid(args)
-    out = replay(run_dir, [int(s) for s in args.seeds.split(",")], args.within)
+    out = replay(run_dir, [int(s) for s in args.seeds.split(",")], args.within, args.replay_trials)
     out["wall_s"] = round(time.monotonic() - t0, 1)
+    table_print(out)
     print(json.dumps(out), flush=True)
 
 
