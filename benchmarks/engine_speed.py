@@ -2,8 +2,9 @@
 
     python benchmarks/engine_speed.py [--prompts 6] [--max-new-tokens 128] [--depths 2,4,6,8]
 
-Rows (all in the same process, same prompts, in the same run): HF generate autoregressive,
-HF generate(prompt_lookup_num_tokens=4), built-in autoregressive, built-in n-gram at several depths.
+Rows (all in the same process, same prompts, in the same run): HF generate autoregressive (transformers' own
+model, a second copy without the engine's oneDNN linears), built-in autoregressive with and without them,
+HF generate(prompt_lookup_num_tokens=4), built-in n-gram at several depths.
 EAGLE rows only with --eagle-head (a trained head; a random head accepts nothing: no meaningful row).
 Prints a table (tok/s, ratio to HF AR, tau, greedy agreement with built-in AR); the last line of
 output is one JSON object with the figures. Timings are noisy when the CPUs are shared.
@@ -38,7 +39,8 @@ def code_prompts(engine: Engine, n: int) -> list[list[int]]:
 
 
 def hf_generate(engine: Engine, prompt: list[int], max_new: int, lookup: int | None) -> tuple[list[int], float, int | None]:
-    """(new tokens without EOS, seconds, target forwards: unknown for HF)."""
+    """(new tokens without EOS, seconds, target forwards: unknown for HF). `engine` is the plain one:
+    its model is transformers' own, without the built-in engine's oneDNN linears."""
     model, eos = engine.model, sorted(engine.eos)
     kw = {"prompt_lookup_num_tokens": lookup} if lookup else {}
     ids = torch.tensor([prompt], device=engine.device)
@@ -71,14 +73,17 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = load_config([f"model={args.model}", f"engine.builtin.dtype={args.dtype}", "spec.method=off"])
-    engine = Engine.from_config(cfg)
+    over = [f"model={args.model}", f"engine.builtin.dtype={args.dtype}", "spec.method=off"]
+    engine = Engine.from_config(load_config(over))
+    # HF rows run transformers' model as loaded, without the engine's oneDNN linears (a second copy)
+    plain = Engine.from_config(load_config([*over, "engine.builtin.onednn_linears=false"]))
     prompts = code_prompts(engine, args.prompts)
     m = args.max_new_tokens
     runs = {
-        "HF generate, autoregressive": lambda p, n: hf_generate(engine, p, n, None),
-        "HF generate, prompt_lookup_num_tokens=4": lambda p, n: hf_generate(engine, p, n, 4),
+        "HF generate, autoregressive": lambda p, n: hf_generate(plain, p, n, None),
+        "HF generate, prompt_lookup_num_tokens=4": lambda p, n: hf_generate(plain, p, n, 4),
         "built-in, autoregressive": lambda p, n: builtin_generate(engine, p, n, SpecConfig(method="off")),
+        "built-in, autoregressive, plain nn.Linear": lambda p, n: builtin_generate(plain, p, n, SpecConfig(method="off")),
     }
     for lo in (int(x) for x in args.ngram_mins.split(",")):
         for d in (int(x) for x in args.depths.split(",")):

@@ -217,7 +217,8 @@ def load_target(model_cfg: ModelConfig, engine_cfg: BuiltinEngineConfig, cache_d
     """The target model + tokenizer, loaded once per process per (source, dtype, fp8, device)."""
     device = resolve_device(engine_cfg.device)
     dtype = resolve_dtype(engine_cfg.dtype, device)
-    key = (model_cfg.model_dump_json(), str(cache_dir), str(dtype), engine_cfg.fp8_weights, str(device), seed)
+    key = (model_cfg.model_dump_json(), str(cache_dir), str(dtype), engine_cfg.fp8_weights, str(device), seed,
+           engine_cfg.onednn_linears)
     with _LOCK:
         if key in _TARGETS:
             return _TARGETS[key]
@@ -237,5 +238,9 @@ def load_target(model_cfg: ModelConfig, engine_cfg: BuiltinEngineConfig, cache_d
             apply_fp8_weights(model)
         model = model.to(device=device, dtype=dtype).eval()
         model.requires_grad_(False)
+        if engine_cfg.onednn_linears and device.type == "cpu" and dtype == torch.float32:
+            from engine.cpu_linear import use_onednn_linears
+
+            use_onednn_linears(model)
         _TARGETS[key] = Target(model=model, tokenizer=tok, name=model_cfg.name, device=device, dtype=dtype)
         return _TARGETS[key]

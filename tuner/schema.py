@@ -175,6 +175,7 @@ class BuiltinEngineConfig(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     fp8_weights: bool = False  # emulate e4m3 weights with per-channel scales (what --quantization fp8 serves)
     threads: int | None = Field(None, ge=1)
+    onednn_linears: bool = True  # CPU fp32: linears through oneDNN (engine/cpu_linear.py); false: plain nn.Linear
 
 
 class LaunchedEngineConfig(_Strict):
