@@ -2,13 +2,90 @@
 
 After a verification forward the cache holds the P committed tokens followed by the N tree nodes.
 Committing keeps [0..P) + (P + accepted node indices) in every layer; when the accepted nodes are
-the first ones (always for a chain) that is a plain crop, otherwise one index_select per layer.
+the first ones (always for a chain) that is a plain crop, otherwise the accepted nodes' entries
+move down to P.. in place.
+
+`new_cache` gives transformers' DynamicCache with `GrowingLayer`s: keys and values live in a
+buffer that doubles when full, so a step appends its few tokens instead of concatenating (copying)
+the whole cache of every layer, as DynamicLayer does.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+
+class GrowingLayer(DynamicLayer):
+    """A DynamicLayer whose keys/values are views [..., :length, :] of a doubling buffer."""
+
+    _MIN_CAPACITY = 256
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._kbuf: torch.Tensor | None = None
+        self._vbuf: torch.Tensor | None = None
+        self._len = 0
+
+    def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor, need: int) -> None:
+        cap = 0 if self._kbuf is None else self._kbuf.shape[-2]
+        if need <= cap:
+            return
+        cap = max(need, 2 * cap, self._MIN_CAPACITY)
+        kb = key_states.new_empty(*key_states.shape[:-2], cap, key_states.shape[-1])
+        vb = value_states.new_empty(*value_states.shape[:-2], cap, value_states.shape[-1])
+        if self._len:
+            kb[..., :self._len, :] = self._kbuf[..., :self._len, :]
+            vb[..., :self._len, :] = self._vbuf[..., :self._len, :]
+        self._kbuf, self._vbuf = kb, vb
+
+    def _set_len(self, length: int) -> None:
+        self._len = length
+        self.keys = self._kbuf[..., :length, :]
+        self.values = self._vbuf[..., :length, :]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        self._reserve(key_states, value_states, self._len + n)
+        self._kbuf[..., self._len:self._len + n, :] = key_states
+        self._vbuf[..., self._len:self._len + n, :] = value_states
+        self._set_len(self._len + n)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._len if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of tokens to remove (got {tokens_to_remove})")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        self._set_len(max(0, self._len + tokens_to_remove))
+
+    @torch.inference_mode()  # the buffers are inference tensors when filled by an inference forward
+    def keep(self, prefix_len: int, positions: torch.Tensor) -> None:
+        """Keep [0..prefix_len) followed by the entries at `positions` (absolute, ascending)."""
+        k = self._kbuf.index_select(-2, positions)  # a copy: the source and target ranges overlap
+        v = self._vbuf.index_select(-2, positions)
+        m = positions.numel()
+        self._kbuf[..., prefix_len:prefix_len + m, :] = k
+        self._vbuf[..., prefix_len:prefix_len + m, :] = v
+        self._set_len(prefix_len + m)
+
+    def reset(self) -> None:
+        self._kbuf = self._vbuf = None
+        self._len = 0
+        super().reset()
+
+
+def new_cache(config) -> DynamicCache:
+    """A DynamicCache for `config` whose full-attention layers are GrowingLayers."""
+    cache = DynamicCache(config=config)
+    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
 
 
 def cache_len(cache: DynamicCache) -> int:
@@ -27,8 +104,11 @@ def commit(cache: DynamicCache, prefix_len: int, accepted: list[int]) -> None:
     if accepted == list(range(len(accepted))):
         crop_to(cache, prefix_len + len(accepted))
         return
-    keep = torch.cat([torch.arange(prefix_len), torch.tensor(accepted) + prefix_len])
     for layer in cache.layers:
-        idx = keep.to(layer.keys.device)
+        pos = torch.tensor(accepted, device=layer.keys.device) + prefix_len
+        if isinstance(layer, GrowingLayer):
+            layer.keep(prefix_len, pos)
+            continue
+        idx = torch.cat([torch.arange(prefix_len, device=pos.device), pos])
         layer.keys = layer.keys.index_select(-2, idx)
         layer.values = layer.values.index_select(-2, idx)

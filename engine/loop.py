@@ -11,7 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from engine.api import GenResult, GenStats, SamplingParams, TokenCallback
-from engine.cache import commit
+from engine.cache import commit, new_cache
 from engine.drafters import Drafter, make_drafter
 from engine.model import Target, load_target
 from engine.tree import Tree
@@ -165,7 +165,7 @@ class Engine:
             gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
         stats = GenStats(accepted_per_pos=[0] * (self.spec.depth if self.drafter else 0))
         stop = _Stopper(self.tokenizer, self.eos, params, on_tokens)
-        cache = DynamicCache(config=self.model.config)
+        cache = new_cache(self.model.config)
         drafter = self.drafter
         if drafter is not None:
             drafter.reset(prompt_ids)

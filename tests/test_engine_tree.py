@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from engine.cache import commit
+from engine.cache import GrowingLayer, commit, new_cache
 from engine.drafters.ngram import NgramDrafter
 from engine.model import random_llama
 from engine.tree import Tree, build_dynamic_tree
@@ -99,14 +99,15 @@ def test_tree_forward_matches_each_path_alone(model: torch.nn.Module) -> None:
             assert (out[path] - ref).abs().max() < 1e-4
 
 
-def test_continuation_after_pruning_matches_sequential(model: torch.nn.Module) -> None:
+@pytest.mark.parametrize("make_cache", [lambda c: DynamicCache(config=c), new_cache], ids=["dynamic", "growing"])
+def test_continuation_after_pruning_matches_sequential(model: torch.nn.Module, make_cache) -> None:
     """Commit a non-prefix path (index_select), then decode on: same logits as running it in sequence."""
     torch.manual_seed(2)
     prefix = torch.randint(0, 49152, (1, 7))
     tree = _tree()
     path = [0, 2, 5]
     with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
+        cache = make_cache(model.config)
         model(input_ids=prefix, cache=cache, use_cache=True)
         model(input_ids=torch.tensor([tree.tokens]), position_ids=tree.position_ids(7),
               attention_mask=tree.attention_mask(7), cache=cache, use_cache=True)
@@ -117,7 +118,7 @@ def test_continuation_after_pruning_matches_sequential(model: torch.nn.Module) -
         ref = model(input_ids=seq).logits[0, -2:]
     assert (nxt - ref).abs().max() < 1e-4
     # a prefix path is a crop
-    cache2 = DynamicCache(config=model.config)
+    cache2 = make_cache(model.config)
     with torch.inference_mode():
         model(input_ids=prefix, cache=cache2, use_cache=True)
         model(input_ids=torch.tensor([tree.tokens]), position_ids=tree.position_ids(7),
@@ -139,3 +140,27 @@ def test_ngram_lookup() -> None:
     assert d.lookup(ids) == [9, 9, 1]  # 3-gram [1,2,3] matched
     tree = d.draft(ids, None)
     assert tree.tokens == [3, 9, 9, 1] and tree.is_chain
+
+
+def test_growing_cache_equals_dynamic_cache_across_growth_crops_and_commits(model: torch.nn.Module) -> None:
+    """Appends that outgrow the buffer (min capacity 256), crops and tree commits leave a GrowingLayer
+    cache holding exactly what transformers' DynamicCache holds after the same steps."""
+    torch.manual_seed(3)
+    grow, ref = new_cache(model.config), DynamicCache(config=model.config)
+    assert all(type(layer) is GrowingLayer for layer in grow.layers)
+    tree = _tree()
+    with torch.inference_mode():
+        for cache in (grow, ref):
+            torch.manual_seed(4)
+            model(input_ids=torch.randint(0, 49152, (1, 200)), cache=cache, use_cache=True)
+            for step in range(12):
+                p = cache.get_seq_length()
+                model(input_ids=torch.tensor([tree.tokens]), position_ids=tree.position_ids(p),
+                      attention_mask=tree.attention_mask(p), cache=cache, use_cache=True)
+                commit(cache, p, [0, 2, 5] if step % 2 else [0, 1])
+                model(input_ids=torch.randint(0, 49152, (1, 9)), cache=cache, use_cache=True)
+                cache.crop(-2)
+        assert grow.get_seq_length() == ref.get_seq_length() > 256
+        for a, b in zip(grow.layers, ref.layers):
+            torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)

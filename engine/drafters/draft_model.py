@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
-
-from engine.cache import crop_to
+from engine.cache import crop_to, new_cache
 from engine.drafters.base import ModelDrafter
 from tuner.schema import SpecConfig
 
@@ -17,10 +15,10 @@ class DraftModelDrafter(ModelDrafter):
     def __init__(self, spec: SpecConfig, model: torch.nn.Module) -> None:
         super().__init__(spec, next(model.parameters()).device)
         self.model = model
-        self.cache = DynamicCache(config=model.config)
+        self.cache = new_cache(model.config)
 
     def reset(self, prompt_ids: list[int]) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = new_cache(self.model.config)
         self._ctx_len = 0
 
     def _catch_up(self, ids: list[int]) -> torch.Tensor:
