@@ -27,7 +27,7 @@ from rich.table import Table  # noqa: E402
 from engine.api import SamplingParams  # noqa: E402
 from engine.loop import Engine  # noqa: E402
 from tuner.config import load_config  # noqa: E402
-from tuner.schema import SpecConfig  # noqa: E402
+from tuner.schema import SpecConfig, UserError  # noqa: E402
 
 
 def code_prompts(engine: Engine, n: int) -> list[list[int]]:
@@ -130,4 +130,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except UserError as exc:  # a bad --model or --eagle-head: one line, exit 2
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -36,6 +36,7 @@ from tuner.cli_optimize import open_run_study
 from tuner.config import load_saved_config
 from tuner.objective import OFF, spec_of
 from tuner.optimize import optimize
+from tuner.schema import UserError
 from tuner.space import SearchSpace
 from tuner.study import create_study, role
 
@@ -60,9 +61,11 @@ def _key(spec) -> str:
     return spec.model_copy(update={"head_path": None, "draft_model": None}).model_dump_json()
 
 
-def _grid_table(run_dir: Path) -> tuple[dict[str, float], dict[str, float]]:
-    """(complete point -> value, pruned point -> its last intermediate value) of a grid run."""
+def _grid_table(run_dir: Path) -> tuple[dict[str, float], dict[str, float], float]:
+    """(complete point -> value, pruned point -> its last intermediate value, the baseline's
+    value) of a grid run."""
     grid = open_run_study(run_dir)
+    base = next(t.value for t in grid.trials if role(t) == "baseline" and t.value is not None)
     table: dict[str, float] = {}
     pruned: dict[str, float] = {}
     for t in grid.trials:
@@ -73,7 +76,7 @@ def _grid_table(run_dir: Path) -> tuple[dict[str, float], dict[str, float]]:
             table.setdefault(_key(spec), t.value)
         elif t.state == optuna.trial.TrialState.PRUNED and t.intermediate_values:
             pruned.setdefault(_key(spec), t.intermediate_values[max(t.intermediate_values)])
-    return table, pruned
+    return table, pruned, base
 
 
 class _NoDefaults(SearchSpace):
@@ -150,9 +153,7 @@ def replay(run_dir: Path, seeds: list[int], within: float, n_trials: int,
     """Replays of a measured grid run (lookup table of its measured values) for each sampler."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     cfg = load_saved_config(run_dir / "config.yaml")
-    table, pruned = _grid_table(run_dir)
-    grid = open_run_study(run_dir)
-    base = next(t.value for t in grid.trials if role(t) == "baseline" and t.value is not None)
+    table, pruned, base = _grid_table(run_dir)
     points = [k for k in (*table, *pruned) if k != _key(OFF)]
     # The target is the best SPECULATIVE point: when `off` wins, trial 0 would find it trivially.
     best = max(table[k] for k in table if k != _key(OFF))
@@ -238,4 +239,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except UserError as exc:  # a wrong --grid-run, a bad override: one line, exit 2
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

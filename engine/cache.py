@@ -104,11 +104,13 @@ def commit(cache: DynamicCache, prefix_len: int, accepted: list[int]) -> None:
     if accepted == list(range(len(accepted))):
         crop_to(cache, prefix_len + len(accepted))
         return
+    pos = torch.tensor(accepted, device=cache.layers[0].keys.device) + prefix_len
+    idx = None  # DynamicLayers keep prefix + accepted by index_select
     for layer in cache.layers:
-        pos = torch.tensor(accepted, device=layer.keys.device) + prefix_len
         if isinstance(layer, GrowingLayer):
             layer.keep(prefix_len, pos)
             continue
-        idx = torch.cat([torch.arange(prefix_len, device=pos.device), pos])
+        if idx is None:
+            idx = torch.cat([torch.arange(prefix_len, device=pos.device), pos])
         layer.keys = layer.keys.index_select(-2, idx)
         layer.values = layer.values.index_select(-2, idx)

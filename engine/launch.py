@@ -362,17 +362,20 @@ class Launcher:
 
     # -- lifecycle
 
+    def _server_key(self, cmd: list[str], env: dict[str, str]) -> tuple:
+        """What identifies a server: its argv and environment."""
+        return tuple(cmd), tuple(sorted(env.items()))
+
     def serves(self, spec: SpecConfig) -> bool:
         """Whether the running server was started with exactly `spec`'s flags (ensure would reuse it)."""
         with self._lock:
-            key = (tuple(self.command(spec)), tuple(sorted(self.env().items())))
-            return self.running and key == self._key
+            return self.running and self._server_key(self.command(spec), self.env()) == self._key
 
     def ensure(self, spec: SpecConfig) -> str:
         """A healthy server for `spec`: the running one when its flags are identical, else a new one."""
         with self._lock:
             cmd, env = self.command(spec), self.env()
-            key = (tuple(cmd), tuple(sorted(env.items())))
+            key = self._server_key(cmd, env)
             if key == self._key and self.running and self._healthy():
                 self.startup_s, self.reused = 0.0, True
                 return self.base_url

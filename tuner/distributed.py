@@ -492,10 +492,8 @@ def _work_and_finish(cfg: Config, url: str, name: str, run_dir: Path, quiet: boo
     needs_head = any(m in ("eagle", "eagle3", "medusa") for m in cfg.search.methods)
     if before_work is not None and not needs_head:
         before_work()
-    from engine.workloads import load_prompts
-
     from tuner.objective import Objective
-    from tuner.optimize import Progress, get_draft, make_measure, open_engine
+    from tuner.optimize import Progress, get_draft, make_measure, open_engine, study_prompts
     from tuner.space import SearchSpace
 
     if engine is None and measure is None:
@@ -505,8 +503,7 @@ def _work_and_finish(cfg: Config, url: str, name: str, run_dir: Path, quiet: boo
         before_work()
     study = open_worker_study(cfg, url, name)
     if measure is None:
-        prompts = {"tune": load_prompts(cfg.workload, "tune"), "heldout": load_prompts(cfg.workload, "heldout")}
-        measure = make_measure(engine, cfg, prompts)
+        measure = make_measure(engine, cfg, study_prompts(cfg))
     objective = Objective(study, space, measure, cfg.workload, cfg.search)
     total = cfg.search.n_trials
     if cfg.search.sampler == "grid":  # the grid ends when every enqueued point is handed out

@@ -152,6 +152,15 @@ def _sample(m: Any, n_prompts: int) -> Sample:
     return Sample(m.output_tokens_per_s, m.tau, m.ttft_p99_ms, m.tpot_p99_ms)
 
 
+def study_prompts(cfg: Config) -> dict[str, list[Any]]:
+    """The prompts a study measures: the first search.trial_prompts tuning prompts (all when
+    null) for trials, every held-out prompt for the winner's re-measurement."""
+    from engine.workloads import load_prompts
+
+    return {"tune": load_prompts(cfg.workload, "tune")[: cfg.search.trial_prompts],
+            "heldout": load_prompts(cfg.workload, "heldout")}
+
+
 def make_measure(engine: Any, cfg: Config, prompts: dict[str, list[Any]]) -> MeasureFn:
     """A MeasureFn over the built-in engine and the shared load generator (engine.runner)."""
     from engine.runner import InProcessTarget
@@ -380,8 +389,6 @@ def optimize(overrides: list[str] | None = None, resume: Path | None = None, qui
     `engine` / `measure` let a caller that already holds a loaded engine (or a benchmark that
     replays measurements) reuse it; by default the engine is loaded here, once.
     """
-    from engine.workloads import load_prompts
-
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # our own progress says what happens
     cfg, run_dir, resuming = prepare_run(overrides, resume)
     if cfg.search.workers > 1:  # N worker processes on one shared study
@@ -397,8 +404,7 @@ def optimize(overrides: list[str] | None = None, resume: Path | None = None, qui
         study = load_study(cfg, run_dir, cfg.search.study_name)
     else:
         study = create_study(cfg, space, run_dir, cfg.search.study_name)
-    prompts = {"tune": load_prompts(cfg.workload, "tune")[: cfg.search.trial_prompts],
-               "heldout": load_prompts(cfg.workload, "heldout")}
+    prompts = study_prompts(cfg)
     with ExitStack() as stack:
         if measure is None and launched:
             from engine.launch import Launcher
