@@ -90,7 +90,7 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
     for v in sorted(g):
         if v not in index:
             visit(v)
-    return found
+    return sorted(found)
 
 
 def is_cli(mod: str) -> bool:
