@@ -135,6 +135,13 @@ class HardwareConfig(_Strict):
     gpu_product: str | None = None  # value of the nvidia.com/gpu.product node label
     cpu_cores: int = Field(2, ge=1)
     memory_gib: float = Field(24, gt=0)
+    # The roofline of `tuner project` (tuner.costmodel); conf/hardware/*.yaml names each value's source.
+    interconnect_gbs: float = Field(0, ge=0)  # per-GPU all-reduce bandwidth, GB/s each way (0: no TP link)
+    allreduce_latency_us: float = Field(10, ge=0)  # fixed cost of one all-reduce
+    step_overhead_ms: float = Field(0.5, ge=0)  # per forward: scheduling, sampling, launch of the graph
+    layer_overhead_us: float = Field(5, ge=0)  # per decoder layer and forward: kernel launches not hidden
+    bandwidth_efficiency: float = Field(0.8, gt=0, le=1)  # achieved / peak memory bandwidth in decode
+    compute_efficiency: float = Field(0.6, gt=0, le=1)  # achieved / peak tensor FLOP/s in large GEMMs
 
     @model_validator(mode="after")
     def _gpu_facts(self) -> "HardwareConfig":
