@@ -65,6 +65,7 @@ class PointResult:
     drafted_tokens: int
     accepted_tokens: float
     accepted_per_pos: list[float] = field(default_factory=list)
+    draft_s_per_step: float = 0.0  # drafting time of one decoding step on this machine (batch 1)
     seconds: float = 0.0
 
     def to_dict(self) -> dict:
@@ -164,10 +165,13 @@ def replay(ref: Reference, drafter: Drafter | None, params: SamplingParams, max_
         drafter.observe(ref.features[:P])
     ids = prompt + toks[:1]
     i = 1  # generated tokens committed
-    out = {"forwards": 1, "draft_steps": 0, "drafted": 0, "accepted": 0.0, "per_pos": [], "exp_steps": []}
+    out = {"forwards": 1, "draft_steps": 0, "drafted": 0, "accepted": 0.0, "per_pos": [], "exp_steps": [],
+           "draft_s": 0.0}
     while i < ref.end:
         prefix = len(ids) - 1
+        t = time.perf_counter()
         tree = drafter.draft(ids, params, generator) if drafter is not None else Tree([ids[-1]], [-1], [0])
+        out["draft_s"] += time.perf_counter() - t
         if prefix + tree.size > max_context:
             if prefix + 1 > max_context:
                 break
@@ -215,7 +219,7 @@ def profile_points(target: Target, refs: list[Reference], specs: Sequence[SpecCo
         if params.temperature > 0:
             gen = torch.Generator(device=target.device)
             gen.manual_seed(seed)
-        tot = {"forwards": 0.0, "draft_steps": 0, "drafted": 0, "accepted": 0.0}
+        tot = {"forwards": 0.0, "draft_steps": 0, "drafted": 0, "accepted": 0.0, "draft_s": 0.0}
         per_pos: list[float] = []
         with torch.inference_mode():
             for ref in refs:
@@ -231,6 +235,7 @@ def profile_points(target: Target, refs: list[Reference], specs: Sequence[SpecCo
                           estimate=params.temperature > 0, new_tokens=new, forwards=tot["forwards"],
                           draft_steps=tot["draft_steps"], drafted_tokens=tot["drafted"],
                           accepted_tokens=tot["accepted"], accepted_per_pos=[v / steps for v in per_pos],
+                          draft_s_per_step=tot["draft_s"] / max(tot["forwards"] - len(refs), 1),
                           seconds=time.perf_counter() - t0)
         results.append(res)
         if on_point is not None:
@@ -252,6 +257,7 @@ class Profile:
     sequences: list[dict]
     points: list[dict]
     reference_s: float = 0.0
+    engine: str = ""  # dtype / threads / device of the built-in engine that profiled (its draft times)
     kind: str = KIND
 
     @property
@@ -303,7 +309,7 @@ def load_profile(path: str | Path) -> Profile:
 
 def make_profile(target: Target, prompt_ids: list[list[int]], names: list[str], specs: Sequence[SpecConfig],
                  params: SamplingParams, eos: set[int], max_context: int, *, model: str, hf_id: str, fp8: bool,
-                 workload: str, seed: int = 0,
+                 workload: str, seed: int = 0, engine: str = "",
                  on_point: Callable[[PointResult], None] | None = None) -> Profile:
     """One reference pass per prompt, then every configuration replayed over them."""
     t0 = time.perf_counter()
@@ -317,7 +323,7 @@ def make_profile(target: Target, prompt_ids: list[list[int]], names: list[str], 
                    max_new_tokens=params.max_new_tokens, prompts=list(names),
                    sequences=[{"prompt_len": len(r.prompt), "end": r.end, "n_new": r.n_new,
                                "tokens": r.tokens[:r.end]} for r in refs],
-                   points=[r.to_dict() for r in results], reference_s=ref_s)
+                   points=[r.to_dict() for r in results], reference_s=ref_s, engine=engine)
 
 
 def fp8_profile(cfg: Config) -> bool:
@@ -346,4 +352,9 @@ def profile_config(cfg: Config, specs: Sequence[SpecConfig], split: str = "tune"
     ids = [engine.encode_prompt(p.text, cfg.workload.chat_template) for p in prompts]
     return make_profile(target, ids, [p.id for p in prompts], specs, sampling_params(cfg.workload, seed=cfg.seed),
                         engine.eos, cfg.model.max_context, model=cfg.model.name, hf_id=cfg.model.hf_id, fp8=fp8,
-                        workload=cfg.workload.name, seed=cfg.seed, on_point=on_point)
+                        workload=cfg.workload.name, seed=cfg.seed, engine=engine_key(target), on_point=on_point)
+
+
+def engine_key(target: Target) -> str:
+    """What a cost measured with this target depends on besides the machine."""
+    return f"{target.name}|{target.device}|{target.dtype}|threads={torch.get_num_threads()}"
