@@ -139,10 +139,25 @@ class Engine:
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, cache: DynamicCache,
                  mask: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.model.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache,
-                                  use_cache=True).last_hidden_state[0]
+        aux_layers = self.drafter.aux_layers if self.drafter is not None else None
+        out = self.model.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache,
+                               use_cache=True, output_hidden_states=bool(aux_layers))
+        hidden = out.last_hidden_state[0]
         logits = self.model.lm_head(hidden[-1:] if last_only else hidden)
+        # a drafter that reads inner target layers (EAGLE-3) gets their inputs [n, len*h] too
+        self._aux = torch.cat([out.hidden_states[k][0] for k in aux_layers], dim=-1) if aux_layers else None
         return hidden, logits
+
+    def _observe(self, drafter: Drafter, hidden: torch.Tensor, rows: list[int] | None) -> None:
+        """Hand the drafter the committed positions' features (`rows` of this forward, None: all)."""
+        aux = self._aux
+        if rows is not None:
+            hidden = hidden[rows]
+            aux = None if aux is None else aux[rows]
+        if aux is None:
+            drafter.observe(hidden)
+        else:
+            drafter.observe(hidden, aux)
 
     def _pick(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
         if params.temperature <= 0:
@@ -176,7 +191,7 @@ class Engine:
         ids = list(prompt_ids)
         ids.append(self._pick(logits[-1], params, gen))
         if drafter is not None:
-            drafter.observe(hidden)
+            self._observe(drafter, hidden, None)
         stats.target_forwards = 1
         stats.verify_s += time.perf_counter() - t
         stats.ttft_s = time.perf_counter() - t_start
@@ -213,7 +228,7 @@ class Engine:
                         stats.accepted_per_pos.append(0)
                     stats.accepted_per_pos[d - 1] += 1
             if drafter is not None:
-                drafter.observe(hidden[path] if len(path) > 1 else hidden[:1])
+                self._observe(drafter, hidden, path if len(path) > 1 else [0])
             stats.target_forwards += 1
             stats.verify_s += time.perf_counter() - t_draft
             new = [tree.tokens[i] for i in path[1:]] + [bonus]

@@ -10,13 +10,14 @@ import torch
 from engine.drafters.base import Drafter, ModelDrafter
 from engine.drafters.draft_model import DraftModelDrafter
 from engine.drafters.eagle import EagleDrafter
+from engine.drafters.eagle3 import Eagle3Drafter
 from engine.drafters.ngram import NgramDrafter
 from tuner.schema import SpecConfig, UserError
 
-__all__ = ["Drafter", "ModelDrafter", "NgramDrafter", "DraftModelDrafter", "EagleDrafter", "make_drafter",
-           "load_draft_model"]
+__all__ = ["Drafter", "ModelDrafter", "NgramDrafter", "DraftModelDrafter", "EagleDrafter", "Eagle3Drafter",
+           "make_drafter", "load_draft_model"]
 
-SUPPORTED = ("off", "ngram", "draft_model", "eagle")
+SUPPORTED = ("off", "ngram", "draft_model", "eagle", "eagle3")
 _LOCK = threading.Lock()
 _MODELS: dict[tuple, torch.nn.Module] = {}
 _HEADS: dict[tuple, torch.nn.Module] = {}
@@ -67,6 +68,23 @@ def load_eagle_head(spec: SpecConfig, target, seed: int = 0) -> torch.nn.Module:
         return _HEADS.setdefault(key, head)
 
 
+def load_eagle3_head(spec: SpecConfig, target, seed: int = 0) -> torch.nn.Module:
+    """The EAGLE-3 head of `spec.head_path`, or a seeded random head over the full vocabulary when
+    no path is given (cached per process)."""
+    from engine.eagle3 import load_eagle3, random_eagle3
+
+    model = target.model
+    key = ("eagle3", spec.head_path and str(Path(spec.head_path).expanduser().resolve()), id(model), seed)
+    with _LOCK:
+        if key in _HEADS:
+            return _HEADS[key]
+    head = load_eagle3(spec.head_path, model.config) if spec.head_path else random_eagle3(model, seed)
+    head = head.to(device=target.device, dtype=target.dtype).eval()
+    head.requires_grad_(False)
+    with _LOCK:
+        return _HEADS.setdefault(key, head)
+
+
 def make_drafter(spec: SpecConfig, target, seed: int = 0) -> Drafter | None:
     """The drafter for a SpecConfig (None for method 'off'); models and heads are loaded once per process."""
     if spec.method not in SUPPORTED:
@@ -77,4 +95,6 @@ def make_drafter(spec: SpecConfig, target, seed: int = 0) -> Drafter | None:
         return NgramDrafter(spec)
     if spec.method == "draft_model":
         return DraftModelDrafter(spec, load_draft_model(spec.draft_model, target, target.dtype, target.device))
+    if spec.method == "eagle3":
+        return Eagle3Drafter(spec, load_eagle3_head(spec, target, seed), target.model)
     return EagleDrafter(spec, load_eagle_head(spec, target, seed), target.model)

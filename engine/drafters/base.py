@@ -16,7 +16,13 @@ class Drafter(ABC):
 
     Per generation: `reset(prompt_ids)`, then repeatedly `observe(features)` with the target's
     final hidden states of newly committed positions (so len(features seen) == len(ids) - 1)
-    and `draft(ids, params)` with all committed tokens, ids[-1] being the root."""
+    and `draft(ids, params)` with all committed tokens, ids[-1] being the root.
+
+    A drafter that sets `aux_layers` (target layer ids) is called `observe(features, aux)` instead,
+    aux [m, len(aux_layers)*h] being the inputs of those target layers (residual stream) at the same
+    positions; the engine computes them only for such a drafter."""
+
+    aux_layers: tuple[int, ...] | None = None
 
     def __init__(self, spec: SpecConfig) -> None:
         self.spec = spec
@@ -38,7 +44,14 @@ class ModelDrafter(Drafter):
     Subclasses implement `_catch_up(ids)` (feed committed context not yet cached, return the logits
     for the root's children) and `_run(tokens, parent_slots, positions, mask)` (run tree nodes,
     return their children's logits), plus `_rollback()` (drop the tree's cache entries).
-    The EAGLE-2 expansion (engine.tree) calls `_expand` once per level with the frontier."""
+    The EAGLE-2 expansion (engine.tree) calls `_expand` once per level with the frontier.
+
+    A drafter scoring a draft vocabulary only sets `draft_vocab` (the target id of each logits
+    column) and `vocab_size` (the target's): the tree is then built in draft ids (`_run` gets draft
+    ids) and mapped to target ids once at the end, so no step scatters into the full vocabulary."""
+
+    draft_vocab: torch.Tensor | None = None
+    vocab_size = 0
 
     def __init__(self, spec: SpecConfig, device: torch.device) -> None:
         super().__init__(spec)
@@ -82,7 +95,22 @@ class ModelDrafter(Drafter):
         root_logits = self._catch_up(ids)
         self._slot, self._n_slots = {}, 0
         try:
-            return build_dynamic_tree(ids[-1], root_logits, self._expand, self.spec.depth, self.spec.topk,
+            tree = build_dynamic_tree(ids[-1], root_logits, self._expand, self.spec.depth, self.spec.topk,
                                       self.spec.budget, temperature=params.temperature, generator=generator)
         finally:
             self._rollback()
+        return tree if self.draft_vocab is None else to_target_vocab(tree, self.draft_vocab, self.vocab_size)
+
+
+def to_target_vocab(tree: Tree, draft_vocab: torch.Tensor, vocab_size: int) -> Tree:
+    """A tree drafted in draft-vocabulary ids (the root excepted) with target ids; sampled draft
+    distributions become full-vocabulary ones, zero outside the draft vocabulary."""
+    dev = draft_vocab.device
+    tokens = [tree.tokens[0]] + draft_vocab[torch.tensor(tree.tokens[1:], device=dev, dtype=torch.long)].tolist()
+    q = {}
+    for p, dist in tree.q.items():
+        full = dist.new_zeros(vocab_size)
+        full[draft_vocab] = dist
+        q[p] = full
+    sampled = {p: draft_vocab[torch.tensor(xs, device=dev, dtype=torch.long)].tolist() for p, xs in tree.sampled.items()}
+    return Tree(tokens=tokens, parents=tree.parents, depths=tree.depths, q=q, sampled=sampled)
