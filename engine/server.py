@@ -43,7 +43,7 @@ class _Body(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)  # vLLM extension; -1 or 0: no top-k filter
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # what a torch generator accepts
     n: int = Field(1, ge=1, le=1)  # one choice per request
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -84,6 +84,34 @@ class APIError(Exception):
 
 def _error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _not_unicode(x: Any, path: str = "") -> str | None:
+    """The path of the first string that is not valid Unicode (a lone surrogate such as "\\udcff",
+    which JSON escapes can carry), or None."""
+    if isinstance(x, str):
+        try:
+            x.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(x, dict):
+        for k, v in x.items():
+            name = k.encode("utf-8", "backslashreplace").decode()  # the path is echoed: keep it encodable
+            sub = f"{path}.{name}" if path else name
+            bad = _not_unicode(k, sub) or _not_unicode(v, sub)
+            if bad:
+                return bad
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            bad = _not_unicode(v, f"{path}[{i}]")
+            if bad:
+                return bad
+    return None
 
 
 def _validation_error(err: ValidationError) -> APIError:
@@ -311,13 +339,40 @@ def create_app(cfg: Config, engine: TextEngine) -> FastAPI:
                                             "owned_by": "spectune", "root": cfg.model.hf_id,
                                             "max_model_len": cfg.model.max_context}]}
 
+    # No request needs more than the context's worth of text: 32 bytes a token covers JSON-escaped
+    # text in any script (a \\uXXXX escape is 6 bytes; a token is rarely over 4 characters).
+    body_limit = max(2**20, 32 * cfg.model.max_context)
+
+    async def read_body(request: Request) -> bytes:
+        """The body, refused with 413 past body_limit (announced by Content-Length or streamed)."""
+        limit = body_limit
+        too_big = APIError(413, f"request body exceeds this server's limit of {limit} bytes "
+                                f"(32 bytes per token of the model's {cfg.model.max_context}-token context)",
+                           code="request_too_large")
+        announced = request.headers.get("content-length", "")
+        if announced.isdigit() and int(announced) > limit:
+            raise too_big
+        chunks, n = [], 0
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def parse(request: Request, model: type[_Body]) -> Any:
         try:
-            raw = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raw = json.loads(await read_body(request), parse_constant=_reject_constant)
+        except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
             raise APIError(400, f"request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise APIError(400, "request body is not valid JSON: nested too deeply") from None
         if not isinstance(raw, dict):
             raise APIError(400, "request body must be a JSON object")
+        bad = _not_unicode(raw)
+        if bad:
+            raise APIError(400, f"{bad}: not valid Unicode text (a lone UTF-16 surrogate); send UTF-8 text",
+                           param=bad)
         try:
             body = model.model_validate(raw)
         except ValidationError as err:
@@ -342,7 +397,9 @@ def create_app(cfg: Config, engine: TextEngine) -> FastAPI:
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if any(not s for s in stops):
             raise APIError(400, "stop strings must not be empty", param="stop")
-        return SamplingParams(max_new_tokens=max_new, temperature=body.temperature, top_p=body.top_p,
+        # A temperature this small divides logits into overflow; it means greedy, as in other servers.
+        temperature = body.temperature if body.temperature >= 1e-5 else 0.0
+        return SamplingParams(max_new_tokens=max_new, temperature=temperature, top_p=body.top_p,
                               top_k=max(0, body.top_k), stop=stops, seed=body.seed)
 
     def chat_ids(body: ChatRequest) -> list[int]:
@@ -434,15 +491,24 @@ def create_app(cfg: Config, engine: TextEngine) -> FastAPI:
         finally:
             job.cancelled = True
 
+    def tokenized(make: Callable[[Any], list[int]], body: _Body, param: str) -> list[int]:
+        try:
+            return make(body)
+        except APIError:
+            raise
+        except Exception as exc:  # the tokenizer / chat template rejected what the client sent
+            raise APIError(400, f"the {param} could not be tokenized: {type(exc).__name__}: {exc}",
+                           param=param) from None
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await parse(request, ChatRequest)
-        return await run(body, chat_ids(body), chat=True)
+        return await run(body, tokenized(chat_ids, body, "messages"), chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await parse(request, CompletionRequest)
-        return await run(body, completion_ids(body), chat=False)
+        return await run(body, tokenized(completion_ids, body, "prompt"), chat=False)
 
     return app
 

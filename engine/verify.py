@@ -29,6 +29,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         sp, si = torch.sort(probs, dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         drop = (sp.cumsum(-1) - sp) >= params.top_p
+        drop[..., 0] = False  # also when top_p rounds to 0 in float32 (e.g. 1e-300)
         sp = sp.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, si, sp)
         probs = probs / probs.sum(-1, keepdim=True)

@@ -2,6 +2,9 @@
 
 FAKE_MODE chooses the behaviour: ok (serves /health), fail (prints a traceback and exits 1),
 oom (dies of SIGKILL), hang (never listens), stubborn (serves /health and ignores SIGTERM).
+A listening server starts after FAKE_STARTUP_S seconds (default 0.3) and also streams OpenAI chat
+completions of max_tokens "x" tokens, FAKE_TOKEN_S seconds each (twice as fast when started with
+--speculative-config), so the tuner can measure it.
 In every mode it first spawns a child in its process group, the way vLLM forks its engine core,
 and records its argv, its pid and the child's pid in FAKE_RECORD (one JSON line per start), so
 tests can check that the launcher stops the whole group.
@@ -27,6 +30,26 @@ class _Health(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         self.send_response(200 if self.path == "/health" else 404)
         self.end_headers()
+
+    def do_POST(self) -> None:  # noqa: N802: a streaming OpenAI chat completion of max_tokens tokens
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        if self.path != "/v1/chat/completions":
+            self.send_response(404)
+            self.end_headers()
+            return
+        per_token = float(os.environ.get("FAKE_TOKEN_S", "0.005"))
+        per_token /= 2 if "--speculative-config" in sys.argv else 1
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        n = int(body.get("max_tokens", 16))
+        for _ in range(n):
+            time.sleep(per_token)
+            chunk = {"choices": [{"index": 0, "delta": {"content": "x"}}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        usage = {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}}
+        self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        self.wfile.flush()
 
     def log_message(self, *args: object) -> None:
         pass
@@ -59,7 +82,7 @@ def main() -> None:
     if mode == "hang":
         time.sleep(600)
         return
-    time.sleep(0.3)  # a start-up that takes a moment
+    time.sleep(float(os.environ.get("FAKE_STARTUP_S", "0.3")))  # a start-up that takes a while
     server = ThreadingHTTPServer((_arg("--host", "127.0.0.1"), int(_arg("--port", "8000"))), _Health)
     server.serve_forever()
 

@@ -144,7 +144,87 @@ BAD_REQUESTS = [
     ("prompt over the context", "/v1/completions", {"prompt": "word " * 3000, "max_tokens": 4}, 400, "context"),
     ("prompt ids over the context", "/v1/completions", {"prompt": [5] * 2047, "max_tokens": 8}, 400, "context"),
     ("unknown route", "/v1/embeddings", {"input": "x"}, 404, "no route"),
+    # text that is not Unicode / not UTF-8 (JSON escapes can carry lone surrogates the tokenizer cannot take)
+    ("lone surrogate in chat content", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "hi \\udcff"}]}', 400, "messages[0].content"),
+    ("lone surrogate in a text part", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}', 400, "Unicode"),
+    ("lone surrogate in prompt", "/v1/completions", b'{"prompt": "\\udcff"}', 400, "prompt"),
+    ("lone surrogate in stop", "/v1/completions", b'{"prompt": "x", "stop": ["\\udfff"]}', 400, "stop[0]"),
+    ("lone surrogate in a key", "/v1/completions", b'{"prompt": "x", "\\udcff": 1}', 400, "Unicode"),
+    ("lone surrogate in model", "/v1/completions", b'{"prompt": "x", "model": "\\udcff"}', 400, "model"),
+    ("invalid UTF-8", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400, "not valid JSON"),
+    ("invalid UTF-8 in chat", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\xc3"}]}', 400,
+     "not valid JSON"),
+    ("NaN", "/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, "NaN"),
+    ("Infinity", "/v1/completions", b'{"prompt": "x", "top_p": Infinity}', 400, "Infinity"),
+    ("nested too deeply", "/v1/completions", b"[" * 20_000 + b"]" * 20_000, 400, "JSON"),
+    ("seed out of range", "/v1/completions", {"prompt": "x", "seed": 2**70}, 400, "seed"),
+    # oversized bodies: announced by Content-Length, or a JSON string past the limit
+    ("oversized body", "/v1/completions", b'{"prompt": "' + b"a" * 1_100_000 + b'"}', 413, "1048576 bytes"),
+    ("oversized chat body", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "word " * 220_000}]}, 413, "2048-token context"),
 ]
+
+# Every request field with values of the wrong type (or out of range): always 400, never 5xx.
+WRONG_TYPES = {
+    "model": [5, ["tiny-random"], {}],
+    "max_tokens": ["many", [1], {}, 1.5, 2**70],
+    "max_completion_tokens": ["many", [4], -3],
+    "temperature": ["hot", [1], {}, 3],
+    "top_p": ["x", [0.5], 2],
+    "top_k": ["x", 1.5, [1], -2],
+    "stop": [5, [1], {}, [None], [["a"]]],
+    "seed": ["x", 1.5, [1]],
+    "n": ["x", 2, [1]],
+    "stream": ["maybe", [1], {}],
+    "stream_options": ["x", [1], 5],
+}
+CHAT_WRONG = [["hi"], [1], [None], [{"role": "user"}], [{"content": "x"}], [{"role": 1, "content": "x"}],
+              [{"role": "user", "content": {"text": "x"}}], [{"role": "user", "content": [{"type": "text"}]}],
+              [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
+              [{"role": "user", "content": [5]}], "hi", {}]
+PROMPT_WRONG = [5, {}, [1.5], [[1]], [None], [-1], True, ["a", 1]]
+WRONG_CASES = ([(f"{f}={v!r}", "/v1/completions", {"prompt": "x", "max_tokens": 2, f: v}, f)
+                for f, vs in WRONG_TYPES.items() for v in vs]
+               + [(f"{f}={v!r} (chat)", "/v1/chat/completions",
+                   {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, f: v}, f)
+                  for f, vs in WRONG_TYPES.items() for v in vs[:1]]
+               + [(f"messages={v!r}", "/v1/chat/completions", {"messages": v}, "messages") for v in CHAT_WRONG]
+               + [(f"prompt={v!r}", "/v1/completions", {"prompt": v}, "prompt") for v in PROMPT_WRONG])
+
+
+@pytest.mark.parametrize("name,path,body,field", WRONG_CASES, ids=[c[0] for c in WRONG_CASES])
+def test_every_field_of_the_wrong_type_is_400(server, name, path, body, field) -> None:
+    r = httpx.post(f"{server}{path}", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and field in err["message"], err
+
+
+def test_a_streamed_oversized_body_is_413(server) -> None:
+    """No Content-Length (chunked upload): the limit holds while reading."""
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(20):
+            yield b"a" * 65536
+        yield b'"}'
+
+    r = httpx.post(f"{server}/v1/completions", content=chunks(), headers={"content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
+def test_tiny_temperature_and_top_p_are_greedy_not_nan(server, engine) -> None:
+    from engine.api import SamplingParams
+
+    greedy = engine.generate(engine.encode_prompt("Say hi.", True), SamplingParams(max_new_tokens=6)).text
+    for extra in ({"temperature": 1e-300}, {"temperature": 1.0, "top_p": 1e-300}):
+        r = httpx.post(f"{server}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 6, **extra})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == greedy, extra
 
 
 @pytest.mark.parametrize("name,path,body,status,needle", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
