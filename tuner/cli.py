@@ -53,6 +53,7 @@ COMMAND_MODULES: list[str] = [
     "tuner.cli_optimize",
     "tuner.cli_train",
     "tuner.cli_distributed",
+    "tuner.cli_project",
 ]
 
 

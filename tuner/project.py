@@ -1,0 +1,249 @@
+"""Hardware projection: acceptance measured once (engine.profile), cost from a hardware profile's
+roofline (tuner.costmodel), the predicted TPOT, throughput and speedup of every configuration at
+every concurrency on hardware the user does not have at hand, and the best configuration per
+concurrency band (for vLLM: the K schedule, `num_speculative_tokens_per_batch_size`).
+
+Acceptance depends on the model, so a profile only projects its own model; another model needs a
+tau from the user (`--tau` for the configured spec, or `--acceptance-file`), and the output says
+which acceptance was used.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import yaml
+
+from tuner.costmodel import Prediction, StepCost, predict, roofline_for
+from tuner.schema import Config, SpecConfig, UserError
+
+DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_CONTEXT = 1024
+
+
+@dataclass
+class Acceptance:
+    """Configurations with their tau, and where the numbers came from."""
+
+    points: list[tuple[SpecConfig, float]]
+    source: str
+    estimate: bool = False
+    context: int | None = None  # mean context of the profiled generations
+
+
+def _profile_path(run: Path | None, profile: Path | None) -> Path | None:
+    if profile is not None:
+        return profile
+    if run is not None:
+        return run / "profile.json"
+    return None
+
+
+def acceptance_from_profile(path: Path, model: str) -> Acceptance:
+    """The profiled points of `path` (a profile file or a run directory holding one) for `model`."""
+    from engine.profile import load_profile  # the profile's reader lives beside its writer
+
+    if not path.exists():
+        raise UserError(f"{path}: no acceptance profile there (make one with `tuner profile --from RUN`)")
+    prof = load_profile(path)
+    if prof.model != model:
+        raise UserError(f"model={model}: the profile {path} measured {prof.model}; acceptance depends on the "
+                        "model, so give --tau T (for spec.*) or --acceptance-file FILE")
+    points = [(SpecConfig(**p["spec"]), float(p["tau"])) for p in prof.points]
+    ctx = [s["prompt_len"] + s["n_new"] / 2 for s in prof.sequences]
+    label = "estimated" if not prof.exact else "exact greedy"
+    return Acceptance(points=points, source=f"profile {path} ({prof.model}, {prof.workload}, {label} tau"
+                      f"{', FP8 weights' if prof.fp8 else ''})", estimate=not prof.exact,
+                      context=int(sum(ctx) / len(ctx)) if ctx else None)
+
+
+def acceptance_from_file(path: Path) -> Acceptance:
+    """A YAML/JSON list of {method, depth, topk, budget, ..., tau} (a published head's acceptance)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise UserError(f"--acceptance-file {path}: unreadable ({type(exc).__name__})") from None
+    if not isinstance(data, list) or not data:
+        raise UserError(f"--acceptance-file {path}: expected a list of {{method, depth, topk, budget, tau}} entries")
+    points = []
+    for i, entry in enumerate(data):
+        if not isinstance(entry, dict) or not isinstance(entry.get("tau"), (int, float)) or entry["tau"] < 1:
+            raise UserError(f"--acceptance-file {path}: entry {i} needs a numeric tau >= 1 (tokens per target forward)")
+        fields = {k: v for k, v in entry.items() if k != "tau"}
+        try:
+            spec = SpecConfig(**fields)
+        except ValueError as exc:
+            raise UserError(f"--acceptance-file {path}: entry {i}: {str(exc).splitlines()[-1].strip()}") from None
+        points.append((spec, float(entry["tau"])))
+    return Acceptance(points=points, source=f"acceptance file {path}")
+
+
+def acceptance_for(cfg: Config, run: Path | None = None, profile: Path | None = None, tau: float | None = None,
+                   acceptance_file: Path | None = None) -> Acceptance:
+    """Where the taus come from, in order: --tau (for cfg.spec), --acceptance-file, the profile."""
+    if tau is not None:
+        if tau < 1:
+            raise UserError(f"--tau {tau}: tau is tokens per target forward, at least 1")
+        if cfg.spec.method == "off":
+            raise UserError("--tau needs a speculative spec: set spec.method, spec.depth, spec.topk, spec.budget")
+        return Acceptance(points=[(cfg.spec, tau)], source=f"--tau {tau} for {cfg.spec.key()}")
+    if acceptance_file is not None:
+        return acceptance_from_file(acceptance_file)
+    path = _profile_path(run, profile)
+    if path is None:
+        raise UserError("no acceptance given: use --from RUN (with its profile.json), --profile FILE, "
+                        "--tau T or --acceptance-file FILE")
+    return acceptance_from_profile(path, cfg.model.name)
+
+
+def project(cost: StepCost, acc: Acceptance, concurrency: list[int], context: int) -> list[Prediction]:
+    """Every configuration (and `off`) at every concurrency."""
+    points = list(acc.points)
+    if not any(s.method == "off" for s, _ in points):
+        points.insert(0, (SpecConfig(method="off"), 1.0))
+    return [predict(cost, spec, tau, c, context) for c in concurrency for spec, tau in points]
+
+
+def best_per_concurrency(preds: list[Prediction], chains_only: bool = False) -> dict[int, Prediction]:
+    """The highest predicted throughput per concurrency (ties within 1%: the smaller budget)."""
+    out: dict[int, Prediction] = {}
+    for c in sorted({p.concurrency for p in preds}):
+        cands = [p for p in preds if p.concurrency == c and (not chains_only or p.spec.topk == 1)]
+        top = max(p.tok_s for p in cands)
+        near = [p for p in cands if p.tok_s >= top * 0.99]
+        out[c] = min(near, key=lambda p: (p.spec.budget if p.spec.method != "off" else 1, -p.tok_s))
+    return out
+
+
+def k_schedule(preds: list[Prediction]) -> tuple[SpecConfig | None, list[tuple[int, int, int]]]:
+    """The vLLM K schedule: the best chain method's K per concurrency band ([lo, hi, K], K=0: off).
+    One method and its drafter are served, so the method is that of the best chain at concurrency 1."""
+    best = best_per_concurrency(preds, chains_only=True)
+    levels = sorted(best)
+    lead = next((best[c].spec for c in levels if best[c].spec.method != "off"), None)
+    if lead is None:
+        return None, []
+    bands, lo = [], 1
+    for c in levels:
+        same = [p for p in preds if p.concurrency == c and p.spec.topk == 1
+                and p.spec.method in (lead.method, "off")]
+        top = max(same, key=lambda p: p.tok_s)
+        k = 0 if top.spec.method == "off" else top.spec.depth
+        if bands and bands[-1][2] == k:
+            bands[-1] = (bands[-1][0], c, k)
+        else:
+            bands.append((lo, c, k))
+        lo = c + 1
+    depth = max(max(k for _, _, k in bands), 1)
+    spec = lead.model_copy(update={"depth": depth, "budget": depth + 1, "k_per_batch_size": None})
+    return spec, bands
+
+
+def write_csv(preds: list[Prediction], path: Path) -> Path:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["concurrency", "config", "method", "depth", "topk", "budget", "tau", "verify_ms", "draft_ms",
+                    "tpot_ms", "tok_s", "speedup"])
+        for p in preds:
+            s = p.spec
+            w.writerow([p.concurrency, s.key(), s.method, s.depth if s.method != "off" else 0,
+                        s.topk if s.method != "off" else 0, s.budget if s.method != "off" else 1, f"{p.tau:.3f}",
+                        f"{p.verify_s * 1e3:.3f}", f"{p.draft_s * 1e3:.3f}", f"{p.tpot_ms:.3f}", f"{p.tok_s:.1f}",
+                        f"{p.speedup:.3f}"])
+    return path
+
+
+def plot(preds: list[Prediction], title: str, path: Path, top: int = 6) -> Path:
+    """Speedup over autoregressive vs concurrency for the best few configurations and the best per level."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = sorted({p.concurrency for p in preds})
+    keys = sorted({p.spec.key() for p in preds if p.spec.method != "off"},
+                  key=lambda k: -max(p.tok_s for p in preds if p.spec.key() == k and p.concurrency == levels[0]))[:top]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for k in keys:
+        ys = [next(p.speedup for p in preds if p.spec.key() == k and p.concurrency == c) for c in levels]
+        ax.plot(levels, ys, marker="o", label=k)
+    best = best_per_concurrency(preds)
+    ax.plot(levels, [best[c].speedup for c in levels], "k--", lw=1, label="best per concurrency")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency (sequences per replica)")
+    ax.set_ylabel("predicted speedup over autoregressive")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def format_table(preds: list[Prediction], per_level: int = 5) -> str:
+    """The best `per_level` configurations and `off` at each concurrency, as text."""
+    lines = [f"{'conc':>5}  {'configuration':<24} {'tau':>5} {'TPOT ms':>8} {'tok/s':>10} {'speedup':>8}"]
+    for c in sorted({p.concurrency for p in preds}):
+        rows = sorted((p for p in preds if p.concurrency == c), key=lambda p: -p.tok_s)
+        shown = rows[:per_level] + [p for p in rows[per_level:] if p.spec.method == "off"]
+        for p in shown:
+            lines.append(f"{c:>5}  {p.spec.key():<24} {p.tau:>5.2f} {p.tpot_ms:>8.2f} {p.tok_s:>10.1f} "
+                         f"{p.speedup:>7.2f}x")
+    return "\n".join(lines)
+
+
+def run_projection(cfg: Config, acc: Acceptance, out_dir: Path, concurrency: list[int] | None = None,
+                   context: int | None = None) -> tuple[list[Prediction], dict]:
+    """Project `acc` onto cfg.hardware for cfg.model as cfg.deploy serves it; write projection.csv,
+    projection.png and projection.yaml (best per concurrency, the K schedule, what was assumed)."""
+    from deploy.fit import tensor_parallel_size
+
+    hw = cfg.hardware
+    tp = tensor_parallel_size(cfg.model, hw, cfg.deploy)
+    draft = cfg.spec.draft_model or (cfg.model.draft_sources.draft_model[:1] or [None])[0]
+    cost = roofline_for(cfg.model, hw, tp, cfg.deploy.quantization, cfg.deploy.kv_cache_dtype, draft)
+    if concurrency is None:
+        levels = cfg.workload.concurrency if cfg.workload and len(cfg.workload.concurrency) > 1 else DEFAULT_CONCURRENCY
+        concurrency = sorted(set(levels))
+    ctx = context or acc.context or DEFAULT_CONTEXT
+    preds = project(cost, acc, list(concurrency), ctx)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_csv(preds, out_dir / "projection.csv")
+    title = (f"{cfg.model.name} on {hw.name} (TP {tp}, {'FP8' if cfg.deploy.quantization == 'fp8' else '16-bit'} "
+             f"weights), context {ctx}; tau: {acc.source}")
+    plot(preds, title, out_dir / "projection.png")
+    best = best_per_concurrency(preds)
+    chain, bands = k_schedule(preds)
+    summary = {
+        "projected": True,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "model": cfg.model.name, "hardware": hw.name, "tensor_parallel_size": tp,
+        "quantization": cfg.deploy.quantization, "kv_cache_dtype": cfg.deploy.kv_cache_dtype,
+        "context": ctx, "acceptance": acc.source, "tau_is_estimate": acc.estimate,
+        "best": [{"concurrency": c, "spec": p.spec.key(), "tau": round(p.tau, 3), "tpot_ms": round(p.tpot_ms, 3),
+                  "tok_s": round(p.tok_s, 1), "speedup": round(p.speedup, 3)} for c, p in best.items()],
+        "vllm_chain": chain.key() if chain else None,
+        "k_per_batch_size": [list(b) for b in bands] if chain else None,
+    }
+    (out_dir / "projection.yaml").write_text(yaml.safe_dump(summary, sort_keys=False))
+    return preds, summary
+
+
+def default_out_dir(cfg: Config, run: Path | None) -> Path:
+    name = f"projection-{cfg.hardware.name}-{cfg.model.name}"
+    if run is not None:
+        return run / name
+    return Path(cfg.run_dir) / f"{name}-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"
+
+
+def load_run_workload(run: Path) -> dict | None:
+    """The workload section of a run's saved config (None when it has none)."""
+    path = run / "config.yaml"
+    if not path.is_file():
+        raise UserError(f"--from {run}: no config.yaml there (a run directory of `tuner optimize` or `tuner profile`)")
+    return (yaml.safe_load(path.read_text()) or {}).get("workload")
+
