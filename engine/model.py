@@ -4,6 +4,8 @@ Sources (a `ModelConfig`):
 - `gguf`: the packaged SmolLM2 GGUF, dequantized once into an HF checkpoint under
   `<cache>/models/<sha256 prefix of the file>/` and reloaded from there (~1.5 s instead of ~17 s);
 - `local_path`: any local HF checkpoint directory;
+- otherwise `hf_id` from a Hugging Face hub (HF_ENDPOINT, HF_TOKEN) into the HF cache (HF_HOME), or
+  the cached copy when offline;
 - `random_init`: a seeded random Llama with the config's dimensions built in code (tests), with the
   packaged SmolLM2 tokenizer (extracted once into `<cache>/tokenizers/`).
 Everything written to the cache is built in a temp dir and renamed into place, so concurrent
@@ -183,8 +185,49 @@ def hf_checkpoint_dir(model_cfg: ModelConfig, cache_dir: str | None = None, seed
 
         with _LOCK:
             return _publish(root / "models" / file_digest(src, root), build_gguf)
-    raise UserError(f"model={model_cfg.name}: set model.local_path (an HF checkpoint dir) or model.gguf; "
-                    "hub downloads are not supported at run time")
+    return hub_checkpoint_dir(model_cfg)
+
+
+# What a checkpoint needs from a hub repository: config, safetensors weights, tokenizer files.
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+
+
+def hub_checkpoint_dir(model_cfg: ModelConfig) -> Path:
+    """`model.hf_id` from a Hugging Face hub, or the copy already in the HF cache.
+
+    The client is huggingface_hub's own: the hub is HF_ENDPOINT (default huggingface.co), the token
+    HF_TOKEN, the cache HF_HOME (the rendered manifests set it to the model volume, /models/hf, so a
+    volume filled once serves every pod, also offline with HF_HUB_OFFLINE=1). Offline without a
+    cached copy, a gated or missing repository: one line (UserError) saying what to do.
+    """
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    rid = model_cfg.hf_id
+    where = f"model.hf_id={rid}"
+    try:
+        path = Path(snapshot_download(rid, allow_patterns=HUB_FILES))
+    except GatedRepoError:
+        raise UserError(f"{where}: gated on {constants.ENDPOINT}: accept its licence there and give a token "
+                        "with access in HF_TOKEN") from None
+    except RepositoryNotFoundError:
+        raise UserError(f"{where}: not found on {constants.ENDPOINT} (a private repository needs HF_TOKEN); "
+                        "or set model.local_path=DIR (an HF checkpoint directory)") from None
+    except RevisionNotFoundError:
+        raise UserError(f"{where}: its main revision is not on {constants.ENDPOINT}") from None
+    except LocalEntryNotFoundError:  # offline (HF_HUB_OFFLINE=1 or no network) and not in the cache
+        raise UserError(
+            f"{where}: no local copy and the hub cannot be reached; set model.local_path=DIR (an HF checkpoint "
+            f"directory), or fill the HF cache where there is network (`HF_HOME={constants.HF_HOME} hf download "
+            f"{rid}`; in a pod the model volume's /models/hf), or run online (HF_TOKEN for gated models)") from None
+    except HfHubHTTPError as exc:
+        raise UserError(f"{where}: the hub at {constants.ENDPOINT} answered {exc.response.status_code} "
+                        f"(HF_TOKEN {'set' if os.environ.get('HF_TOKEN') else 'unset'})") from None
+    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+        raise UserError(f"{where}: {path} holds no config.json + safetensors weights (this engine loads "
+                        "safetensors only); set model.local_path=DIR to a converted checkpoint")
+    return path
 
 
 def load_tokenizer(path: str | os.PathLike):

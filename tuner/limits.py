@@ -4,10 +4,10 @@
 bounded by its own `engine.<kind>.startup_timeout_s` and runs with the trial's clock paused
 (`startup_excluded`), so a 30-150 s vLLM start never eats a trial's measuring time.
 
-Before the first trial, `check_trial_fits` plays one tuning prompt on the baseline and refuses, in
-one line, a search whose trials cannot fit: tuning prompts x new tokens x runs per repeat (the
-configuration and its adjacent baseline) x concurrency levels x `search.repeats_min`, at the
-measured speed. Repeats beyond `repeats_min` are sized on the fly: a trial stops repeating when
+Before the first trial, `check_trial_fits` plays one tuning prompt on the baseline (twice: the
+first run pays warm-up costs) and refuses, in one line, a search whose trials cannot fit: tuning
+prompts x new tokens x runs per repeat (the configuration and its adjacent baseline) x
+concurrency levels x `search.repeats_min`, at the measured speed. Repeats beyond `repeats_min` are sized on the fly: a trial stops repeating when
 the next repeat would not fit (`next_repeat_fits`), and completes with the repeats it has.
 """
 
@@ -173,10 +173,11 @@ def check_trial_fits(cfg: Config, measure: Any, prompts: dict[str, list[Any]]) -
     failed requests) checks nothing: trial 0 then records that failure like any other.
     """
     prompts["probe"] = prompts["tune"][:1]
-    try:
-        sample = measure(SpecConfig(method="off"), "probe", min(cfg.workload.concurrency))
+    try:  # twice, the faster counts: the first run of a process also pays one-off warm-up costs
+        tok_s = max(measure(SpecConfig(method="off"), "probe", min(cfg.workload.concurrency)).tok_s
+                    for _ in range(2))
     except Exception:
         return None
-    work = trial_work(cfg, len(prompts["tune"]), sample.tok_s)
+    work = trial_work(cfg, len(prompts["tune"]), tok_s)
     fits_or_refuse(cfg, work)
     return work
