@@ -183,3 +183,47 @@ def test_profile_roundtrip_and_lookup(engine: Engine, prompts, tmp_path) -> None
     assert back.tau(SpecConfig(method="ngram", depth=5, topk=1, budget=6)) is None
     with pytest.raises(UserError, match="acceptance profile"):
         load_profile(tmp_path / "nothing.json")
+
+
+def test_fp8_deployment_profiles_fp8_weights() -> None:
+    """deploy.quantization=fp8: the profile replays the FP8-rounded target, and its greedy tau equals
+    the live engine's under engine.builtin.fp8_weights=true (the weights that will be served)."""
+    from engine.profile import profile_config
+
+    over = ["model=tiny-random", "+workload=code", "search.trial_prompts=2", "workload.max_new_tokens=24"]
+    spec = SpecConfig(method="ngram", depth=3, topk=1, budget=4, ngram_min=1, ngram_max=1)
+    fp8 = profile_config(load_config([*over, "deploy=vllm"]), [spec])
+    full = profile_config(load_config(over), [spec])
+    assert fp8.fp8 and not full.fp8
+    # e4m3 rounding changes the tiny model's greedy continuation: these really are other weights
+    assert [s["tokens"] for s in fp8.sequences] != [s["tokens"] for s in full.sequences]
+    live = Engine.from_config(load_config([*over, "engine.builtin.fp8_weights=true", "spec.method=off"]))
+    from engine.workloads import load_prompts
+
+    params = SamplingParams(max_new_tokens=24, seed=0)
+    prompts = [live.encode_prompt(p.text, True) for p in load_prompts(load_config(over).workload, "tune")[:2]]
+    assert [live.generate(p, params).tokens for p in prompts] == [s["tokens"][:s["n_new"]] for s in fp8.sequences]
+    tau, _, _, _ = _live(live, prompts, spec, params)
+    assert fp8.tau(spec) == tau
+
+
+@pytest.mark.slow
+def test_smollm2_ngram_tau_equals_live() -> None:
+    """The real model: n-gram chains profiled once equal the engine's tau on the same prompts."""
+    from engine.profile import profile_config
+    from engine.workloads import load_prompts
+
+    over = ["+workload=code", "search.trial_prompts=2", "workload.max_new_tokens=40"]
+    cfg = load_config(over)
+    specs = [SpecConfig(method="ngram", depth=d, topk=1, budget=d + 1, ngram_min=m, ngram_max=4)
+             for d, m in ((4, 2), (6, 1))]
+    prof = profile_config(cfg, specs)
+    eng = Engine.from_config(load_config([*over, "spec.method=off"]))
+    params = SamplingParams(max_new_tokens=40, seed=0)
+    prompts = [eng.encode_prompt(p.text, True) for p in load_prompts(cfg.workload, "tune")[:2]]
+    taus = []
+    for spec in specs:
+        tau, acc, _, _ = _live(eng, prompts, spec, params)
+        assert prof.tau(spec) == tau
+        taus.append(tau)
+    assert max(taus) > 1.2  # the real model's code answers repeat the prompt: drafts are accepted
