@@ -86,6 +86,7 @@ class Roofline:
     fp8_weights: bool = False
     fp8_kv: bool = False
     draft_model_b: float = 1.0  # parameters of a draft_model drafter, billions
+    draft_layers: int | None = None  # its decoder layers (None: the target's, scaled by size^(1/3))
 
     @property
     def weight_bytes(self) -> float:
@@ -151,7 +152,7 @@ class Roofline:
             return self._forward(spec.depth * (m.hidden_size ** 2 + lm), 1, batch, 0, 0, 2)
         # draft_model: a small model of the same family, layers scaled with its size
         params = self.draft_model_b * 1e9
-        layers = max(1, round(m.num_layers * (self.draft_model_b / m.params_b) ** (1 / 3)))
+        layers = self.draft_layers or max(1, round(m.num_layers * (self.draft_model_b / m.params_b) ** (1 / 3)))
         kv = batch * context * layers / m.num_layers  # the draft's own cache, fewer layers
         one = self._forward(params, layers, width, kv, width * context * layers / m.num_layers, wbytes)
         return spec.depth * (one + self.hw.step_overhead_ms * 1e-3)
