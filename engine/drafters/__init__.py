@@ -8,16 +8,17 @@ from pathlib import Path
 import torch
 
 from engine.drafters.base import Drafter, ModelDrafter
-from engine.drafters.draft_model import DraftModelDrafter
+from engine.drafters.draft_model import DraftModelDrafter, read_draft_vocab
 from engine.drafters.eagle import EagleDrafter
 from engine.drafters.eagle3 import Eagle3Drafter
+from engine.drafters.medusa import MedusaDrafter
 from engine.drafters.ngram import NgramDrafter
 from tuner.schema import SpecConfig, UserError
 
 __all__ = ["Drafter", "ModelDrafter", "NgramDrafter", "DraftModelDrafter", "EagleDrafter", "Eagle3Drafter",
-           "make_drafter", "load_draft_model"]
+           "MedusaDrafter", "make_drafter", "load_draft_model"]
 
-SUPPORTED = ("off", "ngram", "draft_model", "eagle", "eagle3")
+SUPPORTED = ("off", "ngram", "draft_model", "eagle", "eagle3", "medusa")
 _LOCK = threading.Lock()
 _MODELS: dict[tuple, torch.nn.Module] = {}
 _HEADS: dict[tuple, torch.nn.Module] = {}
@@ -48,6 +49,10 @@ def load_draft_model(path: str, target, dtype: torch.dtype, device: torch.device
                         f"({len(dtok)} vs {len(target.tokenizer)} tokens); a draft must share the target's tokenizer")
     model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype, attn_implementation="sdpa").to(device).eval()
     model.requires_grad_(False)
+    if device.type == "cpu" and dtype == torch.float32:  # the target's fast CPU linears (engine.cpu_linear)
+        from engine.cpu_linear import use_onednn_linears
+
+        use_onednn_linears(model)
     with _LOCK:
         return _MODELS.setdefault(key, model)
 
@@ -66,6 +71,23 @@ def load_eagle_head(spec: SpecConfig, target, seed: int = 0) -> torch.nn.Module:
     head.requires_grad_(False)
     with _LOCK:
         return _HEADS.setdefault(key, head)
+
+
+def load_medusa_heads(spec: SpecConfig, target) -> torch.nn.Module:
+    """The Medusa heads of `spec.head_path`, checked against the target (cached per process)."""
+    from engine.medusa import load_heads
+
+    if not spec.head_path:
+        raise UserError("spec.head_path is required for spec.method=medusa (train heads with "
+                        "`tuner train-draft spec.method=medusa +workload=NAME`)")
+    key = ("medusa", str(Path(spec.head_path).expanduser().resolve()), id(target.model), str(target.dtype))
+    with _LOCK:
+        if key in _HEADS:
+            return _HEADS[key]
+    heads = load_heads(spec.head_path, target.model, target.name).to(device=target.device, dtype=target.dtype).eval()
+    heads.requires_grad_(False)
+    with _LOCK:
+        return _HEADS.setdefault(key, heads)
 
 
 def load_eagle3_head(spec: SpecConfig, target, seed: int = 0) -> torch.nn.Module:
@@ -94,7 +116,10 @@ def make_drafter(spec: SpecConfig, target, seed: int = 0) -> Drafter | None:
     if spec.method == "ngram":
         return NgramDrafter(spec)
     if spec.method == "draft_model":
-        return DraftModelDrafter(spec, load_draft_model(spec.draft_model, target, target.dtype, target.device))
+        model = load_draft_model(spec.draft_model, target, target.dtype, target.device)
+        return DraftModelDrafter(spec, model, read_draft_vocab(spec.draft_model, model.config.vocab_size))
+    if spec.method == "medusa":
+        return MedusaDrafter(spec, load_medusa_heads(spec, target))
     if spec.method == "eagle3":
         return Eagle3Drafter(spec, load_eagle3_head(spec, target, seed), target.model)
     return EagleDrafter(spec, load_eagle_head(spec, target, seed), target.model)
