@@ -61,11 +61,13 @@ def _threads(server: pg.Server, name: str, n_workers: int, delay_s: float) -> No
     """N worker threads, each with its own WorkerStudy (own connections), measuring with a fake engine."""
     import threading
 
-    from tuner import distributed as d
+    from tuner.distributed import worker_config
+    from tuner.driver import run_trials
     from tuner.objective import Objective, Sample
     from tuner.space import SearchSpace
+    from tuner.workers import open_worker_study
 
-    cfg = d.worker_config([f"search.storage={server.url}", f"search.study_name={name}"])[0]  # the study's own
+    cfg = worker_config([f"search.storage={server.url}", f"search.study_name={name}"])[0]  # the study's own
     space = SearchSpace.from_config(cfg)
 
     def measure(spec, split, concurrency):  # speculation 'helps' with depth; no CPU used
@@ -73,8 +75,9 @@ def _threads(server: pg.Server, name: str, n_workers: int, delay_s: float) -> No
         return Sample(100.0 if spec.method == "off" else 100.0 + 10 * spec.depth, 1.0 + 0.2 * spec.depth)
 
     def one() -> None:
-        study = d.open_worker_study(cfg, server.url, name)
-        d.work(study, Objective(study, space, measure, cfg.workload, cfg.search), cfg)
+        study = open_worker_study(cfg, server.url, name)
+        run_trials(study, Objective(study, space, measure, cfg.workload, cfg.search), cfg.search)
+        study.wait_done()
 
     threads = [threading.Thread(target=one) for _ in range(n_workers)]
     for t in threads:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -31,6 +30,7 @@ import numpy as np
 
 from engine.api import SamplingParams, TextEngine
 from engine.promparse import SpecCounters, spec_counters, tau_from_delta
+from engine.stats import mean_ci, tight
 from engine.workloads import Prompt
 from tuner.schema import Figures
 
@@ -278,8 +278,8 @@ def run_http(base_url: str, model: str, prompts: Sequence[Prompt], params: Sampl
 # targets, repeats, summary
 
 
-class Target(Protocol):
-    """Something `measure` can play prompts against."""
+class LoadTarget(Protocol):
+    """Something `measure` can play prompts against (not engine.model.Target, the loaded model)."""
 
     def run(self, prompts: Sequence[Prompt], params: SamplingParams, concurrency: int) -> Measurement: ...
 
@@ -302,12 +302,6 @@ class HttpTarget:
 
     def run(self, prompts: Sequence[Prompt], params: SamplingParams, concurrency: int) -> Measurement:
         return run_http(self.base_url, self.model, prompts, params, concurrency, self.chat_template, self.timeout_s)
-
-
-def _t95(n: int) -> float:
-    from scipy.stats import t
-
-    return float(t.ppf(0.975, n - 1))
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -344,11 +338,9 @@ class Summary:
     @classmethod
     def of(cls, runs: list[Measurement]) -> "Summary":
         tps = [m.output_tokens_per_s for m in runs]
-        lo = hi = None
-        if len(tps) >= 2:
-            mean = statistics.fmean(tps)
-            half = _t95(len(tps)) * statistics.stdev(tps) / math.sqrt(len(tps))
-            lo, hi = max(0.0, mean - half), mean + half  # a rate is never negative
+        _, lo, hi = mean_ci(tps)
+        if lo is not None:
+            lo = max(0.0, lo)  # a rate is never negative
         return cls(
             runs=runs, output_tokens_per_s=float(statistics.median(tps)), ci_low=lo, ci_high=hi,
             tau=_median([m.tau for m in runs]),
@@ -377,7 +369,7 @@ class Summary:
         return d
 
 
-def measure(target: Target, prompts: Sequence[Prompt], params: SamplingParams, concurrency: int = 1,
+def measure(target: LoadTarget, prompts: Sequence[Prompt], params: SamplingParams, concurrency: int = 1,
             warmup: int = 1, repeats: int = 3, repeats_min: int | None = None,
             ci_rel_width: float | None = None) -> Summary:
     """Warm up with `warmup` requests (not measured), then play all prompts `repeats` times.
@@ -392,8 +384,6 @@ def measure(target: Target, prompts: Sequence[Prompt], params: SamplingParams, c
     runs: list[Measurement] = []
     for _ in range(repeats):
         runs.append(target.run(prompts, params, concurrency))
-        if ci_rel_width is not None and len(runs) >= max(2, repeats_min or 2):
-            rel = Summary.of(runs).rel_ci_half_width
-            if rel is not None and rel < ci_rel_width:
-                break
+        if ci_rel_width is not None and tight([m.output_tokens_per_s for m in runs], ci_rel_width, repeats_min or 2):
+            break
     return Summary.of(runs)

@@ -19,7 +19,7 @@ from deploy.fit import startup_budget_s
 from deploy.render import render
 from deploy.validate import check_dir
 from tuner.cli import main
-from tuner.cli_deploy import render_run
+from tuner.rundir import render_run
 from tuner.config import load_config, save_config
 from tuner.schema import BestResult, Figures, Provenance, SpecConfig, UserError
 

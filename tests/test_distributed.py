@@ -5,6 +5,7 @@ instead of an engine (the end-to-end runs with real workers are in test_distribu
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -16,13 +17,18 @@ import pytest
 from optuna.trial import TrialState
 
 import pg
+from helpers import fake_engine_exe, fake_measure, free_port
 from tuner import distributed as d
+from tuner import storage as st
+from tuner import workers as w
 from tuner.cli import main
 from tuner.config import load_config
-from tuner.objective import Objective, Sample
-from tuner.schema import SpecConfig, UserError
+from tuner.driver import run_trials
+from tuner.objective import Objective
+from tuner.schema import UserError
 from tuner.space import SearchSpace
-from tuner.study import open_storage, storage_url
+from tuner.storage import open_storage, storage_url
+from tuner.study import HEARTBEAT, WORKER, sweep_stale
 
 BASE = ["model=tiny-random", "+workload=code", "search=quick", "workload.num_heldout=0"]
 
@@ -41,18 +47,6 @@ def server():
                 os.environ["PGPASSWORD"] = old
 
 
-def fake_measure(delay_s: float = 0.02):
-    """Speculation 'helps' a little with depth; each call takes delay_s (a trial makes two)."""
-
-    def measure(spec: SpecConfig, split: str, concurrency: int) -> Sample:
-        time.sleep(delay_s)
-        if spec.method == "off":
-            return Sample(100.0, 1.0, 10.0, 10.0)
-        return Sample(100.0 + 20 * spec.depth, 1.0 + 0.3 * spec.depth, 10.0, 9.0)
-
-    return measure
-
-
 def _workers(cfg, url: str, n: int, delay_s: float = 0.02) -> list[int]:
     """n worker threads on the study, each with its own WorkerStudy (own connections); trials each ran."""
     space = SearchSpace.from_config(cfg)
@@ -61,8 +55,10 @@ def _workers(cfg, url: str, n: int, delay_s: float = 0.02) -> list[int]:
 
     def one(i: int) -> None:
         try:
-            study = d.open_worker_study(cfg, url, cfg.search.study_name)
-            ran[i] = d.work(study, Objective(study, space, fake_measure(delay_s), cfg.workload, cfg.search), cfg)
+            study = w.open_worker_study(cfg, url, cfg.search.study_name)
+            ran[i] = run_trials(study, Objective(study, space, fake_measure(delay_s), cfg.workload, cfg.search),
+                                cfg.search)
+            study.wait_done()
         except BaseException as exc:  # surfaced by the assertion below
             errors.append(exc)
 
@@ -76,15 +72,15 @@ def _workers(cfg, url: str, n: int, delay_s: float = 0.02) -> list[int]:
 
 
 def _study(url: str, name: str) -> optuna.Study:
-    return optuna.load_study(study_name=name, storage=d.open_storage(url))
+    return optuna.load_study(study_name=name, storage=st.open_storage(url))
 
 
 def test_budget_holds_across_workers_and_enqueued_trials_run_once(server, tmp_path: Path) -> None:
     cfg = load_config([*BASE, f"search.storage={server.url}", "search.study_name=budget", "search.n_trials=14"])
-    study, created = d.create_shared_study(cfg, server.url, SearchSpace.from_config(cfg))
+    study, created = w.create_shared_study(cfg, server.url, SearchSpace.from_config(cfg))
     assert created
     # Creating again (a retried creator Job) adds nothing: baseline and defaults are enqueued once.
-    assert d.create_shared_study(cfg, server.url, SearchSpace.from_config(cfg))[1] is False
+    assert w.create_shared_study(cfg, server.url, SearchSpace.from_config(cfg))[1] is False
     assert len(study.get_trials(states=(TrialState.WAITING,))) == 2
 
     ran = _workers(cfg, server.url, 4)
@@ -96,7 +92,7 @@ def test_budget_holds_across_workers_and_enqueued_trials_run_once(server, tmp_pa
     assert sum(1 for t in trials if t.user_attrs["spec"] == "off") == 1
     assert len({t.number for t in trials}) == 14
     assert sum(1 for r in ran if r > 0) >= 2  # the work was shared
-    assert len({t.user_attrs[d.WORKER] for t in trials}) == sum(1 for r in ran if r > 0)  # host:pid:thread
+    assert len({t.user_attrs[WORKER] for t in trials}) == sum(1 for r in ran if r > 0)  # host:pid:thread
 
     # Every worker that finds the budget spent asks no more.
     assert _workers(cfg, server.url, 2) == [0, 0]
@@ -108,7 +104,7 @@ def test_grid_points_each_run_once_over_a_journal_file(tmp_path: Path) -> None:
     cfg = load_config([*BASE, f"search.storage={url}", "search.study_name=grid", "search.sampler=grid",
                        "search.n_trials=50"])
     space = SearchSpace.from_config(cfg)
-    d.create_shared_study(cfg, url, space)
+    w.create_shared_study(cfg, url, space)
     _workers(cfg, url, 3)
     trials = _study(url, "grid").get_trials()
     specs = [t.user_attrs["spec"] for t in trials]
@@ -119,19 +115,19 @@ def test_grid_points_each_run_once_over_a_journal_file(tmp_path: Path) -> None:
 def test_dead_worker_trial_is_swept_fail_and_live_ones_are_not(server) -> None:
     cfg = load_config([*BASE, f"search.storage={server.url}", "search.study_name=sweep", "search.n_trials=3",
                        "search.heartbeat_grace_s=3"])
-    d.create_shared_study(cfg, server.url, SearchSpace.from_config(cfg))
-    alive = d.open_worker_study(cfg, server.url, "sweep")
-    dead = d.open_worker_study(cfg, server.url, "sweep")
+    w.create_shared_study(cfg, server.url, SearchSpace.from_config(cfg))
+    alive = w.open_worker_study(cfg, server.url, "sweep")
+    dead = w.open_worker_study(cfg, server.url, "sweep")
     t_dead = dead.ask()
     dead.heartbeat.stop()  # what SIGKILL does to the heartbeat thread
     t_alive = alive.ask()
     time.sleep(4.5)  # beyond the grace period: the live trial's heartbeat kept it fresh
-    assert d.sweep_stale(alive, cfg.search.heartbeat_grace_s) == [t_dead.number]
+    assert sweep_stale(alive, cfg.search.heartbeat_grace_s) == [t_dead.number]
     frozen = {t.number: t for t in alive.get_trials()}
     assert frozen[t_dead.number].state == TrialState.FAIL
     assert "no heartbeat" in frozen[t_dead.number].user_attrs["fail_reason"]
     assert frozen[t_alive.number].state == TrialState.RUNNING
-    assert frozen[t_alive.number].user_attrs[d.HEARTBEAT] > time.time() - 3
+    assert frozen[t_alive.number].user_attrs[HEARTBEAT] > time.time() - 3
     alive.tell(t_alive, 1.0)
     # The presumed-dead worker comes back and tells: its trial keeps the FAIL the others counted.
     assert dead.tell(t_dead, 2.0).state == TrialState.FAIL
@@ -139,23 +135,23 @@ def test_dead_worker_trial_is_swept_fail_and_live_ones_are_not(server) -> None:
     assert alive.started() == 2 and not alive.budget_spent()
     alive.tell(alive.ask(), 1.0)
     alive.heartbeat.stop()
-    with pytest.raises(d.BudgetSpent):
+    with pytest.raises(w.BudgetSpent):
         alive.ask()
 
 
 def test_winner_stored_in_the_study_and_report_from_storage(server, tmp_path: Path) -> None:
     cfg = load_config([*BASE, f"search.storage={server.url}", "search.study_name=rep", "search.n_trials=5",
                        f"run_dir={tmp_path}"])
-    d.create_shared_study(cfg, server.url, SearchSpace.from_config(cfg))
+    w.create_shared_study(cfg, server.url, SearchSpace.from_config(cfg))
     _workers(cfg, server.url, 2)
-    study = d.open_worker_study(cfg, server.url, "rep")
-    assert d.claim_finalize(study, 60) is True
-    assert d.claim_finalize(study, 60) is False  # one finalizer
-    best = d.finalize(study, cfg, tmp_path, None, force=True)
+    study = w.open_worker_study(cfg, server.url, "rep")
+    assert w.claim_finalize(study, 60) is True
+    assert w.claim_finalize(study, 60) is False  # one finalizer
+    best = w.finalize(study, cfg, tmp_path, None, force=True)
     # The enqueued default (depth 4) is the fake engine's best.
     assert best is not None and best.spec.method == "ngram" and best.spec.depth == 4
     assert best.provenance.storage == server.url  # no password in it: none was given
-    assert d.stored_best(study) == best
+    assert w.stored_best(study) == best
 
     out = tmp_path / "report"
     assert main(["report", "--storage", server.url, "--study", "rep", "--out", str(out)]) == 0
@@ -176,21 +172,21 @@ def test_credentials_never_on_the_command_line_and_masked(server, monkeypatch, c
     assert main(["report", "--storage", url_pw, "--study", "x"]) == 2
     assert secret not in capsys.readouterr().err
 
-    assert d.mask_url(url_pw) == server.url.replace("spectune@", "spectune:***@")
-    monkeypatch.delenv(d.STORAGE_ENV, raising=False)
+    assert st.mask_url(url_pw) == server.url.replace("spectune@", "spectune:***@")
+    monkeypatch.delenv(st.STORAGE_ENV, raising=False)
     with pytest.raises(UserError, match="SPECTUNE_STORAGE_URL"):
-        d.resolve_storage("env")
+        st.resolve_storage("env")
     # The whole URL (password included) from the environment: works, and is masked in best.yaml.
-    monkeypatch.setenv(d.STORAGE_ENV, server.url.replace("spectune@", f"spectune:{pg.PASSWORD}@"))
+    monkeypatch.setenv(st.STORAGE_ENV, server.url.replace("spectune@", f"spectune:{pg.PASSWORD}@"))
     monkeypatch.delenv("PGPASSWORD")
     cfg = load_config([*BASE, "search.storage=env", "search.study_name=envy", "search.n_trials=3",
                        f"run_dir={tmp_path}"])
-    url = d.resolve_storage("env")
-    d.create_shared_study(cfg, url, SearchSpace.from_config(cfg))
+    url = st.resolve_storage("env")
+    w.create_shared_study(cfg, url, SearchSpace.from_config(cfg))
     _workers(cfg, url, 1)
-    best = d.finalize(d.open_worker_study(cfg, url, "envy"), cfg, tmp_path, None, force=True)
+    best = w.finalize(w.open_worker_study(cfg, url, "envy"), cfg, tmp_path, None, force=True)
     assert best.provenance.storage == server.url.replace("spectune@", "spectune:***@")
-    stored = _study(url, "envy").user_attrs[d.CONFIG_ATTR]
+    stored = _study(url, "envy").user_attrs[w.CONFIG_ATTR]
     assert stored["search"]["storage"] == "env" and pg.PASSWORD not in repr(stored)
     assert storage_url(cfg.search, tmp_path) == url  # the single-machine flow resolves `env` the same way
     # A storage that cannot be opened: the error names it masked.
@@ -201,7 +197,7 @@ def test_credentials_never_on_the_command_line_and_masked(server, monkeypatch, c
 
 def test_user_errors(server, tmp_path: Path) -> None:
     with pytest.raises(UserError, match="shared by processes"):
-        d.check_shared(f"sqlite:///{tmp_path}/x.db", "search.workers=3")
+        st.check_shared(f"sqlite:///{tmp_path}/x.db", "search.workers=3")
     for storage in ([], [f"search.storage=sqlite:///{tmp_path}/x.db"]):  # before any run directory exists
         with pytest.raises(UserError, match="search.workers=3 needs a storage shared by processes"):
             load_config([*BASE, "search.workers=3", *storage])
@@ -220,3 +216,32 @@ def test_user_errors(server, tmp_path: Path) -> None:
     assert name == "c1" and cfg.engine.builtin.threads == 1 and cfg.model.name == "tiny-random"
     with pytest.raises(UserError, match="gave up after"):
         d.wait_for_study(server.url, "never", 0.5)
+
+
+def test_a_vllm_worker_measures_through_the_launcher(tmp_path: Path, monkeypatch) -> None:
+    """engine=vllm in the study's config: the worker launches the (fake) vLLM server per spec and
+    measures it over HTTP, exactly as a single-machine study does; it never loads the built-in engine."""
+    monkeypatch.setenv("FAKE_MODE", "ok")
+    monkeypatch.setenv("FAKE_RECORD", str(tmp_path / "record.jsonl"))
+    monkeypatch.setenv("FAKE_STARTUP_S", "0.2")
+    monkeypatch.setenv("FAKE_TOKEN_S", "0.002")
+    url = f"journal:{tmp_path / 'study.journal'}"
+    exe = fake_engine_exe(tmp_path)
+    study_args = [f"search.storage={url}", "search.study_name=v"]
+    assert main(["optimize", "--create-only", *BASE, *study_args, "engine=vllm", f"engine.vllm.executable={exe}",
+                 "search.n_trials=2", "workload.max_new_tokens=16"]) == 0
+
+    import engine.loop
+
+    monkeypatch.setattr(engine.loop.Engine, "from_config", None)  # loading the built-in engine would fail
+    run_dir = d.run_worker([*study_args, f"engine.vllm.port={free_port()}", f"run_dir={tmp_path}"], quiet=True)
+
+    trials = _study(url, "v").get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 2, [t.user_attrs.get("fail_reason") for t in trials]
+    starts = [json.loads(line)["argv"] for line in (tmp_path / "record.jsonl").read_text().splitlines()]
+    assert starts and all(a[0] == "serve" for a in starts)  # `vllm serve MODEL ...`
+    assert any("--speculative-config" in a for a in starts) and any("--speculative-config" not in a for a in starts)
+    spec = next(t for t in trials if t.user_attrs["spec_method"] != "off")
+    assert spec.user_attrs["server_starts"] >= 1
+    assert spec.user_attrs["speedup"] > 1.3  # the fake serves twice as fast with speculation
+    assert (run_dir / "best.yaml").is_file() and any((run_dir / "servers").iterdir())

@@ -18,11 +18,13 @@ import yaml
 from optuna.trial import TrialState
 
 import pg
-from tuner import distributed as d
+from tuner import storage as st
+from tuner import workers as w
 from tuner.cli import main
 from tuner.config import load_config
 from tuner.schema import BestResult
 from tuner.space import SearchSpace
+from tuner.study import WORKER
 
 # Small: a trial is a few seconds; one intra-op thread per worker so three share two cores fairly.
 SMALL = ["model=tiny-random", "+workload=code", "search=quick", "workload.num_prompts=2", "workload.num_heldout=1",
@@ -31,7 +33,7 @@ TIMEOUT_S = 420
 
 
 def _trials(url: str, name: str) -> list[optuna.trial.FrozenTrial]:
-    storage = d.open_storage(url)
+    storage = st.open_storage(url)
     if name not in optuna.study.get_all_study_names(storage):
         return []
     return optuna.load_study(study_name=name, storage=storage).get_trials()
@@ -42,7 +44,7 @@ def _kill_mid_trial(url: str, name: str, pids: set[int], procs: list[subprocess.
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
         for t in _trials(url, name):
-            pid = int(str(t.user_attrs.get(d.WORKER, ":0")).rsplit(":", 1)[1])
+            pid = int(str(t.user_attrs.get(WORKER, ":0")).rsplit(":", 1)[1])
             if t.state == TrialState.RUNNING and pid in pids:
                 os.kill(pid, signal.SIGKILL)
                 return t.number
@@ -62,7 +64,7 @@ def _check_study(trials: list[optuna.trial.FrozenTrial], budget: int, killed: in
     roles = Counter(t.user_attrs.get("role", "search") for t in started)
     assert roles["baseline"] == 1 and roles["default"] == 1  # enqueued once, run once
     assert sum(1 for t in started if t.user_attrs.get("spec") == "off") == 1
-    assert len({t.user_attrs[d.WORKER] for t in started}) >= 2  # the study was shared
+    assert len({t.user_attrs[WORKER] for t in started}) >= 2  # the study was shared
 
 
 @pytest.mark.timeout(TIMEOUT_S + 60)
@@ -88,7 +90,7 @@ def test_three_workers_share_a_postgres_study_and_survive_a_kill(tmp_path: Path)
             _check_study(_trials(server.url, "e2e"), budget, killed)
 
             # One surviving worker re-measured the winner on the held-out prompts and stored it.
-            stored = optuna.load_study(study_name="e2e", storage=server.url).user_attrs[d.BEST_ATTR]
+            stored = optuna.load_study(study_name="e2e", storage=server.url).user_attrs[w.BEST_ATTR]
             assert BestResult.model_validate(stored).heldout is not None
             finalizers = [i for i in range(3) if (tmp_path / f"w{i}" / "e2e" / "best.yaml").is_file()]
             assert len(finalizers) == 1
@@ -124,7 +126,7 @@ def test_local_workers_over_a_journal_file_survive_a_kill(tmp_path: Path) -> Non
         killed = None
         while killed is None and time.monotonic() < deadline:
             for t in _trials(url, "j"):
-                pid = int(str(t.user_attrs.get(d.WORKER, ":0")).rsplit(":", 1)[1])
+                pid = int(str(t.user_attrs.get(WORKER, ":0")).rsplit(":", 1)[1])
                 if t.state == TrialState.RUNNING and pid not in (0, parent.pid):
                     os.kill(pid, signal.SIGKILL)
                     killed = t.number
@@ -145,6 +147,6 @@ def test_local_workers_over_a_journal_file_survive_a_kill(tmp_path: Path) -> Non
     assert all(v == 1 for v in specs.values()), specs  # each grid point exactly once
     assert {t.number for t in trials if t.state == TrialState.FAIL} == {killed}
     assert "no heartbeat" in {t.number: t for t in trials}[killed].user_attrs["fail_reason"]
-    assert len({t.user_attrs[d.WORKER] for t in trials}) >= 2
+    assert len({t.user_attrs[WORKER] for t in trials}) >= 2
     for f in ("config.yaml", "best.yaml", "trials.csv", "report.html", "k8s/kustomization.yaml"):
         assert (run_dir / f).is_file(), f

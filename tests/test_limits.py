@@ -16,7 +16,7 @@ import pytest
 from optuna.trial import TrialState
 
 from tuner.cli import main
-from tuner.cli_optimize import open_run_study
+from tuner.rundir import open_run_study
 from tuner.config import load_config
 from tuner.limits import TrialClock, TrialTimeout, fits_or_refuse, startup_excluded, trial_work
 from tuner.objective import Objective, Sample

@@ -17,7 +17,7 @@ import yaml
 from optuna.trial import TrialState
 
 from tuner.cli import main
-from tuner.cli_optimize import open_run_study
+from tuner.rundir import open_run_study
 from tuner.config import load_config
 from tuner.optimize import optimize
 from tuner.schema import BestResult, SpecConfig
@@ -81,7 +81,7 @@ def test_quick_study_end_to_end(tmp_path: Path, engine, capsys) -> None:
 
 def test_winner_is_off_when_speculation_cannot_help(tmp_path: Path, engine) -> None:
     # A random model's drafts are essentially never accepted: n-gram lookup over its random output,
-    # and an EAGLE head trained for a few steps on it (engine.train, cached per target and workload).
+    # and an EAGLE head trained for a few steps on it (engine.heads, cached per target and workload).
     run_dir = _run(tmp_path, engine, "search.methods=[ngram,eagle]", "search.n_trials=7", "train.prompts=4",
                    "train.steps=5", "train.max_new_tokens=16")
     study = open_run_study(run_dir)
@@ -110,7 +110,15 @@ def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path: Path, engin
 
 
 def test_a_trial_past_its_time_limit_fails_and_the_winner_is_off(tmp_path: Path, engine) -> None:
-    run_dir = _run(tmp_path, engine, "search.trial_timeout_s=0.05", "search.n_trials=2")
+    # A measurement slower than the limit (a search that fits is checked before the first trial
+    # only when optimize builds its own measure: tests/test_limits.py).
+    def slow(spec: SpecConfig, split: str, concurrency: int):
+        from tuner.objective import Sample
+
+        time.sleep(0.5)
+        return Sample(10.0, tau=1.0)
+
+    run_dir = _run(tmp_path, engine, "search.trial_timeout_s=0.05", "search.n_trials=2", measure=slow)
     study = open_run_study(run_dir)
     assert [t.state for t in study.trials] == [TrialState.FAIL, TrialState.FAIL]
     assert all("exceeded search.trial_timeout_s=0.05" in t.user_attrs["fail_reason"] for t in study.trials)
@@ -201,7 +209,7 @@ def test_trials_measured_over_http_like_a_launched_server(tmp_path: Path, engine
     # served engine's spec instead of restarting a process.
     from engine.server import serve_in_thread
     from engine.workloads import load_prompts
-    from tuner.optimize import make_launched_measure
+    from tuner.measure import make_launched_measure
 
     cfg = load_config(SMALL)
     url, stop = serve_in_thread(cfg, engine)

@@ -10,9 +10,10 @@ from optuna.distributions import IntDistribution
 from optuna.trial import TrialState, create_trial
 
 from tuner.config import load_config
-from tuner.optimize import pick_winner
+from tuner.winner import pick_winner
 from tuner.schema import SpecConfig, UserError
-from tuner.study import FAIL_REASON, ROLE, HopelessPruner, load_study, open_storage, storage_url
+from tuner.storage import open_storage, storage_url
+from tuner.study import FAIL_REASON, ROLE, HopelessPruner, load_study
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 NOISE = 0.05
@@ -154,7 +155,7 @@ def test_a_launched_server_is_measured_serving_first_so_two_repeats_restart_it_t
     # the server already runs first (the order still alternating between repeats) saves one restart
     # per trial; the start-ups are recorded on the trial, outside every measurement.
     from tuner.objective import Objective, Sample
-    from tuner.optimize import make_launched_measure
+    from tuner.measure import make_launched_measure
     from tuner.space import SearchSpace
     from tuner.study import create_study
 

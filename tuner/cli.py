@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 COMMAND_MODULES: list[str] = [
     "tuner.cli_deploy",
     "tuner.cli_bench",
+    "tuner.cli_serve",
     "tuner.cli_optimize",
     "tuner.cli_train",
     "tuner.cli_distributed",

@@ -1,13 +1,11 @@
-"""`tuner bench` (measure the configured engine and spec on a workload) and `tuner serve` (the
-built-in engine behind an OpenAI-compatible HTTP server). Both are thin over engine.runner and
-engine.server; `bench()` is the library function the command prints.
+"""`tuner bench`: measure the configured engine and spec on a workload, thin over engine.runner
+and the study's targets (tuner.measure); `bench()` is the library function the command prints.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -19,9 +17,10 @@ OFF = SpecConfig(method="off")
 
 @contextmanager
 def _targets(cfg: Config, url: str | None = None, model: str | None = None) -> Iterator[Callable[[SpecConfig], Any]]:
-    """Yields target_for(spec) -> a runner Target serving that spec (one engine or server reused).
-    With `url`, every spec is the endpoint's own: nothing is started."""
-    from engine.runner import HttpTarget, InProcessTarget
+    """Yields target_for(spec) -> a load-generator target serving that spec (one engine or server
+    reused, as in a study). With `url`, every spec is the endpoint's own: nothing is started."""
+    from engine.runner import HttpTarget
+    from tuner.measure import LAUNCHED, engine_target_for, open_engine, server_target_for
 
     assert cfg.workload is not None
     chat = cfg.workload.chat_template
@@ -29,29 +28,19 @@ def _targets(cfg: Config, url: str | None = None, model: str | None = None) -> I
         served = model or cfg.model.name
         yield lambda _spec: HttpTarget(url, served, chat)
         return
-    if cfg.engine.kind == "builtin":
-        from engine.loop import Engine
-
-        engine = Engine.from_config(cfg)
-
-        def inproc(spec: SpecConfig) -> InProcessTarget:
-            engine.set_spec(spec)
-            return InProcessTarget(engine, chat)
-
-        yield inproc
+    if cfg.engine.kind not in LAUNCHED:
+        yield engine_target_for(open_engine(cfg), chat)
         return
-    try:
-        from engine.launch import EngineStartError, Launcher
-    except ImportError:
-        raise UserError(f"engine={cfg.engine.kind}: this build benches engine=builtin only (no launcher)") from None
-    with Launcher.from_config(cfg) as launcher:
+    from engine.launch import EngineStartError, Launcher
 
-        def launched(spec: SpecConfig) -> HttpTarget:
+    with Launcher.from_config(cfg) as launcher:
+        target_for = server_target_for(launcher, chat)
+
+        def launched(spec: SpecConfig) -> Any:
             try:
-                url = launcher.ensure(spec)
+                return target_for(spec)
             except EngineStartError as exc:
                 raise UserError(f"engine={cfg.engine.kind} did not start: {exc}") from None
-            return HttpTarget(url, launcher.model, chat)
 
         yield launched
 
@@ -176,38 +165,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
-    from tuner.config import load_config
-
-    cfg = load_config(args.overrides)
-    if cfg.engine.kind != "builtin":
-        raise UserError(f"engine={cfg.engine.kind}: `tuner serve` runs the built-in engine only (engine=builtin); "
-                        "vLLM and SGLang serve themselves (see `tuner render`)")
-    host, port = cfg.serve.host, cfg.serve.port
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            raise UserError(f"serve.host/serve.port: cannot listen on {host}:{port} ({exc.strerror})") from None
-    from engine.loop import Engine
-    from engine.server import serve
-
-    engine = Engine.from_config(cfg)
-    engine.set_spec(cfg.spec)
-    print(f"serving {cfg.model.name} (spec {cfg.spec.key()}) on http://{host}:{port}/v1 "
-          f"(metrics: /metrics, health: /health)", flush=True)
-    serve(cfg, engine)
-    return 0
-
-
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add `bench` and `serve` to the tuner CLI."""
+    """Add `bench` to the tuner CLI."""
     b = sub.add_parser("bench", help="measure the configured engine and spec on a workload (rich table or --json)")
     b.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. spec.depth=6 bench.baseline=true +workload=code")
     b.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     b.add_argument("--url", help="measure this running OpenAI-compatible endpoint instead of starting an engine")
     b.add_argument("--model", help="with --url: the model name to request (default: the first in /v1/models)")
     b.set_defaults(func=_cmd_bench)
-    s = sub.add_parser("serve", help="serve the built-in engine with the configured spec (OpenAI-compatible API)")
-    s.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. serve.port=8001 spec.method=ngram")
-    s.set_defaults(func=_cmd_serve)

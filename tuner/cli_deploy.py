@@ -4,64 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-from tuner.schema import BestResult, Config, UserError
-
-if TYPE_CHECKING:
-    from deploy.manifests import Plan
-
-
-def _override_key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
-
-
-def _get(d: dict, path: list[str]) -> Any:
-    for p in path:
-        if not isinstance(d, dict) or p not in d:
-            raise KeyError(p)
-        d = d[p]
-    return d
-
-
-def config_for_run(run_dir: Path, overrides: Sequence[str]) -> Config:
-    """The run's saved config with command-line overrides applied on top.
-
-    Hydra composes the overrides on the default tree; each overridden key (or whole group, for
-    `deploy=sglang`) is then copied from that composition onto the run's saved config.
-    """
-    import yaml
-
-    from tuner.config import compose, validate
-
-    path = run_dir / "config.yaml"
-    if not path.is_file():
-        raise UserError(f"{path}: no such file (tuner render --from takes a run directory of `tuner optimize`)")
-    saved = yaml.safe_load(path.read_text())
-    composed = compose(list(overrides)) if overrides else {}
-    for ov in overrides:
-        keys = _override_key(ov).split(".")
-        parent = saved
-        for key in keys[:-1]:
-            if not isinstance(parent.get(key), dict):
-                parent[key] = {}
-            parent = parent[key]
-        try:
-            parent[keys[-1]] = _get(composed, keys)
-        except KeyError:
-            parent.pop(keys[-1], None)  # `~key` deleted it
-    return validate(saved)
-
-
-def render_run(run_dir: Path, overrides: Sequence[str] = (), out: Path | None = None) -> tuple[Plan, list[Path]]:
-    """Render a run's best.yaml into RUN_DIR/k8s (or `out`); what `tuner optimize` calls at its end."""
-    from deploy.render import load_best, render
-
-    cfg = config_for_run(run_dir, list(overrides))
-    best: BestResult = load_best(run_dir / "best.yaml")
-    return render(cfg, best, out or run_dir / "k8s")
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
@@ -78,6 +21,8 @@ def _cmd_render(args: argparse.Namespace) -> int:
         print(f"{args.check}: all manifests valid for Kubernetes {version} (strict)")
         return 0
     if args.run_dir is not None:
+        from tuner.rundir import render_run
+
         plan, files = render_run(args.run_dir, args.overrides, args.out)
     else:
         from deploy.render import render

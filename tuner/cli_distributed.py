@@ -49,7 +49,8 @@ def _cmd_render_tuner(args: argparse.Namespace) -> int:
 
 
 def _cmd_wait_storage(args: argparse.Namespace) -> int:
-    from tuner.distributed import mask_url, reject_password, resolve_storage, wait_for_study
+    from tuner.distributed import wait_for_study
+    from tuner.storage import mask_url, reject_password, resolve_storage
 
     reject_password(args.storage)
     url = resolve_storage(args.storage)

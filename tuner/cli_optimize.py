@@ -11,15 +11,9 @@ from pathlib import Path
 from tuner.schema import UserError
 
 
-def _run_dir(path: str) -> Path:
-    d = Path(path)
-    if not (d / "config.yaml").is_file():
-        raise UserError(f"{d}: not a run directory (no config.yaml); give the directory `tuner optimize` printed")
-    return d
-
-
 def _cmd_optimize(args: argparse.Namespace) -> int:
     from tuner.optimize import optimize
+    from tuner.rundir import run_dir_of
 
     if args.worker or args.create_only:  # distributed studies (tuner.distributed)
         from tuner import distributed
@@ -31,27 +25,13 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
         else:
             distributed.run_worker(args.overrides, quiet=args.quiet)
         return 0
-    optimize(args.overrides, resume=_run_dir(args.resume) if args.resume else None, quiet=args.quiet)
+    optimize(args.overrides, resume=run_dir_of(args.resume) if args.resume else None, quiet=args.quiet)
     return 0
-
-
-def open_run_study(run_dir: Path):  # -> optuna.Study
-    """The study of a run directory, read from the storage its config.yaml names."""
-    import optuna
-
-    from tuner.config import load_saved_config
-    from tuner.study import open_storage, storage_url
-
-    cfg = load_saved_config(run_dir / "config.yaml")
-    url = storage_url(cfg.search, run_dir)
-    try:
-        return optuna.load_study(study_name=cfg.search.study_name, storage=open_storage(url))
-    except KeyError:
-        raise UserError(f"{run_dir}: no study named {cfg.search.study_name!r} in {url}") from None
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from tuner.report import write_report
+    from tuner.rundir import open_run_study, run_dir_of
 
     if args.storage or args.study:  # a shared study, read from its storage (tuner.distributed)
         from tuner.distributed import report_from_storage
@@ -62,7 +42,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
         return 0
     if args.run_dir is None:
         raise UserError("tuner report takes RUN_DIR, or --storage URL with --study NAME")
-    run_dir = _run_dir(args.run_dir)
+    run_dir = run_dir_of(args.run_dir)
     from tuner.distributed import is_distributed_run, report_from_storage
 
     if is_distributed_run(run_dir):  # a worker's run dir: best.yaml and manifests from the shared study
@@ -78,9 +58,10 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def _cmd_dashboard(args: argparse.Namespace) -> int:
     from tuner.config import load_saved_config
-    from tuner.study import storage_url
+    from tuner.rundir import run_dir_of
+    from tuner.storage import storage_url
 
-    run_dir = _run_dir(args.run_dir)
+    run_dir = run_dir_of(args.run_dir)
     url = storage_url(load_saved_config(run_dir / "config.yaml").search, run_dir)
     exe = shutil.which("optuna-dashboard") or str(Path(sys.executable).parent / "optuna-dashboard")
     if not Path(exe).exists():

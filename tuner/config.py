@@ -14,9 +14,12 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from tuner.schema import Config, UserError
+from tuner.schema import Config, UserError, WorkloadConfig
 
 GROUPS = ("model", "hardware", "engine", "search", "deploy", "workload")
+# Diversity sources of head training in a fixed order (prompt selection depends on it, and so does
+# the data cache key): the packaged workloads first, then any others found in conf/workload.
+WORKLOAD_ORDER = ("code", "chat", "math", "json", "creative")
 
 
 def conf_dir() -> Path:
@@ -133,3 +136,50 @@ def load_saved_config(path: Path) -> Config:
     if not path.is_file():
         raise UserError(f"{path}: no such config file")
     return validate(yaml.safe_load(path.read_text()))
+
+
+def _override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _get(d: dict, path: list[str]) -> Any:
+    for p in path:
+        if not isinstance(d, dict) or p not in d:
+            raise KeyError(p)
+        d = d[p]
+    return d
+
+
+def apply_overrides(saved: dict[str, Any], overrides: list[str]) -> Config:
+    """A saved config (a dict, e.g. a run's config.yaml) with command-line overrides on top.
+
+    Hydra composes the overrides on the default tree; each overridden key (or whole group, for
+    `deploy=sglang`) is then copied from that composition onto the saved config.
+    """
+    # Compose on the saved engine's option: engine.vllm.* exists only under engine=vllm.
+    given = {_override_key(o) for o in overrides}
+    kind = (saved.get("engine") or {}).get("kind")
+    base = [f"engine={kind}"] if kind and "engine" not in given and any(k.startswith("engine.") for k in given) else []
+    composed = compose([*base, *overrides]) if overrides else {}
+    for ov in overrides:
+        keys = _override_key(ov).split(".")
+        parent = saved
+        for key in keys[:-1]:
+            if not isinstance(parent.get(key), dict):
+                parent[key] = {}
+            parent = parent[key]
+        try:
+            parent[keys[-1]] = _get(composed, keys)
+        except KeyError:
+            parent.pop(keys[-1], None)  # `~key` deleted it
+    return validate(saved)
+
+
+def packaged_workloads(cfg: Config) -> list[WorkloadConfig]:
+    """Every packaged workload other than cfg's: diversity prompts for head training, and held-out
+    sets to exclude from its data."""
+    own = cfg.workload.name if cfg.workload else None
+    names = [n for n in WORKLOAD_ORDER if n in available("workload")]
+    names += [n for n in available("workload") if n not in WORKLOAD_ORDER]
+    return [w for w in (load_config([f"+workload={name}"]).workload for name in names)
+            if w is not None and w.name != own]

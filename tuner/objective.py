@@ -13,19 +13,18 @@ reason in the `fail_reason` user attr.
 from __future__ import annotations
 
 import math
-import signal
 import statistics
-import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import optuna
 from optuna.trial import TrialState
 
+from engine.stats import mean_ci, tight
+from tuner.limits import TrialClock, TrialTimeout, active_clock, next_repeat_fits
 from tuner.schema import SpecConfig, WorkloadConfig
 from tuner.space import SearchSpace
 from tuner.study import FAIL_REASON, role
@@ -48,46 +47,6 @@ class Sample:
 # A MeasureFn over a launched server may also carry `serving(spec) -> bool` (is that server up now?)
 # and `startups() -> (starts, seconds)` (cumulative server start-ups), both optional.
 MeasureFn = Callable[[SpecConfig, str, int], Sample]
-
-
-class TrialTimeout(BaseException):
-    """The trial ran past search.trial_timeout_s. A BaseException (like KeyboardInterrupt) so that the
-    load generator, which records an Exception as one failed request and goes on, lets it through."""
-
-
-@contextmanager
-def deadline(seconds: float) -> Iterator[None]:
-    """Raise TrialTimeout in the main thread after `seconds` (elsewhere: checked between repeats)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def _fire(signum: int, frame: Any) -> None:
-        raise TrialTimeout(f"exceeded search.trial_timeout_s={seconds:g}")
-
-    old = signal.signal(signal.SIGALRM, _fire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
-def t_quantile(n: int) -> float:
-    """Two-sided 95% Student-t quantile for n samples (n >= 2)."""
-    from scipy.stats import t
-
-    return float(t.ppf(0.975, n - 1))
-
-
-def mean_ci(xs: list[float]) -> tuple[float, float | None, float | None]:
-    """Mean and 95% confidence interval (None with fewer than two samples)."""
-    m = statistics.fmean(xs)
-    if len(xs) < 2:
-        return m, None, None
-    half = t_quantile(len(xs)) * statistics.stdev(xs) / math.sqrt(len(xs))
-    return m, m - half, m + half
 
 
 def _geomean(xs: list[float]) -> float:
@@ -164,6 +123,8 @@ class Objective:
         startups = getattr(self.measure, "startups", None)
         starts0, startup0 = startups() if startups is not None else (0, 0.0)
         for r in range(repeats_max):
+            clock = active_clock()  # the trial's measuring clock (none for the held-out check)
+            repeat_t0 = clock.elapsed() if clock is not None else 0.0
             if is_off:  # the baseline itself: one measurement per repeat, speedup 1 by definition
                 s = self._at_levels(OFF, split)
                 b = s
@@ -189,15 +150,17 @@ class Objective:
             # Pruning is single-objective only in Optuna; the study's pruner is HopelessPruner.
             if trial is not None and not self.multi and not is_off and trial.should_prune():
                 raise optuna.TrialPruned(f"hopeless after {r + 1} repeat(s): speedup {ratios[-1]:.3f}")
-            if time.monotonic() - started > self.search.trial_timeout_s:
-                raise TrialTimeout(f"exceeded search.trial_timeout_s={self.search.trial_timeout_s:g}")
+            if clock is not None:
+                clock.check()  # threads without SIGALRM
+                # Size the repeats to the limit: stop (complete) when one more would not fit.
+                if not next_repeat_fits(clock.elapsed() - repeat_t0):
+                    if trial is not None:
+                        trial.set_user_attr("repeats_cut", f"search.trial_timeout_s={self.search.trial_timeout_s:g}")
+                    break
         return figures
 
     def _tight(self, xs: list[float]) -> bool:
-        m, lo, hi = mean_ci(xs)
-        if lo is None or hi is None:
-            return False
-        return (hi - lo) / 2 / m <= self.search.ci_rel_width
+        return tight(xs, self.search.ci_rel_width)
 
     def _figures(self, spec_s: list[list[Sample]], base_s: list[list[Sample]], ratios: list[float]) -> dict[str, Any]:
         tok = [statistics.fmean(x.tok_s for x in s) for s in spec_s]
@@ -229,7 +192,7 @@ class Objective:
         started = time.monotonic()
         spec = OFF
         try:
-            with deadline(self.search.trial_timeout_s):
+            with TrialClock(self.search.trial_timeout_s):
                 if role(trial) != "baseline":
                     spec = self.space.suggest(trial)
                 record_spec(trial, spec)

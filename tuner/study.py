@@ -1,26 +1,29 @@
-"""The Optuna study: storage, sampler, creation (baseline and known defaults first) and resume.
-
-Storage (`search.storage`): None is an SQLite file `study.db` in the run directory; any
-SQLAlchemy URL (`postgresql://...`) is used as is; `journal:PATH` is a journal file (PATH
-relative to the run directory unless absolute), the storage to share between processes on NFS.
+"""The Optuna study: sampler, pruner, creation (baseline and known defaults first), resume, the
+budget rule and the one stale-trial sweep. Where the study lives is tuner.storage's business.
 """
 
 from __future__ import annotations
 
+import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import optuna
-from optuna.trial import TrialState
+from optuna.exceptions import UpdateFinishedTrialError
+from optuna.trial import FrozenTrial, TrialState
 
 from tuner.schema import Config, SearchConfig, UserError
 from tuner.space import SearchSpace
+from tuner.storage import open_storage, storage_url
 
-DB_FILE = "study.db"
 ROLE = "role"  # user attr naming why a trial exists: baseline | default | grid | search
 FAIL_REASON = "fail_reason"
+HEARTBEAT = "heartbeat"  # trial user attr: unix time of its worker's last sign of life
+WORKER = "worker"  # trial user attr: host:pid of the worker that runs the trial
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 METRICS = ["output_tok_s"]
 METRICS_MULTI = ["output_tok_s", "tpot_p99_ms"]
@@ -43,42 +46,6 @@ class HopelessPruner(optuna.pruners.BasePruner):
                     if t.value is not None), default=0.0)
         bar = max(ref or 0.0, best)
         return bar > 0 and now < bar * (1 - 2 * self.noise_rel)
-
-
-def storage_url(search: SearchConfig, run_dir: Path) -> str:
-    """The storage as one string (recorded in best.yaml's provenance)."""
-    if search.storage is None:
-        return f"sqlite:///{(run_dir / DB_FILE).resolve()}"
-    if search.storage.startswith("journal:"):
-        path = Path(search.storage[len("journal:"):])
-        return f"journal:{path if path.is_absolute() else (run_dir / path).resolve()}"
-    if search.storage == "env":  # the whole URL from SPECTUNE_STORAGE_URL (mask it before showing it)
-        from tuner.distributed import resolve_storage
-
-        return resolve_storage("env")
-    return search.storage
-
-
-def open_storage(url: str) -> optuna.storages.BaseStorage:
-    """An Optuna storage for a `storage_url` string; one line naming the cause when it cannot open."""
-    try:
-        if url.startswith("journal:"):
-            from optuna.storages.journal import JournalFileBackend
-
-            path = Path(url[len("journal:"):])
-            path.parent.mkdir(parents=True, exist_ok=True)
-            return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
-        if url.startswith("sqlite:///"):
-            Path(url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
-        return optuna.storages.RDBStorage(url)
-    except Exception as exc:  # SQLAlchemy raises many types (bad URL, missing driver, refused connection)
-        from tuner.distributed import mask_url
-
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(
-            f"search.storage={mask_url(url)!r} cannot be opened ({first}); allowed: null (SQLite in the run dir), "
-            "an SQLAlchemy URL, journal:PATH, env (SPECTUNE_STORAGE_URL)"
-        ) from None
 
 
 def make_pruner(search: SearchConfig) -> optuna.pruners.BasePruner:
@@ -149,29 +116,91 @@ def load_study(cfg: Config, run_dir: Path, name: str) -> optuna.Study:
                                   pruner=make_pruner(cfg.search))
     except KeyError:
         raise UserError(f"{run_dir}: no study named {name!r} in {storage_url(cfg.search, run_dir)}") from None
-    fail_stale_trials(study, storage)
+    sweep_stale(study, 0.0, why=_interrupted)
     return study
 
 
-def fail_stale_trials(study: optuna.Study, storage: optuna.storages.BaseStorage) -> list[int]:
-    """Mark RUNNING trials FAIL (their process is gone: ask/tell has no heartbeat). Returns their numbers."""
-    stale = []
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        # FrozenTrial.set_user_attr would only change a local copy: write through the storage.
-        storage.set_trial_user_attr(t._trial_id, FAIL_REASON, "interrupted: the process stopped during this trial")
-        storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
-        stale.append(t.number)
-    return stale
+def last_sign_of_life(t: FrozenTrial) -> float:
+    """Unix time of a running trial's last heartbeat (its start before the first one)."""
+    beat = t.user_attrs.get(HEARTBEAT)
+    if beat is not None:
+        return float(beat)
+    return t.datetime_start.timestamp() if t.datetime_start is not None else time.time()
+
+
+def _lost_worker(t: FrozenTrial, age_s: float, grace_s: float) -> str:
+    return (f"worker {t.user_attrs.get(WORKER, '?')} lost: no heartbeat for {age_s:.0f} s "
+            f"(search.heartbeat_grace_s={grace_s:g})")
+
+
+def sweep_stale(study: optuna.Study, grace_s: float, trials: list[FrozenTrial] | None = None,
+                why: Callable[[FrozenTrial, float, float], str] = _lost_worker) -> list[int]:
+    """Mark FAIL every RUNNING trial (of `trials`, default: the study's) without a sign of life for
+    more than `grace_s` seconds, with `why(trial, age_s, grace_s)` as its fail reason; their numbers.
+
+    The one sweep: shared studies run it with the heartbeat grace period (a worker killed
+    mid-trial leaves no trial RUNNING forever); a resumed single-process study with 0 (its
+    process is gone, so is every trial it was running).
+    """
+    now = time.time()
+    storage = study._storage  # FrozenTrial.set_user_attr would only change a local copy
+    swept = []
+    if trials is None:
+        trials = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    for t in trials:
+        if t.state != TrialState.RUNNING:
+            continue
+        age = now - last_sign_of_life(t)
+        if age < grace_s:
+            continue
+        try:
+            storage.set_trial_user_attr(t._trial_id, FAIL_REASON, why(t, age, grace_s))
+            storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+        except UpdateFinishedTrialError:
+            continue  # its worker told it, or another worker swept it, just now
+        swept.append(t.number)
+    return swept
+
+
+def _interrupted(t: FrozenTrial, age_s: float, grace_s: float) -> str:
+    return "interrupted: the process stopped during this trial"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """When a study has run its trials: `search.n_trials` of them counted, or (grid) no enqueued
+    point left. One process counts `finished` trials (it asks only after the last one was told);
+    workers sharing a study count `started` ones, so a trial another worker is running already
+    holds its share of the budget."""
+
+    n_trials: int
+    grid: bool = False
+    count: Literal["finished", "started"] = "finished"
+
+    @classmethod
+    def of(cls, search: SearchConfig, count: Literal["finished", "started"] = "finished") -> "Budget":
+        return cls(search.n_trials, search.sampler == "grid", count)
+
+    def used(self, trials: list[FrozenTrial]) -> int:
+        if self.count == "finished":
+            return sum(1 for t in trials if t.state in FINISHED)
+        return sum(1 for t in trials if t.state != TrialState.WAITING)
+
+    def spent(self, trials: list[FrozenTrial]) -> bool:
+        waiting = sum(1 for t in trials if t.state == TrialState.WAITING)
+        return self.used(trials) >= self.n_trials or (self.grid and waiting == 0)
+
+    def total(self, trials: list[FrozenTrial]) -> int:
+        """The trials this study will have run when the budget is spent (the progress bar's end)."""
+        if not self.grid:
+            return self.n_trials
+        waiting = sum(1 for t in trials if t.state == TrialState.WAITING)
+        return min(self.n_trials, self.used(trials) + waiting)
 
 
 def finished_count(study: optuna.Study) -> int:
     """Trials that count against `search.n_trials` (complete, pruned or failed)."""
     return len(study.get_trials(deepcopy=False, states=FINISHED))
-
-
-def waiting_count(study: optuna.Study) -> int:
-    """Enqueued trials not yet run."""
-    return len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
 
 
 def role(trial: Any) -> str:

@@ -1,0 +1,138 @@
+"""What a study measures with: its prompts, the draft it needs, and the MeasureFn over the
+built-in engine (in this process) or over a launched vLLM / SGLang server (HTTP).
+
+Both go through the one load generator (engine.runner), so a trial's figures mean the same on
+every engine. A launched server is restarted only when its flags change, and its start-up is
+never part of a measurement (it runs outside the trial's clock, tuner.limits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from tuner.config import packaged_workloads
+from tuner.limits import startup_excluded
+from tuner.objective import MeasureFn, Sample
+from tuner.schema import Config, SpecConfig
+
+LAUNCHED = ("vllm", "sglang")
+HEAD_METHODS = ("eagle", "eagle3", "medusa")  # methods whose drafter is a trained head
+
+
+def study_prompts(cfg: Config) -> dict[str, list[Any]]:
+    """The prompts a study measures: the first search.trial_prompts tuning prompts (all when
+    null) for trials, every held-out prompt for the winner's re-measurement."""
+    from engine.workloads import load_prompts
+
+    return {"tune": load_prompts(cfg.workload, "tune")[: cfg.search.trial_prompts],
+            "heldout": load_prompts(cfg.workload, "heldout")}
+
+
+def open_engine(cfg: Config) -> Any:
+    """The built-in engine with the target model loaded (once per process)."""
+    from engine.loop import Engine
+
+    return Engine.from_config(cfg)
+
+
+def engine_target_for(engine: Any, chat_template: bool) -> Callable[[SpecConfig], Any]:
+    """target_for(spec): the built-in engine switched to `spec` (only when it changes), as a
+    load-generator target."""
+    from engine.runner import InProcessTarget
+
+    target = InProcessTarget(engine, chat_template=chat_template)
+    current: list[SpecConfig | None] = [None]
+
+    def target_for(spec: SpecConfig) -> Any:
+        if current[0] != spec:
+            current[0] = None  # a failing set_spec must not leave a stale 'current'
+            engine.set_spec(spec)
+            current[0] = spec
+        return target
+
+    return target_for
+
+
+def server_target_for(launcher: Any, chat_template: bool) -> Callable[[SpecConfig], Any]:
+    """target_for(spec): the launched server serving `spec` (restarted when its flags change, the
+    start-up outside the trial's clock), as a load-generator target over HTTP."""
+    from engine.runner import HttpTarget
+
+    def target_for(spec: SpecConfig) -> Any:
+        with startup_excluded():  # bounded by engine.<kind>.startup_timeout_s, not the trial's limit
+            url = launcher.ensure(spec)
+        return HttpTarget(url, launcher.model, chat_template)
+
+    return target_for
+
+
+def measure_over(target_for: Callable[[SpecConfig], Any], cfg: Config, prompts: dict[str, list[Any]]) -> MeasureFn:
+    """The MeasureFn that plays `prompts[split]` against target_for(spec) with the workload's
+    sampling; a configuration that breaks requests raises (its trial fails)."""
+    from engine.workloads import sampling_params
+
+    params = sampling_params(cfg.workload, seed=cfg.seed)
+
+    def measure(spec: SpecConfig, split: str, concurrency: int) -> Sample:
+        m = target_for(spec).run(prompts[split], params, concurrency)
+        if m.errors:  # a configuration that breaks requests is no candidate
+            raise RuntimeError(f"{len(m.errors)}/{len(prompts[split])} requests failed; first: {m.errors[0]}")
+        return Sample(m.output_tokens_per_s, m.tau, m.ttft_p99_ms, m.tpot_p99_ms)
+
+    return measure
+
+
+def make_measure(engine: Any, cfg: Config, prompts: dict[str, list[Any]]) -> MeasureFn:
+    """A MeasureFn over the built-in engine in this process."""
+    return measure_over(engine_target_for(engine, cfg.workload.chat_template), cfg, prompts)
+
+
+def make_launched_measure(launcher: Any, cfg: Config, prompts: dict[str, list[Any]]) -> MeasureFn:
+    """A MeasureFn over a launched vLLM / SGLang server (engine.launch.Launcher)."""
+    measure = measure_over(server_target_for(launcher, cfg.workload.chat_template), cfg, prompts)
+    # A restart costs far more than a measurement: the objective measures the served spec first.
+    measure.serving = getattr(launcher, "serves", None)  # type: ignore[attr-defined]
+    measure.startups = lambda: (getattr(launcher, "starts", 0), getattr(launcher, "total_startup_s", 0.0))  # type: ignore[attr-defined]
+    return measure
+
+
+@contextmanager
+def study_measure(cfg: Config, engine: Any, prompts: dict[str, list[Any]], run_dir: Path) -> Iterator[MeasureFn]:
+    """The MeasureFn of a study on cfg.engine: a launched server for engine=vllm/sglang (stopped
+    on leaving; its logs in RUN_DIR/servers), else the given built-in engine."""
+    if cfg.engine.kind in LAUNCHED:
+        from engine.launch import Launcher
+
+        with Launcher.from_config(cfg, log_dir=run_dir / "servers") as launcher:
+            yield make_launched_measure(launcher, cfg, prompts)
+        return
+    yield make_measure(engine, cfg, prompts)
+
+
+def needs_head(cfg: Config) -> bool:
+    """Whether the searched methods need a trained draft head."""
+    return any(m in HEAD_METHODS for m in cfg.search.methods)
+
+
+def get_draft(cfg: Config, engine: Any, quiet: bool = False) -> str | None:
+    """The drafter the searched methods need: n-gram needs none; EAGLE heads come from training
+    (engine.heads.pipeline.ensure_head: the cached head of this target and workload, or a new one)."""
+    if not needs_head(cfg):
+        return None
+    from rich.console import Console
+
+    from engine.heads.pipeline import cached_head, ensure_head
+
+    console = Console(stderr=True, quiet=quiet)
+    if cached_head(cfg) is not None:
+        return str(cached_head(cfg))
+    console.print(f"training an EAGLE head for {cfg.model.name} on workload {cfg.workload.name} "
+                  "(once: cached for later studies)", highlight=False)
+    from tuner.progress_heads import head_progress
+
+    # The other packaged workloads add diversity and, above all, have their held-out prompts excluded.
+    with head_progress(quiet) as report:
+        return str(ensure_head(cfg, engine, report=report, workloads=packaged_workloads(cfg)))
