@@ -32,7 +32,7 @@ from pathlib import Path
 
 import optuna
 
-from tuner.cli_optimize import open_run_study
+from tuner.rundir import open_run_study
 from tuner.config import load_saved_config
 from tuner.objective import OFF, spec_of
 from tuner.optimize import optimize
