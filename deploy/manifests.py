@@ -203,7 +203,16 @@ def deployment(p: Plan, config_hash: str) -> k.V1Deployment:
         security_context=container_sc,
     )
     node_selector, tolerations = gpu_placement(hw) if gpu else (None, None)
+    # Hub drafters the server loads from a directory: fetched into the model volume first (the
+    # image's `hf` CLI, the same HF_HOME / HF_TOKEN as the server).
+    fetch = [k.V1Container(
+        name=f"fetch-draft-{i}" if i else "fetch-draft", image=container.image, image_pull_policy="IfNotPresent",
+        command=["hf", "download", repo, "--local-dir", path], env=_env(p),
+        volume_mounts=[k.V1VolumeMount(name="model-cache", mount_path=MODEL_DIR)],
+        resources=k.V1ResourceRequirements(requests={"cpu": "100m", "memory": "256Mi"}, limits={"memory": "1Gi"}),
+        security_context=container_sc) for i, (repo, path) in enumerate(p.served.fetches)]
     pod = k.V1PodSpec(
+        init_containers=fetch or None,
         containers=[container],
         security_context=pod_sc,
         # Service env vars (e.g. VLLM_PORT from a Service named 'vllm') confuse the engines.

@@ -2,8 +2,10 @@
 
 vLLM verifies chains only (a tree winner is replaced by the study's best chain); SGLang serves
 EAGLE / EAGLE-3 heads only (another method is replaced by a head from the model's
-draft_sources); a drafter that lives on the tuning machine is expected in the pod's cache volume.
-Every adaptation is reported as one line in `notes` so the CLI can say what it did.
+draft_sources). A drafter must have a source a pod can reach: a hub repository (vLLM and SGLang
+pull it themselves; for the built-in server an init container downloads it into the model volume)
+or a path inside the model volume. A path on the tuning machine is refused, naming
+`tuner push-head`, which uploads it. Every adaptation is reported as one line in `notes`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import PurePosixPath
 from tuner.schema import BestResult, Config, SpecConfig, UserError
 
 MODEL_DIR = "/models"  # mount point of the model-cache volume in every pod
-DRAFTS_DIR = f"{MODEL_DIR}/drafts"  # where locally trained heads / draft models are copied
+DRAFTS_DIR = f"{MODEL_DIR}/drafts"  # where the built-in server's hub drafters are downloaded
 SGLANG_SERVABLE = ("off", "eagle", "eagle3")
 HEAD_METHODS = ("eagle", "eagle3", "medusa")
 
@@ -26,6 +28,7 @@ class Served:
     spec: SpecConfig
     tuned: SpecConfig
     notes: tuple[str, ...] = ()
+    fetches: tuple[tuple[str, str], ...] = ()  # (hub repository, pod path): downloaded before the server starts
 
 
 def _with(spec: SpecConfig, **update: object) -> SpecConfig:
@@ -87,8 +90,18 @@ def served_spec(cfg: Config, best: BestResult | None) -> Served:
 
     field = "draft_model" if spec.method == "draft_model" else "head_path"
     ref = getattr(spec, field)
-    if spec.method != "off" and ref and _is_local(ref):
-        pod_ref = f"{DRAFTS_DIR}/{PurePosixPath(ref).name}"
-        notes.append(f"spec.{field}={ref} is a local path: copy it into the model-cache volume at {pod_ref}")
-        spec = _with(spec, **{field: pod_ref})
-    return Served(spec=spec, tuned=tuned, notes=tuple(notes))
+    fetches: list[tuple[str, str]] = []
+    if spec.method != "off" and ref:
+        if _is_local(ref) and not PurePosixPath(ref).is_relative_to(MODEL_DIR):
+            raise UserError(
+                f"spec.{field}={ref} is a path on this machine that no pod can read: upload it with `tuner push-head "
+                f"{ref} --to ORG/NAME` and render with spec.{field}=ORG/NAME (`tuner push-head RUN_DIR --to ORG/NAME` "
+                "also records it in the run's best.yaml and re-renders)")
+        if _is_local(ref):
+            notes.append(f"spec.{field}={ref}: expected in the model volume (mounted at {MODEL_DIR})")
+        elif target == "builtin":  # vLLM / SGLang download a hub drafter themselves; tuner serve loads a directory
+            pod_ref = f"{DRAFTS_DIR}/{ref.replace('/', '--')}"
+            fetches.append((ref, pod_ref))
+            notes.append(f"spec.{field}={ref}: downloaded from the hub into {pod_ref} by the pod's init container")
+            spec = _with(spec, **{field: pod_ref})
+    return Served(spec=spec, tuned=tuned, notes=tuple(notes), fetches=tuple(fetches))

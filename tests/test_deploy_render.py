@@ -57,9 +57,10 @@ CASES: dict[str, tuple[list[str], BestResult | None]] = {
         "llama-3.1-8b-instruct", "h100x8", "sglang")),
     "sglang-h200x1": (["model=llama-3.3-70b-instruct", "hardware=h200x1", "deploy=sglang", "spec.method=eagle3",
                        "spec.depth=3", "spec.topk=2", "spec.budget=6", "spec.head_path=org/eagle3-70b"], None),
-    # Built-in server on CPU, with a head trained locally (expected in the cache volume).
+    # Built-in server on CPU, with a head trained locally and pushed to a hub repository (`tuner push-head`):
+    # an init container downloads it into the model volume.
     "builtin-cpu": ([], _best(
-        SpecConfig(method="eagle", depth=3, topk=2, budget=5, head_path="/home/me/.cache/spectune/heads/smollm2-eagle"),
+        SpecConfig(method="eagle", depth=3, topk=2, budget=5, head_path="me/smollm2-eagle"),
         None, "smollm2-135m", "cpu", "builtin")),
     "builtin-cpu-tiny": (["model=tiny-random", "spec.method=ngram", "spec.depth=6", "spec.budget=7",
                           "deploy.hpa.enabled=false", "deploy.service_monitor=false", "deploy.pdb_min_available=0"], None),
@@ -179,10 +180,12 @@ def test_builtin_is_cpu_only_non_root_and_serves_the_spec(rendered: dict[str, Pa
     assert c["command"] == ["tuner", "serve"]
     assert c["resources"]["requests"] == {"cpu": "2", "memory": "12Gi"}
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 1000
-    # The overrides compose back into the same spec, with the local head moved into the cache volume.
+    # The overrides compose back into the same spec, with the hub head read from where the init container puts it.
     cfg = load_config(c["args"])  # exactly what `tuner serve` composes in the pod
     assert cfg.engine.kind == "builtin" and cfg.cache_dir == "/models/spectune"
-    assert cfg.spec == SpecConfig(method="eagle", depth=3, topk=2, budget=5, head_path="/models/drafts/smollm2-eagle")
+    assert cfg.spec == SpecConfig(method="eagle", depth=3, topk=2, budget=5, head_path="/models/drafts/me--smollm2-eagle")
+    assert pod["initContainers"][0]["command"] == ["hf", "download", "me/smollm2-eagle", "--local-dir",
+                                                   "/models/drafts/me--smollm2-eagle"]
     tiny = _docs(rendered["builtin-cpu-tiny"])
     assert {"hpa.yaml", "servicemonitor.yaml", "pdb.yaml"}.isdisjoint(tiny)
     assert "hpa.yaml" not in yaml.safe_load((rendered["builtin-cpu-tiny"] / "kustomization.yaml").read_text())["resources"]

@@ -55,6 +55,7 @@ COMMAND_MODULES: list[str] = [
     "tuner.cli_train",
     "tuner.cli_distributed",
     "tuner.cli_project",
+    "tuner.cli_hub",
 ]
 
 

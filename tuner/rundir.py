@@ -4,6 +4,7 @@ trials.csv, the report, k8s/) and what later commands read back from it.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -68,7 +69,10 @@ def write_run(study: optuna.Study, cfg: Config, run_dir: Path, best: BestResult)
     if not (run_dir / CONFIG_FILE).is_file():
         save_config(cfg, run_dir / CONFIG_FILE)
     write_report(study, run_dir, best)
-    render_run(run_dir)
+    try:
+        render_run(run_dir)
+    except UserError as exc:  # e.g. a head only this machine has: the run stands, its manifests wait
+        print(f"manifests not rendered: {exc}", file=sys.stderr)
 
 
 def run_dir_of(path: str) -> Path:
