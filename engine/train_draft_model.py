@@ -102,7 +102,7 @@ def draft_loss(model: LlamaForCausalLM, lm_w: torch.Tensor, t2d: torch.Tensor | 
     with torch.no_grad():
         known = dl >= 0
         acc = float((logits[known].argmax(-1) == dl[known]).float().mean()) if bool(known.any()) else 0.0
-    return ce + FEATURE_WEIGHT * feat, {"ce": float(ce), "feat": float(feat), "acc": acc}
+    return ce + FEATURE_WEIGHT * feat, {"ce": float(ce.detach()), "feat": float(feat.detach()), "acc": acc}
 
 
 @torch.no_grad()
@@ -217,8 +217,7 @@ def ensure_draft_model(cfg: Config, engine=None, retrain: bool = False, workload
 def ensure_draft(cfg: Config, method: str, engine=None, retrain: bool = False,
                  workloads: Sequence[WorkloadConfig] = (), report: Report | None = None) -> Path:
     """`tuner train-draft spec.method=medusa|draft_model`: the cached or newly trained draft's directory."""
-    from engine.drafters.draft_model import DRAFT_VOCAB
-from engine.train_medusa import ensure_medusa
+    from engine.train_medusa import ensure_medusa
 
     if cfg.workload is None:
         raise UserError("train-draft needs a workload: add +workload=NAME")

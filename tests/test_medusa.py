@@ -124,7 +124,7 @@ def test_trained_heads_draft_the_targets_answers(engine: Engine, data, trained, 
     assert accepted["trained"] >= accepted["fresh"] + 5
 
 
-def _cycle_data(n_seq: int = 24, length: int = 40, ids: int = 40, h: int = 64, seed: int = 0) -> SimpleNamespace:
+def cycle_data(n_seq: int = 24, length: int = 40, ids: int = 40, h: int = 64, seed: int = 0) -> SimpleNamespace:
     """Synthetic distillation data with a learnable rule: token j+1 = perm[token j], and the
     feature at j points at token j+1 through the tiny target's lm_head (as a real target's does).
     Only the fields the trainer may read."""
@@ -155,7 +155,7 @@ def test_training_lowers_validation_loss(engine: Engine) -> None:
     """Held-out prompts follow the same rule: the validation loss falls and the heads draft them."""
     tc = load_config(SMALL + ["train.draft_vocab=64", "train.steps=40", "train.eval_fraction=0.25", "train.lr=1e-2",
                               "train.seq_len=32"]).train
-    heads, s = TM.train_medusa(_cycle_data(), engine.model, "tiny-random", tc)
+    heads, s = TM.train_medusa(cycle_data(), engine.model, "tiny-random", tc)
     assert s["eval_positions"] > 100
     assert s["val_loss"] < 0.5 * s["val_loss_before"]
     assert s["acceptance_per_depth"][0] > 0.5 and s["tau_chain_offline"] > 2.0
@@ -164,7 +164,7 @@ def test_training_lowers_validation_loss(engine: Engine) -> None:
 def test_answer_positions_pair_each_feature_with_later_tokens() -> None:
     """Head k at position t learns the target's greedy token t+2+k (labels[t+1+k]); nothing past
     the sequence's last token, nothing before the last prompt token."""
-    d = _cycle_data(n_seq=2, length=10)
+    d = cycle_data(n_seq=2, length=10)
     pos, lab = TM.answer_positions(d, [1], 3)
     assert pos.tolist() == list(range(13, 19))  # sequence 1 = [10, 20), answer starts at 14
     for t, row in zip(pos.tolist(), lab.tolist()):
