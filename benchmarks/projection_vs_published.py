@@ -13,12 +13,23 @@ eager PyTorch with Python-side tree handling; serving engines run CUDA graphs. T
 differ only in the overhead constants below (`RUNTIMES`), which are assumptions, not fits.
 
     python benchmarks/projection_vs_published.py           # the table, then one JSON line
+    python benchmarks/projection_vs_published.py --here    # the measured cost model against live runs
+
+`--here` checks the other half on this machine: SmolLM2 is profiled once (engine.profile), the
+cost model of this machine is measured (tuner.costmodel, re-measured now), and the predicted
+decode tok/s of each configuration is compared with the built-in engine's live decode tok/s on the
+same prompts (configurations interleaved per prompt, so load drift hits all alike). Goal: median
+absolute error <= 10%.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
+import tempfile
+import time
+from pathlib import Path
 from dataclasses import dataclass
 
 from tuner.config import load_config
@@ -133,7 +144,82 @@ def roofline(row: Row) -> Roofline:
                     draft_model_b=row.draft_b, draft_layers=row.draft_layers)
 
 
+def here(args: argparse.Namespace) -> None:
+    """Predicted (profile + measured cost) vs live decode tok/s of the built-in engine on SmolLM2."""
+    import torch
+
+    from engine.api import SamplingParams
+    from engine.loop import Engine
+    from engine.profile import profile_config
+    from engine.workloads import load_prompts
+    from tuner.project import acceptance_from_profile, measured_here
+
+    over = [f"model={args.model}", "+workload=code", f"search.trial_prompts={args.prompts}",
+            f"workload.max_new_tokens={args.tokens}", f"engine.builtin.threads={args.threads}",
+            f"workload.temperature={args.temperature}"]
+    cfg = load_config(over)
+    specs = [SpecConfig(method="ngram", depth=d, topk=1, budget=d + 1) for d in (2, 4, 6, 8)]
+    t0 = time.perf_counter()
+    prof = profile_config(cfg, specs)
+    t_prof = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as tmp:
+        acc = acceptance_from_profile(prof.save(Path(tmp)), cfg.model.name)
+    t0 = time.perf_counter()
+    cost = measured_here(cfg, acc, refresh=True)
+    t_cost = time.perf_counter() - t0
+    ctx = acc.context or 256
+    preds = {s.key(): predict(cost, s, t, 1, ctx) for s, t in acc.points}
+    eng = Engine.from_config(load_config([*over, "spec.method=off"]))
+    prompts = [eng.encode_prompt(p.text, True) for p in load_prompts(cfg.workload, "tune")[:args.prompts]]
+    params = SamplingParams(max_new_tokens=args.tokens, temperature=args.temperature, seed=0)
+    all_specs = [SpecConfig(method="off"), *specs]
+    toks = {s.key(): 0 for s in all_specs}
+    secs = {s.key(): 0.0 for s in all_specs}
+    taus: dict[str, list[int]] = {s.key(): [0, 0] for s in all_specs}
+    eng.set_spec(all_specs[0])
+    eng.generate(prompts[0], params)  # warm-up
+    with torch.inference_mode():
+        for rep in range(args.repeats):
+            for p in prompts:
+                for s in (all_specs if rep % 2 == 0 else all_specs[::-1]):
+                    eng.set_spec(s)
+                    st = eng.generate(p, params).stats
+                    toks[s.key()] += st.new_tokens - 1  # decode only: the first token is the prefill's
+                    secs[s.key()] += st.total_s - st.ttft_s
+                    taus[s.key()][0] += st.new_tokens
+                    taus[s.key()][1] += st.target_forwards
+    rows = []
+    print(f"{'configuration':<18} {'tau prof':>8} {'tau live':>8} {'pred tok/s':>10} {'live tok/s':>10} {'error':>7}")
+    for s in all_specs:
+        k = s.key()
+        live = toks[k] / secs[k]
+        err = preds[k].tok_s / live - 1
+        tau_live = taus[k][0] / taus[k][1]
+        rows.append({"spec": k, "tau_profile": round(preds[k].tau, 4), "tau_live": round(tau_live, 4),
+                     "predicted_tok_s": round(preds[k].tok_s, 2), "live_tok_s": round(live, 2), "error": round(err, 4)})
+        print(f"{k:<18} {preds[k].tau:>8.3f} {tau_live:>8.3f} {preds[k].tok_s:>10.2f} {live:>10.2f} {err:>+7.1%}")
+    med = statistics.median(abs(r["error"]) for r in rows)
+    tau_err = statistics.median(abs(r["tau_profile"] / r["tau_live"] - 1) for r in rows)
+    print(f"median absolute tok/s error: {med:.1%} (goal <= 10%: {'met' if med <= 0.10 else 'not met'}); "
+          f"tau {'estimate' if args.temperature > 0 else 'replay'} vs live: median |error| {tau_err:.1%}; "
+          f"profile {t_prof:.0f} s, cost microbenchmark {t_cost:.0f} s")
+    print(json.dumps({"rows": rows, "median_abs_tok_s_error": round(med, 4), "median_abs_tau_error": round(tau_err, 4),
+                      "temperature": args.temperature, "profile_s": round(t_prof, 1), "costmodel_s": round(t_cost, 1)}))
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--here", action="store_true", help="measured cost model vs live runs on this machine")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--temperature", type=float, default=0.0, help="T>0: the profile's tau is an estimate")
+    args = ap.parse_args()
+    if args.here:
+        here(args)
+        return
     out = []
     print(f"{'source':<14} {'model':<23} {'gpu':<12} {'method':<24} {'tau':>5} {'pub x':>6} {'pred x':>7} "
           f"{'err':>7}  {'pub tok/s':>9} {'pred tok/s':>10} {'err':>7}  assumed")

@@ -66,6 +66,7 @@ class PointResult:
     accepted_tokens: float
     accepted_per_pos: list[float] = field(default_factory=list)
     draft_s_per_step: float = 0.0  # drafting time of one decoding step on this machine (batch 1)
+    verified_per_step: float = 1.0  # tokens verified per decoding forward (root + drafted), on average
     seconds: float = 0.0
 
     def to_dict(self) -> dict:
@@ -236,6 +237,7 @@ def profile_points(target: Target, refs: list[Reference], specs: Sequence[SpecCo
                           draft_steps=tot["draft_steps"], drafted_tokens=tot["drafted"],
                           accepted_tokens=tot["accepted"], accepted_per_pos=[v / steps for v in per_pos],
                           draft_s_per_step=tot["draft_s"] / max(tot["forwards"] - len(refs), 1),
+                          verified_per_step=1 + tot["drafted"] / max(tot["forwards"] - len(refs), 1),
                           seconds=time.perf_counter() - t0)
         results.append(res)
         if on_point is not None:

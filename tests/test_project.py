@@ -117,3 +117,36 @@ def test_projection_turns_to_off_at_high_concurrency_when_compute_bound() -> Non
     acc = Acceptance(points=[(SpecConfig(method="eagle", depth=5, topk=4, budget=16), 3.5)], source="test")
     best = best_per_concurrency(project(cost, acc, [1, 256], 1024))
     assert best[1].spec.method == "eagle" and best[256].spec.method == "off"
+
+
+def test_here_uses_the_measured_cost_and_the_profiles_draft_times(run_dir, tmp_path, monkeypatch, capsys) -> None:
+    """hardware=cpu: this machine's measured forward costs (faked here: no timing in tests) and the
+    draft time per step the profile measured; one concurrency; a profile of other engine settings
+    is refused."""
+    import tuner.costmodel as cm
+
+    table = {"1,128": 0.010, "8,128": 0.017, "1,512": 0.012, "8,512": 0.021}
+    monkeypatch.setattr(cm, "measure_forward", lambda target: table)
+    monkeypatch.setattr(cm, "cache_path", lambda root, key: tmp_path / f"{key}.json")
+    out = tmp_path / "here"
+    rc = main(["project", "hardware=cpu", "model=tiny-random", "--from", str(run_dir), "--out", str(out)])
+    assert rc == 0
+    prof = json.loads((run_dir / "profile.json").read_text())
+    rows = {r["config"]: r for r in csv.DictReader(open(out / "projection.csv"))}
+    assert {r["concurrency"] for r in rows.values()} == {"1"}
+    m = cm.Measured(forward=table)
+    ctx = int(sum(s["prompt_len"] + s["n_new"] / 2 for s in prof["sequences"]) / len(prof["sequences"]))
+    for p in prof["points"][1:]:
+        want = p["tau"] / (m.verify_s(p["verified_per_step"], 1, ctx) + p["draft_s_per_step"])
+        assert float(rows[p["key"]]["tok_s"]) == pytest.approx(want, rel=1e-3)
+    assert yaml.safe_load((out / "projection.yaml").read_text())["cost_model"] == "measured here"
+    capsys.readouterr()
+    import torch
+
+    n = torch.get_num_threads()
+    try:
+        rc = main(["project", "hardware=cpu", "model=tiny-random", "engine.builtin.threads=3", "--from", str(run_dir),
+                   "--out", str(tmp_path / "x")])
+    finally:
+        torch.set_num_threads(n)
+    assert rc == 2 and "profile again with the same engine.builtin settings" in capsys.readouterr().err

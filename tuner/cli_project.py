@@ -46,12 +46,12 @@ def _profile_run(args: argparse.Namespace) -> tuple[Config, Path]:
 
 def _head(cfg: Config, quiet: bool) -> str | None:
     """The EAGLE head the searched methods need: the cached one of this target and workload, else
-    trained now (engine.train, as `tuner optimize` does); None for methods without a head."""
+    trained now (engine.heads, as `tuner optimize` does); None for methods without a head."""
     if not any(m in ("eagle", "eagle3", "medusa") for m in cfg.search.methods):
         return None
     if cfg.spec.head_path:
         return cfg.spec.head_path
-    from engine.train import cached_head, ensure_head
+    from engine.heads.pipeline import cached_head, ensure_head
     from tuner.cli_train import packaged_workloads
 
     cached = cached_head(cfg)
@@ -107,20 +107,18 @@ def _cmd_project(args: argparse.Namespace) -> int:
     import yaml
 
     from tuner.config import load_config
-    from tuner.project import acceptance_for, default_out_dir, format_table, load_run_workload, run_projection
-    from tuner.schema import WorkloadConfig
+    from tuner.project import acceptance_for, default_out_dir, format_table, run_projection, with_run
 
     cfg = load_config(args.overrides)
     run = Path(args.from_run) if args.from_run else None
-    if run is not None and cfg.workload is None:
-        wl = load_run_workload(run)
-        if wl:
-            cfg.workload = WorkloadConfig(**wl)
+    if run is not None:
+        cfg = with_run(cfg, run, args.overrides)
     acc = acceptance_for(cfg, run=run, profile=Path(args.profile) if args.profile else None, tau=args.tau,
                          acceptance_file=Path(args.acceptance_file) if args.acceptance_file else None)
     out = Path(args.out) if args.out else default_out_dir(cfg, run)
     preds, summary = run_projection(cfg, acc, out, concurrency=_parse_levels(args.concurrency), context=args.context)
-    print(f"projection of {cfg.model.name} on {cfg.hardware.name} (TP {summary['tensor_parallel_size']}, "
+    print(f"projection of {cfg.model.name} on {cfg.hardware.name} ({summary['cost_model']}, "
+          f"TP {summary['tensor_parallel_size']}, "
           f"{cfg.deploy.quantization} weights, {cfg.deploy.kv_cache_dtype} KV, context {summary['context']})")
     print(f"acceptance: {acc.source}{' — an estimate' if acc.estimate else ''}")
     print(format_table(preds))

@@ -53,16 +53,20 @@ class Prediction:
     speedup: float  # over autoregressive decoding at the same concurrency
 
 
-def predict(cost: StepCost, spec: SpecConfig, tau: float, concurrency: int, context: int) -> Prediction:
-    """tau / (verify time(budget, batch) + draft time) against one autoregressive forward."""
-    n = 1 if spec.method == "off" else spec.budget
-    if spec.method != "off" and spec.k_per_batch_size:  # vLLM K schedule: the K of this batch size
+def predict(cost: StepCost, spec: SpecConfig, tau: float, concurrency: int, context: int,
+            verified: float | None = None) -> Prediction:
+    """tau / (verify time(budget, batch) + draft time) against one autoregressive forward.
+    `verified`: the mean tokens a step verifies when drafts are not always full (an n-gram lookup
+    without a match verifies the root alone); the budget otherwise."""
+    off = spec.method == "off"
+    n = 1 if off else (verified if verified is not None else spec.budget)
+    if not off and spec.k_per_batch_size:  # vLLM K schedule: the K of this batch size
         k = next((k for lo, hi, k in spec.k_per_batch_size if lo <= concurrency <= hi), spec.depth)
-        n = k + 1
+        n, off = k + 1, k == 0
     v = cost.verify_s(n, concurrency, context)
-    d = 0.0 if n == 1 else cost.draft_s(spec, concurrency, context)
+    d = 0.0 if off else cost.draft_s(spec, concurrency, context)
     ar = cost.verify_s(1, concurrency, context)
-    tau = 1.0 if n == 1 else tau
+    tau = 1.0 if off else tau
     step = v + d
     return Prediction(spec=spec, concurrency=concurrency, tau=tau, step_s=step, verify_s=v, draft_s=d,
                       tpot_ms=1e3 * step / tau, tok_s=concurrency * tau / step, speedup=tau * ar / step)
@@ -211,7 +215,7 @@ class Measured:
         hi = f(t0, c1) + (f(t1, c1) - f(t0, c1)) * ft
         return max(lo + (hi - lo) * fc, 1e-6)
 
-    def verify_s(self, tokens: int, batch: int, context: int) -> float:
+    def verify_s(self, tokens: float, batch: int, context: int) -> float:
         if batch != 1:
             raise UserError(f"concurrency {batch}: the measured cost model covers one sequence at a time "
                             "(the built-in engine decodes requests one by one); project to a hardware profile instead")
@@ -231,7 +235,7 @@ def measure_forward(target, tokens: tuple[int, ...] = TOKENS, contexts: tuple[in
     cached tokens, for every pair: what a verification costs on this machine."""
     import torch
 
-    from engine.cache import new_cache
+    from engine.cache import crop_to, new_cache
 
     model, dev = target.model, target.device
     out: dict[str, float] = {}
@@ -249,7 +253,7 @@ def measure_forward(target, tokens: tuple[int, ...] = TOKENS, contexts: tuple[in
                     h = model.model(input_ids=new, position_ids=pos, cache=cache, use_cache=True).last_hidden_state
                     model.lm_head(h[0])
                     times.append(time.perf_counter() - t)
-                    cache.crop(c)
+                    crop_to(cache, c)
                 out[f"{n},{c}"] = sorted(times)[len(times) // 2]
     return out
 

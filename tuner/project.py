@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from tuner.costmodel import Prediction, StepCost, predict, roofline_for
+from tuner.costmodel import Prediction, StepCost, measured_cost, predict, roofline_for
 from tuner.schema import Config, SpecConfig, UserError
 
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
@@ -30,8 +30,11 @@ class Acceptance:
 
     points: list[tuple[SpecConfig, float]]
     source: str
+    verified: dict[str, float] | None = None  # mean tokens verified per step, by spec key (profile)
     estimate: bool = False
     context: int | None = None  # mean context of the profiled generations
+    draft_s: dict[str, float] | None = None  # measured draft seconds per step (profile, this machine)
+    engine: str = ""  # the engine setting that profiled (for the measured cost model)
 
 
 def _profile_path(run: Path | None, profile: Path | None) -> Path | None:
@@ -57,7 +60,9 @@ def acceptance_from_profile(path: Path, model: str) -> Acceptance:
     label = "estimated" if not prof.exact else "exact greedy"
     return Acceptance(points=points, source=f"profile {path} ({prof.model}, {prof.workload}, {label} tau"
                       f"{', FP8 weights' if prof.fp8 else ''})", estimate=not prof.exact,
-                      context=int(sum(ctx) / len(ctx)) if ctx else None)
+                      context=int(sum(ctx) / len(ctx)) if ctx else None,
+                      draft_s={p["key"]: p.get("draft_s_per_step", 0.0) for p in prof.points}, engine=prof.engine,
+                      verified={p["key"]: p.get("verified_per_step", p["spec"]["budget"]) for p in prof.points})
 
 
 def acceptance_from_file(path: Path) -> Acceptance:
@@ -100,11 +105,13 @@ def acceptance_for(cfg: Config, run: Path | None = None, profile: Path | None = 
 
 
 def project(cost: StepCost, acc: Acceptance, concurrency: list[int], context: int) -> list[Prediction]:
-    """Every configuration (and `off`) at every concurrency."""
+    """Every configuration (and `off`) at every concurrency; a profiled point verifies its measured
+    mean tokens per step (an n-gram lookup without a match verifies the root alone)."""
     points = list(acc.points)
     if not any(s.method == "off" for s, _ in points):
         points.insert(0, (SpecConfig(method="off"), 1.0))
-    return [predict(cost, spec, tau, c, context) for c in concurrency for spec, tau in points]
+    ver = acc.verified or {}
+    return [predict(cost, spec, tau, c, context, ver.get(spec.key())) for c in concurrency for spec, tau in points]
 
 
 def best_per_concurrency(preds: list[Prediction], chains_only: bool = False) -> dict[int, Prediction]:
@@ -196,16 +203,44 @@ def format_table(preds: list[Prediction], per_level: int = 5) -> str:
     return "\n".join(lines)
 
 
+def measured_here(cfg: Config, acc: Acceptance, refresh: bool = False) -> StepCost:
+    """The measured cost model of this machine for cfg's built-in engine (target forward vs tokens
+    and context, cached per machine and engine) with the draft times the profile measured."""
+    import torch
+
+    from engine.model import cache_root, load_target
+    from engine.profile import engine_key, fp8_profile
+
+    if acc.draft_s is None:
+        raise UserError("hardware=cpu projects with the measured cost of this machine: it needs a profile "
+                        "(--from RUN or --profile), whose replay measured the draft times")
+    if cfg.engine.builtin.threads:
+        torch.set_num_threads(cfg.engine.builtin.threads)
+    target = load_target(cfg.model, cfg.engine.builtin.model_copy(update={"fp8_weights": fp8_profile(cfg)}),
+                         cfg.cache_dir, cfg.seed)
+    if acc.engine and acc.engine != engine_key(target):
+        raise UserError(f"the profile's draft times were measured with {acc.engine}, this engine is "
+                        f"{engine_key(target)}: profile again with the same engine.builtin settings")
+    cost = measured_cost(target, engine_key(target), cache_root(cfg.cache_dir), refresh=refresh)
+    cost.draft = dict(acc.draft_s)
+    return cost
+
+
 def run_projection(cfg: Config, acc: Acceptance, out_dir: Path, concurrency: list[int] | None = None,
                    context: int | None = None) -> tuple[list[Prediction], dict]:
     """Project `acc` onto cfg.hardware for cfg.model as cfg.deploy serves it; write projection.csv,
-    projection.png and projection.yaml (best per concurrency, the K schedule, what was assumed)."""
+    projection.png and projection.yaml (best per concurrency, the K schedule, what was assumed).
+    hardware=cpu (here) uses the measured cost model at concurrency 1; GPUs the roofline."""
     from deploy.fit import tensor_parallel_size
 
     hw = cfg.hardware
     tp = tensor_parallel_size(cfg.model, hw, cfg.deploy)
     draft = cfg.spec.draft_model or (cfg.model.draft_sources.draft_model[:1] or [None])[0]
-    cost = roofline_for(cfg.model, hw, tp, cfg.deploy.quantization, cfg.deploy.kv_cache_dtype, draft)
+    if hw.accelerator == "cpu":
+        cost: StepCost = measured_here(cfg, acc)
+        concurrency = [1]
+    else:
+        cost = roofline_for(cfg.model, hw, tp, cfg.deploy.quantization, cfg.deploy.kv_cache_dtype, draft)
     if concurrency is None:
         levels = cfg.workload.concurrency if cfg.workload and len(cfg.workload.concurrency) > 1 else DEFAULT_CONCURRENCY
         concurrency = sorted(set(levels))
@@ -213,7 +248,8 @@ def run_projection(cfg: Config, acc: Acceptance, out_dir: Path, concurrency: lis
     preds = project(cost, acc, list(concurrency), ctx)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_csv(preds, out_dir / "projection.csv")
-    title = (f"{cfg.model.name} on {hw.name} (TP {tp}, {'FP8' if cfg.deploy.quantization == 'fp8' else '16-bit'} "
+    here = "measured cost of this machine" if hw.accelerator == "cpu" else f"TP {tp}, roofline"
+    title = (f"{cfg.model.name} on {hw.name} ({here}, {'FP8' if cfg.deploy.quantization == 'fp8' else '16-bit'} "
              f"weights), context {ctx}; tau: {acc.source}")
     plot(preds, title, out_dir / "projection.png")
     best = best_per_concurrency(preds)
@@ -222,6 +258,7 @@ def run_projection(cfg: Config, acc: Acceptance, out_dir: Path, concurrency: lis
         "projected": True,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": cfg.model.name, "hardware": hw.name, "tensor_parallel_size": tp,
+        "cost_model": "measured here" if hw.accelerator == "cpu" else "roofline",
         "quantization": cfg.deploy.quantization, "kv_cache_dtype": cfg.deploy.kv_cache_dtype,
         "context": ctx, "acceptance": acc.source, "tau_is_estimate": acc.estimate,
         "best": [{"concurrency": c, "spec": p.spec.key(), "tau": round(p.tau, 3), "tpot_ms": round(p.tpot_ms, 3),
@@ -240,10 +277,18 @@ def default_out_dir(cfg: Config, run: Path | None) -> Path:
     return Path(cfg.run_dir) / f"{name}-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}"
 
 
-def load_run_workload(run: Path) -> dict | None:
-    """The workload section of a run's saved config (None when it has none)."""
+def with_run(cfg: Config, run: Path, overrides: list[str]) -> Config:
+    """cfg with the run's workload and engine settings (what was profiled) unless overridden."""
+    from tuner.schema import EngineConfig, WorkloadConfig
+
     path = run / "config.yaml"
     if not path.is_file():
         raise UserError(f"--from {run}: no config.yaml there (a run directory of `tuner optimize` or `tuner profile`)")
-    return (yaml.safe_load(path.read_text()) or {}).get("workload")
+    saved = yaml.safe_load(path.read_text()) or {}
+    touched = {o.lstrip("+~").split("=")[0].split(".")[0] for o in overrides}
+    if saved.get("workload") and "workload" not in touched:
+        cfg.workload = WorkloadConfig(**saved["workload"])
+    if saved.get("engine") and "engine" not in touched:
+        cfg.engine = EngineConfig(**saved["engine"])
+    return cfg
 
