@@ -32,8 +32,9 @@ def conf_dir() -> Path:
 
 
 def available(group: str) -> list[str]:
-    """Names of the options of a config group, e.g. available('workload') -> ['chat', 'code', ...]."""
-    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+    """Names of the options of a config group, e.g. available('workload') -> ['chat', 'code', ...]
+    (a group's `_base.yaml`, the part its options share, is not one)."""
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml") if not p.stem.startswith("_"))
 
 
 def _hydra_error_line(exc: Exception, overrides: list[str]) -> str:

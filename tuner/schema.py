@@ -223,49 +223,56 @@ class IntRange(_Strict):
         return self
 
 
+def storage_password_error(storage: str | None) -> str | None:
+    """Why a `search.storage` value is refused (it holds a password), or None. A password there
+    would land in config.yaml, logs and the process list; the message never echoes the value."""
+    if storage is None or "://" not in storage:
+        return None
+    from urllib.parse import urlsplit
+
+    try:
+        has_pw = urlsplit(storage).password is not None
+    except ValueError:
+        has_pw = False
+    if not has_pw:
+        return None
+    return ("search.storage=<URL with a password>: credentials never go on the command line or into "
+            "config.yaml; give the password by PGPASSWORD (or ~/.pgpass), or the whole URL by "
+            "SPECTUNE_STORAGE_URL with search.storage=env")
+
+
 class SearchConfig(_Strict):
+    # No defaults here: conf/search/_base.yaml owns them (every option composes it first).
     name: str
-    sampler: Literal["tpe", "random", "grid", "gp"] = "tpe"
-    seed: int = 0
+    sampler: Literal["tpe", "random", "grid", "gp"]
+    seed: int
     n_trials: int = Field(ge=1)
-    timeout_s: float | None = Field(None, gt=0)
-    methods: list[SpecMethod] = Field(default_factory=lambda: ["ngram"], min_length=1)
-    depth: IntRange = IntRange(min=1, max=8)
-    topk: list[int] = Field(default_factory=lambda: [1, 2, 4, 8], min_length=1)
-    budget_max: int = Field(64, ge=2, le=256)
-    multi_objective: bool = False
-    repeats_min: int = Field(1, ge=1)
-    repeats_max: int = Field(3, ge=1)
-    ci_rel_width: float = Field(0.10, gt=0)  # stop repeating when the CI half-width / mean is below this
-    trial_timeout_s: float = Field(600, gt=0)
-    noise_rel: float = Field(0.05, ge=0)  # a speedup within this of 1.0 (or of the best) is a tie
+    timeout_s: float | None = Field(gt=0)
+    methods: list[SpecMethod] = Field(min_length=1)
+    depth: IntRange
+    topk: list[int] = Field(min_length=1)
+    budget_max: int = Field(ge=2, le=256)
+    multi_objective: bool
+    repeats_min: int = Field(ge=1)
+    repeats_max: int = Field(ge=1)
+    ci_rel_width: float = Field(gt=0)  # stop repeating when the CI half-width / mean is below this
+    trial_timeout_s: float = Field(gt=0)
+    noise_rel: float = Field(ge=0)  # a speedup within this of 1.0 (or of the best) is a tie
     # Tuning prompts each trial plays (the first N of the workload's tuning split; None: all). The
     # winner is re-measured on the held-out prompts either way. Keeps CPU studies within minutes.
-    trial_prompts: int | None = Field(None, ge=1)
-    storage: str | None = None  # None: SQLite file in the run directory; or an SQLAlchemy URL / journal:PATH / env
-    study_name: str | None = None
-    workers: int = Field(1, ge=1, le=64)
+    trial_prompts: int | None = Field(ge=1)
+    storage: str | None  # None: SQLite file in the run directory; or an SQLAlchemy URL / journal:PATH / env
+    study_name: str | None
+    workers: int = Field(ge=1, le=64)
     # Distributed studies: a RUNNING trial whose worker sent no heartbeat for this long is marked FAIL.
-    heartbeat_grace_s: float = Field(120, ge=1)
+    heartbeat_grace_s: float = Field(ge=1)
 
     @field_validator("storage")
     @classmethod
     def _no_password(cls, v: str | None) -> str | None:
-        # A password here would land in config.yaml, logs and the process list. (The message must
-        # not echo the value.)
-        if v is not None and "://" in v:
-            from urllib.parse import urlsplit
-
-            try:
-                has_pw = urlsplit(v).password is not None
-            except ValueError:
-                has_pw = False
-            if has_pw:
-                raise ValueError(
-                    "search.storage=<URL with a password>: credentials never go on the command line or into "
-                    "config.yaml; give the password by PGPASSWORD (or ~/.pgpass), or the whole URL by "
-                    "SPECTUNE_STORAGE_URL with search.storage=env"
-                )
+        error = storage_password_error(v)
+        if error:
+            raise ValueError(error)
         return v
 
     @model_validator(mode="after")
@@ -282,11 +289,11 @@ class SearchConfig(_Strict):
 
 
 class HPAConfig(_Strict):
-    enabled: bool = True
-    min_replicas: int = Field(1, ge=1)
-    max_replicas: int = Field(4, ge=1)
-    metric: str = "vllm:num_requests_waiting"  # a per-pod metric served through the custom metrics API
-    target_average: str = "5"
+    enabled: bool
+    min_replicas: int = Field(ge=1)
+    max_replicas: int = Field(ge=1)
+    metric: str  # a per-pod metric served through the custom metrics API
+    target_average: str
 
 
 class SecretRef(_Strict):
@@ -295,26 +302,27 @@ class SecretRef(_Strict):
 
 
 class DeployConfig(_Strict):
+    # No defaults here: conf/deploy/_base.yaml owns them (every option composes it first).
     target: Literal["vllm", "sglang", "builtin"]
-    name: str = "spectune"
-    namespace: str = "spectune"
-    replicas: int = Field(1, ge=0, le=1000)
+    name: str
+    namespace: str
+    replicas: int = Field(ge=0, le=1000)
     image: str
     image_tag: str
-    port: int = Field(8000, ge=1, le=65535)
-    k8s_version: str = Field("1.33", pattern=r"^1\.(2[5-9]|3[0-7])$")
-    gpu_memory_utilization: float = Field(0.90, gt=0, le=1.0)
-    max_model_len: int | None = Field(None, ge=64)
-    quantization: Literal["fp8", "none"] = "fp8"
-    kv_cache_dtype: Literal["fp8", "auto"] = "fp8"
-    kv_headroom_frac: float = Field(0.20, ge=0.0, lt=1.0)  # share of GPU memory kept for KV cache
-    hf_token_secret: SecretRef | None = SecretRef(name="hf-token", key="token")
-    model_cache_size: str = "200Gi"
-    storage_class: str | None = None
-    service_monitor: bool = True
-    pdb_min_available: int = Field(1, ge=0)
-    hpa: HPAConfig = HPAConfig()
-    extra_args: list[str] = []
+    port: int = Field(ge=1, le=65535)
+    k8s_version: str = Field(pattern=r"^1\.(2[5-9]|3[0-7])$")
+    gpu_memory_utilization: float = Field(gt=0, le=1.0)
+    max_model_len: int | None = Field(ge=64)
+    quantization: Literal["fp8", "none"]
+    kv_cache_dtype: Literal["fp8", "auto"]
+    kv_headroom_frac: float = Field(ge=0.0, lt=1.0)  # share of GPU memory kept for KV cache
+    hf_token_secret: SecretRef | None
+    model_cache_size: str
+    storage_class: str | None
+    service_monitor: bool
+    pdb_min_available: int = Field(ge=0)
+    hpa: HPAConfig
+    extra_args: list[str]
 
     @field_validator("k8s_version", mode="before")
     @classmethod

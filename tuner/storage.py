@@ -21,9 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import optuna
-from pydantic import ValidationError
 
-from tuner.schema import SearchConfig, UserError
+from tuner.schema import SearchConfig, UserError, storage_password_error
 
 STORAGE_ENV = "SPECTUNE_STORAGE_URL"
 DB_FILE = "study.db"
@@ -51,11 +50,10 @@ def storage_url(search: SearchConfig, run_dir: Path) -> str:
 
 
 def reject_password(value: str) -> None:
-    """UserError when a storage given on the command line holds a password (the schema's one rule)."""
-    try:
-        SearchConfig(name="check", n_trials=1, storage=value)
-    except ValidationError as err:  # the message never echoes the value
-        raise UserError(err.errors()[0]["msg"].removeprefix("Value error, ")) from None
+    """UserError when a storage given on the command line holds a password (the schema's rule)."""
+    error = storage_password_error(value)
+    if error:
+        raise UserError(error)
 
 
 def mask_url(url: str) -> str:
