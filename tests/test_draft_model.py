@@ -132,3 +132,34 @@ def test_other_tokenizer_is_refused_in_one_line(engine: Engine, draft_dir, tmp_p
                f"spec.draft_model={bad}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "tokenizer differs" in err[0]
+
+
+@pytest.fixture
+def cache(tmp_path):
+    """An empty cache directory that shares the extracted tokenizer of the default cache (building
+    it from the GGUF again would cost ~20 s)."""
+    import shutil
+
+    from engine.model import cache_root, smollm2_tokenizer_dir
+
+    tok = smollm2_tokenizer_dir()
+    (tmp_path / "tokenizers").mkdir()
+    (tmp_path / "tokenizers" / tok.name).symlink_to(tok)
+    shutil.copy(cache_root(None) / "digests.json", tmp_path / "digests.json")
+    return tmp_path
+
+
+def test_train_draft_cli(cache, capsys) -> None:
+    """`tuner train-draft spec.method=draft_model` needs no spec.draft_model and prints where the
+    draft lies; bench then runs it."""
+    assert main(["train-draft", *SMALL, "train.steps=2", "spec.method=draft_model", f"cache_dir={cache}"]) == 0
+    out = capsys.readouterr().out
+    use = next(line for line in out.splitlines() if "use it:" in line)
+    path = use.split("spec.draft_model=")[1].strip()
+    assert "/draft_model-code-" in path
+    rc = main(["bench", "model=tiny-random", "+workload=code", "workload.num_prompts=1", "workload.max_new_tokens=8",
+               "bench.warmup=0", "bench.repeats=1", "spec.method=draft_model", "spec.depth=2", "spec.budget=3",
+               f"spec.draft_model={path}", f"cache_dir={cache}", "--json"])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["spec"]["method"] == "draft_model" and res["output_tokens_per_s"] > 0

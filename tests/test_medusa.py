@@ -189,3 +189,30 @@ def test_depth_beyond_heads_is_refused(engine: Engine, head_dir) -> None:
         engine.set_spec(SpecConfig(method="medusa", depth=4, topk=1, budget=5, head_path=str(head_dir)))
     with pytest.raises(UserError, match="spec.head_path is required"):
         engine.set_spec(SpecConfig(method="medusa", depth=2, topk=1, budget=3))
+
+
+@pytest.fixture
+def cache(tmp_path):
+    """An empty cache directory that shares the extracted tokenizer of the default cache (building
+    it from the GGUF again would cost ~20 s)."""
+    import shutil
+
+    from engine.model import cache_root, smollm2_tokenizer_dir
+
+    tok = smollm2_tokenizer_dir()
+    (tmp_path / "tokenizers").mkdir()
+    (tmp_path / "tokenizers" / tok.name).symlink_to(tok)
+    shutil.copy(cache_root(None) / "digests.json", tmp_path / "digests.json")
+    return tmp_path
+
+
+def test_train_draft_cli_trains_then_reuses(cache, capsys) -> None:
+    args = ["train-draft", *SMALL, "train.steps=3", "spec.method=medusa", f"cache_dir={cache}", "--json"]
+    assert main(args) == 0
+    first = json.loads(capsys.readouterr().out)
+    path = first["head_path"]
+    assert first["method"] == "medusa" and first["heads"] == 3 and "/medusa-code-" in path
+    assert json.loads((cache / path / "config.json").read_text())["model_type"] == "medusa"
+    assert main(args) == 0  # cached: the same directory, not trained again
+    again = json.loads(capsys.readouterr().out)
+    assert again["head_path"] == path and again["train_seconds"] == first["train_seconds"]

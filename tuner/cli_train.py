@@ -10,8 +10,13 @@ from pathlib import Path
 from tuner.schema import Config
 
 
-def train_draft(cfg: Config, retrain: bool = False, quiet: bool = False) -> Path:
-    """Train or reuse the head for cfg (rich progress unless quiet); returns its directory."""
+# Drafts trained by engine.train_draft_model instead of the EAGLE head pipeline.
+OTHER_DRAFTS = ("medusa", "draft_model")
+
+
+def train_draft(cfg: Config, retrain: bool = False, quiet: bool = False, method: str | None = None) -> Path:
+    """Train or reuse the head (or, for method medusa / draft_model, that draft) for cfg (rich
+    progress unless quiet); returns its directory."""
     from engine.heads.pipeline import ensure_head
     from tuner.config import packaged_workloads, require_workload
 
@@ -20,6 +25,10 @@ def train_draft(cfg: Config, retrain: bool = False, quiet: bool = False) -> Path
     from tuner.progress_heads import head_progress
 
     with head_progress(quiet) as report:
+        if method in OTHER_DRAFTS:
+            from engine.train_draft_model import ensure_draft
+
+            return ensure_draft(cfg, method, retrain=retrain, workloads=packaged_workloads(cfg), report=report)
         return ensure_head(cfg, retrain=retrain, workloads=packaged_workloads(cfg), report=report)
 
 
@@ -28,11 +37,25 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     from engine.heads.pipeline import read_meta
 
-    cfg = load_config(args.overrides)
-    path = train_draft(cfg, retrain=args.retrain, quiet=args.json)
+    # spec.method=draft_model names the draft to train, not one to use: taken out before validation
+    # (which would ask for spec.draft_model)
+    method = next((o.split("=", 1)[1] for o in args.overrides if o.startswith("spec.method=")), None)
+    other = method in OTHER_DRAFTS
+    cfg = load_config([o for o in args.overrides if not (other and o.startswith("spec.method="))])
+    path = train_draft(cfg, retrain=args.retrain, quiet=args.json, method=method)
     meta = read_meta(path)
     if args.json:
-        print(json.dumps({"head_path": str(path), **meta}))
+        print(json.dumps({"head_path" if method != "draft_model" else "draft_model": str(path), **meta}))
+        return 0
+    if other:
+        use = f"spec.head_path={path}" if method == "medusa" else f"spec.draft_model={path}"
+        print(f"{method}: {path}")
+        print(f"  trained {meta['steps']} steps in {meta.get('train_seconds', 0):.0f} s; validation loss "
+              f"{meta.get('val_loss_before')} -> {meta.get('val_loss')}")
+        if meta.get("acceptance_per_depth"):
+            acc = " ".join(f"{a:.2f}" for a in meta["acceptance_per_depth"])
+            print(f"  offline T=0 chain acceptance per depth: {acc}  (tau estimate {meta.get('tau_chain_offline')})")
+        print(f"  use it: spec.method={method} {use}")
         return 0
     acc = " ".join(f"{a:.2f}" for a in meta.get("acceptance_per_depth", []))
     print(f"head: {path}")
