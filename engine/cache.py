@@ -75,6 +75,13 @@ class GrowingLayer(DynamicLayer):
         self._vbuf[..., prefix_len:prefix_len + m, :] = v
         self._set_len(prefix_len + m)
 
+    @torch.inference_mode()
+    def batch_keep(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows `rows` (batched generation drops the sequences that finished)."""
+        self._kbuf = self._kbuf.index_select(0, rows)
+        self._vbuf = self._vbuf.index_select(0, rows)
+        self._set_len(self._len)
+
     def reset(self) -> None:
         self._kbuf = self._vbuf = None
         self._len = 0

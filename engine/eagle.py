@@ -5,13 +5,13 @@ final norm. `fc` (2h -> h, embedding FIRST in the concatenation) mixes them, the
 layer WITHOUT input_layernorm and without a final norm (output = mlp_out + residual); the output
 is a predicted feature, turned into logits by the target's frozen lm_head.
 
-Checkpoint layout (DESIGN.md): config.json = the target's config with num_hidden_layers 1 and
+Checkpoint layout (docs/design.md): config.json = the target's config with num_hidden_layers 1 and
 architectures ["LlamaForCausalLM"]; safetensors with `fc.weight`,
 `layers.0.self_attn.{q,k,v,o}_proj.weight`, `layers.0.mlp.{gate,up,down}_proj.weight`,
 `layers.0.post_attention_layernorm.weight`. `fc.bias` is loaded when present (some public heads have
 one) but never created for new heads: vLLM silently drops it.
 
-Optional draft vocabulary (heads trained by engine.train): `draft_vocab.json` beside the weights
+Optional draft vocabulary (heads trained by engine.heads): `draft_vocab.json` beside the weights
 lists the target token ids the head drafts over (a row slice of the lm_head, EAGLE-3's d2t idea).
 It is a JSON file, not a tensor, because vLLM loads every *.safetensors in the directory and
 refuses unknown tensor names; vLLM ignores it and drafts over the full vocabulary.

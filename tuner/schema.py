@@ -183,6 +183,8 @@ class BuiltinEngineConfig(_Strict):
     fp8_weights: bool = False  # emulate e4m3 weights with per-channel scales (what --quantization fp8 serves)
     threads: int | None = Field(None, ge=1)
     onednn_linears: bool = True  # CPU fp32: linears through oneDNN (engine/cpu_linear.py); false: plain nn.Linear
+    forward: Literal["lean", "hf"] = "hf"  # lean: the engine's own Llama forward (engine/llama.py); hf: transformers'
+    compile: bool = False  # lean only: torch.compile the decoder layer (artifacts cached on disk; CUDA graphs on cuda)
 
 
 class LaunchedEngineConfig(_Strict):
@@ -375,25 +377,29 @@ class BenchConfig(_Strict):
 
 
 class TrainConfig(_Strict):
-    """`tuner train-draft`: self-distillation data and EAGLE head training (engine.train)."""
+    """`tuner train-draft`: on-policy data and draft-head training (engine.heads)."""
 
-    prompts: int = Field(120, ge=1)  # prompts answered by the target, the workload's own set first
-    max_new_tokens: int = Field(160, ge=8, le=4096)  # per response
-    samples: int = Field(0, ge=0, le=8)  # sampled responses per prompt, besides the greedy one
-    sample_temperature: float = Field(0.8, gt=0.0, le=2.0)
-    gen_batch: int = Field(12, ge=1)  # sequences generated together
-    steps: int = Field(120, ge=1)
+    prompts: int = Field(640, ge=1)  # training prompts answered by the target (engine.heads.prompts)
+    max_new_tokens: int = Field(128, ge=8, le=4096)  # per answer
+    gen_batch: int = Field(32, ge=1)  # prompts answered together (one forward per step for all)
+    label_topk: int = Field(8, ge=1, le=64)  # the target's top-k probabilities kept per answer token (soft labels)
+    epochs: float = Field(2.0, gt=0.0)  # passes over the training sequences (capped by steps)
+    steps: int = Field(2000, ge=1)  # the most optimizer steps
     batch: int = Field(8, ge=1)  # sequences per optimizer step
-    seq_len: int = Field(256, ge=16)  # tokens per training sequence (longer ones are cut)
+    seq_len: int = Field(256, ge=16)  # tokens per training sequence (longer ones keep their end)
     lr: float = Field(2e-3, gt=0.0)
     warmup: int = Field(10, ge=0)  # linear warm-up steps, then cosine decay to 10%
-    ce_weight: float = Field(0.1, ge=0.0)  # loss = SmoothL1(feature) + ce_weight * CE
+    ce_weight: float = Field(0.1, ge=0.0)  # loss = SmoothL1(feature) + ce_weight * soft CE
     noise: float = Field(0.1, ge=0.0)  # std of Gaussian noise on input features (relative to their rms)
     unroll: int = Field(3, ge=1, le=8)  # training-time test: steps the head runs on its own features
     unroll_decay: float = Field(0.8, gt=0.0, le=1.0)  # loss weight of unrolled step i: decay**i
     draft_vocab: int = Field(8192, ge=0)  # draft over the N most frequent target tokens (0: full vocab)
-    checkpoint_every: int = Field(10, ge=1)  # steps between resumable checkpoints
-    eval_fraction: float = Field(0.05, ge=0.0, lt=0.5)  # sequences kept out of training to measure acceptance
+    eval_fraction: float = Field(0.05, ge=0.0, lt=0.5)  # prompts kept out of training (validation, early stopping)
+    eval_every: int = Field(25, ge=1)  # steps between validation losses
+    patience: int = Field(4, ge=0)  # validations without improvement before stopping (0: never stop early)
+    checkpoint_every: int = Field(25, ge=1)  # steps between resumable checkpoints
+    medusa_heads: int = Field(4, ge=1, le=16)  # spec.method=medusa: heads (the deepest draft they allow)
+    draft_layers: int = Field(4, ge=1, le=64)  # spec.method=draft_model: decoder layers of the draft model
     seed: int = 0
 
 

@@ -1,0 +1,122 @@
+"""The one data object of the head pipeline: the target's answers with features and labels.
+
+Sequences are laid end to end: sequence i is tokens[offsets[i]:offsets[i+1]] (prompt, then the
+target's answer, EOS included when reached); its answer starts at offsets[i] + starts[i]. Per token j:
+features[j] the target's final hidden state after its final norm (float16; the last token of a
+sequence has none: zeros), labels[j] the target's greedy choice for token j+1 (-100 where unknown:
+prompt positions before the last one), topk_ids / topk_probs [j, k] the target's top-k next-token
+distribution (soft labels; zeros where unknown).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+DATA_FILE = "data.safetensors"
+IGNORE = -100
+
+
+@dataclass
+class DistillData:
+    tokens: torch.Tensor  # int64 [N]
+    features: torch.Tensor  # float16 [N, h]
+    labels: torch.Tensor  # int64 [N]
+    topk_ids: torch.Tensor  # int64 [N, k]
+    topk_probs: torch.Tensor  # float16 [N, k]
+    offsets: torch.Tensor  # int64 [S+1]
+    starts: torch.Tensor  # int64 [S]
+    prompt_idx: torch.Tensor  # int64 [S]: which prompt a sequence answers
+    sampled: torch.Tensor  # int64 [S]: 0 greedy, 1 sampled (all greedy today)
+    meta: dict
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.starts)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def sequence(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(tokens, features, labels, answer start) of sequence i."""
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.tokens[a:b], self.features[a:b], self.labels[a:b], int(self.starts[i])
+
+    def response_labels(self) -> torch.Tensor:
+        """Greedy labels at answer positions (from the last prompt token on): what drafts must hit."""
+        keep = self.labels != IGNORE
+        return self.labels[keep]
+
+    @classmethod
+    def from_answers(cls, prompts: Sequence[Sequence[int]], answers: Sequence[dict], prompt_idx: Sequence[int],
+                     meta: dict) -> "DistillData":
+        """Lay out the answers of engine.heads.answers.answer_batch as one DistillData."""
+        toks, feats, labels, tki, tkp, lens, starts = [], [], [], [], [], [0], []
+        h = answers[0]["features"].shape[1]
+        k = answers[0]["topk_ids"].shape[1]
+        for p, a in zip(prompts, answers):
+            seq = list(p) + a["answer"]
+            n, m = len(seq), len(a["answer"])
+            f = torch.zeros(n, h, dtype=torch.float16)
+            f[: n - 1] = a["features"]
+            lab = torch.full((n,), IGNORE, dtype=torch.long)
+            ids = torch.zeros(n, k, dtype=torch.long)
+            pr = torch.zeros(n, k, dtype=torch.float16)
+            lab[len(p) - 1: n - 1] = torch.tensor(a["answer"])
+            ids[len(p) - 1: n - 1] = a["topk_ids"]
+            pr[len(p) - 1: n - 1] = a["topk_probs"]
+            toks.append(torch.tensor(seq))
+            feats.append(f)
+            labels.append(lab)
+            tki.append(ids)
+            tkp.append(pr)
+            lens.append(n)
+            starts.append(len(p))
+        info = dict(meta)
+        info.update(sequences=len(prompts), tokens=int(sum(lens)))
+        return cls(tokens=torch.cat(toks), features=torch.cat(feats), labels=torch.cat(labels),
+                   topk_ids=torch.cat(tki), topk_probs=torch.cat(tkp),
+                   offsets=torch.tensor(lens).cumsum(0), starts=torch.tensor(starts),
+                   prompt_idx=torch.tensor(list(prompt_idx)), sampled=torch.zeros(len(prompts), dtype=torch.long),
+                   meta=info)
+
+    def subset(self, seqs: Sequence[int]) -> "DistillData":
+        """The sequences `seqs` only (e.g. a training-size sweep)."""
+        idx = torch.cat([torch.arange(int(self.offsets[i]), int(self.offsets[i + 1])) for i in seqs])
+        lens = torch.tensor([0] + [int(self.offsets[i + 1] - self.offsets[i]) for i in seqs])
+        return DistillData(tokens=self.tokens[idx], features=self.features[idx], labels=self.labels[idx],
+                           topk_ids=self.topk_ids[idx], topk_probs=self.topk_probs[idx], offsets=lens.cumsum(0),
+                           starts=self.starts[list(seqs)], prompt_idx=self.prompt_idx[list(seqs)],
+                           sampled=self.sampled[list(seqs)], meta=dict(self.meta, subset=len(seqs)))
+
+    def save(self, path: Path) -> None:
+        """Write atomically (safetensors)."""
+        from safetensors.torch import save_file
+
+        path.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path, prefix=".data.")
+        os.close(fd)
+        save_file({"tokens": self.tokens.to(torch.int32), "features": self.features.to(torch.float16).contiguous(),
+                   "labels": self.labels.to(torch.int32), "topk_ids": self.topk_ids.to(torch.int32).contiguous(),
+                   "topk_probs": self.topk_probs.to(torch.float16).contiguous(), "offsets": self.offsets,
+                   "starts": self.starts, "prompt_idx": self.prompt_idx, "sampled": self.sampled},
+                  tmp, metadata={"meta": json.dumps(self.meta)})
+        os.replace(tmp, path / DATA_FILE)
+
+    @classmethod
+    def load(cls, path: Path) -> "DistillData":
+        from safetensors import safe_open
+
+        with safe_open(str(path / DATA_FILE), framework="pt") as f:
+            meta = json.loads(f.metadata()["meta"])
+            t = {k: f.get_tensor(k) for k in f.keys()}
+        return cls(tokens=t["tokens"].long(), features=t["features"], labels=t["labels"].long(),
+                   topk_ids=t["topk_ids"].long(), topk_probs=t["topk_probs"], offsets=t["offsets"],
+                   starts=t["starts"], prompt_idx=t["prompt_idx"], sampled=t["sampled"], meta=meta)

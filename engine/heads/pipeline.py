@@ -1,0 +1,172 @@
+"""The head pipeline, in order: prompts -> answers -> (features, labels) -> vocabulary -> training ->
+evaluation, and the cache that makes each stage run once.
+
+- Data (`<cache>/distill/<key>/`): key = target weights, prompt texts, chat template, answer length,
+  label top-k. Shared by every head of the same target and prompts.
+- Heads (`<cache>/heads/<model>-<target>/<method>-<workload>-<key>/`): key = the workload, the
+  method and every training setting (data size, vocabulary, loss, steps), so changing any of them
+  trains a new head instead of returning a stale one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from engine.eagle import save_head
+from engine.heads.answers import generate_answers
+from engine.heads.data import DATA_FILE, DistillData
+from engine.heads.evaluate import chain_acceptance
+from engine.heads.prompts import collect_prompts
+from engine.heads.trainer import split_prompts, train_head
+from engine.heads.vocab import always_kept, build_vocab
+from tuner.schema import Config, SpecConfig, TrainConfig, UserError, WorkloadConfig
+
+META = "spectune_meta.json"
+Report = Callable[[str, int, int, dict], None]  # (phase, done, total, info)
+_DATA_SETTINGS = ("prompts", "max_new_tokens", "label_topk", "seed")
+
+
+def _short(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def target_hash(cfg: Config) -> str:
+    """Identity of the target's weights (and of the precision its features are computed in)."""
+    from engine.model import cache_root, file_digest, gguf_path
+
+    m, root = cfg.model, cache_root(cfg.cache_dir)
+    if m.random_init:
+        basis = f"random:{m.model_dump_json()}:{cfg.seed}"
+    elif m.local_path:
+        p = Path(m.local_path).expanduser()
+        weights = sorted(p.glob("*.safetensors")) or sorted(p.glob("*.bin"))
+        basis = "local:" + ",".join(file_digest(w, root) for w in weights) if weights else f"local:{p.resolve()}"
+    elif m.gguf is not None:
+        basis = "gguf:" + file_digest(gguf_path(m.gguf.package, m.gguf.file), root)
+    else:
+        basis = f"hub:{m.hf_id}"
+    return _short(f"{basis}:fp8={cfg.engine.builtin.fp8_weights}")
+
+
+def data_key(thash: str, prompts: Sequence, chat_template: bool, tc: TrainConfig) -> str:
+    """Identity of a data set: target, prompt texts, chat template and the answer settings."""
+    return _short(json.dumps([thash, [p.text for p in prompts], chat_template,
+                              {k: getattr(tc, k) for k in _DATA_SETTINGS}]))
+
+
+def head_key(cfg: Config, method: str) -> str:
+    """Identity of a head: workload, method and every training setting."""
+    return _short(json.dumps([cfg.workload.model_dump(mode="json"), method,
+                              cfg.train.model_dump(mode="json", exclude={"checkpoint_every"})], sort_keys=True))
+
+
+def head_dir(cfg: Config, method: str = "eagle") -> Path:
+    """Where the head for (target, workload, method, training settings) lives."""
+    from engine.model import cache_root
+
+    if cfg.workload is None:
+        raise UserError("train-draft needs a workload: add +workload=NAME")
+    return (cache_root(cfg.cache_dir) / "heads" / f"{cfg.model.name}-{target_hash(cfg)}"
+            / f"{method}-{cfg.workload.name}-{head_key(cfg, method)}")
+
+
+def cached_head(cfg: Config, method: str = "eagle") -> Path | None:
+    """The finished head for cfg, if one was trained."""
+    out = head_dir(cfg, method)
+    return out if (out / META).is_file() else None
+
+
+def build_data(cfg: Config, engine, workloads: Sequence[WorkloadConfig] = (), report: Report | None = None) -> DistillData:
+    """Stages 1-2: the training prompts and the target's answers with features and labels (cached)."""
+    from engine.model import cache_root
+
+    tc = cfg.train
+    thash = target_hash(cfg)
+    prompts = collect_prompts(cfg.workload, workloads, tc.prompts, tc.seed)
+    if not prompts:
+        raise UserError("train-draft: no training prompts (all were held out?)")
+    chat = cfg.workload.chat_template
+    key = data_key(thash, prompts, chat, tc)
+    path = cache_root(cfg.cache_dir) / "distill" / key
+    if (path / DATA_FILE).is_file():
+        return DistillData.load(path)
+    tok = engine.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else min(engine.eos)
+
+    def progress(done: int, total: int, tokens: int, seconds: float) -> None:
+        if report:
+            report("generate", done, total, {"tokens": tokens, "tok_s": tokens / max(seconds, 1e-9)})
+
+    encoded = [engine.encode_prompt(p.text, chat) for p in prompts]
+    data = generate_answers(engine.model, encoded, tc.max_new_tokens, engine.eos, pad, tc.gen_batch, tc.label_topk,
+                            on_progress=progress,
+                            meta={"key": key, "target": thash, "sources": _sources(prompts),
+                                  "workloads": [cfg.workload.name, *[w.name for w in workloads]]})
+    data.save(path)
+    return data
+
+
+def _sources(prompts: Sequence) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for p in prompts:
+        s = p.source.split("/")[0]
+        out[s] = out.get(s, 0) + 1
+    return out
+
+
+def ensure_head(cfg: Config, engine=None, retrain: bool = False, workloads: Sequence[WorkloadConfig] = (),
+                report: Report | None = None, method: str = "eagle") -> Path:
+    """The head directory for cfg: the cached one, or a newly trained one (retrain=True trains again,
+    reusing generated data). `workloads` are the other packaged workloads: their held-out prompts are
+    excluded from the data too."""
+    if cfg.workload is None:
+        raise UserError("train-draft needs a workload: add +workload=NAME")
+    if method != "eagle":
+        raise UserError(f"spec.method={method}: train-draft trains eagle heads here")
+    out = head_dir(cfg, method)
+    work = out.parent / f".{out.name}.work"  # checkpoints of a run in progress
+    if not retrain and (out / META).is_file():
+        return out
+    if retrain:
+        (out / META).unlink(missing_ok=True)
+        shutil.rmtree(work, ignore_errors=True)
+    if engine is None:
+        from engine.loop import Engine
+
+        engine = Engine.from_config(cfg.model_copy(update={"spec": SpecConfig()}))
+    t0 = time.perf_counter()
+    data = build_data(cfg, engine, workloads, report)
+    vocab_size = engine.model.get_output_embeddings().weight.shape[0]
+    vocab = build_vocab(data, cfg.train.draft_vocab, vocab_size, always_kept(engine.tokenizer, vocab_size, sorted(engine.eos)))
+    head, summary = train_head(data, engine.model, cfg.train, vocab, work, report)
+    _, val = split_prompts(data, cfg.train.eval_fraction, cfg.train.seed)
+    embed = engine.model.get_input_embeddings().weight.detach().float()
+    lm = engine.model.get_output_embeddings().weight.detach().float()
+    lm_w = lm if vocab is None else lm[vocab.ids]
+    summary.update(chain_acceptance(head, embed, lm_w, None if vocab is None else vocab.ids, data, val, cfg.train.seq_len))
+    summary.update(draft_vocab=0 if vocab is None else len(vocab.ids),
+                   draft_vocab_coverage=1.0 if vocab is None else round(vocab.coverage(data.response_labels()), 4))
+    if out.exists():
+        shutil.rmtree(out)
+    save_head(head, out)
+    meta = {"target": cfg.model.name, "target_hash": target_hash(cfg), "workload": cfg.workload.name,
+            "method": method, "data": dict(data.meta), "train": cfg.train.model_dump(mode="json"), "seed": cfg.train.seed,
+            **summary, "total_seconds": round(time.perf_counter() - t0, 1)}
+    (out / META).write_text(json.dumps(meta, indent=2) + "\n")
+    shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def read_meta(path: str | Path) -> dict:
+    """The spectune metadata of a trained head directory."""
+    p = Path(path) / META
+    if not p.is_file():
+        raise UserError(f"{path}: no {META} (not a head trained by tuner train-draft)")
+    return json.loads(p.read_text())

@@ -1,0 +1,270 @@
+"""Stage 4 of the head pipeline: training an EAGLE head on the target's own answers.
+
+Loss at input position t (token t+1, feature t), over `unroll` training-time-test steps j:
+SmoothL1(predicted feature, feature t+1+j) + ce_weight * soft CE against the target's top-k
+distribution for token t+2+j, restricted to the draft vocabulary and renormalised there. Step j > 0
+feeds the head its own step j-1 output as the feature, with the attention a depth-(j+1) tree node has
+(real-feature keys of positions <= t plus its own earlier steps at t); step j's loss weighs
+decay**j. Input features get Gaussian noise, as in EAGLE, so the head tolerates its own errors.
+
+Early stopping: every `eval_every` steps the loss on a validation split (whole prompts that share
+nothing with any held-out set) is measured; training stops after `patience` evaluations without
+improvement and keeps the best weights. Deterministic given the seed (batch order and noise derive
+from (seed, step)); a resumable checkpoint every `checkpoint_every` steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.eagle import EagleHead, head_config
+from engine.heads.data import IGNORE, DistillData
+from engine.heads.vocab import DraftVocab
+from tuner.schema import TrainConfig, UserError
+
+CKPT = "checkpoint.pt"
+Report = Callable[[str, int, int, dict], None]  # (phase, done, total, info)
+
+
+def split_prompts(data: DistillData, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(training sequences, validation sequences), split by whole prompts."""
+    prompts = sorted(set(data.prompt_idx.tolist()))
+    g = torch.Generator().manual_seed(seed)
+    perm = [prompts[i] for i in torch.randperm(len(prompts), generator=g).tolist()]
+    n_eval = max(1, int(round(fraction * len(prompts)))) if len(prompts) > 1 and fraction > 0 else 0
+    ev = set(perm[:n_eval])
+    pidx = data.prompt_idx.tolist()
+    return ([i for i in range(data.num_sequences) if pidx[i] not in ev],
+            [i for i in range(data.num_sequences) if pidx[i] in ev])
+
+
+def make_batch(data: DistillData, seqs: Sequence[int], seq_len: int, device: torch.device | str = "cpu") -> dict:
+    """Right-padded tensors of the sequences (a sequence longer than seq_len keeps its last seq_len
+    tokens: RoPE is relative, so cutting the start of a long prompt only shortens the context)."""
+    rows = []
+    for i in seqs:
+        a, b = int(data.offsets[i]), int(data.offsets[i + 1])
+        a = max(a, b - seq_len)
+        rows.append((a, b))
+    n = max(b - a for a, b in rows)
+    bsz, h, k = len(rows), data.features.shape[1], data.topk_ids.shape[1]
+    out = {"tokens": torch.zeros(bsz, n, dtype=torch.long), "features": torch.zeros(bsz, n, h),
+           "labels": torch.full((bsz, n), IGNORE, dtype=torch.long), "topk_ids": torch.zeros(bsz, n, k, dtype=torch.long),
+           "topk_probs": torch.zeros(bsz, n, k), "lens": torch.zeros(bsz, dtype=torch.long)}
+    for r, (a, b) in enumerate(rows):
+        m = b - a
+        out["tokens"][r, :m] = data.tokens[a:b]
+        out["features"][r, :m] = data.features[a:b].float()
+        out["labels"][r, :m] = data.labels[a:b]
+        out["topk_ids"][r, :m] = data.topk_ids[a:b]
+        out["topk_probs"][r, :m] = data.topk_probs[a:b].float()
+        out["lens"][r] = m
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def _shift(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x[:, t+k] at index t, zero-padded at the end."""
+    if k == 0:
+        return x
+    return torch.cat([x[:, k:], torch.zeros_like(x[:, :k])], dim=1)
+
+
+def _ttt_mask(n: int, step: int, device: torch.device) -> torch.Tensor:
+    """[1, 1, n, (step+1)*n] bool: causal over the real-feature keys, then the query's own keys of
+    the earlier unrolled steps (one diagonal per step), as a depth-(step+1) tree node sees."""
+    causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(n, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [eye] * step, dim=1)[None, None]
+
+
+def unrolled(head: EagleHead, embed: torch.Tensor, toks: torch.Tensor, feats: torch.Tensor,
+             steps: int) -> list[torch.Tensor]:
+    """The head's predicted features for `steps` unrolled steps; out[j][:, t] predicts feature t+1+j."""
+    b, n, _ = feats.shape
+    pos = torch.arange(n, device=feats.device)[None].expand(b, n)
+    x, past, outs = feats, None, []
+    for j in range(steps):
+        e = F.embedding(_shift(toks, 1 + j), embed)
+        mask = None if j == 0 else _ttt_mask(n, j, feats.device)
+        x, past = head(e, x, pos + j, mask, past)
+        outs.append(x)
+    return outs
+
+
+def soft_targets(topk_ids: torch.Tensor, topk_probs: torch.Tensor, t2d: torch.Tensor | None,
+                 draft_size: int) -> torch.Tensor:
+    """[M, draft_size] target distribution from top-k (ids, probs), renormalised over the draft
+    vocabulary (rows whose top-k all fall outside it are all zero)."""
+    ids = topk_ids if t2d is None else t2d[topk_ids]
+    probs = topk_probs * (ids >= 0)
+    out = torch.zeros(ids.shape[0], draft_size, device=ids.device)
+    out.scatter_add_(1, ids.clamp(min=0), probs)
+    return out / out.sum(-1, keepdim=True).clamp(min=1e-9)
+
+
+def step_loss(head: EagleHead, embed: torch.Tensor, lm_w: torch.Tensor, t2d: torch.Tensor | None,
+              batch: dict, tc: TrainConfig, noise_std: float, gen: torch.Generator | None) -> tuple[torch.Tensor, dict]:
+    """The training loss of one batch and its parts at step 0 (feature loss, CE, top-1 accuracy)."""
+    toks, feats, lens = batch["tokens"], batch["features"], batch["lens"]
+    x = feats if noise_std <= 0 else feats + noise_std * torch.randn(feats.shape, generator=gen).to(feats.device)
+    outs = unrolled(head, embed, toks, x, tc.unroll)
+    idx = torch.arange(toks.shape[1], device=toks.device)[None]
+    total, wsum, parts = feats.new_zeros(()), 0.0, {}
+    for j, out in enumerate(outs):
+        # the feature of token t+1+j exists for t+1+j <= len-2 (the last token has none)
+        v_feat = idx < (lens[:, None] - 2 - j)
+        lab = _shift(batch["labels"], 1 + j)
+        v_ce = (lab != IGNORE) & (idx < (lens[:, None] - 1 - j))
+        if not bool(v_ce.any()):
+            continue
+        l_feat = F.smooth_l1_loss(out[v_feat], _shift(feats, 1 + j)[v_feat]) if bool(v_feat.any()) else feats.new_zeros(())
+        logits = out[v_ce] @ lm_w.T
+        tgt = soft_targets(_shift(batch["topk_ids"], 1 + j)[v_ce], _shift(batch["topk_probs"], 1 + j)[v_ce], t2d, lm_w.shape[0])
+        l_ce = -(tgt * F.log_softmax(logits, -1)).sum(-1).mean()
+        w = tc.unroll_decay ** j
+        total = total + w * (l_feat + tc.ce_weight * l_ce)
+        wsum += w
+        if j == 0:
+            with torch.no_grad():
+                hard = lab[v_ce] if t2d is None else t2d[lab[v_ce]]
+                parts = {"feat": float(l_feat), "ce": float(l_ce),
+                         "acc": float((logits.argmax(-1) == hard).float().mean())}
+    return total / max(wsum, 1e-9), parts
+
+
+def init_head(target_config, seed: int) -> EagleHead:
+    """A fresh trainable EAGLE-1 head (fp32, PyTorch's default init), seeded."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        head = EagleHead(head_config(target_config)).float()
+    return head.train().requires_grad_(True)
+
+
+def _lr(tc: TrainConfig, step: int, total: int) -> float:
+    if step < tc.warmup:
+        return tc.lr * (step + 1) / tc.warmup
+    p = (step - tc.warmup) / max(1, total - tc.warmup)
+    return tc.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(p, 1.0))))
+
+
+def _batch_ids(train_seqs: list[int], tc: TrainConfig, step: int) -> list[int]:
+    """Sequences of one step: epoch-wise permutations seeded by (seed, epoch), so any step's batch is
+    known without replaying the ones before (resume is exact)."""
+    per_epoch = max(1, len(train_seqs) // tc.batch)
+    epoch, k = divmod(step, per_epoch)
+    g = torch.Generator().manual_seed(tc.seed * 7919 + epoch)
+    perm = torch.randperm(len(train_seqs), generator=g).tolist()
+    return [train_seqs[i] for i in perm[k * tc.batch:(k + 1) * tc.batch]] or train_seqs[:tc.batch]
+
+
+def total_steps(tc: TrainConfig, n_train_seqs: int) -> int:
+    """Steps of a run: train.epochs over the training sequences, capped by train.steps."""
+    per_epoch = max(1, n_train_seqs // tc.batch)
+    return max(1, min(tc.steps, int(math.ceil(tc.epochs * per_epoch))))
+
+
+@torch.no_grad()
+def validation_loss(head: EagleHead, embed: torch.Tensor, lm_w: torch.Tensor, t2d: torch.Tensor | None,
+                    data: DistillData, seqs: Sequence[int], tc: TrainConfig, device) -> float:
+    """Mean loss (no noise) over the validation sequences."""
+    was = head.training
+    head.eval()
+    losses = []
+    for a in range(0, len(seqs), tc.batch):
+        batch = make_batch(data, seqs[a:a + tc.batch], tc.seq_len, device)
+        losses.append(float(step_loss(head, embed, lm_w, t2d, batch, tc, 0.0, None)[0]))
+    head.train(was)
+    return sum(losses) / max(len(losses), 1)
+
+
+def train_head(data: DistillData, target: torch.nn.Module, tc: TrainConfig, vocab: DraftVocab | None, work: Path,
+               report: Report | None = None) -> tuple[EagleHead, dict]:
+    """Train a head on `data` (early stopping on a validation split), resuming from
+    work/checkpoint.pt when it was written by the same data and settings. Returns (head in eval
+    mode with the best validation weights, summary)."""
+    work.mkdir(parents=True, exist_ok=True)
+    device = next(target.parameters()).device
+    embed = target.get_input_embeddings().weight.detach().float()
+    lm_full = target.get_output_embeddings().weight.detach().float()
+    lm_w = lm_full if vocab is None else lm_full[vocab.ids.to(device)].contiguous()
+    t2d = None if vocab is None else vocab.t2d.to(device)
+    train_seqs, val_seqs = split_prompts(data, tc.eval_fraction, tc.seed)
+    if not train_seqs:
+        raise UserError("train-draft: no training sequences (raise train.prompts or lower train.eval_fraction)")
+    steps = total_steps(tc, len(train_seqs))
+    rms = float(data.features[: min(len(data.features), 100_000)].float().pow(2).mean().sqrt())
+    fingerprint = hashlib.sha256(json.dumps([data.meta.get("key"), tc.model_dump(exclude={"checkpoint_every"}),
+                                             None if vocab is None else len(vocab.ids)], sort_keys=True).encode()).hexdigest()[:16]
+    head = init_head(target.config, tc.seed).to(device)
+    opt = torch.optim.AdamW(head.parameters(), lr=tc.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    state = {"step": 0, "history": [], "val": [], "best": None, "best_val": float("inf"), "bad": 0}
+    ckpt = work / CKPT
+    if ckpt.is_file():
+        saved = torch.load(ckpt, map_location="cpu", weights_only=False)
+        if saved.get("fingerprint") == fingerprint:
+            head.load_state_dict(saved["head"])
+            opt.load_state_dict(saved["opt"])
+            state = saved["state"]
+    start = state["step"]
+    t0 = time.perf_counter()
+    tokens = 0
+    stopped_early = False
+    for step in range(start, steps):
+        for g in opt.param_groups:
+            g["lr"] = _lr(tc, step, steps)
+        batch = make_batch(data, _batch_ids(train_seqs, tc, step), tc.seq_len, device)
+        tokens += int(batch["lens"].sum())
+        gen = torch.Generator().manual_seed(tc.seed * 1_000_003 + step)
+        loss, parts = step_loss(head, embed, lm_w, t2d, batch, tc, tc.noise * rms, gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
+        opt.step()
+        state["history"].append(round(float(loss.detach()), 5))
+        done = step + 1
+        info = {"loss": float(loss.detach()), **parts, "tok_s": tokens / max(time.perf_counter() - t0, 1e-9)}
+        if val_seqs and (done % tc.eval_every == 0 or done == steps):
+            v = validation_loss(head, embed, lm_w, t2d, data, val_seqs, tc, device)
+            state["val"].append((done, round(v, 5)))
+            info["val"] = v
+            if v < state["best_val"] - 1e-4:
+                state.update(best_val=v, bad=0, best={k: t.detach().clone() for k, t in head.state_dict().items()})
+            else:
+                state["bad"] += 1
+        state["step"] = done
+        if done % tc.checkpoint_every == 0 or done == steps:
+            _save_ckpt(ckpt, head, opt, fingerprint, state)
+        if report:
+            report("train", done, steps, info)
+        if tc.patience and state["bad"] >= tc.patience:
+            stopped_early = True
+            break
+    if state["best"] is not None:
+        head.load_state_dict(state["best"])
+    head.eval().requires_grad_(False)
+    head.draft_ids = None if vocab is None else vocab.ids
+    summary = {"steps": state["step"], "max_steps": steps, "stopped_early": stopped_early, "resumed_from": start,
+               "train_seconds": round(time.perf_counter() - t0, 1),
+               "train_tok_s": round(tokens / max(time.perf_counter() - t0, 1e-9), 1),
+               "loss_first": state["history"][0] if state["history"] else None,
+               "loss_last": state["history"][-1] if state["history"] else None,
+               "val_loss": state["val"], "best_val_loss": None if not state["val"] else round(state["best_val"], 5),
+               "train_sequences": len(train_seqs), "val_sequences": len(val_seqs)}
+    return head, summary
+
+
+def _save_ckpt(path: Path, head: EagleHead, opt: torch.optim.Optimizer, fingerprint: str, state: dict) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".ckpt.")
+    os.close(fd)
+    torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "fingerprint": fingerprint, "state": state}, tmp)
+    os.replace(tmp, path)
