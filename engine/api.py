@@ -25,7 +25,7 @@ class SamplingParams:
 @dataclass
 class GenStats:
     """What one generation measured. tau counts tokens per target forward over ALL steps
-    (prefill forward included, bonus token included), the DESIGN.md definition."""
+    (prefill forward included, bonus token included), as docs/design.md defines it."""
 
     new_tokens: int = 0
     target_forwards: int = 0  # prefill + every verify/decode forward

@@ -146,3 +146,18 @@ def test_the_checks_catch_a_cycle_and_each_forbidden_import(tmp_path: Path) -> N
         "engine.m -> tuner.a: engine imports tuner beyond tuner.schema",
         "tuner.b -> tuner.cli_x: library code imports the command line",
     ]
+
+
+def test_no_file_cites_a_design_file_users_do_not_get() -> None:
+    """The project's design doc is docs/design.md; nothing may point elsewhere."""
+    import subprocess
+
+    import pytest
+
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout")
+    needles = [("DESIGN" + ".md").encode(), ("../" + "shared").encode()]
+    hits = [name for name in listed.stdout.decode().split("\0") if name and (ROOT / name).is_file()
+            and any(n in (ROOT / name).read_bytes() for n in needles)]
+    assert hits == []
