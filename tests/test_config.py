@@ -151,3 +151,23 @@ def test_config_found_from_installed_wheel(tmp_path: Path) -> None:
     where, name = p.stdout.split()
     assert Path(where) == target / "tuner" / "conf" and name == "code"
     assert str(conf_dir()).startswith(str(REPO))  # and the checkout still finds its own conf/
+
+
+def test_a_method_the_engine_cannot_run_is_refused_before_any_trial() -> None:
+    """search.methods is checked against the chosen engine at validation, in one line naming the key."""
+    import subprocess
+    import sys
+
+    from tuner.config import load_config
+    from tuner.schema import ENGINE_METHODS, UserError
+
+    for kind in ("builtin", "vllm"):
+        assert set(ENGINE_METHODS[kind]) == {"off", "ngram", "draft_model", "eagle", "eagle3", "medusa"}
+    with pytest.raises(UserError, match=r"search.methods=\['medusa'\] with engine=sglang"):
+        load_config(["engine=sglang", "hardware=h100x8", "spec.method=eagle", "search.methods=[eagle,medusa]"])
+    load_config(["engine=sglang", "hardware=h100x8", "spec.method=eagle", "search.methods=[eagle,eagle3]"])
+    out = subprocess.run([sys.executable, "-m", "tuner.cli", "optimize", "+workload=code", "engine=sglang",
+                          "hardware=h100x8", "spec.method=eagle", "search.methods=[ngram]"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "search.methods=['ngram'] with engine=sglang" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -22,6 +22,12 @@ class _Strict(BaseModel):
 
 
 SpecMethod = Literal["off", "eagle", "eagle3", "draft_model", "ngram", "medusa"]
+# What each engine can run (a method outside its list is refused before any trial is measured).
+ENGINE_METHODS: dict[str, tuple[str, ...]] = {
+    "builtin": ("off", "ngram", "draft_model", "eagle", "eagle3", "medusa"),
+    "vllm": ("off", "ngram", "draft_model", "eagle", "eagle3", "medusa"),
+    "sglang": ("off", "eagle", "eagle3"),
+}
 TREE_METHODS = ("eagle", "eagle3", "draft_model", "medusa")  # methods whose drafter can branch
 
 
@@ -425,8 +431,12 @@ class Config(_Strict):
     def _combination(self) -> "Config":
         if self.engine.kind == "vllm" and self.spec.method != "off" and self.spec.topk != 1:
             raise ValueError(f"spec.topk={self.spec.topk} with engine=vllm: vLLM verifies chains only, topk must be 1")
-        if self.engine.kind == "sglang" and self.spec.method not in ("off", "eagle", "eagle3"):
-            raise ValueError(f"spec.method={self.spec.method} with engine=sglang: allowed are off, eagle, eagle3")
+        allowed = ENGINE_METHODS[self.engine.kind]
+        if self.spec.method not in allowed:
+            raise ValueError(f"spec.method={self.spec.method} with engine={self.engine.kind}: allowed are {', '.join(allowed)}")
+        bad = [m for m in self.search.methods if m not in allowed]
+        if bad:
+            raise ValueError(f"search.methods={bad} with engine={self.engine.kind}: this engine runs {', '.join(allowed)}")
         if self.hardware.accelerator == "cpu" and self.engine.kind == "sglang":
             raise ValueError("engine=sglang with hardware=cpu: SGLang needs a CUDA GPU (allowed engines on cpu: builtin, vllm)")
         return self
