@@ -13,6 +13,7 @@ from transformers import DynamicCache
 from engine.api import GenResult, GenStats, SamplingParams, TokenCallback
 from engine.cache import commit, new_cache
 from engine.drafters import Drafter, make_drafter
+from engine.llama import KVCache, LeanForward, lean_forward
 from engine.model import Target, load_target
 from engine.tree import Tree
 from engine.verify import process_logits, verify
@@ -89,8 +90,10 @@ class _Stopper:
 class Engine:
     """The built-in engine: one target per process, any drafter, the TextEngine contract."""
 
-    def __init__(self, target: Target, max_context: int, spec: SpecConfig | None = None, seed: int = 0) -> None:
+    def __init__(self, target: Target, max_context: int, spec: SpecConfig | None = None, seed: int = 0,
+                 lean: LeanForward | None = None) -> None:
         self.target = target
+        self.lean = lean  # the engine's own forward (engine.llama); None: the HF model's
         self.model = target.model
         self.tokenizer = target.tokenizer
         self.model_name = target.name
@@ -108,8 +111,10 @@ class Engine:
         """Load (or reuse) the target of cfg.model under cfg.engine.builtin and apply cfg.spec."""
         if cfg.engine.builtin.threads:
             torch.set_num_threads(cfg.engine.builtin.threads)
-        target = load_target(cfg.model, cfg.engine.builtin, cfg.cache_dir, cfg.seed)
-        return cls(target, cfg.model.max_context, cfg.spec, cfg.seed)
+        b = cfg.engine.builtin
+        target = load_target(cfg.model, b, cfg.cache_dir, cfg.seed)
+        lean = lean_forward(target, b.compile, cfg.cache_dir) if b.forward == "lean" else None
+        return cls(target, cfg.model.max_context, cfg.spec, cfg.seed, lean)
 
     def _eos_ids(self) -> set[int]:
         ids = set()
@@ -137,9 +142,26 @@ class Engine:
                                                       add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, cache: DynamicCache,
-                 mask: torch.Tensor | None, last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, tree: Tree | None, tokens: list[int], prefix: int, cache: DynamicCache | KVCache,
+                 last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run `tokens` (the prompt when `tree` is None, else the tree's nodes) after `prefix` cached
+        positions: (final normed hidden [n, h], logits [n or 1, V])."""
         aux_layers = self.drafter.aux_layers if self.drafter is not None else None
+        if self.lean is not None:
+            branching = tree is not None and not tree.is_chain
+            hidden, logits, self._aux = self.lean.step(
+                cache, tokens, tree.depths if branching else None, tree.ancestors(self.device) if branching else None,
+                last_only, aux_layers)
+            return hidden, logits
+        dev = self.device
+        ids = torch.tensor([tokens], device=dev)
+        if tree is None:
+            pos = torch.arange(prefix, prefix + len(tokens), device=dev)[None]
+            mask = None
+        else:
+            # a chain is causal: HF builds that mask itself; a branching tree needs the ancestor mask
+            pos = tree.position_ids(prefix, dev)
+            mask = None if tree.is_chain else tree.attention_mask(prefix, dev)
         out = self.model.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache,
                                use_cache=True, output_hidden_states=bool(aux_layers))
         hidden = out.last_hidden_state[0]
@@ -180,14 +202,17 @@ class Engine:
             gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
         stats = GenStats(accepted_per_pos=[0] * (self.spec.depth if self.drafter else 0))
         stop = _Stopper(self.tokenizer, self.eos, params, on_tokens)
-        cache = new_cache(self.model.config)
+        if self.lean is not None:
+            room = max(self.spec.budget, self.spec.depth + 1) if self.drafter is not None else 1
+            cache = self.lean.new_cache(min(len(prompt_ids) + params.max_new_tokens, self.max_context) + room)
+        else:
+            cache = new_cache(self.model.config)
         drafter = self.drafter
         if drafter is not None:
             drafter.reset(prompt_ids)
 
         t = time.perf_counter()
-        ids_t = torch.tensor([prompt_ids], device=dev)
-        hidden, logits = self._forward(ids_t, torch.arange(len(prompt_ids), device=dev)[None], cache, None, True)
+        hidden, logits = self._forward(None, list(prompt_ids), 0, cache, True)
         ids = list(prompt_ids)
         ids.append(self._pick(logits[-1], params, gen))
         if drafter is not None:
@@ -209,17 +234,15 @@ class Engine:
                     break
                 tree = Tree([ids[-1]], [-1], [0])  # near the context limit: decode as AR would
             n = tree.size
+            hidden, logits = self._forward(tree, tree.tokens, prefix, cache, False)
             if n == 1:
-                hidden, logits = self._forward(torch.tensor([[ids[-1]]], device=dev),
-                                               torch.tensor([[prefix]], device=dev), cache, None, False)
                 path, bonus = [0], self._pick(logits[0], params, gen)
             else:
-                # a chain is causal: HF builds that mask itself; a branching tree needs the ancestor mask
-                mask = None if tree.is_chain else tree.attention_mask(prefix, dev)
-                hidden, logits = self._forward(torch.tensor([tree.tokens], device=dev),
-                                               tree.position_ids(prefix, dev), cache, mask, False)
                 path, bonus = verify(tree, logits, params, gen)
-                commit(cache, prefix, path)
+                if self.lean is not None:
+                    cache.commit(prefix, path)
+                else:
+                    commit(cache, prefix, path)
                 stats.draft_steps += 1
                 stats.drafted_tokens += n - 1
                 stats.accepted_tokens += len(path) - 1
