@@ -191,8 +191,6 @@ class BuiltinEngineConfig(_Strict):
     onednn_linears: bool = True  # CPU fp32: linears through oneDNN (engine/cpu_linear.py); false: plain nn.Linear
     forward: Literal["lean", "hf"] = "hf"  # lean: the engine's own Llama forward (engine/llama.py); hf: transformers'
     compile: bool = False  # lean only: torch.compile the decoder layer (artifacts cached on disk; CUDA graphs on cuda)
-    forward: Literal["lean", "hf"] = "hf"  # lean: the engine's own Llama forward (engine/llama.py); hf: transformers'
-    compile: bool = False  # lean only: torch.compile the decoder layer (artifacts cached on disk; CUDA graphs on cuda)
 
 
 class LaunchedEngineConfig(_Strict):
