@@ -245,3 +245,62 @@ def test_drafter_with_a_wrong_q_is_detected(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(B, "build_dynamic_tree", wrong)
     spec = SpecConfig(method="draft_model", depth=1, topk=1, budget=2, draft_model="x")
     assert _pvalue(_drafter_empirical(_draft_model_drafter, spec)) < 1e-6
+
+
+# A drafter over a draft-vocabulary subset (EAGLE-3's d2t idea): it scores only 4 of the 6 tokens,
+# builds its tree in draft ids and maps it to target ids once (engine.drafters.base.to_target_vocab).
+# Verification is against the full target distribution, so the output must stay exactly p.
+SUBSET = torch.tensor([0, 2, 3, 5])
+
+
+def _subset_drafter(spec):
+    from engine.drafters.base import ModelDrafter
+
+    _, q = _tables()
+    logq = torch.log(q[:, SUBSET])  # draft distribution over the subset only
+
+    class TableSubsetDrafter(ModelDrafter):
+        draft_vocab = SUBSET
+        vocab_size = VOCAB
+
+        def _catch_up(self, ids):
+            return logq[ids[-1]]
+
+        def _run(self, tokens, parent_slots, positions, mask):
+            return logq[SUBSET[torch.tensor(tokens)]]  # tokens arrive in draft ids
+
+        def _rollback(self):
+            pass
+
+    d = TableSubsetDrafter(spec, torch.device("cpu"))
+    return d, lambda seq, gen: d.draft(seq, PARAMS, gen)
+
+
+SUBSET_SPECS = [SpecConfig(method="eagle3", depth=2, topk=2, budget=5),
+                SpecConfig(method="eagle3", depth=3, topk=1, budget=4)]
+
+
+@pytest.mark.parametrize("spec", SUBSET_SPECS, ids=lambda s: s.key())
+def test_subset_drafter_is_lossless(spec: SpecConfig) -> None:
+    d, tree_of = _subset_drafter(spec)
+    tree = tree_of([START], torch.Generator().manual_seed(0))
+    assert set(tree.tokens[1:]) <= set(SUBSET.tolist())  # it never proposes a token outside the subset
+    assert _pvalue(_drafter_empirical(_subset_drafter, spec)) > 1e-3
+
+
+def test_subset_mapped_to_the_wrong_ids_is_detected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: q laid into the first columns instead of the subset's target ids."""
+    import engine.drafters.base as B
+
+    real = B.to_target_vocab
+
+    def wrong(tree, draft_vocab, vocab_size):
+        out = real(tree, draft_vocab, vocab_size)
+        for p, dist in tree.q.items():
+            full = dist.new_zeros(vocab_size)
+            full[: len(draft_vocab)] = dist
+            out.q[p] = full
+        return out
+
+    monkeypatch.setattr(B, "to_target_vocab", wrong)
+    assert _pvalue(_drafter_empirical(_subset_drafter, SUBSET_SPECS[1])) < 1e-6
