@@ -1,0 +1,232 @@
+"""EAGLE heads on the packaged SmolLM2: data rate, tau against training data, draft vocabulary, and
+held-out speed against AR and n-gram, in one run.
+
+    python benchmarks/draft_heads.py [--prompts 640] [--sizes 0.125,0.25,0.5,1] [--vocabs 4096,8192,16384,0]
+                                     [--trees 4x4x16,5x4x16,6x2x12,3x4x12,6x8x16] [--heldout code,chat,math]
+
+1. Data: the target answers the training prompts with engine.heads (batched, on-policy, greedy); its
+   tokens/s against the engine's batch-1 greedy rate measured in the same process.
+2. Heads trained on 4 nested shares of the data (whole prompts), each evaluated on the code
+   workload's held-out prompts (never trained on) at the first tree: tau against training tokens (PNG).
+3. The head trained on all data: held-out code prompts at T=0, AR, n-gram chains and each EAGLE tree
+   (depth x topk x budget): tok/s, tau, speedup over AR, draft ms per step; every row token-identical
+   to AR. Held-out tau of the best tree on the other workloads.
+4. Draft vocabulary: the same head drafting over nested top-N subsets (the head's features do not
+   depend on N: EAGLE-1 scores them with the target's own lm_head rows): coverage, tau, tok/s.
+The last output line is one JSON object. Timings are those of the machine at the time: ratios in one
+run are what to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from engine.api import SamplingParams  # noqa: E402
+from engine.drafters import EagleDrafter  # noqa: E402
+from engine.heads.pipeline import build_data  # noqa: E402
+from engine.heads.trainer import split_prompts, train_head  # noqa: E402
+from engine.heads.vocab import always_kept, build_vocab  # noqa: E402
+from engine.loop import Engine  # noqa: E402
+from engine.workloads import load_prompts  # noqa: E402
+from tuner.config import load_config, packaged_workloads  # noqa: E402
+from tuner.schema import SpecConfig, UserError  # noqa: E402
+
+
+def parse_tree(text: str) -> SpecConfig:
+    d, k, b = (int(x) for x in text.split("x"))
+    return SpecConfig(method="eagle", depth=d, topk=k, budget=b)
+
+
+def run_rows(engine: Engine, prompts: list[list[int]], max_new: int, spec: SpecConfig, head=None,
+             ref: list[list[int]] | None = None) -> dict:
+    """Greedy over the prompts: tok/s, tau, draft ms per step, and agreement with `ref`."""
+    if head is not None:
+        engine.set_drafter(EagleDrafter(spec, head, engine.model), spec)
+    else:
+        engine.set_spec(spec)
+    toks, secs, fwd, draft_s, steps, same, outs = 0, 0.0, 0, 0.0, 0, 0, []
+    for i, p in enumerate(prompts):
+        r = engine.generate(p, SamplingParams(max_new_tokens=max_new))
+        toks += len(r.tokens)
+        secs += r.stats.total_s
+        fwd += r.stats.target_forwards
+        draft_s += r.stats.draft_s
+        steps += max(r.stats.draft_steps, 1)
+        outs.append(r.tokens)
+        same += ref is None or r.tokens == ref[i]
+    engine.set_spec(SpecConfig(method="off"))
+    return {"tok_s": toks / secs, "tau": toks / max(fwd, 1), "draft_ms": 1000 * draft_s / steps,
+            "same": same, "n": len(prompts), "tokens": outs}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=None, help="training prompts (default: train.prompts)")
+    ap.add_argument("--sizes", default="0.125,0.25,0.5,1")
+    ap.add_argument("--vocabs", default="4096,8192,16384,0")
+    ap.add_argument("--trees", default="4x4x16,5x4x16,6x2x12,3x4x12,8x2x16")
+    ap.add_argument("--ngram-depths", default="4,8")
+    ap.add_argument("--heldout", default="code,chat,math")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="docs/figures/draft_heads.png")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides (train.*)")
+    args = ap.parse_args()
+    con = Console(stderr=True)
+    torch.set_num_threads(args.threads)
+    over = ["+workload=code", *args.overrides] + ([f"train.prompts={args.prompts}"] if args.prompts else [])
+    cfg = load_config(over)
+    engine = Engine.from_config(cfg)
+    tc = cfg.train
+    trees = [parse_tree(t) for t in args.trees.split(",")]
+
+    # 1. data, and the batch-1 rate in the same process
+    heldout = {w: [engine.encode_prompt(p.text, True) for p in load_prompts(load_config([f"+workload={w}"]).workload, "heldout")]
+               for w in args.heldout.split(",")}
+    b1 = run_rows(engine, heldout["code"][:2], 64, SpecConfig(method="off"))
+    t0 = time.perf_counter()
+    data = build_data(cfg, engine, packaged_workloads(cfg),
+                      lambda ph, d, n, info: con.print(f"  answers {d}/{n}  {info.get('tok_s', 0):.0f} tok/s") if d % 128 == 0 or d == n else None)
+    gen = {"answer_tokens": data.meta["answer_tokens"], "tokens": data.num_tokens, "prompts": data.meta["prompts"],
+           "batched_tok_s": data.meta["generate_tok_s"], "generate_s": data.meta["generate_seconds"],
+           "batch1_tok_s": round(b1["tok_s"], 1), "cached": time.perf_counter() - t0 < 0.5 * data.meta["generate_seconds"]}
+    gen["ratio"] = round(gen["batched_tok_s"] / gen["batch1_tok_s"], 2)
+    con.print(f"data: {gen}")
+
+    vocab_size = engine.model.get_output_embeddings().weight.shape[0]
+    forced = always_kept(engine.tokenizer, vocab_size, sorted(engine.eos))
+    vocab = build_vocab(data, tc.draft_vocab, vocab_size, forced)
+    train_seqs, val_seqs = split_prompts(data, tc.eval_fraction, tc.seed)
+    ref_code = run_rows(engine, heldout["code"], args.max_new_tokens, SpecConfig(method="off"))
+    ar = ref_code["tok_s"]
+
+    # 2. tau against training tokens (nested shares of the training prompts)
+    by_prompt: dict[int, list[int]] = {}
+    for s in train_seqs:
+        by_prompt.setdefault(int(data.prompt_idx[s]), []).append(s)
+    order = list(by_prompt)
+    sizes = []
+    heads = {}
+    train_total_s = 0.0
+    for frac in (float(x) for x in args.sizes.split(",")):
+        keep = [s for p in order[: max(1, int(round(frac * len(order))))] for s in by_prompt[p]]
+        sub = data.subset(keep + val_seqs)
+        with tempfile.TemporaryDirectory() as work:
+            t = time.perf_counter()
+            head, summ = train_head(sub, engine.model, tc, vocab, Path(work),
+                                    lambda ph, d, n, info: con.print(f"  train {frac}: {d}/{n} loss {info['loss']:.3f} {info.get('tok_s', 0):.0f} tok/s") if d % 100 == 0 else None)
+            train_s = time.perf_counter() - t
+        train_total_s = max(train_total_s, train_s) if frac < 1 else train_s
+        row = run_rows(engine, heldout["code"], args.max_new_tokens, trees[0], head, ref_code["tokens"])
+        n_tok = int(sum(int(sub.offsets[i + 1] - sub.offsets[i]) for i in range(len(keep))))
+        sizes.append({"share": frac, "train_tokens": n_tok, "steps": summ["steps"], "train_s": round(train_s, 1),
+                      "tau": round(row["tau"], 3), "speedup": round(row["tok_s"] / ar, 3), "same": row["same"]})
+        heads[frac] = head
+        con.print(f"size {sizes[-1]}")
+    head = heads[max(heads)]
+
+    # 3. held-out code rows
+    rows = [{"config": "AR", "tok_s": ar, "tau": 1.0, "draft_ms": 0.0, "same": ref_code["n"]}]
+    for d in (int(x) for x in args.ngram_depths.split(",")):
+        r = run_rows(engine, heldout["code"], args.max_new_tokens, SpecConfig(method="ngram", depth=d, budget=d + 1), None, ref_code["tokens"])
+        rows.append({"config": f"ngram d{d}", **{k: r[k] for k in ("tok_s", "tau", "draft_ms", "same")}})
+    for spec in trees:
+        r = run_rows(engine, heldout["code"], args.max_new_tokens, spec, head, ref_code["tokens"])
+        rows.append({"config": f"eagle d{spec.depth} k{spec.topk} b{spec.budget}", **{k: r[k] for k in ("tok_s", "tau", "draft_ms", "same")}})
+    for r in rows:
+        r["speedup"] = r["tok_s"] / ar
+    eagle_rows = [r for r in rows if r["config"].startswith("eagle")]
+    best = max(eagle_rows, key=lambda r: r["tok_s"])
+    best_ngram = max((r for r in rows if r["config"].startswith("ngram")), key=lambda r: r["tok_s"])
+    best_spec = trees[eagle_rows.index(best)]
+    other = {}
+    for w, ps in heldout.items():
+        if w == "code":
+            continue
+        ref = run_rows(engine, ps, args.max_new_tokens, SpecConfig(method="off"))
+        r = run_rows(engine, ps, args.max_new_tokens, best_spec, head, ref["tokens"])
+        other[w] = {"tau": round(r["tau"], 3), "speedup": round(r["tok_s"] / ref["tok_s"], 3), "same": r["same"], "n": r["n"]}
+
+    # 4. draft vocabulary: nested top-N subsets of the same head
+    vocab_rows = []
+    full_ids = head.draft_ids
+    labels = data.subset(val_seqs).response_labels()
+    for n in (int(x) for x in args.vocabs.split(",")):
+        v = build_vocab(data, n, vocab_size, forced)
+        head.draft_ids = None if v is None else v.ids
+        r = run_rows(engine, heldout["code"], args.max_new_tokens, best_spec, head, ref_code["tokens"])
+        vocab_rows.append({"vocab": n or vocab_size, "coverage": 1.0 if v is None else round(v.coverage(labels), 4),
+                           "tau": round(r["tau"], 3), "tok_s": round(r["tok_s"], 2), "speedup": round(r["tok_s"] / ar, 3),
+                           "draft_ms": round(r["draft_ms"], 2), "same": r["same"]})
+    head.draft_ids = full_ids
+
+    out = Console()
+    t = Table(title=f"held-out code ({len(heldout['code'])} prompts, T=0, {args.max_new_tokens} tokens)")
+    for c in ("config", "tok/s", "tau", "vs AR", "draft ms/step", "same as AR"):
+        t.add_column(c)
+    for r in rows:
+        t.add_row(r["config"], f"{r['tok_s']:.2f}", f"{r['tau']:.2f}", f"{r['speedup']:.2f}x", f"{r['draft_ms']:.1f}", f"{r['same']}/{len(heldout['code'])}")
+    out.print(t)
+    t = Table(title="held-out tau against training tokens (tree " + args.trees.split(",")[0] + ")")
+    for c in ("share", "train tokens", "steps", "train s", "tau", "vs AR"):
+        t.add_column(c)
+    for s in sizes:
+        t.add_row(str(s["share"]), str(s["train_tokens"]), str(s["steps"]), str(s["train_s"]), f"{s['tau']:.2f}", f"{s['speedup']:.2f}x")
+    out.print(t)
+    t = Table(title=f"draft vocabulary ({best['config']})")
+    for c in ("N", "held-out coverage", "tau", "tok/s", "vs AR", "draft ms/step"):
+        t.add_column(c)
+    for v in vocab_rows:
+        t.add_row(str(v["vocab"]), f"{v['coverage']:.3f}", f"{v['tau']:.2f}", f"{v['tok_s']:.2f}", f"{v['speedup']:.2f}x", f"{v['draft_ms']:.1f}")
+    out.print(t)
+    ratios = {"best_eagle_vs_ar": round(best["speedup"], 3), "best_eagle_vs_best_ngram": round(best["tok_s"] / best_ngram["tok_s"], 3),
+              "best_eagle": best["config"], "best_eagle_tau": round(best["tau"], 3),
+              "data_plus_train_s": round(gen["generate_s"] + train_total_s, 1), "gen_batched_vs_batch1": gen["ratio"]}
+    out.print(f"ratios: {ratios}   other workloads: {other}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+        ax[0].plot([s["train_tokens"] for s in sizes], [s["tau"] for s in sizes], "o-")
+        ax[0].set_xscale("log")
+        ax[0].set_xlabel("training tokens")
+        ax[0].set_ylabel("held-out tau (code)")
+        ax[0].set_title(f"tau vs data ({args.trees.split(',')[0]})")
+        ax[1].plot([v["vocab"] for v in vocab_rows], [v["tau"] for v in vocab_rows], "o-", label="tau")
+        ax[1].plot([v["vocab"] for v in vocab_rows], [v["speedup"] for v in vocab_rows], "s-", label="speedup vs AR")
+        ax[1].set_xscale("log")
+        ax[1].set_xlabel("draft vocabulary")
+        ax[1].legend()
+        ax[1].set_title(best["config"])
+        fig.tight_layout()
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(args.out, dpi=110)
+        out.print(f"plot: {args.out}")
+    except Exception as exc:  # noqa: BLE001 - the figures above are the result; the plot is extra
+        con.print(f"no plot: {exc}")
+    for r in rows:
+        r.pop("tokens", None)
+    print(json.dumps({"data": gen, "rows": rows, "sizes": sizes, "vocab": vocab_rows, "other": other, "ratios": ratios}))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
