@@ -11,13 +11,14 @@ import glob
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from helpers import free_port
 
 USER = "spectune"
 DB = "spectune"
@@ -31,12 +32,6 @@ def bin_dir() -> Path | None:
         return Path(found[-1]).parent
     exe = shutil.which("pg_ctl")
     return Path(exe).resolve().parent if exe else None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -82,7 +77,7 @@ def postgres_server(settings: dict[str, str] | None = None) -> Iterator[Server]:
         os.chown(root, uid, gid)
         os.chown(pwfile, uid, gid)
     os.chmod(root, 0o700)
-    port = _free_port()
+    port = free_port()
     run = lambda *cmd: subprocess.run([*prefix, *cmd], check=True, capture_output=True, text=True)  # noqa: E731
     try:
         run(str(bins / "initdb"), "-D", str(data), "-U", USER, "--pwfile", str(pwfile), "-A", "scram-sha-256",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -11,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from helpers import free_port
 from tuner.cli import main
 from tuner.config import load_config, save_config
 from tuner.space import SearchSpace
@@ -25,15 +25,9 @@ def _run_dir(tmp_path: Path) -> Path:
     return run_dir
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_dashboard_serves_the_run_dirs_study_on_localhost(tmp_path: Path) -> None:
     run_dir = _run_dir(tmp_path)
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tuner.cli", "dashboard", str(run_dir), "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
