@@ -201,3 +201,39 @@ def test_a_launched_server_is_measured_serving_first_so_two_repeats_restart_it_t
     pairs = [spec_trials[i:i + 4] for i in (0, 4)]
     for p in pairs:
         assert p[:2] != p[2:] and sorted(p[:2]) == sorted(p[2:])
+
+
+def test_a_point_sampled_again_reuses_its_measurement(tmp_path: Path) -> None:
+    """A one-point space: the sampler can only propose that point again; it is measured once, the
+    later trials carry its figures (reused_from) and its value, and nothing is measured for them."""
+    from tuner.objective import Objective, Sample
+    from tuner.space import SearchSpace
+    from tuner.study import create_study
+
+    cfg = load_config(["model=tiny-random", "+workload=code", "search=quick", "search.methods=[ngram]",
+                       "search.depth.min=2", "search.depth.max=2", "search.repeats_max=1", "search.n_trials=4"])
+    calls: list[str] = []
+
+    def measure(spec: SpecConfig, split: str, concurrency: int) -> Sample:
+        calls.append(spec.key())
+        return Sample(tok_s=20.0 if spec.method == "off" else 30.0, tau=2.0, ttft_p99_ms=1.0, tpot_p99_ms=1.0)
+
+    space = SearchSpace.from_config(cfg)
+    study = create_study(cfg, space, tmp_path, "reuse")
+    objective = Objective(study, space, measure, cfg.workload, cfg.search)
+    for _ in range(4):
+        objective.run_one()
+    spec_trials = [t for t in study.trials if t.user_attrs.get("spec_method") == "ngram"]
+    assert len(spec_trials) >= 2 and all(t.state == TrialState.COMPLETE for t in spec_trials)
+    first, *again = spec_trials
+    assert "reused_from" not in first.user_attrs
+    for t in again:
+        assert t.user_attrs["reused_from"] == first.number
+        assert t.value == first.value and t.user_attrs["speedup"] == first.user_attrs["speedup"]
+    ngram_key = first.user_attrs["spec"]
+    assert calls.count(ngram_key) == 1  # measured once (one repeat), never again
+    # a reuse is not new evidence: the winner pools the measured trial alone
+    from tuner.winner import candidates
+
+    (cand,) = [c for c in candidates(study.trials) if c.spec.key() == ngram_key]
+    assert [t.number for t in cand.trials] == [first.number]

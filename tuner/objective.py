@@ -196,6 +196,9 @@ class Objective:
                 if role(trial) != "baseline":
                     spec = self.space.suggest(trial)
                 record_spec(trial, spec)
+                earlier = self._measured(spec)
+                if earlier is not None:
+                    return self._reuse(trial, spec, earlier)
                 figures = self.evaluate(spec, "tune", trial, started)
         except optuna.TrialPruned as exc:
             trial.set_user_attr("prune_reason", str(exc))
@@ -223,6 +226,30 @@ class Objective:
         else:
             self.study.tell(trial, value)
         return TrialOutcome(trial.number, TrialState.COMPLETE, spec, figures["tok_s"], figures["speedup"])
+
+    def _measured(self, spec: SpecConfig) -> optuna.trial.FrozenTrial | None:
+        """An earlier COMPLETE or PRUNED trial of the same configuration (a sampler may propose a
+        point again; it is not measured again as if it were new)."""
+        key = spec.key()
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
+            if t.user_attrs.get("spec") == key and "reused_from" not in t.user_attrs:
+                return t
+        return None
+
+    def _reuse(self, trial: optuna.Trial, spec: SpecConfig, earlier: optuna.trial.FrozenTrial) -> TrialOutcome:
+        """Tell `trial` what `earlier` measured (its figures and state), marked reused_from."""
+        trial.set_user_attr("reused_from", earlier.number)
+        for k, v in earlier.user_attrs.items():
+            if k not in ("spec", "spec_json", "role", "heartbeat") and not k.startswith("spec_"):
+                trial.set_user_attr(k, v)
+        if earlier.state == TrialState.PRUNED:
+            self.study.tell(trial, state=TrialState.PRUNED)
+            return TrialOutcome(trial.number, TrialState.PRUNED, spec, reason=f"same configuration as trial {earlier.number}")
+        for name, c in earlier.constraints.items():
+            trial.set_constraint(name, c)
+        self.study.tell(trial, earlier.values if self.multi else earlier.value)
+        return TrialOutcome(trial.number, TrialState.COMPLETE, spec, earlier.user_attrs.get("tok_s"),
+                            earlier.user_attrs.get("speedup"))
 
     def _constrain(self, trial: optuna.Trial, figures: dict[str, Any]) -> None:
         """The workload's SLOs as Optuna constraints (<= 0 is feasible)."""

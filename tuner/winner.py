@@ -77,7 +77,7 @@ def candidates(trials: list[FrozenTrial]) -> list[Candidate]:
     for t in trials:
         spec = spec_of(t)
         if (t.state != TrialState.COMPLETE or role(t) == "baseline" or spec is None or spec.method == "off"
-                or "speedup" not in t.user_attrs):
+                or "speedup" not in t.user_attrs or "reused_from" in t.user_attrs):  # a reuse is no new evidence
             continue
         key = spec.model_dump_json()
         groups.setdefault(key, []).append(t)
