@@ -163,9 +163,14 @@ def test_a_method_the_engine_cannot_run_is_refused_before_any_trial() -> None:
 
     for kind in ("builtin", "vllm"):
         assert set(ENGINE_METHODS[kind]) == {"off", "ngram", "draft_model", "eagle", "eagle3", "medusa"}
+    from tuner.schema import check_search_methods
+
     with pytest.raises(UserError, match=r"search.methods=\['medusa'\] with engine=sglang"):
-        load_config(["engine=sglang", "hardware=h100x8", "spec.method=eagle", "search.methods=[eagle,medusa]"])
-    load_config(["engine=sglang", "hardware=h100x8", "spec.method=eagle", "search.methods=[eagle,eagle3]"])
+        check_search_methods(load_config(["engine=sglang", "hardware=h100x8", "spec.method=eagle",
+                                          "search.methods=[eagle,medusa]"]))
+    check_search_methods(load_config(["engine=sglang", "hardware=h100x8", "spec.method=eagle", "search.methods=[eagle,eagle3]"]))
+    with pytest.raises(UserError, match="spec.method=ngram with engine=sglang"):
+        load_config(["engine=sglang", "hardware=h100x8", "spec.method=ngram"])
     out = subprocess.run([sys.executable, "-m", "tuner.cli", "optimize", "+workload=code", "engine=sglang",
                           "hardware=h100x8", "spec.method=eagle", "search.methods=[ngram]"],
                          capture_output=True, text=True, timeout=120)

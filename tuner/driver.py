@@ -20,7 +20,7 @@ from optuna.trial import TrialState
 from tuner.limits import check_trial_fits
 from tuner.measure import LAUNCHED, get_draft, needs_head, open_engine, study_measure, study_prompts
 from tuner.objective import MeasureFn, Objective, TrialOutcome
-from tuner.schema import BestResult, Config, SearchConfig
+from tuner.schema import BestResult, Config, SearchConfig, check_search_methods
 from tuner.space import SearchSpace
 from tuner.study import Budget, finished_count
 from tuner.workers import BudgetSpent, WorkerStudy, heartbeat_stopped
@@ -112,6 +112,7 @@ def drive(cfg: Config, run_dir: Path, open_study: Callable[[SearchSpace], optuna
     after the draft head is trained when one is needed (they then find it cached).
     """
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # our own progress says what happens
+    check_search_methods(cfg)
     head_first = needs_head(cfg)
     if before_work is not None and not head_first:
         before_work()

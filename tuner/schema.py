@@ -434,12 +434,19 @@ class Config(_Strict):
         allowed = ENGINE_METHODS[self.engine.kind]
         if self.spec.method not in allowed:
             raise ValueError(f"spec.method={self.spec.method} with engine={self.engine.kind}: allowed are {', '.join(allowed)}")
-        bad = [m for m in self.search.methods if m not in allowed]
-        if bad:
-            raise ValueError(f"search.methods={bad} with engine={self.engine.kind}: this engine runs {', '.join(allowed)}")
         if self.hardware.accelerator == "cpu" and self.engine.kind == "sglang":
             raise ValueError("engine=sglang with hardware=cpu: SGLang needs a CUDA GPU (allowed engines on cpu: builtin, vllm)")
         return self
+
+
+def check_search_methods(cfg: "Config") -> None:
+    """Refuse, in one line and before any trial, a searched method the chosen engine cannot run
+    (checked when a study starts, not at every config load: `tuner bench engine=sglang` does not
+    search, so the default search.methods must not stop it)."""
+    allowed = ENGINE_METHODS[cfg.engine.kind]
+    bad = [m for m in cfg.search.methods if m not in allowed]
+    if bad:
+        raise UserError(f"search.methods={bad} with engine={cfg.engine.kind}: this engine runs {', '.join(allowed)}")
 
 
 class Figures(_Strict):
@@ -451,6 +458,7 @@ class Figures(_Strict):
     tau: float | None = None
     ttft_p99_ms: float | None = None
     tpot_p99_ms: float | None = None
+    draft_mb: float | None = None  # drafter parameters + KV cache at the longest request (built-in engine)
 
 
 class Provenance(_Strict):
