@@ -121,3 +121,49 @@ def commit(cache: DynamicCache, prefix_len: int, accepted: list[int]) -> None:
             idx = torch.cat([torch.arange(prefix_len, device=pos.device), pos])
         layer.keys = layer.keys.index_select(-2, idx)
         layer.values = layer.values.index_select(-2, idx)
+
+
+class KVBuffer:
+    """Keys/values [B, kv_heads, capacity, d] of a draft head in a buffer that doubles when full,
+    `length` of them valid: appending writes in place, a rollback is a length change (the same
+    discipline as GrowingLayer, for heads that are not transformers models). Keys that carry
+    gradients (training-time-test unrolling) are concatenated instead, since autograd must not see
+    a tensor it saved being overwritten."""
+
+    _MIN_CAPACITY = 256
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add [B, kv, n, d] after the valid entries; returns all valid keys and values (views)."""
+        n, at = k.shape[-2], self.length
+        if k.requires_grad or v.requires_grad:
+            if at:
+                k = torch.cat([self.k[..., :at, :], k], dim=-2)
+                v = torch.cat([self.v[..., :at, :], v], dim=-2)
+            self.k, self.v, self.length = k, v, at + n
+            return k, v
+        need = at + n
+        if self.k is None or need > self.k.shape[-2] or self.k.shape[:-2] != k.shape[:-2]:
+            cap = max(need, 2 * (0 if self.k is None else self.k.shape[-2]), self._MIN_CAPACITY)
+            kb = k.new_empty(*k.shape[:-2], cap, k.shape[-1])
+            vb = v.new_empty(*v.shape[:-2], cap, v.shape[-1])
+            if at:
+                kb[..., :at, :] = self.k[..., :at, :]
+                vb[..., :at, :] = self.v[..., :at, :]
+            self.k, self.v = kb, vb
+        self.k[..., at:need, :] = k
+        self.v[..., at:need, :] = v
+        self.length = need
+        return self.k[..., :need, :], self.v[..., :need, :]
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` entries."""
+        self.length = min(self.length, length)
+
+    def reset(self) -> None:
+        """Empty (the buffer is kept for the next generation)."""
+        self.length = 0

@@ -28,6 +28,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from engine.cache import KVBuffer
 from tuner.schema import UserError
 
 WEIGHTS = "model.safetensors"
@@ -48,13 +49,15 @@ class EagleAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                past: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+                past: "KVBuffer | tuple[torch.Tensor, torch.Tensor] | None") -> tuple[torch.Tensor, object]:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        if past is not None:
+        if isinstance(past, KVBuffer):  # drafting: the cache grows in place
+            k, v = past.append(k, v)
+        elif past is not None:  # training-time-test unrolling: a tuple, concatenated (autograd)
             k = torch.cat([past[0], k], dim=2)
             v = torch.cat([past[1], v], dim=2)
         rep = self.n_heads // self.n_kv
@@ -64,7 +67,7 @@ class EagleAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, kk, vv, is_causal=t > 1)
         else:
             out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), (k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), past if isinstance(past, KVBuffer) else (k, v)
 
 
 class EagleLayer(nn.Module):
@@ -91,8 +94,8 @@ class EagleHead(nn.Module):
         self.register_buffer("draft_ids", None, persistent=False)
 
     def forward(self, token_embeds: torch.Tensor, features: torch.Tensor, position_ids: torch.Tensor,
-                mask: torch.Tensor | None = None, past: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+                mask: torch.Tensor | None = None, past: "KVBuffer | tuple[torch.Tensor, torch.Tensor] | None" = None
+                ) -> tuple[torch.Tensor, object]:
         """token_embeds, features [B, T, h]; position_ids [B, T]; mask bool [B|1, 1, T, S+T] over
         (cached + new) keys, None for causal attention without a cache. Returns (out [B, T, h], new kv)."""
         x = self.fc(torch.cat([token_embeds, features], dim=-1))
