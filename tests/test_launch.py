@@ -16,31 +16,15 @@ from pathlib import Path
 
 import pytest
 
+from helpers import fake_engine_exe, free_port
 from engine.launch import EngineStartError, Launcher, error_line, last_line, server_command, server_env
 from tuner.config import load_config
 from tuner.schema import LaunchedEngineConfig, SpecConfig, UserError
-
-FAKE = Path(__file__).with_name("fake_engine_server.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _opt(argv: list[str], flag: str) -> str:
     assert argv.count(flag) == 1, f"{flag} must appear once in {argv}"
     return argv[argv.index(flag) + 1]
-
-
-def _exe(tmp_path: Path, name: str) -> str:
-    """An executable file called `name` that runs the fake server."""
-    path = tmp_path / "bin" / name
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(f"#!{sys.executable}\nimport runpy\nrunpy.run_path({str(FAKE)!r}, run_name='__main__')\n")
-    path.chmod(0o755)
-    return str(path)
 
 
 def _alive(pid: int) -> bool:
@@ -76,8 +60,8 @@ def fake(tmp_path: Path):
     record = tmp_path / "record.jsonl"
 
     def make(mode: str = "ok", kind: str = "vllm", **over) -> Launcher:
-        exe = _exe(tmp_path, "vllm" if kind == "vllm" else "python")
-        ecfg = LaunchedEngineConfig(executable=exe, port=_free_port(), startup_timeout_s=over.pop("startup_timeout_s", 20),
+        exe = fake_engine_exe(tmp_path, "vllm" if kind == "vllm" else "python")
+        ecfg = LaunchedEngineConfig(executable=exe, port=free_port(), startup_timeout_s=over.pop("startup_timeout_s", 20),
                                     env={"FAKE_MODE": mode, "FAKE_RECORD": str(record)}, **over)
         launcher = Launcher(kind, ecfg, "/models/m", served_model_name="m", log_dir=tmp_path / "logs",
                             stop_timeout_s=3.0, poll_s=0.05)
@@ -113,7 +97,7 @@ VLLM_CASES = [
 
 @pytest.mark.parametrize("spec,expected", VLLM_CASES, ids=[c[0].key() for c in VLLM_CASES])
 def test_vllm_command_for_every_method(tmp_path: Path, spec: SpecConfig, expected: dict | None) -> None:
-    exe = _exe(tmp_path, "vllm")
+    exe = fake_engine_exe(tmp_path, "vllm")
     ecfg = LaunchedEngineConfig(executable=exe, host="127.0.0.1", port=8123, dtype="bfloat16", max_model_len=1024,
                                 enforce_eager=True, extra_args=["--seed", "7"])
     argv = server_command("vllm", ecfg, "/models/smol", spec, served_model_name="smol")
@@ -129,19 +113,19 @@ def test_vllm_command_for_every_method(tmp_path: Path, spec: SpecConfig, expecte
 
 
 def test_vllm_command_through_a_python_interpreter(tmp_path: Path) -> None:
-    exe = _exe(tmp_path, "python3")
+    exe = fake_engine_exe(tmp_path, "python3")
     argv = server_command("vllm", LaunchedEngineConfig(executable=exe), "m", SpecConfig(method="off"))
     assert argv[:5] == [exe, "-m", "vllm.entrypoints.cli.main", "serve", "m"]
 
 
 def test_vllm_refuses_trees(tmp_path: Path) -> None:
-    ecfg = LaunchedEngineConfig(executable=_exe(tmp_path, "vllm"))
+    ecfg = LaunchedEngineConfig(executable=fake_engine_exe(tmp_path, "vllm"))
     with pytest.raises(UserError, match="chains only"):
         server_command("vllm", ecfg, "m", SpecConfig(method="eagle", depth=3, topk=2, budget=6, head_path="/h"))
 
 
 def test_sglang_command(tmp_path: Path) -> None:
-    exe = _exe(tmp_path, "python")
+    exe = fake_engine_exe(tmp_path, "python")
     ecfg = LaunchedEngineConfig(executable=exe, port=8200, max_model_len=4096, enforce_eager=True)
     tree = SpecConfig(method="eagle3", depth=5, topk=4, budget=8, head_path="/h3")
     argv = server_command("sglang", ecfg, "org/model", tree, served_model_name="mm", quantization="fp8",
@@ -180,7 +164,7 @@ def test_server_env(tmp_path: Path) -> None:
 
 
 def test_from_config_gpu_uses_hub_id_and_fp8_flags(tmp_path: Path) -> None:
-    exe = _exe(tmp_path, "vllm")
+    exe = fake_engine_exe(tmp_path, "vllm")
     cfg = load_config(["engine=vllm", "deploy=vllm", "model=llama-3.1-8b-instruct", "hardware=h100x8",
                        f"engine.vllm.executable={exe}"])
     launcher = Launcher.from_config(cfg, log_dir=tmp_path, tensor_parallel_size=2)
@@ -195,7 +179,7 @@ def test_from_config_cpu_serves_the_local_checkpoint(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "config.json").write_text("{}")
-    cfg = load_config(["engine=vllm", f"model.local_path={ckpt}", f"engine.vllm.executable={_exe(tmp_path, 'vllm')}"])
+    cfg = load_config(["engine=vllm", f"model.local_path={ckpt}", f"engine.vllm.executable={fake_engine_exe(tmp_path, 'vllm')}"])
     launcher = Launcher.from_config(cfg, log_dir=tmp_path)
     argv = launcher.command(SpecConfig(method="off"))
     assert argv[2] == str(ckpt) and "--quantization" not in argv
@@ -261,7 +245,7 @@ def test_unrunnable_executable_is_a_failed_start(tmp_path: Path) -> None:
     exe = tmp_path / "vllm"
     exe.write_text("#!/nonexistent/python\n")
     exe.chmod(0o755)
-    launcher = Launcher("vllm", LaunchedEngineConfig(executable=str(exe), port=_free_port()), "m", log_dir=tmp_path)
+    launcher = Launcher("vllm", LaunchedEngineConfig(executable=str(exe), port=free_port()), "m", log_dir=tmp_path)
     with pytest.raises(EngineStartError, match="could not be executed"):
         launcher.ensure(SpecConfig(method="off"))
     assert not launcher.running
@@ -346,9 +330,9 @@ def test_interrupted_tuner_leaves_no_orphan(fake, tmp_path: Path, mode: str, sig
     SIGKILL): the server's whole process group goes with it."""
     body = "launcher.ensure(SpecConfig(method='off')); print('healthy', flush=True); time.sleep(600)" if mode == "ok" \
         else "launcher.ensure(SpecConfig(method='off'))"
-    exe = _exe(tmp_path, "vllm")
+    exe = fake_engine_exe(tmp_path, "vllm")
     driver = subprocess.Popen(
-        [sys.executable, "-c", _DRIVER.format(body=body), exe, str(_free_port()), mode, str(fake.record), str(tmp_path / "logs")],
+        [sys.executable, "-c", _DRIVER.format(body=body), exe, str(free_port()), mode, str(fake.record), str(tmp_path / "logs")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
     try:
         deadline = time.monotonic() + 30

@@ -4,12 +4,12 @@ shared load generator. Needs `.venv-vllm` (`make vllm`); skipped with that reaso
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 
 import pytest
 
+from helpers import free_port
 from engine.launch import PROJECT_ROOT, EngineStartError, Launcher
 from engine.runner import run_http
 from engine.workloads import load_prompts, sampling_params
@@ -24,16 +24,11 @@ pytestmark = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _config(*extra: str) -> Config:
     # fp32: greedy equality with and without speculation is exact there (bf16 can flip near-ties).
     return load_config(["engine=vllm", "+workload=code", f"engine.vllm.executable={VLLM}",
-                        f"engine.vllm.port={_free_port()}", "engine.vllm.enforce_eager=true",
+                        f"engine.vllm.port={free_port()}", "engine.vllm.enforce_eager=true",
                         "engine.vllm.dtype=float32", "workload.num_prompts=3", "workload.num_heldout=0",
                         "workload.max_new_tokens=64", *extra])
 

@@ -6,8 +6,6 @@ server with a start-up longer than the trial limit."""
 from __future__ import annotations
 
 import os
-import socket
-import sys
 import time
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from helpers import fake_engine_exe, free_port
 from tuner.cli import main
 from tuner.rundir import open_run_study
 from tuner.config import load_config
@@ -23,7 +22,6 @@ from tuner.objective import Objective, Sample
 from tuner.schema import SpecConfig, UserError
 from tuner.space import SearchSpace
 
-FAKE = Path(__file__).with_name("fake_engine_server.py")
 TINY = ["model=tiny-random", "+workload=code", "search=quick", "workload.num_prompts=3", "workload.num_heldout=1",
         "workload.max_new_tokens=16", "engine.builtin.threads=1"]
 
@@ -103,19 +101,11 @@ def test_repeats_are_cut_to_fit_the_limit_and_the_trial_completes(tmp_path: Path
     assert t.user_attrs["repeats_cut"] == "search.trial_timeout_s=2"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_vllm_trials_complete_when_startup_is_longer_than_the_trial_limit(tmp_path: Path, monkeypatch) -> None:
     """A vLLM start-up (2.5 s here) longer than search.trial_timeout_s (2 s) is bounded by
     engine.vllm.startup_timeout_s alone: every trial completes and records its start-ups."""
-    exe = tmp_path / "bin" / "vllm"
-    exe.parent.mkdir()
-    exe.write_text(f"#!{sys.executable}\nimport runpy\nrunpy.run_path({str(FAKE)!r}, run_name='__main__')\n")
-    exe.chmod(0o755)
+    exe = fake_engine_exe(tmp_path)
     monkeypatch.setenv("FAKE_MODE", "ok")
     monkeypatch.setenv("FAKE_RECORD", str(tmp_path / "record.jsonl"))
     monkeypatch.setenv("FAKE_STARTUP_S", "2.5")
@@ -123,7 +113,7 @@ def test_vllm_trials_complete_when_startup_is_longer_than_the_trial_limit(tmp_pa
     from tuner.optimize import optimize
 
     small = [o for o in TINY if not o.startswith("engine.builtin")]
-    run_dir = optimize([*small, "engine=vllm", f"engine.vllm.executable={exe}", f"engine.vllm.port={_free_port()}",
+    run_dir = optimize([*small, "engine=vllm", f"engine.vllm.executable={exe}", f"engine.vllm.port={free_port()}",
                         "engine.vllm.startup_timeout_s=30", "search.trial_timeout_s=2", "search.n_trials=2", "workload.num_heldout=0",
                         f"run_dir={tmp_path}", "search.study_name=v"], quiet=True)
     study = open_run_study(run_dir)

@@ -10,6 +10,7 @@ import threading
 import httpx
 import pytest
 
+from helpers import free_port
 from engine.promparse import spec_counters
 from engine.server import TextStream, serve_in_thread
 from tuner.config import load_config
@@ -311,20 +312,13 @@ def test_text_stream_holds_back_stop_strings_and_partial_characters() -> None:
     assert ts2.push([1]) == "ab" and ts2.push([4]) == "", "a partial UTF-8 character is held back"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_tuner_serve_command_serves_until_terminated() -> None:
     import subprocess
     import sys
     import time
 
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tuner.cli", "serve", "model=tiny-random",
                              f"serve.port={port}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
