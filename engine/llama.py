@@ -303,10 +303,10 @@ class LeanForward:
         mask = None if rows == 1 else additive_mask(p, n, ancestors, rows, length, dev, m.dtype)
         t0 = time.perf_counter() if self.compiled and rows not in self._seen else None
         x = F.embedding(ids, m.embed)
-        aux = []
+        aux = {}  # layer id -> its input; aux_layers may be unordered or repeat a layer (small targets)
         for i, b in enumerate(m.blocks):
             if aux_layers and i in aux_layers:
-                aux.append(x[:n])
+                aux[i] = x[:n]
             x = self._layer(x, b.ln1, b.wqkv, b.bqkv, b.wo, b.ln2, b.w13, b.w2, cache.k[i], cache.v[i], slots,
                             cos, sin, mask, length, m.n_heads, m.n_kv, m.eps)
         if t0 is not None:
@@ -315,7 +315,7 @@ class LeanForward:
         x = rms_norm(x[:n], m.norm, m.eps)
         logits = linear(x[-1:] if last_only else x, m.lm_head)
         cache.length = p + n
-        aux_t = torch.cat([aux[aux_layers.index(k)] for k in aux_layers], dim=-1) if aux_layers else None
+        aux_t = torch.cat([aux[k] for k in aux_layers], dim=-1) if aux_layers else None
         return x, logits, aux_t
 
     def warm_up(self, cache_need: int = 512) -> float:
