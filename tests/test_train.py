@@ -178,8 +178,8 @@ def test_training_lowers_validation_loss_and_beats_random_head(data: DistillData
     embed = engine.model.get_input_embeddings().weight
     lm = engine.model.lm_head.weight[vocab.ids]
     rand = T.init_head(engine.model.config, 1).eval()
-    got = chain_acceptance(head, embed, lm, vocab.ids, data, seqs, tc.seq_len)
-    base = chain_acceptance(rand, embed, lm, vocab.ids, data, seqs, tc.seq_len)
+    got = chain_acceptance(T.Eagle1Net(head, lm), embed, vocab.ids, data, seqs, tc.seq_len)
+    base = chain_acceptance(T.Eagle1Net(rand, lm), embed, vocab.ids, data, seqs, tc.seq_len)
     assert got["acceptance_per_depth"][0] > base["acceptance_per_depth"][0] + 0.3
     assert got["acceptance_per_depth"][1] > base["acceptance_per_depth"][1] + 0.1  # unrolled steps learnt too
     tok, _, _, start = data.sequence(0)
@@ -209,7 +209,7 @@ def test_validation_loss_falls_and_early_stopping_keeps_the_best(data: DistillDa
     train_seqs, val_seqs = T.split_prompts(data, tc.eval_fraction, tc.seed)
     assert val_seqs and not set(data.prompt_idx[train_seqs].tolist()) & set(data.prompt_idx[val_seqs].tolist())
     embed = engine.model.get_input_embeddings().weight.float()
-    again = T.validation_loss(head, embed, engine.model.lm_head.weight.float(), None, data, val_seqs, tc, "cpu")
+    again = T.validation_loss(T.Eagle1Net(head, engine.model.lm_head.weight.float()), embed, None, data, val_seqs, tc, "cpu")
     assert again == pytest.approx(s["best_val_loss"], abs=1e-3)  # the kept weights are the best ones
     if s["stopped_early"]:
         assert s["steps"] < 40
@@ -326,3 +326,40 @@ def test_unrolled_training_forward_is_what_the_drafter_computes(data: DistillDat
         d._slot, d._n_slots = {}, 0
         d._expand([1], [int(tok[n + 1])], [0], 1)
         assert torch.allclose(d._slot_feat[0], outs[1][0, n - 1], atol=1e-5)
+
+
+def test_eagle3_head_trains_saves_in_the_vllm_layout_and_serves(engine: Engine, prompts, tmp_path) -> None:
+    """EAGLE-3 end to end on the tiny model: data with the target's low/mid/high layer inputs, CE
+    training over the draft vocabulary (loss falls), the vLLM eagle3 layout, and the engine's eagle3
+    drafter serving it with greedy output equal to AR."""
+    from engine.eagle3 import default_aux_layers, load_eagle3
+
+    layers = default_aux_layers(engine.model.config.num_hidden_layers)
+    data = generate_answers(engine.model, prompts, 24, engine.eos, 0, batch=4, topk=4, aux_layers=layers)
+    h = engine.model.config.hidden_size
+    assert data.aux.shape == (data.num_tokens, 3 * h)
+    with torch.no_grad():
+        out = engine.model.model(input_ids=data.sequence(0)[0][None], output_hidden_states=True)
+    a, b = int(data.offsets[0]), int(data.offsets[1])
+    ref = torch.cat([out.hidden_states[k][0] for k in layers], -1)
+    assert torch.allclose(data.aux[a:b - 1].float(), ref[:-1], atol=3e-2, rtol=1e-2)
+    vocab = build_vocab(data, 256, 49152, sorted(engine.eos))
+    tc = cfg_of("train.steps=40", "train.epochs=100", "train.checkpoint_every=1000", "train.eval_fraction=0").train
+    head, s = T.train_head(data, engine.model, tc, vocab, tmp_path / "w", method="eagle3")
+    hist = torch.load(tmp_path / "w" / T.CKPT, weights_only=False)["state"]["history"]
+    assert sum(hist[-5:]) / 5 < 0.7 * sum(hist[:3]) / 3
+    assert torch.equal(head.target_ids(), vocab.ids)
+    from engine.eagle3 import save_eagle3
+
+    out_dir = save_eagle3(head, tmp_path / "h")
+    cfg = json.loads((out_dir / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == len(vocab.ids)
+    assert load_eagle3(out_dir, engine.model.config).draft_vocab_size == len(vocab.ids)
+    p = prompts[0]
+    params = SamplingParams(max_new_tokens=20)
+    engine.set_spec(SpecConfig(method="off"))
+    ref_tokens = engine.generate(p, params).tokens
+    engine.set_spec(SpecConfig(method="eagle3", depth=3, topk=2, budget=6, head_path=str(out_dir)))
+    res = engine.generate(p, params)
+    engine.set_spec(SpecConfig(method="off"))
+    assert res.tokens == ref_tokens and res.stats.accepted_tokens > 0

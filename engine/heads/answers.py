@@ -30,12 +30,14 @@ def _batch_select(cache, rows: torch.Tensor) -> None:
 
 @torch.inference_mode()
 def answer_batch(model, prompts: Sequence[Sequence[int]], max_new: int, eos: set[int], pad: int,
-                 topk: int = 8) -> list[dict]:
+                 topk: int = 8, aux_layers: Sequence[int] | None = None) -> list[dict]:
     """Greedy answers to `prompts`, one forward per step for the whole batch.
 
     Returns per prompt: `answer` (token ids, EOS included when reached), `features` float16
     [len(prompt)+len(answer)-1, h] for positions 0..n-2 (the last token's feature predicts nothing we
-    keep), `topk_ids` / `topk_probs` [len(answer), k]: the target's distribution for each answer token.
+    keep), `topk_ids` / `topk_probs` [len(answer), k]: the target's distribution for each answer token,
+    and with `aux_layers` (EAGLE-3) `aux` float16 [same positions as features, len(aux_layers)*h]: the
+    inputs of those target layers (residual stream).
     """
     dev = next(model.parameters()).device
     b = len(prompts)
@@ -54,9 +56,16 @@ def answer_batch(model, prompts: Sequence[Sequence[int]], max_new: int, eos: set
     allowed |= torch.eye(width, dtype=torch.bool, device=dev)[None]
     mask = torch.zeros(b, 1, width, width, dtype=dtype, device=dev).masked_fill_(~allowed[:, None], neg)
     cache = new_cache(model.config)
-    hidden = model.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache,
-                         use_cache=True).last_hidden_state
+    want_aux = bool(aux_layers)
+
+    def forward(**kw):
+        out = model.model(**kw, cache=cache, use_cache=True, output_hidden_states=want_aux)
+        aux = torch.cat([out.hidden_states[k] for k in aux_layers], -1) if want_aux else None
+        return out.last_hidden_state, aux
+
+    hidden, aux = forward(input_ids=ids, position_ids=pos, attention_mask=mask)
     feats = [[hidden[i, width - len(p):].to(torch.float16)] for i, p in enumerate(prompts)]
+    auxs = [[aux[i, width - len(p):].to(torch.float16)] for i, p in enumerate(prompts)] if want_aux else None
     last = hidden[:, -1]
     answers: list[list[int]] = [[] for _ in range(b)]
     tk_ids: list[list[torch.Tensor]] = [[] for _ in range(b)]
@@ -85,22 +94,27 @@ def answer_batch(model, prompts: Sequence[Sequence[int]], max_new: int, eos: set
         key_valid = torch.cat([key_valid, torch.ones(len(live), 1, dtype=torch.bool, device=dev)], 1)
         step_mask = torch.zeros(len(live), 1, 1, key_valid.shape[1], dtype=dtype, device=dev)
         step_mask.masked_fill_(~key_valid[:, None, None], neg)
-        out = model.model(input_ids=nxt[:, None], position_ids=lengths[:, None], attention_mask=step_mask,
-                          cache=cache, use_cache=True).last_hidden_state
+        out, aux = forward(input_ids=nxt[:, None], position_ids=lengths[:, None], attention_mask=step_mask)
         lengths = lengths + 1
         last = out[:, 0]
         for r, i in enumerate(live.tolist()):
             feats[i].append(out[r].to(torch.float16))
+            if want_aux:
+                auxs[i].append(aux[r].to(torch.float16))
     res = []
     for i in range(b):
-        f = torch.cat(feats[i])
-        res.append({"answer": answers[i], "features": f[: len(prompts[i]) + len(answers[i]) - 1],
-                    "topk_ids": torch.stack(tk_ids[i]).cpu(), "topk_probs": torch.stack(tk_p[i]).to(torch.float16).cpu()})
+        n = len(prompts[i]) + len(answers[i]) - 1
+        r = {"answer": answers[i], "features": torch.cat(feats[i])[:n].cpu(),
+             "topk_ids": torch.stack(tk_ids[i]).cpu(), "topk_probs": torch.stack(tk_p[i]).to(torch.float16).cpu()}
+        if want_aux:
+            r["aux"] = torch.cat(auxs[i])[:n].cpu()
+        res.append(r)
     return res
 
 
 def generate_answers(model, prompts: Sequence[Sequence[int]], max_new: int, eos: set[int], pad: int,
-                     batch: int = 32, topk: int = 8, prompt_idx: Sequence[int] | None = None,
+                     batch: int = 32, topk: int = 8, aux_layers: Sequence[int] | None = None,
+                     prompt_idx: Sequence[int] | None = None,
                      on_progress: Progress | None = None, meta: dict | None = None) -> DistillData:
     """Answer every prompt (batches of similar prompt length) and lay the results out as DistillData."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -109,7 +123,7 @@ def generate_answers(model, prompts: Sequence[Sequence[int]], max_new: int, eos:
     done = tokens = 0
     for a in range(0, len(order), batch):
         idx = order[a:a + batch]
-        for i, r in zip(idx, answer_batch(model, [prompts[i] for i in idx], max_new, eos, pad, topk)):
+        for i, r in zip(idx, answer_batch(model, [prompts[i] for i in idx], max_new, eos, pad, topk, aux_layers)):
             results[i] = r
             tokens += len(r["answer"])
         done += len(idx)
@@ -117,6 +131,6 @@ def generate_answers(model, prompts: Sequence[Sequence[int]], max_new: int, eos:
             on_progress(done, len(prompts), tokens, time.perf_counter() - t0)
     seconds = time.perf_counter() - t0
     info = dict(meta or {})
-    info.update(prompts=len(prompts), answer_tokens=tokens, generate_seconds=round(seconds, 1),
+    info.update(prompts=len(prompts), answer_tokens=tokens, aux_layers=list(aux_layers or []), generate_seconds=round(seconds, 1),
                 generate_tok_s=round(tokens / max(seconds, 1e-9), 1), gen_batch=batch)
     return DistillData.from_answers(prompts, results, prompt_idx or list(range(len(prompts))), info)

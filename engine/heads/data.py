@@ -35,6 +35,7 @@ class DistillData:
     prompt_idx: torch.Tensor  # int64 [S]: which prompt a sequence answers
     sampled: torch.Tensor  # int64 [S]: 0 greedy, 1 sampled (all greedy today)
     meta: dict
+    aux: torch.Tensor | None = None  # float16 [N, 3h]: EAGLE-3's target layer inputs (None unless asked)
 
     @property
     def num_sequences(self) -> int:
@@ -58,7 +59,7 @@ class DistillData:
     def from_answers(cls, prompts: Sequence[Sequence[int]], answers: Sequence[dict], prompt_idx: Sequence[int],
                      meta: dict) -> "DistillData":
         """Lay out the answers of engine.heads.answers.answer_batch as one DistillData."""
-        toks, feats, labels, tki, tkp, lens, starts = [], [], [], [], [], [0], []
+        toks, feats, labels, tki, tkp, lens, starts, auxs = [], [], [], [], [], [0], [], []
         h = answers[0]["features"].shape[1]
         k = answers[0]["topk_ids"].shape[1]
         for p, a in zip(prompts, answers):
@@ -66,6 +67,10 @@ class DistillData:
             n, m = len(seq), len(a["answer"])
             f = torch.zeros(n, h, dtype=torch.float16)
             f[: n - 1] = a["features"]
+            if "aux" in a:
+                x = torch.zeros(n, a["aux"].shape[1], dtype=torch.float16)
+                x[: n - 1] = a["aux"]
+                auxs.append(x)
             lab = torch.full((n,), IGNORE, dtype=torch.long)
             ids = torch.zeros(n, k, dtype=torch.long)
             pr = torch.zeros(n, k, dtype=torch.float16)
@@ -85,7 +90,7 @@ class DistillData:
                    topk_ids=torch.cat(tki), topk_probs=torch.cat(tkp),
                    offsets=torch.tensor(lens).cumsum(0), starts=torch.tensor(starts),
                    prompt_idx=torch.tensor(list(prompt_idx)), sampled=torch.zeros(len(prompts), dtype=torch.long),
-                   meta=info)
+                   meta=info, aux=torch.cat(auxs) if auxs else None)
 
     def subset(self, seqs: Sequence[int]) -> "DistillData":
         """The sequences `seqs` only (e.g. a training-size sweep)."""
@@ -94,7 +99,8 @@ class DistillData:
         return DistillData(tokens=self.tokens[idx], features=self.features[idx], labels=self.labels[idx],
                            topk_ids=self.topk_ids[idx], topk_probs=self.topk_probs[idx], offsets=lens.cumsum(0),
                            starts=self.starts[list(seqs)], prompt_idx=self.prompt_idx[list(seqs)],
-                           sampled=self.sampled[list(seqs)], meta=dict(self.meta, subset=len(seqs)))
+                           sampled=self.sampled[list(seqs)], meta=dict(self.meta, subset=len(seqs)),
+                           aux=None if self.aux is None else self.aux[idx])
 
     def save(self, path: Path) -> None:
         """Write atomically (safetensors)."""
@@ -103,7 +109,8 @@ class DistillData:
         path.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path, prefix=".data.")
         os.close(fd)
-        save_file({"tokens": self.tokens.to(torch.int32), "features": self.features.to(torch.float16).contiguous(),
+        extra = {} if self.aux is None else {"aux": self.aux.to(torch.float16).contiguous()}
+        save_file({**extra, "tokens": self.tokens.to(torch.int32), "features": self.features.to(torch.float16).contiguous(),
                    "labels": self.labels.to(torch.int32), "topk_ids": self.topk_ids.to(torch.int32).contiguous(),
                    "topk_probs": self.topk_probs.to(torch.float16).contiguous(), "offsets": self.offsets,
                    "starts": self.starts, "prompt_idx": self.prompt_idx, "sampled": self.sampled},
@@ -119,4 +126,4 @@ class DistillData:
             t = {k: f.get_tensor(k) for k in f.keys()}
         return cls(tokens=t["tokens"].long(), features=t["features"], labels=t["labels"].long(),
                    topk_ids=t["topk_ids"].long(), topk_probs=t["topk_probs"], offsets=t["offsets"],
-                   starts=t["starts"], prompt_idx=t["prompt_idx"], sampled=t["sampled"], meta=meta)
+                   starts=t["starts"], prompt_idx=t["prompt_idx"], sampled=t["sampled"], meta=meta, aux=t.get("aux"))

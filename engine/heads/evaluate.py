@@ -11,7 +11,6 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.eagle import EagleHead
 from engine.heads.data import IGNORE, DistillData
 from engine.heads.trainer import _shift, make_batch, unrolled
 
@@ -19,23 +18,24 @@ EVAL_DEPTH = 5
 
 
 @torch.no_grad()
-def chain_acceptance(head: EagleHead, embed: torch.Tensor, lm_w: torch.Tensor, draft_ids: torch.Tensor | None,
+def chain_acceptance(net, embed: torch.Tensor, draft_ids: torch.Tensor | None,
                      data: DistillData, seqs: Sequence[int], seq_len: int, depth: int = EVAL_DEPTH) -> dict:
-    """Acceptance per depth and tau = 1 + sum of them, over the answer positions of `seqs`."""
+    """Acceptance per depth and tau = 1 + sum of them, over the answer positions of `seqs`.
+    `net` is the trainer's Eagle1Net / Eagle3Net; `draft_ids` maps its logits' columns to target ids."""
     if not seqs:
         return {}
-    head.eval()
+    net.head.eval()
     hits = torch.zeros(depth)
     count = 0
     for a in range(0, len(seqs), 8):
         b = make_batch(data, seqs[a:a + 8], seq_len, embed.device)
-        outs = unrolled(head, embed, b["tokens"], b["features"], depth)
+        outs = unrolled(net, embed, b["tokens"], net.first(b, 0.0, None), depth)
         idx = torch.arange(b["tokens"].shape[1], device=embed.device)[None]
         # position t drafts tokens t+2, t+3, ...: count it when token t+2 is an answer token
         run = (_shift(b["labels"], 1) != IGNORE) & (idx < b["lens"][:, None] - 2)
         v0 = run.clone()
         for j, out in enumerate(outs):
-            ids = (out @ lm_w.T).argmax(-1)
+            ids = net.logits(out).argmax(-1)
             if draft_ids is not None:
                 ids = draft_ids.to(ids.device)[ids]
             lab = _shift(b["labels"], 1 + j)

@@ -22,6 +22,7 @@ import torch
 from engine.eagle import save_head
 from engine.heads.answers import generate_answers
 from engine.heads.data import DATA_FILE, DistillData
+from engine.eagle3 import default_aux_layers
 from engine.heads.evaluate import chain_acceptance
 from engine.heads.prompts import collect_prompts
 from engine.heads.trainer import split_prompts, train_head
@@ -29,6 +30,7 @@ from engine.heads.vocab import always_kept, build_vocab
 from tuner.schema import Config, SpecConfig, TrainConfig, UserError, WorkloadConfig
 
 META = "spectune_meta.json"
+HEAD_METHODS = ("eagle", "eagle3")  # what this pipeline trains (Medusa and draft models: engine.train_*)
 Report = Callable[[str, int, int, dict], None]  # (phase, done, total, info)
 _DATA_SETTINGS = ("prompts", "max_new_tokens", "label_topk", "seed")
 
@@ -55,10 +57,14 @@ def target_hash(cfg: Config) -> str:
     return _short(f"{basis}:fp8={cfg.engine.builtin.fp8_weights}")
 
 
-def data_key(thash: str, prompts: Sequence, chat_template: bool, tc: TrainConfig) -> str:
-    """Identity of a data set: target, prompt texts, chat template and the answer settings."""
-    return _short(json.dumps([thash, [p.text for p in prompts], chat_template,
-                              {k: getattr(tc, k) for k in _DATA_SETTINGS}]))
+def data_key(thash: str, prompts: Sequence, chat_template: bool, tc: TrainConfig,
+             aux_layers: Sequence[int] | None = None) -> str:
+    """Identity of a data set: target, prompt texts, chat template, the answer settings and the
+    target layers whose states it keeps (EAGLE-3)."""
+    basis = [thash, [p.text for p in prompts], chat_template, {k: getattr(tc, k) for k in _DATA_SETTINGS}]
+    if aux_layers:
+        basis.append([int(k) for k in aux_layers])
+    return _short(json.dumps(basis))
 
 
 def head_key(cfg: Config, method: str) -> str:
@@ -83,8 +89,10 @@ def cached_head(cfg: Config, method: str = "eagle") -> Path | None:
     return out if (out / META).is_file() else None
 
 
-def build_data(cfg: Config, engine, workloads: Sequence[WorkloadConfig] = (), report: Report | None = None) -> DistillData:
-    """Stages 1-2: the training prompts and the target's answers with features and labels (cached)."""
+def build_data(cfg: Config, engine, workloads: Sequence[WorkloadConfig] = (), report: Report | None = None,
+               aux_layers: Sequence[int] | None = None) -> DistillData:
+    """Stages 1-2: the training prompts and the target's answers with features and labels (cached);
+    with `aux_layers` also the inputs of those target layers (EAGLE-3)."""
     from engine.model import cache_root
 
     tc = cfg.train
@@ -93,7 +101,7 @@ def build_data(cfg: Config, engine, workloads: Sequence[WorkloadConfig] = (), re
     if not prompts:
         raise UserError("train-draft: no training prompts (all were held out?)")
     chat = cfg.workload.chat_template
-    key = data_key(thash, prompts, chat, tc)
+    key = data_key(thash, prompts, chat, tc, aux_layers)
     path = cache_root(cfg.cache_dir) / "distill" / key
     if (path / DATA_FILE).is_file():
         return DistillData.load(path)
@@ -106,7 +114,7 @@ def build_data(cfg: Config, engine, workloads: Sequence[WorkloadConfig] = (), re
 
     encoded = [engine.encode_prompt(p.text, chat) for p in prompts]
     data = generate_answers(engine.model, encoded, tc.max_new_tokens, engine.eos, pad, tc.gen_batch, tc.label_topk,
-                            on_progress=progress,
+                            aux_layers=aux_layers, on_progress=progress,
                             meta={"key": key, "target": thash, "sources": _sources(prompts),
                                   "workloads": [cfg.workload.name, *[w.name for w in workloads]]})
     data.save(path)
@@ -128,8 +136,8 @@ def ensure_head(cfg: Config, engine=None, retrain: bool = False, workloads: Sequ
     excluded from the data too."""
     if cfg.workload is None:
         raise UserError("train-draft needs a workload: add +workload=NAME")
-    if method != "eagle":
-        raise UserError(f"spec.method={method}: train-draft trains eagle heads here")
+    if method not in HEAD_METHODS:
+        raise UserError(f"spec.method={method}: this pipeline trains {' and '.join(HEAD_METHODS)} heads")
     out = head_dir(cfg, method)
     work = out.parent / f".{out.name}.work"  # checkpoints of a run in progress
     if not retrain and (out / META).is_file():
@@ -142,26 +150,45 @@ def ensure_head(cfg: Config, engine=None, retrain: bool = False, workloads: Sequ
 
         engine = Engine.from_config(cfg.model_copy(update={"spec": SpecConfig()}))
     t0 = time.perf_counter()
-    data = build_data(cfg, engine, workloads, report)
+    aux_layers = default_aux_layers(engine.model.config.num_hidden_layers) if method == "eagle3" else None
+    data = build_data(cfg, engine, workloads, report, aux_layers)
     vocab_size = engine.model.get_output_embeddings().weight.shape[0]
     vocab = build_vocab(data, cfg.train.draft_vocab, vocab_size, always_kept(engine.tokenizer, vocab_size, sorted(engine.eos)))
-    head, summary = train_head(data, engine.model, cfg.train, vocab, work, report)
+    head, summary = train_head(data, engine.model, cfg.train, vocab, work, report, method)
     _, val = split_prompts(data, cfg.train.eval_fraction, cfg.train.seed)
-    embed = engine.model.get_input_embeddings().weight.detach().float()
-    lm = engine.model.get_output_embeddings().weight.detach().float()
-    lm_w = lm if vocab is None else lm[vocab.ids]
-    summary.update(chain_acceptance(head, embed, lm_w, None if vocab is None else vocab.ids, data, val, cfg.train.seq_len))
+    summary.update(evaluate_head(head, engine.model, vocab, data, val, cfg.train.seq_len))
     summary.update(draft_vocab=0 if vocab is None else len(vocab.ids),
                    draft_vocab_coverage=1.0 if vocab is None else round(vocab.coverage(data.response_labels()), 4))
     if out.exists():
         shutil.rmtree(out)
-    save_head(head, out)
+    if method == "eagle3":
+        from engine.eagle3 import save_eagle3
+
+        save_eagle3(head, out)
+    else:
+        save_head(head, out)
     meta = {"target": cfg.model.name, "target_hash": target_hash(cfg), "workload": cfg.workload.name,
             "method": method, "data": dict(data.meta), "train": cfg.train.model_dump(mode="json"), "seed": cfg.train.seed,
             **summary, "total_seconds": round(time.perf_counter() - t0, 1)}
     (out / META).write_text(json.dumps(meta, indent=2) + "\n")
     shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+def evaluate_head(head: torch.nn.Module, target: torch.nn.Module, vocab, data: DistillData, seqs: Sequence[int],
+                  seq_len: int) -> dict:
+    """Offline T=0 chain acceptance of a trained EAGLE-1 or EAGLE-3 head on `seqs` (stage 5)."""
+    from engine.eagle import EagleHead
+    from engine.heads.trainer import Eagle1Net, Eagle3Net
+
+    embed = target.get_input_embeddings().weight.detach().float()
+    if isinstance(head, EagleHead):
+        lm = target.get_output_embeddings().weight.detach().float()
+        ids = None if vocab is None else vocab.ids
+        net = Eagle1Net(head, lm if ids is None else lm[ids.to(lm.device)])
+    else:
+        net, ids = Eagle3Net(head), head.target_ids()
+    return chain_acceptance(net, embed, ids, data, seqs, seq_len)
 
 
 def read_meta(path: str | Path) -> dict:

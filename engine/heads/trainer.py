@@ -61,8 +61,12 @@ def make_batch(data: DistillData, seqs: Sequence[int], seq_len: int, device: tor
     out = {"tokens": torch.zeros(bsz, n, dtype=torch.long), "features": torch.zeros(bsz, n, h),
            "labels": torch.full((bsz, n), IGNORE, dtype=torch.long), "topk_ids": torch.zeros(bsz, n, k, dtype=torch.long),
            "topk_probs": torch.zeros(bsz, n, k), "lens": torch.zeros(bsz, dtype=torch.long)}
+    if data.aux is not None:
+        out["aux"] = torch.zeros(bsz, n, data.aux.shape[1])
     for r, (a, b) in enumerate(rows):
         m = b - a
+        if data.aux is not None:
+            out["aux"][r, :m] = data.aux[a:b].float()
         out["tokens"][r, :m] = data.tokens[a:b]
         out["features"][r, :m] = data.features[a:b].float()
         out["labels"][r, :m] = data.labels[a:b]
@@ -87,16 +91,63 @@ def _ttt_mask(n: int, step: int, device: torch.device) -> torch.Tensor:
     return torch.cat([causal] + [eye] * step, dim=1)[None, None]
 
 
-def unrolled(head: EagleHead, embed: torch.Tensor, toks: torch.Tensor, feats: torch.Tensor,
-             steps: int) -> list[torch.Tensor]:
-    """The head's predicted features for `steps` unrolled steps; out[j][:, t] predicts feature t+1+j."""
-    b, n, _ = feats.shape
-    pos = torch.arange(n, device=feats.device)[None].expand(b, n)
-    x, past, outs = feats, None, []
+class Eagle1Net:
+    """EAGLE-1 for training: features in, predicted next features out, scored by the target's frozen
+    lm_head rows of the draft vocabulary; trained with feature regression plus CE."""
+
+    regress = True
+
+    def __init__(self, head: EagleHead, lm_w: torch.Tensor) -> None:
+        self.head, self.lm_w = head, lm_w
+
+    def first(self, batch: dict, noise_std: float, gen: torch.Generator | None) -> torch.Tensor:
+        f = batch["features"]
+        return f if noise_std <= 0 else f + noise_std * torch.randn(f.shape, generator=gen).to(f.device)
+
+    def step(self, e: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, mask, past):
+        return self.head(e, x, pos, mask, past)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.lm_w.T
+
+
+class Eagle3Net:
+    """EAGLE-3 for training: the fused low/mid/high target states in, its own hidden out, scored by
+    its own lm_head over the draft vocabulary; trained with CE only (no feature regression)."""
+
+    regress = False
+
+    def __init__(self, head) -> None:
+        self.head = head
+
+    def first(self, batch: dict, noise_std: float, gen: torch.Generator | None) -> torch.Tensor:
+        a = batch["aux"]
+        if noise_std > 0:
+            a = a + noise_std * torch.randn(a.shape, generator=gen).to(a.device)
+        return self.head.fuse(a)
+
+    def step(self, e: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, mask, past):
+        from engine.cache import KVBuffer
+
+        past = past if past is not None else KVBuffer()
+        return self.head(e, x, pos, mask, past), past
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head.logits(x)
+
+
+def unrolled(net, embed: torch.Tensor, toks: torch.Tensor, first: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """The head's outputs for `steps` unrolled steps; out[j][:, t] predicts token t+2+j (and, for
+    EAGLE-1, feature t+1+j). `net` is an Eagle1Net / Eagle3Net (an EagleHead is wrapped)."""
+    if isinstance(net, EagleHead):
+        net = Eagle1Net(net, embed.new_zeros(1, embed.shape[1]))
+    b, n, _ = first.shape
+    pos = torch.arange(n, device=first.device)[None].expand(b, n)
+    x, past, outs = first, None, []
     for j in range(steps):
         e = F.embedding(_shift(toks, 1 + j), embed)
-        mask = None if j == 0 else _ttt_mask(n, j, feats.device)
-        x, past = head(e, x, pos + j, mask, past)
+        mask = None if j == 0 else _ttt_mask(n, j, first.device)
+        x, past = net.step(e, x, pos + j, mask, past)
         outs.append(x)
     return outs
 
@@ -112,12 +163,11 @@ def soft_targets(topk_ids: torch.Tensor, topk_probs: torch.Tensor, t2d: torch.Te
     return out / out.sum(-1, keepdim=True).clamp(min=1e-9)
 
 
-def step_loss(head: EagleHead, embed: torch.Tensor, lm_w: torch.Tensor, t2d: torch.Tensor | None,
-              batch: dict, tc: TrainConfig, noise_std: float, gen: torch.Generator | None) -> tuple[torch.Tensor, dict]:
+def step_loss(net, embed: torch.Tensor, t2d: torch.Tensor | None, batch: dict, tc: TrainConfig,
+              noise_std: float, gen: torch.Generator | None) -> tuple[torch.Tensor, dict]:
     """The training loss of one batch and its parts at step 0 (feature loss, CE, top-1 accuracy)."""
     toks, feats, lens = batch["tokens"], batch["features"], batch["lens"]
-    x = feats if noise_std <= 0 else feats + noise_std * torch.randn(feats.shape, generator=gen).to(feats.device)
-    outs = unrolled(head, embed, toks, x, tc.unroll)
+    outs = unrolled(net, embed, toks, net.first(batch, noise_std, gen), tc.unroll)
     idx = torch.arange(toks.shape[1], device=toks.device)[None]
     total, wsum, parts = feats.new_zeros(()), 0.0, {}
     for j, out in enumerate(outs):
@@ -127,12 +177,15 @@ def step_loss(head: EagleHead, embed: torch.Tensor, lm_w: torch.Tensor, t2d: tor
         v_ce = (lab != IGNORE) & (idx < (lens[:, None] - 1 - j))
         if not bool(v_ce.any()):
             continue
-        l_feat = F.smooth_l1_loss(out[v_feat], _shift(feats, 1 + j)[v_feat]) if bool(v_feat.any()) else feats.new_zeros(())
-        logits = out[v_ce] @ lm_w.T
-        tgt = soft_targets(_shift(batch["topk_ids"], 1 + j)[v_ce], _shift(batch["topk_probs"], 1 + j)[v_ce], t2d, lm_w.shape[0])
+        l_feat = feats.new_zeros(())
+        if net.regress and bool(v_feat.any()):
+            l_feat = F.smooth_l1_loss(out[v_feat], _shift(feats, 1 + j)[v_feat])
+        logits = net.logits(out[v_ce])
+        tgt = soft_targets(_shift(batch["topk_ids"], 1 + j)[v_ce], _shift(batch["topk_probs"], 1 + j)[v_ce], t2d,
+                           logits.shape[-1])
         l_ce = -(tgt * F.log_softmax(logits, -1)).sum(-1).mean()
         w = tc.unroll_decay ** j
-        total = total + w * (l_feat + tc.ce_weight * l_ce)
+        total = total + w * (l_feat + (tc.ce_weight if net.regress else 1.0) * l_ce)
         wsum += w
         if j == 0:
             with torch.no_grad():
@@ -148,6 +201,24 @@ def init_head(target_config, seed: int) -> EagleHead:
         torch.manual_seed(seed)
         head = EagleHead(head_config(target_config)).float()
     return head.train().requires_grad_(True)
+
+
+def init_net(method: str, target: torch.nn.Module, vocab: DraftVocab | None, seed: int):
+    """(trainable head, its training net, lm rows or None) for `method` (eagle | eagle3)."""
+    device = next(target.parameters()).device
+    if method == "eagle3":
+        from engine.eagle3 import init_eagle3
+
+        ids = torch.arange(target.config.vocab_size) if vocab is None else vocab.ids
+        head = init_eagle3(target, ids, seed=seed).float().to(device).train().requires_grad_(True)
+        head.d2t.requires_grad_(False)
+        return head, Eagle3Net(head)
+    if method != "eagle":
+        raise UserError(f"spec.method={method}: the head trainer trains eagle and eagle3 heads")
+    lm_full = target.get_output_embeddings().weight.detach().float()
+    lm_w = lm_full if vocab is None else lm_full[vocab.ids.to(device)].contiguous()
+    head = init_head(target.config, seed).to(device)
+    return head, Eagle1Net(head, lm_w)
 
 
 def _lr(tc: TrainConfig, step: int, total: int) -> float:
@@ -174,38 +245,39 @@ def total_steps(tc: TrainConfig, n_train_seqs: int) -> int:
 
 
 @torch.no_grad()
-def validation_loss(head: EagleHead, embed: torch.Tensor, lm_w: torch.Tensor, t2d: torch.Tensor | None,
+def validation_loss(net, embed: torch.Tensor, t2d: torch.Tensor | None,
                     data: DistillData, seqs: Sequence[int], tc: TrainConfig, device) -> float:
     """Mean loss (no noise) over the validation sequences."""
-    was = head.training
-    head.eval()
+    was = net.head.training
+    net.head.eval()
     losses = []
     for a in range(0, len(seqs), tc.batch):
         batch = make_batch(data, seqs[a:a + tc.batch], tc.seq_len, device)
-        losses.append(float(step_loss(head, embed, lm_w, t2d, batch, tc, 0.0, None)[0]))
-    head.train(was)
+        losses.append(float(step_loss(net, embed, t2d, batch, tc, 0.0, None)[0]))
+    net.head.train(was)
     return sum(losses) / max(len(losses), 1)
 
 
 def train_head(data: DistillData, target: torch.nn.Module, tc: TrainConfig, vocab: DraftVocab | None, work: Path,
-               report: Report | None = None) -> tuple[EagleHead, dict]:
+               report: Report | None = None, method: str = "eagle") -> tuple[torch.nn.Module, dict]:
     """Train a head on `data` (early stopping on a validation split), resuming from
     work/checkpoint.pt when it was written by the same data and settings. Returns (head in eval
     mode with the best validation weights, summary)."""
     work.mkdir(parents=True, exist_ok=True)
     device = next(target.parameters()).device
     embed = target.get_input_embeddings().weight.detach().float()
-    lm_full = target.get_output_embeddings().weight.detach().float()
-    lm_w = lm_full if vocab is None else lm_full[vocab.ids.to(device)].contiguous()
     t2d = None if vocab is None else vocab.t2d.to(device)
+    if method == "eagle3" and data.aux is None:
+        raise UserError("train-draft spec.method=eagle3: the data has no target layer states (built for eagle)")
     train_seqs, val_seqs = split_prompts(data, tc.eval_fraction, tc.seed)
     if not train_seqs:
         raise UserError("train-draft: no training sequences (raise train.prompts or lower train.eval_fraction)")
     steps = total_steps(tc, len(train_seqs))
-    rms = float(data.features[: min(len(data.features), 100_000)].float().pow(2).mean().sqrt())
-    fingerprint = hashlib.sha256(json.dumps([data.meta.get("key"), tc.model_dump(exclude={"checkpoint_every"}),
+    src = data.aux if method == "eagle3" else data.features
+    rms = float(src[: min(len(src), 100_000)].float().pow(2).mean().sqrt())
+    fingerprint = hashlib.sha256(json.dumps([data.meta.get("key"), tc.model_dump(exclude={"checkpoint_every"}), method,
                                              None if vocab is None else len(vocab.ids)], sort_keys=True).encode()).hexdigest()[:16]
-    head = init_head(target.config, tc.seed).to(device)
+    head, net = init_net(method, target, vocab, tc.seed)
     opt = torch.optim.AdamW(head.parameters(), lr=tc.lr, betas=(0.9, 0.95), weight_decay=0.0)
     state = {"step": 0, "history": [], "val": [], "best": None, "best_val": float("inf"), "bad": 0}
     ckpt = work / CKPT
@@ -225,7 +297,7 @@ def train_head(data: DistillData, target: torch.nn.Module, tc: TrainConfig, voca
         batch = make_batch(data, _batch_ids(train_seqs, tc, step), tc.seq_len, device)
         tokens += int(batch["lens"].sum())
         gen = torch.Generator().manual_seed(tc.seed * 1_000_003 + step)
-        loss, parts = step_loss(head, embed, lm_w, t2d, batch, tc, tc.noise * rms, gen)
+        loss, parts = step_loss(net, embed, t2d, batch, tc, tc.noise * rms, gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
@@ -234,7 +306,7 @@ def train_head(data: DistillData, target: torch.nn.Module, tc: TrainConfig, voca
         done = step + 1
         info = {"loss": float(loss.detach()), **parts, "tok_s": tokens / max(time.perf_counter() - t0, 1e-9)}
         if val_seqs and (done % tc.eval_every == 0 or done == steps):
-            v = validation_loss(head, embed, lm_w, t2d, data, val_seqs, tc, device)
+            v = validation_loss(net, embed, t2d, data, val_seqs, tc, device)
             state["val"].append((done, round(v, 5)))
             info["val"] = v
             if v < state["best_val"] - 1e-4:
@@ -252,7 +324,8 @@ def train_head(data: DistillData, target: torch.nn.Module, tc: TrainConfig, voca
     if state["best"] is not None:
         head.load_state_dict(state["best"])
     head.eval().requires_grad_(False)
-    head.draft_ids = None if vocab is None else vocab.ids
+    if method == "eagle":
+        head.draft_ids = None if vocab is None else vocab.ids
     summary = {"steps": state["step"], "max_steps": steps, "stopped_early": stopped_early, "resumed_from": start,
                "train_seconds": round(time.perf_counter() - t0, 1),
                "train_tok_s": round(tokens / max(time.perf_counter() - t0, 1e-9), 1),
