@@ -1,4 +1,5 @@
-"""Helpers shared by the tests: a free port, the fake vLLM / SGLang executable, a fake measurement.
+"""Helpers shared by the tests: a free port, the fake vLLM / SGLang executable, a fake measurement,
+the built-in engine and its server.
 
 Imported as `helpers` (pytest puts tests/ on sys.path, as for tests/pg.py).
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 import socket
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from tuner.objective import Sample
@@ -44,3 +47,24 @@ def fake_measure(delay_s: float = 0.02):
         return Sample(100.0 + 20 * spec.depth, 1.0 + 0.3 * spec.depth, 10.0, 9.0)
 
     return measure
+
+
+def engine_for(cfg):
+    """The built-in engine of cfg (its model loaded once per process), set to cfg.spec."""
+    from engine.loop import Engine
+
+    engine = Engine.from_config(cfg)
+    engine.set_spec(cfg.spec)
+    return engine
+
+
+@contextmanager
+def serving(cfg, engine) -> Iterator[str]:
+    """The built-in OpenAI-compatible server over `engine` on 127.0.0.1, for the block; its URL."""
+    from engine.server import serve_in_thread
+
+    url, stop = serve_in_thread(cfg, engine)
+    try:
+        yield url
+    finally:
+        stop()

@@ -11,6 +11,7 @@ from engine.api import GenResult, GenStats, SamplingParams
 from engine.promparse import SpecCounters, parse_samples, spec_counters, tau_from_delta
 from engine.runner import Measurement, Summary, measure, request_body, run_inprocess
 from engine.workloads import Prompt
+from helpers import engine_for, serving
 
 # A /metrics page shaped like vLLM's: _total suffixes, model_name and engine labels, per-position
 # counts, other metrics around the spec_decode ones.
@@ -214,20 +215,13 @@ def real_cfg():
 
 @pytest.fixture(scope="module")
 def real_engine(real_cfg):
-    from engine.loop import Engine
-
-    eng = Engine.from_config(real_cfg)
-    eng.set_spec(real_cfg.spec)
-    return eng
+    return engine_for(real_cfg)
 
 
 @pytest.fixture(scope="module")
 def real_server(real_cfg, real_engine):
-    from engine.server import serve_in_thread
-
-    url, stop = serve_in_thread(real_cfg, real_engine)
-    yield url
-    stop()
+    with serving(real_cfg, real_engine) as url:
+        yield url
 
 
 @pytest.mark.parametrize("concurrency", [1, 4])

@@ -10,7 +10,7 @@ import threading
 import httpx
 import pytest
 
-from helpers import free_port
+from helpers import engine_for, free_port, serving
 from engine.promparse import spec_counters
 from engine.server import TextStream, serve_in_thread
 from tuner.config import load_config
@@ -25,18 +25,13 @@ def cfg():
 
 @pytest.fixture(scope="module")
 def engine(cfg):
-    from engine.loop import Engine
-
-    eng = Engine.from_config(cfg)
-    eng.set_spec(cfg.spec)
-    return eng
+    return engine_for(cfg)
 
 
 @pytest.fixture(scope="module")
 def server(cfg, engine):
-    url, stop = serve_in_thread(cfg, engine)
-    yield url
-    stop()
+    with serving(cfg, engine) as url:
+        yield url
 
 
 def _sse(r: httpx.Response) -> list[dict]:
