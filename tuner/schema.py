@@ -345,21 +345,21 @@ class DeployConfig(_Strict):
 class DistributedConfig(_Strict):
     """`tuner render-tuner`: the Kubernetes objects of a distributed study (PostgreSQL + worker Jobs)."""
 
-    name: str = "spectune-tuner"  # prefix of every object's name
-    namespace: str = "spectune"
-    image: str = "ghcr.io/spectune/spectune"  # the tuner image (runs `tuner optimize --worker`)
-    image_tag: str = "0.1.0"
-    postgres_image: str = "postgres"
-    postgres_tag: str = "16.4"
-    postgres_storage: str = "10Gi"
-    storage_class: str | None = None
+    name: str  # prefix of every object's name
+    namespace: str
+    image: str  # the tuner image (runs `tuner optimize --worker`)
+    image_tag: str
+    postgres_image: str
+    postgres_tag: str
+    postgres_storage: str
+    storage_class: str | None
     # Secret (created by the user) with keys user, password, database: the in-cluster PostgreSQL's
     # credentials, read by every pod through secretKeyRef only.
-    db_secret: str = "spectune-tuner-db"
+    db_secret: str
     # An existing database instead of the in-cluster PostgreSQL: a Secret key holding the whole URL.
-    external_url_secret: SecretRef | None = None
-    results_storage: str = "1Gi"  # PVC the report Job writes best.yaml, the report and manifests into
-    backoff_limit: int = Field(4, ge=0)  # pod retries per worker index
+    external_url_secret: SecretRef | None
+    results_storage: str  # PVC the report Job writes best.yaml, the report and manifests into
+    backoff_limit: int = Field(ge=0)  # pod retries per worker index
 
     @field_validator("image_tag", "postgres_tag", mode="before")
     @classmethod
@@ -369,44 +369,44 @@ class DistributedConfig(_Strict):
 
 
 class ServeConfig(_Strict):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
-    queue_size: int = Field(16, ge=1)
-    max_tokens_limit: int = Field(2048, ge=1)
+    host: str
+    port: int = Field(ge=1, le=65535)
+    queue_size: int = Field(ge=1)
+    max_tokens_limit: int = Field(ge=1)
 
 
 class BenchConfig(_Strict):
-    baseline: bool = False
-    warmup: int = Field(1, ge=0)
-    repeats: int = Field(3, ge=1)
-    heldout: bool = False
+    baseline: bool
+    warmup: int = Field(ge=0)
+    repeats: int = Field(ge=1)
+    heldout: bool
 
 
 class TrainConfig(_Strict):
     """`tuner train-draft`: on-policy data and draft-head training (engine.heads)."""
 
-    prompts: int = Field(640, ge=1)  # training prompts answered by the target (engine.heads.prompts)
-    max_new_tokens: int = Field(128, ge=8, le=4096)  # per answer
-    gen_batch: int = Field(32, ge=1)  # prompts answered together (one forward per step for all)
-    label_topk: int = Field(8, ge=1, le=64)  # the target's top-k probabilities kept per answer token (soft labels)
-    epochs: float = Field(2.0, gt=0.0)  # passes over the training sequences (capped by steps)
-    steps: int = Field(2000, ge=1)  # the most optimizer steps
-    batch: int = Field(8, ge=1)  # sequences per optimizer step
-    seq_len: int = Field(256, ge=16)  # tokens per training sequence (longer ones keep their end)
-    lr: float = Field(2e-3, gt=0.0)
-    warmup: int = Field(10, ge=0)  # linear warm-up steps, then cosine decay to 10%
-    ce_weight: float = Field(0.1, ge=0.0)  # loss = SmoothL1(feature) + ce_weight * soft CE
-    noise: float = Field(0.1, ge=0.0)  # std of Gaussian noise on input features (relative to their rms)
-    unroll: int = Field(3, ge=1, le=8)  # training-time test: steps the head runs on its own features
-    unroll_decay: float = Field(0.8, gt=0.0, le=1.0)  # loss weight of unrolled step i: decay**i
-    draft_vocab: int = Field(8192, ge=0)  # draft over the N most frequent target tokens (0: full vocab)
-    eval_fraction: float = Field(0.05, ge=0.0, lt=0.5)  # prompts kept out of training (validation, early stopping)
-    eval_every: int = Field(25, ge=1)  # steps between validation losses
-    patience: int = Field(4, ge=0)  # validations without improvement before stopping (0: never stop early)
-    checkpoint_every: int = Field(25, ge=1)  # steps between resumable checkpoints
-    medusa_heads: int = Field(4, ge=1, le=16)  # spec.method=medusa: heads (the deepest draft they allow)
-    draft_layers: int = Field(4, ge=1, le=64)  # spec.method=draft_model: decoder layers of the draft model
-    seed: int = 0
+    prompts: int = Field(ge=1)  # training prompts answered by the target (engine.heads.prompts)
+    max_new_tokens: int = Field(ge=8, le=4096)  # per answer
+    gen_batch: int = Field(ge=1)  # prompts answered together (one forward per step for all)
+    label_topk: int = Field(ge=1, le=64)  # the target's top-k probabilities kept per answer token (soft labels)
+    epochs: float = Field(gt=0.0)  # passes over the training sequences (capped by steps)
+    steps: int = Field(ge=1)  # the most optimizer steps
+    batch: int = Field(ge=1)  # sequences per optimizer step
+    seq_len: int = Field(ge=16)  # tokens per training sequence (longer ones keep their end)
+    lr: float = Field(gt=0.0)
+    warmup: int = Field(ge=0)  # linear warm-up steps, then cosine decay to 10%
+    ce_weight: float = Field(ge=0.0)  # loss = SmoothL1(feature) + ce_weight * soft CE
+    noise: float = Field(ge=0.0)  # std of Gaussian noise on input features (relative to their rms)
+    unroll: int = Field(ge=1, le=8)  # training-time test: steps the head runs on its own features
+    unroll_decay: float = Field(gt=0.0, le=1.0)  # loss weight of unrolled step i: decay**i
+    draft_vocab: int = Field(ge=0)  # draft over the N most frequent target tokens (0: full vocab)
+    eval_fraction: float = Field(ge=0.0, lt=0.5)  # prompts kept out of training (validation, early stopping)
+    eval_every: int = Field(ge=1)  # steps between validation losses
+    patience: int = Field(ge=0)  # validations without improvement before stopping (0: never stop early)
+    checkpoint_every: int = Field(ge=1)  # steps between resumable checkpoints
+    medusa_heads: int = Field(ge=1, le=16)  # spec.method=medusa: heads (the deepest draft they allow)
+    draft_layers: int = Field(ge=1, le=64)  # spec.method=draft_model: decoder layers of the draft model
+    seed: int
 
 
 class Config(_Strict):
@@ -419,10 +419,10 @@ class Config(_Strict):
     deploy: DeployConfig
     spec: SpecConfig = SpecConfig()
     workload: WorkloadConfig | None = None
-    serve: ServeConfig = ServeConfig()
-    bench: BenchConfig = BenchConfig()
-    train: TrainConfig = TrainConfig()
-    distributed: DistributedConfig = DistributedConfig()
+    serve: ServeConfig
+    bench: BenchConfig
+    train: TrainConfig
+    distributed: DistributedConfig
     run_dir: str = "runs"
     cache_dir: str | None = None  # None: ~/.cache/spectune (converted models, trained heads)
     seed: int = 0
