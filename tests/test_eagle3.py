@@ -49,10 +49,10 @@ def _subset(vocab: int, n: int, seed: int) -> torch.Tensor:
     return torch.randperm(vocab, generator=g)[:n]
 
 
-def _perturbed_head(engine: Engine, n_vocab: int = 3000, seed: int = 0) -> Eagle3Head:
+def _perturbed_head(engine: Engine, n_vocab: int = 3000, seed: int = 0, aux=AUX) -> Eagle3Head:
     """A head over a random draft vocabulary with every weight random (norms included), so a
     save/load that dropped or swapped any tensor changes the logits."""
-    head = init_eagle3(engine.model, _subset(engine.model.config.vocab_size, n_vocab, seed), AUX, seed=seed)
+    head = init_eagle3(engine.model, _subset(engine.model.config.vocab_size, n_vocab, seed), aux, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in head.named_parameters():
@@ -178,17 +178,24 @@ SPECS = [SpecConfig(method="eagle3", depth=3, topk=1, budget=4), SpecConfig(meth
 def test_random_head_greedy_identical_to_autoregressive(engine: Engine, prompts, reference, spec) -> None:
     engine.set_spec(spec)  # no head_path: the seeded random head over the full vocabulary
     assert isinstance(engine.drafter, Eagle3Drafter) and engine.drafter.draft_vocab is None
-    _check_greedy(engine, prompts[:2], reference[:2], spec)  # its 49k-row lm_head is the slow part
+    _check_greedy(engine, prompts[:1], reference[:1], spec)  # its 49k-row lm_head is the slow part
     sub = Eagle3Drafter(spec, _perturbed_head(engine), engine.model)
     assert sub.draft_vocab is not None
     engine.set_drafter(sub, spec)
-    _check_greedy(engine, prompts, reference, spec)
+    _check_greedy(engine, prompts[1:], reference[1:], spec)
     engine.set_spec(SpecConfig(method="off"))
 
 
-def test_engine_hands_the_drafter_aligned_aux_states(engine: Engine, prompts) -> None:
-    """Over a generation with trees, the aux states observed equal one forward over the final text."""
+@pytest.mark.parametrize("forward", ["hf", "lean"])
+def test_engine_hands_the_drafter_aligned_aux_states(engine: Engine, prompts, forward: str) -> None:
+    """Over a generation with trees, the aux states observed equal one forward over the final text;
+    the layers are out of order and repeated, as vLLM's default gives for small targets."""
+    if forward == "lean":
+        engine = Engine.from_config(load_config(["model=tiny-random", "model.num_layers=4", "spec.method=off",
+                                                 "engine.builtin.forward=lean"]))
+        assert engine.lean is not None and engine.model is not None
     spec = SpecConfig(method="eagle3", depth=3, topk=2, budget=6)
+    aux_layers = (3, 1, 1)
     seen = []
 
     class Spy(Eagle3Drafter):
@@ -196,12 +203,12 @@ def test_engine_hands_the_drafter_aligned_aux_states(engine: Engine, prompts) ->
             seen.append(aux.clone())
             super().observe(features, aux)
 
-    engine.set_drafter(Spy(spec, _perturbed_head(engine, seed=4), engine.model), spec)
+    engine.set_drafter(Spy(spec, _perturbed_head(engine, seed=4, aux=aux_layers), engine.model), spec)
     res = engine.generate(prompts[0], SamplingParams(max_new_tokens=N_NEW))
     engine.set_spec(SpecConfig(method="off"))
     ids = prompts[0] + res.tokens
     with torch.inference_mode():
-        want = aux_hidden_states(engine.model, torch.tensor([ids[:-1]]), AUX)[0]
+        want = aux_hidden_states(engine.model, torch.tensor([ids[:-1]]), aux_layers)[0]
     got = torch.cat(seen)
     assert got.shape == want.shape == (len(ids) - 1, 3 * engine.model.config.hidden_size)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
