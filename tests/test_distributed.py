@@ -224,7 +224,7 @@ def test_a_vllm_worker_measures_through_the_launcher(tmp_path: Path, monkeypatch
     monkeypatch.setenv("FAKE_MODE", "ok")
     monkeypatch.setenv("FAKE_RECORD", str(tmp_path / "record.jsonl"))
     monkeypatch.setenv("FAKE_STARTUP_S", "0.2")
-    monkeypatch.setenv("FAKE_TOKEN_S", "0.002")
+    monkeypatch.setenv("FAKE_TOKEN_S", "0.01")  # 16 tokens: 160 ms a request, well above HTTP overheads
     url = f"journal:{tmp_path / 'study.journal'}"
     exe = fake_engine_exe(tmp_path)
     study_args = [f"search.storage={url}", "search.study_name=v"]
