@@ -1,5 +1,6 @@
-"""The EAGLE-3 draft head for Llama targets: architecture, its in-place KV cache, the target's aux
-features, and load/save in the checkpoint layout vLLM's `eagle3` method serves.
+"""The EAGLE-3 draft head for Llama targets: architecture, the target's aux features, and
+load/save in the checkpoint layout vLLM's `eagle3` method serves. Its KV cache is an
+engine.cache.KVBuffer (grows in place; rollback is a length change).
 
 Features. The target's hidden states entering decoder layers `aux_layers` (default low 2, mid L//2,
 high L-3: each the residual stream before that layer, i.e. HF's `hidden_states[k]`, vLLM's
@@ -34,6 +35,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from engine.cache import KVBuffer
 from tuner.schema import UserError
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -46,51 +48,6 @@ def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     (layer 0's input is the bare embedding, which vLLM cannot capture)."""
     hi = max(num_layers - 1, 0)
     return tuple(min(max(k, 1), hi) for k in (2, num_layers // 2, num_layers - 3))  # type: ignore[return-value]
-
-
-class Eagle3Cache:
-    """The head's keys/values [B, kv, capacity, d] in a buffer that doubles when full; `length`
-    positions are valid. Appending writes in place; rollback is a length change. Keys that carry
-    gradients (training-time test unrolling) are concatenated instead: autograd must not see
-    tensors it saved being overwritten."""
-
-    _MIN_CAPACITY = 256
-
-    def __init__(self) -> None:
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-        self.length = 0
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add [B, kv, n, d] keys/values after the valid ones; returns all valid keys/values (views)."""
-        n, at = k.shape[-2], self.length
-        if k.requires_grad or v.requires_grad:
-            if at:
-                k = torch.cat([self.k[..., :at, :], k], dim=-2)
-                v = torch.cat([self.v[..., :at, :], v], dim=-2)
-            self.k, self.v, self.length = k, v, at + n
-            return k, v
-        need = at + n
-        if self.k is None or need > self.k.shape[-2] or self.k.shape[:-2] != k.shape[:-2]:
-            cap = max(need, 2 * (0 if self.k is None else self.k.shape[-2]), self._MIN_CAPACITY)
-            kb = k.new_empty(*k.shape[:-2], cap, k.shape[-1])
-            vb = v.new_empty(*v.shape[:-2], cap, v.shape[-1])
-            if at:
-                kb[..., :at, :] = self.k[..., :at, :]
-                vb[..., :at, :] = self.v[..., :at, :]
-            self.k, self.v = kb, vb
-        self.k[..., at:need, :] = k
-        self.v[..., at:need, :] = v
-        self.length = need
-        return self.k[..., :need, :], self.v[..., :need, :]
-
-    def crop(self, length: int) -> None:
-        """Keep the first `length` positions."""
-        self.length = min(self.length, length)
-
-    def reset(self) -> None:
-        """Empty (the buffer is kept for the next generation)."""
-        self.length = 0
 
 
 class Eagle3Attention(nn.Module):
@@ -109,7 +66,7 @@ class Eagle3Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                cache: Eagle3Cache | None) -> torch.Tensor:
+                cache: KVBuffer | None) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
@@ -189,7 +146,7 @@ class Eagle3Head(nn.Module):
         return self.fc(aux)
 
     def forward(self, token_embeds: torch.Tensor, features: torch.Tensor, position_ids: torch.Tensor,
-                mask: torch.Tensor | None = None, cache: Eagle3Cache | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, cache: KVBuffer | None = None) -> torch.Tensor:
         """token_embeds, features [B, T, h]; position_ids [B, T]; mask bool [B|1, 1, T, S+T] over the
         cache's S keys plus the T new ones (None: causal). Appends the T keys/values to `cache`.
         Returns the pre-norm hidden [B, T, h], which is the next step's feature."""

@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from engine.api import SamplingParams
+from engine.cache import KVBuffer
 from engine.drafters import Eagle3Drafter
 from engine.drafters.base import to_target_vocab
 from engine.eagle import random_head, save_head
-from engine.eagle3 import (Eagle3Cache, Eagle3Head, aux_hidden_states, default_aux_layers, init_eagle3, load_eagle3,
+from engine.eagle3 import (Eagle3Head, aux_hidden_states, default_aux_layers, init_eagle3, load_eagle3,
                            save_eagle3)
 from engine.loop import Engine
 from engine.tree import Tree
@@ -137,7 +138,7 @@ def test_cached_incremental_forward_equals_from_scratch(engine: Engine) -> None:
     emb, aux, pos = _inputs(head, t, seed=2)
     with torch.no_grad():
         full = head(emb, head.fuse(aux), pos)  # causal, no cache
-        cache = Eagle3Cache()
+        cache = KVBuffer()
         first = head(emb[:, :5], head.fuse(aux[:, :5]), pos[:, :5], None, cache)
         buf = cache.k.data_ptr()
         rest = head(emb[:, 5:], head.fuse(aux[:, 5:]), pos[:, 5:], None, cache)  # causal after a prefix
@@ -227,7 +228,7 @@ def _fit_head(engine: Engine, ids: list[int], steps: int = 60) -> Eagle3Head:
     opt = torch.optim.Adam(head.parameters(), lr=3e-3)
     n = x.shape[1] - 1
     for _ in range(steps):
-        cache, feat, loss = Eagle3Cache(), head.fuse(aux[:, :n]), 0.0
+        cache, feat, loss = KVBuffer(), head.fuse(aux[:, :n]), 0.0
         for j in range(3):
             m = n - j - 1  # input position t: token t+1+j; label token t+2+j
             e = embed(torch.cat([x[:, 1 + j:], x.new_zeros(1, j)], 1))  # index t: token t+1+j (padded)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.cache import KVBuffer
 from engine.drafters.base import ModelDrafter
-from engine.eagle3 import Eagle3Cache, Eagle3Head
+from engine.eagle3 import Eagle3Head
 from tuner.schema import SpecConfig
 
 
@@ -23,7 +24,7 @@ class Eagle3Drafter(ModelDrafter):
         self.vocab_size = head.t2d.numel()
         full = head.draft_vocab_size == self.vocab_size and not bool(head.d2t.any())
         self.draft_vocab = None if full else head.target_ids()
-        self.cache = Eagle3Cache()
+        self.cache = KVBuffer()
         self._pending: list[torch.Tensor] = []
         self._root_feat: torch.Tensor | None = None
         self._slot_feat: list[torch.Tensor] = []
