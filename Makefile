@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.spectune-setup
 
-.PHONY: setup optimize test vllm sglang postgres image
+.PHONY: setup optimize test vllm sglang postgres image gpu-check
 
 # The install steps live in scripts/setup.sh, which the Dockerfiles run too (one source of truth).
 $(STAMP): pyproject.toml Makefile scripts/setup.sh
@@ -83,3 +83,9 @@ image:
 	$(DOCKER) build --build-arg VARIANT=cpu -t $(IMAGE):$(VERSION) .
 	$(DOCKER) build --build-arg VARIANT=cuda -t $(IMAGE):$(VERSION)-cuda .
 	$(DOCKER) build -f Dockerfile.vllm --build-arg VLLM_BASE=vllm/vllm-openai:v$(VLLM_VERSION) -t $(VLLM_IMAGE):$(VERSION) .
+
+# On a machine with a CUDA GPU (<= 10 min): the tests marked cuda, engine_speed on CUDA, a greedy
+# losslessness run (n-gram chain and EAGLE tree vs autoregressive) and `tuner bench engine=vllm`
+# with a head trained on the GPU (after `make vllm`); one summary table (scripts/gpu_check.py).
+gpu-check: setup
+	$(PY) scripts/gpu_check.py

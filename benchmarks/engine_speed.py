@@ -1,19 +1,26 @@
 """Built-in engine vs HF `generate` on the packaged SmolLM2, HumanEval code prompts, T=0, batch 1, warm.
 
-    python benchmarks/engine_speed.py [--prompts 6] [--max-new-tokens 128] [--depths 2,4,6,8]
+    python benchmarks/engine_speed.py [--prompts 6] [--max-new-tokens 128] [--depths 2,4,6,8] [--no-compile]
 
 Rows (all in the same process, same prompts, in the same run): HF generate autoregressive (transformers' own
-model, a second copy without the engine's oneDNN linears), built-in autoregressive with and without them,
-HF generate(prompt_lookup_num_tokens=4), built-in n-gram at several depths.
-EAGLE rows only with --eagle-head (a trained head; a random head accepts nothing: no meaningful row).
-Prints a table (tok/s, ratio to HF AR, tau, greedy agreement with built-in AR); the last line of
-output is one JSON object with the figures. Timings are noisy when the CPUs are shared.
+model without the engine's oneDNN linears), HF generate(prompt_lookup_num_tokens=4), the built-in engine
+autoregressive with each forward (`hf`: transformers' model; `lean`: engine/llama.py, eager and compiled),
+built-in n-gram at several depths on the fastest forward. EAGLE rows only with --eagle-head (a trained head).
+
+Next to tok/s: achieved bandwidth (weight bytes read per target forward x forwards/s) and its share
+of the machine's copy bandwidth (measured once, cached under the spectune cache dir), and what that
+bandwidth allows (the AR limit). Then the verification curve: the cost of one target forward over
+a tree of n tokens, relative to a one-token (AR) step, for n = 1..64, per forward. Compile time is
+reported apart and never counted in tok/s. Prints tables; the last line is one JSON object.
+Timings are noisy when the CPUs are shared: compare rows of one run, never absolute figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import platform
+import random
 import sys
 import time
 from pathlib import Path
@@ -25,9 +32,44 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from engine.api import SamplingParams  # noqa: E402
+from engine.cache import new_cache  # noqa: E402
+from engine.llama import lean_forward  # noqa: E402
 from engine.loop import Engine  # noqa: E402
+from engine.model import cache_root  # noqa: E402
+from engine.tree import Tree  # noqa: E402
 from tuner.config import load_config  # noqa: E402
 from tuner.schema import SpecConfig, UserError  # noqa: E402
+
+CURVE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+
+
+def copy_bandwidth(device: torch.device, cache_dir: str | None = None) -> float:
+    """The machine's memory copy bandwidth in GB/s (bytes read + written per second by a 512 MB
+    tensor copy, best of 7, with torch's current threads), measured once per (machine, device,
+    threads) and cached in <cache>/copy_bandwidth.json."""
+    key = f"{platform.node()}|{platform.processor() or platform.machine()}|{device}|{torch.get_num_threads()}"
+    path = cache_root(cache_dir) / "copy_bandwidth.json"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key not in known:
+        a = torch.ones(128 << 20, device=device)  # 512 MB of fp32
+        b = torch.empty_like(a)
+        best = float("inf")
+        for _ in range(7):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            b.copy_(a)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t)
+        known[key] = round(2 * a.numel() * a.element_size() / best / 1e9, 2)
+        del a, b
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(known, indent=1))
+    return known[key]
 
 
 def code_prompts(engine: Engine, n: int) -> list[list[int]]:
@@ -39,8 +81,8 @@ def code_prompts(engine: Engine, n: int) -> list[list[int]]:
 
 
 def hf_generate(engine: Engine, prompt: list[int], max_new: int, lookup: int | None) -> tuple[list[int], float, int | None]:
-    """(new tokens without EOS, seconds, target forwards: unknown for HF). `engine` is the plain one:
-    its model is transformers' own, without the built-in engine's oneDNN linears."""
+    """(new tokens without EOS, seconds, target forwards: one per token for AR, unknown with lookup).
+    `engine` is the plain one: its model is transformers' own, without the engine's oneDNN linears."""
     model, eos = engine.model, sorted(engine.eos)
     kw = {"prompt_lookup_num_tokens": lookup} if lookup else {}
     ids = torch.tensor([prompt], device=engine.device)
@@ -50,13 +92,39 @@ def hf_generate(engine: Engine, prompt: list[int], max_new: int, lookup: int | N
                              do_sample=False, eos_token_id=eos, pad_token_id=eos[0], **kw)
     elapsed = time.perf_counter() - t
     new = out[0, len(prompt):].tolist()
-    return (new[:-1] if new and new[-1] in eos else new), elapsed, None
+    new = new[:-1] if new and new[-1] in eos else new
+    return new, elapsed, None if lookup else len(new)
 
 
 def builtin_generate(engine: Engine, prompt: list[int], max_new: int, spec: SpecConfig) -> tuple[list[int], float, int | None]:
     engine.set_spec(spec)  # never reloads the target; an n-gram drafter is free to build
     res = engine.generate(prompt, SamplingParams(max_new_tokens=max_new))
     return res.tokens, res.stats.total_s, res.stats.target_forwards
+
+
+def step_seconds(engine: Engine, n: int, prefix: int = 200, repeats: int = 5) -> float:
+    """Best-of-`repeats` seconds of one target forward over an n-node branching tree (each node's
+    parent drawn among the earlier ones, seeded) after a `prefix`-token context."""
+    rng = random.Random(n)
+    parents = [-1] + [rng.randrange(i) for i in range(1, n)]
+    depths = [0]
+    for p in parents[1:]:
+        depths.append(depths[p] + 1)
+    tree = Tree([rng.randrange(1000, 20000) for _ in range(n)], parents, depths)
+    ctx = [rng.randrange(1000, 20000) for _ in range(prefix)]
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats):
+            cache = engine.lean.new_cache(prefix + n) if engine.lean else new_cache(engine.model.config)
+            engine._forward(None, ctx, 0, cache, True)
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            engine._forward(tree, tree.tokens, prefix, cache, False)
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t)
+    return best
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,33 +134,52 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depths", default="2,4,6,8", help="n-gram draft depths")
     ap.add_argument("--ngram-mins", default="2", help="n-gram shortest match lengths (longest: 4)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both engines run (make gpu-check: cuda)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--no-compile", action="store_true", help="no compiled lean rows (they compile once, cached on disk)")
+    ap.add_argument("--no-curve", action="store_true", help="skip the verification-cost curve")
     ap.add_argument("--eagle-head", default=None, help="a trained EAGLE-1 head dir (tuner train-draft): adds EAGLE rows")
     args = ap.parse_args(argv)
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    over = [f"model={args.model}", f"engine.builtin.dtype={args.dtype}", "spec.method=off"]
-    engine = Engine.from_config(load_config(over))
+    over = [f"model={args.model}", f"engine.builtin.dtype={args.dtype}", f"engine.builtin.device={args.device}",
+            "spec.method=off"]
     # HF rows run transformers' model as loaded, without the engine's oneDNN linears (a second copy)
     plain = Engine.from_config(load_config([*over, "engine.builtin.onednn_linears=false"]))
-    prompts = code_prompts(engine, args.prompts)
+    hf_fwd = Engine.from_config(load_config([*over, "engine.builtin.forward=hf"]))
+    engines = {"hf": hf_fwd, "lean": Engine.from_config(load_config([*over, "engine.builtin.forward=lean"]))}
+    compile_s = None
+    if not args.no_compile:
+        engines["lean compiled"] = Engine.from_config(load_config([*over, "engine.builtin.forward=lean",
+                                                                   "engine.builtin.compile=true"]))
+        compile_s = engines["lean compiled"].lean.warm_up()  # compiles, or loads inductor's on-disk cache
+        print(f"compile (or load from the on-disk cache): {compile_s:.1f} s, not counted in tok/s", file=sys.stderr)
+    best_fwd = "lean compiled" if "lean compiled" in engines else "lean"
+    fast = engines[best_fwd]
+    lean = lean_forward(hf_fwd.target)
+    weight_bytes = lean.model.weight_bytes()
+    bw = copy_bandwidth(hf_fwd.device)
+    limit = bw * 1e9 / weight_bytes  # AR tokens/s if every step only streamed the weights at copy speed
+
+    prompts = code_prompts(plain, args.prompts)
     m = args.max_new_tokens
     runs = {
         "HF generate, autoregressive": lambda p, n: hf_generate(plain, p, n, None),
         "HF generate, prompt_lookup_num_tokens=4": lambda p, n: hf_generate(plain, p, n, 4),
-        "built-in, autoregressive": lambda p, n: builtin_generate(engine, p, n, SpecConfig(method="off")),
-        "built-in, autoregressive, plain nn.Linear": lambda p, n: builtin_generate(plain, p, n, SpecConfig(method="off")),
     }
+    for name, eng in engines.items():
+        runs[f"built-in {name}, autoregressive"] = lambda p, n, eng=eng: builtin_generate(eng, p, n, SpecConfig(method="off"))
     for lo in (int(x) for x in args.ngram_mins.split(",")):
         for d in (int(x) for x in args.depths.split(",")):
             spec = SpecConfig(method="ngram", depth=d, topk=1, budget=d + 1, ngram_min=lo, ngram_max=4)
-            runs[f"built-in, n-gram depth {d} (match {lo}-4)"] = lambda p, n, spec=spec: builtin_generate(engine, p, n, spec)
+            runs[f"built-in {best_fwd}, n-gram depth {d} (match {lo}-4)"] = \
+                lambda p, n, spec=spec: builtin_generate(fast, p, n, spec)
     if args.eagle_head:
         for d, k, b in ((3, 1, 4), (4, 4, 8)):
             spec = SpecConfig(method="eagle", depth=d, topk=k, budget=b, head_path=args.eagle_head)
-            runs[f"built-in, EAGLE {spec.key()[6:]}"] = lambda p, n, spec=spec: builtin_generate(engine, p, n, spec)
+            runs[f"built-in {best_fwd}, EAGLE {spec.key()[6:]}"] = lambda p, n, spec=spec: builtin_generate(fast, p, n, spec)
     for fn in runs.values():  # warm-up: first calls allocate and pick kernels
         fn(prompts[0], 8)
     acc = {name: {"tokens": 0, "seconds": 0.0, "forwards": 0, "outputs": []} for name in runs}
@@ -102,29 +189,62 @@ def main(argv: list[str] | None = None) -> int:
             toks, secs, fwd = fn(p, m)
             a = acc[name]
             a["tokens"] += len(toks); a["seconds"] += secs; a["outputs"].append(toks)
-            a["forwards"] = None if fwd is None else a["forwards"] + fwd
+            a["forwards"] = None if fwd is None or a["forwards"] is None else a["forwards"] + fwd
     rows = [(name, {**a, "tok_s": a["tokens"] / a["seconds"],
+                    "gb_s": None if a["forwards"] is None else weight_bytes * a["forwards"] / a["seconds"] / 1e9,
                     "tau": None if a["forwards"] is None else a["tokens"] / a["forwards"]}) for name, a in acc.items()]
-    hf_ar = rows[0][1]["tok_s"]
-    ref = rows[2][1]["outputs"]
-    table = Table(title=f"SmolLM2-135M {args.dtype}, {len(prompts)} HumanEval prompts, T=0, "
-                        f"max {args.max_new_tokens} new tokens, batch 1, {torch.get_num_threads()} threads")
-    for col in ("engine", "tokens", "tok/s", "vs HF AR", "tau", "same as built-in AR"):
+    by = dict(rows)
+    hf_ar = by["HF generate, autoregressive"]["tok_s"]
+    ref = by["HF generate, autoregressive"]["outputs"]
+    table = Table(title=f"{args.model} {args.dtype} on {args.device}, {len(prompts)} HumanEval prompts, T=0, "
+                        f"max {args.max_new_tokens} new tokens, batch 1, {torch.get_num_threads()} threads; "
+                        f"weights {weight_bytes / 1e6:.0f} MB, copy bandwidth {bw:.1f} GB/s -> AR limit {limit:.1f} tok/s")
+    for col in ("engine", "tokens", "tok/s", "vs HF AR", "tau", "GB/s", "of copy bw", "same as HF AR"):
         table.add_column(col, justify="left" if col == "engine" else "right")
-    summary = {"model": args.model, "dtype": args.dtype, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-               "threads": torch.get_num_threads(), "rows": []}
+    summary = {"model": args.model, "dtype": args.dtype, "device": args.device, "prompts": len(prompts),
+               "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
+               "weight_bytes": weight_bytes, "copy_gb_s": bw, "ar_limit_tok_s": round(limit, 2),
+               "compile_s": compile_s, "rows": []}
     for name, r in rows:
         same = sum(a == b for a, b in zip(r["outputs"], ref))
+        gb = r["gb_s"]
         table.add_row(name, str(r["tokens"]), f"{r['tok_s']:.1f}", f"{r['tok_s'] / hf_ar:.2f}",
-                      "-" if r["tau"] is None else f"{r['tau']:.2f}", f"{same}/{len(ref)}")
+                      "-" if r["tau"] is None else f"{r['tau']:.2f}", "-" if gb is None else f"{gb:.1f}",
+                      "-" if gb is None else f"{gb / bw:.0%}", f"{same}/{len(ref)}")
         summary["rows"].append({"engine": name, "tokens": r["tokens"], "tok_s": round(r["tok_s"], 2),
                                 "vs_hf_ar": round(r["tok_s"] / hf_ar, 3),
                                 "tau": None if r["tau"] is None else round(r["tau"], 3),
-                                "same_as_builtin_ar": same})
-    best = max((r for n, r in rows if n.startswith("built-in, n-gram")), key=lambda r: r["tok_s"])
-    summary["builtin_ar_vs_hf_ar"] = round(rows[2][1]["tok_s"] / hf_ar, 3)
-    summary["best_ngram_vs_hf_ar"] = round(best["tok_s"] / hf_ar, 3)
-    Console().print(table)
+                                "gb_s": None if gb is None else round(gb, 2),
+                                "bw_share": None if gb is None else round(gb / bw, 3), "same_as_hf_ar": same})
+    console = Console()
+    console.print(table)
+    ar = by[f"built-in {best_fwd}, autoregressive"]
+    best = max((r for n, r in rows if "n-gram" in n or "EAGLE" in n), key=lambda r: r["tok_s"])
+    summary["builtin_ar_vs_hf_ar"] = round(ar["tok_s"] / hf_ar, 3)
+    summary["builtin_ar_of_limit"] = round(ar["tok_s"] / limit, 3)
+    summary["best_spec_vs_hf_ar"] = round(best["tok_s"] / hf_ar, 3)
+
+    if not args.no_curve:
+        curve = Table(title="cost of one target forward over a tree of n tokens (prefix 200), relative to n = 1; best of 5")
+        curve.add_column("n", justify="right")
+        names = list(engines)
+        for name in names:
+            curve.add_column(f"{name} ms", justify="right")
+            curve.add_column(f"{name} x AR", justify="right")
+        base = {name: step_seconds(eng, 1) for name, eng in engines.items()}
+        summary["curve"] = {name: {} for name in names}
+        for n in CURVE_SIZES:
+            cells = [str(n)]
+            for name, eng in engines.items():
+                s = base[name] if n == 1 else step_seconds(eng, n)
+                summary["curve"][name][n] = round(s / base[name], 3)
+                cells += [f"{s * 1e3:.1f}", f"{s / base[name]:.2f}"]
+            curve.add_row(*cells)
+        console.print(curve)
+        summary["verify16_over_ar"] = summary["curve"][best_fwd][16]
+    print(f"goals: built-in AR {summary['builtin_ar_of_limit']:.0%} of the bandwidth limit (>= 60%), "
+          f"{summary['builtin_ar_vs_hf_ar']:.2f}x HF AR (>= 1.5x); best speculative {summary['best_spec_vs_hf_ar']:.2f}x HF AR"
+          + (f"; verifying 16 tokens {summary['verify16_over_ar']:.2f}x an AR step (<= 1.25x)" if not args.no_curve else ""))
     print(json.dumps(summary))
     return 0
 

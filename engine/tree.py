@@ -135,10 +135,11 @@ def build_dynamic_tree(root: int, root_logits: torch.Tensor, expand: ExpandFn, d
         first = len(tokens)
         for j, (t, s) in enumerate(zip(flat_tok, flat_cum)):
             tokens.append(t); parents.append(frontier[j // k]); depths.append(level); scores.append(s)
-        best = torch.topk(torch.tensor(flat_cum), min(topk, len(flat_cum))).indices.tolist()
+        # host-side on purpose: the scores are Python floats already (one .tolist() per level)
+        best = torch.topk(torch.tensor(flat_cum, device="cpu"), min(topk, len(flat_cum))).indices.tolist()
         frontier = [first + b for b in best]
     # Keep the budget-1 best candidates: a stable sort keeps lower (shallower) indices first on ties.
-    order = torch.sort(torch.tensor(scores[1:]), descending=True, stable=True).indices[: budget - 1]
+    order = torch.sort(torch.tensor(scores[1:], device="cpu"), descending=True, stable=True).indices[: budget - 1]
     keep = [0] + sorted(int(i) + 1 for i in order)
     remap = {old: new for new, old in enumerate(keep)}
     return Tree(

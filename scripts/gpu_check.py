@@ -1,0 +1,209 @@
+"""`make gpu-check`: the CUDA paths of spectune in one command on a machine with a GPU (<= 10 min).
+
+Steps, each in its own process with its own time limit, then one summary table:
+  cuda tests     pytest -m cuda (the tests that need a GPU)
+  engine speed   benchmarks/engine_speed.py on CUDA (built-in vs HF generate, n-gram rows)
+  lossless       greedy output of speculative decoding (n-gram chain, EAGLE tree) equals
+                 autoregressive decoding on CUDA, token for token
+  vllm + head    an EAGLE head trained on the GPU (`tuner train-draft`, or --head), then
+                 `tuner bench engine=vllm` with it against vLLM without speculation
+
+Exit status: 0 when every step passed, 1 when one failed, 2 without a CUDA GPU (one line).
+`--device cpu` runs the same steps on the CPU (to check the script itself on any machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = ("cuda-tests", "engine-speed", "lossless", "vllm-head")
+
+
+@dataclass
+class Result:
+    step: str
+    status: str  # ok | FAIL | skipped
+    detail: str
+    seconds: float
+
+
+TIME_SCALE = [1.0]  # --time-scale: every step's limit times this (a loaded CPU running --device cpu)
+
+
+def run(argv: list[str], timeout_s: float) -> tuple[int, str, str]:
+    """(returncode, stdout, stderr) of a command in the repository root; 124 on time-out."""
+    timeout_s *= TIME_SCALE[0]
+    try:
+        p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+        return p.returncode, p.stdout, p.stderr
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return 124, out, f"timed out after {timeout_s:g} s"
+
+
+def last_json(text: str) -> dict | None:
+    """The last line of `text` that is a JSON object (the benchmarks' and --json commands' convention)."""
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                return None
+    return None
+
+
+def pytest_summary(out: str) -> str:
+    """'3 passed, 1 skipped' from pytest -q output."""
+    m = re.findall(r"(\d+ (?:passed|failed|skipped|errors?|deselected|xfailed|xpassed))", out.strip().splitlines()[-1]
+                   if out.strip() else "")
+    return ", ".join(m) or "no summary"
+
+
+def step_cuda_tests(a: argparse.Namespace) -> tuple[str, str]:
+    rc, out, err = run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"], 180)
+    if rc == 5:
+        return "FAIL", "no test marked cuda was collected"
+    return ("ok" if rc == 0 else "FAIL"), pytest_summary(out) if rc != 124 else err
+
+
+def step_engine_speed(a: argparse.Namespace) -> tuple[str, str]:
+    argv = [sys.executable, "benchmarks/engine_speed.py", "--device", a.device, "--model", a.model,
+            "--prompts", str(a.prompts), "--max-new-tokens", str(a.tokens), "--depths", "4,8"]
+    rc, out, err = run(argv, 180)
+    s = last_json(out)
+    if rc != 0 or s is None:
+        return "FAIL", (err.strip().splitlines() or ["no output"])[-1][:200]
+    same = [r["same_as_builtin_ar"] for r in s["rows"]]
+    ok = all(x == s["prompts"] for x in same)
+    return ("ok" if ok else "FAIL"), (f"built-in AR {s['builtin_ar_vs_hf_ar']:.2f}x HF AR, best n-gram "
+                                      f"{s['best_ngram_vs_hf_ar']:.2f}x; rows token-identical to AR: "
+                                      f"{sum(x == s['prompts'] for x in same)}/{len(same)}")
+
+
+def lossless(device: str, model: str, n_prompts: int, tokens: int, head: str | None) -> tuple[int, int, list[str]]:
+    """Greedy speculative decoding vs autoregressive decoding on `device` (fp32): (identical, total, mismatches)."""
+    from engine.api import SamplingParams
+    from engine.loop import Engine
+    from engine.workloads import load_prompts
+    from tuner.config import load_config
+    from tuner.schema import SpecConfig
+
+    cfg = load_config([f"model={model}", "+workload=code", f"engine.builtin.device={device}",
+                       "engine.builtin.dtype=float32", "spec.method=off"])
+    eng = Engine.from_config(cfg)
+    prompts = [eng.encode_prompt(p.text, True) for p in load_prompts(cfg.workload, "tune")[:n_prompts]]
+    params = SamplingParams(max_new_tokens=tokens)
+    ref = [eng.generate(p, params).tokens for p in prompts]
+    specs = [SpecConfig(method="ngram", depth=4, topk=1, budget=5),
+             SpecConfig(method="eagle", depth=4, topk=4, budget=8, head_path=head)]  # a tree (random head without one)
+    same, total, bad = 0, 0, []
+    for spec in specs:
+        eng.set_spec(spec)
+        for i, p in enumerate(prompts):
+            ok = eng.generate(p, params).tokens == ref[i]
+            same += ok
+            total += 1
+            if not ok:
+                bad.append(f"{spec.key()} prompt {i}")
+    return same, total, bad
+
+
+def step_lossless(a: argparse.Namespace) -> tuple[str, str]:
+    argv = [sys.executable, __file__, "--lossless-only", "--device", a.device, "--model", a.model,
+            "--prompts", str(a.prompts), "--tokens", str(a.tokens)] + (["--head", a.head] if a.head else [])
+    rc, out, err = run(argv, 150)
+    s = last_json(out)
+    if rc != 0 or s is None:
+        return "FAIL", (err.strip().splitlines() or ["no output"])[-1][:200]
+    detail = f"{s['same']}/{s['total']} generations token-identical to AR (n-gram chain, EAGLE tree)"
+    return ("ok" if s["same"] == s["total"] else "FAIL"), detail + (f"; differ: {', '.join(s['bad'][:3])}" if s["bad"] else "")
+
+
+def step_vllm_head(a: argparse.Namespace) -> tuple[str, str]:
+    vllm = ROOT / ".venv-vllm" / "bin" / "vllm"
+    if not vllm.is_file():
+        return "skipped", "no .venv-vllm: run `make vllm` first"
+    tuner = str(Path(sys.executable).parent / "tuner")
+    head = a.head
+    if head is None:
+        rc, out, err = run([tuner, "train-draft", "+workload=code", f"model={a.model}",
+                            f"engine.builtin.device={a.device}", f"train.steps={a.train_steps}", "--json"], 240)
+        meta = last_json(out)
+        if rc != 0 or not meta or "head_path" not in meta:
+            return "FAIL", "train-draft: " + (err.strip().splitlines() or ["no output"])[-1][:200]
+        head = meta["head_path"]
+    rc, out, err = run([tuner, "bench", "+workload=code", f"model={a.model}", "engine=vllm",
+                        f"engine.vllm.executable={vllm}", "spec.method=eagle", "spec.depth=3", "spec.budget=4",
+                        f"spec.head_path={head}", "bench.baseline=true", "bench.repeats=1",
+                        f"workload.num_prompts={a.prompts + 1}", "workload.num_heldout=1",
+                        f"workload.max_new_tokens={a.tokens}", "--json"], 300)
+    r = last_json(out)
+    if rc != 0 or r is None:
+        return "FAIL", "bench: " + (err.strip().splitlines() or ["no output"])[-1][:200]
+    lvl = r["levels"][0]
+    errors = len(lvl.get("errors") or [])
+    tau = lvl.get("tau")
+    detail = (f"vLLM EAGLE d3 {lvl.get('speedup') or 0:.2f}x vLLM off, tau "
+              f"{'-' if tau is None else f'{tau:.2f}'}, {errors} failed requests; head {head}")
+    return ("ok" if not errors and tau is not None else "FAIL"), detail
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=64, help="new tokens per prompt")
+    ap.add_argument("--head", default=None, help="a trained EAGLE head dir (default: train one on the GPU)")
+    ap.add_argument("--train-steps", type=int, default=300)
+    ap.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated subset of {','.join(STEPS)}")
+    ap.add_argument("--time-scale", type=float, default=1.0, help="multiply every step's time limit (slow machines)")
+    ap.add_argument("--lossless-only", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    TIME_SCALE[0] = a.time_scale
+    steps = a.steps.split(",")
+    if unknown := [s for s in steps if s not in STEPS]:
+        print(f"error: --steps {','.join(unknown)}: allowed {', '.join(STEPS)}", file=sys.stderr)
+        return 2
+    if a.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("error: make gpu-check needs a CUDA GPU (torch.cuda.is_available() is False here)", file=sys.stderr)
+            return 2
+    if a.lossless_only:
+        same, total, bad = lossless(a.device, a.model, a.prompts, a.tokens, a.head)
+        print(json.dumps({"same": same, "total": total, "bad": bad}))
+        return 0
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    fns = {"cuda-tests": step_cuda_tests, "engine-speed": step_engine_speed, "lossless": step_lossless,
+           "vllm-head": step_vllm_head}
+    results = []
+    for name in steps:
+        t0 = time.monotonic()
+        status, detail = fns[name](a)
+        results.append(Result(name, status, detail, time.monotonic() - t0))
+        print(f"{name}: {status} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"spectune gpu-check ({a.device}, model {a.model})")
+    for col in ("step", "status", "seconds", "result"):
+        table.add_column(col, justify="right" if col == "seconds" else "left")
+    for r in results:
+        table.add_row(r.step, r.status, f"{r.seconds:.0f}", r.detail)
+    Console(width=160).print(table)
+    return 1 if any(r.status == "FAIL" for r in results) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

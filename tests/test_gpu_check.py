@@ -1,0 +1,43 @@
+"""scripts/gpu_check.py (`make gpu-check`): refuses without CUDA in one line, and its steps run
+end to end on the CPU with the tiny model (`--device cpu`), so the script a GPU machine runs is
+the script tested here."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "gpu_check.py"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_without_cuda_it_is_one_line_and_exit_2() -> None:
+    r = subprocess.run([sys.executable, str(SCRIPT)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: make gpu-check needs a CUDA GPU (torch.cuda.is_available() is False here)"]
+
+
+def test_the_lossless_step_and_the_table_on_cpu() -> None:
+    r = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--model", "tiny-random", "--prompts", "2",
+                        "--tokens", "16", "--steps", "lossless,vllm-head", "--time-scale", "4"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "spectune gpu-check (cpu, model tiny-random)" in r.stdout
+    row = next(line for line in r.stdout.splitlines() if "lossless" in line)
+    assert " ok " in row and "4/4 generations token-identical" in row  # 2 prompts x (chain, tree)
+    assert "skipped" in r.stdout or "vllm-head" in r.stdout
+
+
+def test_helpers_read_the_tools_output() -> None:
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    assert gpu_check.pytest_summary("....\n3 passed, 1 skipped in 2.0s\n") == "3 passed, 1 skipped"
+    assert gpu_check.last_json('table\n{"a": 1}\n') == {"a": 1} and gpu_check.last_json("no json") is None
