@@ -180,8 +180,8 @@ def init_eagle3(target: nn.Module, draft_ids: torch.Tensor, aux_layers: Sequence
     copied from the target's output embedding (the tied embedding) at the draft ids."""
     tcfg = target.config
     aux = tuple(aux_layers) if aux_layers is not None else default_aux_layers(tcfg.num_hidden_layers)
-    if any(not 0 <= k < tcfg.num_hidden_layers for k in aux):
-        raise UserError(f"eagle3 aux layers {list(aux)}: each must be in 0..{tcfg.num_hidden_layers - 1} "
+    if any(not 1 <= k < tcfg.num_hidden_layers for k in aux):  # layer 0's input is the embedding: vLLM has none
+        raise UserError(f"eagle3 aux layers {list(aux)}: each must be in 1..{tcfg.num_hidden_layers - 1} "
                         "(the input of that target layer)")
     ids = torch.unique(draft_ids.detach().long().cpu())  # sorted
     if ids.numel() == 0 or ids[0] < 0 or ids[-1] >= tcfg.vocab_size:
