@@ -11,12 +11,12 @@ from pathlib import Path
 from tuner.schema import Config, SpecConfig, UserError
 
 
-def profile_specs(cfg: Config, head: str | None) -> list[SpecConfig]:
+def profile_specs(cfg: Config, heads: dict[str, str] | None) -> list[SpecConfig]:
     """The search space's points, one per acceptance identity (a K schedule does not change tau)."""
     from tuner.space import SearchSpace
 
     out: list[SpecConfig] = [SpecConfig(method="off")]
-    for spec in SearchSpace.from_config(cfg, head_path=head).points():
+    for spec in SearchSpace.from_config(cfg, head_paths=heads).points():
         spec = spec.model_copy(update={"k_per_batch_size": None})
         if spec not in out:
             out.append(spec)
@@ -44,31 +44,19 @@ def _profile_run(args: argparse.Namespace) -> tuple[Config, Path]:
     return cfg, out
 
 
-def _head(cfg: Config, quiet: bool) -> str | None:
-    """The EAGLE head the searched methods need: the cached one of this target and workload, else
-    trained now (engine.heads, as `tuner optimize` does); None for methods without a head."""
-    if not any(m in ("eagle", "eagle3", "medusa") for m in cfg.search.methods):
-        return None
-    if cfg.spec.head_path:
-        return cfg.spec.head_path
-    from engine.heads.pipeline import cached_head, ensure_head
-    from tuner.cli_train import packaged_workloads
+def _heads(cfg: Config, quiet: bool) -> dict[str, str]:
+    """The trained heads the searched methods need, by method, exactly as `tuner optimize` gets them
+    (spec.head_path when given, else cached for this target and workload, else trained once)."""
+    from tuner.measure import get_drafts
 
-    cached = cached_head(cfg)
-    if cached is not None:
-        return str(cached)
-    if not quiet:
-        print(f"training an EAGLE head for {cfg.model.name} on workload {cfg.workload.name} (once: cached)",
-              file=sys.stderr)
-    return str(ensure_head(cfg, workloads=packaged_workloads(cfg)))
+    return get_drafts(cfg, None, quiet)
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
     from engine.profile import profile_config
 
     cfg, run_dir = _profile_run(args)
-    head = _head(cfg, args.quiet)
-    specs = profile_specs(cfg, head)
+    specs = profile_specs(cfg, _heads(cfg, args.quiet))
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     log(f"profiling {len(specs)} configurations of {cfg.model.name} on {cfg.workload.name} "
         f"({'FP8-rounded weights' if cfg.engine.builtin.fp8_weights or cfg.deploy.quantization == 'fp8' else 'full precision'})")
