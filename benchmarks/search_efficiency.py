@@ -93,7 +93,7 @@ def _replay_one(cfg, table: dict[str, float], pruned: dict[str, float], sampler:
     c = cfg.model_copy(deep=True)
     c.search.sampler, c.search.seed, c.search.n_trials = sampler, seed, n_trials
     c.search.storage = None  # a throwaway SQLite file: nothing is measured in a replay
-    space = SearchSpace.from_config(c, head_path=None)
+    space = SearchSpace.from_config(c)
     if not defaults:
         space = _NoDefaults(**dataclasses.asdict(space))
     curve: list[float] = []

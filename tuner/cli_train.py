@@ -1,5 +1,6 @@
-"""`tuner train-draft [overrides] +workload=NAME`: train (or reuse) the EAGLE head for the configured
-target and workload (engine.heads.pipeline.ensure_head), with a progress bar, and print where it lies."""
+"""`tuner train-draft [overrides] +workload=NAME`: train (or reuse) the EAGLE head (spec.method=eagle3:
+an EAGLE-3 head; medusa / draft_model: those drafts) for the configured target and workload
+(engine.heads.pipeline.ensure_head), with progress, and print where it lies."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def train_draft(cfg: Config, retrain: bool = False, quiet: bool = False, method:
             from engine.train_draft_model import ensure_draft
 
             return ensure_draft(cfg, method, retrain=retrain, workloads=packaged_workloads(cfg), report=report)
-        return ensure_head(cfg, retrain=retrain, workloads=packaged_workloads(cfg), report=report)
+        return ensure_head(cfg, retrain=retrain, workloads=packaged_workloads(cfg), report=report,
+                           method="eagle3" if method == "eagle3" else "eagle")
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -63,7 +65,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
           f"{meta['data'].get('tokens', 0)} tokens of {meta['data'].get('prompts', 0)} prompts; "
           f"loss {meta.get('loss_first')} -> {meta.get('loss_last')}")
     print(f"  offline T=0 chain acceptance per depth: {acc}  (tau estimate {meta.get('tau_chain_offline')})")
-    print(f"  use it: spec.method=eagle spec.head_path={path}")
+    print(f"  draft vocabulary {meta.get('draft_vocab') or 'full'} (held-out coverage {meta.get('draft_vocab_coverage')}); "
+          f"data {meta['data'].get('answer_tokens', 0)} answer tokens at {meta['data'].get('generate_tok_s', 0)} tok/s")
+    print(f"  use it: spec.method={meta.get('method', 'eagle')} spec.head_path={path}")
     return 0
 
 

@@ -18,7 +18,7 @@ import optuna
 from optuna.trial import TrialState
 
 from tuner.limits import check_trial_fits
-from tuner.measure import LAUNCHED, get_draft, needs_head, open_engine, study_measure, study_prompts
+from tuner.measure import LAUNCHED, get_drafts, needs_head, open_engine, study_measure, study_prompts
 from tuner.objective import MeasureFn, Objective, TrialOutcome
 from tuner.schema import BestResult, Config, SearchConfig, check_search_methods
 from tuner.space import SearchSpace
@@ -118,7 +118,7 @@ def drive(cfg: Config, run_dir: Path, open_study: Callable[[SearchSpace], optuna
         before_work()
     if engine is None and measure is None and cfg.engine.kind not in LAUNCHED:
         engine = open_engine(cfg)
-    space = SearchSpace.from_config(cfg, head_path=get_draft(cfg, engine, quiet))
+    space = SearchSpace.from_config(cfg, head_paths=get_drafts(cfg, engine, quiet))
     if before_work is not None and head_first:
         before_work()
     study = open_study(space)

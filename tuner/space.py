@@ -38,11 +38,11 @@ class SearchSpace:
     budget_max: int
     chain_only: bool = False
     concurrency: tuple[int, ...] = (1,)
-    head_path: str | None = None  # EAGLE head for eagle / eagle3 points
+    head_paths: dict[str, str] | None = None  # trained head per method (eagle / eagle3 / medusa points)
     draft_model: str | None = None
 
     @classmethod
-    def from_config(cls, cfg: Config, head_path: str | None = None) -> "SearchSpace":
+    def from_config(cls, cfg: Config, head_paths: dict[str, str] | None = None) -> "SearchSpace":
         """The space of `cfg.search` for `cfg.engine` and the workload's concurrency levels."""
         s = cfg.search
         methods = tuple(m for m in s.methods if m != "off")  # `off` is trial 0, never sampled
@@ -57,7 +57,7 @@ class SearchSpace:
             budget_max=s.budget_max,
             chain_only=cfg.engine.kind in CHAIN_ENGINES,
             concurrency=conc,
-            head_path=head_path,
+            head_paths=head_paths or {},
             draft_model=cfg.spec.draft_model,
         )
 
@@ -96,7 +96,7 @@ class SearchSpace:
     def _spec(self, method: str, depth: int, topk: int, budget: int, ks: list[int] | None = None) -> SpecConfig:
         extra: dict[str, Any] = {}
         if method in ("eagle", "eagle3", "medusa"):
-            extra["head_path"] = self.head_path
+            extra["head_path"] = (self.head_paths or {}).get(method)
         if method == "draft_model":
             extra["draft_model"] = self.draft_model
         if ks is not None:
