@@ -163,3 +163,33 @@ def test_train_draft_cli(cache, capsys) -> None:
     assert rc == 0
     res = json.loads(capsys.readouterr().out)
     assert res["spec"]["method"] == "draft_model" and res["output_tokens_per_s"] > 0
+
+
+def test_draft_memory_of_each_drafter(engine: Engine, draft_dir, tmp_path) -> None:
+    """Parameters measured on the drafter's own tensors (never the target's), KV from its cache
+    geometry at the run's longest context; n-gram and speculation off cost nothing."""
+    from engine.drafters.memory import draft_memory
+    from engine.medusa import new_heads, save_heads
+
+    cfg = engine.model.config
+    engine.set_spec(SpecConfig(method="draft_model", depth=2, topk=1, budget=3, draft_model=str(draft_dir)))
+    m = draft_memory(engine.drafter, engine.model, 100)
+    dm = engine.drafter.model
+    own = sum(p.numel() * 4 for p in dm.parameters()) + len(engine.drafter.draft_ids) * cfg.hidden_size * 4
+    assert m["params_mb"] == pytest.approx(own / 1e6, rel=0.01)  # tied embedding counted once, plus its row slice
+    kv = 2 * dm.config.num_hidden_layers * dm.config.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    assert m["kv_mb"] == pytest.approx(kv * 100 / 1e6, abs=2e-3) and m["kv_tokens"] == 100
+    target_mb = sum(p.numel() * 4 for p in engine.model.parameters()) / 1e6
+    assert m["target_params_mb"] == pytest.approx(target_mb, rel=0.01)
+    save_heads(new_heads(engine.model, "tiny-random", 2), tmp_path / "medusa")
+    engine.set_spec(SpecConfig(method="medusa", depth=2, topk=1, budget=3, head_path=str(tmp_path / "medusa")))
+    med = draft_memory(engine.drafter, engine.model, 100)
+    heads = engine.drafter.heads
+    assert med["params_mb"] == pytest.approx(sum(p.numel() * 4 for p in heads.parameters()) / 1e6, rel=0.01)
+    assert med["kv_mb"] == 0
+    engine.set_spec(SpecConfig(method="eagle", depth=2, topk=1, budget=3))  # shares embedding and lm_head
+    eagle = draft_memory(engine.drafter, engine.model, 100)
+    assert 0 < eagle["params_mb"] < 0.5 * target_mb and eagle["kv_mb"] > 0
+    for spec in (SpecConfig(method="ngram", depth=2, topk=1, budget=3), SpecConfig(method="off")):
+        engine.set_spec(spec)
+        assert draft_memory(engine.drafter, engine.model, 100)["total_mb"] == 0

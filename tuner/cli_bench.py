@@ -101,6 +101,9 @@ def bench(cfg: Config, url: str | None = None, model: str | None = None) -> dict
         for lvl in levels:
             lvl.update(_figures(measure(target_for(cfg.spec), prompts, params, lvl["concurrency"],
                                         b.warmup, b.repeats), cfg.spec))
+        from engine.drafters.memory import target_draft_memory
+
+        draft_mem = target_draft_memory(target_for(cfg.spec), prompts, wl.max_new_tokens, wl.chat_template)
         if b.baseline:
             for lvl in levels:
                 base = _figures(measure(target_for(OFF), prompts, params, lvl["concurrency"], b.warmup,
@@ -117,6 +120,7 @@ def bench(cfg: Config, url: str | None = None, model: str | None = None) -> dict
         "workload": wl.name, "split": split, "n_prompts": len(prompts),
         "max_new_tokens": wl.max_new_tokens, "temperature": wl.temperature,
         "warmup": b.warmup, "repeats": b.repeats,
+        "draft_memory": draft_mem,  # built-in engine: parameters + KV of the drafter, MB
     }
     out.update(levels[0])
     out["levels"] = levels
@@ -152,6 +156,11 @@ def print_table(result: dict[str, Any]) -> None:
         if "baseline" in lvl:
             t.add_row(*_row("off (baseline)", lvl["concurrency"], lvl["baseline"], None))
     Console().print(t)
+    mem = result.get("draft_memory")
+    if mem:
+        Console().print(f"draft memory {mem['total_mb']:.1f} MB (parameters {mem['params_mb']:.1f} + KV {mem['kv_mb']:.1f} "
+                        f"at {mem['kv_tokens']} tokens) = {100 * (mem['share_of_target'] or 0):.1f}% of the target's "
+                        f"{mem['target_params_mb']:.0f} MB of parameters", highlight=False)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

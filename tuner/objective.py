@@ -40,6 +40,7 @@ class Sample:
     tau: float | None = None
     ttft_p99_ms: float | None = None
     tpot_p99_ms: float | None = None
+    draft_mb: float | None = None  # the drafter's parameters + KV cache (built-in engine), MB
 
 
 # (spec, split "tune"|"heldout", concurrency) -> Sample. The optimize flow builds it from the
@@ -175,6 +176,7 @@ class Objective:
             "tau": _mean_opt([x.tau for x in flat]),
             "ttft_p99_ms": _max_opt([x.ttft_p99_ms for x in flat]),
             "tpot_p99_ms": _max_opt([x.tpot_p99_ms for x in flat]),
+            "draft_mb": _max_opt([x.draft_mb for x in flat]),
             "repeats": len(ratios),
             "ratios": ratios,
             "tok_s_samples": tok,

@@ -143,14 +143,15 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
     def figs(a: dict[str, Any], prefix: str = "tok_s") -> Figures:
         return Figures(output_tokens_per_s=a[prefix], ci_low=a.get(f"{prefix}_ci_low"),
                        ci_high=a.get(f"{prefix}_ci_high"), tau=a.get("tau"),
-                       ttft_p99_ms=a.get("ttft_p99_ms"), tpot_p99_ms=a.get("tpot_p99_ms"))
+                       ttft_p99_ms=a.get("ttft_p99_ms"), tpot_p99_ms=a.get("tpot_p99_ms"), draft_mb=a.get("draft_mb"))
 
     c = win.candidate
     if c is not None:
         metrics = Figures(output_tokens_per_s=c.mean("tok_s"), ci_low=c.mean("tok_s_ci_low"),
                           ci_high=c.mean("tok_s_ci_high"), tau=c.tau,
                           ttft_p99_ms=max(t.user_attrs.get("ttft_p99_ms") or 0.0 for t in c.trials) or None,
-                          tpot_p99_ms=max(t.user_attrs.get("tpot_p99_ms") or 0.0 for t in c.trials) or None)
+                          tpot_p99_ms=max(t.user_attrs.get("tpot_p99_ms") or 0.0 for t in c.trials) or None,
+                          draft_mb=max(t.user_attrs.get("draft_mb") or 0.0 for t in c.trials) or None)
         baseline = Figures(output_tokens_per_s=c.mean("baseline_tok_s"))
         speedup = c.speedup
     else:
@@ -161,7 +162,8 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
     if cfg.workload.num_heldout > 0 and objective is not None:
         h = objective.evaluate(win.spec, "heldout", repeats_max=1)  # one more pair: the check, not a search
         heldout = Figures(output_tokens_per_s=h["tok_s"], ci_low=h["tok_s_ci_low"], ci_high=h["tok_s_ci_high"],
-                          tau=h["tau"], ttft_p99_ms=h["ttft_p99_ms"], tpot_p99_ms=h["tpot_p99_ms"])
+                          tau=h["tau"], ttft_p99_ms=h["ttft_p99_ms"], tpot_p99_ms=h["tpot_p99_ms"],
+                          draft_mb=h.get("draft_mb"))
         heldout_speedup = h["speedup"]
     chain = win.chain.spec if win.chain is not None else None
     return BestResult(

@@ -1,0 +1,219 @@
+"""Every speculative method of the built-in engine on the packaged SmolLM2, beside the seed table.
+
+    python benchmarks/methods_table.py [--prompts 3] [--max-new-tokens 64] [--workloads code,chat]
+        [--temps 0,0.5,0.8,1.0] [--overrides "train.prompts=48 ..."] [--png docs/figures/methods_table.png]
+
+One process, one target, held-out prompts of each workload. The drafts are trained (or taken from
+the cache) once, on the code workload's training mix (`tuner train-draft` with the same
+--overrides): an EAGLE-1 head, EAGLE-3 when the head pipeline trains one, Medusa-1 heads and
+a distilled draft model. Per prompt every method runs in turn (drift hits all rows alike); a row
+is tau (tokens per target forward), tok/s, speedup over AR measured in the same run, the draft
+memory (parameters + KV at the longest request, MB, and its share of the target's parameters) and,
+at T=0, whether the output is token-identical to AR. Then the temperature trend (tau and speedup
+at each --temps on the first workload) and a PNG of it. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from engine.api import SamplingParams  # noqa: E402
+from tuner.config import load_config, packaged_workloads  # noqa: E402
+from tuner.schema import SpecConfig, UserError  # noqa: E402
+
+# The reference table (a 70B target on GPUs): tau, tok/s, draft memory MB; speedup = tok/s / AR's.
+SEED = {
+    "off": ("AR (Llama-3 70B)", 1.00, 22.4, 0),
+    "draft_model": ("draft model (Llama-3 8B)", 2.85, 58.1, 16200),
+    "medusa": ("Medusa-2 (4 heads)", 3.10, 68.7, 840),
+    "eagle": ("EAGLE-2 (dynamic tree)", 3.84, 76.2, 1450),
+}
+# Engine-default configurations (SGLang-like trees clipped to the CPU's verification cost).
+DEFAULT_SPECS = {
+    "off": dict(),
+    "ngram": dict(depth=4, topk=1, budget=5),
+    "draft_model": dict(depth=4, topk=1, budget=5),
+    "medusa": dict(depth=3, topk=2, budget=6),
+    "eagle": dict(depth=4, topk=2, budget=6),
+    "eagle3": dict(depth=4, topk=2, budget=6),
+}
+
+
+def drafts(cfg, engine, console: Console) -> dict[str, dict]:
+    """Train or reuse every draft; method -> the SpecConfig fields naming it (absent: unavailable)."""
+    from engine.heads.pipeline import ensure_head
+    from engine.train_draft_model import ensure_draft
+    from tuner.progress_heads import head_progress
+
+    others = packaged_workloads(cfg)
+    out: dict[str, dict] = {"off": {}, "ngram": {}}
+    jobs = [("eagle", lambda r: ensure_head(cfg, engine, workloads=others, report=r), "head_path"),
+            ("eagle3", lambda r: ensure_head(cfg, engine, workloads=others, report=r, method="eagle3"), "head_path"),
+            ("medusa", lambda r: ensure_draft(cfg, "medusa", engine, workloads=others, report=r), "head_path"),
+            ("draft_model", lambda r: ensure_draft(cfg, "draft_model", engine, workloads=others, report=r),
+             "draft_model")]
+    for method, job, field in jobs:
+        t = time.perf_counter()
+        try:
+            with head_progress(quiet=False) as report:
+                path = job(report)
+        except UserError as exc:
+            console.print(f"{method}: not available ({exc})", highlight=False)
+            continue
+        console.print(f"{method}: {path} ({time.perf_counter() - t:.0f} s)", highlight=False)
+        out[method] = {field: str(path)}
+    return out
+
+
+def spec_of(method: str, fields: dict, override: dict[str, tuple[int, int, int]]) -> SpecConfig:
+    if method == "off":
+        return SpecConfig(method="off")
+    d, k, b = override.get(method, (DEFAULT_SPECS[method]["depth"], DEFAULT_SPECS[method]["topk"],
+                                    DEFAULT_SPECS[method]["budget"]))
+    return SpecConfig(method=method, depth=d, topk=k, budget=b, **fields)
+
+
+def run_rows(engine, specs: dict[str, SpecConfig], prompts: list[list[int]], params: SamplingParams
+             ) -> dict[str, dict]:
+    """Every spec on every prompt, interleaved per prompt; tokens, seconds, forwards per method."""
+    acc = {m: {"tokens": 0, "seconds": 0.0, "forwards": 0, "outputs": []} for m in specs}
+    for i, p in enumerate(prompts):
+        for m, spec in specs.items():
+            engine.set_spec(spec)
+            res = engine.generate(p, SamplingParams(max_new_tokens=params.max_new_tokens, temperature=params.temperature,
+                                                    seed=1000 + i))
+            a = acc[m]
+            a["tokens"] += res.stats.new_tokens
+            a["seconds"] += res.stats.total_s
+            a["forwards"] += res.stats.target_forwards
+            a["outputs"].append(res.tokens)
+    base = acc["off"]["tokens"] / max(acc["off"]["seconds"], 1e-9)
+    for m, a in acc.items():
+        a["tok_s"] = a["tokens"] / max(a["seconds"], 1e-9)
+        a["tau"] = a["tokens"] / max(a["forwards"], 1)
+        a["speedup"] = a["tok_s"] / base
+        a["same_as_ar"] = sum(o == r for o, r in zip(a["outputs"], acc["off"]["outputs"]))
+    return acc
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=3, help="held-out prompts per workload")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--workloads", default="code,chat")
+    ap.add_argument("--temps", default="0,0.5,0.8,1.0", help="temperature trend (on the first workload)")
+    ap.add_argument("--overrides", default="", help="config overrides, e.g. train.* for the drafts (space separated)")
+    ap.add_argument("--spec", action="append", default=[], help="METHOD:DEPTH:TOPK:BUDGET instead of the default")
+    ap.add_argument("--methods", default="off,ngram,draft_model,medusa,eagle,eagle3")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--png", default="docs/figures/methods_table.png")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    console = Console(stderr=True)
+    from engine.drafters.memory import draft_memory
+    from engine.loop import Engine
+    from engine.workloads import load_prompts
+
+    cfg = load_config(["+workload=code", "engine.builtin.dtype=float32", *args.overrides.split()])
+    engine = Engine.from_config(cfg)
+    t0 = time.perf_counter()
+    fields = drafts(cfg, engine, console)
+    train_s = time.perf_counter() - t0
+    override = {}
+    for s in args.spec:
+        m, d, k, b = s.split(":")
+        override[m] = (int(d), int(k), int(b))
+    methods = [m for m in args.methods.split(",") if m in fields]
+    specs = {m: spec_of(m, fields[m], override) for m in methods}
+    results: dict = {"workloads": {}, "temperature": {}, "train_seconds": round(train_s, 1)}
+    memory = {}
+    for wname in args.workloads.split(","):
+        wl = load_config([f"+workload={wname}"]).workload
+        texts = load_prompts(wl, "heldout")[: args.prompts]
+        prompts = [engine.encode_prompt(p.text, wl.chat_template) for p in texts]
+        ctx = min(max(len(p) for p in prompts) + args.max_new_tokens, engine.max_context)
+        rows = run_rows(engine, specs, prompts, SamplingParams(max_new_tokens=args.max_new_tokens))
+        for m, spec in specs.items():
+            engine.set_spec(spec)
+            memory.setdefault(m, draft_memory(engine.drafter, engine.model, ctx))
+        results["workloads"][wname] = {m: {k: v for k, v in r.items() if k != "outputs"} for m, r in rows.items()}
+    temps = [float(t) for t in args.temps.split(",") if t]
+    w0 = args.workloads.split(",")[0]
+    wl = load_config([f"+workload={w0}"]).workload
+    prompts = [engine.encode_prompt(p.text, wl.chat_template) for p in load_prompts(wl, "heldout")[: args.prompts]]
+    for t in temps:
+        rows = run_rows(engine, specs, prompts, SamplingParams(max_new_tokens=args.max_new_tokens, temperature=t))
+        results["temperature"][str(t)] = {m: {k: round(r[k], 3) for k in ("tau", "speedup", "tok_s")}
+                                          for m, r in rows.items()}
+    results["memory"] = memory
+    results["specs"] = {m: s.key() for m, s in specs.items()}
+
+    table = Table(title=f"SmolLM2-135M, built-in engine fp32, {args.threads} threads, held-out prompts x{args.prompts}, "
+                        f"{args.max_new_tokens} new tokens, T=0 (shared 2-core CPU: read ratios)")
+    for col in ("workload", "method", "config", "tau", "tok/s", "speedup", "draft MB (params+KV)", "of target",
+                "= AR", "seed row", "seed tau", "seed speedup", "seed MB"):
+        table.add_column(col, justify="left" if col in ("workload", "method", "config", "seed row") else "right")
+    for wname, rows in results["workloads"].items():
+        for m, r in rows.items():
+            mem = memory[m]
+            seed = SEED.get(m)
+            table.add_row(wname, m, specs[m].key(), f"{r['tau']:.2f}", f"{r['tok_s']:.1f}", f"{r['speedup']:.2f}x",
+                          f"{mem['total_mb']:.1f} ({mem['params_mb']:.1f}+{mem['kv_mb']:.1f})",
+                          f"{100 * (mem['share_of_target'] or 0):.1f}%", f"{r['same_as_ar']}/{len(r['outputs']) if 'outputs' in r else args.prompts}",
+                          seed[0] if seed else "-", f"{seed[1]:.2f}" if seed else "-",
+                          f"{seed[2] / SEED['off'][2]:.2f}x" if seed else "-", f"{seed[3]:,}" if seed else "-")
+    Console(width=230).print(table)
+    trend = Table(title=f"temperature trend ({w0}, held-out x{args.prompts}): tau / speedup over AR at the same T")
+    trend.add_column("method")
+    for t in temps:
+        trend.add_column(f"T={t:g}", justify="right")
+    for m in specs:
+        trend.add_row(m, *[f"{results['temperature'][str(t)][m]['tau']:.2f} / {results['temperature'][str(t)][m]['speedup']:.2f}x"
+                           for t in temps])
+    Console().print(trend)
+    if args.png:
+        plot(results, temps, list(specs), Path(args.png))
+        console.print(f"wrote {args.png}", highlight=False)
+    print(json.dumps(results))
+    return 0
+
+
+def plot(results: dict, temps: list[float], methods: list[str], path: Path) -> None:
+    """tau and speedup against temperature, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for m in methods:
+        if m == "off":
+            continue
+        for ax, key in zip(axes, ("tau", "speedup")):
+            ax.plot(temps, [results["temperature"][str(t)][m][key] for t in temps], marker="o", label=m)
+    axes[0].set(xlabel="temperature", ylabel="tau (tokens per target forward)", title="acceptance vs temperature")
+    axes[1].set(xlabel="temperature", ylabel="speedup over AR", title="speedup vs temperature")
+    axes[1].axhline(1.0, color="grey", lw=0.8, ls="--")
+    axes[0].legend()
+    fig.suptitle("SmolLM2-135M, built-in engine, 2 shared CPU cores")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
