@@ -216,3 +216,13 @@ def test_train_draft_cli_trains_then_reuses(cache, capsys) -> None:
     assert main(args) == 0  # cached: the same directory, not trained again
     again = json.loads(capsys.readouterr().out)
     assert again["head_path"] == path and again["train_seconds"] == first["train_seconds"]
+
+
+def test_medusa_renders_for_vllm_and_builtin_and_is_refused_by_sglang() -> None:
+    from deploy.flags import builtin_args, sglang_args, vllm_speculative_config
+
+    spec = SpecConfig(method="medusa", depth=3, topk=1, budget=4, head_path="org/medusa")
+    assert vllm_speculative_config(spec) == {"method": "medusa", "model": "org/medusa", "num_speculative_tokens": 3}
+    assert "spec.method=medusa" in builtin_args("smollm2-135m", spec)
+    with pytest.raises(UserError, match="spec.method=medusa cannot be served by SGLang"):
+        sglang_args("m", spec)
