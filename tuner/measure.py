@@ -125,22 +125,35 @@ def needs_head(cfg: Config) -> bool:
     return any(m in HEAD_METHODS for m in cfg.search.methods)
 
 
-def get_draft(cfg: Config, engine: Any, quiet: bool = False) -> str | None:
-    """The drafter the searched methods need: n-gram needs none; EAGLE heads come from training
-    (engine.heads.pipeline.ensure_head: the cached head of this target and workload, or a new one)."""
-    if not needs_head(cfg):
-        return None
+def get_drafts(cfg: Config, engine: Any, quiet: bool = False) -> dict[str, str]:
+    """The trained drafts the searched methods need, by method: n-gram needs none. For each head
+    method, in order: `spec.head_path` when spec.method is that method, the model's published head
+    on an external engine (`model.draft_sources`), else the cached head of this target and workload
+    or a newly trained one (engine.heads for eagle / eagle3, engine.train_draft_model for medusa)."""
     from rich.console import Console
 
-    from engine.heads.pipeline import cached_head, ensure_head
-
-    console = Console(stderr=True, quiet=quiet)
-    if cached_head(cfg) is not None:
-        return str(cached_head(cfg))
-    console.print(f"training an EAGLE head for {cfg.model.name} on workload {cfg.workload.name} "
-                  "(once: cached for later studies)", highlight=False)
+    from engine.heads.pipeline import HEAD_METHODS as PIPELINE, cached_head, ensure_head
     from tuner.progress_heads import head_progress
 
-    # The other packaged workloads add diversity and, above all, have their held-out prompts excluded.
-    with head_progress(quiet) as report:
-        return str(ensure_head(cfg, engine, report=report, workloads=packaged_workloads(cfg)))
+    console = Console(stderr=True, quiet=quiet)
+    out: dict[str, str] = {}
+    for m in (m for m in cfg.search.methods if m in HEAD_METHODS):
+        published = getattr(cfg.model.draft_sources, m, [])
+        if cfg.spec.head_path and cfg.spec.method == m:
+            out[m] = cfg.spec.head_path
+        elif cfg.engine.kind in LAUNCHED and published:
+            out[m] = published[0]
+        elif m in PIPELINE and cached_head(cfg, m) is not None:
+            out[m] = str(cached_head(cfg, m))
+        else:
+            console.print(f"training a {m} draft for {cfg.model.name} on workload {cfg.workload.name} "
+                          "(once: cached for later studies)", highlight=False)
+            # The other packaged workloads add diversity and, above all, their held-out prompts are excluded.
+            with head_progress(quiet) as report:
+                if m in PIPELINE:
+                    out[m] = str(ensure_head(cfg, engine, report=report, workloads=packaged_workloads(cfg), method=m))
+                else:
+                    from engine.train_draft_model import ensure_draft
+
+                    out[m] = str(ensure_draft(cfg, m, workloads=packaged_workloads(cfg), report=report))
+    return out
