@@ -318,18 +318,15 @@ class LeanForward:
         aux_t = torch.cat([aux[k] for k in aux_layers], dim=-1) if aux_layers else None
         return x, logits, aux_t
 
-    def warm_up(self, cache_need: int = 512) -> float:
-        """Compile (or load from the on-disk cache) every bucket now; returns the seconds it took."""
+    def warm_up(self) -> float:
+        """Compile (or load from the on-disk cache) the layer graphs a generation needs: a multi-row
+        step, a one-row step, and a second multi-row size, after which the row count is dynamic.
+        Returns the seconds it took."""
         t = time.perf_counter()
         with torch.inference_mode():
-            cache = self.new_cache(cache_need)
-            self.step(cache, [0] * 8)
-            for b in BUCKETS:
-                for _ in range(2):  # a second cache length makes the length dimension dynamic
-                    self.step(cache, [0] * b)
-                    cache.crop(8)
-                    self.step(cache, [0])
-                    cache.crop(8 + (_ == 0))
+            cache = self.new_cache(64)
+            for n in (8, 1, 1, 4, 16):
+                self.step(cache, [0] * n)
         return time.perf_counter() - t
 
 

@@ -142,8 +142,8 @@ def test_commit_and_rollback_equal_recomputation(engines) -> None:
         fresh = fw.new_cache(128)
         fw.step(fresh, ids[:-1])
         n = len(ids) - 1
-        assert torch.allclose(cache.k[:, :, :n], fresh.k[:, :, :n], atol=ATOL)
-        assert torch.allclose(cache.v[:, :, :n], fresh.v[:, :, :n], atol=ATOL)
+        for a, b in zip(cache.k + cache.v, fresh.k + fresh.v):
+            assert torch.allclose(a[:, :n], b[:, :n], atol=ATOL)
         _, logits, _ = fw.step(cache, ids[-1:])
         assert torch.allclose(logits[0], _hf_logits(hf, ids)[-1], atol=ATOL)
 
