@@ -55,18 +55,21 @@ def run_rows(engine: Engine, prompts: list[list[int]], max_new: int, spec: SpecC
         engine.set_drafter(EagleDrafter(spec, head, engine.model), spec)
     else:
         engine.set_spec(spec)
-    toks, secs, fwd, draft_s, steps, same, outs = 0, 0.0, 0, 0.0, 0, 0, []
+    toks, secs, fwd, draft_s, verify_s, steps, same, outs = 0, 0.0, 0, 0.0, 0.0, 0, 0, []
     for i, p in enumerate(prompts):
         r = engine.generate(p, SamplingParams(max_new_tokens=max_new))
         toks += len(r.tokens)
         secs += r.stats.total_s
         fwd += r.stats.target_forwards
         draft_s += r.stats.draft_s
+        verify_s += r.stats.verify_s
         steps += max(r.stats.draft_steps, 1)
         outs.append(r.tokens)
         same += ref is None or r.tokens == ref[i]
     engine.set_spec(SpecConfig(method="off"))
+    depth = max(spec.depth, 1) if spec.method != "off" else 1
     return {"tok_s": toks / secs, "tau": toks / max(fwd, 1), "draft_ms": 1000 * draft_s / steps,
+            "draft_ms_per_depth": 1000 * draft_s / steps / depth, "verify_ms": 1000 * verify_s / max(fwd, 1),
             "same": same, "n": len(prompts), "tokens": outs}
 
 
@@ -137,13 +140,14 @@ def main() -> int:
     head = heads[max(heads)]
 
     # 3. held-out code rows
-    rows = [{"config": "AR", "tok_s": ar, "tau": 1.0, "draft_ms": 0.0, "same": ref_code["n"]}]
+    keys = ("tok_s", "tau", "draft_ms", "draft_ms_per_depth", "verify_ms", "same")
+    rows = [{"config": "AR", **{k: ref_code[k] for k in keys}}]
     for d in (int(x) for x in args.ngram_depths.split(",")):
         r = run_rows(engine, heldout["code"], args.max_new_tokens, SpecConfig(method="ngram", depth=d, budget=d + 1), None, ref_code["tokens"])
-        rows.append({"config": f"ngram d{d}", **{k: r[k] for k in ("tok_s", "tau", "draft_ms", "same")}})
+        rows.append({"config": f"ngram d{d}", **{k: r[k] for k in keys}})
     for spec in trees:
         r = run_rows(engine, heldout["code"], args.max_new_tokens, spec, head, ref_code["tokens"])
-        rows.append({"config": f"eagle d{spec.depth} k{spec.topk} b{spec.budget}", **{k: r[k] for k in ("tok_s", "tau", "draft_ms", "same")}})
+        rows.append({"config": f"eagle d{spec.depth} k{spec.topk} b{spec.budget}", **{k: r[k] for k in keys}})
     for r in rows:
         r["speedup"] = r["tok_s"] / ar
     eagle_rows = [r for r in rows if r["config"].startswith("eagle")]
@@ -173,10 +177,11 @@ def main() -> int:
 
     out = Console()
     t = Table(title=f"held-out code ({len(heldout['code'])} prompts, T=0, {args.max_new_tokens} tokens)")
-    for c in ("config", "tok/s", "tau", "vs AR", "draft ms/step", "same as AR"):
+    for c in ("config", "tok/s", "tau", "vs AR", "draft ms/step", "draft ms/depth", "verify ms/forward", "same as AR"):
         t.add_column(c)
     for r in rows:
-        t.add_row(r["config"], f"{r['tok_s']:.2f}", f"{r['tau']:.2f}", f"{r['speedup']:.2f}x", f"{r['draft_ms']:.1f}", f"{r['same']}/{len(heldout['code'])}")
+        t.add_row(r["config"], f"{r['tok_s']:.2f}", f"{r['tau']:.2f}", f"{r['speedup']:.2f}x", f"{r['draft_ms']:.1f}",
+                  f"{r['draft_ms_per_depth']:.1f}", f"{r['verify_ms']:.1f}", f"{r['same']}/{len(heldout['code'])}")
     out.print(t)
     t = Table(title="held-out tau against training tokens (tree " + args.trees.split(",")[0] + ")")
     for c in ("share", "train tokens", "steps", "train s", "tau", "vs AR"):
