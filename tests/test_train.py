@@ -363,3 +363,26 @@ def test_eagle3_head_trains_saves_in_the_vllm_layout_and_serves(engine: Engine, 
     res = engine.generate(p, params)
     engine.set_spec(SpecConfig(method="off"))
     assert res.tokens == ref_tokens and res.stats.accepted_tokens > 0
+
+
+def test_progress_lines_when_not_a_terminal() -> None:
+    """CI logs and files get periodic lines (each 10% of a phase), with tokens/s and the loss."""
+    import io
+
+    from tuner.progress_heads import head_progress
+
+    buf = io.StringIO()
+    with head_progress(stream=buf) as report:
+        for i in range(1, 101):
+            report("generate", i, 100, {"tokens": 10 * i, "tok_s": 250.0})
+        for i in range(1, 21):
+            report("train", i, 20, {"loss": 1.0 / i, "acc": 0.5, "tok_s": 900.0})
+    lines = buf.getvalue().splitlines()
+    gen = [ln for ln in lines if ln.startswith("answering prompts")]
+    train = [ln for ln in lines if ln.startswith("training head")]
+    assert 10 <= len(gen) <= 12 and gen[-1].startswith("answering prompts 100/100") and "250 tok/s" in gen[-1]
+    assert 10 <= len(train) <= 21 and "loss 0.050" in train[-1]
+    quiet = io.StringIO()
+    with head_progress(quiet=True, stream=quiet) as report:
+        report("train", 1, 1, {"loss": 1.0})
+    assert quiet.getvalue() == ""
