@@ -88,7 +88,7 @@ BAD_INPUTS = [
     (["engine=vllm", "spec.method=eagle", "spec.depth=3", "spec.topk=2", "spec.budget=5"], "with engine=vllm: vLLM verifies chains only"),
     (["engine=sglang"], "engine=sglang"),
     (["search.n_trials=0"], "search.n_trials=0: Input should be greater than or equal to 1"),
-    (["search.sampler=cmaes"], "search.sampler='cmaes': Input should be 'tpe', 'random', 'grid' or 'gp'"),
+    (["search.sampler=cmaes"], "search.sampler='cmaes': Input should be 'tpe', 'random', 'grid', 'gp' or 'model'"),
     (["search.topk=[1,32]"], "search.topk=[1, 32]: each choice must be in [1, 16]"),
     (["search.depth.min=6", "search.depth.max=2"], "min=6 > max=2"),
     (["+workload=code", "workload.temperature=-1"], "workload.temperature=-1"),

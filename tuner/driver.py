@@ -132,7 +132,13 @@ def drive(cfg: Config, run_dir: Path, open_study: Callable[[SearchSpace], optuna
         with Progress(study, total, quiet=quiet) as progress:
             for line in intro(study):
                 progress.log(line)
-            ran = run_trials(study, objective, cfg.search, progress)
+            on_trial: Callable[[TrialOutcome], None] = progress
+            if cfg.search.sampler == "model":  # widen the live sample where a prediction is off
+                from tuner.guided import Widener
+                from tuner.study import ROLE
+
+                on_trial = Widener(study, space, cfg, run_dir, progress, progress.log, ROLE)
+            ran = run_trials(study, objective, cfg.search, on_trial)
             best = finish(study, objective, ran, progress.log)
             if best is not None:
                 progress.log(f"winner: {best.spec.key()} — {best.reason}")

@@ -179,6 +179,10 @@ def write_figures(study: optuna.Study, run_dir: Path, best: BestResult | None) -
         ("importances.png", lambda p: plot_importances(study, p)),
         ("bars.png", lambda p: plot_bars(_bar_rows(study, best), p)),
     ]
+    if (run_dir / "prediction.json").is_file():  # search.sampler=model
+        from tuner.guided import plot_predicted_vs_measured
+
+        jobs.append(("predicted.png", lambda p: plot_predicted_vs_measured(study, run_dir, p)))
     if len(study.directions) > 1:
         jobs.append(("pareto.png", lambda p: plot_pareto(study, p)))
     skipped: dict[str, str] = {}
@@ -226,7 +230,7 @@ def write_html(study: optuna.Study, run_dir: Path, best: BestResult | None, skip
         parts.append("<p>No winner yet: the study has not finished.</p>")
     parts.append("<p>Objective value: output tokens/s corrected for machine drift (speedup against the baseline "
                  "measured adjacent in time x the reference baseline of trial 0).</p><h2>Figures</h2>")
-    for name in ("history.png", "heatmap.png", "pareto.png", "importances.png", "bars.png"):
+    for name in ("history.png", "heatmap.png", "pareto.png", "importances.png", "bars.png", "predicted.png"):
         if (run_dir / name).is_file():
             parts.append(f"<img src='{name}' alt='{name}'>")
         elif name in skipped:

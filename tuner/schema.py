@@ -252,7 +252,7 @@ def storage_password_error(storage: str | None) -> str | None:
 class SearchConfig(_Strict):
     # No defaults here: conf/search/_base.yaml owns them (every option composes it first).
     name: str
-    sampler: Literal["tpe", "random", "grid", "gp"]
+    sampler: Literal["tpe", "random", "grid", "gp", "model"]
     seed: int
     n_trials: int = Field(ge=1)
     timeout_s: float | None = Field(gt=0)
@@ -266,6 +266,7 @@ class SearchConfig(_Strict):
     ci_rel_width: float = Field(gt=0)  # stop repeating when the CI half-width / mean is below this
     trial_timeout_s: float = Field(gt=0)
     noise_rel: float = Field(ge=0)  # a speedup within this of 1.0 (or of the best) is a tie
+    model_live: int = Field(ge=1)  # sampler=model: predicted points measured live (and per widening)
     # Tuning prompts each trial plays (the first N of the workload's tuning split; None: all). The
     # winner is re-measured on the held-out prompts either way. Keeps CPU studies within minutes.
     trial_prompts: int | None = Field(ge=1)

@@ -102,6 +102,10 @@ def create_study(cfg: Config, space: SearchSpace, run_dir: Path, name: str) -> o
     if cfg.search.sampler == "grid":
         for spec in space.points():
             study.enqueue_trial(space.params_of(spec), user_attrs={ROLE: "grid"})
+    elif cfg.search.sampler == "model":  # the best predicted points (tuner.guided)
+        from tuner.guided import enqueue_predicted, predict_space
+
+        enqueue_predicted(study, space, predict_space(cfg, space, run_dir), 0, cfg.search.model_live, ROLE)
     else:
         for spec in space.defaults():
             study.enqueue_trial(space.params_of(spec), user_attrs={ROLE: "default"})
@@ -179,7 +183,8 @@ class Budget:
 
     @classmethod
     def of(cls, search: SearchConfig, count: Literal["finished", "started"] = "finished") -> "Budget":
-        return cls(search.n_trials, search.sampler == "grid", count)
+        # a model-guided study, like a grid, ends when its enqueued points are measured
+        return cls(search.n_trials, search.sampler in ("grid", "model"), count)
 
     def used(self, trials: list[FrozenTrial]) -> int:
         if self.count == "finished":
