@@ -11,6 +11,11 @@
    until a speculative one reaches 97% of the grid's best speculative value (objective:
    drift-corrected tok/s). Random search is replayed the same way, for comparison.
 3. Goal: the TPE median over seeds is at most 10% of the grid's size.
+4. `search.sampler=model` (`--model-live N`, 0 skips it): the grid's prompts are profiled and this
+   machine's cost model measured (tuner.guided.predict_space); `off` and the N best predicted points
+   are looked up as live trials, widening by N whenever a looked-up speedup is off its prediction
+   by more than twice the noise band. Deterministic, so one row. The profile's greedy tau is also
+   compared with each grid point's live tau (they must agree: the same prompts, T=0).
 
 Prints a table (samplers side by side), writes <grid run>/search_efficiency.png (best so far
 against trials, per seed), and the last line printed is one JSON object. Usage:
@@ -32,10 +37,10 @@ from pathlib import Path
 
 import optuna
 
-from tuner.rundir import open_run_study
 from tuner.config import load_saved_config
 from tuner.objective import OFF, spec_of
 from tuner.optimize import optimize
+from tuner.rundir import open_run_study
 from tuner.schema import UserError
 from tuner.space import SearchSpace
 from tuner.study import create_study, role
@@ -144,12 +149,77 @@ def plot(curves: dict[str, list[list[float]]], within: float, grid_points: int, 
     plt.close(fig)
 
 
+def _grid_taus(run_dir: Path) -> dict[str, float]:
+    """Measured tau of each complete grid point (live engine, the grid's prompts)."""
+    out: dict[str, float] = {}
+    for t in open_run_study(run_dir).trials:
+        spec = spec_of(t)
+        if spec is not None and t.state == optuna.trial.TrialState.COMPLETE and t.user_attrs.get("tau") is not None:
+            out.setdefault(_key(spec), t.user_attrs["tau"])
+    return out
+
+
+def replay_model(run_dir: Path, cfg, table: dict[str, float], pruned: dict[str, float], base: float, best: float,
+                 within: float, live: int) -> dict:
+    """search.sampler=model against the measured grid: a profile of the grid's prompts and this
+    machine's measured cost rank every point; `off` and the `live` best predicted points are
+    looked up as live trials, and a looked-up speedup off its prediction by more than twice the
+    noise band widens the sample by `live` more, as tuner.guided does. Deterministic (no seed).
+    Also: the profile's greedy tau against the grid's live tau, point by point."""
+    from tuner.guided import PREDICTED, predict_space
+
+    heads = {}
+    for t in open_run_study(run_dir).trials:
+        spec = spec_of(t)
+        if spec is not None and spec.head_path:
+            heads.setdefault(spec.method, spec.head_path)
+    c = cfg.model_copy(deep=True)
+    space = SearchSpace.from_config(c, head_paths=heads)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.monotonic()
+        ranked = predict_space(c, space, Path(tmp))
+        predict_s = time.monotonic() - t0
+        prof = json.loads((Path(tmp) / "profile.json").read_text())
+    from tuner.schema import SpecConfig
+
+    band = 2 * cfg.search.noise_rel
+    target = (1 - within) * best
+    enq = min(live, len(ranked))
+    queue, n, so_far, hit, widened = list(range(enq)), 1, 0.0, None, 0
+    seen: list[dict] = []
+    while queue:
+        r = queue.pop(0)
+        n += 1
+        key = _key(SpecConfig(**ranked[r]["spec"]))
+        value = table.get(key, pruned.get(key))
+        if value is None:
+            continue
+        so_far = max(so_far, value)
+        err = (value / base) / ranked[r][PREDICTED] - 1
+        seen.append({"rank": r, "spec": ranked[r]["key"], "predicted": round(ranked[r][PREDICTED], 3),
+                     "measured": round(value / base, 3), "error": round(err, 3)})
+        if hit is None and so_far >= target:
+            hit = n
+        if abs(err) > band:  # as tuner.guided.Widener: the next `live` predicted points
+            more = list(range(enq, min(enq + live, len(ranked))))
+            queue.extend(more)
+            enq += len(more)
+            widened += bool(more)
+    taus = _grid_taus(run_dir)
+    tau_err = [abs(p["tau"] / taus[_key(SpecConfig(**p["spec"]))] - 1) for p in prof["points"]
+               if _key(SpecConfig(**p["spec"])) in taus]
+    return {"trials_needed": hit, "live_trials": n, "widenings": widened, "live": seen,
+            "share_of_grid": round((hit or n) / max(len(ranked), 1), 3), "predict_s": round(predict_s, 1),
+            "tau_points": len(tau_err), "tau_max_abs_error": round(max(tau_err), 4) if tau_err else None,
+            "tau_median_abs_error": round(statistics.median(tau_err), 4) if tau_err else None}
+
+
 # (row label, sampler, engines' defaults enqueued): the first row is what `tuner optimize` does.
 SAMPLERS = (("tpe", "tpe", True), ("tpe, no defaults", "tpe", False), ("random, no defaults", "random", False))
 
 
 def replay(run_dir: Path, seeds: list[int], within: float, n_trials: int,
-           samplers: tuple[tuple[str, str, bool], ...] = SAMPLERS) -> dict:
+           samplers: tuple[tuple[str, str, bool], ...] = SAMPLERS, model_live: int = 0) -> dict:
     """Replays of a measured grid run (lookup table of its measured values) for each sampler."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     cfg = load_saved_config(run_dir / "config.yaml")
@@ -176,6 +246,11 @@ def replay(run_dir: Path, seeds: list[int], within: float, n_trials: int,
                         "median_share_of_grid": round(med / len(points), 3),
                         "trials_needed_within_noise": needed_noise}
         curves[label] = runs
+    if model_live:
+        m = replay_model(run_dir, cfg, table, pruned, base, best, within, model_live)
+        per["model"] = {"trials_needed": [m["trials_needed"]], "median_trials": m["trials_needed"] or m["live_trials"],
+                        "median_share_of_grid": round((m["trials_needed"] or limit) / len(points), 3),
+                        "trials_needed_within_noise": [None], "replay": m}
     png = run_dir / "search_efficiency.png"
     plot(curves, within, len(points), png)
     tpe = per["tpe"]
@@ -224,6 +299,9 @@ def main() -> None:
     p.add_argument("--within", type=float, default=0.03)
     p.add_argument("--replay-trials", type=int, default=8,
                    help="search.n_trials of the replayed study (sets TPE's start-up; conf/search/default has 8)")
+    p.add_argument("--model-live", type=int, default=3,
+                   help="also replay search.sampler=model with this search.model_live (0: skip; it profiles "
+                        "the grid's prompts and measures this machine's cost model)")
     p.add_argument("--run-dir", default="runs")
     p.add_argument("--grid-run", type=Path, help="replay this measured grid run instead of measuring one")
     p.add_argument("--train", nargs="*", default=["prompts=24", "steps=150", "max_new_tokens=96"],
@@ -232,7 +310,8 @@ def main() -> None:
     args = p.parse_args()
     t0 = time.monotonic()
     run_dir = args.grid_run or measure_grid(args)
-    out = replay(run_dir, [int(s) for s in args.seeds.split(",")], args.within, args.replay_trials)
+    out = replay(run_dir, [int(s) for s in args.seeds.split(",")], args.within, args.replay_trials,
+                 model_live=args.model_live)
     out["wall_s"] = round(time.monotonic() - t0, 1)
     table_print(out)
     print(json.dumps(out), flush=True)
