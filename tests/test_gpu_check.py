@@ -41,3 +41,9 @@ def test_helpers_read_the_tools_output() -> None:
         sys.path.pop(0)
     assert gpu_check.pytest_summary("....\n3 passed, 1 skipped in 2.0s\n") == "3 passed, 1 skipped"
     assert gpu_check.last_json('table\n{"a": 1}\n') == {"a": 1} and gpu_check.last_json("no json") is None
+    summary = {"prompts": 4, "builtin_ar_vs_hf_ar": 1.21, "best_spec_vs_hf_ar": 1.9,
+               "rows": [{"same_as_hf_ar": 4}, {"same_as_hf_ar": 4}, {"same_as_hf_ar": 3}]}
+    status, line = gpu_check.speed_result(summary)
+    assert status == "FAIL" and "2/3" in line and "1.90x" in line  # one row differs from AR on one prompt
+    summary["rows"][2]["same_as_hf_ar"] = 4
+    assert gpu_check.speed_result(summary)[0] == "ok"
