@@ -50,6 +50,11 @@ class Reference:
     n_new: int
     features: torch.Tensor  # [len(prompt) + len(tokens) - 1, h]: final hidden state at every position
     probs: torch.Tensor | None = None  # [len(tokens), V]: processed target distribution of tokens[i] (T>0)
+    aux: dict[int, torch.Tensor] = field(default_factory=dict)  # layer id -> its input at every position
+
+    def aux_of(self, layers: tuple[int, ...], lo: int, hi: int) -> torch.Tensor:
+        """What the engine hands a drafter with `aux_layers`: those layers' inputs, concatenated."""
+        return torch.cat([self.aux[k][lo:hi] for k in layers], dim=-1)
 
 
 @dataclass
@@ -78,9 +83,10 @@ class PointResult:
 
 @torch.inference_mode()
 def reference_pass(target: Target, prompt: list[int], params: SamplingParams, eos: set[int], max_context: int,
-                   lookahead: int = LOOKAHEAD) -> Reference:
+                   lookahead: int = LOOKAHEAD, aux_layers: tuple[int, ...] = ()) -> Reference:
     """Autoregressive generation as the engine runs it (prefill, then one token per forward, the
-    same stop rules), continued `lookahead` tokens past the end. Stop strings are not replayable."""
+    same stop rules), continued `lookahead` tokens past the end; the inputs of `aux_layers` are
+    kept for drafters that read inner target layers (EAGLE-3). Stop strings are not replayable."""
     if params.stop:
         raise UserError("profile: workloads with stop strings cannot be profiled (the engine cuts their text)")
     model, dev = target.model, target.device
@@ -90,12 +96,17 @@ def reference_pass(target: Target, prompt: list[int], params: SamplingParams, eo
         gen.manual_seed(params.seed if params.seed is not None else 0)
     cache = new_cache(model.config)
     feats, probs, tokens = [], [], []
+    aux: dict[int, list[torch.Tensor]] = {k: [] for k in aux_layers}  # a layer may repeat in aux_layers
     end = n_new = None
     ids = torch.tensor([prompt], device=dev)
     pos = torch.arange(len(prompt), device=dev)[None]
     while True:
-        hidden = model.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True).last_hidden_state[0]
+        out = model.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True,
+                          output_hidden_states=bool(aux_layers))
+        hidden = out.last_hidden_state[0]
         feats.append(hidden)
+        for k in aux:
+            aux[k].append(out.hidden_states[k][0])
         logits = model.lm_head(hidden[-1:])[0]
         if params.temperature > 0:
             r = process_logits(logits, params)
@@ -119,7 +130,7 @@ def reference_pass(target: Target, prompt: list[int], params: SamplingParams, eo
     if end is None:
         end = n_new = len(tokens)
     return Reference(prompt=list(prompt), tokens=tokens, end=end, n_new=n_new, features=torch.cat(feats),
-                     probs=torch.stack(probs) if probs else None)
+                     probs=torch.stack(probs) if probs else None, aux={k: torch.cat(v) for k, v in aux.items()})
 
 
 def accepted_path(tree: Tree, continuation: Sequence[int]) -> list[int]:
@@ -161,9 +172,17 @@ def replay(ref: Reference, drafter: Drafter | None, params: SamplingParams, max_
     sampling = params.temperature > 0
     prompt, toks = ref.prompt, ref.tokens
     P = len(prompt)
+    layers = getattr(drafter, "aux_layers", None)
+
+    def observe(lo: int, hi: int) -> None:  # as the engine: features, plus inner layers when asked
+        if layers:
+            drafter.observe(ref.features[lo:hi], ref.aux_of(layers, lo, hi))
+        else:
+            drafter.observe(ref.features[lo:hi])
+
     if drafter is not None:
         drafter.reset(prompt)
-        drafter.observe(ref.features[:P])
+        observe(0, P)
     ids = prompt + toks[:1]
     i = 1  # generated tokens committed
     out = {"forwards": 1, "draft_steps": 0, "drafted": 0, "accepted": 0.0, "per_pos": [], "exp_steps": [],
@@ -197,7 +216,7 @@ def replay(ref: Reference, drafter: Drafter | None, params: SamplingParams, max_
             a = 0
             out["exp_steps"].append(0.0)
         if drafter is not None:
-            drafter.observe(ref.features[prefix:prefix + a + 1])
+            observe(prefix, prefix + a + 1)
         ids.extend(toks[i:i + a + 1])
         i += a + 1
     if sampling:  # forwards implied by the mean expected acceptance, not the rounded walk
@@ -315,9 +334,11 @@ def make_profile(target: Target, prompt_ids: list[list[int]], names: list[str], 
                  on_point: Callable[[PointResult], None] | None = None) -> Profile:
     """One reference pass per prompt, then every configuration replayed over them."""
     t0 = time.perf_counter()
-    refs = [reference_pass(target, p, params, eos, max_context) for p in prompt_ids]
-    ref_s = time.perf_counter() - t0
     specs = list(specs)
+    aux = tuple(sorted({k for s in specs if s.method not in ("off", "ngram")
+                        for k in (getattr(make_drafter(s, target, seed), "aux_layers", None) or ())}))
+    refs = [reference_pass(target, p, params, eos, max_context, aux_layers=aux) for p in prompt_ids]
+    ref_s = time.perf_counter() - t0
     if not any(s.method == "off" for s in specs):
         specs.insert(0, SpecConfig(method="off"))
     results = profile_points(target, refs, specs, params, max_context, seed, on_point)

@@ -30,12 +30,16 @@ class Recorder(Drafter):
     def __init__(self, inner: Drafter) -> None:
         super().__init__(inner.spec)
         self.inner, self.trees = inner, []
+        self.aux_layers = inner.aux_layers  # EAGLE-3 asks for inner target layers
 
     def reset(self, prompt_ids):
         self.inner.reset(prompt_ids)
 
-    def observe(self, features):
-        self.inner.observe(features)
+    def observe(self, features, aux=None):
+        if aux is None:
+            self.inner.observe(features)
+        else:
+            self.inner.observe(features, aux)
 
     def draft(self, ids, params, generator=None) -> Tree:
         tree = self.inner.draft(ids, params, generator)
@@ -227,3 +231,19 @@ def test_smollm2_ngram_tau_equals_live() -> None:
         assert prof.tau(spec) == tau
         taus.append(tau)
     assert max(taus) > 1.2  # the real model's code answers repeat the prompt: drafts are accepted
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 4), (3, 2, 5)], ids=lambda s: "d%d k%d b%d" % s)
+def test_eagle3_reads_inner_layers_from_the_reference(engine: Engine, prompts, shape) -> None:
+    """EAGLE-3 drafts from inner target layers: the reference pass keeps their inputs and the replay
+    hands them over as the engine does; same tau, same trees (a random EAGLE-3 head)."""
+    d, k, b = shape
+    spec = SpecConfig(method="eagle3", depth=d, topk=k, budget=b)
+    params = SamplingParams(max_new_tokens=N_NEW)
+    layers = make_drafter(spec, engine.target, engine.seed).aux_layers
+    assert layers
+    refs = [reference_pass(engine.target, p, params, engine.eos, engine.max_context, aux_layers=layers)
+            for p in prompts]
+    tau, acc, drafted, live_trees = _live(engine, prompts, spec, params)
+    res, trees = _replayed(engine, refs, spec, params)
+    assert res.tau == tau and res.drafted_tokens == drafted and trees == live_trees
