@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "tau": None if r["tau"] is None else round(r["tau"], 3),
                                 "gb_s": None if gb is None else round(gb, 2),
                                 "bw_share": None if gb is None else round(gb / bw, 3), "same_as_hf_ar": same})
-    console = Console()
+    console = Console(width=160)  # wide enough for every column when piped
     console.print(table)
     ar = by[f"built-in {best_fwd}, autoregressive"]
     best = max((r for n, r in rows if "n-gram" in n or "EAGLE" in n), key=lambda r: r["tok_s"])

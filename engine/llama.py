@@ -264,14 +264,18 @@ class LeanForward:
         self._seen: set[int] = set()
         self._layer = layer_forward
         if compile:
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir(cache_dir)))
+            from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+            # torch writes its /tmp default into the environment on first use: replace only that
+            cur = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+            if cur is None or os.path.abspath(cur) == os.path.abspath(default_cache_dir()):
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir(cache_dir))
             mode = "reduce-overhead" if model.device.type == "cuda" else None
             self._layer = torch.compile(layer_forward, dynamic=None, mode=mode)
 
     def new_cache(self, need: int) -> KVCache:
         """An empty cache for a generation of up to `need` positions, plus room for bucket padding."""
-        need += BUCKETS[-1]
-        return KVCache(self.model, 1 << max(8, math.ceil(math.log2(need))))
+        return KVCache(self.model, -(-(need + BUCKETS[-1]) // 256) * 256)
 
     def rows_for(self, n: int) -> int:
         """The rows a step of n tokens runs with: the bucket when compiled (beyond the largest: n)."""
