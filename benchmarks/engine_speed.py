@@ -43,7 +43,7 @@ from tuner.schema import SpecConfig, UserError  # noqa: E402
 CURVE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
 
-def copy_bandwidth(device: torch.device, cache_dir: str | None = None) -> float:
+def copy_bandwidth(device: torch.device, cache_dir: str | None = None, remeasure: bool = False) -> float:
     """The machine's memory copy bandwidth in GB/s (bytes read + written per second by a 512 MB
     tensor copy, best of 7, with torch's current threads), measured once per (machine, device,
     threads) and cached in <cache>/copy_bandwidth.json."""
@@ -53,7 +53,7 @@ def copy_bandwidth(device: torch.device, cache_dir: str | None = None) -> float:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
         known = {}
-    if key not in known:
+    if remeasure or key not in known:
         a = torch.ones(128 << 20, device=device)  # 512 MB of fp32
         b = torch.empty_like(a)
         best = float("inf")
@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--no-compile", action="store_true", help="no compiled lean rows (they compile once, cached on disk)")
     ap.add_argument("--no-curve", action="store_true", help="skip the verification-cost curve")
+    ap.add_argument("--remeasure-bandwidth", action="store_true",
+                    help="measure the copy bandwidth again (the cached figure is wrong if it was taken under load)")
     ap.add_argument("--eagle-head", default=None, help="a trained EAGLE-1 head dir (tuner train-draft): adds EAGLE rows")
     args = ap.parse_args(argv)
 
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     fast = engines[best_fwd]
     lean = lean_forward(hf_fwd.target)
     weight_bytes = lean.model.weight_bytes()
-    bw = copy_bandwidth(hf_fwd.device)
+    bw = copy_bandwidth(hf_fwd.device, remeasure=args.remeasure_bandwidth)
     limit = bw * 1e9 / weight_bytes  # AR tokens/s if every step only streamed the weights at copy speed
 
     prompts = code_prompts(plain, args.prompts)
