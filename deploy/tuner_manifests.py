@@ -89,10 +89,23 @@ def _image(cfg: Config) -> str:
     return f"{cfg.distributed.image}:{cfg.distributed.image_tag}"
 
 
+def worker_image(cfg: Config) -> str:
+    """The image a worker needs for cfg.engine, as `make image` tags them: the built-in engine's
+    (its CUDA variant when the worker gets GPUs), or the one with vLLM in the pod."""
+    dc = cfg.distributed
+    if cfg.engine.kind == "vllm":
+        return f"{dc.image}-vllm:{dc.image_tag}"
+    if cfg.engine.kind == "sglang":
+        raise UserError("render-tuner engine=sglang: no tuner worker image with SGLang is built "
+                        "(make image builds the built-in and vLLM ones); use engine=vllm or engine=builtin")
+    return f"{dc.image}:{dc.image_tag}-cuda" if worker_gpus(cfg) > 0 else _image(cfg)
+
+
 def _tuner_container(cfg: Config, name: str, args: list[str], resources: k.V1ResourceRequirements,
-                     mounts: list[k.V1VolumeMount], extra_env: list[k.V1EnvVar] | None = None) -> k.V1Container:
+                     mounts: list[k.V1VolumeMount], extra_env: list[k.V1EnvVar] | None = None,
+                     image: str | None = None) -> k.V1Container:
     _, container_sc = security_contexts(BUILTIN_UID)
-    return k.V1Container(name=name, image=_image(cfg), image_pull_policy="IfNotPresent", command=["tuner"],
+    return k.V1Container(name=name, image=image or _image(cfg), image_pull_policy="IfNotPresent", command=["tuner"],
                          args=args, env=db_env(cfg) + (extra_env or []), resources=resources,
                          volume_mounts=mounts or None, security_context=container_sc)
 
@@ -211,10 +224,13 @@ def build(cfg: Config, overrides: list[str]) -> list[tuple[str, dict]]:
     if cfg.deploy.hf_token_secret is not None:
         hf_env.append(_secret_env("HF_TOKEN", cfg.deploy.hf_token_secret.name, cfg.deploy.hf_token_secret.key))
     gpu = worker_gpus(cfg) > 0
+    image = worker_image(cfg)
+    # in the vLLM image `vllm` is on PATH; HOME on the scratch volume gives vLLM a writable cache
+    engine_args = ["engine.vllm.executable=vllm"] if cfg.engine.kind == "vllm" else []
     worker = _tuner_container(cfg, "worker", ["optimize", "--worker", *study_args, f"run_dir={RUNS_DIR}",
-                                              f"cache_dir={CACHE_DIR}/spectune"],
+                                              f"cache_dir={CACHE_DIR}/spectune", *engine_args],
                               worker_resources(cfg), cache + [k.V1VolumeMount(name="dshm", mount_path="/dev/shm")],
-                              hf_env)
+                              hf_env + [k.V1EnvVar(name="HOME", value=CACHE_DIR)], image=image)
     shm = k.V1Volume(name="dshm", empty_dir=k.V1EmptyDirVolumeSource(medium="Memory",
                                                                      size_limit="16Gi" if gpu else "1Gi"))
     # Indexed: each index is one worker; a pod that dies is replaced (up to backoff_limit times per

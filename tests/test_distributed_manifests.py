@@ -75,7 +75,7 @@ def test_workers_job_parallelism_gpus_and_placement() -> None:
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
-    assert worker["image"] == "ghcr.io/spectune/spectune:0.1.0"
+    assert worker["image"] == "ghcr.io/spectune/spectune:0.1.0-cuda"  # a GPU worker runs the CUDA variant
     assert pod["initContainers"][0]["args"][:1] == ["wait-storage"] and "--study" in pod["initContainers"][0]["args"]
     # Only the workers ask for GPUs.
     for name, p in _pods(docs).items():
@@ -141,3 +141,27 @@ def test_cli(tmp_path: Path, capsys) -> None:
     assert main(["render", "--check", str(tmp_path)]) == 0
     assert main(["render-tuner", "--out", str(tmp_path / "x")]) == 2  # no workload
     assert "needs a workload" in capsys.readouterr().err
+
+
+def test_workers_use_the_image_of_their_engine() -> None:
+    """CPU workers: the built-in image; GPU workers: its CUDA variant; engine=vllm: the image with vLLM
+    in the pod (and its `vllm` on PATH); SGLang has no worker image: refused in one line. Every one
+    of them is a tag `make image` builds."""
+    from tests.test_image import _make_image_tags
+    from tuner.schema import UserError
+
+    tags = _make_image_tags()
+
+    def worker(docs):
+        job = next(d for d in docs.values() if d["kind"] == "Job" and d["spec"].get("completionMode") == "Indexed")
+        return job["spec"]["template"]["spec"]["containers"][0]
+
+    cpu = worker(_docs(["+workload=code"]))
+    gpu = worker(_docs(GPU))
+    vllm = worker(_docs([*GPU, "engine=vllm"]))
+    assert cpu["image"] == "ghcr.io/spectune/spectune:0.1.0"
+    assert gpu["image"] == "ghcr.io/spectune/spectune:0.1.0-cuda"
+    assert vllm["image"] == "ghcr.io/spectune/spectune-vllm:0.1.0" and "engine.vllm.executable=vllm" in vllm["args"]
+    assert {cpu["image"], gpu["image"], vllm["image"]} <= set(tags)
+    with pytest.raises(UserError, match="render-tuner engine=sglang: no tuner worker image"):
+        _docs([*GPU, "engine=sglang", "spec.method=eagle", "search.methods=[eagle]"])
