@@ -32,7 +32,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from engine.api import SamplingParams  # noqa: E402
-from engine.cache import new_cache  # noqa: E402
+from engine.cache import crop_to, new_cache  # noqa: E402
 from engine.llama import lean_forward  # noqa: E402
 from engine.loop import Engine  # noqa: E402
 from engine.model import cache_root  # noqa: E402
@@ -114,9 +114,13 @@ def step_seconds(engine: Engine, n: int, prefix: int = 200, repeats: int = 5) ->
     ctx = [rng.randrange(1000, 20000) for _ in range(prefix)]
     best = float("inf")
     with torch.inference_mode():
+        cache = engine.lean.new_cache(prefix + n) if engine.lean else new_cache(engine.model.config)
+        engine._forward(None, ctx, 0, cache, True)  # the context once; each repeat rolls the tree back
         for _ in range(repeats):
-            cache = engine.lean.new_cache(prefix + n) if engine.lean else new_cache(engine.model.config)
-            engine._forward(None, ctx, 0, cache, True)
+            if engine.lean:
+                cache.crop(prefix)
+            else:
+                crop_to(cache, prefix)
             if engine.device.type == "cuda":
                 torch.cuda.synchronize()
             t = time.perf_counter()
