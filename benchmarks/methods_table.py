@@ -49,8 +49,9 @@ DEFAULT_SPECS = {
 }
 
 
-def drafts(cfg, engine, console: Console) -> dict[str, dict]:
-    """Train or reuse every draft; method -> the SpecConfig fields naming it (absent: unavailable)."""
+def drafts(cfg, engine, console: Console, methods: list[str]) -> dict[str, dict]:
+    """Train or reuse the drafts of `methods`; method -> the SpecConfig fields naming it (absent:
+    unavailable)."""
     from engine.heads.pipeline import ensure_head
     from engine.train_draft_model import ensure_draft
     from tuner.progress_heads import head_progress
@@ -63,6 +64,8 @@ def drafts(cfg, engine, console: Console) -> dict[str, dict]:
             ("draft_model", lambda r: ensure_draft(cfg, "draft_model", engine, workloads=others, report=r),
              "draft_model")]
     for method, job, field in jobs:
+        if method not in methods:
+            continue
         t = time.perf_counter()
         try:
             with head_progress(quiet=False) as report:
@@ -127,7 +130,7 @@ def main() -> int:
     cfg = load_config(["+workload=code", "engine.builtin.dtype=float32", *args.overrides.split()])
     engine = Engine.from_config(cfg)
     t0 = time.perf_counter()
-    fields = drafts(cfg, engine, console)
+    fields = drafts(cfg, engine, console, args.methods.split(","))
     train_s = time.perf_counter() - t0
     override = {}
     for s in args.spec:
