@@ -39,16 +39,24 @@ class EagleDrafter(ModelDrafter):
     def observe(self, features: torch.Tensor) -> None:
         self._pending.append(features)
 
+    def _first(self, pending: torch.Tensor) -> torch.Tensor:
+        """The head's input features for committed positions (EAGLE-1: the target's features)."""
+        return pending.to(self._lm_rows.dtype)
+
+    def _step(self, embeds: torch.Tensor, feats: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """One head forward over new positions (appended to the cache); returns their output features."""
+        return self.head(embeds, feats, pos, mask, self.cache)[0]
+
     def _catch_up(self, ids: list[int]) -> torch.Tensor:
-        feats = torch.cat(self._pending) if len(self._pending) > 1 else self._pending[0]
+        pending = torch.cat(self._pending) if len(self._pending) > 1 else self._pending[0]
         self._pending = []
         c, n = self._ctx_len, len(ids) - 1
-        assert c + feats.shape[0] == n, "EAGLE drafter: features out of step with committed tokens"
+        assert c + pending.shape[0] == n, f"{type(self).__name__}: target states out of step with committed tokens"
         toks = torch.tensor([ids[c + 1:n + 1]], device=self.device)
         pos = torch.arange(c, n, device=self.device)[None]
         t = n - c
         mask = None if c == 0 else torch.ones(t, c + t, dtype=torch.bool, device=self.device).tril(c)[None, None]
-        out, _ = self.head(self.embed(toks), feats[None].to(self._lm_rows.dtype), pos, mask, self.cache)
+        out = self._step(self.embed(toks), self._first(pending)[None], pos, mask)
         self._ctx_len, self._root_pos = n, n - 1
         self._root_feat = out[0, -1]
         return self._logits(self._root_feat)
@@ -59,7 +67,7 @@ class EagleDrafter(ModelDrafter):
         toks = torch.tensor([tokens], device=self.device)
         if self.draft_vocab is not None:  # the tree is built in draft ids
             toks = self.draft_vocab[toks]
-        out, _ = self.head(self.embed(toks), feats[None], positions, mask, self.cache)
+        out = self._step(self.embed(toks), feats[None], positions, mask)
         self._slot_feat.extend(out[0].unbind(0))
         return self._logits(out[0])
 
