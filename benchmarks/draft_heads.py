@@ -84,6 +84,7 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="docs/figures/draft_heads.png")
+    ap.add_argument("--head", default=None, help="a head trained on all the data (tuner train-draft): used for share 1 instead of training again")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides (train.*)")
     args = ap.parse_args()
     con = Console(stderr=True)
@@ -125,11 +126,18 @@ def main() -> int:
     for frac in (float(x) for x in args.sizes.split(",")):
         keep = [s for p in order[: max(1, int(round(frac * len(order))))] for s in by_prompt[p]]
         sub = data.subset(keep + val_seqs)
-        with tempfile.TemporaryDirectory() as work:
-            t = time.perf_counter()
-            head, summ = train_head(sub, engine.model, tc, vocab, Path(work),
-                                    lambda ph, d, n, info: con.print(f"  train {frac}: {d}/{n} loss {info['loss']:.3f} {info.get('tok_s', 0):.0f} tok/s") if d % 100 == 0 else None)
-            train_s = time.perf_counter() - t
+        if frac >= 1 and args.head:
+            from engine.eagle import load_head
+            from engine.heads.pipeline import read_meta
+
+            head, meta = load_head(args.head, engine.model.config), read_meta(args.head)
+            summ, train_s = {"steps": meta["steps"]}, meta["train_seconds"]
+        else:
+            with tempfile.TemporaryDirectory() as work:
+                t = time.perf_counter()
+                head, summ = train_head(sub, engine.model, tc, vocab, Path(work),
+                                        lambda ph, d, n, info: con.print(f"  train {frac}: {d}/{n} loss {info['loss']:.3f} {info.get('tok_s', 0):.0f} tok/s") if d % 100 == 0 else None)
+                train_s = time.perf_counter() - t
         train_total_s = max(train_total_s, train_s) if frac < 1 else train_s
         row = run_rows(engine, heldout["code"], args.max_new_tokens, trees[0], head, ref_code["tokens"])
         n_tok = int(sum(int(sub.offsets[i + 1] - sub.offsets[i]) for i in range(len(keep))))
