@@ -386,3 +386,17 @@ def test_progress_lines_when_not_a_terminal() -> None:
     with head_progress(quiet=True, stream=quiet) as report:
         report("train", 1, 1, {"loss": 1.0})
     assert quiet.getvalue() == ""
+
+
+def test_training_prompts_are_the_same_in_another_process() -> None:
+    """The data cache key hashes the prompt texts: they must not depend on the process (e.g. a
+    default value printed with its memory address)."""
+    import subprocess
+    import sys
+
+    code = ("from tuner.config import load_config; from engine.heads.prompts import collect_prompts; import hashlib;"
+            "w=load_config(['+workload=code']).workload;"
+            "print(hashlib.sha256('\\n'.join(p.text for p in collect_prompts(w, [], 2000, 0)).encode()).hexdigest())")
+    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300).stdout.strip()
+            for _ in range(2)}
+    assert len(runs) == 1 and len(next(iter(runs))) == 64

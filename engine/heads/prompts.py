@@ -81,6 +81,8 @@ def stdlib_code_prompts() -> list[Prompt]:
             sig = str(inspect.signature(fn))
         except (TypeError, ValueError):
             continue
+        if " at 0x" in sig:  # a default printed with its address differs per process: no stable prompt
+            continue
         doc = textwrap.fill(_first_paragraph(fn.__doc__), 88, initial_indent="    ", subsequent_indent="    ")
         body = f'def {name}{sig}:\n    """\n{doc}\n    """\n'
         out.append(Prompt(id=f"stdlib/{mod_name}.{name}", text=CODE_PREFIX + body, source="stdlib-code"))
