@@ -317,15 +317,15 @@ class Launcher:
     def from_config(cls, cfg: Config, *, log_dir: str | Path | None = None, tensor_parallel_size: int = 1) -> "Launcher":
         """A launcher for cfg.engine (vllm / sglang) serving cfg.model.
 
-        The model is its local HF checkpoint when it has one (the converted SmolLM2 here), else its
-        HF id. On GPUs the server runs with the deployment's FP8 flags, so trials measure the
+        The model is its local HF checkpoint when it has one (the converted SmolLM2 here, a random
+        test model saved once), else its HF id. On GPUs the server runs with the deployment's FP8 flags, so trials measure the
         precision that will be served.
         """
         kind = cfg.engine.kind
         if kind not in ("vllm", "sglang"):
             raise UserError(f"engine.kind={kind}: not a launched engine (allowed: vllm, sglang)")
         ecfg = getattr(cfg.engine, kind)
-        if cfg.model.local_path or cfg.model.gguf:
+        if cfg.model.local_path or cfg.model.gguf or cfg.model.random_init:
             from engine.model import hf_checkpoint_dir  # torch: only when a checkpoint must be made
 
             model_ref = str(hf_checkpoint_dir(cfg.model, cfg.cache_dir))

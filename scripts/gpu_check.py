@@ -142,13 +142,13 @@ def step_vllm_head(a: argparse.Namespace) -> tuple[str, str]:
     tuner = str(Path(sys.executable).parent / "tuner")
     head = a.head
     if head is None:
-        rc, out, err = run([tuner, "train-draft", "+workload=code", f"model={a.model}",
+        rc, out, err = run([tuner, "train-draft", "+workload=code", f"model={a.model}", *a.override,
                             f"engine.builtin.device={a.device}", f"train.steps={a.train_steps}", "--json"], 240)
         meta = last_json(out)
         if rc != 0 or not meta or "head_path" not in meta:
             return "FAIL", "train-draft: " + (err.strip().splitlines() or ["no output"])[-1][:200]
         head = meta["head_path"]
-    rc, out, err = run([tuner, "bench", "+workload=code", f"model={a.model}", "engine=vllm",
+    rc, out, err = run([tuner, "bench", "+workload=code", f"model={a.model}", *a.override, "engine=vllm",
                         f"engine.vllm.executable={vllm}", "spec.method=eagle", "spec.depth=3", "spec.budget=4",
                         f"spec.head_path={head}", "bench.baseline=true", "bench.repeats=1",
                         f"workload.num_prompts={a.prompts + 1}", "workload.num_heldout=1",
@@ -172,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per prompt")
     ap.add_argument("--head", default=None, help="a trained EAGLE head dir (default: train one on the GPU)")
     ap.add_argument("--train-steps", type=int, default=300)
+    ap.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for the vllm-head step's tuner commands (repeatable)")
     ap.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated subset of {','.join(STEPS)}")
     ap.add_argument("--time-scale", type=float, default=1.0, help="multiply every step's time limit (slow machines)")
     ap.add_argument("--lossless-only", action="store_true", help=argparse.SUPPRESS)

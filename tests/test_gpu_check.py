@@ -24,13 +24,19 @@ def test_without_cuda_it_is_one_line_and_exit_2() -> None:
 
 def test_the_lossless_step_and_the_table_on_cpu() -> None:
     r = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--model", "tiny-random", "--prompts", "2",
-                        "--tokens", "16", "--steps", "lossless,vllm-head", "--time-scale", "4"], cwd=ROOT,
+                        "--tokens", "16", "--steps", "lossless,vllm-head", "--time-scale", "4",
+                        # vLLM's CPU attention has no head size 16 (tiny-random's): 32 is its smallest
+                        "--override", "model.head_dim=32", "--override", "model.hidden_size=128"], cwd=ROOT,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "spectune gpu-check (cpu, model tiny-random)" in r.stdout
     row = next(line for line in r.stdout.splitlines() if "lossless" in line)
     assert " ok " in row and "4/4 generations token-identical" in row  # 2 prompts x (chain, tree)
-    assert "skipped" in r.stdout or "vllm-head" in r.stdout
+    head_row = next(line for line in r.stdout.splitlines() if "vllm-head" in line)
+    if (ROOT / ".venv-vllm" / "bin" / "vllm").is_file():  # `make test` builds it, so CI runs this step
+        assert " ok " in head_row and "0 failed requests" in head_row, head_row
+    else:
+        assert " skipped " in head_row
 
 
 def test_helpers_read_the_tools_output() -> None:
