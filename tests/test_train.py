@@ -17,10 +17,10 @@ from engine.api import SamplingParams
 from engine.eagle import load_head, save_head
 from engine.heads import pipeline as P
 from engine.heads import trainer as T
-from engine.heads.answers import answer_batch, generate_answers
-from engine.heads.data import IGNORE, DistillData
+from engine.heads.answers import answer_batch, generate_answers, teacher_force
+from engine.heads.data import FIXED_TEXT, IGNORE, DistillData
 from engine.heads.evaluate import chain_acceptance
-from engine.heads.prompts import collect_prompts, stdlib_code_prompts
+from engine.heads.prompts import collect_prompts, fixed_code_texts, stdlib_code_prompts
 from engine.heads.vocab import DraftVocab, always_kept, build_vocab
 from engine.loop import Engine
 from engine.workloads import CODE_PREFIX, humaneval_prompts, load_prompts
@@ -128,6 +128,33 @@ def test_data_layout(data: DistillData, prompts) -> None:
         assert (feat[-1] == 0).all() and (feat[:-1].abs().sum(-1) > 0).all()
     a, b = int(data.offsets[0]), int(data.offsets[1])
     assert torch.equal(data.topk_ids[a + data.starts[0] - 1:b - 1, 0], data.tokens[a + data.starts[0]:b])
+
+
+def test_teacher_forced_fixed_text_labels_are_the_targets_own(engine: Engine, data: DistillData) -> None:
+    """Fixed text keeps its own tokens as context, but every label and soft label is the target's
+    distribution there (what a one-sequence forward gives), batched with right padding."""
+    task, reply = fixed_code_texts()[0]
+    assert reply.startswith("```python\ndef ") and task.id.startswith("stdlib/")
+    seqs = [(engine.encode_prompt(t.text, True)[:20], engine.tokenizer.encode(r)[:n])
+            for (t, r), n in zip(fixed_code_texts()[:3], (9, 30, 17))]
+    fixed = teacher_force(engine.model, seqs, topk=4, batch=2)
+    assert fixed.sampled.tolist() == [FIXED_TEXT] * 3 and fixed.meta["fixed_tokens"] == 9 + 30 + 17
+    for i, (p, r) in enumerate(seqs):
+        tok, feat, lab, start = fixed.sequence(i)
+        assert tok.tolist() == p + r and start == len(p)
+        with torch.no_grad():
+            hidden = engine.model.model(input_ids=tok[None]).last_hidden_state[0]
+            top = torch.softmax(engine.model.lm_head(hidden), -1).topk(4, dim=-1)
+        assert torch.allclose(feat[:-1].float(), hidden[:-1], atol=2e-2, rtol=1e-2)
+        assert torch.equal(lab[start - 1:-1], top.indices[start - 1:-1, 0])  # the target's choice, not the text
+        assert (lab[:start - 1] == IGNORE).all()
+    both = DistillData.concat([data, fixed])
+    assert both.num_sequences == data.num_sequences + 3 and both.num_tokens == data.num_tokens + fixed.num_tokens
+    assert torch.equal(both.sequence(data.num_sequences + 1)[0], fixed.sequence(1)[0])
+    assert set(both.prompt_idx[:data.num_sequences].tolist()).isdisjoint(both.prompt_idx[data.num_sequences:].tolist())
+    train, val = T.split_prompts(both, 0.25, 0)
+    assert val and all(both.sampled[i] != FIXED_TEXT for i in val)  # validation: the target's own answers only
+    assert set(range(data.num_sequences, both.num_sequences)) <= set(train)
 
 
 def test_save_load_roundtrip(data: DistillData, tmp_path) -> None:
@@ -300,6 +327,12 @@ def test_cache_reused_retrain_and_keys_cover_training_settings(engine: Engine, t
         other = cfg_of("train.steps=3", "train.epochs=100", "train.prompts=3", change, tmp=tmp_path)
         assert P.head_dir(other) != p1, change
     assert P.head_dir(cfg, "eagle3") != p1
+    assert P.head_dir(cfg_of("train.steps=3", "train.epochs=100", "train.prompts=3", "train.fixed_text_tokens=0",
+                             tmp=tmp_path)) == p1  # off: the key of a head trained before the setting existed
+    fixed = cfg_of("train.steps=3", "train.epochs=100", "train.prompts=3", "train.fixed_text_tokens=40", tmp=tmp_path)
+    assert P.head_dir(fixed) != p1
+    pf = P.ensure_head(fixed, engine)
+    assert calls["gen"] == 1 and P.read_meta(pf)["data"]["parts"][1]["fixed_tokens"] == 40
     assert P.head_dir(cfg_of("train.steps=3", "train.epochs=100", "train.prompts=3", "train.checkpoint_every=7", tmp=tmp_path)) == p1
     p2 = P.ensure_head(cfg.model_copy(update={"workload": load_config(["+workload=math"]).workload}), engine)
     assert p2 != p1 and p2.parent == p1.parent and calls["gen"] == 2

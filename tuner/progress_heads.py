@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 from rich.console import Console
 
-_LABEL = {"generate": "answering prompts", "train": "training head"}
+_LABEL = {"generate": "answering prompts", "fixed text": "reading fixed text", "train": "training head"}
 
 
 def _info_text(phase: str, info: dict) -> str:

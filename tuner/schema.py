@@ -390,6 +390,7 @@ class TrainConfig(_Strict):
     max_new_tokens: int = Field(ge=8, le=4096)  # per answer
     gen_batch: int = Field(ge=1)  # prompts answered together (one forward per step for all)
     label_topk: int = Field(ge=1, le=64)  # the target's top-k probabilities kept per answer token (soft labels)
+    fixed_text_tokens: int = Field(ge=0)  # teacher-forced stdlib source added to the answers (0: none)
     epochs: float = Field(gt=0.0)  # passes over the training sequences (capped by steps)
     steps: int = Field(ge=1)  # the most optimizer steps
     batch: int = Field(ge=1)  # sequences per optimizer step

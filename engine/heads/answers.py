@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from engine.cache import new_cache
-from engine.heads.data import DistillData
+from engine.heads.data import FIXED_TEXT, DistillData
 
 Progress = Callable[[int, int, int, float], None]  # (prompts done, total, tokens generated, seconds)
 
@@ -134,3 +134,48 @@ def generate_answers(model, prompts: Sequence[Sequence[int]], max_new: int, eos:
     info.update(prompts=len(prompts), answer_tokens=tokens, aux_layers=list(aux_layers or []), generate_seconds=round(seconds, 1),
                 generate_tok_s=round(tokens / max(seconds, 1e-9), 1), gen_batch=batch)
     return DistillData.from_answers(prompts, results, prompt_idx or list(range(len(prompts))), info)
+
+
+@torch.inference_mode()
+def teacher_force(model, seqs: Sequence[tuple[Sequence[int], Sequence[int]]], topk: int = 8, batch: int = 8,
+                  aux_layers: Sequence[int] | None = None, prompt_idx: Sequence[int] | None = None,
+                  on_progress: Progress | None = None, meta: dict | None = None) -> DistillData:
+    """Fixed (prompt, reply) token sequences through the target in one forward each (prefill, batched):
+    the features it would have there and, at reply positions, its own top-k distribution and greedy
+    choice as labels. Only the contexts are not the target's own text (the supplement of stage 2).
+    Right padding needs no mask: a causal row never sees the padding after it."""
+    dev = next(model.parameters()).device
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]) + len(seqs[i][1]))
+    results: list[dict | None] = [None] * len(seqs)
+    want_aux = bool(aux_layers)
+    t0 = time.perf_counter()
+    done = tokens = 0
+    for a in range(0, len(order), batch):
+        idx = order[a:a + batch]
+        rows = [list(seqs[i][0]) + list(seqs[i][1]) for i in idx]
+        width = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
+        for j, r in enumerate(rows):
+            ids[j, :len(r)] = torch.tensor(r, device=dev)
+        out = model.model(input_ids=ids, output_hidden_states=want_aux)
+        hidden = out.last_hidden_state
+        for j, i in enumerate(idx):
+            p, reply = seqs[i]
+            n, s = len(rows[j]), len(p) - 1
+            probs, top = torch.softmax(model.lm_head(hidden[j, s:n - 1]).float(), -1).topk(topk, dim=-1)
+            r = {"answer": list(reply), "features": hidden[j, :n - 1].to(torch.float16).cpu(),
+                 "topk_ids": top.cpu(), "topk_probs": probs.to(torch.float16).cpu(), "labels": top[:, 0].cpu()}
+            if want_aux:
+                r["aux"] = torch.cat([out.hidden_states[k][j, :n - 1] for k in aux_layers], -1).to(torch.float16).cpu()
+            results[i] = r
+            tokens += len(reply)
+        done += len(idx)
+        if on_progress:
+            on_progress(done, len(seqs), tokens, time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    info = dict(meta or {})
+    info.update(fixed_sequences=len(seqs), fixed_tokens=tokens, fixed_seconds=round(seconds, 1),
+                fixed_tok_s=round(tokens / max(seconds, 1e-9), 1))
+    data = DistillData.from_answers([s[0] for s in seqs], results, prompt_idx or list(range(len(seqs))), info)
+    data.sampled[:] = FIXED_TEXT
+    return data

@@ -5,7 +5,8 @@ target's answer, EOS included when reached); its answer starts at offsets[i] + s
 features[j] the target's final hidden state after its final norm (float16; the last token of a
 sequence has none: zeros), labels[j] the target's greedy choice for token j+1 (-100 where unknown:
 prompt positions before the last one), topk_ids / topk_probs [j, k] the target's top-k next-token
-distribution (soft labels; zeros where unknown).
+distribution (soft labels; zeros where unknown). In a teacher-forced fixed-text sequence the
+"answer" is the fixed reply and labels[j] is still the target's own greedy choice there.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 DATA_FILE = "data.safetensors"
 IGNORE = -100
+FIXED_TEXT = 2  # `sampled` of a teacher-forced fixed-text sequence (0: the target's greedy answer)
 
 
 @dataclass
@@ -33,7 +35,7 @@ class DistillData:
     offsets: torch.Tensor  # int64 [S+1]
     starts: torch.Tensor  # int64 [S]
     prompt_idx: torch.Tensor  # int64 [S]: which prompt a sequence answers
-    sampled: torch.Tensor  # int64 [S]: 0 greedy, 1 sampled (all greedy today)
+    sampled: torch.Tensor  # int64 [S]: 0 greedy answer, 1 sampled answer, FIXED_TEXT teacher-forced text
     meta: dict
     aux: torch.Tensor | None = None  # float16 [N, 3h]: EAGLE-3's target layer inputs (None unless asked)
 
@@ -74,7 +76,7 @@ class DistillData:
             lab = torch.full((n,), IGNORE, dtype=torch.long)
             ids = torch.zeros(n, k, dtype=torch.long)
             pr = torch.zeros(n, k, dtype=torch.float16)
-            lab[len(p) - 1: n - 1] = torch.tensor(a["answer"])
+            lab[len(p) - 1: n - 1] = a["labels"] if "labels" in a else torch.tensor(a["answer"])
             ids[len(p) - 1: n - 1] = a["topk_ids"]
             pr[len(p) - 1: n - 1] = a["topk_probs"]
             toks.append(torch.tensor(seq))
@@ -101,6 +103,24 @@ class DistillData:
                            starts=self.starts[list(seqs)], prompt_idx=self.prompt_idx[list(seqs)],
                            sampled=self.sampled[list(seqs)], meta=dict(self.meta, subset=len(seqs)),
                            aux=None if self.aux is None else self.aux[idx])
+
+    @classmethod
+    def concat(cls, parts: Sequence["DistillData"]) -> "DistillData":
+        """The sequences of every part, in order; prompt indices of later parts are shifted past the
+        earlier ones (a prompt of one part is never a prompt of another)."""
+        shift, pidx, lens = 0, [], [torch.zeros(1, dtype=torch.long)]
+        for d in parts:
+            pidx.append(d.prompt_idx + shift)
+            shift += int(d.prompt_idx.max()) + 1 if d.num_sequences else 0
+            lens.append(d.offsets[1:] - d.offsets[:-1])
+        auxs = [d.aux for d in parts]
+        meta = dict(parts[0].meta, parts=[d.meta for d in parts], tokens=sum(d.num_tokens for d in parts))
+        return cls(tokens=torch.cat([d.tokens for d in parts]), features=torch.cat([d.features for d in parts]),
+                   labels=torch.cat([d.labels for d in parts]), topk_ids=torch.cat([d.topk_ids for d in parts]),
+                   topk_probs=torch.cat([d.topk_probs for d in parts]), offsets=torch.cat(lens).cumsum(0),
+                   starts=torch.cat([d.starts for d in parts]), prompt_idx=torch.cat(pidx),
+                   sampled=torch.cat([d.sampled for d in parts]), meta=meta,
+                   aux=None if any(a is None for a in auxs) else torch.cat(auxs))
 
     def save(self, path: Path) -> None:
         """Write atomically (safetensors)."""

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 from engine.eagle import save_head
-from engine.heads.answers import generate_answers
+from engine.heads.answers import generate_answers, teacher_force
 from engine.heads.data import DATA_FILE, DistillData
 from engine.eagle3 import default_aux_layers
 from engine.heads.evaluate import chain_acceptance
-from engine.heads.prompts import collect_prompts
+from engine.heads.prompts import collect_prompts, fixed_code_texts
 from engine.heads.trainer import split_prompts, train_head
 from engine.heads.vocab import always_kept, build_vocab
 from tuner.schema import Config, SpecConfig, TrainConfig, UserError, WorkloadConfig
@@ -68,9 +68,11 @@ def data_key(thash: str, prompts: Sequence, chat_template: bool, tc: TrainConfig
 
 
 def head_key(cfg: Config, method: str) -> str:
-    """Identity of a head: workload, method and every training setting."""
+    """Identity of a head: workload, method and every training setting (a fixed-text supplement that
+    is off is left out, so heads trained before it existed keep their key)."""
+    skip = {"checkpoint_every"} | ({"fixed_text_tokens"} if not cfg.train.fixed_text_tokens else set())
     return _short(json.dumps([cfg.workload.model_dump(mode="json"), method,
-                              cfg.train.model_dump(mode="json", exclude={"checkpoint_every"})], sort_keys=True))
+                              cfg.train.model_dump(mode="json", exclude=skip)], sort_keys=True))
 
 
 def head_dir(cfg: Config, method: str = "eagle") -> Path:
@@ -104,7 +106,18 @@ def build_data(cfg: Config, engine, workloads: Sequence[WorkloadConfig] = (), re
     key = data_key(thash, prompts, chat, tc, aux_layers)
     path = cache_root(cfg.cache_dir) / "distill" / key
     if (path / DATA_FILE).is_file():
-        return DistillData.load(path)
+        data = DistillData.load(path)
+    else:
+        data = _answer_data(cfg, engine, prompts, key, thash, path, report, aux_layers, workloads)
+    if tc.fixed_text_tokens:
+        data = DistillData.concat([data, _fixed_text_data(cfg, engine, thash, report, aux_layers)])
+    return data
+
+
+def _answer_data(cfg: Config, engine, prompts: Sequence, key: str, thash: str, path: Path, report: Report | None,
+                 aux_layers: Sequence[int] | None, workloads: Sequence[WorkloadConfig]) -> DistillData:
+    """The target's answers to the prompts (stage 2), saved at path."""
+    tc, chat = cfg.train, cfg.workload.chat_template
     tok = engine.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else min(engine.eos)
 
@@ -117,6 +130,40 @@ def build_data(cfg: Config, engine, workloads: Sequence[WorkloadConfig] = (), re
                             aux_layers=aux_layers, on_progress=progress,
                             meta={"key": key, "target": thash, "sources": _sources(prompts),
                                   "workloads": [cfg.workload.name, *[w.name for w in workloads]]})
+    data.save(path)
+    return data
+
+
+def _fixed_text_data(cfg: Config, engine, thash: str, report: Report | None,
+                     aux_layers: Sequence[int] | None) -> DistillData:
+    """The teacher-forced supplement (cached): stdlib sources as replies to their own tasks, taken
+    in a seeded order until train.fixed_text_tokens reply tokens; each sequence fits train.seq_len."""
+    from engine.model import cache_root
+
+    tc, chat, tok = cfg.train, cfg.workload.chat_template, engine.tokenizer
+    end = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    seqs, texts, total = [], [], 0
+    for task, reply in fixed_code_texts(tc.seed):
+        p = engine.encode_prompt(task.text, chat)
+        room = tc.seq_len - len(p)
+        if room < 16 or total >= tc.fixed_text_tokens:
+            continue
+        r = (tok.encode(reply, add_special_tokens=False) + end)[:min(room, tc.fixed_text_tokens - total)]
+        seqs.append((p, r))
+        texts.append(task.id)
+        total += len(r)
+    key = _short(json.dumps([thash, "fixed-text", texts, chat, tc.seq_len, tc.label_topk, tc.fixed_text_tokens,
+                             [int(k) for k in aux_layers or []]]))
+    path = cache_root(cfg.cache_dir) / "distill" / key
+    if (path / DATA_FILE).is_file():
+        return DistillData.load(path)
+
+    def progress(done: int, n: int, tokens: int, seconds: float) -> None:
+        if report:
+            report("fixed text", done, n, {"tokens": tokens, "tok_s": tokens / max(seconds, 1e-9)})
+
+    data = teacher_force(engine.model, seqs, tc.label_topk, tc.gen_batch // 4 or 1, aux_layers,
+                         on_progress=progress, meta={"key": key, "target": thash})
     data.save(path)
     return data
 

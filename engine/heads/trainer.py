@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.eagle import EagleHead, head_config
-from engine.heads.data import IGNORE, DistillData
+from engine.heads.data import FIXED_TEXT, IGNORE, DistillData
 from engine.heads.vocab import DraftVocab
 from tuner.schema import TrainConfig, UserError
 
@@ -38,7 +38,8 @@ Report = Callable[[str, int, int, dict], None]  # (phase, done, total, info)
 
 def split_prompts(data: DistillData, fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """(training sequences, validation sequences), split by whole prompts."""
-    prompts = sorted(set(data.prompt_idx.tolist()))
+    # validation measures what serving meets: the target's own answers, never fixed text
+    prompts = sorted({int(p) for p, s in zip(data.prompt_idx, data.sampled) if s != FIXED_TEXT})
     g = torch.Generator().manual_seed(seed)
     perm = [prompts[i] for i in torch.randperm(len(prompts), generator=g).tolist()]
     n_eval = max(1, int(round(fraction * len(prompts)))) if len(prompts) > 1 and fraction > 0 else 0
