@@ -40,14 +40,19 @@ def _trials(url: str, name: str) -> list[optuna.trial.FrozenTrial]:
 
 
 def _kill_mid_trial(url: str, name: str, pids: set[int], procs: list[subprocess.Popen]) -> int:
-    """SIGKILL the first of `pids` seen running a trial; the trial's number."""
+    """SIGKILL the first of `pids` seen running a trial; the trial's number. The worker is frozen
+    (SIGSTOP) and the trial read again before the kill: a trial that finished between the first
+    read and the kill would otherwise count as killed."""
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
         for t in _trials(url, name):
             pid = int(str(t.user_attrs.get(WORKER, ":0")).rsplit(":", 1)[1])
             if t.state == TrialState.RUNNING and pid in pids:
-                os.kill(pid, signal.SIGKILL)
-                return t.number
+                os.kill(pid, signal.SIGSTOP)
+                if next(u for u in _trials(url, name) if u.number == t.number).state == TrialState.RUNNING:
+                    os.kill(pid, signal.SIGKILL)
+                    return t.number
+                os.kill(pid, signal.SIGCONT)
         assert all(p.poll() is None for p in procs), "a worker ended before one could be killed mid-trial"
         time.sleep(0.2)
     raise AssertionError("no worker was seen running a trial")
