@@ -108,13 +108,16 @@ def configmap_data(p: Plan) -> dict[str, str]:
         "notes": list(p.served.notes),
         "command": p.command + p.args,
     }
+    pj = b.projection if b is not None else None
     data = {
         "served.yaml": yaml.safe_dump(served, sort_keys=False, width=10**6),
         "spec": p.served.spec.key(),
-        "source": "best.yaml" if b else "config overrides",
+        "source": "projection" if pj else "best.yaml" if b else "config overrides",
     }
     if b is not None:
-        data["best.yaml"] = yaml.safe_dump(b.model_dump(mode="json", exclude_none=True), sort_keys=False, width=10**6)
+        # a projected configuration is no run's best.yaml: its record goes under its own name
+        data["projected.yaml" if pj else "best.yaml"] = yaml.safe_dump(b.model_dump(mode="json", exclude_none=True),
+                                                                       sort_keys=False, width=10**6)
         pv, mt = b.provenance, b.metrics
         data.update({
             "study": pv.study, "trial": "" if pv.trial is None else str(pv.trial), "date": pv.date,
@@ -124,6 +127,14 @@ def configmap_data(p: Plan) -> dict[str, str]:
             "output_tokens_per_s_ci": (f"[{mt.ci_low:.1f}, {mt.ci_high:.1f}]"
                                        if mt and mt.ci_low is not None and mt.ci_high is not None else ""),
             "speedup": _figure(b.speedup),
+        })
+    if pj is not None:  # predicted on a hardware profile, not measured: say so, and from what
+        data.update({
+            "projected": "true", "projected_hardware": pj.hardware, "projected_from_run": pj.run,
+            "profile": pj.profile, "acceptance": pj.acceptance, "cost_model": pj.cost_model,
+            "predicted_at_concurrency": ",".join(str(c) for c in pj.concurrency),
+            "predicted_speedup": _figure(pj.predicted_speedup), "predicted_tpot_ms": _figure(pj.predicted_tpot_ms),
+            "measured_spec": pj.measured_spec or "",
         })
     return data
 

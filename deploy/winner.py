@@ -44,9 +44,14 @@ def served_spec(cfg: Config, best: BestResult | None) -> Served:
     tuned = best.spec if best is not None else cfg.spec
     spec, notes = tuned, []
     target, model = cfg.deploy.target, cfg.model
-    if best is not None and (best.provenance.model, best.provenance.hardware) != (model.name, cfg.hardware.name):
+    pj = best.projection if best is not None else None
+    if pj is not None:
+        notes.append(f"projected for {pj.hardware} from the acceptance profile {pj.profile} (predicted "
+                     f"{pj.predicted_speedup:.2f}x, not measured there): re-measure there to confirm the speedup")
+    elif best is not None and (best.provenance.model, best.provenance.hardware) != (model.name, cfg.hardware.name):
         notes.append(f"winner tuned for model {best.provenance.model} on {best.provenance.hardware}, rendered for "
-                     f"{model.name} on {cfg.hardware.name}: re-measure there to confirm the speedup")
+                     f"{model.name} on {cfg.hardware.name}: re-measure there to confirm the speedup (or render "
+                     "--projected for the configuration its acceptance profile predicts there)")
 
     if target == "vllm" and spec.method != "off" and spec.topk != 1:
         chain = best.chain_spec if best is not None else None

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from tuner.schema import UserError
+
 
 def _cmd_render(args: argparse.Namespace) -> int:
     from deploy.validate import check_dir
@@ -20,10 +22,12 @@ def _cmd_render(args: argparse.Namespace) -> int:
             return 2
         print(f"{args.check}: all manifests valid for Kubernetes {version} (strict)")
         return 0
+    if args.projected and args.run_dir is None:
+        raise UserError("--projected needs --from RUN: a run directory holding profile.json (`tuner profile --from RUN`)")
     if args.run_dir is not None:
         from tuner.rundir import render_run
 
-        plan, files = render_run(args.run_dir, args.overrides, args.out)
+        plan, files = render_run(args.run_dir, args.overrides, args.out, projected=args.projected)
     else:
         from deploy.render import render
 
@@ -35,6 +39,12 @@ def _cmd_render(args: argparse.Namespace) -> int:
     errors = check_dir(files[0].parent, cfg.deploy.k8s_version)
     for line in errors:  # never expected: a failure here is a renderer bug, reported like --check does
         print(line, file=sys.stderr)
+    pj = plan.best.projection if plan.best is not None else None
+    if pj is not None:
+        print(f"projected for {pj.hardware} ({pj.cost_model}, TP {pj.tensor_parallel_size}) from {pj.profile}: "
+              f"'{plan.best.spec.key()}', predicted {pj.predicted_speedup:.2f}x, TPOT {pj.predicted_tpot_ms:.2f} ms "
+              f"at concurrency {','.join(map(str, pj.concurrency))}"
+              + (f" (measured winner: '{pj.measured_spec}')" if pj.measured_spec else ""))
     print(f"rendered {len(files)} files into {files[0].parent} (deploy={cfg.deploy.target}, spec '{plan.served.spec.key()}', "
           f"TP {plan.tp}, Kubernetes {cfg.deploy.k8s_version}{', INVALID' if errors else ', valid'})")
     return 2 if errors else 0
@@ -55,6 +65,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. deploy=sglang hardware=h100x8 deploy.replicas=3")
     r.add_argument("--from", dest="run_dir", type=Path, help="run directory holding best.yaml and config.yaml")
     r.add_argument("--out", type=Path, help="output directory (default RUN_DIR/k8s, or <run_dir>/k8s without --from)")
+    r.add_argument("--projected", action="store_true",
+                   help="with --from RUN: serve the configuration that RUN's acceptance profile (RUN/profile.json, "
+                        "`tuner profile --from RUN`) predicts best on hardware= for the workload's concurrency "
+                        "(for deploy=vllm a K schedule when the best K differs between levels), instead of the "
+                        "measured winner; the ConfigMap records it as projected. Without this flag a hardware= "
+                        "override still renders the measured winner, with a note")
     r.add_argument("--check", type=Path, metavar="DIR",
                    help="validate the manifests in DIR strictly for deploy.k8s_version instead of rendering")
     r.set_defaults(func=_cmd_render)

@@ -11,6 +11,7 @@ which acceptance was used.
 from __future__ import annotations
 
 import csv
+import math
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from tuner.costmodel import Prediction, StepCost, measured_cost, predict, roofline_for
-from tuner.schema import Config, SpecConfig, UserError
+from tuner.schema import BestResult, Config, ProjectedPoint, Projection, Provenance, SpecConfig, UserError
 
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_CONTEXT = 1024
@@ -125,19 +126,30 @@ def best_per_concurrency(preds: list[Prediction], chains_only: bool = False) -> 
     return out
 
 
+def _schedule_tops(preds: list[Prediction], lead: SpecConfig) -> dict[int, Prediction]:
+    """Per concurrency, the fastest chain of `lead`'s method (or `off`): what a K schedule serves there."""
+    out = {}
+    for c in sorted({p.concurrency for p in preds}):
+        same = [p for p in preds if p.concurrency == c and p.spec.topk == 1
+                and p.spec.method in (lead.method, "off")]
+        out[c] = max(same, key=lambda p: p.tok_s)
+    return out
+
+
+def _lead_chain(preds: list[Prediction]) -> SpecConfig | None:
+    """The chain a vLLM deployment serves: the best chain at the lowest level where one beats `off`."""
+    best = best_per_concurrency(preds, chains_only=True)
+    return next((best[c].spec for c in sorted(best) if best[c].spec.method != "off"), None)
+
+
 def k_schedule(preds: list[Prediction]) -> tuple[SpecConfig | None, list[tuple[int, int, int]]]:
     """The vLLM K schedule: the best chain method's K per concurrency band ([lo, hi, K], K=0: off).
     One method and its drafter are served, so the method is that of the best chain at concurrency 1."""
-    best = best_per_concurrency(preds, chains_only=True)
-    levels = sorted(best)
-    lead = next((best[c].spec for c in levels if best[c].spec.method != "off"), None)
+    lead = _lead_chain(preds)
     if lead is None:
         return None, []
     bands, lo = [], 1
-    for c in levels:
-        same = [p for p in preds if p.concurrency == c and p.spec.topk == 1
-                and p.spec.method in (lead.method, "off")]
-        top = max(same, key=lambda p: p.tok_s)
+    for c, top in _schedule_tops(preds, lead).items():
         k = 0 if top.spec.method == "off" else top.spec.depth
         if bands and bands[-1][2] == k:
             bands[-1] = (bands[-1][0], c, k)
@@ -147,6 +159,45 @@ def k_schedule(preds: list[Prediction]) -> tuple[SpecConfig | None, list[tuple[i
     depth = max(max(k for _, _, k in bands), 1)
     spec = lead.model_copy(update={"depth": depth, "budget": depth + 1, "k_per_batch_size": None})
     return spec, bands
+
+
+def _geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def choose_projected(preds: list[Prediction], target: str) -> tuple[SpecConfig, list[Prediction]]:
+    """The one configuration a deployment of `target` serves at all the predictions' concurrency
+    levels, and its prediction at each level (ascending).
+
+    vLLM (chains only): the K schedule of `k_schedule`, as `k_per_batch_size` when it has several
+    bands (each level's prediction is then its band's chain). Otherwise the configuration with the
+    highest geometric mean of predicted speedup over the levels (what a study maximises; at one
+    level simply the fastest), ties within 1% going to the smaller budget; for SGLang among the
+    methods it serves (off, eagle, eagle3) when the profile has one of them."""
+    levels = sorted({p.concurrency for p in preds})
+    if target == "vllm":
+        chain, bands = k_schedule(preds)
+        if chain is None:
+            return SpecConfig(method="off"), [next(p for p in preds if p.concurrency == c and p.spec.method == "off")
+                                              for c in levels]
+        tops = _schedule_tops(preds, _lead_chain(preds))
+        spec = chain if len(bands) == 1 else chain.model_copy(update={"k_per_batch_size": bands})
+        return SpecConfig.model_validate(spec.model_dump()), [tops[c] for c in levels]
+    cands = preds
+    if target == "sglang":
+        from deploy.winner import SGLANG_SERVABLE
+
+        if any(p.spec.method in SGLANG_SERVABLE and p.spec.method != "off" for p in preds):
+            cands = [p for p in preds if p.spec.method in SGLANG_SERVABLE]
+    rows: dict[str, list[Prediction]] = {}
+    for p in cands:
+        rows.setdefault(p.spec.model_dump_json(), []).append(p)
+    scored = [(sorted(r, key=lambda p: p.concurrency), _geomean([p.speedup for p in r])) for r in rows.values()
+              if len(r) == len(levels)]
+    top = max(score for _, score in scored)
+    near = [(r, score) for r, score in scored if score >= top * 0.99]
+    row, _ = min(near, key=lambda x: (x[0][0].spec.budget if x[0][0].spec.method != "off" else 1, -x[1]))
+    return row[0].spec, row
 
 
 def write_csv(preds: list[Prediction], path: Path) -> Path:
@@ -226,21 +277,28 @@ def measured_here(cfg: Config, acc: Acceptance, refresh: bool = False) -> StepCo
     return cost
 
 
+def cost_for(cfg: Config, acc: Acceptance) -> tuple[StepCost, int]:
+    """The step cost of cfg.model on cfg.hardware as cfg.deploy serves it, and its tensor parallel
+    size: this machine's measured cost for hardware=cpu (concurrency 1 only), else the roofline."""
+    from deploy.fit import tensor_parallel_size
+
+    hw = cfg.hardware
+    tp = tensor_parallel_size(cfg.model, hw, cfg.deploy)
+    if hw.accelerator == "cpu":
+        return measured_here(cfg, acc), tp
+    draft = cfg.spec.draft_model or (cfg.model.draft_sources.draft_model[:1] or [None])[0]
+    return roofline_for(cfg.model, hw, tp, cfg.deploy.quantization, cfg.deploy.kv_cache_dtype, draft), tp
+
+
 def run_projection(cfg: Config, acc: Acceptance, out_dir: Path, concurrency: list[int] | None = None,
                    context: int | None = None) -> tuple[list[Prediction], dict]:
     """Project `acc` onto cfg.hardware for cfg.model as cfg.deploy serves it; write projection.csv,
     projection.png and projection.yaml (best per concurrency, the K schedule, what was assumed).
     hardware=cpu (here) uses the measured cost model at concurrency 1; GPUs the roofline."""
-    from deploy.fit import tensor_parallel_size
-
     hw = cfg.hardware
-    tp = tensor_parallel_size(cfg.model, hw, cfg.deploy)
-    draft = cfg.spec.draft_model or (cfg.model.draft_sources.draft_model[:1] or [None])[0]
+    cost, tp = cost_for(cfg, acc)
     if hw.accelerator == "cpu":
-        cost: StepCost = measured_here(cfg, acc)
         concurrency = [1]
-    else:
-        cost = roofline_for(cfg.model, hw, tp, cfg.deploy.quantization, cfg.deploy.kv_cache_dtype, draft)
     if concurrency is None:
         levels = cfg.workload.concurrency if cfg.workload and len(cfg.workload.concurrency) > 1 else DEFAULT_CONCURRENCY
         concurrency = sorted(set(levels))
@@ -292,3 +350,55 @@ def with_run(cfg: Config, run: Path, overrides: list[str]) -> Config:
         cfg.engine = EngineConfig(**saved["engine"])
     return cfg
 
+
+
+def projected_best(cfg: Config, run: Path) -> BestResult:
+    """What `tuner render --from RUN --projected` serves: the run's acceptance profile
+    (RUN/profile.json) projected onto cfg.hardware, and the configuration `choose_projected` picks
+    for cfg.deploy.target at the workload's concurrency levels, as a best.yaml whose `projection`
+    says that it was predicted, for which hardware, from which profile, with which figures.
+
+    cfg is the run's config with the render's overrides (config_for_run). Deterministic: the date is
+    the profile's modification time, so the same run renders the same bytes."""
+    from deploy.render import load_best
+    from tuner.config import load_saved_config
+
+    path = run / "profile.json"
+    if not path.is_file():
+        raise UserError(f"--projected: {run} holds no profile.json; make one with `tuner profile --from {run}`, "
+                        "then render again")
+    acc = acceptance_from_profile(path, cfg.model.name)
+    hw = cfg.hardware
+    cost, tp = cost_for(cfg, acc)
+    levels = [1] if hw.accelerator == "cpu" else sorted(set(cfg.workload.concurrency if cfg.workload else [1]))
+    ctx = acc.context or DEFAULT_CONTEXT
+    preds = project(cost, acc, levels, ctx)
+    spec, rows = choose_projected(preds, cfg.deploy.target)
+    measured = load_best(run / "best.yaml") if (run / "best.yaml").is_file() else None
+    saved = load_saved_config(run / "config.yaml")
+    date = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).isoformat(timespec="seconds")
+    if measured is not None:
+        prov = measured.provenance.model_copy(update={"trial": None, "date": date})
+    else:
+        prov = Provenance(study=saved.search.study_name or run.name, date=date, model=saved.model.name,
+                          hardware=saved.hardware.name, engine=saved.engine.kind,
+                          workload=saved.workload.name if saved.workload else "")
+    speedup = _geomean([p.speedup for p in rows])
+    projection = Projection(
+        hardware=hw.name, run=str(run), profile=str(path), acceptance=acc.source, tau_is_estimate=acc.estimate,
+        cost_model="measured here" if hw.accelerator == "cpu" else "roofline", tensor_parallel_size=tp,
+        context=ctx, concurrency=levels, predicted_speedup=round(speedup, 4),
+        predicted_tpot_ms=round(_geomean([p.tpot_ms for p in rows]), 4),
+        per_concurrency=[ProjectedPoint(concurrency=p.concurrency, spec=p.spec.key(), tau=round(p.tau, 4),
+                                        tpot_ms=round(p.tpot_ms, 4), tok_s=round(p.tok_s, 2),
+                                        speedup=round(p.speedup, 4)) for p in rows],
+        measured_spec=measured.spec.key() if measured is not None else None)
+    chain, bands = k_schedule(preds)  # recorded as best.yaml's chain_spec records a study's best chain
+    if chain is not None and len(bands) > 1:
+        chain = chain.model_copy(update={"k_per_batch_size": bands})
+    return BestResult(
+        spec=spec, chain_spec=SpecConfig.model_validate(chain.model_dump()) if chain is not None else None,
+        k_schedule_note="K per concurrency band projected (spec.k_per_batch_size)" if spec.k_per_batch_size else None,
+        reason=(f"projected onto {hw.name} from {path}: the best predicted configuration for deploy="
+                f"{cfg.deploy.target} at concurrency {','.join(map(str, levels))} (not measured on {hw.name})"),
+        provenance=prov, projection=projection)

@@ -51,13 +51,20 @@ def config_for_run(run_dir: Path, overrides: Sequence[str]) -> Config:
     return apply_overrides(yaml.safe_load(path.read_text()), list(overrides))
 
 
-def render_run(run_dir: Path, overrides: Sequence[str] = (), out: Path | None = None) -> tuple[Plan, list[Path]]:
+def render_run(run_dir: Path, overrides: Sequence[str] = (), out: Path | None = None,
+               projected: bool = False) -> tuple[Plan, list[Path]]:
     """Render a run's best.yaml into RUN_DIR/k8s (or `out`): the end of `tuner optimize`, and
-    `tuner render --from RUN_DIR`."""
+    `tuner render --from RUN_DIR`. `projected`: render instead the configuration that the run's
+    acceptance profile predicts best on the (overridden) hardware (tuner.project.projected_best)."""
     from deploy.render import load_best, render
 
     cfg = config_for_run(run_dir, list(overrides))
-    best: BestResult = load_best(run_dir / "best.yaml")
+    if projected:
+        from tuner.project import projected_best
+
+        best: BestResult = projected_best(cfg, run_dir)
+    else:
+        best = load_best(run_dir / "best.yaml")
     return render(cfg, best, out or run_dir / "k8s")
 
 

@@ -475,6 +475,36 @@ class Provenance(_Strict):
     spectune_version: str = "0.1.0"
 
 
+class ProjectedPoint(_Strict):
+    """The predicted figures of a projected configuration at one concurrency level."""
+
+    concurrency: int
+    spec: str  # the configuration serving this level (a K schedule serves each band with its own K)
+    tau: float
+    tpot_ms: float
+    tok_s: float
+    speedup: float  # over autoregressive decoding at the same concurrency, on the same hardware
+
+
+class Projection(_Strict):
+    """How a projected configuration was chosen (`tuner render --from RUN --projected`): acceptance
+    measured once (RUN/profile.json), cost from the hardware profile; predicted, not measured there."""
+
+    hardware: str  # projected onto
+    run: str  # the run directory
+    profile: str  # the acceptance profile
+    acceptance: str  # where the taus came from (tuner.project.Acceptance.source)
+    tau_is_estimate: bool = False
+    cost_model: str  # "roofline" or "measured here"
+    tensor_parallel_size: int
+    context: int
+    concurrency: list[int]  # the levels the choice was made for (the workload's)
+    predicted_speedup: float  # geometric mean over the levels (what a study maximises)
+    predicted_tpot_ms: float  # geometric mean over the levels
+    per_concurrency: list[ProjectedPoint]
+    measured_spec: str | None = None  # the run's measured winner (best.yaml), for comparison
+
+
 class BestResult(_Strict):
     """`best.yaml` in a run directory: written by `tuner optimize`, read by `tuner render --from`."""
 
@@ -488,3 +518,4 @@ class BestResult(_Strict):
     heldout_speedup: float | None = None
     reason: str | None = None  # why the winner is what it is (e.g. the slowdown trap)
     provenance: Provenance
+    projection: Projection | None = None  # set when the spec was projected, not measured (render --projected)
