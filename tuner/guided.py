@@ -11,7 +11,9 @@ enqueues the next `search.model_live` predicted points (up to `search.n_trials` 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from tuner.schema import Config, SpecConfig, UserError
 from tuner.space import SearchSpace
 
 PREDICTION_FILE = "prediction.json"
+SURFACE_FILE = "predicted_surface.png"
 RANK = "predicted_rank"  # user attr of an enqueued predicted trial
 PREDICTED = "predicted_speedup"
 
@@ -123,3 +126,127 @@ def plot_predicted_vs_measured(study: optuna.Study, run_dir: Path, path: Path) -
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+@dataclass
+class SurfacePanel:
+    """The predicted speedup of one method at one top-k over depth x budget (None: not a point of
+    the space), and the measured speedups of the points measured live."""
+
+    method: str
+    topk: int
+    depths: list[int]
+    budgets: list[int]
+    speedup: list[list[float | None]]  # [budget index][depth index]
+    measured: dict[tuple[int, int], float] = field(default_factory=dict)  # (depth, budget) -> speedup
+
+    def at(self, depth: int, budget: int) -> float | None:
+        return self.speedup[self.budgets.index(budget)][self.depths.index(depth)]
+
+
+def measured_speedups(study: optuna.Study) -> dict[str, float]:
+    """The measured speedup of every configuration with a complete trial (mean over its trials), by key."""
+    seen: dict[str, list[float]] = {}
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        key, sp = t.user_attrs.get("spec"), t.user_attrs.get("speedup")
+        if key and key != "off" and sp is not None:
+            seen.setdefault(key, []).append(float(sp))
+    return {k: sum(v) / len(v) for k, v in seen.items()}
+
+
+def predicted_surface(ranked: list[dict], measured: dict[str, float] | None = None) -> list[SurfacePanel]:
+    """The prediction of a `search.sampler=model` study as one depth x budget grid per (method, top-k),
+    in the order method, top-k. Two points of one cell (n-gram lookups of other lengths) keep the
+    higher prediction."""
+    cells: dict[tuple[str, int], dict[tuple[int, int], float]] = {}
+    keys: dict[tuple[str, int], dict[tuple[int, int], str]] = {}
+    for p in ranked:
+        s = p["spec"]
+        panel, cell = (s["method"], s["topk"]), (s["depth"], s["budget"])
+        grid = cells.setdefault(panel, {})
+        if cell not in grid or p[PREDICTED] > grid[cell]:
+            grid[cell] = p[PREDICTED]
+            keys.setdefault(panel, {})[cell] = p["key"]
+    out = []
+    for (method, topk), grid in sorted(cells.items()):
+        depths = sorted({d for d, _ in grid})
+        budgets = sorted({b for _, b in grid})
+        out.append(SurfacePanel(
+            method=method, topk=topk, depths=depths, budgets=budgets,
+            speedup=[[grid.get((d, b)) for d in depths] for b in budgets],
+            measured={cell: (measured or {})[k] for cell, k in keys[(method, topk)].items() if k in (measured or {})}))
+    return out
+
+
+def plot_surface(panels: list[SurfacePanel], path: Path, title: str = "") -> None:
+    """One heatmap per (method, top-k): depth across, budget up, predicted speedup as colour (one
+    scale for all panels, pale yellow at 1x); the points measured live are boxed, with their
+    measured speedup under the predicted one ("m 1.40")."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not panels:
+        raise ValueError(f"no predicted point in {PREDICTION_FILE}")
+    with plt.style.context("default"):  # optuna's figures leave the ggplot style (grey, gridded) behind
+        fig = _surface_figure(plt, panels)
+        if title:
+            fig.suptitle(title, fontsize=9)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+
+def _surface_figure(plt: Any, panels: list[SurfacePanel]) -> Any:
+    import numpy as np
+    from matplotlib.colors import TwoSlopeNorm
+    from matplotlib.patches import Rectangle
+
+    methods = sorted({p.method for p in panels})
+    ncols = max(sum(p.method == m for p in panels) for m in methods)
+    values = [v for p in panels for row in p.speedup for v in row if v is not None]
+    lo, hi = min(min(values), 0.99), max(max(values), 1.01)
+    norm = TwoSlopeNorm(vcenter=1.0, vmin=lo, vmax=hi)
+    fig, axes = plt.subplots(len(methods), ncols, squeeze=False, layout="constrained",
+                             figsize=(max(6.0, 1.2 + 3.4 * ncols), 0.8 + 3.0 * len(methods)))
+    for ax in axes.flat:
+        ax.set_visible(False)
+    im = None
+    for row, m in enumerate(methods):
+        for col, p in enumerate(q for q in panels if q.method == m):
+            ax = axes[row][col]
+            ax.set_visible(True)
+            grid = np.array([[math.nan if v is None else v for v in r] for r in p.speedup], dtype=float)
+            im = ax.imshow(np.ma.masked_invalid(grid), origin="lower", aspect="auto", cmap="RdYlGn", norm=norm)
+            label = grid.size <= 120  # values written into the cells
+            for i, b in enumerate(p.budgets):
+                for j, d in enumerate(p.depths):
+                    meas = p.measured.get((d, b))
+                    if meas is not None:
+                        ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="k", linewidth=1.8))
+                        if not label:  # cells too small for text: a dot and the measurement beside it
+                            ax.plot([j], [i], "o", color="k", markersize=4)
+                            ax.annotate(f"m {meas:.2f}", (j, i), xytext=(6, 6), textcoords="offset points", fontsize=7,
+                                        bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8})
+                    if label and not math.isnan(grid[i, j]):
+                        ax.text(j, i, f"{grid[i, j]:.2f}" + (f"\nm {meas:.2f}" if meas is not None else ""),
+                                ha="center", va="center", fontsize=6, fontweight="bold" if meas is not None else "normal")
+            step = max(1, math.ceil(len(p.budgets) / 12))
+            ax.set_xticks(range(len(p.depths)), [str(d) for d in p.depths])
+            ax.set_yticks(range(0, len(p.budgets), step), [str(b) for b in p.budgets[::step]])
+            ax.set_xlabel("depth")
+            ax.set_ylabel("budget")
+            ax.set_title(f"{m}, top-k {p.topk}", fontsize=9)
+    nice = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0)
+    ticks = [lo, *(t for t in nice if lo + 0.03 < t < hi - 0.03), hi]  # both halves of the two-slope scale
+    fig.colorbar(im, ax=axes, ticks=ticks, format="{x:.2f}", shrink=0.9, label="predicted speedup")
+    return fig
+
+
+def plot_predicted_surface(study: optuna.Study, run_dir: Path, path: Path) -> None:
+    """The predicted surface of a `search.sampler=model` study (prediction.json) with its live measurements."""
+    ranked = read_prediction(run_dir)
+    if not ranked:
+        raise ValueError(f"no {PREDICTION_FILE} (search.sampler is not model)")
+    plot_surface(predicted_surface(ranked, measured_speedups(study)), path,
+                 "search.sampler=model: predicted speedup\nboxed: measured live (m)")

@@ -180,9 +180,10 @@ def write_figures(study: optuna.Study, run_dir: Path, best: BestResult | None) -
         ("bars.png", lambda p: plot_bars(_bar_rows(study, best), p)),
     ]
     if (run_dir / "prediction.json").is_file():  # search.sampler=model
-        from tuner.guided import plot_predicted_vs_measured
+        from tuner.guided import SURFACE_FILE, plot_predicted_surface, plot_predicted_vs_measured
 
         jobs.append(("predicted.png", lambda p: plot_predicted_vs_measured(study, run_dir, p)))
+        jobs.append((SURFACE_FILE, lambda p: plot_predicted_surface(study, run_dir, p)))
     if len(study.directions) > 1:
         jobs.append(("pareto.png", lambda p: plot_pareto(study, p)))
     skipped: dict[str, str] = {}
@@ -230,9 +231,10 @@ def write_html(study: optuna.Study, run_dir: Path, best: BestResult | None, skip
         parts.append("<p>No winner yet: the study has not finished.</p>")
     parts.append("<p>Objective value: output tokens/s corrected for machine drift (speedup against the baseline "
                  "measured adjacent in time x the reference baseline of trial 0).</p><h2>Figures</h2>")
-    for name in ("history.png", "heatmap.png", "pareto.png", "importances.png", "bars.png", "predicted.png"):
+    for name in ("history.png", "heatmap.png", "pareto.png", "importances.png", "bars.png", "predicted.png",
+                 "predicted_surface.png"):
         if (run_dir / name).is_file():
-            parts.append(f"<img src='{name}' alt='{name}'>")
+            parts.append(f"<a href='{name}'><img src='{name}' alt='{name}'></a>")
         elif name in skipped:
             parts.append(f"<p>{name}: not drawn ({html.escape(skipped[name])})</p>")
     parts.append("<h2>Trials</h2><table><tr><th>#</th><th>state</th><th>role</th><th>spec</th><th>value</th>"
