@@ -83,6 +83,8 @@ BAD_INPUTS = [
     (["spec.method=ngram", "spec.depth=2", "spec.topk=2", "spec.budget=5"], "n-gram lookup drafts a chain, topk must be 1"),
     (["spec.ngram_min=5", "spec.ngram_max=3"], "spec.ngram_min=5 > spec.ngram_max=3"),
     (["spec.method=draft_model", "spec.depth=3", "spec.budget=4"], "spec.draft_model is required when spec.method=draft_model"),
+    (["spec.method=medusa", "spec.depth=6", "spec.budget=7"],
+     "spec.depth=6 with spec.method=medusa: train.medusa_heads=4, so it drafts at most 4 tokens"),
     (["model=llama-3.3-70b-instruct", "hardware=l4x1", "deploy=vllm"], "model llama-3.3-70b-instruct does not fit hardware l4x1"),
     (["model=qwen2.5-72b-instruct", "hardware=l40sx4", "hardware.gpu_count=1", "deploy=sglang"], "does not fit hardware l40sx4"),
     (["engine=vllm", "spec.method=eagle", "spec.depth=3", "spec.topk=2", "spec.budget=5"], "with engine=vllm: vLLM verifies chains only"),

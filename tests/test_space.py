@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import optuna
@@ -29,6 +30,8 @@ def _assert_valid(space: SearchSpace, spec: SpecConfig) -> None:
         assert spec.budget == spec.depth + 1
     if spec.method == "ngram" or space.chain_only:
         assert spec.topk == 1
+    if spec.method == "medusa" and space.medusa_heads is not None:
+        assert spec.depth <= space.medusa_heads  # H heads draft at most H tokens
 
 
 SPACES = [
@@ -37,6 +40,7 @@ SPACES = [
     _space(methods=("ngram", "eagle"), topk=(1, 2, 3), budget_max=10),
     _space(methods=("eagle",), topk=(2, 4), depth_max=16, budget_max=12),  # depth capped by budget_max-1
     _space(methods=("eagle",), chain_only=True, concurrency=(1, 8, 32)),  # vLLM: chains + K per band
+    _space(methods=("ngram", "medusa"), topk=(1, 2), budget_max=12, medusa_heads=3),  # Medusa capped by its heads
 ]
 
 
@@ -129,3 +133,69 @@ def test_impossible_depth_range_is_a_user_error() -> None:
     cfg = load_config(["+workload=code", "search.depth.min=8", "search.depth.max=8", "search.budget_max=4"])
     with pytest.raises(UserError, match="search.depth.min=8"):
         SearchSpace.from_config(cfg)
+
+
+MEDUSA = _space(methods=("eagle", "medusa"), topk=(1, 2), budget_max=16, medusa_heads=4)
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "random"])
+def test_medusa_is_never_deeper_than_its_heads(sampler: str) -> None:
+    search = load_config(["search.n_trials=15", "search.seed=3", f"search.sampler={sampler}"]).search
+    study = optuna.create_study(sampler=make_sampler(search), direction="maximize")
+    depths: dict[str, set[int]] = {"eagle": set(), "medusa": set()}
+    for _ in range(80):
+        t = study.ask()
+        spec = MEDUSA.suggest(t)
+        _assert_valid(MEDUSA, spec)
+        depths[spec.method].add(spec.depth)
+        study.tell(t, spec.depth * 0.1 + (spec.method == "medusa"))  # reward depth: push towards the cap
+    assert depths["medusa"] and max(depths["medusa"]) <= 4
+    assert max(depths["eagle"]) > 4  # the cap is Medusa's only
+    # Optuna keeps one distribution per parameter name: Medusa's capped depth has a name of its own.
+    for name in ("depth", "medusa_depth"):
+        dists = {repr(t.distributions[name]) for t in study.trials if name in t.distributions}
+        assert len(dists) == 1, (name, dists)
+
+
+def test_medusa_points_defaults_and_round_trip() -> None:
+    pts = MEDUSA.points()
+    assert max(p.depth for p in pts if p.method == "medusa") == 4
+    assert max(p.depth for p in pts if p.method == "eagle") == 8
+    deep = SpecConfig(method="medusa", depth=5, topk=1, budget=6)
+    assert not MEDUSA.contains(deep) and MEDUSA.contains(deep.model_copy(update={"depth": 4, "budget": 5}))
+    assert all(d.depth <= 4 for d in MEDUSA.defaults() if d.method == "medusa")
+    assert MEDUSA.clip("medusa", 8, 1, 9).key() == "medusa d4 k1 b5"
+    study = optuna.create_study(direction="maximize")
+    for p in pts:
+        study.enqueue_trial(MEDUSA.params_of(p))
+    for p in pts:
+        t = study.ask()
+        assert MEDUSA.suggest(t) == p
+        study.tell(t, 1.0)
+
+
+def _medusa_head(path, heads: int):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "medusa", "num_heads": heads}))
+    return path
+
+
+def test_from_config_reads_the_heads_of_the_trained_head(tmp_path) -> None:
+    cfg = load_config(["+workload=code", "search.methods=[ngram,medusa]", "train.medusa_heads=5"])
+    assert SearchSpace.from_config(cfg).medusa_heads == 5  # not trained yet: what train-draft trains
+    head = _medusa_head(tmp_path / "h", 2)
+    space = SearchSpace.from_config(cfg, head_paths={"medusa": str(head)})
+    assert space.medusa_heads == 2 and max(p.depth for p in space.points() if p.method == "medusa") == 2
+    given = load_config(["+workload=code", "search.methods=[medusa]", "spec.method=medusa", "spec.depth=2",
+                         "spec.budget=3", f"spec.head_path={head}"])
+    assert SearchSpace.from_config(given).medusa_heads == 2  # spec.head_path, before any head_paths
+    assert SearchSpace.from_config(load_config(["+workload=code"])).medusa_heads is None  # no Medusa searched
+
+
+def test_medusa_depth_beyond_its_heads_is_a_user_error(tmp_path) -> None:
+    with pytest.raises(UserError, match=r"search.depth.min=5 with medusa in search.methods: its head set has 4 heads"):
+        SearchSpace.from_config(load_config(["+workload=code", "search.methods=[medusa]", "search.depth.min=5"]))
+    head = _medusa_head(tmp_path / "h", 3)
+    with pytest.raises(UserError, match=rf"spec.depth=4 with spec.method=medusa: spec.head_path={head} has 3 heads"):
+        load_config(["spec.method=medusa", "spec.depth=4", "spec.budget=5", f"spec.head_path={head}"])
+    load_config(["spec.method=medusa", "spec.depth=3", "spec.budget=4", f"spec.head_path={head}"])

@@ -104,7 +104,40 @@ def validate(raw: dict[str, Any]) -> Config:
         from deploy.fit import tensor_parallel_size
 
         tensor_parallel_size(cfg.model, cfg.hardware, cfg.deploy)
+    if cfg.spec.method == "medusa":
+        heads, source = medusa_heads(cfg)
+        if cfg.spec.depth > heads:
+            raise UserError(f"spec.depth={cfg.spec.depth} with spec.method=medusa: {source}, so it drafts at most "
+                            f"{heads} tokens (spec.depth <= {heads})")
     return cfg
+
+
+def saved_medusa_heads(path: str | Path | None) -> int | None:
+    """`num_heads` of a saved Medusa head directory (engine.medusa's layout: config.json with
+    model_type medusa); None when `path` is no local Medusa head (unset, a hub id, another kind).
+    Read here, without torch, because `tuner render` validates configs where torch is absent."""
+    if not path:
+        return None
+    try:
+        saved = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(saved, dict) or saved.get("model_type") != "medusa" or not isinstance(saved.get("num_heads"), int):
+        return None
+    return saved["num_heads"]
+
+
+def medusa_heads(cfg: Config, head_path: str | None = None) -> tuple[int, str]:
+    """(H, why): the Medusa heads that draft for cfg, so the deepest Medusa draft is H tokens.
+    The head at `head_path` (default: spec.head_path when spec.method=medusa) when it is a local
+    Medusa directory; else train.medusa_heads, the heads `tuner train-draft` trains and caches for
+    cfg (a hub id is not fetched to be counted: its drafter refuses a deeper spec when it loads)."""
+    path = head_path or (cfg.spec.head_path if cfg.spec.method == "medusa" else None)
+    n = saved_medusa_heads(path)
+    if n is not None:
+        where = f"spec.head_path={path}" if path == cfg.spec.head_path else f"the Medusa head at {path}"
+        return n, f"{where} has {n} heads"
+    return cfg.train.medusa_heads, f"train.medusa_heads={cfg.train.medusa_heads}"
 
 
 def load_config(overrides: list[str] | None = None) -> Config:

@@ -1,13 +1,15 @@
 """The search space: SpecConfig points encoded so that every point Optuna samples is valid.
 
-Parameters (Optuna names): `method` (only when several are searched), `depth`, `topk` (tree
-methods on tree engines only), `budget` (only when the tree leaves a choice) and, for chain
-engines with several concurrency levels, `k_c{level}` (the K of each higher concurrency band).
+Parameters (Optuna names): `method` (only when several are searched), `depth` (`medusa_depth`
+for Medusa points), `topk` (tree methods on tree engines only), `budget` (only when the tree leaves
+a choice) and, for chain engines with several concurrency levels, `k_c{level}` (the K of each higher
+concurrency band).
 
 The rules of `SpecConfig` are built into the ranges instead of being rejected afterwards:
 budget is drawn from [depth+1, min(budget_max, 1 + depth*topk)], topk=1 fixes budget=depth+1,
-n-gram lookup and vLLM draft chains (topk=1), and depth never exceeds budget_max-1 (a chain of
-depth d verifies d+1 tokens).
+n-gram lookup and vLLM draft chains (topk=1), depth never exceeds budget_max-1 (a chain of
+depth d verifies d+1 tokens), and a Medusa point never exceeds its head count (head k drafts
+token k+1, so H heads draft at most H tokens).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
+from tuner.config import medusa_heads
 from tuner.schema import TREE_METHODS, Config, SpecConfig, UserError
 
 # Engines' published defaults, enqueued (clipped to the space) right after the baseline so the
@@ -40,10 +43,12 @@ class SearchSpace:
     concurrency: tuple[int, ...] = (1,)
     head_paths: dict[str, str] | None = None  # trained head per method (eagle / eagle3 / medusa points)
     draft_model: str | None = None
+    medusa_heads: int | None = None  # heads of the Medusa head set: its deepest draft (None: no cap)
 
     @classmethod
     def from_config(cls, cfg: Config, head_paths: dict[str, str] | None = None) -> "SearchSpace":
-        """The space of `cfg.search` for `cfg.engine` and the workload's concurrency levels."""
+        """The space of `cfg.search` for `cfg.engine` and the workload's concurrency levels; Medusa
+        points are capped by the heads of head_paths["medusa"] (or of what train-draft trains)."""
         s = cfg.search
         methods = tuple(m for m in s.methods if m != "off")  # `off` is trial 0, never sampled
         if not methods:
@@ -59,6 +64,7 @@ class SearchSpace:
             concurrency=conc,
             head_paths=head_paths or {},
             draft_model=cfg.spec.draft_model,
+            medusa_heads=medusa_heads(cfg, (head_paths or {}).get("medusa"))[0] if "medusa" in methods else None,
         )
 
     def __post_init__(self) -> None:
@@ -70,8 +76,27 @@ class SearchSpace:
                 "verifies d+1 tokens, so depth.min must be <= budget_max-1"
             )
         object.__setattr__(self, "depth_max", capped)
+        if "medusa" in self.methods and self.depth_max_of("medusa") < self.depth_min:
+            raise UserError(
+                f"search.depth.min={self.depth_min} with medusa in search.methods: its head set has "
+                f"{self.medusa_heads} heads, so it drafts at most {self.medusa_heads} tokens (lower "
+                "search.depth.min or train more heads, train.medusa_heads)"
+            )
 
     # ---- structure -------------------------------------------------------------------------
+    def depth_max_of(self, method: str) -> int:
+        """The deepest point of `method` (Medusa: no deeper than its heads)."""
+        if method == "medusa" and self.medusa_heads is not None:
+            return min(self.depth_max, self.medusa_heads)
+        return self.depth_max
+
+    @staticmethod
+    def depth_param(method: str) -> str:
+        """The Optuna name of a method's depth. Medusa's range is capped by its heads and a name
+        has one distribution per study, so its depth is a parameter of its own (TPE's grouped
+        multivariate model treats it as conditional on method=medusa, like topk)."""
+        return "medusa_depth" if method == "medusa" else "depth"
+
     def is_tree(self, method: str) -> bool:
         """Whether points of this method may branch (topk > 1)."""
         return method in TREE_METHODS and not self.chain_only and any(k > 1 for k in self.topk)
@@ -107,7 +132,7 @@ class SearchSpace:
     def suggest(self, trial: Any) -> SpecConfig:
         """Draw one point from an Optuna trial (fixed params of enqueued trials are honoured)."""
         method = trial.suggest_categorical("method", list(self.methods)) if len(self.methods) > 1 else self.methods[0]
-        depth = trial.suggest_int("depth", self.depth_min, self.depth_max)
+        depth = trial.suggest_int(self.depth_param(method), self.depth_min, self.depth_max_of(method))
         topk = 1
         if self.is_tree(method):
             topk = trial.suggest_categorical("topk", list(self.topk))
@@ -123,7 +148,7 @@ class SearchSpace:
         p: dict[str, Any] = {}
         if len(self.methods) > 1:
             p["method"] = spec.method
-        p["depth"] = spec.depth
+        p[self.depth_param(spec.method)] = spec.depth
         if self.is_tree(spec.method):
             p["topk"] = spec.topk
         lo, hi = self.budget_range(spec.depth, spec.topk)
@@ -136,7 +161,7 @@ class SearchSpace:
 
     def contains(self, spec: SpecConfig) -> bool:
         """Whether `spec` is a point of this space."""
-        if spec.method not in self.methods or not (self.depth_min <= spec.depth <= self.depth_max):
+        if spec.method not in self.methods or not (self.depth_min <= spec.depth <= self.depth_max_of(spec.method)):
             return False
         if spec.topk != 1 and (not self.is_tree(spec.method) or spec.topk not in self.topk):
             return False
@@ -145,7 +170,7 @@ class SearchSpace:
 
     def clip(self, method: str, depth: int, topk: int, budget: int) -> SpecConfig:
         """The nearest point of the space to a (possibly invalid) configuration."""
-        depth = max(self.depth_min, min(self.depth_max, depth))
+        depth = max(self.depth_min, min(self.depth_max_of(method), depth))
         topk = min(self.topk, key=lambda k: (abs(k - topk), k)) if self.is_tree(method) else 1
         lo, hi = self.budget_range(depth, topk)
         budget = max(lo, min(hi, budget))
@@ -166,7 +191,7 @@ class SearchSpace:
         """Every point of the space (the exhaustive grid), in a fixed order."""
         out: list[SpecConfig] = []
         for method in self.methods:
-            for depth in range(self.depth_min, self.depth_max + 1):
+            for depth in range(self.depth_min, self.depth_max_of(method) + 1):
                 for topk in (self.topk if self.is_tree(method) else (1,)):
                     lo, hi = self.budget_range(depth, topk)
                     if topk > 1 and hi < lo:
