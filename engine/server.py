@@ -5,248 +5,38 @@ Endpoints: /v1/completions, /v1/chat/completions (streaming and not, with `usage
 every engine). Requests wait in a bounded queue (serve.queue_size) and one worker thread runs the
 engine, one request at a time; a full queue answers 429. Every bad request gets a 4xx in the
 OpenAI error shape and the server stays healthy.
+
+This module holds the app (routes, parsing into sampling parameters, responses and streams) and
+running it; the request bodies and errors are in engine.server_requests, the metrics in
+engine.server_metrics, the queue and worker thread in engine.server_worker (re-exported here).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import queue
 import socket
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 
 from engine.api import GenResult, SamplingParams, TextEngine
+from engine.server_metrics import Metrics
+from engine.server_requests import (APIError, Body, ChatRequest, CompletionRequest, error_response, not_unicode,
+                                    reject_constant, validation_error)
+from engine.server_worker import Job, Worker
 from tuner.schema import Config
 
-# ---------------------------------------------------------------------------------------------
-# request bodies (unknown OpenAI fields are ignored, as OpenAI-compatible servers do)
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # vLLM extension; -1 or 0: no top-k filter
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # what a torch generator accepts
-    n: int = Field(1, ge=1, le=1)  # one choice per request
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-
-
-class _TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class _Message(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[_TextPart]
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-
-
-class ChatRequest(_Body):
-    messages: list[_Message] = Field(min_length=1)
-
-
-class CompletionRequest(_Body):
-    prompt: str | list[int] = Field(min_length=1)
-
-
-class APIError(Exception):
-    """An OpenAI-shaped error answer."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _not_unicode(x: Any, path: str = "") -> str | None:
-    """The path of the first string that is not valid Unicode (a lone surrogate such as "\\udcff",
-    which JSON escapes can carry), or None."""
-    if isinstance(x, str):
-        try:
-            x.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    if isinstance(x, dict):
-        for k, v in x.items():
-            name = k.encode("utf-8", "backslashreplace").decode()  # the path is echoed: keep it encodable
-            sub = f"{path}.{name}" if path else name
-            bad = _not_unicode(k, sub) or _not_unicode(v, sub)
-            if bad:
-                return bad
-    elif isinstance(x, list):
-        for i, v in enumerate(x):
-            bad = _not_unicode(v, f"{path}[{i}]")
-            if bad:
-                return bad
-    return None
-
-
-def _validation_error(err: ValidationError) -> APIError:
-    e = err.errors()[0]
-    loc = ".".join(str(p) for p in e["loc"])
-    return APIError(400, f"{loc}: {e['msg']}" if loc else e["msg"], param=loc or None)
-
-
-# ---------------------------------------------------------------------------------------------
-# metrics (a registry per app, so tests can run several servers in one process)
-
-
-class Metrics:
-    """The server's Prometheus metrics, under vLLM's names."""
-
-    def __init__(self, model_name: str) -> None:
-        self.registry = CollectorRegistry()
-        r, lab = self.registry, ["model_name"]
-        self.model = model_name
-        self.drafts = Counter("vllm:spec_decode_num_drafts", "Verify steps that carried drafted tokens", lab, registry=r)
-        self.draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Drafted tokens offered for verification",
-                                    lab, registry=r)
-        self.accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Drafted tokens accepted", lab, registry=r)
-        self.accepted_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                    "Accepted drafted tokens per draft position", lab + ["position"], registry=r)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting in the queue", lab, registry=r)
-        self.running = Gauge("vllm:num_requests_running", "Requests being generated", lab, registry=r)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", lab, registry=r)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", lab, registry=r)
-        self.success = Counter("vllm:request_success", "Finished requests", lab + ["finished_reason"], registry=r)
-        lat = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", lab,
-                             buckets=lat, registry=r)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token (queueing included)", lab,
-                              buckets=lat, registry=r)
-        self.tpot = Histogram("vllm:request_time_per_output_token_seconds", "Per-request time per output token", lab,
-                              buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=r)
-        for m in (self.drafts, self.draft_tokens, self.accepted, self.waiting, self.running, self.prompt_tokens,
-                  self.generation_tokens):
-            m.labels(model_name=model_name)  # expose zeros before the first request
-
-    def record(self, res: GenResult, prompt_len: int, ttft_s: float, e2e_s: float) -> None:
-        m, st = self.model, res.stats
-        self.drafts.labels(m).inc(st.draft_steps)
-        self.draft_tokens.labels(m).inc(st.drafted_tokens)
-        self.accepted.labels(m).inc(st.accepted_tokens)
-        for pos, n in enumerate(st.accepted_per_pos):
-            self.accepted_pos.labels(m, str(pos)).inc(n)
-        self.prompt_tokens.labels(m).inc(prompt_len)
-        self.generation_tokens.labels(m).inc(st.new_tokens)
-        self.success.labels(m, res.finish_reason).inc()
-        self.e2e.labels(m).observe(e2e_s)
-        self.ttft.labels(m).observe(ttft_s)
-        if st.new_tokens > 1:
-            self.tpot.labels(m).observe((e2e_s - ttft_s) / (st.new_tokens - 1))
-
-
-# ---------------------------------------------------------------------------------------------
-# the queue and the worker thread
-
-
-class _Cancelled(Exception):
-    """Raised from the token callback to stop generating for a client that went away."""
-
-
-@dataclass
-class Job:
-    prompt_ids: list[int]
-    params: SamplingParams
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    arrival: float = field(default_factory=time.perf_counter)
-    cancelled: bool = False
-
-    def emit(self, kind: str, payload: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
-        except RuntimeError:  # the event loop is gone (server shutting down)
-            self.cancelled = True
-
-
-class Worker:
-    """One thread that runs the engine on queued jobs, first come, first served."""
-
-    def __init__(self, engine: TextEngine, metrics: Metrics, queue_size: int) -> None:
-        self.engine, self.metrics = engine, metrics
-        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
-        self.thread = threading.Thread(target=self._loop, name="spectune-engine", daemon=True)
-
-    def submit(self, job: Job) -> None:
-        try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
-            raise APIError(429, f"the server's queue is full ({self.jobs.maxsize} requests waiting); retry later",
-                           code="queue_full", type_="rate_limit_error") from None
-        self.metrics.waiting.labels(self.metrics.model).set(self.jobs.qsize())
-
-    def alive(self) -> bool:
-        return self.thread.is_alive()
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.jobs.put(None)
-        self.thread.join(timeout=30)
-
-    def _loop(self) -> None:
-        m = self.metrics
-        while (job := self.jobs.get()) is not None:
-            m.waiting.labels(m.model).set(self.jobs.qsize())
-            if job.cancelled:
-                continue
-            m.running.labels(m.model).set(1)
-            first: list[float] = []
-
-            def on_tokens(toks: list[int], job: Job = job, first: list[float] = first) -> None:
-                if job.cancelled:
-                    raise _Cancelled()
-                if not first:
-                    first.append(time.perf_counter())
-                job.emit("tokens", list(toks))
-
-            try:
-                res = self.engine.generate(job.prompt_ids, job.params, on_tokens=on_tokens)
-            except _Cancelled:
-                pass
-            except Exception as exc:  # the request fails, the server goes on
-                job.emit("error", f"{type(exc).__name__}: {exc}")
-            else:
-                end = time.perf_counter()
-                m.record(res, len(job.prompt_ids), (first[0] if first else end) - job.arrival, end - job.arrival)
-                job.emit("done", res)
-            finally:
-                m.running.labels(m.model).set(0)
+__all__ = ["APIError", "ChatRequest", "CompletionRequest", "Job", "Metrics", "TextStream", "Worker", "create_app",
+           "serve", "serve_in_thread"]
 
 
 class TextStream:
@@ -286,7 +76,6 @@ def _tokenizer(engine: TextEngine) -> Any:
         raise RuntimeError("the engine exposes no tokenizer (needed to stream text)")
     return tok
 
-
 # ---------------------------------------------------------------------------------------------
 # the app
 
@@ -313,15 +102,15 @@ def create_app(cfg: Config, engine: TextEngine) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(_req: Request, err: APIError) -> JSONResponse:
-        return _error_response(err)
+        return error_response(err)
 
     @app.exception_handler(404)
     async def _not_found(req: Request, _exc: Exception) -> JSONResponse:
-        return _error_response(APIError(404, f"no route {req.method} {req.url.path}", code="not_found"))
+        return error_response(APIError(404, f"no route {req.method} {req.url.path}", code="not_found"))
 
     @app.exception_handler(405)
     async def _bad_method(req: Request, _exc: Exception) -> JSONResponse:
-        return _error_response(APIError(405, f"method {req.method} not allowed on {req.url.path}"))
+        return error_response(APIError(405, f"method {req.method} not allowed on {req.url.path}"))
 
     @app.get("/health")
     async def health() -> Response:
@@ -360,29 +149,29 @@ def create_app(cfg: Config, engine: TextEngine) -> FastAPI:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def parse(request: Request, model: type[_Body]) -> Any:
+    async def parse(request: Request, model: type[Body]) -> Any:
         try:
-            raw = json.loads(await read_body(request), parse_constant=_reject_constant)
+            raw = json.loads(await read_body(request), parse_constant=reject_constant)
         except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
             raise APIError(400, f"request body is not valid JSON: {exc}") from None
         except RecursionError:
             raise APIError(400, "request body is not valid JSON: nested too deeply") from None
         if not isinstance(raw, dict):
             raise APIError(400, "request body must be a JSON object")
-        bad = _not_unicode(raw)
+        bad = not_unicode(raw)
         if bad:
             raise APIError(400, f"{bad}: not valid Unicode text (a lone UTF-16 surrogate); send UTF-8 text",
                            param=bad)
         try:
             body = model.model_validate(raw)
         except ValidationError as err:
-            raise _validation_error(err) from None
+            raise validation_error(err) from None
         if body.model is not None and body.model not in names:
             raise APIError(404, f"the model '{body.model}' does not exist (served: {cfg.model.name})",
                            param="model", code="model_not_found")
         return body
 
-    def sampling(body: _Body, prompt_len: int) -> SamplingParams:
+    def sampling(body: Body, prompt_len: int) -> SamplingParams:
         ctx, limit = cfg.model.max_context, cfg.serve.max_tokens_limit
         if prompt_len >= ctx:
             raise APIError(400, f"the prompt has {prompt_len} tokens; the model's context is {ctx} tokens",
@@ -420,7 +209,7 @@ def create_app(cfg: Config, engine: TextEngine) -> FastAPI:
             return list(body.prompt)
         return engine.encode_prompt(body.prompt, False)
 
-    async def run(body: _Body, prompt_ids: list[int], chat: bool) -> Response:
+    async def run(body: Body, prompt_ids: list[int], chat: bool) -> Response:
         params = sampling(body, len(prompt_ids))
         job = Job(prompt_ids=prompt_ids, params=params, loop=asyncio.get_running_loop())
         worker.submit(job)
@@ -491,7 +280,7 @@ def create_app(cfg: Config, engine: TextEngine) -> FastAPI:
         finally:
             job.cancelled = True
 
-    def tokenized(make: Callable[[Any], list[int]], body: _Body, param: str) -> list[int]:
+    def tokenized(make: Callable[[Any], list[int]], body: Body, param: str) -> list[int]:
         try:
             return make(body)
         except APIError:
@@ -516,8 +305,6 @@ def create_app(cfg: Config, engine: TextEngine) -> FastAPI:
 def _usage(prompt_len: int, res: GenResult) -> dict[str, int]:
     n = res.stats.new_tokens
     return {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}
-
-
 # ---------------------------------------------------------------------------------------------
 # running it
 

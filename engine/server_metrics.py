@@ -1,0 +1,54 @@
+"""The built-in server's Prometheus metrics under vLLM's names, so one load generator and one
+dashboard serve every engine (a registry per app, so tests can run several servers in one process).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from engine.api import GenResult
+
+
+class Metrics:
+    """The server's Prometheus metrics, under vLLM's names."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, lab = self.registry, ["model_name"]
+        self.model = model_name
+        self.drafts = Counter("vllm:spec_decode_num_drafts", "Verify steps that carried drafted tokens", lab, registry=r)
+        self.draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Drafted tokens offered for verification",
+                                    lab, registry=r)
+        self.accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Drafted tokens accepted", lab, registry=r)
+        self.accepted_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                    "Accepted drafted tokens per draft position", lab + ["position"], registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting in the queue", lab, registry=r)
+        self.running = Gauge("vllm:num_requests_running", "Requests being generated", lab, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", lab, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", lab, registry=r)
+        self.success = Counter("vllm:request_success", "Finished requests", lab + ["finished_reason"], registry=r)
+        lat = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", lab,
+                             buckets=lat, registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token (queueing included)", lab,
+                              buckets=lat, registry=r)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds", "Per-request time per output token", lab,
+                              buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=r)
+        for m in (self.drafts, self.draft_tokens, self.accepted, self.waiting, self.running, self.prompt_tokens,
+                  self.generation_tokens):
+            m.labels(model_name=model_name)  # expose zeros before the first request
+
+    def record(self, res: GenResult, prompt_len: int, ttft_s: float, e2e_s: float) -> None:
+        m, st = self.model, res.stats
+        self.drafts.labels(m).inc(st.draft_steps)
+        self.draft_tokens.labels(m).inc(st.drafted_tokens)
+        self.accepted.labels(m).inc(st.accepted_tokens)
+        for pos, n in enumerate(st.accepted_per_pos):
+            self.accepted_pos.labels(m, str(pos)).inc(n)
+        self.prompt_tokens.labels(m).inc(prompt_len)
+        self.generation_tokens.labels(m).inc(st.new_tokens)
+        self.success.labels(m, res.finish_reason).inc()
+        self.e2e.labels(m).observe(e2e_s)
+        self.ttft.labels(m).observe(ttft_s)
+        if st.new_tokens > 1:
+            self.tpot.labels(m).observe((e2e_s - ttft_s) / (st.new_tokens - 1))
