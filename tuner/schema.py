@@ -3,93 +3,27 @@
 Hydra composes `conf/`; `tuner.config.load_config` turns the result into a `Config` here, once.
 Everything downstream takes these typed objects. `engine` and `deploy` import only this module
 from `tuner`, so it must stay free of heavy imports.
+
+This module holds the configuration sections and `Config`; `SpecConfig`, the engines' methods and
+`UserError` live in tuner.schema_spec, the result models (best.yaml) in tuner.schema_results, both
+re-exported here so that `tuner.schema` stays the one import.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from tuner.schema_results import BestResult, Figures, ProjectedPoint, Projection, Provenance
+from tuner.schema_spec import ENGINE_METHODS, TREE_METHODS, SpecConfig, SpecMethod, UserError
+from tuner.schema_spec import Strict as _Strict
 
-class UserError(Exception):
-    """A mistake in the user's input: printed as one line by the CLI, exit code 2."""
-
-
-class _Strict(BaseModel):
-    # Unknown keys are user errors (a typo in an override must not be ignored silently).
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
-
-
-SpecMethod = Literal["off", "eagle", "eagle3", "draft_model", "ngram", "medusa"]
-# What each engine can run (a method outside its list is refused before any trial is measured).
-ENGINE_METHODS: dict[str, tuple[str, ...]] = {
-    "builtin": ("off", "ngram", "draft_model", "eagle", "eagle3", "medusa"),
-    "vllm": ("off", "ngram", "draft_model", "eagle", "eagle3", "medusa"),
-    "sglang": ("off", "eagle", "eagle3"),
-}
-TREE_METHODS = ("eagle", "eagle3", "draft_model", "medusa")  # methods whose drafter can branch
-
-
-class SpecConfig(_Strict):
-    """One speculative configuration: the thing the tuner searches and the deployment serves.
-
-    depth: draft steps (SGLang --speculative-num-steps, vLLM num_speculative_tokens).
-    topk: branching per node (SGLang --speculative-eagle-topk); 1 means a chain.
-    budget: tree nodes verified per step including the root (SGLang --speculative-num-draft-tokens).
-    """
-
-    method: SpecMethod = "off"
-    depth: int = Field(4, ge=1, le=16)
-    topk: int = Field(1, ge=1, le=16)
-    budget: int = Field(5, ge=2, le=256)
-    draft_model: str | None = None  # draft_model: local HF dir or HF id
-    head_path: str | None = None  # eagle / eagle3 / medusa: head checkpoint dir or HF id
-    ngram_min: int = Field(2, ge=1, le=16)  # n-gram prompt lookup: shortest match
-    ngram_max: int = Field(4, ge=1, le=16)  # n-gram prompt lookup: longest match
-    # vLLM dynamic K: [[min_batch, max_batch, K], ...], inclusive ranges, K <= depth.
-    k_per_batch_size: list[tuple[int, int, int]] | None = None
-
-    @model_validator(mode="after")
-    def _rules(self) -> "SpecConfig":
-        if self.method == "off":
-            return self
-        if self.topk == 1 and self.budget != self.depth + 1:
-            raise ValueError(
-                f"spec.budget={self.budget} with spec.topk=1 must equal spec.depth+1={self.depth + 1} "
-                "(a chain verifies every drafted token plus the root)"
-            )
-        if self.budget > 1 + self.depth * self.topk:
-            raise ValueError(
-                f"spec.budget={self.budget} exceeds 1 + depth*topk = {1 + self.depth * self.topk} "
-                "(the tree cannot hold more nodes than were drafted)"
-            )
-        if self.method == "ngram" and self.topk != 1:
-            raise ValueError(f"spec.topk={self.topk} with spec.method=ngram: n-gram lookup drafts a chain, topk must be 1")
-        if self.ngram_min > self.ngram_max:
-            raise ValueError(f"spec.ngram_min={self.ngram_min} > spec.ngram_max={self.ngram_max}")
-        if self.method == "draft_model" and not self.draft_model:
-            raise ValueError("spec.draft_model is required when spec.method=draft_model (a local HF dir or HF id)")
-        if self.k_per_batch_size is not None:
-            prev_hi = 0
-            for lo, hi, k in self.k_per_batch_size:
-                if not (lo == prev_hi + 1 and hi >= lo and 0 <= k <= self.depth):
-                    raise ValueError(
-                        f"spec.k_per_batch_size={self.k_per_batch_size}: ranges must be contiguous from 1, "
-                        f"inclusive, each K in [0, depth={self.depth}]"
-                    )
-                prev_hi = hi
-        return self
-
-    @property
-    def is_chain(self) -> bool:
-        return self.topk == 1
-
-    def key(self) -> str:
-        """Short human-readable identity, e.g. 'eagle d5 k4 b8' or 'off'."""
-        if self.method == "off":
-            return "off"
-        return f"{self.method} d{self.depth} k{self.topk} b{self.budget}"
+__all__ = ["ENGINE_METHODS", "SLO", "TREE_METHODS", "BenchConfig", "BestResult", "BuiltinEngineConfig", "Config",
+           "DeployConfig", "DistributedConfig", "DraftSources", "EngineConfig", "Figures", "GGUFSource", "HPAConfig",
+           "HardwareConfig", "IntRange", "LaunchedEngineConfig", "ModelConfig", "ProjectedPoint", "Projection",
+           "Provenance", "SearchConfig", "SecretRef", "ServeConfig", "SpecConfig", "SpecMethod", "TrainConfig",
+           "UserError", "WorkloadConfig", "check_search_methods", "storage_password_error"]
 
 
 class GGUFSource(_Strict):
@@ -449,73 +383,3 @@ def check_search_methods(cfg: "Config") -> None:
     bad = [m for m in cfg.search.methods if m not in allowed]
     if bad:
         raise UserError(f"search.methods={bad} with engine={cfg.engine.kind}: this engine runs {', '.join(allowed)}")
-
-
-class Figures(_Strict):
-    """Measured figures of one configuration (medians with a confidence interval)."""
-
-    output_tokens_per_s: float
-    ci_low: float | None = None
-    ci_high: float | None = None
-    tau: float | None = None
-    ttft_p99_ms: float | None = None
-    tpot_p99_ms: float | None = None
-    draft_mb: float | None = None  # drafter parameters + KV cache at the longest request (built-in engine)
-
-
-class Provenance(_Strict):
-    study: str
-    trial: int | None = None
-    storage: str | None = None
-    date: str  # ISO 8601
-    model: str
-    hardware: str
-    engine: str
-    workload: str
-    spectune_version: str = "0.1.0"
-
-
-class ProjectedPoint(_Strict):
-    """The predicted figures of a projected configuration at one concurrency level."""
-
-    concurrency: int
-    spec: str  # the configuration serving this level (a K schedule serves each band with its own K)
-    tau: float
-    tpot_ms: float
-    tok_s: float
-    speedup: float  # over autoregressive decoding at the same concurrency, on the same hardware
-
-
-class Projection(_Strict):
-    """How a projected configuration was chosen (`tuner render --from RUN --projected`): acceptance
-    measured once (RUN/profile.json), cost from the hardware profile; predicted, not measured there."""
-
-    hardware: str  # projected onto
-    run: str  # the run directory
-    profile: str  # the acceptance profile
-    acceptance: str  # where the taus came from (tuner.project.Acceptance.source)
-    tau_is_estimate: bool = False
-    cost_model: str  # "roofline" or "measured here"
-    tensor_parallel_size: int
-    context: int
-    concurrency: list[int]  # the levels the choice was made for (the workload's)
-    predicted_speedup: float  # geometric mean over the levels (what a study maximises)
-    predicted_tpot_ms: float  # geometric mean over the levels
-    per_concurrency: list[ProjectedPoint]
-    measured_spec: str | None = None  # the run's measured winner (best.yaml), for comparison
-
-
-class BestResult(_Strict):
-    """`best.yaml` in a run directory: written by `tuner optimize`, read by `tuner render --from`."""
-
-    spec: SpecConfig  # the winner (method 'off' when speculation did not beat the baseline)
-    chain_spec: SpecConfig | None = None  # best chain (topk=1) of the study, for vLLM targets
-    k_schedule_note: str | None = None
-    metrics: Figures | None = None  # the winner on the tuning prompts
-    baseline: Figures | None = None  # speculation off, measured adjacent in time
-    speedup: float | None = None
-    heldout: Figures | None = None  # the winner re-measured on the held-out prompts
-    heldout_speedup: float | None = None
-    reason: str | None = None  # why the winner is what it is (e.g. the slowdown trap)
-    provenance: Provenance
-    projection: Projection | None = None  # set when the spec was projected, not measured (render --projected)
