@@ -34,6 +34,8 @@ from rich.table import Table  # noqa: E402
 
 from engine.api import SamplingParams  # noqa: E402
 from engine.drafters import EagleDrafter  # noqa: E402
+from engine.drafters.eagle3 import Eagle3Drafter  # noqa: E402
+from engine.eagle3 import Eagle3Head, default_aux_layers  # noqa: E402
 from engine.heads.pipeline import build_data  # noqa: E402
 from engine.heads.trainer import split_prompts, train_head  # noqa: E402
 from engine.heads.vocab import always_kept, build_vocab  # noqa: E402
@@ -43,16 +45,17 @@ from tuner.config import load_config, packaged_workloads  # noqa: E402
 from tuner.schema import SpecConfig, UserError  # noqa: E402
 
 
-def parse_tree(text: str) -> SpecConfig:
+def parse_tree(text: str, method: str = "eagle") -> SpecConfig:
     d, k, b = (int(x) for x in text.split("x"))
-    return SpecConfig(method="eagle", depth=d, topk=k, budget=b)
+    return SpecConfig(method=method, depth=d, topk=k, budget=b)
 
 
 def run_rows(engine: Engine, prompts: list[list[int]], max_new: int, spec: SpecConfig, head=None,
              ref: list[list[int]] | None = None) -> dict:
     """Greedy over the prompts: tok/s, tau, draft ms per step, and agreement with `ref`."""
     if head is not None:
-        engine.set_drafter(EagleDrafter(spec, head, engine.model), spec)
+        drafter = Eagle3Drafter if isinstance(head, Eagle3Head) else EagleDrafter
+        engine.set_drafter(drafter(spec, head, engine.model), spec)
     else:
         engine.set_spec(spec)
     toks, secs, fwd, draft_s, verify_s, steps, same, outs = 0, 0.0, 0, 0.0, 0.0, 0, 0, []
@@ -85,6 +88,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="docs/figures/draft_heads.png")
     ap.add_argument("--head", default=None, help="a head trained on all the data (tuner train-draft): used for share 1 instead of training again")
+    ap.add_argument("--method", default="eagle", choices=["eagle", "eagle3"], help="the head to train and measure")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides (train.*)")
     args = ap.parse_args()
     con = Console(stderr=True)
@@ -93,7 +97,8 @@ def main() -> int:
     cfg = load_config(over)
     engine = Engine.from_config(cfg)
     tc = cfg.train
-    trees = [parse_tree(t) for t in args.trees.split(",")]
+    trees = [parse_tree(t, args.method) for t in args.trees.split(",")]
+    aux = default_aux_layers(engine.model.config.num_hidden_layers) if args.method == "eagle3" else None
 
     # 1. data, and the batch-1 rate in the same process
     heldout = {w: [engine.encode_prompt(p.text, True) for p in load_prompts(load_config([f"+workload={w}"]).workload, "heldout")]
@@ -101,7 +106,8 @@ def main() -> int:
     b1 = run_rows(engine, heldout["code"][:2], 64, SpecConfig(method="off"))
     t0 = time.perf_counter()
     data = build_data(cfg, engine, packaged_workloads(cfg),
-                      lambda ph, d, n, info: con.print(f"  answers {d}/{n}  {info.get('tok_s', 0):.0f} tok/s") if d % 128 == 0 or d == n else None)
+                      lambda ph, d, n, info: con.print(f"  answers {d}/{n}  {info.get('tok_s', 0):.0f} tok/s") if d % 128 == 0 or d == n else None,
+                      aux_layers=aux)
     gen = {"answer_tokens": data.meta["answer_tokens"], "tokens": data.num_tokens, "prompts": data.meta["prompts"],
            "batched_tok_s": data.meta["generate_tok_s"], "generate_s": data.meta["generate_seconds"],
            "batch1_tok_s": round(b1["tok_s"], 1), "cached": time.perf_counter() - t0 < 0.5 * data.meta["generate_seconds"]}
@@ -128,15 +134,18 @@ def main() -> int:
         sub = data.subset(keep + val_seqs)
         if frac >= 1 and args.head:
             from engine.eagle import load_head
+            from engine.eagle3 import load_eagle3
             from engine.heads.pipeline import read_meta
 
-            head, meta = load_head(args.head, engine.model.config), read_meta(args.head)
+            head = (load_eagle3 if args.method == "eagle3" else load_head)(args.head, engine.model.config)
+            meta = read_meta(args.head)
             summ, train_s = {"steps": meta["steps"]}, meta["train_seconds"]
         else:
             with tempfile.TemporaryDirectory() as work:
                 t = time.perf_counter()
                 head, summ = train_head(sub, engine.model, tc, vocab, Path(work),
-                                        lambda ph, d, n, info: con.print(f"  train {frac}: {d}/{n} loss {info['loss']:.3f} {info.get('tok_s', 0):.0f} tok/s") if d % 100 == 0 else None)
+                                        lambda ph, d, n, info: con.print(f"  train {frac}: {d}/{n} loss {info['loss']:.3f} {info.get('tok_s', 0):.0f} tok/s") if d % 100 == 0 else None,
+                                        method=args.method)
                 train_s = time.perf_counter() - t
         train_total_s = max(train_total_s, train_s) if frac < 1 else train_s
         row = run_rows(engine, heldout["code"], args.max_new_tokens, trees[0], head, ref_code["tokens"])
@@ -155,10 +164,10 @@ def main() -> int:
         rows.append({"config": f"ngram d{d}", **{k: r[k] for k in keys}})
     for spec in trees:
         r = run_rows(engine, heldout["code"], args.max_new_tokens, spec, head, ref_code["tokens"])
-        rows.append({"config": f"eagle d{spec.depth} k{spec.topk} b{spec.budget}", **{k: r[k] for k in keys}})
+        rows.append({"config": f"{args.method} d{spec.depth} k{spec.topk} b{spec.budget}", **{k: r[k] for k in keys}})
     for r in rows:
         r["speedup"] = r["tok_s"] / ar
-    eagle_rows = [r for r in rows if r["config"].startswith("eagle")]
+    eagle_rows = [r for r in rows if r["config"].startswith(args.method + " ")]
     best = max(eagle_rows, key=lambda r: r["tok_s"])
     best_ngram = max((r for r in rows if r["config"].startswith("ngram")), key=lambda r: r["tok_s"])
     best_spec = trees[eagle_rows.index(best)]
@@ -170,18 +179,20 @@ def main() -> int:
         r = run_rows(engine, ps, args.max_new_tokens, best_spec, head, ref["tokens"])
         other[w] = {"tau": round(r["tau"], 3), "speedup": round(r["tok_s"] / ref["tok_s"], 3), "same": r["same"], "n": r["n"]}
 
-    # 4. draft vocabulary: nested top-N subsets of the same head
+    # 4. draft vocabulary: nested top-N subsets of the same head (EAGLE-1 only: an EAGLE-3 head owns
+    # an lm_head over the vocabulary it was trained with)
     vocab_rows = []
-    full_ids = head.draft_ids
+    full_ids = getattr(head, "draft_ids", None)
     labels = data.subset(val_seqs).response_labels()
-    for n in (int(x) for x in args.vocabs.split(",")):
+    for n in (int(x) for x in args.vocabs.split(",")) if args.method == "eagle" else ():
         v = build_vocab(data, n, vocab_size, forced)
         head.draft_ids = None if v is None else v.ids
         r = run_rows(engine, heldout["code"], args.max_new_tokens, best_spec, head, ref_code["tokens"])
         vocab_rows.append({"vocab": n or vocab_size, "coverage": 1.0 if v is None else round(v.coverage(labels), 4),
                            "tau": round(r["tau"], 3), "tok_s": round(r["tok_s"], 2), "speedup": round(r["tok_s"] / ar, 3),
                            "draft_ms": round(r["draft_ms"], 2), "same": r["same"]})
-    head.draft_ids = full_ids
+    if args.method == "eagle":
+        head.draft_ids = full_ids
 
     out = Console()
     t = Table(title=f"held-out code ({len(heldout['code'])} prompts, T=0, {args.max_new_tokens} tokens)")
