@@ -70,13 +70,13 @@ class Block:
     w2: torch.Tensor
 
 
-def _fuse(mods: list[torch.nn.Linear]) -> torch.Tensor:
-    """Concatenate the weights of `mods` (same input) and point each module's weight at its rows."""
-    fused = torch.cat([m.weight.detach() for m in mods], dim=0).contiguous()
+def _fuse(mods: list[torch.nn.Linear], name: str = "weight") -> torch.Tensor:
+    """Concatenate the `name` parameters of `mods` (same input) and point each module's at its rows."""
+    fused = torch.cat([getattr(m, name).detach() for m in mods], dim=0).contiguous()
     at = 0
     for m in mods:
-        n = m.weight.shape[0]
-        m.weight = torch.nn.Parameter(fused[at:at + n], requires_grad=False)
+        n = getattr(m, name).shape[0]
+        setattr(m, name, torch.nn.Parameter(fused[at:at + n], requires_grad=False))
         at += n
     return fused
 
@@ -84,13 +84,7 @@ def _fuse(mods: list[torch.nn.Linear]) -> torch.Tensor:
 def _fuse_bias(mods: list[torch.nn.Linear]) -> torch.Tensor | None:
     if all(m.bias is None for m in mods):
         return None
-    fused = torch.cat([m.bias.detach() for m in mods]).contiguous()
-    at = 0
-    for m in mods:
-        n = m.bias.shape[0]
-        m.bias = torch.nn.Parameter(fused[at:at + n], requires_grad=False)
-        at += n
-    return fused
+    return _fuse(mods, "bias")
 
 
 class LeanLlama:

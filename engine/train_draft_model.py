@@ -18,7 +18,6 @@ vocabulary) and `spectune_meta.json`, cached beside the heads (engine.train_medu
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,8 +27,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.drafters.draft_model import DRAFT_VOCAB
-from engine.train_medusa import (META, EarlyStop, Report, _engine, draft_dir, lr_at, split_prompts, target_hash,
-                                 token_map, training_data)
+from engine.train_medusa import EarlyStop, Report, ensure_trained, lr_at, split_prompts, token_map
 from tuner.schema import Config, TrainConfig, UserError, WorkloadConfig
 
 FEATURE_WEIGHT = 1.0  # loss = CE + FEATURE_WEIGHT * SmoothL1(hidden, target feature)
@@ -197,21 +195,11 @@ def save_draft_model(model: LlamaForCausalLM, tokenizer, path: str | Path, draft
 def ensure_draft_model(cfg: Config, engine=None, retrain: bool = False, workloads: Sequence[WorkloadConfig] = (),
                        report: Report | None = None) -> Path:
     """The draft-model directory for cfg's target, workload and settings: cached, or trained now."""
-    out = draft_dir(cfg, "draft_model")
-    if not retrain and (out / META).is_file():
-        return out
-    engine = _engine(cfg, engine)
-    t0 = time.perf_counter()
-    data = training_data(cfg, engine, workloads, report)
-    model, tmap, summary = train_draft_model(data, engine.model, cfg.train, report, eos=sorted(engine.eos))
-    if out.exists():
-        shutil.rmtree(out)
-    save_draft_model(model, engine.tokenizer, out, tmap)
-    meta = {"target": cfg.model.name, "target_hash": target_hash(cfg), "workload": cfg.workload.name,
-            "data": dict(data.meta), "train": cfg.train.model_dump(mode="json"), "seed": cfg.train.seed, **summary,
-            "total_seconds": round(time.perf_counter() - t0, 1)}
-    (out / META).write_text(json.dumps(meta, indent=2) + "\n")
-    return out
+    def train(engine, data):
+        model, tmap, summary = train_draft_model(data, engine.model, cfg.train, report, eos=sorted(engine.eos))
+        return (lambda out: save_draft_model(model, engine.tokenizer, out, tmap)), summary
+
+    return ensure_trained(cfg, "draft_model", train, engine, retrain, workloads, report)
 
 
 def ensure_draft(cfg: Config, method: str, engine=None, retrain: bool = False,

@@ -1,4 +1,5 @@
-"""Training Medusa-1 heads (engine.medusa) on the target's own outputs, and their cache.
+"""Training Medusa-1 heads (engine.medusa) on the target's own outputs, and the cache of trained
+drafts (`ensure_trained`, shared with the draft-model trainer).
 
 The target stays frozen and every head reads only the target's final normed hidden state, so the
 self-distillation data (features + the target's greedy next tokens) is all training needs: no
@@ -18,6 +19,7 @@ import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -259,21 +261,35 @@ def _engine(cfg: Config, engine):
     return Engine.from_config(cfg.model_copy(update={"spec": SpecConfig()}))
 
 
-def ensure_medusa(cfg: Config, engine=None, retrain: bool = False, workloads: Sequence[WorkloadConfig] = (),
-                  report: Report | None = None) -> Path:
-    """The Medusa head directory for cfg's target and workload: cached, or trained now."""
-    out = draft_dir(cfg, "medusa")
+def ensure_trained(cfg: Config, method: str, train: Callable[[Any, Any], tuple[Callable[[Path], Any], dict]],
+                   engine=None, retrain: bool = False, workloads: Sequence[WorkloadConfig] = (),
+                   report: Report | None = None) -> Path:
+    """The draft directory of `method` for cfg's target, workload and settings: cached, or trained
+    now. `train(engine, data)` trains on the self-distillation data and returns (save, summary):
+    save(out) writes the draft into `out`, summary goes into its meta. The meta is written last, so
+    a directory without one (an interrupted save) is never taken for a finished draft."""
+    out = draft_dir(cfg, method)
     if not retrain and (out / META).is_file():
         return out
     engine = _engine(cfg, engine)
     t0 = time.perf_counter()
     data = training_data(cfg, engine, workloads, report)
-    heads, summary = train_medusa(data, engine.model, cfg.model.name, cfg.train, report, eos=sorted(engine.eos))
+    save, summary = train(engine, data)
     if out.exists():
         shutil.rmtree(out)
-    save_heads(heads, out)
+    save(out)
     meta = {"target": cfg.model.name, "target_hash": target_hash(cfg), "workload": cfg.workload.name,
-            "data": dict(data.meta), "train": cfg.train.model_dump(), "seed": cfg.train.seed, **summary,
+            "data": dict(data.meta), "train": cfg.train.model_dump(mode="json"), "seed": cfg.train.seed, **summary,
             "total_seconds": round(time.perf_counter() - t0, 1)}
     (out / META).write_text(json.dumps(meta, indent=2) + "\n")
     return out
+
+
+def ensure_medusa(cfg: Config, engine=None, retrain: bool = False, workloads: Sequence[WorkloadConfig] = (),
+                  report: Report | None = None) -> Path:
+    """The Medusa head directory for cfg's target and workload: cached, or trained now."""
+    def train(engine, data):
+        heads, summary = train_medusa(data, engine.model, cfg.model.name, cfg.train, report, eos=sorted(engine.eos))
+        return (lambda out: save_heads(heads, out)), summary
+
+    return ensure_trained(cfg, "medusa", train, engine, retrain, workloads, report)
