@@ -1,4 +1,5 @@
-"""The one statistics helper: a 95% Student-t interval of a mean, and the repeat-until-tight rule.
+"""The one statistics helper: a 95% Student-t interval of a mean (and its one-sided lower bound), and
+the repeat-until-tight rule.
 
 Used by the load generator (engine.runner: repeats of one configuration) and by the tuner's trials
 (tuner.objective: repeats of a speedup ratio). Measurements on these machines are noisy (about
@@ -25,6 +26,17 @@ def mean_ci(xs: list[float]) -> tuple[float, float | None, float | None]:
         return m, None, None
     half = t95(len(xs)) * statistics.stdev(xs) / math.sqrt(len(xs))
     return m, m - half, m + half
+
+
+def lower95(xs: list[float]) -> float | None:
+    """One-sided 95% lower confidence bound of the mean (None with fewer than two samples): what
+    "faster than the baseline" needs. It is one-sided because only one direction is claimed; with
+    two repeats the two-sided interval (t = 12.7) would reject every realistic speedup."""
+    if len(xs) < 2:
+        return None
+    from scipy.stats import t
+
+    return statistics.fmean(xs) - float(t.ppf(0.95, len(xs) - 1)) * statistics.stdev(xs) / math.sqrt(len(xs))
 
 
 def rel_half_width(xs: list[float]) -> float | None:

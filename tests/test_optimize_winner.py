@@ -72,6 +72,19 @@ def test_a_ci_that_includes_one_is_not_a_win() -> None:
     assert w.spec == ng(3)
 
 
+def test_faster_is_a_one_sided_claim_on_the_repeats() -> None:
+    """Two repeats at 1.58x and 1.77x: the two-sided 95% interval (t = 12.7 with one degree of
+    freedom) spans [0.47, 2.88], yet the one-sided bound clears 1.0, so it wins; two repeats that
+    disagree (1.02x, 1.40x) do not prove anything."""
+    steady = _trial(ng(5), 1.675, ci=(0.47, 2.88))
+    steady.user_attrs["ratios"] = [1.58, 1.77]
+    w = pick_winner([steady], NOISE, [1])
+    assert w.spec == ng(5) and "one-sided 95% lower bound 1.07" in w.reason
+    shaky = _trial(ng(5), 1.21, ci=(-1.2, 3.6))
+    shaky.user_attrs["ratios"] = [1.02, 1.40]
+    assert pick_winner([shaky], NOISE, [1]).spec.method == "off"
+
+
 def test_a_speedup_without_accepted_drafts_is_noise() -> None:
     # tau 1.0: every target forward yields one token, so 1.6x can only be a noisy measurement
     w = pick_winner([_trial(ng(4), 1.6, tau=1.0)], NOISE, [1])
