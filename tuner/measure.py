@@ -146,7 +146,7 @@ def get_drafts(cfg: Config, engine: Any, quiet: bool = False) -> dict[str, str]:
         elif m in PIPELINE and cached_head(cfg, m) is not None:
             out[m] = str(cached_head(cfg, m))
         else:
-            console.print(f"training a {m} draft for {cfg.model.name} on workload {cfg.workload.name} "
+            console.print(f"training the {m} draft for {cfg.model.name} on workload {cfg.workload.name} "
                           "(once: cached for later studies)", highlight=False)
             # The other packaged workloads add diversity and, above all, their held-out prompts are excluded.
             with head_progress(quiet) as report:
