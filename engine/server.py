@@ -129,7 +129,8 @@ def create_app(cfg: Config, engine: TextEngine) -> FastAPI:
                                             "max_model_len": cfg.model.max_context}]}
 
     # No request needs more than the context's worth of text: 32 bytes a token covers JSON-escaped
-    # text in any script (a \\uXXXX escape is 6 bytes; a token is rarely over 4 characters).
+    # text in any script (a \\u escape with its four hex digits is 6 bytes; a token is rarely over 4
+    # characters).
     body_limit = max(2**20, 32 * cfg.model.max_context)
 
     async def read_body(request: Request) -> bytes:

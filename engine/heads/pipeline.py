@@ -162,6 +162,8 @@ def _fixed_text_data(cfg: Config, engine, thash: str, report: Report | None,
         if report:
             report("fixed text", done, n, {"tokens": tokens, "tok_s": tokens / max(seconds, 1e-9)})
 
+    # a prefill row is a whole sequence (up to seq_len tokens), not one token: a quarter of the
+    # decode batch keeps the activations of one forward about the same size
     data = teacher_force(engine.model, seqs, tc.label_topk, tc.gen_batch // 4 or 1, aux_layers,
                          on_progress=progress, meta={"key": key, "target": thash})
     data.save(path)
