@@ -17,7 +17,6 @@ reference position of its depth (deterministic siblings: r(x); sampled ones: sum
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -31,10 +30,9 @@ from engine.drafters import Drafter, make_drafter
 from engine.model import Target
 from engine.tree import Tree
 from engine.verify import process_logits
+from tuner.profile_file import KIND, PROFILE_FILE, Profile, load_profile  # noqa: F401 (re-exported)
 from tuner.schema import Config, SpecConfig, UserError
 
-PROFILE_FILE = "profile.json"
-KIND = "spectune-acceptance-profile"
 LOOKAHEAD = 16  # reference tokens generated past the end: drafts are matched that far (SpecConfig.depth <= 16)
 
 
@@ -262,70 +260,6 @@ def profile_points(target: Target, refs: list[Reference], specs: Sequence[SpecCo
         if on_point is not None:
             on_point(res)
     return results
-
-
-@dataclass
-class Profile:
-    """A stored acceptance profile: where it came from and every profiled point."""
-
-    model: str
-    hf_id: str
-    fp8: bool
-    workload: str
-    temperature: float
-    max_new_tokens: int
-    prompts: list[str]
-    sequences: list[dict]
-    points: list[dict]
-    reference_s: float = 0.0
-    engine: str = ""  # dtype / threads / device of the built-in engine that profiled (its draft times)
-    kind: str = KIND
-
-    @property
-    def exact(self) -> bool:
-        return self.temperature <= 0
-
-    def tau(self, spec: SpecConfig) -> float | None:
-        """The profiled tau of `spec` (method, depth, topk, budget, n-gram lookup), or None."""
-        hit = self.point(spec)
-        return hit["tau"] if hit else None
-
-    def point(self, spec: SpecConfig) -> dict | None:
-        want = _identity(spec)
-        return next((p for p in self.points if _identity(SpecConfig(**p["spec"])) == want), None)
-
-    def save(self, path: Path) -> Path:
-        path = Path(path)
-        if path.is_dir() or not path.suffix:
-            path = path / PROFILE_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=1))
-        tmp.replace(path)
-        return path
-
-
-def _identity(spec: SpecConfig) -> tuple:
-    # what acceptance depends on (not the K schedule, which is a cost decision)
-    lookup = (spec.ngram_min, spec.ngram_max) if spec.method == "ngram" else ()
-    if spec.method == "off":
-        return ("off",)
-    return (spec.method, spec.depth, spec.topk, spec.budget, *lookup)
-
-
-def load_profile(path: str | Path) -> Profile:
-    """A profile from its file or the run directory holding profile.json (UserError when unreadable)."""
-    p = Path(path).expanduser()
-    if p.is_dir():
-        p = p / PROFILE_FILE
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, ValueError) as exc:
-        raise UserError(f"--profile {path}: no readable acceptance profile ({type(exc).__name__}); "
-                        "make one with `tuner profile`") from None
-    if not isinstance(data, dict) or data.get("kind") != KIND:
-        raise UserError(f"--profile {path}: not an acceptance profile written by `tuner profile`")
-    return Profile(**data)
 
 
 def make_profile(target: Target, prompt_ids: list[list[int]], names: list[str], specs: Sequence[SpecConfig],

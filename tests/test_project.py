@@ -39,10 +39,10 @@ def test_profile_command_writes_every_point(run_dir, capsys) -> None:
 
 def test_project_from_run_writes_csv_png_yaml(run_dir, capsys) -> None:
     out = run_dir / "proj"
-    rc = main(["project", "hardware=h100x8", "model=tiny-random", "--from", str(run_dir), "--concurrency", "1,16",
-               "--out", str(out)])
+    # no model=: the run's own model (tiny-random) is projected, not the default SmolLM2
+    rc = main(["project", "hardware=h100x8", "--from", str(run_dir), "--concurrency", "1,16", "--out", str(out)])
     text = capsys.readouterr().out
-    assert rc == 0 and text.strip().splitlines()[-1] == str(out)
+    assert rc == 0 and text.strip().splitlines()[-1] == str(out) and text.startswith("projection of tiny-random")
     rows = list(csv.DictReader(open(out / "projection.csv")))
     assert len(rows) == 2 * 4 and {r["concurrency"] for r in rows} == {"1", "16"}
     assert (out / "projection.png").stat().st_size > 1000

@@ -44,7 +44,7 @@ def _points() -> list[tuple[SpecConfig, float]]:
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run of llama-3.1-8b-instruct tuned on h200x1 (config.yaml, best.yaml) and its acceptance
     profile (profile.json as `tuner profile --from RUN` writes it; taus given, no 8B model here)."""
-    from engine.profile import Profile
+    from tuner.profile_file import Profile
 
     d = tmp_path_factory.mktemp("run")
     cfg = load_config(["model=llama-3.1-8b-instruct", "hardware=h200x1", "deploy=sglang", "+workload=chat",
@@ -218,3 +218,16 @@ def test_choose_projected_over_several_levels() -> None:
     slow = [_pred(off, 1, 1.0), _pred(d2, 1, 0.9), _pred(tree, 1, 1.5)]
     spec, rows = choose_projected(slow, "vllm")
     assert spec.method == "off" and rows[0].spec.method == "off"
+
+
+def test_projecting_and_rendering_need_no_torch(run: Path, tmp_path: Path) -> None:
+    """The stored profile is read without PyTorch: rendering a projection works where only the
+    deployment side of spectune is installed (a CI job that renders manifests)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from tuner.cli import main; "
+            f"rc = main(['render', '--from', {str(run)!r}, '--projected', 'hardware=h100x8', '--out', {str(tmp_path / 'k8s')!r}]); "
+            "assert rc == 0, rc; assert 'torch' not in sys.modules, 'torch was imported'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0, out.stderr[-2000:]

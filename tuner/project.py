@@ -48,7 +48,7 @@ def _profile_path(run: Path | None, profile: Path | None) -> Path | None:
 
 def acceptance_from_profile(path: Path, model: str) -> Acceptance:
     """The profiled points of `path` (a profile file or a run directory holding one) for `model`."""
-    from engine.profile import load_profile  # the profile's reader lives beside its writer
+    from tuner.profile_file import load_profile  # no torch: projecting needs only the stored profile
 
     if not path.exists():
         raise UserError(f"{path}: no acceptance profile there (make one with `tuner profile --from RUN`)")
@@ -336,14 +336,17 @@ def default_out_dir(cfg: Config, run: Path | None) -> Path:
 
 
 def with_run(cfg: Config, run: Path, overrides: list[str]) -> Config:
-    """cfg with the run's workload and engine settings (what was profiled) unless overridden."""
-    from tuner.schema import EngineConfig, WorkloadConfig
+    """cfg with the run's model, workload and engine settings (what was profiled) unless overridden:
+    `tuner project --from RUN hardware=h100x1` projects the run's own model, not the default one."""
+    from tuner.schema import EngineConfig, ModelConfig, WorkloadConfig
 
     path = run / "config.yaml"
     if not path.is_file():
         raise UserError(f"--from {run}: no config.yaml there (a run directory of `tuner optimize` or `tuner profile`)")
     saved = yaml.safe_load(path.read_text()) or {}
     touched = {o.lstrip("+~").split("=")[0].split(".")[0] for o in overrides}
+    if saved.get("model") and "model" not in touched:
+        cfg.model = ModelConfig(**saved["model"])
     if saved.get("workload") and "workload" not in touched:
         cfg.workload = WorkloadConfig(**saved["workload"])
     if saved.get("engine") and "engine" not in touched:
