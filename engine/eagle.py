@@ -138,7 +138,8 @@ def save_head(head: EagleHead, path: str | Path) -> Path:
     cfg.update(num_hidden_layers=1, architectures=["LlamaForCausalLM"])
     cfg.pop("transformers_version", None)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str) + "\n")
-    state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items() if not k.startswith("rotary_emb")}
+    # clone: a head that drafted has fused weights (engine.drafters.lean_head) whose rows are views
+    state = {k: v.detach().cpu().clone() for k, v in head.state_dict().items() if not k.startswith("rotary_emb")}
     save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
     if head.draft_ids is not None:
         (out / DRAFT_VOCAB).write_text(json.dumps({"target_ids": head.draft_ids.tolist()}) + "\n")

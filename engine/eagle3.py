@@ -210,7 +210,8 @@ def save_eagle3(head: Eagle3Head, path: str | Path) -> Path:
                tie_word_embeddings=False, **{AUX_KEY: list(head.aux_layers)})
     cfg.pop("transformers_version", None)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str) + "\n")
-    state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items() if not k.startswith("rotary_emb")}
+    # clone: a head that drafted has fused weights (engine.drafters.lean_head) whose rows are views
+    state = {k: v.detach().cpu().clone() for k, v in head.state_dict().items() if not k.startswith("rotary_emb")}
     save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
     return out
 

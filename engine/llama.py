@@ -61,7 +61,7 @@ def check_supported(config) -> None:
 class Block:
     """One decoder layer's weights: fused qkv [(H+2K)*d, h] (+ bias), o [h, H*d], fused gate/up [2I, h], down."""
 
-    ln1: torch.Tensor
+    ln1: torch.Tensor | None  # None: no input norm (an EAGLE-1 head's layer)
     wqkv: torch.Tensor
     bqkv: torch.Tensor | None
     wo: torch.Tensor
@@ -123,15 +123,21 @@ class LeanLlama:
         return sum(t.numel() * t.element_size() for t in ts)
 
     def rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin tables [length, d] (HF's layout: the half-frequencies repeated)."""
+        """cos/sin tables [>= length, d] (HF's layout: the half-frequencies repeated)."""
         if length > self._rope_len:
-            n = 1 << max(8, math.ceil(math.log2(length)))
-            freqs = torch.arange(n, device=self.device, dtype=torch.float32)[:, None] * self.inv_freq.to(self.device)[None]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self.cos = (emb.cos() * self.rope_scale).to(self.dtype)
-            self.sin = (emb.sin() * self.rope_scale).to(self.dtype)
-            self._rope_len = n
+            self.cos, self.sin = rope_table(self.inv_freq, self.rope_scale, length, self.device, self.dtype)
+            self._rope_len = self.cos.shape[0]
         return self.cos, self.sin
+
+
+def rope_table(inv_freq: torch.Tensor, scale: float, length: int, device: torch.device,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [n, d] for positions 0..n-1, n the next power of two >= length (at least 256), so a
+    growing sequence recomputes the table a handful of times, never per step."""
+    n = 1 << max(8, math.ceil(math.log2(max(length, 1))))
+    freqs = torch.arange(n, device=device, dtype=torch.float32)[:, None] * inv_freq.float().to(device)[None]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 class KVCache:
@@ -166,6 +172,18 @@ class KVCache:
         """Roll back to the first `length` positions."""
         self.length = min(self.length, length)
 
+    def reserve(self, need: int) -> None:
+        """Room for `need` positions: a full cache doubles, keeping its valid entries (draft heads,
+        whose sequence length is not known up front; the target's cache is sized per request)."""
+        if need <= self.capacity:
+            return
+        cap = max(need, 2 * self.capacity)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_empty(*old.shape[:2], cap, old.shape[3])
+            new[:, :, :self.length] = old[:, :, :self.length]
+            setattr(self, name, new)
+
 
 def _onednn() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -197,13 +215,16 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def layer_forward(x: torch.Tensor, ln1: torch.Tensor, wqkv: torch.Tensor, bqkv: torch.Tensor | None,
                   wo: torch.Tensor, ln2: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   ck: torch.Tensor, cv: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  mask: torch.Tensor | None, length: int, n_heads: int, n_kv: int, eps: float) -> torch.Tensor:
+                  mask: torch.Tensor | None, length: int, n_heads: int, n_kv: int, eps: float,
+                  attn_in: torch.Tensor | None = None) -> torch.Tensor:
     """One decoder layer over x [n, h]. Writes this step's keys/values at `slots` of the layer's cache
     ck/cv [K, C, d] and attends over its first `length` positions through the additive `mask`
-    [n, length] (None: every row sees all of them, a single decode row)."""
+    [n, length] (None: every row sees all of them, a single decode row). `attn_in` replaces
+    rms_norm(x, ln1) as the input of q/k/v (draft heads: EAGLE-1 feeds x unnormed, EAGLE-3 the
+    2h-wide normed embedding and feature), x staying the residual."""
     n = x.shape[0]
     d = ck.shape[-1]
-    qkv = linear(rms_norm(x, ln1, eps), wqkv, bqkv)
+    qkv = linear(rms_norm(x, ln1, eps) if attn_in is None else attn_in, wqkv, bqkv)
     q, k, v = qkv.split((n_heads * d, n_kv * d, n_kv * d), dim=-1)
     q = _rotate(q.view(n, n_heads, d).transpose(0, 1), cos, sin)
     k = _rotate(k.view(n, n_kv, d).transpose(0, 1), cos, sin)

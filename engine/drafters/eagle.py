@@ -6,6 +6,7 @@ import torch
 
 from engine.cache import KVBuffer
 from engine.drafters.base import ModelDrafter
+from engine.drafters.lean_head import lean_head
 from engine.eagle import EagleHead
 from tuner.schema import SpecConfig
 
@@ -13,7 +14,9 @@ from tuner.schema import SpecConfig
 class EagleDrafter(ModelDrafter):
     """The head's cache holds position t = (token t+1, feature t) for every committed t < n, where
     ids[n] is the root. A tree node at depth d runs at position n-1+d with its parent's predicted
-    feature. The cache grows in place (engine.cache.KVBuffer); a rollback is a length change.
+    feature. The head runs on the lean layer (engine.drafters.lean_head: fused weights, oneDNN
+    linears, a static cache written by index); a head with extra biases runs its module over a
+    KVBuffer. Either cache grows in place; a rollback is a length change.
 
     A head with a draft vocabulary scores only those rows of the target's lm_head (on CPU the full
     lm_head is most of a draft step) and the tree is built in draft ids (ModelDrafter.draft_vocab)."""
@@ -28,13 +31,14 @@ class EagleDrafter(ModelDrafter):
         self.draft_vocab = None if ids is None else ids.to(self.device)
         self._lm_rows = (self.lm_head.weight if ids is None else self.lm_head.weight[self.draft_vocab]).detach().contiguous()
         self._pending: list[torch.Tensor] = []
-        self.cache = KVBuffer()
+        self.lean = lean_head(head)
+        self.cache = self.lean.new_cache() if self.lean is not None else KVBuffer()
         self._root_feat: torch.Tensor | None = None
         self._slot_feat: list[torch.Tensor] = []
 
     def reset(self, prompt_ids: list[int]) -> None:
         self._pending, self._ctx_len, self._slot_feat = [], 0, []
-        self.cache.reset()
+        self.cache.crop(0)
 
     def observe(self, features: torch.Tensor) -> None:
         self._pending.append(features)
@@ -45,6 +49,8 @@ class EagleDrafter(ModelDrafter):
 
     def _step(self, embeds: torch.Tensor, feats: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """One head forward over new positions (appended to the cache); returns their output features."""
+        if self.lean is not None:
+            return self.lean.step(self.cache, embeds[0], feats[0], pos[0], None if mask is None else mask[0, 0])[None]
         return self.head(embeds, feats, pos, mask, self.cache)[0]
 
     def _catch_up(self, ids: list[int]) -> torch.Tensor:
@@ -72,6 +78,8 @@ class EagleDrafter(ModelDrafter):
         return self._logits(out[0])
 
     def _logits(self, feat: torch.Tensor) -> torch.Tensor:
+        if self.lean is not None:
+            return self.lean.logits(feat, self._lm_rows)
         return feat @ self._lm_rows.T
 
     def _rollback(self) -> None:

@@ -7,6 +7,7 @@ import torch
 from engine.cache import KVBuffer
 from engine.drafters.base import ModelDrafter
 from engine.drafters.eagle import EagleDrafter
+from engine.drafters.lean_head import lean_head
 from engine.eagle3 import Eagle3Head
 from tuner.schema import SpecConfig
 
@@ -25,7 +26,8 @@ class Eagle3Drafter(EagleDrafter):
         self.vocab_size = head.t2d.numel()
         full = head.draft_vocab_size == self.vocab_size and not bool(head.d2t.any())
         self.draft_vocab = None if full else head.target_ids()
-        self.cache = KVBuffer()
+        self.lean = lean_head(head)
+        self.cache = self.lean.new_cache() if self.lean is not None else KVBuffer()
         self._pending: list[torch.Tensor] = []
         self._root_feat: torch.Tensor | None = None
         self._slot_feat: list[torch.Tensor] = []
@@ -36,10 +38,12 @@ class Eagle3Drafter(EagleDrafter):
         self._pending.append(aux)
 
     def _first(self, pending: torch.Tensor) -> torch.Tensor:
-        return self.head.fuse(pending)
+        return self.head.fuse(pending) if self.lean is None else self.lean.fuse(pending)
 
     def _step(self, embeds: torch.Tensor, feats: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        if self.lean is not None:
+            return super()._step(embeds, feats, pos, mask)
         return self.head(embeds, feats, pos, mask, self.cache)
 
     def _logits(self, feat: torch.Tensor) -> torch.Tensor:
-        return self.head.logits(feat)
+        return self.head.logits(feat) if self.lean is None else self.lean.logits(feat)

@@ -1,0 +1,107 @@
+"""The decoder layer of an EAGLE-1 or EAGLE-3 draft head on the target's lean blocks (engine.llama).
+
+The head modules (engine.eagle, engine.eagle3) stay what training and checkpoints use. For
+drafting, their q/k/v and gate/up weights are fused into one tensor each (the modules' weights
+become views of them, as the target's are), RoPE comes from a table, every linear goes through
+`engine.llama.linear` (oneDNN for multi-row inputs and the lm_head on CPU fp32, where MKL's
+small-batch GEMM costs about 3x: the 8,192-row draft lm_head over 4 rows took 2.3 ms with MKL and
+0.66 ms with oneDNN on the 2-core development machine), and the KV cache is engine.llama.KVCache:
+written by index, a rollback is a length change, doubling when full.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.eagle import EagleHead
+from engine.eagle3 import Eagle3Head
+from engine.llama import Block, KVCache, _fuse, _fuse_bias, layer_forward, linear, rms_norm, rope_table
+
+_NEG = float("-inf")
+
+
+def supports(head: torch.nn.Module) -> bool:
+    """Whether `head` runs on the lean layer: no biases outside q/k/v and fc (some public heads have them)."""
+    layer = head.midlayer if isinstance(head, Eagle3Head) else head.layers[0]
+    return layer.self_attn.o_proj.bias is None and all(
+        getattr(layer.mlp, n).bias is None for n in ("gate_proj", "up_proj", "down_proj"))
+
+
+class LeanHead:
+    """One draft step of a head over n new positions: `step(cache, embeds, feats, positions, mask)`."""
+
+    def __init__(self, head: EagleHead | Eagle3Head) -> None:
+        self.eagle3 = isinstance(head, Eagle3Head)
+        layer = head.midlayer if self.eagle3 else head.layers[0]
+        a, m = layer.self_attn, layer.mlp
+        cfg = head.config
+        with torch.no_grad():
+            self.block = Block(ln1=None, wqkv=_fuse([a.q_proj, a.k_proj, a.v_proj]),
+                               bqkv=_fuse_bias([a.q_proj, a.k_proj, a.v_proj]), wo=a.o_proj.weight.detach(),
+                               ln2=layer.post_attention_layernorm.weight.detach(),
+                               w13=_fuse([m.gate_proj, m.up_proj]), w2=m.down_proj.weight.detach())
+        self.blocks = [self.block]  # what KVCache reads: one layer
+        self.fc_w = head.fc.weight.detach()
+        self.fc_b = None if head.fc.bias is None else head.fc.bias.detach()
+        if self.eagle3:
+            self.embed_norm = layer.input_layernorm.weight.detach()
+            self.hidden_norm = layer.hidden_norm.weight.detach()
+            self.norm_before_residual = head.norm_before_residual
+            self.final_norm, self.lm_w = head.norm.weight.detach(), head.lm_head.weight.detach()
+        self.n_heads, self.n_kv, self.head_dim = a.n_heads, a.n_kv, a.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.device, self.dtype = self.fc_w.device, self.fc_w.dtype
+        self.inv_freq = head.rotary_emb.inv_freq.detach()
+        self.rope_scale = float(head.rotary_emb.attention_scaling)
+        self.cos, self.sin = rope_table(self.inv_freq, self.rope_scale, 1, self.device, self.dtype)
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self, 256)
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """EAGLE-3: target aux states [n, 3h] -> first-step features [n, h] (the head's fc)."""
+        return linear(aux, self.fc_w, self.fc_b)
+
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Draft logits of output features [.., h]: EAGLE-3 through its final norm and own lm_head,
+        EAGLE-1 through `rows` (the target's lm_head rows of the draft vocabulary)."""
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        out = linear(rms_norm(flat, self.final_norm, self.eps), self.lm_w) if self.eagle3 else linear(flat, rows)
+        return out.reshape(*hidden.shape[:-1], out.shape[-1])
+
+    def step(self, cache: KVCache, embeds: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
+             mask: torch.Tensor | None) -> torch.Tensor:
+        """embeds, feats [n, h]; positions [n]; mask bool [n, cache.length + n] over the cached and
+        new positions (None: causal). Appends the n keys/values; returns the output features [n, h]."""
+        n, p = embeds.shape[0], cache.length
+        length = p + n
+        cache.reserve(length)
+        if int(positions.max()) >= self.cos.shape[0]:
+            self.cos, self.sin = rope_table(self.inv_freq, self.rope_scale, int(positions.max()) + 1, self.device, self.dtype)
+        cos, sin = self.cos[positions], self.sin[positions]
+        if mask is None and n > 1:
+            mask = torch.ones(n, length, dtype=torch.bool, device=self.device).tril(p)
+        add = None if mask is None or bool(mask.all()) else torch.zeros(
+            mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, _NEG)
+        if self.eagle3:
+            f = rms_norm(feats, self.hidden_norm, self.eps)
+            attn_in = torch.cat([rms_norm(embeds, self.embed_norm, self.eps), f], dim=-1)
+            x = f if self.norm_before_residual else feats
+        else:
+            x = attn_in = linear(torch.cat([embeds, feats], dim=-1), self.fc_w, self.fc_b)
+        b = self.block
+        out = layer_forward(x, b.ln1, b.wqkv, b.bqkv, b.wo, b.ln2, b.w13, b.w2, cache.k[0], cache.v[0],
+                            torch.arange(p, length, device=self.device), cos, sin, add, length,
+                            self.n_heads, self.n_kv, self.eps, attn_in=attn_in)
+        cache.length = length
+        return out
+
+
+def lean_head(head: EagleHead | Eagle3Head) -> LeanHead | None:
+    """The head's LeanHead, built once per head module (heads are cached per process and shared by
+    every drafter of that head), or None when the head has biases the lean layer does not carry."""
+    if not supports(head):
+        return None
+    if getattr(head, "_lean", None) is None:
+        head._lean = LeanHead(head)
+    return head._lean
