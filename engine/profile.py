@@ -309,9 +309,12 @@ def profile_config(cfg: Config, specs: Sequence[SpecConfig], split: str = "tune"
     ids = [engine.encode_prompt(p.text, cfg.workload.chat_template) for p in prompts]
     return make_profile(target, ids, [p.id for p in prompts], specs, sampling_params(cfg.workload, seed=cfg.seed),
                         engine.eos, cfg.model.max_context, model=cfg.model.name, hf_id=cfg.model.hf_id, fp8=fp8,
-                        workload=cfg.workload.name, seed=cfg.seed, engine=engine_key(target), on_point=on_point)
+                        workload=cfg.workload.name, seed=cfg.seed, on_point=on_point,
+                        engine=engine_key(target, cfg.engine.builtin.forward, cfg.engine.builtin.compile))
 
 
-def engine_key(target: Target) -> str:
-    """What a cost measured with this target depends on besides the machine."""
-    return f"{target.name}|{target.device}|{target.dtype}|threads={torch.get_num_threads()}"
+def engine_key(target: Target, forward: str = "hf", compile: bool = False) -> str:
+    """What a cost measured with this target depends on besides the machine: the forward the
+    engine verifies with (`engine.builtin.forward`, compiled or not) included."""
+    kind = forward + ("+compile" if compile and forward == "lean" else "")
+    return f"{target.name}|{target.device}|{target.dtype}|threads={torch.get_num_threads()}|forward={kind}"

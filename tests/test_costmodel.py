@@ -118,8 +118,29 @@ def test_measured_cost_is_cached_per_machine(tmp_path, monkeypatch) -> None:
     import tuner.costmodel as cm
 
     calls = []
-    monkeypatch.setattr(cm, "measure_forward", lambda target: calls.append(1) or {"1,128": 0.01, "2,128": 0.02})
+    monkeypatch.setattr(cm, "measure_forward", lambda target, builtin=None, cache_dir=None: calls.append(1) or {"1,128": 0.01, "2,128": 0.02})
     a = measured_cost(None, "tiny|fp32", tmp_path)
     b = measured_cost(None, "tiny|fp32", tmp_path)
     c = measured_cost(None, "tiny|bf16", tmp_path)
     assert a.forward == b.forward and len(calls) == 2 and a.key == b.key != c.key
+
+
+@pytest.mark.parametrize("forward", ["lean", "hf"])
+def test_the_microbenchmark_times_the_forward_the_engine_verifies_with(forward, monkeypatch) -> None:
+    """The cost model times the engine's own forward (engine.builtin.forward), not always
+    transformers': the lean forward is ~15% faster per step here, so timing the wrong one made
+    every prediction of `tuner project hardware=cpu` and search.sampler=model too slow."""
+    import engine.llama as L
+    from engine.model import load_target
+    from engine.profile import engine_key
+    from tuner.costmodel import TOKENS, measure_forward
+
+    cfg = load_config(["model=tiny-random", f"engine.builtin.forward={forward}"])
+    target = load_target(cfg.model, cfg.engine.builtin, cfg.cache_dir, cfg.seed)
+    steps = []
+    real = L.LeanForward.step
+    monkeypatch.setattr(L.LeanForward, "step", lambda self, *a, **k: steps.append(len(a[1])) or real(self, *a, **k))
+    out = measure_forward(target, tokens=(1, 4), contexts=(16,), repeats=1, builtin=cfg.engine.builtin)
+    assert set(out) == {"1,16", "4,16"} and all(v > 0 for v in out.values())
+    assert (steps == [16, 1, 4]) == (forward == "lean") and (steps == []) == (forward == "hf")
+    assert engine_key(target, forward).endswith(f"forward={forward}") and TOKENS[0] == 1

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from tuner.schema import HardwareConfig, ModelConfig, SpecConfig, UserError
+from tuner.schema import BuiltinEngineConfig, HardwareConfig, ModelConfig, SpecConfig, UserError
 
 GB = 1e9
 
@@ -230,15 +230,38 @@ class Measured:
 
 
 def measure_forward(target, tokens: tuple[int, ...] = TOKENS, contexts: tuple[int, ...] = CONTEXTS,
-                    repeats: int = 3) -> dict[str, float]:
+                    repeats: int = 3, builtin: BuiltinEngineConfig | None = None,
+                    cache_dir: str | None = None) -> dict[str, float]:
     """Median seconds of one target forward over `tokens` new tokens (a chain) after `context`
-    cached tokens, for every pair: what a verification costs on this machine."""
+    cached tokens, for every pair: what a verification costs on this machine, through the forward
+    the engine verifies with (`builtin.forward`: the lean forward, compiled or not, or transformers')."""
     import torch
+
+    out: dict[str, float] = {}
+    if builtin is not None and builtin.forward == "lean":
+        from engine.llama import lean_forward
+
+        lean = lean_forward(target, builtin.compile, cache_dir)
+        if builtin.compile:
+            lean.warm_up()
+        with torch.inference_mode():
+            for c in contexts:
+                cache = lean.new_cache(c + max(tokens))
+                ids = torch.randint(100, 1000, (c + max(tokens),), generator=torch.Generator().manual_seed(0)).tolist()
+                lean.step(cache, ids[:c], last_only=True)
+                for n in tokens:
+                    times = []
+                    for _ in range(repeats):
+                        t = time.perf_counter()
+                        lean.step(cache, ids[c:c + n])  # logits of every row, as a verification
+                        times.append(time.perf_counter() - t)
+                        cache.crop(c)
+                    out[f"{n},{c}"] = sorted(times)[len(times) // 2]
+        return out
 
     from engine.cache import crop_to, new_cache
 
     model, dev = target.model, target.device
-    out: dict[str, float] = {}
     with torch.inference_mode():
         for c in contexts:
             cache = new_cache(model.config)
@@ -262,15 +285,17 @@ def cache_path(cache_dir: Path, key: str) -> Path:
     return cache_dir / "costmodel" / f"{key}.json"
 
 
-def measured_cost(target, engine_key: str, cache_dir: Path, refresh: bool = False) -> Measured:
-    """The measured forward costs of this machine and engine setting, from the cache or measured
-    now (about a minute for a 135M model on 2 cores)."""
+def measured_cost(target, engine_key: str, cache_dir: Path, refresh: bool = False,
+                  builtin: BuiltinEngineConfig | None = None, spectune_cache: str | None = None) -> Measured:
+    """The measured forward costs of this machine and engine setting (`engine_key` names the
+    forward; `builtin` selects it), from the cache or measured now (seconds for a 135M model on 2
+    cores). `spectune_cache` is the configured cache_dir (compiled artifacts of the lean forward)."""
     key = machine_key(engine_key)
     path = cache_path(Path(cache_dir), key)
     if path.is_file() and not refresh:
         data = json.loads(path.read_text())
         return Measured(forward=data["forward"], key=key)
-    fwd = measure_forward(target)
+    fwd = measure_forward(target, builtin=builtin, cache_dir=spectune_cache)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"engine": engine_key, "forward": fwd}, indent=1))

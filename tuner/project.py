@@ -269,10 +269,13 @@ def measured_here(cfg: Config, acc: Acceptance, refresh: bool = False) -> StepCo
         torch.set_num_threads(cfg.engine.builtin.threads)
     target = load_target(cfg.model, cfg.engine.builtin.model_copy(update={"fp8_weights": fp8_profile(cfg)}),
                          cfg.cache_dir, cfg.seed)
-    if acc.engine and acc.engine != engine_key(target):
+    b = cfg.engine.builtin
+    key = engine_key(target, b.forward, b.compile)
+    if acc.engine and acc.engine != key:
         raise UserError(f"the profile's draft times were measured with {acc.engine}, this engine is "
-                        f"{engine_key(target)}: profile again with the same engine.builtin settings")
-    cost = measured_cost(target, engine_key(target), cache_root(cfg.cache_dir), refresh=refresh)
+                        f"{key}: profile again with the same engine.builtin settings")
+    cost = measured_cost(target, key, cache_root(cfg.cache_dir), refresh=refresh, builtin=b,
+                         spectune_cache=cfg.cache_dir)
     cost.draft = dict(acc.draft_s)
     return cost
 
