@@ -30,7 +30,7 @@ from engine.drafters import Drafter, make_drafter
 from engine.model import Target
 from engine.tree import Tree
 from engine.verify import process_logits
-from tuner.profile_file import KIND, PROFILE_FILE, Profile, load_profile  # noqa: F401 (re-exported)
+from engine.profile_file import KIND, PROFILE_FILE, Profile, load_profile  # noqa: F401 (re-exported)
 from tuner.schema import Config, SpecConfig, UserError
 
 LOOKAHEAD = 16  # reference tokens generated past the end: drafts are matched that far (SpecConfig.depth <= 16)

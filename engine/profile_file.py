@@ -1,6 +1,6 @@
 """The stored acceptance profile (profile.json): its schema, reader and writer, apart from the code
 that measures it (engine.profile), so that projecting and rendering from a profile need no
-PyTorch."""
+PyTorch (engine/__init__.py imports nothing)."""
 
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ def _points() -> list[tuple[SpecConfig, float]]:
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run of llama-3.1-8b-instruct tuned on h200x1 (config.yaml, best.yaml) and its acceptance
     profile (profile.json as `tuner profile --from RUN` writes it; taus given, no 8B model here)."""
-    from tuner.profile_file import Profile
+    from engine.profile_file import Profile
 
     d = tmp_path_factory.mktemp("run")
     cfg = load_config(["model=llama-3.1-8b-instruct", "hardware=h200x1", "deploy=sglang", "+workload=chat",

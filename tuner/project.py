@@ -48,7 +48,7 @@ def _profile_path(run: Path | None, profile: Path | None) -> Path | None:
 
 def acceptance_from_profile(path: Path, model: str) -> Acceptance:
     """The profiled points of `path` (a profile file or a run directory holding one) for `model`."""
-    from tuner.profile_file import load_profile  # no torch: projecting needs only the stored profile
+    from engine.profile_file import load_profile  # no torch: projecting needs only the stored profile
 
     if not path.exists():
         raise UserError(f"{path}: no acceptance profile there (make one with `tuner profile --from RUN`)")
