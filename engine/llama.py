@@ -321,13 +321,7 @@ class LeanForward:
         length = p + rows
         mask = None if rows == 1 else additive_mask(p, n, ancestors, rows, length, dev, m.dtype)
         t0 = time.perf_counter() if self.compiled and rows not in self._seen else None
-        x = F.embedding(ids, m.embed)
-        aux = {}  # layer id -> its input; aux_layers may be unordered or repeat a layer (small targets)
-        for i, b in enumerate(m.blocks):
-            if aux_layers and i in aux_layers:
-                aux[i] = x[:n]
-            x = self._layer(x, b.ln1, b.wqkv, b.bqkv, b.wo, b.ln2, b.w13, b.w2, cache.k[i], cache.v[i], slots,
-                            cos, sin, mask, length, m.n_heads, m.n_kv, m.eps)
+        x, aux = self._layers(cache, F.embedding(ids, m.embed), slots, cos, sin, mask, length, n, aux_layers)
         if t0 is not None:
             self._seen.add(rows)
             self.compile_s += time.perf_counter() - t0
@@ -336,6 +330,40 @@ class LeanForward:
         cache.length = p + n
         aux_t = torch.cat([aux[k] for k in aux_layers], dim=-1) if aux_layers else None
         return x, logits, aux_t
+
+    def _layers(self, cache: KVCache, x: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None, length: int, n: int,
+                aux_layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        m = self.model
+        aux = {}  # layer id -> its input; aux_layers may be unordered or repeat a layer (small targets)
+        for i, b in enumerate(m.blocks):
+            if aux_layers and i in aux_layers:
+                aux[i] = x[:n]
+            x = self._layer(x, b.ln1, b.wqkv, b.bqkv, b.wo, b.ln2, b.w13, b.w2, cache.k[i], cache.v[i], slots,
+                            cos, sin, mask, length, m.n_heads, m.n_kv, m.eps)
+        return x, aux
+
+    def run(self, cache: KVCache, tokens: list[int], positions: torch.Tensor,
+            visible: torch.Tensor | None) -> torch.Tensor:
+        """The general step a draft model needs: `tokens` at rotary `positions` [n] after the cache's
+        `length` entries, row i attending to the entries marked in `visible[i]` (bool [n, length + n];
+        None: causal), so a tree level sees the uncommitted slots of the levels before it. Eager,
+        unpadded. Appends the n entries (growing the cache when full); returns the final normed
+        hidden states [n, h]."""
+        m = self.model
+        n, p = len(tokens), cache.length
+        length = p + n
+        cache.reserve(length)
+        cos_t, sin_t = m.rope(int(positions.max()) + 1)
+        if visible is None and n > 1:
+            visible = torch.ones(n, length, dtype=torch.bool, device=m.device).tril(p)
+        mask = None if visible is None or bool(visible.all()) else torch.zeros(
+            visible.shape, dtype=m.dtype, device=m.device).masked_fill_(~visible, _NEG)
+        x = F.embedding(torch.tensor(tokens, device=m.device), m.embed)
+        slots = torch.arange(p, length, device=m.device)
+        x, _ = self._layers(cache, x, slots, cos_t[positions], sin_t[positions], mask, length, n)
+        cache.length = length
+        return rms_norm(x, m.norm, m.eps)
 
     def warm_up(self) -> float:
         """Compile (or load from the on-disk cache) the layer graphs a generation needs: a multi-row
@@ -354,10 +382,16 @@ _LEAN: dict[tuple, LeanForward] = {}
 
 def lean_forward(target, compile: bool = False, cache_dir: str | None = None) -> LeanForward:
     """The LeanForward of a loaded Target, built once per process (weights shared with target.model)."""
-    key = (id(target.model), compile)
+    return lean_forward_of(target.model, compile, cache_dir)
+
+
+def lean_forward_of(hf_model: torch.nn.Module, compile: bool = False, cache_dir: str | None = None) -> LeanForward:
+    """The LeanForward of an HF causal LM (a target or a draft model), built once per process and
+    model; every LeanForward of one model shares its LeanLlama (the weights are fused once)."""
+    key = (id(hf_model), compile)
     with _COMPILE_LOCK:
         if key not in _LEAN:
-            same = next((f for (i, _), f in _LEAN.items() if i == id(target.model)), None)
-            model = same.model if same is not None else LeanLlama(target.model)
+            same = next((f for (i, _), f in _LEAN.items() if i == id(hf_model)), None)
+            model = same.model if same is not None else LeanLlama(hf_model)
             _LEAN[key] = LeanForward(model, compile, cache_dir)
         return _LEAN[key]

@@ -193,3 +193,36 @@ def test_draft_memory_of_each_drafter(engine: Engine, draft_dir, tmp_path) -> No
     for spec in (SpecConfig(method="ngram", depth=2, topk=1, budget=3), SpecConfig(method="off")):
         engine.set_spec(spec)
         assert draft_memory(engine.drafter, engine.model, 100)["total_mb"] == 0
+
+
+def test_lean_draft_model_equals_transformers_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Llama draft runs on the lean blocks (LeanForward.run: tree levels see earlier levels'
+    uncommitted slots); its trees and draft distributions equal those of transformers' forward over
+    a DynamicCache, across catch-ups, tree levels and rollbacks."""
+    import engine.drafters.draft_model as DM
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.llama import KVCache
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    cfg._attn_implementation = "sdpa"
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg).eval()
+    spec = SpecConfig(method="draft_model", depth=3, topk=2, budget=6, draft_model="x")
+    lean = DraftModelDrafter(spec, model)
+    monkeypatch.setattr(DM, "_lean", lambda m: None)
+    plain = DraftModelDrafter(spec, model)
+    assert isinstance(lean.cache, KVCache) and not isinstance(plain.cache, KVCache)
+    g = torch.Generator().manual_seed(1)
+    seq = torch.randint(0, 64, (300,), generator=g).tolist()
+    for d in (lean, plain):
+        d.reset(seq[:5])
+    params = SamplingParams(temperature=1.0)
+    for end in (5, 9, 10, 270, 273):  # the last catch-ups pass the lean cache's first capacity (256)
+        a = lean.draft(seq[:end], params, torch.Generator().manual_seed(end))
+        b = plain.draft(seq[:end], params, torch.Generator().manual_seed(end))
+        assert (a.tokens, a.parents) == (b.tokens, b.parents)
+        for k in b.q:
+            torch.testing.assert_close(a.q[k], b.q[k], rtol=1e-4, atol=1e-5)

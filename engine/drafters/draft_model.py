@@ -3,6 +3,10 @@
 A draft directory may ship `draft_vocab.json` (written by engine.train_draft_model): the drafter
 then scores only those rows of the draft's lm_head (the other tokens are never drafted), which on
 CPU is most of a small draft model's cost per token. Chains and trees (EAGLE-2 expansion) alike.
+
+A Llama-family draft runs on the target's lean blocks (engine.llama: fused weights, oneDNN linears,
+a static KV cache written by index, `LeanForward.run` for tree levels that see earlier levels'
+uncommitted slots); any other architecture runs transformers' model over a DynamicCache.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch.nn.functional as F
 
 from engine.cache import crop_to, new_cache
 from engine.drafters.base import ModelDrafter
+from engine.llama import KVCache, LeanForward, check_supported, lean_forward_of, linear
 from tuner.schema import SpecConfig, UserError
 
 DRAFT_VOCAB = "draft_vocab.json"
@@ -38,16 +43,34 @@ class DraftModelDrafter(ModelDrafter):
     def __init__(self, spec: SpecConfig, model: torch.nn.Module, draft_ids: torch.Tensor | None = None) -> None:
         super().__init__(spec, next(model.parameters()).device)
         self.model = model
-        self.cache = new_cache(model.config)
+        self.lean = _lean(model)
+        self.cache = self._new_cache()
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.draft_ids = None if draft_ids is None else draft_ids.to(self.device)
         self._lm_rows = (None if draft_ids is None else
                          model.get_output_embeddings().weight[self.draft_ids].detach().contiguous())
         self.peak_tokens = 0  # most positions its KV cache held (draft memory)
 
+    def _new_cache(self):
+        return KVCache(self.lean.model, 256) if self.lean is not None else new_cache(self.model.config)
+
     def reset(self, prompt_ids: list[int]) -> None:
-        self.cache = new_cache(self.model.config)
+        if self.lean is not None and isinstance(self.cache, KVCache):
+            self.cache.crop(0)  # the buffer is kept: a rollback, and a reset, are length changes
+        else:
+            self.cache = self._new_cache()
         self._ctx_len = 0
+
+    def _lean_logits(self, tokens: list[int], positions: torch.Tensor, visible: torch.Tensor | None,
+                     last_only: bool) -> torch.Tensor:
+        hidden = self.lean.run(self.cache, tokens, positions, visible)
+        if last_only:
+            hidden = hidden[-1:]
+        if self._lm_rows is None:
+            return linear(hidden, self.lean.model.lm_head)
+        full = hidden.new_full((hidden.shape[0], self.vocab_size), float("-inf"))
+        full[:, self.draft_ids] = linear(hidden, self._lm_rows)
+        return full
 
     def _forward(self, last_only: bool = False, **kw) -> torch.Tensor:
         """Logits of the new positions (only the last one with last_only), over the draft vocabulary
@@ -62,6 +85,12 @@ class DraftModelDrafter(ModelDrafter):
         return full
 
     def _catch_up(self, ids: list[int]) -> torch.Tensor:
+        if self.lean is not None:
+            logits = self._lean_logits(ids[self._ctx_len:], torch.arange(self._ctx_len, len(ids), device=self.device),
+                                       None, True)
+            self._ctx_len = len(ids)
+            self._root_pos = len(ids) - 1
+            return logits[-1]
         new = torch.tensor([ids[self._ctx_len:]], device=self.device)
         pos = torch.arange(self._ctx_len, len(ids), device=self.device)[None]
         logits = self._forward(True, input_ids=new, position_ids=pos, cache=self.cache)
@@ -71,6 +100,10 @@ class DraftModelDrafter(ModelDrafter):
 
     def _run(self, tokens: list[int], parent_slots: list[int], positions: torch.Tensor,
              mask: torch.Tensor) -> torch.Tensor:
+        if self.lean is not None:
+            logits = self._lean_logits(tokens, positions[0], mask[0, 0], False)
+            self.peak_tokens = max(self.peak_tokens, self._ctx_len + self._n_slots)
+            return logits
         logits = self._forward(input_ids=torch.tensor([tokens], device=self.device), position_ids=positions,
                                attention_mask=mask, cache=self.cache)
         self.peak_tokens = max(self.peak_tokens, self._ctx_len + self._n_slots)
@@ -78,4 +111,16 @@ class DraftModelDrafter(ModelDrafter):
 
     def _rollback(self) -> None:
         self.peak_tokens = max(self.peak_tokens, self._ctx_len)
-        crop_to(self.cache, self._ctx_len)
+        if isinstance(self.cache, KVCache):
+            self.cache.crop(self._ctx_len)
+        else:
+            crop_to(self.cache, self._ctx_len)
+
+
+def _lean(model: torch.nn.Module) -> LeanForward | None:
+    """The draft's lean forward (eager), or None for an architecture the lean blocks do not carry."""
+    try:
+        check_supported(model.config)
+    except UserError:
+        return None
+    return lean_forward_of(model)
