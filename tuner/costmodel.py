@@ -168,6 +168,11 @@ TOKENS = (1, 2, 4, 8, 16, 32, 64)
 CONTEXTS = (128, 512)
 
 
+# Bumped whenever the engine's forward changes speed, so that cost tables cached by an older engine
+# are measured again (2: one-row CPU linears through oneDNN, a decode step 46 -> 35 ms here).
+ENGINE_REVISION = 2
+
+
 def machine_key(engine_key: str) -> str:
     """Identity of this machine and engine setting: where a measured cost model is valid."""
     import torch
@@ -178,7 +183,7 @@ def machine_key(engine_key: str) -> str:
                     if ln.startswith("model name")), cpu)
     except OSError:
         pass
-    raw = f"{platform.node()}|{cpu}|{torch.__version__}|{torch.get_num_threads()}|{engine_key}"
+    raw = f"{platform.node()}|{cpu}|{torch.__version__}|{torch.get_num_threads()}|{engine_key}|r{ENGINE_REVISION}"
     return hashlib.sha256(raw.encode()).hexdigest()[:12]
 
 
