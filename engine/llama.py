@@ -248,6 +248,17 @@ def additive_mask(prefix_len: int, n: int, ancestors: torch.Tensor | None, rows:
     return m
 
 
+def visibility_mask(visible: torch.Tensor | None, n: int, prefix_len: int, device: torch.device,
+                    dtype: torch.dtype) -> torch.Tensor | None:
+    """The additive mask [n, prefix_len + n] of a bool visibility matrix (None: causal after the
+    prefix); None when every row sees every position (SDPA then needs no mask)."""
+    if visible is None and n > 1:
+        visible = torch.ones(n, prefix_len + n, dtype=torch.bool, device=device).tril(prefix_len)
+    if visible is None or bool(visible.all()):
+        return None
+    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, _NEG)
+
+
 def _bucket(n: int) -> int | None:
     return next((b for b in BUCKETS if b >= n), None)
 
@@ -352,10 +363,7 @@ class LeanForward:
         length = p + n
         cache.reserve(length)
         cos_t, sin_t = m.rope(int(positions.max()) + 1)
-        if visible is None and n > 1:
-            visible = torch.ones(n, length, dtype=torch.bool, device=m.device).tril(p)
-        mask = None if visible is None or bool(visible.all()) else torch.zeros(
-            visible.shape, dtype=m.dtype, device=m.device).masked_fill_(~visible, _NEG)
+        mask = visibility_mask(visible, n, p, m.device, m.dtype)
         x = F.embedding(torch.tensor(tokens, device=m.device), m.embed)
         slots = torch.arange(p, length, device=m.device)
         x, _ = self._layers(cache, x, slots, cos_t[positions], sin_t[positions], mask, length, n)

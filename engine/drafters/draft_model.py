@@ -15,7 +15,6 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from engine.cache import crop_to, new_cache
 from engine.drafters.base import ModelDrafter
@@ -66,11 +65,7 @@ class DraftModelDrafter(ModelDrafter):
         hidden = self.lean.run(self.cache, tokens, positions, visible)
         if last_only:
             hidden = hidden[-1:]
-        if self._lm_rows is None:
-            return linear(hidden, self.lean.model.lm_head)
-        full = hidden.new_full((hidden.shape[0], self.vocab_size), float("-inf"))
-        full[:, self.draft_ids] = linear(hidden, self._lm_rows)
-        return full
+        return linear(hidden, self.lean.model.lm_head) if self._lm_rows is None else self._subset_logits(hidden)
 
     def _forward(self, last_only: bool = False, **kw) -> torch.Tensor:
         """Logits of the new positions (only the last one with last_only), over the draft vocabulary
@@ -78,10 +73,12 @@ class DraftModelDrafter(ModelDrafter):
         if self._lm_rows is None:
             return self.model(**kw, use_cache=True, logits_to_keep=int(last_only)).logits[0]
         hidden = self.model.model(**kw, use_cache=True).last_hidden_state[0]
-        if last_only:
-            hidden = hidden[-1:]
+        return self._subset_logits(hidden[-1:] if last_only else hidden)
+
+    def _subset_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits that are -inf outside the draft vocabulary."""
         full = hidden.new_full((hidden.shape[0], self.vocab_size), float("-inf"))
-        full[:, self.draft_ids] = F.linear(hidden, self._lm_rows)
+        full[:, self.draft_ids] = linear(hidden, self._lm_rows)
         return full
 
     def _catch_up(self, ids: list[int]) -> torch.Tensor:

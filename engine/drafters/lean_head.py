@@ -3,8 +3,7 @@
 The head modules (engine.eagle, engine.eagle3) stay what training and checkpoints use. For
 drafting, their q/k/v and gate/up weights are fused into one tensor each (the modules' weights
 become views of them, as the target's are), RoPE comes from a table, every linear goes through
-`engine.llama.linear` (oneDNN for multi-row inputs and the lm_head on CPU fp32, where MKL's
-small-batch GEMM costs about 3x: the 8,192-row draft lm_head over 4 rows took 2.3 ms with MKL and
+`engine.llama.linear` (oneDNN on CPU fp32, where MKL's small-batch GEMM costs about 3x: the 8,192-row draft lm_head over 4 rows took 2.3 ms with MKL and
 0.66 ms with oneDNN on the 2-core development machine), and the KV cache is engine.llama.KVCache:
 written by index, a rollback is a length change, doubling when full.
 """
@@ -15,9 +14,8 @@ import torch
 
 from engine.eagle import EagleHead
 from engine.eagle3 import Eagle3Head
-from engine.llama import Block, KVCache, _fuse, _fuse_bias, layer_forward, linear, rms_norm, rope_table
-
-_NEG = float("-inf")
+from engine.llama import (Block, KVCache, _fuse, _fuse_bias, layer_forward, linear, rms_norm, rope_table,
+                          visibility_mask)
 
 
 def supports(head: torch.nn.Module) -> bool:
@@ -79,10 +77,7 @@ class LeanHead:
         if int(positions.max()) >= self.cos.shape[0]:
             self.cos, self.sin = rope_table(self.inv_freq, self.rope_scale, int(positions.max()) + 1, self.device, self.dtype)
         cos, sin = self.cos[positions], self.sin[positions]
-        if mask is None and n > 1:
-            mask = torch.ones(n, length, dtype=torch.bool, device=self.device).tril(p)
-        add = None if mask is None or bool(mask.all()) else torch.zeros(
-            mask.shape, dtype=self.dtype, device=self.device).masked_fill_(~mask, _NEG)
+        add = visibility_mask(mask, n, p, self.device, self.dtype)
         if self.eagle3:
             f = rms_norm(feats, self.hidden_norm, self.eps)
             attn_in = torch.cat([rms_norm(embeds, self.embed_norm, self.eps), f], dim=-1)
