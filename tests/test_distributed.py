@@ -112,6 +112,23 @@ def test_grid_points_each_run_once_over_a_journal_file(tmp_path: Path) -> None:
     assert sorted(specs) == sorted(["off"] + [p.key() for p in space.points()])
 
 
+def test_a_journal_lock_left_by_a_killed_worker_clears_within_the_heartbeat_grace(tmp_path: Path) -> None:
+    """A worker SIGKILLed mid-append leaves Optuna's symlink lock behind. Writers must get past it well
+    inside the heartbeat grace (Optuna's default waits 30 s, long enough for a sweep to fail every
+    live trial of a study with a short grace)."""
+    path = tmp_path / "study.journal"
+    storage = open_storage(f"journal:{path}")
+    optuna.create_study(study_name="s", storage=storage)
+    os.symlink(path, f"{path}.lock")  # what the killed writer left
+    done = threading.Event()
+    writer = threading.Thread(target=lambda: (optuna.load_study(study_name="s", storage=storage).ask(), done.set()),
+                              daemon=True)
+    writer.start()
+    writer.join(timeout=4 * st.JOURNAL_LOCK_GRACE_S)
+    assert done.is_set(), "the stale journal lock blocked a write"
+    assert len(optuna.load_study(study_name="s", storage=open_storage(f"journal:{path}")).trials) == 1
+
+
 def test_dead_worker_trial_is_swept_fail_and_live_ones_are_not(server) -> None:
     cfg = load_config([*BASE, f"search.storage={server.url}", "search.study_name=sweep", "search.n_trials=3",
                        "search.heartbeat_grace_s=3"])

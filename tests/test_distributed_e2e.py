@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import optuna
@@ -39,21 +40,22 @@ def _trials(url: str, name: str) -> list[optuna.trial.FrozenTrial]:
     return optuna.load_study(study_name=name, storage=storage).get_trials()
 
 
-def _kill_mid_trial(url: str, name: str, pids: set[int], procs: list[subprocess.Popen]) -> int:
-    """SIGKILL the first of `pids` seen running a trial; the trial's number. The worker is frozen
+def _kill_mid_trial(url: str, name: str, victim: Callable[[int], bool], procs: list[subprocess.Popen]) -> int:
+    """SIGKILL the first worker pid for which `victim` holds seen running a trial; the trial's number. The worker is frozen
     (SIGSTOP) and the trial read again before the kill: a trial that finished between the first
     read and the kill would otherwise count as killed."""
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
         for t in _trials(url, name):
             pid = int(str(t.user_attrs.get(WORKER, ":0")).rsplit(":", 1)[1])
-            if t.state == TrialState.RUNNING and pid in pids:
+            if t.state == TrialState.RUNNING and pid and victim(pid):
                 os.kill(pid, signal.SIGSTOP)
                 if next(u for u in _trials(url, name) if u.number == t.number).state == TrialState.RUNNING:
                     os.kill(pid, signal.SIGKILL)
                     return t.number
                 os.kill(pid, signal.SIGCONT)
-        assert all(p.poll() is None for p in procs), "a worker ended before one could be killed mid-trial"
+        assert all(p.poll() is None for p in procs), ("a worker ended before one could be killed mid-trial",
+                                                      [p.communicate()[0] for p in procs if p.poll() is not None])
         time.sleep(0.2)
     raise AssertionError("no worker was seen running a trial")
 
@@ -65,7 +67,8 @@ def _check_study(trials: list[optuna.trial.FrozenTrial], budget: int, killed: in
     by_number = {t.number: t for t in trials}
     assert by_number[killed].state == TrialState.FAIL
     assert "no heartbeat" in by_number[killed].user_attrs["fail_reason"]
-    assert [t.number for t in started if t.state == TrialState.FAIL] == [killed]
+    failed = {t.number: t.user_attrs.get("fail_reason") for t in started if t.state == TrialState.FAIL}
+    assert list(failed) == [killed], failed
     roles = Counter(t.user_attrs.get("role", "search") for t in started)
     assert roles["baseline"] == 1 and roles["default"] == 1  # enqueued once, run once
     assert sum(1 for t in started if t.user_attrs.get("spec") == "off") == 1
@@ -85,7 +88,7 @@ def test_three_workers_share_a_postgres_study_and_survive_a_kill(tmp_path: Path)
             procs = [subprocess.Popen([*cmd, f"run_dir={tmp_path / f'w{i}'}"], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True) for i in range(3)]
             try:
-                killed = _kill_mid_trial(server.url, "e2e", {p.pid for p in procs}, procs)
+                killed = _kill_mid_trial(server.url, "e2e", {p.pid for p in procs}.__contains__, procs)
                 outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
             finally:
                 for p in procs:
@@ -127,18 +130,7 @@ def test_local_workers_over_a_journal_file_survive_a_kill(tmp_path: Path) -> Non
     parent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         # Children are the workers whose pid is not the parent's: kill one of them mid-trial.
-        deadline = time.monotonic() + TIMEOUT_S
-        killed = None
-        while killed is None and time.monotonic() < deadline:
-            for t in _trials(url, "j"):
-                pid = int(str(t.user_attrs.get(WORKER, ":0")).rsplit(":", 1)[1])
-                if t.state == TrialState.RUNNING and pid not in (0, parent.pid):
-                    os.kill(pid, signal.SIGKILL)
-                    killed = t.number
-                    break
-            assert parent.poll() is None, parent.communicate()[0]
-            time.sleep(0.2)
-        assert killed is not None
+        killed = _kill_mid_trial(url, "j", lambda pid: pid != parent.pid, [parent])
         out = parent.communicate(timeout=TIMEOUT_S)[0]
     finally:
         parent.kill()
@@ -150,7 +142,8 @@ def test_local_workers_over_a_journal_file_survive_a_kill(tmp_path: Path) -> Non
     assert all(t.state in (TrialState.COMPLETE, TrialState.FAIL) for t in trials), [t.state.name for t in trials]
     specs = Counter(t.user_attrs.get("spec") for t in trials)
     assert all(v == 1 for v in specs.values()), specs  # each grid point exactly once
-    assert {t.number for t in trials if t.state == TrialState.FAIL} == {killed}
+    failed = {t.number: t.user_attrs.get("fail_reason") for t in trials if t.state == TrialState.FAIL}
+    assert set(failed) == {killed}, failed
     assert "no heartbeat" in {t.number: t for t in trials}[killed].user_attrs["fail_reason"]
     assert len({t.user_attrs[WORKER] for t in trials}) >= 2
     for f in ("config.yaml", "best.yaml", "trials.csv", "report.html", "k8s/kustomization.yaml"):

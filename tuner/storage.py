@@ -69,15 +69,22 @@ def mask_url(url: str) -> str:
         return f"{head}://***@{rest.rpartition('@')[2]}" if "@" in rest else url
 
 
+JOURNAL_LOCK_GRACE_S = 3  # Optuna's smallest stale-lock period without a warning
+
+
 def open_storage(url: str) -> optuna.storages.BaseStorage:
     """An Optuna storage for a `storage_url` string; one line naming the cause when it cannot open."""
     try:
         if url.startswith("journal:"):
-            from optuna.storages.journal import JournalFileBackend
+            from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
 
             path = Path(url[len("journal:"):])
             path.parent.mkdir(parents=True, exist_ok=True)
-            return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+            # A worker killed while appending leaves Optuna's lock behind; with its default 30 s stale
+            # period every other worker's heartbeat would stall that long, and a sweep would then fail
+            # their live trials. An append holds the lock for milliseconds, so a few seconds is safe.
+            lock = JournalFileSymlinkLock(str(path), grace_period=JOURNAL_LOCK_GRACE_S)
+            return optuna.storages.JournalStorage(JournalFileBackend(str(path), lock_obj=lock))
         if url.startswith("sqlite:///"):
             Path(url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
         return optuna.storages.RDBStorage(url)
