@@ -114,6 +114,8 @@ class Engine:
         b = cfg.engine.builtin
         target = load_target(cfg.model, b, cfg.cache_dir, cfg.seed)
         lean = lean_forward(target, b.compile, cfg.cache_dir) if b.forward == "lean" else None
+        if lean is not None and lean.compiled and lean.compile_s == 0:
+            lean.warm_up()  # compile (or load) before any timed step: its seconds land in compile_s
         return cls(target, cfg.model.max_context, cfg.spec, cfg.seed, lean)
 
     def _eos_ids(self) -> set[int]:

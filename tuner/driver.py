@@ -132,6 +132,10 @@ def drive(cfg: Config, run_dir: Path, open_study: Callable[[SearchSpace], optuna
         with Progress(study, total, quiet=quiet) as progress:
             for line in intro(study):
                 progress.log(line)
+            lean = getattr(engine, "lean", None)
+            if lean is not None and lean.compiled:
+                progress.log(f"target forward compiled (or loaded from the on-disk cache) in {lean.compile_s:.0f} s, "
+                             "outside every trial")
             on_trial: Callable[[TrialOutcome], None] = progress
             if cfg.search.sampler == "model":  # widen the live sample where a prediction is off
                 from tuner.guided import Widener

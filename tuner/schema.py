@@ -117,6 +117,9 @@ class WorkloadConfig(_Strict):
         return self
 
 
+COMPILE_AUTO_MIN_B = 0.1
+
+
 class BuiltinEngineConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -124,7 +127,11 @@ class BuiltinEngineConfig(_Strict):
     threads: int | None = Field(None, ge=1)
     onednn_linears: bool = True  # CPU fp32: linears through oneDNN (engine/cpu_linear.py); false: plain nn.Linear
     forward: Literal["lean", "hf"] = "lean"  # lean: the engine's own Llama forward (engine/llama.py); hf: transformers'
-    compile: bool = False  # lean only: torch.compile the decoder layer (artifacts cached on disk; CUDA graphs on cuda)
+    # lean only: torch.compile the decoder layer (artifacts cached on disk; CUDA graphs on cuda).
+    # auto: on for fp32 models of at least COMPILE_AUTO_MIN_B billion parameters (resolved when the
+    # config loads, see Config): SmolLM2-135M decodes 1.22x faster compiled and compiles in ~25 s
+    # once; a tiny model's steps are too short to repay that.
+    compile: bool | Literal["auto"] = "auto"
 
 
 class LaunchedEngineConfig(_Strict):
@@ -365,6 +372,10 @@ class Config(_Strict):
 
     @model_validator(mode="after")
     def _combination(self) -> "Config":
+        b = self.engine.builtin
+        if b.compile == "auto":  # resolved here, so every consumer (and config.yaml) sees a bool
+            on = b.forward == "lean" and b.dtype == "float32" and self.model.params_b >= COMPILE_AUTO_MIN_B
+            self.engine.builtin = b.model_copy(update={"compile": on})  # a copy: the default instance is shared
         if self.engine.kind == "vllm" and self.spec.method != "off" and self.spec.topk != 1:
             raise ValueError(f"spec.topk={self.spec.topk} with engine=vllm: vLLM verifies chains only, topk must be 1")
         allowed = ENGINE_METHODS[self.engine.kind]
