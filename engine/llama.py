@@ -7,10 +7,12 @@ same memory. One forward runs N new tokens (a decode step, a chain or a branchin
 the committed prefix in `KVCache`; the tree's ancestor mask enters SDPA as an additive mask.
 
 `LeanForward.step` is what the decode loop calls. Decoder layers run either eagerly or through
-`torch.compile` (inductor) of one layer function shared by all layers, at bucketed token counts
-(padded to the bucket) with the cache length dynamic, so a handful of small graphs cover every
-step; compiled artifacts go to inductor's on-disk cache under the spectune cache dir. On CUDA
-the compiled layer uses CUDA graphs ("reduce-overhead").
+`torch.compile` (inductor) of one layer function shared by all layers, with the cache length
+dynamic; compiled artifacts go to inductor's on-disk cache under the spectune cache dir. On CUDA
+every step is compiled at bucketed token counts (padded to the bucket) under CUDA graphs
+("reduce-overhead"), where launch overhead is what compiling removes. On CPU only the one-row
+decode step is compiled: there inductor's fused GEMV beats oneDNN, while for several rows the
+eager kernels are as fast and padding a tree to its bucket would only add rows.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,19 +193,31 @@ def _onednn() -> bool:
 
 
 _ONEDNN = _onednn()
+SKINNY_MAX_ROWS = 4  # rows up to which _cpu_linear uses the w @ x.T form (measured 2-16 rows; wins up to 4)
 
 
 @torch.library.custom_op("spectune::onednn_linear", mutates_args=())
 def _onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """oneDNN's x @ w.T as an opaque op, so a compiled graph calls it as is: inductor cannot lower
     mkldnn's own op on plain weights and would fall back to MKL's slower GEMM."""
-    flat = x.reshape(-1, x.shape[-1]).contiguous()
-    return torch.ops.mkldnn._linear_pointwise(flat, w, None, "none", [], "").reshape(*x.shape[:-1], w.shape[0])
+    flat = x.reshape(-1, x.shape[-1])
+    return _cpu_linear(flat, w, None).reshape(*x.shape[:-1], w.shape[0])
 
 
 @_onednn_linear.register_fake
 def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+def _cpu_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """CPU fp32 x @ w.T (+ b) outside a compiled graph. Two to four rows (small trees, short chains)
+    go through MKL as w @ x.T: that form streams the weight near the read bandwidth (29 GB/s for two
+    rows over a layer's weights here), where oneDNN's small-M GEMM reads at 17-18 GB/s; a 2-token
+    verification step fell from 44 to 28 ms. One row and wider inputs stay with oneDNN."""
+    if x.dim() == 2 and 2 <= x.shape[0] <= SKINNY_MAX_ROWS:
+        y = torch.mm(w, x.t()).t().contiguous()
+        return y if b is None else y + b
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, b, "none", [], "")
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -214,7 +229,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     shapes (a compiled decode step 36 -> 25 ms)."""
     if _ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32:
         if not torch.compiler.is_compiling():
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, b, "none", [], "")
+            return _cpu_linear(x, w, b)
         y = (x[:, None, :] * w).sum(-1) if x.dim() == 2 and x.shape[0] == 1 else _onednn_linear(x, w)
         return y if b is None else y + b
     return F.linear(x, w, b)
@@ -297,16 +312,18 @@ def compile_cache_dir(cache_dir: str | os.PathLike | None) -> Path:
 class LeanForward:
     """The lean target forward the decode loop drives: `new_cache`, `step`, then the cache's commit/crop.
 
-    `compile=True` runs the decoder layers through one compiled layer function (see module doc);
-    `compile_s` accumulates the wall time of steps that compiled something (the first call at each
-    token bucket), which callers report apart from tokens/s."""
+    `compile=True` runs the decoder layers through one compiled layer function (see module doc:
+    every step on CUDA, the one-row step on CPU); `compile_s` accumulates the wall time of steps
+    that compiled something (the first call at each token bucket), which callers report apart
+    from tokens/s."""
 
     def __init__(self, model: LeanLlama, compile: bool = False, cache_dir: str | None = None) -> None:
         self.model = model
         self.compiled = compile
         self.compile_s = 0.0
         self._seen: set[int] = set()
-        self._layer = layer_forward
+        self._compiled = layer_forward
+        self._buckets = compile and model.device.type == "cuda"
         if compile:
             from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
@@ -315,15 +332,15 @@ class LeanForward:
             if cur is None or os.path.abspath(cur) == os.path.abspath(default_cache_dir()):
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir(cache_dir))
             mode = "reduce-overhead" if model.device.type == "cuda" else None
-            self._layer = torch.compile(layer_forward, dynamic=None, mode=mode)
+            self._compiled = torch.compile(layer_forward, dynamic=None, mode=mode)
 
     def new_cache(self, need: int) -> KVCache:
         """An empty cache for a generation of up to `need` positions, plus room for bucket padding."""
         return KVCache(self.model, -(-(need + BUCKETS[-1]) // 256) * 256)
 
     def rows_for(self, n: int) -> int:
-        """The rows a step of n tokens runs with: the bucket when compiled (beyond the largest: n)."""
-        return n if not self.compiled else (_bucket(n) or n)
+        """The rows a step of n tokens runs with: the bucket when compiled on CUDA (beyond the largest: n)."""
+        return (_bucket(n) or n) if self._buckets else n
 
     def step(self, cache: KVCache, tokens: list[int], depths: list[int] | None = None,
              ancestors: torch.Tensor | None = None, last_only: bool = False,
@@ -349,8 +366,9 @@ class LeanForward:
         cos, sin = cos_t[pos], sin_t[pos]
         length = p + rows
         mask = None if rows == 1 else additive_mask(p, n, ancestors, rows, length, dev, m.dtype)
-        t0 = time.perf_counter() if self.compiled and rows not in self._seen else None
-        x, aux = self._layers(cache, F.embedding(ids, m.embed), slots, cos, sin, mask, length, n, aux_layers)
+        layer = self._compiled if self._buckets or rows == 1 else layer_forward
+        t0 = time.perf_counter() if layer is not layer_forward and rows not in self._seen else None
+        x, aux = self._layers(layer, cache, F.embedding(ids, m.embed), slots, cos, sin, mask, length, n, aux_layers)
         if t0 is not None:
             self._seen.add(rows)
             self.compile_s += time.perf_counter() - t0
@@ -360,16 +378,16 @@ class LeanForward:
         aux_t = torch.cat([aux[k] for k in aux_layers], dim=-1) if aux_layers else None
         return x, logits, aux_t
 
-    def _layers(self, cache: KVCache, x: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None, length: int, n: int,
+    def _layers(self, layer: Callable[..., torch.Tensor], cache: KVCache, x: torch.Tensor, slots: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, length: int, n: int,
                 aux_layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         m = self.model
         aux = {}  # layer id -> its input; aux_layers may be unordered or repeat a layer (small targets)
         for i, b in enumerate(m.blocks):
             if aux_layers and i in aux_layers:
                 aux[i] = x[:n]
-            x = self._layer(x, b.ln1, b.wqkv, b.bqkv, b.wo, b.ln2, b.w13, b.w2, cache.k[i], cache.v[i], slots,
-                            cos, sin, mask, length, m.n_heads, m.n_kv, m.eps)
+            x = layer(x, b.ln1, b.wqkv, b.bqkv, b.wo, b.ln2, b.w13, b.w2, cache.k[i], cache.v[i], slots,
+                      cos, sin, mask, length, m.n_heads, m.n_kv, m.eps)
         return x, aux
 
     def run(self, cache: KVCache, tokens: list[int], positions: torch.Tensor,
@@ -387,7 +405,7 @@ class LeanForward:
         mask = visibility_mask(visible, n, p, m.device, m.dtype)
         x = F.embedding(torch.tensor(tokens, device=m.device), m.embed)
         slots = torch.arange(p, length, device=m.device)
-        x, _ = self._layers(cache, x, slots, cos_t[positions], sin_t[positions], mask, length, n)
+        x, _ = self._layers(layer_forward, cache, x, slots, cos_t[positions], sin_t[positions], mask, length, n)
         cache.length = length
         return rms_norm(x, m.norm, m.eps)
 

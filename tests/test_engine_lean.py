@@ -268,7 +268,8 @@ def test_compiled_equals_eager(prompts, reference) -> None:
     cfg = load_config(["model=tiny-random", "spec.method=off", "engine.builtin.forward=lean",
                        "engine.builtin.compile=true"])
     eng = Engine.from_config(cfg)
-    assert eng.lean.compiled and eng.lean.rows_for(5) == 8 and eng.lean.rows_for(100) == 100
+    # on CPU only the one-row step is compiled, and no step is padded (CUDA pads to BUCKETS)
+    assert eng.lean.compiled and eng.lean.rows_for(5) == 5 and eng.lean.rows_for(100) == 100
     assert BUCKETS[-1] == 64
     spec = SpecConfig(method="draft_model", depth=2, topk=2, budget=4, draft_model="oracle")
     for drafter in (None, Oracle(spec, eng.model)):
