@@ -198,19 +198,6 @@ SKINNY_MAX_ROWS = 4  # rows up to which _cpu_linear uses the w @ x.T form on pla
 PACK_ROWS = 16  # the row count packed weights are laid out for (verification steps are 3-64 rows)
 
 
-@torch.library.custom_op("spectune::onednn_linear", mutates_args=())
-def _onednn_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """oneDNN's x @ w.T as an opaque op, so a compiled graph calls it as is: inductor cannot lower
-    mkldnn's own op on plain weights and would fall back to MKL's slower GEMM."""
-    flat = x.reshape(-1, x.shape[-1])
-    return _cpu_linear(flat, w, None).reshape(*x.shape[:-1], w.shape[0])
-
-
-@_onednn_linear.register_fake
-def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], w.shape[0]))
-
-
 def pack_weights(weights: list[torch.Tensor]) -> bool:
     """Give each CPU fp32 weight a copy in oneDNN's blocked layout (attribute `_onednn_packed`), which
     `linear` uses outside compiled graphs. oneDNN otherwise re-lays a plain weight out on every call:
@@ -246,14 +233,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     """x @ w.T (+ b). CPU fp32 goes through oneDNN, one row included: on the 2-core AVX2 machine a
     lean decode step (one row through 30 layers' fused q/k/v, o, gate/up, down) took 46 ms with MKL's
     GEMV and 35 ms with oneDNN; multi-row inputs and the lm_head were already ~2x faster with it.
-    Inside a compiled graph a single row is written as a product and a sum instead: inductor fuses
-    it into one pass over the weight that streams it faster than oneDNN's GEMV at these small
-    shapes (a compiled decode step 36 -> 25 ms)."""
+    Inside a compiled graph (on CPU only the one-row step is compiled) a single row is written as a
+    product and a sum instead: inductor fuses it into one pass over the weight that streams it
+    faster than oneDNN's GEMV at these small shapes (a compiled decode step 36 -> 22 ms)."""
     if _ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32:
         if not torch.compiler.is_compiling():
             return _cpu_linear(x, w, b)
-        y = (x[:, None, :] * w).sum(-1) if x.dim() == 2 and x.shape[0] == 1 else _onednn_linear(x, w)
-        return y if b is None else y + b
+        if x.dim() == 2 and x.shape[0] == 1:
+            y = (x[:, None, :] * w).sum(-1)
+            return y if b is None else y + b
     return F.linear(x, w, b)
 
 

@@ -4,6 +4,7 @@ greedy output is token-identical to autoregressive for every drafter, compiled e
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -11,7 +12,8 @@ import torch
 
 from engine.api import SamplingParams
 from engine.drafters import DraftModelDrafter
-from engine.llama import BUCKETS, KVCache, LeanForward, LeanLlama, additive_mask, check_supported, lean_forward
+from engine.llama import (BUCKETS, KVCache, LeanForward, LeanLlama, additive_mask, check_supported, lean_forward,
+                          linear, pack_weights)
 from engine.loop import Engine
 from engine.model import load_target
 from engine.tree import Tree
@@ -309,3 +311,37 @@ def test_smollm2_logits_equal_hf() -> None:
         for node in range(tree.size):
             want = _hf_logits(target.model, ids + [tree.tokens[i] for i in _path(tree, node)])[-1]
             assert torch.allclose(logits[node], want, atol=1e-3)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16, 70])
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_cpu_linear_path_equals_f_linear(rows: int, bias: bool) -> None:
+    """One row (oneDNN), two (MKL as w @ x.T), three or more (oneDNN): on the plain weight and on its
+    packed copy, with and without a bias (Qwen2's q/k/v), the same product as F.linear."""
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(96, 64, generator=g), torch.randn(rows, 64, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    ref = torch.nn.functional.linear(x, w, b)
+    plain = linear(x, w, b)
+    packed_w = w.clone()
+    assert pack_weights([packed_w]) and packed_w._onednn_packed is not None
+    packed = linear(x, packed_w, b)
+    for out in (plain, packed):
+        assert out.shape == ref.shape and out.is_contiguous()
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_weights_are_not_packed_past_a_quarter_of_memory(monkeypatch) -> None:
+    w = torch.randn(64, 64)
+    page = os.sysconf("SC_PAGE_SIZE")
+    monkeypatch.setattr(os, "sysconf", lambda name: (w.numel() * 4 * 4 - 1) // page if name == "SC_PHYS_PAGES" else page)
+    assert not pack_weights([w]) and getattr(w, "_onednn_packed", None) is None
+
+
+def test_the_compiled_one_row_linear_equals_f_linear() -> None:
+    """Inside a compiled graph a one-row CPU linear is a product and a sum (what inductor fuses into
+    one pass over the weight); it must stay the same product."""
+    g = torch.Generator().manual_seed(0)
+    w, x, b = torch.randn(96, 64, generator=g), torch.randn(1, 64, generator=g), torch.randn(96, generator=g)
+    compiled = torch.compile(linear, dynamic=False)
+    torch.testing.assert_close(compiled(x, w, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
