@@ -168,7 +168,7 @@ def here(args: argparse.Namespace) -> None:
     cost = measured_here(cfg, acc, refresh=True)
     t_cost = time.perf_counter() - t0
     ctx = acc.context or 256
-    preds = {s.key(): predict(cost, s, t, 1, ctx) for s, t in acc.points}
+    preds = {s.key(): predict(cost, s, t, 1, ctx, (acc.verified or {}).get(s.key())) for s, t in acc.points}
     eng = Engine.from_config(load_config([*over, "spec.method=off"]))
     prompts = [eng.encode_prompt(p.text, True) for p in load_prompts(cfg.workload, "tune")[:args.prompts]]
     params = SamplingParams(max_new_tokens=args.tokens, temperature=args.temperature, seed=0)

@@ -18,6 +18,7 @@ reference position of its depth (deterministic siblings: r(x); sampled ones: sum
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -70,6 +71,9 @@ class PointResult:
     accepted_per_pos: list[float] = field(default_factory=list)
     draft_s_per_step: float = 0.0  # drafting time of one decoding step on this machine (batch 1)
     verified_per_step: float = 1.0  # tokens verified per decoding forward (root + drafted), on average
+    # share of decoding forwards verifying n tokens: a step's cost is not linear in n (one row is the
+    # compiled decode step), so predictions average the cost over this, not take it at the mean
+    verified_shares: dict[int, float] = field(default_factory=dict)
     seconds: float = 0.0
 
     def to_dict(self) -> dict:
@@ -184,7 +188,7 @@ def replay(ref: Reference, drafter: Drafter | None, params: SamplingParams, max_
     ids = prompt + toks[:1]
     i = 1  # generated tokens committed
     out = {"forwards": 1, "draft_steps": 0, "drafted": 0, "accepted": 0.0, "per_pos": [], "exp_steps": [],
-           "draft_s": 0.0}
+           "draft_s": 0.0, "sizes": Counter()}
     while i < ref.end:
         prefix = len(ids) - 1
         t = time.perf_counter()
@@ -195,6 +199,7 @@ def replay(ref: Reference, drafter: Drafter | None, params: SamplingParams, max_
                 break
             tree = Tree([ids[-1]], [-1], [0])
         out["forwards"] += 1
+        out["sizes"][tree.size] += 1
         if tree.size > 1:
             out["draft_steps"] += 1
             out["drafted"] += tree.size - 1
@@ -238,12 +243,14 @@ def profile_points(target: Target, refs: list[Reference], specs: Sequence[SpecCo
             gen = torch.Generator(device=target.device)
             gen.manual_seed(seed)
         tot = {"forwards": 0.0, "draft_steps": 0, "drafted": 0, "accepted": 0.0, "draft_s": 0.0}
+        sizes: Counter[int] = Counter()
         per_pos: list[float] = []
         with torch.inference_mode():
             for ref in refs:
                 w = replay(ref, drafter, params, max_context, gen)
                 for k in tot:
                     tot[k] += w[k]
+                sizes.update(w["sizes"])
                 for d, v in enumerate(w["per_pos"]):
                     per_pos += [0.0] * (d + 1 - len(per_pos))
                     per_pos[d] += v
@@ -255,6 +262,7 @@ def profile_points(target: Target, refs: list[Reference], specs: Sequence[SpecCo
                           accepted_tokens=tot["accepted"], accepted_per_pos=[v / steps for v in per_pos],
                           draft_s_per_step=tot["draft_s"] / max(tot["forwards"] - len(refs), 1),
                           verified_per_step=1 + tot["drafted"] / max(tot["forwards"] - len(refs), 1),
+                          verified_shares={n: c / sum(sizes.values()) for n, c in sorted(sizes.items())},
                           seconds=time.perf_counter() - t0)
         results.append(res)
         if on_point is not None:

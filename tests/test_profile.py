@@ -122,6 +122,10 @@ def test_greedy_tau_equals_live(engine: Engine, prompts, refs, spec: SpecConfig)
     res, trees = _replayed(engine, refs, spec, params)
     assert res.tau == tau and res.accepted_tokens == acc and res.drafted_tokens == drafted
     assert not res.estimate
+    # the shares of steps by tokens verified (what cost predictions average over) agree with the mean
+    assert sum(res.verified_shares.values()) == pytest.approx(1.0)
+    assert sum(n * w for n, w in res.verified_shares.items()) == pytest.approx(res.verified_per_step)
+    assert (set(res.verified_shares) == {1}) == (res.drafted_tokens == 0)
     # the same trees at the same positions: the EAGLE head saw the same features in the same order
     assert trees == live_trees
 

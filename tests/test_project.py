@@ -137,7 +137,8 @@ def test_here_uses_the_measured_cost_and_the_profiles_draft_times(run_dir, tmp_p
     m = cm.Measured(forward=table)
     ctx = int(sum(s["prompt_len"] + s["n_new"] / 2 for s in prof["sequences"]) / len(prof["sequences"]))
     for p in prof["points"][1:]:
-        want = p["tau"] / (m.verify_s(p["verified_per_step"], 1, ctx) + p["draft_s_per_step"])
+        verify = sum(w * m.verify_s(int(n), 1, ctx) for n, w in p["verified_shares"].items())
+        want = p["tau"] / (verify + p["draft_s_per_step"])
         assert float(rows[p["key"]]["tok_s"]) == pytest.approx(want, rel=1e-3)
     assert yaml.safe_load((out / "projection.yaml").read_text())["cost_model"] == "measured here"
     capsys.readouterr()
@@ -150,3 +151,18 @@ def test_here_uses_the_measured_cost_and_the_profiles_draft_times(run_dir, tmp_p
     finally:
         torch.set_num_threads(n)
     assert rc == 2 and "profile again with the same engine.builtin settings" in capsys.readouterr().err
+
+
+def test_a_step_cost_is_averaged_over_the_tokens_steps_verify() -> None:
+    """A one-row step is the compiled decode step, so the cost curve jumps from 1 to 2 tokens: half
+    the steps verifying 1 token and half 9 cost the mean of the two, not the cost of 5 tokens."""
+    import tuner.costmodel as cm
+
+    m = cm.Measured(forward={"1,128": 0.010, "2,128": 0.020, "8,128": 0.026, "16,128": 0.034},
+                    draft={"ngram d8 k1 b9": 0.0})
+    spec = SpecConfig(method="ngram", depth=8, topk=1, budget=9)
+    shares = cm.predict(m, spec, 2.0, 1, 128, {"1": 0.5, "9": 0.5})
+    assert shares.verify_s == pytest.approx((0.010 + 0.027) / 2)
+    mean = cm.predict(m, spec, 2.0, 1, 128, 5.0)
+    assert mean.verify_s == pytest.approx(0.020 + 0.006 * 3 / 6)
+    assert cm.predict(m, spec, 2.0, 1, 128).verify_s == pytest.approx(0.027)  # no profile: the budget

@@ -21,6 +21,7 @@ import json
 import platform
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -54,16 +55,21 @@ class Prediction:
 
 
 def predict(cost: StepCost, spec: SpecConfig, tau: float, concurrency: int, context: int,
-            verified: float | None = None) -> Prediction:
+            verified: float | Mapping[int | str, float] | None = None) -> Prediction:
     """tau / (verify time(budget, batch) + draft time) against one autoregressive forward.
-    `verified`: the mean tokens a step verifies when drafts are not always full (an n-gram lookup
-    without a match verifies the root alone); the budget otherwise."""
+    `verified`: what a step verifies when drafts are not always full (an n-gram lookup without a
+    match verifies the root alone): the share of steps verifying n tokens (the verify time is then
+    averaged over them, since it is not linear in n), or their mean; the budget otherwise."""
     off = spec.method == "off"
-    n = 1 if off else (verified if verified is not None else spec.budget)
+    shares = {int(n): float(w) for n, w in verified.items()} if isinstance(verified, Mapping) and verified else None
+    n = 1 if off else (verified if isinstance(verified, (int, float)) else spec.budget)
     if not off and spec.k_per_batch_size:  # vLLM K schedule: the K of this batch size
         k = next((k for lo, hi, k in spec.k_per_batch_size if lo <= concurrency <= hi), spec.depth)
-        n, off = k + 1, k == 0
-    v = cost.verify_s(n, concurrency, context)
+        n, off, shares = k + 1, k == 0, None
+    if shares and not off:
+        v = sum(w * cost.verify_s(t, concurrency, context) for t, w in shares.items()) / sum(shares.values())
+    else:
+        v = cost.verify_s(n, concurrency, context)
     d = 0.0 if off else cost.draft_s(spec, concurrency, context)
     ar = cost.verify_s(1, concurrency, context)
     tau = 1.0 if off else tau

@@ -31,7 +31,8 @@ class Acceptance:
 
     points: list[tuple[SpecConfig, float]]
     source: str
-    verified: dict[str, float] | None = None  # mean tokens verified per step, by spec key (profile)
+    # what a step verifies, by spec key (profile): shares of steps by tokens verified, or their mean
+    verified: dict[str, float | dict[str, float]] | None = None
     estimate: bool = False
     context: int | None = None  # mean context of the profiled generations
     draft_s: dict[str, float] | None = None  # measured draft seconds per step (profile, this machine)
@@ -63,7 +64,8 @@ def acceptance_from_profile(path: Path, model: str) -> Acceptance:
                       f"{', FP8 weights' if prof.fp8 else ''})", estimate=not prof.exact,
                       context=int(sum(ctx) / len(ctx)) if ctx else None,
                       draft_s={p["key"]: p.get("draft_s_per_step", 0.0) for p in prof.points}, engine=prof.engine,
-                      verified={p["key"]: p.get("verified_per_step", p["spec"]["budget"]) for p in prof.points})
+                      verified={p["key"]: p.get("verified_shares") or p.get("verified_per_step", p["spec"]["budget"])
+                                for p in prof.points})
 
 
 def acceptance_from_file(path: Path) -> Acceptance:
