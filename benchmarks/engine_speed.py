@@ -6,6 +6,8 @@ Rows (all in the same process, same prompts, in the same run): HF generate autor
 model without the engine's oneDNN linears), HF generate(prompt_lookup_num_tokens=4), the built-in engine
 autoregressive with each forward (`hf`: transformers' model; `lean`: engine/llama.py, eager and compiled),
 built-in n-gram at several depths on the fastest forward. EAGLE rows only with --eagle-head (a trained head).
+The lean rows follow the machine's calibrated linear plan (engine.builtin.linear_plan); --compare-plans adds
+the compiled AR and deepest n-gram rows, and a curve column, under the default (AVX2-tuned) plan.
 
 Next to tok/s: achieved bandwidth (weight bytes read per target forward x forwards/s) and its share
 of the machine's copy bandwidth (measured once, cached under the spectune cache dir), and what that
@@ -23,7 +25,10 @@ import platform
 import random
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
+from typing import TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -33,7 +38,7 @@ from rich.table import Table  # noqa: E402
 
 from engine.api import SamplingParams  # noqa: E402
 from engine.cache import crop_to, new_cache  # noqa: E402
-from engine.llama import lean_forward  # noqa: E402
+from engine.llama import LinearPlan, lean_forward, linear_plan, set_linear_plan  # noqa: E402
 from engine.loop import Engine  # noqa: E402
 from engine.model import cache_root  # noqa: E402
 from engine.tree import Tree  # noqa: E402
@@ -41,6 +46,7 @@ from tuner.config import load_config  # noqa: E402
 from tuner.schema import SpecConfig, UserError  # noqa: E402
 
 CURVE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+T = TypeVar("T")
 
 
 def copy_bandwidth(device: torch.device, cache_dir: str | None = None, remeasure: bool = False) -> float:
@@ -131,6 +137,15 @@ def step_seconds(engine: Engine, n: int, prefix: int = 200, repeats: int = 5) ->
     return best
 
 
+def under(plan: LinearPlan, restore: LinearPlan, fn: Callable[[], T]) -> T:
+    """fn() with `plan` as the process's linear plan, then `restore` again."""
+    set_linear_plan(plan)
+    try:
+        return fn()
+    finally:
+        set_linear_plan(restore)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=6)
@@ -145,13 +160,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-curve", action="store_true", help="skip the verification-cost curve")
     ap.add_argument("--remeasure-bandwidth", action="store_true",
                     help="measure the copy bandwidth again (the cached figure is wrong if it was taken under load)")
+    ap.add_argument("--linear-plan", default="calibrated", choices=["calibrated", "default"],
+                    help="engine.builtin.linear_plan of the lean rows (default: the AVX2-tuned forms, for comparison)")
+    ap.add_argument("--compare-plans", action="store_true",
+                    help="also run the compiled rows and the curve under the default plan, in the same run")
     ap.add_argument("--eagle-head", default=None, help="a trained EAGLE-1 head dir (tuner train-draft): adds EAGLE rows")
     args = ap.parse_args(argv)
 
     if args.threads:
         torch.set_num_threads(args.threads)
     over = [f"model={args.model}", f"engine.builtin.dtype={args.dtype}", f"engine.builtin.device={args.device}",
-            "spec.method=off"]
+            "spec.method=off", f"engine.builtin.linear_plan={args.linear_plan}"]
     # HF rows run transformers' model as loaded, without the engine's oneDNN linears (a second copy)
     plain = Engine.from_config(load_config([*over, "engine.builtin.onednn_linears=false"]))
     hf_fwd = Engine.from_config(load_config([*over, "engine.builtin.forward=hf"]))
@@ -165,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compile (or load from the on-disk cache): {compile_s:.1f} s, not counted in tok/s", file=sys.stderr)
     best_fwd = "lean compiled" if "lean compiled" in engines else "lean"
     fast = engines[best_fwd]
-    lean = lean_forward(hf_fwd.target)
+    lean = lean_forward(hf_fwd.target, calibrate=args.linear_plan == "calibrated")  # the same plan as the rows
     weight_bytes = lean.model.weight_bytes()
     bw = copy_bandwidth(hf_fwd.device, remeasure=args.remeasure_bandwidth)
     limit = bw * 1e9 / weight_bytes  # AR tokens/s if every step only streamed the weights at copy speed
@@ -183,6 +202,16 @@ def main(argv: list[str] | None = None) -> int:
             spec = SpecConfig(method="ngram", depth=d, topk=1, budget=d + 1, ngram_min=lo, ngram_max=4)
             runs[f"built-in {best_fwd}, n-gram depth {d} (match {lo}-4)"] = \
                 lambda p, n, spec=spec: builtin_generate(fast, p, n, spec)
+    plans = {"": linear_plan()}
+    if args.compare_plans and args.linear_plan == "calibrated":
+        plans[", default plan"] = LinearPlan()  # the compiled graph retraces once for the other one-row form
+        deepest = max(int(x) for x in args.depths.split(","))
+        lo = min(int(x) for x in args.ngram_mins.split(","))
+        for spec in (SpecConfig(method="off"),
+                     SpecConfig(method="ngram", depth=deepest, topk=1, budget=deepest + 1, ngram_min=lo, ngram_max=4)):
+            what = "autoregressive" if spec.method == "off" else f"n-gram depth {deepest} (match {lo}-4)"
+            runs[f"built-in {best_fwd}, default plan, {what}"] = \
+                lambda p, n, spec=spec: under(LinearPlan(), plans[""], lambda: builtin_generate(fast, p, n, spec))
     if args.eagle_head:
         for d, k, b in ((3, 1, 4), (4, 4, 8)):
             spec = SpecConfig(method="eagle", depth=d, topk=k, budget=b, head_path=args.eagle_head)
@@ -211,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"model": args.model, "dtype": args.dtype, "device": args.device, "prompts": len(prompts),
                "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
                "weight_bytes": weight_bytes, "copy_gb_s": bw, "ar_limit_tok_s": round(limit, 2),
-               "compile_s": compile_s, "rows": []}
+               "compile_s": compile_s, "linear_plan": {"source": args.linear_plan, **asdict(linear_plan())},
+               "rows": []}
     for name, r in rows:
         same = sum(a == b for a, b in zip(r["outputs"], ref))
         gb = r["gb_s"]
@@ -225,8 +255,12 @@ def main(argv: list[str] | None = None) -> int:
                                 "bw_share": None if gb is None else round(gb / bw, 3), "same_as_hf_ar": same})
     console = Console(width=160)  # wide enough for every column when piped
     console.print(table)
+    plan = linear_plan()
+    console.print(f"lean linear forms ({args.linear_plan} plan): compiled one row {plan.compiled_one_row}; eager "
+                  + ", ".join(f"{n} rows {f}" for n, f in plan.eager) + "; more rows onednn")
     ar = by[f"built-in {best_fwd}, autoregressive"]
-    best = max((r for n, r in rows if "n-gram" in n or "EAGLE" in n), key=lambda r: r["tok_s"])
+    best = max((r for n, r in rows if ("n-gram" in n or "EAGLE" in n) and "default plan" not in n),
+               key=lambda r: r["tok_s"])
     summary["builtin_ar_vs_hf_ar"] = round(ar["tok_s"] / hf_ar, 3)
     summary["builtin_ar_of_limit"] = round(ar["tok_s"] / limit, 3)
     summary["best_spec_vs_hf_ar"] = round(best["tok_s"] / hf_ar, 3)
@@ -234,16 +268,19 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_curve:
         curve = Table(title="cost of one target forward over a tree of n tokens (prefix 200), relative to n = 1; best of 5")
         curve.add_column("n", justify="right")
-        names = list(engines)
-        for name in names:
+        fns = {name: (lambda n, eng=eng: step_seconds(eng, n)) for name, eng in engines.items()}
+        for suffix, plan in plans.items():
+            if suffix:
+                fns[f"{best_fwd}{suffix}"] = lambda n, plan=plan: under(plan, plans[""], lambda: step_seconds(fast, n))
+        for name in fns:
             curve.add_column(f"{name} ms", justify="right")
             curve.add_column(f"{name} x AR", justify="right")
-        base = {name: step_seconds(eng, 1) for name, eng in engines.items()}
-        summary["curve"] = {name: {} for name in names}
+        base = {name: fn(1) for name, fn in fns.items()}
+        summary["curve"] = {name: {} for name in fns}
         for n in CURVE_SIZES:
             cells = [str(n)]
-            for name, eng in engines.items():
-                s = base[name] if n == 1 else step_seconds(eng, n)
+            for name, fn in fns.items():
+                s = base[name] if n == 1 else fn(n)
                 summary["curve"][name][n] = round(s / base[name], 3)
                 cells += [f"{s * 1e3:.1f}", f"{s / base[name]:.2f}"]
             curve.add_row(*cells)

@@ -17,6 +17,7 @@ eager kernels are as fast and padding a tree to its bucket would only add rows.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import threading
@@ -196,6 +197,42 @@ def _onednn() -> bool:
 _ONEDNN = _onednn()
 SKINNY_MAX_ROWS = 4  # rows up to which _cpu_linear uses the w @ x.T form on plain weights (measured 2-16 rows)
 PACK_ROWS = 16  # the row count packed weights are laid out for (verification steps are 3-64 rows)
+# CPU fp32 forms of x @ w.T on a packed target weight: oneDNN on the packed copy, MKL (F.linear), MKL
+# as w @ x.T. Which is fastest for a few rows depends on the CPU (see LinearPlan), so it is measured.
+FORMS = ("onednn", "mkl", "wxt")
+PLAN_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # row counts calibrate_linears times; more rows: oneDNN
+CALIBRATE_MIN_BYTES = 32 << 20  # smaller models keep the default plan (their linears take microseconds)
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """Which form each CPU fp32 linear over a packed weight takes, by row count, and which one-row form
+    the compiled decode step traces ("prodsum": a product and a sum inductor fuses into one pass over
+    the weight; "mkl": an extern MKL call). The default is what measured fastest on a 2-core AVX2 EPYC
+    (prodsum 36 -> 22 ms per decode step, two rows w @ x.T 44 -> 25 ms, oneDNN packed beyond); on a
+    2-core AVX-512 Xeon the same forms measured 1.6x (one row, compiled) and 2x (two rows) slower than
+    MKL there, hence `calibrate_linears`."""
+
+    eager: tuple[tuple[int, str], ...] = ((1, "onednn"), (2, "wxt"))
+    compiled_one_row: str = "prodsum"
+
+    def form(self, rows: int) -> str:
+        """The eager form for `rows` rows: that of the smallest planned row count >= rows, else oneDNN."""
+        return next((f for n, f in self.eager if n >= rows), "onednn") if rows <= self.eager[-1][0] else "onednn"
+
+
+_PLAN = LinearPlan()
+
+
+def linear_plan() -> LinearPlan:
+    """The plan CPU linears follow in this process."""
+    return _PLAN
+
+
+def set_linear_plan(plan: LinearPlan) -> None:
+    """Make `plan` the process's plan (compiled graphs traced before keep the form they traced)."""
+    global _PLAN
+    _PLAN = plan
 
 
 def pack_weights(weights: list[torch.Tensor]) -> bool:
@@ -216,33 +253,112 @@ def pack_weights(weights: list[torch.Tensor]) -> bool:
     return True
 
 
-def _cpu_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """CPU fp32 x @ w.T (+ b) outside a compiled graph. Two rows (four without a packed weight) go
-    through MKL as w @ x.T: that form streams the weight near the read bandwidth (29 GB/s for two
-    rows over a layer's weights here), where oneDNN's small-M GEMM on a plain weight reads at
-    17-18 GB/s. Everything else goes through oneDNN, on the packed weight when there is one."""
-    packed = getattr(w, "_onednn_packed", None)
-    rows = x.shape[0] if x.dim() == 2 else 0
-    if rows == 2 or (packed is None and 2 <= rows <= SKINNY_MAX_ROWS):
+def _form_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, form: str) -> torch.Tensor:
+    if form == "mkl":
+        return F.linear(x, w, b)
+    if form == "wxt":
         y = torch.mm(w, x.t()).t().contiguous()
         return y if b is None else y + b
+    packed = getattr(w, "_onednn_packed", None)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w if packed is None else packed, b, "none", [], "")
 
 
+def _cpu_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """CPU fp32 x @ w.T (+ b) outside a compiled graph. A packed (target) weight takes the form the
+    process's LinearPlan names for the row count. A plain weight (draft heads) takes w @ x.T for 2-4
+    rows, which streams it near the read bandwidth where oneDNN's small-M GEMM on a plain weight
+    reads at 17-18 GB/s, and oneDNN otherwise."""
+    rows = x.shape[0] if x.dim() == 2 else 0
+    if getattr(w, "_onednn_packed", None) is not None:
+        return _form_linear(x, w, b, _PLAN.form(rows) if rows else "onednn")
+    return _form_linear(x, w, b, "wxt" if 2 <= rows <= SKINNY_MAX_ROWS else "onednn")
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T (+ b). CPU fp32 goes through oneDNN, one row included: on the 2-core AVX2 machine a
-    lean decode step (one row through 30 layers' fused q/k/v, o, gate/up, down) took 46 ms with MKL's
-    GEMV and 35 ms with oneDNN; multi-row inputs and the lm_head were already ~2x faster with it.
-    Inside a compiled graph (on CPU only the one-row step is compiled) a single row is written as a
-    product and a sum instead: inductor fuses it into one pass over the weight that streams it
-    faster than oneDNN's GEMV at these small shapes (a compiled decode step 36 -> 22 ms)."""
+    """x @ w.T (+ b). CPU fp32 outside a compiled graph: `_cpu_linear`. Inside one (on CPU only the
+    one-row step is compiled) a single row is written as the plan says: by default a product and a
+    sum, which inductor fuses into one pass over the weight (on the AVX2 machine faster than oneDNN's
+    GEMV: a compiled decode step 36 -> 22 ms)."""
     if _ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32:
         if not torch.compiler.is_compiling():
             return _cpu_linear(x, w, b)
-        if x.dim() == 2 and x.shape[0] == 1:
+        if x.dim() == 2 and x.shape[0] == 1 and _PLAN.compiled_one_row == "prodsum":
             y = (x[:, None, :] * w).sum(-1)
             return y if b is None else y + b
     return F.linear(x, w, b)
+
+
+_PRODSUM: Callable[..., torch.Tensor] | None = None
+
+
+def _time_form(weights: list[torch.Tensor], rows: int, form: str, repeats: int) -> float:
+    """Best-of-`repeats` seconds of `form` (one of FORMS, or "prodsum": the compiled one-row product
+    and sum) over every weight, on random inputs of `rows` rows."""
+    global _PRODSUM
+    if form == "prodsum":
+        if _PRODSUM is None:
+            _PRODSUM = torch.compile(lambda x, w: (x[:, None, :] * w).sum(-1), dynamic=False)
+        fn, repeats = _PRODSUM, repeats + 1  # the first pass compiles each weight shape
+    else:
+        def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return _form_linear(x, w, None, form)
+    xs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for w in weights:
+                fn(xs[w.shape[1]], w)
+            best = min(best, time.perf_counter() - t)
+    return best
+
+
+def cpu_signature() -> str:
+    """This CPU as far as kernel speed goes: model name, the SIMD flags torch dispatches on, and the
+    thread count (the model name alone is generic on cloud VMs: 'Intel(R) Xeon(R) Processor')."""
+    import platform
+
+    name, flags = platform.processor() or platform.machine(), ""
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+        name = next((ln.split(":", 1)[1].strip() for ln in info if ln.startswith("model name")), name)
+        have = next((ln.split(":", 1)[1].split() for ln in info if ln.startswith("flags")), [])
+        flags = ",".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16") if f in have)
+    except OSError:
+        pass
+    return f"{name}|{flags}|{torch.get_num_threads()}t"
+
+
+def calibrate_linears(model: "LeanLlama", cache_dir: str | os.PathLike | None = None, compiled: bool = False,
+                      repeats: int = 3) -> LinearPlan:
+    """Time every form over the model's decoder weights at each of PLAN_ROWS (and, when `compiled`,
+    the compiled product-sum one-row linear against MKL's), keep the fastest, and make that the
+    process's plan. Measured once per (CPU, torch, threads, shapes) and cached in
+    <cache>/linear_plan.json: a few seconds the first time (plus compiling the product-sum)."""
+    from engine.model import cache_root
+
+    weights = [w for b in model.blocks for w in (b.wqkv, b.wo, b.w13, b.w2)]
+    key = f"{cpu_signature()}|torch {torch.__version__}|{sorted({tuple(w.shape) for w in weights})}"
+    path = cache_root(cache_dir) / "linear_plan.json"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    got = known.get(key, {})
+    if "eager" not in got or (compiled and "compiled_one_row" not in got):
+        if "eager" not in got:
+            got["eager"] = [(n, min(FORMS, key=lambda f: _time_form(weights, n, f, repeats))) for n in PLAN_ROWS]
+        if compiled:  # inside the compiled step the alternative to the product-sum is an extern MKL call
+            got["compiled_one_row"] = min(("prodsum", "mkl"), key=lambda f: _time_form(weights, 1, f, repeats))
+        known[key] = got
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # workers may calibrate at once: replace whole
+        tmp.write_text(json.dumps(known, indent=1))
+        os.replace(tmp, path)
+    plan = LinearPlan(tuple((int(n), str(f)) for n, f in got["eager"]),
+                      got.get("compiled_one_row", _PLAN.compiled_one_row))
+    set_linear_plan(plan)
+    return plan
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -438,9 +554,19 @@ class LeanForward:
 _LEAN: dict[tuple, LeanForward] = {}
 
 
-def lean_forward(target, compile: bool = False, cache_dir: str | None = None) -> LeanForward:
-    """The LeanForward of a loaded Target, built once per process (weights shared with target.model)."""
-    return lean_forward_of(target.model, compile, cache_dir)
+def lean_forward(target, compile: bool = False, cache_dir: str | None = None, calibrate: bool = True) -> LeanForward:
+    """The LeanForward of a loaded Target, built once per process (weights shared with target.model).
+    With `calibrate`, a CPU fp32 target of at least CALIBRATE_MIN_BYTES of decoder weights follows
+    this machine's measured LinearPlan (calibrate_linears, cached), set before anything is compiled;
+    without, the process's plan is the default one."""
+    fw = lean_forward_of(target.model, compile, cache_dir)
+    m = fw.model
+    if not calibrate:
+        set_linear_plan(LinearPlan())
+    elif m.packed and sum(w.numel() * w.element_size() for b in m.blocks for w in (b.wqkv, b.wo, b.w13, b.w2)) \
+            >= CALIBRATE_MIN_BYTES:
+        calibrate_linears(m, cache_dir, compiled=compile)
+    return fw
 
 
 def lean_forward_of(hf_model: torch.nn.Module, compile: bool = False, cache_dir: str | None = None) -> LeanForward:

@@ -318,11 +318,14 @@ def profile_config(cfg: Config, specs: Sequence[SpecConfig], split: str = "tune"
     return make_profile(target, ids, [p.id for p in prompts], specs, sampling_params(cfg.workload, seed=cfg.seed),
                         engine.eos, cfg.model.max_context, model=cfg.model.name, hf_id=cfg.model.hf_id, fp8=fp8,
                         workload=cfg.workload.name, seed=cfg.seed, on_point=on_point,
-                        engine=engine_key(target, cfg.engine.builtin.forward, cfg.engine.builtin.compile))
+                        engine=engine_key(target, cfg.engine.builtin.forward, cfg.engine.builtin.compile,
+                                          cfg.engine.builtin.linear_plan))
 
 
-def engine_key(target: Target, forward: str = "hf", compile: bool = False) -> str:
+def engine_key(target: Target, forward: str = "hf", compile: bool = False, linear_plan: str = "calibrated") -> str:
     """What a cost measured with this target depends on besides the machine: the forward the
-    engine verifies with (`engine.builtin.forward`, compiled or not) included."""
+    engine verifies with (`engine.builtin.forward`, compiled or not, and a lean forward's
+    `linear_plan` when not the calibrated one) included."""
     kind = forward + ("+compile" if compile and forward == "lean" else "")
-    return f"{target.name}|{target.device}|{target.dtype}|threads={torch.get_num_threads()}|forward={kind}"
+    plan = f"|plan={linear_plan}" if forward == "lean" and linear_plan != "calibrated" else ""
+    return f"{target.name}|{target.device}|{target.dtype}|threads={torch.get_num_threads()}|forward={kind}{plan}"

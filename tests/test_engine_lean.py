@@ -12,8 +12,10 @@ import torch
 
 from engine.api import SamplingParams
 from engine.drafters import DraftModelDrafter
-from engine.llama import (BUCKETS, KVCache, LeanForward, LeanLlama, additive_mask, check_supported, lean_forward,
-                          linear, pack_weights)
+import engine.llama as llama
+from engine.llama import (BUCKETS, FORMS, PLAN_ROWS, KVCache, LeanForward, LeanLlama, LinearPlan, additive_mask,
+                          calibrate_linears, check_supported, lean_forward, linear, linear_plan, pack_weights,
+                          set_linear_plan)
 from engine.loop import Engine
 from engine.model import load_target
 from engine.tree import Tree
@@ -313,11 +315,22 @@ def test_smollm2_logits_equal_hf() -> None:
             assert torch.allclose(logits[node], want, atol=1e-3)
 
 
+@pytest.fixture
+def restore_plan():
+    """Tests that set or calibrate the process's LinearPlan put the one before back."""
+    before = linear_plan()
+    yield
+    set_linear_plan(before)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 16, 70])
 @pytest.mark.parametrize("bias", [False, True])
-def test_every_cpu_linear_path_equals_f_linear(rows: int, bias: bool) -> None:
-    """One row (oneDNN), two (MKL as w @ x.T), three or more (oneDNN): on the plain weight and on its
-    packed copy, with and without a bias (Qwen2's q/k/v), the same product as F.linear."""
+@pytest.mark.parametrize("form", FORMS)
+def test_every_cpu_linear_path_equals_f_linear(rows: int, bias: bool, form: str, restore_plan) -> None:
+    """Each form a LinearPlan can name for a packed weight (oneDNN on the packed copy, MKL, MKL as
+    w @ x.T), and a plain weight's own rule (w @ x.T for 2-4 rows, oneDNN otherwise), with and without
+    a bias (Qwen2's q/k/v): the same product as F.linear."""
+    set_linear_plan(LinearPlan(tuple((n, form) for n in PLAN_ROWS)))
     g = torch.Generator().manual_seed(rows)
     w, x = torch.randn(96, 64, generator=g), torch.randn(rows, 64, generator=g)
     b = torch.randn(96, generator=g) if bias else None
@@ -329,6 +342,45 @@ def test_every_cpu_linear_path_equals_f_linear(rows: int, bias: bool) -> None:
     for out in (plain, packed):
         assert out.shape == ref.shape and out.is_contiguous()
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_plan_names_a_form_for_every_row_count() -> None:
+    plan = LinearPlan(((1, "mkl"), (2, "wxt"), (4, "mkl"), (8, "onednn")))
+    assert [plan.form(n) for n in (1, 2, 3, 4, 5, 8, 9, 64)] == ["mkl", "wxt", "mkl", "mkl", "onednn", "onednn",
+                                                                  "onednn", "onednn"]
+    assert LinearPlan().form(1) == "onednn" and LinearPlan().form(2) == "wxt" and LinearPlan().form(3) == "onednn"
+
+
+def test_calibration_keeps_the_fastest_form_per_row_count_and_caches_it(tmp_path, monkeypatch, restore_plan) -> None:
+    """With made-up timings the plan takes each row count's fastest form and the faster compiled
+    one-row form; it becomes the process's plan; a second call reads the cached plan without timing
+    anything, and a call for a compiled step adds only the compiled one-row form to it."""
+    model = LeanLlama(Engine.from_config(load_config(["model=tiny-random", "spec.method=off"])).model)
+    fastest = {n: FORMS[n % len(FORMS)] for n in PLAN_ROWS}
+    timed = []
+
+    def fake(weights, rows, form, repeats):
+        timed.append((rows, form))
+        if form == "prodsum":
+            return 0.2
+        return 0.1 if form == fastest[rows] else 1.0 + (form == "mkl")  # MKL slower than the product-sum
+
+    monkeypatch.setattr(llama, "_time_form", fake)
+    plan = calibrate_linears(model, tmp_path)
+    assert plan.eager == tuple((n, fastest[n]) for n in PLAN_ROWS) and plan.compiled_one_row == "prodsum"
+    assert linear_plan() == plan and {r for r, _ in timed} == set(PLAN_ROWS)
+    timed.clear()
+    compiled = calibrate_linears(model, tmp_path, compiled=True)
+    assert timed == [(1, "prodsum"), (1, "mkl")] and compiled.eager == plan.eager
+    assert compiled.compiled_one_row == ("mkl" if fastest[1] == "mkl" else "prodsum")
+    monkeypatch.setattr(llama, "_time_form", lambda *a: pytest.fail("timed again instead of reading the cache"))
+    assert calibrate_linears(model, tmp_path, compiled=True) == compiled
+
+
+def test_small_targets_keep_the_default_plan(engines, tmp_path, restore_plan) -> None:
+    set_linear_plan(LinearPlan())
+    lean_forward(engines[1].target, cache_dir=str(tmp_path))
+    assert linear_plan() == LinearPlan() and not (tmp_path / "linear_plan.json").exists()
 
 
 def test_weights_are_not_packed_past_a_quarter_of_memory(monkeypatch) -> None:

@@ -175,21 +175,18 @@ CONTEXTS = (128, 512)
 
 
 # Bumped whenever the engine's forward changes speed, so that cost tables cached by an older engine
-# are measured again (2: one-row CPU linears through oneDNN, a decode step 46 -> 35 ms here).
-ENGINE_REVISION = 3
+# are measured again (2: one-row CPU linears through oneDNN, a decode step 46 -> 35 ms here; 4: CPU
+# linear forms chosen per machine by engine.llama.calibrate_linears).
+ENGINE_REVISION = 4
 
 
 def machine_key(engine_key: str) -> str:
     """Identity of this machine and engine setting: where a measured cost model is valid."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                    if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    raw = f"{platform.node()}|{cpu}|{torch.__version__}|{torch.get_num_threads()}|{engine_key}|r{ENGINE_REVISION}"
+    from engine.llama import cpu_signature
+
+    raw = f"{platform.node()}|{cpu_signature()}|{torch.__version__}|{engine_key}|r{ENGINE_REVISION}"
     return hashlib.sha256(raw.encode()).hexdigest()[:12]
 
 
@@ -252,7 +249,7 @@ def measure_forward(target, tokens: tuple[int, ...] = TOKENS, contexts: tuple[in
     if builtin is not None and builtin.forward == "lean":
         from engine.llama import lean_forward
 
-        lean = lean_forward(target, builtin.compile, cache_dir)
+        lean = lean_forward(target, builtin.compile, cache_dir, builtin.linear_plan == "calibrated")
         if builtin.compile:
             lean.warm_up()
         with torch.inference_mode():

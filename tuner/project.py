@@ -272,7 +272,7 @@ def measured_here(cfg: Config, acc: Acceptance, refresh: bool = False) -> StepCo
     target = load_target(cfg.model, cfg.engine.builtin.model_copy(update={"fp8_weights": fp8_profile(cfg)}),
                          cfg.cache_dir, cfg.seed)
     b = cfg.engine.builtin
-    key = engine_key(target, b.forward, b.compile)
+    key = engine_key(target, b.forward, b.compile, b.linear_plan)
     if acc.engine and acc.engine != key:
         raise UserError(f"the profile's draft times were measured with {acc.engine}, this engine is "
                         f"{key}: profile again with the same engine.builtin settings")

@@ -132,6 +132,10 @@ class BuiltinEngineConfig(_Strict):
     # config loads, see Config): SmolLM2-135M decodes 1.22x faster compiled and compiles in ~25 s
     # once; a tiny model's steps are too short to repay that.
     compile: bool | Literal["auto"] = "auto"
+    # lean, CPU fp32, models of at least 32 MB of decoder weights: which kernel form each linear takes
+    # for 1-16 rows. calibrated: timed once per machine and cached (engine.llama.calibrate_linears; the
+    # fastest forms differ between CPUs); default: the forms measured fastest on a 2-core AVX2 EPYC.
+    linear_plan: Literal["calibrated", "default"] = "calibrated"
 
 
 class LaunchedEngineConfig(_Strict):
