@@ -258,6 +258,13 @@ def main(argv: list[str] | None = None) -> int:
     plan = linear_plan()
     console.print(f"lean linear forms ({args.linear_plan} plan): compiled one row {plan.compiled_one_row}; eager "
                   + ", ".join(f"{n} rows {f}" for n, f in plan.eager) + "; more rows onednn")
+    if plan.ms:  # what the calibration timed on this machine (ms over every decoder linear)
+        forms = Table(title="linear forms timed by the calibration: ms over every decoder linear of the target")
+        for col in ("rows", "onednn (packed)", "mkl", "w @ x.T", "compiled product-sum"):
+            forms.add_column(col, justify="right")
+        for rows, t in plan.ms.items():
+            forms.add_row(rows, *(f"{t[f]:.1f}" if f in t else "-" for f in ("onednn", "mkl", "wxt", "prodsum")))
+        console.print(forms)
     ar = by[f"built-in {best_fwd}, autoregressive"]
     best = max((r for n, r in rows if ("n-gram" in n or "EAGLE" in n) and "default plan" not in n),
                key=lambda r: r["tok_s"])

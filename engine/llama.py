@@ -23,7 +23,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -215,6 +215,8 @@ class LinearPlan:
 
     eager: tuple[tuple[int, str], ...] = ((1, "onednn"), (2, "wxt"))
     compiled_one_row: str = "prodsum"
+    # the calibration's timings (rows -> form -> ms over the decoder's linears), for reports only
+    ms: dict[str, dict[str, float]] = field(default_factory=dict, compare=False, hash=False)
 
     def form(self, rows: int) -> str:
         """The eager form for `rows` rows: that of the smallest planned row count >= rows, else oneDNN."""
@@ -346,17 +348,21 @@ def calibrate_linears(model: "LeanLlama", cache_dir: str | os.PathLike | None = 
         known = {}
     got = known.get(key, {})
     if "eager" not in got or (compiled and "compiled_one_row" not in got):
+        ms = got.setdefault("ms", {})  # what was timed, kept for reports: rows -> form -> ms over all layers
         if "eager" not in got:
-            got["eager"] = [(n, min(FORMS, key=lambda f: _time_form(weights, n, f, repeats))) for n in PLAN_ROWS]
+            for n in PLAN_ROWS:
+                ms[str(n)] = {f: round(_time_form(weights, n, f, repeats) * 1e3, 2) for f in FORMS}
+            got["eager"] = [(n, min(FORMS, key=ms[str(n)].__getitem__)) for n in PLAN_ROWS]
         if compiled:  # inside the compiled step the alternative to the product-sum is an extern MKL call
-            got["compiled_one_row"] = min(("prodsum", "mkl"), key=lambda f: _time_form(weights, 1, f, repeats))
+            ms["1 compiled"] = {f: round(_time_form(weights, 1, f, repeats) * 1e3, 2) for f in ("prodsum", "mkl")}
+            got["compiled_one_row"] = min(("prodsum", "mkl"), key=ms["1 compiled"].__getitem__)
         known[key] = got
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # workers may calibrate at once: replace whole
         tmp.write_text(json.dumps(known, indent=1))
         os.replace(tmp, path)
     plan = LinearPlan(tuple((int(n), str(f)) for n, f in got["eager"]),
-                      got.get("compiled_one_row", _PLAN.compiled_one_row))
+                      got.get("compiled_one_row", _PLAN.compiled_one_row), got.get("ms", {}))
     set_linear_plan(plan)
     return plan
 

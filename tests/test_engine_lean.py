@@ -369,6 +369,7 @@ def test_calibration_keeps_the_fastest_form_per_row_count_and_caches_it(tmp_path
     plan = calibrate_linears(model, tmp_path)
     assert plan.eager == tuple((n, fastest[n]) for n in PLAN_ROWS) and plan.compiled_one_row == "prodsum"
     assert linear_plan() == plan and {r for r, _ in timed} == set(PLAN_ROWS)
+    assert plan.ms["2"] == {f: 100.0 if f == fastest[2] else 1000.0 + 1000.0 * (f == "mkl") for f in FORMS}
     timed.clear()
     compiled = calibrate_linears(model, tmp_path, compiled=True)
     assert timed == [(1, "prodsum"), (1, "mkl")] and compiled.eager == plan.eager
