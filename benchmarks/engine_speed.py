@@ -40,6 +40,7 @@ from engine.api import SamplingParams  # noqa: E402
 from engine.cache import crop_to, new_cache  # noqa: E402
 from engine.llama import LinearPlan, lean_forward, linear_plan, set_linear_plan  # noqa: E402
 from engine.loop import Engine  # noqa: E402
+from engine.machine import cpu_signature, measured_once  # noqa: E402
 from engine.model import cache_root  # noqa: E402
 from engine.tree import Tree  # noqa: E402
 from tuner.config import load_config  # noqa: E402
@@ -53,13 +54,7 @@ def copy_bandwidth(device: torch.device, cache_dir: str | None = None, remeasure
     """The machine's memory copy bandwidth in GB/s (bytes read + written per second by a 512 MB
     tensor copy, best of 7, with torch's current threads), measured once per (machine, device,
     threads) and cached in <cache>/copy_bandwidth.json."""
-    key = f"{platform.node()}|{platform.processor() or platform.machine()}|{device}|{torch.get_num_threads()}"
-    path = cache_root(cache_dir) / "copy_bandwidth.json"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if remeasure or key not in known:
+    def measure(_old: float | None) -> float:
         a = torch.ones(128 << 20, device=device)  # 512 MB of fp32
         b = torch.empty_like(a)
         best = float("inf")
@@ -71,11 +66,10 @@ def copy_bandwidth(device: torch.device, cache_dir: str | None = None, remeasure
             if device.type == "cuda":
                 torch.cuda.synchronize()
             best = min(best, time.perf_counter() - t)
-        known[key] = round(2 * a.numel() * a.element_size() / best / 1e9, 2)
-        del a, b
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(known, indent=1))
-    return known[key]
+        return round(2 * a.numel() * a.element_size() / best / 1e9, 2)
+
+    key = f"{platform.node()}|{cpu_signature()}|{device}"
+    return measured_once(cache_root(cache_dir) / "copy_bandwidth.json", key, measure, remeasure)
 
 
 def code_prompts(engine: Engine, n: int) -> list[list[int]]:

@@ -17,7 +17,6 @@ eager kernels are as fast and padding a tree to its bucket would only add rows.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import threading
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine.machine import cpu_signature, measured_once
 from tuner.schema import UserError
 
 # model_type -> whether q/k/v carry a bias; anything else is refused in one line
@@ -315,22 +315,6 @@ def _time_form(weights: list[torch.Tensor], rows: int, form: str, repeats: int) 
     return best
 
 
-def cpu_signature() -> str:
-    """This CPU as far as kernel speed goes: model name, the SIMD flags torch dispatches on, and the
-    thread count (the model name alone is generic on cloud VMs: 'Intel(R) Xeon(R) Processor')."""
-    import platform
-
-    name, flags = platform.processor() or platform.machine(), ""
-    try:
-        info = Path("/proc/cpuinfo").read_text().splitlines()
-        name = next((ln.split(":", 1)[1].strip() for ln in info if ln.startswith("model name")), name)
-        have = next((ln.split(":", 1)[1].split() for ln in info if ln.startswith("flags")), [])
-        flags = ",".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16") if f in have)
-    except OSError:
-        pass
-    return f"{name}|{flags}|{torch.get_num_threads()}t"
-
-
 def calibrate_linears(model: "LeanLlama", cache_dir: str | os.PathLike | None = None, compiled: bool = False,
                       repeats: int = 3) -> LinearPlan:
     """Time every form over the model's decoder weights at each of PLAN_ROWS (and, when `compiled`,
@@ -341,26 +325,23 @@ def calibrate_linears(model: "LeanLlama", cache_dir: str | os.PathLike | None = 
 
     weights = [w for b in model.blocks for w in (b.wqkv, b.wo, b.w13, b.w2)]
     key = f"{cpu_signature()}|torch {torch.__version__}|{sorted({tuple(w.shape) for w in weights})}"
-    path = cache_root(cache_dir) / "linear_plan.json"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    got = known.get(key, {})
-    if "eager" not in got or (compiled and "compiled_one_row" not in got):
-        ms = got.setdefault("ms", {})  # what was timed, kept for reports: rows -> form -> ms over all layers
+
+    def measure(old: dict | None) -> dict:
+        got = dict(old or {})
+        ms = got["ms"] = dict(got.get("ms", {}))  # kept for reports: rows -> form -> ms over every layer
         if "eager" not in got:
             for n in PLAN_ROWS:
                 ms[str(n)] = {f: round(_time_form(weights, n, f, repeats) * 1e3, 2) for f in FORMS}
             got["eager"] = [(n, min(FORMS, key=ms[str(n)].__getitem__)) for n in PLAN_ROWS]
-        if compiled:  # inside the compiled step the alternative to the product-sum is an extern MKL call
+        if compiled and "compiled_one_row" not in got:  # the product-sum against an extern MKL call
             ms["1 compiled"] = {f: round(_time_form(weights, 1, f, repeats) * 1e3, 2) for f in ("prodsum", "mkl")}
             got["compiled_one_row"] = min(("prodsum", "mkl"), key=ms["1 compiled"].__getitem__)
-        known[key] = got
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # workers may calibrate at once: replace whole
-        tmp.write_text(json.dumps(known, indent=1))
-        os.replace(tmp, path)
+        return got
+
+    path = cache_root(cache_dir) / "linear_plan.json"
+    got = measured_once(path, key, measure)
+    if compiled and "compiled_one_row" not in got:  # calibrated before for an eager forward only
+        got = measured_once(path, key, measure, remeasure=True)
     plan = LinearPlan(tuple((int(n), str(f)) for n, f in got["eager"]),
                       got.get("compiled_one_row", _PLAN.compiled_one_row), got.get("ms", {}))
     set_linear_plan(plan)

@@ -184,7 +184,7 @@ def machine_key(engine_key: str) -> str:
     """Identity of this machine and engine setting: where a measured cost model is valid."""
     import torch
 
-    from engine.llama import cpu_signature
+    from engine.machine import cpu_signature
 
     raw = f"{platform.node()}|{cpu_signature()}|{torch.__version__}|{engine_key}|r{ENGINE_REVISION}"
     return hashlib.sha256(raw.encode()).hexdigest()[:12]
