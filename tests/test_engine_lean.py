@@ -366,6 +366,7 @@ def test_calibration_keeps_the_fastest_form_per_row_count_and_caches_it(tmp_path
         return 0.1 if form == fastest[rows] else 1.0 + (form == "mkl")  # MKL slower than the product-sum
 
     monkeypatch.setattr(llama, "_time_form", fake)
+    set_linear_plan(LinearPlan())  # an eager calibration keeps the compiled one-row form it finds
     plan = calibrate_linears(model, tmp_path)
     assert plan.eager == tuple((n, fastest[n]) for n in PLAN_ROWS) and plan.compiled_one_row == "prodsum"
     assert linear_plan() == plan and {r for r, _ in timed} == set(PLAN_ROWS)
