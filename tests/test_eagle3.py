@@ -142,7 +142,9 @@ def test_cached_incremental_forward_equals_from_scratch(engine: Engine) -> None:
         first = head(emb[:, :5], head.fuse(aux[:, :5]), pos[:, :5], None, cache)
         buf = cache.k.data_ptr()
         rest = head(emb[:, 5:], head.fuse(aux[:, 5:]), pos[:, 5:], None, cache)  # causal after a prefix
-        torch.testing.assert_close(torch.cat([first, rest], 1), full, rtol=1e-5, atol=1e-5)
+        # fp32: the kernels block 5, 7 and 12 rows differently (on an AVX-512 Xeon 1.2e-5 apart); a
+        # wrong position or mask is off by orders of magnitude more
+        torch.testing.assert_close(torch.cat([first, rest], 1), full, rtol=1e-4, atol=1e-4)
         # a tree step: two sibling nodes at position t, then rollback; the buffer never moves
         feats = full[:, -1:].expand(1, 2, -1)
         mask = torch.ones(1, 1, 2, t + 2, dtype=torch.bool)

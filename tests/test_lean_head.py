@@ -79,8 +79,8 @@ def test_lean_layer_equals_the_head_module(engine: Engine, kind: str) -> None:
         for e, f, pos, mask in steps:
             got.append(lean.step(cache, e[0], f[0], pos[0], None if mask is None else mask[0, 0])[None])
         again = head(*steps[0][:3], None, KVBuffer())
-    for w, o in zip(want, got):
-        torch.testing.assert_close(o, w, rtol=1e-4, atol=1e-5)
+    for w, o in zip(want, got):  # fp32, other kernels and row blockings: 1.6e-5 apart on an AVX-512 Xeon
+        torch.testing.assert_close(o, w, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(again[0] if kind == "eagle" else again, want[0], rtol=1e-5, atol=1e-6)
     assert cache.length == 13
     if kind != "eagle":
