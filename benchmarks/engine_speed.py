@@ -131,13 +131,14 @@ def step_seconds(engine: Engine, n: int, prefix: int = 200, repeats: int = 5) ->
     return best
 
 
-def under(plan: LinearPlan, restore: LinearPlan, fn: Callable[[], T]) -> T:
-    """fn() with `plan` as the process's linear plan, then `restore` again."""
-    set_linear_plan(plan)
+def default_plan(fn: Callable[[], T]) -> T:
+    """fn() under the default linear plan, then the process's plan again."""
+    before = linear_plan()
+    set_linear_plan(LinearPlan())  # the compiled graph retraces once for the other one-row form
     try:
         return fn()
     finally:
-        set_linear_plan(restore)
+        set_linear_plan(before)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compile (or load from the on-disk cache): {compile_s:.1f} s, not counted in tok/s", file=sys.stderr)
     best_fwd = "lean compiled" if "lean compiled" in engines else "lean"
     fast = engines[best_fwd]
-    lean = lean_forward(hf_fwd.target, calibrate=args.linear_plan == "calibrated")  # the same plan as the rows
+    lean = lean_forward(hf_fwd.target, linear_plan=args.linear_plan)  # the same plan as the rows
     weight_bytes = lean.model.weight_bytes()
     bw = copy_bandwidth(hf_fwd.device, remeasure=args.remeasure_bandwidth)
     limit = bw * 1e9 / weight_bytes  # AR tokens/s if every step only streamed the weights at copy speed
@@ -196,16 +197,15 @@ def main(argv: list[str] | None = None) -> int:
             spec = SpecConfig(method="ngram", depth=d, topk=1, budget=d + 1, ngram_min=lo, ngram_max=4)
             runs[f"built-in {best_fwd}, n-gram depth {d} (match {lo}-4)"] = \
                 lambda p, n, spec=spec: builtin_generate(fast, p, n, spec)
-    plans = {"": linear_plan()}
-    if args.compare_plans and args.linear_plan == "calibrated":
-        plans[", default plan"] = LinearPlan()  # the compiled graph retraces once for the other one-row form
+    compare = args.compare_plans and args.linear_plan == "calibrated"
+    if compare:
         deepest = max(int(x) for x in args.depths.split(","))
         lo = min(int(x) for x in args.ngram_mins.split(","))
         for spec in (SpecConfig(method="off"),
                      SpecConfig(method="ngram", depth=deepest, topk=1, budget=deepest + 1, ngram_min=lo, ngram_max=4)):
             what = "autoregressive" if spec.method == "off" else f"n-gram depth {deepest} (match {lo}-4)"
             runs[f"built-in {best_fwd}, default plan, {what}"] = \
-                lambda p, n, spec=spec: under(LinearPlan(), plans[""], lambda: builtin_generate(fast, p, n, spec))
+                lambda p, n, spec=spec: default_plan(lambda: builtin_generate(fast, p, n, spec))
     if args.eagle_head:
         for d, k, b in ((3, 1, 4), (4, 4, 8)):
             spec = SpecConfig(method="eagle", depth=d, topk=k, budget=b, head_path=args.eagle_head)
@@ -270,9 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         curve = Table(title="cost of one target forward over a tree of n tokens (prefix 200), relative to n = 1; best of 5")
         curve.add_column("n", justify="right")
         fns = {name: (lambda n, eng=eng: step_seconds(eng, n)) for name, eng in engines.items()}
-        for suffix, plan in plans.items():
-            if suffix:
-                fns[f"{best_fwd}{suffix}"] = lambda n, plan=plan: under(plan, plans[""], lambda: step_seconds(fast, n))
+        if compare:
+            fns[f"{best_fwd}, default plan"] = lambda n: default_plan(lambda: step_seconds(fast, n))
         for name in fns:
             curve.add_column(f"{name} ms", justify="right")
             curve.add_column(f"{name} x AR", justify="right")

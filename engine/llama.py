@@ -218,9 +218,14 @@ class LinearPlan:
     # the calibration's timings (rows -> form -> ms over the decoder's linears), for reports only
     ms: dict[str, dict[str, float]] = field(default_factory=dict, compare=False, hash=False)
 
+    def __post_init__(self) -> None:
+        # rows -> form, looked up by every eager linear of a step: built once, not searched per call
+        last = self.eager[-1][0]
+        object.__setattr__(self, "_by_rows", tuple(next(f for n, f in self.eager if n >= r) for r in range(last + 1)))
+
     def form(self, rows: int) -> str:
         """The eager form for `rows` rows: that of the smallest planned row count >= rows, else oneDNN."""
-        return next((f for n, f in self.eager if n >= rows), "onednn") if rows <= self.eager[-1][0] else "onednn"
+        return self._by_rows[rows] if rows < len(self._by_rows) else "onednn"
 
 
 _PLAN = LinearPlan()
@@ -255,13 +260,13 @@ def pack_weights(weights: list[torch.Tensor]) -> bool:
     return True
 
 
-def _form_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, form: str) -> torch.Tensor:
+def _form_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, form: str,
+                 packed: torch.Tensor | None) -> torch.Tensor:
     if form == "mkl":
         return F.linear(x, w, b)
     if form == "wxt":
         y = torch.mm(w, x.t()).t().contiguous()
         return y if b is None else y + b
-    packed = getattr(w, "_onednn_packed", None)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w if packed is None else packed, b, "none", [], "")
 
 
@@ -271,9 +276,10 @@ def _cpu_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tor
     rows, which streams it near the read bandwidth where oneDNN's small-M GEMM on a plain weight
     reads at 17-18 GB/s, and oneDNN otherwise."""
     rows = x.shape[0] if x.dim() == 2 else 0
-    if getattr(w, "_onednn_packed", None) is not None:
-        return _form_linear(x, w, b, _PLAN.form(rows) if rows else "onednn")
-    return _form_linear(x, w, b, "wxt" if 2 <= rows <= SKINNY_MAX_ROWS else "onednn")
+    packed = getattr(w, "_onednn_packed", None)
+    if packed is not None:
+        return _form_linear(x, w, b, _PLAN.form(rows) if rows else "onednn", packed)
+    return _form_linear(x, w, b, "wxt" if 2 <= rows <= SKINNY_MAX_ROWS else "onednn", None)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -303,7 +309,7 @@ def _time_form(weights: list[torch.Tensor], rows: int, form: str, repeats: int) 
         fn, repeats = _PRODSUM, repeats + 1  # the first pass compiles each weight shape
     else:
         def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            return _form_linear(x, w, None, form)
+            return _form_linear(x, w, None, form, getattr(w, "_onednn_packed", None))
     xs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
     best = float("inf")
     with torch.inference_mode():
@@ -541,14 +547,15 @@ class LeanForward:
 _LEAN: dict[tuple, LeanForward] = {}
 
 
-def lean_forward(target, compile: bool = False, cache_dir: str | None = None, calibrate: bool = True) -> LeanForward:
+def lean_forward(target, compile: bool = False, cache_dir: str | None = None,
+                 linear_plan: str = "calibrated") -> LeanForward:
     """The LeanForward of a loaded Target, built once per process (weights shared with target.model).
-    With `calibrate`, a CPU fp32 target of at least CALIBRATE_MIN_BYTES of decoder weights follows
-    this machine's measured LinearPlan (calibrate_linears, cached), set before anything is compiled;
-    without, the process's plan is the default one."""
+    `linear_plan` is engine.builtin.linear_plan: "calibrated" makes a CPU fp32 target of at least
+    CALIBRATE_MIN_BYTES of decoder weights follow this machine's measured LinearPlan
+    (calibrate_linears, cached), set before anything is compiled; "default" the default plan."""
     fw = lean_forward_of(target.model, compile, cache_dir)
     m = fw.model
-    if not calibrate:
+    if linear_plan == "default":
         set_linear_plan(LinearPlan())
     elif m.packed and sum(w.numel() * w.element_size() for b in m.blocks for w in (b.wqkv, b.wo, b.w13, b.w2)) \
             >= CALIBRATE_MIN_BYTES:

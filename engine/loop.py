@@ -113,7 +113,7 @@ class Engine:
             torch.set_num_threads(cfg.engine.builtin.threads)
         b = cfg.engine.builtin
         target = load_target(cfg.model, b, cfg.cache_dir, cfg.seed)
-        lean = lean_forward(target, b.compile, cfg.cache_dir, b.linear_plan == "calibrated") if b.forward == "lean" else None
+        lean = lean_forward(target, b.compile, cfg.cache_dir, b.linear_plan) if b.forward == "lean" else None
         if lean is not None and lean.compiled and lean.compile_s == 0:
             lean.warm_up()  # compile (or load) before any timed step: its seconds land in compile_s
         return cls(target, cfg.model.max_context, cfg.spec, cfg.seed, lean)

@@ -249,7 +249,7 @@ def measure_forward(target, tokens: tuple[int, ...] = TOKENS, contexts: tuple[in
     if builtin is not None and builtin.forward == "lean":
         from engine.llama import lean_forward
 
-        lean = lean_forward(target, builtin.compile, cache_dir, builtin.linear_plan == "calibrated")
+        lean = lean_forward(target, builtin.compile, cache_dir, builtin.linear_plan)
         if builtin.compile:
             lean.warm_up()
         with torch.inference_mode():
