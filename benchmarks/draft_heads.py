@@ -35,14 +35,14 @@ from rich.table import Table  # noqa: E402
 from engine.api import SamplingParams  # noqa: E402
 from engine.drafters import EagleDrafter  # noqa: E402
 from engine.drafters.eagle3 import Eagle3Drafter  # noqa: E402
-from engine.eagle3 import Eagle3Head, default_aux_layers  # noqa: E402
+from engine.models.eagle3_head import Eagle3Head, default_aux_layers  # noqa: E402
 from engine.heads.pipeline import build_data  # noqa: E402
 from engine.heads.trainer import split_prompts, train_head  # noqa: E402
 from engine.heads.vocab import always_kept, build_vocab  # noqa: E402
-from engine.loop import Engine  # noqa: E402
-from engine.workloads import load_prompts  # noqa: E402
-from tuner.config import load_config, packaged_workloads  # noqa: E402
-from tuner.schema import SpecConfig, UserError  # noqa: E402
+from engine.decode.loop import Engine  # noqa: E402
+from engine.measure.workloads import load_prompts  # noqa: E402
+from tuner.schema.compose import load_config, packaged_workloads  # noqa: E402
+from tuner.schema.config import SpecConfig, UserError  # noqa: E402
 
 
 def parse_tree(text: str, method: str = "eagle") -> SpecConfig:
@@ -133,8 +133,8 @@ def main() -> int:
         keep = [s for p in order[: max(1, int(round(frac * len(order))))] for s in by_prompt[p]]
         sub = data.subset(keep + val_seqs)
         if frac >= 1 and args.head:
-            from engine.eagle import load_head
-            from engine.eagle3 import load_eagle3
+            from engine.models.eagle_head import load_head
+            from engine.models.eagle3_head import load_eagle3
             from engine.heads.pipeline import read_meta
 
             head = (load_eagle3 if args.method == "eagle3" else load_head)(args.head, engine.model.config)

@@ -37,14 +37,15 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from engine.api import SamplingParams  # noqa: E402
-from engine.cache import crop_to, new_cache  # noqa: E402
-from engine.llama import LinearPlan, lean_forward, linear_plan, set_linear_plan  # noqa: E402
-from engine.loop import Engine  # noqa: E402
-from engine.machine import cpu_signature, measured_once  # noqa: E402
-from engine.model import cache_root  # noqa: E402
-from engine.tree import Tree  # noqa: E402
-from tuner.config import load_config  # noqa: E402
-from tuner.schema import SpecConfig, UserError  # noqa: E402
+from engine.models.cache import crop_to, new_cache  # noqa: E402
+from engine.models.kernels import LinearPlan, linear_plan, set_linear_plan  # noqa: E402
+from engine.models.llama import lean_forward  # noqa: E402
+from engine.decode.loop import Engine  # noqa: E402
+from engine.models.machine import cpu_signature, measured_once  # noqa: E402
+from engine.models.machine import cache_root  # noqa: E402
+from engine.trees.tree import Tree  # noqa: E402
+from tuner.schema.compose import load_config  # noqa: E402
+from tuner.schema.config import SpecConfig, UserError  # noqa: E402
 
 CURVE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 T = TypeVar("T")

@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 import sys
 
-from engine.loop import Engine
-from engine.runner import HttpTarget, InProcessTarget, measure
-from engine.server import serve_in_thread
-from engine.workloads import load_prompts, sampling_params
-from tuner.config import load_config
+from engine.decode.loop import Engine
+from engine.measure.runner import HttpTarget, InProcessTarget, measure
+from engine.serving.server import serve_in_thread
+from engine.measure.workloads import load_prompts, sampling_params
+from tuner.schema.compose import load_config
 
 DEFAULTS = ["+workload=code", "workload.num_prompts=4", "workload.max_new_tokens=64", "spec.method=ngram"]
 

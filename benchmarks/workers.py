@@ -61,11 +61,11 @@ def _threads(server: pg.Server, name: str, n_workers: int, delay_s: float) -> No
     """N worker threads, each with its own WorkerStudy (own connections), measuring with a fake engine."""
     import threading
 
-    from tuner.distributed import worker_config
-    from tuner.driver import run_trials
-    from tuner.objective import Objective, Sample
-    from tuner.space import SearchSpace
-    from tuner.workers import open_worker_study
+    from tuner.run.distributed import worker_config
+    from tuner.study.driver import run_trials
+    from tuner.study.objective import Objective, Sample
+    from tuner.search.space import SearchSpace
+    from tuner.study.workers import open_worker_study
 
     cfg = worker_config([f"search.storage={server.url}", f"search.study_name={name}"])[0]  # the study's own
     space = SearchSpace.from_config(cfg)

@@ -17,7 +17,7 @@ from kubernetes import client as k
 from kubernetes import config as kconfig
 
 from deploy.validate import load_dir
-from tuner.schema import UserError
+from tuner.schema.config import UserError
 
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
 FIELD_MANAGER = "spectune"

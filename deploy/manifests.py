@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import yaml
 from kubernetes import client as k
 
-from deploy.fit import builtin_memory_gib, max_model_len, startup_budget_s, tensor_parallel_size
-from deploy.flags import builtin_args, sglang_args, vllm_args
+from tuner.schema.fit import builtin_memory_gib, max_model_len, startup_budget_s, tensor_parallel_size
+from tuner.schema.flags import builtin_args, sglang_args, vllm_args
 from deploy.winner import MODEL_DIR, Served, served_spec
-from tuner.schema import BestResult, Config, HardwareConfig, UserError
+from tuner.schema.config import BestResult, Config, HardwareConfig, UserError
 
 PORT_NAME = "http"
 HEALTH_PATH = "/health"

@@ -9,7 +9,7 @@ import os
 import re
 from pathlib import Path
 
-from tuner.schema import UserError
+from tuner.schema.config import UserError
 
 REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 

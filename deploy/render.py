@@ -12,7 +12,7 @@ import yaml
 from pydantic import ValidationError
 
 from deploy.manifests import Plan, build
-from tuner.schema import BestResult, Config, UserError
+from tuner.schema.config import BestResult, Config, UserError
 
 HEADER = "# Rendered by `tuner render` (spectune). Change the config and re-render rather than editing.\n"
 KUSTOMIZATION = "kustomization.yaml"

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from kubernetes import client as k
 
-from deploy.fit import tensor_parallel_size
+from tuner.schema.fit import tensor_parallel_size
 from deploy.manifests import BUILTIN_UID, FIELD_MANAGER, gpu_placement, security_contexts
-from tuner.schema import Config, UserError
+from tuner.schema.config import Config, UserError
 
 DB_PORT = 5432
 PG_UID = 999  # the official postgres image's postgres user
@@ -30,7 +30,7 @@ CACHE_DIR = "/cache"
 RUNS_DIR = "/runs"
 WAIT_DB_S = 900  # how long a pod waits for the database before its Job retries it
 WAIT_DONE_S = 30 * 24 * 3600  # the report Job waits for the whole study
-STORAGE_ENV = "SPECTUNE_STORAGE_URL"  # tuner.distributed reads the whole URL from it (search.storage=env)
+STORAGE_ENV = "SPECTUNE_STORAGE_URL"  # tuner.run.distributed reads the whole URL from it (search.storage=env)
 # Keys of `distributed.db_secret`: the in-cluster database's user, password and database name.
 SECRET_KEYS = {"user": ("POSTGRES_USER", "PGUSER"), "password": ("POSTGRES_PASSWORD", "PGPASSWORD"),
                "database": ("POSTGRES_DB", "PGDATABASE")}
@@ -136,7 +136,7 @@ def _job(cfg: Config, name: str, component: str, pod: k.V1PodSpec, backoff: int,
 
 
 def worker_gpus(cfg: Config) -> int:
-    """GPUs per worker: what one serving replica gets (deploy.fit's tensor parallel size)."""
+    """GPUs per worker: what one serving replica gets (tuner.schema.fit's tensor parallel size)."""
     if cfg.hardware.accelerator != "cuda":
         return 0
     return tensor_parallel_size(cfg.model, cfg.hardware, cfg.deploy)

@@ -15,7 +15,7 @@ import kubernetes_validate
 import yaml
 from kubernetes_validate.utils import SchemaNotFoundError, VersionNotSupportedError
 
-from tuner.schema import UserError
+from tuner.schema.config import UserError
 
 # (apiVersion, kind) -> vendored JSON schema under deploy/schemas/ (CRDs kubernetes-validate does not know).
 CRD_SCHEMAS = {("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor.json"}

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from tuner.schema import BestResult, Config, SpecConfig, UserError
+from tuner.schema.config import BestResult, Config, SpecConfig, UserError
 
 MODEL_DIR = "/models"  # mount point of the model-cache volume in every pod
 DRAFTS_DIR = f"{MODEL_DIR}/drafts"  # where the built-in server's hub drafters are downloaded

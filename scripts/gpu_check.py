@@ -99,10 +99,10 @@ def step_engine_speed(a: argparse.Namespace) -> tuple[str, str]:
 def lossless(device: str, model: str, n_prompts: int, tokens: int, head: str | None) -> tuple[int, int, list[str]]:
     """Greedy speculative decoding vs autoregressive decoding on `device` (fp32): (identical, total, mismatches)."""
     from engine.api import SamplingParams
-    from engine.loop import Engine
-    from engine.workloads import load_prompts
-    from tuner.config import load_config
-    from tuner.schema import SpecConfig
+    from engine.decode.loop import Engine
+    from engine.measure.workloads import load_prompts
+    from tuner.schema.compose import load_config
+    from tuner.schema.config import SpecConfig
 
     cfg = load_config([f"model={model}", "+workload=code", f"engine.builtin.device={device}",
                        "engine.builtin.dtype=float32", "spec.method=off"])

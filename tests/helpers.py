@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tuner.objective import Sample
-from tuner.schema import SpecConfig
+from tuner.study.objective import Sample
+from tuner.schema.config import SpecConfig
 
 FAKE_SERVER = Path(__file__).with_name("fake_engine_server.py")
 
@@ -51,7 +51,7 @@ def fake_measure(delay_s: float = 0.02):
 
 def engine_for(cfg):
     """The built-in engine of cfg (its model loaded once per process), set to cfg.spec."""
-    from engine.loop import Engine
+    from engine.decode.loop import Engine
 
     engine = Engine.from_config(cfg)
     engine.set_spec(cfg.spec)
@@ -61,7 +61,7 @@ def engine_for(cfg):
 @contextmanager
 def serving(cfg, engine) -> Iterator[str]:
     """The built-in OpenAI-compatible server over `engine` on 127.0.0.1, for the block; its URL."""
-    from engine.server import serve_in_thread
+    from engine.serving.server import serve_in_thread
 
     url, stop = serve_in_thread(cfg, engine)
     try:

@@ -1,10 +1,13 @@
-"""The layering of the three packages, read from the source with `ast` (nothing is imported):
+"""The layering of the three packages, read from the source with `ast` (nothing is imported).
 
-- no import cycle among the modules of tuner, engine and deploy (function-local imports count);
-- no library module imports a command-line module (`tuner.cli`, `tuner.cli_*`): the CLI is thin
-  over the library, never the other way round;
-- deploy never imports engine (manifests render without torch);
-- engine imports nothing of tuner but tuner.schema (the one config schema).
+Layers, bottom up: the ground (`tuner.schema`: the config schema, its composition, the method
+registry, fit and flags) imports nothing else of the project; `engine` and `deploy` import only
+the ground (deploy never imports engine, so manifests render without torch); the tuner library
+(`tuner.search`, `tuner.study`, `tuner.projection`, `tuner.report`) imports the ground, engine and
+deploy; the command line (`tuner.cli`) sits on top and nothing imports it. Function-local imports
+count, and no import cycle is allowed among modules.
+
+`python tests/test_architecture.py` prints the package-level import arrows.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("tuner", "engine", "deploy")
 
 
@@ -93,8 +96,18 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
     return sorted(found)
 
 
-def is_cli(mod: str) -> bool:
-    return mod == "tuner.cli" or mod.startswith("tuner.cli_")
+def layer(mod: str) -> str:
+    """The layer a module belongs to: ground, engine, deploy, tuner (the library) or cli."""
+    if mod == "tuner.schema" or mod.startswith("tuner.schema."):
+        return "ground"
+    if mod == "tuner.cli" or mod.startswith("tuner.cli."):
+        return "cli"
+    return mod.split(".")[0]
+
+
+# layer -> the layers it may import (besides itself)
+ALLOWED = {"ground": set(), "engine": {"ground"}, "deploy": {"ground"},
+           "tuner": {"ground", "engine", "deploy"}, "cli": {"ground", "engine", "deploy", "tuner"}}
 
 
 def violations(g: dict[str, set[str]]) -> list[str]:
@@ -102,18 +115,30 @@ def violations(g: dict[str, set[str]]) -> list[str]:
     bad = []
     for mod, deps in sorted(g.items()):
         for dep in sorted(deps):
-            if is_cli(dep) and not is_cli(mod):
-                bad.append(f"{mod} -> {dep}: library code imports the command line")
-            if mod.split(".")[0] == "deploy" and dep.split(".")[0] == "engine":
-                bad.append(f"{mod} -> {dep}: deploy imports engine")
-            if mod.split(".")[0] == "engine" and dep.split(".")[0] == "tuner" and dep != "tuner.schema":
-                bad.append(f"{mod} -> {dep}: engine imports tuner beyond tuner.schema")
+            a, b = layer(mod), layer(dep)
+            if a != b and b not in ALLOWED.get(a, set()):
+                bad.append(f"{mod} -> {dep}: {a} imports {b}")
     return bad
+
+
+def arrows(g: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Package-level import arrows: unit -> the other units it imports. A unit is a subpackage
+    (tuner.study, engine.decode), or the top package for its own top-level modules (engine.api)."""
+    pkgs = {m.rpartition(".")[0] for m in g}
+
+    def unit(mod: str) -> str:
+        two = ".".join(mod.split(".")[:2])
+        return two if two in pkgs else mod.split(".")[0]
+
+    out: dict[str, set[str]] = {}
+    for mod, deps in g.items():
+        out.setdefault(unit(mod), set()).update(unit(d) for d in deps if unit(d) != unit(mod))
+    return out
 
 
 def test_no_import_cycle() -> None:
     g = graph()
-    assert {"tuner.optimize", "engine.loop", "deploy.render"} <= set(g)  # the walk saw the packages
+    assert {"tuner.run.session", "engine.decode.loop", "deploy.render"} <= set(g)  # the walk saw the packages
     assert cycles(g) == []
 
 
@@ -121,15 +146,23 @@ def test_layering() -> None:
     assert violations(graph()) == []
 
 
+def test_no_cycle_among_packages() -> None:
+    """The subpackages form a one-way graph too (engine.decode -> engine.drafters -> engine.trees)."""
+    assert cycles(arrows(graph())) == []
+
+
 def test_the_checks_catch_a_cycle_and_each_forbidden_import(tmp_path: Path) -> None:
     files = {
         "tuner/__init__.py": "",
-        "tuner/schema.py": "",
+        "tuner/schema/__init__.py": "",
+        "tuner/schema/config.py": "",
+        "tuner/schema/s.py": "import engine.m\n",
         "tuner/a.py": "def f():\n    from tuner import b\n",  # function-local imports count
-        "tuner/b.py": "from tuner.a import f\nimport tuner.cli_x\n",
-        "tuner/cli_x.py": "from tuner import a\n",
+        "tuner/b.py": "from tuner.a import f\nimport tuner.cli.x\n",
+        "tuner/cli/__init__.py": "",
+        "tuner/cli/x.py": "from tuner import a\n",
         "engine/__init__.py": "",
-        "engine/m.py": "from tuner.schema import X\nfrom tuner.a import f\n",
+        "engine/m.py": "from tuner.schema.config import X\nfrom tuner.a import f\n",
         "engine/sub/__init__.py": "from .n import y\n",
         "engine/sub/n.py": "from . import y\n",
         "deploy/__init__.py": "",
@@ -140,12 +173,20 @@ def test_the_checks_catch_a_cycle_and_each_forbidden_import(tmp_path: Path) -> N
         (tmp_path / rel).write_text(text)
     g = graph(tmp_path)
     assert g["engine.sub.n"] == {"engine.sub"} and g["engine.sub"] == {"engine.sub.n"}
-    assert cycles(g) == [["engine.sub", "engine.sub.n"], ["tuner.a", "tuner.b", "tuner.cli_x"]]
+    assert cycles(g) == [["engine.sub", "engine.sub.n"], ["tuner.a", "tuner.b", "tuner.cli.x"]]
     assert violations(g) == [
         "deploy.r -> engine.m: deploy imports engine",
-        "engine.m -> tuner.a: engine imports tuner beyond tuner.schema",
-        "tuner.b -> tuner.cli_x: library code imports the command line",
+        "engine.m -> tuner.a: engine imports tuner",
+        "tuner.b -> tuner.cli.x: tuner imports cli",
+        "tuner.schema.s -> engine.m: ground imports engine",
     ]
+    assert arrows(g)["engine"] == {"tuner", "tuner.schema"}
+
+
+def test_no_two_modules_share_a_name() -> None:
+    """One concept, one module name: `engine/eagle.py` beside `engine/drafters/eagle.py` is what this stops."""
+    names = [p.name for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py") if p.name != "__init__.py"]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
 
 
 def test_no_file_cites_a_design_file_users_do_not_get() -> None:
@@ -161,3 +202,8 @@ def test_no_file_cites_a_design_file_users_do_not_get() -> None:
     hits = [name for name in listed.stdout.decode().split("\0") if name and (ROOT / name).is_file()
             and any(n in (ROOT / name).read_bytes() for n in needles)]
     assert hits == []
+
+
+if __name__ == "__main__":
+    for src, dsts in sorted(arrows(graph()).items()):
+        print(f"{src:<18} -> {', '.join(sorted(dsts)) or '-'}")

@@ -109,7 +109,7 @@ def test_manifests_reference_exactly_the_tags_make_image_builds() -> None:
     assert tags == [f"ghcr.io/spectune/spectune:{VERSION}", f"ghcr.io/spectune/spectune:{VERSION}-cuda",
                     f"ghcr.io/spectune/spectune-vllm:{VERSION}"]
     # the defaults the renderers use
-    from tuner.config import load_config
+    from tuner.schema.compose import load_config
 
     cfg = load_config([])
     assert f"{cfg.deploy.image}:{cfg.deploy.image_tag}" in tags

@@ -1,1 +1,1 @@
-"""spectune's tuner package. Kept import-free so `tuner.schema` stays light for engine and deploy."""
+"""spectune's tuner package. Kept import-free so `tuner.schema.config` stays light for engine and deploy."""

@@ -13,7 +13,7 @@ from engine.drafters.eagle import EagleDrafter
 from engine.drafters.eagle3 import Eagle3Drafter
 from engine.drafters.medusa import MedusaDrafter
 from engine.drafters.ngram import NgramDrafter
-from tuner.schema import SpecConfig, UserError
+from tuner.schema.config import SpecConfig, UserError
 
 __all__ = ["Drafter", "ModelDrafter", "NgramDrafter", "DraftModelDrafter", "EagleDrafter", "Eagle3Drafter",
            "MedusaDrafter", "make_drafter", "load_draft_model"]
@@ -49,8 +49,8 @@ def load_draft_model(path: str, target, dtype: torch.dtype, device: torch.device
                         f"({len(dtok)} vs {len(target.tokenizer)} tokens); a draft must share the target's tokenizer")
     model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype, attn_implementation="sdpa").to(device).eval()
     model.requires_grad_(False)
-    if device.type == "cpu" and dtype == torch.float32:  # the target's fast CPU linears (engine.cpu_linear)
-        from engine.cpu_linear import use_onednn_linears
+    if device.type == "cpu" and dtype == torch.float32:  # the target's fast CPU linears (engine.models.kernels)
+        from engine.models.kernels import use_onednn_linears
 
         use_onednn_linears(model)
     with _LOCK:
@@ -59,7 +59,7 @@ def load_draft_model(path: str, target, dtype: torch.dtype, device: torch.device
 
 def load_eagle_head(spec: SpecConfig, target, seed: int = 0) -> torch.nn.Module:
     """The EAGLE-1 head of `spec.head_path`, or a seeded random head when no path is given (cached)."""
-    from engine.eagle import load_head, random_head
+    from engine.models.eagle_head import load_head, random_head
 
     model = target.model
     key = (spec.head_path and str(Path(spec.head_path).expanduser().resolve()), id(model), seed)
@@ -75,7 +75,7 @@ def load_eagle_head(spec: SpecConfig, target, seed: int = 0) -> torch.nn.Module:
 
 def load_medusa_heads(spec: SpecConfig, target) -> torch.nn.Module:
     """The Medusa heads of `spec.head_path`, checked against the target (cached per process)."""
-    from engine.medusa import load_heads
+    from engine.models.medusa_head import load_heads
 
     if not spec.head_path:
         raise UserError("spec.head_path is required for spec.method=medusa (train heads with "
@@ -93,7 +93,7 @@ def load_medusa_heads(spec: SpecConfig, target) -> torch.nn.Module:
 def load_eagle3_head(spec: SpecConfig, target, seed: int = 0) -> torch.nn.Module:
     """The EAGLE-3 head of `spec.head_path`, or a seeded random head over the full vocabulary when
     no path is given (cached per process)."""
-    from engine.eagle3 import load_eagle3, random_eagle3
+    from engine.models.eagle3_head import load_eagle3, random_eagle3
 
     model = target.model
     key = ("eagle3", spec.head_path and str(Path(spec.head_path).expanduser().resolve()), id(model), seed)

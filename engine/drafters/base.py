@@ -7,8 +7,8 @@ from abc import ABC, abstractmethod
 import torch
 
 from engine.api import SamplingParams
-from engine.tree import Tree, build_dynamic_tree
-from tuner.schema import SpecConfig
+from engine.trees.tree import Tree, build_dynamic_tree
+from tuner.schema.config import SpecConfig
 
 
 class Drafter(ABC):
@@ -44,7 +44,7 @@ class ModelDrafter(Drafter):
     Subclasses implement `_catch_up(ids)` (feed committed context not yet cached, return the logits
     for the root's children) and `_run(tokens, parent_slots, positions, mask)` (run tree nodes,
     return their children's logits), plus `_rollback()` (drop the tree's cache entries).
-    The EAGLE-2 expansion (engine.tree) calls `_expand` once per level with the frontier.
+    The EAGLE-2 expansion (engine.trees.tree) calls `_expand` once per level with the frontier.
 
     A drafter scoring a draft vocabulary only sets `draft_vocab` (the target id of each logits
     column) and `vocab_size` (the target's): the tree is then built in draft ids (`_run` gets draft

@@ -1,10 +1,10 @@
 """An independent draft model: any HF causal LM sharing the target's tokenizer, with its own KV cache.
 
-A draft directory may ship `draft_vocab.json` (written by engine.train_draft_model): the drafter
+A draft directory may ship `draft_vocab.json` (written by engine.heads.draft_model_train): the drafter
 then scores only those rows of the draft's lm_head (the other tokens are never drafted), which on
 CPU is most of a small draft model's cost per token. Chains and trees (EAGLE-2 expansion) alike.
 
-A Llama-family draft runs on the target's lean blocks (engine.llama: fused weights, oneDNN linears,
+A Llama-family draft runs on the target's lean blocks (engine.models.llama: fused weights, oneDNN linears,
 a static KV cache written by index, `LeanForward.run` for tree levels that see earlier levels'
 uncommitted slots); any other architecture runs transformers' model over a DynamicCache.
 """
@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 
-from engine.cache import crop_to, new_cache
+from engine.models.cache import crop_to, new_cache
 from engine.drafters.base import ModelDrafter
-from engine.llama import KVCache, LeanForward, check_supported, lean_forward_of, linear
-from tuner.schema import SpecConfig, UserError
+from engine.models.kernels import linear
+from engine.models.llama import KVCache, LeanForward, check_supported, lean_forward_of
+from tuner.schema.config import SpecConfig, UserError
 
 DRAFT_VOCAB = "draft_vocab.json"
 

@@ -1,14 +1,14 @@
-"""The EAGLE-1 drafter: the head of engine.eagle over the target's features, embedding and lm_head."""
+"""The EAGLE-1 drafter: the head of engine.models.eagle_head over the target's features, embedding and lm_head."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.cache import KVBuffer
+from engine.models.cache import KVBuffer
 from engine.drafters.base import ModelDrafter
 from engine.drafters.lean_head import lean_head
-from engine.eagle import EagleHead
-from tuner.schema import SpecConfig
+from engine.models.eagle_head import EagleHead
+from tuner.schema.config import SpecConfig
 
 
 class EagleDrafter(ModelDrafter):

@@ -1,15 +1,15 @@
-"""The EAGLE-3 drafter: the head of engine.eagle3 over the target's fused low/mid/high features."""
+"""The EAGLE-3 drafter: the head of engine.models.eagle3_head over the target's fused low/mid/high features."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.cache import KVBuffer
+from engine.models.cache import KVBuffer
 from engine.drafters.base import ModelDrafter
 from engine.drafters.eagle import EagleDrafter
 from engine.drafters.lean_head import lean_head
-from engine.eagle3 import Eagle3Head
-from tuner.schema import SpecConfig
+from engine.models.eagle3_head import Eagle3Head
+from tuner.schema.config import SpecConfig
 
 
 class Eagle3Drafter(EagleDrafter):

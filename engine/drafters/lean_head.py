@@ -1,10 +1,10 @@
-"""The decoder layer of an EAGLE-1 or EAGLE-3 draft head on the target's lean blocks (engine.llama).
+"""The decoder layer of an EAGLE-1 or EAGLE-3 draft head on the target's lean blocks (engine.models.llama).
 
-The head modules (engine.eagle, engine.eagle3) stay what training and checkpoints use. For
+The head modules (engine.models.eagle_head, engine.models.eagle3_head) stay what training and checkpoints use. For
 drafting, their q/k/v and gate/up weights are fused into one tensor each (the modules' weights
 become views of them, as the target's are), RoPE comes from a table, every linear goes through
-`engine.llama.linear` (oneDNN on CPU fp32, where MKL's small-batch GEMM costs about 3x: the 8,192-row draft lm_head over 4 rows took 2.3 ms with MKL and
-0.66 ms with oneDNN on the 2-core development machine), and the KV cache is engine.llama.KVCache:
+`engine.models.kernels.linear` (oneDNN on CPU fp32, where MKL's small-batch GEMM costs about 3x: the 8,192-row draft lm_head over 4 rows took 2.3 ms with MKL and
+0.66 ms with oneDNN on the 2-core development machine), and the KV cache is engine.models.llama.KVCache:
 written by index, a rollback is a length change, doubling when full.
 """
 
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.eagle import EagleHead
-from engine.eagle3 import Eagle3Head
-from engine.llama import (Block, KVCache, _fuse, _fuse_bias, layer_forward, linear, rms_norm, rope_table,
-                          visibility_mask)
+from engine.models.eagle_head import EagleHead
+from engine.models.eagle3_head import Eagle3Head
+from engine.models.kernels import linear
+from engine.models.llama import Block, KVCache, _fuse, _fuse_bias, layer_forward, rms_norm, rope_table, visibility_mask
 
 
 def supports(head: torch.nn.Module) -> bool:

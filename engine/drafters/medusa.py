@@ -1,7 +1,7 @@
 """The Medusa drafter: K heads over the target's last feature propose every level of the tree at once.
 
 Head k scores depth k+1. Candidates are the heads' top-k tokens combined into a tree by
-engine.tree's expansion: each level keeps the top-`topk` paths by cumulative head log-prob (a
+engine.trees.tree's expansion: each level keeps the top-`topk` paths by cumulative head log-prob (a
 Medusa head does not see the drafted tokens, so every frontier node gets the same head's
 distribution), and the `budget-1` best nodes plus the root are verified. No KV cache of its own.
 """
@@ -12,9 +12,9 @@ import torch
 
 from engine.api import SamplingParams
 from engine.drafters.base import Drafter
-from engine.medusa import MedusaHeads
-from engine.tree import Tree, build_dynamic_tree
-from tuner.schema import SpecConfig, UserError
+from engine.models.medusa_head import MedusaHeads
+from engine.trees.tree import Tree, build_dynamic_tree
+from tuner.schema.config import SpecConfig, UserError
 
 
 class MedusaDrafter(Drafter):

@@ -7,8 +7,8 @@ import torch
 
 from engine.api import SamplingParams
 from engine.drafters.base import Drafter
-from engine.tree import Tree
-from tuner.schema import SpecConfig
+from engine.trees.tree import Tree
+from tuner.schema.config import SpecConfig
 
 
 class NgramDrafter(Drafter):

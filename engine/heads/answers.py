@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.cache import new_cache
+from engine.models.cache import new_cache
 from engine.heads.data import FIXED_TEXT, DistillData
 
 Progress = Callable[[int, int, int, float], None]  # (prompts done, total, tokens generated, seconds)

@@ -19,15 +19,15 @@ from pathlib import Path
 
 import torch
 
-from engine.eagle import save_head
+from engine.models.eagle_head import save_head
 from engine.heads.answers import generate_answers, teacher_force
 from engine.heads.data import DATA_FILE, DistillData
-from engine.eagle3 import default_aux_layers
+from engine.models.eagle3_head import default_aux_layers
 from engine.heads.evaluate import chain_acceptance
 from engine.heads.prompts import collect_prompts, fixed_code_texts
 from engine.heads.trainer import split_prompts, train_head
 from engine.heads.vocab import always_kept, build_vocab
-from tuner.schema import Config, SpecConfig, TrainConfig, UserError, WorkloadConfig
+from tuner.schema.config import Config, SpecConfig, TrainConfig, UserError, WorkloadConfig
 
 META = "spectune_meta.json"
 HEAD_METHODS = ("eagle", "eagle3")  # what this pipeline trains (Medusa and draft models: engine.train_*)
@@ -41,7 +41,8 @@ def _short(text: str) -> str:
 
 def target_hash(cfg: Config) -> str:
     """Identity of the target's weights (and of the precision its features are computed in)."""
-    from engine.model import cache_root, file_digest, gguf_path
+    from engine.models.machine import cache_root
+    from engine.models.target import file_digest, gguf_path
 
     m, root = cfg.model, cache_root(cfg.cache_dir)
     if m.random_init:
@@ -77,7 +78,7 @@ def head_key(cfg: Config, method: str) -> str:
 
 def head_dir(cfg: Config, method: str = "eagle") -> Path:
     """Where the head for (target, workload, method, training settings) lives."""
-    from engine.model import cache_root
+    from engine.models.machine import cache_root
 
     if cfg.workload is None:
         raise UserError("train-draft needs a workload: add +workload=NAME")
@@ -95,7 +96,7 @@ def build_data(cfg: Config, engine, workloads: Sequence[WorkloadConfig] = (), re
                aux_layers: Sequence[int] | None = None) -> DistillData:
     """Stages 1-2: the training prompts and the target's answers with features and labels (cached);
     with `aux_layers` also the inputs of those target layers (EAGLE-3)."""
-    from engine.model import cache_root
+    from engine.models.machine import cache_root
 
     tc = cfg.train
     thash = target_hash(cfg)
@@ -138,7 +139,7 @@ def _fixed_text_data(cfg: Config, engine, thash: str, report: Report | None,
                      aux_layers: Sequence[int] | None) -> DistillData:
     """The teacher-forced supplement (cached): stdlib sources as replies to their own tasks, taken
     in a seeded order until train.fixed_text_tokens reply tokens; each sequence fits train.seq_len."""
-    from engine.model import cache_root
+    from engine.models.machine import cache_root
 
     tc, chat, tok = cfg.train, cfg.workload.chat_template, engine.tokenizer
     end = [tok.eos_token_id] if tok.eos_token_id is not None else []
@@ -195,7 +196,7 @@ def ensure_head(cfg: Config, engine=None, retrain: bool = False, workloads: Sequ
         (out / META).unlink(missing_ok=True)
         shutil.rmtree(work, ignore_errors=True)
     if engine is None:
-        from engine.loop import Engine
+        from engine.decode.loop import Engine
 
         engine = Engine.from_config(cfg.model_copy(update={"spec": SpecConfig()}))
     t0 = time.perf_counter()
@@ -211,7 +212,7 @@ def ensure_head(cfg: Config, engine=None, retrain: bool = False, workloads: Sequ
     if out.exists():
         shutil.rmtree(out)
     if method == "eagle3":
-        from engine.eagle3 import save_eagle3
+        from engine.models.eagle3_head import save_eagle3
 
         save_eagle3(head, out)
     else:
@@ -227,7 +228,7 @@ def ensure_head(cfg: Config, engine=None, retrain: bool = False, workloads: Sequ
 def evaluate_head(head: torch.nn.Module, target: torch.nn.Module, vocab, data: DistillData, seqs: Sequence[int],
                   seq_len: int) -> dict:
     """Offline T=0 chain acceptance of a trained EAGLE-1 or EAGLE-3 head on `seqs` (stage 5)."""
-    from engine.eagle import EagleHead
+    from engine.models.eagle_head import EagleHead
     from engine.heads.trainer import Eagle1Net, Eagle3Net
 
     embed = target.get_input_embeddings().weight.detach().float()

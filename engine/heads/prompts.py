@@ -25,8 +25,8 @@ import warnings
 from collections.abc import Sequence
 from functools import cache
 
-from engine.workloads import CODE_PREFIX, Prompt, gsm_prompts, humaneval_prompts, load_prompts, mtbench_prompts
-from tuner.schema import WorkloadConfig
+from engine.measure.workloads import CODE_PREFIX, Prompt, gsm_prompts, humaneval_prompts, load_prompts, mtbench_prompts
+from tuner.schema.config import WorkloadConfig
 
 # The mix of sources for a head of each workload; what one source lacks the others fill.
 MIX: dict[str, dict[str, float]] = {

@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.eagle import EagleHead, head_config
+from engine.models.eagle_head import EagleHead, head_config
 from engine.heads.data import FIXED_TEXT, IGNORE, DistillData
 from engine.heads.vocab import DraftVocab
-from tuner.schema import TrainConfig, UserError
+from tuner.schema.config import TrainConfig, UserError
 
 CKPT = "checkpoint.pt"
 Report = Callable[[str, int, int, dict], None]  # (phase, done, total, info)
@@ -128,7 +128,7 @@ class Eagle3Net:
         return self.head.fuse(a)
 
     def step(self, e: torch.Tensor, x: torch.Tensor, pos: torch.Tensor, mask, past):
-        from engine.cache import KVBuffer
+        from engine.models.cache import KVBuffer
 
         past = past if past is not None else KVBuffer()
         return self.head(e, x, pos, mask, past), past
@@ -208,7 +208,7 @@ def init_net(method: str, target: torch.nn.Module, vocab: DraftVocab | None, see
     """(trainable head, its training net, lm rows or None) for `method` (eagle | eagle3)."""
     device = next(target.parameters()).device
     if method == "eagle3":
-        from engine.eagle3 import init_eagle3
+        from engine.models.eagle3_head import init_eagle3
 
         ids = torch.arange(target.config.vocab_size) if vocab is None else vocab.ids
         head = init_eagle3(target, ids, seed=seed).float().to(device).train().requires_grad_(True)

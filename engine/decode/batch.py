@@ -1,0 +1,316 @@
+"""Continuous batching for the built-in engine: every step runs ONE target forward over all active
+requests, each with its own draft tree, cache, positions and ancestor mask (engine.models.llama
+`LeanForward.step_batch`: rows concatenated, attention per request).
+
+Requests join between steps and free their slot the moment they finish. A new request's prompt
+runs in the step after it joins, beside the other requests' decode rows ("mixed") or in a forward
+of its own before them ("separate"): `engine.builtin.prefill`. At most `max_batch` requests are
+active (vLLM's `max_num_seqs`) and their KV caches together hold at most `kv_tokens` positions;
+a request that does not fit waits, it is never truncated.
+
+The speculative configuration follows the number of active requests: `schedule` is a list of bands
+(lo, hi, SpecConfig), like vLLM's `num_speculative_tokens_per_batch_size` but with a whole spec
+per band (method, depth, top-k, budget, or off). Each request keeps one drafter per method it has
+used, fed every committed feature, so a band change never loses drafter state.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.api import GenResult, SamplingParams, TokenCallback
+from engine.decode.loop import Decoding, Engine
+from engine.drafters import Drafter, make_drafter
+from tuner.schema.config import SpecConfig, UserError
+
+Band = tuple[int, int, SpecConfig]
+
+
+def spec_for(schedule: Sequence[Band], active: int) -> SpecConfig:
+    """The band's spec for `active` requests (bands are inclusive, contiguous from 1)."""
+    for lo, hi, spec in schedule:
+        if lo <= active <= hi:
+            return spec
+    return schedule[-1][2]
+
+
+def schedule_of(spec: SpecConfig, max_batch: int) -> list[Band]:
+    """The bands a SpecConfig asks for: one band of itself, or its `k_per_batch_size` (vLLM's shape:
+    K drafted tokens per band, 0 off; a tree keeps its top-k and its budget capped by the depth).
+    The last band reaches max_batch."""
+    if not spec.k_per_batch_size or spec.method == "off":
+        return [(1, max_batch, spec)]
+    bands: list[Band] = []
+    for lo, hi, k in spec.k_per_batch_size:
+        if k == 0:
+            s = SpecConfig(method="off")
+        else:
+            budget = k + 1 if spec.topk == 1 else min(spec.budget, 1 + k * spec.topk)
+            s = spec.model_copy(update={"depth": k, "budget": budget, "k_per_batch_size": None})
+        bands.append((lo, hi, s))
+    lo, hi, s = bands[-1]
+    bands[-1] = (lo, max(hi, max_batch), s)
+    return bands
+
+
+def check_schedule(schedule: Sequence[Band], max_batch: int) -> None:
+    """Bands must cover 1..max_batch without gaps or overlaps; one line naming the problem."""
+    want = 1
+    for lo, hi, _ in schedule:
+        if lo != want or hi < lo:
+            raise UserError(f"speculation schedule {[(a, b, s.key()) for a, b, s in schedule]}: bands must be "
+                            f"contiguous from 1 without overlaps (band starting at {lo} expected at {want})")
+        want = hi + 1
+    if want <= max_batch:
+        raise UserError(f"speculation schedule covers batch sizes 1..{want - 1}; engine.builtin.max_batch={max_batch} "
+                        "needs every size up to it covered")
+
+
+@dataclass
+class Request:
+    """A submitted generation and, once admitted, its decoding state."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    on_tokens: TokenCallback | None = None
+    on_done: Callable[["Request"], None] | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    result: GenResult | None = None
+    error: str | None = None
+    cancelled: bool = False
+    state: Decoding | None = None
+    drafters: dict[str, Drafter | None] = field(default_factory=dict)
+    need: int = 0  # cache positions this request holds
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None or self.error is not None
+
+
+class BatchEngine:
+    """The scheduler over one `Engine`: `submit` from any thread, `step` (or `run` in a thread) to decode."""
+
+    def __init__(self, engine: Engine, max_batch: int = 8, schedule: Sequence[Band] | None = None,
+                 prefill: str = "mixed", kv_tokens: int | None = None) -> None:
+        if engine.lean is None:
+            raise UserError("batching needs engine.builtin.forward=lean (the hf forward decodes one request at a time)")
+        if max_batch < 1:
+            raise UserError(f"engine.builtin.max_batch={max_batch}: must be >= 1")
+        if prefill not in ("mixed", "separate"):
+            raise UserError(f"engine.builtin.prefill={prefill}: allowed mixed, separate")
+        self.engine = engine
+        self.max_batch = max_batch
+        self.schedule: list[Band] = list(schedule) if schedule else [(1, max(max_batch, 1), engine.spec)]
+        check_schedule(self.schedule, max_batch)
+        self.prefill = prefill
+        self.kv_tokens = kv_tokens
+        self.room = max(engine.cache_room(s) for _, _, s in self.schedule)
+        self.aux_layers = self._aux_layers()
+        self.waiting: deque[Request] = deque()
+        self.active: list[Request] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._stop = False
+        self.steps = 0
+
+    # ---- submission (any thread) --------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, on_tokens: TokenCallback | None = None,
+               on_done: Callable[[Request], None] | None = None) -> Request:
+        """Queue a request; it joins the batch at the next step with room. Bad input fails here."""
+        if not prompt_ids:
+            raise UserError("prompt is empty: at least one token is needed")
+        if len(prompt_ids) >= self.engine.max_context:
+            raise UserError(f"prompt has {len(prompt_ids)} tokens; model.max_context={self.engine.max_context}")
+        req = Request(list(prompt_ids), params, on_tokens, on_done)
+        req.need = min(len(prompt_ids) + params.max_new_tokens, self.engine.max_context) + self.room
+        if self.kv_tokens is not None and req.need > self.kv_tokens:
+            raise UserError(f"request needs {req.need} KV positions; engine.builtin.kv_tokens={self.kv_tokens}")
+        with self._wake:
+            self.waiting.append(req)
+            self._wake.notify()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request: it leaves the batch (its slot freed) before the next step."""
+        req.cancelled = True
+
+    @property
+    def running(self) -> int:
+        return len(self.active)
+
+    @property
+    def queued(self) -> int:
+        return len(self.waiting)
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Step until `stop` (a server's engine thread); sleeps while there is nothing to do."""
+        while True:
+            with self._wake:
+                while not self._stop and not self.waiting and not self.active:
+                    self._wake.wait()
+                if self._stop:
+                    return
+            self.step()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """Admit what fits, run one forward over every active request, verify, commit, retire."""
+        self._retire_cancelled()
+        fresh = self._admit()
+        if self.prefill == "separate" and fresh:
+            self._forward(fresh, spec=None)
+            fresh_ids = {id(r) for r in fresh}
+            rest = [r for r in self.active if id(r) not in fresh_ids and not r.finished]
+            if rest:
+                self._forward(rest, spec_for(self.schedule, len(self.active)))
+        elif self.active:
+            self._forward(list(self.active), spec_for(self.schedule, len(self.active)))
+        self.steps += 1
+        self._retire_finished()
+
+    def _admit(self) -> list[Request]:
+        fresh = []
+        with self._lock:
+            used = sum(r.need for r in self.active)
+            while self.waiting and len(self.active) < self.max_batch:
+                req = self.waiting[0]
+                if req.cancelled:
+                    self.waiting.popleft()
+                    continue
+                if self.kv_tokens is not None and used + req.need > self.kv_tokens:
+                    break  # waits for memory; never truncated
+                self.waiting.popleft()
+                used += req.need
+                self.active.append(req)
+                fresh.append(req)
+        for req in fresh:
+            try:
+                req.state = self.engine.start(req.prompt_ids, req.params, req.on_tokens, drafter=None, room=self.room)
+                if len({s.key() for _, _, s in self.schedule}) > 1:
+                    req.state.features = []  # a drafter made at a later band catches up from these
+            except Exception as exc:  # noqa: BLE001 - the request fails, the batch goes on
+                req.error = f"{type(exc).__name__}: {exc}"
+        return [r for r in fresh if r.error is None]
+
+    def _drafter(self, req: Request, spec: SpecConfig) -> Drafter | None:
+        """This request's drafter for `spec`, made on first use and caught up on what was committed."""
+        if spec.method == "off":
+            return None
+        key = spec.key()
+        if key not in req.drafters:
+            d = make_drafter(spec, self.engine.target, self.engine.seed)
+            if d is not None:
+                req.state.add_observer(d)
+            req.drafters[key] = d
+        return req.drafters[key]
+
+    def _aux_layers(self) -> tuple[int, ...] | None:
+        """The target layers whose inputs the schedule's drafters read (EAGLE-3); one set at most."""
+        sets = set()
+        for _, _, spec in self.schedule:
+            if spec.method != "off":
+                d = make_drafter(spec, self.engine.target, self.engine.seed)
+                if d is not None and d.aux_layers:
+                    sets.add(tuple(d.aux_layers))
+        if len(sets) > 1:
+            raise UserError(f"speculation schedule: its drafters read different target layers {sorted(sets)}; "
+                            "use one EAGLE-3 head across the bands")
+        return next(iter(sets), None)
+
+    def _forward(self, reqs: list[Request], spec: SpecConfig | None) -> None:
+        """One target forward over `reqs`: each plans (its prompt, or a draft under `spec`)."""
+        plans = []
+        for req in reqs:
+            st = req.state
+            try:
+                if st.prefilled and spec is not None:
+                    st.drafter = self._drafter(req, spec)
+                tree, tokens, last_only = st.plan()
+            except Exception as exc:  # noqa: BLE001 - a drafter crash fails its request only
+                req.error = f"{type(exc).__name__}: {exc}"
+                continue
+            if tokens is None:
+                req.result = st.result()
+                continue
+            plans.append((req, tree, tokens, last_only))
+        if not plans:
+            return
+        dev = self.engine.device
+        branching = [t is not None and not t.is_chain for _, t, _, _ in plans]
+        outs = self.engine.lean.step_batch(
+            [r.state.cache for r, _, _, _ in plans], [toks for _, _, toks, _ in plans],
+            [t.depths if b else None for (_, t, _, _), b in zip(plans, branching)],
+            [t.ancestors(dev) if b else None for (_, t, _, _), b in zip(plans, branching)],
+            [last for _, _, _, last in plans], self.aux_layers)
+        for (req, tree, _, _), (hidden, logits, aux) in zip(plans, outs):
+            try:
+                if req.state.absorb(tree, hidden, logits, aux):
+                    req.result = req.state.result()
+            except Exception as exc:  # noqa: BLE001
+                req.error = f"{type(exc).__name__}: {exc}"
+
+    def _retire_cancelled(self) -> None:
+        with self._lock:
+            gone = [r for r in self.active if r.cancelled]
+            self.active = [r for r in self.active if not r.cancelled]
+        for r in gone:
+            r.error = r.error or "cancelled"
+
+    def _retire_finished(self) -> None:
+        with self._lock:
+            done = [r for r in self.active if r.finished]
+            self.active = [r for r in self.active if not r.finished]
+        for r in done:
+            if r.on_done is not None:
+                r.on_done(r)
+
+    # ---- a closed loop of clients (the in-process load generator) ----------------------------
+
+    def closed_loop(self, prompts: Sequence[list[int]], params: SamplingParams, concurrency: int,
+                    on_tokens: Callable[[int, list[int]], None] | None = None,
+                    on_done: Callable[[int, Request], None] | None = None) -> list[Request]:
+        """Play `prompts` with `concurrency` clients, each sending its next prompt when its last one
+        finished; runs the steps in the calling thread. Returns the requests in prompt order."""
+        out: list[Request | None] = [None] * len(prompts)
+        nxt = 0
+
+        def send(i: int) -> None:
+            def tok(toks: list[int], i: int = i) -> None:
+                if on_tokens is not None:
+                    on_tokens(i, toks)
+
+            def done(r: Request, i: int = i) -> None:
+                nonlocal nxt
+                if on_done is not None:
+                    on_done(i, r)
+                if nxt < len(prompts):
+                    nxt += 1
+                    send(nxt - 1)
+
+            try:
+                out[i] = self.submit(prompts[i], params, tok, done)
+            except UserError as exc:
+                r = Request(list(prompts[i]), params, error=str(exc))
+                out[i] = r
+                done(r)
+
+        while nxt < min(concurrency, len(prompts)):
+            nxt += 1
+            send(nxt - 1)
+        while self.waiting or self.active:
+            self.step()
+        return [r for r in out if r is not None]

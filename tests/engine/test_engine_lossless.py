@@ -1,0 +1,305 @@
+"""Statistical losslessness of tree verification under sampling (engine.trees.verify).
+
+A small-vocabulary synthetic target p(next | last) and draft q(next | last) (Markov tables). Each
+sample generates L tokens by repeatedly drafting a tree with topk > 1 and depth > 1 from q and
+verifying it against p; the empirical distribution over the V**L sequences must match the exact
+product of p (chi-square). The same harness with either known biased rule (docs/design.md) must fail.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from engine.trees import verify as V
+from engine.api import SamplingParams
+from engine.trees.tree import Tree, build_dynamic_tree
+from tuner.schema.config import SpecConfig
+
+VOCAB, LENGTH, START = 6, 2, 0
+N_SAMPLES = 3000
+PARAMS = SamplingParams(temperature=1.0)
+
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _tables(seed: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(torch.randn(VOCAB, VOCAB, generator=g) * 1.5, -1)
+    q = torch.softmax(torch.randn(VOCAB, VOCAB, generator=g) * 1.5, -1)
+    return p, q
+
+
+def _sampled_tree(root: int, q: torch.Tensor, depth: int, draws: int, keep: list[int], g: torch.Generator) -> Tree:
+    """Full tree whose children are sampled WITHOUT replacement from q; of the `draws` samples at each
+    node only the ranks in `keep` enter the tree (a dropped draw still conditions later ones)."""
+    tree = Tree(tokens=[root], parents=[-1], depths=[0])
+    frontier = [0]
+    for d in range(1, depth + 1):
+        nxt = []
+        for node in frontier:
+            qn = q[tree.tokens[node]]
+            order = torch.multinomial(qn, draws, replacement=False, generator=g).tolist()
+            tree.q[node], tree.sampled[node] = qn, order
+            for rank in keep:
+                tree.tokens.append(order[rank]); tree.parents.append(node); tree.depths.append(d)
+                nxt.append(len(tree.tokens) - 1)
+        frontier = nxt
+    return tree
+
+
+def _topk_tree(root: int, q: torch.Tensor, depth: int, topk: int, budget: int) -> Tree:
+    """EAGLE-2 dynamic tree over the draft table (deterministic top-k siblings), with q recorded."""
+    logq = torch.log(q)
+
+    def expand(nodes, tokens, parents, level):
+        return logq[tokens]
+
+    tree = build_dynamic_tree(root, logq[root], expand, depth, topk, budget)
+    for i in range(tree.size):
+        tree.q[i] = q[tree.tokens[i]]
+    return tree
+
+
+def _empirical(kind: str, seed: int = 0, keep: tuple[int, ...] = (0, 1, 2)) -> torch.Tensor:
+    p, q = _tables()
+    logp = torch.log(p)
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(VOCAB ** LENGTH)
+    for _ in range(N_SAMPLES):
+        out: list[int] = []
+        last = START
+        while len(out) < LENGTH:
+            if kind == "sampled":
+                tree = _sampled_tree(last, q, depth=2, draws=3, keep=list(keep), g=g)
+            else:
+                tree = _topk_tree(last, q, depth=3, topk=2, budget=5)
+            path, bonus = V.verify_sample(tree, logp[tree.tokens], PARAMS, g)
+            out += [tree.tokens[i] for i in path[1:]] + [bonus]
+            last = out[-1]
+        idx = 0
+        for t in out[:LENGTH]:
+            idx = idx * VOCAB + t
+        counts[idx] += 1
+    return counts
+
+
+def _exact() -> torch.Tensor:
+    p, _ = _tables()
+    probs = torch.zeros(VOCAB ** LENGTH)
+    for i, seq in enumerate(itertools.product(range(VOCAB), repeat=LENGTH)):
+        pr, last = 1.0, START
+        for t in seq:
+            pr *= float(p[last, t])
+            last = t
+        probs[i] = pr
+    return probs
+
+
+def _pvalue(counts: torch.Tensor) -> float:
+    """Chi-square against the exact distribution, cells with expected count < 5 pooled into one."""
+    exp = _exact() * counts.sum()
+    small = exp < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]])
+    exp = torch.cat([exp[~small], exp[small].sum()[None]])
+    return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
+
+
+def _biased_sampled(r, x, q, q_j, u):
+    """Known bug: residual with the full q instead of q_j."""
+    if u * float(q_j[x]) < float(r[x]):
+        return True, r
+    res = (r - q).clamp_min(0.0)
+    return False, res / res.sum() if res.sum() > 0 else r
+
+
+def _biased_topk(r, x, q, u):
+    """Known bug: min(1, r/q) for deterministic top-k siblings."""
+    if u * float(q[x]) < float(r[x]):
+        return True, r
+    res = (r - q).clamp_min(0.0)
+    return False, res / res.sum() if res.sum() > 0 else r
+
+
+@pytest.mark.parametrize("kind", ["sampled", "topk"])
+def test_tree_sampling_is_lossless(kind: str) -> None:
+    assert _pvalue(_empirical(kind)) > 1e-3
+
+
+def test_dropped_sampled_sibling_stays_lossless() -> None:
+    # the middle draw is not in the tree, but it still conditions the third (q_j excludes it)
+    assert _pvalue(_empirical("sampled", keep=(0, 2))) > 1e-3
+
+
+@pytest.mark.parametrize("kind,bug", [("sampled", "q_residual"), ("topk", "ratio_for_topk")])
+def test_biased_rules_are_detected(kind: str, bug: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if bug == "q_residual":
+        monkeypatch.setattr(V, "accept_sampled", _biased_sampled)
+    else:
+        monkeypatch.setattr(V, "accept_topk", _biased_topk)
+    assert _pvalue(_empirical(kind)) < 1e-6
+
+
+def test_processed_distribution_top_k_top_p() -> None:
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    r = V.process_logits(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert torch.allclose(r, torch.tensor([0.625, 0.375, 0.0, 0.0]), atol=1e-6)
+    r = V.process_logits(logits, SamplingParams(temperature=1.0, top_p=0.75))
+    assert torch.allclose(r, torch.tensor([0.625, 0.375, 0.0, 0.0]), atol=1e-6)
+    r = V.process_logits(logits, SamplingParams(temperature=0.5))
+    assert torch.allclose(r, torch.softmax(logits / 0.5, -1), atol=1e-6)
+
+
+# ---- the real Medusa and draft-model drafters under sampling ------------------------------------
+# Their trees (and their sampled chains at T>0) verified against the Markov target p: the output
+# must still be distributed as p. The drafters run as in the engine: Medusa from a feature of the
+# last token, the draft model (a random 1-layer Llama over the same 6 tokens) with its own KV cache
+# over the whole sequence so far, rolled back after every draft.
+
+def _medusa_drafter(spec):
+    from engine.drafters.medusa import MedusaDrafter
+    from engine.models.medusa_head import MedusaHeads
+
+    g = torch.Generator().manual_seed(3)
+    heads = MedusaHeads(8, VOCAB, num_heads=3)
+    with torch.no_grad():
+        for prm in heads.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=g))
+    feats = torch.randn(VOCAB, 8, generator=g)
+    d = MedusaDrafter(spec, heads.eval())
+
+    def tree(seq: list[int], gen: torch.Generator) -> Tree:
+        d.observe(feats[seq[-1]][None])
+        return d.draft(seq, PARAMS, gen)
+
+    return d, tree
+
+
+def _draft_model_drafter(spec):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.drafters.draft_model import DraftModelDrafter
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    cfg._attn_implementation = "sdpa"  # tree masks are bool: sdpa, never eager
+    with torch.random.fork_rng():
+        torch.manual_seed(4)
+        model = LlamaForCausalLM(cfg).eval()
+        with torch.no_grad():
+            model.lm_head.weight.mul_(30.0)  # random logits far from uniform
+    d = DraftModelDrafter(spec, model)
+    return d, lambda seq, gen: d.draft(seq, PARAMS, gen)
+
+
+def _drafter_empirical(make, spec, seed: int = 0, n: int = 800) -> torch.Tensor:
+    p, _ = _tables()
+    logp = torch.log(p)
+    d, tree_of = make(spec)
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(VOCAB ** LENGTH)
+    for _ in range(n):
+        seq = [START]
+        d.reset(seq)
+        while len(seq) - 1 < LENGTH:
+            tree = tree_of(seq, g)
+            path, bonus = V.verify_sample(tree, logp[tree.tokens], PARAMS, g)
+            seq += [tree.tokens[i] for i in path[1:]] + [bonus]
+        idx = 0
+        for t in seq[1:LENGTH + 1]:
+            idx = idx * VOCAB + t
+        counts[idx] += 1
+    return counts
+
+
+# trees (deterministic top-k siblings) of both, and a sampled draft-model chain (the q_j rule)
+DRAFTER_SPECS = [("medusa", SpecConfig(method="medusa", depth=2, topk=2, budget=5)),
+                 ("draft_model", SpecConfig(method="draft_model", depth=2, topk=2, budget=5, draft_model="x")),
+                 ("draft_model", SpecConfig(method="draft_model", depth=2, topk=1, budget=3, draft_model="x"))]
+
+
+@pytest.mark.parametrize("kind,spec", DRAFTER_SPECS, ids=lambda x: x if isinstance(x, str) else x.key())
+def test_medusa_and_draft_model_trees_are_lossless(kind: str, spec: SpecConfig) -> None:
+    make = _medusa_drafter if kind == "medusa" else _draft_model_drafter
+    assert _pvalue(_drafter_empirical(make, spec)) > 1e-3
+
+
+def test_drafter_with_a_wrong_q_is_detected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Power check of the harness above: a sampled draft-model chain that records a q other than
+    the one it sampled from (sampled from logits x2, recorded without) visibly biases the output."""
+    from engine.trees import tree as T
+    real = T.build_dynamic_tree
+
+    def wrong(root, root_logits, expand, depth, topk, budget, temperature=0.0, generator=None):
+        out = real(root, root_logits * 2.0, expand, depth, topk, budget, temperature, generator)
+        out.q[0] = torch.softmax(root_logits.float() / temperature, -1)  # not what the draft came from
+        return out
+
+    import engine.drafters.base as B
+
+    monkeypatch.setattr(B, "build_dynamic_tree", wrong)
+    spec = SpecConfig(method="draft_model", depth=1, topk=1, budget=2, draft_model="x")
+    assert _pvalue(_drafter_empirical(_draft_model_drafter, spec)) < 1e-6
+
+
+# A drafter over a draft-vocabulary subset (EAGLE-3's d2t idea): it scores only 4 of the 6 tokens,
+# builds its tree in draft ids and maps it to target ids once (engine.drafters.base.to_target_vocab).
+# Verification is against the full target distribution, so the output must stay exactly p.
+SUBSET = torch.tensor([0, 2, 3, 5])
+
+
+def _subset_drafter(spec):
+    from engine.drafters.base import ModelDrafter
+
+    _, q = _tables()
+    logq = torch.log(q[:, SUBSET])  # draft distribution over the subset only
+
+    class TableSubsetDrafter(ModelDrafter):
+        draft_vocab = SUBSET
+        vocab_size = VOCAB
+
+        def _catch_up(self, ids):
+            return logq[ids[-1]]
+
+        def _run(self, tokens, parent_slots, positions, mask):
+            return logq[SUBSET[torch.tensor(tokens)]]  # tokens arrive in draft ids
+
+        def _rollback(self):
+            pass
+
+    d = TableSubsetDrafter(spec, torch.device("cpu"))
+    return d, lambda seq, gen: d.draft(seq, PARAMS, gen)
+
+
+SUBSET_SPECS = [SpecConfig(method="eagle3", depth=2, topk=2, budget=5),
+                SpecConfig(method="eagle3", depth=3, topk=1, budget=4)]
+
+
+@pytest.mark.parametrize("spec", SUBSET_SPECS, ids=lambda s: s.key())
+def test_subset_drafter_is_lossless(spec: SpecConfig) -> None:
+    d, tree_of = _subset_drafter(spec)
+    tree = tree_of([START], torch.Generator().manual_seed(0))
+    assert set(tree.tokens[1:]) <= set(SUBSET.tolist())  # it never proposes a token outside the subset
+    assert _pvalue(_drafter_empirical(_subset_drafter, spec)) > 1e-3
+
+
+def test_subset_mapped_to_the_wrong_ids_is_detected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: q laid into the first columns instead of the subset's target ids."""
+    import engine.drafters.base as B
+
+    real = B.to_target_vocab
+
+    def wrong(tree, draft_vocab, vocab_size):
+        out = real(tree, draft_vocab, vocab_size)
+        for p, dist in tree.q.items():
+            full = dist.new_zeros(vocab_size)
+            full[: len(draft_vocab)] = dist
+            out.q[p] = full
+        return out
+
+    monkeypatch.setattr(B, "to_target_vocab", wrong)
+    assert _pvalue(_drafter_empirical(_subset_drafter, SUBSET_SPECS[1])) < 1e-6

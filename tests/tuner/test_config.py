@@ -1,0 +1,180 @@
+"""Issue 2: composition of the config tree, overrides, the bad-input catalogue, config from a wheel."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tuner.cli import main
+from tuner.schema.compose import available, conf_dir, load_config
+from tuner.schema.config import UserError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("group", ["model", "hardware", "engine", "search", "deploy", "workload"])
+def test_every_group_option_composes(group: str) -> None:
+    opts = available(group)
+    assert opts, f"conf/{group} has no options"
+    for opt in opts:
+        prefix = "+" if group == "workload" else ""
+        extra: list[str] = []
+        if group == "engine" and opt == "sglang":
+            extra = ["hardware=h100x8", "spec.method=eagle", "spec.depth=3", "spec.topk=1", "spec.budget=4"]
+        if group == "hardware" and opt != "cpu":
+            extra = ["model=llama-3.1-8b-instruct"]
+        cfg = load_config([f"{prefix}{group}={opt}", *extra])
+        node = getattr(cfg, group)
+        name = {"engine": "kind", "deploy": "target"}.get(group, "name")
+        name = getattr(node, name)
+        assert name == opt, f"{group}={opt} composed as {name}"
+
+
+def test_defaults_and_no_workload() -> None:
+    cfg = load_config([])
+    assert (cfg.model.name, cfg.hardware.name, cfg.engine.kind, cfg.search.name, cfg.deploy.target) == (
+        "smollm2-135m", "cpu", "builtin", "default", "builtin")
+    assert cfg.workload is None
+    assert cfg.spec.budget == cfg.spec.depth + 1  # the default chain obeys the rule
+
+
+def test_overrides_reach_typed_config() -> None:
+    cfg = load_config(["hardware=h100x8", "model=llama-3.1-8b-instruct", "deploy=vllm", "deploy.replicas=3",
+                       "search.n_trials=20", "spec.depth=4", "spec.budget=5", "+workload=code",
+                       "workload.concurrency=[1,4]"])
+    assert cfg.hardware.gpu_count == 8 and cfg.deploy.replicas == 3 and cfg.search.n_trials == 20
+    assert cfg.spec.depth == 4 and cfg.workload is not None and cfg.workload.concurrency == [1, 4]
+    assert load_config(["deploy.k8s_version=1.30"]).deploy.k8s_version == "1.30"  # Hydra reads 1.30 as 1.3
+    tree = load_config(["spec.method=eagle", "spec.depth=5", "spec.topk=4", "spec.budget=8"])
+    assert (tree.spec.depth, tree.spec.topk, tree.spec.budget) == (5, 4, 8)
+
+
+def test_config_json_prints_full_validated_config(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "+workload=code", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data) >= {"model", "hardware", "engine", "search", "deploy", "spec", "workload", "serve"}
+    assert data["workload"]["name"] == "code" and data["workload"]["source"] == "humaneval"
+    assert data["model"]["gguf"]["file"].endswith(".gguf")
+
+
+# The bad-input catalogue: (overrides, a fragment the one-line message must contain).
+BAD_INPUTS = [
+    (["model=foo"], "model=foo: unknown option for group 'model' (available: "),
+    (["hardware=tpu"], "hardware=tpu: unknown option for group 'hardware'"),
+    (["engine=trt"], "engine=trt: unknown option for group 'engine' (available: builtin, sglang, vllm)"),
+    (["search=huge"], "search=huge: unknown option"),
+    (["deploy=helm"], "deploy=helm: unknown option"),
+    (["+workload=nope"], "workload=nope: unknown option for group 'workload' (available: chat, code, creative, json, math)"),
+    (["workload=code"], "workload is not in the defaults list: add it with +workload=NAME"),
+    (["spec.foo=1"], "spec.foo: unknown key"),
+    (["+spec.foo=1"], "spec.foo: unknown key in spec"),
+    (["+bogus=1"], "bogus: unknown key in the top level"),
+    (["spec.depth=abc"], "spec.depth='abc': Input should be a valid integer"),
+    (["spec.depth=0"], "spec.depth=0: Input should be greater than or equal to 1"),
+    (["spec.depth=99"], "spec.depth=99: Input should be less than or equal to 16"),
+    (["spec.method=bogus"], "spec.method='bogus': Input should be 'off', 'eagle', 'eagle3', 'draft_model', 'ngram' or 'medusa'"),
+    (["spec.topk=1", "spec.budget=3"], "spec.budget=3 with spec.topk=1 must equal spec.depth+1=5"),
+    (["spec.method=eagle", "spec.depth=2", "spec.topk=2", "spec.budget=9"], "spec.budget=9 exceeds 1 + depth*topk = 5"),
+    (["spec.method=ngram", "spec.depth=2", "spec.topk=2", "spec.budget=5"], "n-gram lookup drafts a chain, topk must be 1"),
+    (["spec.ngram_min=5", "spec.ngram_max=3"], "spec.ngram_min=5 > spec.ngram_max=3"),
+    (["spec.method=draft_model", "spec.depth=3", "spec.budget=4"], "spec.draft_model is required when spec.method=draft_model"),
+    (["spec.method=medusa", "spec.depth=6", "spec.budget=7"],
+     "spec.depth=6 with spec.method=medusa: train.medusa_heads=4, so it drafts at most 4 tokens"),
+    (["model=llama-3.3-70b-instruct", "hardware=l4x1", "deploy=vllm"], "model llama-3.3-70b-instruct does not fit hardware l4x1"),
+    (["model=qwen2.5-72b-instruct", "hardware=l40sx4", "hardware.gpu_count=1", "deploy=sglang"], "does not fit hardware l40sx4"),
+    (["engine=vllm", "spec.method=eagle", "spec.depth=3", "spec.topk=2", "spec.budget=5"], "with engine=vllm: vLLM verifies chains only"),
+    (["engine=sglang"], "engine=sglang"),
+    (["search.n_trials=0"], "search.n_trials=0: Input should be greater than or equal to 1"),
+    (["search.sampler=cmaes"], "search.sampler='cmaes': Input should be 'tpe', 'random', 'grid', 'gp' or 'model'"),
+    (["search.topk=[1,32]"], "search.topk=[1, 32]: each choice must be in [1, 16]"),
+    (["search.depth.min=6", "search.depth.max=2"], "min=6 > max=2"),
+    (["+workload=code", "workload.temperature=-1"], "workload.temperature=-1"),
+    (["+workload=code", "workload.concurrency=[0]"], "workload.concurrency=[0]: each level must be in [1, 1024]"),
+    (["+workload=code", "workload.top_p=0"], "workload.top_p=0"),
+    (["deploy.k8s_version=1.20"], "deploy.k8s_version='1.20'"),
+    (["deploy.gpu_memory_utilization=1.5"], "deploy.gpu_memory_utilization=1.5"),
+    (["serve.port=70000"], "serve.port=70000"),
+    (["spec.k_per_batch_size=[[1,4,9]]"], "each K in [0, depth=4]"),
+    (["spec.depth="], "spec.depth='': Input should be a valid integer"),
+]
+
+
+@pytest.mark.parametrize("overrides,fragment", BAD_INPUTS, ids=[" ".join(o) for o, _ in BAD_INPUTS])
+def test_bad_input_one_line_exit_2(overrides: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["config", *overrides])
+    captured = capsys.readouterr()
+    assert rc == 2
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("error: ") and fragment in lines[0], lines[0]
+    assert "Traceback" not in captured.err and captured.out == ""
+
+
+def test_missing_workload_lists_workloads(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "--require-workload"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: this command needs a workload: add +workload=NAME (available: chat, code, creative, json, math)"
+
+
+def test_cli_process_no_traceback() -> None:
+    """The real console script: exit 2, one line on stderr, nothing on stdout."""
+    tuner = Path(sys.executable).parent / "tuner"
+    p = subprocess.run([str(tuner), "config", "spec.topk=1", "spec.budget=9"], capture_output=True, text=True)
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.count("\n") == 1 and "spec.budget=9 with spec.topk=1" in p.stderr
+
+
+def test_user_error_is_raised_by_library() -> None:
+    with pytest.raises(UserError, match="spec.depth=0"):
+        load_config(["spec.depth=0"])
+
+
+@pytest.mark.slow
+def test_config_found_from_installed_wheel(tmp_path: Path) -> None:
+    """Build the wheel, install it (no deps) into a target dir, and compose from there, outside the checkout."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "dist"), str(REPO)], check=True)
+    wheel = next((tmp_path / "dist").glob("spectune-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "tuner/conf/config.yaml" in names and "tuner/conf/workload/code.yaml" in names
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+                   check=True)
+    code = ("import tuner.schema.compose as c; print(c.conf_dir()); "
+            "cfg = c.load_config(['+workload=code']); print(cfg.workload.name)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                       env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})
+    assert p.returncode == 0, p.stderr
+    where, name = p.stdout.split()
+    assert Path(where) == target / "tuner" / "conf" and name == "code"
+    assert str(conf_dir()).startswith(str(REPO))  # and the checkout still finds its own conf/
+
+
+def test_a_method_the_engine_cannot_run_is_refused_before_any_trial() -> None:
+    """search.methods is checked against the chosen engine at validation, in one line naming the key."""
+    import subprocess
+    import sys
+
+    from tuner.schema.compose import load_config
+    from tuner.schema.config import ENGINE_METHODS, UserError
+
+    for kind in ("builtin", "vllm"):
+        assert set(ENGINE_METHODS[kind]) == {"off", "ngram", "draft_model", "eagle", "eagle3", "medusa"}
+    from tuner.schema.config import check_search_methods
+
+    with pytest.raises(UserError, match=r"search.methods=\['medusa'\] with engine=sglang"):
+        check_search_methods(load_config(["engine=sglang", "hardware=h100x8", "spec.method=eagle",
+                                          "search.methods=[eagle,medusa]"]))
+    check_search_methods(load_config(["engine=sglang", "hardware=h100x8", "spec.method=eagle", "search.methods=[eagle,eagle3]"]))
+    with pytest.raises(UserError, match="spec.method=ngram with engine=sglang"):
+        load_config(["engine=sglang", "hardware=h100x8", "spec.method=ngram"])
+    out = subprocess.run([sys.executable, "-m", "tuner.cli", "optimize", "+workload=code", "engine=sglang",
+                          "hardware=h100x8", "spec.method=eagle", "search.methods=[ngram]"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "search.methods=['ngram'] with engine=sglang" in out.stderr
+    assert "Traceback" not in out.stderr

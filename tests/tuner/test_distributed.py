@@ -1,0 +1,264 @@
+"""Distributed tuning against a real PostgreSQL server (started here, tests/pg.py) and journal files:
+the shared budget, the enqueued trials running once, heartbeats and the stale-trial sweep,
+credentials, and the study's config and winner kept in the storage. Fast: a fake measurement
+instead of an engine (the end-to-end runs with real workers are in test_distributed_e2e.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+import pg
+from helpers import fake_engine_exe, fake_measure, free_port
+from tuner.run import distributed as d
+from tuner.study import storage as st
+from tuner.study import workers as w
+from tuner.cli import main
+from tuner.schema.compose import load_config
+from tuner.study.driver import run_trials
+from tuner.study.objective import Objective
+from tuner.schema.config import UserError
+from tuner.search.space import SearchSpace
+from tuner.study.storage import open_storage, storage_url
+from tuner.study.studies import HEARTBEAT, WORKER, sweep_stale
+
+BASE = ["model=tiny-random", "+workload=code", "search=quick", "workload.num_heldout=0"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with pg.postgres_server() as s:
+        old = os.environ.get("PGPASSWORD")
+        os.environ["PGPASSWORD"] = pg.PASSWORD
+        try:
+            yield s
+        finally:
+            if old is None:
+                os.environ.pop("PGPASSWORD", None)
+            else:
+                os.environ["PGPASSWORD"] = old
+
+
+def _workers(cfg, url: str, n: int, delay_s: float = 0.02) -> list[int]:
+    """n worker threads on the study, each with its own WorkerStudy (own connections); trials each ran."""
+    space = SearchSpace.from_config(cfg)
+    ran = [0] * n
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            study = w.open_worker_study(cfg, url, cfg.search.study_name)
+            ran[i] = run_trials(study, Objective(study, space, fake_measure(delay_s), cfg.workload, cfg.search),
+                                cfg.search)
+            study.wait_done()
+        except BaseException as exc:  # surfaced by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return ran
+
+
+def _study(url: str, name: str) -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=st.open_storage(url))
+
+
+def test_budget_holds_across_workers_and_enqueued_trials_run_once(server, tmp_path: Path) -> None:
+    cfg = load_config([*BASE, f"search.storage={server.url}", "search.study_name=budget", "search.n_trials=14"])
+    study, created = w.create_shared_study(cfg, server.url, SearchSpace.from_config(cfg))
+    assert created
+    # Creating again (a retried creator Job) adds nothing: baseline and defaults are enqueued once.
+    assert w.create_shared_study(cfg, server.url, SearchSpace.from_config(cfg))[1] is False
+    assert len(study.get_trials(states=(TrialState.WAITING,))) == 2
+
+    ran = _workers(cfg, server.url, 4)
+    trials = _study(server.url, "budget").get_trials()
+    assert len(trials) == 14 and sum(ran) == 14  # exactly the budget, although 4 workers raced for it
+    assert all(t.state == TrialState.COMPLETE for t in trials)
+    roles = Counter(t.user_attrs.get("role", "search") for t in trials)
+    assert roles["baseline"] == 1 and roles["default"] == 1
+    assert sum(1 for t in trials if t.user_attrs["spec"] == "off") == 1
+    assert len({t.number for t in trials}) == 14
+    assert sum(1 for r in ran if r > 0) >= 2  # the work was shared
+    assert len({t.user_attrs[WORKER] for t in trials}) == sum(1 for r in ran if r > 0)  # host:pid:thread
+
+    # Every worker that finds the budget spent asks no more.
+    assert _workers(cfg, server.url, 2) == [0, 0]
+    assert len(_study(server.url, "budget").get_trials()) == 14
+
+
+def test_grid_points_each_run_once_over_a_journal_file(tmp_path: Path) -> None:
+    url = f"journal:{tmp_path / 'study.journal'}"
+    cfg = load_config([*BASE, f"search.storage={url}", "search.study_name=grid", "search.sampler=grid",
+                       "search.n_trials=50"])
+    space = SearchSpace.from_config(cfg)
+    w.create_shared_study(cfg, url, space)
+    _workers(cfg, url, 3)
+    trials = _study(url, "grid").get_trials()
+    specs = [t.user_attrs["spec"] for t in trials]
+    assert len(specs) == len(space.points()) + 1  # every point once, plus the baseline
+    assert sorted(specs) == sorted(["off"] + [p.key() for p in space.points()])
+
+
+def test_a_journal_lock_left_by_a_killed_worker_clears_within_the_heartbeat_grace(tmp_path: Path) -> None:
+    """A worker SIGKILLed mid-append leaves Optuna's symlink lock behind. Writers must get past it well
+    inside the heartbeat grace (Optuna's default waits 30 s, long enough for a sweep to fail every
+    live trial of a study with a short grace)."""
+    path = tmp_path / "study.journal"
+    storage = open_storage(f"journal:{path}")
+    optuna.create_study(study_name="s", storage=storage)
+    os.symlink(path, f"{path}.lock")  # what the killed writer left
+    done = threading.Event()
+    writer = threading.Thread(target=lambda: (optuna.load_study(study_name="s", storage=storage).ask(), done.set()),
+                              daemon=True)
+    writer.start()
+    writer.join(timeout=4 * st.JOURNAL_LOCK_GRACE_S)
+    assert done.is_set(), "the stale journal lock blocked a write"
+    assert len(optuna.load_study(study_name="s", storage=open_storage(f"journal:{path}")).trials) == 1
+
+
+def test_dead_worker_trial_is_swept_fail_and_live_ones_are_not(server) -> None:
+    cfg = load_config([*BASE, f"search.storage={server.url}", "search.study_name=sweep", "search.n_trials=3",
+                       "search.heartbeat_grace_s=3"])
+    w.create_shared_study(cfg, server.url, SearchSpace.from_config(cfg))
+    alive = w.open_worker_study(cfg, server.url, "sweep")
+    dead = w.open_worker_study(cfg, server.url, "sweep")
+    t_dead = dead.ask()
+    dead.heartbeat.stop()  # what SIGKILL does to the heartbeat thread
+    t_alive = alive.ask()
+    time.sleep(4.5)  # beyond the grace period: the live trial's heartbeat kept it fresh
+    assert sweep_stale(alive, cfg.search.heartbeat_grace_s) == [t_dead.number]
+    frozen = {t.number: t for t in alive.get_trials()}
+    assert frozen[t_dead.number].state == TrialState.FAIL
+    assert "no heartbeat" in frozen[t_dead.number].user_attrs["fail_reason"]
+    assert frozen[t_alive.number].state == TrialState.RUNNING
+    assert frozen[t_alive.number].user_attrs[HEARTBEAT] > time.time() - 3
+    alive.tell(t_alive, 1.0)
+    # The presumed-dead worker comes back and tells: its trial keeps the FAIL the others counted.
+    assert dead.tell(t_dead, 2.0).state == TrialState.FAIL
+    # The swept trial counts against the budget: one more trial, then it is spent.
+    assert alive.started() == 2 and not alive.budget_spent()
+    alive.tell(alive.ask(), 1.0)
+    alive.heartbeat.stop()
+    with pytest.raises(w.BudgetSpent):
+        alive.ask()
+
+
+def test_winner_stored_in_the_study_and_report_from_storage(server, tmp_path: Path) -> None:
+    cfg = load_config([*BASE, f"search.storage={server.url}", "search.study_name=rep", "search.n_trials=5",
+                       f"run_dir={tmp_path}"])
+    w.create_shared_study(cfg, server.url, SearchSpace.from_config(cfg))
+    _workers(cfg, server.url, 2)
+    study = w.open_worker_study(cfg, server.url, "rep")
+    assert w.claim_finalize(study, 60) is True
+    assert w.claim_finalize(study, 60) is False  # one finalizer
+    best = w.finalize(study, cfg, tmp_path, None, force=True)
+    # The enqueued default (depth 4) is the fake engine's best.
+    assert best is not None and best.spec.method == "ngram" and best.spec.depth == 4
+    assert best.provenance.storage == server.url  # no password in it: none was given
+    assert w.stored_best(study) == best
+
+    out = tmp_path / "report"
+    assert main(["report", "--storage", server.url, "--study", "rep", "--out", str(out)]) == 0
+    for f in ("config.yaml", "best.yaml", "trials.csv", "report.html", "k8s/kustomization.yaml"):
+        assert (out / f).is_file(), f
+    assert "ngram d4 k1 b5" in (out / "best.yaml").read_text()
+    # The same from a run directory whose config names the shared study.
+    (out / "best.yaml").unlink()
+    assert main(["report", str(out)]) == 0 and (out / "best.yaml").is_file()
+
+
+def test_credentials_never_on_the_command_line_and_masked(server, monkeypatch, capsys, tmp_path: Path) -> None:
+    secret = "pa55word-xyz"
+    url_pw = server.url.replace("spectune@", f"spectune:{secret}@")
+    with pytest.raises(UserError) as e:
+        load_config([*BASE, f"search.storage={url_pw}"])
+    assert secret not in str(e.value) and "PGPASSWORD" in str(e.value)
+    assert main(["report", "--storage", url_pw, "--study", "x"]) == 2
+    assert secret not in capsys.readouterr().err
+
+    assert st.mask_url(url_pw) == server.url.replace("spectune@", "spectune:***@")
+    monkeypatch.delenv(st.STORAGE_ENV, raising=False)
+    with pytest.raises(UserError, match="SPECTUNE_STORAGE_URL"):
+        st.resolve_storage("env")
+    # The whole URL (password included) from the environment: works, and is masked in best.yaml.
+    monkeypatch.setenv(st.STORAGE_ENV, server.url.replace("spectune@", f"spectune:{pg.PASSWORD}@"))
+    monkeypatch.delenv("PGPASSWORD")
+    cfg = load_config([*BASE, "search.storage=env", "search.study_name=envy", "search.n_trials=3",
+                       f"run_dir={tmp_path}"])
+    url = st.resolve_storage("env")
+    w.create_shared_study(cfg, url, SearchSpace.from_config(cfg))
+    _workers(cfg, url, 1)
+    best = w.finalize(w.open_worker_study(cfg, url, "envy"), cfg, tmp_path, None, force=True)
+    assert best.provenance.storage == server.url.replace("spectune@", "spectune:***@")
+    stored = _study(url, "envy").user_attrs[w.CONFIG_ATTR]
+    assert stored["search"]["storage"] == "env" and pg.PASSWORD not in repr(stored)
+    assert storage_url(cfg.search, tmp_path) == url  # the single-machine flow resolves `env` the same way
+    # A storage that cannot be opened: the error names it masked.
+    with pytest.raises(UserError) as e:
+        open_storage(f"postgresql://spectune:{secret}@127.0.0.1:1/nowhere")
+    assert secret not in str(e.value) and "spectune:***@127.0.0.1:1" in str(e.value)
+
+
+def test_user_errors(server, tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="shared by processes"):
+        st.check_shared(f"sqlite:///{tmp_path}/x.db", "search.workers=3")
+    for storage in ([], [f"search.storage=sqlite:///{tmp_path}/x.db"]):  # before any run directory exists
+        with pytest.raises(UserError, match="search.workers=3 needs a storage shared by processes"):
+            load_config([*BASE, "search.workers=3", *storage])
+    with pytest.raises(UserError, match="takes its config from the study"):
+        d.worker_config([f"search.storage={server.url}", "search.study_name=x", "search.n_trials=99"])
+    with pytest.raises(UserError, match="no such study"):
+        d.worker_config([f"search.storage={server.url}", "search.study_name=nope"])
+    with pytest.raises(UserError, match="needs search.storage"):
+        d.worker_config(["search.study_name=nope"])
+    assert main(["optimize", "--create-only", *BASE, f"search.storage={server.url}"]) == 2  # no study name
+    assert main(["optimize", "--create-only", *BASE, f"search.storage={server.url}", "search.study_name=c1"]) == 0
+    assert main(["optimize", "--create-only", *BASE, f"search.storage={server.url}", "search.study_name=c1"]) == 0
+    # A worker's own overrides land on the study's config (engine settings differ per machine).
+    cfg, _, name = d.worker_config([f"search.storage={server.url}", "search.study_name=c1",
+                                    "engine.builtin.threads=1", f"run_dir={tmp_path}"])
+    assert name == "c1" and cfg.engine.builtin.threads == 1 and cfg.model.name == "tiny-random"
+    with pytest.raises(UserError, match="gave up after"):
+        d.wait_for_study(server.url, "never", 0.5)
+
+
+def test_a_vllm_worker_measures_through_the_launcher(tmp_path: Path, monkeypatch) -> None:
+    """engine=vllm in the study's config: the worker launches the (fake) vLLM server per spec and
+    measures it over HTTP, exactly as a single-machine study does; it never loads the built-in engine."""
+    monkeypatch.setenv("FAKE_MODE", "ok")
+    monkeypatch.setenv("FAKE_RECORD", str(tmp_path / "record.jsonl"))
+    monkeypatch.setenv("FAKE_STARTUP_S", "0.2")
+    monkeypatch.setenv("FAKE_TOKEN_S", "0.01")  # 16 tokens: 160 ms a request, well above HTTP overheads
+    url = f"journal:{tmp_path / 'study.journal'}"
+    exe = fake_engine_exe(tmp_path)
+    study_args = [f"search.storage={url}", "search.study_name=v"]
+    assert main(["optimize", "--create-only", *BASE, *study_args, "engine=vllm", f"engine.vllm.executable={exe}",
+                 "search.n_trials=2", "workload.max_new_tokens=16"]) == 0
+
+    import engine.decode.loop
+
+    monkeypatch.setattr(engine.decode.loop.Engine, "from_config", None)  # loading the built-in engine would fail
+    run_dir = d.run_worker([*study_args, f"engine.vllm.port={free_port()}", f"run_dir={tmp_path}"], quiet=True)
+
+    trials = _study(url, "v").get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 2, [t.user_attrs.get("fail_reason") for t in trials]
+    starts = [json.loads(line)["argv"] for line in (tmp_path / "record.jsonl").read_text().splitlines()]
+    assert starts and all(a[0] == "serve" for a in starts)  # `vllm serve MODEL ...`
+    assert any("--speculative-config" in a for a in starts) and any("--speculative-config" not in a for a in starts)
+    spec = next(t for t in trials if t.user_attrs["spec_method"] != "off")
+    assert spec.user_attrs["server_starts"] >= 1
+    assert spec.user_attrs["speedup"] > 1.3  # the fake serves twice as fast with speculation
+    assert (run_dir / "best.yaml").is_file() and any((run_dir / "servers").iterdir())

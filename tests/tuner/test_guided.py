@@ -1,0 +1,122 @@
+"""search.sampler=model (tuner.search.guided): the whole space predicted from one profile and the measured
+cost of this machine, `off` plus the best predicted points measured live, the live sample widened
+when a measurement disagrees with its prediction beyond the noise band, and the
+predicted-vs-measured figure and the predicted surface (depth x budget per top-k) in the report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from tuner.schema.compose import load_config
+from tuner.search.guided import (PREDICTED, RANK, SURFACE_FILE, Widener, enqueue_predicted, measured_speedups, plot_surface,
+                          predicted_surface, read_prediction)
+from tuner.study.objective import TrialOutcome
+from tuner.run.session import optimize
+from tuner.schema.config import SpecConfig
+from tuner.search.space import SearchSpace
+from tuner.study.studies import ROLE
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SMALL = ["model=tiny-random", "+workload=code", "search=quick", "workload.num_prompts=3",
+         "workload.num_heldout=2", "workload.max_new_tokens=16", "engine.builtin.threads=1"]
+
+
+@pytest.fixture(scope="module")
+def model_run(tmp_path_factory: pytest.TempPathFactory, one_torch_thread) -> Path:
+    """A search.sampler=model study of the tiny model (n-gram depth 1-4), run once for this module."""
+    return optimize([*SMALL, f"run_dir={tmp_path_factory.mktemp('model')}", "search.study_name=m",
+                     "search.sampler=model", "search.model_live=2", "search.n_trials=4"], quiet=True)
+
+
+def test_model_sampler_measures_off_and_the_predicted_best(model_run: Path) -> None:
+    run = model_run
+    ranked = json.loads((run / "prediction.json").read_text())
+    assert [p["key"] for p in ranked] and len(ranked) == 4  # quick: n-gram depth 1-4
+    assert ranked == sorted(ranked, key=lambda p: -p[PREDICTED])
+    assert (run / "profile.json").is_file()
+    study = optuna.load_study(study_name="m", storage=f"sqlite:///{run / 'study.db'}")
+    trials = study.get_trials(deepcopy=False)
+    assert trials[0].user_attrs[ROLE] == "baseline"
+    live = [t for t in trials[1:] if t.user_attrs.get(RANK) is not None]
+    assert [t.user_attrs[RANK] for t in live] == list(range(len(live)))
+    assert 2 <= len(live) <= 3 and len(trials) <= 4  # widening never exceeds search.n_trials
+    for t in live:
+        assert t.params["depth"] == ranked[t.user_attrs[RANK]]["spec"]["depth"]
+    assert (run / "predicted.png").is_file() and "predicted.png" in (run / "report.html").read_text()
+
+
+def test_the_report_draws_the_predicted_surface_of_the_prediction(model_run: Path) -> None:
+    """predicted_surface.png beside predicted.png, linked from the report; its grid is prediction.json's
+    predictions cell by cell, and its marks are the live trials' measured speedups."""
+    run = model_run
+    png = run / SURFACE_FILE
+    assert png.is_file() and png.stat().st_size > 5000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert f"<a href='{SURFACE_FILE}'><img src='{SURFACE_FILE}'" in (run / "report.html").read_text()
+    ranked = read_prediction(run)
+    study = optuna.load_study(study_name="m", storage=f"sqlite:///{run / 'study.db'}")
+    measured = measured_speedups(study)
+    panels = predicted_surface(ranked, measured)
+    assert [(p.method, p.topk) for p in panels] == [("ngram", 1)]
+    (panel,) = panels
+    assert panel.depths == [1, 2, 3, 4] and panel.budgets == [2, 3, 4, 5]
+    for p in ranked:  # every prediction in its cell, exactly
+        assert panel.at(p["spec"]["depth"], p["spec"]["budget"]) == p[PREDICTED]
+    cells = [v for row in panel.speedup for v in row]
+    assert sum(v is not None for v in cells) == len(ranked) == 4  # a chain: budget = depth + 1, the rest empty
+    assert panel.speedup[0][1] is None  # depth 2 with budget 2 is no point of the space
+    live = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if t.user_attrs.get(RANK) is not None]
+    assert live and {(t.params["depth"], t.params["depth"] + 1) for t in live} == set(panel.measured)
+    for t in live:
+        assert panel.measured[(t.params["depth"], t.params["depth"] + 1)] == pytest.approx(t.user_attrs["speedup"])
+
+
+def test_surface_of_a_tree_space_one_panel_per_method_and_topk(tmp_path: Path) -> None:
+    def entry(method: str, d: int, k: int, b: int, sp: float) -> dict:
+        spec = SpecConfig(method=method, depth=d, topk=k, budget=b, head_path="h" if method == "eagle" else None)
+        return {"key": spec.key(), "spec": spec.model_dump(mode="json"), PREDICTED: sp}
+
+    ranked = [entry("eagle", 3, 4, 8, 2.1), entry("eagle", 3, 4, 12, 2.3), entry("eagle", 5, 4, 8, 2.2),
+              entry("eagle", 2, 1, 3, 1.6), entry("eagle", 4, 1, 5, 1.9), entry("ngram", 3, 1, 4, 0.9)]
+    panels = predicted_surface(ranked, {"eagle d3 k4 b12": 2.05, "ngram d3 k1 b4": 0.95, "off": 1.0})
+    assert [(p.method, p.topk) for p in panels] == [("eagle", 1), ("eagle", 4), ("ngram", 1)]
+    tree = panels[1]
+    assert tree.depths == [3, 5] and tree.budgets == [8, 12]
+    assert tree.speedup == [[2.1, 2.2], [2.3, None]] and tree.measured == {(3, 12): 2.05}
+    assert panels[2].measured == {(3, 4): 0.95} and panels[0].measured == {}
+    plot_surface(panels, tmp_path / "s.png")
+    assert (tmp_path / "s.png").stat().st_size > 5000
+
+
+def _study_with(space: SearchSpace, ranked: list[dict]) -> optuna.Study:
+    study = optuna.create_study(direction="maximize")
+    study.enqueue_trial({}, user_attrs={ROLE: "baseline"})
+    enqueue_predicted(study, space, ranked, 0, 2, ROLE)
+    return study
+
+
+@pytest.mark.parametrize("measured,widened", [(1.80, True), (1.45, False), (1.00, True)])
+def test_widener_enqueues_more_when_a_prediction_is_off(tmp_path: Path, measured: float, widened: bool) -> None:
+    cfg = load_config([*SMALL, "search.model_live=2", "search.n_trials=10"])
+    space = SearchSpace.from_config(cfg)
+    ranked = [{"key": s.key(), "spec": s.model_dump(mode="json"), PREDICTED: 1.0 + 0.1 * (4 - i)}
+              for i, s in enumerate(space.points())]
+    (tmp_path / "prediction.json").write_text(json.dumps(ranked))
+    study = _study_with(space, ranked)
+    seen, logs = [], []
+    w = Widener(study, space, cfg, tmp_path, seen.append, logs.append, ROLE)
+    top = SpecConfig(**ranked[0]["spec"])
+    assert ranked[0][PREDICTED] == pytest.approx(1.4)  # the noise band: 2 x noise_rel = ±10%, 1.26-1.54x
+    w(TrialOutcome(number=1, state=TrialState.COMPLETE, spec=top, tok_s=1.0, speedup=measured))
+    ranks = [t.user_attrs.get(RANK) for t in study.get_trials(deepcopy=False)]
+    assert len(seen) == 1  # the progress display still sees every trial
+    if widened:
+        assert ranks == [None, 0, 1, 2, 3] and "widening the live sample by 2" in logs[0]
+    else:
+        assert ranks == [None, 0, 1] and not logs

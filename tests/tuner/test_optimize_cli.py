@@ -1,0 +1,58 @@
+"""`tuner dashboard` and `tuner report` on a run directory (no engine needed: a study created in real SQLite)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from helpers import free_port
+from tuner.cli import main
+from tuner.schema.compose import load_config, save_config
+from tuner.search.space import SearchSpace
+from tuner.study.studies import create_study
+
+
+def _run_dir(tmp_path: Path) -> Path:
+    cfg = load_config(["model=tiny-random", "+workload=code", "search=quick", "search.study_name=d"])
+    run_dir = tmp_path / "d"
+    save_config(cfg, run_dir / "config.yaml")
+    create_study(cfg, SearchSpace.from_config(cfg), run_dir, "d")
+    return run_dir
+
+
+def test_dashboard_serves_the_run_dirs_study_on_localhost(tmp_path: Path) -> None:
+    run_dir = _run_dir(tmp_path)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tuner.cli", "dashboard", str(run_dir), "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/api/studies", timeout=2)
+                break
+            except httpx.HTTPError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-1000:]
+                time.sleep(0.5)
+        assert r.status_code == 200
+        assert [s["study_name"] for s in r.json()["study_summaries"]] == ["d"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    # SIGTERM to `tuner dashboard` stops the server itself: nothing is left listening
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{port}/api/studies", timeout=2)
+
+
+def test_report_of_an_unfinished_study_and_of_a_wrong_dir(tmp_path: Path, capsys) -> None:
+    run_dir = _run_dir(tmp_path)
+    assert main(["report", str(run_dir)]) == 0  # enqueued trials only: still a report, no best.yaml yet
+    assert "has not finished" in (run_dir / "report.html").read_text()
+    assert (run_dir / "trials.csv").read_text().count("\n") == 3  # header, baseline and one default (waiting)
+    assert main(["report", str(tmp_path / "nope")]) == 2
+    assert "not a run directory" in capsys.readouterr().err

@@ -1,0 +1,249 @@
+"""`tuner optimize` end to end on real parts: the built-in engine on the tiny random model, the shared
+load generator, SQLite / journal storage files, the report and the rendered manifests."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from optuna.trial import TrialState
+
+from tuner.cli import main
+from tuner.run.rundir import open_run_study
+from tuner.schema.compose import load_config
+from tuner.run.session import optimize
+from tuner.schema.config import BestResult, SpecConfig
+from tuner.search.space import SearchSpace
+
+# Small enough that a whole study takes seconds: 3 tuning prompts, 2 held-out, 24 new tokens; one
+# thread (the tiny model is overhead-bound: a second thread only adds contention on a busy machine).
+SMALL = ["model=tiny-random", "+workload=code", "search=quick", "workload.num_prompts=3",
+         "workload.num_heldout=2", "workload.max_new_tokens=24", "engine.builtin.threads=1"]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from engine.decode.loop import Engine
+
+    return Engine.from_config(load_config(SMALL))
+
+
+def _run(tmp_path: Path, engine, *extra: str, name: str = "s", measure=None) -> Path:
+    return optimize([*SMALL, f"run_dir={tmp_path}", f"search.study_name={name}", *extra], engine=engine,
+                    quiet=True, measure=measure)
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    with (run_dir / "trials.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_quick_study_end_to_end(tmp_path: Path, engine, capsys) -> None:
+    run_dir = _run(tmp_path, engine)
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str(run_dir)  # the last line is the run dir
+    assert run_dir == tmp_path / "s"
+    for f in ("config.yaml", "study.db", "trials.csv", "best.yaml", "report.html", "history.png", "heatmap.png",
+              "bars.png", "k8s/kustomization.yaml"):
+        assert (run_dir / f).is_file(), f
+
+    rows = _rows(run_dir)
+    assert len(rows) == 6 and all(r["state"] == "COMPLETE" for r in rows)
+    assert rows[0]["role"] == "baseline" and rows[0]["spec"] == "off"
+    assert rows[1]["role"] == "default" and rows[1]["spec"] == "ngram d4 k1 b5"  # SGLang/EAGLE defaults clipped
+    space = SearchSpace.from_config(load_config(SMALL))
+    for r in rows[1:]:
+        spec = SpecConfig(method=r["spec_method"], depth=int(r["spec_depth"]), topk=int(r["spec_topk"]),
+                          budget=int(r["spec_budget"]))
+        assert space.contains(spec)
+        assert float(r["baseline_tok_s"]) > 0 and float(r["speedup"]) > 0
+
+    best = BestResult.model_validate(yaml.safe_load((run_dir / "best.yaml").read_text()))
+    assert best.provenance.study == "s" and best.provenance.model == "tiny-random"
+    assert best.heldout is not None and best.heldout.output_tokens_per_s > 0
+    assert best.baseline is not None and best.metrics is not None
+    html = (run_dir / "report.html").read_text()
+    assert "history.png" in html and best.spec.key() in html
+
+    # `tuner report` re-renders from the storage alone
+    (run_dir / "report.html").unlink()
+    (run_dir / "trials.csv").unlink()
+    assert main(["report", str(run_dir)]) == 0
+    assert (run_dir / "report.html").is_file() and len(_rows(run_dir)) == 6
+
+
+def test_winner_is_off_when_speculation_cannot_help(tmp_path: Path, engine) -> None:
+    # A random model's drafts are essentially never accepted: n-gram lookup over its random output,
+    # and an EAGLE head trained for a few steps on it (engine.heads, cached per target and workload).
+    run_dir = _run(tmp_path, engine, "search.methods=[ngram,eagle]", "search.n_trials=7", "train.prompts=4",
+                   "train.steps=5", "train.max_new_tokens=16")
+    study = open_run_study(run_dir)
+    methods = {t.user_attrs.get("spec_method") for t in study.trials if t.state == TrialState.COMPLETE}
+    assert {"off", "ngram", "eagle"} <= methods
+    taus = [t.user_attrs["tau"] for t in study.trials if t.user_attrs.get("spec_method") in ("ngram", "eagle")]
+    assert taus and max(taus) < 1.3  # the premise: no acceptance
+    best = BestResult.model_validate(yaml.safe_load((run_dir / "best.yaml").read_text()))
+    assert best.spec.method == "off"
+    assert "slowdown trap" in best.reason and "Acceptance too low" in best.reason
+    assert best.speedup == 1.0 and best.heldout_speedup == 1.0
+
+
+def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path: Path, engine) -> None:
+    # draft_model points at a checkpoint that does not exist: its drafter raises when the spec is set.
+    run_dir = _run(tmp_path, engine, "search.methods=[ngram,draft_model]", "spec.draft_model=/nonexistent/draft",
+                   "search.n_trials=7")
+    study = open_run_study(run_dir)
+    failed = [t for t in study.trials if t.state == TrialState.FAIL]
+    done = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    assert len(study.trials) == 7
+    assert failed and all(t.user_attrs["spec_method"] == "draft_model" for t in failed)
+    assert all("nonexistent" in t.user_attrs["fail_reason"] for t in failed)
+    assert any(t.user_attrs.get("spec_method") == "ngram" for t in done)
+    assert any(r["state"] == "FAIL" and "nonexistent" in r["fail_reason"] for r in _rows(run_dir))
+
+
+def test_a_trial_past_its_time_limit_fails_and_the_winner_is_off(tmp_path: Path, engine) -> None:
+    # A measurement slower than the limit (a search that fits is checked before the first trial
+    # only when optimize builds its own measure: tests/test_limits.py).
+    def slow(spec: SpecConfig, split: str, concurrency: int):
+        from tuner.study.objective import Sample
+
+        time.sleep(0.5)
+        return Sample(10.0, tau=1.0)
+
+    run_dir = _run(tmp_path, engine, "search.trial_timeout_s=0.05", "search.n_trials=2", measure=slow)
+    study = open_run_study(run_dir)
+    assert [t.state for t in study.trials] == [TrialState.FAIL, TrialState.FAIL]
+    assert all("exceeded search.trial_timeout_s=0.05" in t.user_attrs["fail_reason"] for t in study.trials)
+    best = BestResult.model_validate(yaml.safe_load((run_dir / "best.yaml").read_text()))
+    assert best.spec.method == "off" and "no speculative configuration completed" in best.reason
+    assert (run_dir / "report.html").is_file()
+
+
+@pytest.mark.parametrize("ci_rel_width,expected", [(10.0, 2), (1e-9, 3)])
+def test_repeats_stop_when_the_interval_is_tight(tmp_path: Path, engine, ci_rel_width: float, expected: int) -> None:
+    # noise_rel=0.5 keeps the pruner out of it: hopeless means below (1 - 2*0.5) = 0 x the best
+    run_dir = _run(tmp_path, engine, "search.n_trials=3", "search.repeats_min=2", "search.repeats_max=3",
+                   f"search.ci_rel_width={ci_rel_width}", "search.noise_rel=0.5")
+    study = open_run_study(run_dir)
+    spec_trials = [t for t in study.trials if t.user_attrs["spec_method"] != "off"]
+    assert [t.user_attrs["repeats"] for t in spec_trials] == [expected] * len(spec_trials)
+    assert all(len(t.user_attrs["ratios"]) == expected and t.user_attrs["speedup_ci_low"] is not None
+               for t in spec_trials)
+    assert all(len(t.intermediate_values) == expected for t in spec_trials)
+
+
+def test_an_slo_no_config_can_meet_makes_every_trial_infeasible(tmp_path: Path, engine) -> None:
+    run_dir = _run(tmp_path, engine, "workload.slo.tpot_p99_ms=0.001", "search.n_trials=4")
+    study = open_run_study(run_dir)
+    done = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    assert len(done) == 4
+    assert all(t.constraints["tpot_p99_ms"] > 0 and t.user_attrs["feasible"] is False for t in done)
+    with pytest.raises(ValueError):
+        study.best_trial  # Optuna itself sees no feasible trial
+    best = BestResult.model_validate(yaml.safe_load((run_dir / "best.yaml").read_text()))
+    assert best.spec.method == "off" and "SLO" in best.reason
+
+
+def test_multi_objective_journal_storage_and_pareto(tmp_path: Path, engine) -> None:
+    run_dir = _run(tmp_path, engine, "search.multi_objective=true", "search.n_trials=4",
+                   "search.storage=journal:study.log")
+    assert (run_dir / "study.log").is_file() and not (run_dir / "study.db").exists()
+    study = open_run_study(run_dir)
+    assert len(study.directions) == 2
+    assert all(len(t.values) == 2 for t in study.trials if t.state == TrialState.COMPLETE)
+    assert (run_dir / "pareto.png").is_file()
+
+
+def _complete_in_db(db: Path) -> dict[int, float]:
+    if not db.exists():
+        return {}
+    try:
+        with sqlite3.connect(db, timeout=1) as con:
+            rows = con.execute("SELECT t.number, v.value FROM trials t JOIN trial_values v ON v.trial_id = t.trial_id "
+                               "WHERE t.state = 'COMPLETE'").fetchall()
+    except sqlite3.Error:
+        return {}
+    return dict(rows)
+
+
+def test_resume_after_kill_9_loses_at_most_the_running_trial(tmp_path: Path, engine) -> None:
+    over = [o.replace("workload.max_new_tokens=24", "workload.max_new_tokens=48") for o in SMALL]
+    args = [sys.executable, "-m", "tuner.cli", "optimize", *over, f"run_dir={tmp_path}", "search.study_name=r",
+            "search.n_trials=9", "--quiet"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    db = tmp_path / "r" / "study.db"
+    deadline = time.monotonic() + 240
+    try:
+        while len(_complete_in_db(db)) < 3 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    before = _complete_in_db(db)
+    assert 3 <= len(before) < 9
+
+    run_dir = optimize(None, resume=tmp_path / "r", engine=engine, quiet=True)
+    study = open_run_study(run_dir)
+    finished = [t for t in study.trials if t.state in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)]
+    assert len(finished) == 9
+    after = {t.number: t.value for t in study.trials if t.state == TrialState.COMPLETE}
+    assert all(after[n] == v for n, v in before.items())  # nothing measured was lost
+    interrupted = [t for t in study.trials if "interrupted" in t.user_attrs.get("fail_reason", "")]
+    assert len(interrupted) <= 1
+    assert (run_dir / "best.yaml").is_file()
+
+
+def test_trials_measured_over_http_like_a_launched_server(tmp_path: Path, engine) -> None:
+    # The path engine=vllm/sglang trials take (launcher.ensure(spec) -> URL, the load generator over
+    # HTTP, tau from /metrics), here against the built-in OpenAI server: its "launcher" switches the
+    # served engine's spec instead of restarting a process.
+    from engine.serving.server import serve_in_thread
+    from engine.measure.workloads import load_prompts
+    from tuner.study.measurer import make_launched_measure
+
+    cfg = load_config(SMALL)
+    url, stop = serve_in_thread(cfg, engine)
+
+    class BuiltinServer:
+        model = cfg.model.name
+        served: list[str] = []
+
+        def ensure(self, spec: SpecConfig) -> str:
+            engine.set_spec(spec)
+            self.served.append(spec.key())
+            return url
+
+    launcher = BuiltinServer()
+    prompts = {s: load_prompts(cfg.workload, s) for s in ("tune", "heldout")}
+    try:
+        run_dir = _run(tmp_path, engine, "search.n_trials=3",
+                       measure=make_launched_measure(launcher, cfg, prompts))
+    finally:
+        stop()
+    study = open_run_study(run_dir)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 3
+    assert {"off", "ngram d4 k1 b5"} <= set(launcher.served)
+    for t in study.trials[1:]:
+        assert t.user_attrs["tau"] is not None and t.user_attrs["tau"] >= 1.0  # from /metrics deltas
+        assert t.user_attrs["tpot_p99_ms"] > 0 and t.user_attrs["ttft_p99_ms"] > 0
+    assert (run_dir / "best.yaml").is_file()
+
+
+def test_resume_takes_no_overrides_and_a_run_dir_is_not_reused(tmp_path: Path, engine, capsys) -> None:
+    assert main(["optimize", "--resume", str(tmp_path), "search.n_trials=3"]) == 2
+    assert "not a run directory" in capsys.readouterr().err
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "config.yaml").write_text("x: 1\n")
+    assert main(["optimize", *SMALL, f"run_dir={tmp_path}", "search.study_name=s"]) == 2
+    assert "--resume" in capsys.readouterr().err
+

@@ -1,0 +1,252 @@
+"""Winner selection (ties, SLOs, slowdown trap), storage URLs and stale-trial recovery, on real storage files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.distributions import IntDistribution
+from optuna.trial import TrialState, create_trial
+
+from tuner.schema.compose import load_config
+from tuner.study.selection import pick_winner
+from tuner.schema.config import SpecConfig, UserError
+from tuner.study.storage import open_storage, storage_url
+from tuner.study.studies import FAIL_REASON, ROLE, HopelessPruner, load_study
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+NOISE = 0.05
+
+
+def _trial(spec: SpecConfig | None, speedup: float, tau: float | None = 2.0, ci: tuple[float, float] | None = None,
+           feasible: bool = True, state: TrialState = TrialState.COMPLETE, role: str = "search"):
+    spec = spec or SpecConfig(method="off")
+    attrs = {ROLE: role, "spec": spec.key(), "spec_json": spec.model_dump(mode="json"), "spec_method": spec.method,
+             "speedup": speedup, "tok_s": 10 * speedup, "baseline_tok_s": 10.0, "tau": tau,
+             "speedup_ci_low": ci[0] if ci else None, "speedup_ci_high": ci[1] if ci else None}
+    t = create_trial(state=state, value=10 * speedup if state == TrialState.COMPLETE else None,
+                     params={"depth": spec.depth}, distributions={"depth": IntDistribution(1, 16)},
+                     user_attrs=attrs, system_attrs={"constraints:tpot_p99_ms": -1.0 if feasible else 5.0})
+    return t
+
+
+def ng(depth: int) -> SpecConfig:
+    return SpecConfig(method="ngram", depth=depth, topk=1, budget=depth + 1)
+
+
+def tree(depth: int, topk: int, budget: int) -> SpecConfig:
+    return SpecConfig(method="eagle", depth=depth, topk=topk, budget=budget)
+
+
+def test_best_speedup_wins_when_clearly_ahead() -> None:
+    w = pick_winner([_trial(None, 1.0, role="baseline"), _trial(ng(2), 1.3), _trial(ng(4), 1.6)], NOISE, [1])
+    assert w.spec == ng(4)
+    assert "1.600x" in w.reason
+
+
+def test_ties_within_noise_go_to_the_smaller_budget() -> None:
+    trials = [_trial(tree(5, 4, 16), 1.62), _trial(tree(5, 4, 8), 1.58), _trial(tree(3, 2, 6), 1.40)]
+    w = pick_winner(trials, NOISE, [1])
+    assert w.spec == tree(5, 4, 8)  # 1.58 is within 5% of 1.62 and verifies half the tokens
+    assert "smallest budget" in w.reason
+
+
+def test_slowdown_trap_low_acceptance() -> None:
+    w = pick_winner([_trial(None, 1.0, role="baseline"), _trial(ng(2), 1.03, tau=1.05), _trial(ng(4), 0.9, tau=1.1)],
+                    NOISE, [1])
+    assert w.spec.method == "off"
+    assert "slowdown trap" in w.reason and "Acceptance too low" in w.reason
+
+
+def test_slowdown_trap_verification_too_costly() -> None:
+    w = pick_winner([_trial(tree(6, 8, 40), 0.8, tau=2.4)], NOISE, [8])
+    assert w.spec.method == "off"
+    assert "Verification too costly at concurrency [8]" in w.reason
+
+
+def test_a_ci_that_includes_one_is_not_a_win() -> None:
+    w = pick_winner([_trial(ng(3), 1.10, ci=(0.95, 1.25))], NOISE, [1])
+    assert w.spec.method == "off"
+    w = pick_winner([_trial(ng(3), 1.10, ci=(1.04, 1.16))], NOISE, [1])
+    assert w.spec == ng(3)
+
+
+def test_faster_is_a_one_sided_claim_on_the_repeats() -> None:
+    """Two repeats at 1.58x and 1.77x: the two-sided 95% interval (t = 12.7 with one degree of
+    freedom) spans [0.47, 2.88], yet the one-sided bound clears 1.0, so it wins; two repeats that
+    disagree (1.02x, 1.40x) do not prove anything."""
+    steady = _trial(ng(5), 1.675, ci=(0.47, 2.88))
+    steady.user_attrs["ratios"] = [1.58, 1.77]
+    w = pick_winner([steady], NOISE, [1])
+    assert w.spec == ng(5) and "one-sided 95% lower bound 1.07" in w.reason
+    shaky = _trial(ng(5), 1.21, ci=(-1.2, 3.6))
+    shaky.user_attrs["ratios"] = [1.02, 1.40]
+    assert pick_winner([shaky], NOISE, [1]).spec.method == "off"
+
+
+def test_a_speedup_without_accepted_drafts_is_noise() -> None:
+    # tau 1.0: every target forward yields one token, so 1.6x can only be a noisy measurement
+    w = pick_winner([_trial(ng(4), 1.6, tau=1.0)], NOISE, [1])
+    assert w.spec.method == "off" and "Acceptance too low" in w.reason
+
+
+def test_repeated_points_are_pooled() -> None:
+    lucky = _trial(ng(4), 1.5)
+    lucky.user_attrs["ratios"] = [1.5]
+    again = _trial(ng(4), 0.9)
+    again.user_attrs["ratios"] = [0.9, 0.95]
+    steady = _trial(ng(2), 1.2)
+    w = pick_winner([lucky, again, steady], NOISE, [1])
+    assert w.spec == ng(2)  # ng(4) pooled: mean 1.117 with a CI far wider than the noise band
+    assert pick_winner([lucky, again], NOISE, [1]).spec.method == "off"
+
+
+def test_infeasible_trials_never_win() -> None:
+    w = pick_winner([_trial(ng(4), 2.0, feasible=False), _trial(ng(2), 1.3)], NOISE, [1])
+    assert w.spec == ng(2)
+    w = pick_winner([_trial(ng(4), 2.0, feasible=False)], NOISE, [1])
+    assert w.spec.method == "off" and "SLO" in w.reason
+
+
+def test_failed_and_pruned_trials_are_ignored() -> None:
+    trials = [_trial(ng(4), 3.0, state=TrialState.FAIL), _trial(ng(3), 2.5, state=TrialState.PRUNED),
+              _trial(ng(2), 1.2)]
+    assert pick_winner(trials, NOISE, [1]).spec == ng(2)
+
+
+def test_best_chain_is_recorded_for_vllm_targets() -> None:
+    w = pick_winner([_trial(tree(5, 4, 8), 1.8), _trial(ng(3), 1.4), _trial(ng(2), 1.1)], NOISE, [1])
+    assert w.spec == tree(5, 4, 8) and w.chain is not None
+    assert w.chain.spec == ng(3)
+
+
+def test_storage_urls(tmp_path: Path) -> None:
+    search = load_config(["search=quick"]).search
+    assert storage_url(search, tmp_path) == f"sqlite:///{tmp_path.resolve()}/study.db"
+    search.storage = "journal:j/study.log"
+    url = storage_url(search, tmp_path)
+    assert url == f"journal:{tmp_path.resolve()}/j/study.log"
+    st = open_storage(url)
+    optuna.create_study(storage=st, study_name="x").optimize(lambda t: t.suggest_int("a", 0, 3), n_trials=2)
+    assert (tmp_path / "j" / "study.log").stat().st_size > 0
+    search.storage = "nosuchdb://user@host/db"
+    with pytest.raises(UserError, match="search.storage='nosuchdb"):
+        open_storage(storage_url(search, tmp_path))
+
+
+def test_resume_marks_stale_running_trials_fail(tmp_path: Path) -> None:
+    cfg = load_config(["model=tiny-random", "+workload=code", "search=quick", "search.study_name=s"])
+    study = optuna.create_study(study_name="s", storage=open_storage(storage_url(cfg.search, tmp_path)),
+                                direction="maximize")
+    study.tell(study.ask(), 1.0)
+    study.ask()  # left RUNNING, as after kill -9
+    again = load_study(cfg, tmp_path, "s")
+    states = [t.state for t in again.trials]
+    assert states == [TrialState.COMPLETE, TrialState.FAIL]
+    assert "interrupted" in again.trials[1].user_attrs[FAIL_REASON]
+
+
+def test_hopeless_pruner_compares_with_the_baseline_and_the_best(tmp_path: Path) -> None:
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path}/p.db", direction="maximize",
+                                pruner=HopelessPruner(noise_rel=0.05))
+    study.set_user_attr("reference_tok_s", 100.0)
+    t = study.ask()
+    t.report(85.0, 0)
+    assert t.should_prune()  # 15% below the baseline: beyond twice the 5% noise band
+    t2 = study.ask()
+    t2.report(95.0, 0)
+    assert not t2.should_prune()  # within noise: worth another repeat
+    study.tell(t2, 130.0)
+    t3 = study.ask()
+    t3.report(110.0, 0)
+    assert t3.should_prune()  # beats the baseline but is hopeless against the best so far (130)
+
+
+def test_a_launched_server_is_measured_serving_first_so_two_repeats_restart_it_twice(tmp_path: Path) -> None:
+    # A vLLM/SGLang trial restarts the server whenever the measured spec changes. Measuring the spec
+    # the server already runs first (the order still alternating between repeats) saves one restart
+    # per trial; the start-ups are recorded on the trial, outside every measurement.
+    from tuner.study.objective import Objective, Sample
+    from tuner.study.measurer import make_launched_measure
+    from tuner.search.space import SearchSpace
+    from tuner.study.studies import create_study
+
+    cfg = load_config(["model=tiny-random", "+workload=code", "search=quick", "search.repeats_min=2",
+                       "search.repeats_max=2", "search.n_trials=3", "search.ci_rel_width=0.0001"])
+
+    class Launcher:
+        model = "m"
+        starts, total_startup_s, running = 0, 0.0, None
+
+        def serves(self, spec: SpecConfig) -> bool:
+            return self.running == spec
+
+        def ensure(self, spec: SpecConfig) -> str:
+            if self.running != spec:
+                self.running, self.starts, self.total_startup_s = spec, self.starts + 1, self.total_startup_s + 30.0
+            order.append(spec.method)
+            return "http://127.0.0.1:9"
+
+    order: list[str] = []
+    launcher = Launcher()
+    measure = make_launched_measure(launcher, cfg, {"tune": [], "heldout": []})
+
+    def fake(spec: SpecConfig, split: str, concurrency: int) -> Sample:
+        launcher.ensure(spec)  # the real measure would now run the load generator against the server
+        return Sample(tok_s=20.0 if spec.method == "off" else 30.0, tau=2.0, ttft_p99_ms=1.0, tpot_p99_ms=1.0)
+
+    fake.serving, fake.startups = measure.serving, measure.startups  # type: ignore[attr-defined]
+    space = SearchSpace.from_config(cfg)
+    study = create_study(cfg, space, tmp_path, "restarts")
+    objective = Objective(study, space, fake, cfg.workload, cfg.search)
+    for _ in range(3):
+        objective.run_one()
+    trials = study.trials
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
+    # trial 0 (off): one start; every speculative trial: exactly two, and both repeats measured
+    assert [t.user_attrs["server_starts"] for t in trials] == [1, 2, 2]
+    assert trials[1].user_attrs["server_startup_s"] == 60.0
+    assert [t.user_attrs["repeats"] for t in trials[1:]] == [2, 2]
+    assert launcher.starts == 5
+    # within each speculative trial the two repeats ran in opposite orders (drift still cancels)
+    spec_trials = order[2:]
+    pairs = [spec_trials[i:i + 4] for i in (0, 4)]
+    for p in pairs:
+        assert p[:2] != p[2:] and sorted(p[:2]) == sorted(p[2:])
+
+
+def test_a_point_sampled_again_reuses_its_measurement(tmp_path: Path) -> None:
+    """A one-point space: the sampler can only propose that point again; it is measured once, the
+    later trials carry its figures (reused_from) and its value, and nothing is measured for them."""
+    from tuner.study.objective import Objective, Sample
+    from tuner.search.space import SearchSpace
+    from tuner.study.studies import create_study
+
+    cfg = load_config(["model=tiny-random", "+workload=code", "search=quick", "search.methods=[ngram]",
+                       "search.depth.min=2", "search.depth.max=2", "search.repeats_max=1", "search.n_trials=4"])
+    calls: list[str] = []
+
+    def measure(spec: SpecConfig, split: str, concurrency: int) -> Sample:
+        calls.append(spec.key())
+        return Sample(tok_s=20.0 if spec.method == "off" else 30.0, tau=2.0, ttft_p99_ms=1.0, tpot_p99_ms=1.0)
+
+    space = SearchSpace.from_config(cfg)
+    study = create_study(cfg, space, tmp_path, "reuse")
+    objective = Objective(study, space, measure, cfg.workload, cfg.search)
+    for _ in range(4):
+        objective.run_one()
+    spec_trials = [t for t in study.trials if t.user_attrs.get("spec_method") == "ngram"]
+    assert len(spec_trials) >= 2 and all(t.state == TrialState.COMPLETE for t in spec_trials)
+    first, *again = spec_trials
+    assert "reused_from" not in first.user_attrs
+    for t in again:
+        assert t.user_attrs["reused_from"] == first.number
+        assert t.value == first.value and t.user_attrs["speedup"] == first.user_attrs["speedup"]
+    ngram_key = first.user_attrs["spec"]
+    assert calls.count(ngram_key) == 1  # measured once (one repeat), never again
+    # a reuse is not new evidence: the winner pools the measured trial alone
+    from tuner.study.selection import candidates
+
+    (cand,) = [c for c in candidates(study.trials) if c.spec.key() == ngram_key]
+    assert [t.number for t in cand.trials] == [first.number]

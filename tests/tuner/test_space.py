@@ -1,0 +1,199 @@
+"""The search space: every sampled point valid, defaults clipped, the grid complete, params round-trip."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import optuna
+import pytest
+
+from tuner.schema.compose import load_config
+from tuner.schema.config import SpecConfig, UserError
+from tuner.search.space import SearchSpace
+from tuner.study.studies import make_sampler
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def _space(**kw) -> SearchSpace:
+    base = dict(methods=("eagle",), depth_min=1, depth_max=8, topk=(1, 2, 4, 8), budget_max=64)
+    base.update(kw)
+    return SearchSpace(**base)
+
+
+def _assert_valid(space: SearchSpace, spec: SpecConfig) -> None:
+    SpecConfig.model_validate(spec.model_dump())  # the schema's own rules
+    assert space.contains(spec), spec
+    assert spec.depth + 1 <= spec.budget <= min(space.budget_max, 1 + spec.depth * spec.topk)
+    if spec.topk == 1:
+        assert spec.budget == spec.depth + 1
+    if spec.method == "ngram" or space.chain_only:
+        assert spec.topk == 1
+    if spec.method == "medusa" and space.medusa_heads is not None:
+        assert spec.depth <= space.medusa_heads  # H heads draft at most H tokens
+
+
+SPACES = [
+    _space(),
+    _space(methods=("ngram",), depth_max=6, budget_max=8),
+    _space(methods=("ngram", "eagle"), topk=(1, 2, 3), budget_max=10),
+    _space(methods=("eagle",), topk=(2, 4), depth_max=16, budget_max=12),  # depth capped by budget_max-1
+    _space(methods=("eagle",), chain_only=True, concurrency=(1, 8, 32)),  # vLLM: chains + K per band
+    _space(methods=("ngram", "medusa"), topk=(1, 2), budget_max=12, medusa_heads=3),  # Medusa capped by its heads
+]
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "random"])
+@pytest.mark.parametrize("idx", range(len(SPACES)))
+def test_every_sampled_point_is_valid(idx: int, sampler: str) -> None:
+    space = SPACES[idx]
+    search = load_config(["search.n_trials=15", f"search.seed={idx}", f"search.sampler={sampler}"]).search
+    s = make_sampler(search)  # the study's own sampler (TPE: multivariate, group)
+    study = optuna.create_study(sampler=s, direction="maximize")
+    rng = random.Random(idx)
+    seen = set()
+    for _ in range(60):
+        t = study.ask()
+        spec = space.suggest(t)
+        _assert_valid(space, spec)
+        seen.add(spec.key())
+        study.tell(t, rng.random() + spec.depth * 0.1)  # a landscape TPE can follow
+    assert len(seen) > 3  # it explored, not one point
+
+
+def test_depth_never_exceeds_budget_max_minus_one() -> None:
+    space = SPACES[3]
+    assert space.depth_max == 11
+    assert all(p.depth <= 11 and p.budget <= 12 for p in space.points())
+
+
+def test_grid_is_exactly_the_valid_points() -> None:
+    space = _space(methods=("eagle",), depth_max=3, topk=(1, 2), budget_max=6)
+    pts = space.points()
+    # brute force over every (depth, topk, budget) and keep those the schema accepts within budget_max
+    expected = set()
+    for d in range(1, 4):
+        for k in (1, 2):
+            for b in range(2, 7):
+                try:
+                    spec = SpecConfig(method="eagle", depth=d, topk=k, budget=b)
+                except ValueError:
+                    continue
+                if b >= d + 1:
+                    expected.add(spec.key())
+    assert {p.key() for p in pts} == expected
+    assert len(pts) == len(expected)  # no duplicates
+
+
+def _assert_round_trip(space: SearchSpace) -> None:
+    """Every point of the grid, enqueued by params_of, comes back from suggest unchanged."""
+    study = optuna.create_study(direction="maximize")
+    pts = space.points()
+    for p in pts:
+        study.enqueue_trial(space.params_of(p))
+    for p in pts:
+        t = study.ask()
+        assert space.suggest(t) == p
+        study.tell(t, 1.0)
+
+
+def test_params_round_trip_through_enqueue() -> None:
+    _assert_round_trip(SPACES[2])
+
+
+def test_known_defaults_are_clipped_into_the_space() -> None:
+    full = _space()
+    assert [d.key() for d in full.defaults()] == ["eagle d5 k4 b8", "eagle d5 k8 b41"]  # 60 > 1+5*8
+    small = _space(depth_max=4, topk=(1, 2), budget_max=8)
+    for d in small.defaults():
+        _assert_valid(small, d)
+    assert [d.key() for d in small.defaults()] == ["eagle d4 k2 b8"]  # both defaults collapse
+    ngram = _space(methods=("ngram",), depth_max=4, budget_max=8)
+    assert [d.key() for d in ngram.defaults()] == ["ngram d4 k1 b5"]
+
+
+def test_vllm_bands_become_k_per_batch_size() -> None:
+    space = SPACES[4]
+    assert space.k_bands == [(1, 1), (2, 8), (9, 32)]
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
+    for _ in range(20):
+        spec = space.suggest(study.ask())
+        assert spec.topk == 1 and spec.k_per_batch_size is not None
+        assert spec.k_per_batch_size[0] == (1, 1, spec.depth)
+        assert all(0 <= k <= spec.depth for _, _, k in spec.k_per_batch_size)
+
+
+def test_from_config_quick_and_vllm() -> None:
+    quick = SearchSpace.from_config(load_config(["model=tiny-random", "+workload=code", "search=quick"]))
+    assert quick.methods == ("ngram",) and quick.depth_max == 4 and not quick.chain_only
+    assert all(p.topk == 1 for p in quick.points()) and len(quick.points()) == 4
+    vllm = SearchSpace.from_config(load_config(["engine=vllm", "+workload=code", "search.methods=[eagle]",
+                                                "workload.concurrency=[1,4]"]))
+    assert vllm.chain_only and vllm.k_bands == [(1, 1), (2, 4)]
+
+
+def test_impossible_depth_range_is_a_user_error() -> None:
+    cfg = load_config(["+workload=code", "search.depth.min=8", "search.depth.max=8", "search.budget_max=4"])
+    with pytest.raises(UserError, match="search.depth.min=8"):
+        SearchSpace.from_config(cfg)
+
+
+MEDUSA = _space(methods=("eagle", "medusa"), topk=(1, 2), budget_max=16, medusa_heads=4)
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "random"])
+def test_medusa_is_never_deeper_than_its_heads(sampler: str) -> None:
+    search = load_config(["search.n_trials=15", "search.seed=3", f"search.sampler={sampler}"]).search
+    study = optuna.create_study(sampler=make_sampler(search), direction="maximize")
+    depths: dict[str, set[int]] = {"eagle": set(), "medusa": set()}
+    for _ in range(80):
+        t = study.ask()
+        spec = MEDUSA.suggest(t)
+        _assert_valid(MEDUSA, spec)
+        depths[spec.method].add(spec.depth)
+        study.tell(t, spec.depth * 0.1 + (spec.method == "medusa"))  # reward depth: push towards the cap
+    assert depths["medusa"] and max(depths["medusa"]) <= 4
+    assert max(depths["eagle"]) > 4  # the cap is Medusa's only
+    # Optuna keeps one distribution per parameter name: Medusa's capped depth has a name of its own.
+    for name in ("depth", "medusa_depth"):
+        dists = {repr(t.distributions[name]) for t in study.trials if name in t.distributions}
+        assert len(dists) == 1, (name, dists)
+
+
+def test_medusa_points_defaults_and_round_trip() -> None:
+    pts = MEDUSA.points()
+    assert max(p.depth for p in pts if p.method == "medusa") == 4
+    assert max(p.depth for p in pts if p.method == "eagle") == 8
+    deep = SpecConfig(method="medusa", depth=5, topk=1, budget=6)
+    assert not MEDUSA.contains(deep) and MEDUSA.contains(deep.model_copy(update={"depth": 4, "budget": 5}))
+    assert all(d.depth <= 4 for d in MEDUSA.defaults() if d.method == "medusa")
+    assert MEDUSA.clip("medusa", 8, 1, 9).key() == "medusa d4 k1 b5"
+    _assert_round_trip(MEDUSA)
+
+
+def _medusa_head(path, heads: int):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "medusa", "num_heads": heads}))
+    return path
+
+
+def test_from_config_reads_the_heads_of_the_trained_head(tmp_path) -> None:
+    cfg = load_config(["+workload=code", "search.methods=[ngram,medusa]", "train.medusa_heads=5"])
+    assert SearchSpace.from_config(cfg).medusa_heads == 5  # not trained yet: what train-draft trains
+    head = _medusa_head(tmp_path / "h", 2)
+    space = SearchSpace.from_config(cfg, head_paths={"medusa": str(head)})
+    assert space.medusa_heads == 2 and max(p.depth for p in space.points() if p.method == "medusa") == 2
+    given = load_config(["+workload=code", "search.methods=[medusa]", "spec.method=medusa", "spec.depth=2",
+                         "spec.budget=3", f"spec.head_path={head}"])
+    assert SearchSpace.from_config(given).medusa_heads == 2  # spec.head_path, before any head_paths
+    assert SearchSpace.from_config(load_config(["+workload=code"])).medusa_heads is None  # no Medusa searched
+
+
+def test_medusa_depth_beyond_its_heads_is_a_user_error(tmp_path) -> None:
+    with pytest.raises(UserError, match=r"search.depth.min=5 with medusa in search.methods: its head set has 4 heads"):
+        SearchSpace.from_config(load_config(["+workload=code", "search.methods=[medusa]", "search.depth.min=5"]))
+    head = _medusa_head(tmp_path / "h", 3)
+    with pytest.raises(UserError, match=rf"spec.depth=4 with spec.method=medusa: spec.head_path={head} has 3 heads"):
+        load_config(["spec.method=medusa", "spec.depth=4", "spec.budget=5", f"spec.head_path={head}"])
+    load_config(["spec.method=medusa", "spec.depth=3", "spec.budget=4", f"spec.head_path={head}"])

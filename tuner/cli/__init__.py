@@ -1,0 +1,81 @@
+"""The `tuner` command line: thin over library functions.
+
+Each subcommand takes Hydra overrides (`hardware=h100x8 spec.depth=4 +workload=code`) as
+positional arguments. User errors print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from tuner.schema.config import UserError
+
+Handler = Callable[[argparse.Namespace], int | None]
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from tuner.schema.compose import load_config, require_workload, to_json, to_yaml
+
+    cfg = load_config(args.overrides)
+    if args.require_workload:
+        require_workload(cfg)
+    print(to_json(cfg) if args.json else to_yaml(cfg), end="" if not args.json else "\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse tree. Each subcommand sets `func`; its overrides land in `args.overrides`."""
+    p = argparse.ArgumentParser(
+        prog="tuner",
+        description="spectune: tune speculative decoding (depth, top-k, draft budget) and render Kubernetes manifests.",
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    c = sub.add_parser("config", help="print the composed, validated config (YAML, or JSON with --json)")
+    c.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. hardware=h100x8 +workload=code")
+    c.add_argument("--json", action="store_true", help="print JSON instead of YAML")
+    c.add_argument("--require-workload", action="store_true", help="fail unless a workload is given")
+    c.set_defaults(func=_cmd_config)
+
+    for register in _extensions():
+        register(sub)
+    return p
+
+
+# Modules that define more subcommands, each with `register(subparsers)`. One line per issue's
+# command module keeps this file thin: the handlers live beside the library code they wrap.
+COMMAND_MODULES: list[str] = [
+    "tuner.cli.k8s",
+    "tuner.cli.bench",
+    "tuner.cli.serve",
+    "tuner.cli.optimize",
+    "tuner.cli.train",
+    "tuner.cli.cluster",
+    "tuner.cli.project",
+    "tuner.cli.hub",
+]
+
+
+def _extensions() -> list[Callable[[argparse._SubParsersAction], None]]:
+    import importlib
+
+    return [importlib.import_module(m).register for m in COMMAND_MODULES]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `tuner` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        rc = args.func(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return int(rc or 0)
+

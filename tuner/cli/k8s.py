@@ -1,0 +1,83 @@
+"""`tuner render` and `tuner apply`: thin over deploy.render / deploy.validate / deploy.apply."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tuner.schema.config import UserError
+
+
+def _cmd_render(args: argparse.Namespace) -> int:
+    from deploy.validate import check_dir
+    from tuner.schema.compose import load_config
+
+    if args.check is not None:
+        version = load_config(args.overrides).deploy.k8s_version
+        errors = check_dir(args.check, version)
+        for line in errors:
+            print(line, file=sys.stderr)
+        if errors:
+            return 2
+        print(f"{args.check}: all manifests valid for Kubernetes {version} (strict)")
+        return 0
+    if args.projected and args.run_dir is None:
+        raise UserError("--projected needs --from RUN: a run directory holding profile.json (`tuner profile --from RUN`)")
+    if args.run_dir is not None:
+        from tuner.run.rundir import render_run
+
+        plan, files = render_run(args.run_dir, args.overrides, args.out, projected=args.projected)
+    else:
+        from deploy.render import render
+
+        cfg = load_config(args.overrides)
+        plan, files = render(cfg, None, args.out or Path(cfg.run_dir) / "k8s")
+    for note in plan.served.notes:
+        print(f"note: {note}", file=sys.stderr)
+    cfg = plan.cfg
+    errors = check_dir(files[0].parent, cfg.deploy.k8s_version)
+    for line in errors:  # never expected: a failure here is a renderer bug, reported like --check does
+        print(line, file=sys.stderr)
+    pj = plan.best.projection if plan.best is not None else None
+    if pj is not None:
+        print(f"projected for {pj.hardware} ({pj.cost_model}, TP {pj.tensor_parallel_size}) from {pj.profile}: "
+              f"'{plan.best.spec.key()}', predicted {pj.predicted_speedup:.2f}x, TPOT {pj.predicted_tpot_ms:.2f} ms "
+              f"at concurrency {','.join(map(str, pj.concurrency))}"
+              + (f" (measured winner: '{pj.measured_spec}')" if pj.measured_spec else ""))
+    print(f"rendered {len(files)} files into {files[0].parent} (deploy={cfg.deploy.target}, spec '{plan.served.spec.key()}', "
+          f"TP {plan.tp}, Kubernetes {cfg.deploy.k8s_version}{', INVALID' if errors else ', valid'})")
+    return 2 if errors else 0
+
+
+def _cmd_apply(args: argparse.Namespace) -> int:
+    from deploy.apply import api_client, apply_dir
+
+    results = apply_dir(args.dir, api_client(args.kubeconfig, args.context), dry_run=args.dry_run)
+    for r in results:
+        print(r.line())
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `render` and `apply` to the `tuner` command line."""
+    r = sub.add_parser("render", help="render the winner into Kubernetes manifests (or --check existing ones)")
+    r.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. deploy=sglang hardware=h100x8 deploy.replicas=3")
+    r.add_argument("--from", dest="run_dir", type=Path, help="run directory holding best.yaml and config.yaml")
+    r.add_argument("--out", type=Path, help="output directory (default RUN_DIR/k8s, or <run_dir>/k8s without --from)")
+    r.add_argument("--projected", action="store_true",
+                   help="with --from RUN: serve the configuration that RUN's acceptance profile (RUN/profile.json, "
+                        "`tuner profile --from RUN`) predicts best on hardware= for the workload's concurrency "
+                        "(for deploy=vllm a K schedule when the best K differs between levels), instead of the "
+                        "measured winner; the ConfigMap records it as projected. Without this flag a hardware= "
+                        "override still renders the measured winner, with a note")
+    r.add_argument("--check", type=Path, metavar="DIR",
+                   help="validate the manifests in DIR strictly for deploy.k8s_version instead of rendering")
+    r.set_defaults(func=_cmd_render)
+
+    a = sub.add_parser("apply", help="server-side apply rendered manifests (fieldManager=spectune)")
+    a.add_argument("dir", type=Path, help="directory of rendered manifests (e.g. RUN_DIR/k8s)")
+    a.add_argument("--dry-run", action="store_true", help="server-side dry run (dryRun=All): nothing is changed")
+    a.add_argument("--kubeconfig", help="kubeconfig file (default $KUBECONFIG or ~/.kube/config)")
+    a.add_argument("--context", help="kubeconfig context (default: the current one)")
+    a.set_defaults(func=_cmd_apply)

@@ -1,0 +1,111 @@
+"""CLI: `tuner optimize`, `tuner report RUN_DIR`, `tuner dashboard RUN_DIR` (thin over the library)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from tuner.schema.config import UserError
+
+
+def _cmd_optimize(args: argparse.Namespace) -> int:
+    from tuner.run.session import optimize
+    from tuner.run.rundir import run_dir_of
+
+    if args.worker or args.create_only:  # distributed studies (tuner.run.distributed)
+        from tuner.run import distributed
+        if args.resume:
+            raise UserError("--resume is for a run directory; a worker joins its study with --worker")
+        if args.create_only:
+            print(distributed.create_only(args.overrides))
+        else:
+            distributed.run_worker(args.overrides, quiet=args.quiet)
+        return 0
+    optimize(args.overrides, resume=run_dir_of(args.resume) if args.resume else None, quiet=args.quiet)
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from tuner.report.figures import write_report
+    from tuner.run.rundir import open_run_study, run_dir_of
+
+    if args.storage or args.study:  # a shared study, read from its storage (tuner.run.distributed)
+        from tuner.run.distributed import report_from_storage
+
+        if not (args.storage and args.study) or args.run_dir:
+            raise UserError("tuner report takes RUN_DIR, or --storage URL with --study NAME")
+        print(report_from_storage(args.storage, args.study, args.out, args.wait))
+        return 0
+    if args.run_dir is None:
+        raise UserError("tuner report takes RUN_DIR, or --storage URL with --study NAME")
+    run_dir = run_dir_of(args.run_dir)
+    from tuner.run.distributed import is_distributed_run, report_from_storage
+
+    if is_distributed_run(run_dir):  # a worker's run dir: best.yaml and manifests from the shared study
+        from tuner.schema.compose import load_saved_config
+
+        search = load_saved_config(run_dir / "config.yaml").search
+        print(report_from_storage(search.storage, search.study_name, args.out or run_dir))
+        return 0
+    write_report(open_run_study(run_dir), run_dir)
+    print(run_dir / "report.html")
+    return 0
+
+
+def _cmd_dashboard(args: argparse.Namespace) -> int:
+    from tuner.schema.compose import load_saved_config
+    from tuner.run.rundir import run_dir_of
+    from tuner.study.storage import storage_url
+
+    run_dir = run_dir_of(args.run_dir)
+    url = storage_url(load_saved_config(run_dir / "config.yaml").search, run_dir)
+    exe = shutil.which("optuna-dashboard") or str(Path(sys.executable).parent / "optuna-dashboard")
+    if not Path(exe).exists():
+        raise UserError("optuna-dashboard is not installed: pip install optuna-dashboard (a spectune dependency)")
+    cmd = [exe, "--host", "127.0.0.1", "--port", str(args.port)]
+    if url.startswith("journal:"):
+        cmd += ["--storage-class", "JournalFileStorage", url[len("journal:"):]]
+    else:
+        cmd.append(url)
+    print(f"optuna-dashboard on http://127.0.0.1:{args.port}/ (Ctrl-C to stop)", file=sys.stderr, flush=True)
+    # Become the dashboard: a signal sent to `tuner dashboard` (SIGTERM from a supervisor) then
+    # reaches the server itself instead of orphaning it.
+    sys.stdout.flush()
+    os.execv(exe, cmd)
+    return 0  # not reached
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add optimize, report and dashboard to the `tuner` parser."""
+    o = sub.add_parser("optimize", help="search depth, top-k and draft budget against the live engine; "
+                                        "prints the run directory last")
+    o.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +workload=code search=quick")
+    o.add_argument("--resume", metavar="RUN_DIR", help="continue the study of RUN_DIR after an interruption")
+    o.add_argument("--quiet", action="store_true", help="no live progress, only the run directory")
+    o.add_argument("--worker", action="store_true",
+                   help="join the shared study search.study_name in search.storage (its config comes from the "
+                        "study; only search.storage, search.study_name, engine.*, run_dir, cache_dir are taken)")
+    o.add_argument("--create-only", action="store_true",
+                   help="create the shared study (baseline and defaults enqueued once) and exit; idempotent")
+    o.set_defaults(func=_cmd_optimize)
+
+    r = sub.add_parser("report", help="re-render trials.csv, the PNGs and report.html of a run directory; for a "
+                                    "shared study (--storage/--study, or a worker's run dir) also best.yaml and "
+                                    "the manifests")
+    r.add_argument("run_dir", metavar="RUN_DIR", nargs="?")
+    r.add_argument("--storage", help="a shared study's storage: postgresql://USER@HOST/DB (password from "
+                                     "PGPASSWORD), env (SPECTUNE_STORAGE_URL) or journal:PATH")
+    r.add_argument("--study", help="the shared study's name (with --storage)")
+    r.add_argument("--out", type=Path, help="directory for best.yaml, the report and manifests "
+                                            "(default RUN_DIR, or <run_dir>/<study>)")
+    r.add_argument("--wait", type=float, metavar="SECONDS",
+                   help="with --storage: first wait up to SECONDS until the study's budget is spent")
+    r.set_defaults(func=_cmd_report)
+
+    d = sub.add_parser("dashboard", help="optuna-dashboard on 127.0.0.1 for a run directory's study")
+    d.add_argument("run_dir", metavar="RUN_DIR")
+    d.add_argument("--port", type=int, default=8080)
+    d.set_defaults(func=_cmd_dashboard)

@@ -1,0 +1,102 @@
+"""A run directory: what `tuner optimize` writes (config.yaml, the study's files, best.yaml,
+trials.csv, the report, k8s/) and what later commands read back from it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import yaml
+
+from tuner.schema.compose import apply_overrides, load_config, load_saved_config, require_workload, save_config
+from tuner.schema.config import BestResult, Config, UserError
+from tuner.study.storage import mask_url, open_storage, storage_url
+from tuner.study.studies import default_study_name
+
+if TYPE_CHECKING:
+    import optuna
+
+    from deploy.manifests import Plan
+
+CONFIG_FILE = "config.yaml"
+
+
+def prepare_run(overrides: list[str] | None, resume: Path | None) -> tuple[Config, Path, bool]:
+    """(config, run directory, is_resume). A new run saves its composed config first."""
+    if resume is not None:
+        if overrides:
+            raise UserError(f"--resume {resume}: overrides are not allowed (the run continues its saved "
+                            f"{CONFIG_FILE}); got {' '.join(overrides)}")
+        cfg = load_saved_config(resume / CONFIG_FILE)
+        return cfg, resume, True
+    cfg = load_config(overrides)
+    require_workload(cfg)
+    cfg.search.study_name = default_study_name(cfg)
+    run_dir = Path(cfg.run_dir) / cfg.search.study_name
+    if (run_dir / CONFIG_FILE).exists():
+        raise UserError(f"{run_dir} already holds a study: continue it with --resume {run_dir} "
+                        "or set search.study_name=NEW")
+    save_config(cfg, run_dir / CONFIG_FILE)
+    return cfg, run_dir, False
+
+
+def config_for_run(run_dir: Path, overrides: Sequence[str]) -> Config:
+    """The run's saved config with command-line overrides applied on top (config.apply_overrides)."""
+    path = run_dir / CONFIG_FILE
+    if not path.is_file():
+        raise UserError(f"{path}: no such file (tuner render --from takes a run directory of `tuner optimize`)")
+    return apply_overrides(yaml.safe_load(path.read_text()), list(overrides))
+
+
+def render_run(run_dir: Path, overrides: Sequence[str] = (), out: Path | None = None,
+               projected: bool = False) -> tuple[Plan, list[Path]]:
+    """Render a run's best.yaml into RUN_DIR/k8s (or `out`): the end of `tuner optimize`, and
+    `tuner render --from RUN_DIR`. `projected`: render instead the configuration that the run's
+    acceptance profile predicts best on the (overridden) hardware (tuner.projection.projector.projected_best)."""
+    from deploy.render import load_best, render
+
+    cfg = config_for_run(run_dir, list(overrides))
+    if projected:
+        from tuner.projection.projector import projected_best
+
+        best: BestResult = projected_best(cfg, run_dir)
+    else:
+        best = load_best(run_dir / "best.yaml")
+    return render(cfg, best, out or run_dir / "k8s")
+
+
+def write_run(study: optuna.Study, cfg: Config, run_dir: Path, best: BestResult) -> None:
+    """config.yaml (unless there), best.yaml, trials.csv, the report and the manifests: the files of
+    every finished run, single-machine or shared."""
+    from tuner.report.figures import write_report
+
+    if not (run_dir / CONFIG_FILE).is_file():
+        save_config(cfg, run_dir / CONFIG_FILE)
+    write_report(study, run_dir, best)
+    try:
+        render_run(run_dir)
+    except UserError as exc:  # e.g. a head only this machine has: the run stands, its manifests wait
+        print(f"manifests not rendered: {exc}", file=sys.stderr)
+
+
+def run_dir_of(path: str) -> Path:
+    """A run directory given on the command line; UserError unless it holds config.yaml."""
+    d = Path(path)
+    if not (d / CONFIG_FILE).is_file():
+        raise UserError(f"{d}: not a run directory (no {CONFIG_FILE}); give the directory `tuner optimize` printed")
+    return d
+
+
+def open_run_study(run_dir: Path) -> optuna.Study:
+    """The study of a run directory, read from the storage its config.yaml names."""
+    import optuna
+
+    cfg = load_saved_config(run_dir / CONFIG_FILE)
+    url = storage_url(cfg.search, run_dir)
+    try:
+        return optuna.load_study(study_name=cfg.search.study_name, storage=open_storage(url))
+    except KeyError:
+        raise UserError(f"{run_dir}: no study named {cfg.search.study_name!r} in {mask_url(url)}") from None

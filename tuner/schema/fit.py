@@ -1,0 +1,91 @@
+"""Fit check: how many GPUs a model needs in FP8 on a hardware profile (pure arithmetic)."""
+
+from __future__ import annotations
+
+from tuner.schema.config import DeployConfig, HardwareConfig, ModelConfig, UserError
+
+GIB = 1024**3
+# FP8 checkpoints keep embeddings, lm_head, norms and scales in 16 bit: a few percent over 1 byte/param.
+FP8_OVERHEAD = 1.05
+
+
+def fp8_weight_gib(model: ModelConfig) -> float:
+    """Weight bytes of the model served with FP8 weights, in GiB."""
+    return model.params_b * 1e9 * FP8_OVERHEAD / GIB
+
+
+def tensor_parallel_size(model: ModelConfig, hardware: HardwareConfig, deploy: DeployConfig) -> int:
+    """Smallest tensor-parallel size whose per-GPU share of FP8 weights plus KV headroom fits.
+
+    TP must divide the attention heads and be at most the GPU count. Raises UserError (one line)
+    when even all GPUs of the profile cannot hold the model.
+    """
+    if hardware.accelerator == "cpu":
+        return 1
+    usable = hardware.gpu_memory_gib * deploy.gpu_memory_utilization
+    headroom = hardware.gpu_memory_gib * deploy.kv_headroom_frac
+    weights = fp8_weight_gib(model) if deploy.quantization == "fp8" else model.params_b * 2e9 / GIB
+    tp = 1
+    while tp <= hardware.gpu_count:
+        if model.num_attention_heads % tp == 0 and weights / tp + headroom <= usable:
+            return tp
+        tp *= 2
+    precision = "FP8" if deploy.quantization == "fp8" else "16-bit"
+    raise UserError(
+        f"model {model.name} does not fit hardware {hardware.name}: {weights:.1f} GiB of {precision} weights "
+        f"+ {headroom:.1f} GiB KV headroom per GPU exceed {hardware.gpu_count} x {hardware.gpu_memory_gib:g} GiB "
+        f"at gpu_memory_utilization={deploy.gpu_memory_utilization} (choose hardware with more or larger GPUs)"
+    )
+
+
+# Model load rate assumed for the startup budget: the first start downloads the weights from the
+# Hub into the cache volume (often 100-500 MB/s); a slow link must not trip the startup probe.
+LOAD_GIB_PER_S = 0.1
+# Engine start beyond reading weights: CUDA graph capture, torch.compile, drafter load, warm-up.
+ENGINE_INIT_S = {"vllm": 180, "sglang": 180, "builtin": 60}
+
+
+def served_weight_gib(model: ModelConfig, quantization: str) -> float:
+    """Weight GiB the server reads at start: FP8 when quantized, else the model's native dtype."""
+    if quantization == "fp8":
+        return fp8_weight_gib(model)
+    native_bytes = 4 if model.native_dtype == "float32" else 2
+    return model.params_b * 1e9 * native_bytes / GIB
+
+
+def startup_budget_s(model: ModelConfig, deploy: DeployConfig) -> int:
+    """Seconds a pod may take to become healthy: weights GiB / load rate + engine init."""
+    return int(ENGINE_INIT_S[deploy.target] + served_weight_gib(model, deploy.quantization) / LOAD_GIB_PER_S)
+
+
+def max_model_len(model: ModelConfig, hardware: HardwareConfig, deploy: DeployConfig, tp: int) -> int:
+    """Context length to serve: deploy.max_model_len, else the model's context capped by what the
+    KV headroom of `tp` GPUs holds for one sequence (engines refuse to start otherwise).
+
+    KV heads shard across tensor-parallel ranks, so the headroom adds up over the TP group.
+    Rounded down to a multiple of 1024 for readable manifests.
+    """
+    if deploy.max_model_len is not None:
+        return deploy.max_model_len
+    if hardware.accelerator == "cpu":
+        return model.max_context
+    kv_elem = 1.0 if deploy.kv_cache_dtype == "fp8" else 2.0
+    kv_tokens = hardware.gpu_memory_gib * deploy.kv_headroom_frac * tp * GIB / model.kv_bytes_per_token(kv_elem)
+    return max(1024, min(model.max_context, int(kv_tokens) // 1024 * 1024))
+
+
+def builtin_memory_gib(model: ModelConfig, hardware: HardwareConfig, dtype: str, fp8_weights: bool) -> int:
+    """Memory request of a built-in (CPU) server pod: half the node, more when the weights need it.
+
+    Weights at the engine's dtype (1 byte with FP8 weights) x 1.5 for activations and the KV cache,
+    + 1 GiB for the process; one line when the node cannot hold that.
+    """
+    per_param = 1 if fp8_weights else (4 if dtype == "float32" else 2)
+    need = model.params_b * 1e9 * per_param / GIB * 1.5 + 1
+    if need > hardware.memory_gib:
+        raise UserError(
+            f"model {model.name} needs ~{need:.0f} GiB of memory on the built-in server ({dtype}"
+            f"{', fp8 weights' if fp8_weights else ''}) but hardware {hardware.name} has {hardware.memory_gib:g} GiB "
+            "(choose a smaller model, deploy.quantization=fp8, or deploy=vllm on GPUs)"
+        )
+    return int(min(hardware.memory_gib, max(hardware.memory_gib / 2, need)))

@@ -1,0 +1,197 @@
+"""SpecConfig -> engine command-line flags: the one mapping used by the manifests AND the live launchers.
+
+Pure functions over `tuner.schema.config` types (no torch, nothing from `engine`). `engine`'s vLLM /
+SGLang launchers call `vllm_args` / `sglang_args` with a local host and port; the renderer calls
+them with the pod's. Both therefore serve exactly the configuration that was tuned.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+
+from tuner.schema.config import SpecConfig, UserError
+
+SGLANG_METHODS = {"eagle": "EAGLE", "eagle3": "EAGLE3"}
+# Methods whose drafter is a checkpoint (head or small model) that must be named.
+_DRAFT_FIELD = {"eagle": "head_path", "eagle3": "head_path", "medusa": "head_path", "draft_model": "draft_model"}
+
+
+def _draft_ref(spec: SpecConfig, draft_ref: str | None) -> str:
+    """The drafter checkpoint: an explicit override (e.g. the path inside a pod) or the spec's own."""
+    field = _DRAFT_FIELD[spec.method]
+    ref = draft_ref or getattr(spec, field)
+    if not ref:
+        raise UserError(
+            f"spec.{field} is required for spec.method={spec.method} (a local checkpoint dir or HF id of the drafter)"
+        )
+    return ref
+
+
+def vllm_speculative_config(spec: SpecConfig, draft_ref: str | None = None) -> dict | None:
+    """The `--speculative-config` JSON object for vLLM, or None when speculation is off.
+
+    vLLM verifies chains only (tree attention was removed), so topk > 1 is a user error: render
+    the study's `chain_spec` instead. `num_speculative_tokens_per_batch_size` carries the tuned
+    per-batch-size K schedule when the spec has one.
+    """
+    if spec.method == "off":
+        return None
+    if spec.topk != 1:
+        raise UserError(
+            f"spec.topk={spec.topk} cannot be served by vLLM: it verifies chains only (topk must be 1; "
+            "use the study's chain_spec or target sglang)"
+        )
+    conf: dict = {"method": spec.method, "num_speculative_tokens": spec.depth}
+    if spec.method == "ngram":
+        conf["prompt_lookup_min"] = spec.ngram_min
+        conf["prompt_lookup_max"] = spec.ngram_max
+    else:
+        conf["model"] = _draft_ref(spec, draft_ref)
+    if spec.k_per_batch_size:
+        conf["num_speculative_tokens_per_batch_size"] = [list(r) for r in spec.k_per_batch_size]
+    return conf
+
+
+def vllm_args(
+    model_ref: str,
+    spec: SpecConfig,
+    *,
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    tensor_parallel_size: int = 1,
+    quantization: str | None = None,
+    kv_cache_dtype: str | None = None,
+    gpu_memory_utilization: float | None = None,
+    served_model_name: str | None = None,
+    host: str = "0.0.0.0",
+    port: int = 8000,
+    enforce_eager: bool = False,
+    draft_ref: str | None = None,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """Arguments after `vllm serve` (the model first, then flags in a fixed order).
+
+    quantization / kv_cache_dtype of None, "none" or "auto" leave vLLM's default.
+    """
+    args = [model_ref, "--host", host, "--port", str(port), "--dtype", dtype]
+    if max_model_len is not None:
+        args += ["--max-model-len", str(max_model_len)]
+    if tensor_parallel_size != 1:
+        args += ["--tensor-parallel-size", str(tensor_parallel_size)]
+    if quantization not in (None, "none"):
+        args += ["--quantization", quantization]
+    if kv_cache_dtype not in (None, "auto"):
+        args += ["--kv-cache-dtype", kv_cache_dtype]
+    if gpu_memory_utilization is not None:
+        args += ["--gpu-memory-utilization", f"{gpu_memory_utilization:g}"]
+    if served_model_name:
+        args += ["--served-model-name", served_model_name]
+    if enforce_eager:
+        args.append("--enforce-eager")
+    conf = vllm_speculative_config(spec, draft_ref)
+    if conf is not None:
+        # Compact and key-sorted: the same spec always yields the same bytes (diffable manifests).
+        args += ["--speculative-config", json.dumps(conf, sort_keys=True, separators=(",", ":"))]
+    return args + list(extra_args)
+
+
+def sglang_args(
+    model_ref: str,
+    spec: SpecConfig,
+    *,
+    tp: int = 1,
+    quantization: str | None = None,
+    kv_cache_dtype: str | None = None,
+    host: str = "0.0.0.0",
+    port: int = 8000,
+    dtype: str | None = None,
+    context_length: int | None = None,
+    mem_fraction_static: float | None = None,
+    served_model_name: str | None = None,
+    draft_ref: str | None = None,
+    disable_cuda_graph: bool = False,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """Arguments after `python -m sglang.launch_server`.
+
+    kv_cache_dtype "fp8" is written as SGLang's `fp8_e4m3`. SGLang forces draft tokens =
+    steps + 1 when topk is 1; the SpecConfig rules already guarantee budget == depth + 1 there,
+    and this function re-checks it so a launcher never starts a server that silently differs.
+    """
+    args = ["--model-path", model_ref, "--host", host, "--port", str(port)]
+    if tp != 1:
+        args += ["--tp", str(tp)]
+    if dtype is not None:
+        args += ["--dtype", dtype]
+    if quantization not in (None, "none"):
+        args += ["--quantization", quantization]
+    if kv_cache_dtype not in (None, "auto"):
+        args += ["--kv-cache-dtype", "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype]
+    if context_length is not None:
+        args += ["--context-length", str(context_length)]
+    if mem_fraction_static is not None:
+        args += ["--mem-fraction-static", f"{mem_fraction_static:g}"]
+    if served_model_name:
+        args += ["--served-model-name", served_model_name]
+    if disable_cuda_graph:  # SGLang's counterpart of vLLM's --enforce-eager
+        args.append("--disable-cuda-graph")
+    if spec.method != "off":
+        if spec.method not in SGLANG_METHODS:
+            raise UserError(
+                f"spec.method={spec.method} cannot be served by SGLang here (allowed: off, {', '.join(SGLANG_METHODS)})"
+            )
+        if spec.topk == 1 and spec.budget != spec.depth + 1:
+            raise UserError(f"spec.budget={spec.budget} with spec.topk=1 must be spec.depth+1={spec.depth + 1} for SGLang")
+        args += [
+            "--speculative-algorithm", SGLANG_METHODS[spec.method],
+            "--speculative-draft-model-path", _draft_ref(spec, draft_ref),
+            "--speculative-num-steps", str(spec.depth),
+            "--speculative-eagle-topk", str(spec.topk),
+            "--speculative-num-draft-tokens", str(spec.budget),
+        ]
+    return args + list(extra_args)
+
+
+_HYDRA_PLAIN = re.compile(r"[A-Za-z0-9_./:@+-]+")
+
+
+def _hydra_value(v: object) -> str:
+    """One override value in Hydra's grammar (quote strings with unusual characters)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(_hydra_value(x) for x in v) + "]"
+    s = str(v)
+    if isinstance(v, str) and not _HYDRA_PLAIN.fullmatch(s):
+        return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return s
+
+
+def builtin_args(
+    model: str,
+    spec: SpecConfig,
+    *,
+    host: str = "0.0.0.0",
+    port: int = 8000,
+    dtype: str | None = None,
+    fp8_weights: bool = False,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """Hydra overrides after `tuner serve`: model and engine groups, every spec.* field, serve.host/port.
+
+    All spec fields are written (not only non-defaults) so the served config never depends on
+    the image's conf/ defaults.
+    """
+    args = [f"model={model}", "engine=builtin"]
+    for name, value in spec.model_dump(mode="python").items():
+        args.append(f"spec.{name}={_hydra_value(value)}")
+    if dtype is not None:
+        args.append(f"engine.builtin.dtype={dtype}")
+    if fp8_weights:
+        args.append("engine.builtin.fp8_weights=true")
+    args += [f"serve.host={_hydra_value(host)}", f"serve.port={port}"]
+    return args + list(extra_args)

@@ -1,0 +1,77 @@
+"""What a study reports: measured figures, provenance, a projection, and `BestResult` (best.yaml).
+Part of the one config schema: import these from `tuner.schema.config`.
+"""
+
+from __future__ import annotations
+
+from tuner.schema.spec import SpecConfig, Strict as _Strict
+
+
+class Figures(_Strict):
+    """Measured figures of one configuration (medians with a confidence interval)."""
+
+    output_tokens_per_s: float
+    ci_low: float | None = None
+    ci_high: float | None = None
+    tau: float | None = None
+    ttft_p99_ms: float | None = None
+    tpot_p99_ms: float | None = None
+    draft_mb: float | None = None  # drafter parameters + KV cache at the longest request (built-in engine)
+
+
+class Provenance(_Strict):
+    study: str
+    trial: int | None = None
+    storage: str | None = None
+    date: str  # ISO 8601
+    model: str
+    hardware: str
+    engine: str
+    workload: str
+    spectune_version: str = "0.1.0"
+
+
+class ProjectedPoint(_Strict):
+    """The predicted figures of a projected configuration at one concurrency level."""
+
+    concurrency: int
+    spec: str  # the configuration serving this level (a K schedule serves each band with its own K)
+    tau: float
+    tpot_ms: float
+    tok_s: float
+    speedup: float  # over autoregressive decoding at the same concurrency, on the same hardware
+
+
+class Projection(_Strict):
+    """How a projected configuration was chosen (`tuner render --from RUN --projected`): acceptance
+    measured once (RUN/profile.json), cost from the hardware profile; predicted, not measured there."""
+
+    hardware: str  # projected onto
+    run: str  # the run directory
+    profile: str  # the acceptance profile
+    acceptance: str  # where the taus came from (tuner.projection.projector.Acceptance.source)
+    tau_is_estimate: bool = False
+    cost_model: str  # "roofline" or "measured here"
+    tensor_parallel_size: int
+    context: int
+    concurrency: list[int]  # the levels the choice was made for (the workload's)
+    predicted_speedup: float  # geometric mean over the levels (what a study maximises)
+    predicted_tpot_ms: float  # geometric mean over the levels
+    per_concurrency: list[ProjectedPoint]
+    measured_spec: str | None = None  # the run's measured winner (best.yaml), for comparison
+
+
+class BestResult(_Strict):
+    """`best.yaml` in a run directory: written by `tuner optimize`, read by `tuner render --from`."""
+
+    spec: SpecConfig  # the winner (method 'off' when speculation did not beat the baseline)
+    chain_spec: SpecConfig | None = None  # best chain (topk=1) of the study, for vLLM targets
+    k_schedule_note: str | None = None
+    metrics: Figures | None = None  # the winner on the tuning prompts
+    baseline: Figures | None = None  # speculation off, measured adjacent in time
+    speedup: float | None = None
+    heldout: Figures | None = None  # the winner re-measured on the held-out prompts
+    heldout_speedup: float | None = None
+    reason: str | None = None  # why the winner is what it is (e.g. the slowdown trap)
+    provenance: Provenance
+    projection: Projection | None = None  # set when the spec was projected, not measured (render --projected)

@@ -1,0 +1,90 @@
+"""The speculative configuration (`SpecConfig`: what the tuner searches and a deployment serves),
+the methods each engine runs, and what every schema model shares: strict models (an unknown key is
+a user error) and `UserError`. Part of the one config schema: import these from `tuner.schema.config`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class UserError(Exception):
+    """A mistake in the user's input: printed as one line by the CLI, exit code 2."""
+
+
+class Strict(BaseModel):
+    # Unknown keys are user errors (a typo in an override must not be ignored silently).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+SpecMethod = Literal["off", "eagle", "eagle3", "draft_model", "ngram", "medusa"]
+# What each engine can run (a method outside its list is refused before any trial is measured).
+ENGINE_METHODS: dict[str, tuple[str, ...]] = {
+    "builtin": ("off", "ngram", "draft_model", "eagle", "eagle3", "medusa"),
+    "vllm": ("off", "ngram", "draft_model", "eagle", "eagle3", "medusa"),
+    "sglang": ("off", "eagle", "eagle3"),
+}
+TREE_METHODS = ("eagle", "eagle3", "draft_model", "medusa")  # methods whose drafter can branch
+
+
+class SpecConfig(Strict):
+    """One speculative configuration: the thing the tuner searches and the deployment serves.
+
+    depth: draft steps (SGLang --speculative-num-steps, vLLM num_speculative_tokens).
+    topk: branching per node (SGLang --speculative-eagle-topk); 1 means a chain.
+    budget: tree nodes verified per step including the root (SGLang --speculative-num-draft-tokens).
+    """
+
+    method: SpecMethod = "off"
+    depth: int = Field(4, ge=1, le=16)
+    topk: int = Field(1, ge=1, le=16)
+    budget: int = Field(5, ge=2, le=256)
+    draft_model: str | None = None  # draft_model: local HF dir or HF id
+    head_path: str | None = None  # eagle / eagle3 / medusa: head checkpoint dir or HF id
+    ngram_min: int = Field(2, ge=1, le=16)  # n-gram prompt lookup: shortest match
+    ngram_max: int = Field(4, ge=1, le=16)  # n-gram prompt lookup: longest match
+    # vLLM dynamic K: [[min_batch, max_batch, K], ...], inclusive ranges, K <= depth.
+    k_per_batch_size: list[tuple[int, int, int]] | None = None
+
+    @model_validator(mode="after")
+    def _rules(self) -> "SpecConfig":
+        if self.method == "off":
+            return self
+        if self.topk == 1 and self.budget != self.depth + 1:
+            raise ValueError(
+                f"spec.budget={self.budget} with spec.topk=1 must equal spec.depth+1={self.depth + 1} "
+                "(a chain verifies every drafted token plus the root)"
+            )
+        if self.budget > 1 + self.depth * self.topk:
+            raise ValueError(
+                f"spec.budget={self.budget} exceeds 1 + depth*topk = {1 + self.depth * self.topk} "
+                "(the tree cannot hold more nodes than were drafted)"
+            )
+        if self.method == "ngram" and self.topk != 1:
+            raise ValueError(f"spec.topk={self.topk} with spec.method=ngram: n-gram lookup drafts a chain, topk must be 1")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"spec.ngram_min={self.ngram_min} > spec.ngram_max={self.ngram_max}")
+        if self.method == "draft_model" and not self.draft_model:
+            raise ValueError("spec.draft_model is required when spec.method=draft_model (a local HF dir or HF id)")
+        if self.k_per_batch_size is not None:
+            prev_hi = 0
+            for lo, hi, k in self.k_per_batch_size:
+                if not (lo == prev_hi + 1 and hi >= lo and 0 <= k <= self.depth):
+                    raise ValueError(
+                        f"spec.k_per_batch_size={self.k_per_batch_size}: ranges must be contiguous from 1, "
+                        f"inclusive, each K in [0, depth={self.depth}]"
+                    )
+                prev_hi = hi
+        return self
+
+    @property
+    def is_chain(self) -> bool:
+        return self.topk == 1
+
+    def key(self) -> str:
+        """Short human-readable identity, e.g. 'eagle d5 k4 b8' or 'off'."""
+        if self.method == "off":
+            return "off"
+        return f"{self.method} d{self.depth} k{self.topk} b{self.budget}"

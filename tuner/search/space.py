@@ -1,0 +1,206 @@
+"""The search space: SpecConfig points encoded so that every point Optuna samples is valid.
+
+Parameters (Optuna names): `method` (only when several are searched), `depth` (`medusa_depth`
+for Medusa points), `topk` (tree methods on tree engines only), `budget` (only when the tree leaves
+a choice) and, for chain engines with several concurrency levels, `k_c{level}` (the K of each higher
+concurrency band).
+
+The rules of `SpecConfig` are built into the ranges instead of being rejected afterwards:
+budget is drawn from [depth+1, min(budget_max, 1 + depth*topk)], topk=1 fixes budget=depth+1,
+n-gram lookup and vLLM draft chains (topk=1), depth never exceeds budget_max-1 (a chain of
+depth d verifies d+1 tokens), and a Medusa point never exceeds its head count (head k drafts
+token k+1, so H heads draft at most H tokens).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from tuner.schema.compose import medusa_heads
+from tuner.schema.config import TREE_METHODS, Config, SpecConfig, UserError
+
+# Engines' published defaults, enqueued (clipped to the space) right after the baseline so the
+# search starts from what a user would get without tuning.
+KNOWN_DEFAULTS: dict[str, tuple[int, int, int]] = {
+    "sglang": (5, 4, 8),  # --speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 8
+    "eagle": (5, 8, 60),  # EAGLE-2 paper: depth 5, top-k 8, 60 draft tokens
+}
+CHAIN_ENGINES = ("vllm",)  # engines that verify chains only
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The valid SpecConfig points of one study."""
+
+    methods: tuple[str, ...]
+    depth_min: int
+    depth_max: int
+    topk: tuple[int, ...]
+    budget_max: int
+    chain_only: bool = False
+    concurrency: tuple[int, ...] = (1,)
+    head_paths: dict[str, str] | None = None  # trained head per method (eagle / eagle3 / medusa points)
+    draft_model: str | None = None
+    medusa_heads: int | None = None  # heads of the Medusa head set: its deepest draft (None: no cap)
+
+    @classmethod
+    def from_config(cls, cfg: Config, head_paths: dict[str, str] | None = None) -> "SearchSpace":
+        """The space of `cfg.search` for `cfg.engine` and the workload's concurrency levels; Medusa
+        points are capped by the heads of head_paths["medusa"] (or of what train-draft trains)."""
+        s = cfg.search
+        methods = tuple(m for m in s.methods if m != "off")  # `off` is trial 0, never sampled
+        if not methods:
+            raise UserError(f"search.methods={list(s.methods)}: name at least one speculative method (e.g. [ngram])")
+        conc = tuple(sorted(set(cfg.workload.concurrency))) if cfg.workload else (1,)
+        return cls(
+            methods=methods,
+            depth_min=s.depth.min,
+            depth_max=s.depth.max,
+            topk=tuple(sorted(set(s.topk))),
+            budget_max=s.budget_max,
+            chain_only=cfg.engine.kind in CHAIN_ENGINES,
+            concurrency=conc,
+            head_paths=head_paths or {},
+            draft_model=cfg.spec.draft_model,
+            medusa_heads=medusa_heads(cfg, (head_paths or {}).get("medusa"))[0] if "medusa" in methods else None,
+        )
+
+    def __post_init__(self) -> None:
+        # A chain of depth d verifies d+1 tokens: depths beyond budget_max-1 hold no valid point.
+        capped = min(self.depth_max, self.budget_max - 1)
+        if capped < self.depth_min:
+            raise UserError(
+                f"search.depth.min={self.depth_min} with search.budget_max={self.budget_max}: a chain of depth d "
+                "verifies d+1 tokens, so depth.min must be <= budget_max-1"
+            )
+        object.__setattr__(self, "depth_max", capped)
+        if "medusa" in self.methods and self.depth_max_of("medusa") < self.depth_min:
+            raise UserError(
+                f"search.depth.min={self.depth_min} with medusa in search.methods: its head set has "
+                f"{self.medusa_heads} heads, so it drafts at most {self.medusa_heads} tokens (lower "
+                "search.depth.min or train more heads, train.medusa_heads)"
+            )
+
+    # ---- structure -------------------------------------------------------------------------
+    def depth_max_of(self, method: str) -> int:
+        """The deepest point of `method` (Medusa: no deeper than its heads)."""
+        if method == "medusa" and self.medusa_heads is not None:
+            return min(self.depth_max, self.medusa_heads)
+        return self.depth_max
+
+    @staticmethod
+    def depth_param(method: str) -> str:
+        """The Optuna name of a method's depth. Medusa's range is capped by its heads and a name
+        has one distribution per study, so its depth is a parameter of its own (TPE's grouped
+        multivariate model treats it as conditional on method=medusa, like topk)."""
+        return "medusa_depth" if method == "medusa" else "depth"
+
+    def is_tree(self, method: str) -> bool:
+        """Whether points of this method may branch (topk > 1)."""
+        return method in TREE_METHODS and not self.chain_only and any(k > 1 for k in self.topk)
+
+    def budget_range(self, depth: int, topk: int) -> tuple[int, int]:
+        """Inclusive valid budget range for a depth and topk (a single value for chains)."""
+        if topk == 1:
+            return depth + 1, depth + 1
+        return depth + 1, min(self.budget_max, 1 + depth * topk)
+
+    @property
+    def k_bands(self) -> list[tuple[int, int]]:
+        """Concurrency bands [lo, hi] (inclusive) for a per-batch-size K; empty for one level."""
+        if not self.chain_only or len(self.concurrency) < 2:
+            return []
+        bands, lo = [], 1
+        for c in self.concurrency:
+            bands.append((lo, c))
+            lo = c + 1
+        return bands
+
+    def _spec(self, method: str, depth: int, topk: int, budget: int, ks: list[int] | None = None) -> SpecConfig:
+        extra: dict[str, Any] = {}
+        if method in ("eagle", "eagle3", "medusa"):
+            extra["head_path"] = (self.head_paths or {}).get(method)
+        if method == "draft_model":
+            extra["draft_model"] = self.draft_model
+        if ks is not None:
+            extra["k_per_batch_size"] = [(lo, hi, k) for (lo, hi), k in zip(self.k_bands, [depth, *ks])]
+        return SpecConfig(method=method, depth=depth, topk=topk, budget=budget, **extra)
+
+    # ---- Optuna ------------------------------------------------------------------------------
+    def suggest(self, trial: Any) -> SpecConfig:
+        """Draw one point from an Optuna trial (fixed params of enqueued trials are honoured)."""
+        method = trial.suggest_categorical("method", list(self.methods)) if len(self.methods) > 1 else self.methods[0]
+        depth = trial.suggest_int(self.depth_param(method), self.depth_min, self.depth_max_of(method))
+        topk = 1
+        if self.is_tree(method):
+            topk = trial.suggest_categorical("topk", list(self.topk))
+        lo, hi = self.budget_range(depth, topk)
+        budget = trial.suggest_int("budget", lo, hi) if hi > lo else lo
+        ks = None
+        if self.k_bands:
+            ks = [trial.suggest_int(f"k_c{hi_}", 0, depth) for _, hi_ in self.k_bands[1:]]
+        return self._spec(method, depth, topk, budget, ks)
+
+    def params_of(self, spec: SpecConfig) -> dict[str, Any]:
+        """The Optuna params that make `suggest` return `spec` (for enqueue_trial)."""
+        p: dict[str, Any] = {}
+        if len(self.methods) > 1:
+            p["method"] = spec.method
+        p[self.depth_param(spec.method)] = spec.depth
+        if self.is_tree(spec.method):
+            p["topk"] = spec.topk
+        lo, hi = self.budget_range(spec.depth, spec.topk)
+        if hi > lo:
+            p["budget"] = spec.budget
+        if self.k_bands and spec.k_per_batch_size:
+            for (_, hi_, k) in spec.k_per_batch_size[1:]:
+                p[f"k_c{hi_}"] = k
+        return p
+
+    def contains(self, spec: SpecConfig) -> bool:
+        """Whether `spec` is a point of this space."""
+        if spec.method not in self.methods or not (self.depth_min <= spec.depth <= self.depth_max_of(spec.method)):
+            return False
+        if spec.topk != 1 and (not self.is_tree(spec.method) or spec.topk not in self.topk):
+            return False
+        lo, hi = self.budget_range(spec.depth, spec.topk)
+        return lo <= spec.budget <= hi
+
+    def clip(self, method: str, depth: int, topk: int, budget: int) -> SpecConfig:
+        """The nearest point of the space to a (possibly invalid) configuration."""
+        depth = max(self.depth_min, min(self.depth_max_of(method), depth))
+        topk = min(self.topk, key=lambda k: (abs(k - topk), k)) if self.is_tree(method) else 1
+        lo, hi = self.budget_range(depth, topk)
+        budget = max(lo, min(hi, budget))
+        ks = [depth] * (len(self.k_bands) - 1) if self.k_bands else None  # one K everywhere
+        return self._spec(method, depth, topk, budget, ks)
+
+    def defaults(self) -> list[SpecConfig]:
+        """The engines' known defaults, clipped to the space, duplicates removed (enqueue order)."""
+        out: list[SpecConfig] = []
+        for method in self.methods:
+            for d, k, b in KNOWN_DEFAULTS.values():
+                spec = self.clip(method, d, k, b)
+                if spec not in out:
+                    out.append(spec)
+        return out
+
+    def points(self) -> list[SpecConfig]:
+        """Every point of the space (the exhaustive grid), in a fixed order."""
+        out: list[SpecConfig] = []
+        for method in self.methods:
+            for depth in range(self.depth_min, self.depth_max_of(method) + 1):
+                for topk in (self.topk if self.is_tree(method) else (1,)):
+                    lo, hi = self.budget_range(depth, topk)
+                    if topk > 1 and hi < lo:
+                        continue
+                    for budget in range(lo, hi + 1):
+                        band_ks = (itertools.product(range(depth + 1), repeat=len(self.k_bands) - 1)
+                                   if self.k_bands else [None])
+                        for ks in band_ks:
+                            spec = self._spec(method, depth, topk, budget, list(ks) if ks is not None else None)
+                            if spec not in out:
+                                out.append(spec)
+        return out

@@ -1,0 +1,149 @@
+"""The one study driver, for a single-machine study and for every worker of a shared one.
+
+engine (or a launched server) -> the draft -> the study -> ask, measure, tell until the budget is
+spent (study.Budget: finished trials for one process, started ones across workers; a grid ends
+when no enqueued point is left) -> the caller's finalisation (the winner, best.yaml), with live
+progress on stderr throughout.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from tuner.study.limits import check_trial_fits
+from tuner.study.measurer import LAUNCHED, get_drafts, needs_head, open_engine, study_measure, study_prompts
+from tuner.study.objective import MeasureFn, Objective, TrialOutcome
+from tuner.schema.config import BestResult, Config, SearchConfig, check_search_methods
+from tuner.search.space import SearchSpace
+from tuner.study.studies import Budget, finished_count
+from tuner.study.workers import BudgetSpent, WorkerStudy, heartbeat_stopped
+
+Log = Callable[[str], None]
+# finish(study, objective, trials this process ran, log) -> best.yaml, or None for a worker that
+# leaves the finalisation to another one.
+Finish = Callable[[optuna.Study, Objective, int, Log], "BestResult | None"]
+
+
+def budget_of(study: optuna.Study, search: SearchConfig) -> Budget:
+    """A worker study carries its shared budget; any other study counts its finished trials."""
+    return study.budget if isinstance(study, WorkerStudy) else Budget.of(search)
+
+
+def run_trials(study: optuna.Study, objective: Objective, search: SearchConfig,
+               on_trial: Callable[[TrialOutcome], None] | None = None) -> int:
+    """Run trials until the study's budget is spent or search.timeout_s; the trials run here."""
+    budget = budget_of(study, search)
+    gated = isinstance(study, WorkerStudy)  # its ask checks the budget under the study lock
+    started, n = time.monotonic(), 0
+    while search.timeout_s is None or time.monotonic() - started < search.timeout_s:
+        if not gated and budget.spent(study.get_trials(deepcopy=False)):
+            break
+        with heartbeat_stopped(study):
+            try:
+                outcome = objective.run_one()
+            except BudgetSpent:
+                break
+        n += 1
+        if on_trial is not None:
+            on_trial(outcome)
+    return n
+
+
+class Progress:
+    """Live progress on stderr: trial k/N, parameters, tok/s, speedup, best so far, ETA."""
+
+    def __init__(self, study: optuna.Study, n_trials: int, quiet: bool = False) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import Progress as RichProgress
+
+        self.study = study
+        self.console = Console(stderr=True, quiet=quiet)
+        self.bar = RichProgress(TextColumn("[bold]trials"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("{task.description}"), TimeElapsedColumn(),
+                                TextColumn("ETA"), TimeRemainingColumn(), console=self.console, transient=False)
+        self.task = self.bar.add_task("", total=n_trials, completed=finished_count(study))
+        self.best: float | None = None
+
+    def __enter__(self) -> "Progress":
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.bar.__exit__(*exc)
+
+    def log(self, text: str) -> None:
+        self.console.print(text, highlight=False)
+
+    def __call__(self, o: TrialOutcome) -> None:
+        n = finished_count(self.study)
+        if o.state == TrialState.COMPLETE and o.spec.method != "off" and o.speedup is not None:
+            self.best = max(self.best or 0.0, o.speedup)
+        if o.state == TrialState.COMPLETE:
+            what = f"{o.tok_s:7.2f} tok/s {o.speedup:.3f}x"
+        else:
+            what = f"{o.state.name}: {o.reason}"
+        best = f"best {self.best:.3f}x" if self.best is not None else "best -"
+        self.log(f"trial {n}/{self.task_total} #{o.number} {o.spec.key()}: {what} | {best}")
+        self.bar.update(self.task, completed=n, description=best)
+
+    @property
+    def task_total(self) -> int:
+        return int(self.bar.tasks[0].total or 0)
+
+
+def drive(cfg: Config, run_dir: Path, open_study: Callable[[SearchSpace], optuna.Study], finish: Finish, *,
+          quiet: bool = False, engine: Any = None, measure: MeasureFn | None = None,
+          before_work: Callable[[], None] | None = None,
+          intro: Callable[[optuna.Study], list[str]] = lambda study: []) -> tuple[optuna.Study, BestResult | None]:
+    """Run one process's part of a study from start to finish; (study, its best.yaml or None).
+
+    `open_study(space)` creates or opens the study (a WorkerStudy for a shared one). The engine is
+    cfg.engine: a server launched here for engine=vllm/sglang, else the built-in engine (`engine`,
+    or loaded here once). `measure` replaces both (benchmarks that replay measurements).
+    `before_work` runs before the heavy imports and the model load (spawning other workers), or
+    after the draft head is trained when one is needed (they then find it cached).
+    """
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # our own progress says what happens
+    check_search_methods(cfg)
+    head_first = needs_head(cfg)
+    if before_work is not None and not head_first:
+        before_work()
+    if engine is None and measure is None and cfg.engine.kind not in LAUNCHED:
+        engine = open_engine(cfg)
+    space = SearchSpace.from_config(cfg, head_paths=get_drafts(cfg, engine, quiet))
+    if before_work is not None and head_first:
+        before_work()
+    study = open_study(space)
+    prompts = study_prompts(cfg)
+    with ExitStack() as stack:
+        if measure is None:
+            measure = stack.enter_context(study_measure(cfg, engine, prompts, run_dir))
+            check_trial_fits(cfg, measure, prompts)  # refuse before the first trial what cannot fit
+        objective = Objective(study, space, measure, cfg.workload, cfg.search)
+        total = budget_of(study, cfg.search).total(study.get_trials(deepcopy=False))
+        with Progress(study, total, quiet=quiet) as progress:
+            for line in intro(study):
+                progress.log(line)
+            lean = getattr(engine, "lean", None)
+            if lean is not None and lean.compiled:
+                progress.log(f"target forward compiled (or loaded from the on-disk cache) in {lean.compile_s:.0f} s, "
+                             "outside every trial")
+            on_trial: Callable[[TrialOutcome], None] = progress
+            if cfg.search.sampler == "model":  # widen the live sample where a prediction is off
+                from tuner.search.guided import Widener
+                from tuner.study.studies import ROLE
+
+                on_trial = Widener(study, space, cfg, run_dir, progress, progress.log, ROLE)
+            ran = run_trials(study, objective, cfg.search, on_trial)
+            best = finish(study, objective, ran, progress.log)
+            if best is not None:
+                progress.log(f"winner: {best.spec.key()} — {best.reason}")
+    return study, best

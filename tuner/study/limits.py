@@ -1,0 +1,183 @@
+"""Trial time limits: what `search.trial_timeout_s` bounds, and whether a search can fit in it.
+
+`search.trial_timeout_s` bounds the *measurement* of one trial. A server start-up (vLLM, SGLang) is
+bounded by its own `engine.<kind>.startup_timeout_s` and runs with the trial's clock paused
+(`startup_excluded`), so a 30-150 s vLLM start never eats a trial's measuring time.
+
+Before the first trial, `check_trial_fits` plays one tuning prompt on the baseline (twice: the
+first run pays warm-up costs) and refuses, in one line, a search whose trials cannot fit: tuning
+prompts x new tokens x runs per repeat (the configuration and its adjacent baseline) x
+concurrency levels x `search.repeats_min`, at the measured speed. Repeats beyond `repeats_min` are sized on the fly: a trial stops repeating when
+the next repeat would not fit (`next_repeat_fits`), and completes with the repeats it has.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from tuner.schema.config import Config, SpecConfig, UserError
+
+LIMIT_KEY = "search.trial_timeout_s"
+
+
+class TrialTimeout(BaseException):
+    """The trial's measurement ran past search.trial_timeout_s. A BaseException (like
+    KeyboardInterrupt) so that the load generator, which records an Exception as one failed
+    request and goes on, lets it through."""
+
+
+_ACTIVE: list["TrialClock"] = []  # the clock of the trial running in this process (a stack)
+
+
+class TrialClock:
+    """A trial's measuring clock: elapsed time minus paused start-ups, enforced by SIGALRM.
+
+    Outside the main thread no signal can be armed; there the limit is checked between repeats.
+    """
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self.t0 = time.monotonic()
+        self.paused_s = 0.0
+        self._armed = False
+
+    def __enter__(self) -> "TrialClock":
+        self.t0 = time.monotonic()
+        self.paused_s = 0.0
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGALRM, self._fire)
+            signal.setitimer(signal.ITIMER_REAL, self.limit_s)
+            self._armed = True
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _ACTIVE.remove(self)
+        if self._armed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self._old)
+            self._armed = False
+
+    def _fire(self, signum: int, frame: Any) -> None:
+        raise TrialTimeout(f"exceeded {LIMIT_KEY}={self.limit_s:g} (measuring time; server start-ups excluded)")
+
+    def elapsed(self) -> float:
+        """Seconds measured so far (paused start-ups not counted)."""
+        return time.monotonic() - self.t0 - self.paused_s
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Stop the clock (and its alarm) for the duration of the block."""
+        left = signal.setitimer(signal.ITIMER_REAL, 0)[0] if self._armed else 0.0
+        t = time.monotonic()
+        try:
+            yield
+        finally:
+            self.paused_s += time.monotonic() - t
+            if self._armed:  # an alarm of 0 would disarm it: re-arm with at least a moment left
+                signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3))
+
+    def check(self) -> None:
+        """Raise TrialTimeout when the measuring time is spent (for threads without SIGALRM)."""
+        if self.elapsed() > self.limit_s:
+            self._fire(0, None)
+
+
+@contextmanager
+def startup_excluded() -> Iterator[None]:
+    """Run a server start-up outside the running trial's clock (a no-op outside a trial)."""
+    if not _ACTIVE:
+        yield
+        return
+    with _ACTIVE[-1].paused():
+        yield
+
+
+def active_clock() -> TrialClock | None:
+    """The running trial's clock in this process, if any."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+# A repeat's duration varies by about +-15% on a shared machine: leave room for a slower one.
+REPEAT_MARGIN = 1.25
+
+
+def next_repeat_fits(repeat_s: float) -> bool:
+    """Whether one more repeat like the last one (with a margin) still fits the running trial's limit."""
+    clock = active_clock()
+    return clock is None or clock.elapsed() + REPEAT_MARGIN * repeat_s <= clock.limit_s
+
+
+# ---- sizing a trial before the first one ---------------------------------------------------------
+
+@dataclass
+class TrialWork:
+    """What one speculative trial measures at least, and how long that takes at a measured speed."""
+
+    prompts: int
+    max_new_tokens: int
+    runs: int  # per repeat: the configuration and its adjacent baseline
+    levels: int  # concurrency levels
+    repeats: int  # search.repeats_min
+    tok_s: float  # the baseline's measured output tokens/s
+
+    @property
+    def tokens(self) -> int:
+        return self.prompts * self.max_new_tokens * self.runs * self.levels * self.repeats
+
+    @property
+    def seconds(self) -> float:
+        """An upper bound: every answer runs to max_new_tokens, every level at the measured speed."""
+        return self.tokens / self.tok_s
+
+    def describe(self) -> str:
+        levels = f" x {self.levels} concurrency levels" if self.levels > 1 else ""
+        return (f"{self.prompts} prompts x {self.max_new_tokens} tokens x {self.runs} runs "
+                f"(configuration + baseline){levels} x {self.repeats} repeat(s) = {self.tokens} tokens at the "
+                f"baseline's measured {self.tok_s:.1f} tok/s = ~{self.seconds:.3g} s")
+
+
+def trial_work(cfg: Config, n_prompts: int, tok_s: float) -> TrialWork:
+    """The least work of one speculative trial of this search (see TrialWork)."""
+    return TrialWork(prompts=n_prompts, max_new_tokens=cfg.workload.max_new_tokens, runs=2,
+                     levels=len(set(cfg.workload.concurrency)), repeats=cfg.search.repeats_min,
+                     tok_s=max(tok_s, 1e-9))
+
+
+def fits_or_refuse(cfg: Config, work: TrialWork) -> None:
+    """Raise UserError (one line: the limit, the work, what to change) when a trial cannot fit."""
+    limit = cfg.search.trial_timeout_s
+    if work.seconds <= limit:
+        return
+    per_prompt = work.seconds / work.prompts
+    most = max(0, math.floor(limit / per_prompt))
+    fewer = f" or search.trial_prompts<={most}" if most >= 1 else ""
+    raise UserError(
+        f"{LIMIT_KEY}={limit:g} cannot fit one trial: {work.describe()}; set {LIMIT_KEY}>="
+        f"{math.ceil(work.seconds * 1.25)}{fewer} (or fewer workload.max_new_tokens)")
+
+
+def check_trial_fits(cfg: Config, measure: Any, prompts: dict[str, list[Any]]) -> TrialWork | None:
+    """Measure the baseline on one tuning prompt and refuse a search whose trials cannot fit.
+
+    `measure` is the study's MeasureFn; it reads `prompts[split]` when called, so the probe is
+    one more split of the same dict. On a launched engine this starts the baseline server (outside
+    any trial clock), which trial 0 then reuses. A probe that fails (a server that does not start,
+    failed requests) checks nothing: trial 0 then records that failure like any other.
+    """
+    prompts["probe"] = prompts["tune"][:1]
+    try:  # twice, the faster counts: the first run of a process also pays one-off warm-up costs
+        tok_s = max(measure(SpecConfig(method="off"), "probe", min(cfg.workload.concurrency)).tok_s
+                    for _ in range(2))
+    except Exception:
+        return None
+    work = trial_work(cfg, len(prompts["tune"]), tok_s)
+    fits_or_refuse(cfg, work)
+    return work

@@ -1,0 +1,159 @@
+"""What a study measures with: its prompts, the draft it needs, and the MeasureFn over the
+built-in engine (in this process) or over a launched vLLM / SGLang server (HTTP).
+
+Both go through the one load generator (engine.measure.runner), so a trial's figures mean the same on
+every engine. A launched server is restarted only when its flags change, and its start-up is
+never part of a measurement (it runs outside the trial's clock, tuner.study.limits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from tuner.schema.compose import packaged_workloads
+from tuner.study.limits import startup_excluded
+from tuner.study.objective import MeasureFn, Sample
+from tuner.schema.config import Config, SpecConfig
+
+LAUNCHED = ("vllm", "sglang")
+HEAD_METHODS = ("eagle", "eagle3", "medusa")  # methods whose drafter is a trained head
+
+
+def study_prompts(cfg: Config) -> dict[str, list[Any]]:
+    """The prompts a study measures: the first search.trial_prompts tuning prompts (all when
+    null) for trials, every held-out prompt for the winner's re-measurement."""
+    from engine.measure.workloads import load_prompts
+
+    return {"tune": load_prompts(cfg.workload, "tune")[: cfg.search.trial_prompts],
+            "heldout": load_prompts(cfg.workload, "heldout")}
+
+
+def open_engine(cfg: Config) -> Any:
+    """The built-in engine with the target model loaded (once per process)."""
+    from engine.decode.loop import Engine
+
+    return Engine.from_config(cfg)
+
+
+def engine_target_for(engine: Any, chat_template: bool) -> Callable[[SpecConfig], Any]:
+    """target_for(spec): the built-in engine switched to `spec` (only when it changes), as a
+    load-generator target."""
+    from engine.measure.runner import InProcessTarget
+
+    target = InProcessTarget(engine, chat_template=chat_template)
+    current: list[SpecConfig | None] = [None]
+
+    def target_for(spec: SpecConfig) -> Any:
+        if current[0] != spec:
+            current[0] = None  # a failing set_spec must not leave a stale 'current'
+            engine.set_spec(spec)
+            current[0] = spec
+        return target
+
+    return target_for
+
+
+def server_target_for(launcher: Any, chat_template: bool) -> Callable[[SpecConfig], Any]:
+    """target_for(spec): the launched server serving `spec` (restarted when its flags change, the
+    start-up outside the trial's clock), as a load-generator target over HTTP."""
+    from engine.measure.runner import HttpTarget
+
+    def target_for(spec: SpecConfig) -> Any:
+        with startup_excluded():  # bounded by engine.<kind>.startup_timeout_s, not the trial's limit
+            url = launcher.ensure(spec)
+        return HttpTarget(url, launcher.model, chat_template)
+
+    return target_for
+
+
+def measure_over(target_for: Callable[[SpecConfig], Any], cfg: Config, prompts: dict[str, list[Any]]) -> MeasureFn:
+    """The MeasureFn that plays `prompts[split]` against target_for(spec) with the workload's
+    sampling; a configuration that breaks requests raises (its trial fails)."""
+    from engine.measure.workloads import sampling_params
+
+    from engine.drafters.memory import target_draft_memory
+
+    params = sampling_params(cfg.workload, seed=cfg.seed)
+    draft_mb: dict[tuple[str, str], float | None] = {}  # (spec, split) -> MB, measured once
+
+    def measure(spec: SpecConfig, split: str, concurrency: int) -> Sample:
+        target = target_for(spec)
+        m = target.run(prompts[split], params, concurrency)
+        if m.errors:  # a configuration that breaks requests is no candidate
+            raise RuntimeError(f"{len(m.errors)}/{len(prompts[split])} requests failed; first: {m.errors[0]}")
+        key = (spec.model_dump_json(), split)
+        if key not in draft_mb:
+            mem = target_draft_memory(target, prompts[split], cfg.workload.max_new_tokens, cfg.workload.chat_template)
+            draft_mb[key] = None if mem is None else mem["total_mb"]
+        return Sample(m.output_tokens_per_s, m.tau, m.ttft_p99_ms, m.tpot_p99_ms, draft_mb[key])
+
+    return measure
+
+
+def make_measure(engine: Any, cfg: Config, prompts: dict[str, list[Any]]) -> MeasureFn:
+    """A MeasureFn over the built-in engine in this process."""
+    return measure_over(engine_target_for(engine, cfg.workload.chat_template), cfg, prompts)
+
+
+def make_launched_measure(launcher: Any, cfg: Config, prompts: dict[str, list[Any]]) -> MeasureFn:
+    """A MeasureFn over a launched vLLM / SGLang server (engine.launch.launcher.Launcher)."""
+    measure = measure_over(server_target_for(launcher, cfg.workload.chat_template), cfg, prompts)
+    # A restart costs far more than a measurement: the objective measures the served spec first.
+    measure.serving = getattr(launcher, "serves", None)  # type: ignore[attr-defined]
+    measure.startups = lambda: (getattr(launcher, "starts", 0), getattr(launcher, "total_startup_s", 0.0))  # type: ignore[attr-defined]
+    return measure
+
+
+@contextmanager
+def study_measure(cfg: Config, engine: Any, prompts: dict[str, list[Any]], run_dir: Path) -> Iterator[MeasureFn]:
+    """The MeasureFn of a study on cfg.engine: a launched server for engine=vllm/sglang (stopped
+    on leaving; its logs in RUN_DIR/servers), else the given built-in engine."""
+    if cfg.engine.kind in LAUNCHED:
+        from engine.launch.launcher import Launcher
+
+        with Launcher.from_config(cfg, log_dir=run_dir / "servers") as launcher:
+            yield make_launched_measure(launcher, cfg, prompts)
+        return
+    yield make_measure(engine, cfg, prompts)
+
+
+def needs_head(cfg: Config) -> bool:
+    """Whether the searched methods need a trained draft head."""
+    return any(m in HEAD_METHODS for m in cfg.search.methods)
+
+
+def get_drafts(cfg: Config, engine: Any, quiet: bool = False) -> dict[str, str]:
+    """The trained drafts the searched methods need, by method: n-gram needs none. For each head
+    method, in order: `spec.head_path` when spec.method is that method, the model's published head
+    on an external engine (`model.draft_sources`), else the cached head of this target and workload
+    or a newly trained one (engine.heads for eagle / eagle3, engine.heads.draft_model_train for medusa)."""
+    from rich.console import Console
+
+    from engine.heads.pipeline import HEAD_METHODS as PIPELINE, cached_head, ensure_head
+    from tuner.study.progress import head_progress
+
+    console = Console(stderr=True, quiet=quiet)
+    out: dict[str, str] = {}
+    for m in (m for m in cfg.search.methods if m in HEAD_METHODS):
+        published = getattr(cfg.model.draft_sources, m, [])
+        if cfg.spec.head_path and cfg.spec.method == m:
+            out[m] = cfg.spec.head_path
+        elif cfg.engine.kind in LAUNCHED and published:
+            out[m] = published[0]
+        elif m in PIPELINE and cached_head(cfg, m) is not None:
+            out[m] = str(cached_head(cfg, m))
+        else:
+            console.print(f"training the {m} draft for {cfg.model.name} on workload {cfg.workload.name} "
+                          "(once: cached for later studies)", highlight=False)
+            # The other packaged workloads add diversity and, above all, their held-out prompts are excluded.
+            with head_progress(quiet) as report:
+                if m in PIPELINE:
+                    out[m] = str(ensure_head(cfg, engine, report=report, workloads=packaged_workloads(cfg), method=m))
+                else:
+                    from engine.heads.draft_model_train import ensure_draft
+
+                    out[m] = str(ensure_draft(cfg, m, workloads=packaged_workloads(cfg), report=report))
+    return out

@@ -1,0 +1,198 @@
+"""The winner of a study: trials pooled per configuration, the proven winner (or `off` and why),
+and best.yaml with the winner re-measured on the held-out prompts.
+
+Ties within noise go to the smaller draft budget; `off` wins when nothing beats the baseline beyond
+noise (the slowdown trap), and best.yaml says whether acceptance or verification cost is to blame.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from engine.measure.stats import lower95, mean_ci
+from tuner.study.objective import OFF, Objective, spec_of
+from tuner.schema.config import BestResult, Config, Figures, Provenance, SpecConfig
+from tuner.study.storage import mask_url, storage_url
+from tuner.study.studies import role
+
+# Below this many tokens per target forward, drafts are too rarely accepted to pay for drafting
+# and verification at all; above it, a slowdown means verifying costs more than it saves.
+TAU_LOW = 1.3
+
+
+@dataclass
+class Candidate:
+    """All complete trials of one SpecConfig, pooled: a point sampled twice is twice the evidence."""
+
+    spec: SpecConfig
+    trials: list[FrozenTrial]
+    speedup: float
+    ci_low: float | None
+    ci_high: float | None
+    tau: float | None
+    feasible: bool
+    lower: float | None = None  # one-sided 95% lower bound of the speedup, from the repeats' ratios
+
+    @classmethod
+    def of(cls, spec: SpecConfig, trials: list[FrozenTrial]) -> "Candidate":
+        ratios = [r for t in trials for r in t.user_attrs.get("ratios", [t.user_attrs["speedup"]])]
+        if len(trials) == 1:  # keep the trial's own interval
+            a = trials[0].user_attrs
+            sp, lo, hi = a["speedup"], a.get("speedup_ci_low"), a.get("speedup_ci_high")
+        else:
+            sp, lo, hi = mean_ci(ratios)
+        taus = [t.user_attrs["tau"] for t in trials if t.user_attrs.get("tau") is not None]
+        return cls(spec, trials, sp, lo, hi, statistics.fmean(taus) if taus else None,
+                   all(all(c <= 0 for c in t.constraints.values()) for t in trials), lower95(ratios))
+
+    def mean(self, key: str) -> float | None:
+        vals = [t.user_attrs[key] for t in self.trials if t.user_attrs.get(key) is not None]
+        return statistics.fmean(vals) if vals else None
+
+    def beats_baseline(self, noise_rel: float) -> bool:
+        """Faster than the baseline beyond noise. Without accepted drafts (tau ~ 1) nothing can be
+        faster than plain decoding, so such a measurement is noise, however large."""
+        # "Faster" is a one-sided claim: the one-sided 95% bound of the repeats' ratios must clear 1.0
+        # (the two-sided interval, reported, is far wider with the usual two repeats).
+        bound = self.lower if self.lower is not None else self.ci_low
+        return (self.speedup >= 1 + noise_rel and (bound is None or bound > 1.0)
+                and (self.tau is None or self.tau >= 1 + noise_rel))
+
+
+@dataclass
+class Winner:
+    spec: SpecConfig
+    candidate: Candidate | None  # None: speculation off wins
+    reason: str
+    chain: Candidate | None = None  # best chain (topk=1) beating the baseline, for vLLM targets
+
+
+def candidates(trials: list[FrozenTrial]) -> list[Candidate]:
+    """Complete speculative trials grouped by SpecConfig, in order of first appearance."""
+    groups: dict[str, list[FrozenTrial]] = {}
+    specs: dict[str, SpecConfig] = {}
+    for t in trials:
+        spec = spec_of(t)
+        if (t.state != TrialState.COMPLETE or role(t) == "baseline" or spec is None or spec.method == "off"
+                or "speedup" not in t.user_attrs or "reused_from" in t.user_attrs):  # a reuse is no new evidence
+            continue
+        key = spec.model_dump_json()
+        groups.setdefault(key, []).append(t)
+        specs[key] = spec
+    return [Candidate.of(specs[k], ts) for k, ts in groups.items()]
+
+
+def _cheapest_of_best(cands: list[Candidate], noise_rel: float) -> tuple[Candidate, int]:
+    """The best speedup, and among those within noise of it the smallest budget (then depth)."""
+    top = max(c.speedup for c in cands)
+    tied = [c for c in cands if c.speedup >= top * (1 - noise_rel)]
+    return min(tied, key=lambda c: (c.spec.budget, c.spec.depth, -c.speedup)), len(tied)
+
+
+def pick_winner(trials: list[FrozenTrial], noise_rel: float, concurrency: list[int]) -> Winner:
+    """The proven winner of a study, or `off` with the reason why speculation does not pay."""
+    done = candidates(trials)
+    if not done:
+        return Winner(OFF, None, "no speculative configuration completed a measurement: speculation stays off")
+    feasible = [c for c in done if c.feasible]
+    if not feasible:
+        viol = sorted({t.user_attrs.get("slo_violations", "") for c in done for t in c.trials} - {""})
+        return Winner(OFF, None, "no speculative configuration met the workload's SLOs "
+                                 f"({'; '.join(viol[:3])}): speculation stays off")
+    winners = [c for c in feasible if c.beats_baseline(noise_rel)]
+    chains = [c for c in winners if c.spec.topk == 1]
+    chain = _cheapest_of_best(chains, noise_rel)[0] if chains else None
+    if not winners:
+        best = max(feasible, key=lambda c: c.speedup)
+        ci = f", 95% CI [{best.ci_low:.3f}, {best.ci_high:.3f}]" if best.ci_low is not None else ""
+        head = (f"slowdown trap: no speculative configuration beats the baseline beyond noise "
+                f"(+{noise_rel:.0%}); the best, {best.spec.key()}, reached {best.speedup:.3f}x{ci}. ")
+        tau = best.tau
+        if tau is None:
+            why = "Acceptance unknown (the engine reported no tau)."
+        elif tau < TAU_LOW:
+            why = (f"Acceptance too low: tau={tau:.2f} tokens per target forward, so drafts are rarely "
+                   "accepted and drafting plus verifying is pure overhead.")
+        else:
+            why = (f"Verification too costly at concurrency {concurrency}: tau={tau:.2f} tokens per target "
+                   f"forward, but verifying {best.spec.budget} tokens per step costs more than the accepted "
+                   "tokens save.")
+        return Winner(OFF, None, head + why + " Serve without speculation.")
+    pick, n_tied = _cheapest_of_best(winners, noise_rel)
+    n = len(pick.trials)
+    reason = f"{pick.spec.key()}: {pick.speedup:.3f}x over the baseline measured adjacent in time"
+    if pick.ci_low is not None:
+        reason += f" (95% CI [{pick.ci_low:.3f}, {pick.ci_high:.3f}]"
+        reason += f"; one-sided 95% lower bound {pick.lower:.3f})" if pick.lower is not None else ")"
+    if pick.tau is not None:
+        reason += f", tau {pick.tau:.2f}"
+    if n > 1:
+        reason += f", pooled over {n} trials"
+    if n_tied > 1:
+        reason += f"; {n_tied} configurations were within noise ({noise_rel:.0%}) of the best: the smallest budget wins"
+    return Winner(pick.spec, pick, reason, chain)
+
+
+def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, objective: Objective | None) -> BestResult:
+    """Re-measure the winner on the held-out prompts and assemble best.yaml."""
+    trials = study.get_trials(deepcopy=False)
+    base_trial = next((t for t in trials if role(t) == "baseline" and t.state == TrialState.COMPLETE), None)
+
+    def figs(a: dict[str, Any], prefix: str = "tok_s") -> Figures:
+        return Figures(output_tokens_per_s=a[prefix], ci_low=a.get(f"{prefix}_ci_low"),
+                       ci_high=a.get(f"{prefix}_ci_high"), tau=a.get("tau"),
+                       ttft_p99_ms=a.get("ttft_p99_ms"), tpot_p99_ms=a.get("tpot_p99_ms"), draft_mb=a.get("draft_mb"))
+
+    c = win.candidate
+    if c is not None:
+        metrics = Figures(output_tokens_per_s=c.mean("tok_s"), ci_low=c.mean("tok_s_ci_low"),
+                          ci_high=c.mean("tok_s_ci_high"), tau=c.tau,
+                          ttft_p99_ms=max(t.user_attrs.get("ttft_p99_ms") or 0.0 for t in c.trials) or None,
+                          tpot_p99_ms=max(t.user_attrs.get("tpot_p99_ms") or 0.0 for t in c.trials) or None,
+                          draft_mb=max(t.user_attrs.get("draft_mb") or 0.0 for t in c.trials) or None)
+        baseline = Figures(output_tokens_per_s=c.mean("baseline_tok_s"))
+        speedup = c.speedup
+    else:
+        metrics = figs(base_trial.user_attrs) if base_trial is not None else None
+        baseline = metrics
+        speedup = 1.0 if metrics is not None else None
+    heldout = heldout_speedup = None
+    if cfg.workload.num_heldout > 0 and objective is not None:
+        h = objective.evaluate(win.spec, "heldout", repeats_max=1)  # one more pair: the check, not a search
+        heldout = Figures(output_tokens_per_s=h["tok_s"], ci_low=h["tok_s_ci_low"], ci_high=h["tok_s_ci_high"],
+                          tau=h["tau"], ttft_p99_ms=h["ttft_p99_ms"], tpot_p99_ms=h["tpot_p99_ms"],
+                          draft_mb=h.get("draft_mb"))
+        heldout_speedup = h["speedup"]
+    chain = win.chain.spec if win.chain is not None else None
+    return BestResult(
+        spec=win.spec, chain_spec=chain, metrics=metrics, baseline=baseline, speedup=speedup,
+        heldout=heldout, heldout_speedup=heldout_speedup, reason=win.reason,
+        k_schedule_note=("K per concurrency band tuned (spec.k_per_batch_size)" if win.spec.k_per_batch_size else None),
+        provenance=Provenance(
+            study=study.study_name, trial=c.trials[0].number if c is not None else
+            (base_trial.number if base_trial is not None else None),
+            storage=mask_url(storage_url(cfg.search, run_dir)),  # no password in best.yaml
+            date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            model=cfg.model.name, hardware=cfg.hardware.name, engine=cfg.engine.kind, workload=cfg.workload.name),
+    )
+
+
+def compute_best(cfg: Config, study: optuna.Study, run_dir: Path, objective: Objective | None,
+                 log: Callable[[str], None] = lambda s: None) -> BestResult:
+    """Pick the winner from the study's trials and assemble best.yaml; the winner is re-measured
+    on the held-out prompts when an objective (an engine) is at hand, else that part stays empty."""
+    win = pick_winner(study.get_trials(deepcopy=False), cfg.search.noise_rel, cfg.workload.concurrency)
+    if objective is None and cfg.workload.num_heldout > 0:
+        cfg = cfg.model_copy(deep=True)
+        cfg.workload.num_heldout = 0
+    if cfg.workload.num_heldout > 0:
+        log("re-measuring the winner on the held-out prompts")
+    return best_result(cfg, study, run_dir, win, objective)
