@@ -43,6 +43,17 @@ def test_defaults_and_no_workload() -> None:
     assert cfg.spec.budget == cfg.spec.depth + 1  # the default chain obeys the rule
 
 
+def test_a_chain_budget_is_derived_unless_given() -> None:
+    # Issue 25: `spec.depth=3` alone used to fail (the default budget 5 != depth+1).
+    assert load_config(["spec.depth=3"]).spec.budget == 4
+    assert load_config(["spec.method=ngram", "spec.depth=7"]).spec.budget == 8
+    assert load_config(["spec.depth=3", "spec.budget=4"]).spec.budget == 4
+    # a tree without a budget keeps the tree default (5), a given one is kept
+    tree = load_config(["spec.method=eagle", "spec.depth=5", "spec.topk=4"]).spec
+    assert (tree.depth, tree.topk, tree.budget) == (5, 4, 5)
+    assert load_config(["spec.method=eagle", "spec.depth=5", "spec.topk=4", "spec.budget=9"]).spec.budget == 9
+
+
 def test_overrides_reach_typed_config() -> None:
     cfg = load_config(["hardware=h100x8", "model=llama-3.1-8b-instruct", "deploy=vllm", "deploy.replicas=3",
                        "search.n_trials=20", "spec.depth=4", "spec.budget=5", "+workload=code",
@@ -79,6 +90,7 @@ BAD_INPUTS = [
     (["spec.depth=99"], "spec.depth=99: Input should be less than or equal to 16"),
     (["spec.method=bogus"], "spec.method='bogus': Input should be 'off', 'eagle', 'eagle3', 'draft_model', 'ngram' or 'medusa'"),
     (["spec.topk=1", "spec.budget=3"], "spec.budget=3 with spec.topk=1 must equal spec.depth+1=5"),
+    (["spec.depth=3", "spec.budget=5"], "spec.budget=5 with spec.topk=1 must equal spec.depth+1=4"),
     (["spec.method=eagle", "spec.depth=2", "spec.topk=2", "spec.budget=9"], "spec.budget=9 exceeds 1 + depth*topk = 5"),
     (["spec.method=ngram", "spec.depth=2", "spec.topk=2", "spec.budget=5"], "n-gram lookup drafts a chain, topk must be 1"),
     (["spec.ngram_min=5", "spec.ngram_max=3"], "spec.ngram_min=5 > spec.ngram_max=3"),

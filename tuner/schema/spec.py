@@ -27,6 +27,7 @@ ENGINE_METHODS: dict[str, tuple[str, ...]] = {
     "sglang": ("off", "eagle", "eagle3"),
 }
 TREE_METHODS = ("eagle", "eagle3", "draft_model", "medusa")  # methods whose drafter can branch
+TREE_BUDGET = 5  # a tree's budget when none is given (a chain's is always depth+1)
 
 
 class SpecConfig(Strict):
@@ -40,13 +41,28 @@ class SpecConfig(Strict):
     method: SpecMethod = "off"
     depth: int = Field(4, ge=1, le=16)
     topk: int = Field(1, ge=1, le=16)
-    budget: int = Field(5, ge=2, le=256)
+    # None or not given: derived (see _derive_budget): depth+1 for a chain, TREE_BUDGET for a tree
+    budget: int = Field(TREE_BUDGET, ge=2, le=256)
     draft_model: str | None = None  # draft_model: local HF dir or HF id
     head_path: str | None = None  # eagle / eagle3 / medusa: head checkpoint dir or HF id
     ngram_min: int = Field(2, ge=1, le=16)  # n-gram prompt lookup: shortest match
     ngram_max: int = Field(4, ge=1, le=16)  # n-gram prompt lookup: longest match
     # vLLM dynamic K: [[min_batch, max_batch, K], ...], inclusive ranges, K <= depth.
     k_per_batch_size: list[tuple[int, int, int]] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derive_budget(cls, data: object) -> object:
+        # conf/config.yaml leaves spec.budget null, so a budget here is one the user gave; a chain's
+        # is then derived (depth+1, the only valid value), a tree's is TREE_BUDGET.
+        if isinstance(data, dict) and data.get("budget") is None:
+            depth, topk = data.get("depth", 4), data.get("topk", 1)
+            if isinstance(depth, int) and not isinstance(depth, bool) and 1 <= depth <= 16:
+                chain = topk == 1 or topk == "1"
+                data = {**data, "budget": depth + 1 if chain else TREE_BUDGET}
+            else:
+                data = {k: v for k, v in data.items() if k != "budget"}  # depth's own error is reported
+        return data
 
     @model_validator(mode="after")
     def _rules(self) -> "SpecConfig":
