@@ -10,8 +10,8 @@ a request that does not fit waits, it is never truncated.
 
 The speculative configuration follows the number of active requests: `schedule` is a list of bands
 (lo, hi, SpecConfig), like vLLM's `num_speculative_tokens_per_batch_size` but with a whole spec
-per band (method, depth, top-k, budget, or off). Each request keeps one drafter per method it has
-used, fed every committed feature, so a band change never loses drafter state.
+per band (method, depth, top-k, budget, or off). Each request keeps one drafter per band, fed every
+committed feature from its prompt on, so a band change never loses drafter state.
 """
 
 from __future__ import annotations
@@ -200,14 +200,14 @@ class BatchEngine:
         for req in fresh:
             try:
                 req.state = self.engine.start(req.prompt_ids, req.params, req.on_tokens, drafter=None, room=self.room)
-                if len({s.key() for _, _, s in self.schedule}) > 1:
-                    req.state.features = []  # a drafter made at a later band catches up from these
+                for _, _, spec in self.schedule:  # every band's drafter sees the request from its prompt on
+                    self._drafter(req, spec)
             except Exception as exc:  # noqa: BLE001 - the request fails, the batch goes on
                 req.error = f"{type(exc).__name__}: {exc}"
         return [r for r in fresh if r.error is None]
 
     def _drafter(self, req: Request, spec: SpecConfig) -> Drafter | None:
-        """This request's drafter for `spec`, made on first use and caught up on what was committed."""
+        """This request's drafter for `spec` (made at admission, fed every committed feature)."""
         if spec.method == "off":
             return None
         key = spec.key()

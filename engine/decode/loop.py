@@ -246,10 +246,8 @@ class Decoding:
             self.cache = new_cache(engine.model.config)
         if drafter is not None:
             drafter.reset(prompt_ids)
-        # every drafter fed the committed features (a batch may switch drafters between steps), and
-        # those features kept for a drafter made later (None: not kept)
+        # every drafter fed the committed features (a batch may switch drafters between steps)
         self.observers: list[Drafter] = [drafter] if drafter is not None else []
-        self.features: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
         self.prompt_ids = list(prompt_ids)
         self.ids = list(prompt_ids)
         self.prefilled = False
@@ -321,10 +319,10 @@ class Decoding:
         return self.done
 
     def add_observer(self, drafter: Drafter) -> None:
-        """Feed `drafter` from now on, after replaying the features committed so far (kept in `features`)."""
+        """Feed `drafter` every committed feature from now on (before the prompt runs: all of them)."""
+        if self.prefilled:
+            raise ValueError("a drafter joins a generation before its prompt runs")
         drafter.reset(self.prompt_ids)
-        for hidden, aux in self.features or []:
-            _observe(drafter, hidden, aux, None)
         self.observers.append(drafter)
 
     def _observe(self, hidden: torch.Tensor, aux: torch.Tensor | None, rows: list[int] | None) -> None:
@@ -333,8 +331,6 @@ class Decoding:
             aux = None if aux is None else aux[rows]
         for d in self.observers:
             _observe(d, hidden, aux if d.aux_layers else None, None)
-        if self.features is not None:
-            self.features.append((hidden, aux))
 
     def result(self) -> GenResult:
         stop, stats = self.stop, self.stats

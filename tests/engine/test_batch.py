@@ -1,0 +1,203 @@
+"""Continuous batching (engine/decode/batch.py) on the tiny random Llama: greedy output at any batch
+size token-identical to batch 1 for every drafter, with mixed prompt lengths and requests joining
+mid-flight; a request's output never depends on its neighbours; seeded sampling identical to
+batch 1; bands switch the spec by batch size; max_batch and the KV budget hold; a cancelled or
+failing request leaves the others alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.api import SamplingParams
+from engine.decode.batch import BatchEngine, check_schedule, schedule_of, spec_for
+from engine.decode.loop import Engine
+from tuner.schema.compose import load_config
+from tuner.schema.config import SpecConfig, UserError
+
+PROMPTS = ["def fib(n):", "Write a haiku about the sea and the sky, with a word about the wind.",
+           "a b c d a b c d a b c d a b", "x", "for i in range(10): print(i) for i in range(10):"]
+N_NEW = 24
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine.from_config(load_config(["model=tiny-random", "spec.method=off"]))
+
+
+@pytest.fixture(scope="module")
+def prompts(engine: Engine) -> list[list[int]]:
+    return [engine.encode_prompt(p, False) for p in PROMPTS]
+
+
+SPECS = [SpecConfig(method="off"),
+         SpecConfig(method="ngram", depth=3, topk=1, budget=4, ngram_min=1, ngram_max=3),
+         SpecConfig(method="eagle", depth=3, topk=1, budget=4),
+         SpecConfig(method="eagle", depth=3, topk=3, budget=8)]
+
+
+def _alone(engine: Engine, spec: SpecConfig, prompts, params: SamplingParams) -> list[list[int]]:
+    engine.set_spec(spec)
+    return [engine.generate(p, params).tokens for p in prompts]
+
+
+@pytest.mark.parametrize("prefill", ["mixed", "separate"])
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.key())
+def test_greedy_in_a_batch_equals_batch_1(engine: Engine, prompts, spec: SpecConfig, prefill: str) -> None:
+    params = SamplingParams(max_new_tokens=N_NEW)
+    ref = _alone(engine, spec, prompts, params)
+    be = BatchEngine(engine, max_batch=3, schedule=schedule_of(spec, 3), prefill=prefill)
+    seen = []
+    real = engine.lean.step_batch
+
+    def spy(caches, *a, **k):
+        seen.append(len(caches))
+        return real(caches, *a, **k)
+
+    engine.lean.step_batch = spy
+    try:
+        reqs = be.closed_loop(prompts, params, concurrency=3)  # 5 prompts, 3 clients: two join mid-flight
+    finally:
+        del engine.lean.step_batch
+    assert [r.error for r in reqs] == [None] * len(prompts)
+    assert [r.result.tokens for r in reqs] == ref
+    assert max(seen) == 3 and 1 < len(set(seen))  # really batched, and the batch size changed
+    if spec.method != "off":
+        assert sum(r.result.stats.drafted_tokens for r in reqs) > 0
+
+
+def test_a_requests_output_does_not_depend_on_its_neighbours(engine: Engine, prompts) -> None:
+    engine.set_spec(SpecConfig(method="off"))
+    params = SamplingParams(max_new_tokens=N_NEW)
+    outs = []
+    for neighbours in ([prompts[1], prompts[2]], [prompts[3], prompts[4], prompts[2]]):
+        be = BatchEngine(engine, max_batch=4)
+        reqs = be.closed_loop([prompts[0], *neighbours], params, concurrency=4)
+        outs.append(reqs[0].result.tokens)
+    assert outs[0] == outs[1] == engine.generate(prompts[0], params).tokens
+
+
+def test_seeded_sampling_in_a_batch_equals_batch_1(engine: Engine, prompts) -> None:
+    """The same seed draws the same tokens alone and in a batch: each request keeps its own
+    generator, and verification runs on its own rows only."""
+    spec = SpecConfig(method="ngram", depth=3, topk=1, budget=4, ngram_min=1, ngram_max=3)
+    params = SamplingParams(max_new_tokens=N_NEW, temperature=0.8, top_k=20, seed=11)
+    ref = _alone(engine, spec, prompts, params)
+    be = BatchEngine(engine, max_batch=5, schedule=schedule_of(spec, 5))
+    assert [r.result.tokens for r in be.closed_loop(prompts, params, concurrency=5)] == ref
+
+
+def test_bands_switch_the_spec_by_batch_size(engine: Engine, prompts) -> None:
+    """K bands (vLLM's num_speculative_tokens_per_batch_size): drafting at batch 1, off above; the
+    output stays that of AR and drafting happens only while one request runs."""
+    spec = SpecConfig(method="eagle", depth=3, topk=1, budget=4, k_per_batch_size=[(1, 1, 3), (2, 4, 0)])
+    bands = schedule_of(spec, 4)
+    assert [(lo, hi, s.key()) for lo, hi, s in bands] == [(1, 1, "eagle d3 k1 b4"), (2, 4, "off")]
+    assert spec_for(bands, 1).method == "eagle" and spec_for(bands, 3).method == "off"
+    params = SamplingParams(max_new_tokens=N_NEW)
+    three = [prompts[0], prompts[1], prompts[4]]  # the first two finish together, the third then runs alone
+    ref = _alone(engine, SpecConfig(method="off"), three, params)
+    be = BatchEngine(engine, max_batch=4, schedule=bands)
+    steps = []
+    real = engine.lean.step_batch
+    engine.lean.step_batch = lambda caches, toks, *a, **k: steps.append((len(caches), sum(map(len, toks)))) or real(caches, toks, *a, **k)
+    try:
+        reqs = be.closed_loop(three, params, concurrency=2)
+    finally:
+        del engine.lean.step_batch
+    assert [r.result.tokens for r in reqs] == ref
+    decode = steps[1:]  # the first step runs both prompts
+    assert all(rows == 2 for n, rows in decode if n == 2)  # two requests: off, one row each
+    assert any(rows == 4 for n, rows in decode if n == 1)  # one left: it drafts 3 tokens again
+
+
+def test_max_batch_and_the_kv_budget_hold(engine: Engine, prompts) -> None:
+    engine.set_spec(SpecConfig(method="off"))
+    params = SamplingParams(max_new_tokens=8)
+    be = BatchEngine(engine, max_batch=2)
+    for p in prompts:
+        be.submit(p, params)
+    most = 0
+    while be.waiting or be.active:
+        be.step()
+        most = max(most, be.running)
+    assert most == 2
+    need = max(len(p) for p in prompts) + 8 + 1
+    tight = BatchEngine(engine, max_batch=8, kv_tokens=need + 2)  # room for one request at a time
+    for p in prompts:
+        tight.submit(p, params)
+    most = 0
+    while tight.waiting or tight.active:
+        tight.step()
+        most = max(most, tight.running)
+    assert most == 1  # the rest waited; none was truncated:
+    with pytest.raises(UserError, match="kv_tokens"):
+        BatchEngine(engine, kv_tokens=64).submit(list(range(60)), SamplingParams(max_new_tokens=32))
+
+
+def test_cancel_frees_the_slot_and_a_failing_request_leaves_the_others(engine: Engine, prompts) -> None:
+    engine.set_spec(SpecConfig(method="off"))
+    params = SamplingParams(max_new_tokens=N_NEW)
+    be = BatchEngine(engine, max_batch=2)
+    a, b, c = (be.submit(p, params) for p in prompts[:3])
+    be.step()
+    assert be.running == 2 and be.queued == 1
+    be.cancel(a)
+    be.step()
+    assert a.error == "cancelled" and c.state is not None  # c took a's slot at once
+    # a drafter that crashes fails its own request only
+    spec = SpecConfig(method="ngram", depth=3, topk=1, budget=4)
+    be2 = BatchEngine(engine, max_batch=3, schedule=schedule_of(spec, 3))
+    ok, bad = be2.submit(prompts[0], params), be2.submit(prompts[1], params)
+    be2.step()  # prefill; the drafters are made at the first decode step
+    be2.step()
+    bad.drafters[spec.key()].draft = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
+    while be2.waiting or be2.active:
+        be2.step()
+    assert bad.error == "RuntimeError: boom" and ok.result is not None
+    assert ok.result.tokens == _alone(engine, SpecConfig(method="off"), prompts[:1], params)[0]
+
+
+@pytest.mark.parametrize("bands,msg", [
+    ([(1, 2, SpecConfig()), (4, 8, SpecConfig())], "contiguous"),
+    ([(1, 4, SpecConfig()), (3, 8, SpecConfig())], "contiguous"),
+    ([(1, 4, SpecConfig())], "max_batch=8"),
+])
+def test_bad_schedules_are_one_line(bands, msg: str) -> None:
+    with pytest.raises(UserError, match=msg):
+        check_schedule(bands, 8)
+
+
+def test_bad_batch_settings_are_one_line(engine: Engine) -> None:
+    with pytest.raises(UserError, match="max_batch=0"):
+        BatchEngine(engine, max_batch=0)
+    with pytest.raises(UserError, match="prefill=chunky"):
+        BatchEngine(engine, prefill="chunky")
+    hf = Engine.from_config(load_config(["model=tiny-random", "spec.method=off", "engine.builtin.forward=hf"]))
+    with pytest.raises(UserError, match="forward=lean"):
+        BatchEngine(hf)
+
+
+def test_step_batch_rows_equal_separate_steps(engine: Engine, prompts) -> None:
+    """One batched forward of a prompt, a chain and a branching tree gives each sequence the logits
+    its own step gives (fp32: equal to rounding)."""
+    lean = engine.lean
+    toks = [prompts[1], [5, 6, 7], [9, 10, 11, 12]]
+    anc = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    deps = [None, None, [0, 1, 1, 2]]
+    ancs = [None, None, anc]
+    pre = [None, prompts[0], prompts[2]]
+    one, many = [], []
+    for c_list in (one, many):
+        for pfx in pre:
+            c = lean.new_cache(200)
+            if pfx:
+                lean.step(c, pfx)
+            c_list.append(c)
+    alone = [lean.step(c, t, d, a) for c, t, d, a in zip(one, toks, deps, ancs)]
+    batched = lean.step_batch(many, toks, deps, ancs, [False] * 3)
+    for (h1, l1, _), (h2, l2, _), c1, c2 in zip(alone, batched, one, many):
+        torch.testing.assert_close(l2, l1, rtol=1e-4, atol=1e-4)
+        assert c1.length == c2.length
