@@ -106,6 +106,14 @@ def test_sglang_tree(method: str, algo: str) -> None:
     assert _opt(args, "--speculative-num-draft-tokens") == "8"
 
 
+@pytest.mark.parametrize("spec", [SpecConfig(method="off"),
+                                  SpecConfig(method="eagle", depth=3, topk=1, budget=4, head_path="h")])
+def test_sglang_always_enables_metrics(spec: SpecConfig) -> None:
+    """SGLang serves /metrics only with --enable-metrics: tau (spec_accept_length) and the
+    rendered ServiceMonitor/HPA (num_queue_reqs) need it, with or without speculation."""
+    assert sglang_args("t", spec).count("--enable-metrics") == 1
+
+
 def test_sglang_chain_draft_tokens_are_steps_plus_one() -> None:
     spec = SpecConfig(method="eagle", depth=3, topk=1, budget=4, head_path="h")
     args = sglang_args("t", spec)

@@ -171,6 +171,15 @@ def test_sglang_ci_override_replicas_and_tree_flags(rendered: dict[str, Path]) -
     assert _opt(tree, "--speculative-algorithm") == "EAGLE3" and _opt(tree, "--speculative-eagle-topk") == "2"
 
 
+@pytest.mark.parametrize("case", ["sglang-h100x8", "sglang-h200x1"])
+def test_sglang_serves_the_metrics_its_monitor_and_hpa_scrape(rendered: dict[str, Path], case: str) -> None:
+    """The ServiceMonitor and the HPA (sglang:num_queue_reqs) read /metrics, which SGLang serves
+    only with --enable-metrics."""
+    docs = _docs(rendered[case])
+    assert "sglang:num_queue_reqs" in json.dumps(docs["hpa.yaml"]) and "servicemonitor.yaml" in docs
+    assert "--enable-metrics" in _container(rendered[case])["args"]
+
+
 def test_builtin_is_cpu_only_non_root_and_serves_the_spec(rendered: dict[str, Path]) -> None:
     docs = _docs(rendered["builtin-cpu"])
     text = "".join(p.read_text() for p in rendered["builtin-cpu"].glob("*.yaml"))

@@ -92,6 +92,34 @@ def test_no_spec_counters_means_no_tau() -> None:
     assert c.acceptance_per_pos() == []
 
 
+def test_sglang_pages_give_tau_from_the_accept_length_gauge() -> None:
+    """SGLang has no spec counters, only `sglang:spec_accept_length` (tokens per target forward,
+    bonus included, over the scheduler's latest log interval) and `sglang:spec_accept_rate`
+    (names from python/sglang/srt/metrics/collector.py). Fake pages shaped like SGLang's, two tp
+    ranks: the gauge at the end of the run is tau, averaged over ranks."""
+    from pathlib import Path
+
+    golden = Path(__file__).parents[1] / "golden"
+    pages = [(golden / f"sglang-fake-metrics-{w}.txt").read_text() for w in ("before", "after")]
+    before, after = spec_counters(pages[0]), spec_counters(pages[1])
+    assert before.present and after.present
+    assert after.accept_length == pytest.approx(3.0) and after.accept_rate == pytest.approx(0.40)
+    d = after - before
+    assert d.present and d.accept_length == pytest.approx(3.0)
+    assert tau_from_delta(512, d) == pytest.approx(3.0)
+    assert d.acceptance_per_pos() == []
+    # no speculative step logged yet (gauge at 0): no tau rather than a made-up one
+    assert tau_from_delta(512, before - before) is None
+
+
+def test_sglang_gauge_ignores_idle_ranks() -> None:
+    page = ('# TYPE sglang:spec_accept_length gauge\n'
+            'sglang:spec_accept_length{tp_rank="0"} 2.5\nsglang:spec_accept_length{tp_rank="1"} 0.0\n')
+    c = spec_counters(page)
+    assert c.accept_length == pytest.approx(2.5) and c.accept_rate is None
+    assert tau_from_delta(10, c - c) == pytest.approx(2.5)
+
+
 def test_parse_samples_drops_created_and_total_suffix() -> None:
     s = parse_samples("# TYPE x counter\nx_total{a=\"1\"} 4.0\nx_created{a=\"1\"} 1.7e9\n")
     assert s == {("x", (("a", "1"),)): 4.0}

@@ -119,8 +119,11 @@ def sglang_args(
     kv_cache_dtype "fp8" is written as SGLang's `fp8_e4m3`. SGLang forces draft tokens =
     steps + 1 when topk is 1; the SpecConfig rules already guarantee budget == depth + 1 there,
     and this function re-checks it so a launcher never starts a server that silently differs.
+    `--enable-metrics` is always on: SGLang serves no /metrics without it, and both the trial
+    load generator (tau from `sglang:spec_accept_length`) and the rendered ServiceMonitor/HPA
+    (`sglang:num_queue_reqs`) read that page.
     """
-    args = ["--model-path", model_ref, "--host", host, "--port", str(port)]
+    args = ["--model-path", model_ref, "--host", host, "--port", str(port), "--enable-metrics"]
     if tp != 1:
         args += ["--tp", str(tp)]
     if dtype is not None:
