@@ -257,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         forms = Table(title="linear forms timed by the calibration: ms over every decoder linear of the target")
         for col in ("rows", "onednn (packed)", "mkl", "w @ x.T", "compiled product-sum"):
             forms.add_column(col, justify="right")
-        for rows, t in plan.ms.items():
-            forms.add_row(rows, *(f"{t[f]:.1f}" if f in t else "-" for f in ("onednn", "mkl", "wxt", "prodsum")))
+        for n_rows, t in plan.ms.items():
+            forms.add_row(n_rows, *(f"{t[f]:.1f}" if f in t else "-" for f in ("onednn", "mkl", "wxt", "prodsum")))
         console.print(forms)
     ar = by[f"built-in {best_fwd}, autoregressive"]
     best = max((r for n, r in rows if ("n-gram" in n or "EAGLE" in n) and "default plan" not in n),
