@@ -108,7 +108,28 @@ BAD_INPUTS = [
     (["+workload=code", "workload.temperature=-1"], "workload.temperature=-1"),
     (["+workload=code", "workload.concurrency=[0]"], "workload.concurrency=[0]: each level must be in [1, 1024]"),
     (["+workload=code", "workload.top_p=0"], "workload.top_p=0"),
-    (["deploy.k8s_version=1.20"], "deploy.k8s_version='1.20'"),
+    (["deploy.k8s_version=1.20"], "deploy.k8s_version='1.20': allowed are 1.25–1.37"),
+    (["deploy.k8s_version=1.38"], "deploy.k8s_version='1.38': allowed are 1.25–1.37"),
+    (["deploy.k8s_version=latest"], "deploy.k8s_version='latest': allowed are 1.25–1.37"),
+    (["spec=eagle"], "spec=eagle: spec is a section of keys, not a config group: use spec.method=eagle"),
+    (["spec=fast"], "spec=fast: spec is a section of keys, not a config group: set its keys, e.g. spec.method=NAME"),
+    (["serve=x"], "serve=x: serve is a section of keys, not a config group: set its keys, e.g. serve.KEY=VALUE"),
+    (["deploy.hpa=3"], "deploy.hpa=3: deploy.hpa is a section of keys, not a single value"),
+    # Issue 25: manifests the schema accepts but a cluster rejects are refused when the config loads.
+    (["deploy.model_cache_size=lots"], "deploy.model_cache_size='lots': not a Kubernetes quantity"),
+    (["deploy.hpa.target_average=five"], "deploy.hpa.target_average='five': not a Kubernetes quantity"),
+    (["distributed.postgres_storage=10 Gi"], "distributed.postgres_storage='10 Gi': not a Kubernetes quantity"),
+    (["distributed.results_storage=1.2.3Gi"], "distributed.results_storage='1.2.3Gi': not a Kubernetes quantity"),
+    (['deploy.image_tag="bad tag"'], "deploy.image_tag='bad tag': not an image tag"),
+    (["deploy.image_tag=-rc1"], "deploy.image_tag='-rc1': not an image tag"),
+    (["distributed.image_tag=v1:2"], "distributed.image_tag='v1:2': not an image tag"),
+    (["distributed.postgres_tag=a/b"], "distributed.postgres_tag='a/b': not an image tag"),
+    (["distributed.namespace=Bad_NS"], "distributed.namespace='Bad_NS': not a Kubernetes namespace (a DNS-1123 label"),
+    (["deploy.namespace=My_NS"], "deploy.namespace='My_NS': not a Kubernetes namespace (a DNS-1123 label"),
+    (["deploy.namespace=-ns"], "deploy.namespace='-ns': not a Kubernetes namespace"),
+    ([f"deploy.namespace={'a' * 64}"], "not a Kubernetes namespace"),
+    (["deploy.max_model_len=999999999"],
+     "deploy.max_model_len=999999999 exceeds the context of model smollm2-135m (model.max_context=8192)"),
     (["deploy.gpu_memory_utilization=1.5"], "deploy.gpu_memory_utilization=1.5"),
     (["serve.port=70000"], "serve.port=70000"),
     (["spec.k_per_batch_size=[[1,4,9]]"], "each K in [0, depth=4]"),
@@ -125,6 +146,16 @@ def test_bad_input_one_line_exit_2(overrides: list[str], fragment: str, capsys: 
     assert len(lines) == 1, captured.err
     assert lines[0].startswith("error: ") and fragment in lines[0], lines[0]
     assert "Traceback" not in captured.err and captured.out == ""
+
+
+def test_cluster_values_that_are_accepted() -> None:
+    cfg = load_config(["deploy.model_cache_size=1.5Ti", "deploy.hpa.target_average=500m", "deploy.image_tag=v0.6.3-cu12_1",
+                       "deploy.namespace=team-a1", "distributed.namespace=x", "distributed.postgres_tag=17.2",
+                       "deploy.hpa.target_average=5", "deploy.max_model_len=8192", "deploy.k8s_version=1.25"])
+    assert (cfg.deploy.model_cache_size, cfg.deploy.hpa.target_average, cfg.deploy.image_tag) == ("1.5Ti", "5", "v0.6.3-cu12_1")
+    assert (cfg.deploy.namespace, cfg.distributed.namespace, cfg.distributed.postgres_tag) == ("team-a1", "x", "17.2")
+    assert cfg.deploy.max_model_len == 8192 and cfg.deploy.k8s_version == "1.25"
+    assert load_config(["deploy.model_cache_size=500M", "deploy.k8s_version=1.37"]).deploy.model_cache_size == "500M"
 
 
 def test_missing_workload_lists_workloads(capsys: pytest.CaptureFixture[str]) -> None:

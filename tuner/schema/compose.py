@@ -74,6 +74,19 @@ def _validation_line(err: ValidationError, raw: dict[str, Any]) -> str:
         return f"{loc}: unknown key in {parent} (see `tuner config` for the valid keys)"
     if e["type"] == "missing":
         return f"{loc}: required key is missing"
+    if e["type"] in ("model_type", "dict_type") and not isinstance(e.get("input"), (dict, list)):
+        # `spec=eagle`: a section given a value as if it were a config group
+        value = e.get("input")
+        if loc == "spec":
+            from tuner.schema.spec import SpecConfig
+
+            methods = SpecConfig.model_fields["method"].annotation.__args__  # type: ignore[union-attr]
+            hint = (f"use spec.method={value}" if value in methods
+                    else f"set its keys, e.g. spec.method=NAME ({', '.join(methods)})")
+        else:
+            hint = f"set its keys, e.g. {loc}.KEY=VALUE (see `tuner config`)"
+        what = "a config group" if "." not in loc else "a single value"
+        return f"{loc}={value}: {loc} is a section of keys, not {what}: {hint}"
     return f"{loc}={e.get('input')!r}: {msg}"
 
 

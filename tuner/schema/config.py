@@ -11,9 +11,10 @@ re-exported here so that `tuner.schema.config` stays the one import.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from tuner.schema.results import BestResult, Figures, ProjectedPoint, Projection, Provenance
 from tuner.schema.spec import ENGINE_METHODS, TREE_METHODS, SpecConfig, SpecMethod, UserError
@@ -118,6 +119,43 @@ class WorkloadConfig(_Strict):
 
 
 COMPILE_AUTO_MIN_B = 0.1
+
+# What a cluster accepts, checked when the config loads (a rendered manifest that passes the schema
+# but that the API server or the kubelet refuses is a user error found too late).
+K8S_VERSIONS = (25, 37)  # supported minors of Kubernetes 1.x (deploy/schemas holds their schemas)
+# A Kubernetes resource.Quantity (the form the Kubernetes docs give), e.g. 200Gi, 500m, 5, 1e3.
+QUANTITY = re.compile(r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$")
+IMAGE_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")  # the OCI distribution spec's tag
+DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # + at most 63 characters
+
+
+def quantity_error(key: str, v: str) -> str | None:
+    """Why `v` is no Kubernetes Quantity (e.g. 200Gi, 10Gi, 5, 500m), or None."""
+    m = QUANTITY.match(v)
+    if m and any(c.isdigit() for c in m.group(1)) and m.group(1).count(".") <= 1:
+        return None
+    return (f"{key}={v!r}: not a Kubernetes quantity (a number with an optional suffix: Ki Mi Gi Ti Pi, "
+            "k M G T P, m, or an exponent; e.g. 200Gi, 5, 500m)")
+
+
+def image_tag_error(key: str, v: str) -> str | None:
+    if IMAGE_TAG.match(v):
+        return None
+    return (f"{key}={v!r}: not an image tag (letters, digits, '_', '.', '-', at most 128, not starting "
+            "with '.' or '-')")
+
+
+def namespace_error(key: str, v: str) -> str | None:
+    if len(v) <= 63 and DNS1123_LABEL.match(v):
+        return None
+    return (f"{key}={v!r}: not a Kubernetes namespace (a DNS-1123 label: lowercase letters, digits and '-', "
+            "at most 63, starting and ending with a letter or digit)")
+
+
+def _check(error: str | None, v: str) -> str:
+    if error:
+        raise ValueError(error)
+    return v
 
 
 class BuiltinEngineConfig(_Strict):
@@ -256,7 +294,18 @@ class HPAConfig(_Strict):
     min_replicas: int = Field(ge=1)
     max_replicas: int = Field(ge=1)
     metric: str  # a per-pod metric served through the custom metrics API
-    target_average: str
+    target_average: str  # a Kubernetes Quantity
+
+    @field_validator("target_average", mode="before")
+    @classmethod
+    def _quantity_str(cls, v: object) -> object:
+        # Hydra parses `deploy.hpa.target_average=5` as an int: a Quantity is a string.
+        return str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+
+    @field_validator("target_average")
+    @classmethod
+    def _quantity(cls, v: str) -> str:
+        return _check(quantity_error("deploy.hpa.target_average", v), v)
 
 
 class SecretRef(_Strict):
@@ -273,7 +322,7 @@ class DeployConfig(_Strict):
     image: str
     image_tag: str
     port: int = Field(ge=1, le=65535)
-    k8s_version: str = Field(pattern=r"^1\.(2[5-9]|3[0-7])$")
+    k8s_version: str  # 1.25 .. 1.37 (K8S_VERSIONS)
     gpu_memory_utilization: float = Field(gt=0, le=1.0)
     max_model_len: int | None = Field(ge=64)
     quantization: Literal["fp8", "none"]
@@ -295,6 +344,35 @@ class DeployConfig(_Strict):
             major, _, minor = repr(float(v)).partition(".")
             return f"{major}.{minor.ljust(2, '0')}"
         return v
+
+    @field_validator("k8s_version")
+    @classmethod
+    def _version(cls, v: str) -> str:
+        lo, hi = K8S_VERSIONS
+        m = re.fullmatch(r"1\.([0-9]{2})", v)
+        if not m or not lo <= int(m.group(1)) <= hi:
+            raise ValueError(f"deploy.k8s_version={v!r}: allowed are 1.{lo}–1.{hi} (two-digit minor, e.g. 1.33)")
+        return v
+
+    @field_validator("image_tag", mode="before")
+    @classmethod
+    def _tag_str(cls, v: object) -> object:
+        return str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+
+    @field_validator("image_tag")
+    @classmethod
+    def _tag(cls, v: str) -> str:
+        return _check(image_tag_error("deploy.image_tag", v), v)
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, v: str) -> str:
+        return _check(namespace_error("deploy.namespace", v), v)
+
+    @field_validator("model_cache_size")
+    @classmethod
+    def _cache_size(cls, v: str) -> str:
+        return _check(quantity_error("deploy.model_cache_size", v), v)
 
 
 class DistributedConfig(_Strict):
@@ -321,6 +399,21 @@ class DistributedConfig(_Strict):
     def _tag_str(cls, v: object) -> object:
         # Hydra parses `distributed.postgres_tag=17.2` as a float: a tag is a string.
         return str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+
+    @field_validator("image_tag", "postgres_tag")
+    @classmethod
+    def _tag(cls, v: str, info: ValidationInfo) -> str:
+        return _check(image_tag_error(f"distributed.{info.field_name}", v), v)
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, v: str) -> str:
+        return _check(namespace_error("distributed.namespace", v), v)
+
+    @field_validator("postgres_storage", "results_storage")
+    @classmethod
+    def _storage(cls, v: str, info: ValidationInfo) -> str:
+        return _check(quantity_error(f"distributed.{info.field_name}", v), v)
 
 
 class ServeConfig(_Strict):
@@ -394,6 +487,10 @@ class Config(_Strict):
         allowed = ENGINE_METHODS[self.engine.kind]
         if self.spec.method not in allowed:
             raise ValueError(f"spec.method={self.spec.method} with engine={self.engine.kind}: allowed are {', '.join(allowed)}")
+        mml = self.deploy.max_model_len
+        if mml is not None and mml > self.model.max_context:
+            raise ValueError(f"deploy.max_model_len={mml} exceeds the context of model {self.model.name} "
+                             f"(model.max_context={self.model.max_context}): allowed are 64..{self.model.max_context}")
         if self.hardware.accelerator == "cpu" and self.engine.kind == "sglang":
             raise ValueError("engine=sglang with hardware=cpu: SGLang needs a CUDA GPU (allowed engines on cpu: builtin, vllm)")
         return self
