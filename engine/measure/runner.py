@@ -350,6 +350,8 @@ class Summary:
     request_throughput: float
     accepted_per_pos: list[float]  # mean over repeats
     errors: list[str]
+    itl_p50_ms: float | None = None  # gaps between streamed chunks (a spec step's tokens may share one)
+    itl_p99_ms: float | None = None
 
     @classmethod
     def of(cls, runs: list[Measurement]) -> "Summary":
@@ -365,6 +367,7 @@ class Summary:
             request_throughput=float(statistics.median(m.request_throughput for m in runs)),
             accepted_per_pos=[float(x) for x in _mean_lists([m.accepted_per_pos for m in runs])],
             errors=[e for m in runs for e in m.errors],
+            itl_p50_ms=_median([m.itl_p50_ms for m in runs]), itl_p99_ms=_median([m.itl_p99_ms for m in runs]),
         )
 
     @property
@@ -377,7 +380,8 @@ class Summary:
     def figures(self) -> Figures:
         """The schema's Figures (what best.yaml records)."""
         return Figures(output_tokens_per_s=self.output_tokens_per_s, ci_low=self.ci_low, ci_high=self.ci_high,
-                       tau=self.tau, ttft_p99_ms=self.ttft_p99_ms, tpot_p99_ms=self.tpot_p99_ms)
+                       tau=self.tau, ttft_p99_ms=self.ttft_p99_ms, tpot_p99_ms=self.tpot_p99_ms,
+                       itl_p50_ms=self.itl_p50_ms, itl_p99_ms=self.itl_p99_ms)
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in asdict(self).items() if k != "runs"}

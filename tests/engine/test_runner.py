@@ -221,6 +221,22 @@ def test_single_repeat_has_no_ci() -> None:
     assert s.ci_low is None and s.rel_ci_half_width is None
 
 
+def test_summary_carries_itl_into_figures_and_bench_json() -> None:
+    from dataclasses import replace
+
+    from engine.api import SamplingParams as SP
+    from tuner.cli.bench import _figures
+    from tuner.schema.config import SpecConfig
+
+    base = CountingTarget([5.0]).run(PROMPTS, SP(), 1)
+    runs = [replace(base, itl_p50_ms=p50, itl_p99_ms=p99) for p50, p99 in ((3.0, 8.0), (5.0, 12.0), (4.0, 10.0))]
+    s = Summary.of(runs)
+    assert (s.itl_p50_ms, s.itl_p99_ms) == (4.0, 10.0), "medians over repeats, like TTFT/TPOT"
+    assert (s.figures().itl_p50_ms, s.figures().itl_p99_ms) == (4.0, 10.0)
+    assert s.to_dict()["itl_p99_ms"] == 10.0
+    assert _figures(s, SpecConfig(method="off"))["itl_ms"] == {"p50": 4.0, "p99": 10.0}
+
+
 def test_spec_counters_subtraction_keeps_new_positions() -> None:
     a = SpecCounters(num_drafts=1, accepted_per_pos={0: 1}, present=True)
     b = SpecCounters(num_drafts=3, accepted_per_pos={0: 2, 1: 1}, present=True)
@@ -307,7 +323,7 @@ def test_bench_json_on_tiny_random(capsys) -> None:
     assert out["engine"] == "builtin" and out["workload"] == "code" and out["spec"]["method"] == "ngram"
     for key in ("output_tokens_per_s", "tau"):
         assert out[key] > 0 and out["baseline"][key] > 0
-    for key in ("ttft_ms", "tpot_ms"):
+    for key in ("ttft_ms", "tpot_ms", "itl_ms"):
         assert set(out[key]) == {"p50", "p99"} and out[key]["p50"] <= out[key]["p99"]
     assert out["baseline"]["tau"] <= 1.0 + 1e-9, "speculation off: at most one token per target forward"
     assert out["speedup"] == pytest.approx(out["output_tokens_per_s"] / out["baseline"]["output_tokens_per_s"])

@@ -250,3 +250,48 @@ def test_a_point_sampled_again_reuses_its_measurement(tmp_path: Path) -> None:
 
     (cand,) = [c for c in candidates(study.trials) if c.spec.key() == ngram_key]
     assert [t.number for t in cand.trials] == [first.number]
+
+
+def test_itl_reaches_trial_attrs_trials_csv_and_best_yaml(tmp_path: Path) -> None:
+    """ITL is measured by the load generator: it must survive into the trial's user attrs, a
+    trials.csv column and best.yaml's figures (search and held-out), like TPOT does."""
+    import csv
+
+    import yaml
+
+    from tuner.report.figures import write_trials_csv
+    from tuner.schema.config import BestResult
+    from tuner.search.space import SearchSpace
+    from tuner.study.objective import Objective, Sample
+    from tuner.study.selection import best_result
+    from tuner.study.studies import create_study
+
+    cfg = load_config(["model=tiny-random", "+workload=code", "search=quick", "search.methods=[ngram]",
+                       "search.depth.min=2", "search.depth.max=2", "search.repeats_max=1", "search.n_trials=2",
+                       "workload.num_heldout=1"])
+
+    def measure(spec: SpecConfig, split: str, concurrency: int) -> Sample:
+        off = spec.method == "off"
+        return Sample(tok_s=20.0 if off else 30.0, tau=1.0 if off else 2.0, ttft_p99_ms=1.0, tpot_p99_ms=1.0,
+                      itl_p50_ms=4.0 if off else 6.0, itl_p99_ms=9.0 if off else 12.0)
+
+    space = SearchSpace.from_config(cfg)
+    study = create_study(cfg, space, tmp_path, "itl")
+    objective = Objective(study, space, measure, cfg.workload, cfg.search)
+    for _ in range(2):
+        objective.run_one()
+    ng_trial = next(t for t in study.trials if t.user_attrs.get("spec_method") == "ngram")
+    assert (ng_trial.user_attrs["itl_p50_ms"], ng_trial.user_attrs["itl_p99_ms"]) == (6.0, 12.0)
+
+    write_trials_csv(study, tmp_path / "trials.csv")
+    with (tmp_path / "trials.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    (row,) = [r for r in rows if r["spec_method"] == "ngram"]
+    assert (float(row["itl_p50_ms"]), float(row["itl_p99_ms"])) == (6.0, 12.0)
+
+    win = pick_winner(study.trials, cfg.search.noise_rel, cfg.workload.concurrency)
+    assert win.spec.method == "ngram"
+    best = best_result(cfg, study, tmp_path, win, objective)
+    back = BestResult.model_validate(yaml.safe_load(yaml.safe_dump(best.model_dump(mode="json"))))
+    assert (back.metrics.itl_p50_ms, back.metrics.itl_p99_ms) == (6.0, 12.0)
+    assert (back.heldout.itl_p50_ms, back.heldout.itl_p99_ms) == (6.0, 12.0)

@@ -55,6 +55,7 @@ def _figures(s: Any, spec: SpecConfig) -> dict[str, Any]:
         "tau": tau,
         "ttft_ms": {"p50": s.ttft_p50_ms, "p99": s.ttft_p99_ms},
         "tpot_ms": {"p50": s.tpot_p50_ms, "p99": s.tpot_p99_ms},
+        "itl_ms": {"p50": s.itl_p50_ms, "p99": s.itl_p99_ms},
         "request_throughput": s.request_throughput,
         "accepted_per_pos": s.accepted_per_pos,
         "n_requests": sum(m.n_requests for m in s.runs),
@@ -138,7 +139,7 @@ def _row(name: str, c: int, f: dict[str, Any], speedup: float | None) -> list[st
         tps += f" [{f['ci'][0]:.1f}, {f['ci'][1]:.1f}]"
     acc = " ".join(f"{a:.2f}" for a in f["accepted_per_pos"][:6]) or "-"
     return [str(c), name, tps, "-" if f["tau"] is None else f"{f['tau']:.2f}", _ms(f, "ttft_ms"), _ms(f, "tpot_ms"),
-            acc, "-" if speedup is None else f"{speedup:.2f}x", str(len(f["errors"]))]
+            _ms(f, "itl_ms"), acc, "-" if speedup is None else f"{speedup:.2f}x", str(len(f["errors"]))]
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -149,7 +150,7 @@ def print_table(result: dict[str, Any]) -> None:
     t = Table(title=f"{result['engine']} · {result['model']} · workload {result['workload']} ({result['split']}, "
                     f"{result['n_prompts']} prompts, {result['repeats']} repeats)")
     for col in ("conc", "spec", "tok/s [95% CI]", "tau", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
-                "accept/pos", "speedup", "errors"):
+                "ITL p50/p99 ms", "accept/pos", "speedup", "errors"):
         t.add_column(col, justify="left" if col == "spec" else "right")
     for lvl in result["levels"]:
         t.add_row(*_row(result["spec_key"], lvl["concurrency"], lvl, lvl.get("speedup")))

@@ -25,7 +25,7 @@ BEST_FILE = "best.yaml"
 HTML_FILE = "report.html"
 CSV_ATTRS = ("spec", "spec_method", "spec_depth", "spec_topk", "spec_budget", "tok_s", "tok_s_ci_low",
              "tok_s_ci_high", "baseline_tok_s", "speedup", "speedup_ci_low", "speedup_ci_high", "tau",
-             "ttft_p99_ms", "tpot_p99_ms", "draft_mb", "repeats", "feasible", "slo_violations", FAIL_REASON, "prune_reason",
+             "ttft_p99_ms", "tpot_p99_ms", "itl_p50_ms", "itl_p99_ms", "draft_mb", "repeats", "feasible", "slo_violations", FAIL_REASON, "prune_reason",
              "duration_s")
 
 

@@ -16,6 +16,8 @@ class Figures(_Strict):
     tau: float | None = None
     ttft_p99_ms: float | None = None
     tpot_p99_ms: float | None = None
+    itl_p50_ms: float | None = None  # inter-token latency: gaps between streamed chunks
+    itl_p99_ms: float | None = None
     draft_mb: float | None = None  # drafter parameters + KV cache at the longest request (built-in engine)
 
 

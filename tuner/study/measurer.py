@@ -88,7 +88,8 @@ def measure_over(target_for: Callable[[SpecConfig], Any], cfg: Config, prompts: 
         if key not in draft_mb:
             mem = target_draft_memory(target, prompts[split], cfg.workload.max_new_tokens, cfg.workload.chat_template)
             draft_mb[key] = None if mem is None else mem["total_mb"]
-        return Sample(m.output_tokens_per_s, m.tau, m.ttft_p99_ms, m.tpot_p99_ms, draft_mb[key])
+        return Sample(m.output_tokens_per_s, m.tau, m.ttft_p99_ms, m.tpot_p99_ms, draft_mb[key],
+                      itl_p50_ms=m.itl_p50_ms, itl_p99_ms=m.itl_p99_ms)
 
     return measure
 

@@ -41,6 +41,8 @@ class Sample:
     ttft_p99_ms: float | None = None
     tpot_p99_ms: float | None = None
     draft_mb: float | None = None  # the drafter's parameters + KV cache (built-in engine), MB
+    itl_p50_ms: float | None = None  # inter-token latency (gaps between streamed chunks)
+    itl_p99_ms: float | None = None
 
 
 # (spec, split "tune"|"heldout", concurrency) -> Sample. The optimize flow builds it from the
@@ -176,6 +178,8 @@ class Objective:
             "tau": _mean_opt([x.tau for x in flat]),
             "ttft_p99_ms": _max_opt([x.ttft_p99_ms for x in flat]),
             "tpot_p99_ms": _max_opt([x.tpot_p99_ms for x in flat]),
+            "itl_p50_ms": _mean_opt([x.itl_p50_ms for x in flat]),
+            "itl_p99_ms": _max_opt([x.itl_p99_ms for x in flat]),
             "draft_mb": _max_opt([x.draft_mb for x in flat]),
             "repeats": len(ratios),
             "ratios": ratios,

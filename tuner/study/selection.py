@@ -141,6 +141,12 @@ def pick_winner(trials: list[FrozenTrial], noise_rel: float, concurrency: list[i
     return Winner(pick.spec, pick, reason, chain)
 
 
+def _mean_attr(trials: list[Any], key: str) -> float | None:
+    """Mean of a figure over the pooled trials that recorded it (None if none did)."""
+    vals = [t.user_attrs[key] for t in trials if t.user_attrs.get(key) is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
 def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, objective: Objective | None) -> BestResult:
     """Re-measure the winner on the held-out prompts and assemble best.yaml."""
     trials = study.get_trials(deepcopy=False)
@@ -149,7 +155,8 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
     def figs(a: dict[str, Any], prefix: str = "tok_s") -> Figures:
         return Figures(output_tokens_per_s=a[prefix], ci_low=a.get(f"{prefix}_ci_low"),
                        ci_high=a.get(f"{prefix}_ci_high"), tau=a.get("tau"),
-                       ttft_p99_ms=a.get("ttft_p99_ms"), tpot_p99_ms=a.get("tpot_p99_ms"), draft_mb=a.get("draft_mb"))
+                       ttft_p99_ms=a.get("ttft_p99_ms"), tpot_p99_ms=a.get("tpot_p99_ms"),
+                       itl_p50_ms=a.get("itl_p50_ms"), itl_p99_ms=a.get("itl_p99_ms"), draft_mb=a.get("draft_mb"))
 
     c = win.candidate
     if c is not None:
@@ -157,6 +164,8 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
                           ci_high=c.mean("tok_s_ci_high"), tau=c.tau,
                           ttft_p99_ms=max(t.user_attrs.get("ttft_p99_ms") or 0.0 for t in c.trials) or None,
                           tpot_p99_ms=max(t.user_attrs.get("tpot_p99_ms") or 0.0 for t in c.trials) or None,
+                          itl_p50_ms=_mean_attr(c.trials, "itl_p50_ms"),
+                          itl_p99_ms=max(t.user_attrs.get("itl_p99_ms") or 0.0 for t in c.trials) or None,
                           draft_mb=max(t.user_attrs.get("draft_mb") or 0.0 for t in c.trials) or None)
         baseline = Figures(output_tokens_per_s=c.mean("baseline_tok_s"))
         speedup = c.speedup
@@ -169,6 +178,7 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
         h = objective.evaluate(win.spec, "heldout", repeats_max=1)  # one more pair: the check, not a search
         heldout = Figures(output_tokens_per_s=h["tok_s"], ci_low=h["tok_s_ci_low"], ci_high=h["tok_s_ci_high"],
                           tau=h["tau"], ttft_p99_ms=h["ttft_p99_ms"], tpot_p99_ms=h["tpot_p99_ms"],
+                          itl_p50_ms=h.get("itl_p50_ms"), itl_p99_ms=h.get("itl_p99_ms"),
                           draft_mb=h.get("draft_mb"))
         heldout_speedup = h["speedup"]
     chain = win.chain.spec if win.chain is not None else None
