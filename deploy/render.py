@@ -57,10 +57,32 @@ def render(cfg: Config, best: BestResult | None, out: Path) -> tuple[Plan, list[
     return p, write_docs(docs, out)
 
 
+def out_arg(text: str | None) -> Path | None:
+    """An `--out` value of the command line as a Path (None: not given). An empty one is refused:
+    Path('') is the current directory, where a render would land unasked."""
+    if text is None:
+        return None
+    if not text.strip():
+        raise UserError(f"--out {text!r}: an empty path; give the output directory, e.g. --out k8s/prod")
+    return Path(text)
+
+
+def make_out_dir(out: Path) -> None:
+    """Create the output directory `out` (and its parents), or say in one line why it cannot be."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: is an existing file, not a directory; give a directory (created if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        why = "a parent is a file, not a directory" if isinstance(exc, (FileExistsError, NotADirectoryError)) \
+            else (exc.strerror or type(exc).__name__).lower()
+        raise UserError(f"--out {out}: cannot create the output directory ({why})") from None
+
+
 def write_docs(docs: list[tuple[str, dict]], out: Path, header: str = HEADER) -> list[Path]:
     """Write (file name, document) pairs and a kustomization.yaml listing them into `out`, removing
     rendered files (starting with `header`) that are no longer part of the set."""
-    out.mkdir(parents=True, exist_ok=True)
+    make_out_dir(out)
     files = docs + [(KUSTOMIZATION, kustomization([n for n, _ in docs]))]
     names = {n for n, _ in files}
     for old in out.glob("*.yaml"):
@@ -69,6 +91,9 @@ def write_docs(docs: list[tuple[str, dict]], out: Path, header: str = HEADER) ->
     written = []
     for name, doc in files:
         path = out / name
-        path.write_text(header + dump(doc))
+        try:
+            path.write_text(header + dump(doc))
+        except OSError as exc:
+            raise UserError(f"--out {out}: cannot write {name} ({(exc.strerror or type(exc).__name__).lower()})") from None
         written.append(path)
     return written

@@ -423,3 +423,42 @@ def test_servicemonitor_schema_is_strict() -> None:
     bad_scheme = json.loads(json.dumps(sm))
     bad_scheme["spec"]["endpoints"][0]["scheme"] = "tcp"
     assert doc_error(bad_scheme, "1.33").startswith("spec.endpoints[0].scheme:")
+
+
+# Issue 25: bad `tuner render` inputs, each one line naming the cause, exit 2, nothing written.
+# (arguments; "{tmp}" stands for the test's directory, which holds a file named "afile")
+BAD_RENDER = [
+    (["--out", "{tmp}/afile"], "--out {tmp}/afile: is an existing file, not a directory"),
+    (["--out", "{tmp}/afile/sub"], "--out {tmp}/afile/sub: cannot create the output directory (a parent is a file"),
+    (["--out", ""], "--out '': an empty path; give the output directory"),
+    (["--out", " "], "--out ' ': an empty path"),
+    (["deploy.model_cache_size=lots", "--out", "{tmp}/o"], "deploy.model_cache_size='lots': not a Kubernetes quantity"),
+    (["deploy.hpa.target_average=five", "--out", "{tmp}/o"], "deploy.hpa.target_average='five': not a Kubernetes quantity"),
+    (["deploy.image_tag=bad tag", "--out", "{tmp}/o"], "deploy.image_tag='bad tag': not an image tag"),
+    (["deploy.namespace=My_NS", "--out", "{tmp}/o"], "deploy.namespace='My_NS': not a Kubernetes namespace"),
+    (["deploy.max_model_len=999999999", "--out", "{tmp}/o"], "deploy.max_model_len=999999999 exceeds the context"),
+    (["deploy.k8s_version=1.20", "--out", "{tmp}/o"], "deploy.k8s_version='1.20': allowed are 1.25–1.37"),
+]
+
+
+@pytest.mark.parametrize("args,fragment", BAD_RENDER, ids=[" ".join(a) for a, _ in BAD_RENDER])
+def test_bad_render_input_one_line_exit_2(args: list[str], fragment: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.chdir(tmp_path)  # an empty --out must not land here either
+    (tmp_path / "afile").write_text("not a directory\n")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(["render", *(a.replace("{tmp}", str(tmp_path)) for a in args)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
+    assert fragment.replace("{tmp}", str(tmp_path)) in lines[0], lines[0]
+    assert captured.out == "" and sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
+
+
+def test_render_without_out_names_the_directory_it_wrote(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["render"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith(f"rendered 9 files into {tmp_path / 'runs' / 'k8s'} (default --out; ")
+    assert (tmp_path / "runs" / "k8s" / "kustomization.yaml").is_file()

@@ -143,6 +143,36 @@ def test_cli(tmp_path: Path, capsys) -> None:
     assert "needs a workload" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("out,fragment", [
+    ("{tmp}/afile", "--out {tmp}/afile: is an existing file, not a directory"),
+    ("{tmp}/afile/sub", "--out {tmp}/afile/sub: cannot create the output directory (a parent is a file"),
+    ("", "--out '': an empty path; give the output directory"),
+])
+def test_cli_bad_out_one_line_exit_2(out: str, fragment: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture) -> None:
+    """Issue 25: an --out that is a file or cannot be created (or is empty) is one line, exit 2."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("not a directory\n")
+    assert main(["render-tuner", *DEFAULT, "--out", out.replace("{tmp}", str(tmp_path))]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment.replace("{tmp}", str(tmp_path)) in lines[0]
+    assert captured.out == "" and sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+@pytest.mark.parametrize("override,fragment", [
+    ("distributed.namespace=Bad_NS", "distributed.namespace='Bad_NS': not a Kubernetes namespace"),
+    ("distributed.image_tag=bad tag", "distributed.image_tag='bad tag': not an image tag"),
+    ("distributed.postgres_storage=lots", "distributed.postgres_storage='lots': not a Kubernetes quantity"),
+])
+def test_cli_cluster_rejected_values_one_line(override: str, fragment: str, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture) -> None:
+    assert main(["render-tuner", *DEFAULT, override, "--out", str(tmp_path / "o")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], lines
+    assert not (tmp_path / "o").exists()
+
+
 def test_workers_use_the_image_of_their_engine() -> None:
     """CPU workers: the built-in image; GPU workers: its CUDA variant; engine=vllm: the image with vLLM
     in the pod (and its `vllm` on PATH); SGLang has no worker image: refused in one line. Every one

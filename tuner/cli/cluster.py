@@ -34,15 +34,18 @@ def render_tuner(overrides: list[str], out: Path) -> tuple[list[Path], list[str]
 
 
 def _cmd_render_tuner(args: argparse.Namespace) -> int:
+    from deploy.render import out_arg
     from deploy.tuner_manifests import study_name, worker_gpus
 
-    files, errors = render_tuner(args.overrides, args.out)
+    out = out_arg(args.out)
+    assert out is not None  # --out has a default
+    files, errors = render_tuner(args.overrides, out)
     for line in errors:  # never expected: a failure here is a renderer bug
         print(line, file=sys.stderr)
     cfg = tuner_config(args.overrides)
     db = (f"external database (Secret {cfg.distributed.external_url_secret.name})"
           if cfg.distributed.external_url_secret else f"PostgreSQL (Secret {cfg.distributed.db_secret})")
-    print(f"rendered {len(files)} files into {args.out}: study {study_name(cfg)}, {cfg.search.workers} worker(s) x "
+    print(f"rendered {len(files)} files into {out}: study {study_name(cfg)}, {cfg.search.workers} worker(s) x "
           f"{worker_gpus(cfg)} GPU(s) on {cfg.hardware.name}, {db}, Kubernetes {cfg.deploy.k8s_version}"
           f"{', INVALID' if errors else ', valid'}")
     return 2 if errors else 0
@@ -64,7 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("render-tuner", help="render the Kubernetes objects of a distributed study: PostgreSQL, "
                                             "a study-creator Job, an Indexed Job of workers, a report Job")
     r.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +workload=code hardware=h200x1 search.workers=4")
-    r.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    r.add_argument("--out", default=str(DEFAULT_OUT), help=f"output directory, created if missing (default {DEFAULT_OUT})")
     r.set_defaults(func=_cmd_render_tuner)
 
     w = sub.add_parser("wait-storage", help="wait until a study storage answers (and a study exists)")

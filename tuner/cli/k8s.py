@@ -10,9 +10,11 @@ from tuner.schema.config import UserError
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
+    from deploy.render import out_arg
     from deploy.validate import check_dir
     from tuner.schema.compose import load_config
 
+    out = out_arg(args.out)
     if args.check is not None:
         version = load_config(args.overrides).deploy.k8s_version
         errors = check_dir(args.check, version)
@@ -27,12 +29,12 @@ def _cmd_render(args: argparse.Namespace) -> int:
     if args.run_dir is not None:
         from tuner.run.rundir import render_run
 
-        plan, files = render_run(args.run_dir, args.overrides, args.out, projected=args.projected)
+        plan, files = render_run(args.run_dir, args.overrides, out, projected=args.projected)
     else:
         from deploy.render import render
 
         cfg = load_config(args.overrides)
-        plan, files = render(cfg, None, args.out or Path(cfg.run_dir) / "k8s")
+        plan, files = render(cfg, None, out or Path(cfg.run_dir) / "k8s")
     for note in plan.served.notes:
         print(f"note: {note}", file=sys.stderr)
     cfg = plan.cfg
@@ -45,7 +47,10 @@ def _cmd_render(args: argparse.Namespace) -> int:
               f"'{plan.best.spec.key()}', predicted {pj.predicted_speedup:.2f}x, TPOT {pj.predicted_tpot_ms:.2f} ms "
               f"at concurrency {','.join(map(str, pj.concurrency))}"
               + (f" (measured winner: '{pj.measured_spec}')" if pj.measured_spec else ""))
-    print(f"rendered {len(files)} files into {files[0].parent} (deploy={cfg.deploy.target}, spec '{plan.served.spec.key()}', "
+    # without --out, name the directory in full: the default lands under the current directory
+    where = f"{files[0].parent}" if out is not None else f"{files[0].parent.resolve()} (default --out;"
+    print(f"rendered {len(files)} files into {where}{' ' if out is None else ' ('}deploy={cfg.deploy.target}, "
+          f"spec '{plan.served.spec.key()}', "
           f"TP {plan.tp}, Kubernetes {cfg.deploy.k8s_version}{', INVALID' if errors else ', valid'})")
     return 2 if errors else 0
 
@@ -64,7 +69,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("render", help="render the winner into Kubernetes manifests (or --check existing ones)")
     r.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. deploy=sglang hardware=h100x8 deploy.replicas=3")
     r.add_argument("--from", dest="run_dir", type=Path, help="run directory holding best.yaml and config.yaml")
-    r.add_argument("--out", type=Path, help="output directory (default RUN_DIR/k8s, or <run_dir>/k8s without --from)")
+    r.add_argument("--out", help="output directory, created if missing (default: RUN/k8s with --from RUN, "
+                                 "else <run_dir>/k8s, i.e. ./runs/k8s)")
     r.add_argument("--projected", action="store_true",
                    help="with --from RUN: serve the configuration that RUN's acceptance profile (RUN/profile.json, "
                         "`tuner profile --from RUN`) predicts best on hardware= for the workload's concurrency "
