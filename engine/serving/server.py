@@ -2,8 +2,8 @@
 
 Endpoints: /v1/completions, /v1/chat/completions (streaming and not, with `usage`), /v1/models,
 /health, /metrics (Prometheus, vLLM's metric names so one load generator and one dashboard serve
-every engine). Requests wait in a bounded queue (serve.queue_size) and one worker thread runs the
-engine, one request at a time; a full queue answers 429. Every bad request gets a 4xx in the
+every engine). Requests wait in a bounded queue (serve.queue_size) and one engine thread runs them,
+batched when the engine batches (engine.builtin.max_batch > 1); a full queue answers 429. Every bad request gets a 4xx in the
 OpenAI error shape and the server stays healthy.
 
 This module holds the app (routes, parsing into sampling parameters, responses and streams) and
@@ -254,10 +254,14 @@ def create_app(cfg: Config, engine: TextEngine) -> FastAPI:
                                           "choices": [choice]}) + "\n\n"
 
         try:
-            if chat:
-                yield chunk(None, first=True)
+            started = False
             while True:
                 kind, payload = await job.events.get()
+                if chat and not started and kind != "error":
+                    # the role chunk goes out with the first token, as vLLM's server does: clients time
+                    # TTFT from the first chunk
+                    started = True
+                    yield chunk(None, first=True)
                 if kind == "tokens":
                     piece = text.push(payload)
                     if piece:

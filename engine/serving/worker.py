@@ -1,6 +1,8 @@
-"""The built-in server's queue and its one worker thread: requests wait in a bounded queue (a full
-queue answers 429) and the thread runs the engine on them one at a time, first come, first served,
-sending tokens, errors and results back to each request's event loop.
+"""The built-in server's queue and its one engine thread: requests wait in a bounded queue (a full
+queue answers 429) and the thread runs the engine on them, sending tokens, errors and results
+back to each request's event loop. An engine that batches (`batcher`, max_batch > 1) decodes up
+to max_batch requests together (engine.decode.batch), joining and leaving between steps; any
+other engine runs them one at a time, first come, first served.
 """
 
 from __future__ import annotations
@@ -38,20 +40,26 @@ class Job:
 
 
 class Worker:
-    """One thread that runs the engine on queued jobs, first come, first served."""
+    """One thread that runs the engine on queued jobs: batched when the engine batches, else FIFO."""
 
     def __init__(self, engine: TextEngine, metrics: Metrics, queue_size: int) -> None:
         self.engine, self.metrics = engine, metrics
-        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
-        self.thread = threading.Thread(target=self._loop, name="spectune-engine", daemon=True)
+        self.queue_size = queue_size
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        batcher = getattr(engine, "batcher", None)
+        self.batch = batcher() if batcher is not None and getattr(engine, "max_batch", 1) > 1 else None
+        self.thread = threading.Thread(target=self._batch_loop if self.batch else self._loop, name="spectune-engine",
+                                       daemon=True)
+
+    def _waiting(self) -> int:
+        return self.jobs.qsize() + (self.batch.queued if self.batch is not None else 0)
 
     def submit(self, job: Job) -> None:
-        try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
-            raise APIError(429, f"the server's queue is full ({self.jobs.maxsize} requests waiting); retry later",
-                           code="queue_full", type_="rate_limit_error") from None
-        self.metrics.waiting.labels(self.metrics.model).set(self.jobs.qsize())
+        if self._waiting() >= self.queue_size:
+            raise APIError(429, f"the server's queue is full ({self.queue_size} requests waiting); retry later",
+                           code="queue_full", type_="rate_limit_error")
+        self.jobs.put_nowait(job)
+        self.metrics.waiting.labels(self.metrics.model).set(self._waiting())
 
     def alive(self) -> bool:
         return self.thread.is_alive()
@@ -62,6 +70,56 @@ class Worker:
     def stop(self) -> None:
         self.jobs.put(None)
         self.thread.join(timeout=30)
+
+    def _batch_loop(self) -> None:
+        m, be = self.metrics, self.batch
+        jobs: list[tuple[Job, Any]] = []
+        while True:
+            idle = not be.active and not be.waiting
+            try:
+                job = self.jobs.get() if idle else self.jobs.get_nowait()
+            except queue.Empty:
+                job = ...
+            while job is not ...:
+                if job is None:
+                    return
+                if not job.cancelled:
+                    jobs.append((job, self._submit_batched(job)))
+                try:
+                    job = self.jobs.get_nowait()
+                except queue.Empty:
+                    job = ...
+            for job, req in jobs:
+                if job.cancelled and req is not None:
+                    be.cancel(req)  # its slot is free before the next step
+            jobs = [(j, r) for j, r in jobs if r is not None and not r.finished]
+            be.step()
+            m.running.labels(m.model).set(be.running)
+            m.waiting.labels(m.model).set(self._waiting())
+
+    def _submit_batched(self, job: Job) -> Any:
+        first: list[float] = []
+
+        def on_tokens(toks: list[int]) -> None:
+            if not first:
+                first.append(time.perf_counter())
+            job.emit("tokens", list(toks))
+
+        def on_done(req: Any) -> None:
+            if req.error is not None:
+                if not job.cancelled:
+                    job.emit("error", req.error)
+                return
+            end = time.perf_counter()
+            self.metrics.record(req.result, len(job.prompt_ids), (first[0] if first else end) - job.arrival,
+                                end - job.arrival)
+            job.emit("done", req.result)
+
+        try:
+            return self.batch.submit(job.prompt_ids, job.params, on_tokens, on_done)
+        except Exception as exc:  # noqa: BLE001 - a request that cannot run fails alone
+            job.emit("error", f"{type(exc).__name__}: {exc}")
+            return None
 
     def _loop(self) -> None:
         m = self.metrics

