@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tuner.cli import main
-from tuner.schema.compose import available, conf_dir, load_config
+from tuner.schema.compose import apply_overrides, available, conf_dir, load_config
 from tuner.schema.config import UserError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,6 +52,11 @@ def test_a_chain_budget_is_derived_unless_given() -> None:
     tree = load_config(["spec.method=eagle", "spec.depth=5", "spec.topk=4"]).spec
     assert (tree.depth, tree.topk, tree.budget) == (5, 4, 5)
     assert load_config(["spec.method=eagle", "spec.depth=5", "spec.topk=4", "spec.budget=9"]).spec.budget == 9
+    # on top of a saved config (a run's config.yaml holds budget 5): the chain's budget follows the new depth
+    saved = load_config(["spec.method=ngram"]).model_dump(mode="json")
+    assert apply_overrides(json.loads(json.dumps(saved)), ["spec.depth=3"]).spec.budget == 4
+    with pytest.raises(UserError, match="spec.budget=5 with spec.topk=1 must equal spec.depth\\+1=3"):
+        apply_overrides(json.loads(json.dumps(saved)), ["spec.depth=2", "spec.budget=5"])
 
 
 def test_overrides_reach_typed_config() -> None:

@@ -219,6 +219,10 @@ def apply_overrides(saved: dict[str, Any], overrides: list[str]) -> Config:
             parent[keys[-1]] = _get(composed, keys)
         except KeyError:
             parent.pop(keys[-1], None)  # `~key` deleted it
+    spec = saved.get("spec")
+    if (isinstance(spec, dict) and given & {"spec.depth", "spec.topk", "spec"} and "spec.budget" not in given
+            and spec.get("topk", 1) in (1, "1")):
+        spec["budget"] = None  # a chain's saved budget was depth+1 of the saved depth: derive it anew
     return validate(saved)
 
 
