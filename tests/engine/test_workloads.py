@@ -103,3 +103,40 @@ def test_bad_split_is_a_user_error() -> None:
 def test_sampling_params_follow_the_workload() -> None:
     sp = sampling_params(_wl("creative", "workload.max_new_tokens=7"))
     assert (sp.max_new_tokens, sp.temperature, sp.top_p) == (7, 1.0, 0.95)
+
+
+def test_mtbench_questions_are_read_from_the_venv_data_dir(tmp_path, monkeypatch) -> None:
+    """scripts/setup.sh copies question.jsonl out of the wheel to $VENV/share/spectune/mt_bench/
+    (the wheel itself is never installed): mtbench_path() looks there first."""
+    import sys
+
+    from engine.measure import workloads
+
+    data = tmp_path / "share" / "spectune" / "mt_bench" / "question.jsonl"
+    data.parent.mkdir(parents=True)
+    data.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": ["Write a haiku.", "More."]}) + "\n")
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))
+    assert workloads.mtbench_path() == data
+
+
+def test_missing_mtbench_questions_are_a_one_line_user_error(tmp_path, monkeypatch, capsys) -> None:
+    import sys
+
+    from engine.measure import workloads
+    from tuner.cli import main
+
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))  # no share/spectune/mt_bench here
+    monkeypatch.setattr(workloads.importlib.util, "find_spec", lambda name, *a: None)  # nor the old package
+    with pytest.raises(UserError) as err:
+        workloads.mtbench_path()
+    msg = str(err.value)
+    assert "\n" not in msg and "make setup" in msg and str(tmp_path / "share/spectune/mt_bench/question.jsonl") in msg
+    # through the CLI: exit 2, that one line, no traceback (prompts load before any engine)
+    workloads.mtbench_prompts.cache_clear()
+    try:
+        assert main(["bench", "model=tiny-random", "+workload=chat", "workload.num_prompts=1"]) == 2
+    finally:
+        workloads.mtbench_prompts.cache_clear()
+    err_lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err_lines) == 1 and "MT-bench questions not installed" in err_lines[0]
+    assert "Traceback" not in err_lines[0]
