@@ -59,6 +59,15 @@ def schedule_of(spec: SpecConfig, max_batch: int) -> list[Band]:
     return bands
 
 
+def batcher_for(engine: object) -> "BatchEngine | None":
+    """A scheduler over a built-in engine that batches (lean forward, engine.builtin.max_batch > 1)
+    with its spec's bands and batch settings; None for any other engine (it runs requests one at a time)."""
+    if not isinstance(engine, Engine) or engine.lean is None or engine.max_batch <= 1:
+        return None
+    return BatchEngine(engine, engine.max_batch, schedule_of(engine.spec, engine.max_batch), engine.prefill,
+                       engine.kv_tokens)
+
+
 def check_schedule(schedule: Sequence[Band], max_batch: int) -> None:
     """Bands must cover 1..max_batch without gaps or overlaps; one line naming the problem."""
     want = 1

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache
@@ -19,9 +18,6 @@ from engine.models.target import Target, load_target
 from engine.trees.tree import Tree
 from engine.trees.verify import process_logits, verify
 from tuner.schema.config import Config, SpecConfig, UserError
-
-if TYPE_CHECKING:
-    from engine.decode.batch import BatchEngine
 
 
 class _Stopper:
@@ -126,12 +122,6 @@ class Engine:
         if lean is not None:
             engine.max_batch, engine.prefill, engine.kv_tokens = b.max_batch, b.prefill, b.kv_tokens
         return engine
-
-    def batcher(self) -> "BatchEngine":
-        """A continuous-batching scheduler over this engine, its spec (and K bands) and batch settings."""
-        from engine.decode.batch import BatchEngine, schedule_of
-
-        return BatchEngine(self, self.max_batch, schedule_of(self.spec, self.max_batch), self.prefill, self.kv_tokens)
 
     def _eos_ids(self) -> set[int]:
         ids = set()

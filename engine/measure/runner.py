@@ -116,8 +116,8 @@ def _measurement(records: list[RequestRecord], wall_s: float, concurrency: int, 
 def run_inprocess(engine: TextEngine, prompts: Sequence[Prompt], params: SamplingParams,
                   concurrency: int = 1, chat_template: bool = True) -> Measurement:
     """Play the prompts against an in-process engine: a closed loop of `concurrency` clients, each
-    sending its next prompt when its last one finished. An engine that batches (`batcher`, with
-    max_batch > 1) decodes the clients' requests together; any other runs them one at a time."""
+    sending its next prompt when its last one finished. A built-in engine that batches
+    (engine.builtin.max_batch > 1) decodes the clients' requests together; any other runs them one at a time."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
     encoded = [engine.encode_prompt(p.text, chat_template) for p in prompts]  # tokenising is the client's work
@@ -127,8 +127,10 @@ def run_inprocess(engine: TextEngine, prompts: Sequence[Prompt], params: Samplin
     arrivals = [0.0] * len(prompts)
     ends: list[float] = [0.0] * len(prompts)
     t0 = time.perf_counter()
-    batcher = getattr(engine, "batcher", None)
-    if concurrency > 1 and batcher is not None and getattr(engine, "max_batch", 1) > 1:
+    from engine.decode.batch import batcher_for  # torch: only for in-process runs
+
+    batch = batcher_for(engine) if concurrency > 1 else None
+    if batch is not None:
         def on_tokens(i: int, _toks: list[int]) -> None:
             stamps[i].append(time.perf_counter())
 
@@ -139,7 +141,7 @@ def run_inprocess(engine: TextEngine, prompts: Sequence[Prompt], params: Samplin
             if req.error is not None:
                 records[i].error = req.error
 
-        batcher().closed_loop(encoded, params, concurrency, on_tokens, on_done)
+        batch.closed_loop(encoded, params, concurrency, on_tokens, on_done)
     else:
         for i, ids in enumerate(encoded):
             arrivals[i] = t0 if i < concurrency else ends[i - concurrency]

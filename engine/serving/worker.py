@@ -1,6 +1,6 @@
 """The built-in server's queue and its one engine thread: requests wait in a bounded queue (a full
 queue answers 429) and the thread runs the engine on them, sending tokens, errors and results
-back to each request's event loop. An engine that batches (`batcher`, max_batch > 1) decodes up
+back to each request's event loop. A built-in engine that batches (max_batch > 1) decodes up
 to max_batch requests together (engine.decode.batch), joining and leaving between steps; any
 other engine runs them one at a time, first come, first served.
 """
@@ -46,8 +46,9 @@ class Worker:
         self.engine, self.metrics = engine, metrics
         self.queue_size = queue_size
         self.jobs: queue.Queue[Job | None] = queue.Queue()
-        batcher = getattr(engine, "batcher", None)
-        self.batch = batcher() if batcher is not None and getattr(engine, "max_batch", 1) > 1 else None
+        from engine.decode.batch import batcher_for
+
+        self.batch = batcher_for(engine)
         self.thread = threading.Thread(target=self._batch_loop if self.batch else self._loop, name="spectune-engine",
                                        daemon=True)
 
