@@ -39,7 +39,7 @@ SPACES = [
     _space(methods=("ngram",), depth_max=6, budget_max=8),
     _space(methods=("ngram", "eagle"), topk=(1, 2, 3), budget_max=10),
     _space(methods=("eagle",), topk=(2, 4), depth_max=16, budget_max=12),  # depth capped by budget_max-1
-    _space(methods=("eagle",), chain_only=True, concurrency=(1, 8, 32)),  # vLLM: chains + K per band
+    _space(methods=("eagle",), chain_only=True, banded=True, concurrency=(1, 8, 32)),  # vLLM: chains + K per band
     _space(methods=("ngram", "medusa"), topk=(1, 2), budget_max=12, medusa_heads=3),  # Medusa capped by its heads
 ]
 
@@ -131,6 +131,12 @@ def test_from_config_quick_and_vllm() -> None:
     vllm = SearchSpace.from_config(load_config(["engine=vllm", "+workload=code", "search.methods=[eagle]",
                                                 "workload.concurrency=[1,4]"]))
     assert vllm.chain_only and vllm.k_bands == [(1, 1), (2, 4)]
+    # the built-in engine batches too: its trees and chains get a K per band
+    builtin = SearchSpace.from_config(load_config(["+workload=code", "workload.concurrency=[1,4]"]))
+    assert not builtin.chain_only and builtin.k_bands == [(1, 1), (2, 4)]
+    sglang = SearchSpace.from_config(load_config(["engine=sglang", "+workload=code", "search.methods=[eagle]", "spec.method=eagle", "hardware=h100x8", "model=llama-3.1-8b-instruct",
+                                                  "workload.concurrency=[1,4]"]))
+    assert sglang.k_bands == []  # SGLang has no per-batch-size schedule
 
 
 def test_impossible_depth_range_is_a_user_error() -> None:

@@ -40,6 +40,7 @@ class SearchSpace:
     topk: tuple[int, ...]
     budget_max: int
     chain_only: bool = False
+    banded: bool = False  # the engine applies a per-batch-size schedule (vLLM's K bands; the built-in's bands)
     concurrency: tuple[int, ...] = (1,)
     head_paths: dict[str, str] | None = None  # trained head per method (eagle / eagle3 / medusa points)
     draft_model: str | None = None
@@ -61,6 +62,7 @@ class SearchSpace:
             topk=tuple(sorted(set(s.topk))),
             budget_max=s.budget_max,
             chain_only=cfg.engine.kind in CHAIN_ENGINES,
+            banded=cfg.engine.kind in ("vllm", "builtin"),
             concurrency=conc,
             head_paths=head_paths or {},
             draft_model=cfg.spec.draft_model,
@@ -110,7 +112,7 @@ class SearchSpace:
     @property
     def k_bands(self) -> list[tuple[int, int]]:
         """Concurrency bands [lo, hi] (inclusive) for a per-batch-size K; empty for one level."""
-        if not self.chain_only or len(self.concurrency) < 2:
+        if not self.banded or len(self.concurrency) < 2:
             return []
         bands, lo = [], 1
         for c in self.concurrency:
