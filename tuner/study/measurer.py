@@ -1,4 +1,4 @@
-"""What a study measures with: its prompts, the draft it needs, and the MeasureFn over the
+"""What a study measures with: its prompts, the draft it needs, and the Measurer over the
 built-in engine (in this process) or over a launched vLLM / SGLang server (HTTP).
 
 Both go through the one load generator (engine.measure.runner), so a trial's figures mean the same on
@@ -15,7 +15,7 @@ from typing import Any
 
 from tuner.schema.compose import packaged_workloads
 from tuner.study.limits import startup_excluded
-from tuner.study.objective import MeasureFn, Sample
+from tuner.study.objective import Sample
 from tuner.schema.config import Config, SpecConfig
 
 LAUNCHED = ("vllm", "sglang")
@@ -69,47 +69,57 @@ def server_target_for(launcher: Any, chat_template: bool) -> Callable[[SpecConfi
     return target_for
 
 
-def measure_over(target_for: Callable[[SpecConfig], Any], cfg: Config, prompts: dict[str, list[Any]]) -> MeasureFn:
-    """The MeasureFn that plays `prompts[split]` against target_for(spec) with the workload's
-    sampling; a configuration that breaks requests raises (its trial fails)."""
-    from engine.measure.workloads import sampling_params
+class Measurer:
+    """A study's MeasureFn, `measurer(spec, split, concurrency) -> Sample`: plays `prompts[split]`
+    against `target_for(spec)` with the workload's sampling, `concurrency` requests in flight (the
+    prompts repeat until there are at least that many). A configuration that breaks requests raises
+    (its trial fails). Over a launched server it also answers `serving(spec)` (is that server up
+    now?) and `startups()` (cumulative start-ups and their seconds), which the objective uses to
+    measure the served spec first and to keep start-ups out of measurements."""
 
-    from engine.drafters.memory import target_draft_memory
+    def __init__(self, target_for: Callable[[SpecConfig], Any], cfg: Config, prompts: dict[str, list[Any]],
+                 launcher: Any = None) -> None:
+        from engine.measure.workloads import sampling_params
 
-    params = sampling_params(cfg.workload, seed=cfg.seed)
-    draft_mb: dict[tuple[str, str], float | None] = {}  # (spec, split) -> MB, measured once
+        self.target_for, self.prompts, self.cfg = target_for, prompts, cfg
+        self.params = sampling_params(cfg.workload, seed=cfg.seed)
+        self.launcher = launcher
+        self.serving: Callable[[SpecConfig], bool] | None = getattr(launcher, "serves", None) if launcher else None
+        self._draft_mb: dict[tuple[str, str], float | None] = {}  # (spec, split) -> MB, measured once
 
-    def measure(spec: SpecConfig, split: str, concurrency: int) -> Sample:
-        target = target_for(spec)
-        m = target.run(prompts[split], params, concurrency)
+    def startups(self) -> tuple[int, float]:
+        return getattr(self.launcher, "starts", 0), getattr(self.launcher, "total_startup_s", 0.0)
+
+    def __call__(self, spec: SpecConfig, split: str, concurrency: int) -> Sample:
+        from engine.drafters.memory import target_draft_memory
+
+        target = self.target_for(spec)
+        prompts = self.prompts[split]
+        played = [prompts[i % len(prompts)] for i in range(max(len(prompts), concurrency))] if prompts else prompts
+        m = target.run(played, self.params, concurrency)
         if m.errors:  # a configuration that breaks requests is no candidate
-            raise RuntimeError(f"{len(m.errors)}/{len(prompts[split])} requests failed; first: {m.errors[0]}")
+            raise RuntimeError(f"{len(m.errors)}/{len(played)} requests failed; first: {m.errors[0]}")
         key = (spec.model_dump_json(), split)
-        if key not in draft_mb:
-            mem = target_draft_memory(target, prompts[split], cfg.workload.max_new_tokens, cfg.workload.chat_template)
-            draft_mb[key] = None if mem is None else mem["total_mb"]
-        return Sample(m.output_tokens_per_s, m.tau, m.ttft_p99_ms, m.tpot_p99_ms, draft_mb[key],
+        if key not in self._draft_mb:
+            w = self.cfg.workload
+            mem = target_draft_memory(target, prompts, w.max_new_tokens, w.chat_template)
+            self._draft_mb[key] = None if mem is None else mem["total_mb"]
+        return Sample(m.output_tokens_per_s, m.tau, m.ttft_p99_ms, m.tpot_p99_ms, self._draft_mb[key],
                       itl_p50_ms=m.itl_p50_ms, itl_p99_ms=m.itl_p99_ms)
 
-    return measure
+
+def make_measure(engine: Any, cfg: Config, prompts: dict[str, list[Any]]) -> Measurer:
+    """The Measurer over the built-in engine in this process."""
+    return Measurer(engine_target_for(engine, cfg.workload.chat_template), cfg, prompts)
 
 
-def make_measure(engine: Any, cfg: Config, prompts: dict[str, list[Any]]) -> MeasureFn:
-    """A MeasureFn over the built-in engine in this process."""
-    return measure_over(engine_target_for(engine, cfg.workload.chat_template), cfg, prompts)
-
-
-def make_launched_measure(launcher: Any, cfg: Config, prompts: dict[str, list[Any]]) -> MeasureFn:
-    """A MeasureFn over a launched vLLM / SGLang server (engine.launch.launcher.Launcher)."""
-    measure = measure_over(server_target_for(launcher, cfg.workload.chat_template), cfg, prompts)
-    # A restart costs far more than a measurement: the objective measures the served spec first.
-    measure.serving = getattr(launcher, "serves", None)  # type: ignore[attr-defined]
-    measure.startups = lambda: (getattr(launcher, "starts", 0), getattr(launcher, "total_startup_s", 0.0))  # type: ignore[attr-defined]
-    return measure
+def make_launched_measure(launcher: Any, cfg: Config, prompts: dict[str, list[Any]]) -> Measurer:
+    """The Measurer over a launched vLLM / SGLang server (engine.launch.launcher.Launcher)."""
+    return Measurer(server_target_for(launcher, cfg.workload.chat_template), cfg, prompts, launcher)
 
 
 @contextmanager
-def study_measure(cfg: Config, engine: Any, prompts: dict[str, list[Any]], run_dir: Path) -> Iterator[MeasureFn]:
+def study_measure(cfg: Config, engine: Any, prompts: dict[str, list[Any]], run_dir: Path) -> Iterator[Measurer]:
     """The MeasureFn of a study on cfg.engine: a launched server for engine=vllm/sglang (stopped
     on leaving; its logs in RUN_DIR/servers), else the given built-in engine."""
     if cfg.engine.kind in LAUNCHED:
