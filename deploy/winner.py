@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 from tuner.schema.config import BestResult, Config, SpecConfig, UserError
+from tuner.schema.methods import METHODS, engine_methods, engine_refusal, head_methods
 
 MODEL_DIR = "/models"  # mount point of the model-cache volume in every pod
 DRAFTS_DIR = f"{MODEL_DIR}/drafts"  # where the built-in server's hub drafters are downloaded
-SGLANG_SERVABLE = ("off", "eagle", "eagle3")
-HEAD_METHODS = ("eagle", "eagle3", "medusa")
 
 
 @dataclass(frozen=True)
@@ -66,7 +65,7 @@ def served_spec(cfg: Config, best: BestResult | None) -> Served:
         )
         spec = chain
 
-    if target == "sglang" and spec.method not in SGLANG_SERVABLE:
+    if target == "sglang" and engine_refusal(spec.method, spec.topk, "sglang") is not None:
         for method in ("eagle3", "eagle"):
             sources = getattr(model.draft_sources, method)
             if sources:
@@ -79,11 +78,11 @@ def served_spec(cfg: Config, best: BestResult | None) -> Served:
                 break
         else:
             raise UserError(
-                f"spec.method={spec.method} cannot be served by deploy=sglang (allowed: {', '.join(SGLANG_SERVABLE)}) "
+                f"spec.method={spec.method} cannot be served by deploy=sglang (allowed: {', '.join(engine_methods('sglang'))}) "
                 f"and model {model.name} lists no draft_sources.eagle3/eagle: give spec.method=eagle3 spec.head_path=HEAD"
             )
 
-    if spec.method in HEAD_METHODS and not spec.head_path:
+    if spec.method in head_methods() and not spec.head_path:
         sources = getattr(model.draft_sources, spec.method, [])
         if not sources:
             raise UserError(
@@ -93,8 +92,8 @@ def served_spec(cfg: Config, best: BestResult | None) -> Served:
         notes.append(f"spec.head_path unset: serving {spec.method} head {sources[0]} from model.draft_sources")
         spec = _with(spec, head_path=sources[0])
 
-    field = "draft_model" if spec.method == "draft_model" else "head_path"
-    ref = getattr(spec, field)
+    field = METHODS[spec.method].draft_field
+    ref = getattr(spec, field) if field else None
     fetches: list[tuple[str, str]] = []
     if spec.method != "off" and ref:
         if _is_local(ref) and not PurePosixPath(ref).is_relative_to(MODEL_DIR):

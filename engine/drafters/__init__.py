@@ -14,11 +14,11 @@ from engine.drafters.eagle3 import Eagle3Drafter
 from engine.drafters.medusa import MedusaDrafter
 from engine.drafters.ngram import NgramDrafter
 from tuner.schema.config import SpecConfig, UserError
+from tuner.schema.methods import engine_methods
 
 __all__ = ["Drafter", "ModelDrafter", "NgramDrafter", "DraftModelDrafter", "EagleDrafter", "Eagle3Drafter",
            "MedusaDrafter", "make_drafter", "load_draft_model"]
 
-SUPPORTED = ("off", "ngram", "draft_model", "eagle", "eagle3", "medusa")
 _LOCK = threading.Lock()
 _MODELS: dict[tuple, torch.nn.Module] = {}
 _HEADS: dict[tuple, torch.nn.Module] = {}
@@ -109,8 +109,9 @@ def load_eagle3_head(spec: SpecConfig, target, seed: int = 0) -> torch.nn.Module
 
 def make_drafter(spec: SpecConfig, target, seed: int = 0) -> Drafter | None:
     """The drafter for a SpecConfig (None for method 'off'); models and heads are loaded once per process."""
-    if spec.method not in SUPPORTED:
-        raise UserError(f"spec.method={spec.method}: the built-in engine supports {', '.join(SUPPORTED)}")
+    supported = engine_methods("builtin")
+    if spec.method not in supported:
+        raise UserError(f"spec.method={spec.method}: the built-in engine supports {', '.join(supported)}")
     if spec.method == "off":
         return None
     if spec.method == "ngram":

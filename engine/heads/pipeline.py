@@ -28,9 +28,11 @@ from engine.heads.prompts import collect_prompts, fixed_code_texts
 from engine.heads.trainer import split_prompts, train_head
 from engine.heads.vocab import always_kept, build_vocab
 from tuner.schema.config import Config, SpecConfig, TrainConfig, UserError, WorkloadConfig
+from tuner.schema.methods import trained_by
 
 META = "spectune_meta.json"
-HEAD_METHODS = ("eagle", "eagle3")  # what this pipeline trains (Medusa and draft models: engine.train_*)
+# What this pipeline trains, asked of the registry; the name stays because tuner.study.measurer imports it.
+HEAD_METHODS = trained_by("eagle")
 Report = Callable[[str, int, int, dict], None]  # (phase, done, total, info)
 _DATA_SETTINGS = ("prompts", "max_new_tokens", "label_topk", "seed")
 
@@ -186,8 +188,8 @@ def ensure_head(cfg: Config, engine=None, retrain: bool = False, workloads: Sequ
     excluded from the data too."""
     if cfg.workload is None:
         raise UserError("train-draft needs a workload: add +workload=NAME")
-    if method not in HEAD_METHODS:
-        raise UserError(f"spec.method={method}: this pipeline trains {' and '.join(HEAD_METHODS)} heads")
+    if method not in trained_by("eagle"):
+        raise UserError(f"spec.method={method}: this pipeline trains {' and '.join(trained_by('eagle'))} heads")
     out = head_dir(cfg, method)
     work = out.parent / f".{out.name}.work"  # checkpoints of a run in progress
     if not retrain and (out / META).is_file():

@@ -33,6 +33,7 @@ from engine.trees.tree import Tree
 from engine.trees.verify import process_logits
 from engine.measure.profile_file import KIND, PROFILE_FILE, Profile, load_profile  # noqa: F401 (re-exported)
 from tuner.schema.config import Config, SpecConfig, UserError
+from tuner.schema.methods import method as method_info
 
 LOOKAHEAD = 16  # reference tokens generated past the end: drafts are matched that far (SpecConfig.depth <= 16)
 
@@ -277,7 +278,7 @@ def make_profile(target: Target, prompt_ids: list[list[int]], names: list[str], 
     """One reference pass per prompt, then every configuration replayed over them."""
     t0 = time.perf_counter()
     specs = list(specs)
-    aux = tuple(sorted({k for s in specs if s.method not in ("off", "ngram")
+    aux = tuple(sorted({k for s in specs if not method_info(s.method).training_free
                         for k in (getattr(make_drafter(s, target, seed), "aux_layers", None) or ())}))
     refs = [reference_pass(target, p, params, eos, max_context, aux_layers=aux) for p in prompt_ids]
     ref_s = time.perf_counter() - t0

@@ -7,16 +7,16 @@ import argparse
 from pathlib import Path
 
 from tuner.schema.config import BestResult, SpecConfig, UserError
+from tuner.schema.methods import METHODS
 
 BEST = "best.yaml"
-_FIELD = {"draft_model": "draft_model", "eagle": "head_path", "eagle3": "head_path", "medusa": "head_path"}
 
 
 def _local_ref(spec: SpecConfig | None) -> tuple[str, str] | None:
     """(field, local path) of a spec's drafter when it lives on this machine."""
-    if spec is None or spec.method not in _FIELD:
+    field = METHODS[spec.method].draft_field if spec is not None else None
+    if field is None:
         return None
-    field = _FIELD[spec.method]
     ref = getattr(spec, field)
     return (field, ref) if ref and Path(ref).expanduser().is_dir() else None
 

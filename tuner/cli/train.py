@@ -9,10 +9,10 @@ import json
 from pathlib import Path
 
 from tuner.schema.config import Config
-
+from tuner.schema.methods import trained_by
 
 # Drafts trained by engine.heads.draft_model_train instead of the EAGLE head pipeline.
-OTHER_DRAFTS = ("medusa", "draft_model")
+OTHER_DRAFTS = trained_by("medusa") + trained_by("draft_model")
 
 
 def train_draft(cfg: Config, retrain: bool = False, quiet: bool = False, method: str | None = None) -> Path:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Protocol
 
 from tuner.schema.config import BuiltinEngineConfig, HardwareConfig, ModelConfig, SpecConfig, UserError
+from tuner.schema.methods import method as method_info
 
 GB = 1e9
 
@@ -151,14 +152,15 @@ class Roofline:
         m = self.model
         lm = m.vocab_size * m.hidden_size
         wbytes = 1 if self.fp8_weights else 2
-        if spec.method in ("off", "ngram"):
+        info = method_info(spec.method)
+        if info.training_free:  # a lookup on the CPU beside the GPU
             return 0.0
         width = spec.topk * batch
-        if spec.method in ("eagle", "eagle3"):
+        if info.trained_by == "eagle":
             head = self._layer_params() + 2 * m.hidden_size ** 2 * (1.5 if spec.method == "eagle3" else 1) + lm
             one = self._forward(head, 1, width, batch * context, width * context, 2)  # heads are served in 16 bit
             return spec.depth * (one + self.hw.step_overhead_ms * 1e-3 / 2)
-        if spec.method == "medusa":
+        if info.trained_by == "medusa":
             return self._forward(spec.depth * (m.hidden_size ** 2 + lm), 1, batch, 0, 0, 2)
         # draft_model: a small model of the same family, layers scaled with its size
         params = self.draft_model_b * 1e9

@@ -2,11 +2,11 @@
 
 Hydra composes `conf/`; `tuner.schema.compose.load_config` turns the result into a `Config` here, once.
 Everything downstream takes these typed objects. `engine` and `deploy` import only this module
-from `tuner`, so it must stay free of heavy imports.
+from `tuner` (and the method registry, tuner.schema.methods), so it must stay free of heavy imports.
 
-This module holds the configuration sections and `Config`; `SpecConfig`, the engines' methods and
-`UserError` live in tuner.schema.spec, the result models (best.yaml) in tuner.schema.results, both
-re-exported here so that `tuner.schema.config` stays the one import.
+This module holds the configuration sections and `Config`; `SpecConfig` and `UserError` live in
+tuner.schema.spec, the result models (best.yaml) in tuner.schema.results, both re-exported here
+so that `tuner.schema.config` stays the one import.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from tuner.schema.results import BestResult, Figures, ProjectedPoint, Projection, Provenance
-from tuner.schema.spec import ENGINE_METHODS, TREE_METHODS, SpecConfig, SpecMethod, UserError
+from tuner.schema.methods import SpecMethod, engine_methods, engine_refusal
+from tuner.schema.spec import SpecConfig, UserError
 from tuner.schema.spec import Strict as _Strict
 
-__all__ = ["ENGINE_METHODS", "SLO", "TREE_METHODS", "BenchConfig", "BestResult", "BuiltinEngineConfig", "Config",
+__all__ = ["SLO", "BenchConfig", "BestResult", "BuiltinEngineConfig", "Config",
            "DeployConfig", "DistributedConfig", "DraftSources", "EngineConfig", "Figures", "GGUFSource", "HPAConfig",
            "HardwareConfig", "IntRange", "LaunchedEngineConfig", "ModelConfig", "ProjectedPoint", "Projection",
            "Provenance", "SearchConfig", "SecretRef", "ServeConfig", "SpecConfig", "SpecMethod", "TrainConfig",
@@ -482,11 +483,9 @@ class Config(_Strict):
         if b.compile == "auto":  # resolved here, so every consumer (and config.yaml) sees a bool
             on = b.forward == "lean" and b.dtype == "float32" and self.model.params_b >= COMPILE_AUTO_MIN_B
             self.engine.builtin = b.model_copy(update={"compile": on})  # a copy: the default instance is shared
-        if self.engine.kind == "vllm" and self.spec.method != "off" and self.spec.topk != 1:
-            raise ValueError(f"spec.topk={self.spec.topk} with engine=vllm: vLLM verifies chains only, topk must be 1")
-        allowed = ENGINE_METHODS[self.engine.kind]
-        if self.spec.method not in allowed:
-            raise ValueError(f"spec.method={self.spec.method} with engine={self.engine.kind}: allowed are {', '.join(allowed)}")
+        refusal = engine_refusal(self.spec.method, self.spec.topk, self.engine.kind)
+        if refusal:
+            raise ValueError(refusal)
         mml = self.deploy.max_model_len
         if mml is not None and mml > self.model.max_context:
             raise ValueError(f"deploy.max_model_len={mml} exceeds the context of model {self.model.name} "
@@ -500,7 +499,7 @@ def check_search_methods(cfg: "Config") -> None:
     """Refuse, in one line and before any trial, a searched method the chosen engine cannot run
     (checked when a study starts, not at every config load: `tuner bench engine=sglang` does not
     search, so the default search.methods must not stop it)."""
-    allowed = ENGINE_METHODS[cfg.engine.kind]
+    allowed = engine_methods(cfg.engine.kind)
     bad = [m for m in cfg.search.methods if m not in allowed]
     if bad:
         raise UserError(f"search.methods={bad} with engine={cfg.engine.kind}: this engine runs {', '.join(allowed)}")

@@ -12,15 +12,12 @@ import re
 from collections.abc import Sequence
 
 from tuner.schema.config import SpecConfig, UserError
-
-SGLANG_METHODS = {"eagle": "EAGLE", "eagle3": "EAGLE3"}
-# Methods whose drafter is a checkpoint (head or small model) that must be named.
-_DRAFT_FIELD = {"eagle": "head_path", "eagle3": "head_path", "medusa": "head_path", "draft_model": "draft_model"}
+from tuner.schema.methods import METHODS, engine_methods
 
 
 def _draft_ref(spec: SpecConfig, draft_ref: str | None) -> str:
     """The drafter checkpoint: an explicit override (e.g. the path inside a pod) or the spec's own."""
-    field = _DRAFT_FIELD[spec.method]
+    field = METHODS[spec.method].draft_field
     ref = draft_ref or getattr(spec, field)
     if not ref:
         raise UserError(
@@ -43,7 +40,10 @@ def vllm_speculative_config(spec: SpecConfig, draft_ref: str | None = None) -> d
             f"spec.topk={spec.topk} cannot be served by vLLM: it verifies chains only (topk must be 1; "
             "use the study's chain_spec or target sglang)"
         )
-    conf: dict = {"method": spec.method, "num_speculative_tokens": spec.depth}
+    name = METHODS[spec.method].vllm
+    if name is None:
+        raise UserError(f"spec.method={spec.method} cannot be served by vLLM (allowed: {', '.join(engine_methods('vllm'))})")
+    conf: dict = {"method": name, "num_speculative_tokens": spec.depth}
     if spec.method == "ngram":
         conf["prompt_lookup_min"] = spec.ngram_min
         conf["prompt_lookup_max"] = spec.ngram_max
@@ -141,14 +141,15 @@ def sglang_args(
     if disable_cuda_graph:  # SGLang's counterpart of vLLM's --enforce-eager
         args.append("--disable-cuda-graph")
     if spec.method != "off":
-        if spec.method not in SGLANG_METHODS:
+        algo = METHODS[spec.method].sglang
+        if algo is None:
             raise UserError(
-                f"spec.method={spec.method} cannot be served by SGLang here (allowed: off, {', '.join(SGLANG_METHODS)})"
+                f"spec.method={spec.method} cannot be served by SGLang here (allowed: {', '.join(engine_methods('sglang'))})"
             )
         if spec.topk == 1 and spec.budget != spec.depth + 1:
             raise UserError(f"spec.budget={spec.budget} with spec.topk=1 must be spec.depth+1={spec.depth + 1} for SGLang")
         args += [
-            "--speculative-algorithm", SGLANG_METHODS[spec.method],
+            "--speculative-algorithm", algo,
             "--speculative-draft-model-path", _draft_ref(spec, draft_ref),
             "--speculative-num-steps", str(spec.depth),
             "--speculative-eagle-topk", str(spec.topk),

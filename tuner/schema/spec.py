@@ -1,5 +1,5 @@
 """The speculative configuration (`SpecConfig`: what the tuner searches and a deployment serves),
-the methods each engine runs, and what every schema model shares: strict models (an unknown key is
+and what every schema model shares: strict models (an unknown key is
 a user error) and `UserError`. Part of the one config schema: import these from `tuner.schema.config`.
 """
 
@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tuner.schema.methods import SpecMethod, can_branch
 
 
 class UserError(Exception):
@@ -19,14 +21,6 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
 
-SpecMethod = Literal["off", "eagle", "eagle3", "draft_model", "ngram", "medusa"]
-# What each engine can run (a method outside its list is refused before any trial is measured).
-ENGINE_METHODS: dict[str, tuple[str, ...]] = {
-    "builtin": ("off", "ngram", "draft_model", "eagle", "eagle3", "medusa"),
-    "vllm": ("off", "ngram", "draft_model", "eagle", "eagle3", "medusa"),
-    "sglang": ("off", "eagle", "eagle3"),
-}
-TREE_METHODS = ("eagle", "eagle3", "draft_model", "medusa")  # methods whose drafter can branch
 TREE_BUDGET = 5  # a tree's budget when none is given (a chain's is always depth+1)
 
 
@@ -78,8 +72,8 @@ class SpecConfig(Strict):
                 f"spec.budget={self.budget} exceeds 1 + depth*topk = {1 + self.depth * self.topk} "
                 "(the tree cannot hold more nodes than were drafted)"
             )
-        if self.method == "ngram" and self.topk != 1:
-            raise ValueError(f"spec.topk={self.topk} with spec.method=ngram: n-gram lookup drafts a chain, topk must be 1")
+        if self.topk != 1 and not can_branch(self.method):
+            raise ValueError(f"spec.topk={self.topk} with spec.method={self.method}: its drafter drafts a chain, topk must be 1")
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"spec.ngram_min={self.ngram_min} > spec.ngram_max={self.ngram_max}")
         if self.method == "draft_model" and not self.draft_model:

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tuner.schema.compose import medusa_heads
-from tuner.schema.config import TREE_METHODS, Config, SpecConfig, UserError
+from tuner.schema.config import Config, SpecConfig, UserError
+from tuner.schema.methods import METHOD_NAMES, can_branch, method as method_info
 
 # Engines' published defaults, enqueued (clipped to the space) right after the baseline so the
 # search starts from what a user would get without tuning.
@@ -27,7 +28,6 @@ KNOWN_DEFAULTS: dict[str, tuple[int, int, int]] = {
     "sglang": (5, 4, 8),  # --speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 8
     "eagle": (5, 8, 60),  # EAGLE-2 paper: depth 5, top-k 8, 60 draft tokens
 }
-CHAIN_ENGINES = ("vllm",)  # engines that verify chains only
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class SearchSpace:
     topk: tuple[int, ...]
     budget_max: int
     chain_only: bool = False
+    engine: str = "builtin"  # which engine runs the points: which methods may branch there (tuner.schema.methods)
     banded: bool = False  # the engine applies a per-batch-size schedule (vLLM's K bands; the built-in's bands)
     concurrency: tuple[int, ...] = (1,)
     head_paths: dict[str, str] | None = None  # trained head per method (eagle / eagle3 / medusa points)
@@ -61,7 +62,8 @@ class SearchSpace:
             depth_max=s.depth.max,
             topk=tuple(sorted(set(s.topk))),
             budget_max=s.budget_max,
-            chain_only=cfg.engine.kind in CHAIN_ENGINES,
+            chain_only=not any(can_branch(m, cfg.engine.kind) for m in METHOD_NAMES),  # vLLM: chains only
+            engine=cfg.engine.kind,
             banded=cfg.engine.kind in ("vllm", "builtin"),
             concurrency=conc,
             head_paths=head_paths or {},
@@ -101,7 +103,7 @@ class SearchSpace:
 
     def is_tree(self, method: str) -> bool:
         """Whether points of this method may branch (topk > 1)."""
-        return method in TREE_METHODS and not self.chain_only and any(k > 1 for k in self.topk)
+        return can_branch(method, self.engine) and not self.chain_only and any(k > 1 for k in self.topk)
 
     def budget_range(self, depth: int, topk: int) -> tuple[int, int]:
         """Inclusive valid budget range for a depth and topk (a single value for chains)."""
@@ -122,9 +124,10 @@ class SearchSpace:
 
     def _spec(self, method: str, depth: int, topk: int, budget: int, ks: list[int] | None = None) -> SpecConfig:
         extra: dict[str, Any] = {}
-        if method in ("eagle", "eagle3", "medusa"):
+        field = method_info(method).draft_field
+        if field == "head_path":
             extra["head_path"] = (self.head_paths or {}).get(method)
-        if method == "draft_model":
+        elif field == "draft_model":
             extra["draft_model"] = self.draft_model
         if ks is not None:
             extra["k_per_batch_size"] = [(lo, hi, k) for (lo, hi), k in zip(self.k_bands, [depth, *ks])]
