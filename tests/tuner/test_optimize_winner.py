@@ -295,3 +295,37 @@ def test_itl_reaches_trial_attrs_trials_csv_and_best_yaml(tmp_path: Path) -> Non
     back = BestResult.model_validate(yaml.safe_load(yaml.safe_dump(best.model_dump(mode="json"))))
     assert (back.metrics.itl_p50_ms, back.metrics.itl_p99_ms) == (6.0, 12.0)
     assert (back.heldout.itl_p50_ms, back.heldout.itl_p99_ms) == (6.0, 12.0)
+
+
+def test_throughput_against_concurrency_marks_the_crossover(tmp_path: Path) -> None:
+    """Each level's tok/s of the spec and of its adjacent baseline lands in the trial (`levels`),
+    and the report's curve finds the lowest level where off is at least as fast."""
+    from tuner.report.figures import concurrency_curve, plot_concurrency
+    from tuner.schema.results import BestResult, Provenance
+    from tuner.search.space import SearchSpace
+    from tuner.study.objective import Objective, Sample
+    from tuner.study.studies import create_study
+
+    cfg = load_config(["+workload=code", "search=quick", "workload.concurrency=[1,2,4]", "search.repeats_max=1"])
+
+    def measure(spec: SpecConfig, split: str, c: int) -> Sample:
+        if spec.method == "off":
+            return Sample(20.0 * c, 1.0, 1.0, 1.0)
+        return Sample({1: 35.0, 2: 45.0, 4: 70.0}[c], 2.0, 1.0, 1.0)  # wins at 1 and 2, loses at 4
+
+    space = SearchSpace.from_config(cfg)
+    study = create_study(cfg, space, tmp_path, "levels")
+    objective = Objective(study, space, measure, cfg.workload, cfg.search)
+    for _ in range(3):
+        objective.run_one()
+    won = next(t for t in study.trials if t.user_attrs.get("spec_method") == "ngram")
+    assert [x["concurrency"] for x in won.user_attrs["levels"]] == [1, 2, 4]
+    assert [x["baseline_tok_s"] for x in won.user_attrs["levels"]] == [20.0, 40.0, 80.0]
+    spec = SpecConfig.model_validate(won.user_attrs["spec_json"])
+    best = BestResult(spec=spec, provenance=Provenance.model_construct())
+    cs, off, win, cross = concurrency_curve(study, best)
+    assert (cs, off, win, cross) == ([1, 2, 4], [20.0, 40.0, 80.0], [35.0, 45.0, 70.0], 4)
+    plot_concurrency(study, best, tmp_path / "c.png")
+    assert (tmp_path / "c.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="off"):
+        concurrency_curve(study, BestResult(spec=SpecConfig(method="off"), provenance=Provenance.model_construct()))

@@ -168,6 +168,45 @@ def _bar_rows(study: optuna.Study, best: BestResult | None) -> list[tuple[str, f
     return rows
 
 
+def concurrency_curve(study: optuna.Study, best: BestResult | None) -> tuple[list[int], list[float], list[float], int | None]:
+    """Output tok/s against concurrency of speculation off and of the winner, from the winner's
+    trial (both measured adjacent at every level), and the crossover: the lowest level at which
+    off is at least as fast (None: speculation wins at every level)."""
+    if best is None or best.spec.method == "off":
+        raise ValueError("no speculative winner to compare with off")
+    key = best.spec.key()
+    trials = [t for t in complete(study) if t.user_attrs.get("spec") == key and len(t.user_attrs.get("levels") or []) > 1]
+    if not trials:
+        raise ValueError("the workload has one concurrency level (workload.concurrency)")
+    t = max(trials, key=lambda t: t.user_attrs.get("repeats", 0))
+    levels = t.user_attrs["levels"]
+    cs = [int(x["concurrency"]) for x in levels]
+    off = [float(x["baseline_tok_s"]) for x in levels]
+    win = [float(x["tok_s"]) for x in levels]
+    cross = next((c for c, o, w in zip(cs, off, win) if o >= w), None)
+    return cs, off, win, cross
+
+
+def plot_concurrency(study: optuna.Study, best: BestResult | None, path: Path) -> None:
+    """Throughput against concurrency for off and the winner, the crossover marked."""
+    import matplotlib.pyplot as plt
+
+    cs, off, win, cross = concurrency_curve(study, best)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(cs, off, "o-", label="off (autoregressive)")
+    ax.plot(cs, win, "s-", label=f"winner: {best.spec.key()}")
+    if cross is not None:
+        ax.axvline(cross, color="grey", ls="--", lw=1)
+        ax.annotate(f"crossover: off wins from {cross}", (cross, max(off + win) * 0.95), fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(cs, [str(c) for c in cs])
+    ax.set_xlabel("concurrency (requests in flight)")
+    ax.set_ylabel("output tok/s (all requests)")
+    ax.set_title("Throughput against concurrency")
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
 def write_figures(study: optuna.Study, run_dir: Path, best: BestResult | None) -> dict[str, str]:
     """Render every figure that the study's data allows; returns {file: note} for those skipped."""
     import matplotlib
@@ -178,6 +217,7 @@ def write_figures(study: optuna.Study, run_dir: Path, best: BestResult | None) -
         ("heatmap.png", lambda p: plot_heatmap(study, p)),
         ("importances.png", lambda p: plot_importances(study, p)),
         ("bars.png", lambda p: plot_bars(_bar_rows(study, best), p)),
+        ("concurrency.png", lambda p: plot_concurrency(study, best, p)),
     ]
     if (run_dir / "prediction.json").is_file():  # search.sampler=model
         from tuner.search.guided import SURFACE_FILE, plot_predicted_surface, plot_predicted_vs_measured

@@ -184,6 +184,10 @@ class Objective:
             "repeats": len(ratios),
             "ratios": ratios,
             "tok_s_samples": tok,
+            # per concurrency level, over the repeats: what the throughput-vs-concurrency plot shows
+            "levels": [{"concurrency": c, "tok_s": statistics.fmean(s[i].tok_s for s in spec_s),
+                        "baseline_tok_s": statistics.fmean(b[i].tok_s for b in base_s)}
+                       for i, c in enumerate(self.levels)],
         }
 
     def _value(self, figures: dict[str, Any]) -> float:
