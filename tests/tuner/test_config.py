@@ -118,7 +118,7 @@ BAD_INPUTS = [
     (["deploy.k8s_version=latest"], "deploy.k8s_version='latest': allowed are 1.25–1.37"),
     (["spec=eagle"], "spec=eagle: spec is a section of keys, not a config group: use spec.method=eagle"),
     (["spec=fast"], "spec=fast: spec is a section of keys, not a config group: set its keys, e.g. spec.method=NAME"),
-    (["serve=x"], "serve=x: serve is a section of keys, not a config group: set its keys, e.g. serve.KEY=VALUE"),
+    (["serve=x"], "serve=x: unknown option for group 'serve' (available: default)"),
     (["deploy.hpa=3"], "deploy.hpa=3: deploy.hpa is a section of keys, not a single value"),
     # Issue 25: manifests the schema accepts but a cluster rejects are refused when the config loads.
     (["deploy.model_cache_size=lots"], "deploy.model_cache_size='lots': not a Kubernetes quantity"),
@@ -227,3 +227,18 @@ def test_a_method_the_engine_cannot_run_is_refused_before_any_trial() -> None:
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "search.methods=['ngram'] with engine=sglang" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_groups_and_experiment_presets() -> None:
+    """serve, bench, train and distributed are groups (their keys keep their spelling); an experiment
+    preset composes after the workload given with it, and key overrides still win over it."""
+    cfg = load_config(["+workload=code", "+experiment=batching"])
+    assert cfg.workload.concurrency == [1, 2, 4] and cfg.search.name == "quick"
+    assert load_config(["+experiment=batching", "+workload=code"]).workload.concurrency == [1, 2, 4]
+    assert load_config(["+experiment=batching", "+workload=code", "workload.concurrency=[1,8]"]).workload.concurrency == [1, 8]
+    v = load_config(["+workload=chat", "+experiment=vllm-bands"])
+    assert v.engine.kind == "vllm" and v.deploy.target == "vllm" and v.search.methods == ["ngram"]
+    assert load_config(["train.prompts=8", "serve.port=9000"]).train.prompts == 8
+    for bad, msg in (["experiment=nope", "unknown option for group 'experiment'"], ["train=nope", "group 'train'"]):
+        with pytest.raises(UserError, match=msg):
+            load_config(["+" + bad] if bad.startswith("experiment") else [bad])

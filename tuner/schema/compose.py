@@ -16,7 +16,8 @@ from pydantic import ValidationError
 
 from tuner.schema.config import Config, UserError, WorkloadConfig
 
-GROUPS = ("model", "hardware", "engine", "search", "deploy", "workload")
+GROUPS = ("model", "hardware", "engine", "search", "deploy", "serve", "bench", "train", "distributed", "workload",
+          "experiment")
 # Diversity sources of head training in a fixed order (prompt selection depends on it, and so does
 # the data cache key): the packaged workloads first, then any others found in conf/workload.
 WORKLOAD_ORDER = ("code", "chat", "math", "json", "creative")
@@ -97,6 +98,10 @@ def compose(overrides: list[str] | None = None) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
     overrides = list(overrides or [])
+    # an experiment preset composes after the groups it adjusts (+workload=NAME given after it
+    # must not undo it); plain key=value overrides still win over both
+    overrides = ([o for o in overrides if not o.lstrip("+").startswith("experiment=")]
+                 + [o for o in overrides if o.lstrip("+").startswith("experiment=")])
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
             cfg = hydra_compose(config_name="config", overrides=overrides)
