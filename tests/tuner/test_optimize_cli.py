@@ -56,3 +56,26 @@ def test_report_of_an_unfinished_study_and_of_a_wrong_dir(tmp_path: Path, capsys
     assert (run_dir / "trials.csv").read_text().count("\n") == 3  # header, baseline and one default (waiting)
     assert main(["report", str(tmp_path / "nope")]) == 2
     assert "not a run directory" in capsys.readouterr().err
+
+
+def test_bench_and_serve_never_draft_with_an_untrained_head(tmp_path, capsys) -> None:
+    """Without spec.head_path, bench and serve take the head train-draft cached for the target and
+    workload, or refuse in one line naming both ways: never a random head."""
+    from engine.heads.pipeline import META, head_dir
+    from tuner.cli import main
+    from tuner.schema.compose import load_config
+    from tuner.study.measurer import spec_with_trained_draft
+
+    over = ["model=tiny-random", "+workload=code", f"cache_dir={tmp_path}", "spec.method=eagle", "spec.depth=3"]
+    for cmd in (["bench", *over], ["serve", *over]):
+        assert main(cmd) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "tuner train-draft spec.method=eagle" in err[0] and "spec.head_path" in err[0]
+    cfg = load_config(over)
+    out = head_dir(cfg, "eagle")
+    out.mkdir(parents=True)
+    (out / META).write_text("{}")
+    assert spec_with_trained_draft(cfg).head_path == str(out)
+    given = load_config([*over, f"spec.head_path={tmp_path / 'mine'}"])
+    assert spec_with_trained_draft(given).head_path == str(tmp_path / "mine")
+    assert spec_with_trained_draft(load_config(["spec.method=ngram"])).head_path is None

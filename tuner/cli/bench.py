@@ -86,6 +86,10 @@ def bench(cfg: Config, url: str | None = None, model: str | None = None) -> dict
     require_workload(cfg)
     wl = cfg.workload
     assert wl is not None
+    if url is None and cfg.engine.kind == "builtin":
+        from tuner.study.measurer import spec_with_trained_draft
+
+        cfg = cfg.model_copy(update={"spec": spec_with_trained_draft(cfg)})
     split = "heldout" if cfg.bench.heldout else "tune"
     if split == "heldout" and wl.num_heldout == 0:
         raise UserError("bench.heldout=true with workload.num_heldout=0: there are no held-out prompts")

@@ -24,7 +24,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             raise UserError(f"serve.host/serve.port: cannot listen on {host}:{port} ({exc.strerror})") from None
     from engine.decode.loop import Engine
     from engine.serving.server import serve
+    from tuner.study.measurer import spec_with_trained_draft
 
+    cfg = cfg.model_copy(update={"spec": spec_with_trained_draft(cfg)})  # never a random head
     engine = Engine.from_config(cfg)
     engine.set_spec(cfg.spec)
     print(f"serving {cfg.model.name} (spec {cfg.spec.key()}) on http://{host}:{port}/v1 "

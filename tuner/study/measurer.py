@@ -16,7 +16,7 @@ from typing import Any
 from tuner.schema.compose import packaged_workloads
 from tuner.study.limits import startup_excluded
 from tuner.study.objective import Sample
-from tuner.schema.config import Config, SpecConfig
+from tuner.schema.config import Config, SpecConfig, UserError
 
 LAUNCHED = ("vllm", "sglang")
 HEAD_METHODS = ("eagle", "eagle3", "medusa")  # methods whose drafter is a trained head
@@ -134,6 +134,29 @@ def study_measure(cfg: Config, engine: Any, prompts: dict[str, list[Any]], run_d
 def needs_head(cfg: Config) -> bool:
     """Whether the searched methods need a trained draft head."""
     return any(m in HEAD_METHODS for m in cfg.search.methods)
+
+
+def spec_with_trained_draft(cfg: Config) -> SpecConfig:
+    """cfg.spec with the trained draft it drafts with: its own spec.head_path, else the head (or
+    Medusa heads) `tuner train-draft` cached for this target and workload. Without either it is a
+    user error naming both ways: a command never drafts with an untrained (random) head."""
+    spec = cfg.spec
+    if spec.method not in HEAD_METHODS or spec.head_path:
+        return spec
+    fix = (f"run `tuner train-draft spec.method={spec.method} +workload=NAME` first, or give spec.head_path=DIR "
+           "(a trained head)")
+    if cfg.workload is None:
+        raise UserError(f"spec.method={spec.method} without spec.head_path: add +workload=NAME to use the head "
+                        f"trained for that workload; {fix}")
+    if spec.method == "medusa":
+        from engine.heads.medusa_train import cached
+    else:
+        from engine.heads.pipeline import cached_head as cached
+    found = cached(cfg, spec.method)
+    if found is None:
+        raise UserError(f"spec.method={spec.method}: no trained head for {cfg.model.name} on workload "
+                        f"{cfg.workload.name}; {fix}")
+    return spec.model_copy(update={"head_path": str(found)})
 
 
 def get_drafts(cfg: Config, engine: Any, quiet: bool = False) -> dict[str, str]:
