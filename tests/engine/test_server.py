@@ -359,3 +359,51 @@ def test_client_that_leaves_mid_stream_does_not_hurt_the_server(server, cfg) -> 
     assert httpx.get(f"{server}/health").status_code == 200
     ok = httpx.post(f"{server}/v1/completions", timeout=60, json={**req, "stream": False, "max_tokens": 4})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_the_role_chunk_goes_out_with_the_first_token(cfg) -> None:
+    """A stream's first chunk (the role) is sent only once the engine has a token, as vLLM's server
+    does: benchmark clients time TTFT from the first chunk, so a request still queued must not
+    look answered."""
+    import time
+
+    from engine.api import GenResult, GenStats
+
+    gate, first_at = threading.Event(), []
+
+    class Slow:
+        def encode_prompt(self, text: str, chat_template: bool) -> list[int]:
+            return [1, 2]
+
+        def generate(self, prompt_ids, params, on_tokens=None) -> GenResult:
+            gate.wait(10)
+            first_at.append(time.monotonic())
+            on_tokens([5])
+            return GenResult(tokens=[5], text="x", finish_reason="length", stats=GenStats(new_tokens=1,
+                                                                                        target_forwards=1))
+
+    class Tok:
+        chat_template = None
+
+        def decode(self, ids, skip_special_tokens=True) -> str:
+            return "x" * len(ids)
+
+        def apply_chat_template(self, msgs, **kw):
+            return [1, 2]
+
+    Slow.tokenizer = Tok()
+    url, stop = serve_in_thread(cfg, Slow())
+    try:
+        threading.Timer(0.5, gate.set).start()
+        body = {"model": "tiny-random", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as r:
+            lines = (ln for ln in r.iter_lines() if ln.startswith("data: "))
+            first = json.loads(next(lines)[6:])
+            got_at = time.monotonic()
+            rest = [ln for ln in lines]
+        assert first["choices"][0]["delta"]["role"] == "assistant"
+        assert first_at and got_at >= first_at[0]  # not before the engine produced the token
+        assert any('"content": "x"' in ln for ln in rest) and rest[-1] == "data: [DONE]"
+    finally:
+        gate.set()
+        stop()
