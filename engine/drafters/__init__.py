@@ -12,11 +12,13 @@ from engine.drafters.draft_model import DraftModelDrafter, read_draft_vocab
 from engine.drafters.eagle import EagleDrafter
 from engine.drafters.eagle3 import Eagle3Drafter
 from engine.drafters.medusa import MedusaDrafter
-from engine.drafters.ngram import NgramDrafter
+from engine.drafters.ngram import NgramDrafter, NgramTrieDrafter
+from engine.drafters.recycle import RecycleDrafter
+from engine.drafters.suffix import SuffixDrafter, suffix_cache
 from tuner.schema.config import SpecConfig, UserError
 from tuner.schema.methods import engine_methods
 
-__all__ = ["Drafter", "ModelDrafter", "NgramDrafter", "DraftModelDrafter", "EagleDrafter", "Eagle3Drafter",
+__all__ = ["Drafter", "ModelDrafter", "NgramDrafter", "NgramTrieDrafter", "SuffixDrafter", "RecycleDrafter", "DraftModelDrafter", "EagleDrafter", "Eagle3Drafter",
            "MedusaDrafter", "make_drafter", "load_draft_model"]
 
 _LOCK = threading.Lock()
@@ -115,7 +117,11 @@ def make_drafter(spec: SpecConfig, target, seed: int = 0) -> Drafter | None:
     if spec.method == "off":
         return None
     if spec.method == "ngram":
-        return NgramDrafter(spec)
+        return NgramDrafter(spec) if spec.topk == 1 else NgramTrieDrafter(spec)
+    if spec.method == "suffix":
+        return SuffixDrafter(spec, suffix_cache(target, spec.suffix_tree_depth))
+    if spec.method == "recycle":
+        return RecycleDrafter(spec, target.model.config.vocab_size)
     if spec.method == "draft_model":
         model = load_draft_model(spec.draft_model, target, target.dtype, target.device)
         return DraftModelDrafter(spec, model, read_draft_vocab(spec.draft_model, model.config.vocab_size))

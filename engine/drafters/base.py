@@ -33,6 +33,14 @@ class Drafter(ABC):
     def observe(self, features: torch.Tensor) -> None:  # noqa: B027 - optional hook
         """Target features [m, h] (after the final norm) of the m newly committed positions."""
 
+    def observe_logits(self, tokens: list[int], logits: torch.Tensor) -> None:  # noqa: B027 - optional hook
+        """The target's logits [m, V] at committed positions: row i is the next-token logits computed
+        where `tokens[i]` was the input (after the prompt: its last token; after a verification: the
+        accepted path's nodes, root first). Only drafters that read the target's outputs (Token
+        Recycling) override it; `wants_logits` says which."""
+
+    wants_logits = False
+
     @abstractmethod
     def draft(self, ids: list[int], params: SamplingParams, generator: torch.Generator | None = None) -> Tree:
         """A tree whose root is ids[-1]."""

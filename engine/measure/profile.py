@@ -5,7 +5,8 @@ speculation is lossless, so every configuration commits exactly the tokens of on
 generation. After that one pass per prompt (the *reference*: tokens, the target's final features
 at every position and, at T>0, its distributions), the accepted length of any tree drafted at any
 position follows offline: the drafter runs on the known prefix (through the ordinary `Drafter`
-interface, fed the reference's features as the engine would feed them) and its tree is matched
+interface, fed the reference's features, and the logits of its committed positions, as the engine
+would feed them) and its tree is matched
 against the known continuation. Replaying the engine's walk (draft at position p, accept a(p),
 commit a(p)+1 tokens, observe their features) gives each configuration's exact greedy tau and
 acceptance per depth without running the target again.
@@ -28,6 +29,7 @@ import torch
 from engine.api import SamplingParams
 from engine.models.cache import new_cache
 from engine.drafters import Drafter, make_drafter
+from engine.drafters.suffix import restore_caches, snapshot_caches
 from engine.models.target import Target
 from engine.trees.tree import Tree
 from engine.trees.verify import process_logits
@@ -169,9 +171,13 @@ def expected_acceptance(tree: Tree, ref: Reference, i: int) -> list[float]:
 
 
 def replay(ref: Reference, drafter: Drafter | None, params: SamplingParams, max_context: int,
-           generator: torch.Generator | None = None) -> dict:
+           generator: torch.Generator | None = None,
+           lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict:
     """The engine's walk over one reference with one drafter. Greedy: exact forwards, draft steps,
-    drafted and accepted tokens. T>0: the expected acceptance, moving by its rounded value."""
+    drafted and accepted tokens. T>0: the expected acceptance, moving by its rounded value.
+    A drafter that reads the target's logits (`wants_logits`: Token Recycling) gets them as the
+    engine hands them (`Drafter.observe_logits`): `lm_head` of the committed positions' features,
+    the prompt's last position after the prompt, the accepted path's after each step."""
     sampling = params.temperature > 0
     prompt, toks = ref.prompt, ref.tokens
     P = len(prompt)
@@ -183,9 +189,18 @@ def replay(ref: Reference, drafter: Drafter | None, params: SamplingParams, max_
         else:
             drafter.observe(ref.features[lo:hi])
 
+    wants_logits = drafter is not None and drafter.wants_logits
+    if wants_logits and lm_head is None:
+        raise ValueError("replay: this drafter reads the target's logits; pass lm_head")
+
+    def observe_logits(lo: int, hi: int, tokens: list[int]) -> None:
+        if wants_logits:
+            drafter.observe_logits(tokens, lm_head(ref.features[lo:hi]))
+
     if drafter is not None:
         drafter.reset(prompt)
         observe(0, P)
+        observe_logits(P - 1, P, prompt[-1:])
     ids = prompt + toks[:1]
     i = 1  # generated tokens committed
     out = {"forwards": 1, "draft_steps": 0, "drafted": 0, "accepted": 0.0, "per_pos": [], "exp_steps": [],
@@ -221,6 +236,7 @@ def replay(ref: Reference, drafter: Drafter | None, params: SamplingParams, max_
             out["exp_steps"].append(0.0)
         if drafter is not None:
             observe(prefix, prefix + a + 1)
+            observe_logits(prefix, prefix + a + 1, ids[prefix:] + toks[i:i + a])
         ids.extend(toks[i:i + a + 1])
         i += a + 1
     if sampling:  # forwards implied by the mean expected acceptance, not the rounded walk
@@ -236,8 +252,10 @@ def profile_points(target: Target, refs: list[Reference], specs: Sequence[SpecCo
     """Replay every configuration over every reference. Drafters come from engine.drafters.make_drafter
     (the engine's own factory) unless `drafter_factory` builds them."""
     results = []
+    suffix_state = snapshot_caches(target)  # every point starts from the same global suffix cache
     for spec in specs:
         t0 = time.perf_counter()
+        restore_caches(target, suffix_state)
         drafter = drafter_factory(spec) if drafter_factory else make_drafter(spec, target, seed)
         gen = None
         if params.temperature > 0:
@@ -248,7 +266,7 @@ def profile_points(target: Target, refs: list[Reference], specs: Sequence[SpecCo
         per_pos: list[float] = []
         with torch.inference_mode():
             for ref in refs:
-                w = replay(ref, drafter, params, max_context, gen)
+                w = replay(ref, drafter, params, max_context, gen, target.model.lm_head)
                 for k in tot:
                     tot[k] += w[k]
                 sizes.update(w["sizes"])
@@ -268,6 +286,7 @@ def profile_points(target: Target, refs: list[Reference], specs: Sequence[SpecCo
         results.append(res)
         if on_point is not None:
             on_point(res)
+    restore_caches(target, suffix_state)  # and the cache is left as it was found
     return results
 
 

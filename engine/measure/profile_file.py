@@ -57,7 +57,11 @@ class Profile:
 
 def _identity(spec: SpecConfig) -> tuple:
     # what acceptance depends on (not the K schedule, which is a cost decision)
-    lookup = (spec.ngram_min, spec.ngram_max) if spec.method == "ngram" else ()
+    lookup: tuple = ()
+    if spec.method == "ngram":
+        lookup = (spec.ngram_min, spec.ngram_max) + ((spec.ngram_match,) if spec.topk > 1 else ())
+    elif spec.method == "suffix":
+        lookup = (spec.suffix_tree_depth, spec.suffix_spec_factor, spec.suffix_min_prob, spec.suffix_max_requests)
     if spec.method == "off":
         return ("off",)
     return (spec.method, spec.depth, spec.topk, spec.budget, *lookup)

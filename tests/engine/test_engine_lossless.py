@@ -303,3 +303,75 @@ def test_subset_mapped_to_the_wrong_ids_is_detected(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(B, "to_target_vocab", wrong)
     assert _pvalue(_drafter_empirical(_subset_drafter, SUBSET_SPECS[1])) < 1e-6
+
+
+# ---- training-free trees (issue 23): n-gram trie, SuffixDecoding, Token Recycling -------------
+# Deterministic multi-candidate trees from lookups: verified with the deterministic-siblings rule.
+# A history over the small vocabulary (ending in START) gives the lookups continuations to branch
+# on; Token Recycling's table is filled from the target's own logits through observe_logits.
+HISTORY = [3, 1, 4, 1, 5, 0, 2, 1, 0, 3, 0, 2, 4, 0, 1, 5, 2, 0, 3, 3, 0, 1, 2, 5, 4, 0, 2, 2, 0]
+
+
+def _free_drafter(spec):
+    from engine.drafters.ngram import NgramTrieDrafter
+    from engine.drafters.recycle import RecycleDrafter
+    from engine.drafters.suffix import SuffixCache, SuffixDrafter
+
+    p, _ = _tables()
+    logp = torch.log(p)
+    if spec.method == "ngram":
+        d = NgramTrieDrafter(spec)
+    elif spec.method == "suffix":
+        cache = SuffixCache(spec.suffix_tree_depth)
+        cache.append(cache.start(10), HISTORY[::-1])  # an earlier response in the global tree
+        d = SuffixDrafter(spec, cache)
+    else:
+        d = RecycleDrafter(spec, VOCAB)
+    return d, logp
+
+
+def _free_empirical(spec, seed: int = 0, n: int = 1200) -> torch.Tensor:
+    d, logp = _free_drafter(spec)
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(VOCAB ** LENGTH)
+    branched = 0
+    for _ in range(n):
+        seq = list(HISTORY)
+        d.reset(seq)
+        d.observe_logits(seq[-1:], logp[seq[-1:]])  # what the engine hands after the prompt
+        while len(seq) - len(HISTORY) < LENGTH:
+            tree = d.draft(seq, PARAMS, g)
+            branched += any(len(tree.children(i)) > 1 for i in range(tree.size))
+            path, bonus = V.verify_sample(tree, logp[tree.tokens], PARAMS, g)
+            d.observe_logits([tree.tokens[i] for i in path], logp[[tree.tokens[i] for i in path]])
+            seq += [tree.tokens[i] for i in path[1:]] + [bonus]
+        idx = 0
+        for t in seq[len(HISTORY):len(HISTORY) + LENGTH]:
+            idx = idx * VOCAB + t
+        counts[idx] += 1
+    assert branched > n // 4  # the trees really branch
+    return counts
+
+
+FREE_SPECS = [SpecConfig(method="ngram", depth=2, topk=2, budget=5, ngram_min=1, ngram_max=2),
+              SpecConfig(method="ngram", depth=2, topk=3, budget=6, ngram_min=1, ngram_max=2, ngram_match="prob"),
+              SpecConfig(method="suffix", depth=2, topk=3, budget=6, suffix_tree_depth=4, suffix_spec_factor=4.0,
+                         suffix_min_prob=0.0),
+              SpecConfig(method="recycle", depth=2, topk=2, budget=5)]
+
+
+@pytest.mark.parametrize("spec", FREE_SPECS, ids=lambda s: s.key())
+def test_training_free_trees_are_lossless(spec: SpecConfig) -> None:
+    assert _pvalue(_free_empirical(spec)) > 1e-3
+
+
+@pytest.mark.parametrize("spec", FREE_SPECS, ids=lambda s: s.key())
+def test_training_free_trees_with_a_wrong_rule_are_detected(spec: SpecConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative controls: a rejected deterministic sibling left in r (not removed and renormalised)
+    over-samples the rejected drafts; the same harness must see it."""
+
+    def kept_in_r(r, x, q, u):
+        return (True, r) if u < float(r[x]) else (False, r)
+
+    monkeypatch.setattr(V, "accept_topk", kept_in_r)
+    assert _pvalue(_free_empirical(spec)) < 1e-6

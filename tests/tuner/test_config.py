@@ -93,11 +93,18 @@ BAD_INPUTS = [
     (["spec.depth=abc"], "spec.depth='abc': Input should be a valid integer"),
     (["spec.depth=0"], "spec.depth=0: Input should be greater than or equal to 1"),
     (["spec.depth=99"], "spec.depth=99: Input should be less than or equal to 16"),
-    (["spec.method=bogus"], "spec.method='bogus': Input should be 'off', 'ngram', 'draft_model', 'eagle', 'eagle3'"),
+    (["spec.method=bogus"], "spec.method='bogus': Input should be 'off', 'ngram', 'suffix', 'recycle', 'draft_model'"),
     (["spec.topk=1", "spec.budget=3"], "spec.budget=3 with spec.topk=1 must equal spec.depth+1=5"),
     (["spec.depth=3", "spec.budget=5"], "spec.budget=5 with spec.topk=1 must equal spec.depth+1=4"),
     (["spec.method=eagle", "spec.depth=2", "spec.topk=2", "spec.budget=9"], "spec.budget=9 exceeds 1 + depth*topk = 5"),
-    (["spec.method=ngram", "spec.depth=2", "spec.topk=2", "spec.budget=5"], "spec.topk=2 with spec.method=ngram: its drafter drafts a chain, topk must be 1"),
+    (["spec.method=suffix", "spec.depth=8", "spec.suffix_tree_depth=8"], "spec.depth=8 with spec.method=suffix must be < spec.suffix_tree_depth=8"),
+    (["spec.method=suffix", "spec.suffix_min_prob=1.5"], "spec.suffix_min_prob=1.5: Input should be less than or equal to 1"),
+    (["spec.method=suffix", "spec.suffix_spec_factor=0"], "spec.suffix_spec_factor=0: Input should be greater than 0"),
+    (["spec.method=ngram", "spec.topk=2", "spec.ngram_match=dfs"], "spec.ngram_match='dfs': Input should be 'bfs' or 'prob'"),
+    (["engine=vllm", "spec.method=ngram", "spec.depth=2", "spec.topk=2", "spec.budget=5"], "with engine=vllm: it verifies chains only"),
+    (["engine=vllm", "spec.method=recycle"], "spec.method=recycle with engine=vllm: allowed are"),
+    (["engine=sglang", "hardware=h100x8", "spec.method=suffix", "spec.topk=2", "spec.budget=5"], "spec.method=suffix with engine=sglang: allowed are"),
+    (["engine=sglang", "hardware=h100x8", "spec.method=ngram"], "spec.topk=1 with spec.method=ngram and engine=sglang: sglang runs ngram as a tree only"),
     (["spec.ngram_min=5", "spec.ngram_max=3"], "spec.ngram_min=5 > spec.ngram_max=3"),
     (["spec.method=draft_model", "spec.depth=3", "spec.budget=4"], "spec.draft_model is required when spec.method=draft_model"),
     (["spec.method=medusa", "spec.depth=6", "spec.budget=7"],
@@ -220,12 +227,13 @@ def test_a_method_the_engine_cannot_run_is_refused_before_any_trial() -> None:
         check_search_methods(load_config(["engine=sglang", "hardware=h100x8", "spec.method=eagle",
                                           "search.methods=[eagle,medusa]"]))
     check_search_methods(load_config(["engine=sglang", "hardware=h100x8", "spec.method=eagle", "search.methods=[eagle,eagle3]"]))
-    with pytest.raises(UserError, match="spec.method=ngram with engine=sglang"):
-        load_config(["engine=sglang", "hardware=h100x8", "spec.method=ngram"])
+    with pytest.raises(UserError, match="spec.topk=1 with spec.method=ngram and engine=sglang"):
+        load_config(["engine=sglang", "hardware=h100x8", "spec.method=ngram"])  # SGLang's NGRAM is a tree
+    load_config(["engine=sglang", "hardware=h100x8", "spec.method=ngram", "spec.topk=2", "spec.budget=6"])
     out = subprocess.run([sys.executable, "-m", "tuner.cli", "optimize", "+workload=code", "engine=sglang",
-                          "hardware=h100x8", "spec.method=eagle", "search.methods=[ngram]"],
+                          "hardware=h100x8", "spec.method=eagle", "search.methods=[suffix]"],
                          capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "search.methods=['ngram'] with engine=sglang" in out.stderr
+    assert out.returncode == 2 and "search.methods=['suffix'] with engine=sglang" in out.stderr
     assert "Traceback" not in out.stderr
 
 

@@ -59,9 +59,16 @@ _ALL = ("builtin", "vllm", "sglang")
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("off", head=False, trained_by=None, draft_field=None, vllm=None, sglang=None,
            chain_engines=_ALL, tree_engines=()),
-    # vLLM's prompt lookup: a chain (the latest earlier occurrence of the context's suffix).
-    Method("ngram", head=False, trained_by=None, draft_field=None, vllm="ngram", sglang=None,
-           chain_engines=("builtin", "vllm"), tree_engines=()),
+    # topk 1: vLLM's prompt lookup, a chain (the latest earlier occurrence of the context's suffix);
+    # topk > 1: SGLang's NGRAM, a trie of every continuation. A chain tuned here is vLLM's, a tree SGLang's.
+    Method("ngram", head=False, trained_by=None, draft_field=None, vllm="ngram", sglang="NGRAM",
+           chain_engines=("builtin", "vllm"), tree_engines=("builtin", "sglang")),
+    # SuffixDecoding; vLLM (through arctic-inference) verifies its best path only: a chain there.
+    Method("suffix", head=False, trained_by=None, draft_field=None, vllm="suffix", sglang=None,
+           chain_engines=("builtin", "vllm"), tree_engines=("builtin",)),
+    # Token Recycling: a successor table filled from the target's own verify logits.
+    Method("recycle", head=False, trained_by=None, draft_field=None, vllm=None, sglang=None,
+           chain_engines=("builtin",), tree_engines=("builtin",)),
     Method("draft_model", head=False, trained_by="draft_model", draft_field="draft_model", vllm="draft_model",
            sglang=None, chain_engines=("builtin", "vllm"), tree_engines=("builtin",)),
     Method("eagle", head=True, trained_by="eagle", draft_field="head_path", vllm="eagle", sglang="EAGLE",

@@ -41,6 +41,16 @@ class SpecConfig(Strict):
     head_path: str | None = None  # eagle / eagle3 / medusa: head checkpoint dir or HF id
     ngram_min: int = Field(2, ge=1, le=16)  # n-gram prompt lookup: shortest match
     ngram_max: int = Field(4, ge=1, le=16)  # n-gram prompt lookup: longest match
+    # n-gram trees (topk > 1, SGLang NGRAM --speculative-ngram-match-type): "bfs" takes the topk most
+    # frequent continuations per level, "prob" the most probable nodes (frequency ratios) best first
+    ngram_match: Literal["bfs", "prob"] = "bfs"
+    # SuffixDecoding (vLLM suffix_decoding_*): the depth of its suffix trees (match + speculation),
+    # speculated tokens <= suffix_spec_factor * match length, tokens below suffix_min_prob dropped,
+    # the global tree over the last suffix_max_requests responses (0: no global tree)
+    suffix_tree_depth: int = Field(24, ge=2, le=64)
+    suffix_spec_factor: float = Field(1.0, gt=0, le=16)
+    suffix_min_prob: float = Field(0.1, ge=0, le=1)
+    suffix_max_requests: int = Field(10000, ge=0, le=1_000_000)
     # vLLM dynamic K: [[min_batch, max_batch, K], ...], inclusive ranges, K <= depth.
     k_per_batch_size: list[tuple[int, int, int]] | None = None
 
@@ -74,6 +84,11 @@ class SpecConfig(Strict):
             )
         if self.topk != 1 and not can_branch(self.method):
             raise ValueError(f"spec.topk={self.topk} with spec.method={self.method}: its drafter drafts a chain, topk must be 1")
+        if self.method == "suffix" and self.depth >= self.suffix_tree_depth:
+            raise ValueError(
+                f"spec.depth={self.depth} with spec.method=suffix must be < spec.suffix_tree_depth={self.suffix_tree_depth} "
+                "(the tree depth bounds the match plus the speculation, and a match has at least one token)"
+            )
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"spec.ngram_min={self.ngram_min} > spec.ngram_max={self.ngram_max}")
         if self.method == "draft_model" and not self.draft_model:
@@ -97,4 +112,9 @@ class SpecConfig(Strict):
         """Short human-readable identity, e.g. 'eagle d5 k4 b8' or 'off'."""
         if self.method == "off":
             return "off"
-        return f"{self.method} d{self.depth} k{self.topk} b{self.budget}"
+        key = f"{self.method} d{self.depth} k{self.topk} b{self.budget}"
+        if self.method == "ngram" and self.topk > 1 and self.ngram_match != "bfs":
+            key += f" {self.ngram_match}"
+        if self.method == "suffix":
+            key += f" f{self.suffix_spec_factor:g} p{self.suffix_min_prob:g}"
+        return key
