@@ -89,6 +89,27 @@ def test_vllm_args_leave_defaults_out() -> None:
         assert flag not in args
 
 
+def test_vllm_suffix_golden() -> None:
+    """vLLM's suffix method (arctic-inference), field names as in vllm/config/speculative.py."""
+    spec = SpecConfig(method="suffix", depth=8, budget=9, suffix_tree_depth=32, suffix_max_requests=500,
+                      suffix_spec_factor=1.5, suffix_min_prob=0.2)
+    assert vllm_speculative_config(spec) == {
+        "method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_tree_depth": 32,
+        "suffix_decoding_max_cached_requests": 500, "suffix_decoding_max_spec_factor": 1.5,
+        "suffix_decoding_min_token_prob": 0.2,
+    }
+    assert _opt(vllm_args("m", spec), "--speculative-config") == (
+        '{"method":"suffix","num_speculative_tokens":8,"suffix_decoding_max_cached_requests":500,'
+        '"suffix_decoding_max_spec_factor":1.5,"suffix_decoding_max_tree_depth":32,"suffix_decoding_min_token_prob":0.2}')
+
+
+@pytest.mark.parametrize("spec", [SpecConfig(method="suffix", depth=4, topk=2, budget=6),
+                                  SpecConfig(method="recycle", depth=2, budget=3)], ids=lambda s: s.key())
+def test_vllm_refuses_suffix_trees_and_recycle(spec: SpecConfig) -> None:
+    with pytest.raises(UserError, match=r"topk must be 1|cannot be served by vLLM"):
+        vllm_speculative_config(spec)
+
+
 # ---- SGLang -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("method,algo", [("eagle", "EAGLE"), ("eagle3", "EAGLE3")])
@@ -104,6 +125,22 @@ def test_sglang_tree(method: str, algo: str) -> None:
     assert _opt(args, "--speculative-num-steps") == "5"
     assert _opt(args, "--speculative-eagle-topk") == "4"
     assert _opt(args, "--speculative-num-draft-tokens") == "8"
+
+
+@pytest.mark.parametrize("match", ["bfs", "prob"])
+def test_sglang_ngram_tree_golden(match: str) -> None:
+    """SGLang's NGRAM (flag names as in python/sglang/srt/server_args.py): no draft model, no EAGLE flags."""
+    spec = SpecConfig(method="ngram", depth=6, topk=4, budget=12, ngram_min=2, ngram_max=5, ngram_match=match)
+    args = sglang_args("org/target", spec)
+    assert args[args.index("--speculative-algorithm"):] == [
+        "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "12",
+        "--speculative-ngram-max-bfs-breadth", "4", "--speculative-ngram-max-trie-depth", "11",
+        "--speculative-ngram-match-type", match.upper()]
+
+
+def test_sglang_refuses_ngram_chains() -> None:
+    with pytest.raises(UserError, match="spec.topk=1 with spec.method=ngram and engine=sglang: sglang runs ngram as a tree only"):
+        sglang_args("t", SpecConfig(method="ngram", depth=3, budget=4))
 
 
 @pytest.mark.parametrize("spec", [SpecConfig(method="off"),
@@ -136,7 +173,7 @@ def test_sglang_general_flags() -> None:
     assert "--disable-cuda-graph" in args and args[-1] == "--x"
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "medusa"])
+@pytest.mark.parametrize("method", ["suffix", "recycle", "draft_model", "medusa"])
 def test_sglang_refuses_other_methods(method: str) -> None:
     spec = SpecConfig(method=method, depth=2, budget=3, draft_model="d", head_path="h")
     with pytest.raises(UserError, match=f"spec.method={method} cannot be served by SGLang"):
@@ -158,7 +195,7 @@ def test_builtin_args_round_trip_through_hydra() -> None:
     assert cfg.engine.builtin.fp8_weights is True
 
 
-@pytest.mark.parametrize("method", ["off", "ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["off", "ngram", "suffix", "recycle", "draft_model"])
 def test_builtin_args_each_method(method: str) -> None:
     spec = SpecConfig(method=method, depth=2, budget=3, draft_model="org/draft")
     args = builtin_args("smollm2-135m", spec)

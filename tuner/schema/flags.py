@@ -12,7 +12,7 @@ import re
 from collections.abc import Sequence
 
 from tuner.schema.config import SpecConfig, UserError
-from tuner.schema.methods import METHODS, engine_methods
+from tuner.schema.methods import METHODS, engine_methods, engine_refusal
 
 
 def _draft_ref(spec: SpecConfig, draft_ref: str | None) -> str:
@@ -47,6 +47,11 @@ def vllm_speculative_config(spec: SpecConfig, draft_ref: str | None = None) -> d
     if spec.method == "ngram":
         conf["prompt_lookup_min"] = spec.ngram_min
         conf["prompt_lookup_max"] = spec.ngram_max
+    elif spec.method == "suffix":  # arctic-inference's SuffixDecoding (vLLM verifies its best path)
+        conf["suffix_decoding_max_tree_depth"] = spec.suffix_tree_depth
+        conf["suffix_decoding_max_cached_requests"] = spec.suffix_max_requests
+        conf["suffix_decoding_max_spec_factor"] = spec.suffix_spec_factor
+        conf["suffix_decoding_min_token_prob"] = spec.suffix_min_prob
     else:
         conf["model"] = _draft_ref(spec, draft_ref)
     if spec.k_per_batch_size:
@@ -146,8 +151,21 @@ def sglang_args(
             raise UserError(
                 f"spec.method={spec.method} cannot be served by SGLang here (allowed: {', '.join(engine_methods('sglang'))})"
             )
+        refusal = engine_refusal(spec.method, spec.topk, "sglang")
+        if refusal:
+            raise UserError(refusal)
         if spec.topk == 1 and spec.budget != spec.depth + 1:
             raise UserError(f"spec.budget={spec.budget} with spec.topk=1 must be spec.depth+1={spec.depth + 1} for SGLang")
+        if spec.method == "ngram":
+            # SGLang's NGRAM trie holds the matched suffix plus the draft: ngram_max + depth tokens deep;
+            # its BFS breadth is the tree's topk, its draft tokens the budget (root included)
+            return args + [
+                "--speculative-algorithm", algo,
+                "--speculative-num-draft-tokens", str(spec.budget),
+                "--speculative-ngram-max-bfs-breadth", str(spec.topk),
+                "--speculative-ngram-max-trie-depth", str(spec.ngram_max + spec.depth),
+                "--speculative-ngram-match-type", spec.ngram_match.upper(),
+            ] + list(extra_args)
         args += [
             "--speculative-algorithm", algo,
             "--speculative-draft-model-path", _draft_ref(spec, draft_ref),
