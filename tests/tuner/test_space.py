@@ -28,8 +28,9 @@ def _assert_valid(space: SearchSpace, spec: SpecConfig) -> None:
     assert spec.depth + 1 <= spec.budget <= min(space.budget_max, 1 + spec.depth * spec.topk)
     if spec.topk == 1:
         assert spec.budget == spec.depth + 1
-    if spec.method == "ngram" or space.chain_only:
+    if space.chain_only:
         assert spec.topk == 1
+    assert spec.topk in space.topk_of(spec.method)  # n-gram: chains and trie trees; SGLang: trees only
     if spec.method == "medusa" and space.medusa_heads is not None:
         assert spec.depth <= space.medusa_heads  # H heads draft at most H tokens
 
@@ -110,7 +111,7 @@ def test_known_defaults_are_clipped_into_the_space() -> None:
         _assert_valid(small, d)
     assert [d.key() for d in small.defaults()] == ["eagle d4 k2 b8"]  # both defaults collapse
     ngram = _space(methods=("ngram",), depth_max=4, budget_max=8)
-    assert [d.key() for d in ngram.defaults()] == ["ngram d4 k1 b5"]
+    assert [d.key() for d in ngram.defaults()] == ["ngram d4 k4 b8", "ngram d4 k8 b8"]  # n-gram trees now
 
 
 def test_vllm_bands_become_k_per_batch_size() -> None:
@@ -203,3 +204,45 @@ def test_medusa_depth_beyond_its_heads_is_a_user_error(tmp_path) -> None:
     with pytest.raises(UserError, match=rf"spec.depth=4 with spec.method=medusa: spec.head_path={head} has 3 heads"):
         load_config(["spec.method=medusa", "spec.depth=4", "spec.budget=5", f"spec.head_path={head}"])
     load_config(["spec.method=medusa", "spec.depth=3", "spec.budget=4", f"spec.head_path={head}"])
+
+
+FREE_SPACES = [
+    _space(methods=("ngram", "suffix", "recycle"), topk=(1, 2, 4), budget_max=10, depth_max=4,
+           ngram_match=("bfs", "prob"), suffix_spec_factor=(1.0, 2.0), suffix_min_prob=(0.0, 0.1)),
+    _space(methods=("ngram", "eagle"), topk=(1, 2, 4), budget_max=10, depth_max=4, engine="sglang"),
+    _space(methods=("ngram", "suffix"), topk=(1, 2), budget_max=8, depth_max=4, chain_only=True, engine="vllm"),
+]
+
+
+@pytest.mark.parametrize("idx", range(len(FREE_SPACES)))
+def test_training_free_tree_points_are_valid_and_round_trip(idx: int) -> None:
+    space = FREE_SPACES[idx]
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=idx), direction="maximize")
+    seen = set()
+    for _ in range(80):
+        spec = space.suggest(study.ask())
+        _assert_valid(space, spec)
+        seen.add(spec.key())
+        if space.engine == "sglang" and spec.method == "ngram":
+            assert spec.topk > 1  # SGLang's NGRAM is a tree
+        if space.engine == "vllm":
+            assert spec.topk == 1
+    points = space.points()
+    assert all(space.contains(p) for p in points)
+    for p in points[:: max(1, len(points) // 40)]:
+        study.enqueue_trial(space.params_of(p))
+        assert space.suggest(study.ask()) == p
+    if idx == 0:
+        assert any(s.startswith("ngram") and " k2 " in s and s.endswith("prob") for s in seen)
+        assert any(s.startswith("suffix") and " k4 " in s for s in seen)
+        assert {(p.suffix_spec_factor, p.suffix_min_prob) for p in points if p.method == "suffix"} == {
+            (1.0, 0.0), (1.0, 0.1), (2.0, 0.0), (2.0, 0.1)}
+
+
+def test_default_study_searches_a_training_free_tree_and_engines_refuse_in_one_line() -> None:
+    cfg = load_config(["+workload=code"])
+    space = SearchSpace.from_config(cfg)
+    assert "suffix" in space.methods and any(p.method == "suffix" and p.topk > 1 for p in space.points()[:5000])
+    assert space.topk_of("ngram") == (1, 2, 4, 8)
+    with pytest.raises(UserError, match="tree only, give a topk >= 2"):
+        _space(methods=("ngram",), topk=(1,), engine="sglang")

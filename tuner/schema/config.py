@@ -12,7 +12,7 @@ so that `tuner.schema.config` stays the one import.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
@@ -253,6 +253,10 @@ class SearchConfig(_Strict):
     depth: IntRange
     topk: list[int] = Field(min_length=1)
     budget_max: int = Field(ge=2, le=256)
+    # the training-free trees' own parameters (spec.ngram_match, spec.suffix_spec_factor, spec.suffix_min_prob)
+    ngram_match: list[Literal["bfs", "prob"]] = Field(min_length=1)
+    suffix_spec_factor: list[Annotated[float, Field(gt=0, le=16)]] = Field(min_length=1)
+    suffix_min_prob: list[Annotated[float, Field(ge=0, le=1)]] = Field(min_length=1)
     multi_objective: bool
     repeats_min: int = Field(ge=1)
     repeats_max: int = Field(ge=1)

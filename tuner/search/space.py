@@ -1,8 +1,10 @@
 """The search space: SpecConfig points encoded so that every point Optuna samples is valid.
 
 Parameters (Optuna names): `method` (only when several are searched), `depth` (`medusa_depth`
-for Medusa points), `topk` (tree methods on tree engines only), `budget` (only when the tree leaves
-a choice) and, for chain engines with several concurrency levels, `k_c{level}` (the K of each higher
+for Medusa points), `topk` (tree methods on tree engines only; `tree_topk` where the engine runs
+no chain of the method: SGLang n-gram), `budget` (only when the tree leaves a choice), the
+training-free trees' own (`ngram_match` for n-gram trees, `suffix_spec_factor` and
+`suffix_min_prob` for suffix, each only when several values are searched) and, for chain engines with several concurrency levels, `k_c{level}` (the K of each higher
 concurrency band).
 
 The rules of `SpecConfig` are built into the ranges instead of being rejected afterwards:
@@ -46,6 +48,10 @@ class SearchSpace:
     head_paths: dict[str, str] | None = None  # trained head per method (eagle / eagle3 / medusa points)
     draft_model: str | None = None
     medusa_heads: int | None = None  # heads of the Medusa head set: its deepest draft (None: no cap)
+    # the training-free trees' own parameters (first value: the one defaults and clipped points take)
+    ngram_match: tuple[str, ...] = ("bfs",)  # n-gram trees (topk > 1)
+    suffix_spec_factor: tuple[float, ...] = (1.0,)
+    suffix_min_prob: tuple[float, ...] = (0.1,)
 
     @classmethod
     def from_config(cls, cfg: Config, head_paths: dict[str, str] | None = None) -> "SearchSpace":
@@ -69,6 +75,9 @@ class SearchSpace:
             head_paths=head_paths or {},
             draft_model=cfg.spec.draft_model,
             medusa_heads=medusa_heads(cfg, (head_paths or {}).get("medusa"))[0] if "medusa" in methods else None,
+            ngram_match=tuple(dict.fromkeys(s.ngram_match)),
+            suffix_spec_factor=tuple(dict.fromkeys(s.suffix_spec_factor)),
+            suffix_min_prob=tuple(dict.fromkeys(s.suffix_min_prob)),
         )
 
     def __post_init__(self) -> None:
@@ -80,6 +89,10 @@ class SearchSpace:
                 "verifies d+1 tokens, so depth.min must be <= budget_max-1"
             )
         object.__setattr__(self, "depth_max", capped)
+        for m in self.methods:
+            if not self.topk_of(m):
+                raise UserError(f"search.topk={list(self.topk)} with {m} in search.methods and engine={self.engine}: "
+                                f"{self.engine} runs {m} as a tree only, give a topk >= 2")
         if "medusa" in self.methods and self.depth_max_of("medusa") < self.depth_min:
             raise UserError(
                 f"search.depth.min={self.depth_min} with medusa in search.methods: its head set has "
@@ -105,6 +118,26 @@ class SearchSpace:
         """Whether points of this method may branch (topk > 1)."""
         return can_branch(method, self.engine) and not self.chain_only and any(k > 1 for k in self.topk)
 
+    def topk_of(self, method: str) -> tuple[int, ...]:
+        """The topk values of `method`'s points: 1 only where the engine runs its chains, the
+        searched values > 1 only where it runs its trees."""
+        chain = self.engine in method_info(method).chain_engines
+        ks = tuple(k for k in self.topk if k > 1) if self.is_tree(method) else ()
+        return ((1,) if chain and (1 in self.topk or not ks) else ()) + ks
+
+    def topk_param(self, method: str) -> str:
+        """The Optuna name of a method's topk: `tree_topk` where the engine runs no chain of it
+        (SGLang n-gram), so each name keeps one distribution per study."""
+        return "topk" if self.engine in method_info(method).chain_engines else "tree_topk"
+
+    def _extras(self, method: str, topk: int) -> list[tuple[str, tuple]]:
+        """The method's own searched parameters at this topk: (Optuna name, choices)."""
+        if method == "ngram" and topk > 1:
+            return [("ngram_match", self.ngram_match)]
+        if method == "suffix":
+            return [("suffix_spec_factor", self.suffix_spec_factor), ("suffix_min_prob", self.suffix_min_prob)]
+        return []
+
     def budget_range(self, depth: int, topk: int) -> tuple[int, int]:
         """Inclusive valid budget range for a depth and topk (a single value for chains)."""
         if topk == 1:
@@ -122,8 +155,9 @@ class SearchSpace:
             lo = c + 1
         return bands
 
-    def _spec(self, method: str, depth: int, topk: int, budget: int, ks: list[int] | None = None) -> SpecConfig:
-        extra: dict[str, Any] = {}
+    def _spec(self, method: str, depth: int, topk: int, budget: int, ks: list[int] | None = None,
+              own: dict[str, Any] | None = None) -> SpecConfig:
+        extra: dict[str, Any] = dict(own or {})
         field = method_info(method).draft_field
         if field == "head_path":
             extra["head_path"] = (self.head_paths or {}).get(method)
@@ -138,15 +172,16 @@ class SearchSpace:
         """Draw one point from an Optuna trial (fixed params of enqueued trials are honoured)."""
         method = trial.suggest_categorical("method", list(self.methods)) if len(self.methods) > 1 else self.methods[0]
         depth = trial.suggest_int(self.depth_param(method), self.depth_min, self.depth_max_of(method))
-        topk = 1
-        if self.is_tree(method):
-            topk = trial.suggest_categorical("topk", list(self.topk))
+        choices = self.topk_of(method)
+        topk = trial.suggest_categorical(self.topk_param(method), list(choices)) if len(choices) > 1 else choices[0]
         lo, hi = self.budget_range(depth, topk)
         budget = trial.suggest_int("budget", lo, hi) if hi > lo else lo
+        own = {name: trial.suggest_categorical(name, list(vals)) if len(vals) > 1 else vals[0]
+               for name, vals in self._extras(method, topk)}
         ks = None
         if self.k_bands:
             ks = [trial.suggest_int(f"k_c{hi_}", 0, depth) for _, hi_ in self.k_bands[1:]]
-        return self._spec(method, depth, topk, budget, ks)
+        return self._spec(method, depth, topk, budget, ks, own)
 
     def params_of(self, spec: SpecConfig) -> dict[str, Any]:
         """The Optuna params that make `suggest` return `spec` (for enqueue_trial)."""
@@ -154,11 +189,14 @@ class SearchSpace:
         if len(self.methods) > 1:
             p["method"] = spec.method
         p[self.depth_param(spec.method)] = spec.depth
-        if self.is_tree(spec.method):
-            p["topk"] = spec.topk
+        if len(self.topk_of(spec.method)) > 1:
+            p[self.topk_param(spec.method)] = spec.topk
         lo, hi = self.budget_range(spec.depth, spec.topk)
         if hi > lo:
             p["budget"] = spec.budget
+        for name, vals in self._extras(spec.method, spec.topk):
+            if len(vals) > 1:
+                p[name] = getattr(spec, name)
         if self.k_bands and spec.k_per_batch_size:
             for (_, hi_, k) in spec.k_per_batch_size[1:]:
                 p[f"k_c{hi_}"] = k
@@ -168,7 +206,9 @@ class SearchSpace:
         """Whether `spec` is a point of this space."""
         if spec.method not in self.methods or not (self.depth_min <= spec.depth <= self.depth_max_of(spec.method)):
             return False
-        if spec.topk != 1 and (not self.is_tree(spec.method) or spec.topk not in self.topk):
+        if spec.topk not in self.topk_of(spec.method):
+            return False
+        if any(getattr(spec, name) not in vals for name, vals in self._extras(spec.method, spec.topk)):
             return False
         lo, hi = self.budget_range(spec.depth, spec.topk)
         return lo <= spec.budget <= hi
@@ -176,11 +216,11 @@ class SearchSpace:
     def clip(self, method: str, depth: int, topk: int, budget: int) -> SpecConfig:
         """The nearest point of the space to a (possibly invalid) configuration."""
         depth = max(self.depth_min, min(self.depth_max_of(method), depth))
-        topk = min(self.topk, key=lambda k: (abs(k - topk), k)) if self.is_tree(method) else 1
+        topk = min(self.topk_of(method), key=lambda k: (abs(k - topk), k))
         lo, hi = self.budget_range(depth, topk)
         budget = max(lo, min(hi, budget))
         ks = [depth] * (len(self.k_bands) - 1) if self.k_bands else None  # one K everywhere
-        return self._spec(method, depth, topk, budget, ks)
+        return self._spec(method, depth, topk, budget, ks, {n: v[0] for n, v in self._extras(method, topk)})
 
     def defaults(self) -> list[SpecConfig]:
         """The engines' known defaults, clipped to the space, duplicates removed (enqueue order)."""
@@ -197,15 +237,18 @@ class SearchSpace:
         out: list[SpecConfig] = []
         for method in self.methods:
             for depth in range(self.depth_min, self.depth_max_of(method) + 1):
-                for topk in (self.topk if self.is_tree(method) else (1,)):
+                for topk in self.topk_of(method):
                     lo, hi = self.budget_range(depth, topk)
                     if topk > 1 and hi < lo:
                         continue
-                    for budget in range(lo, hi + 1):
-                        band_ks = (itertools.product(range(depth + 1), repeat=len(self.k_bands) - 1)
-                                   if self.k_bands else [None])
-                        for ks in band_ks:
-                            spec = self._spec(method, depth, topk, budget, list(ks) if ks is not None else None)
-                            if spec not in out:
-                                out.append(spec)
+                    extras = self._extras(method, topk)
+                    for values in itertools.product(*(v for _, v in extras)):
+                        own = {n: x for (n, _), x in zip(extras, values)}
+                        for budget in range(lo, hi + 1):
+                            band_ks = (itertools.product(range(depth + 1), repeat=len(self.k_bands) - 1)
+                                       if self.k_bands else [None])
+                            for ks in band_ks:
+                                spec = self._spec(method, depth, topk, budget, list(ks) if ks is not None else None, own)
+                                if spec not in out:
+                                    out.append(spec)
         return out
