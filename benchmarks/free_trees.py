@@ -1,0 +1,130 @@
+"""Training-free trees vs n-gram chains (issue 23): one run of the built-in engine on held-out
+prompts of the `code` and `chat` workloads at T=0; tau and speedup over autoregressive decoding for
+the best n-gram chain, the best n-gram trie tree (SGLang NGRAM), the best suffix tree
+(SuffixDecoding), the best recycling tree (Token Recycling; only when the engine hands drafters
+the verify logits, `Drafter.observe_logits`) and the best EAGLE tree with the default cached head
+(skipped, with the reason, when no trained head is cached: never a random head). Greedy outputs are
+checked token-identical to AR. The last line is one JSON object.
+
+    .venv/bin/python benchmarks/free_trees.py --prompts 3 --max-new-tokens 64
+
+Every suffix configuration starts from an empty global cache (engine.drafters.suffix.clear_caches),
+so no configuration sees the responses another produced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from engine.api import SamplingParams
+from tuner.schema.compose import load_config
+from tuner.schema.config import SpecConfig
+
+
+def candidates(depths: list[int]) -> dict[str, list[SpecConfig]]:
+    out: dict[str, list[SpecConfig]] = {"ngram chain": [], "ngram tree": [], "suffix tree": [], "recycle tree": [],
+                                        "eagle tree": []}
+    for d in depths:
+        out["ngram chain"].append(SpecConfig(method="ngram", depth=d, topk=1, budget=d + 1, ngram_min=1))
+        for k, b in ((2, min(8, 1 + 2 * d)), (4, min(12, 1 + 4 * d))):
+            for match in ("bfs", "prob"):
+                out["ngram tree"].append(SpecConfig(method="ngram", depth=d, topk=k, budget=b, ngram_min=1,
+                                                    ngram_match=match))
+            for f in (1.0, 4.0):
+                out["suffix tree"].append(SpecConfig(method="suffix", depth=d, topk=k, budget=b, suffix_spec_factor=f,
+                                                     suffix_min_prob=0.0))
+            out["recycle tree"].append(SpecConfig(method="recycle", depth=d, topk=k, budget=b))
+    return out
+
+
+def run(engine, prompts: list[list[int]], spec: SpecConfig, params: SamplingParams) -> dict:
+    from engine.drafters.suffix import clear_caches
+
+    clear_caches(engine.target)
+    engine.set_spec(spec)
+    new = fwd = 0
+    toks, t0 = [], time.perf_counter()
+    for p in prompts:
+        r = engine.generate(p, params)
+        new, fwd = new + r.stats.new_tokens, fwd + r.stats.target_forwards
+        toks.append(r.tokens)
+    s = time.perf_counter() - t0
+    return {"config": spec.key(), "tau": new / max(fwd, 1), "tok_s": new / s, "tokens": toks,
+            "wired": getattr(engine.drafter, "updates", 1) > 0}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--prompts", type=int, default=3, help="held-out prompts per workload")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--depths", default="3,6")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+
+    from engine.decode.loop import Engine
+    from engine.heads.pipeline import cached_head
+    from engine.measure.workloads import load_prompts
+
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    depths = [int(x) for x in args.depths.split(",")]
+    rows, summary = [], {}
+    engine = None
+    for wl in ("code", "chat"):
+        cfg = load_config([f"model={args.model}", f"+workload={wl}", "spec.method=off",
+                           f"engine.builtin.threads={args.threads}"])
+        if engine is None:
+            engine = Engine.from_config(cfg)
+        prompts = [engine.encode_prompt(p.text, cfg.workload.chat_template)
+                   for p in load_prompts(cfg.workload, "heldout")[: args.prompts]]
+        engine.generate(prompts[0], SamplingParams(max_new_tokens=8))  # warm-up
+        ar = run(engine, prompts, SpecConfig(method="off"), params)
+        rows.append((wl, "AR", ar, 1.0))
+        best: dict[str, dict] = {}
+        cands = candidates(depths)
+        head = cached_head(cfg, "eagle")
+        if head is None:
+            print(f"[{wl}] eagle tree: skipped, no trained EAGLE head is cached for {args.model} on {wl} "
+                  "(train one with `tuner train-draft`; a random head is never measured)")
+            cands["eagle tree"] = []
+        else:
+            cands["eagle tree"] = [SpecConfig(method="eagle", depth=d, topk=4, budget=min(16, 1 + 4 * d),
+                                              head_path=str(head)) for d in depths]
+        for family, specs in cands.items():
+            for spec in specs:
+                r = run(engine, prompts, spec, params)
+                if r["tokens"] != ar["tokens"]:
+                    raise SystemExit(f"{spec.key()}: greedy output differs from AR on {wl}")
+                if family == "recycle tree" and not r["wired"]:
+                    print(f"[{wl}] recycle tree: skipped, the engine does not call Drafter.observe_logits yet "
+                          "(engine/decode/loop.py)")
+                    break
+                r["speedup"] = r["tok_s"] / ar["tok_s"]
+                if family not in best or r["speedup"] > best[family]["speedup"]:
+                    best[family] = r
+        for family, r in best.items():
+            rows.append((wl, family, r, r["speedup"]))
+        chain = best.get("ngram chain")
+        free = [best[f] for f in ("ngram tree", "suffix tree", "recycle tree") if f in best]
+        top = max(free, key=lambda r: r["speedup"]) if free else None
+        summary[wl] = {"ratio": top["speedup"] / chain["speedup"] if top and chain else None,
+                       "winner": top["config"] if top else None}
+    print(f"{'workload':8} {'family':13} {'config':32} {'tau':>5} {'tok/s':>7} {'speedup':>7}")
+    for wl, family, r, sp in rows:
+        print(f"{wl:8} {family:13} {r['config']:32} {r['tau']:5.2f} {r['tok_s']:7.1f} {sp:7.2f}")
+    winner = summary["code"]["winner"] or summary["chat"]["winner"]
+    topk = None
+    if winner:
+        topk = int(winner.split(" k")[1].split()[0])
+    print(json.dumps({"best_free_tree_vs_best_chain_code": summary["code"]["ratio"],
+                      "best_free_tree_vs_best_chain_chat": summary["chat"]["ratio"],
+                      "winner_code": summary["code"]["winner"], "winner_chat": summary["chat"]["winner"],
+                      "winner_topk": topk, "model": args.model, "prompts": args.prompts,
+                      "max_new_tokens": args.max_new_tokens}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
