@@ -329,3 +329,31 @@ def test_throughput_against_concurrency_marks_the_crossover(tmp_path: Path) -> N
     assert (tmp_path / "c.png").stat().st_size > 1000
     with pytest.raises(ValueError, match="off"):
         concurrency_curve(study, BestResult(spec=SpecConfig(method="off"), provenance=Provenance.model_construct()))
+
+
+def test_points_that_differ_only_in_their_bands_are_measured_apart(tmp_path: Path) -> None:
+    """Two points with the same depth but another K per band share a key ('ngram d2 k1 b3'); a
+    re-proposed point reuses its own measurement, never the other's."""
+    from tuner.search.space import SearchSpace
+    from tuner.study.objective import Objective, Sample
+    from tuner.study.studies import create_study
+
+    cfg = load_config(["+workload=code", "search=quick", "workload.concurrency=[1,4]", "search.repeats_max=1"])
+    calls: list[str] = []
+
+    def measure(spec: SpecConfig, split: str, c: int) -> Sample:
+        calls.append(str(spec.k_per_batch_size))
+        return Sample(10.0 if spec.method == "off" else 12.0, 1.5, 1.0, 1.0)
+
+    space = SearchSpace.from_config(cfg)
+    study = create_study(cfg, space, tmp_path, "bands")
+    objective = Objective(study, space, measure, cfg.workload, cfg.search)
+    a = ng(2).model_copy(update={"k_per_batch_size": [(1, 1, 2), (2, 4, 0)]})
+    b = ng(2).model_copy(update={"k_per_batch_size": [(1, 1, 2), (2, 4, 1)]})
+    for spec in (a, b, a):
+        study.enqueue_trial(space.params_of(spec))
+    while any(t.state == TrialState.WAITING for t in study.trials):  # the baseline, defaults, then a, b, a
+        objective.run_one()
+    mine = [t for t in study.trials if t.user_attrs.get("spec_json", {}).get("k_per_batch_size")]
+    assert [t.user_attrs.get("reused_from") is not None for t in mine][-3:] == [False, False, True]
+    assert mine[-1].user_attrs["reused_from"] == mine[-3].number

@@ -240,9 +240,10 @@ class Objective:
     def _measured(self, spec: SpecConfig) -> optuna.trial.FrozenTrial | None:
         """An earlier COMPLETE or PRUNED trial of the same configuration (a sampler may propose a
         point again; it is not measured again as if it were new)."""
-        key = spec.key()
+        # the whole spec, not its key: points that differ only in their K per band are different
+        want = spec.model_dump(mode="json")
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
-            if t.user_attrs.get("spec") == key and "reused_from" not in t.user_attrs:
+            if t.user_attrs.get("spec_json") == want and "reused_from" not in t.user_attrs:
                 return t
         return None
 
