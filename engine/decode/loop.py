@@ -276,6 +276,7 @@ class Decoding:
         e, stats, params, drafter = self.engine, self.stats, self.params, self.drafter
         if tree is None:  # the prompt
             self.ids.append(e._pick(logits[-1], params, self.gen))
+            self._observe_logits(self.ids[-2:-1], logits[-1:])
             self._observe(hidden, aux, None)
             self.prefilled = True
             stats.target_forwards = 1
@@ -300,6 +301,7 @@ class Decoding:
                 if d > len(stats.accepted_per_pos):
                     stats.accepted_per_pos.append(0)
                 stats.accepted_per_pos[d - 1] += 1
+        self._observe_logits([tree.tokens[i] for i in path], logits[path])
         self._observe(hidden, aux, path if len(path) > 1 else [0])
         stats.target_forwards += 1
         stats.verify_s += time.perf_counter() - self._t
@@ -314,6 +316,12 @@ class Decoding:
             raise ValueError("a drafter joins a generation before its prompt runs")
         drafter.reset(self.prompt_ids)
         self.observers.append(drafter)
+
+    def _observe_logits(self, tokens: list[int], logits: torch.Tensor) -> None:
+        """The committed positions' target logits, for drafters that learn from them (Token Recycling)."""
+        for d in self.observers:
+            if d.wants_logits:
+                d.observe_logits(tokens, logits)
 
     def _observe(self, hidden: torch.Tensor, aux: torch.Tensor | None, rows: list[int] | None) -> None:
         if rows is not None:

@@ -28,42 +28,6 @@ GREEDY = SamplingParams(max_new_tokens=N_NEW)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-class Hooked(Drafter):
-    """Wraps a drafter; hands it the target's logits exactly as engine/decode/loop.py will once the
-    `observe_logits` hook is wired (the prompt's last position, then each step's accepted path),
-    computed from the committed features the engine already hands `observe`. Records every tree."""
-
-    def __init__(self, inner: Drafter, lm_head) -> None:
-        super().__init__(inner.spec)
-        self.inner, self.lm_head, self.trees = inner, lm_head, []
-        self.aux_layers = inner.aux_layers
-        self._pending: list[torch.Tensor] = []
-        self._done = 0  # positions whose logits were handed over
-        self._prompt = True
-
-    def reset(self, prompt_ids):
-        self.inner.reset(prompt_ids)
-        self._pending, self._done, self._prompt = [], 0, True
-
-    def observe(self, features, aux=None):
-        self.inner.observe(features) if aux is None else self.inner.observe(features, aux)
-        if self.inner.wants_logits:
-            self._pending.append(features)
-
-    def draft(self, ids, params, generator=None) -> Tree:
-        if self._pending:
-            feats = torch.cat(self._pending)
-            lo = self._done
-            if self._prompt:  # the prompt's forward computes its last position's logits only
-                feats, lo = feats[-1:], lo + len(feats) - 1
-            self.inner.observe_logits(ids[lo:lo + len(feats)], self.lm_head(feats))
-            self._done = lo + len(feats)
-            self._pending, self._prompt = [], False
-        tree = self.inner.draft(ids, params, generator)
-        self.trees.append((len(ids), tuple(tree.tokens), tuple(tree.parents)))
-        return tree
-
-
 class Recorder(Drafter):
     """Wraps a drafter as it is (the profile hands it logits itself) and records every tree."""
 
@@ -117,8 +81,9 @@ def reference(engine: Engine, prompts) -> list[list[int]]:
     return [engine.generate(p, GREEDY).tokens for p in prompts]
 
 
-def _hooked(engine: Engine, spec: SpecConfig) -> Hooked:
-    return Hooked(make_drafter(spec, engine.target, engine.seed), engine.model.lm_head)
+def _hooked(engine: Engine, spec: SpecConfig) -> "Recorder":
+    """The spec's drafter, fed by the engine itself (observe_logits included), its trees recorded."""
+    return Recorder(make_drafter(spec, engine.target, engine.seed))
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.key())
@@ -136,13 +101,16 @@ def test_greedy_identical_to_autoregressive(engine: Engine, prompts, reference, 
     assert drafted > 0
 
 
-def test_recycle_without_the_hook_drafts_nothing_and_stays_identical(engine: Engine, prompts, reference) -> None:
-    """Until engine/decode/loop.py calls observe_logits the table stays empty: no draft, same tokens."""
+def test_recycle_learns_from_the_verify_logits(engine: Engine, prompts, reference) -> None:
+    """The decode loop hands the drafter every committed position's logits (the prompt's last one,
+    then each accepted path): its successor table fills, it drafts, and the output stays AR's."""
     spec = SpecConfig(method="recycle", depth=3, topk=2, budget=7)
     engine.set_spec(spec)
-    res = engine.generate(prompts[0], GREEDY)
-    assert res.tokens == reference[0] and res.stats.drafted_tokens == 0
-    assert engine.drafter.updates == 0
+    first = engine.generate(prompts[0], GREEDY)
+    assert first.tokens == reference[0]
+    assert engine.drafter.updates == first.stats.target_forwards  # one update per forward's committed rows
+    again = engine.generate(prompts[0], GREEDY)  # the table outlives a request: it now knows the successors
+    assert again.tokens == reference[0] and again.stats.accepted_tokens > 0
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.key())
