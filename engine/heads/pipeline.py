@@ -31,8 +31,6 @@ from tuner.schema.config import Config, SpecConfig, TrainConfig, UserError, Work
 from tuner.schema.methods import trained_by
 
 META = "spectune_meta.json"
-# What this pipeline trains, asked of the registry; the name stays because tuner.study.measurer imports it.
-HEAD_METHODS = trained_by("eagle")
 Report = Callable[[str, int, int, dict], None]  # (phase, done, total, info)
 _DATA_SETTINGS = ("prompts", "max_new_tokens", "label_topk", "seed")
 

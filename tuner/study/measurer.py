@@ -17,9 +17,9 @@ from tuner.schema.compose import packaged_workloads
 from tuner.study.limits import startup_excluded
 from tuner.study.objective import Sample
 from tuner.schema.config import Config, SpecConfig, UserError
+from tuner.schema.methods import head_methods, trained_by
 
 LAUNCHED = ("vllm", "sglang")
-HEAD_METHODS = ("eagle", "eagle3", "medusa")  # methods whose drafter is a trained head
 
 
 def study_prompts(cfg: Config) -> dict[str, list[Any]]:
@@ -78,7 +78,7 @@ class Measurer:
     measure the served spec first and to keep start-ups out of measurements."""
 
     def __init__(self, target_for: Callable[[SpecConfig], Any], cfg: Config, prompts: dict[str, list[Any]],
-                 launcher: Any = None) -> None:
+                 launcher: Any = None, engine: Any = None) -> None:
         from engine.measure.workloads import sampling_params
 
         self.target_for, self.prompts, self.cfg = target_for, prompts, cfg
@@ -86,6 +86,8 @@ class Measurer:
         self.launcher = launcher
         self.serving: Callable[[SpecConfig], bool] | None = getattr(launcher, "serves", None) if launcher else None
         self._draft_mb: dict[tuple[str, str], float | None] = {}  # (spec, split) -> MB, measured once
+        self.engine = engine  # the built-in engine, whose suffix caches every run starts from the same state
+        self._suffix: dict[str, Any] = {}  # split -> the suffix-cache state its runs start from
 
     def startups(self) -> tuple[int, float]:
         return getattr(self.launcher, "starts", 0), getattr(self.launcher, "total_startup_s", 0.0)
@@ -95,10 +97,18 @@ class Measurer:
 
         target = self.target_for(spec)
         prompts = self.prompts[split]
+        if self.engine is not None and spec.method == "suffix":
+            self._start_suffix_run(split)
         played = [prompts[i % len(prompts)] for i in range(max(len(prompts), concurrency))] if prompts else prompts
         m = target.run(played, self.params, concurrency)
         if m.errors:  # a configuration that breaks requests is no candidate
             raise RuntimeError(f"{len(m.errors)}/{len(played)} requests failed; first: {m.errors[0]}")
+        if self.engine is not None and spec.method == "suffix" and split == "tune" and "heldout" not in self._suffix:
+            from engine.drafters.suffix import snapshot_caches
+
+            # held-out prompts meet a cache that saw the tuning prompts only, as a server would have
+            # seen other users' requests
+            self._suffix["heldout"] = snapshot_caches(self.engine.target)
         key = (spec.model_dump_json(), split)
         if key not in self._draft_mb:
             w = self.cfg.workload
@@ -108,9 +118,19 @@ class Measurer:
                       itl_p50_ms=m.itl_p50_ms, itl_p99_ms=m.itl_p99_ms)
 
 
+    def _start_suffix_run(self, split: str) -> None:
+        """Every suffix run starts from one cache state (the one the study found), so no trial wins
+        by a cache that earlier trials warmed."""
+        from engine.drafters.suffix import restore_caches, snapshot_caches
+
+        if "tune" not in self._suffix:
+            self._suffix["tune"] = snapshot_caches(self.engine.target)
+        restore_caches(self.engine.target, self._suffix.get(split, self._suffix["tune"]))
+
+
 def make_measure(engine: Any, cfg: Config, prompts: dict[str, list[Any]]) -> Measurer:
     """The Measurer over the built-in engine in this process."""
-    return Measurer(engine_target_for(engine, cfg.workload.chat_template), cfg, prompts)
+    return Measurer(engine_target_for(engine, cfg.workload.chat_template), cfg, prompts, engine=engine)
 
 
 def make_launched_measure(launcher: Any, cfg: Config, prompts: dict[str, list[Any]]) -> Measurer:
@@ -133,7 +153,7 @@ def study_measure(cfg: Config, engine: Any, prompts: dict[str, list[Any]], run_d
 
 def needs_head(cfg: Config) -> bool:
     """Whether the searched methods need a trained draft head."""
-    return any(m in HEAD_METHODS for m in cfg.search.methods)
+    return any(m in head_methods() for m in cfg.search.methods)
 
 
 def spec_with_trained_draft(cfg: Config) -> SpecConfig:
@@ -141,17 +161,17 @@ def spec_with_trained_draft(cfg: Config) -> SpecConfig:
     Medusa heads) `tuner train-draft` cached for this target and workload. Without either it is a
     user error naming both ways: a command never drafts with an untrained (random) head."""
     spec = cfg.spec
-    if spec.method not in HEAD_METHODS or spec.head_path:
+    if spec.method not in head_methods() or spec.head_path:
         return spec
     fix = (f"run `tuner train-draft spec.method={spec.method} +workload=NAME` first, or give spec.head_path=DIR "
            "(a trained head)")
     if cfg.workload is None:
         raise UserError(f"spec.method={spec.method} without spec.head_path: add +workload=NAME to use the head "
                         f"trained for that workload; {fix}")
-    if spec.method == "medusa":
-        from engine.heads.medusa_train import cached
-    else:
+    if spec.method in trained_by("eagle"):
         from engine.heads.pipeline import cached_head as cached
+    else:
+        from engine.heads.medusa_train import cached
     found = cached(cfg, spec.method)
     if found is None:
         raise UserError(f"spec.method={spec.method}: no trained head for {cfg.model.name} on workload "
@@ -166,25 +186,26 @@ def get_drafts(cfg: Config, engine: Any, quiet: bool = False) -> dict[str, str]:
     or a newly trained one (engine.heads for eagle / eagle3, engine.heads.draft_model_train for medusa)."""
     from rich.console import Console
 
-    from engine.heads.pipeline import HEAD_METHODS as PIPELINE, cached_head, ensure_head
+    from engine.heads.pipeline import cached_head, ensure_head
     from tuner.study.progress import head_progress
 
     console = Console(stderr=True, quiet=quiet)
     out: dict[str, str] = {}
-    for m in (m for m in cfg.search.methods if m in HEAD_METHODS):
+    pipeline = trained_by("eagle")  # the EAGLE head pipeline; the rest train through engine.heads.draft_model_train
+    for m in (m for m in cfg.search.methods if m in head_methods()):
         published = getattr(cfg.model.draft_sources, m, [])
         if cfg.spec.head_path and cfg.spec.method == m:
             out[m] = cfg.spec.head_path
         elif cfg.engine.kind in LAUNCHED and published:
             out[m] = published[0]
-        elif m in PIPELINE and cached_head(cfg, m) is not None:
+        elif m in pipeline and cached_head(cfg, m) is not None:
             out[m] = str(cached_head(cfg, m))
         else:
             console.print(f"training the {m} draft for {cfg.model.name} on workload {cfg.workload.name} "
                           "(once: cached for later studies)", highlight=False)
             # The other packaged workloads add diversity and, above all, their held-out prompts are excluded.
             with head_progress(quiet) as report:
-                if m in PIPELINE:
+                if m in pipeline:
                     out[m] = str(ensure_head(cfg, engine, report=report, workloads=packaged_workloads(cfg), method=m))
                 else:
                     from engine.heads.draft_model_train import ensure_draft

@@ -1,0 +1,58 @@
+"""tuner.study.measurer.Measurer over the built-in engine (tiny random model): a level of N plays at
+least N requests; every suffix run starts from one cache state, so a later trial never wins by a
+cache earlier trials warmed, and held-out runs meet a cache that saw the tuning prompts only."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.drafters.suffix import clear_caches
+from engine.measure.workloads import Prompt
+from helpers import engine_for
+from tuner.schema.compose import load_config
+from tuner.schema.config import SpecConfig
+from tuner.study.measurer import Measurer, engine_target_for, make_measure
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+SUFFIX = SpecConfig(method="suffix", depth=4, topk=1, budget=5, suffix_min_prob=0.0, suffix_spec_factor=2.0)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = load_config(["model=tiny-random", "+workload=code", "workload.max_new_tokens=16", "spec.method=off"])
+    engine = engine_for(cfg)
+    prompts = {"tune": [Prompt("t0", "def fib(n):", "x"), Prompt("t1", "a b c d a b", "x")],
+               "heldout": [Prompt("h0", "def fib(n):", "x")]}
+    return cfg, engine, prompts
+
+
+def test_every_suffix_run_starts_from_the_same_cache(setup) -> None:
+    cfg, engine, prompts = setup
+    clear_caches(engine.target)
+    m = make_measure(engine, cfg, prompts)
+    first, second = m(SUFFIX, "tune", 1), m(SUFFIX, "tune", 1)
+    assert first.tau == second.tau
+    # the held-out prompt repeats a tuning prompt: its cache holds the tuning responses, so it drafts
+    assert m(SUFFIX, "heldout", 1).tau > 1.0
+    # the control: without the restore the second run meets its own first run in the cache
+    clear_caches(engine.target)
+    bare = Measurer(engine_target_for(engine, cfg.workload.chat_template), cfg, prompts)
+    a, b = bare(SUFFIX, "tune", 1), bare(SUFFIX, "tune", 1)
+    assert b.tau > a.tau
+
+
+def test_a_level_plays_at_least_that_many_requests(setup) -> None:
+    cfg, engine, prompts = setup
+    m = make_measure(engine, cfg, prompts)
+    played = []
+    real = m.target_for
+
+    def spy(spec):
+        t = real(spec)
+        run = t.run
+        t.run = lambda ps, params, c: played.append(len(ps)) or run(ps, params, c)
+        return t
+
+    m.target_for = spy
+    m(SpecConfig(method="off"), "tune", 4)
+    assert played == [4]
