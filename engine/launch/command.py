@@ -14,7 +14,7 @@ from tuner.schema.flags import sglang_args, vllm_args
 from tuner.schema.config import LaunchedEngineConfig, SpecConfig, UserError
 
 Kind = Literal["vllm", "sglang"]
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]  # engine/launch/command.py -> the checkout
 SETUP_HINT = {"vllm": "make vllm", "sglang": "make sglang"}
 
 

@@ -144,7 +144,7 @@ def test_sglang_command(tmp_path: Path) -> None:
     assert (_opt(chain, "--speculative-num-steps"), _opt(chain, "--speculative-num-draft-tokens")) == ("3", "4")
     off = server_command("sglang", LaunchedEngineConfig(executable=exe), "m", SpecConfig(method="off"))
     assert not any(a.startswith("--speculative") for a in off) and "--disable-cuda-graph" not in off
-    with pytest.raises(UserError, match="SGLang"):
+    with pytest.raises(UserError, match="engine=sglang: sglang runs ngram as a tree only"):
         server_command("sglang", ecfg, "m", SpecConfig(method="ngram", depth=3, budget=4))
 
 
@@ -349,3 +349,10 @@ def test_interrupted_tuner_leaves_no_orphan(fake, tmp_path: Path, mode: str, sig
         if driver.poll() is None:
             driver.kill()
     assert _wait_gone([rec["pid"], rec["child"]]) == [], driver.stderr.read()[-2000:]
+
+
+def test_the_project_root_is_the_checkout() -> None:
+    """Relative executables (.venv-vllm/bin/vllm) resolve against the checkout, wherever the module lives."""
+    from engine.launch.command import PROJECT_ROOT
+
+    assert (PROJECT_ROOT / "pyproject.toml").is_file() and (PROJECT_ROOT / "engine").is_dir()

@@ -187,10 +187,13 @@ def choose_projected(preds: list[Prediction], target: str) -> tuple[SpecConfig, 
         return SpecConfig.model_validate(spec.model_dump()), [tops[c] for c in levels]
     cands = preds
     if target == "sglang":
-        from deploy.winner import SGLANG_SERVABLE
+        from tuner.schema.methods import engine_refusal
 
-        if any(p.spec.method in SGLANG_SERVABLE and p.spec.method != "off" for p in preds):
-            cands = [p for p in preds if p.spec.method in SGLANG_SERVABLE]
+        def servable(spec: SpecConfig) -> bool:  # what SGLang runs, asked of the method registry
+            return engine_refusal(spec.method, spec.topk, "sglang") is None
+
+        if any(servable(p.spec) and p.spec.method != "off" for p in preds):
+            cands = [p for p in preds if servable(p.spec)]
     rows: dict[str, list[Prediction]] = {}
     for p in cands:
         rows.setdefault(p.spec.model_dump_json(), []).append(p)
