@@ -79,12 +79,22 @@ class Measurement:
     errors: list[str]
     draft_s: float | None = None  # in-process only: time spent drafting / verifying
     verify_s: float | None = None
+    # (TTFT ms, TPOT ms or None) of each finished request, in prompt order: what goodput counts
+    latencies: list[tuple[float | None, float | None]] = field(default_factory=list)
 
     def to_dict(self, texts: bool = False) -> dict[str, Any]:
         d = asdict(self)
         if not texts:
             d.pop("texts")
+        d.pop("latencies")
         return d
+
+    def goodput(self, ttft_ms: float | None, tpot_ms: float | None) -> float:
+        """Finished requests per second whose TTFT and TPOT meet the SLOs (None: no limit), DistServe's
+        goodput; a one-token request has no TPOT and meets that SLO."""
+        good = sum(1 for ft, pt in self.latencies
+                   if ft is not None and (ttft_ms is None or ft <= ttft_ms) and (tpot_ms is None or pt is None or pt <= tpot_ms))
+        return good / self.wall_s if self.wall_s > 0 else 0.0
 
 
 def _pct(values: Sequence[float], q: float) -> float | None:
@@ -106,7 +116,9 @@ def _measurement(records: list[RequestRecord], wall_s: float, concurrency: int, 
         itl_p50_ms=_pct(itl, 50), itl_p90_ms=_pct(itl, 90), itl_p99_ms=_pct(itl, 99),
         tau=tau, accepted_per_pos=accepted_per_pos, n_requests=len(ok), output_tokens=out_tokens,
         wall_s=wall_s, concurrency=concurrency, texts=[r.text for r in records],
-        errors=[f"{r.prompt_id}: {r.error}" for r in records if r.error is not None], **extra)
+        errors=[f"{r.prompt_id}: {r.error}" for r in records if r.error is not None],
+        latencies=[(None if r.ttft_s is None else r.ttft_s * 1e3, None if (t := r.tpot_s) is None else t * 1e3) for r in ok],
+        **extra)
 
 
 # ---------------------------------------------------------------------------------------------

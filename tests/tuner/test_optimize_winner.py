@@ -357,3 +357,39 @@ def test_points_that_differ_only_in_their_bands_are_measured_apart(tmp_path: Pat
     mine = [t for t in study.trials if t.user_attrs.get("spec_json", {}).get("k_per_batch_size")]
     assert [t.user_attrs.get("reused_from") is not None for t in mine][-3:] == [False, False, True]
     assert mine[-1].user_attrs["reused_from"] == mine[-3].number
+
+
+def test_goodput_counts_requests_meeting_both_slos_and_can_rank_the_search(tmp_path: Path) -> None:
+    """Goodput (DistServe): finished requests/s whose TTFT and TPOT meet the SLOs. With
+    search.objective=goodput the trial's speedup is the goodput ratio over the adjacent baseline,
+    a baseline with no good request counting as half a request over its run."""
+    from engine.measure.runner import RequestRecord, _measurement
+    from tuner.search.space import SearchSpace
+    from tuner.study.objective import Objective, Sample
+    from tuner.study.studies import create_study
+
+    recs = [RequestRecord("a", output_tokens=11, ttft_s=0.1, e2e_s=1.1),   # TPOT 100 ms
+            RequestRecord("b", output_tokens=11, ttft_s=0.5, e2e_s=1.5),   # TTFT 500 ms
+            RequestRecord("c", output_tokens=11, ttft_s=0.1, e2e_s=3.1),   # TPOT 300 ms
+            RequestRecord("d", error="boom")]
+    m = _measurement(recs, 2.0, 1, None, [])
+    assert m.goodput(200, 150) == 0.5 and m.goodput(None, None) == 1.5 and m.goodput(600, 400) == 1.5
+    assert "latencies" not in m.to_dict()
+
+    cfg = load_config(["+workload=code", "search=quick", "search.objective=goodput", "search.repeats_max=1"])
+
+    def measure(spec: SpecConfig, split: str, c: int) -> Sample:  # faster, but speculation breaks the TTFT SLO
+        if spec.method == "off":
+            return Sample(10.0, 1.0, 1.0, 1.0, goodput=2.0, wall_s=4.0)
+        return Sample(20.0, 2.0, 1.0, 1.0, goodput=1.0, wall_s=2.0)
+
+    space = SearchSpace.from_config(cfg)
+    study = create_study(cfg, space, tmp_path, "goodput")
+    objective = Objective(study, space, measure, cfg.workload, cfg.search)
+    for _ in range(2):
+        objective.run_one()
+    t = next(t for t in study.trials if t.user_attrs.get("spec_method") == "ngram")
+    assert t.user_attrs["speedup"] == pytest.approx(0.5) and t.user_attrs["goodput"] == 1.0
+    assert t.user_attrs["tok_s"] == 20.0  # tok/s is still recorded
+    assert objective._score(Sample(5.0, goodput=0.0, wall_s=4.0)) == 0.0
+    assert objective._floor(Sample(5.0, goodput=0.0, wall_s=4.0)) == 0.125

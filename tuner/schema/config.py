@@ -257,6 +257,9 @@ class SearchConfig(_Strict):
     ngram_match: list[Literal["bfs", "prob"]] = Field(min_length=1)
     suffix_spec_factor: list[Annotated[float, Field(gt=0, le=16)]] = Field(min_length=1)
     suffix_min_prob: list[Annotated[float, Field(ge=0, le=1)]] = Field(min_length=1)
+    # what the search ranks: output tok/s (speed) or goodput, finished requests/s meeting the
+    # workload's TTFT and TPOT SLOs (DistServe), each as a ratio over the adjacent baseline
+    objective: Literal["speed", "goodput"] = "speed"
     multi_objective: bool
     repeats_min: int = Field(ge=1)
     repeats_max: int = Field(ge=1)

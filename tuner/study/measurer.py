@@ -114,8 +114,10 @@ class Measurer:
             w = self.cfg.workload
             mem = target_draft_memory(target, prompts, w.max_new_tokens, w.chat_template)
             self._draft_mb[key] = None if mem is None else mem["total_mb"]
+        slo = self.cfg.workload.slo
         return Sample(m.output_tokens_per_s, m.tau, m.ttft_p99_ms, m.tpot_p99_ms, self._draft_mb[key],
-                      itl_p50_ms=m.itl_p50_ms, itl_p99_ms=m.itl_p99_ms)
+                      itl_p50_ms=m.itl_p50_ms, itl_p99_ms=m.itl_p99_ms,
+                      goodput=m.goodput(slo.ttft_p99_ms, slo.tpot_p99_ms), wall_s=m.wall_s)
 
 
     def _start_suffix_run(self, split: str) -> None:

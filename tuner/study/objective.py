@@ -43,6 +43,8 @@ class Sample:
     draft_mb: float | None = None  # the drafter's parameters + KV cache (built-in engine), MB
     itl_p50_ms: float | None = None  # inter-token latency (gaps between streamed chunks)
     itl_p99_ms: float | None = None
+    goodput: float | None = None  # finished requests/s meeting the workload's TTFT and TPOT SLOs
+    wall_s: float | None = None  # the run's wall time (goodput's floor: half a request over it)
 
 
 # (spec, split "tune"|"heldout", concurrency) -> Sample. The optimize flow builds it from the
@@ -135,7 +137,8 @@ class Objective:
                 s, b = self.measure_pair(spec, split, r + flip)
             spec_s.append(s)
             base_s.append(b)
-            ratios.append(_geomean([x.tok_s / y.tok_s for x, y in zip(s, b)]) if not is_off else 1.0)
+            ratios.append(_geomean([self._score(x) / max(self._score(y), self._floor(y)) for x, y in zip(s, b)])
+                          if not is_off else 1.0)
             figures = self._figures(spec_s, base_s, ratios)
             if startups is not None:  # server start-ups are never inside a measurement; recorded apart
                 starts, startup = startups()
@@ -161,6 +164,21 @@ class Objective:
                         trial.set_user_attr("repeats_cut", f"search.trial_timeout_s={self.search.trial_timeout_s:g}")
                     break
         return figures
+
+    def _score(self, x: Sample) -> float:
+        """What the search ranks: output tok/s (search.objective=speed) or goodput."""
+        if self.search.objective == "speed":
+            return x.tok_s
+        if x.goodput is None:
+            raise RuntimeError("search.objective=goodput: this engine's measurement carries no per-request latencies")
+        return x.goodput
+
+    def _floor(self, x: Sample) -> float:
+        """The smallest baseline a ratio divides by: a baseline without one good request counts as
+        half a request over its run, so a spec that meets the SLOs is not divided by zero."""
+        if self.search.objective == "speed" or not x.wall_s:
+            return 1e-12
+        return 0.5 / x.wall_s
 
     def _tight(self, xs: list[float]) -> bool:
         return tight(xs, self.search.ci_rel_width)
@@ -188,6 +206,8 @@ class Objective:
             "levels": [{"concurrency": c, "tok_s": statistics.fmean(s[i].tok_s for s in spec_s),
                         "baseline_tok_s": statistics.fmean(b[i].tok_s for b in base_s)}
                        for i, c in enumerate(self.levels)],
+            "goodput": _mean_opt([x.goodput for x in flat]),
+            "baseline_goodput": _mean_opt([y.goodput for b in base_s for y in b]),
         }
 
     def _value(self, figures: dict[str, Any]) -> float:
