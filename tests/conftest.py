@@ -17,3 +17,15 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+TINY = ["model=tiny-random", "spec.method=off"]  # the tiny random Llama every fast engine test runs
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """The built-in engine over the tiny random Llama, speculation off (a module sets its spec)."""
+    from engine.decode.loop import Engine
+    from tuner.schema.compose import load_config
+
+    return Engine.from_config(load_config(TINY))

@@ -23,11 +23,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine.from_config(load_config(["model=tiny-random", "spec.method=off"]))
-
-
-@pytest.fixture(scope="module")
 def prompts(engine: Engine) -> list[list[int]]:
     return [engine.encode_prompt(p, False) for p in PROMPTS]
 

@@ -32,11 +32,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine.from_config(load_config(["model=tiny-random", "spec.method=off"]))
-
-
-@pytest.fixture(scope="module")
 def data(engine: Engine, tmp_path_factory):
     return TM.training_data(load_config(SMALL + [f"cache_dir={tmp_path_factory.mktemp('cache')}"]), engine)
 

@@ -62,11 +62,6 @@ SPECS = [
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine.from_config(load_config(["model=tiny-random", "spec.method=off"]))
-
-
-@pytest.fixture(scope="module")
 def prompts(engine: Engine) -> list[list[int]]:
     """The prompts, then each with its own greedy continuation and itself again appended: a random
     target never repeats itself, so these give the lookups something to match."""

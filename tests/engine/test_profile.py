@@ -48,11 +48,6 @@ class Recorder(Drafter):
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine.from_config(load_config(["model=tiny-random", "spec.method=off"]))
-
-
-@pytest.fixture(scope="module")
 def prompts(engine: Engine) -> list[list[int]]:
     return [engine.encode_prompt(p, True) for p in PROMPTS]
 

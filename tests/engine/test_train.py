@@ -42,11 +42,6 @@ def cfg_of(*extra: str, tmp=None):
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    return Engine.from_config(load_config(["model=tiny-random", "spec.method=off"]))
-
-
-@pytest.fixture(scope="module")
 def prompts(engine: Engine) -> list[list[int]]:
     cfg = cfg_of()
     return [engine.encode_prompt(p.text, True) for p in collect_prompts(cfg.workload, [], cfg.train.prompts, 0)]
