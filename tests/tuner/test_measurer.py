@@ -56,3 +56,12 @@ def test_a_level_plays_at_least_that_many_requests(setup) -> None:
     m.target_for = spy
     m(SpecConfig(method="off"), "tune", 4)
     assert played == [4]
+
+
+def test_a_level_above_max_batch_is_allowed_with_a_line_saying_requests_queue() -> None:
+    from tuner.study.measurer import queue_note
+
+    cfg = load_config(["model=tiny-random", "+workload=code", "workload.concurrency=[1,4,16]", "engine.builtin.max_batch=4"])
+    note = queue_note(cfg)
+    assert note is not None and "[16]" in note and "max_batch=4" in note and "queue" in note
+    assert queue_note(load_config(["model=tiny-random", "+workload=code", "workload.concurrency=[1,4]"])) is None

@@ -130,8 +130,24 @@ class Measurer:
         restore_caches(self.engine.target, self._suffix.get(split, self._suffix["tune"]))
 
 
+def queue_note(cfg: Config) -> str | None:
+    """The line a study on the built-in engine prints when a concurrency level exceeds
+    engine.builtin.max_batch (allowed: the requests beyond it wait for a slot)."""
+    mb = cfg.engine.builtin.max_batch
+    over = [c for c in (cfg.workload.concurrency if cfg.workload else []) if c > mb]
+    if cfg.engine.kind != "builtin" or not over:
+        return None
+    return (f"note: workload.concurrency level(s) {over} exceed engine.builtin.max_batch={mb}: requests beyond "
+            f"{mb} queue until a slot frees (raise engine.builtin.max_batch to decode them together)")
+
+
 def make_measure(engine: Any, cfg: Config, prompts: dict[str, list[Any]]) -> Measurer:
     """The Measurer over the built-in engine in this process."""
+    note = queue_note(cfg)
+    if note:
+        import sys
+
+        print(note, file=sys.stderr)
     return Measurer(engine_target_for(engine, cfg.workload.chat_template), cfg, prompts, engine=engine)
 
 
