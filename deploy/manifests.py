@@ -17,7 +17,7 @@ from kubernetes import client as k
 
 from tuner.schema.fit import builtin_memory_gib, max_model_len, startup_budget_s, tensor_parallel_size
 from tuner.schema.flags import builtin_args, sglang_args, vllm_args
-from deploy.winner import MODEL_DIR, Served, served_spec
+from deploy.winner import MODEL_DIR, Served, WinnerOverride, served_spec
 from tuner.schema.config import BestResult, Config, HardwareConfig, UserError
 
 PORT_NAME = "http"
@@ -43,15 +43,26 @@ class Plan:
     startup_s: int
 
 
-def plan(cfg: Config, best: BestResult | None) -> Plan:
-    """Resolve spec, tensor parallel size (fit check), context length and the engine command line."""
+def plan(cfg: Config, best: BestResult | None, override: WinnerOverride | None = None) -> Plan:
+    """Resolve spec, tensor parallel size (fit check), context length and the engine command line
+    (`override`: the winner with spec.* overrides, deploy.winner.served_spec)."""
     d, m = cfg.deploy, cfg.model
     if d.hpa.enabled and d.hpa.min_replicas > d.hpa.max_replicas:
         raise UserError(f"deploy.hpa.min_replicas={d.hpa.min_replicas} > deploy.hpa.max_replicas={d.hpa.max_replicas}")
+    # With an HPA, deploy.replicas is its floor: a floor it cannot keep is refused, not adjusted.
+    # Without one the Deployment carries the count as given (0: rendered with no pods).
+    if d.hpa.enabled and d.replicas == 0:
+        raise UserError(f"deploy.replicas=0 with deploy.hpa.enabled=true: the HPA keeps at least "
+                        f"deploy.hpa.min_replicas={d.hpa.min_replicas} pod(s); for a Deployment with no pods set "
+                        "deploy.hpa.enabled=false, else give deploy.replicas >= 1")
+    if d.hpa.enabled and d.replicas > d.hpa.max_replicas:
+        raise UserError(f"deploy.replicas={d.replicas} exceeds deploy.hpa.max_replicas={d.hpa.max_replicas} (with an "
+                        f"HPA deploy.replicas is its floor): raise deploy.hpa.max_replicas to at least {d.replicas}, "
+                        "or set deploy.hpa.enabled=false for a fixed count")
     if d.target != "builtin" and cfg.hardware.accelerator != "cuda":
         raise UserError(f"deploy={d.target} with hardware={cfg.hardware.name}: a GPU target needs a cuda hardware profile "
                         "(or render deploy=builtin for CPU clusters)")
-    served = served_spec(cfg, best)
+    served = served_spec(cfg, best, override)
     # The built-in server runs on CPU nodes without tensor parallelism.
     tp = 1 if d.target == "builtin" else tensor_parallel_size(m, cfg.hardware, d)
     max_len = max_model_len(m, cfg.hardware, d, tp)
@@ -256,10 +267,10 @@ def deployment(p: Plan, config_hash: str) -> k.V1Deployment:
 
 
 def hpa_bounds(p: Plan) -> tuple[int, int]:
-    """HPA min/max replicas: deploy.replicas is a floor (e.g. a CI override `deploy.replicas=3`)."""
+    """HPA min/max replicas: deploy.replicas is a floor (e.g. a CI override `deploy.replicas=3`), at
+    most deploy.hpa.max_replicas (plan() refuses a higher one)."""
     h = p.cfg.deploy.hpa
-    lo = max(h.min_replicas, p.cfg.deploy.replicas)
-    return lo, max(h.max_replicas, lo)
+    return max(h.min_replicas, p.cfg.deploy.replicas), h.max_replicas
 
 
 def _max_pods(p: Plan) -> int:
@@ -281,9 +292,10 @@ def service_monitor(p: Plan) -> dict:
     }
 
 
-def build(cfg: Config, best: BestResult | None = None) -> tuple[Plan, list[tuple[str, dict]]]:
+def build(cfg: Config, best: BestResult | None = None,
+          override: WinnerOverride | None = None) -> tuple[Plan, list[tuple[str, dict]]]:
     """All documents for cfg.deploy.target, in apply order, as (file name, camelCase dict)."""
-    p = plan(cfg, best)
+    p = plan(cfg, best, override)
     d = cfg.deploy
     api = k.ApiClient()
     data = configmap_data(p)

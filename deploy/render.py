@@ -12,6 +12,7 @@ import yaml
 from pydantic import ValidationError
 
 from deploy.manifests import Plan, build
+from deploy.winner import WinnerOverride
 from tuner.schema.config import BestResult, Config, UserError
 
 HEADER = "# Rendered by `tuner render` (spectune). Change the config and re-render rather than editing.\n"
@@ -50,10 +51,12 @@ def kustomization(files: list[str]) -> dict:
     return {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": files}
 
 
-def render(cfg: Config, best: BestResult | None, out: Path) -> tuple[Plan, list[Path]]:
+def render(cfg: Config, best: BestResult | None, out: Path,
+           override: WinnerOverride | None = None) -> tuple[Plan, list[Path]]:
     """Build and write all manifests into `out` (created). Files an earlier render wrote that this
-    one does not (e.g. hpa.yaml after deploy.hpa.enabled=false) are removed; other files are kept."""
-    p, docs = build(cfg, best)
+    one does not (e.g. hpa.yaml after deploy.hpa.enabled=false) are removed; other files are kept.
+    `override`: serve the winner with spec.* overrides applied (deploy.winner.served_spec)."""
+    p, docs = build(cfg, best, override)
     return p, write_docs(docs, out)
 
 

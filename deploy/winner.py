@@ -38,10 +38,24 @@ def _is_local(ref: str) -> bool:
     return ref.startswith(("/", "./", "../", "~"))
 
 
-def served_spec(cfg: Config, best: BestResult | None) -> Served:
-    """Resolve the spec to serve for cfg.deploy.target from best.yaml (or cfg.spec without one)."""
+@dataclass(frozen=True)
+class WinnerOverride:
+    """`tuner render --from RUN spec.depth=5`: the winner (and its best chain, while it stays one)
+    with the command line's spec.* overrides applied (tuner.run.rundir.winner_override)."""
+
+    spec: SpecConfig
+    chain: SpecConfig | None
+    given: tuple[str, ...]
+
+
+def served_spec(cfg: Config, best: BestResult | None, override: WinnerOverride | None = None) -> Served:
+    """Resolve the spec to serve for cfg.deploy.target from best.yaml (or cfg.spec without one);
+    `override`: the winner with spec.* overrides applied, served instead (and said so in a note)."""
     tuned = best.spec if best is not None else cfg.spec
-    spec, notes = tuned, []
+    spec, notes = (override.spec if override is not None else tuned), []
+    if override is not None:
+        notes.append(f"{' '.join(override.given)} on top of the winner '{tuned.key()}': serving '{spec.key()}' "
+                     "(not measured: re-measure to confirm the speedup)")
     target, model = cfg.deploy.target, cfg.model
     pj = best.projection if best is not None else None
     if pj is not None:
@@ -53,7 +67,10 @@ def served_spec(cfg: Config, best: BestResult | None) -> Served:
                      "--projected for the configuration its acceptance profile predicts there)")
 
     if target == "vllm" and spec.method != "off" and spec.topk != 1:
-        chain = best.chain_spec if best is not None else None
+        chain = override.chain if override is not None else best.chain_spec if best is not None else None
+        if chain is None and override is not None:
+            raise UserError(f"{' '.join(override.given)}: '{spec.key()}' is a tree (topk={spec.topk}) and vLLM "
+                            "verifies chains only: give spec.topk=1 (or render deploy=sglang)")
         if chain is None:
             raise UserError(
                 f"winner '{spec.key()}' is a tree (topk={spec.topk}) and vLLM verifies chains only; "

@@ -399,9 +399,10 @@ def test_rerender_removes_files_it_no_longer_writes(tmp_path: Path) -> None:
 
 
 def test_builtin_memory_fit_and_dtype(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    assert main(["render", "model=llama-3.1-8b-instruct", "--out", str(tmp_path / "a")]) == 2
+    # (a 40 GiB host holds the built-in engine's fp32 load, 30 GiB: the server's ~46 GiB is the refusal)
+    assert main(["render", "model=llama-3.1-8b-instruct", "hardware.memory_gib=40", "--out", str(tmp_path / "a")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "needs ~46 GiB of memory on the built-in server" in err[0] and "has 24 GiB" in err[0]
+    assert len(err) == 1 and "needs ~46 GiB of memory on the built-in server" in err[0] and "has 40 GiB" in err[0]
     # The engine's dtype / FP8 emulation travel to the pod (acceptance was measured under them).
     p, _ = render(load_config(["engine.builtin.dtype=bfloat16", "engine.builtin.fp8_weights=true"]), None, tmp_path / "b")
     assert "engine.builtin.dtype=bfloat16" in p.args and "engine.builtin.fp8_weights=true" in p.args
@@ -462,3 +463,77 @@ def test_render_without_out_names_the_directory_it_wrote(tmp_path: Path, monkeyp
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and out[0].startswith(f"rendered 9 files into {tmp_path / 'runs' / 'k8s'} (default --out; ")
     assert (tmp_path / "runs" / "k8s" / "kustomization.yaml").is_file()
+
+
+def _run(tmp_path: Path, overrides: list[str], best: BestResult) -> Path:
+    run = tmp_path / "run"
+    save_config(load_config(overrides), run / "config.yaml")
+    (run / "best.yaml").write_text(yaml.safe_dump(best.model_dump(mode="json")))
+    return run
+
+
+def test_render_from_run_applies_spec_overrides_to_the_winner(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Issue 25: `tuner render --from RUN spec.depth=5` serves the run's winner with the override
+    applied (a chain's budget follows its depth), says so in a note, and keeps the measured winner
+    as tuned_spec; on vLLM a tree winner's best chain takes the same override."""
+    run = _run(tmp_path, [], _best(SpecConfig(method="ngram", depth=3, topk=1, budget=4), None,
+                                   "smollm2-135m", "cpu", "builtin"))
+    assert main(["render", "--from", str(run), "spec.depth=5", "--out", str(tmp_path / "o")]) == 0
+    captured = capsys.readouterr()
+    assert "spec 'ngram d5 k1 b6'" in captured.out
+    notes = [ln for ln in captured.err.splitlines() if ln.startswith("note:")]
+    assert notes == ["note: spec.depth=5 on top of the winner 'ngram d3 k1 b4': serving 'ngram d5 k1 b6' "
+                     "(not measured: re-measure to confirm the speedup)"]
+    data = _docs(tmp_path / "o")["configmap.yaml"]["data"]
+    served = yaml.safe_load(data["served.yaml"])
+    assert data["spec"] == "ngram d5 k1 b6" and served["tuned_spec"]["depth"] == 3
+    assert served["spec"]["depth"] == 5 and "spec.depth=5" in _container(tmp_path / "o")["args"]
+
+    _, tree = CASES["vllm-h200x1"]
+    run = _run(tmp_path / "t", ["model=llama-3.1-8b-instruct", "hardware=h200x1"], tree)
+    assert main(["render", "--from", str(run), "deploy=vllm", "spec.depth=6", "--out", str(tmp_path / "v")]) == 0
+    assert "spec 'eagle3 d6 k1 b7'" in capsys.readouterr().out
+    assert json.loads(_opt(_container(tmp_path / "v")["args"], "--speculative-config"))["num_speculative_tokens"] == 6
+    # an override that leaves a tree for vLLM, or meets --projected, is refused in one line
+    for args, needle in ((["deploy=vllm", "spec.topk=4"], "spec.topk=4: 'eagle3 d5 k4 b8' is a tree (topk=4) and vLLM "
+                                                          "verifies chains only: give spec.topk=1"),
+                         (["hardware=h100x8", "spec.depth=4", "--projected"], "spec.depth=4 with --projected")):
+        assert main(["render", "--from", str(run), *args, "--out", str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--from", "{tmp}"], "got --from"),
+    (["--projected"], "got --projected"),
+    (["--out", "{tmp}/o"], "got --out"),
+    (["deploy=vllm"], "got deploy=vllm"),
+])
+def test_check_refuses_what_it_cannot_honour(args: list[str], needle: str, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture) -> None:
+    """Issue 25: --check validates a directory for deploy.k8s_version; --from, --projected, --out or
+    another override would be dropped, so each is refused in one line."""
+    render(load_config([]), None, tmp_path / "k8s")
+    assert main(["render", "--check", str(tmp_path / "k8s"), *(a.replace("{tmp}", str(tmp_path)) for a in args)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --check {tmp_path / 'k8s'} validates existing manifests")
+    assert needle in err[0] and not (tmp_path / "o").exists()
+    assert main(["render", "--check", str(tmp_path / "k8s"), "deploy.k8s_version=1.29"]) == 0
+
+
+def test_replicas_the_hpa_cannot_keep_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Issue 25: with an HPA, deploy.replicas is its floor: 0, or more than deploy.hpa.max_replicas,
+    is refused in one line (it was silently raised to 1 / raised the max). Without an HPA, 0 renders
+    a Deployment with no pods, as asked."""
+    for replicas, needle in ((0, "deploy.replicas=0 with deploy.hpa.enabled=true"),
+                             (6, "deploy.replicas=6 exceeds deploy.hpa.max_replicas=4")):
+        assert main(["render", f"deploy.replicas={replicas}", "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err
+    assert not (tmp_path / "o").exists()
+    assert main(["render", "deploy.replicas=4", "--out", str(tmp_path / "four")]) == 0
+    assert _docs(tmp_path / "four")["hpa.yaml"]["spec"]["minReplicas"] == 4
+    assert _docs(tmp_path / "four")["hpa.yaml"]["spec"]["maxReplicas"] == 4
+    assert main(["render", "deploy.replicas=0", "deploy.hpa.enabled=false", "--out", str(tmp_path / "zero")]) == 0
+    assert _docs(tmp_path / "zero")["deployment.yaml"]["spec"]["replicas"] == 0

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from tuner.schema.config import UserError
+from tuner.cli.help import examples
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
@@ -16,6 +17,13 @@ def _cmd_render(args: argparse.Namespace) -> int:
 
     out = out_arg(args.out)
     if args.check is not None:
+        # --check validates what is there: a flag that would shape a render has nothing to act on
+        extra = [f for f, on in (("--from", args.run_dir is not None), ("--projected", args.projected),
+                                  ("--out", out is not None)) if on]
+        extra += [o for o in args.overrides if o.split("=", 1)[0].lstrip("+~") != "deploy.k8s_version"]
+        if extra:
+            raise UserError(f"--check {args.check} validates existing manifests and takes only deploy.k8s_version=X; "
+                            f"got {' '.join(extra)} (render first, then --check the directory)")
         version = load_config(args.overrides).deploy.k8s_version
         errors = check_dir(args.check, version)
         for line in errors:
@@ -66,9 +74,17 @@ def _cmd_apply(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `render` and `apply` to the `tuner` command line."""
-    r = sub.add_parser("render", help="render the winner into Kubernetes manifests (or --check existing ones)")
+    r = sub.add_parser("render", help="render the winner into Kubernetes manifests (or --check existing ones)",
+                       **examples(
+                           "tuner render --from runs/STUDY  # the run's winner into runs/STUDY/k8s",
+                           "tuner render --from runs/STUDY deploy=vllm hardware=h100x8 --out k8s/prod",
+                           "tuner render --from runs/STUDY spec.depth=5  # the winner at depth 5 (not measured: said so)",
+                           "tuner render --check k8s/prod deploy.k8s_version=1.29",
+                       ))
     r.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. deploy=sglang hardware=h100x8 deploy.replicas=3")
-    r.add_argument("--from", dest="run_dir", type=Path, help="run directory holding best.yaml and config.yaml")
+    r.add_argument("--from", dest="run_dir", type=Path, help="run directory holding best.yaml and config.yaml: overrides "
+                                                            "apply on top of its config.yaml, spec.* ones on top of "
+                                                            "its winner (served with a note: not measured)")
     r.add_argument("--out", help="output directory, created if missing (default: RUN/k8s with --from RUN, "
                                  "else <run_dir>/k8s, i.e. ./runs/k8s)")
     r.add_argument("--projected", action="store_true",
@@ -81,7 +97,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="validate the manifests in DIR strictly for deploy.k8s_version instead of rendering")
     r.set_defaults(func=_cmd_render)
 
-    a = sub.add_parser("apply", help="server-side apply rendered manifests (fieldManager=spectune)")
+    a = sub.add_parser("apply", help="server-side apply rendered manifests (fieldManager=spectune)",
+                       **examples(
+                           "tuner apply runs/STUDY/k8s --dry-run",
+                           "tuner apply k8s/prod --context prod-cluster",
+                       ))
     a.add_argument("dir", type=Path, help="directory of rendered manifests (e.g. RUN_DIR/k8s)")
     a.add_argument("--dry-run", action="store_true", help="server-side dry run (dryRun=All): nothing is changed")
     a.add_argument("--kubeconfig", help="kubeconfig file (default $KUBECONFIG or ~/.kube/config)")

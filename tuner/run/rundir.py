@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from tuner.schema.compose import apply_overrides, load_config, load_saved_config, require_workload, save_config
-from tuner.schema.config import BestResult, Config, UserError
+from tuner.schema.config import BestResult, Config, SpecConfig, UserError
 from tuner.study.storage import mask_url, open_storage, storage_url
 from tuner.study.studies import default_study_name
 
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import optuna
 
     from deploy.manifests import Plan
+    from deploy.winner import WinnerOverride
 
 CONFIG_FILE = "config.yaml"
 
@@ -59,13 +60,43 @@ def render_run(run_dir: Path, overrides: Sequence[str] = (), out: Path | None = 
     from deploy.render import load_best, render
 
     cfg = config_for_run(run_dir, list(overrides))
+    given = spec_overrides(overrides)
     if projected:
         from tuner.projection.projector import projected_best
 
+        if given:
+            raise UserError(f"{' '.join(given)} with --projected: the projection picks the spec from RUN's profile; "
+                            "drop --projected to serve the measured winner with these changes, or drop the spec.* "
+                            "overrides")
         best: BestResult = projected_best(cfg, run_dir)
-    else:
-        best = load_best(run_dir / "best.yaml")
-    return render(cfg, best, out or run_dir / "k8s")
+        return render(cfg, best, out or run_dir / "k8s")
+    best = load_best(run_dir / "best.yaml")
+    return render(cfg, best, out or run_dir / "k8s", winner_override(run_dir, best, given) if given else None)
+
+
+def spec_overrides(overrides: Sequence[str]) -> list[str]:
+    """The overrides that change the spec (`spec.depth=5`, `spec=...`, `~spec.head_path`)."""
+    return [o for o in overrides if o.split("=", 1)[0].lstrip("+~").split(".")[0] == "spec"]
+
+
+def winner_override(run_dir: Path, best: BestResult, given: Sequence[str]) -> WinnerOverride:
+    """The run's winner with the spec.* overrides `given` applied, exactly as apply_overrides applies
+    them to a saved spec (a chain's budget follows a new depth); its best chain likewise, while the
+    overrides leave it a chain (a vLLM render serves it for a tree)."""
+    import copy
+
+    from deploy.winner import WinnerOverride
+
+    saved = yaml.safe_load((run_dir / CONFIG_FILE).read_text())
+
+    def applied(spec: SpecConfig) -> SpecConfig:
+        raw = copy.deepcopy(saved)
+        raw["spec"] = spec.model_dump(mode="json")
+        return apply_overrides(raw, list(given)).spec
+
+    chain = applied(best.chain_spec) if best.chain_spec is not None else None
+    return WinnerOverride(spec=applied(best.spec), chain=chain if chain is not None and chain.topk == 1 else None,
+                          given=tuple(given))
 
 
 def write_run(study: optuna.Study, cfg: Config, run_dir: Path, best: BestResult) -> None:
