@@ -3,7 +3,8 @@
 Optuna's storage coordinates the workers; Kubernetes only runs them:
 
 - PostgreSQL: a StatefulSet (its volume from a volumeClaimTemplate) behind a headless Service, or
-  none when `distributed.external_url_secret` names a Secret holding an existing database's URL;
+  none when `distributed.external_url_secret` names a Secret holding an existing database's URL,
+  or `search.storage=postgresql://USER@HOST/DB` names one (its password from distributed.db_secret);
 - a Job creating the study (`tuner optimize --create-only` with the render's overrides);
 - an Indexed Job of `search.workers` workers (`tuner optimize --worker`), each with the GPUs one
   serving replica gets on the selected hardware, its node selector and toleration;
@@ -51,11 +52,21 @@ def _names(cfg: Config) -> dict[str, str]:
             "results": f"{n}-results"}
 
 
+def user_database(cfg: Config) -> str | None:
+    """The user's own database, `search.storage=postgresql://USER@HOST/DB` (no password: the pods read
+    PGPASSWORD from the `password` key of distributed.db_secret); None: another storage value, such
+    as the `env` tuner.cli.cluster.tuner_config assumes when none is given."""
+    url = cfg.search.storage
+    return url if url is not None and url.startswith("postgresql") else None
+
+
 def storage_value(cfg: Config) -> str:
     """search.storage as the pods give it: no password; `$(VAR)` is expanded by Kubernetes from the
     container's env (the user and database names from the Secret)."""
     if cfg.distributed.external_url_secret is not None:
         return "env"
+    if user_database(cfg) is not None:
+        return user_database(cfg)  # type: ignore[return-value]
     return f"postgresql://$(PGUSER)@{_names(cfg)['db']}:{DB_PORT}/$(PGDATABASE)"
 
 
@@ -69,6 +80,8 @@ def db_env(cfg: Config) -> list[k.V1EnvVar]:
     ext = cfg.distributed.external_url_secret
     if ext is not None:
         return [_secret_env(STORAGE_ENV, ext.name, ext.key)]
+    if user_database(cfg) is not None:  # the user and database are in the URL; only the password is secret
+        return [_secret_env("PGPASSWORD", cfg.distributed.db_secret, "password")]
     return [_secret_env(libpq, cfg.distributed.db_secret, key) for key, (_, libpq) in SECRET_KEYS.items()]
 
 
@@ -257,7 +270,7 @@ def build(cfg: Config, overrides: list[str]) -> list[tuple[str, dict]]:
         ("namespace.yaml", k.V1Namespace(api_version="v1", kind="Namespace", metadata=k.V1ObjectMeta(
             name=dc.namespace, labels={"app.kubernetes.io/managed-by": FIELD_MANAGER}))),
     ]
-    if dc.external_url_secret is None:
+    if dc.external_url_secret is None and user_database(cfg) is None:
         objs += database(cfg)
     objs += [("results-pvc.yaml", results), ("create-study-job.yaml", create), ("workers-job.yaml", workers),
              ("report-job.yaml", report)]

@@ -195,3 +195,35 @@ def test_workers_use_the_image_of_their_engine() -> None:
     assert {cpu["image"], gpu["image"], vllm["image"]} <= set(tags)
     with pytest.raises(UserError, match="render-tuner engine=sglang: no tuner worker image"):
         _docs([*GPU, "engine=sglang", "spec.method=eagle", "search.methods=[eagle]"])
+
+
+def test_users_database_url_is_what_the_pods_use(tmp_path: Path, capsys) -> None:
+    """Issue 25: `search.storage=postgresql://USER@HOST/DB` was replaced by the in-cluster database
+    without a word. Now every pod uses the user's URL (its password from the db Secret's `password`
+    key, by reference) and no PostgreSQL is rendered; a storage pods cannot share, or two databases,
+    is refused in one line."""
+    url = "postgresql://tuner@db.example.com:5432/optuna"
+    overrides = [*GPU, f"search.storage={url}"]
+    docs = _docs(overrides)
+    assert "db-statefulset.yaml" not in docs and "db-service.yaml" not in docs
+    assert check_docs(list(docs.items()), "1.33") == []
+    for name, pod in _pods(docs).items():
+        for c in _containers(pod):
+            args = c["args"]
+            assert (f"search.storage={url}" in args) or (args[args.index("--storage") + 1] == url), (name, args)
+            env = {e["name"]: e for e in c.get("env", [])}
+            assert env["PGPASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "spectune-tuner-db", "key": "password"}
+            assert "PGUSER" not in env and "value" not in env["PGPASSWORD"]
+    create = docs["create-study-job.yaml"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert load_config(create[2:]).search.storage == url
+    assert main(["render-tuner", *overrides, "--out", str(tmp_path / "o")]) == 0
+    assert f"external database {url} (password from Secret spectune-tuner-db, key password)" in capsys.readouterr().out
+    for bad, needle in (("search.storage=journal:/runs/j.log", "search.storage=journal:/runs/j.log: the workers are "
+                                                                "pods on several nodes and share a database, not a file"),
+                        ("search.storage=env", "search.storage=env: the pods read SPECTUNE_STORAGE_URL from a Secret"),
+                        (f"search.storage={url}", "two databases")):
+        extra = ["distributed.external_url_secret={name: tuner-db-url, key: url}"] if "two" in needle else []
+        assert main(["render-tuner", *GPU, bad, *extra, "--out", str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err
+    assert not (tmp_path / "x").exists()

@@ -7,7 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from tuner.schema.config import Config
+from tuner.schema.config import Config, UserError
+from tuner.cli.help import examples
 
 DEFAULT_OUT = Path("k8s/tuner")
 HEADER = "# Rendered by `tuner render-tuner` (spectune). Change the config and re-render rather than editing.\n"
@@ -15,11 +16,33 @@ HEADER = "# Rendered by `tuner render-tuner` (spectune). Change the config and r
 
 def tuner_config(overrides: list[str]) -> Config:
     """The config a render describes. Its storage is the pods' business (set in their arguments),
-    so one is assumed here when the overrides give none (search.workers>1 requires one)."""
+    so one is assumed here when the overrides give none (search.workers>1 requires one). A given
+    search.storage=postgresql://USER@HOST/DB is the database the pods use (no PostgreSQL is
+    rendered); a storage the pods cannot share, or a second database, is refused in one line."""
     from tuner.schema.compose import load_config
 
     given = any(o.lstrip("+~").startswith("search.storage=") for o in overrides)
-    return load_config(overrides if given else [*overrides, "search.storage=env"])
+    cfg = load_config(overrides if given else [*overrides, "search.storage=env"])
+    if given:
+        check_storage(cfg)
+    return cfg
+
+
+def check_storage(cfg: Config) -> None:
+    """A search.storage the render's pods can use, or a UserError naming what is allowed."""
+    url, ext = cfg.search.storage or "", cfg.distributed.external_url_secret
+    ways = ("search.storage=postgresql://USER@HOST/DB (password from the Secret distributed.db_secret, key password), "
+            "distributed.external_url_secret={name: NAME, key: KEY} (a Secret holding the whole URL), or neither "
+            "(an in-cluster PostgreSQL)")
+    if url.startswith("postgresql") and ext is not None:
+        raise UserError(f"search.storage={url} and distributed.external_url_secret={ext.name}: two databases; "
+                        "give one of them")
+    if url == "env" and ext is None:
+        raise UserError("search.storage=env: the pods read SPECTUNE_STORAGE_URL from a Secret: name it with "
+                        f"distributed.external_url_secret={{name: NAME, key: KEY}}; allowed: {ways}")
+    if url != "env" and not url.startswith("postgresql"):
+        raise UserError(f"search.storage={url or 'null'}: the workers are pods on several nodes and share a database, not a "
+                        f"file; allowed: {ways}")
 
 
 def render_tuner(overrides: list[str], out: Path) -> tuple[list[Path], list[str]]:
@@ -35,7 +58,7 @@ def render_tuner(overrides: list[str], out: Path) -> tuple[list[Path], list[str]
 
 def _cmd_render_tuner(args: argparse.Namespace) -> int:
     from deploy.render import out_arg
-    from deploy.tuner_manifests import study_name, worker_gpus
+    from deploy.tuner_manifests import study_name, user_database, worker_gpus
 
     out = out_arg(args.out)
     assert out is not None  # --out has a default
@@ -44,7 +67,9 @@ def _cmd_render_tuner(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr)
     cfg = tuner_config(args.overrides)
     db = (f"external database (Secret {cfg.distributed.external_url_secret.name})"
-          if cfg.distributed.external_url_secret else f"PostgreSQL (Secret {cfg.distributed.db_secret})")
+          if cfg.distributed.external_url_secret
+          else f"external database {user_database(cfg)} (password from Secret {cfg.distributed.db_secret}, key password)"
+          if user_database(cfg) else f"PostgreSQL (Secret {cfg.distributed.db_secret})")
     print(f"rendered {len(files)} files into {out}: study {study_name(cfg)}, {cfg.search.workers} worker(s) x "
           f"{worker_gpus(cfg)} GPU(s) on {cfg.hardware.name}, {db}, Kubernetes {cfg.deploy.k8s_version}"
           f"{', INVALID' if errors else ', valid'}")
@@ -65,12 +90,23 @@ def _cmd_wait_storage(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `render-tuner` and `wait-storage` to the `tuner` command line."""
     r = sub.add_parser("render-tuner", help="render the Kubernetes objects of a distributed study: PostgreSQL, "
-                                            "a study-creator Job, an Indexed Job of workers, a report Job")
-    r.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +workload=code hardware=h200x1 search.workers=4")
+                                            "a study-creator Job, an Indexed Job of workers, a report Job",
+                       **examples(
+                           "tuner render-tuner +workload=code hardware=h200x1 search.workers=4",
+                           "tuner render-tuner +workload=code search.workers=4 search.storage=postgresql://tuner@db.example/optuna",
+                           "tuner render-tuner +workload=chat 'distributed.external_url_secret={name: tuner-db-url, key: url}' --out k8s/chat",
+                       ))
+    r.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +workload=code hardware=h200x1 search.workers=4 "
+                                                   "(search.storage=postgresql://USER@HOST/DB: that database instead "
+                                                   "of an in-cluster PostgreSQL)")
     r.add_argument("--out", default=str(DEFAULT_OUT), help=f"output directory, created if missing (default {DEFAULT_OUT})")
     r.set_defaults(func=_cmd_render_tuner)
 
-    w = sub.add_parser("wait-storage", help="wait until a study storage answers (and a study exists)")
+    w = sub.add_parser("wait-storage", help="wait until a study storage answers (and a study exists)",
+                       **examples(
+                           "tuner wait-storage --storage env --study code-smollm2-135m-builtin",
+                           "tuner wait-storage --storage postgresql://tuner@db:5432/optuna --timeout 120",
+                       ))
     w.add_argument("--storage", required=True, help="postgresql://USER@HOST/DB (password from PGPASSWORD), "
                                                     "env (SPECTUNE_STORAGE_URL) or journal:PATH")
     w.add_argument("--study", help="also wait until this study exists")
