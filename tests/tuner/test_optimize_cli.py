@@ -79,3 +79,20 @@ def test_bench_and_serve_never_draft_with_an_untrained_head(tmp_path, capsys) ->
     given = load_config([*over, f"spec.head_path={tmp_path / 'mine'}"])
     assert spec_with_trained_draft(given).head_path == str(tmp_path / "mine")
     assert spec_with_trained_draft(load_config(["spec.method=ngram"])).head_path is None
+
+
+def test_report_out_writes_the_report_there_and_leaves_the_run(tmp_path: Path, capsys) -> None:
+    """Issue 25: `tuner report RUN --out DIR` writes trials.csv, the figures and report.html into DIR
+    (the run directory is only read); --wait, which only a shared study has, is refused for RUN."""
+    run_dir = _run_dir(tmp_path)
+    before = sorted(p.name for p in run_dir.iterdir())
+    out = tmp_path / "elsewhere" / "report"
+    assert main(["report", str(run_dir), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out / "report.html")
+    assert (out / "report.html").is_file() and (out / "trials.csv").read_text().count("\n") == 3
+    assert sorted(p.name for p in run_dir.iterdir()) == before
+    (tmp_path / "afile").write_text("x")
+    assert main(["report", str(run_dir), "--out", str(tmp_path / "afile")]) == 2
+    assert main(["report", str(run_dir), "--wait", "5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "is an existing file" in err[0] and err[1].startswith("error: --wait 5 is for a shared study")

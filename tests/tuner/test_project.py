@@ -166,3 +166,23 @@ def test_a_step_cost_is_averaged_over_the_tokens_steps_verify() -> None:
     mean = cm.predict(m, spec, 2.0, 1, 128, 5.0)
     assert mean.verify_s == pytest.approx(0.020 + 0.006 * 3 / 6)
     assert cm.predict(m, spec, 2.0, 1, 128).verify_s == pytest.approx(0.027)  # no profile: the budget
+
+
+# Issue 25: every input is honoured or refused in one line (no run needed: refused before anything loads).
+@pytest.mark.parametrize("args,needle", [
+    (["--tau", "3", "--acceptance-file", "{tmp}/acc.yaml"], "--tau and --acceptance-file: two sources of acceptance"),
+    (["--tau", "3", "--profile", "{tmp}/profile.json"], "--tau and --profile: two sources of acceptance"),
+    (["--acceptance-file", "{tmp}/acc.yaml", "--profile", "{tmp}/profile.json"],
+     "--acceptance-file and --profile: two sources"),
+    (["--tau", "3", "--context", "-5"], "--context -5: KV context tokens per sequence, must be >= 1"),
+    (["--tau", "3", "--context", "0"], "--context 0: KV context tokens per sequence, must be >= 1"),
+])
+def test_conflicting_or_out_of_range_input_is_refused(tmp_path, capsys, args, needle) -> None:
+    (tmp_path / "acc.yaml").write_text(yaml.safe_dump([{"method": "ngram", "depth": 3, "topk": 1, "budget": 4,
+                                                        "tau": 2.5}]))
+    rc = main(["project", "hardware=h100x8", "spec.method=ngram", *[a.replace("{tmp}", str(tmp_path)) for a in args],
+               "--out", str(tmp_path / "o")])
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and needle in lines[0], captured.err
+    assert captured.out == "" and not (tmp_path / "o").exists()

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from tuner.schema.config import UserError
+from tuner.cli.help import examples
 
 
 def _cmd_optimize(args: argparse.Namespace) -> int:
@@ -29,18 +30,23 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from tuner.report.figures import write_report
+    from deploy.render import make_out_dir, out_arg
+    from tuner.report.figures import read_best, write_report
     from tuner.run.rundir import open_run_study, run_dir_of
 
+    out = out_arg(args.out)
     if args.storage or args.study:  # a shared study, read from its storage (tuner.run.distributed)
         from tuner.run.distributed import report_from_storage
 
         if not (args.storage and args.study) or args.run_dir:
             raise UserError("tuner report takes RUN_DIR, or --storage URL with --study NAME")
-        print(report_from_storage(args.storage, args.study, args.out, args.wait))
+        print(report_from_storage(args.storage, args.study, out, args.wait))
         return 0
     if args.run_dir is None:
         raise UserError("tuner report takes RUN_DIR, or --storage URL with --study NAME")
+    if args.wait is not None:  # a run directory's study is read as it stands: nothing to wait for
+        raise UserError(f"--wait {args.wait:g} is for a shared study (--storage URL --study NAME); "
+                        f"tuner report {args.run_dir} reports the run as it stands")
     run_dir = run_dir_of(args.run_dir)
     from tuner.run.distributed import is_distributed_run, report_from_storage
 
@@ -48,7 +54,13 @@ def _cmd_report(args: argparse.Namespace) -> int:
         from tuner.schema.compose import load_saved_config
 
         search = load_saved_config(run_dir / "config.yaml").search
-        print(report_from_storage(search.storage, search.study_name, args.out or run_dir))
+        print(report_from_storage(search.storage, search.study_name, out or run_dir))
+        return 0
+    # --out: trials.csv, the figures, report.html (and a copy of best.yaml) there; the run is only read
+    if out is not None:
+        make_out_dir(out)
+        write_report(open_run_study(run_dir), out, read_best(run_dir / "best.yaml"))
+        print(out / "report.html")
         return 0
     write_report(open_run_study(run_dir), run_dir)
     print(run_dir / "report.html")
@@ -81,7 +93,12 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     """Add optimize, report and dashboard to the `tuner` parser."""
     o = sub.add_parser("optimize", help="search depth, top-k and draft budget against the live engine; "
-                                        "prints the run directory last")
+                                        "prints the run directory last",
+                       **examples(
+                           "tuner optimize +workload=code",
+                           "tuner optimize +workload=chat search=quick model=llama-3.1-8b-instruct hardware=h200x1 engine=vllm",
+                           "tuner optimize --resume runs/STUDY  # continue after an interruption",
+                       ))
     o.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +workload=code search=quick")
     o.add_argument("--resume", metavar="RUN_DIR", help="continue the study of RUN_DIR after an interruption")
     o.add_argument("--quiet", action="store_true", help="no live progress, only the run directory")
@@ -94,18 +111,27 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     r = sub.add_parser("report", help="re-render trials.csv, the PNGs and report.html of a run directory; for a "
                                     "shared study (--storage/--study, or a worker's run dir) also best.yaml and "
-                                    "the manifests")
+                                    "the manifests",
+                       **examples(
+                           "tuner report runs/STUDY",
+                           "tuner report runs/STUDY --out reports/STUDY  # the report into another directory",
+                           "tuner report --storage env --study code-smollm2-135m-builtin --out results/",
+                       ))
     r.add_argument("run_dir", metavar="RUN_DIR", nargs="?")
     r.add_argument("--storage", help="a shared study's storage: postgresql://USER@HOST/DB (password from "
                                      "PGPASSWORD), env (SPECTUNE_STORAGE_URL) or journal:PATH")
     r.add_argument("--study", help="the shared study's name (with --storage)")
-    r.add_argument("--out", type=Path, help="directory for best.yaml, the report and manifests "
-                                            "(default RUN_DIR, or <run_dir>/<study>)")
+    r.add_argument("--out", help="directory for best.yaml, the report and manifests, created if missing "
+                                 "(default RUN_DIR, or <run_dir>/<study>)")
     r.add_argument("--wait", type=float, metavar="SECONDS",
                    help="with --storage: first wait up to SECONDS until the study's budget is spent")
     r.set_defaults(func=_cmd_report)
 
-    d = sub.add_parser("dashboard", help="optuna-dashboard on 127.0.0.1 for a run directory's study")
+    d = sub.add_parser("dashboard", help="optuna-dashboard on 127.0.0.1 for a run directory's study",
+                       **examples(
+                           "tuner dashboard runs/STUDY",
+                           "tuner dashboard runs/STUDY --port 8090",
+                       ))
     d.add_argument("run_dir", metavar="RUN_DIR")
     d.add_argument("--port", type=int, default=8080)
     d.set_defaults(func=_cmd_dashboard)

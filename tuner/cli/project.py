@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from tuner.schema.config import Config, SpecConfig, UserError
+from tuner.cli.help import examples
 
 
 def profile_specs(cfg: Config, heads: dict[str, str] | None) -> list[SpecConfig]:
@@ -97,6 +98,15 @@ def _cmd_project(args: argparse.Namespace) -> int:
     from tuner.schema.compose import load_config
     from tuner.projection.projector import acceptance_for, default_out_dir, format_table, run_projection, with_run
 
+    # one source of acceptance, named once: a second one would be dropped without a word
+    given = [f for f, v in (("--tau", args.tau), ("--acceptance-file", args.acceptance_file),
+                            ("--profile", args.profile)) if v is not None]
+    if len(given) > 1:
+        raise UserError(f"{' and '.join(given)}: two sources of acceptance; give one of --tau T (for spec.*), "
+                        "--acceptance-file FILE, --profile FILE (or --from RUN for its profile.json)")
+    if args.context is not None and args.context < 1:
+        raise UserError(f"--context {args.context}: KV context tokens per sequence, must be >= 1 "
+                        "(default: the profile's mean)")
     cfg = load_config(args.overrides)
     run = Path(args.from_run) if args.from_run else None
     if run is not None:
@@ -122,7 +132,11 @@ def _cmd_project(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `profile` and `project` to the tuner CLI."""
-    p = sub.add_parser("profile", help="acceptance (tau) of every configuration of the search space from one target pass")
+    p = sub.add_parser("profile", help="acceptance (tau) of every configuration of the search space from one target pass",
+                       **examples(
+                           "tuner profile --from runs/STUDY  # writes runs/STUDY/profile.json",
+                           "tuner profile +workload=code search.methods=[ngram,suffix] --prompts 8",
+                       ))
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +workload=code search.methods=[ngram,eagle]")
     p.add_argument("--from", dest="from_run", metavar="RUN", help="profile a run directory's config; writes RUN/profile.json")
     p.add_argument("--out", metavar="DIR", help="directory for config.yaml and profile.json (default runs/profile-...)")
@@ -131,7 +145,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(func=_cmd_profile)
 
-    j = sub.add_parser("project", help="predicted TPOT, tok/s and speedup of each configuration on a hardware profile")
+    j = sub.add_parser("project", help="predicted TPOT, tok/s and speedup of each configuration on a hardware profile",
+                       **examples(
+                           "tuner project --from runs/STUDY hardware=h100x8",
+                           "tuner project hardware=h200x1 model=llama-3.1-8b-instruct spec.method=ngram spec.depth=3 --tau 2.4",
+                           "tuner project hardware=h100x8 --acceptance-file heads.yaml --concurrency 1,8,64",
+                       ))
     j.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. hardware=h100x8 model=llama-3.1-8b-instruct")
     j.add_argument("--from", dest="from_run", metavar="RUN", help="a run directory holding profile.json (and its workload)")
     j.add_argument("--profile", metavar="FILE", help="an acceptance profile (profile.json or its directory)")
