@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 
 from tuner.schema.config import UserError
+from tuner.cli.help import examples, start_here
 
 Handler = Callable[[argparse.Namespace], int | None]
 
@@ -30,11 +31,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tuner",
         description="spectune: tune speculative decoding (depth, top-k, draft budget) and render Kubernetes manifests.",
+        epilog=start_here(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    c = sub.add_parser("config", help="print the composed, validated config (YAML, or JSON with --json)")
+    c = sub.add_parser("config", help="print the composed, validated config (YAML, or JSON with --json)",
+                       **examples(
+                           "tuner config +workload=code hardware=h100x8",
+                           "tuner config --json model=llama-3.1-8b-instruct hardware=h100x8 engine=vllm deploy=vllm",
+                           "tuner config search=quick +workload=chat --require-workload",
+                       ))
     c.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. hardware=h100x8 +workload=code")
     c.add_argument("--json", action="store_true", help="print JSON instead of YAML")
     c.add_argument("--require-workload", action="store_true", help="fail unless a workload is given")

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from tuner.schema.config import Config, SpecConfig, UserError
+from tuner.cli.help import examples
 
 OFF = SpecConfig(method="off")
 
@@ -181,7 +182,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `bench` to the tuner CLI."""
-    b = sub.add_parser("bench", help="measure the configured engine and spec on a workload (rich table or --json)")
+    b = sub.add_parser("bench", help="measure the configured engine and spec on a workload (rich table or --json)",
+                       **examples(
+                           "tuner bench +workload=code spec.method=ngram spec.depth=3",
+                           "tuner bench +workload=chat bench.baseline=true --json",
+                           "tuner bench +workload=code --url http://127.0.0.1:8000 --model smollm2-135m",
+                       ))
     b.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. spec.depth=6 bench.baseline=true +workload=code")
     b.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     b.add_argument("--url", help="measure this running OpenAI-compatible endpoint instead of starting an engine")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tuner.schema.config import BestResult, SpecConfig, UserError
 from tuner.schema.methods import METHODS
+from tuner.cli.help import examples
 
 BEST = "best.yaml"
 
@@ -66,7 +67,11 @@ def _cmd_push_head(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `push-head` to the tuner CLI."""
     p = sub.add_parser("push-head", help="upload a trained draft head to a hub repository (HF_ENDPOINT, HF_TOKEN); "
-                                         "for a run directory also point its best.yaml and manifests at it")
+                                         "for a run directory also point its best.yaml and manifests at it",
+                       **examples(
+                           "tuner push-head runs/STUDY --to my-org/smollm2-eagle  # also repoints best.yaml and re-renders",
+                           "tuner push-head path/to/head --to my-org/head --private",
+                       ))
     p.add_argument("source", metavar="RUN_OR_HEAD", help="a run directory of `tuner optimize`, or a head directory")
     p.add_argument("--to", required=True, metavar="ORG/NAME", help="the hub repository (created if missing)")
     p.add_argument("--private", action="store_true", help="create the repository private")

@@ -7,6 +7,7 @@ import argparse
 import socket
 
 from tuner.schema.config import UserError
+from tuner.cli.help import examples
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -37,6 +38,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `serve` to the tuner CLI."""
-    s = sub.add_parser("serve", help="serve the built-in engine with the configured spec (OpenAI-compatible API)")
+    s = sub.add_parser("serve", help="serve the built-in engine with the configured spec (OpenAI-compatible API)",
+                       **examples(
+                           "tuner serve spec.method=ngram spec.depth=3 serve.port=8001",
+                           "tuner serve model=tiny-random spec.method=off",
+                       ))
     s.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. serve.port=8001 spec.method=ngram")
     s.set_defaults(func=_cmd_serve)

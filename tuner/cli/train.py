@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tuner.schema.config import Config
 from tuner.schema.methods import trained_by
+from tuner.cli.help import examples
 
 # Drafts trained by engine.heads.draft_model_train instead of the EAGLE head pipeline.
 OTHER_DRAFTS = trained_by("medusa") + trained_by("draft_model")
@@ -73,7 +74,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `train-draft` to the tuner CLI."""
-    t = sub.add_parser("train-draft", help="train an EAGLE draft head on the target's own answers (cached per target and workload)")
+    t = sub.add_parser("train-draft", help="train an EAGLE draft head on the target's own answers (cached per target and workload)",
+                       **examples(
+                           "tuner train-draft +workload=code",
+                           "tuner train-draft +workload=chat train.steps=600 --retrain --json",
+                       ))
     t.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. train.steps=600 +workload=code")
     t.add_argument("--retrain", action="store_true", help="train again even if a head is cached")
     t.add_argument("--json", action="store_true", help="print the head's metadata as one JSON object (no progress bar)")
