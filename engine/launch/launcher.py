@@ -27,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+from engine.heartbeat import still_working
 from engine.launch.command import PROJECT_ROOT, SETUP_HINT, Kind, resolve_executable, server_command, server_env
 from engine.launch.health import error_line, healthy, last_line, port_in_use
 from engine.launch.process import death_signal, install_handlers, stop_all, stop_process_group, track, untrack
@@ -189,7 +190,8 @@ class Launcher:
                                        log_path=self.log_path) from None
         track(self)
         try:
-            self._wait_healthy(t0)
+            with still_working(f"starting {self.kind} (log: {self.log_path})"):  # redirected output: a line per 30 s
+                self._wait_healthy(t0)
         except BaseException:  # failed start, KeyboardInterrupt: never leave the server behind
             self.stop()
             raise

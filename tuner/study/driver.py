@@ -17,6 +17,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+from engine.heartbeat import INTERVAL_S, Heartbeat
 from tuner.study.limits import check_trial_fits
 from tuner.study.measurer import LAUNCHED, get_drafts, needs_head, open_engine, study_measure, study_prompts
 from tuner.study.objective import MeasureFn, Objective, TrialOutcome
@@ -57,9 +58,13 @@ def run_trials(study: optuna.Study, objective: Objective, search: SearchConfig,
 
 
 class Progress:
-    """Live progress on stderr: trial k/N, parameters, tok/s, speedup, best so far, ETA."""
+    """Live progress on stderr: trial k/N, parameters, tok/s, speedup, best so far, ETA. A line per
+    trial; redirected (CI, `kubectl logs`, where rich's bar shows nothing), also one at least every
+    `interval` s while a trial (or the held-out re-measurement) runs (engine.heartbeat)."""
 
-    def __init__(self, study: optuna.Study, n_trials: int, quiet: bool = False) -> None:
+    def __init__(self, study: optuna.Study, n_trials: int, quiet: bool = False, *,
+                 interval: float = INTERVAL_S, clock: Callable[[], float] = time.monotonic,
+                 poll: float | None = None) -> None:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
         from rich.progress import Progress as RichProgress
@@ -71,16 +76,27 @@ class Progress:
                                 TextColumn("ETA"), TimeRemainingColumn(), console=self.console, transient=False)
         self.task = self.bar.add_task("", total=n_trials, completed=finished_count(study))
         self.best: float | None = None
+        self.heartbeat = Heartbeat(self._describe, interval=interval, clock=clock, poll=poll,
+                                   active=not quiet and not self.console.is_terminal)
+
+    def _describe(self) -> str:
+        best = f"best {self.best:.3f}x" if self.best is not None else "best -"
+        since = self.heartbeat.clock() - self.heartbeat.last
+        return (f"trials {finished_count(self.study)}/{self.task_total} | {best} | still working: "
+                f"{since:.0f} s since the last line, {self.heartbeat.elapsed():.0f} s in all")
 
     def __enter__(self) -> "Progress":
         self.bar.__enter__()
+        self.heartbeat.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self.heartbeat.__exit__(*exc)
         self.bar.__exit__(*exc)
 
     def log(self, text: str) -> None:
         self.console.print(text, highlight=False)
+        self.heartbeat.beat()
 
     def __call__(self, o: TrialOutcome) -> None:
         n = finished_count(self.study)
