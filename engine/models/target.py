@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from engine.heartbeat import still_working
 from engine.models.machine import cache_root
 from tuner.schema.config import BuiltinEngineConfig, ModelConfig, UserError
 
@@ -114,7 +115,8 @@ def smollm2_tokenizer_dir(cache_dir: str | None = None) -> Path:
     def build(tmp: Path) -> None:
         from transformers import AutoTokenizer
 
-        AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name).save_pretrained(str(tmp))
+        with still_working(f"extracting the tokenizer of {src.name}"):
+            AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name).save_pretrained(str(tmp))
 
     with _LOCK:
         return _publish(root / "tokenizers" / file_digest(src, root), build)
@@ -170,14 +172,15 @@ def hf_checkpoint_dir(model_cfg: ModelConfig, cache_dir: str | None = None, seed
         def build_gguf(tmp: Path) -> None:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
-            # A GGUF load marks the model as quantized; clear that so the copy is a plain fp32 checkpoint.
-            model.hf_quantizer = None
-            if hasattr(model.config, "quantization_config"):
-                del model.config.quantization_config
-            model.is_quantized = False
-            model.save_pretrained(str(tmp))
-            AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name).save_pretrained(str(tmp))
+            with still_working(f"converting {src.name} into an fp32 checkpoint (once)"):
+                model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+                # A GGUF load marks the model as quantized; clear that so the copy is a plain fp32 checkpoint.
+                model.hf_quantizer = None
+                if hasattr(model.config, "quantization_config"):
+                    del model.config.quantization_config
+                model.is_quantized = False
+                model.save_pretrained(str(tmp))
+                AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name).save_pretrained(str(tmp))
 
         with _LOCK:
             return _publish(root / "models" / file_digest(src, root), build_gguf)
@@ -203,7 +206,8 @@ def hub_checkpoint_dir(model_cfg: ModelConfig) -> Path:
     rid = model_cfg.hf_id
     where = f"model.hf_id={rid}"
     try:
-        path = Path(snapshot_download(rid, allow_patterns=HUB_FILES))
+        with still_working(f"fetching {rid} (or finding it in the HF cache)"):
+            path = Path(snapshot_download(rid, allow_patterns=HUB_FILES))
     except GatedRepoError:
         raise UserError(f"{where}: gated on {constants.ENDPOINT}: accept its licence there and give a token "
                         "with access in HF_TOKEN") from None
@@ -224,6 +228,52 @@ def hub_checkpoint_dir(model_cfg: ModelConfig) -> Path:
         raise UserError(f"{where}: {path} holds no config.json + safetensors weights (this engine loads "
                         "safetensors only); set model.local_path=DIR to a converted checkpoint")
     return path
+
+
+def _checkpoint_dims(hf_config) -> dict[str, int | None]:
+    """The checkpoint's values of the dimensions a ModelConfig carries (the text model's, for
+    configs that nest one), by ModelConfig key."""
+    c = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    heads = getattr(c, "num_attention_heads", None)
+    hidden = getattr(c, "hidden_size", None)
+    head_dim = getattr(c, "head_dim", None) or (hidden // heads if hidden and heads else None)
+    return {
+        "num_layers": getattr(c, "num_hidden_layers", None),
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_kv_heads": getattr(c, "num_key_value_heads", None) or heads,
+        "head_dim": head_dim,
+        "vocab_size": getattr(c, "vocab_size", None),
+        "max_context": getattr(c, "max_position_embeddings", None),
+    }
+
+
+# The checkpoint's own key for each ModelConfig dimension (named in the error).
+HF_KEYS = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "num_attention_heads": "num_attention_heads",
+           "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim", "vocab_size": "vocab_size",
+           "max_context": "max_position_embeddings"}
+
+
+def check_dimensions(model_cfg: ModelConfig, path: Path) -> None:
+    """The model config's dimensions (conf/model/<name>.yaml: what the fit check and the cost
+    model compute with) against the checkpoint about to load; one line naming the first key that
+    differs. model.max_context may be below the checkpoint's max_position_embeddings, not above."""
+    from transformers import AutoConfig
+
+    try:
+        hf = AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"model {model_cfg.name}: {path}/config.json cannot be read as a model config "
+                        f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+    for key, theirs in _checkpoint_dims(hf).items():
+        ours = getattr(model_cfg, key)
+        if theirs is None or (ours <= theirs if key == "max_context" else ours == theirs):
+            continue
+        allowed = f"at most {theirs}" if key == "max_context" else str(theirs)
+        raise UserError(
+            f"model.{key}={ours}: the checkpoint loaded for model {model_cfg.name} ({path}) has "
+            f"{HF_KEYS[key]}={theirs}; the model config's dimensions must be the weights' (model.{key}={allowed}), "
+            "or load the weights the config describes")
 
 
 def load_tokenizer(path: str | os.PathLike):
@@ -269,7 +319,9 @@ def load_target(model_cfg: ModelConfig, engine_cfg: BuiltinEngineConfig, cache_d
             from transformers import AutoModelForCausalLM
 
             path = hf_checkpoint_dir(model_cfg, cache_dir)
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
+            check_dimensions(model_cfg, path)  # before reading weights of the wrong model
+            with still_working(f"loading {model_cfg.name} from {path}"):
+                model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
             tok = load_tokenizer(path)
         if engine_cfg.fp8_weights:
             from engine.models.fp8 import apply_fp8_weights

@@ -40,3 +40,40 @@ def test_user_errors(tmp_path) -> None:
         M.gguf_path("no_such_package_xyz", "x.gguf")
     with pytest.raises(UserError, match="float16"):
         M.resolve_dtype("float16", torch.device("cpu"))
+
+
+def _checkpoint_config(path, model_cfg, **changes) -> None:
+    """Only the config.json of a checkpoint with model_cfg's dimensions (the check reads no weights)."""
+    from transformers import LlamaConfig
+
+    m = model_cfg
+    dims = dict(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=4 * m.hidden_size,
+                num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+                num_key_value_heads=m.num_kv_heads, head_dim=m.head_dim, max_position_embeddings=m.max_context)
+    dims.update(changes)
+    LlamaConfig(**dims).save_pretrained(str(path))
+
+
+@pytest.mark.parametrize("hf_key,value,key", [
+    ("num_hidden_layers", 3, "num_layers"), ("hidden_size", 96, "hidden_size"),
+    ("num_attention_heads", 8, "num_attention_heads"), ("num_key_value_heads", 4, "num_kv_heads"),
+    ("head_dim", 8, "head_dim"), ("vocab_size", 32000, "vocab_size"), ("max_position_embeddings", 1024, "max_context"),
+])
+def test_the_model_configs_dimensions_must_be_the_loaded_checkpoints(tmp_path, hf_key, value, key) -> None:
+    """Issue 24.3b: conf/model's dimensions (fit check, cost model) against the checkpoint load_target loads."""
+    from tuner.schema.config import BuiltinEngineConfig
+
+    cfg = load_config(["model=tiny-random"]).model.model_copy(update={"random_init": False, "local_path": str(tmp_path)})
+    _checkpoint_config(tmp_path, cfg, **{hf_key: value})
+    with pytest.raises(UserError) as err:
+        M.load_target(cfg, BuiltinEngineConfig(device="cpu"), cache_dir=str(tmp_path / "cache"))
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(f"model.{key}={getattr(cfg, key)}: ") and f"{hf_key}={value}" in line
+
+
+def test_matching_dimensions_pass_and_a_shorter_context_is_allowed(tmp_path) -> None:
+    cfg = load_config(["model=tiny-random"]).model.model_copy(update={"random_init": False, "local_path": str(tmp_path)})
+    _checkpoint_config(tmp_path, cfg, max_position_embeddings=4 * cfg.max_context)
+    M.check_dimensions(cfg, tmp_path)  # no error: model.max_context may serve less than the weights allow
+    _checkpoint_config(tmp_path, cfg, head_dim=None)  # no head_dim: hidden_size / heads
+    M.check_dimensions(cfg, tmp_path)
