@@ -46,6 +46,7 @@ class WinnerOverride:
     spec: SpecConfig
     chain: SpecConfig | None
     given: tuple[str, ...]
+    chain_error: str | None = None  # why the overrides leave no valid chain (said when vLLM would serve it)
 
 
 def served_spec(cfg: Config, best: BestResult | None, override: WinnerOverride | None = None) -> Served:
@@ -68,6 +69,8 @@ def served_spec(cfg: Config, best: BestResult | None, override: WinnerOverride |
 
     if target == "vllm" and spec.method != "off" and spec.topk != 1:
         chain = override.chain if override is not None else best.chain_spec if best is not None else None
+        if chain is None and override is not None and override.chain_error:
+            raise UserError(override.chain_error)
         if chain is None and override is not None:
             raise UserError(f"{' '.join(override.given)}: '{spec.key()}' is a tree (topk={spec.topk}) and vLLM "
                             "verifies chains only: give spec.topk=1 (or render deploy=sglang)")

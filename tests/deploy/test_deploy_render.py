@@ -497,6 +497,8 @@ def test_render_from_run_applies_spec_overrides_to_the_winner(tmp_path: Path, ca
     # an override that leaves a tree for vLLM, or meets --projected, is refused in one line
     for args, needle in ((["deploy=vllm", "spec.topk=4"], "spec.topk=4: 'eagle3 d5 k4 b8' is a tree (topk=4) and vLLM "
                                                           "verifies chains only: give spec.topk=1"),
+                         (["deploy=vllm", "spec.depth=3"], "spec.depth=3 on the winner's best chain 'eagle3 d4 k1 b5' "
+                                                           "(what vLLM serves for a tree): spec.k_per_batch_size="),
                          (["hardware=h100x8", "spec.depth=4", "--projected"], "spec.depth=4 with --projected")):
         assert main(["render", "--from", str(run), *args, "--out", str(tmp_path / "x")]) == 2
         err = capsys.readouterr().err.strip().splitlines()

@@ -94,9 +94,15 @@ def winner_override(run_dir: Path, best: BestResult, given: Sequence[str]) -> Wi
         raw["spec"] = spec.model_dump(mode="json")
         return apply_overrides(raw, list(given)).spec
 
-    chain = applied(best.chain_spec) if best.chain_spec is not None else None
+    chain, chain_error = None, None
+    if best.chain_spec is not None:
+        try:
+            chain = applied(best.chain_spec)
+        except UserError as exc:  # e.g. its K schedule deeper than a new depth: refused if vLLM serves it
+            chain_error = (f"{' '.join(given)} on the winner's best chain '{best.chain_spec.key()}' (what vLLM serves "
+                           f"for a tree): {exc} (override it too, e.g. spec.k_per_batch_size=null)")
     return WinnerOverride(spec=applied(best.spec), chain=chain if chain is not None and chain.topk == 1 else None,
-                          given=tuple(given))
+                          given=tuple(given), chain_error=chain_error)
 
 
 def write_run(study: optuna.Study, cfg: Config, run_dir: Path, best: BestResult) -> None:
