@@ -21,9 +21,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """`tuner profile` of the tiny model: 2 prompts x 16 tokens, n-gram depths 1-3."""
+    """`tuner profile` of the tiny model: 2 prompts x 16 tokens, n-gram chains of depth 1-3."""
     out = tmp_path_factory.mktemp("run")
-    rc = main(["profile", "+workload=code", "model=tiny-random", "search.methods=[ngram]", "search.trial_prompts=2", "workload.max_new_tokens=16",
+    rc = main(["profile", "+workload=code", "model=tiny-random", "search.methods=[ngram]", "search.topk=[1]", "search.trial_prompts=2", "workload.max_new_tokens=16",
                "search.depth.max=3", "--out", str(out), "--quiet"])
     assert rc == 0
     return out
