@@ -103,7 +103,7 @@ class Request:
 
 
 class BatchEngine:
-    """The scheduler over one `Engine`: `submit` from any thread, `step` (or `run` in a thread) to decode."""
+    """The scheduler over one `Engine`: `submit` from any thread, `step` from one thread to decode."""
 
     def __init__(self, engine: Engine, max_batch: int = 8, schedule: Sequence[Band] | None = None,
                  prefill: str = "mixed", kv_tokens: int | None = None) -> None:
@@ -123,9 +123,7 @@ class BatchEngine:
         self.aux_layers = self._aux_layers()
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._stop = False
+        self._lock = threading.Lock()  # submit runs on other threads than step
         self.steps = 0
 
     # ---- submission (any thread) --------------------------------------------------------------
@@ -141,9 +139,8 @@ class BatchEngine:
         req.need = min(len(prompt_ids) + params.max_new_tokens, self.engine.max_context) + self.room
         if self.kv_tokens is not None and req.need > self.kv_tokens:
             raise UserError(f"request needs {req.need} KV positions; engine.builtin.kv_tokens={self.kv_tokens}")
-        with self._wake:
+        with self._lock:
             self.waiting.append(req)
-            self._wake.notify()
         return req
 
     def cancel(self, req: Request) -> None:
@@ -158,22 +155,7 @@ class BatchEngine:
     def queued(self) -> int:
         return len(self.waiting)
 
-    # ---- the loop -----------------------------------------------------------------------------
-
-    def run(self) -> None:
-        """Step until `stop` (a server's engine thread); sleeps while there is nothing to do."""
-        while True:
-            with self._wake:
-                while not self._stop and not self.waiting and not self.active:
-                    self._wake.wait()
-                if self._stop:
-                    return
-            self.step()
-
-    def stop(self) -> None:
-        with self._wake:
-            self._stop = True
-            self._wake.notify()
+    # ---- the loop (the caller's thread: a server's engine thread, or closed_loop) ----------------
 
     @torch.inference_mode()
     def step(self) -> None:
@@ -260,11 +242,16 @@ class BatchEngine:
             return
         dev = self.engine.device
         branching = [t is not None and not t.is_chain for _, t, _, _ in plans]
-        outs = self.engine.lean.step_batch(
-            [r.state.cache for r, _, _, _ in plans], [toks for _, _, toks, _ in plans],
-            [t.depths if b else None for (_, t, _, _), b in zip(plans, branching)],
-            [t.ancestors(dev) if b else None for (_, t, _, _), b in zip(plans, branching)],
-            [last for _, _, _, last in plans], self.aux_layers)
+        try:
+            outs = self.engine.lean.step_batch(
+                [r.state.cache for r, _, _, _ in plans], [toks for _, _, toks, _ in plans],
+                [t.depths if b else None for (_, t, _, _), b in zip(plans, branching)],
+                [t.ancestors(dev) if b else None for (_, t, _, _), b in zip(plans, branching)],
+                [last for _, _, _, last in plans], self.aux_layers)
+        except Exception as exc:  # noqa: BLE001 - the step's requests fail; the scheduler (and a server) goes on
+            for req, _, _, _ in plans:
+                req.error = f"{type(exc).__name__}: {exc}"
+            return
         for (req, tree, _, _), (hidden, logits, aux) in zip(plans, outs):
             try:
                 if req.state.absorb(tree, hidden, logits, aux):

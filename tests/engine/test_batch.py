@@ -196,3 +196,20 @@ def test_step_batch_rows_equal_separate_steps(engine: Engine, prompts) -> None:
     for (h1, l1, _), (h2, l2, _), c1, c2 in zip(alone, batched, one, many):
         torch.testing.assert_close(l2, l1, rtol=1e-4, atol=1e-4)
         assert c1.length == c2.length
+
+
+def test_a_failing_forward_fails_its_requests_and_the_scheduler_goes_on(engine: Engine, prompts) -> None:
+    engine.set_spec(SpecConfig(method="off"))
+    params = SamplingParams(max_new_tokens=4)
+    be = BatchEngine(engine, max_batch=2)
+    a, b = be.submit(prompts[0], params), be.submit(prompts[1], params)
+    engine.lean.step_batch = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("kernel"))
+    try:
+        be.step()
+    finally:
+        del engine.lean.step_batch
+    assert a.error == b.error == "RuntimeError: kernel" and be.running == 0
+    c = be.submit(prompts[2], params)
+    while be.waiting or be.active:
+        be.step()
+    assert c.result is not None and len(c.result.tokens) == 4
