@@ -94,7 +94,14 @@ class Worker:
                 if job.cancelled and req is not None:
                     be.cancel(req)  # its slot is free before the next step
             jobs = [(j, r) for j, r in jobs if r is not None and not r.finished]
-            be.step()
+            try:
+                be.step()
+            except Exception as exc:  # noqa: BLE001 - the running requests fail, the server goes on
+                for job, req in jobs:
+                    req.error = req.error or f"{type(exc).__name__}: {exc}"
+                    job.emit("error", req.error)
+                be.active.clear()
+                jobs = []
             m.running.labels(m.model).set(be.running)
             m.waiting.labels(m.model).set(self._waiting())
 
