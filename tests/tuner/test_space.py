@@ -111,7 +111,8 @@ def test_known_defaults_are_clipped_into_the_space() -> None:
         _assert_valid(small, d)
     assert [d.key() for d in small.defaults()] == ["eagle d4 k2 b8"]  # both defaults collapse
     ngram = _space(methods=("ngram",), depth_max=4, budget_max=8)
-    assert [d.key() for d in ngram.defaults()] == ["ngram d4 k4 b8", "ngram d4 k8 b8"]  # n-gram trees now
+    # n-gram trees from the tree defaults, and the chain every engine serves
+    assert [d.key() for d in ngram.defaults()] == ["ngram d4 k4 b8", "ngram d4 k8 b8", "ngram d4 k1 b5"]
 
 
 def test_vllm_bands_become_k_per_batch_size() -> None:

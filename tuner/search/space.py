@@ -30,6 +30,9 @@ KNOWN_DEFAULTS: dict[str, tuple[int, int, int]] = {
     "sglang": (5, 4, 8),  # --speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 8
     "eagle": (5, 8, 60),  # EAGLE-2 paper: depth 5, top-k 8, 60 draft tokens
 }
+# n-gram prompt lookup as vLLM serves it: a chain of 4 (the defaults above clip n-gram to trees, and
+# a study of 10 trials must still try the chain every engine can serve)
+NGRAM_CHAIN_DEFAULT = (4, 1, 5)
 
 
 @dataclass(frozen=True)
@@ -226,7 +229,8 @@ class SearchSpace:
         """The engines' known defaults, clipped to the space, duplicates removed (enqueue order)."""
         out: list[SpecConfig] = []
         for method in self.methods:
-            for d, k, b in KNOWN_DEFAULTS.values():
+            known = list(KNOWN_DEFAULTS.values()) + ([NGRAM_CHAIN_DEFAULT] if method == "ngram" else [])
+            for d, k, b in known:
                 spec = self.clip(method, d, k, b)
                 if spec not in out:
                     out.append(spec)
