@@ -301,7 +301,8 @@ class Decoding:
                 if d > len(stats.accepted_per_pos):
                     stats.accepted_per_pos.append(0)
                 stats.accepted_per_pos[d - 1] += 1
-        self._observe_logits([tree.tokens[i] for i in path], logits[path])
+        if any(d.wants_logits for d in self.observers):  # logits[path] copies rows: only for a drafter that reads them
+            self._observe_logits([tree.tokens[i] for i in path], logits[path])
         self._observe(hidden, aux, path if len(path) > 1 else [0])
         stats.target_forwards += 1
         stats.verify_s += time.perf_counter() - self._t
