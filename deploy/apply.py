@@ -71,16 +71,35 @@ def resource_path(doc: dict) -> str:
     return f"{base}/{plural}/{name}"
 
 
+def kubeconfig_files(kubeconfig: str | None) -> tuple[list[Path], str]:
+    """The kubeconfig files a client reads and where they were named: --kubeconfig, else
+    $KUBECONFIG (a list, like kubectl's), else ~/.kube/config."""
+    if kubeconfig is not None:
+        return [Path(kubeconfig).expanduser()], "--kubeconfig"
+    env = os.environ.get("KUBECONFIG", "")
+    if env.strip():
+        return [Path(p).expanduser() for p in env.split(os.pathsep) if p], "$KUBECONFIG"
+    return [Path("~/.kube/config").expanduser()], "the default"
+
+
 def api_client(kubeconfig: str | None = None, context: str | None = None) -> k.ApiClient:
     """An ApiClient from a kubeconfig file ($KUBECONFIG / ~/.kube/config) or the pod's service account."""
+    files, named = kubeconfig_files(kubeconfig)
+    present = [f for f in files if f.is_file()]
+    if not present:
+        if kubeconfig is None and "KUBERNETES_SERVICE_HOST" in os.environ and named == "the default":
+            kconfig.load_incluster_config()
+            return k.ApiClient()
+        missing = ", ".join(str(f) for f in files)
+        hint = {"--kubeconfig": "", "$KUBECONFIG": "; correct KUBECONFIG or pass --kubeconfig FILE",
+                "the default": "; pass --kubeconfig FILE, set KUBECONFIG, or run inside a pod (its service account)"}[named]
+        raise UserError(f"kubeconfig {missing} ({named}): no such file{hint}")
+    joined = os.pathsep.join(str(f) for f in present)  # the client merges a list as kubectl does
     try:
-        if kubeconfig is None and not Path(kconfig.KUBE_CONFIG_DEFAULT_LOCATION).expanduser().exists():
-            if "KUBERNETES_SERVICE_HOST" in os.environ:
-                kconfig.load_incluster_config()
-                return k.ApiClient()
-        return kconfig.new_client_from_config(config_file=kubeconfig, context=context)
+        return kconfig.new_client_from_config(config_file=joined, context=context)
     except kconfig.ConfigException as err:
-        raise UserError(f"kubeconfig: {str(err).splitlines()[0]} (set KUBECONFIG or pass --kubeconfig)") from None
+        where = f" --context {context}" if context else ""
+        raise UserError(f"kubeconfig {', '.join(map(str, present))}{where}: {str(err).splitlines()[0]}") from None
 
 
 def _order(docs: list[tuple[str, dict]]) -> list[dict]:
@@ -137,9 +156,15 @@ def apply_docs(docs: list[dict], api: k.ApiClient, *, dry_run: bool = False) -> 
     return done
 
 
-def apply_dir(directory: Path, api: k.ApiClient, *, dry_run: bool = False) -> list[Applied]:
-    """Apply every manifest of a rendered directory (see module doc)."""
+def manifests_to_apply(directory: Path) -> list[dict]:
+    """The documents of a rendered directory in apply order; UserError when it is missing or unreadable
+    (checked before any cluster is contacted)."""
     docs, problems = load_dir(directory)
     if problems:
         raise UserError(problems[0])
-    return apply_docs(_order(docs), api, dry_run=dry_run)
+    return _order(docs)
+
+
+def apply_dir(directory: Path, api: k.ApiClient, *, dry_run: bool = False) -> list[Applied]:
+    """Apply every manifest of a rendered directory (see module doc)."""
+    return apply_docs(manifests_to_apply(directory), api, dry_run=dry_run)

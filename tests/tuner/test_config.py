@@ -153,6 +153,22 @@ BAD_INPUTS = [
                                        "load needs 263 GiB (70.6B params x 4 bytes) but hardware cpu has 24 GiB"),
     (["model=qwen2.5-72b-instruct", "deploy=vllm"], "run this model with engine=vllm or engine=sglang"),
     (["model.draft_sources.mtp=true"], "model.draft_sources.mtp"),  # issue 24.5a: never read, removed
+    # Issue 25.6: override slips name the argument and the KEY=VALUE form, never Hydra's parser internals.
+    (["spec.depth:3"], "spec.depth:3: an override is KEY=VALUE, here spec.depth=3"),
+    (["spec.depth=3,4"], "spec.depth=3,4: a comma outside brackets is a sweep of several values, and a tuner "
+                         "command takes one: give one (e.g. spec.depth=3)"),
+    (["hardware=h100x8,h200x1"], "hardware=h100x8,h200x1: a comma outside brackets is a sweep"),
+    (["spec.depth=3 spec.budget=4"], "'spec.depth=3 spec.budget=4': several overrides in one argument; give each "
+                                     "as its own argument: spec.depth=3 spec.budget=4"),
+    (["search.methods=[ngram"], "search.methods=[ngram: '[' is never closed (e.g. search.methods=[ngram]); "
+                                "expected KEY=VALUE"),
+    (["deploy.image_tag='v1"], "deploy.image_tag='v1: \"'\" is never closed"),
+    (["spec.depth"], "spec.depth: no '=VALUE'; expected KEY=VALUE (spec.depth=3)"),
+    (["=3"], "=3: no key before '='; expected KEY=VALUE"),
+    (["spec.depth=3,"], "spec.depth=3,: not a value the override syntax reads; expected KEY=VALUE"),
+    (["workload.concurrency=[1,4]"], "workload.concurrency: no workload is set, so it has no keys to override; "
+                                     "add +workload=NAME first (available: chat, code, creative, json, math), "
+                                     "e.g. +workload=chat workload.concurrency=[1,4]"),
 ]
 
 
@@ -165,6 +181,17 @@ def test_bad_input_one_line_exit_2(overrides: list[str], fragment: str, capsys: 
     assert len(lines) == 1, captured.err
     assert lines[0].startswith("error: ") and fragment in lines[0], lines[0]
     assert "Traceback" not in captured.err and captured.out == ""
+    for internal in ("Exception", "antlr", "mismatched input", "no viable alternative", "errors.pydantic.dev"):
+        assert internal not in lines[0], lines[0]
+
+
+def test_overrides_the_syntax_check_lets_through() -> None:
+    """The syntax check refuses slips only: values with spaces, mappings, lists and quoted values
+    still reach the config as before."""
+    cfg = load_config(["distributed.external_url_secret={name: db-url, key: url}", "search.methods=[ngram,suffix]",
+                       "+workload=code", "workload.concurrency=[1,4]", 'deploy.image_tag="v1"'])
+    assert cfg.distributed.external_url_secret.name == "db-url" and cfg.search.methods == ["ngram", "suffix"]
+    assert cfg.workload.concurrency == [1, 4] and cfg.deploy.image_tag == "v1"
 
 
 def test_cluster_values_that_are_accepted() -> None:
@@ -313,3 +340,84 @@ def test_draft_sources_mtp_is_gone_and_old_configs_still_load() -> None:
     raw["model"]["draft_sources"]["mtp"] = True
     with pytest.raises(UserError, match="model.draft_sources.mtp"):
         validate(raw)
+
+
+# Issue 25.6: the other commands' bad inputs, each one line naming the file, flag or argument and
+# what is expected; `{tmp}` in an argument is the test's directory (cli_files below fills it).
+CLI_BAD_INPUTS = [
+    (["project", "hardware=h100x8", "--acceptance-file", "{tmp}/acc-type.json"],
+     "--acceptance-file {tmp}/acc-type.json: entry 0: depth='x': Input should be a valid integer"),
+    (["project", "hardware=h100x8", "--acceptance-file", "{tmp}/acc-field.json"],
+     "--acceptance-file {tmp}/acc-field.json: entry 1: unknown field 'dept' (allowed: method, depth, topk, budget"),
+    (["project", "hardware=h100x8", "--acceptance-file", "{tmp}/acc-rule.json"],
+     "--acceptance-file {tmp}/acc-rule.json: entry 0: spec.budget=9 with spec.topk=1 must equal spec.depth+1=4"),
+    (["project", "hardware=h100x8", "--acceptance-file", "{tmp}/acc-tau.json"],
+     "--acceptance-file {tmp}/acc-tau.json: entry 0: tau='high': needs a number >= 1"),
+    (["project", "hardware=h100x8", "--acceptance-file", "{tmp}/acc-broken.yaml"],
+     "--acceptance-file {tmp}/acc-broken.yaml: not YAML/JSON at line 2"),
+    (["project", "hardware=h100x8", "--acceptance-file", "{tmp}/none.yaml"],
+     "--acceptance-file {tmp}/none.yaml: cannot be read (No such file or directory)"),
+    (["project", "hardware=h100x8", "--tau", "2", "spec.depth:3"], "spec.depth:3: an override is KEY=VALUE"),
+    (["render", "--out", "{tmp}/k", "spec.depth=3,4"], "spec.depth=3,4: a comma outside brackets is a sweep"),
+    (["apply", "{tmp}/k8s", "--kubeconfig", "{tmp}/missing"], "error: kubeconfig {tmp}/missing (--kubeconfig): no such file"),
+    (["apply", "{tmp}/nodir", "--kubeconfig", "{tmp}/missing"], "error: {tmp}/nodir: no such directory"),
+    (["report", "{tmp}/run"], "error: {tmp}/run: no study there ({tmp}/run/study.db does not exist)"),
+    (["report", "{tmp}/run", "--out", "{tmp}/report"], "error: {tmp}/run: no study there"),
+]
+
+
+@pytest.fixture
+def cli_files(tmp_path: Path) -> Path:
+    """The files CLI_BAD_INPUTS name: acceptance files with one slip each, a manifest directory,
+    a run directory whose config.yaml has no study beside it."""
+    good = {"method": "ngram", "depth": 3, "topk": 1, "budget": 4, "tau": 2.0}
+    files = {"acc-type.json": [{**good, "depth": "x"}], "acc-field.json": [good, {"method": "ngram", "dept": 3, "tau": 2}],
+             "acc-rule.json": [{**good, "budget": 9}], "acc-tau.json": [{**good, "tau": "high"}]}
+    for name, data in files.items():
+        (tmp_path / name).write_text(json.dumps(data))
+    (tmp_path / "acc-broken.yaml").write_text("- method: ngram\n  depth: 3: 4\n")
+    (tmp_path / "k8s").mkdir()
+    (tmp_path / "k8s" / "cm.yaml").write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x, namespace: y}\n")
+    (tmp_path / "run").mkdir()
+    saved = load_config(["+workload=code", "search.study_name=code-study"]).model_dump(mode="json")
+    (tmp_path / "run" / "config.yaml").write_text(json.dumps(saved))
+    return tmp_path
+
+
+@pytest.mark.parametrize("argv,fragment", CLI_BAD_INPUTS, ids=[" ".join(a) for a, _ in CLI_BAD_INPUTS])
+def test_cli_bad_input_one_line_exit_2(argv: list[str], fragment: str, cli_files: Path,
+                                       capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    tmp = str(cli_files)
+    before = sorted(p.relative_to(cli_files) for p in cli_files.rglob("*"))
+    rc = main([a.replace("{tmp}", tmp) for a in argv])
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, captured.err
+    assert fragment.replace("{tmp}", tmp) in lines[0], lines[0]
+    assert captured.out == "" and "Traceback" not in captured.err
+    for internal in ("errors.pydantic.dev", "Exception", "pass --kubeconfig", "set KUBECONFIG"):
+        assert internal not in lines[0], lines[0]
+    # nothing written: no study.db in the run directory, no report or manifest directory
+    assert sorted(p.relative_to(cli_files) for p in cli_files.rglob("*")) == before
+
+
+def test_options_between_overrides(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 25.6: an option placed between overrides is read, and the overrides after it are kept
+    (argparse left them unrecognized, answered with the top-level usage); an unknown option is
+    answered with that command's usage line."""
+    assert main(["config", "spec.depth=3", "--json", "spec.method=suffix", "--require-workload", "+workload=code"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["spec"]["depth"], data["spec"]["method"], data["workload"]["name"]) == (3, "suffix", "code")
+    assert main(["render", "deploy=vllm", "--out", str(tmp_path / "k"), "hardware=h100x8",
+                 "model=llama-3.1-8b-instruct", "deploy.namespace=team-b"]) == 0
+    assert "deploy=vllm" in capsys.readouterr().out
+    assert "namespace: team-b" in (tmp_path / "k" / "deployment.yaml").read_text()
+    with pytest.raises(SystemExit) as exit_:
+        main(["render", "deploy=vllm", "--bogus", "hardware=h100x8"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("usage: tuner render ")
+    assert err.strip().splitlines()[-1] == "tuner render: error: unrecognized arguments: --bogus"
+    with pytest.raises(SystemExit):
+        main(["apply", str(tmp_path / "k"), "extra=1"])  # apply takes no overrides
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "tuner apply: error: unrecognized arguments: extra=1"

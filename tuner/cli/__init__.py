@@ -72,10 +72,32 @@ def _extensions() -> list[Callable[[argparse._SubParsersAction], None]]:
     return [importlib.import_module(m).register for m in COMMAND_MODULES]
 
 
+def command_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The subparser of command `name` (for its usage line)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse the command line, overrides and options in any order: argparse stops filling a
+    positional list at the first option, so the overrides after it come back unrecognized; they
+    join the command's overrides in the order given. Anything else unrecognized is answered with
+    the command's own usage line (argparse's would be the top-level one)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        cmd = command_parser(parser, args.command)
+        takes = isinstance(getattr(args, "overrides", None), list)
+        stray = [a for a in extra if a.startswith("-") or not takes]
+        if stray:
+            cmd.error(f"unrecognized arguments: {' '.join(stray)}")
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `tuner` console script."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     try:
         rc = args.func(args)
     except UserError as exc:

@@ -64,9 +64,10 @@ def _cmd_render(args: argparse.Namespace) -> int:
 
 
 def _cmd_apply(args: argparse.Namespace) -> int:
-    from deploy.apply import api_client, apply_dir
+    from deploy.apply import api_client, apply_docs, manifests_to_apply
 
-    results = apply_dir(args.dir, api_client(args.kubeconfig, args.context), dry_run=args.dry_run)
+    docs = manifests_to_apply(args.dir)  # a wrong directory is named before the kubeconfig is read
+    results = apply_docs(docs, api_client(args.kubeconfig, args.context), dry_run=args.dry_run)
     for r in results:
         print(r.line())
     return 0

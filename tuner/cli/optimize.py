@@ -57,12 +57,13 @@ def _cmd_report(args: argparse.Namespace) -> int:
         print(report_from_storage(search.storage, search.study_name, out or run_dir))
         return 0
     # --out: trials.csv, the figures, report.html (and a copy of best.yaml) there; the run is only read
+    study = open_run_study(run_dir)  # before --out is made: a run without a study writes nothing
     if out is not None:
         make_out_dir(out)
-        write_report(open_run_study(run_dir), out, read_best(run_dir / "best.yaml"))
+        write_report(study, out, read_best(run_dir / "best.yaml"))
         print(out / "report.html")
         return 0
-    write_report(open_run_study(run_dir), run_dir)
+    write_report(study, run_dir)
     print(run_dir / "report.html")
     return 0
 

@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import yaml
+from pydantic import ValidationError
 
 from tuner.projection.costmodel import Prediction, StepCost, measured_cost, predict, roofline_for
 from tuner.schema.config import (BestResult, Config, ProjectedPoint, Projection, Provenance, SpecConfig, UserError,
@@ -69,24 +70,54 @@ def acceptance_from_profile(path: Path, model: str) -> Acceptance:
                                 for p in prof.points})
 
 
+ENTRY_FIELDS = "method, depth, topk, budget, tau"
+
+
+def _entry_error(path: Path, i: int, err: ValidationError) -> str:
+    """One line naming the file, the entry and its bad field (pydantic's own text ends in a link)."""
+    e = err.errors()[0]
+    field = ".".join(str(p) for p in e["loc"])
+    msg = e["msg"].removeprefix("Value error, ")
+    if e["type"] == "extra_forbidden":
+        allowed = ", ".join([*SpecConfig.model_fields, "tau"])
+        why = f"unknown field {field!r} (allowed: {allowed})"
+    elif not field:  # a rule between fields (e.g. a chain's budget): its message names them
+        why = msg
+    else:
+        why = f"{field}={e.get('input')!r}: {msg}"
+    return f"--acceptance-file {path}: entry {i}: {why}"
+
+
 def acceptance_from_file(path: Path) -> Acceptance:
     """A YAML/JSON list of {method, depth, topk, budget, ..., tau} (a published head's acceptance)."""
     try:
         data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise UserError(f"--acceptance-file {path}: unreadable ({type(exc).__name__})") from None
+    except OSError as exc:
+        raise UserError(f"--acceptance-file {path}: cannot be read ({exc.strerror or type(exc).__name__})") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise UserError(f"--acceptance-file {path}: not YAML/JSON{where} ({problem}); expected a list of "
+                        f"{{{ENTRY_FIELDS}}} entries") from None
     if not isinstance(data, list) or not data:
-        raise UserError(f"--acceptance-file {path}: expected a list of {{method, depth, topk, budget, tau}} entries")
+        raise UserError(f"--acceptance-file {path}: expected a list of {{{ENTRY_FIELDS}}} entries")
     points = []
     for i, entry in enumerate(data):
-        if not isinstance(entry, dict) or not isinstance(entry.get("tau"), (int, float)) or entry["tau"] < 1:
-            raise UserError(f"--acceptance-file {path}: entry {i} needs a numeric tau >= 1 (tokens per target forward)")
+        if not isinstance(entry, dict):
+            raise UserError(f"--acceptance-file {path}: entry {i} is {type(entry).__name__}, expected a mapping "
+                            f"{{{ENTRY_FIELDS}}}")
+        tau = entry.get("tau")
+        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or tau < 1:
+            given = "no tau" if tau is None else f"tau={tau!r}"
+            raise UserError(f"--acceptance-file {path}: entry {i}: {given}: needs a number >= 1 "
+                            "(tokens per target forward)")
         fields = {k: v for k, v in entry.items() if k != "tau"}
         try:
             spec = SpecConfig(**fields)
-        except ValueError as exc:
-            raise UserError(f"--acceptance-file {path}: entry {i}: {str(exc).splitlines()[-1].strip()}") from None
-        points.append((spec, float(entry["tau"])))
+        except ValidationError as exc:
+            raise UserError(_entry_error(path, i, exc)) from None
+        points.append((spec, float(tau)))
     return Acceptance(points=points, source=f"acceptance file {path}")
 
 

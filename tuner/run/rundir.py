@@ -128,11 +128,20 @@ def run_dir_of(path: str) -> Path:
 
 
 def open_run_study(run_dir: Path) -> optuna.Study:
-    """The study of a run directory, read from the storage its config.yaml names."""
+    """The study of a run directory, read from the storage its config.yaml names; UserError when
+    there is none (nothing is created: a missing SQLite or journal file stays missing)."""
     import optuna
 
     cfg = load_saved_config(run_dir / CONFIG_FILE)
     url = storage_url(cfg.search, run_dir)
+    local = url[len("sqlite:///"):] if url.startswith("sqlite:///") else url[len("journal:"):] \
+        if url.startswith("journal:") else None
+    if local is not None and not Path(local).is_file():
+        raise UserError(f"{run_dir}: no study there ({local} does not exist); report a run directory "
+                        "`tuner optimize` wrote, or a shared study with --storage URL --study NAME")
+    if not cfg.search.study_name:
+        raise UserError(f"{run_dir / CONFIG_FILE}: search.study_name is not set, so no study can be read "
+                        "(the config.yaml of `tuner optimize` names its study)")
     try:
         return optuna.load_study(study_name=cfg.search.study_name, storage=open_storage(url))
     except KeyError:

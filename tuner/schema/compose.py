@@ -50,6 +50,11 @@ def _hydra_error_line(exc: Exception, overrides: list[str]) -> str:
         if key in GROUPS:
             return (f"{key} is not in the defaults list: add it with +{key}=NAME "
                     f"(available: {', '.join(available(key))})")
+        top = key.split(".")[0]
+        if (top in GROUPS and top not in default_groups()
+                and not any(_override_key(o) == top for o in overrides)):  # `workload.concurrency=[1,4]` alone
+            return (f"{key}: no {top} is set, so it has no keys to override; add +{top}=NAME first "
+                    f"(available: {', '.join(available(top))}), e.g. +{top}={available(top)[0]} {overrides_of(overrides, key)}")
         m2 = re.search(r"Key '([^']+)' is not in struct", msg)
         parent = key.rsplit(".", 1)[0] if "." in key else ""
         bad = m2.group(1) if m2 else key
@@ -61,6 +66,76 @@ def _hydra_error_line(exc: Exception, overrides: list[str]) -> str:
         return msg.splitlines()[0] + " (give each group once, without '+' for groups in the defaults)"
     first = next((ln.strip() for ln in msg.splitlines() if ln.strip()), type(exc).__name__)
     return f"bad override ({' '.join(overrides)}): {first}"
+
+
+FORMS = ("expected KEY=VALUE (spec.depth=3), KEY=[A,B] (search.methods=[ngram,eagle]) or GROUP=NAME "
+         "(hardware=h100x8), one per argument")
+_CLOSERS = {"[": "]", "{": "}", "(": ")"}
+
+
+def _unclosed(value: str) -> str | None:
+    """The first bracket or quote `value` opens and never closes (quotes hide brackets), or None."""
+    stack: list[str] = []
+    quote = None
+    for ch in value:
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in _CLOSERS:
+            stack.append(ch)
+        elif stack and ch == _CLOSERS[stack[-1]]:
+            stack.pop()
+    return quote or (stack[0] if stack else None)
+
+
+def override_syntax_error(override: str) -> str | None:
+    """Why one command-line argument is no override Hydra can apply, as one line naming it and the
+    KEY=VALUE form expected (Hydra's own text is its parser's: LexerNoViableAltException...); None
+    when it parses as one value."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    key, eq, value = override.partition("=")
+    if eq and not key.lstrip("+~").strip():
+        return f"{override}: no key before '='; {FORMS}"
+    try:
+        parsed = OverridesParser.create().parse_overrides([override])[0]
+    except HydraException:
+        parsed = None
+    if parsed is not None:
+        if parsed.is_sweep_override():  # `spec.depth=3,4`: Hydra's multirun sweep, not one config
+            first = value.split(",")[0].strip()
+            return (f"{override}: a comma outside brackets is a sweep of several values, and a tuner command "
+                    f"takes one: give one (e.g. {key}={first}); a list goes in brackets (search.methods=[ngram,eagle])")
+        return None
+    words = override.split()
+    if len(words) > 1 and sum("=" in w for w in words) > 1:
+        return (f"'{override}': several overrides in one argument; give each as its own argument: "
+                f"{' '.join(words)} (quote only a value that holds spaces)")
+    if not eq:
+        if ":" in key:  # `spec.depth:3`, YAML's spelling
+            return f"{override}: an override is KEY=VALUE, here {key.replace(':', '=', 1)}"
+        return f"{override}: no '=VALUE'; {FORMS}"
+    opened = _unclosed(value)
+    if opened:
+        closer = _CLOSERS.get(opened, opened)
+        return f"{override}: {opened!r} is never closed (e.g. {override}{closer}); {FORMS}"
+    return f"{override}: not a value the override syntax reads; {FORMS}"
+
+
+def check_override_syntax(overrides: list[str]) -> None:
+    """UserError naming the first argument that is no single KEY=VALUE override."""
+    for override in overrides:
+        error = override_syntax_error(override)
+        if error:
+            raise UserError(error)
+
+
+def default_groups() -> set[str]:
+    """The config groups in conf/config.yaml's defaults list (the others are added with +GROUP=NAME)."""
+    defaults = yaml.safe_load((conf_dir() / "config.yaml").read_text()).get("defaults", [])
+    return {next(iter(d)) for d in defaults if isinstance(d, dict)}
 
 
 def _validation_line(err: ValidationError, raw: dict[str, Any]) -> str:
@@ -115,6 +190,7 @@ def compose(overrides: list[str] | None = None) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
     overrides = list(overrides or [])
+    check_override_syntax(overrides)
     # an experiment preset composes after the groups it adjusts (+workload=NAME given after it
     # must not undo it); plain key=value overrides still win over both
     overrides = ([o for o in overrides if not o.lstrip("+").startswith("experiment=")]
@@ -214,6 +290,11 @@ def load_saved_config(path: Path) -> Config:
     if not path.is_file():
         raise UserError(f"{path}: no such config file")
     return validate(yaml.safe_load(path.read_text()))
+
+
+def overrides_of(overrides: list[str], key: str) -> str:
+    """The overrides (space-separated) that set `key`."""
+    return " ".join(o for o in overrides if _override_key(o) == key)
 
 
 def _override_key(override: str) -> str:
