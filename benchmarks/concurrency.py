@@ -41,16 +41,16 @@ def _levels_run(target: HttpTarget, prompts: list, params, levels: list[int], re
 
 
 def run_builtin(overrides: list[str], specs: list[SpecConfig], levels: list[int], repeats: int) -> list[dict[str, Any]]:
-    from engine.decode.loop import Engine
     from engine.serving.server import serve_in_thread
+    from tuner.study.measurer import open_engine
 
     cfg = load_config([*overrides, f"engine.builtin.max_batch={max(levels)}", f"serve.queue_size={4 * max(levels)}"])
     prompts, params = load_prompts(cfg.workload), sampling_params(cfg.workload)
-    engine = Engine.from_config(cfg)
+    engine = open_engine(cfg)
     rows = []
     for spec in specs:
         engine.set_spec(spec)
-        url, stop = serve_in_thread(cfg, engine)
+        url, stop = serve_in_thread(engine, cfg.model, cfg.serve)
         try:
             got = _levels_run(HttpTarget(url, cfg.model.name, cfg.workload.chat_template), prompts, params, levels, repeats)
         finally:
@@ -63,12 +63,13 @@ def run_builtin(overrides: list[str], specs: list[SpecConfig], levels: list[int]
 
 
 def run_vllm(overrides: list[str], specs: list[SpecConfig], levels: list[int], repeats: int) -> list[dict[str, Any]]:
-    from engine.launch.launcher import EngineStartError, Launcher
+    from engine.launch.launcher import EngineStartError
+    from tuner.study.measurer import open_launcher
 
     cfg = load_config([*overrides, "engine=vllm", "engine.vllm.dtype=float32"])
     prompts, params = load_prompts(cfg.workload), sampling_params(cfg.workload)
     rows = []
-    with Launcher.from_config(cfg, log_dir=tempfile.mkdtemp(prefix="spectune-concurrency-")) as launcher:
+    with open_launcher(cfg, log_dir=tempfile.mkdtemp(prefix="spectune-concurrency-")) as launcher:
         for spec in specs:
             try:
                 url = launcher.ensure(spec)

@@ -37,12 +37,14 @@ from engine.drafters import EagleDrafter  # noqa: E402
 from engine.drafters.eagle3 import Eagle3Drafter  # noqa: E402
 from engine.models.eagle3_head import Eagle3Head, default_aux_layers  # noqa: E402
 from engine.heads.pipeline import build_data  # noqa: E402
-from engine.heads.trainer import split_prompts, train_head  # noqa: E402
+from engine.heads.schedule import split_prompts  # noqa: E402
+from engine.heads.trainer import train_head  # noqa: E402
 from engine.heads.vocab import always_kept, build_vocab  # noqa: E402
 from engine.decode.loop import Engine  # noqa: E402
 from engine.measure.workloads import load_prompts  # noqa: E402
 from tuner.schema.compose import load_config, packaged_workloads  # noqa: E402
 from tuner.schema.config import SpecConfig, UserError  # noqa: E402
+from tuner.study.measurer import open_engine, train_job  # noqa: E402
 
 
 def parse_tree(text: str, method: str = "eagle") -> SpecConfig:
@@ -95,7 +97,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     over = ["+workload=code", *args.overrides] + ([f"train.prompts={args.prompts}"] if args.prompts else [])
     cfg = load_config(over)
-    engine = Engine.from_config(cfg)
+    engine = open_engine(cfg)
     tc = cfg.train
     trees = [parse_tree(t, args.method) for t in args.trees.split(",")]
     aux = default_aux_layers(engine.model.config.num_hidden_layers) if args.method == "eagle3" else None
@@ -105,7 +107,7 @@ def main() -> int:
                for w in args.heldout.split(",")}
     b1 = run_rows(engine, heldout["code"][:2], 64, SpecConfig(method="off"))
     t0 = time.perf_counter()
-    data = build_data(cfg, engine, packaged_workloads(cfg),
+    data = build_data(train_job(cfg), engine, packaged_workloads(cfg),
                       lambda ph, d, n, info: con.print(f"  answers {d}/{n}  {info.get('tok_s', 0):.0f} tok/s") if d % 128 == 0 or d == n else None,
                       aux_layers=aux)
     gen = {"answer_tokens": data.meta["answer_tokens"], "tokens": data.num_tokens, "prompts": data.meta["prompts"],

@@ -41,6 +41,7 @@ from engine.models.cache import crop_to, new_cache  # noqa: E402
 from engine.models.kernels import LinearPlan, linear_plan, set_linear_plan  # noqa: E402
 from engine.models.llama import lean_forward  # noqa: E402
 from engine.decode.loop import Engine  # noqa: E402
+from tuner.study.measurer import open_engine  # noqa: E402
 from engine.models.machine import cpu_signature, measured_once  # noqa: E402
 from engine.models.machine import cache_root  # noqa: E402
 from engine.trees.tree import Tree  # noqa: E402
@@ -168,13 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     over = [f"model={args.model}", f"engine.builtin.dtype={args.dtype}", f"engine.builtin.device={args.device}",
             "spec.method=off", f"engine.builtin.linear_plan={args.linear_plan}"]
     # HF rows run transformers' model as loaded, without the engine's oneDNN linears (a second copy)
-    plain = Engine.from_config(load_config([*over, "engine.builtin.onednn_linears=false"]))
-    hf_fwd = Engine.from_config(load_config([*over, "engine.builtin.forward=hf"]))
-    engines = {"hf": hf_fwd, "lean": Engine.from_config(load_config([*over, "engine.builtin.forward=lean",
+    plain = open_engine(load_config([*over, "engine.builtin.onednn_linears=false"]))
+    hf_fwd = open_engine(load_config([*over, "engine.builtin.forward=hf"]))
+    engines = {"hf": hf_fwd, "lean": open_engine(load_config([*over, "engine.builtin.forward=lean",
                                                                     "engine.builtin.compile=false"]))}
     compile_s = None
     if not args.no_compile:
-        engines["lean compiled"] = Engine.from_config(load_config([*over, "engine.builtin.forward=lean",
+        engines["lean compiled"] = open_engine(load_config([*over, "engine.builtin.forward=lean",
                                                                    "engine.builtin.compile=true"]))
         compile_s = engines["lean compiled"].lean.compile_s  # from_config warmed it up: compiled, or loaded from disk
         print(f"compile (or load from the on-disk cache): {compile_s:.1f} s, not counted in tok/s", file=sys.stderr)

@@ -64,8 +64,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
 
-    from engine.decode.loop import Engine
     from engine.heads.pipeline import cached_head
+    from tuner.study.measurer import open_engine, train_job
     from engine.measure.workloads import load_prompts
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
@@ -76,7 +76,7 @@ def main() -> int:
         cfg = load_config([f"model={args.model}", f"+workload={wl}", "spec.method=off",
                            f"engine.builtin.threads={args.threads}"])
         if engine is None:
-            engine = Engine.from_config(cfg)
+            engine = open_engine(cfg)
         prompts = [engine.encode_prompt(p.text, cfg.workload.chat_template)
                    for p in load_prompts(cfg.workload, "heldout")[: args.prompts]]
         engine.generate(prompts[0], SamplingParams(max_new_tokens=8))  # warm-up
@@ -84,7 +84,7 @@ def main() -> int:
         rows.append((wl, "AR", ar, 1.0))
         best: dict[str, dict] = {}
         cands = candidates(depths)
-        head = cached_head(cfg, "eagle")
+        head = cached_head(train_job(cfg), "eagle")
         if head is None:
             print(f"[{wl}] eagle tree: skipped, no trained EAGLE head is cached for {args.model} on {wl} "
                   "(train one with `tuner train-draft`; a random head is never measured)")

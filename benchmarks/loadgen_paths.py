@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 import sys
 
-from engine.decode.loop import Engine
 from engine.measure.runner import HttpTarget, InProcessTarget, measure
 from engine.serving.server import serve_in_thread
 from engine.measure.workloads import load_prompts, sampling_params
 from tuner.schema.compose import load_config
+from tuner.study.measurer import open_engine
 
 DEFAULTS = ["+workload=code", "workload.num_prompts=4", "workload.max_new_tokens=64", "spec.method=ngram"]
 
@@ -28,9 +28,9 @@ def main(overrides: list[str]) -> None:
     assert cfg.workload is not None
     prompts = load_prompts(cfg.workload, "tune")
     params = sampling_params(cfg.workload)
-    engine = Engine.from_config(cfg)
+    engine = open_engine(cfg)
     engine.set_spec(cfg.spec)
-    url, stop = serve_in_thread(cfg, engine)
+    url, stop = serve_in_thread(engine, cfg.model, cfg.serve)
     rows = []
     try:
         for name, target in (("in-process", InProcessTarget(engine, cfg.workload.chat_template)),

@@ -56,17 +56,14 @@ DEFAULT_SPECS = {
 def drafts(cfg, engine, console: Console, methods: list[str]) -> dict[str, dict]:
     """Train or reuse the drafts of `methods`; method -> the SpecConfig fields naming it (absent:
     unavailable)."""
-    from engine.heads.pipeline import ensure_head
-    from engine.heads.draft_model_train import ensure_draft
+    from engine.heads.drafts import ensure_draft
+    from tuner.study.measurer import train_job
     from tuner.study.progress import head_progress
 
     others = packaged_workloads(cfg)
     out: dict[str, dict] = {"off": {}, "ngram": {}}
-    jobs = [("eagle", lambda r: ensure_head(cfg, engine, workloads=others, report=r), "head_path"),
-            ("eagle3", lambda r: ensure_head(cfg, engine, workloads=others, report=r, method="eagle3"), "head_path"),
-            ("medusa", lambda r: ensure_draft(cfg, "medusa", engine, workloads=others, report=r), "head_path"),
-            ("draft_model", lambda r: ensure_draft(cfg, "draft_model", engine, workloads=others, report=r),
-             "draft_model")]
+    jobs = [(m, lambda r, m=m: ensure_draft(train_job(cfg), m, engine, workloads=others, report=r),
+             "draft_model" if m == "draft_model" else "head_path") for m in ("eagle", "eagle3", "medusa", "draft_model")]
     for method, job, field in jobs:
         if method not in methods:
             continue
@@ -139,10 +136,11 @@ def main() -> int:
         return 0
     from engine.drafters.memory import draft_memory
     from engine.decode.loop import Engine
+    from tuner.study.measurer import open_engine
     from engine.measure.workloads import load_prompts
 
     cfg = load_config(["+workload=code", "engine.builtin.dtype=float32", *args.overrides.split()])
-    engine = Engine.from_config(cfg)
+    engine = open_engine(cfg)
     t0 = time.perf_counter()
     fields = drafts(cfg, engine, console, args.methods.split(","))
     train_s = time.perf_counter() - t0

@@ -149,8 +149,8 @@ def here(args: argparse.Namespace) -> None:
     import torch
 
     from engine.api import SamplingParams
-    from engine.decode.loop import Engine
-    from engine.measure.profile import profile_config
+    from tuner.projection.profiling import profile_config
+    from tuner.study.measurer import open_engine
     from engine.measure.workloads import load_prompts
     from tuner.projection.projector import acceptance_from_profile, measured_here
 
@@ -169,7 +169,7 @@ def here(args: argparse.Namespace) -> None:
     t_cost = time.perf_counter() - t0
     ctx = acc.context or 256
     preds = {s.key(): predict(cost, s, t, 1, ctx, (acc.verified or {}).get(s.key())) for s, t in acc.points}
-    eng = Engine.from_config(load_config([*over, "spec.method=off"]))
+    eng = open_engine(load_config([*over, "spec.method=off"]))
     prompts = [eng.encode_prompt(p.text, True) for p in load_prompts(cfg.workload, "tune")[:args.prompts]]
     params = SamplingParams(max_new_tokens=args.tokens, temperature=args.temperature, seed=0)
     all_specs = [SpecConfig(method="off"), *specs]

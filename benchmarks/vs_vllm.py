@@ -27,11 +27,12 @@ import sys
 import tempfile
 from typing import Any
 
-from engine.launch.launcher import PROJECT_ROOT, EngineStartError, Launcher
+from engine.launch.launcher import PROJECT_ROOT, EngineStartError
 from engine.measure.runner import HttpTarget, InProcessTarget, Summary, measure
 from engine.measure.workloads import load_prompts, sampling_params
 from tuner.schema.compose import load_config
 from tuner.schema.config import SpecConfig
+from tuner.study.measurer import open_engine, open_launcher
 
 
 def _free_port() -> int:
@@ -55,12 +56,10 @@ def _row(engine: str, spec: SpecConfig, s: Summary | None, startup_s: float | No
 
 
 def run_builtin(overrides: list[str], specs: list[SpecConfig], warmup: int, repeats: int) -> list[dict[str, Any]]:
-    from engine.decode.loop import Engine
-
     cfg = load_config(overrides)
     assert cfg.workload is not None
     prompts, params = load_prompts(cfg.workload), sampling_params(cfg.workload)
-    engine = Engine.from_config(cfg)
+    engine = open_engine(cfg)
     if engine.lean is not None and engine.lean.compiled:
         print(f"  builtin compile (or load from the on-disk cache): {engine.lean.compile_s:.0f} s", file=sys.stderr)
     dtype = cfg.engine.builtin.dtype
@@ -81,7 +80,7 @@ def run_vllm(overrides: list[str], specs: list[SpecConfig], warmup: int, repeats
     assert cfg.workload is not None
     prompts, params = load_prompts(cfg.workload), sampling_params(cfg.workload)
     rows = []
-    with Launcher.from_config(cfg, log_dir=tempfile.mkdtemp(prefix="spectune-vs-vllm-")) as launcher:
+    with open_launcher(cfg, log_dir=tempfile.mkdtemp(prefix="spectune-vs-vllm-")) as launcher:
         for spec in specs:
             try:
                 url = launcher.ensure(spec)

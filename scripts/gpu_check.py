@@ -99,14 +99,14 @@ def step_engine_speed(a: argparse.Namespace) -> tuple[str, str]:
 def lossless(device: str, model: str, n_prompts: int, tokens: int, head: str | None) -> tuple[int, int, list[str]]:
     """Greedy speculative decoding vs autoregressive decoding on `device` (fp32): (identical, total, mismatches)."""
     from engine.api import SamplingParams
-    from engine.decode.loop import Engine
+    from tuner.study.measurer import open_engine
     from engine.measure.workloads import load_prompts
     from tuner.schema.compose import load_config
     from tuner.schema.config import SpecConfig
 
     cfg = load_config([f"model={model}", "+workload=code", f"engine.builtin.device={device}",
                        "engine.builtin.dtype=float32", "spec.method=off"])
-    eng = Engine.from_config(cfg)
+    eng = open_engine(cfg)
     prompts = [eng.encode_prompt(p.text, True) for p in load_prompts(cfg.workload, "tune")[:n_prompts]]
     params = SamplingParams(max_new_tokens=tokens)
     ref = [eng.generate(p, params).tokens for p in prompts]

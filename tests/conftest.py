@@ -25,7 +25,7 @@ TINY = ["model=tiny-random", "spec.method=off"]  # the tiny random Llama every f
 @pytest.fixture(scope="module")
 def engine():
     """The built-in engine over the tiny random Llama, speculation off (a module sets its spec)."""
-    from engine.decode.loop import Engine
     from tuner.schema.compose import load_config
+    from tuner.study.measurer import open_engine
 
-    return Engine.from_config(load_config(TINY))
+    return open_engine(load_config(TINY))

@@ -51,11 +51,9 @@ def fake_measure(delay_s: float = 0.02):
 
 def engine_for(cfg):
     """The built-in engine of cfg (its model loaded once per process), set to cfg.spec."""
-    from engine.decode.loop import Engine
+    from tuner.study.measurer import open_engine
 
-    engine = Engine.from_config(cfg)
-    engine.set_spec(cfg.spec)
-    return engine
+    return open_engine(cfg)
 
 
 @contextmanager
@@ -63,7 +61,7 @@ def serving(cfg, engine) -> Iterator[str]:
     """The built-in OpenAI-compatible server over `engine` on 127.0.0.1, for the block; its URL."""
     from engine.serving.server import serve_in_thread
 
-    url, stop = serve_in_thread(cfg, engine)
+    url, stop = serve_in_thread(engine, cfg.model, cfg.serve)
     try:
         yield url
     finally:

@@ -5,7 +5,9 @@ registry, fit and flags) imports nothing else of the project; `engine` and `depl
 the ground (deploy never imports engine, so manifests render without torch); the tuner library
 (`tuner.search`, `tuner.study`, `tuner.projection`, `tuner.report`) imports the ground, engine and
 deploy; the command line (`tuner.cli`) sits on top and nothing imports it. Function-local imports
-count, and no import cycle is allowed among modules.
+count, and no import cycle is allowed among modules. The engine reads only its own settings: no
+engine module names the whole `Config` or reads a config's `search` / `deploy` sections (the tuner
+turns those into explicit arguments).
 
 `python tests/test_architecture.py` prints the package-level import arrows.
 """
@@ -136,6 +138,31 @@ def arrows(g: dict[str, set[str]]) -> dict[str, set[str]]:
     return out
 
 
+# What only the tuner may read: the whole config, and the sections about the search and the deployment.
+WHOLE_CONFIG = "Config"
+TUNER_SECTIONS = ("search", "deploy")
+CONFIG_NAMES = ("cfg", "config")
+
+
+def config_reads(root: Path = ROOT, package: str = "engine") -> list[str]:
+    """Every place in `package` that names the top-level Config type (imported, annotated, called)
+    or reads cfg.search / cfg.deploy: 'module:line: what'."""
+    found = []
+    for name, path in modules(root, (package,)).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tuner"):
+                hit = [a.name for a in node.names if a.name == WHOLE_CONFIG]
+            elif isinstance(node, ast.Name):
+                hit = [node.id] if node.id == WHOLE_CONFIG else []
+            elif isinstance(node, ast.Attribute) and node.attr in TUNER_SECTIONS:
+                base = node.value
+                hit = [f"{base.id}.{node.attr}"] if isinstance(base, ast.Name) and base.id in CONFIG_NAMES else []
+            else:
+                hit = []
+            found += [f"{name}:{node.lineno}: {h}" for h in hit]
+    return sorted(found)
+
+
 def test_no_import_cycle() -> None:
     g = graph()
     assert {"tuner.run.session", "engine.decode.loop", "deploy.render"} <= set(g)  # the walk saw the packages
@@ -181,6 +208,26 @@ def test_the_checks_catch_a_cycle_and_each_forbidden_import(tmp_path: Path) -> N
         "tuner.schema.s -> engine.m: ground imports engine",
     ]
     assert arrows(g)["engine"] == {"tuner", "tuner.schema"}
+
+
+def test_the_engine_reads_only_its_own_settings() -> None:
+    """Entry points of the engine take its sub-configs and explicit arguments (the prompts, the
+    precision, the seed), never the whole Config: which prompts and which precision is the tuner's call."""
+    assert config_reads() == []
+
+
+def test_the_config_check_catches_each_kind_of_read(tmp_path: Path) -> None:
+    files = {
+        "engine/__init__.py": "",
+        "engine/a.py": "from tuner.schema.config import Config, ModelConfig\n",
+        "engine/b.py": "def f(cfg: 'x', model: ModelConfig) -> Config:\n    return cfg.search.n + cfg.deploy.port\n",
+        "engine/c.py": "import re\nimport uvicorn\nre.search('a', 'b')\nuvicorn.Config(app)\ncfg.model.name\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert config_reads(tmp_path) == ["engine.a:1: Config", "engine.b:1: Config", "engine.b:2: cfg.deploy",
+                                      "engine.b:2: cfg.search"]
 
 
 def test_no_two_modules_share_a_name() -> None:

@@ -17,7 +17,7 @@ from engine.models.llama import KVCache, LeanForward, lean_forward
 from engine.models.target import Target, load_target
 from engine.trees.tree import Tree
 from engine.trees.verify import process_logits, verify
-from tuner.schema.config import Config, SpecConfig, UserError
+from tuner.schema.config import BuiltinEngineConfig, ModelConfig, SpecConfig, UserError
 
 
 class _Stopper:
@@ -109,18 +109,20 @@ class Engine:
             self.set_spec(spec)
 
     @classmethod
-    def from_config(cls, cfg: Config) -> "Engine":
-        """Load (or reuse) the target of cfg.model under cfg.engine.builtin and apply cfg.spec."""
-        if cfg.engine.builtin.threads:
-            torch.set_num_threads(cfg.engine.builtin.threads)
-        b = cfg.engine.builtin
-        target = load_target(cfg.model, b, cfg.cache_dir, cfg.seed)
-        lean = lean_forward(target, b.compile, cfg.cache_dir, b.linear_plan) if b.forward == "lean" else None
+    def from_config(cls, model: ModelConfig, builtin: BuiltinEngineConfig, spec: SpecConfig | None = None, *,
+                    cache_dir: str | None = None, seed: int = 0) -> "Engine":
+        """Load (or reuse) the target `model` under the engine settings `builtin` and apply `spec`
+        (None: speculation off); `cache_dir` holds converted checkpoints and compiled forwards, `seed`
+        seeds a random_init target and sampling."""
+        if builtin.threads:
+            torch.set_num_threads(builtin.threads)
+        target = load_target(model, builtin, cache_dir, seed)
+        lean = lean_forward(target, builtin.compile, cache_dir, builtin.linear_plan) if builtin.forward == "lean" else None
         if lean is not None and lean.compiled and lean.compile_s == 0:
             lean.warm_up()  # compile (or load) before any timed step: its seconds land in compile_s
-        engine = cls(target, cfg.model.max_context, cfg.spec, cfg.seed, lean)
+        engine = cls(target, model.max_context, spec, seed, lean)
         if lean is not None:
-            engine.max_batch, engine.prefill, engine.kv_tokens = b.max_batch, b.prefill, b.kv_tokens
+            engine.max_batch, engine.prefill, engine.kv_tokens = builtin.max_batch, builtin.prefill, builtin.kv_tokens
         return engine
 
     def _eos_ids(self) -> set[int]:

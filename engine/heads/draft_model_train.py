@@ -12,7 +12,8 @@ distribution, not only its argmax.
 
 Output: an HF checkpoint directory (config.json, model.safetensors, the target's tokenizer files)
 plus `draft_vocab.json` (the target ids the drafter scores; vLLM ignores it and drafts over the full
-vocabulary) and `spectune_meta.json`, cached beside the heads (engine.heads.medusa_train.draft_dir).
+vocabulary) and `spectune_meta.json`, cached beside the heads (engine.heads.pipeline.head_dir).
+The split, schedule and early stop are engine.heads.schedule's.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.drafters.draft_model import DRAFT_VOCAB
-from engine.heads.medusa_train import EarlyStop, Report, ensure_trained, lr_at, split_prompts, token_map
-from tuner.schema.config import Config, TrainConfig, UserError, WorkloadConfig
+from engine.heads.pipeline import TrainJob, ensure_trained
+from engine.heads.schedule import EarlyStop, Report, batch_ids, epoch_steps, lr_at, split_prompts, total_steps
+from engine.heads.vocab import label_index, token_map
+from tuner.schema.config import TrainConfig, UserError, WorkloadConfig
 
 FEATURE_WEIGHT = 1.0  # loss = CE + FEATURE_WEIGHT * SmoothL1(hidden, target feature)
 # Copied layers are already trained: a smaller step than a fresh head's keeps what they know.
@@ -138,26 +141,18 @@ def train_draft_model(data, target: torch.nn.Module, tc: TrainConfig, report: Re
     lm_full = model.get_output_embeddings().weight.detach()
     lm_w, t2d = lm_full, None
     if tmap is not None:
-        lm_w = lm_full[tmap].contiguous()
-        t2d = torch.full((vocab,), -100, dtype=torch.long)
-        t2d[tmap] = torch.arange(len(tmap))
+        lm_w, t2d = lm_full[tmap].contiguous(), label_index(tmap, vocab)
     before = validate(model, lm_w, t2d, data, val_seqs, tc) if val_seqs else {}
     params = [p for p in model.parameters() if p.requires_grad]
-    lr = tc.lr * LR_SCALE
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    per_epoch = max(1, len(train_seqs) // tc.batch)
-    steps = max(1, min(tc.steps, int(tc.epochs * per_epoch + 0.999)))
+    opt = torch.optim.AdamW(params, lr=tc.lr * LR_SCALE, betas=(0.9, 0.95), weight_decay=0.0)
+    steps = total_steps(tc, epoch_steps(len(train_seqs), tc.batch))
     stop = EarlyStop(tc)
     history: list[float] = []
     t0 = time.perf_counter()
-    scaled = tc.model_copy(update={"lr": lr})
     for step in range(steps):
         for grp in opt.param_groups:
-            grp["lr"] = lr_at(scaled, step, steps)
-        epoch, k = divmod(step, per_epoch)
-        perm = torch.randperm(len(train_seqs), generator=torch.Generator().manual_seed(tc.seed * 7919 + epoch)).tolist()
-        ids = [train_seqs[i] for i in perm[k * tc.batch:(k + 1) * tc.batch]] or train_seqs[:tc.batch]
-        loss, parts = draft_loss(model, lm_w, t2d, make_batch(data, ids, tc.seq_len))
+            grp["lr"] = lr_at(tc, step, steps, LR_SCALE)
+        loss, parts = draft_loss(model, lm_w, t2d, make_batch(data, batch_ids(train_seqs, tc, step), tc.seq_len))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -192,25 +187,11 @@ def save_draft_model(model: LlamaForCausalLM, tokenizer, path: str | Path, draft
     return out
 
 
-def ensure_draft_model(cfg: Config, engine=None, retrain: bool = False, workloads: Sequence[WorkloadConfig] = (),
+def ensure_draft_model(job: TrainJob, engine=None, retrain: bool = False, workloads: Sequence[WorkloadConfig] = (),
                        report: Report | None = None) -> Path:
-    """The draft-model directory for cfg's target, workload and settings: cached, or trained now."""
+    """The draft-model directory for the job's target, workload and settings: cached, or trained now."""
     def train(engine, data):
-        model, tmap, summary = train_draft_model(data, engine.model, cfg.train, report, eos=sorted(engine.eos))
+        model, tmap, summary = train_draft_model(data, engine.model, job.train, report, eos=sorted(engine.eos))
         return (lambda out: save_draft_model(model, engine.tokenizer, out, tmap)), summary
 
-    return ensure_trained(cfg, "draft_model", train, engine, retrain, workloads, report)
-
-
-def ensure_draft(cfg: Config, method: str, engine=None, retrain: bool = False,
-                 workloads: Sequence[WorkloadConfig] = (), report: Report | None = None) -> Path:
-    """`tuner train-draft spec.method=medusa|draft_model`: the cached or newly trained draft's directory."""
-    from engine.heads.medusa_train import ensure_medusa
-
-    if cfg.workload is None:
-        raise UserError("train-draft needs a workload: add +workload=NAME")
-    if method == "medusa":
-        return ensure_medusa(cfg, engine, retrain, workloads, report)
-    if method == "draft_model":
-        return ensure_draft_model(cfg, engine, retrain, workloads, report)
-    raise UserError(f"spec.method={method}: this trainer makes medusa heads and draft models")
+    return ensure_trained(job, "draft_model", train, engine, retrain, workloads, report)

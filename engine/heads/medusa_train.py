@@ -1,78 +1,32 @@
-"""Training Medusa-1 heads (engine.models.medusa_head) on the target's own outputs, and the cache of trained
-drafts (`ensure_trained`, shared with the draft-model trainer).
+"""Training Medusa-1 heads (engine.models.medusa_head) on the target's own outputs.
 
 The target stays frozen and every head reads only the target's final normed hidden state, so the
 self-distillation data (features + the target's greedy next tokens) is all training needs: no
 target forward runs here. Head k at answer position t learns the target's greedy token t+2+k
 (cross-entropy over the draft vocabulary, weight decay**k as in Medusa-1). Whole prompts are kept
-out of training to measure the validation loss and the offline acceptance.
-
-`training_data` is the one adapter to the distillation pipeline (it reads the fields tokens,
-features, labels, offsets, starts, prompt_idx, sampled only); the draft-model trainer uses it too.
+out of training to measure the validation loss and the offline acceptance (the split, schedule
+and early stop are engine.heads.schedule's; the data and the cache engine.heads.pipeline's).
 """
 
 from __future__ import annotations
 
-import json
-import math
-import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from engine.heads.pipeline import TrainJob, ensure_trained
+from engine.heads.schedule import EarlyStop, Report, lr_at, split_prompts, total_steps
+from engine.heads.vocab import label_index, token_map
 from engine.models.medusa_head import MedusaHeads, new_heads, save_heads
-from tuner.schema.config import Config, SpecConfig, TrainConfig, UserError, WorkloadConfig
+from tuner.schema.config import TrainConfig, UserError, WorkloadConfig
 
-META = "spectune_meta.json"
 LOSS_DECAY = 0.8  # Medusa-1: head k's loss weight decay**k
-
-# report(phase, done, total, info): phase "generate" (prompts answered) or "train" (steps, info has loss)
-Report = Callable[[str, int, int, dict], None]
-
-
-# --------------------------------------------------------------------------- adapter to the data pipeline
-
-def training_data(cfg: Config, engine, workloads: Sequence[WorkloadConfig] = (), report: Report | None = None):
-    """The self-distillation data of cfg's target and prompts (generated once, cached, shared with
-    the EAGLE heads of the same data settings)."""
-    from engine.heads.pipeline import build_data
-
-    return build_data(cfg, engine, workloads, report)
-
-
-def draft_dir(cfg: Config, method: str) -> Path:
-    """Where a trained draft of `method` for cfg's target, workload and training settings lives
-    (beside the EAGLE heads: <cache>/heads/<model>-<target>/<method>-<workload>-<key>)."""
-    from engine.heads.pipeline import head_dir
-
-    return head_dir(cfg, method)
-
-
-def target_hash(cfg: Config) -> str:
-    """Identity of the target's weights (the head cache's)."""
-    from engine.heads.pipeline import target_hash as th
-
-    return th(cfg)
 
 
 # --------------------------------------------------------------------------- data -> examples
-
-def split_prompts(data, fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """(training sequences, validation sequences): whole prompts go to validation, and only their
-    greedy answers (what T=0 acceptance is about)."""
-    prompts = sorted(set(data.prompt_idx.tolist()))
-    g = torch.Generator().manual_seed(seed)
-    perm = [prompts[i] for i in torch.randperm(len(prompts), generator=g).tolist()]
-    n_val = max(1, int(round(fraction * len(prompts)))) if len(prompts) > 1 and fraction > 0 else 0
-    val = set(perm[:n_val])
-    pidx, sampled = data.prompt_idx.tolist(), data.sampled.tolist()
-    return ([i for i in range(len(pidx)) if pidx[i] not in val],
-            [i for i in range(len(pidx)) if pidx[i] in val and sampled[i] == 0])
-
 
 def answer_positions(data, seqs: Sequence[int], ahead: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(positions t [M], labels [M, ahead]): t runs over answer positions from the last prompt token
@@ -92,17 +46,6 @@ def answer_positions(data, seqs: Sequence[int], ahead: int) -> tuple[torch.Tenso
     if not pos:
         return torch.zeros(0, dtype=torch.long), torch.zeros(0, ahead, dtype=torch.long)
     return torch.cat(pos), torch.cat(labs)
-
-
-def token_map(labels: torch.Tensor, n: int, vocab_size: int, eos: Sequence[int] = ()) -> torch.Tensor | None:
-    """Sorted target ids of the draft vocabulary: EOS plus the n most frequent labels (None: full)."""
-    if n <= 0 or n >= vocab_size:
-        return None
-    lab = labels[labels >= 0]
-    counts = torch.bincount(lab, minlength=vocab_size).float()
-    for e in eos:
-        counts[e] = float("inf")
-    return torch.sort(torch.topk(counts, n).indices).values
 
 
 def _to_draft(labels: torch.Tensor, t2d: torch.Tensor | None) -> torch.Tensor:
@@ -150,45 +93,6 @@ def evaluate(heads: MedusaHeads, feats: torch.Tensor, labels: torch.Tensor) -> d
             "eval_positions": len(feats)}
 
 
-def lr_at(tc: TrainConfig, step: int, total: int) -> float:
-    """Linear warm-up, then cosine decay to 10% of train.lr."""
-    if step < tc.warmup:
-        return tc.lr * (step + 1) / tc.warmup
-    p = (step - tc.warmup) / max(1, total - tc.warmup)
-    return tc.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(p, 1.0))))
-
-
-def total_steps(tc: TrainConfig, n_examples: int, per_step: int) -> int:
-    """train.epochs passes over the training examples, capped by train.steps."""
-    return max(1, min(tc.steps, int(math.ceil(tc.epochs * n_examples / max(per_step, 1)))))
-
-
-class EarlyStop:
-    """Validation every train.eval_every steps; keeps the best weights, stops after train.patience
-    evaluations without improvement."""
-
-    def __init__(self, tc: TrainConfig) -> None:
-        self.every, self.patience = tc.eval_every, tc.patience
-        self.best, self.best_state, self.bad, self.history = float("inf"), None, 0, []
-
-    def check(self, step: int, last: bool, model: torch.nn.Module, val: Callable[[], float]) -> bool:
-        """Evaluate when due; True when training should stop."""
-        if not (step % self.every == 0 or last):
-            return False
-        v = val()
-        self.history.append((step, round(v, 5)))
-        if v < self.best - 1e-4:
-            self.best, self.bad = v, 0
-            self.best_state = {k: t.detach().clone() for k, t in model.state_dict().items()}
-        else:
-            self.bad += 1
-        return bool(self.patience) and self.bad >= self.patience
-
-    def restore(self, model: torch.nn.Module) -> None:
-        if self.best_state is not None:
-            model.load_state_dict(self.best_state)
-
-
 def train_medusa(data, target: torch.nn.Module, name: str, tc: TrainConfig, report: Report | None = None,
                  eos: Sequence[int] = ()) -> tuple[MedusaHeads, dict]:
     """Train `tc.medusa_heads` heads on batches of tc.batch * tc.seq_len answer positions for
@@ -202,10 +106,7 @@ def train_medusa(data, target: torch.nn.Module, name: str, tc: TrainConfig, repo
     vpos, vlab = answer_positions(data, val_seqs, K)
     vocab = target.config.vocab_size
     tmap = token_map(tlab[:, 0], tc.draft_vocab, vocab, eos)
-    t2d = None
-    if tmap is not None:
-        t2d = torch.full((vocab,), -100, dtype=torch.long)
-        t2d[tmap] = torch.arange(len(tmap))
+    t2d = label_index(tmap, vocab)
     tlab, vlab = _to_draft(tlab, t2d), _to_draft(vlab, t2d)
     feats = data.features
     with torch.random.fork_rng():
@@ -215,7 +116,7 @@ def train_medusa(data, target: torch.nn.Module, name: str, tc: TrainConfig, repo
     before = evaluate(heads, vfeat, vlab)
     opt = torch.optim.AdamW(heads.parameters(), lr=tc.lr, betas=(0.9, 0.95), weight_decay=0.0)
     per_step = min(tc.batch * tc.seq_len, len(tpos))
-    steps = total_steps(tc, len(tpos), per_step)
+    steps = total_steps(tc, len(tpos) / per_step)
     g = torch.Generator().manual_seed(tc.seed)
     stop = EarlyStop(tc)
     history: list[float] = []
@@ -247,49 +148,11 @@ def train_medusa(data, target: torch.nn.Module, name: str, tc: TrainConfig, repo
 
 # --------------------------------------------------------------------------- cache
 
-def cached(cfg: Config, method: str) -> Path | None:
-    """The finished draft of `method` for cfg's target, workload and settings, if trained."""
-    out = draft_dir(cfg, method)
-    return out if (out / META).is_file() else None
-
-
-def _engine(cfg: Config, engine):
-    if engine is not None:
-        return engine
-    from engine.decode.loop import Engine
-
-    return Engine.from_config(cfg.model_copy(update={"spec": SpecConfig()}))
-
-
-def ensure_trained(cfg: Config, method: str, train: Callable[[Any, Any], tuple[Callable[[Path], Any], dict]],
-                   engine=None, retrain: bool = False, workloads: Sequence[WorkloadConfig] = (),
-                   report: Report | None = None) -> Path:
-    """The draft directory of `method` for cfg's target, workload and settings: cached, or trained
-    now. `train(engine, data)` trains on the self-distillation data and returns (save, summary):
-    save(out) writes the draft into `out`, summary goes into its meta. The meta is written last, so
-    a directory without one (an interrupted save) is never taken for a finished draft."""
-    out = draft_dir(cfg, method)
-    if not retrain and (out / META).is_file():
-        return out
-    engine = _engine(cfg, engine)
-    t0 = time.perf_counter()
-    data = training_data(cfg, engine, workloads, report)
-    save, summary = train(engine, data)
-    if out.exists():
-        shutil.rmtree(out)
-    save(out)
-    meta = {"target": cfg.model.name, "target_hash": target_hash(cfg), "workload": cfg.workload.name,
-            "data": dict(data.meta), "train": cfg.train.model_dump(mode="json"), "seed": cfg.train.seed, **summary,
-            "total_seconds": round(time.perf_counter() - t0, 1)}
-    (out / META).write_text(json.dumps(meta, indent=2) + "\n")
-    return out
-
-
-def ensure_medusa(cfg: Config, engine=None, retrain: bool = False, workloads: Sequence[WorkloadConfig] = (),
+def ensure_medusa(job: TrainJob, engine=None, retrain: bool = False, workloads: Sequence[WorkloadConfig] = (),
                   report: Report | None = None) -> Path:
-    """The Medusa head directory for cfg's target and workload: cached, or trained now."""
+    """The Medusa head directory for the job's target and workload: cached, or trained now."""
     def train(engine, data):
-        heads, summary = train_medusa(data, engine.model, cfg.model.name, cfg.train, report, eos=sorted(engine.eos))
+        heads, summary = train_medusa(data, engine.model, job.model.name, job.train, report, eos=sorted(engine.eos))
         return (lambda out: save_heads(heads, out)), summary
 
-    return ensure_trained(cfg, "medusa", train, engine, retrain, workloads, report)
+    return ensure_trained(job, "medusa", train, engine, retrain, workloads, report)

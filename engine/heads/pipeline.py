@@ -5,7 +5,12 @@ evaluation, and the cache that makes each stage run once.
   label top-k. Shared by every head of the same target and prompts.
 - Heads (`<cache>/heads/<model>-<target>/<method>-<workload>-<key>/`): key = the workload, the
   method and every training setting (data size, vocabulary, loss, steps), so changing any of them
-  trains a new head instead of returning a stale one.
+  trains a new head instead of returning a stale one. Medusa heads and draft models
+  (engine.heads.medusa_train, engine.heads.draft_model_train) are cached the same way
+  (`ensure_trained`).
+
+Everything here reads one `TrainJob`: the target, the engine settings it loads under, the workload
+and the training settings (the tuner assembles it from the config).
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ import json
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,28 +32,43 @@ from engine.heads.data import DATA_FILE, DistillData
 from engine.models.eagle3_head import default_aux_layers
 from engine.heads.evaluate import chain_acceptance
 from engine.heads.prompts import collect_prompts, fixed_code_texts
-from engine.heads.trainer import split_prompts, train_head
+from engine.heads.schedule import Report, split_prompts
+from engine.heads.trainer import train_head
 from engine.heads.vocab import always_kept, build_vocab
-from tuner.schema.config import Config, SpecConfig, TrainConfig, UserError, WorkloadConfig
+from tuner.schema.config import BuiltinEngineConfig, ModelConfig, TrainConfig, UserError, WorkloadConfig
 from tuner.schema.methods import trained_by
 
 META = "spectune_meta.json"
-Report = Callable[[str, int, int, dict], None]  # (phase, done, total, info)
 _DATA_SETTINGS = ("prompts", "max_new_tokens", "label_topk", "seed")
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """What training a draft reads: the target `model`, loaded under the engine settings `builtin`
+    (their fp8_weights decide the precision of its features), the `workload` whose prompts it
+    learns, the `train` settings, the cache directory and the target's seed (a random_init
+    target's weights)."""
+
+    model: ModelConfig
+    builtin: BuiltinEngineConfig
+    workload: WorkloadConfig
+    train: TrainConfig
+    cache_dir: str | None = None
+    seed: int = 0
 
 
 def _short(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def target_hash(cfg: Config) -> str:
+def target_hash(job: TrainJob) -> str:
     """Identity of the target's weights (and of the precision its features are computed in)."""
     from engine.models.machine import cache_root
     from engine.models.target import file_digest, gguf_path
 
-    m, root = cfg.model, cache_root(cfg.cache_dir)
+    m, root = job.model, cache_root(job.cache_dir)
     if m.random_init:
-        basis = f"random:{m.model_dump_json()}:{cfg.seed}"
+        basis = f"random:{m.model_dump_json()}:{job.seed}"
     elif m.local_path:
         p = Path(m.local_path).expanduser()
         weights = sorted(p.glob("*.safetensors")) or sorted(p.glob("*.bin"))
@@ -55,7 +77,7 @@ def target_hash(cfg: Config) -> str:
         basis = "gguf:" + file_digest(gguf_path(m.gguf.package, m.gguf.file), root)
     else:
         basis = f"hub:{m.hf_id}"
-    return _short(f"{basis}:fp8={cfg.engine.builtin.fp8_weights}")
+    return _short(f"{basis}:fp8={job.builtin.fp8_weights}")
 
 
 def data_key(thash: str, prompts: Sequence, chat_template: bool, tc: TrainConfig,
@@ -68,57 +90,56 @@ def data_key(thash: str, prompts: Sequence, chat_template: bool, tc: TrainConfig
     return _short(json.dumps(basis))
 
 
-def head_key(cfg: Config, method: str) -> str:
+def head_key(job: TrainJob, method: str) -> str:
     """Identity of a head: workload, method and every training setting (a fixed-text supplement that
     is off is left out, so heads trained before it existed keep their key)."""
-    skip = {"checkpoint_every"} | ({"fixed_text_tokens"} if not cfg.train.fixed_text_tokens else set())
-    return _short(json.dumps([cfg.workload.model_dump(mode="json"), method,
-                              cfg.train.model_dump(mode="json", exclude=skip)], sort_keys=True))
+    skip = {"checkpoint_every"} | ({"fixed_text_tokens"} if not job.train.fixed_text_tokens else set())
+    return _short(json.dumps([job.workload.model_dump(mode="json"), method,
+                              job.train.model_dump(mode="json", exclude=skip)], sort_keys=True))
 
 
-def head_dir(cfg: Config, method: str = "eagle") -> Path:
-    """Where the head for (target, workload, method, training settings) lives."""
+def head_dir(job: TrainJob, method: str = "eagle") -> Path:
+    """Where the draft of `method` for (target, workload, training settings) lives (every trained
+    method: EAGLE heads, Medusa heads, draft models)."""
     from engine.models.machine import cache_root
 
-    if cfg.workload is None:
-        raise UserError("train-draft needs a workload: add +workload=NAME")
-    return (cache_root(cfg.cache_dir) / "heads" / f"{cfg.model.name}-{target_hash(cfg)}"
-            / f"{method}-{cfg.workload.name}-{head_key(cfg, method)}")
+    return (cache_root(job.cache_dir) / "heads" / f"{job.model.name}-{target_hash(job)}"
+            / f"{method}-{job.workload.name}-{head_key(job, method)}")
 
 
-def cached_head(cfg: Config, method: str = "eagle") -> Path | None:
-    """The finished head for cfg, if one was trained."""
-    out = head_dir(cfg, method)
+def cached_head(job: TrainJob, method: str = "eagle") -> Path | None:
+    """The finished draft of `method` for the job, if one was trained."""
+    out = head_dir(job, method)
     return out if (out / META).is_file() else None
 
 
-def build_data(cfg: Config, engine, workloads: Sequence[WorkloadConfig] = (), report: Report | None = None,
+def build_data(job: TrainJob, engine, workloads: Sequence[WorkloadConfig] = (), report: Report | None = None,
                aux_layers: Sequence[int] | None = None) -> DistillData:
     """Stages 1-2: the training prompts and the target's answers with features and labels (cached);
-    with `aux_layers` also the inputs of those target layers (EAGLE-3)."""
+    with `aux_layers` also the inputs of those target layers (EAGLE-3). Every trainer's data."""
     from engine.models.machine import cache_root
 
-    tc = cfg.train
-    thash = target_hash(cfg)
-    prompts = collect_prompts(cfg.workload, workloads, tc.prompts, tc.seed)
+    tc = job.train
+    thash = target_hash(job)
+    prompts = collect_prompts(job.workload, workloads, tc.prompts, tc.seed)
     if not prompts:
         raise UserError("train-draft: no training prompts (all were held out?)")
-    chat = cfg.workload.chat_template
+    chat = job.workload.chat_template
     key = data_key(thash, prompts, chat, tc, aux_layers)
-    path = cache_root(cfg.cache_dir) / "distill" / key
+    path = cache_root(job.cache_dir) / "distill" / key
     if (path / DATA_FILE).is_file():
         data = DistillData.load(path)
     else:
-        data = _answer_data(cfg, engine, prompts, key, thash, path, report, aux_layers, workloads)
+        data = _answer_data(job, engine, prompts, key, thash, path, report, aux_layers, workloads)
     if tc.fixed_text_tokens:
-        data = DistillData.concat([data, _fixed_text_data(cfg, engine, thash, report, aux_layers)])
+        data = DistillData.concat([data, _fixed_text_data(job, engine, thash, report, aux_layers)])
     return data
 
 
-def _answer_data(cfg: Config, engine, prompts: Sequence, key: str, thash: str, path: Path, report: Report | None,
+def _answer_data(job: TrainJob, engine, prompts: Sequence, key: str, thash: str, path: Path, report: Report | None,
                  aux_layers: Sequence[int] | None, workloads: Sequence[WorkloadConfig]) -> DistillData:
     """The target's answers to the prompts (stage 2), saved at path."""
-    tc, chat = cfg.train, cfg.workload.chat_template
+    tc, chat = job.train, job.workload.chat_template
     tok = engine.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else min(engine.eos)
 
@@ -130,18 +151,18 @@ def _answer_data(cfg: Config, engine, prompts: Sequence, key: str, thash: str, p
     data = generate_answers(engine.model, encoded, tc.max_new_tokens, engine.eos, pad, tc.gen_batch, tc.label_topk,
                             aux_layers=aux_layers, on_progress=progress,
                             meta={"key": key, "target": thash, "sources": _sources(prompts),
-                                  "workloads": [cfg.workload.name, *[w.name for w in workloads]]})
+                                  "workloads": [job.workload.name, *[w.name for w in workloads]]})
     data.save(path)
     return data
 
 
-def _fixed_text_data(cfg: Config, engine, thash: str, report: Report | None,
+def _fixed_text_data(job: TrainJob, engine, thash: str, report: Report | None,
                      aux_layers: Sequence[int] | None) -> DistillData:
     """The teacher-forced supplement (cached): stdlib sources as replies to their own tasks, taken
     in a seeded order until train.fixed_text_tokens reply tokens; each sequence fits train.seq_len."""
     from engine.models.machine import cache_root
 
-    tc, chat, tok = cfg.train, cfg.workload.chat_template, engine.tokenizer
+    tc, chat, tok = job.train, job.workload.chat_template, engine.tokenizer
     end = [tok.eos_token_id] if tok.eos_token_id is not None else []
     seqs, texts, total = [], [], 0
     for task, reply in fixed_code_texts(tc.seed):
@@ -155,7 +176,7 @@ def _fixed_text_data(cfg: Config, engine, thash: str, report: Report | None,
         total += len(r)
     key = _short(json.dumps([thash, "fixed-text", texts, chat, tc.seq_len, tc.label_topk, tc.fixed_text_tokens,
                              [int(k) for k in aux_layers or []]]))
-    path = cache_root(cfg.cache_dir) / "distill" / key
+    path = cache_root(job.cache_dir) / "distill" / key
     if (path / DATA_FILE).is_file():
         return DistillData.load(path)
 
@@ -179,50 +200,77 @@ def _sources(prompts: Sequence) -> dict[str, int]:
     return out
 
 
-def ensure_head(cfg: Config, engine=None, retrain: bool = False, workloads: Sequence[WorkloadConfig] = (),
-                report: Report | None = None, method: str = "eagle") -> Path:
-    """The head directory for cfg: the cached one, or a newly trained one (retrain=True trains again,
-    reusing generated data). `workloads` are the other packaged workloads: their held-out prompts are
-    excluded from the data too."""
-    if cfg.workload is None:
-        raise UserError("train-draft needs a workload: add +workload=NAME")
-    if method not in trained_by("eagle"):
-        raise UserError(f"spec.method={method}: this pipeline trains {' and '.join(trained_by('eagle'))} heads")
-    out = head_dir(cfg, method)
-    work = out.parent / f".{out.name}.work"  # checkpoints of a run in progress
+def open_engine(job: TrainJob, engine=None):
+    """`engine` when given, else the built-in engine over the job's target, speculation off."""
+    if engine is not None:
+        return engine
+    from engine.decode.loop import Engine
+
+    return Engine.from_config(job.model, job.builtin, cache_dir=job.cache_dir, seed=job.seed)
+
+
+def ensure_trained(job: TrainJob, method: str, train: Callable[[Any, DistillData], tuple[Callable[[Path], Any], dict]],
+                   engine=None, retrain: bool = False, workloads: Sequence[WorkloadConfig] = (),
+                   report: Report | None = None, aux_layers: Callable[[Any], Sequence[int] | None] = lambda e: None,
+                   work: Path | None = None) -> Path:
+    """The draft directory of `method` for the job: cached, or trained now (retrain=True trains
+    again, reusing generated data). `train(engine, data)` trains on the self-distillation data
+    (with the states of the target layers `aux_layers(engine)` names) and returns (save, summary):
+    save(out) writes the draft into `out`, summary goes into its meta. The meta is written last, so
+    a directory without one (an interrupted save) is never taken for a finished draft. `work` is
+    the directory of a run's checkpoints, removed when a retrain starts and when the draft is saved."""
+    out = head_dir(job, method)
     if not retrain and (out / META).is_file():
         return out
     if retrain:
         (out / META).unlink(missing_ok=True)
-        shutil.rmtree(work, ignore_errors=True)
-    if engine is None:
-        from engine.decode.loop import Engine
-
-        engine = Engine.from_config(cfg.model_copy(update={"spec": SpecConfig()}))
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+    engine = open_engine(job, engine)
     t0 = time.perf_counter()
-    aux_layers = default_aux_layers(engine.model.config.num_hidden_layers) if method == "eagle3" else None
-    data = build_data(cfg, engine, workloads, report, aux_layers)
-    vocab_size = engine.model.get_output_embeddings().weight.shape[0]
-    vocab = build_vocab(data, cfg.train.draft_vocab, vocab_size, always_kept(engine.tokenizer, vocab_size, sorted(engine.eos)))
-    head, summary = train_head(data, engine.model, cfg.train, vocab, work, report, method)
-    _, val = split_prompts(data, cfg.train.eval_fraction, cfg.train.seed)
-    summary.update(evaluate_head(head, engine.model, vocab, data, val, cfg.train.seq_len))
-    summary.update(draft_vocab=0 if vocab is None else len(vocab.ids),
-                   draft_vocab_coverage=1.0 if vocab is None else round(vocab.coverage(data.response_labels()), 4))
+    data = build_data(job, engine, workloads, report, aux_layers(engine))
+    save, summary = train(engine, data)
     if out.exists():
         shutil.rmtree(out)
-    if method == "eagle3":
-        from engine.models.eagle3_head import save_eagle3
-
-        save_eagle3(head, out)
-    else:
-        save_head(head, out)
-    meta = {"target": cfg.model.name, "target_hash": target_hash(cfg), "workload": cfg.workload.name,
-            "method": method, "data": dict(data.meta), "train": cfg.train.model_dump(mode="json"), "seed": cfg.train.seed,
-            **summary, "total_seconds": round(time.perf_counter() - t0, 1)}
+    save(out)
+    meta = {"target": job.model.name, "target_hash": target_hash(job), "workload": job.workload.name,
+            "method": method, "data": dict(data.meta), "train": job.train.model_dump(mode="json"),
+            "seed": job.train.seed, **summary, "total_seconds": round(time.perf_counter() - t0, 1)}
     (out / META).write_text(json.dumps(meta, indent=2) + "\n")
-    shutil.rmtree(work, ignore_errors=True)
+    if work is not None:
+        shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+def ensure_head(job: TrainJob, engine=None, retrain: bool = False, workloads: Sequence[WorkloadConfig] = (),
+                report: Report | None = None, method: str = "eagle") -> Path:
+    """The EAGLE / EAGLE-3 head directory for the job: the cached one, or a newly trained one
+    (retrain=True trains again, reusing generated data). `workloads` are the other packaged
+    workloads: their held-out prompts are excluded from the data too."""
+    if method not in trained_by("eagle"):
+        raise UserError(f"spec.method={method}: this pipeline trains {' and '.join(trained_by('eagle'))} heads")
+    out = head_dir(job, method)
+    work = out.parent / f".{out.name}.work"  # checkpoints of a run in progress
+    tc = job.train
+
+    def aux_layers(engine) -> Sequence[int] | None:
+        return default_aux_layers(engine.model.config.num_hidden_layers) if method == "eagle3" else None
+
+    def train(engine, data: DistillData):
+        vocab_size = engine.model.get_output_embeddings().weight.shape[0]
+        vocab = build_vocab(data, tc.draft_vocab, vocab_size, always_kept(engine.tokenizer, vocab_size, sorted(engine.eos)))
+        head, summary = train_head(data, engine.model, tc, vocab, work, report, method)
+        _, val = split_prompts(data, tc.eval_fraction, tc.seed)
+        summary.update(evaluate_head(head, engine.model, vocab, data, val, tc.seq_len))
+        summary.update(draft_vocab=0 if vocab is None else len(vocab.ids),
+                       draft_vocab_coverage=1.0 if vocab is None else round(vocab.coverage(data.response_labels()), 4))
+        if method == "eagle3":
+            from engine.models.eagle3_head import save_eagle3
+
+            return (lambda out: save_eagle3(head, out)), summary
+        return (lambda out: save_head(head, out)), summary
+
+    return ensure_trained(job, method, train, engine, retrain, workloads, report, aux_layers, work)
 
 
 def evaluate_head(head: torch.nn.Module, target: torch.nn.Module, vocab, data: DistillData, seqs: Sequence[int],

@@ -7,46 +7,32 @@ feeds the head its own step j-1 output as the feature, with the attention a dept
 (real-feature keys of positions <= t plus its own earlier steps at t); step j's loss weighs
 decay**j. Input features get Gaussian noise, as in EAGLE, so the head tolerates its own errors.
 
-Early stopping: every `eval_every` steps the loss on a validation split (whole prompts that share
-nothing with any held-out set) is measured; training stops after `patience` evaluations without
-improvement and keeps the best weights. Deterministic given the seed (batch order and noise derive
-from (seed, step)); a resumable checkpoint every `checkpoint_every` steps.
+The validation split (whole prompts that share nothing with any held-out set), the batches, the
+learning-rate schedule and early stopping are engine.heads.schedule's, as for every draft trainer.
+Deterministic given the seed (batch order and noise derive from (seed, step)); a resumable
+checkpoint every `checkpoint_every` steps.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from engine.models.eagle_head import EagleHead, head_config
-from engine.heads.data import FIXED_TEXT, IGNORE, DistillData
+from engine.heads.data import IGNORE, DistillData
+from engine.heads.schedule import EarlyStop, Report, batch_ids, epoch_steps, lr_at, split_prompts, total_steps
 from engine.heads.vocab import DraftVocab
 from tuner.schema.config import TrainConfig, UserError
 
 CKPT = "checkpoint.pt"
-Report = Callable[[str, int, int, dict], None]  # (phase, done, total, info)
-
-
-def split_prompts(data: DistillData, fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """(training sequences, validation sequences), split by whole prompts."""
-    # validation measures what serving meets: the target's own answers, never fixed text
-    prompts = sorted({int(p) for p, s in zip(data.prompt_idx, data.sampled) if s != FIXED_TEXT})
-    g = torch.Generator().manual_seed(seed)
-    perm = [prompts[i] for i in torch.randperm(len(prompts), generator=g).tolist()]
-    n_eval = max(1, int(round(fraction * len(prompts)))) if len(prompts) > 1 and fraction > 0 else 0
-    ev = set(perm[:n_eval])
-    pidx = data.prompt_idx.tolist()
-    return ([i for i in range(data.num_sequences) if pidx[i] not in ev],
-            [i for i in range(data.num_sequences) if pidx[i] in ev])
 
 
 def make_batch(data: DistillData, seqs: Sequence[int], seq_len: int, device: torch.device | str = "cpu") -> dict:
@@ -222,29 +208,6 @@ def init_net(method: str, target: torch.nn.Module, vocab: DraftVocab | None, see
     return head, Eagle1Net(head, lm_w)
 
 
-def _lr(tc: TrainConfig, step: int, total: int) -> float:
-    if step < tc.warmup:
-        return tc.lr * (step + 1) / tc.warmup
-    p = (step - tc.warmup) / max(1, total - tc.warmup)
-    return tc.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(p, 1.0))))
-
-
-def _batch_ids(train_seqs: list[int], tc: TrainConfig, step: int) -> list[int]:
-    """Sequences of one step: epoch-wise permutations seeded by (seed, epoch), so any step's batch is
-    known without replaying the ones before (resume is exact)."""
-    per_epoch = max(1, len(train_seqs) // tc.batch)
-    epoch, k = divmod(step, per_epoch)
-    g = torch.Generator().manual_seed(tc.seed * 7919 + epoch)
-    perm = torch.randperm(len(train_seqs), generator=g).tolist()
-    return [train_seqs[i] for i in perm[k * tc.batch:(k + 1) * tc.batch]] or train_seqs[:tc.batch]
-
-
-def total_steps(tc: TrainConfig, n_train_seqs: int) -> int:
-    """Steps of a run: train.epochs over the training sequences, capped by train.steps."""
-    per_epoch = max(1, n_train_seqs // tc.batch)
-    return max(1, min(tc.steps, int(math.ceil(tc.epochs * per_epoch))))
-
-
 @torch.no_grad()
 def validation_loss(net, embed: torch.Tensor, t2d: torch.Tensor | None,
                     data: DistillData, seqs: Sequence[int], tc: TrainConfig, device) -> float:
@@ -273,14 +236,14 @@ def train_head(data: DistillData, target: torch.nn.Module, tc: TrainConfig, voca
     train_seqs, val_seqs = split_prompts(data, tc.eval_fraction, tc.seed)
     if not train_seqs:
         raise UserError("train-draft: no training sequences (raise train.prompts or lower train.eval_fraction)")
-    steps = total_steps(tc, len(train_seqs))
+    steps = total_steps(tc, epoch_steps(len(train_seqs), tc.batch))
     src = data.aux if method == "eagle3" else data.features
     rms = float(src[: min(len(src), 100_000)].float().pow(2).mean().sqrt())
     fingerprint = hashlib.sha256(json.dumps([data.meta.get("key"), tc.model_dump(exclude={"checkpoint_every"}), method,
                                              None if vocab is None else len(vocab.ids)], sort_keys=True).encode()).hexdigest()[:16]
     head, net = init_net(method, target, vocab, tc.seed)
     opt = torch.optim.AdamW(head.parameters(), lr=tc.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    state = {"step": 0, "history": [], "val": [], "best": None, "best_val": float("inf"), "bad": 0}
+    state: dict = {"step": 0, "history": []}  # the early stop's state lives in it too (the checkpoint has both)
     ckpt = work / CKPT
     if ckpt.is_file():
         saved = torch.load(ckpt, map_location="cpu", weights_only=False)
@@ -288,14 +251,15 @@ def train_head(data: DistillData, target: torch.nn.Module, tc: TrainConfig, voca
             head.load_state_dict(saved["head"])
             opt.load_state_dict(saved["opt"])
             state = saved["state"]
+    stop = EarlyStop(tc, state)
     start = state["step"]
     t0 = time.perf_counter()
     tokens = 0
     stopped_early = False
     for step in range(start, steps):
         for g in opt.param_groups:
-            g["lr"] = _lr(tc, step, steps)
-        batch = make_batch(data, _batch_ids(train_seqs, tc, step), tc.seq_len, device)
+            g["lr"] = lr_at(tc, step, steps)
+        batch = make_batch(data, batch_ids(train_seqs, tc, step), tc.seq_len, device)
         tokens += int(batch["lens"].sum())
         gen = torch.Generator().manual_seed(tc.seed * 1_000_003 + step)
         loss, parts = step_loss(net, embed, t2d, batch, tc, tc.noise * rms, gen)
@@ -306,24 +270,19 @@ def train_head(data: DistillData, target: torch.nn.Module, tc: TrainConfig, voca
         state["history"].append(round(float(loss.detach()), 5))
         done = step + 1
         info = {"loss": float(loss.detach()), **parts, "tok_s": tokens / max(time.perf_counter() - t0, 1e-9)}
-        if val_seqs and (done % tc.eval_every == 0 or done == steps):
-            v = validation_loss(net, embed, t2d, data, val_seqs, tc, device)
-            state["val"].append((done, round(v, 5)))
-            info["val"] = v
-            if v < state["best_val"] - 1e-4:
-                state.update(best_val=v, bad=0, best={k: t.detach().clone() for k, t in head.state_dict().items()})
-            else:
-                state["bad"] += 1
+        stopping = bool(val_seqs) and stop.check(
+            done, done == steps, head, lambda: validation_loss(net, embed, t2d, data, val_seqs, tc, device))
+        if stop.last is not None:
+            info["val"] = stop.last
         state["step"] = done
         if done % tc.checkpoint_every == 0 or done == steps:
             _save_ckpt(ckpt, head, opt, fingerprint, state)
         if report:
             report("train", done, steps, info)
-        if tc.patience and state["bad"] >= tc.patience:
+        if stopping:
             stopped_early = True
             break
-    if state["best"] is not None:
-        head.load_state_dict(state["best"])
+    stop.restore(head)
     head.eval().requires_grad_(False)
     if method == "eagle":
         head.draft_ids = None if vocab is None else vocab.ids

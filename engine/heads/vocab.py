@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from engine.heads.data import DistillData
+from engine.heads.data import IGNORE, DistillData
 
 
 @dataclass
@@ -58,3 +58,25 @@ def build_vocab(data: DistillData, n: int, vocab_size: int, forced: Sequence[int
     counts[forced_t] = float("inf")
     n = max(n, len(forced_t))
     return DraftVocab(ids=torch.sort(torch.topk(counts, n).indices).values, vocab_size=vocab_size)
+
+
+def token_map(labels: torch.Tensor, n: int, vocab_size: int, eos: Sequence[int] = ()) -> torch.Tensor | None:
+    """Sorted target ids of a Medusa head's or draft model's vocabulary: EOS plus the n most
+    frequent `labels` (None: the full vocabulary)."""
+    if n <= 0 or n >= vocab_size:
+        return None
+    lab = labels[labels >= 0]
+    counts = torch.bincount(lab, minlength=vocab_size).float()
+    for e in eos:
+        counts[e] = float("inf")
+    return torch.sort(torch.topk(counts, n).indices).values
+
+
+def label_index(ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:
+    """int64 [vocab_size]: the draft id of each target id of `ids`, IGNORE (a loss's ignored label)
+    outside them; None for the full vocabulary."""
+    if ids is None:
+        return None
+    out = torch.full((vocab_size,), IGNORE, dtype=torch.long)
+    out[ids] = torch.arange(len(ids))
+    return out

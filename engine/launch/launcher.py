@@ -31,10 +31,10 @@ from engine.heartbeat import still_working
 from engine.launch.command import PROJECT_ROOT, SETUP_HINT, Kind, resolve_executable, server_command, server_env
 from engine.launch.health import error_line, healthy, last_line, port_in_use
 from engine.launch.process import death_signal, install_handlers, stop_all, stop_process_group, track, untrack
-from tuner.schema.config import Config, LaunchedEngineConfig, SpecConfig, UserError
+from tuner.schema.config import LaunchedEngineConfig, ModelConfig, SpecConfig
 
 __all__ = ["PROJECT_ROOT", "SETUP_HINT", "EngineStartError", "Kind", "Launcher", "error_line", "healthy", "last_line",
-           "port_in_use", "resolve_executable", "server_command", "server_env", "stop_all", "stop_process_group"]
+           "model_ref", "port_in_use", "resolve_executable", "server_command", "server_env", "stop_all", "stop_process_group"]
 
 
 class EngineStartError(RuntimeError):
@@ -44,6 +44,16 @@ class EngineStartError(RuntimeError):
         super().__init__(message)
         self.log_path = log_path
         self.returncode = returncode
+
+
+def model_ref(model: ModelConfig, cache_dir: str | None = None) -> str:
+    """What a launched server loads for `model`: its local HF checkpoint when it has one (the
+    converted SmolLM2 here, a random test model saved once), else its HF id."""
+    if model.local_path or model.gguf or model.random_init:
+        from engine.models.target import hf_checkpoint_dir  # torch: only when a checkpoint must be made
+
+        return str(hf_checkpoint_dir(model, cache_dir))
+    return model.hf_id
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,34 +104,6 @@ class Launcher:
         self._proc: subprocess.Popen | None = None
         self._key: tuple | None = None
         self._lock = threading.RLock()
-
-    @classmethod
-    def from_config(cls, cfg: Config, *, log_dir: str | Path | None = None, tensor_parallel_size: int = 1) -> "Launcher":
-        """A launcher for cfg.engine (vllm / sglang) serving cfg.model.
-
-        The model is its local HF checkpoint when it has one (the converted SmolLM2 here, a random
-        test model saved once), else its HF id. On GPUs the server runs with the deployment's FP8 flags, so trials measure the
-        precision that will be served.
-        """
-        kind = cfg.engine.kind
-        if kind not in ("vllm", "sglang"):
-            raise UserError(f"engine.kind={kind}: not a launched engine (allowed: vllm, sglang)")
-        ecfg = getattr(cfg.engine, kind)
-        if cfg.model.local_path or cfg.model.gguf or cfg.model.random_init:
-            from engine.models.target import hf_checkpoint_dir  # torch: only when a checkpoint must be made
-
-            model_ref = str(hf_checkpoint_dir(cfg.model, cfg.cache_dir))
-        else:
-            model_ref = cfg.model.hf_id
-        gpu = cfg.hardware.accelerator == "cuda"
-        return cls(
-            kind, ecfg, model_ref, served_model_name=cfg.model.name, accelerator=cfg.hardware.accelerator,
-            quantization=cfg.deploy.quantization if gpu else None,
-            kv_cache_dtype=cfg.deploy.kv_cache_dtype if gpu else None,
-            tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=cfg.deploy.gpu_memory_utilization if gpu else None,
-            log_dir=log_dir,
-        )
 
     # -- what would run
 

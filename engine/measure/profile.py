@@ -22,7 +22,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -33,8 +32,9 @@ from engine.drafters.suffix import restore_caches, snapshot_caches
 from engine.models.target import Target
 from engine.trees.tree import Tree
 from engine.trees.verify import process_logits
+from engine.measure.workloads import Prompt, sampling_params
 from engine.measure.profile_file import KIND, PROFILE_FILE, Profile, load_profile  # noqa: F401 (re-exported)
-from tuner.schema.config import Config, SpecConfig, UserError
+from tuner.schema.config import BuiltinEngineConfig, ModelConfig, SpecConfig, UserError, WorkloadConfig
 from tuner.schema.methods import method as method_info
 
 LOOKAHEAD = 16  # reference tokens generated past the end: drafts are matched that far (SpecConfig.depth <= 16)
@@ -311,35 +311,24 @@ def make_profile(target: Target, prompt_ids: list[list[int]], names: list[str], 
                    points=[r.to_dict() for r in results], reference_s=ref_s, engine=engine)
 
 
-def fp8_profile(cfg: Config) -> bool:
-    """Whether acceptance must be measured under FP8-rounded weights: the deployment serves FP8
-    (deploy.quantization=fp8) or the built-in engine is set to emulate it."""
-    return cfg.engine.builtin.fp8_weights or cfg.deploy.quantization == "fp8"
-
-
-def profile_config(cfg: Config, specs: Sequence[SpecConfig], split: str = "tune", n_prompts: int | None = None,
-                   on_point: Callable[[PointResult], None] | None = None) -> Profile:
-    """The profile of `specs` for cfg's model, workload and sampling settings, on the first
-    `n_prompts` prompts of `split` (default search.trial_prompts, the prompts trials play)."""
+def profile_prompts(model: ModelConfig, builtin: BuiltinEngineConfig, workload: WorkloadConfig,
+                    prompts: Sequence[Prompt], specs: Sequence[SpecConfig], *, fp8: bool, cache_dir: str | None = None,
+                    seed: int = 0, on_point: Callable[[PointResult], None] | None = None) -> Profile:
+    """The profile of `specs` for `model` on the built-in engine set by `builtin`, its weights
+    FP8-rounded when `fp8` (the precision that will be served), over `prompts` played as `workload`
+    plays them (chat template, sampling)."""
     from engine.decode.loop import Engine
     from engine.models.target import load_target
-    from engine.measure.workloads import load_prompts, sampling_params
 
-    if cfg.workload is None:
-        raise UserError("no workload given: add +workload=NAME (code, chat, math, json, creative)")
-    fp8 = fp8_profile(cfg)
-    if cfg.engine.builtin.threads:
-        torch.set_num_threads(cfg.engine.builtin.threads)
-    target = load_target(cfg.model, cfg.engine.builtin.model_copy(update={"fp8_weights": fp8}), cfg.cache_dir, cfg.seed)
-    engine = Engine(target, cfg.model.max_context, seed=cfg.seed)
-    n = n_prompts if n_prompts is not None else cfg.search.trial_prompts
-    prompts = load_prompts(cfg.workload, split)[:n]
-    ids = [engine.encode_prompt(p.text, cfg.workload.chat_template) for p in prompts]
-    return make_profile(target, ids, [p.id for p in prompts], specs, sampling_params(cfg.workload, seed=cfg.seed),
-                        engine.eos, cfg.model.max_context, model=cfg.model.name, hf_id=cfg.model.hf_id, fp8=fp8,
-                        workload=cfg.workload.name, seed=cfg.seed, on_point=on_point,
-                        engine=engine_key(target, cfg.engine.builtin.forward, cfg.engine.builtin.compile,
-                                          cfg.engine.builtin.linear_plan))
+    if builtin.threads:
+        torch.set_num_threads(builtin.threads)
+    target = load_target(model, builtin.model_copy(update={"fp8_weights": fp8}), cache_dir, seed)
+    engine = Engine(target, model.max_context, seed=seed)
+    ids = [engine.encode_prompt(p.text, workload.chat_template) for p in prompts]
+    return make_profile(target, ids, [p.id for p in prompts], specs, sampling_params(workload, seed=seed),
+                        engine.eos, model.max_context, model=model.name, hf_id=model.hf_id, fp8=fp8,
+                        workload=workload.name, seed=seed, on_point=on_point,
+                        engine=engine_key(target, builtin.forward, builtin.compile, builtin.linear_plan))
 
 
 def engine_key(target: Target, forward: str = "hf", compile: bool = False, linear_plan: str = "calibrated") -> str:

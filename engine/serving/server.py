@@ -33,7 +33,7 @@ from engine.serving.metrics import Metrics
 from engine.serving.requests import (APIError, Body, ChatRequest, CompletionRequest, error_response, not_unicode,
                                     reject_constant, validation_error)
 from engine.serving.worker import Job, Worker
-from tuner.schema.config import Config
+from tuner.schema.config import ModelConfig, ServeConfig
 
 __all__ = ["APIError", "ChatRequest", "CompletionRequest", "Job", "Metrics", "TextStream", "Worker", "create_app",
            "serve", "serve_in_thread"]
@@ -80,11 +80,11 @@ def _tokenizer(engine: TextEngine) -> Any:
 # the app
 
 
-def create_app(cfg: Config, engine: TextEngine) -> FastAPI:
-    """The FastAPI app serving `engine` (already set to `cfg.spec`) under `cfg.serve`."""
-    metrics = Metrics(cfg.model.name)
-    worker = Worker(engine, metrics, cfg.serve.queue_size)
-    names = {cfg.model.name, cfg.model.hf_id}
+def create_app(engine: TextEngine, model_cfg: ModelConfig, settings: ServeConfig) -> FastAPI:
+    """The FastAPI app serving `engine` (already set to its spec) as the model `model_cfg` under `settings`."""
+    metrics = Metrics(model_cfg.name)
+    worker = Worker(engine, metrics, settings.queue_size)
+    names = {model_cfg.name, model_cfg.hf_id}
     tok = _tokenizer(engine)
 
     def decode(ids: list[int]) -> str:
@@ -124,20 +124,20 @@ def create_app(cfg: Config, engine: TextEngine) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": cfg.model.name, "object": "model", "created": 0,
-                                            "owned_by": "spectune", "root": cfg.model.hf_id,
-                                            "max_model_len": cfg.model.max_context}]}
+        return {"object": "list", "data": [{"id": model_cfg.name, "object": "model", "created": 0,
+                                            "owned_by": "spectune", "root": model_cfg.hf_id,
+                                            "max_model_len": model_cfg.max_context}]}
 
     # No request needs more than the context's worth of text: 32 bytes a token covers JSON-escaped
     # text in any script (a \\u escape with its four hex digits is 6 bytes; a token is rarely over 4
     # characters).
-    body_limit = max(2**20, 32 * cfg.model.max_context)
+    body_limit = max(2**20, 32 * model_cfg.max_context)
 
     async def read_body(request: Request) -> bytes:
         """The body, refused with 413 past body_limit (announced by Content-Length or streamed)."""
         limit = body_limit
         too_big = APIError(413, f"request body exceeds this server's limit of {limit} bytes "
-                                f"(32 bytes per token of the model's {cfg.model.max_context}-token context)",
+                                f"(32 bytes per token of the model's {model_cfg.max_context}-token context)",
                            code="request_too_large")
         announced = request.headers.get("content-length", "")
         if announced.isdigit() and int(announced) > limit:
@@ -168,12 +168,12 @@ def create_app(cfg: Config, engine: TextEngine) -> FastAPI:
         except ValidationError as err:
             raise validation_error(err) from None
         if body.model is not None and body.model not in names:
-            raise APIError(404, f"the model '{body.model}' does not exist (served: {cfg.model.name})",
+            raise APIError(404, f"the model '{body.model}' does not exist (served: {model_cfg.name})",
                            param="model", code="model_not_found")
         return body
 
     def sampling(body: Body, prompt_len: int) -> SamplingParams:
-        ctx, limit = cfg.model.max_context, cfg.serve.max_tokens_limit
+        ctx, limit = model_cfg.max_context, settings.max_tokens_limit
         if prompt_len >= ctx:
             raise APIError(400, f"the prompt has {prompt_len} tokens; the model's context is {ctx} tokens",
                            param="messages" if isinstance(body, ChatRequest) else "prompt", code="context_length_exceeded")
@@ -204,7 +204,7 @@ def create_app(cfg: Config, engine: TextEngine) -> FastAPI:
 
     def completion_ids(body: CompletionRequest) -> list[int]:
         if isinstance(body.prompt, list):
-            vocab = cfg.model.vocab_size
+            vocab = model_cfg.vocab_size
             if any(t < 0 or t >= vocab for t in body.prompt):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
             return list(body.prompt)
@@ -236,7 +236,7 @@ def create_app(cfg: Config, engine: TextEngine) -> FastAPI:
             choice["message"] = {"role": "assistant", "content": res.text}
         else:
             choice["text"] = res.text
-        return JSONResponse({"id": rid, "object": obj, "created": created, "model": cfg.model.name,
+        return JSONResponse({"id": rid, "object": obj, "created": created, "model": model_cfg.name,
                              "choices": [choice], "usage": _usage(len(prompt_ids), res)})
 
     async def _stream(job: Job, rid: str, created: int, chat: bool, usage_wanted: bool,
@@ -250,7 +250,7 @@ def create_app(cfg: Config, engine: TextEngine) -> FastAPI:
                 choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             else:
                 choice = {"index": 0, "text": piece or "", "finish_reason": finish, "logprobs": None}
-            return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": cfg.model.name,
+            return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model_cfg.name,
                                           "choices": [choice]}) + "\n\n"
 
         try:
@@ -278,7 +278,7 @@ def create_app(cfg: Config, engine: TextEngine) -> FastAPI:
                     yield chunk(None, finish=res.finish_reason)
                     if usage_wanted:
                         yield "data: " + json.dumps({"id": rid, "object": obj, "created": created,
-                                                     "model": cfg.model.name, "choices": [],
+                                                     "model": model_cfg.name, "choices": [],
                                                      "usage": _usage(len(job.prompt_ids), res)}) + "\n\n"
                     break
             yield "data: [DONE]\n\n"
@@ -314,14 +314,14 @@ def _usage(prompt_len: int, res: GenResult) -> dict[str, int]:
 # running it
 
 
-def serve(cfg: Config, engine: TextEngine) -> None:
-    """Serve until interrupted, on cfg.serve.host:cfg.serve.port."""
+def serve(engine: TextEngine, model_cfg: ModelConfig, settings: ServeConfig) -> None:
+    """Serve until interrupted, on settings.host:settings.port."""
     import uvicorn
 
-    uvicorn.run(create_app(cfg, engine), host=cfg.serve.host, port=cfg.serve.port, log_level="info")
+    uvicorn.run(create_app(engine, model_cfg, settings), host=settings.host, port=settings.port, log_level="info")
 
 
-def serve_in_thread(cfg: Config, engine: TextEngine, host: str = "127.0.0.1",
+def serve_in_thread(engine: TextEngine, model_cfg: ModelConfig, settings: ServeConfig, host: str = "127.0.0.1",
                     startup_timeout_s: float = 30.0) -> tuple[str, Callable[[], None]]:
     """Start a real uvicorn server on a free port of `host` in a thread: (base_url, stop)."""
     import uvicorn
@@ -330,7 +330,7 @@ def serve_in_thread(cfg: Config, engine: TextEngine, host: str = "127.0.0.1",
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))  # bound before uvicorn starts: no race for the port
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(cfg, engine), log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, model_cfg, settings), log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="spectune-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + startup_timeout_s

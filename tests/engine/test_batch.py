@@ -12,6 +12,7 @@ import torch
 from engine.api import SamplingParams
 from engine.decode.batch import BatchEngine, check_schedule, schedule_of, spec_for
 from engine.decode.loop import Engine
+from tuner.study.measurer import open_engine
 from tuner.schema.compose import load_config
 from tuner.schema.config import SpecConfig, UserError
 
@@ -170,7 +171,7 @@ def test_bad_batch_settings_are_one_line(engine: Engine) -> None:
         BatchEngine(engine, max_batch=0)
     with pytest.raises(UserError, match="prefill=chunky"):
         BatchEngine(engine, prefill="chunky")
-    hf = Engine.from_config(load_config(["model=tiny-random", "spec.method=off", "engine.builtin.forward=hf"]))
+    hf = open_engine(load_config(["model=tiny-random", "spec.method=off", "engine.builtin.forward=hf"]))
     with pytest.raises(UserError, match="forward=lean"):
         BatchEngine(hf)
 

@@ -12,8 +12,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from engine.api import SamplingParams
-from engine.decode.loop import Engine
 from tuner.schema.compose import load_config
+from tuner.study.measurer import open_engine
 from tuner.schema.config import SpecConfig
 
 FACTORIES = {torch.tensor, torch.zeros, torch.ones, torch.arange, torch.empty, torch.full, torch.randint,
@@ -38,7 +38,7 @@ class DefaultDeviceCalls(TorchFunctionMode):
 
 def test_generate_creates_no_tensor_on_the_default_device() -> None:
     cfg = load_config(["model=tiny-random", "engine.builtin.device=cpu", "engine.builtin.threads=1"])
-    eng = Engine.from_config(cfg)
+    eng = open_engine(cfg)
     assert eng.device == torch.device("cpu")
     ids = eng.encode_prompt("a b c a b c a b c a b", False)
     specs = [SpecConfig(method="off"), SpecConfig(method="ngram", depth=3, topk=1, budget=4),

@@ -15,10 +15,11 @@ from engine.drafters import DraftModelDrafter, load_draft_model
 from engine.drafters.draft_model import read_draft_vocab
 from engine.decode.loop import Engine
 from engine.heads import draft_model_train as TD
-from engine.heads import medusa_train as TM
+from engine.heads.pipeline import build_data
 from tuner.cli import main
 from tuner.schema.compose import load_config
 from tuner.schema.config import SpecConfig, UserError
+from tuner.study.measurer import train_job
 
 from test_medusa import cycle_data
 
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def data(engine: Engine, tmp_path_factory):
-    return TM.training_data(load_config(SMALL + [f"cache_dir={tmp_path_factory.mktemp('cache')}"]), engine)
+    return build_data(train_job(load_config(SMALL + [f"cache_dir={tmp_path_factory.mktemp('cache')}"])), engine)
 
 
 @pytest.fixture(scope="module")

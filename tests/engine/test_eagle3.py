@@ -18,6 +18,7 @@ from engine.models.eagle_head import random_head, save_head
 from engine.models.eagle3_head import (Eagle3Head, aux_hidden_states, default_aux_layers, init_eagle3, load_eagle3,
                            save_eagle3)
 from engine.decode.loop import Engine
+from tuner.study.measurer import open_engine
 from engine.trees.tree import Tree
 from tuner.schema.compose import load_config
 from tuner.schema.config import SpecConfig, UserError
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine.from_config(load_config(["model=tiny-random", "model.num_layers=4", "spec.method=off"]))
+    return open_engine(load_config(["model=tiny-random", "model.num_layers=4", "spec.method=off"]))
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +195,7 @@ def test_engine_hands_the_drafter_aligned_aux_states(engine: Engine, prompts, fo
     """Over a generation with trees, the aux states observed equal one forward over the final text;
     the layers are out of order and repeated, as vLLM's default gives for small targets."""
     if forward == "lean":
-        engine = Engine.from_config(load_config(["model=tiny-random", "model.num_layers=4", "spec.method=off",
+        engine = open_engine(load_config(["model=tiny-random", "model.num_layers=4", "spec.method=off",
                                                  "engine.builtin.forward=lean"]))
         assert engine.lean is not None and engine.model is not None
     spec = SpecConfig(method="eagle3", depth=3, topk=2, budget=6)

@@ -15,6 +15,7 @@ from engine.drafters import DraftModelDrafter
 from engine.models.eagle_head import load_head, random_head, save_head
 from engine.models.fp8 import apply_fp8_weights, quantize_e4m3
 from engine.decode.loop import Engine
+from tuner.study.measurer import open_engine
 from engine.models.target import random_llama, smollm2_tokenizer_dir
 from tuner.schema.compose import load_config
 from tuner.schema.config import SpecConfig, UserError
@@ -226,7 +227,7 @@ def test_draft_model_with_other_tokenizer_is_refused(engine: Engine, draft_dir, 
 
 
 def test_target_loaded_once_per_process(engine: Engine) -> None:
-    again = Engine.from_config(load_config(["model=tiny-random", "spec.method=ngram"]))
+    again = open_engine(load_config(["model=tiny-random", "spec.method=ngram"]))
     assert again.model is engine.model and again.spec.method == "ngram"
     again.set_spec(SpecConfig(method="eagle", depth=2, topk=1, budget=3))
     assert again.model is engine.model
@@ -249,7 +250,7 @@ def test_fp8_weights() -> None:
     after = m.model.layers[0].mlp.up_proj.weight
     assert not torch.equal(before, after) and torch.equal(m.model.embed_tokens.weight, emb)
     assert all(len(torch.unique(row)) <= 256 for row in after[:4])
-    e = Engine.from_config(load_config(["model=tiny-random", "engine.builtin.fp8_weights=true", "spec.method=ngram"]))
+    e = open_engine(load_config(["model=tiny-random", "engine.builtin.fp8_weights=true", "spec.method=ngram"]))
     res = e.generate(e.encode_prompt("hello", True), SamplingParams(max_new_tokens=5))
     assert len(res.tokens) == 5
 

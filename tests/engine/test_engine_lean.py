@@ -17,6 +17,7 @@ from engine.models.kernels import (FORMS, PLAN_ROWS, LinearPlan, calibrate_linea
                                    set_linear_plan)
 from engine.models.llama import BUCKETS, KVCache, LeanForward, LeanLlama, additive_mask, check_supported, lean_forward
 from engine.decode.loop import Engine
+from tuner.study.measurer import open_engine
 from engine.models.target import load_target
 from engine.trees.tree import Tree
 from tuner.schema.compose import load_config
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def engines() -> tuple[Engine, Engine]:
     """(the HF-forward engine, the lean one) over the same loaded target."""
     over = ["model=tiny-random", "spec.method=off"]
-    return Engine.from_config(load_config(over)), Engine.from_config(load_config([*over, "engine.builtin.forward=lean"]))
+    return open_engine(load_config(over)), open_engine(load_config([*over, "engine.builtin.forward=lean"]))
 
 
 @pytest.fixture(scope="module")
@@ -273,7 +274,7 @@ def test_compiled_equals_eager(prompts, reference) -> None:
     drafter give the eager tokens. Small on purpose: compiling takes tens of seconds on 2 cores."""
     cfg = load_config(["model=tiny-random", "spec.method=off", "engine.builtin.forward=lean",
                        "engine.builtin.compile=true"])
-    eng = Engine.from_config(cfg)
+    eng = open_engine(cfg)
     # on CPU only the one-row step is compiled, and no step is padded (CUDA pads to BUCKETS)
     assert eng.lean.compiled and eng.lean.rows_for(5) == 5 and eng.lean.rows_for(100) == 100
     assert BUCKETS[-1] == 64
@@ -290,8 +291,8 @@ def test_compiled_equals_eager(prompts, reference) -> None:
 def test_cuda_graphs_equal_eager() -> None:
     """On CUDA the compiled layer runs under CUDA graphs ("reduce-overhead"): same tokens as eager."""
     over = ["model=tiny-random", "spec.method=off", "engine.builtin.device=cuda", "engine.builtin.forward=lean"]
-    eager = Engine.from_config(load_config(over))
-    comp = Engine.from_config(load_config([*over, "engine.builtin.compile=true"]))
+    eager = open_engine(load_config(over))
+    comp = open_engine(load_config([*over, "engine.builtin.compile=true"]))
     p = eager.encode_prompt(PROMPTS[0], True)
     spec = SpecConfig(method="ngram", depth=4, topk=1, budget=5)
     for e in (eager, comp):
@@ -357,7 +358,7 @@ def test_calibration_keeps_the_fastest_form_per_row_count_and_caches_it(tmp_path
     """With made-up timings the plan takes each row count's fastest form and the faster compiled
     one-row form; it becomes the process's plan; a second call reads the cached plan without timing
     anything, and a call for a compiled step adds only the compiled one-row form to it."""
-    model = LeanLlama(Engine.from_config(load_config(["model=tiny-random", "spec.method=off"])).model)
+    model = LeanLlama(open_engine(load_config(["model=tiny-random", "spec.method=off"])).model)
     fastest = {n: FORMS[n % len(FORMS)] for n in PLAN_ROWS}
     timed = []
 

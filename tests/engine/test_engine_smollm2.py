@@ -8,6 +8,7 @@ import torch
 
 from engine.api import SamplingParams
 from engine.decode.loop import Engine
+from tuner.study.measurer import open_engine
 from engine.models.target import hf_checkpoint_dir
 from tuner.schema.compose import load_config
 from tuner.schema.config import SpecConfig
@@ -18,7 +19,7 @@ N_NEW = 32
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine.from_config(load_config(["spec.method=off"]))
+    return open_engine(load_config(["spec.method=off"]))
 
 
 @pytest.fixture(scope="module")

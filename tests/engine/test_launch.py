@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from helpers import fake_engine_exe, free_port
-from engine.launch.launcher import EngineStartError, Launcher, error_line, last_line, server_command, server_env
+from engine.launch.launcher import (EngineStartError, Launcher, error_line, last_line, model_ref, server_command,
+                                    server_env)
 from tuner.schema.compose import load_config
 from tuner.schema.config import LaunchedEngineConfig, SpecConfig, UserError
 
@@ -163,32 +164,13 @@ def test_server_env(tmp_path: Path) -> None:
     assert server_env("vllm", LaunchedEngineConfig(executable="x"), "org/model", "cpu")["VLLM_CPU_KVCACHE_SPACE"] == "2"
 
 
-def test_from_config_gpu_uses_hub_id_and_fp8_flags(tmp_path: Path) -> None:
-    exe = fake_engine_exe(tmp_path, "vllm")
-    cfg = load_config(["engine=vllm", "deploy=vllm", "model=llama-3.1-8b-instruct", "hardware=h100x8",
-                       f"engine.vllm.executable={exe}"])
-    launcher = Launcher.from_config(cfg, log_dir=tmp_path, tensor_parallel_size=2)
-    argv = launcher.command(SpecConfig(method="eagle3", depth=3, budget=4, head_path="/h"))
-    assert argv[2] == cfg.model.hf_id and launcher.model == cfg.model.name
-    assert _opt(argv, "--quantization") == "fp8" and _opt(argv, "--kv-cache-dtype") == "fp8"
-    assert _opt(argv, "--tensor-parallel-size") == "2"
-    assert launcher.base_url == f"http://127.0.0.1:{cfg.engine.vllm.port}"
-
-
-def test_from_config_cpu_serves_the_local_checkpoint(tmp_path: Path) -> None:
+def test_model_ref_is_the_local_checkpoint_or_the_hub_id(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "config.json").write_text("{}")
-    cfg = load_config(["engine=vllm", f"model.local_path={ckpt}", f"engine.vllm.executable={fake_engine_exe(tmp_path, 'vllm')}"])
-    launcher = Launcher.from_config(cfg, log_dir=tmp_path)
-    argv = launcher.command(SpecConfig(method="off"))
-    assert argv[2] == str(ckpt) and "--quantization" not in argv
-    assert launcher.env()["HF_HUB_OFFLINE"] == "1"
-
-
-def test_from_config_rejects_builtin() -> None:
-    with pytest.raises(UserError, match="not a launched engine"):
-        Launcher.from_config(load_config([]))
+    hub = load_config([]).model.model_copy(update={"gguf": None, "local_path": None, "random_init": False})
+    assert model_ref(hub.model_copy(update={"local_path": str(ckpt)})) == str(ckpt)
+    assert model_ref(hub) == hub.hf_id  # nothing local: the server fetches the hub id itself
 
 
 # ---- the server's own error line ------------------------------------------------------------

@@ -15,7 +15,8 @@ from optuna.trial import TrialState
 import pg
 
 from helpers import free_port
-from engine.launch.launcher import PROJECT_ROOT, EngineStartError, Launcher
+from engine.launch.launcher import PROJECT_ROOT, EngineStartError
+from tuner.study.measurer import open_launcher
 from engine.measure.runner import run_http
 from engine.measure.workloads import load_prompts, sampling_params
 from tuner.schema.compose import load_config
@@ -64,7 +65,7 @@ def test_vllm_ngram_matches_plain_greedy_and_reports_tau(tmp_path) -> None:
     off = SpecConfig(method="off")
     # With vLLM's per-batch-size K schedule: K=4 alone, K=1 when batched.
     ngram = SpecConfig(method="ngram", depth=4, budget=5, ngram_min=2, ngram_max=4, k_per_batch_size=[(1, 1, 4), (2, 64, 1)])
-    launcher = Launcher.from_config(cfg, log_dir=tmp_path)
+    launcher = open_launcher(cfg, log_dir=tmp_path)
     pids = []
     with launcher:
         url = launcher.ensure(off)
@@ -97,7 +98,7 @@ def test_vllm_ngram_matches_plain_greedy_and_reports_tau(tmp_path) -> None:
 
 def test_vllm_bad_draft_is_a_failed_start_with_vllms_message(tmp_path) -> None:
     cfg = _config()
-    launcher = Launcher.from_config(cfg, log_dir=tmp_path)
+    launcher = open_launcher(cfg, log_dir=tmp_path)
     bad = SpecConfig(method="draft_model", depth=2, budget=3, draft_model=str(tmp_path / "no-such-draft"))
     with pytest.raises(EngineStartError, match="Invalid repository ID or local directory") as err:
         launcher.ensure(bad)

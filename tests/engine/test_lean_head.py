@@ -13,6 +13,7 @@ from engine.drafters.lean_head import LeanHead, lean_head, supports
 from engine.models.eagle_head import EagleHead, head_config, random_head
 from engine.models.eagle3_head import init_eagle3
 from engine.decode.loop import Engine
+from tuner.study.measurer import open_engine
 from tuner.schema.compose import load_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine.from_config(load_config(["model=tiny-random", "model.num_layers=4", "spec.method=off"]))
+    return open_engine(load_config(["model=tiny-random", "model.num_layers=4", "spec.method=off"]))
 
 
 def _randomize(head: torch.nn.Module, seed: int) -> None:

@@ -14,12 +14,15 @@ from safetensors.torch import load_file
 from engine.api import SamplingParams
 from engine.drafters.medusa import MedusaDrafter
 from engine.decode.loop import Engine
+from tuner.study.measurer import open_engine
 from engine.models.medusa_head import load_heads, new_heads, save_heads
 from engine.models.target import random_llama
 from engine.heads import medusa_train as TM
+from engine.heads.pipeline import build_data
 from tuner.cli import main
 from tuner.schema.compose import load_config
 from tuner.schema.config import SpecConfig, UserError
+from tuner.study.measurer import train_job
 
 PROMPTS = ["def fib(n):", "Write a haiku about the sea.", "a b c d a b c d a b c d a b"]
 N_NEW = 40
@@ -32,7 +35,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def data(engine: Engine, tmp_path_factory):
-    return TM.training_data(load_config(SMALL + [f"cache_dir={tmp_path_factory.mktemp('cache')}"]), engine)
+    return build_data(train_job(load_config(SMALL + [f"cache_dir={tmp_path_factory.mktemp('cache')}"])), engine)
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +129,7 @@ def cycle_data(n_seq: int = 24, length: int = 40, ids: int = 40, h: int = 64, se
     g = torch.Generator().manual_seed(seed)
     vocab = torch.randperm(1000, generator=g)[:ids] + 100
     perm = torch.randperm(ids, generator=g)
-    lm = Engine.from_config(load_config(["model=tiny-random"])).model.lm_head.weight.detach()
+    lm = open_engine(load_config(["model=tiny-random"])).model.lm_head.weight.detach()
     toks, feats, labels, offs, starts = [], [], [], [0], []
     for _ in range(n_seq):
         j = int(torch.randint(ids, (1,), generator=g))

@@ -12,6 +12,7 @@ import torch
 from engine.api import SamplingParams
 from engine.drafters import Drafter, make_drafter
 from engine.decode.loop import Engine
+from tuner.study.measurer import open_engine
 from engine.models.target import random_llama, smollm2_tokenizer_dir
 from engine.measure.profile import accepted_path, load_profile, make_profile, profile_points, reference_pass
 from engine.trees.tree import Tree
@@ -191,7 +192,7 @@ def test_profile_roundtrip_and_lookup(engine: Engine, prompts, tmp_path) -> None
 def test_fp8_deployment_profiles_fp8_weights() -> None:
     """deploy.quantization=fp8: the profile replays the FP8-rounded target, and its greedy tau equals
     the live engine's under engine.builtin.fp8_weights=true (the weights that will be served)."""
-    from engine.measure.profile import profile_config
+    from tuner.projection.profiling import profile_config
 
     over = ["model=tiny-random", "+workload=code", "search.trial_prompts=2", "workload.max_new_tokens=24"]
     spec = SpecConfig(method="ngram", depth=3, topk=1, budget=4, ngram_min=1, ngram_max=1)
@@ -200,7 +201,7 @@ def test_fp8_deployment_profiles_fp8_weights() -> None:
     assert fp8.fp8 and not full.fp8
     # e4m3 rounding changes the tiny model's greedy continuation: these really are other weights
     assert [s["tokens"] for s in fp8.sequences] != [s["tokens"] for s in full.sequences]
-    live = Engine.from_config(load_config([*over, "engine.builtin.fp8_weights=true", "spec.method=off"]))
+    live = open_engine(load_config([*over, "engine.builtin.fp8_weights=true", "spec.method=off"]))
     from engine.measure.workloads import load_prompts
 
     params = SamplingParams(max_new_tokens=24, seed=0)
@@ -213,7 +214,7 @@ def test_fp8_deployment_profiles_fp8_weights() -> None:
 @pytest.mark.slow
 def test_smollm2_ngram_tau_equals_live() -> None:
     """The real model: n-gram chains profiled once equal the engine's tau on the same prompts."""
-    from engine.measure.profile import profile_config
+    from tuner.projection.profiling import profile_config
     from engine.measure.workloads import load_prompts
 
     over = ["+workload=code", "search.trial_prompts=2", "workload.max_new_tokens=40"]
@@ -221,7 +222,7 @@ def test_smollm2_ngram_tau_equals_live() -> None:
     specs = [SpecConfig(method="ngram", depth=d, topk=1, budget=d + 1, ngram_min=m, ngram_max=4)
              for d, m in ((4, 2), (6, 1))]
     prof = profile_config(cfg, specs)
-    eng = Engine.from_config(load_config([*over, "spec.method=off"]))
+    eng = open_engine(load_config([*over, "spec.method=off"]))
     params = SamplingParams(max_new_tokens=40, seed=0)
     prompts = [eng.encode_prompt(p.text, True) for p in load_prompts(cfg.workload, "tune")[:2]]
     taus = []

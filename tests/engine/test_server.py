@@ -269,7 +269,7 @@ def test_full_queue_answers_429_and_recovers(cfg) -> None:
 
     Held.tokenizer = Tok()
     small = load_config(OVERRIDES + ["serve.queue_size=1"])
-    url, stop = serve_in_thread(small, Held())
+    url, stop = serve_in_thread(Held(), small.model, small.serve)
     try:
         results: list[int] = []
         req = {"prompt": "x", "max_tokens": 1}
@@ -392,7 +392,7 @@ def test_the_role_chunk_goes_out_with_the_first_token(cfg) -> None:
             return [1, 2]
 
     Slow.tokenizer = Tok()
-    url, stop = serve_in_thread(cfg, Slow())
+    url, stop = serve_in_thread(Slow(), cfg.model, cfg.serve)
     try:
         threading.Timer(0.5, gate.set).start()
         body = {"model": "tiny-random", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "stream": True}

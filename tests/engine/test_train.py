@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from engine.api import SamplingParams
 from engine.models.eagle_head import load_head, save_head
 from engine.heads import pipeline as P
+from engine.heads import schedule as S
 from engine.heads import trainer as T
 from engine.heads.answers import answer_batch, generate_answers, teacher_force
 from engine.heads.data import FIXED_TEXT, IGNORE, DistillData
@@ -26,6 +27,7 @@ from engine.decode.loop import Engine
 from engine.measure.workloads import CODE_PREFIX, humaneval_prompts, load_prompts
 from tuner.schema.compose import load_config
 from tuner.schema.config import SpecConfig
+from tuner.study.measurer import train_job
 
 SMALL = ["model=tiny-random", "+workload=code", "train.prompts=8", "train.max_new_tokens=24",
          "train.gen_batch=4", "train.batch=4", "train.seq_len=96", "train.draft_vocab=256", "train.warmup=2",
@@ -146,7 +148,7 @@ def test_teacher_forced_fixed_text_labels_are_the_targets_own(engine: Engine, da
     assert both.num_sequences == data.num_sequences + 3 and both.num_tokens == data.num_tokens + fixed.num_tokens
     assert torch.equal(both.sequence(data.num_sequences + 1)[0], fixed.sequence(1)[0])
     assert set(both.prompt_idx[:data.num_sequences].tolist()).isdisjoint(both.prompt_idx[data.num_sequences:].tolist())
-    train, val = T.split_prompts(both, 0.25, 0)
+    train, val = S.split_prompts(both, 0.25, 0)
     assert val and all(both.sampled[i] != FIXED_TEXT for i in val)  # validation: the target's own answers only
     assert set(range(data.num_sequences, both.num_sequences)) <= set(train)
 
@@ -227,7 +229,7 @@ def test_validation_loss_falls_and_early_stopping_keeps_the_best(data: DistillDa
     head, s = T.train_head(data, engine.model, tc, None, tmp_path)
     vals = [v for _, v in s["val_loss"]]
     assert vals[0] > min(vals) and s["best_val_loss"] == pytest.approx(min(vals), abs=1e-4)
-    train_seqs, val_seqs = T.split_prompts(data, tc.eval_fraction, tc.seed)
+    train_seqs, val_seqs = S.split_prompts(data, tc.eval_fraction, tc.seed)
     assert val_seqs and not set(data.prompt_idx[train_seqs].tolist()) & set(data.prompt_idx[val_seqs].tolist())
     embed = engine.model.get_input_embeddings().weight.float()
     again = T.validation_loss(T.Eagle1Net(head, engine.model.lm_head.weight.float()), embed, None, data, val_seqs, tc, "cpu")
@@ -295,7 +297,7 @@ def test_resume_after_interruption_matches_uninterrupted(data: DistillData, engi
 
 
 def test_cache_reused_retrain_and_keys_cover_training_settings(engine: Engine, tmp_path, monkeypatch) -> None:
-    cfg = cfg_of("train.steps=3", "train.epochs=100", "train.prompts=3", tmp=tmp_path)
+    cfg = train_job(cfg_of("train.steps=3", "train.epochs=100", "train.prompts=3", tmp=tmp_path))
     calls = {"train": 0, "gen": 0}
     real_train, real_gen = P.train_head, P.generate_answers
 
@@ -318,17 +320,19 @@ def test_cache_reused_retrain_and_keys_cover_training_settings(engine: Engine, t
     # every training setting is part of the head's identity; data settings also of the data's
     for change in ("train.draft_vocab=128", "train.ce_weight=0.5", "train.unroll=1", "train.epochs=3",
                    "train.steps=4", "train.prompts=4", "train.noise=0.0"):
-        other = cfg_of("train.steps=3", "train.epochs=100", "train.prompts=3", change, tmp=tmp_path)
+        other = train_job(cfg_of("train.steps=3", "train.epochs=100", "train.prompts=3", change, tmp=tmp_path))
         assert P.head_dir(other) != p1, change
     assert P.head_dir(cfg, "eagle3") != p1
-    assert P.head_dir(cfg_of("train.steps=3", "train.epochs=100", "train.prompts=3", "train.fixed_text_tokens=0",
-                             tmp=tmp_path)) == p1  # off: the key of a head trained before the setting existed
-    fixed = cfg_of("train.steps=3", "train.epochs=100", "train.prompts=3", "train.fixed_text_tokens=40", tmp=tmp_path)
+    assert P.head_dir(train_job(cfg_of("train.steps=3", "train.epochs=100", "train.prompts=3", "train.fixed_text_tokens=0",
+                                       tmp=tmp_path))) == p1  # off: the key of a head trained before the setting existed
+    fixed = train_job(cfg_of("train.steps=3", "train.epochs=100", "train.prompts=3", "train.fixed_text_tokens=40",
+                             tmp=tmp_path))
     assert P.head_dir(fixed) != p1
     pf = P.ensure_head(fixed, engine)
     assert calls["gen"] == 1 and P.read_meta(pf)["data"]["parts"][1]["fixed_tokens"] == 40
-    assert P.head_dir(cfg_of("train.steps=3", "train.epochs=100", "train.prompts=3", "train.checkpoint_every=7", tmp=tmp_path)) == p1
-    p2 = P.ensure_head(cfg.model_copy(update={"workload": load_config(["+workload=math"]).workload}), engine)
+    assert P.head_dir(train_job(cfg_of("train.steps=3", "train.epochs=100", "train.prompts=3", "train.checkpoint_every=7",
+                                       tmp=tmp_path))) == p1
+    p2 = P.ensure_head(replace(cfg, workload=load_config(["+workload=math"]).workload), engine)
     assert p2 != p1 and p2.parent == p1.parent and calls["gen"] == 2
 
 

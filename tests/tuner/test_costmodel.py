@@ -115,10 +115,10 @@ def test_measured_interpolates_and_refuses_batches_and_unknown_drafts() -> None:
 
 
 def test_measured_cost_is_cached_per_machine(tmp_path, monkeypatch) -> None:
-    import tuner.projection.costmodel as cm
+    import engine.measure.microbench as mb
 
     calls = []
-    monkeypatch.setattr(cm, "measure_forward", lambda target, builtin=None, cache_dir=None: calls.append(1) or {"1,128": 0.01, "2,128": 0.02})
+    monkeypatch.setattr(mb, "measure_forward", lambda target, builtin=None, cache_dir=None: calls.append(1) or {"1,128": 0.01, "2,128": 0.02})
     a = measured_cost(None, "tiny|fp32", tmp_path)
     b = measured_cost(None, "tiny|fp32", tmp_path)
     c = measured_cost(None, "tiny|bf16", tmp_path)
@@ -133,7 +133,7 @@ def test_the_microbenchmark_times_the_forward_the_engine_verifies_with(forward, 
     import engine.models.llama as L
     from engine.models.target import load_target
     from engine.measure.profile import engine_key
-    from tuner.projection.costmodel import TOKENS, measure_forward
+    from engine.measure.microbench import TOKENS, measure_forward
 
     cfg = load_config(["model=tiny-random", f"engine.builtin.forward={forward}"])
     target = load_target(cfg.model, cfg.engine.builtin, cfg.cache_dir, cfg.seed)

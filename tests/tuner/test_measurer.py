@@ -8,10 +8,10 @@ import pytest
 
 from engine.drafters.suffix import clear_caches
 from engine.measure.workloads import Prompt
-from helpers import engine_for
+from helpers import engine_for, fake_engine_exe
 from tuner.schema.compose import load_config
-from tuner.schema.config import SpecConfig
-from tuner.study.measurer import Measurer, engine_target_for, make_measure
+from tuner.schema.config import SpecConfig, UserError
+from tuner.study.measurer import Measurer, engine_target_for, make_measure, open_launcher
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SUFFIX = SpecConfig(method="suffix", depth=4, topk=1, budget=5, suffix_min_prob=0.0, suffix_spec_factor=2.0)
@@ -65,3 +65,38 @@ def test_a_level_above_max_batch_is_allowed_with_a_line_saying_requests_queue() 
     note = queue_note(cfg)
     assert note is not None and "[16]" in note and "max_batch=4" in note and "queue" in note
     assert queue_note(load_config(["model=tiny-random", "+workload=code", "workload.concurrency=[1,4]"])) is None
+
+
+# ---- a launched engine: what tuner.study.measurer.open_launcher assembles from the config
+
+def _opt(argv: list[str], flag: str) -> str:
+    assert argv.count(flag) == 1, f"{flag} must appear once in {argv}"
+    return argv[argv.index(flag) + 1]
+
+
+def test_open_launcher_on_gpus_uses_the_hub_id_and_the_deployments_fp8_flags(tmp_path) -> None:
+    exe = fake_engine_exe(tmp_path, "vllm")
+    cfg = load_config(["engine=vllm", "deploy=vllm", "model=llama-3.1-8b-instruct", "hardware=h100x8",
+                       f"engine.vllm.executable={exe}"])
+    launcher = open_launcher(cfg, log_dir=tmp_path, tensor_parallel_size=2)
+    argv = launcher.command(SpecConfig(method="eagle3", depth=3, budget=4, head_path="/h"))
+    assert argv[2] == cfg.model.hf_id and launcher.model == cfg.model.name
+    assert _opt(argv, "--quantization") == "fp8" and _opt(argv, "--kv-cache-dtype") == "fp8"
+    assert _opt(argv, "--tensor-parallel-size") == "2"
+    assert launcher.base_url == f"http://127.0.0.1:{cfg.engine.vllm.port}"
+
+
+def test_open_launcher_on_cpu_serves_the_local_checkpoint(tmp_path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    cfg = load_config(["engine=vllm", f"model.local_path={ckpt}", f"engine.vllm.executable={fake_engine_exe(tmp_path, 'vllm')}"])
+    launcher = open_launcher(cfg, log_dir=tmp_path)
+    argv = launcher.command(SpecConfig(method="off"))
+    assert argv[2] == str(ckpt) and "--quantization" not in argv
+    assert launcher.env()["HF_HUB_OFFLINE"] == "1"
+
+
+def test_open_launcher_refuses_the_builtin_engine() -> None:
+    with pytest.raises(UserError, match="not a launched engine"):
+        open_launcher(load_config([]))

@@ -64,7 +64,7 @@ def test_bench_and_serve_never_draft_with_an_untrained_head(tmp_path, capsys) ->
     from engine.heads.pipeline import META, head_dir
     from tuner.cli import main
     from tuner.schema.compose import load_config
-    from tuner.study.measurer import spec_with_trained_draft
+    from tuner.study.measurer import spec_with_trained_draft, train_job
 
     over = ["model=tiny-random", "+workload=code", f"cache_dir={tmp_path}", "spec.method=eagle", "spec.depth=3"]
     for cmd in (["bench", *over], ["serve", *over]):
@@ -72,7 +72,7 @@ def test_bench_and_serve_never_draft_with_an_untrained_head(tmp_path, capsys) ->
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "tuner train-draft spec.method=eagle" in err[0] and "spec.head_path" in err[0]
     cfg = load_config(over)
-    out = head_dir(cfg, "eagle")
+    out = head_dir(train_job(cfg), "eagle")
     out.mkdir(parents=True)
     (out / META).write_text("{}")
     assert spec_with_trained_draft(cfg).head_path == str(out)

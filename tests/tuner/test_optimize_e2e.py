@@ -31,9 +31,9 @@ SMALL = ["model=tiny-random", "+workload=code", "search=quick", "workload.num_pr
 
 @pytest.fixture(scope="module")
 def engine():
-    from engine.decode.loop import Engine
+    from tuner.study.measurer import open_engine
 
-    return Engine.from_config(load_config(SMALL))
+    return open_engine(load_config(SMALL))
 
 
 def _run(tmp_path: Path, engine, *extra: str, name: str = "s", measure=None) -> Path:
@@ -212,7 +212,7 @@ def test_trials_measured_over_http_like_a_launched_server(tmp_path: Path, engine
     from tuner.study.measurer import make_launched_measure
 
     cfg = load_config(SMALL)
-    url, stop = serve_in_thread(cfg, engine)
+    url, stop = serve_in_thread(engine, cfg.model, cfg.serve)
 
     class BuiltinServer:
         model = cfg.model.name

@@ -123,10 +123,11 @@ def test_here_uses_the_measured_cost_and_the_profiles_draft_times(run_dir, tmp_p
     """hardware=cpu: this machine's measured forward costs (faked here: no timing in tests) and the
     draft time per step the profile measured; one concurrency; a profile of other engine settings
     is refused."""
+    import engine.measure.microbench as mb
     import tuner.projection.costmodel as cm
 
     table = {"1,128": 0.010, "8,128": 0.017, "1,512": 0.012, "8,512": 0.021}
-    monkeypatch.setattr(cm, "measure_forward", lambda target, builtin=None, cache_dir=None: table)
+    monkeypatch.setattr(mb, "measure_forward", lambda target, builtin=None, cache_dir=None: table)
     monkeypatch.setattr(cm, "cache_path", lambda root, key: tmp_path / f"{key}.json")
     out = tmp_path / "here"
     rc = main(["project", "hardware=cpu", "model=tiny-random", "--from", str(run_dir), "--out", str(out)])

@@ -21,7 +21,7 @@ def _targets(cfg: Config, url: str | None = None, model: str | None = None) -> I
     """Yields target_for(spec) -> a load-generator target serving that spec (one engine or server
     reused, as in a study). With `url`, every spec is the endpoint's own: nothing is started."""
     from engine.measure.runner import HttpTarget
-    from tuner.study.measurer import LAUNCHED, engine_target_for, open_engine, server_target_for
+    from tuner.study.measurer import LAUNCHED, engine_target_for, open_engine, open_launcher, server_target_for
 
     assert cfg.workload is not None
     chat = cfg.workload.chat_template
@@ -32,9 +32,9 @@ def _targets(cfg: Config, url: str | None = None, model: str | None = None) -> I
     if cfg.engine.kind not in LAUNCHED:
         yield engine_target_for(open_engine(cfg), chat)
         return
-    from engine.launch.launcher import EngineStartError, Launcher
+    from engine.launch.launcher import EngineStartError
 
-    with Launcher.from_config(cfg) as launcher:
+    with open_launcher(cfg) as launcher:
         target_for = server_target_for(launcher, chat)
 
         def launched(spec: SpecConfig) -> Any:

@@ -54,13 +54,13 @@ def _heads(cfg: Config, quiet: bool) -> dict[str, str]:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from engine.measure.profile import profile_config
+    from tuner.projection.profiling import fp8_profile, profile_config
 
     cfg, run_dir = _profile_run(args)
     specs = profile_specs(cfg, _heads(cfg, args.quiet))
     log = (lambda s: None) if args.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     log(f"profiling {len(specs)} configurations of {cfg.model.name} on {cfg.workload.name} "
-        f"({'FP8-rounded weights' if cfg.engine.builtin.fp8_weights or cfg.deploy.quantization == 'fp8' else 'full precision'})")
+        f"({'FP8-rounded weights' if fp8_profile(cfg) else 'full precision'})")
     done = [0]
 
     def on_point(r) -> None:

@@ -23,16 +23,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             s.bind((host, port))
         except OSError as exc:
             raise UserError(f"serve.host/serve.port: cannot listen on {host}:{port} ({exc.strerror})") from None
-    from engine.decode.loop import Engine
     from engine.serving.server import serve
-    from tuner.study.measurer import spec_with_trained_draft
+    from tuner.study.measurer import open_engine, spec_with_trained_draft
 
     cfg = cfg.model_copy(update={"spec": spec_with_trained_draft(cfg)})  # never a random head
-    engine = Engine.from_config(cfg)
-    engine.set_spec(cfg.spec)
+    engine = open_engine(cfg)
     print(f"serving {cfg.model.name} (spec {cfg.spec.key()}) on http://{host}:{port}/v1 "
           f"(metrics: /metrics, health: /health)", flush=True)
-    serve(cfg, engine)
+    serve(engine, cfg.model, cfg.serve)
     return 0
 
 

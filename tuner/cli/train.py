@@ -1,6 +1,6 @@
 """`tuner train-draft [overrides] +workload=NAME`: train (or reuse) the EAGLE head (spec.method=eagle3:
 an EAGLE-3 head; medusa / draft_model: those drafts) for the configured target and workload
-(engine.heads.pipeline.ensure_head), with progress, and print where it lies."""
+(engine.heads.drafts.ensure_draft), with progress, and print where it lies."""
 
 from __future__ import annotations
 
@@ -12,27 +12,24 @@ from tuner.schema.config import Config
 from tuner.schema.methods import trained_by
 from tuner.cli.help import examples
 
-# Drafts trained by engine.heads.draft_model_train instead of the EAGLE head pipeline.
+# Drafts trained by engine.heads.medusa_train / draft_model_train instead of the EAGLE head pipeline.
 OTHER_DRAFTS = trained_by("medusa") + trained_by("draft_model")
 
 
 def train_draft(cfg: Config, retrain: bool = False, quiet: bool = False, method: str | None = None) -> Path:
     """Train or reuse the head (or, for method medusa / draft_model, that draft) for cfg (rich
     progress unless quiet); returns its directory."""
-    from engine.heads.pipeline import ensure_head
+    from engine.heads.drafts import ensure_draft
     from tuner.schema.compose import packaged_workloads, require_workload
+    from tuner.study.measurer import train_job
 
     require_workload(cfg)
 
     from tuner.study.progress import head_progress
 
     with head_progress(quiet) as report:
-        if method in OTHER_DRAFTS:
-            from engine.heads.draft_model_train import ensure_draft
-
-            return ensure_draft(cfg, method, retrain=retrain, workloads=packaged_workloads(cfg), report=report)
-        return ensure_head(cfg, retrain=retrain, workloads=packaged_workloads(cfg), report=report,
-                           method="eagle3" if method == "eagle3" else "eagle")
+        trained = method if method in OTHER_DRAFTS or method == "eagle3" else "eagle"
+        return ensure_draft(train_job(cfg), trained, retrain=retrain, workloads=packaged_workloads(cfg), report=report)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:

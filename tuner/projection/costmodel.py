@@ -8,8 +8,9 @@ this module says what a forward costs. Two sources, one interface (`StepCost`):
   max(weight + KV bytes / HBM bandwidth, FLOPs / tensor peak) + per-step and per-layer overhead
   + tensor-parallel all-reduces, with FP8 weights (1 byte, FP8 peak) and FP8 KV when deployed.
 - `Measured` ("here"): a short microbenchmark of the built-in engine's target forward against
-  tokens verified and context length, cached per machine and engine, plus the draft time per
-  step that the acceptance profile measured while it replayed each configuration.
+  tokens verified and context length (engine.measure.microbench), cached per machine and engine,
+  plus the draft time per step that the acceptance profile measured while it replayed each
+  configuration.
 
 Predicted throughput of a point = tau / (verify time(budget, batch) + draft time(point)).
 """
@@ -20,7 +21,6 @@ import hashlib
 import json
 import platform
 import re
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -172,10 +172,6 @@ class Roofline:
 
 # ---- here: measured on this machine with the built-in engine ------------------------------------
 
-TOKENS = (1, 2, 4, 8, 16, 32, 64)
-CONTEXTS = (128, 512)
-
-
 # Bumped whenever the engine's forward changes speed, so that cost tables cached by an older engine
 # are measured again (2: one-row CPU linears through oneDNN, a decode step 46 -> 35 ms here; 4: CPU
 # linear forms chosen per machine by engine.models.kernels.calibrate_linears).
@@ -239,58 +235,6 @@ class Measured:
         return self.draft[spec.key()]
 
 
-def measure_forward(target, tokens: tuple[int, ...] = TOKENS, contexts: tuple[int, ...] = CONTEXTS,
-                    repeats: int = 3, builtin: BuiltinEngineConfig | None = None,
-                    cache_dir: str | None = None) -> dict[str, float]:
-    """Median seconds of one target forward over `tokens` new tokens (a chain) after `context`
-    cached tokens, for every pair: what a verification costs on this machine, through the forward
-    the engine verifies with (`builtin.forward`: the lean forward, compiled or not, or transformers')."""
-    import torch
-
-    out: dict[str, float] = {}
-    if builtin is not None and builtin.forward == "lean":
-        from engine.models.llama import lean_forward
-
-        lean = lean_forward(target, builtin.compile, cache_dir, builtin.linear_plan)
-        if builtin.compile:
-            lean.warm_up()
-        with torch.inference_mode():
-            for c in contexts:
-                cache = lean.new_cache(c + max(tokens))
-                ids = torch.randint(100, 1000, (c + max(tokens),), generator=torch.Generator().manual_seed(0)).tolist()
-                lean.step(cache, ids[:c], last_only=True)
-                for n in tokens:
-                    times = []
-                    for _ in range(repeats):
-                        t = time.perf_counter()
-                        lean.step(cache, ids[c:c + n])  # logits of every row, as a verification
-                        times.append(time.perf_counter() - t)
-                        cache.crop(c)
-                    out[f"{n},{c}"] = sorted(times)[len(times) // 2]
-        return out
-
-    from engine.models.cache import crop_to, new_cache
-
-    model, dev = target.model, target.device
-    with torch.inference_mode():
-        for c in contexts:
-            cache = new_cache(model.config)
-            ids = torch.randint(100, 1000, (1, c), generator=torch.Generator().manual_seed(0)).to(dev)
-            model.model(input_ids=ids, position_ids=torch.arange(c, device=dev)[None], cache=cache, use_cache=True)
-            for n in tokens:
-                times = []
-                for _ in range(repeats):
-                    new = ids[:, :n] if n <= c else torch.randint(100, 1000, (1, n)).to(dev)
-                    pos = torch.arange(c, c + n, device=dev)[None]
-                    t = time.perf_counter()
-                    h = model.model(input_ids=new, position_ids=pos, cache=cache, use_cache=True).last_hidden_state
-                    model.lm_head(h[0])
-                    times.append(time.perf_counter() - t)
-                    crop_to(cache, c)
-                out[f"{n},{c}"] = sorted(times)[len(times) // 2]
-    return out
-
-
 def cache_path(cache_dir: Path, key: str) -> Path:
     return cache_dir / "costmodel" / f"{key}.json"
 
@@ -305,6 +249,8 @@ def measured_cost(target, engine_key: str, cache_dir: Path, refresh: bool = Fals
     if path.is_file() and not refresh:
         data = json.loads(path.read_text())
         return Measured(forward=data["forward"], key=key)
+    from engine.measure.microbench import measure_forward
+
     fwd = measure_forward(target, builtin=builtin, cache_dir=spectune_cache)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

@@ -299,7 +299,8 @@ def measured_here(cfg: Config, acc: Acceptance, refresh: bool = False) -> StepCo
     from engine.models.machine import cache_root
 
     from engine.models.target import load_target
-    from engine.measure.profile import engine_key, fp8_profile
+    from engine.measure.profile import engine_key
+    from tuner.projection.profiling import fp8_profile
 
     if acc.draft_s is None:
         raise UserError("hardware=cpu projects with the measured cost of this machine: it needs a profile "

@@ -32,7 +32,7 @@ PREDICTED = "predicted_speedup"
 def predict_space(cfg: Config, space: SearchSpace, run_dir: Path) -> list[dict]:
     """Every point of the space ranked by predicted speedup at concurrency 1 on this machine
     (profile.json and prediction.json are written to the run directory)."""
-    from engine.measure.profile import profile_config
+    from tuner.projection.profiling import profile_config
     from tuner.projection.projector import acceptance_from_profile, measured_here, project
 
     if cfg.engine.kind != "builtin":

@@ -13,29 +13,48 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from tuner.projection.profiling import tuning_prompts
 from tuner.schema.compose import packaged_workloads
 from tuner.study.limits import startup_excluded
 from tuner.study.objective import Sample
 from tuner.schema.config import Config, SpecConfig, UserError
-from tuner.schema.methods import head_methods, trained_by
+from tuner.schema.methods import head_methods
 
 LAUNCHED = ("vllm", "sglang")
 
 
 def study_prompts(cfg: Config) -> dict[str, list[Any]]:
-    """The prompts a study measures: the first search.trial_prompts tuning prompts (all when
-    null) for trials, every held-out prompt for the winner's re-measurement."""
+    """The prompts a study measures: the tuning prompts for trials (tuner.projection.profiling),
+    every held-out prompt for the winner's re-measurement."""
     from engine.measure.workloads import load_prompts
 
-    return {"tune": load_prompts(cfg.workload, "tune")[: cfg.search.trial_prompts],
-            "heldout": load_prompts(cfg.workload, "heldout")}
+    return {"tune": tuning_prompts(cfg), "heldout": load_prompts(cfg.workload, "heldout")}
 
 
 def open_engine(cfg: Config) -> Any:
-    """The built-in engine with the target model loaded (once per process)."""
+    """The built-in engine of cfg.model under cfg.engine.builtin, set to cfg.spec (the target is
+    loaded once per process)."""
     from engine.decode.loop import Engine
 
-    return Engine.from_config(cfg)
+    return Engine.from_config(cfg.model, cfg.engine.builtin, cfg.spec, cache_dir=cfg.cache_dir, seed=cfg.seed)
+
+
+def open_launcher(cfg: Config, *, log_dir: str | Path | None = None, tensor_parallel_size: int = 1) -> Any:
+    """A launcher (engine.launch.launcher.Launcher) for cfg.engine (vllm / sglang) serving cfg.model.
+    On GPUs the server runs with the deployment's FP8 flags, so trials measure the precision that
+    will be served."""
+    from engine.launch.launcher import Launcher, model_ref
+
+    kind = cfg.engine.kind
+    if kind not in LAUNCHED:
+        raise UserError(f"engine.kind={kind}: not a launched engine (allowed: {', '.join(LAUNCHED)})")
+    gpu = cfg.hardware.accelerator == "cuda"
+    return Launcher(kind, getattr(cfg.engine, kind), model_ref(cfg.model, cfg.cache_dir),
+                    served_model_name=cfg.model.name, accelerator=cfg.hardware.accelerator,
+                    quantization=cfg.deploy.quantization if gpu else None,
+                    kv_cache_dtype=cfg.deploy.kv_cache_dtype if gpu else None,
+                    tensor_parallel_size=tensor_parallel_size,
+                    gpu_memory_utilization=cfg.deploy.gpu_memory_utilization if gpu else None, log_dir=log_dir)
 
 
 def engine_target_for(engine: Any, chat_template: bool) -> Callable[[SpecConfig], Any]:
@@ -161,12 +180,21 @@ def study_measure(cfg: Config, engine: Any, prompts: dict[str, list[Any]], run_d
     """The MeasureFn of a study on cfg.engine: a launched server for engine=vllm/sglang (stopped
     on leaving; its logs in RUN_DIR/servers), else the given built-in engine."""
     if cfg.engine.kind in LAUNCHED:
-        from engine.launch.launcher import Launcher
-
-        with Launcher.from_config(cfg, log_dir=run_dir / "servers") as launcher:
+        with open_launcher(cfg, log_dir=run_dir / "servers") as launcher:
             yield make_launched_measure(launcher, cfg, prompts)
         return
     yield make_measure(engine, cfg, prompts)
+
+
+def train_job(cfg: Config) -> Any:
+    """What training cfg's drafts reads (engine.heads.pipeline.TrainJob): the target, the built-in
+    engine settings, the workload (one must be given), the training settings."""
+    from engine.heads.pipeline import TrainJob
+
+    if cfg.workload is None:
+        raise UserError("train-draft needs a workload: add +workload=NAME")
+    return TrainJob(model=cfg.model, builtin=cfg.engine.builtin, workload=cfg.workload, train=cfg.train,
+                    cache_dir=cfg.cache_dir, seed=cfg.seed)
 
 
 def needs_head(cfg: Config) -> bool:
@@ -186,11 +214,9 @@ def spec_with_trained_draft(cfg: Config) -> SpecConfig:
     if cfg.workload is None:
         raise UserError(f"spec.method={spec.method} without spec.head_path: add +workload=NAME to use the head "
                         f"trained for that workload; {fix}")
-    if spec.method in trained_by("eagle"):
-        from engine.heads.pipeline import cached_head as cached
-    else:
-        from engine.heads.medusa_train import cached
-    found = cached(cfg, spec.method)
+    from engine.heads.pipeline import cached_head
+
+    found = cached_head(train_job(cfg), spec.method)
     if found is None:
         raise UserError(f"spec.method={spec.method}: no trained head for {cfg.model.name} on workload "
                         f"{cfg.workload.name}; {fix}")
@@ -201,32 +227,28 @@ def get_drafts(cfg: Config, engine: Any, quiet: bool = False) -> dict[str, str]:
     """The trained drafts the searched methods need, by method: n-gram needs none. For each head
     method, in order: `spec.head_path` when spec.method is that method, the model's published head
     on an external engine (`model.draft_sources`), else the cached head of this target and workload
-    or a newly trained one (engine.heads for eagle / eagle3, engine.heads.draft_model_train for medusa)."""
+    or a newly trained one (engine.heads.drafts: the trainer of each method)."""
     from rich.console import Console
 
-    from engine.heads.pipeline import cached_head, ensure_head
+    from engine.heads.drafts import ensure_draft
+    from engine.heads.pipeline import cached_head
     from tuner.study.progress import head_progress
 
     console = Console(stderr=True, quiet=quiet)
     out: dict[str, str] = {}
-    pipeline = trained_by("eagle")  # the EAGLE head pipeline; the rest train through engine.heads.draft_model_train
     for m in (m for m in cfg.search.methods if m in head_methods()):
         published = getattr(cfg.model.draft_sources, m, [])
         if cfg.spec.head_path and cfg.spec.method == m:
             out[m] = cfg.spec.head_path
         elif cfg.engine.kind in LAUNCHED and published:
             out[m] = published[0]
-        elif m in pipeline and cached_head(cfg, m) is not None:
-            out[m] = str(cached_head(cfg, m))
+        elif cached_head(train_job(cfg), m) is not None:
+            out[m] = str(cached_head(train_job(cfg), m))
         else:
             console.print(f"training the {m} draft for {cfg.model.name} on workload {cfg.workload.name} "
                           "(once: cached for later studies)", highlight=False)
             # The other packaged workloads add diversity and, above all, their held-out prompts are excluded.
             with head_progress(quiet) as report:
-                if m in pipeline:
-                    out[m] = str(ensure_head(cfg, engine, report=report, workloads=packaged_workloads(cfg), method=m))
-                else:
-                    from engine.heads.draft_model_train import ensure_draft
-
-                    out[m] = str(ensure_draft(cfg, m, workloads=packaged_workloads(cfg), report=report))
+                out[m] = str(ensure_draft(train_job(cfg), m, engine, workloads=packaged_workloads(cfg),
+                                          report=report))
     return out

@@ -35,7 +35,7 @@ def _info_text(phase: str, info: dict) -> str:
 @contextmanager
 def head_progress(quiet: bool = False, stream=None, *, interval: float = INTERVAL_S,
                   clock=time.monotonic, poll: float | None = None) -> Iterator:
-    """Yield a report(phase, done, total, info) callable for engine.heads.pipeline.ensure_head.
+    """Yield a report(phase, done, total, info) callable for engine.heads.drafts.ensure_draft.
     Redirected, a line comes at least every `interval` s (`clock`, `poll`: engine.heartbeat's;
     report.heartbeat is the Heartbeat)."""
     stream = stream or sys.stderr
