@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import yaml
 from kubernetes import client as k
 
-from tuner.schema.fit import builtin_memory_gib, max_model_len, startup_budget_s, tensor_parallel_size
+from tuner.schema.fit import (builtin_memory_gib, max_model_len, max_model_len_why, startup_budget_s, startup_why,
+                              tensor_parallel_size, tensor_parallel_why)
 from tuner.schema.flags import builtin_args, sglang_args, vllm_args
 from deploy.winner import MODEL_DIR, Served, WinnerOverride, served_spec
 from tuner.schema.config import BestResult, Config, HardwareConfig, UserError
@@ -70,7 +71,7 @@ def plan(cfg: Config, best: BestResult | None, override: WinnerOverride | None =
     if d.target == "vllm":
         args = vllm_args(m.hf_id, served.spec, dtype="auto", max_model_len=max_len, tensor_parallel_size=tp,
                          quantization=quant, kv_cache_dtype=d.kv_cache_dtype,
-                         gpu_memory_utilization=d.gpu_memory_utilization, served_model_name=m.name,
+                         gpu_memory_utilization=d.gpu_memory_utilization, served_model_name=served_names(cfg),
                          host="0.0.0.0", port=d.port, extra_args=d.extra_args)
     elif d.target == "sglang":
         args = sglang_args(m.hf_id, served.spec, tp=tp, quantization=quant, kv_cache_dtype=d.kv_cache_dtype,
@@ -85,6 +86,15 @@ def plan(cfg: Config, best: BestResult | None, override: WinnerOverride | None =
                             extra_args=[f"cache_dir={MODEL_DIR}/spectune", *d.extra_args])
     return Plan(cfg=cfg, best=best, served=served, tp=tp, max_len=max_len, command=COMMANDS[d.target],
                 args=args, startup_s=startup_budget_s(m, d))
+
+
+def served_names(cfg: Config) -> list[str]:
+    """The model names a vLLM Deployment answers to: the config name (first: the metrics' model_name
+    label) and the hub id clients also ask for. SGLang's --served-model-name takes one name (its
+    server_args: Optional[str]) and its OpenAI layer serves a request whatever model it names (its
+    own examples send model="default"), so it gets the config name alone; the built-in server
+    accepts both names itself (engine.serving.server)."""
+    return list(dict.fromkeys([cfg.model.name, cfg.model.hf_id]))
 
 
 def _labels(p: Plan) -> dict[str, str]:
@@ -103,6 +113,18 @@ def _meta(p: Plan, name: str | None = None, **extra: object) -> k.V1ObjectMeta:
 
 def _figure(v: float | None, fmt: str = "{:.3g}") -> str:
     return "" if v is None else fmt.format(v)
+
+
+def portable_storage(url: str | None) -> str | None:
+    """A study storage as the ConfigMap records it: a file storage (SQLite, journal) by its file
+    name, relative to the run directory (the tuning machine's absolute path is no business of the
+    cluster); a database URL as best.yaml has it (already without its password)."""
+    if url is None:
+        return None
+    for scheme in ("sqlite:///", "journal:"):
+        if url.startswith(scheme):
+            return scheme + url[len(scheme):].replace("\\", "/").rsplit("/", 1)[-1]
+    return url
 
 
 def configmap_data(p: Plan) -> dict[str, str]:
@@ -126,6 +148,9 @@ def configmap_data(p: Plan) -> dict[str, str]:
         "source": "projection" if pj else "best.yaml" if b else "config overrides",
     }
     if b is not None:
+        # the cluster gets no path of the tuning machine: a study file is named as in its run directory
+        b = b.model_copy(update={"provenance": b.provenance.model_copy(
+            update={"storage": portable_storage(b.provenance.storage)})})
         # a projected configuration is no run's best.yaml: its record goes under its own name
         data["projected.yaml" if pj else "best.yaml"] = yaml.safe_dump(b.model_dump(mode="json", exclude_none=True),
                                                                        sort_keys=False, width=10**6)
@@ -150,17 +175,27 @@ def configmap_data(p: Plan) -> dict[str, str]:
     return data
 
 
-def _resources(p: Plan) -> k.V1ResourceRequirements:
-    """GPUs = TP; CPU and memory: half of the node's per-GPU share (all of a CPU node's cores)."""
+def _resource_values(p: Plan) -> tuple[int, int, dict[str, str], str, str]:
+    """(cpu cores, memory GiB, GPU resources, why the cpu, why the memory) of the server container."""
     hw = p.cfg.hardware
     if hw.accelerator == "cuda" and p.cfg.deploy.target != "builtin":
         share = p.tp / hw.gpu_count
         cpu, mem = max(2, int(hw.cpu_cores * share / 2)), max(8, int(hw.memory_gib * share / 2))
-        gpus = {hw.gpu_resource: str(p.tp)}
-    else:
-        e = p.cfg.engine.builtin
-        cpu, gpus = hw.cpu_cores, {}
-        mem = builtin_memory_gib(p.cfg.model, hw, e.dtype, p.cfg.deploy.quantization == "fp8" or e.fp8_weights)
+        part = f"{p.tp}/{hw.gpu_count} GPUs"
+        return (cpu, mem, {hw.gpu_resource: str(p.tp)},
+                f"half of hardware {hw.name}'s {hw.cpu_cores} cores x {part} (at least 2)",
+                f"half of hardware {hw.name}'s {hw.memory_gib:g} GiB x {part} (at least 8 GiB)")
+    e = p.cfg.engine.builtin
+    fp8 = p.cfg.deploy.quantization == "fp8" or e.fp8_weights
+    mem = builtin_memory_gib(p.cfg.model, hw, e.dtype, fp8)
+    return (hw.cpu_cores, mem, {}, f"all {hw.cpu_cores} cores of hardware {hw.name} (the built-in engine's threads)",
+            f"half of hardware {hw.name}'s {hw.memory_gib:g} GiB, or {p.cfg.model.params_b:g}B params at "
+            f"{'fp8' if fp8 else e.dtype} x 1.5 + 1 GiB when more (tuner.schema.fit.builtin_memory_gib)")
+
+
+def _resources(p: Plan) -> k.V1ResourceRequirements:
+    """GPUs = TP; CPU and memory: half of the node's per-GPU share (all of a CPU node's cores)."""
+    cpu, mem, gpus, _, _ = _resource_values(p)
     return k.V1ResourceRequirements(requests={"cpu": str(cpu), "memory": f"{mem}Gi", **gpus},
                                     limits={"memory": f"{mem}Gi", **gpus})
 
@@ -203,6 +238,37 @@ def gpu_placement(hw: HardwareConfig) -> tuple[dict[str, str] | None, list[k.V1T
             [k.V1Toleration(key=hw.gpu_resource, operator="Exists", effect="NoSchedule")])
 
 
+def _model_cache_spec(p: Plan) -> k.V1PersistentVolumeClaimSpec:
+    d = p.cfg.deploy
+    return k.V1PersistentVolumeClaimSpec(
+        access_modes=[d.model_cache_access_mode], storage_class_name=d.storage_class,
+        resources=k.V1VolumeResourceRequirements(requests={"storage": d.model_cache_size}))
+
+
+def shared_model_cache(p: Plan) -> bool:
+    """Whether the pods share one model PVC (ReadWriteMany) rather than each its own (ReadWriteOnce)."""
+    return p.cfg.deploy.model_cache_access_mode == "ReadWriteMany"
+
+
+def model_cache_volume(p: Plan) -> k.V1Volume:
+    """The model volume: the shared PVC NAME-model-cache (ReadWriteMany), or a generic ephemeral
+    volume (ReadWriteOnce): a claim created with each pod and deleted with it, so a surge pod or a
+    replica on another node never waits on a volume attached elsewhere."""
+    if shared_model_cache(p):
+        return k.V1Volume(name="model-cache", persistent_volume_claim=k.V1PersistentVolumeClaimVolumeSource(
+            claim_name=f"{p.cfg.deploy.name}-model-cache"))
+    return k.V1Volume(name="model-cache", ephemeral=k.V1EphemeralVolumeSource(
+        volume_claim_template=k.V1PersistentVolumeClaimTemplate(
+            metadata=k.V1ObjectMeta(labels=_labels(p)), spec=_model_cache_spec(p))))
+
+
+def rolling_update(p: Plan) -> k.V1RollingUpdateDeployment:
+    """deploy.rollout: surge starts the new pod first (no downtime, one pod's room needed), replace
+    stops one first (no spare GPU needed)."""
+    surge = p.cfg.deploy.rollout == "surge"
+    return k.V1RollingUpdateDeployment(max_surge=1 if surge else 0, max_unavailable=0 if surge else 1)
+
+
 def deployment(p: Plan, config_hash: str) -> k.V1Deployment:
     d, hw = p.cfg.deploy, p.cfg.hardware
     gpu = d.target != "builtin"
@@ -242,8 +308,7 @@ def deployment(p: Plan, config_hash: str) -> k.V1Deployment:
         automount_service_account_token=False,
         termination_grace_period_seconds=60,
         volumes=[
-            k.V1Volume(name="model-cache", persistent_volume_claim=k.V1PersistentVolumeClaimVolumeSource(
-                claim_name=f"{d.name}-model-cache")),
+            model_cache_volume(p),
             # NCCL / tensor-parallel workers share memory through /dev/shm; the default 64Mi is too small.
             k.V1Volume(name="dshm", empty_dir=k.V1EmptyDirVolumeSource(medium="Memory",
                                                                         size_limit="16Gi" if gpu else "1Gi")),
@@ -253,9 +318,7 @@ def deployment(p: Plan, config_hash: str) -> k.V1Deployment:
     )
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(d.port),
                    "prometheus.io/path": METRICS_PATH, "spectune.dev/config-hash": config_hash}
-    # A GPU node rarely has a spare GPU for a surge pod: replace pods one at a time instead.
-    strategy = k.V1DeploymentStrategy(type="RollingUpdate", rolling_update=k.V1RollingUpdateDeployment(
-        max_surge=0, max_unavailable=1)) if gpu else None
+    strategy = k.V1DeploymentStrategy(type="RollingUpdate", rolling_update=rolling_update(p))
     return k.V1Deployment(
         api_version="apps/v1", kind="Deployment", metadata=_meta(p),
         spec=k.V1DeploymentSpec(
@@ -273,8 +336,23 @@ def hpa_bounds(p: Plan) -> tuple[int, int]:
     return max(h.min_replicas, p.cfg.deploy.replicas), h.max_replicas
 
 
-def _max_pods(p: Plan) -> int:
-    return hpa_bounds(p)[1] if p.cfg.deploy.hpa.enabled else p.cfg.deploy.replicas
+def hpa_metric_name(series: str) -> str:
+    """The name the custom metrics API serves a Prometheus series under (prometheus_adapter_rule
+    renames it): ':' of recording-rule style names such as vllm:num_requests_waiting becomes '_'."""
+    return series.replace(":", "_")
+
+
+def prometheus_adapter_rule(p: Plan) -> dict:
+    """The prometheus-adapter rule (its Helm values' rules.custom entry) that serves the HPA's
+    per-pod metric: the series the ServiceMonitor scrapes (with its namespace and pod labels),
+    averaged per pod, under hpa_metric_name."""
+    series = p.cfg.deploy.hpa.metric
+    return {"rules": {"custom": [{
+        "seriesQuery": f'{{__name__="{series}",namespace!="",pod!=""}}',
+        "resources": {"overrides": {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}},
+        "name": {"matches": f"^{series}$", "as": hpa_metric_name(series)},
+        "metricsQuery": "avg(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)",
+    }]}}
 
 
 def service_monitor(p: Plan) -> dict:
@@ -300,18 +378,14 @@ def build(cfg: Config, best: BestResult | None = None,
     api = k.ApiClient()
     data = configmap_data(p)
     config_hash = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
-    objs: list[tuple[str, object]] = [
+    objs: list[tuple[str, object] | None] = [
         ("namespace.yaml", k.V1Namespace(api_version="v1", kind="Namespace", metadata=k.V1ObjectMeta(
             name=d.namespace, labels={"app.kubernetes.io/managed-by": FIELD_MANAGER}))),
         ("configmap.yaml", k.V1ConfigMap(api_version="v1", kind="ConfigMap", metadata=_meta(p, f"{d.name}-winner"),
                                          data=data)),
         ("pvc.yaml", k.V1PersistentVolumeClaim(
             api_version="v1", kind="PersistentVolumeClaim", metadata=_meta(p, f"{d.name}-model-cache"),
-            spec=k.V1PersistentVolumeClaimSpec(
-                # Several pods on several nodes can only share the cache through a ReadWriteMany volume.
-                access_modes=["ReadWriteMany" if _max_pods(p) > 1 else "ReadWriteOnce"],
-                storage_class_name=d.storage_class,
-                resources=k.V1VolumeResourceRequirements(requests={"storage": d.model_cache_size})))),
+            spec=_model_cache_spec(p))) if shared_model_cache(p) else None,
         ("deployment.yaml", deployment(p, config_hash)),
         ("service.yaml", k.V1Service(api_version="v1", kind="Service", metadata=_meta(p), spec=k.V1ServiceSpec(
             type="ClusterIP", selector=_selector(p),
@@ -319,10 +393,11 @@ def build(cfg: Config, best: BestResult | None = None,
     ]
     if d.service_monitor:
         objs.append(("servicemonitor.yaml", service_monitor(p)))
-    if d.pdb_min_available > 0:
+    if d.pdb_max_unavailable is not None or d.pdb_min_available:
         objs.append(("pdb.yaml", k.V1PodDisruptionBudget(
             api_version="policy/v1", kind="PodDisruptionBudget", metadata=_meta(p),
-            spec=k.V1PodDisruptionBudgetSpec(min_available=d.pdb_min_available,
+            spec=k.V1PodDisruptionBudgetSpec(max_unavailable=d.pdb_max_unavailable,
+                                             min_available=d.pdb_min_available or None,
                                              selector=k.V1LabelSelector(match_labels=_selector(p))))))
     if d.hpa.enabled:
         objs.append(("hpa.yaml", k.V2HorizontalPodAutoscaler(
@@ -331,7 +406,73 @@ def build(cfg: Config, best: BestResult | None = None,
                 scale_target_ref=k.V2CrossVersionObjectReference(api_version="apps/v1", kind="Deployment", name=d.name),
                 min_replicas=hpa_bounds(p)[0], max_replicas=hpa_bounds(p)[1],
                 metrics=[k.V2MetricSpec(type="Pods", pods=k.V2PodsMetricSource(
-                    metric=k.V2MetricIdentifier(name=d.hpa.metric),
+                    metric=k.V2MetricIdentifier(name=hpa_metric_name(d.hpa.metric)),
                     target=k.V2MetricTarget(type="AverageValue", average_value=d.hpa.target_average)))]))))
-    docs = [(name, obj if isinstance(obj, dict) else api.sanitize_for_serialization(obj)) for name, obj in objs]
+    docs = [(name, obj if isinstance(obj, dict) else api.sanitize_for_serialization(obj))
+            for name, obj in (o for o in objs if o is not None)]
     return p, docs
+
+
+KeyPath = tuple  # a key path inside one document: mapping keys and list indices
+
+
+def _arg_value(args: list[str], flag: str) -> int | None:
+    return args.index(flag) + 1 if flag in args else None
+
+
+def comments(p: Plan, docs: list[tuple[str, dict]]) -> dict[str, dict[KeyPath, str]]:
+    """Where each derived value of the rendered documents came from, by file and key path (an
+    empty path: lines above the document), for deploy.render to write as YAML comments."""
+    d, hw, byname = p.cfg.deploy, p.cfg.hardware, dict(docs)
+    out: dict[str, dict[KeyPath, str]] = {}
+    pod = ("spec", "template", "spec")
+    c = (*pod, "containers", 0)
+    args = byname["deployment.yaml"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    cpu_why, mem_why = _resource_values(p)[3:]
+    dep: dict[KeyPath, str] = {
+        (*c, "resources", "requests", "cpu"): f"cpu: {cpu_why}",
+        (*c, "resources", "requests", "memory"): f"memory: {mem_why}",
+        (*c, "startupProbe", "failureThreshold"): startup_why(p.cfg.model, d, STARTUP_PERIOD_S),
+        (*c, "livenessProbe", "failureThreshold"): "restarted after 3 failed checks 10 s apart (once started)",
+        (*c, "readinessProbe", "failureThreshold"): "out of the Service after 3 failed checks 5 s apart",
+        ("spec", "strategy", "rollingUpdate", "maxSurge"):
+            f"deploy.rollout={d.rollout}: " + ("the new pod starts before an old one stops (room for one more pod "
+                                               "needed)" if d.rollout == "surge" else
+                                               "an old pod stops before the new one starts (downtime with one replica)"),
+        (*pod, "volumes", 0): ("the model volume: one PVC every pod shares (deploy.model_cache_access_mode=ReadWriteMany)"
+                               if shared_model_cache(p) else
+                               "the model volume: a ReadWriteOnce claim per pod, deleted with it (each pod downloads the "
+                               "model; deploy.model_cache_access_mode=ReadWriteMany shares one)"),
+    }
+    if d.target != "builtin":
+        dep[(*c, "resources", "requests", hw.gpu_resource)] = tensor_parallel_why(p.cfg.model, hw, d, p.tp)
+        tp_at = _arg_value(args, "--tensor-parallel-size" if d.target == "vllm" else "--tp")
+        if tp_at is not None:
+            dep[(*c, "args", tp_at)] = tensor_parallel_why(p.cfg.model, hw, d, p.tp)
+        len_at = _arg_value(args, "--max-model-len" if d.target == "vllm" else "--context-length")
+        if len_at is not None:
+            dep[(*c, "args", len_at)] = max_model_len_why(p.cfg.model, hw, d, p.tp)
+        names_at = _arg_value(args, "--served-model-name")
+        if names_at is not None:
+            dep[(*c, "args", names_at)] = ("model.name and model.hf_id: requests may name either" if d.target == "vllm"
+                                           else "SGLang takes one name and serves requests naming any model")
+    out["deployment.yaml"] = dep
+    if "pvc.yaml" in byname:
+        out["pvc.yaml"] = {("spec", "accessModes", 0): "deploy.model_cache_access_mode: every pod mounts this claim"}
+    if "pdb.yaml" in byname:
+        key = "maxUnavailable" if d.pdb_max_unavailable is not None else "minAvailable"
+        out["pdb.yaml"] = {("spec", key): (
+            "deploy.pdb_max_unavailable: `kubectl drain` may evict one pod at a time, also with one replica"
+            if key == "maxUnavailable" else "deploy.pdb_min_available: below the pods at rest, so drains proceed")}
+    if "hpa.yaml" in byname:
+        rule = yaml.safe_dump(prometheus_adapter_rule(p), sort_keys=False, width=10**6)
+        lo, hi = hpa_bounds(p)
+        out["hpa.yaml"] = {
+            (): ("The HPA reads the per-pod metric " + hpa_metric_name(d.hpa.metric) + " from the custom metrics API "
+                 "(custom.metrics.k8s.io). prometheus-adapter serves it from the series " + d.hpa.metric + " that the "
+                 "ServiceMonitor scrapes, with this rule in its Helm values (docs/deploy.md, Autoscaling):\n" + rule),
+            ("spec", "metrics", 0, "pods", "metric", "name"): f"the series {d.hpa.metric}, renamed by the adapter rule above",
+            ("spec", "minReplicas"): f"max(deploy.hpa.min_replicas={d.hpa.min_replicas}, deploy.replicas={d.replicas}) = {lo}",
+            ("spec", "maxReplicas"): f"deploy.hpa.max_replicas={hi}",
+        }
+    return out

@@ -6,12 +6,13 @@ line wrapping, no timestamps except the provenance date that comes from best.yam
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import yaml
 from pydantic import ValidationError
 
-from deploy.manifests import Plan, build
+from deploy.manifests import Plan, build, comments
 from deploy.winner import WinnerOverride
 from tuner.schema.config import BestResult, Config, UserError
 
@@ -30,9 +31,41 @@ def _str(dumper: yaml.SafeDumper, s: str) -> yaml.ScalarNode:
 _Dumper.add_representer(str, _str)
 
 
-def dump(doc: dict) -> str:
-    """One document as stable YAML (no wrapping: long engine flags stay on one line)."""
-    return yaml.dump(doc, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=10**6, allow_unicode=True)
+def dump(doc: dict, comments: Mapping[tuple, str] | None = None) -> str:
+    """One document as stable YAML (no wrapping: long engine flags stay on one line). `comments`:
+    key path (mapping keys, list indices) -> text, written as `# text` at the end of that value's
+    line (a mapping or list value: its key's line); the empty path's text goes above the document."""
+    text = yaml.dump(doc, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=10**6, allow_unicode=True)
+    if not comments:
+        return text
+    lines = text.splitlines()
+    root = yaml.compose(text, Loader=yaml.SafeLoader)  # the emitted text's own nodes: their line numbers
+    for path, note in comments.items():
+        if path:
+            line = _line_of(root, path)
+            lines[line] += f"  # {note}"
+    head = comments.get(())
+    top = "".join(f"# {ln}".rstrip() + "\n" for ln in head.splitlines()) if head else ""
+    return top + "\n".join(lines) + "\n"
+
+
+def _line_of(node: yaml.Node, path: tuple) -> int:
+    """The line of the value at `path` in a composed document (its key's line for a collection)."""
+    line = node.start_mark.line
+    for part in path:
+        if isinstance(node, yaml.MappingNode):
+            pair = next((kv for kv in node.value if kv[0].value == str(part)), None)
+            if pair is None:
+                raise KeyError(f"no key {part!r} on the path {path}")
+            line, node = pair[0].start_mark.line, pair[1]
+        elif isinstance(node, yaml.SequenceNode):
+            node = node.value[part]
+            line = node.start_mark.line
+        else:
+            raise KeyError(f"{path}: {part!r} under a scalar")
+    if isinstance(node, yaml.ScalarNode) and node.end_mark.line == node.start_mark.line:
+        return node.start_mark.line
+    return line
 
 
 def load_best(path: Path) -> BestResult:
@@ -57,7 +90,7 @@ def render(cfg: Config, best: BestResult | None, out: Path,
     one does not (e.g. hpa.yaml after deploy.hpa.enabled=false) are removed; other files are kept.
     `override`: serve the winner with spec.* overrides applied (deploy.winner.served_spec)."""
     p, docs = build(cfg, best, override)
-    return p, write_docs(docs, out)
+    return p, write_docs(docs, out, comments=comments(p, docs))
 
 
 def out_arg(text: str | None) -> Path | None:
@@ -82,9 +115,11 @@ def make_out_dir(out: Path) -> None:
         raise UserError(f"--out {out}: cannot create the output directory ({why})") from None
 
 
-def write_docs(docs: list[tuple[str, dict]], out: Path, header: str = HEADER) -> list[Path]:
+def write_docs(docs: list[tuple[str, dict]], out: Path, header: str = HEADER,
+               comments: Mapping[str, Mapping[tuple, str]] | None = None) -> list[Path]:
     """Write (file name, document) pairs and a kustomization.yaml listing them into `out`, removing
-    rendered files (starting with `header`) that are no longer part of the set."""
+    rendered files (starting with `header`) that are no longer part of the set. `comments`: per
+    file name, the YAML comments of dump()."""
     make_out_dir(out)
     files = docs + [(KUSTOMIZATION, kustomization([n for n, _ in docs]))]
     names = {n for n, _ in files}
@@ -95,7 +130,7 @@ def write_docs(docs: list[tuple[str, dict]], out: Path, header: str = HEADER) ->
     for name, doc in files:
         path = out / name
         try:
-            path.write_text(header + dump(doc))
+            path.write_text(header + dump(doc, (comments or {}).get(name)))
         except OSError as exc:
             raise UserError(f"--out {out}: cannot write {name} ({(exc.strerror or type(exc).__name__).lower()})") from None
         written.append(path)

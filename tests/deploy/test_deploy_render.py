@@ -28,6 +28,7 @@ REGEN = os.environ.get("SPECTUNE_REGEN_GOLDEN") == "1"
 DATE = "2026-11-20T14:03:00+00:00"
 EAGLE3_8B = "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
 EAGLE_8B = "yuhuili/EAGLE-LLaMA3.1-Instruct-8B"
+TUNING_DIR = "/home/alice/spectune"  # where the study ran: no rendered file may name it
 
 
 def _best(spec: SpecConfig, chain: SpecConfig | None, model: str, hardware: str, engine: str) -> BestResult:
@@ -36,7 +37,7 @@ def _best(spec: SpecConfig, chain: SpecConfig | None, model: str, hardware: str,
         metrics=Figures(output_tokens_per_s=412.5, ci_low=405.1, ci_high=419.8, tau=3.42, tpot_p99_ms=9.8),
         baseline=Figures(output_tokens_per_s=160.2, ci_low=158.0, ci_high=162.9, tau=1.0),
         speedup=2.575, reason="fastest feasible trial",
-        provenance=Provenance(study=f"{model}-chat", trial=17, storage="sqlite:///runs/r1/study.db", date=DATE,
+        provenance=Provenance(study=f"{model}-chat", trial=17, storage=f"sqlite:///{TUNING_DIR}/runs/r1/study.db", date=DATE,
                               model=model, hardware=hardware, engine=engine, workload="chat"),
     )
 
@@ -52,7 +53,9 @@ CASES: dict[str, tuple[list[str], BestResult | None]] = {
     "vllm-h100x8": (["model=llama-3.3-70b-instruct", "hardware=h100x8", "deploy=vllm", "spec.method=ngram",
                      "spec.depth=3", "spec.budget=4"], None),
     # The CI-style override from the issue, on a run tuned on SGLang with a tree.
-    "sglang-h100x8": (["model=llama-3.1-8b-instruct", "hardware=h100x8", "deploy=sglang", "deploy.replicas=3"], _best(
+    # ... with a ReadWriteMany storage class: one model PVC the 3+ pods share.
+    "sglang-h100x8": (["model=llama-3.1-8b-instruct", "hardware=h100x8", "deploy=sglang", "deploy.replicas=3",
+                       "deploy.model_cache_access_mode=ReadWriteMany"], _best(
         SpecConfig(method="eagle", depth=5, topk=4, budget=8, head_path=EAGLE_8B), None,
         "llama-3.1-8b-instruct", "h100x8", "sglang")),
     "sglang-h200x1": (["model=llama-3.3-70b-instruct", "hardware=h200x1", "deploy=sglang", "spec.method=eagle3",
@@ -63,7 +66,7 @@ CASES: dict[str, tuple[list[str], BestResult | None]] = {
         SpecConfig(method="eagle", depth=3, topk=2, budget=5, head_path="me/smollm2-eagle"),
         None, "smollm2-135m", "cpu", "builtin")),
     "builtin-cpu-tiny": (["model=tiny-random", "spec.method=ngram", "spec.depth=6", "spec.budget=7",
-                          "deploy.hpa.enabled=false", "deploy.service_monitor=false", "deploy.pdb_min_available=0"], None),
+                          "deploy.hpa.enabled=false", "deploy.service_monitor=false", "deploy.pdb_max_unavailable=null"], None),
 }
 
 
@@ -93,6 +96,18 @@ def _docs(d: Path) -> dict[str, dict]:
 
 def _container(d: Path) -> dict:
     return _docs(d)["deployment.yaml"]["spec"]["template"]["spec"]["containers"][0]
+
+
+def _notes(err: str) -> list[str]:
+    """The `note:` lines of a render but the one every render with an HPA prints (its adapter rule)."""
+    return [ln for ln in err.splitlines() if ln.startswith("note:") and not ln.startswith("note: the HPA scales on")]
+
+
+def _adapter_rule(hpa: Path) -> dict:
+    """The prometheus-adapter rule written as comments above hpa.yaml's document."""
+    lines = [ln for ln in hpa.read_text().splitlines() if ln.startswith("#")]
+    start = next(i for i, ln in enumerate(lines) if ln == "# rules:")
+    return yaml.safe_load("\n".join(ln[2:] for ln in lines[start:]))
 
 
 def _opt(args: list[str], flag: str) -> str:
@@ -130,7 +145,8 @@ def test_vllm_tree_winner_serves_the_chain_with_k_schedule(rendered: dict[str, P
                     "num_speculative_tokens_per_batch_size": [[1, 8, 4], [9, 64, 2], [65, 512, 0]]}
     assert _opt(c["args"], "--quantization") == "fp8" and _opt(c["args"], "--kv-cache-dtype") == "fp8"
     assert _opt(c["args"], "--port") == "8000" and _opt(c["args"], "--gpu-memory-utilization") == "0.9"
-    assert _opt(c["args"], "--served-model-name") == "llama-3.1-8b-instruct"
+    at = c["args"].index("--served-model-name") + 1  # both names: requests may name the config or the hub id
+    assert c["args"][at:at + 3] == ["llama-3.1-8b-instruct", "meta-llama/Llama-3.1-8B-Instruct", "--speculative-config"]
     assert "--tensor-parallel-size" not in c["args"]  # TP 1
     cm = _docs(rendered["vllm-h200x1"])["configmap.yaml"]["data"]
     assert (cm["study"], cm["trial"], cm["date"], cm["tau"]) == ("llama-3.1-8b-instruct-chat", "17", DATE, "3.42")
@@ -166,7 +182,7 @@ def test_sglang_ci_override_replicas_and_tree_flags(rendered: dict[str, Path]) -
             _opt(a, "--speculative-num-draft-tokens")) == ("EAGLE", "5", "4", "8")
     assert _opt(a, "--speculative-draft-model-path") == EAGLE_8B
     assert _opt(a, "--quantization") == "fp8" and _opt(a, "--kv-cache-dtype") == "fp8_e4m3"
-    assert docs["pvc.yaml"]["spec"]["accessModes"] == ["ReadWriteMany"]  # 3 pods share the cache
+    assert docs["pvc.yaml"]["spec"]["accessModes"] == ["ReadWriteMany"]  # 3 pods share the cache, as asked
     tree = _container(rendered["sglang-h200x1"])["args"]
     assert _opt(tree, "--speculative-algorithm") == "EAGLE3" and _opt(tree, "--speculative-eagle-topk") == "2"
 
@@ -176,7 +192,11 @@ def test_sglang_serves_the_metrics_its_monitor_and_hpa_scrape(rendered: dict[str
     """The ServiceMonitor and the HPA (sglang:num_queue_reqs) read /metrics, which SGLang serves
     only with --enable-metrics."""
     docs = _docs(rendered[case])
-    assert "sglang:num_queue_reqs" in json.dumps(docs["hpa.yaml"]) and "servicemonitor.yaml" in docs
+    # the HPA reads the series under the name the prometheus-adapter rule atop hpa.yaml serves it as
+    assert docs["hpa.yaml"]["spec"]["metrics"][0]["pods"]["metric"]["name"] == "sglang_num_queue_reqs"
+    rule = _adapter_rule(rendered[case] / "hpa.yaml")["rules"]["custom"][0]
+    assert rule["seriesQuery"].startswith('{__name__="sglang:num_queue_reqs"') and "servicemonitor.yaml" in docs
+    assert rule["name"] == {"matches": "^sglang:num_queue_reqs$", "as": "sglang_num_queue_reqs"}
     assert "--enable-metrics" in _container(rendered[case])["args"]
 
 
@@ -218,7 +238,16 @@ def test_common_objects_and_hardening(name: str, rendered: dict[str, Path]) -> N
     assert {"mountPath": "/dev/shm", "name": "dshm"} in c["volumeMounts"]
     vols = {v["name"]: v for v in pod["volumes"]}
     assert vols["dshm"]["emptyDir"]["medium"] == "Memory"
-    assert vols["model-cache"]["persistentVolumeClaim"]["claimName"] == docs["pvc.yaml"]["metadata"]["name"]
+    cfg = load_config(CASES[name][0])
+    if cfg.deploy.model_cache_access_mode == "ReadWriteMany":  # one claim the pods share
+        assert vols["model-cache"]["persistentVolumeClaim"]["claimName"] == docs["pvc.yaml"]["metadata"]["name"]
+    else:  # a claim per pod: a surge pod or a replica on another node never waits on an attached volume
+        assert "pvc.yaml" not in docs
+        claim = vols["model-cache"]["ephemeral"]["volumeClaimTemplate"]["spec"]
+        assert claim["accessModes"] == ["ReadWriteOnce"] and claim["resources"]["requests"]["storage"] == (
+            cfg.deploy.model_cache_size)
+    # a rollout starts the new pod first: with one replica there is no moment without a pod
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     ann = dep["spec"]["template"]["metadata"]["annotations"]
     assert (ann["prometheus.io/scrape"], ann["prometheus.io/port"], ann["prometheus.io/path"]) == ("true", "8000", "/metrics")
     assert docs["service.yaml"]["spec"]["ports"][0]["targetPort"] == "http"
@@ -230,8 +259,9 @@ def test_common_objects_and_hardening(name: str, rendered: dict[str, Path]) -> N
         m = docs["hpa.yaml"]["spec"]["metrics"][0]
         assert m["type"] == "Pods" and m["pods"]["target"] == {"type": "AverageValue", "averageValue": "5"}
         assert docs["hpa.yaml"]["apiVersion"] == "autoscaling/v2"
-    if "pdb.yaml" in docs:
+    if "pdb.yaml" in docs:  # never one that blocks `kubectl drain` (minAvailable 1 of 1 pod did)
         assert docs["pdb.yaml"]["spec"]["selector"]["matchLabels"] == sel
+        assert docs["pdb.yaml"]["spec"]["maxUnavailable"] == 1 and "minAvailable" not in docs["pdb.yaml"]["spec"]
 
 
 def test_hf_token_only_by_secret_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -277,7 +307,7 @@ def test_tree_to_chain_note_on_stderr(tmp_path: Path, capsys: pytest.CaptureFixt
     # Overrides on the command line apply on top of the run's saved config (deploy group + a key).
     assert main(["render", "--from", str(run), "deploy=vllm", "deploy.replicas=2"]) == 0
     out = capsys.readouterr()
-    notes = [ln for ln in out.err.splitlines() if ln.startswith("note:")]
+    notes = _notes(out.err)
     assert len(notes) == 1 and "serving the study's best chain 'eagle3 d4 k1 b5'" in notes[0]
     assert "deploy=vllm" in out.out and "valid" in out.out
     assert _docs(run / "k8s")["hpa.yaml"]["spec"]["minReplicas"] == 2
@@ -346,7 +376,7 @@ def test_kubectl_kustomize_builds_the_directory(rendered: dict[str, Path]) -> No
     r = subprocess.run(["kubectl", "kustomize", str(rendered["vllm-h100x8"])], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     kinds = [d["kind"] for d in yaml.safe_load_all(r.stdout)]
-    assert sorted(kinds) == sorted(["Namespace", "ConfigMap", "PersistentVolumeClaim", "Deployment", "Service",
+    assert sorted(kinds) == sorted(["Namespace", "ConfigMap", "Deployment", "Service",
                                     "ServiceMonitor", "PodDisruptionBudget", "HorizontalPodAutoscaler"])
 
 
@@ -385,8 +415,8 @@ def test_retargeting_a_run_says_the_speedup_was_measured_elsewhere(tmp_path: Pat
 
 def test_check_reports_a_missing_kustomization_resource(tmp_path: Path) -> None:
     render(load_config([]), None, tmp_path)
-    (tmp_path / "pvc.yaml").unlink()
-    assert check_dir(tmp_path, "1.33") == ["kustomization.yaml: resource pvc.yaml does not exist"]
+    (tmp_path / "service.yaml").unlink()
+    assert check_dir(tmp_path, "1.33") == ["kustomization.yaml: resource service.yaml does not exist"]
 
 
 def test_rerender_removes_files_it_no_longer_writes(tmp_path: Path) -> None:
@@ -460,8 +490,13 @@ def test_render_without_out_names_the_directory_it_wrote(tmp_path: Path, monkeyp
                                                          capsys: pytest.CaptureFixture) -> None:
     monkeypatch.chdir(tmp_path)
     assert main(["render"]) == 0
-    out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 1 and out[0].startswith(f"rendered 9 files into {tmp_path / 'runs' / 'k8s'} (default --out; ")
+    captured = capsys.readouterr()
+    out = captured.out.strip().splitlines()
+    # the HPA's metric needs an adapter: said on every render that has an HPA
+    assert captured.err.strip().splitlines() == [
+        "note: the HPA scales on vllm_num_requests_waiting from the custom metrics API: install prometheus-adapter "
+        "with the rule written at the top of hpa.yaml (docs/deploy.md, Autoscaling), or set deploy.hpa.enabled=false"]
+    assert len(out) == 1 and out[0].startswith(f"rendered 8 files into {tmp_path / 'runs' / 'k8s'} (default --out; ")
     assert (tmp_path / "runs" / "k8s" / "kustomization.yaml").is_file()
 
 
@@ -481,7 +516,7 @@ def test_render_from_run_applies_spec_overrides_to_the_winner(tmp_path: Path, ca
     assert main(["render", "--from", str(run), "spec.depth=5", "--out", str(tmp_path / "o")]) == 0
     captured = capsys.readouterr()
     assert "spec 'ngram d5 k1 b6'" in captured.out
-    notes = [ln for ln in captured.err.splitlines() if ln.startswith("note:")]
+    notes = _notes(captured.err)
     assert notes == ["note: spec.depth=5 on top of the winner 'ngram d3 k1 b4': serving 'ngram d5 k1 b6' "
                      "(not measured: re-measure to confirm the speedup)"]
     data = _docs(tmp_path / "o")["configmap.yaml"]["data"]
@@ -539,3 +574,73 @@ def test_replicas_the_hpa_cannot_keep_are_refused(tmp_path: Path, capsys: pytest
     assert _docs(tmp_path / "four")["hpa.yaml"]["spec"]["maxReplicas"] == 4
     assert main(["render", "deploy.replicas=0", "deploy.hpa.enabled=false", "--out", str(tmp_path / "zero")]) == 0
     assert _docs(tmp_path / "zero")["deployment.yaml"]["spec"]["replicas"] == 0
+
+
+def _line(path: Path, needle: str) -> str:
+    hits = [ln for ln in path.read_text().splitlines() if needle in ln]
+    assert len(hits) == 1, (needle, hits)
+    return hits[0]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_derived_value_says_where_it_came_from(name: str, rendered: dict[str, Path]) -> None:
+    """Issue 25.9: one YAML comment per derived value (TP, max model len, probe thresholds,
+    requests), saying from what it was derived, with the numbers the manifest carries."""
+    from deploy.manifests import plan
+
+    cfg = load_config(CASES[name][0])
+    p = plan(cfg, CASES[name][1])
+    dep = rendered[name] / "deployment.yaml"
+    c = _container(rendered[name])
+    threshold = c["startupProbe"]["failureThreshold"]
+    assert f"failureThreshold: {threshold}  # {threshold} x 10 s >= {startup_budget_s(cfg.model, cfg.deploy)} s " \
+           "start-up budget" in dep.read_text()
+    assert _line(dep, f"cpu: '{c['resources']['requests']['cpu']}'").split("  # ")[1].startswith("cpu: ")
+    assert "memory: " in _line(dep, f"memory: {c['resources']['requests']['memory']}  #")
+    text = dep.read_text()
+    assert text.count("failureThreshold: 3  # ") == 2  # liveness and readiness say what 3 failures mean
+    if cfg.deploy.target == "builtin":
+        return
+    gpu = _line(dep, f"nvidia.com/gpu: '{p.tp}'  #")
+    assert f"# TP {p.tp}: the smallest power of two dividing {cfg.model.num_attention_heads} heads" in gpu
+    flag = "--max-model-len" if cfg.deploy.target == "vllm" else "--context-length"
+    value_line = text.splitlines()[text.splitlines().index(f"        - {flag}") + 1]
+    assert value_line.startswith(f"        - '{p.max_len}'  # min(model.max_context={cfg.model.max_context}, ")
+    if p.tp > 1:
+        tp_flag = "--tensor-parallel-size" if cfg.deploy.target == "vllm" else "--tp"
+        assert text.splitlines()[text.splitlines().index(f"        - {tp_flag}") + 1].startswith(
+            f"        - '{p.tp}'  # TP {p.tp}: ")
+
+
+def test_a_stock_cluster_accepts_the_defaults(rendered: dict[str, Path]) -> None:
+    """Issue 25.9: defaults that work on a stock cluster: a PDB that lets `kubectl drain` evict the
+    one replica, a ReadWriteOnce model volume per pod (no ReadWriteMany storage class needed), a
+    rollout without downtime, both model names served, the HPA's adapter rule written out, and no
+    path of the tuning machine in the provenance."""
+    docs = _docs(rendered["vllm-h200x1"])
+    assert docs["pdb.yaml"]["spec"]["maxUnavailable"] == 1 and "minAvailable" not in docs["pdb.yaml"]["spec"]
+    assert "pvc.yaml" not in docs
+    rule = _adapter_rule(rendered["vllm-h200x1"] / "hpa.yaml")["rules"]["custom"][0]
+    assert rule["name"]["as"] == docs["hpa.yaml"]["spec"]["metrics"][0]["pods"]["metric"]["name"]
+    assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
+    sglang = _container(rendered["sglang-h200x1"])["args"]
+    assert sglang.count("--served-model-name") == 1 and _opt(sglang, "--served-model-name") == "llama-3.3-70b-instruct"
+    assert not sglang[sglang.index("--served-model-name") + 2].startswith("meta-llama")  # SGLang takes one name
+    for name, d in rendered.items():
+        for f in d.iterdir():
+            assert TUNING_DIR not in f.read_text(), (name, f.name)
+    best = yaml.safe_load(docs["configmap.yaml"]["data"]["best.yaml"])
+    assert best["provenance"]["storage"] == "sqlite:///study.db"  # the study file, as named in its run directory
+
+
+def test_replace_rollout_and_a_min_available_budget(tmp_path: Path) -> None:
+    """deploy.rollout=replace (no spare GPU needed) and a minAvailable below the replicas at rest
+    render as asked, and pass the strict check."""
+    cfg = load_config(["model=llama-3.1-8b-instruct", "hardware=h200x1", "deploy=vllm", "deploy.rollout=replace",
+                       "deploy.pdb_max_unavailable=null", "deploy.pdb_min_available=2", "deploy.replicas=3"])
+    render(cfg, None, tmp_path)
+    docs = _docs(tmp_path)
+    assert docs["deployment.yaml"]["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    assert docs["pdb.yaml"]["spec"]["minAvailable"] == 2 and "maxUnavailable" not in docs["pdb.yaml"]["spec"]
+    assert "downtime with one replica" in _line(tmp_path / "deployment.yaml", "maxSurge: 0")
+    assert check_dir(tmp_path, "1.33") == []

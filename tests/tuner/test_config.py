@@ -153,6 +153,17 @@ BAD_INPUTS = [
                                        "load needs 263 GiB (70.6B params x 4 bytes) but hardware cpu has 24 GiB"),
     (["model=qwen2.5-72b-instruct", "deploy=vllm"], "run this model with engine=vllm or engine=sglang"),
     (["model.draft_sources.mtp=true"], "model.draft_sources.mtp"),  # issue 24.5a: never read, removed
+    # Issue 25.9: a disruption budget that would block `kubectl drain`, or two of them.
+    (["deploy.pdb_min_available=1", "deploy.pdb_max_unavailable=null"],
+     "deploy.pdb_min_available=1 with 1 pod(s) at rest blocks `kubectl drain`: no pod may ever be evicted; use "
+     "deploy.pdb_max_unavailable=1 (the default), or raise deploy.replicas above 1"),
+    (["deploy.pdb_min_available=2", "deploy.pdb_max_unavailable=null", "deploy.replicas=2"], "blocks `kubectl drain`"),
+    (["deploy.pdb_min_available=1"], "deploy.pdb_min_available=1 and deploy.pdb_max_unavailable=1: a "
+                                     "PodDisruptionBudget takes one of them; add deploy.pdb_max_unavailable=null"),
+    (["deploy.pdb_max_unavailable=0"], "deploy.pdb_max_unavailable=0: Input should be greater than or equal to 1"),
+    (["deploy.model_cache_access_mode=RWX"],
+     "deploy.model_cache_access_mode='RWX': Input should be 'ReadWriteOnce' or 'ReadWriteMany'"),
+    (["deploy.rollout=fast"], "deploy.rollout='fast': Input should be 'surge' or 'replace'"),
     # Issue 25.6: override slips name the argument and the KEY=VALUE form, never Hydra's parser internals.
     (["spec.depth:3"], "spec.depth:3: an override is KEY=VALUE, here spec.depth=3"),
     (["spec.depth=3,4"], "spec.depth=3,4: a comma outside brackets is a sweep of several values, and a tuner "
@@ -421,3 +432,21 @@ def test_options_between_overrides(tmp_path: Path, capsys: pytest.CaptureFixture
     with pytest.raises(SystemExit):
         main(["apply", str(tmp_path / "k"), "extra=1"])  # apply takes no overrides
     assert capsys.readouterr().err.strip().splitlines()[-1] == "tuner apply: error: unrecognized arguments: extra=1"
+
+
+
+def test_a_config_saved_before_the_disruption_budget_keys_loads() -> None:
+    """Issue 25.9: a run's config.yaml saved with the old default pdb_min_available: 1 (which blocked
+    `kubectl drain` with one replica) reads as today's maxUnavailable 1; 0 (no PDB) stays none, and
+    a deliberate higher count stays a minAvailable."""
+    from tuner.schema.compose import validate
+
+    raw = load_config([]).model_dump(mode="json")
+    for key in ("pdb_max_unavailable", "model_cache_access_mode", "rollout"):
+        del raw["deploy"][key]
+    for old, want in ((1, (None, 1)), (0, (None, None)), (2, (2, None))):
+        raw["deploy"]["pdb_min_available"] = old
+        raw["deploy"]["replicas"], raw["deploy"]["hpa"]["enabled"] = 3, False
+        d = validate(json.loads(json.dumps(raw))).deploy
+        assert (d.pdb_min_available, d.pdb_max_unavailable) == want
+        assert (d.model_cache_access_mode, d.rollout) == ("ReadWriteOnce", "surge")

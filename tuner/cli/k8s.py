@@ -46,6 +46,12 @@ def _cmd_render(args: argparse.Namespace) -> int:
     for note in plan.served.notes:
         print(f"note: {note}", file=sys.stderr)
     cfg = plan.cfg
+    if cfg.deploy.hpa.enabled:  # nothing in the cluster serves the HPA's metric until an adapter does
+        from deploy.manifests import hpa_metric_name
+
+        print(f"note: the HPA scales on {hpa_metric_name(cfg.deploy.hpa.metric)} from the custom metrics API: "
+              f"install prometheus-adapter with the rule written at the top of hpa.yaml (docs/deploy.md, "
+              "Autoscaling), or set deploy.hpa.enabled=false", file=sys.stderr)
     errors = check_dir(files[0].parent, cfg.deploy.k8s_version)
     for line in errors:  # never expected: a failure here is a renderer bug, reported like --check does
         print(line, file=sys.stderr)

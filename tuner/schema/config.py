@@ -342,9 +342,50 @@ class DeployConfig(_Strict):
     model_cache_size: str
     storage_class: str | None
     service_monitor: bool
-    pdb_min_available: int = Field(ge=0)
+    # The PodDisruptionBudget: one of these two, or neither (no PDB). maxUnavailable lets `kubectl
+    # drain` evict a pod whatever the replica count; a minAvailable as high as the pods at rest
+    # blocks every drain (refused). The defaults here are for config.yaml files saved before these
+    # keys existed (_upgrade_saved); conf/deploy/_base.yaml states them for every new config.
+    pdb_max_unavailable: int | None = Field(1, ge=1)
+    pdb_min_available: int | None = Field(None, ge=0)  # 0: none
+    # The model volume (HF_HOME, /models): ReadWriteOnce gives each pod its own claim (a generic
+    # ephemeral volume: a surge pod or an HPA replica never waits for a volume another node holds;
+    # each pod downloads the model), ReadWriteMany one claim every pod shares (a storage class
+    # that offers it: NFS, CephFS, EFS, Filestore...).
+    model_cache_access_mode: Literal["ReadWriteOnce", "ReadWriteMany"] = "ReadWriteOnce"
+    # surge: a rollout starts the new pod before stopping an old one (maxSurge 1, maxUnavailable 0:
+    # no downtime with one replica; needs room for one more pod); replace: stop one, then start one
+    # (maxSurge 0, maxUnavailable 1: no spare GPU needed; one replica is down during the rollout).
+    rollout: Literal["surge", "replace"] = "surge"
     hpa: HPAConfig
     extra_args: list[str]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _upgrade_saved(cls, data: object) -> object:
+        # A config.yaml saved before pdb_max_unavailable existed holds pdb_min_available: 1, the old
+        # default that blocked `kubectl drain` with one replica: it reads as today's default; 0 (no
+        # PDB) stays no PDB, any other count stays a minAvailable.
+        if isinstance(data, dict) and "pdb_max_unavailable" not in data and "pdb_min_available" in data:
+            old = data["pdb_min_available"]
+            if old in (0, 1):
+                return {**data, "pdb_min_available": None, "pdb_max_unavailable": 1 if old == 1 else None}
+            return {**data, "pdb_max_unavailable": None}
+        return data
+
+    @model_validator(mode="after")
+    def _disruption_budget(self) -> "DeployConfig":
+        low, high = self.pdb_min_available or 0, self.pdb_max_unavailable
+        if low and high is not None:
+            raise ValueError(f"deploy.pdb_min_available={low} and deploy.pdb_max_unavailable={high}: a "
+                             "PodDisruptionBudget takes one of them; add deploy.pdb_max_unavailable=null to "
+                             "use minAvailable")
+        floor = max(self.hpa.min_replicas, self.replicas) if self.hpa.enabled else self.replicas
+        if low and floor and low >= floor:
+            raise ValueError(f"deploy.pdb_min_available={low} with {floor} pod(s) at rest blocks `kubectl drain`: "
+                             f"no pod may ever be evicted; use deploy.pdb_max_unavailable=1 (the default), or raise "
+                             f"deploy.replicas above {low}")
+        return self
 
     @field_validator("k8s_version", mode="before")
     @classmethod

@@ -57,6 +57,19 @@ def tensor_parallel_size(model: ModelConfig, hardware: HardwareConfig, deploy: D
     )
 
 
+def tensor_parallel_why(model: ModelConfig, hardware: HardwareConfig, deploy: DeployConfig, tp: int) -> str:
+    """Where tensor_parallel_size's answer came from, in one line (a manifest comment)."""
+    usable = hardware.gpu_memory_gib * deploy.gpu_memory_utilization
+    headroom = hardware.gpu_memory_gib * deploy.kv_headroom_frac
+    fp8 = deploy.quantization == "fp8"
+    weights = fp8_weight_gib(model) if fp8 else model.params_b * 2e9 / GIB
+    return (f"TP {tp}: the smallest power of two dividing {model.num_attention_heads} heads where "
+            f"{weights:.1f} GiB of {'FP8' if fp8 else '16-bit'} weights / TP + {headroom:.1f} GiB KV headroom "
+            f"(deploy.kv_headroom_frac={deploy.kv_headroom_frac:g}) fit {usable:.1f} GiB per GPU "
+            f"({hardware.gpu_memory_gib:g} GiB x deploy.gpu_memory_utilization={deploy.gpu_memory_utilization:g}, "
+            f"hardware {hardware.name})")
+
+
 # Model load rate assumed for the startup budget: the first start downloads the weights from the
 # Hub into the cache volume (often 100-500 MB/s); a slow link must not trip the startup probe.
 LOAD_GIB_PER_S = 0.1
@@ -75,6 +88,28 @@ def served_weight_gib(model: ModelConfig, quantization: str) -> float:
 def startup_budget_s(model: ModelConfig, deploy: DeployConfig) -> int:
     """Seconds a pod may take to become healthy: weights GiB / load rate + engine init."""
     return int(ENGINE_INIT_S[deploy.target] + served_weight_gib(model, deploy.quantization) / LOAD_GIB_PER_S)
+
+
+def startup_why(model: ModelConfig, deploy: DeployConfig, period_s: int) -> str:
+    """Where the startup probe's budget came from, in one line (a manifest comment)."""
+    budget = startup_budget_s(model, deploy)
+    gib = served_weight_gib(model, deploy.quantization)
+    return (f"{-(-budget // period_s)} x {period_s} s >= {budget} s start-up budget: {ENGINE_INIT_S[deploy.target]} s "
+            f"{deploy.target} start + {gib:.1f} GiB of weights at {LOAD_GIB_PER_S:g} GiB/s (the first start "
+            "downloads them)")
+
+
+def max_model_len_why(model: ModelConfig, hardware: HardwareConfig, deploy: DeployConfig, tp: int) -> str:
+    """Where max_model_len's answer came from, in one line (a manifest comment)."""
+    if deploy.max_model_len is not None:
+        return f"deploy.max_model_len={deploy.max_model_len} (given; model.max_context={model.max_context})"
+    if hardware.accelerator == "cpu":
+        return f"model.max_context={model.max_context}"
+    kv_elem = 1.0 if deploy.kv_cache_dtype == "fp8" else 2.0
+    kv_tokens = hardware.gpu_memory_gib * deploy.kv_headroom_frac * tp * GIB / model.kv_bytes_per_token(kv_elem)
+    return (f"min(model.max_context={model.max_context}, {int(kv_tokens)} tokens of {deploy.kv_cache_dtype} KV in "
+            f"the {deploy.kv_headroom_frac:g} x {hardware.gpu_memory_gib:g} GiB headroom of {tp} GPU(s)), "
+            "rounded down to 1024")
 
 
 def max_model_len(model: ModelConfig, hardware: HardwareConfig, deploy: DeployConfig, tp: int) -> int:

@@ -69,7 +69,7 @@ def vllm_args(
     quantization: str | None = None,
     kv_cache_dtype: str | None = None,
     gpu_memory_utilization: float | None = None,
-    served_model_name: str | None = None,
+    served_model_name: str | Sequence[str] | None = None,
     host: str = "0.0.0.0",
     port: int = 8000,
     enforce_eager: bool = False,
@@ -78,7 +78,9 @@ def vllm_args(
 ) -> list[str]:
     """Arguments after `vllm serve` (the model first, then flags in a fixed order).
 
-    quantization / kv_cache_dtype of None, "none" or "auto" leave vLLM's default.
+    quantization / kv_cache_dtype of None, "none" or "auto" leave vLLM's default. Several
+    served_model_name values are all accepted in requests (vLLM's flag takes a list; the first
+    one names the metrics' model_name label).
     """
     args = [model_ref, "--host", host, "--port", str(port), "--dtype", dtype]
     if max_model_len is not None:
@@ -92,7 +94,8 @@ def vllm_args(
     if gpu_memory_utilization is not None:
         args += ["--gpu-memory-utilization", f"{gpu_memory_utilization:g}"]
     if served_model_name:
-        args += ["--served-model-name", served_model_name]
+        names = [served_model_name] if isinstance(served_model_name, str) else list(dict.fromkeys(served_model_name))
+        args += ["--served-model-name", *names]
     if enforce_eager:
         args.append("--enforce-eager")
     conf = vllm_speculative_config(spec, draft_ref)
