@@ -1,5 +1,5 @@
-"""The one statistics helper: a 95% Student-t interval of a mean (and its one-sided lower bound), and
-the repeat-until-tight rule.
+"""The one statistics helper: a 95% Student-t interval of a mean (and its one-sided lower bound), the
+repeat-until-tight rule, and the geometric mean that averages ratios (speedups over levels).
 
 Used by the load generator (engine.measure.runner: repeats of one configuration) and by the tuner's trials
 (tuner.study.objective: repeats of a speedup ratio). Measurements on these machines are noisy (about
@@ -52,3 +52,12 @@ def tight(xs: list[float], rel_width: float, n_min: int = 2) -> bool:
     """The repeat-until-tight rule: at least n_min samples and a relative half-width <= rel_width."""
     rel = rel_half_width(xs) if len(xs) >= max(2, n_min) else None
     return rel is not None and rel <= rel_width
+
+
+def geomean(xs: list[float]) -> float:
+    """The geometric mean of non-negative ratios: 0 when any is 0 (its limit: a level where a
+    configuration served nothing good cannot be averaged away by the others). A negative value or an
+    empty list is a ValueError (statistics.StatisticsError; no ratio is negative)."""
+    if xs and min(xs) == 0:
+        return 0.0
+    return statistics.geometric_mean(xs)

@@ -210,6 +210,10 @@ def test_choose_projected_over_several_levels() -> None:
     # Ties within 1%: the smaller budget.
     tie = [_pred(off, 1, 1.0), _pred(tree, 1, 2.0), _pred(small, 1, 1.985)]
     assert choose_projected(tie, "sglang")[0] == small
+    # A configuration predicted to serve nothing at one level (speedup 0) averages to 0 there.
+    dead = Prediction(spec=tree, concurrency=64, tau=2.0, step_s=1.0, verify_s=1.0, draft_s=0.0, tpot_ms=1e9,
+                      tok_s=0.0, speedup=0.0)
+    assert choose_projected([p for p in preds if p.spec != tree or p.concurrency == 1] + [dead], "builtin")[0] == d2
     # vLLM: chains only, one K per band, each level predicted with its band's chain.
     spec, rows = choose_projected([p for p in preds if p.spec.method != "ngram"], "vllm")
     assert spec.topk == 1 and spec.depth == 4 and spec.k_per_batch_size == [(1, 1, 4), (2, 64, 2)]

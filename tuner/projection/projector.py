@@ -11,7 +11,6 @@ which acceptance was used.
 from __future__ import annotations
 
 import csv
-import math
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
+from engine.measure.stats import geomean
 from tuner.projection.costmodel import Prediction, StepCost, measured_cost, predict, roofline_for
 from tuner.schema.config import (BestResult, Config, ProjectedPoint, Projection, Provenance, SpecConfig, UserError,
                                  measured_weights)
@@ -195,10 +195,6 @@ def k_schedule(preds: list[Prediction]) -> tuple[SpecConfig | None, list[tuple[i
     return spec, bands
 
 
-def _geomean(xs: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs))
-
-
 def choose_projected(preds: list[Prediction], target: str) -> tuple[SpecConfig, list[Prediction]]:
     """The one configuration a deployment of `target` serves at all the predictions' concurrency
     levels, and its prediction at each level (ascending).
@@ -229,7 +225,7 @@ def choose_projected(preds: list[Prediction], target: str) -> tuple[SpecConfig, 
     rows: dict[str, list[Prediction]] = {}
     for p in cands:
         rows.setdefault(p.spec.model_dump_json(), []).append(p)
-    scored = [(sorted(r, key=lambda p: p.concurrency), _geomean([p.speedup for p in r])) for r in rows.values()
+    scored = [(sorted(r, key=lambda p: p.concurrency), geomean([p.speedup for p in r])) for r in rows.values()
               if len(r) == len(levels)]
     top = max(score for _, score in scored)
     near = [(r, score) for r, score in scored if score >= top * 0.99]
@@ -430,12 +426,12 @@ def projected_best(cfg: Config, run: Path) -> BestResult:
                           hardware=saved.hardware.name, engine=saved.engine.kind,
                           workload=saved.workload.name if saved.workload else "",
                           measured_weights=measured_weights(saved), served_weights=saved.model.hf_id)
-    speedup = _geomean([p.speedup for p in rows])
+    speedup = geomean([p.speedup for p in rows])
     projection = Projection(
         hardware=hw.name, run=str(run), profile=str(path), acceptance=acc.source, tau_is_estimate=acc.estimate,
         cost_model="measured here" if hw.accelerator == "cpu" else "roofline", tensor_parallel_size=tp,
         context=ctx, concurrency=levels, predicted_speedup=round(speedup, 4),
-        predicted_tpot_ms=round(_geomean([p.tpot_ms for p in rows]), 4),
+        predicted_tpot_ms=round(geomean([p.tpot_ms for p in rows]), 4),
         per_concurrency=[ProjectedPoint(concurrency=p.concurrency, spec=p.spec.key(), tau=round(p.tau, 4),
                                         tpot_ms=round(p.tpot_ms, 4), tok_s=round(p.tok_s, 2),
                                         speedup=round(p.speedup, 4)) for p in rows],

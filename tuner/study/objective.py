@@ -12,7 +12,6 @@ reason in the `fail_reason` user attr.
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 import traceback
@@ -23,7 +22,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from engine.measure.stats import mean_ci, tight
+from engine.measure.stats import geomean, mean_ci, tight
 from tuner.study.limits import TrialClock, TrialTimeout, active_clock, next_repeat_fits
 from tuner.schema.config import SpecConfig, WorkloadConfig
 from tuner.search.space import SearchSpace
@@ -52,10 +51,6 @@ class Sample:
 # A MeasureFn over a launched server may also carry `serving(spec) -> bool` (is that server up now?)
 # and `startups() -> (starts, seconds)` (cumulative server start-ups), both optional.
 MeasureFn = Callable[[SpecConfig, str, int], Sample]
-
-
-def _geomean(xs: list[float]) -> float:
-    return math.exp(statistics.fmean(math.log(max(x, 1e-12)) for x in xs))
 
 
 def _max_opt(xs: list[float | None]) -> float | None:
@@ -137,7 +132,7 @@ class Objective:
                 s, b = self.measure_pair(spec, split, r + flip)
             spec_s.append(s)
             base_s.append(b)
-            ratios.append(_geomean([self._score(x) / max(self._score(y), self._floor(y)) for x, y in zip(s, b)])
+            ratios.append(geomean([self._score(x) / max(self._score(y), self._floor(y)) for x, y in zip(s, b)])
                           if not is_off else 1.0)
             figures = self._figures(spec_s, base_s, ratios)
             if startups is not None:  # server start-ups are never inside a measurement; recorded apart
