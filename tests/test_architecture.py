@@ -163,6 +163,13 @@ def config_reads(root: Path = ROOT, package: str = "engine") -> list[str]:
     return sorted(found)
 
 
+def write_tree(root: Path, files: dict[str, str]) -> None:
+    """A made-up source tree under root: path -> text."""
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
 def test_no_import_cycle() -> None:
     g = graph()
     assert {"tuner.run.session", "engine.decode.loop", "deploy.render"} <= set(g)  # the walk saw the packages
@@ -195,9 +202,7 @@ def test_the_checks_catch_a_cycle_and_each_forbidden_import(tmp_path: Path) -> N
         "deploy/__init__.py": "",
         "deploy/r.py": "import engine.m\n",
     }
-    for rel, text in files.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text)
+    write_tree(tmp_path, files)
     g = graph(tmp_path)
     assert g["engine.sub.n"] == {"engine.sub"} and g["engine.sub"] == {"engine.sub.n"}
     assert cycles(g) == [["engine.sub", "engine.sub.n"], ["tuner.a", "tuner.b", "tuner.cli.x"]]
@@ -223,9 +228,7 @@ def test_the_config_check_catches_each_kind_of_read(tmp_path: Path) -> None:
         "engine/b.py": "def f(cfg: 'x', model: ModelConfig) -> Config:\n    return cfg.search.n + cfg.deploy.port\n",
         "engine/c.py": "import re\nimport uvicorn\nre.search('a', 'b')\nuvicorn.Config(app)\ncfg.model.name\n",
     }
-    for rel, text in files.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text)
+    write_tree(tmp_path, files)
     assert config_reads(tmp_path) == ["engine.a:1: Config", "engine.b:1: Config", "engine.b:2: cfg.deploy",
                                       "engine.b:2: cfg.search"]
 
