@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from engine.models.cache import new_cache
+from engine.models.eagle3_head import aux_features
 from engine.heads.data import FIXED_TEXT, DistillData
 
 Progress = Callable[[int, int, int, float], None]  # (prompts done, total, tokens generated, seconds)
@@ -60,7 +61,7 @@ def answer_batch(model, prompts: Sequence[Sequence[int]], max_new: int, eos: set
 
     def forward(**kw):
         out = model.model(**kw, cache=cache, use_cache=True, output_hidden_states=want_aux)
-        aux = torch.cat([out.hidden_states[k] for k in aux_layers], -1) if want_aux else None
+        aux = aux_features(out.hidden_states, aux_layers)
         return out.last_hidden_state, aux
 
     hidden, aux = forward(input_ids=ids, position_ids=pos, attention_mask=mask)
@@ -166,7 +167,7 @@ def teacher_force(model, seqs: Sequence[tuple[Sequence[int], Sequence[int]]], to
             r = {"answer": list(reply), "features": hidden[j, :n - 1].to(torch.float16).cpu(),
                  "topk_ids": top.cpu(), "topk_probs": probs.to(torch.float16).cpu(), "labels": top[:, 0].cpu()}
             if want_aux:
-                r["aux"] = torch.cat([out.hidden_states[k][j, :n - 1] for k in aux_layers], -1).to(torch.float16).cpu()
+                r["aux"] = aux_features(out.hidden_states, aux_layers, (j, slice(None, n - 1))).to(torch.float16).cpu()
             results[i] = r
             tokens += len(reply)
         done += len(idx)

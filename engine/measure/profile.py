@@ -27,6 +27,7 @@ import torch
 
 from engine.api import SamplingParams
 from engine.models.cache import new_cache
+from engine.models.eagle3_head import aux_features
 from engine.drafters import Drafter, make_drafter
 from engine.drafters.suffix import restore_caches, snapshot_caches
 from engine.models.target import Target
@@ -56,7 +57,7 @@ class Reference:
 
     def aux_of(self, layers: tuple[int, ...], lo: int, hi: int) -> torch.Tensor:
         """What the engine hands a drafter with `aux_layers`: those layers' inputs, concatenated."""
-        return torch.cat([self.aux[k][lo:hi] for k in layers], dim=-1)
+        return aux_features(self.aux, layers, slice(lo, hi))
 
 
 @dataclass

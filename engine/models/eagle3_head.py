@@ -50,6 +50,16 @@ def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     return tuple(min(max(k, 1), hi) for k in (2, num_layers // 2, num_layers - 3))  # type: ignore[return-value]
 
 
+def aux_features(states, layers: Sequence[int] | None, rows=slice(None)) -> torch.Tensor | None:
+    """What an EAGLE-3 drafter reads of the target: the states of `layers` (low, mid, high; a
+    layer may repeat), each indexed by `rows`, side by side along the hidden dimension; None without
+    layers. `states` is indexed by layer id: transformers' hidden_states (entry k: layer k's input)
+    or the lean forward's {layer id: input}."""
+    if not layers:
+        return None
+    return torch.cat([states[k][rows] for k in layers], dim=-1)
+
+
 class Eagle3Attention(nn.Module):
     """Llama attention whose q/k/v read the 2h-wide cat(embed_norm, feature_norm)."""
 
@@ -299,4 +309,4 @@ def aux_hidden_states(target: nn.Module, input_ids: torch.Tensor, layers: Sequen
     norm), concatenated: [B, T, len(layers)*h]. One forward (output_hidden_states), no lm_head."""
     out = target.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        output_hidden_states=True, use_cache=False)
-    return torch.cat([out.hidden_states[k] for k in layers], dim=-1)
+    return aux_features(out.hidden_states, layers)

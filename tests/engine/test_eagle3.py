@@ -290,3 +290,14 @@ def test_bad_head_dirs_are_refused_in_one_line(engine: Engine, tmp_path) -> None
     engine.set_spec(spec(good))
     assert isinstance(engine.drafter, Eagle3Drafter)
     engine.set_spec(SpecConfig(method="off"))
+
+
+def test_aux_features_stack_the_layers_in_the_heads_order() -> None:
+    """The one concatenation every EAGLE-3 path uses (engine forward, lean forward, data, profile):
+    the layers in aux_layers' order (a repeated layer twice), each indexed by the same rows."""
+    from engine.models.eagle3_head import aux_features
+
+    states = {k: torch.full((3, 2, 4), float(k)) for k in (1, 2, 5)}
+    out = aux_features(states, (5, 1, 1), (0, slice(None, 1)))
+    assert out.shape == (1, 12) and out[0].tolist() == [5.0] * 4 + [1.0] * 8
+    assert aux_features(states, (), 0) is None and aux_features(states, None) is None
