@@ -295,6 +295,8 @@ def test_itl_reaches_trial_attrs_trials_csv_and_best_yaml(tmp_path: Path) -> Non
     back = BestResult.model_validate(yaml.safe_load(yaml.safe_dump(best.model_dump(mode="json"))))
     assert (back.metrics.itl_p50_ms, back.metrics.itl_p99_ms) == (6.0, 12.0)
     assert (back.heldout.itl_p50_ms, back.heldout.itl_p99_ms) == (6.0, 12.0)
+    # issue 25.10: the held-out speedup's own baseline is kept (bars.png compares the held-out winner with it)
+    assert back.heldout_baseline.output_tokens_per_s == 20.0 and back.heldout.output_tokens_per_s == 30.0
 
 
 def test_throughput_against_concurrency_marks_the_crossover(tmp_path: Path) -> None:

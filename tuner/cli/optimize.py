@@ -33,6 +33,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from deploy.render import make_out_dir, out_arg
     from tuner.report.figures import read_best, write_report
     from tuner.run.rundir import open_run_study, run_dir_of
+    from tuner.schema.compose import load_saved_config
 
     out = out_arg(args.out)
     if args.storage or args.study:  # a shared study, read from its storage (tuner.run.distributed)
@@ -51,19 +52,18 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from tuner.run.distributed import is_distributed_run, report_from_storage
 
     if is_distributed_run(run_dir):  # a worker's run dir: best.yaml and manifests from the shared study
-        from tuner.schema.compose import load_saved_config
-
         search = load_saved_config(run_dir / "config.yaml").search
         print(report_from_storage(search.storage, search.study_name, out or run_dir))
         return 0
     # --out: trials.csv, the figures, report.html (and a copy of best.yaml) there; the run is only read
     study = open_run_study(run_dir)  # before --out is made: a run without a study writes nothing
+    cfg = load_saved_config(run_dir / "config.yaml")
     if out is not None:
         make_out_dir(out)
-        write_report(study, out, read_best(run_dir / "best.yaml"))
+        write_report(study, out, read_best(run_dir / "best.yaml"), cfg, source=run_dir)
         print(out / "report.html")
         return 0
-    write_report(study, run_dir)
+    write_report(study, run_dir, cfg=cfg)
     print(run_dir / "report.html")
     return 0
 

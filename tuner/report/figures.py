@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import html
 import json
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import optuna
 import yaml
 from optuna.trial import FrozenTrial, TrialState
 
-from tuner.schema.config import BestResult
+from tuner.schema.config import BestResult, Config, measured_weights
 from tuner.study.studies import FAIL_REASON, role
 
 CSV_FILE = "trials.csv"
@@ -57,128 +58,267 @@ def complete(study: optuna.Study) -> list[FrozenTrial]:
 
 
 # ---- figures ------------------------------------------------------------------------------------
+# Each figure is drawn by a draw_* function from data a *_data function reads off the trials (what
+# the tests compare with the trials), and saved by plot_*; write_figures skips a figure only for a
+# reason its data gives, and lets any other error through.
 
-def _save(fig_or_ax: Any, path: Path) -> None:
+IMPORTANCE_FEW = 20  # below this many complete trials, parameter importances are indicative only
+SPEEDUP_LABEL = "speedup over the adjacent baseline (x)"
+
+
+def _save(fig: Any, path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    fig = fig_or_ax.figure if hasattr(fig_or_ax, "figure") and not hasattr(fig_or_ax, "savefig") else fig_or_ax
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def plot_history(study: optuna.Study, path: Path) -> None:
-    """Optimization history of the (drift-corrected) tokens/s."""
-    from optuna.visualization.matplotlib import plot_optimization_history
+def history_data(study: optuna.Study) -> list[dict[str, Any]]:
+    """Every finished trial in order: its speedup (a pruned trial's at its last repeat; a failed
+    one has none), its state, whether it reused an earlier trial's measurement, and feasibility."""
+    out = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)):
+        a = t.user_attrs
+        out.append({"number": t.number, "state": t.state.name, "speedup": a.get("speedup"), "spec": a.get("spec"),
+                    "reused_from": a.get("reused_from"), "feasible": a.get("feasible", True)})
+    return out
 
-    if len(study.directions) > 1:
-        ax = plot_optimization_history(study, target=lambda t: t.values[0], target_name="output tok/s")
-    else:
-        ax = plot_optimization_history(study, target_name="output tok/s")
-    _save(ax, path)
+
+def history_skip(study: optuna.Study) -> str | None:
+    return None if any(p["speedup"] is not None for p in history_data(study)) else "no trial measured yet"
 
 
-def plot_heatmap(study: optuna.Study, path: Path) -> None:
-    """Best tokens/s per (depth, topk) over the complete feasible speculative trials."""
+def draw_history(study: optuna.Study, objective: str = "speed") -> Any:
+    """Speedup of every trial against its number: measured, pruned (at its last repeat), reused
+    and failed marked apart, the best feasible so far as a step line; the right axis reads the same
+    points as the study's objective value (speedup x trial 0's baseline: drift-corrected tok/s)."""
+    import matplotlib.pyplot as plt
+
+    pts = history_data(study)
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    groups = (("measured", lambda p: p["state"] == "COMPLETE" and p["reused_from"] is None, "o", "#2a7"),
+              ("pruned (speedup at its last repeat)", lambda p: p["state"] == "PRUNED", "x", "#d62"),
+              ("reused (same configuration as an earlier trial)",
+               lambda p: p["state"] == "COMPLETE" and p["reused_from"] is not None, "s", "#888"))
+    for label, keep, marker, color in groups:
+        sel = [p for p in pts if keep(p) and p["speedup"] is not None]
+        if sel:
+            ax.scatter([p["number"] for p in sel], [p["speedup"] for p in sel], marker=marker, color=color,
+                       label=label, zorder=3)
+    ys = [p["speedup"] for p in pts if p["speedup"] is not None] or [1.0]
+    failed = [p["number"] for p in pts if p["state"] == "FAIL" or p["speedup"] is None]
+    if failed:
+        ax.scatter(failed, [min(ys + [1.0]) * 0.95] * len(failed), marker="v", color="#b22",
+                   label="failed (no speedup)", zorder=3)
+    best, line_x, line_y = None, [], []
+    for p in pts:
+        if p["state"] == "COMPLETE" and p["feasible"] and p["speedup"] is not None:
+            best = p["speedup"] if best is None else max(best, p["speedup"])
+        if best is not None:
+            line_x.append(p["number"])
+            line_y.append(best)
+    if line_x:
+        ax.step(line_x, line_y, where="post", color="#2a7", alpha=0.5, label="best feasible so far")
+    ax.axhline(1.0, color="grey", ls=":", lw=1)
+    ax.set_xlabel("trial")
+    ax.set_ylabel(SPEEDUP_LABEL if objective == "speed" else "goodput ratio over the adjacent baseline (x)")
+    ref = study.user_attrs.get("reference_tok_s")
+    if ref:  # the objective Optuna ranks: the same points on another scale
+        right = ax.secondary_yaxis("right", functions=(lambda v, r=ref: v * r, lambda v, r=ref: v / r))
+        right.set_ylabel(f"objective: drift-corrected {'output tok/s' if objective == 'speed' else 'goodput'}\n"
+                         f"(speedup x trial 0's baseline, {ref:.1f} tok/s)", fontsize=8)
+    ax.set_title(f"speedup of every trial ({len(pts)})")
+    ax.legend(fontsize=7)
+    return fig
+
+
+def plot_history(study: optuna.Study, path: Path, objective: str = "speed") -> None:
+    """history.png: draw_history."""
+    _save(draw_history(study, objective), path)
+
+
+def heatmap_data(study: optuna.Study) -> dict[tuple[int, int], dict[str, Any]]:
+    """Per (depth, topk) of every speculative trial measured (complete or pruned): the best speedup
+    of its complete feasible trials, else of its pruned ones (marked), else of its infeasible ones
+    (marked), and the method that reached it. A tree pruned after one repeat keeps its column."""
+    rank = {"COMPLETE": 0, "PRUNED": 1, "INFEASIBLE": 2}
+    cells: dict[tuple[int, int], dict[str, Any]] = {}
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
+        a = t.user_attrs
+        d, k, sp = a.get("spec_depth"), a.get("spec_topk"), a.get("speedup")
+        if d is None or k is None or sp is None:
+            continue
+        kind = "PRUNED" if t.state == TrialState.PRUNED else "COMPLETE" if a.get("feasible", True) else "INFEASIBLE"
+        cur = cells.get((d, k))
+        if cur is None or (rank[kind], -sp) < (rank[cur["kind"]], -cur["speedup"]):
+            cells[(d, k)] = {"speedup": sp, "kind": kind, "method": a.get("spec_method")}
+    return cells
+
+
+def heatmap_skip(study: optuna.Study) -> str | None:
+    return None if heatmap_data(study) else "no speculative trial measured yet"
+
+
+def draw_heatmap(study: optuna.Study) -> Any:
+    """Best speedup per depth x topk (see heatmap_data), each cell labelled with its method and
+    marked when only pruned or SLO-infeasible trials measured it."""
     import matplotlib.pyplot as plt
     import numpy as np
 
-    best: dict[tuple[int, int], float] = {}
-    for t in complete(study):
-        d, k = t.user_attrs.get("spec_depth"), t.user_attrs.get("spec_topk")
-        if d is None or k is None or not t.user_attrs.get("feasible", True):
-            continue
-        best[(d, k)] = max(best.get((d, k), 0.0), t.values[0])
-    fig, ax = plt.subplots(figsize=(5.5, 4))
-    if best:
-        depths = sorted({d for d, _ in best})
-        topks = sorted({k for _, k in best})
-        grid = np.full((len(depths), len(topks)), np.nan)
-        for (d, k), v in best.items():
-            grid[depths.index(d), topks.index(k)] = v
-        im = ax.imshow(grid, origin="lower", aspect="auto", cmap="viridis")
-        ax.set_xticks(range(len(topks)), [str(k) for k in topks])
-        ax.set_yticks(range(len(depths)), [str(d) for d in depths])
-        for i in range(len(depths)):
-            for j in range(len(topks)):
-                if not np.isnan(grid[i, j]):
-                    ax.text(j, i, f"{grid[i, j]:.1f}", ha="center", va="center", color="w", fontsize=8)
-        fig.colorbar(im, ax=ax, label="best output tok/s")
-    else:
-        ax.text(0.5, 0.5, "no complete speculative trial", ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel("topk")
+    cells = heatmap_data(study)
+    depths, topks = sorted({d for d, _ in cells}), sorted({k for _, k in cells})
+    grid = np.full((len(depths), len(topks)), np.nan)
+    for (d, k), c in cells.items():
+        grid[depths.index(d), topks.index(k)] = c["speedup"]
+    fig, ax = plt.subplots(figsize=(1.6 + 1.1 * len(topks), 1.4 + 0.55 * len(depths)))
+    im = ax.imshow(grid, origin="lower", aspect="auto", cmap="viridis")
+    ax.set_xticks(range(len(topks)), [str(k) for k in topks])
+    ax.set_yticks(range(len(depths)), [str(d) for d in depths])
+    mark = {"COMPLETE": "", "PRUNED": "\npruned", "INFEASIBLE": "\nSLO missed"}
+    for (d, k), c in cells.items():
+        ax.text(topks.index(k), depths.index(d), f"{c['speedup']:.2f}x\n{c['method']}{mark[c['kind']]}",
+                ha="center", va="center", color="w", fontsize=7)
+    fig.colorbar(im, ax=ax, label=SPEEDUP_LABEL)
+    ax.set_xlabel("topk (1: chain)")
     ax.set_ylabel("depth")
-    ax.set_title("best tok/s by depth x topk")
-    _save(fig, path)
+    ax.set_title("best speedup by depth x topk")
+    return fig
+
+
+def plot_heatmap(study: optuna.Study, path: Path) -> None:
+    """heatmap.png: draw_heatmap."""
+    _save(draw_heatmap(study), path)
 
 
 def plot_pareto(study: optuna.Study, path: Path) -> None:
-    """Pareto front of tokens/s vs TPOT p99 (multi-objective studies)."""
+    """Pareto front of the objective (drift-corrected tok/s) vs TPOT p99 (multi-objective studies)."""
     from optuna.visualization.matplotlib import plot_pareto_front
 
-    _save(plot_pareto_front(study, target_names=["output tok/s", "TPOT p99 (ms)"]), path)
+    ax = plot_pareto_front(study, target_names=["objective: drift-corrected output tok/s", "TPOT p99 (ms)"])
+    _save(ax.figure, path)
+
+
+def importance_trials(study: optuna.Study) -> list[FrozenTrial]:
+    """The trials Optuna's importances are computed from: complete ones with a value."""
+    return [t for t in complete(study) if t.values]
+
+
+def importances_skip(study: optuna.Study) -> str | None:
+    trials = importance_trials(study)
+    varied = {k for k in {k for t in trials for k in t.params}
+              if len({json.dumps(t.params.get(k)) for t in trials}) > 1}
+    if len(trials) < 2 or not varied:
+        return f"needs 2 complete trials that differ in a parameter ({len(trials)} complete)"
+    return None
+
+
+def draw_importances(study: optuna.Study) -> Any:
+    """Parameter importances for the objective, titled with the number of complete trials they
+    come from and a caveat below IMPORTANCE_FEW."""
+    from optuna.visualization.matplotlib import plot_param_importances
+
+    n = len(importance_trials(study))
+    target = (lambda t: t.values[0]) if len(study.directions) > 1 else None
+    ax = plot_param_importances(study, target=target, target_name="objective")
+    caveat = f": few trials, indicative only (reliable from ~{IMPORTANCE_FEW})" if n < IMPORTANCE_FEW else ""
+    ax.set_title(f"parameter importance from {n} complete trials{caveat}", fontsize=9)
+    return ax.figure
 
 
 def plot_importances(study: optuna.Study, path: Path) -> None:
-    """Parameter importances for the tokens/s objective."""
-    from optuna.visualization.matplotlib import plot_param_importances
-
-    target = (lambda t: t.values[0]) if len(study.directions) > 1 else None
-    _save(plot_param_importances(study, target=target, target_name="output tok/s"), path)
+    """importances.png: draw_importances."""
+    _save(draw_importances(study), path)
 
 
-def plot_bars(rows: list[tuple[str, float, float | None, float | None]], path: Path) -> None:
-    """Bars of tokens/s (with the CI when known): baseline, engine default, winner, winner held-out."""
-    import matplotlib.pyplot as plt
+def bar_data(study: optuna.Study, best: BestResult | None) -> list[dict[str, Any]]:
+    """The bars of bars.png, in pairs measured together: on the tuning prompts the winner's own
+    adjacent baseline, the engine default, the winner; on the held-out prompts the held-out
+    baseline and the winner (never a held-out winner beside a tuning baseline)."""
+    rows: list[dict[str, Any]] = []
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    names = [r[0] for r in rows]
-    vals = [r[1] for r in rows]
-    err = [[min(v, max(0.0, v - (lo if lo is not None else v))) for _, v, lo, _ in rows],  # no bar below 0
-           [max(0.0, (hi if hi is not None else v) - v) for _, v, _, hi in rows]]
-    ax.bar(names, vals, yerr=err, capsize=4, color=["#888", "#6a9fd8", "#2a7", "#5c5"][: len(rows)])
-    for i, v in enumerate(vals):
-        ax.text(i, v, f"{v:.1f}", ha="center", va="bottom", fontsize=9)
-    ax.set_ylabel("output tok/s")
-    ax.set_title("baseline vs default vs winner")
-    _save(fig, path)
+    def bar(label: str, split: str, f: Any) -> None:
+        rows.append({"label": label, "split": split, "tok_s": f.output_tokens_per_s, "lo": f.ci_low, "hi": f.ci_high})
 
-
-def _bar_rows(study: optuna.Study, best: BestResult | None) -> list[tuple[str, float, float | None, float | None]]:
-    rows: list[tuple[str, float, float | None, float | None]] = []
     trials = complete(study)
     base = next((t for t in trials if role(t) == "baseline"), None)
-    if best is not None and best.baseline is not None:
-        # The winner's own adjacent baseline: trial 0 may have run under other load.
-        b = best.baseline
-        rows.append(("baseline (off)", b.output_tokens_per_s, b.ci_low, b.ci_high))
+    if best is not None and best.baseline is not None:  # the winner's adjacent baseline: trial 0 may have run under other load
+        bar("baseline (off)", "tuning", best.baseline)
     elif base is not None:
         a = base.user_attrs
-        rows.append(("baseline (off)", a["tok_s"], a.get("tok_s_ci_low"), a.get("tok_s_ci_high")))
+        rows.append({"label": "baseline (off)", "split": "tuning", "tok_s": a["tok_s"], "lo": a.get("tok_s_ci_low"),
+                     "hi": a.get("tok_s_ci_high")})
     default = next((t for t in trials if role(t) == "default"), None)
     if default is not None:
         a = default.user_attrs
-        rows.append((f"default\n{a.get('spec', '')}", a["tok_s"], a.get("tok_s_ci_low"), a.get("tok_s_ci_high")))
+        rows.append({"label": f"default\n{a.get('spec', '')}", "split": "tuning", "tok_s": a["tok_s"],
+                     "lo": a.get("tok_s_ci_low"), "hi": a.get("tok_s_ci_high")})
     if best is not None and best.metrics is not None:
-        m = best.metrics
-        rows.append((f"winner\n{best.spec.key()}", m.output_tokens_per_s, m.ci_low, m.ci_high))
-        if best.heldout is not None:
-            h = best.heldout
-            rows.append(("winner\nheld-out", h.output_tokens_per_s, h.ci_low, h.ci_high))
+        bar(f"winner\n{best.spec.key()}", "tuning", best.metrics)
+    if best is not None and best.heldout is not None and best.heldout_baseline is not None:
+        bar("baseline (off)", "held-out", best.heldout_baseline)
+        bar("winner", "held-out", best.heldout)
     return rows
+
+
+def bars_skip(study: optuna.Study, best: BestResult | None) -> str | None:
+    return None if bar_data(study, best) else "no baseline measured yet"
+
+
+def draw_bars(rows: list[dict[str, Any]], best: BestResult | None = None) -> Any:
+    """Output tok/s bars (with their CI when known), grouped by prompt split; the title gives each
+    split's speedup as best.yaml records it."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1.8 + 1.2 * len(rows), 3.8))
+    names = [f"{r['label']}\n({r['split']})" for r in rows]
+    vals = [r["tok_s"] for r in rows]
+    err = [[min(v, max(0.0, v - (r["lo"] if r["lo"] is not None else v))) for v, r in zip(vals, rows)],  # no bar below 0
+           [max(0.0, (r["hi"] if r["hi"] is not None else v) - v) for v, r in zip(vals, rows)]]
+    colors = ["#888" if r["label"].startswith("baseline") else "#6a9fd8" if r["label"].startswith("default")
+              else "#2a7" if r["split"] == "tuning" else "#5c5" for r in rows]
+    ax.bar(range(len(rows)), vals, yerr=err, capsize=4, color=colors)
+    ax.set_xticks(range(len(rows)), names, fontsize=8)
+    for i, v in enumerate(vals):
+        ax.text(i, v, f"{v:.1f}", ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel("output tok/s")
+    title = "each winner beside the baseline measured with it"
+    if best is not None and best.speedup is not None:
+        title = f"tuning prompts {best.speedup:.2f}x"
+        if best.heldout_speedup is not None and best.heldout_baseline is not None:
+            title += f", held-out prompts {best.heldout_speedup:.2f}x"
+    ax.set_title(title, fontsize=10)
+    return fig
+
+
+def plot_bars(rows: list[dict[str, Any]], path: Path, best: BestResult | None = None) -> None:
+    """bars.png: draw_bars."""
+    _save(draw_bars(rows, best), path)
+
+
+def _level_trials(study: optuna.Study, best: BestResult) -> list[FrozenTrial]:
+    key = best.spec.key()
+    return [t for t in complete(study) if t.user_attrs.get("spec") == key and len(t.user_attrs.get("levels") or []) > 1]
+
+
+def concurrency_skip(study: optuna.Study, best: BestResult | None) -> str | None:
+    """Why the study has no throughput-against-concurrency curve, or None."""
+    if best is None or best.spec.method == "off":
+        return "no speculative winner to compare with off"
+    if not _level_trials(study, best):
+        return "the workload has one concurrency level (workload.concurrency)"
+    return None
 
 
 def concurrency_curve(study: optuna.Study, best: BestResult | None) -> tuple[list[int], list[float], list[float], int | None]:
     """Output tok/s against concurrency of speculation off and of the winner, from the winner's
     trial (both measured adjacent at every level), and the crossover: the lowest level at which
     off is at least as fast (None: speculation wins at every level)."""
-    if best is None or best.spec.method == "off":
-        raise ValueError("no speculative winner to compare with off")
-    key = best.spec.key()
-    trials = [t for t in complete(study) if t.user_attrs.get("spec") == key and len(t.user_attrs.get("levels") or []) > 1]
-    if not trials:
-        raise ValueError("the workload has one concurrency level (workload.concurrency)")
-    t = max(trials, key=lambda t: t.user_attrs.get("repeats", 0))
+    why = concurrency_skip(study, best)
+    if why is not None:
+        raise ValueError(why)
+    assert best is not None
+    t = max(_level_trials(study, best), key=lambda t: t.user_attrs.get("repeats", 0))
     levels = t.user_attrs["levels"]
     cs = [int(x["concurrency"]) for x in levels]
     off = [float(x["baseline_tok_s"]) for x in levels]
@@ -207,34 +347,43 @@ def plot_concurrency(study: optuna.Study, best: BestResult | None, path: Path) -
     _save(fig, path)
 
 
-def write_figures(study: optuna.Study, run_dir: Path, best: BestResult | None) -> dict[str, str]:
-    """Render every figure that the study's data allows; returns {file: note} for those skipped."""
+def write_figures(study: optuna.Study, run_dir: Path, best: BestResult | None,
+                  objective: str = "speed") -> dict[str, str]:
+    """Render every figure that the study's data allows; returns {file: why} for those its data
+    does not allow (nothing measured yet, one concurrency level...). A figure that fails to draw
+    for another reason raises: a report never hides a broken plot."""
     import matplotlib
 
     matplotlib.use("Agg")
-    jobs: list[tuple[str, Any]] = [
-        ("history.png", lambda p: plot_history(study, p)),
-        ("heatmap.png", lambda p: plot_heatmap(study, p)),
-        ("importances.png", lambda p: plot_importances(study, p)),
-        ("bars.png", lambda p: plot_bars(_bar_rows(study, best), p)),
-        ("concurrency.png", lambda p: plot_concurrency(study, best, p)),
+    jobs: list[tuple[str, Any, Any]] = [
+        ("history.png", lambda: history_skip(study), lambda p: plot_history(study, p, objective)),
+        ("heatmap.png", lambda: heatmap_skip(study), lambda p: plot_heatmap(study, p)),
+        ("importances.png", lambda: importances_skip(study), lambda p: plot_importances(study, p)),
+        ("bars.png", lambda: bars_skip(study, best), lambda p: plot_bars(bar_data(study, best), p, best)),
+        ("concurrency.png", lambda: concurrency_skip(study, best), lambda p: plot_concurrency(study, best, p)),
     ]
     if (run_dir / "prediction.json").is_file():  # search.sampler=model
-        from tuner.search.guided import SURFACE_FILE, plot_predicted_surface, plot_predicted_vs_measured
+        from tuner.search.guided import RANK, SURFACE_FILE, plot_predicted_surface, plot_predicted_vs_measured
 
-        jobs.append(("predicted.png", lambda p: plot_predicted_vs_measured(study, run_dir, p)))
-        jobs.append((SURFACE_FILE, lambda p: plot_predicted_surface(study, run_dir, p)))
+        live = any(t.user_attrs.get(RANK) is not None and t.user_attrs.get("speedup") is not None for t in complete(study))
+        jobs.append(("predicted.png", lambda: None if live else "no live trial of a predicted point",
+                     lambda p: plot_predicted_vs_measured(study, run_dir, p)))
+        jobs.append((SURFACE_FILE, lambda: None, lambda p: plot_predicted_surface(study, run_dir, p)))
     if len(study.directions) > 1:
-        jobs.append(("pareto.png", lambda p: plot_pareto(study, p)))
+        jobs.append(("pareto.png", lambda: None if complete(study) else "no complete trial yet",
+                     lambda p: plot_pareto(study, p)))
     skipped: dict[str, str] = {}
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # optuna.visualization.matplotlib is experimental
-        for name, job in jobs:
-            try:
-                job(run_dir / name)
-            except Exception as exc:  # e.g. importances need two complete trials that vary a parameter
-                skipped[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                (run_dir / name).unlink(missing_ok=True)
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # optuna's matplotlib plots
+        # "Some regimes ... less than 2 trials": the importances' title carries the caveat instead
+        warnings.filterwarnings("ignore", message="Some regimes", category=UserWarning)
+        for name, why, draw in jobs:
+            reason = why()
+            if reason is not None:
+                skipped[name] = reason
+                (run_dir / name).unlink(missing_ok=True)  # a figure of an earlier report is no longer true
+            else:
+                draw(run_dir / name)
     return skipped
 
 
@@ -248,43 +397,130 @@ def _fmt(v: Any) -> str:
     return html.escape(str(v))
 
 
-def write_html(study: optuna.Study, run_dir: Path, best: BestResult | None, skipped: dict[str, str]) -> None:
-    """report.html: the verdict, the figures and the table of trials."""
+def run_summary(study: optuna.Study, best: BestResult | None, cfg: Config | None) -> list[tuple[str, str]]:
+    """(label, value) rows of the run: model, hardware, engine, workload, search space, trials,
+    wall time (first trial start to last finish)."""
+    pv = best.provenance if best is not None else None
+    attrs = study.user_attrs
+    rows: list[tuple[str, str]] = []
+    if cfg is not None:
+        rows.append(("model", f"{cfg.model.name} ({cfg.model.hf_id}; measured: {measured_weights(cfg)})"))
+        rows.append(("hardware", f"{cfg.hardware.name} ({cfg.hardware.accelerator}, "
+                                 + (f"{cfg.hardware.gpu_count} GPU(s))" if cfg.hardware.accelerator == "cuda"
+                                    else f"{cfg.hardware.cpu_cores} cores)")))
+        rows.append(("engine", cfg.engine.kind))
+        if cfg.workload is not None:
+            w = cfg.workload
+            rows.append(("workload", f"{w.name} ({w.source}: {w.num_prompts} tuning + {w.num_heldout} held-out prompts, "
+                                     f"{w.max_new_tokens} new tokens, T={w.temperature:g}, concurrency "
+                                     f"{','.join(map(str, w.concurrency))})"))
+        sc = cfg.search
+        rows.append(("search space", f"methods {', '.join(sc.methods)}; depth {sc.depth.min}-{sc.depth.max}; topk "
+                                     f"{', '.join(map(str, sc.topk))}; budget <= {sc.budget_max}; sampler {sc.sampler}, "
+                                     f"objective {sc.objective}"))
+    else:
+        for label, key, prov in (("model", "model", "model"), ("hardware", None, "hardware"),
+                                 ("engine", "engine", "engine"), ("workload", "workload", "workload")):
+            value = (getattr(pv, prov) if pv is not None else None) or (attrs.get(key) if key else None)
+            if value:
+                rows.append((label, str(value)))
+    trials = study.get_trials(deepcopy=False)
+    by_state: dict[str, int] = {}
+    for t in trials:
+        by_state[t.state.name.lower()] = by_state.get(t.state.name.lower(), 0) + 1
+    reused = sum(1 for t in trials if "reused_from" in t.user_attrs)
+    budget = f" of search.n_trials={cfg.search.n_trials}" if cfg is not None else ""
+    rows.append(("trials", f"{len(trials)}{budget}: " + ", ".join(f"{n} {k}" for k, n in sorted(by_state.items()))
+                 + (f" ({reused} reused an earlier measurement)" if reused else "")))
+    starts = [t.datetime_start for t in trials if t.datetime_start is not None]
+    ends = [t.datetime_complete for t in trials if t.datetime_complete is not None]
+    if starts and ends:
+        wall = (max(ends) - min(starts)).total_seconds()
+        rows.append(("wall time", f"{wall / 60:.1f} min ({min(starts):%Y-%m-%d %H:%M} to {max(ends):%H:%M}, trials only; "
+                                  "the held-out check and set-up are outside)"))
+    return rows
+
+
+def next_command(best: BestResult | None, run: Path, k8s: Path) -> str:
+    """The command to run after reading this report."""
+    if best is None:
+        return f"tuner optimize --resume {run}  # the study has not finished"
+    if (k8s / "kustomization.yaml").is_file():
+        return f"tuner apply {k8s} --dry-run  # then without --dry-run, or kubectl apply -k {k8s}"
+    return f"tuner render --from {run}  # the winner as Kubernetes manifests in {run / 'k8s'}"
+
+
+def _link(target: Path, here: Path) -> str:
+    return html.escape(os.path.relpath(target, here))
+
+
+def write_html(study: optuna.Study, run_dir: Path, best: BestResult | None, skipped: dict[str, str],
+               cfg: Config | None = None, source: Path | None = None) -> None:
+    """report.html: the run summary, the verdict with its units, the next command, links to
+    best.yaml and the manifests, the figures (a caveat on importances from few trials) and the
+    table of trials (reused ones marked). `source`: the run directory when the report is written
+    elsewhere (tuner report RUN --out DIR)."""
+    run = source or run_dir
+    k8s = run / "k8s"
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>spectune: {html.escape(study.study_name)}</title>",
              "<style>body{font-family:sans-serif;max-width:1100px;margin:auto}table{border-collapse:collapse}"
-             "td,th{border:1px solid #ccc;padding:2px 6px;font-size:12px}img{max-width:540px}</style></head><body>",
-             f"<h1>spectune study {html.escape(study.study_name)}</h1>"]
+             "td,th{border:1px solid #ccc;padding:2px 6px;font-size:12px}img{max-width:540px}"
+             "code{background:#f4f4f4;padding:1px 4px}</style></head><body>",
+             f"<h1>spectune study {html.escape(study.study_name)}</h1><h2>Run</h2><table>"]
+    for label, value in run_summary(study, best, cfg):
+        parts.append(f"<tr><th>{html.escape(label)}</th><td>{html.escape(value)}</td></tr>")
+    parts.append("</table>")
     if best is not None:
         parts.append(f"<h2>Winner: {html.escape(best.spec.key())}</h2><p>{html.escape(best.reason or '')}</p><ul>")
         if best.metrics:
-            parts.append(f"<li>tuning prompts: {best.metrics.output_tokens_per_s:.2f} tok/s, speedup "
-                         f"{_fmt(best.speedup)}x (tau {_fmt(best.metrics.tau)})</li>")
+            parts.append(f"<li>tuning prompts: {best.metrics.output_tokens_per_s:.2f} output tok/s, speedup "
+                         f"{_fmt(best.speedup)}x over the adjacent baseline (tau {_fmt(best.metrics.tau)} tokens per "
+                         "target forward)</li>")
         if best.baseline:
-            parts.append(f"<li>baseline (off): {best.baseline.output_tokens_per_s:.2f} tok/s</li>")
+            parts.append(f"<li>baseline (off), tuning prompts: {best.baseline.output_tokens_per_s:.2f} output tok/s</li>")
         if best.heldout:
-            parts.append(f"<li>held-out prompts: {best.heldout.output_tokens_per_s:.2f} tok/s, speedup "
+            base = (f" against {best.heldout_baseline.output_tokens_per_s:.2f} tok/s off"
+                    if best.heldout_baseline is not None else "")
+            parts.append(f"<li>held-out prompts: {best.heldout.output_tokens_per_s:.2f} output tok/s{base}, speedup "
                          f"{_fmt(best.heldout_speedup)}x</li>")
         if best.chain_spec is not None:
             parts.append(f"<li>best chain (for vLLM): {html.escape(best.chain_spec.key())}</li>")
         parts.append("</ul>")
     else:
         parts.append("<p>No winner yet: the study has not finished.</p>")
-    parts.append("<p>Objective value: output tokens/s corrected for machine drift (speedup against the baseline "
-                 "measured adjacent in time x the reference baseline of trial 0).</p><h2>Figures</h2>")
-    for name in ("history.png", "heatmap.png", "pareto.png", "importances.png", "bars.png", "predicted.png",
-                 "predicted_surface.png"):
+    links = []
+    if (run_dir / BEST_FILE).is_file():
+        links.append(f"<a href='{_link(run_dir / BEST_FILE, run_dir)}'>best.yaml</a> (the winner, read by "
+                     "<code>tuner render --from</code>)")
+    if (k8s / "kustomization.yaml").is_file():
+        links.append(f"<a href='{_link(k8s, run_dir)}/'>k8s/</a> (the rendered manifests)")
+    if links:
+        parts.append("<p>" + "; ".join(links) + "</p>")
+    parts.append(f"<p>Next: <code>{html.escape(next_command(best, run, k8s))}</code></p>")
+    parts.append("<p>Speedup: a trial's output tok/s over speculation off measured adjacent in time (x). Objective "
+                 "value: that speedup x the reference baseline of trial 0, i.e. output tok/s corrected for machine "
+                 "drift. Times in ms, throughput in output tokens/s over all requests.</p><h2>Figures</h2>")
+    for name in ("history.png", "heatmap.png", "pareto.png", "importances.png", "bars.png", "concurrency.png",
+                 "predicted.png", "predicted_surface.png"):
         if (run_dir / name).is_file():
             parts.append(f"<a href='{name}'><img src='{name}' alt='{name}'></a>")
+            n = len(importance_trials(study))
+            if name == "importances.png" and n < IMPORTANCE_FEW:
+                parts.append(f"<p>Importances from {n} complete trials: indicative only (reliable from "
+                             f"~{IMPORTANCE_FEW}).</p>")
         elif name in skipped:
             parts.append(f"<p>{name}: not drawn ({html.escape(skipped[name])})</p>")
-    parts.append("<h2>Trials</h2><table><tr><th>#</th><th>state</th><th>role</th><th>spec</th><th>value</th>"
-                 "<th>tok/s</th><th>baseline</th><th>speedup</th><th>CI</th><th>tau</th><th>TPOT p99</th>"
-                 "<th>TTFT p99</th><th>feasible</th><th>note</th></tr>")
+    parts.append("<h2>Trials</h2><table><tr><th>#</th><th>state</th><th>role</th><th>spec</th>"
+                 "<th>objective (tok/s, drift-corrected)</th><th>tok/s</th><th>baseline tok/s</th><th>speedup (x)</th>"
+                 "<th>speedup CI (x)</th><th>tau (tokens/forward)</th><th>TPOT p99 (ms)</th><th>TTFT p99 (ms)</th>"
+                 "<th>feasible</th><th>note</th></tr>")
     for t in study.get_trials(deepcopy=False):
         a = t.user_attrs
         ci = (f"[{_fmt(a.get('speedup_ci_low'))}, {_fmt(a.get('speedup_ci_high'))}]"
               if a.get("speedup_ci_low") is not None else "")
         note = a.get(FAIL_REASON) or a.get("prune_reason") or a.get("slo_violations") or ""
+        if "reused_from" in a:  # a sampler proposed the point again: no new measurement
+            note = f"reused: the measurement of trial {a['reused_from']}" + (f"; {note}" if note else "")
         value = _fmt(t.values[0]) if t.values else ""
         parts.append(
             f"<tr><td>{t.number}</td><td>{t.state.name}</td><td>{role(t)}</td><td>{_fmt(a.get('spec'))}</td>"
@@ -296,13 +532,16 @@ def write_html(study: optuna.Study, run_dir: Path, best: BestResult | None, skip
     (run_dir / HTML_FILE).write_text("\n".join(parts))
 
 
-def write_report(study: optuna.Study, run_dir: Path, best: BestResult | None = None) -> None:
-    """trials.csv, best.yaml (when given), the PNGs and report.html into `run_dir`."""
+def write_report(study: optuna.Study, run_dir: Path, best: BestResult | None = None, cfg: Config | None = None,
+                 source: Path | None = None) -> None:
+    """trials.csv, best.yaml (when given), the PNGs and report.html into `run_dir`; `cfg`: the
+    run's config (the summary; without it the study's own record), `source`: the run directory
+    when `run_dir` is another (links and the next command point there)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     write_trials_csv(study, run_dir / CSV_FILE)
     if best is not None:
         write_best(best, run_dir / BEST_FILE)
     else:
         best = read_best(run_dir / BEST_FILE)
-    skipped = write_figures(study, run_dir, best)
-    write_html(study, run_dir, best, skipped)
+    skipped = write_figures(study, run_dir, best, cfg.search.objective if cfg is not None else "speed")
+    write_html(study, run_dir, best, skipped, cfg, source)

@@ -112,7 +112,7 @@ def write_run(study: optuna.Study, cfg: Config, run_dir: Path, best: BestResult)
 
     if not (run_dir / CONFIG_FILE).is_file():
         save_config(cfg, run_dir / CONFIG_FILE)
-    write_report(study, run_dir, best)
+    write_report(study, run_dir, best, cfg)
     try:
         render_run(run_dir)
     except UserError as exc:  # e.g. a head only this machine has: the run stands, its manifests wait

@@ -77,6 +77,7 @@ class BestResult(_Strict):
     baseline: Figures | None = None  # speculation off, measured adjacent in time
     speedup: float | None = None
     heldout: Figures | None = None  # the winner re-measured on the held-out prompts
+    heldout_baseline: Figures | None = None  # speculation off on the held-out prompts, adjacent to `heldout`
     heldout_speedup: float | None = None
     reason: str | None = None  # why the winner is what it is (e.g. the slowdown trap)
     provenance: Provenance

@@ -173,18 +173,19 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
         metrics = figs(base_trial.user_attrs) if base_trial is not None else None
         baseline = metrics
         speedup = 1.0 if metrics is not None else None
-    heldout = heldout_speedup = None
+    heldout = heldout_baseline = heldout_speedup = None
     if cfg.workload.num_heldout > 0 and objective is not None:
         h = objective.evaluate(win.spec, "heldout", repeats_max=1)  # one more pair: the check, not a search
         heldout = Figures(output_tokens_per_s=h["tok_s"], ci_low=h["tok_s_ci_low"], ci_high=h["tok_s_ci_high"],
                           tau=h["tau"], ttft_p99_ms=h["ttft_p99_ms"], tpot_p99_ms=h["tpot_p99_ms"],
                           itl_p50_ms=h.get("itl_p50_ms"), itl_p99_ms=h.get("itl_p99_ms"),
                           draft_mb=h.get("draft_mb"))
+        heldout_baseline = Figures(output_tokens_per_s=h["baseline_tok_s"])  # what the held-out speedup divides by
         heldout_speedup = h["speedup"]
     chain = win.chain.spec if win.chain is not None else None
     return BestResult(
         spec=win.spec, chain_spec=chain, metrics=metrics, baseline=baseline, speedup=speedup,
-        heldout=heldout, heldout_speedup=heldout_speedup, reason=win.reason,
+        heldout=heldout, heldout_baseline=heldout_baseline, heldout_speedup=heldout_speedup, reason=win.reason,
         k_schedule_note=("K per concurrency band tuned (spec.k_per_batch_size)" if win.spec.k_per_batch_size else None),
         provenance=Provenance(
             study=study.study_name, trial=c.trials[0].number if c is not None else
