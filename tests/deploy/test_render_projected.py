@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 from pathlib import Path
+from statistics import geometric_mean
 
 import pytest
 import yaml
@@ -85,10 +85,6 @@ def _projection(run: Path, out: Path, target: str, levels: list[int]) -> tuple[d
     return yaml.safe_load((out / "projection.yaml").read_text()), rows
 
 
-def _geomean(xs: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs))
-
-
 def test_vllm_serves_the_projected_k_schedule_and_the_configmap_says_so(run: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "k8s"
     assert main(["render", "--from", str(run), "--projected", "hardware=h100x8", "deploy=vllm", "--out", str(out)]) == 0
@@ -123,9 +119,9 @@ def test_vllm_serves_the_projected_k_schedule_and_the_configmap_says_so(run: Pat
         assert p["speedup"] == pytest.approx(float(row["speedup"]), abs=1e-3)
         assert p["tpot_ms"] == pytest.approx(float(row["tpot_ms"]), abs=1e-3)
     speedups = [float(rows[(c, band_key[c])]["speedup"]) for c in LEVELS]
-    assert rec["predicted_speedup"] == pytest.approx(_geomean(speedups), rel=1e-3)
-    assert float(cm["predicted_speedup"]) == pytest.approx(_geomean(speedups), rel=5e-3)
-    assert rec["predicted_tpot_ms"] == pytest.approx(_geomean([float(rows[(c, band_key[c])]["tpot_ms"])
+    assert rec["predicted_speedup"] == pytest.approx(geometric_mean(speedups), rel=1e-3)
+    assert float(cm["predicted_speedup"]) == pytest.approx(geometric_mean(speedups), rel=5e-3)
+    assert rec["predicted_tpot_ms"] == pytest.approx(geometric_mean([float(rows[(c, band_key[c])]["tpot_ms"])
                                                                for c in LEVELS]), rel=1e-3)
     served = yaml.safe_load(cm["served.yaml"])
     assert any("projected for h100x8" in n and "not measured there" in n for n in served["notes"])
