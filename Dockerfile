@@ -4,10 +4,24 @@
 # `make image` builds it twice: VARIANT=cpu (torch's CPU wheel) and VARIANT=cuda (PyPI's CUDA
 # torch, which carries its own CUDA runtime; the node's driver comes in through the NVIDIA runtime).
 # The install is scripts/setup.sh, the same script `make setup` runs.
+# PYTHON_BASE: any Debian-like image with python3 (3.11+, venv) and useradd; `make image-check`
+# gives it the base scripts/image_base.sh builds from Debian's packages when no registry is reachable.
 ARG PYTHON_BASE=python:3.11.11-slim-bookworm
 
 FROM ${PYTHON_BASE} AS build
 ARG VARIANT=cpu
+# Build stage only (the runtime stage copies the venv, not these): pip's CA bundle (a network behind
+# a TLS-intercepting proxy), its wheel directories, and where torch's CPU wheel comes from (an index
+# URL, or a directory holding it); empty: pip's own defaults. `make image-check` mounts the files.
+ARG PIP_CERT=
+ARG PIP_FIND_LINKS=
+ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+# A C compiler for the dependencies PyPI ships as sources only (pycosat, through reasoning-gym), and
+# Python's headers where the base lacks them (Debian's python3 keeps them in python3-dev); build stage only.
+RUN apt-get update -q \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends gcc libc6-dev \
+       $(python3 -c 'import os, sysconfig; print("" if os.path.isfile(os.path.join(sysconfig.get_paths()["include"], "Python.h")) else "python3-dev")') \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY scripts/setup.sh scripts/setup.sh

@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.spectune-setup
 
-.PHONY: setup optimize test vllm sglang postgres image gpu-check
+.PHONY: setup optimize test vllm sglang postgres gpu-check
 
 # The install steps live in scripts/setup.sh, which the Dockerfiles run too (one source of truth).
 $(STAMP): pyproject.toml Makefile scripts/setup.sh
@@ -72,17 +72,49 @@ $(SGLANG_VENV)/.spectune-sglang:
 
 sglang: $(SGLANG_VENV)/.spectune-sglang
 
-# Container images (needs a Docker daemon): the tag is the package version, and the rendered
-# manifests reference exactly these tags (tests/test_image.py checks both against `make -n image`).
+# Container images: the tag is the package version, the repository IMAGE_REPO, the one setting the
+# rendered manifests take their spectune images from too (config key image_repo, same default;
+# tests/test_image.py checks both against `make -n image`). The default repository holds no published
+# images: build them (`make image`, a Docker daemon; or buildah: DOCKER="buildah --storage-driver vfs")
+# and push them to yours: `make image push IMAGE_REPO=registry.example/team`, then render with
+# image_repo=registry.example/team (docs/deploy.md, "Images").
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
-IMAGE ?= ghcr.io/spectune/spectune
-VLLM_IMAGE ?= ghcr.io/spectune/spectune-vllm
+IMAGE_REPO ?= ghcr.io/spectune
+IMAGE := $(IMAGE_REPO)/spectune
+VLLM_IMAGE := $(IMAGE_REPO)/spectune-vllm
 DOCKER ?= docker
+IMAGE_TAGS := $(IMAGE):$(VERSION) $(IMAGE):$(VERSION)-cuda $(VLLM_IMAGE):$(VERSION)
+
+.PHONY: image push image-check
 
 image:
 	$(DOCKER) build --build-arg VARIANT=cpu -t $(IMAGE):$(VERSION) .
 	$(DOCKER) build --build-arg VARIANT=cuda -t $(IMAGE):$(VERSION)-cuda .
 	$(DOCKER) build -f Dockerfile.vllm --build-arg VLLM_BASE=vllm/vllm-openai:v$(VLLM_VERSION) -t $(VLLM_IMAGE):$(VERSION) .
+
+# The tags `make image` built, to IMAGE_REPO (log in to the registry first: `docker login` / `buildah login`).
+push:
+	@for tag in $(IMAGE_TAGS); do echo "$(DOCKER) push $$tag"; $(DOCKER) push $$tag || exit 1; done
+
+# Build the CPU image here without a daemon or a registry, and run it (not part of `make test`):
+# buildah (Debian's package) with vfs storage and chroot isolation; the base built from Debian's
+# packages by debootstrap (scripts/image_base.sh, once: kept as BASE_IMAGE); then `tuner --help`,
+# `tuner render` and a short `tuner bench` of the tiny model inside the image (scripts/image_check.sh).
+# This machine's pip settings reach the build stage only: its CA bundle (PIP_CERT) and, when its
+# wheel directory (PIP_FIND_LINKS) holds torch's CPU wheel, that directory as TORCH_CPU_INDEX.
+# Needs root (or a user namespace), apt-get install buildah debootstrap; ~180 MB base, ~2 GB storage.
+BUILDAH ?= buildah --storage-driver vfs
+BASE_IMAGE ?= localhost/spectune-base:bookworm
+TORCH_CPU_INDEX ?= $(if $(wildcard $(PIP_FIND_LINKS)/torch-*+cpu-*.whl),$(PIP_FIND_LINKS),https://download.pytorch.org/whl/cpu)
+BUILD_MNT := /run/spectune-build
+IMAGE_BUILD_ARGS := --build-arg PYTHON_BASE=$(BASE_IMAGE) --build-arg VARIANT=cpu \
+  $(if $(PIP_CERT),--volume $(PIP_CERT):$(BUILD_MNT)/ca.crt:ro --build-arg PIP_CERT=$(BUILD_MNT)/ca.crt) \
+  $(if $(wildcard $(TORCH_CPU_INDEX)),--volume $(TORCH_CPU_INDEX):$(BUILD_MNT)/wheels:ro --build-arg TORCH_CPU_INDEX=$(BUILD_MNT)/wheels,--build-arg TORCH_CPU_INDEX=$(TORCH_CPU_INDEX))
+
+image-check:
+	@$(BUILDAH) inspect --type image $(BASE_IMAGE) >/dev/null 2>&1 || BUILDAH="$(BUILDAH)" scripts/image_base.sh $(BASE_IMAGE)
+	$(BUILDAH) bud --isolation chroot --layers=false $(IMAGE_BUILD_ARGS) -t $(IMAGE):$(VERSION) .
+	BUILDAH="$(BUILDAH)" scripts/image_check.sh $(IMAGE):$(VERSION)
 
 # On a machine with a CUDA GPU (<= 10 min): the tests marked cuda, engine_speed on CUDA, a greedy
 # losslessness run (n-gram chain and EAGLE tree vs autoregressive) and `tuner bench engine=vllm`

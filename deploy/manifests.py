@@ -19,7 +19,7 @@ from tuner.schema.fit import (builtin_memory_gib, max_model_len, max_model_len_w
                               tensor_parallel_size, tensor_parallel_why)
 from tuner.schema.flags import builtin_args, sglang_args, vllm_args
 from deploy.winner import MODEL_DIR, Served, WinnerOverride, served_spec
-from tuner.schema.config import BestResult, Config, HardwareConfig, UserError
+from tuner.schema.config import BestResult, Config, HardwareConfig, UserError, deploy_image
 
 PORT_NAME = "http"
 HEALTH_PATH = "/health"
@@ -276,7 +276,7 @@ def deployment(p: Plan, config_hash: str) -> k.V1Deployment:
     pod_sc, container_sc = security_contexts(BUILTIN_UID if non_root else None)
     container = k.V1Container(
         name="server",
-        image=f"{d.image}:{d.image_tag}",
+        image=deploy_image(p.cfg),
         image_pull_policy="IfNotPresent",
         command=p.command,
         args=p.args,

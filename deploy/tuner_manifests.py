@@ -6,10 +6,15 @@ Optuna's storage coordinates the workers; Kubernetes only runs them:
   none when `distributed.external_url_secret` names a Secret holding an existing database's URL,
   or `search.storage=postgresql://USER@HOST/DB` names one (its password from distributed.db_secret);
 - a Job creating the study (`tuner optimize --create-only` with the render's overrides);
+- the `…-cache` PersistentVolumeClaim every tuner pod mounts at /cache (cache_dir and HF_HOME);
+- when the searched methods need trained drafts, a Job that trains them once into that volume
+  (`tuner train-draft --searched`, the workers' own lookup) with one worker's GPUs;
 - an Indexed Job of `search.workers` workers (`tuner optimize --worker`), each with the GPUs one
-  serving replica gets on the selected hardware, its node selector and toleration;
+  serving replica gets on the selected hardware, its node selector and toleration; with a train
+  Job they wait for its drafts (`--wait-drafts`) instead of each training its own;
 - a Job that waits for the budget to be spent and writes best.yaml, the report and the winner's
-  manifests (`tuner report --storage ... --study ...`) into a PersistentVolumeClaim.
+  manifests (`tuner report --storage ... --study ...`) into a PersistentVolumeClaim; it mounts the
+  cache volume too, so a winner's head path is there to render and push.
 
 Every pod first waits for the database (`tuner wait-storage`). Credentials exist only in a Secret
 the user creates; pods read them through secretKeyRef, and the storage URL carries no password
@@ -18,11 +23,13 @@ the user creates; pods read them through secretKeyRef, and the storage URL carri
 
 from __future__ import annotations
 
+import math
+
 from kubernetes import client as k
 
 from tuner.schema.fit import tensor_parallel_size
 from deploy.manifests import BUILTIN_UID, FIELD_MANAGER, gpu_placement, security_contexts
-from tuner.schema.config import Config, UserError
+from tuner.schema.config import Config, UserError, spectune_image, trained_drafts
 
 DB_PORT = 5432
 PG_UID = 999  # the official postgres image's postgres user
@@ -31,6 +38,7 @@ CACHE_DIR = "/cache"
 RUNS_DIR = "/runs"
 WAIT_DB_S = 900  # how long a pod waits for the database before its Job retries it
 WAIT_DONE_S = 30 * 24 * 3600  # the report Job waits for the whole study
+WAIT_DRAFTS_S = 48 * 3600  # a worker waits this long for the train Job's drafts before its pod fails
 STORAGE_ENV = "SPECTUNE_STORAGE_URL"  # tuner.run.distributed reads the whole URL from it (search.storage=env)
 # Keys of `distributed.db_secret`: the in-cluster database's user, password and database name.
 SECRET_KEYS = {"user": ("POSTGRES_USER", "PGUSER"), "password": ("POSTGRES_PASSWORD", "PGPASSWORD"),
@@ -49,7 +57,7 @@ def study_name(cfg: Config) -> str:
 def _names(cfg: Config) -> dict[str, str]:
     n = cfg.distributed.name
     return {"db": f"{n}-db", "create": f"{n}-create-study", "workers": f"{n}-workers", "report": f"{n}-report",
-            "results": f"{n}-results"}
+            "results": f"{n}-results", "cache": f"{n}-cache", "train": f"{n}-train-drafts"}
 
 
 def user_database(cfg: Config) -> str | None:
@@ -98,20 +106,37 @@ def _meta(cfg: Config, name: str, component: str) -> k.V1ObjectMeta:
     return k.V1ObjectMeta(name=name, namespace=cfg.distributed.namespace, labels=_labels(cfg, component))
 
 
+def _tuner_image(cfg: Config, variant: str = "cpu") -> str:
+    """A tuner image: spectune's own from image_repo/image_tag, or distributed.image[:image_tag]
+    with the same variant suffixes (`-vllm` on the name, `-cuda` on the tag)."""
+    dc = cfg.distributed
+    if dc.image is None:
+        return spectune_image(cfg, variant)  # type: ignore[arg-type]
+    name = f"{dc.image}-vllm" if variant == "vllm" else dc.image
+    return f"{name}:{dc.image_tag or cfg.image_tag}{'-cuda' if variant == 'cuda' else ''}"
+
+
 def _image(cfg: Config) -> str:
-    return f"{cfg.distributed.image}:{cfg.distributed.image_tag}"
+    return _tuner_image(cfg)
 
 
 def worker_image(cfg: Config) -> str:
     """The image a worker needs for cfg.engine, as `make image` tags them: the built-in engine's
     (its CUDA variant when the worker gets GPUs), or the one with vLLM in the pod."""
-    dc = cfg.distributed
     if cfg.engine.kind == "vllm":
-        return f"{dc.image}-vllm:{dc.image_tag}"
+        return _tuner_image(cfg, "vllm")
     if cfg.engine.kind == "sglang":
         raise UserError("render-tuner engine=sglang: no tuner worker image with SGLang is built "
                         "(make image builds the built-in and vLLM ones); use engine=vllm or engine=builtin")
-    return f"{dc.image}:{dc.image_tag}-cuda" if worker_gpus(cfg) > 0 else _image(cfg)
+    return _tuner_image(cfg, "cuda") if worker_gpus(cfg) > 0 else _image(cfg)
+
+
+def cache_size(cfg: Config) -> str:
+    """distributed.cache_storage, or room for the model's hub weights (16-bit: 2 GB per billion
+    parameters, plus a quarter for converted copies) and 10 GiB for heads, their data and compile caches."""
+    if cfg.distributed.cache_storage is not None:
+        return cfg.distributed.cache_storage
+    return f"{math.ceil(2.5 * cfg.model.params_b) + 10}Gi"
 
 
 def _tuner_container(cfg: Config, name: str, args: list[str], resources: k.V1ResourceRequirements,
@@ -224,8 +249,12 @@ def build(cfg: Config, overrides: list[str]) -> list[tuple[str, dict]]:
     storage = storage_value(cfg)
     study_args = [f"search.storage={storage}", f"search.study_name={study}"]
     cache = [k.V1VolumeMount(name="cache", mount_path=CACHE_DIR), k.V1VolumeMount(name="runs", mount_path=RUNS_DIR)]
-    scratch = [k.V1Volume(name="cache", empty_dir=k.V1EmptyDirVolumeSource()),
-               k.V1Volume(name="runs", empty_dir=k.V1EmptyDirVolumeSource())]
+    # The model, converted copies and trained drafts: one volume all tuner pods share (the head a
+    # winner names lives there after the workers are gone); the run directories stay per pod.
+    shared_cache = k.V1Volume(name="cache", persistent_volume_claim=k.V1PersistentVolumeClaimVolumeSource(
+        claim_name=names["cache"]))
+    scratch = [shared_cache, k.V1Volume(name="runs", empty_dir=k.V1EmptyDirVolumeSource())]
+    cache_dir = f"cache_dir={CACHE_DIR}/spectune"
     cpu_small = k.V1ResourceRequirements(requests={"cpu": "500m", "memory": "2Gi"}, limits={"memory": "4Gi"})
 
     create = _job(cfg, names["create"], "create-study", _pod(
@@ -238,14 +267,28 @@ def build(cfg: Config, overrides: list[str]) -> list[tuple[str, dict]]:
         hf_env.append(_secret_env("HF_TOKEN", cfg.deploy.hf_token_secret.name, cfg.deploy.hf_token_secret.key))
     gpu = worker_gpus(cfg) > 0
     image = worker_image(cfg)
-    # in the vLLM image `vllm` is on PATH; HOME on the scratch volume gives vLLM a writable cache
+    drafts = trained_drafts(cfg)
+    # in the vLLM image `vllm` is on PATH; HOME on the cache volume gives vLLM a writable cache
     engine_args = ["engine.vllm.executable=vllm"] if cfg.engine.kind == "vllm" else []
-    worker = _tuner_container(cfg, "worker", ["optimize", "--worker", *study_args, f"run_dir={RUNS_DIR}",
-                                              f"cache_dir={CACHE_DIR}/spectune", *engine_args],
-                              worker_resources(cfg), cache + [k.V1VolumeMount(name="dshm", mount_path="/dev/shm")],
+    # With drafts to train, the train Job trains them once and the workers wait for them (each
+    # worker would otherwise train the same head, all into one volume).
+    wait = ["--wait-drafts", str(WAIT_DRAFTS_S)] if drafts else []
+    shm_mount = k.V1VolumeMount(name="dshm", mount_path="/dev/shm")
+    worker = _tuner_container(cfg, "worker", ["optimize", "--worker", *wait, *study_args, f"run_dir={RUNS_DIR}",
+                                              cache_dir, *engine_args],
+                              worker_resources(cfg), cache + [shm_mount],
                               hf_env + [k.V1EnvVar(name="HOME", value=CACHE_DIR)], image=image)
     shm = k.V1Volume(name="dshm", empty_dir=k.V1EmptyDirVolumeSource(medium="Memory",
                                                                      size_limit="16Gi" if gpu else "1Gi"))
+    # The same config as the study (the creator's overrides), the same cache_dir as the workers:
+    # the drafts land where the workers' lookup (tuner.study.measurer.get_drafts) finds them. It
+    # needs no database; the GPUs, image and placement of one worker.
+    train = _job(cfg, names["train"], "train-drafts", _pod(
+        cfg, [_tuner_container(cfg, "train-drafts", ["train-draft", "--searched", *creator_overrides(overrides),
+                                                     *study_args, cache_dir],
+                               worker_resources(cfg), cache + [shm_mount],
+                               hf_env + [k.V1EnvVar(name="HOME", value=CACHE_DIR)], image=image)],
+        [], "OnFailure", scratch + [shm], gpu=gpu), backoff=dc.backoff_limit)
     # Indexed: each index is one worker; a pod that dies is replaced (up to backoff_limit times per
     # index) and joins the study again, while the heartbeat sweep fails the trial it lost.
     workers = _job(cfg, names["workers"], "worker", _pod(
@@ -253,26 +296,36 @@ def build(cfg: Config, overrides: list[str]) -> list[tuple[str, dict]]:
         backoff=None, completion_mode="Indexed", completions=cfg.search.workers, parallelism=cfg.search.workers,
         backoff_limit_per_index=dc.backoff_limit, max_failed_indexes=max(0, cfg.search.workers - 1))
 
+    # The cache volume at the workers' path: the winner's head (best.yaml names /cache/...) is there
+    # for the manifests and for `tuner push-head`.
     report = _job(cfg, names["report"], "report", _pod(
         cfg, [_tuner_container(cfg, "report", ["report", "--storage", storage, "--study", study,
                                                "--wait", str(WAIT_DONE_S), "--out", f"{RESULTS_DIR}/{study}"],
-                               cpu_small, [k.V1VolumeMount(name="results", mount_path=RESULTS_DIR)])],
+                               cpu_small, [k.V1VolumeMount(name="results", mount_path=RESULTS_DIR),
+                                           k.V1VolumeMount(name="cache", mount_path=CACHE_DIR, read_only=True)])],
         [_wait_container(cfg, study)], "OnFailure",
         [k.V1Volume(name="results", persistent_volume_claim=k.V1PersistentVolumeClaimVolumeSource(
-            claim_name=names["results"]))]), backoff=6)
+            claim_name=names["results"])), shared_cache]), backoff=6)
 
     results = k.V1PersistentVolumeClaim(
         api_version="v1", kind="PersistentVolumeClaim", metadata=_meta(cfg, names["results"], "report"),
         spec=k.V1PersistentVolumeClaimSpec(access_modes=["ReadWriteOnce"], storage_class_name=dc.storage_class,
                                            resources=k.V1VolumeResourceRequirements(
                                                requests={"storage": dc.results_storage})))
+    cache_pvc = k.V1PersistentVolumeClaim(
+        api_version="v1", kind="PersistentVolumeClaim", metadata=_meta(cfg, names["cache"], "cache"),
+        spec=k.V1PersistentVolumeClaimSpec(access_modes=[dc.cache_access_mode], storage_class_name=dc.storage_class,
+                                           resources=k.V1VolumeResourceRequirements(
+                                               requests={"storage": cache_size(cfg)})))
     objs: list[tuple[str, object]] = [
         ("namespace.yaml", k.V1Namespace(api_version="v1", kind="Namespace", metadata=k.V1ObjectMeta(
             name=dc.namespace, labels={"app.kubernetes.io/managed-by": FIELD_MANAGER}))),
     ]
     if dc.external_url_secret is None and user_database(cfg) is None:
         objs += database(cfg)
-    objs += [("results-pvc.yaml", results), ("create-study-job.yaml", create), ("workers-job.yaml", workers),
-             ("report-job.yaml", report)]
+    objs += [("results-pvc.yaml", results), ("cache-pvc.yaml", cache_pvc), ("create-study-job.yaml", create)]
+    if drafts:
+        objs.append(("train-drafts-job.yaml", train))
+    objs += [("workers-job.yaml", workers), ("report-job.yaml", report)]
     api = k.ApiClient()
     return [(name, api.sanitize_for_serialization(obj)) for name, obj in objs]

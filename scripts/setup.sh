@@ -5,8 +5,9 @@
 #   scripts/setup.sh VENV [--torch auto|cpu|cuda] [--dev]
 #
 # --torch auto: the CPU wheel torch==2.13.0 unless a CUDA GPU is present (then the project's torch
-#   range takes a CUDA build); cpu: the CPU wheel (from $TORCH_CPU_INDEX, PyTorch's CPU index by
-#   default, when set to a URL); cuda: PyPI's CUDA build, which carries its own CUDA runtime.
+#   range takes a CUDA build); cpu: the CPU wheel torch==2.13.0+cpu, from $TORCH_CPU_INDEX: an index
+#   URL (PyTorch's CPU index by default) or a directory holding that wheel (its dependencies then
+#   come from PyPI); cuda: PyPI's CUDA build, which carries its own CUDA runtime.
 # --dev: an editable install with the test extras (a checkout); without it a plain install (an image).
 set -euo pipefail
 
@@ -38,7 +39,13 @@ if [ "$TORCH" = auto ]; then
     "${PIP[@]}" install -q "torch==$TORCH_VERSION"
   fi
 elif [ "$TORCH" = cpu ]; then
-  "${PIP[@]}" install -q "torch==$TORCH_VERSION" --index-url "${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
+  # the local version +cpu: only the CPU build matches, whichever index or directory pip reads
+  TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
+  if [ -d "$TORCH_CPU_INDEX" ]; then
+    "${PIP[@]}" install -q "torch==$TORCH_VERSION+cpu" --find-links "$TORCH_CPU_INDEX"
+  else
+    "${PIP[@]}" install -q "torch==$TORCH_VERSION+cpu" --index-url "$TORCH_CPU_INDEX"
+  fi
 else
   "${PIP[@]}" install -q "torch==$TORCH_VERSION"
 fi

@@ -111,11 +111,57 @@ def test_manifests_reference_exactly_the_tags_make_image_builds() -> None:
     # the defaults the renderers use
     from tuner.schema.compose import load_config
 
+    from tuner.schema.config import deploy_image, spectune_image
+
     cfg = load_config([])
-    assert f"{cfg.deploy.image}:{cfg.deploy.image_tag}" in tags
-    assert f"{cfg.distributed.image}:{cfg.distributed.image_tag}" in tags
+    assert cfg.image_tag == VERSION
+    assert deploy_image(cfg) in tags
+    assert [spectune_image(cfg, v) for v in ("cpu", "cuda", "vllm")] == tags  # one setting, every variant
     # every spectune image in a committed or golden manifest
     refs = set()
     for f in [*(ROOT / "k8s").rglob("*.yaml"), *(ROOT / "tests" / "golden").rglob("*.yaml")]:
         refs |= set(re.findall(r"image:\s*(ghcr\.io/spectune/\S+)", f.read_text()))
     assert refs and refs <= set(tags), refs - set(tags)
+
+
+def _make_n(*args: str) -> str:
+    return subprocess.run(["make", "-n", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+
+def test_push_sends_the_tags_image_builds_to_image_repo() -> None:
+    """`make push IMAGE_REPO=R` pushes exactly what `make image IMAGE_REPO=R` tags, and the renderers
+    name the same images from image_repo=R (tests/deploy/test_distributed_manifests.py checks every one)."""
+    from tuner.schema.compose import load_config
+    from tuner.schema.config import spectune_image
+
+    repo = "registry.example.com/team"
+    built = [t for line in _make_n("image", f"IMAGE_REPO={repo}").splitlines() for t in re.findall(r"-t (\S+)", line)]
+    pushed = re.search(r"for tag in ([^;]+);", _make_n("push", f"IMAGE_REPO={repo}")).group(1).split()
+    assert built == pushed and all(t.startswith(repo + "/") for t in built)
+    cfg = load_config([f"image_repo={repo}"])
+    assert [spectune_image(cfg, v) for v in ("cpu", "cuda", "vllm")] == built
+
+
+def test_image_check_builds_from_a_debian_base_with_buildah_and_runs_the_image() -> None:
+    """Issue 24: `make image-check` (not part of `make test`) builds the CPU image with buildah from a
+    debootstrap base given as the Dockerfile's FROM argument, then runs tuner inside it; the CPU
+    variant can only take torch's CPU build (the +cpu pin), never a bare `torch`."""
+    out = _make_n("image-check")
+    assert "scripts/image_base.sh localhost/spectune-base:bookworm" in out
+    bud = next(line for line in out.splitlines() if " bud " in line)
+    assert "--isolation chroot" in bud and "--build-arg PYTHON_BASE=localhost/spectune-base:bookworm" in bud
+    assert "--build-arg VARIANT=cpu" in bud and f"-t ghcr.io/spectune/spectune:{VERSION} ." in bud
+    assert f"scripts/image_check.sh ghcr.io/spectune/spectune:{VERSION}" in out
+    assert "buildah" not in _make_n("-B", "test") and "image" not in _make_n("-B", "test")
+    base = (ROOT / "scripts/image_base.sh").read_text()
+    assert "debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates" in base
+    assert "from scratch" in base
+    check = (ROOT / "scripts/image_check.sh").read_text()
+    for cmd in ("run tuner --help", "run tuner render --out", "run tuner bench model=tiny-random"):
+        assert cmd in check
+    dfp = _parse("Dockerfile")
+    assert [i["value"].split()[0] for i in dfp.structure if i["instruction"] == "FROM"] == ["${PYTHON_BASE}"] * 2
+    setup = (ROOT / "scripts/setup.sh").read_text()
+    cpu = re.search(r'elif \[ "\$TORCH" = cpu \]; then\n(.*?)\nelse\n', setup, re.S).group(1)  # the cpu branch
+    installs = re.findall(r'install -q "(torch[^"]*)"', cpu)
+    assert len(installs) == 2 and set(installs) == {"torch==$TORCH_VERSION+cpu"}, installs  # index URL or directory

@@ -99,8 +99,10 @@ def _container(d: Path) -> dict:
 
 
 def _notes(err: str) -> list[str]:
-    """The `note:` lines of a render but the one every render with an HPA prints (its adapter rule)."""
-    return [ln for ln in err.splitlines() if ln.startswith("note:") and not ln.startswith("note: the HPA scales on")]
+    """The `note:` lines of a render but the ones every render with an HPA (its adapter rule) or
+    with spectune's image at the unpublished default repository prints."""
+    return [ln for ln in err.splitlines() if ln.startswith("note:") and not ln.startswith("note: the HPA scales on")
+            and "is not published" not in ln]
 
 
 def _adapter_rule(hpa: Path) -> dict:
@@ -492,10 +494,13 @@ def test_render_without_out_names_the_directory_it_wrote(tmp_path: Path, monkeyp
     assert main(["render"]) == 0
     captured = capsys.readouterr()
     out = captured.out.strip().splitlines()
-    # the HPA's metric needs an adapter: said on every render that has an HPA
+    # the HPA's metric needs an adapter: said on every render that has an HPA; the built-in server's
+    # image is not published at the default image_repo: said too
     assert captured.err.strip().splitlines() == [
         "note: the HPA scales on vllm_num_requests_waiting from the custom metrics API: install prometheus-adapter "
-        "with the rule written at the top of hpa.yaml (docs/deploy.md, Autoscaling), or set deploy.hpa.enabled=false"]
+        "with the rule written at the top of hpa.yaml (docs/deploy.md, Autoscaling), or set deploy.hpa.enabled=false",
+        "note: ghcr.io/spectune/spectune:0.1.0 is not published: build and push it (make image push IMAGE_REPO=REPO) "
+        "and render with image_repo=REPO (docs/deploy.md, Images)"]
     assert len(out) == 1 and out[0].startswith(f"rendered 8 files into {tmp_path / 'runs' / 'k8s'} (default --out; ")
     assert (tmp_path / "runs" / "k8s" / "kustomization.yaml").is_file()
 

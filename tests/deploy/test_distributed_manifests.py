@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy.tuner_manifests import STORAGE_ENV, build, worker_gpus
+from deploy.tuner_manifests import CACHE_DIR, STORAGE_ENV, WAIT_DRAFTS_S, build, worker_gpus
 from deploy.validate import check_docs
 from tuner.cli import main
-from tuner.cli.cluster import render_tuner
+from tuner.cli.cluster import render_tuner, study_overrides
 from tuner.cli.cluster import tuner_config as load_config  # the render's own composition
 from tuner.run.distributed import WORKER_KEYS
 
@@ -28,7 +28,7 @@ PASSWORD_VARS = {"PGPASSWORD", "POSTGRES_PASSWORD", STORAGE_ENV, "HF_TOKEN"}
 
 
 def _docs(overrides: list[str]) -> dict[str, dict]:
-    return dict(build(load_config(overrides), overrides))
+    return dict(build(load_config(overrides), study_overrides(overrides)))
 
 
 def _pods(docs: dict[str, dict]) -> dict[str, dict]:
@@ -77,9 +77,11 @@ def test_workers_job_parallelism_gpus_and_placement() -> None:
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert worker["image"] == "ghcr.io/spectune/spectune:0.1.0-cuda"  # a GPU worker runs the CUDA variant
     assert pod["initContainers"][0]["args"][:1] == ["wait-storage"] and "--study" in pod["initContainers"][0]["args"]
-    # Only the workers ask for GPUs.
+    # Only the workers and the Job training their drafts (on one worker's GPUs) ask for GPUs.
+    train = docs["train-drafts-job.yaml"]["spec"]["template"]["spec"]
+    assert train["nodeSelector"] == pod["nodeSelector"] and train["containers"][0]["resources"] == worker["resources"]
     for name, p in _pods(docs).items():
-        if name != "workers-job.yaml":
+        if name not in ("workers-job.yaml", "train-drafts-job.yaml"):
             assert "nodeSelector" not in p
             assert all("nvidia.com/gpu" not in str(c.get("resources")) for c in p["containers"])
     # CPU hardware: no GPUs, no GPU placement.
@@ -113,7 +115,8 @@ def test_pod_arguments_are_what_the_cli_accepts() -> None:
     assert cfg.search.storage == "postgresql://tuner@spectune-tuner-db:5432/optuna"
     assert cfg.search.study_name == "chat-llama-3.1-8b-instruct-builtin" and cfg.search.n_trials == 30
     worker = [expand(a) for a in docs["workers-job.yaml"]["spec"]["template"]["spec"]["containers"][0]["args"]]
-    assert worker[:2] == ["optimize", "--worker"] and all(a.startswith(WORKER_KEYS) for a in worker[2:])
+    assert worker[:4] == ["optimize", "--worker", "--wait-drafts", str(WAIT_DRAFTS_S)]  # the study trains a head
+    assert all(a.startswith(WORKER_KEYS) for a in worker[4:])
     assert {d["metadata"].get("namespace") for d in docs.values() if d["kind"] != "Namespace"} == {"tuning"}
 
 
@@ -132,7 +135,8 @@ def test_kubectl_kustomize_builds_the_base() -> None:
                        timeout=60)
     assert r.returncode == 0, r.stderr
     kinds = [d["kind"] for d in yaml.safe_load_all(r.stdout)]
-    assert sorted(kinds) == sorted(["Namespace", "Service", "StatefulSet", "PersistentVolumeClaim"] + ["Job"] * 3)
+    # the default search trains an EAGLE head: a train Job beside the creator, workers and report
+    assert sorted(kinds) == sorted(["Namespace", "Service", "StatefulSet"] + ["PersistentVolumeClaim"] * 2 + ["Job"] * 4)
 
 
 def test_cli(tmp_path: Path, capsys) -> None:
@@ -188,13 +192,13 @@ def test_workers_use_the_image_of_their_engine() -> None:
 
     cpu = worker(_docs(["+workload=code"]))
     gpu = worker(_docs(GPU))
-    vllm = worker(_docs([*GPU, "engine=vllm"]))
+    vllm = worker(_docs([*GPU, "deploy=vllm"]))  # the workers run the engine the deployment serves
     assert cpu["image"] == "ghcr.io/spectune/spectune:0.1.0"
     assert gpu["image"] == "ghcr.io/spectune/spectune:0.1.0-cuda"
     assert vllm["image"] == "ghcr.io/spectune/spectune-vllm:0.1.0" and "engine.vllm.executable=vllm" in vllm["args"]
     assert {cpu["image"], gpu["image"], vllm["image"]} <= set(tags)
     with pytest.raises(UserError, match="render-tuner engine=sglang: no tuner worker image"):
-        _docs([*GPU, "engine=sglang", "spec.method=eagle", "search.methods=[eagle]"])
+        _docs([*GPU, "deploy=sglang", "spec.method=eagle", "search.methods=[eagle]"])
 
 
 def test_users_database_url_is_what_the_pods_use(tmp_path: Path, capsys) -> None:
@@ -227,3 +231,117 @@ def test_users_database_url_is_what_the_pods_use(tmp_path: Path, capsys) -> None
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and needle in err[0], err
     assert not (tmp_path / "x").exists()
+
+
+def _pod_of(docs: dict[str, dict], name: str) -> dict:
+    return docs[name]["spec"]["template"]["spec"]
+
+
+def _cache_claim(pod: dict) -> str | None:
+    (vol,) = [v for v in pod["volumes"] if v["name"] == "cache"]
+    assert "emptyDir" not in vol  # the drafts outlive the pods
+    return vol["persistentVolumeClaim"]["claimName"]
+
+
+def test_drafts_are_trained_once_before_the_workers_into_the_claim_every_pod_mounts(tmp_path: Path) -> None:
+    """Issue 24: each worker trained its own head on an emptyDir, lost with the pod. Now one Job
+    trains the drafts of search.methods (the study's own config, the workers' cache_dir) before the
+    workers, which wait for them; workers, the train Job and the report Job mount one claim at the
+    same path, so the head best.yaml names is there to render and push."""
+    from engine.heads.pipeline import head_dir
+    from tuner.schema.compose import apply_overrides
+    from tuner.schema.config import trained_drafts
+    from tuner.study.measurer import train_job
+
+    overrides = [*DEFAULT, "search.methods=[ngram,eagle,eagle3]"]
+    docs = _docs(overrides)
+    order = list(docs)
+    assert order.index("cache-pvc.yaml") < order.index("create-study-job.yaml") < order.index("train-drafts-job.yaml") \
+        < order.index("workers-job.yaml") < order.index("report-job.yaml")  # apply order (kustomization)
+    claim = docs["cache-pvc.yaml"]["metadata"]["name"]
+    pods = {n: _pod_of(docs, n) for n in ("train-drafts-job.yaml", "workers-job.yaml", "report-job.yaml")}
+    assert {_cache_claim(p) for p in pods.values()} == {claim}
+    for name, pod in pods.items():
+        (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "cache"]
+        assert mount["mountPath"] == CACHE_DIR and mount.get("readOnly", False) == (name == "report-job.yaml")
+    train = pods["train-drafts-job.yaml"]["containers"][0]["args"]
+    create = _pod_of(docs, "create-study-job.yaml")["containers"][0]["args"]
+    worker = pods["workers-job.yaml"]["containers"][0]["args"]
+    assert train[:2] == ["train-draft", "--searched"] and train[2:-1] == create[2:]  # the study's overrides
+    cache_arg = [a for a in worker if a.startswith("cache_dir=")]
+    assert cache_arg == [train[-1]] and "--wait-drafts" in worker
+    # The train Job's config and a worker's (the study's config plus its own overrides) name the same
+    # head directories: what the Job trains is what the workers wait for and then find.
+    env = {"PGUSER": "tuner", "PGDATABASE": "optuna"}
+    local = lambda args: [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a).replace(
+        cache_arg[0], f"cache_dir={tmp_path}") for a in args]  # noqa: E731
+    trainer = load_config(local(train[2:]))
+    study = load_config(local(create[2:]))
+    joined = apply_overrides(study.model_dump(mode="json"),
+                             [a for a in local(worker[4:]) if not a.startswith("search.")])
+    assert trained_drafts(trainer) == trained_drafts(joined) == ("eagle", "eagle3")
+    assert [head_dir(train_job(trainer), m) for m in ("eagle", "eagle3")] == \
+        [head_dir(train_job(joined), m) for m in ("eagle", "eagle3")]
+    # A search without trained drafts: no train Job, no waiting; the cache is still shared.
+    plain = _docs([*DEFAULT, "search.methods=[ngram,suffix]"])
+    assert "train-drafts-job.yaml" not in plain and "--wait-drafts" not in _pod_of(plain, "workers-job.yaml")[
+        "containers"][0]["args"]
+    assert _cache_claim(_pod_of(plain, "workers-job.yaml")) == claim
+
+
+def test_cache_claim_access_mode_and_size_are_settings(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    def pvc(overrides: list[str]) -> dict:
+        return _docs(overrides)["cache-pvc.yaml"]["spec"]
+
+    small, big = pvc(DEFAULT), pvc(GPU)
+    assert small["accessModes"] == ["ReadWriteMany"]  # workers on several nodes share it
+    size = lambda spec: int(spec["resources"]["requests"]["storage"].removesuffix("Gi"))  # noqa: E731
+    assert size(big) > size(small) + 2 * load_config(GPU).model.params_b  # room for the model's weights
+    one = pvc([*DEFAULT, "distributed.cache_access_mode=ReadWriteOnce", "distributed.cache_storage=50Gi",
+               "distributed.storage_class=fast"])
+    assert one["accessModes"] == ["ReadWriteOnce"] and one["resources"]["requests"]["storage"] == "50Gi"
+    assert one["storageClassName"] == "fast"
+    assert main(["render-tuner", *DEFAULT, "distributed.cache_access_mode=ReadOnlyMany", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "distributed.cache_access_mode" in err[0] and "ReadWriteMany" in err[0], err
+
+
+def test_workers_run_the_engine_the_deployment_serves(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Issue 24: render-tuner for a vLLM FP8 deployment kept engine=builtin in fp32, measuring
+    another engine and precision than the one served. The workers now default to deploy's engine;
+    an engine= that differs from it is refused in one line naming both keys."""
+    docs = _docs([*GPU, "deploy=vllm"])
+    create = _pod_of(docs, "create-study-job.yaml")["containers"][0]["args"]
+    assert "engine=vllm" in create
+    cfg = load_config(create[2:-2])
+    assert cfg.engine.kind == "vllm" and cfg.deploy.quantization == "fp8"  # the launcher serves fp8 like the Deployment
+    assert _pod_of(docs, "workers-job.yaml")["containers"][0]["image"].split(":")[0].endswith("spectune-vllm")
+    assert main(["render-tuner", *GPU, "deploy=vllm", "--out", str(tmp_path / "ok")]) == 0
+    assert "note: the workers run engine=vllm, the engine deploy=vllm serves" in capsys.readouterr().err
+    assert main(["render-tuner", *GPU, "deploy=vllm", "engine=builtin", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "engine=builtin with deploy=vllm" in err[0] and "give engine=vllm" in err[0], err
+    assert not (tmp_path / "x").exists()
+
+
+def test_every_spectune_image_comes_from_image_repo(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """One setting, image_repo (with image_tag), names every spectune image the manifests use: the
+    built-in server, the tuner pods and their CUDA and vLLM variants; at the default repository,
+    which publishes none, the render says how to build and push them."""
+    repo = "registry.example.com:5000/team"
+    seen = set()
+    for extra in ([], ["model=llama-3.1-8b-instruct", "hardware=h200x1"], ["model=llama-3.1-8b-instruct",
+                                                                        "hardware=h200x1", "deploy=vllm"]):
+        docs = _docs([*DEFAULT, *extra, f"image_repo={repo}"])
+        seen |= {c["image"] for p in _pods(docs).values() for c in _containers(p) if c["name"] != "postgres"}
+    assert seen == {f"{repo}/spectune:0.1.0", f"{repo}/spectune:0.1.0-cuda", f"{repo}/spectune-vllm:0.1.0"}
+    assert main(["render", f"image_repo={repo}", "--out", str(tmp_path / "d")]) == 0
+    served = yaml.safe_load((tmp_path / "d" / "deployment.yaml").read_text())
+    assert {c["image"] for c in served["spec"]["template"]["spec"]["containers"]} == {f"{repo}/spectune:0.1.0"}
+    assert "is not published" not in capsys.readouterr().err
+    assert main(["render", "--out", str(tmp_path / "e")]) == 0
+    assert "note: ghcr.io/spectune/spectune:0.1.0 is not published: build and push it (make image push " \
+           "IMAGE_REPO=REPO)" in capsys.readouterr().err
+    assert main(["render-tuner", *DEFAULT, "image_repo=Bad Repo", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "image_repo='Bad Repo': not an image repository" in err[0], err

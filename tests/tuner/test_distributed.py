@@ -262,3 +262,53 @@ def test_a_vllm_worker_measures_through_the_launcher(tmp_path: Path, monkeypatch
     assert spec.user_attrs["server_starts"] >= 1
     assert spec.user_attrs["speedup"] > 1.3  # the fake serves twice as fast with speculation
     assert (run_dir / "best.yaml").is_file() and any((run_dir / "servers").iterdir())
+
+
+def test_workers_wait_for_the_drafts_train_draft_searched_trains(tmp_path: Path, monkeypatch) -> None:
+    """Issue 24: a distributed study trains its drafts once (`tuner train-draft --searched`, the
+    render's train Job) into the shared cache_dir; a worker started with --wait-drafts waits for
+    them (a line every interval, a one-line error on time-out) and then trains nothing: its own
+    lookup (get_drafts) finds exactly what was trained. The training itself is stubbed (the head
+    pipeline's own tests train real heads): each stub writes the finished draft's metadata."""
+    from engine.heads import drafts as heads_drafts
+    from engine.heads import pipeline
+    from tuner.cli.train import train_searched
+    from tuner.study import measurer
+    from tuner.study.measurer import get_drafts, train_job
+
+    cfg = load_config(["model=tiny-random", "+workload=code", "search.methods=[ngram,eagle,medusa]",
+                       f"cache_dir={tmp_path}"])
+    trained: list[str] = []
+
+    def fake_train(out: Path, method: str) -> Path:
+        if (out / pipeline.META).is_file():  # as ensure_head / ensure_draft: a finished draft is reused
+            return out
+        time.sleep(0.2)  # the worker is polling meanwhile
+        out.mkdir(parents=True, exist_ok=True)
+        (out / pipeline.META).write_text("{}")
+        trained.append(method)
+        return out
+
+    monkeypatch.setattr(heads_drafts, "ensure_draft", lambda job, m, engine=None, **k: fake_train(
+        pipeline.head_dir(job, m), m))
+    monkeypatch.setattr(measurer, "packaged_workloads", lambda c: [])  # only the stubbed training reads them
+    assert d.missing_drafts(cfg) == ["eagle", "medusa"]
+    with pytest.raises(UserError) as exc:
+        d.wait_for_drafts(cfg, 0.1, log=lambda line: None, poll_s=0.02)
+    assert "--wait-drafts 0.1: no trained eagle, medusa draft for tiny-random on workload code" in str(exc.value)
+    assert "\n" not in str(exc.value)
+
+    job = threading.Thread(target=train_searched, args=(cfg,), kwargs={"quiet": True})
+    lines: list[str] = []
+    job.start()
+    d.wait_for_drafts(cfg, 30, log=lines.append, poll_s=0.02, every_s=0.05)
+    job.join()
+    assert sorted(trained) == ["eagle", "medusa"] and d.missing_drafts(cfg) == []
+    assert lines and lines[0].startswith("waiting for the trained eagle, medusa draft(s) in cache_dir=")
+
+    worker = load_config(["model=tiny-random", "+workload=code", "search.methods=[ngram,eagle,medusa]",
+                          f"cache_dir={tmp_path}"])
+    drafts = get_drafts(worker, None, quiet=True)
+    assert sorted(trained) == ["eagle", "medusa"]  # the worker trained nothing
+    assert drafts == {m: str(pipeline.head_dir(train_job(worker), m)) for m in ("eagle", "medusa")}
+    assert main(["optimize", "--wait-drafts", "5", "model=tiny-random", "+workload=code"]) == 2  # a worker's flag

@@ -14,14 +14,38 @@ DEFAULT_OUT = Path("k8s/tuner")
 HEADER = "# Rendered by `tuner render-tuner` (spectune). Change the config and re-render rather than editing.\n"
 
 
-def tuner_config(overrides: list[str]) -> Config:
-    """The config a render describes. Its storage is the pods' business (set in their arguments),
-    so one is assumed here when the overrides give none (search.workers>1 requires one). A given
-    search.storage=postgresql://USER@HOST/DB is the database the pods use (no PostgreSQL is
-    rendered); a storage the pods cannot share, or a second database, is refused in one line."""
+def _given(overrides: list[str], key: str) -> bool:
+    return any(o.lstrip("+~").split("=", 1)[0] == key for o in overrides)
+
+
+def study_overrides(overrides: list[str]) -> list[str]:
+    """The render's overrides with the workers' engine made explicit: the engine the deployment
+    serves (deploy.target), so the study measures what the manifests serve, in the precision they
+    serve it (vLLM/SGLang with deploy.quantization on GPUs). An engine= that differs from the
+    deployment's is refused in one line naming both keys."""
     from tuner.schema.compose import load_config
 
-    given = any(o.lstrip("+~").startswith("search.storage=") for o in overrides)
+    cfg = load_config([*overrides, "search.storage=env"] if not _given(overrides, "search.storage") else overrides)
+    served = cfg.deploy.target
+    if cfg.engine.kind == served:
+        return overrides
+    if _given(overrides, "engine"):
+        raise UserError(f"render-tuner engine={cfg.engine.kind} with deploy={served}: the workers would measure "
+                        f"another engine (and precision) than the deployment serves; give engine={served}, or "
+                        f"deploy={cfg.engine.kind}")
+    return [*overrides, f"engine={served}"]
+
+
+def tuner_config(overrides: list[str]) -> Config:
+    """The config a render describes (with study_overrides' engine). Its storage is the pods'
+    business (set in their arguments), so one is assumed here when the overrides give none
+    (search.workers>1 requires one). A given search.storage=postgresql://USER@HOST/DB is the
+    database the pods use (no PostgreSQL is rendered); a storage the pods cannot share, or a second
+    database, is refused in one line."""
+    from tuner.schema.compose import load_config
+
+    overrides = study_overrides(overrides)
+    given = _given(overrides, "search.storage")
     cfg = load_config(overrides if given else [*overrides, "search.storage=env"])
     if given:
         check_storage(cfg)
@@ -45,6 +69,16 @@ def check_storage(cfg: Config) -> None:
                         f"file; allowed: {ways}")
 
 
+def image_note(cfg: Config, image: str) -> None:
+    """One stderr line when manifests name a spectune image at the default image_repo, which
+    publishes none: how to build and push it and render with the user's repository."""
+    from tuner.schema.config import DEFAULT_IMAGE_REPO
+
+    if cfg.image_repo == DEFAULT_IMAGE_REPO:
+        print(f"note: {image} is not published: build and push it (make image push IMAGE_REPO=REPO) and render "
+              "with image_repo=REPO (docs/deploy.md, Images)", file=sys.stderr)
+
+
 def render_tuner(overrides: list[str], out: Path) -> tuple[list[Path], list[str]]:
     """Write the kustomize base of a distributed study into `out`; (files, validation errors)."""
     from deploy.render import write_docs
@@ -52,13 +86,13 @@ def render_tuner(overrides: list[str], out: Path) -> tuple[list[Path], list[str]
     from deploy.validate import check_dir
 
     cfg = tuner_config(overrides)
-    files = write_docs(build(cfg, overrides), out, HEADER)
+    files = write_docs(build(cfg, study_overrides(overrides)), out, HEADER)
     return files, check_dir(out, cfg.deploy.k8s_version)
 
 
 def _cmd_render_tuner(args: argparse.Namespace) -> int:
     from deploy.render import out_arg
-    from deploy.tuner_manifests import study_name, user_database, worker_gpus
+    from deploy.tuner_manifests import study_name, user_database, worker_gpus, worker_image
 
     out = out_arg(args.out)
     assert out is not None  # --out has a default
@@ -66,6 +100,11 @@ def _cmd_render_tuner(args: argparse.Namespace) -> int:
     for line in errors:  # never expected: a failure here is a renderer bug
         print(line, file=sys.stderr)
     cfg = tuner_config(args.overrides)
+    if study_overrides(args.overrides) != args.overrides:
+        print(f"note: the workers run engine={cfg.engine.kind}, the engine deploy={cfg.deploy.target} serves "
+              "(give both to change it)", file=sys.stderr)
+    if cfg.distributed.image is None:
+        image_note(cfg, worker_image(cfg))
     db = (f"external database (Secret {cfg.distributed.external_url_secret.name})"
           if cfg.distributed.external_url_secret
           else f"external database {user_database(cfg)} (password from Secret {cfg.distributed.db_secret}, key password)"

@@ -23,8 +23,11 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
         if args.create_only:
             print(distributed.create_only(args.overrides))
         else:
-            distributed.run_worker(args.overrides, quiet=args.quiet)
+            distributed.run_worker(args.overrides, quiet=args.quiet, wait_drafts_s=args.wait_drafts)
         return 0
+    if args.wait_drafts is not None:
+        raise UserError(f"--wait-drafts {args.wait_drafts:g} is for a worker (--worker): a study started here "
+                        "trains its drafts itself")
     optimize(args.overrides, resume=run_dir_of(args.resume) if args.resume else None, quiet=args.quiet)
     return 0
 
@@ -106,6 +109,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--worker", action="store_true",
                    help="join the shared study search.study_name in search.storage (its config comes from the "
                         "study; only search.storage, search.study_name, engine.*, run_dir, cache_dir are taken)")
+    o.add_argument("--wait-drafts", type=float, metavar="SECONDS",
+                   help="with --worker: first wait up to SECONDS for the trained drafts the study needs in "
+                        "cache_dir (`tuner train-draft --searched`, e.g. render-tuner's train Job) instead of "
+                        "training them in this worker")
     o.add_argument("--create-only", action="store_true",
                    help="create the shared study (baseline and defaults enqueued once) and exit; idempotent")
     o.set_defaults(func=_cmd_optimize)

@@ -8,7 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
-from tuner.schema.config import Config
+from tuner.schema.config import Config, UserError
 from tuner.schema.methods import trained_by
 from tuner.cli.help import examples
 
@@ -32,10 +32,35 @@ def train_draft(cfg: Config, retrain: bool = False, quiet: bool = False, method:
         return ensure_draft(train_job(cfg), trained, retrain=retrain, workloads=packaged_workloads(cfg), report=report)
 
 
+def train_searched(cfg: Config, quiet: bool = False) -> dict[str, str]:
+    """Every draft the searched methods need (tuner.schema.config.trained_drafts), trained once or
+    taken from the cache: the lookup a study's workers make (get_drafts), so a worker sharing this
+    cache_dir finds them and trains nothing. Returns {method: draft} (given or published ones too)."""
+    from tuner.schema.compose import require_workload
+    from tuner.study.measurer import get_drafts
+
+    require_workload(cfg)
+    return get_drafts(cfg, None, quiet=quiet)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from tuner.schema.compose import load_config
 
     from engine.heads.pipeline import read_meta
+
+    if args.searched:
+        if any(o.startswith("spec.method=") for o in args.overrides) or args.retrain:
+            raise UserError("train-draft --searched trains the drafts of search.methods: give search.methods=[...] "
+                            "instead of spec.method, and no --retrain")
+        drafts = train_searched(load_config(args.overrides), quiet=args.json)
+        if args.json:
+            print(json.dumps(drafts))
+        for m, path in drafts.items():
+            if not args.json:
+                print(f"{m}: {path}")
+        if not drafts and not args.json:
+            print("search.methods needs no trained draft")
+        return 0
 
     # spec.method=draft_model names the draft to train, not one to use: taken out before validation
     # (which would ask for spec.draft_model)
@@ -75,8 +100,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                        **examples(
                            "tuner train-draft +workload=code",
                            "tuner train-draft +workload=chat train.steps=600 --retrain --json",
+                           "tuner train-draft --searched +workload=code  # every draft search.methods needs",
                        ))
     t.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. train.steps=600 +workload=code")
     t.add_argument("--retrain", action="store_true", help="train again even if a head is cached")
+    t.add_argument("--searched", action="store_true",
+                   help="train every draft search.methods needs (as a study's workers look them up), e.g. once "
+                        "for all workers of a distributed study")
     t.add_argument("--json", action="store_true", help="print the head's metadata as one JSON object (no progress bar)")
     t.set_defaults(func=_cmd_train)

@@ -92,11 +92,47 @@ def work_and_finish(cfg: Config, url: str, name: str, run_dir: Path, quiet: bool
     return best
 
 
-def run_worker(overrides: list[str], quiet: bool = False, engine: Any = None, measure: Any = None) -> Path:
+def missing_drafts(cfg: Config) -> list[str]:
+    """The searched methods whose trained draft is not (yet) in cfg's cache_dir (tuner.schema.config.trained_drafts)."""
+    from engine.heads.pipeline import cached_head
+    from tuner.schema.config import trained_drafts
+    from tuner.study.measurer import train_job
+
+    return [m for m in trained_drafts(cfg) if cached_head(train_job(cfg), m) is None]
+
+
+def wait_for_drafts(cfg: Config, timeout_s: float, log: Any = None, poll_s: float = 5.0, every_s: float = 30.0) -> None:
+    """Wait until every draft the study trains is in cache_dir (put there by `tuner train-draft
+    --searched`, the render's train Job), printing a line every `every_s`; UserError on time-out."""
+    say = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    start = time.monotonic()
+    last = -every_s
+    while True:
+        missing = missing_drafts(cfg)
+        if not missing:
+            return
+        waited = time.monotonic() - start
+        if waited > timeout_s:
+            raise UserError(f"--wait-drafts {timeout_s:g}: no trained {', '.join(missing)} draft for {cfg.model.name} "
+                            f"on workload {cfg.workload.name if cfg.workload else 'none'} in "
+                            f"cache_dir={cfg.cache_dir} after {waited:.0f} s (the train Job writes it: "
+                            f"`tuner train-draft --searched` with the study's overrides and this cache_dir)")
+        if waited - last >= every_s:
+            say(f"waiting for the trained {', '.join(missing)} draft(s) in cache_dir={cfg.cache_dir} "
+                f"({waited:.0f} s of {timeout_s:g} s)")
+            last = waited
+        time.sleep(poll_s)
+
+
+def run_worker(overrides: list[str], quiet: bool = False, engine: Any = None, measure: Any = None,
+               wait_drafts_s: float | None = None) -> Path:
     """`tuner optimize --worker`: join the study, run trials until the budget is spent, and (if first
     to finish) store the winner. Writes config.yaml (and, for the finalizer, the whole run) into
-    <run_dir>/<study>; returns that directory."""
+    <run_dir>/<study>; returns that directory. `wait_drafts_s`: first wait that long for the drafts
+    another process trains (wait_for_drafts) instead of training them here."""
     cfg, url, name = worker_config(overrides)
+    if wait_drafts_s is not None:
+        wait_for_drafts(cfg, wait_drafts_s)
     run_dir = Path(cfg.run_dir) / name
     run_dir.mkdir(parents=True, exist_ok=True)
     if not (run_dir / "config.yaml").is_file():

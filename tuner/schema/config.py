@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from tuner.schema.results import BestResult, Figures, ProjectedPoint, Projection, Provenance
-from tuner.schema.methods import SpecMethod, engine_methods, engine_refusal
+from tuner.schema.methods import SpecMethod, engine_methods, engine_refusal, head_methods
 from tuner.schema.spec import SpecConfig, UserError
 from tuner.schema.spec import Strict as _Strict
 
@@ -129,6 +129,9 @@ K8S_VERSIONS = (25, 37)  # supported minors of Kubernetes 1.x (deploy/schemas ho
 # A Kubernetes resource.Quantity (the form the Kubernetes docs give), e.g. 200Gi, 500m, 5, 1e3.
 QUANTITY = re.compile(r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$")
 IMAGE_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")  # the OCI distribution spec's tag
+# An image repository without a tag: optional registry host[:port], then lowercase path components.
+IMAGE_REPO = re.compile(r"(?:[A-Za-z0-9.-]+(?::[0-9]+)?/)?[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*")
+DEFAULT_IMAGE_REPO = "ghcr.io/spectune"  # publishes no images: build and push them (docs/deploy.md, "Images")
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # + at most 63 characters
 
 
@@ -329,8 +332,9 @@ class DeployConfig(_Strict):
     name: str
     namespace: str
     replicas: int = Field(ge=0, le=1000)
-    image: str
-    image_tag: str
+    # The server's image; null (deploy=builtin): spectune's own, from the top-level image_repo/image_tag.
+    image: str | None
+    image_tag: str | None
     port: int = Field(ge=1, le=65535)
     k8s_version: str  # 1.25 .. 1.37 (K8S_VERSIONS)
     gpu_memory_utilization: float = Field(gt=0, le=1.0)
@@ -412,8 +416,8 @@ class DeployConfig(_Strict):
 
     @field_validator("image_tag")
     @classmethod
-    def _tag(cls, v: str) -> str:
-        return _check(image_tag_error("deploy.image_tag", v), v)
+    def _tag(cls, v: str | None) -> str | None:
+        return v if v is None else _check(image_tag_error("deploy.image_tag", v), v)
 
     @field_validator("namespace")
     @classmethod
@@ -431,8 +435,10 @@ class DistributedConfig(_Strict):
 
     name: str  # prefix of every object's name
     namespace: str
-    image: str  # the tuner image (runs `tuner optimize --worker`)
-    image_tag: str
+    # The tuner image (runs `tuner optimize --worker`); null: spectune's own, from the top-level
+    # image_repo/image_tag (the CUDA and vLLM variants derived as `make image` tags them).
+    image: str | None = None
+    image_tag: str | None = None
     postgres_image: str
     postgres_tag: str
     postgres_storage: str
@@ -444,6 +450,11 @@ class DistributedConfig(_Strict):
     external_url_secret: SecretRef | None
     results_storage: str  # PVC the report Job writes best.yaml, the report and manifests into
     backoff_limit: int = Field(ge=0)  # pod retries per worker index
+    # The PVC every tuner pod mounts at /cache (cache_dir, HF_HOME): the model fetched once, the
+    # drafts the train Job trains and the workers and the report Job read. ReadWriteMany when the
+    # pods may land on several nodes (several GPU workers); ReadWriteOnce only on a one-node cluster.
+    cache_storage: str | None = None  # null: 2.5 GiB per billion parameters of the model, plus 10 GiB
+    cache_access_mode: Literal["ReadWriteMany", "ReadWriteOnce"] = "ReadWriteMany"
 
     @field_validator("image_tag", "postgres_tag", mode="before")
     @classmethod
@@ -453,18 +464,18 @@ class DistributedConfig(_Strict):
 
     @field_validator("image_tag", "postgres_tag")
     @classmethod
-    def _tag(cls, v: str, info: ValidationInfo) -> str:
-        return _check(image_tag_error(f"distributed.{info.field_name}", v), v)
+    def _tag(cls, v: str | None, info: ValidationInfo) -> str | None:
+        return v if v is None else _check(image_tag_error(f"distributed.{info.field_name}", v), v)
 
     @field_validator("namespace")
     @classmethod
     def _namespace(cls, v: str) -> str:
         return _check(namespace_error("distributed.namespace", v), v)
 
-    @field_validator("postgres_storage", "results_storage")
+    @field_validator("postgres_storage", "results_storage", "cache_storage")
     @classmethod
-    def _storage(cls, v: str, info: ValidationInfo) -> str:
-        return _check(quantity_error(f"distributed.{info.field_name}", v), v)
+    def _storage(cls, v: str | None, info: ValidationInfo) -> str | None:
+        return v if v is None else _check(quantity_error(f"distributed.{info.field_name}", v), v)
 
 
 class ServeConfig(_Strict):
@@ -526,6 +537,29 @@ class Config(_Strict):
     run_dir: str = "runs"
     cache_dir: str | None = None  # None: ~/.cache/spectune (converted models, trained heads)
     seed: int = 0
+    # spectune's own images (the built-in server, the tuner workers) as `make image` tags them:
+    # IMAGE_REPO/spectune:TAG, :TAG-cuda, IMAGE_REPO/spectune-vllm:TAG (spectune_image). The default
+    # repository publishes none: `make image push IMAGE_REPO=...`, then image_repo=... (docs/deploy.md).
+    image_repo: str = DEFAULT_IMAGE_REPO
+    image_tag: str = "0.1.0"
+
+    @field_validator("image_tag", mode="before")
+    @classmethod
+    def _image_tag_str(cls, v: object) -> object:
+        return str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+
+    @field_validator("image_tag")
+    @classmethod
+    def _image_tag(cls, v: str) -> str:
+        return _check(image_tag_error("image_tag", v), v)
+
+    @field_validator("image_repo")
+    @classmethod
+    def _image_repo(cls, v: str) -> str:
+        if not IMAGE_REPO.fullmatch(v):
+            raise ValueError(f"image_repo={v!r}: not an image repository (e.g. registry.example.com/team: lowercase "
+                             "letters, digits, '.', '_', '-', ':PORT', '/'; no tag)")
+        return v
 
     @model_validator(mode="after")
     def _combination(self) -> "Config":
@@ -543,6 +577,36 @@ class Config(_Strict):
         if self.hardware.accelerator == "cpu" and self.engine.kind == "sglang":
             raise ValueError("engine=sglang with hardware=cpu: SGLang needs a CUDA GPU (allowed engines on cpu: builtin, vllm)")
         return self
+
+
+def spectune_image(cfg: "Config", variant: Literal["cpu", "cuda", "vllm"] = "cpu") -> str:
+    """A spectune image as `make image` tags it, from the one setting image_repo/image_tag: the
+    built-in engine and tuner (cpu), its CUDA variant, or the tuner beside vLLM."""
+    name = "spectune-vllm" if variant == "vllm" else "spectune"
+    return f"{cfg.image_repo}/{name}:{cfg.image_tag}{'-cuda' if variant == 'cuda' else ''}"
+
+
+def deploy_image(cfg: "Config") -> str:
+    """The serving Deployment's image: deploy.image:deploy.image_tag, or spectune's own (deploy=builtin)."""
+    d = cfg.deploy
+    if d.image is None:
+        return spectune_image(cfg)
+    return f"{d.image}:{d.image_tag}" if d.image_tag else d.image
+
+
+def trained_drafts(cfg: "Config") -> tuple[str, ...]:
+    """The searched methods whose drafter a study trains itself (`tuner train-draft`, cached per
+    target, workload and training settings): every head method in search.methods, except the one
+    spec.head_path gives (spec.method) and those vLLM/SGLang take from model.draft_sources (the
+    order of tuner.study.measurer.get_drafts)."""
+    out = []
+    for m in cfg.search.methods:
+        if m not in head_methods() or (cfg.spec.head_path and cfg.spec.method == m):
+            continue
+        if cfg.engine.kind != "builtin" and getattr(cfg.model.draft_sources, m, []):
+            continue
+        out.append(m)
+    return tuple(out)
 
 
 def measured_weights(cfg: "Config") -> str:
