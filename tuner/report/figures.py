@@ -220,7 +220,9 @@ def draw_importances(study: optuna.Study) -> Any:
 
     n = len(importance_trials(study))
     target = (lambda t: t.values[0]) if len(study.directions) > 1 else None
-    ax = plot_param_importances(study, target=target, target_name="objective")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        ax = plot_param_importances(study, target=target, target_name="objective")
     caveat = f": few trials, indicative only (reliable from ~{IMPORTANCE_FEW})" if n < IMPORTANCE_FEW else ""
     ax.set_title(f"parameter importance from {n} complete trials{caveat}", fontsize=9)
     return ax.figure
