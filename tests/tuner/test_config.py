@@ -255,7 +255,7 @@ def test_config_found_from_installed_wheel(tmp_path: Path) -> None:
     assert str(conf_dir()).startswith(str(REPO))  # and the checkout still finds its own conf/
 
 
-def test_a_method_the_engine_cannot_run_is_refused_before_any_trial() -> None:
+def test_a_method_the_engine_cannot_run_is_refused_before_any_trial(tmp_path: Path) -> None:
     """search.methods is checked against the chosen engine at validation, in one line naming the key."""
     import subprocess
     import sys
@@ -276,10 +276,11 @@ def test_a_method_the_engine_cannot_run_is_refused_before_any_trial() -> None:
         load_config(["engine=sglang", "hardware=h100x8", "spec.method=ngram"])  # SGLang's NGRAM is a tree
     load_config(["engine=sglang", "hardware=h100x8", "spec.method=ngram", "spec.topk=2", "spec.budget=6"])
     out = subprocess.run([sys.executable, "-m", "tuner.cli", "optimize", "+workload=code", "engine=sglang",
-                          "hardware=h100x8", "spec.method=eagle", "search.methods=[suffix]"],
+                          "hardware=h100x8", "spec.method=eagle", "search.methods=[suffix]", f"run_dir={tmp_path}/runs"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "search.methods=['suffix'] with engine=sglang" in out.stderr
     assert "Traceback" not in out.stderr
+    assert not (tmp_path / "runs").exists()  # refused before a run directory (config.yaml) is written
 
 
 def test_groups_and_experiment_presets() -> None:
