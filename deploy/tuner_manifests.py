@@ -297,12 +297,15 @@ def build(cfg: Config, overrides: list[str]) -> list[tuple[str, dict]]:
         backoff_limit_per_index=dc.backoff_limit, max_failed_indexes=max(0, cfg.search.workers - 1))
 
     # The cache volume at the workers' path: the winner's head (best.yaml names /cache/...) is there
-    # for the manifests and for `tuner push-head`.
+    # for the manifests and for `tuner push-head` (done here with distributed.push_head_to).
+    push = ["--push-head", dc.push_head_to] if dc.push_head_to else []
+    push_env = [_secret_env("HF_TOKEN", dc.push_token_secret.name, dc.push_token_secret.key)] if push else []
     report = _job(cfg, names["report"], "report", _pod(
         cfg, [_tuner_container(cfg, "report", ["report", "--storage", storage, "--study", study,
-                                               "--wait", str(WAIT_DONE_S), "--out", f"{RESULTS_DIR}/{study}"],
+                                               "--wait", str(WAIT_DONE_S), "--out", f"{RESULTS_DIR}/{study}", *push],
                                cpu_small, [k.V1VolumeMount(name="results", mount_path=RESULTS_DIR),
-                                           k.V1VolumeMount(name="cache", mount_path=CACHE_DIR, read_only=True)])],
+                                           k.V1VolumeMount(name="cache", mount_path=CACHE_DIR, read_only=True)],
+                               push_env)],
         [_wait_container(cfg, study)], "OnFailure",
         [k.V1Volume(name="results", persistent_volume_claim=k.V1PersistentVolumeClaimVolumeSource(
             claim_name=names["results"])), shared_cache]), backoff=6)

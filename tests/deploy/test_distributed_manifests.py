@@ -345,3 +345,20 @@ def test_every_spectune_image_comes_from_image_repo(tmp_path: Path, capsys: pyte
     assert main(["render-tuner", *DEFAULT, "image_repo=Bad Repo", "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "image_repo='Bad Repo': not an image repository" in err[0], err
+
+
+def test_the_report_job_pushes_the_winners_head_when_asked(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """distributed.push_head_to=ORG/NAME: the report Job runs `tuner report ... --push-head ORG/NAME`
+    with a write token by Secret reference (distributed.push_token_secret); unset, it pushes nothing."""
+    docs = _docs([*DEFAULT, "distributed.push_head_to=me/code-eagle",
+                  "distributed.push_token_secret={name: hub-writer, key: tok}"])
+    report = _pod_of(docs, "report-job.yaml")["containers"][0]
+    assert report["args"][-2:] == ["--push-head", "me/code-eagle"]
+    env = {e["name"]: e for e in report["env"]}
+    assert env["HF_TOKEN"] == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hub-writer", "key": "tok"}}}
+    assert check_docs(list(docs.items()), "1.33") == []
+    plain = _pod_of(_docs(DEFAULT), "report-job.yaml")["containers"][0]
+    assert "--push-head" not in plain["args"] and "HF_TOKEN" not in {e["name"] for e in plain["env"]}
+    assert main(["render-tuner", *DEFAULT, "distributed.push_head_to=no-slash", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "distributed.push_head_to='no-slash': not a hub repository id" in err[0], err

@@ -116,3 +116,32 @@ def test_a_path_inside_the_model_volume_is_served_as_is() -> None:
     with pytest.raises(UserError, match="tuner push-head /srv/heads/mine --to ORG/NAME"):
         served_spec(load_config(["model=smollm2-135m", "spec.method=eagle", "spec.depth=2", "spec.budget=3",
                                  "spec.head_path=/srv/heads/mine"]), None)
+
+
+def test_the_report_job_pushes_the_winners_head_or_says_there_is_none(tmp_path: Path, hub: Hub, capsys) -> None:
+    """Issue 24: a distributed study's EAGLE winner could not be pushed (its head died with the
+    worker). The report Job now reads the head from the cache volume and, with
+    distributed.push_head_to, `tuner report --storage ... --push-head ORG/NAME` pushes it and writes
+    the manifests against the repository; a training-free winner pushes nothing."""
+    from tuner.cli.hub import push_winner
+
+    head = _head(tmp_path)
+    run = _run(tmp_path, head)
+    assert push_winner(run, REPO).startswith(f"pushed the winner's head to {REPO}")
+    assert hub.repos[REPO] == {f.name: f.read_bytes() for f in head.iterdir()}
+    assert load_best(run / "best.yaml").spec.head_path == REPO
+    assert (run / "k8s" / "deployment.yaml").is_file()  # rendered now that a pod can fetch the head
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    save_config(load_config(["model=smollm2-135m", "+workload=code"]), plain / "config.yaml")
+    write_best(BestResult(spec=SpecConfig(method="ngram", depth=3), speedup=1.2, provenance=Provenance(
+        study="s", date="2026-11-30T12:00:00+00:00", model="smollm2-135m", hardware="cpu", engine="builtin",
+        workload="code")), plain / "best.yaml")
+    assert push_winner(plain, "me/other") == "the winner (ngram d3 k1 b4) has no trained head here: nothing pushed to me/other"
+    assert "me/other" not in hub.repos
+    for argv, needle in ([["report", str(run), "--push-head", REPO], "--push-head me/smol-eagle is for a shared study"],
+                         [["report", "--storage", f"journal:{tmp_path}/j.log", "--study", "s", "--push-head", "bad"],
+                          "--push-head bad: not a hub repository id"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err

@@ -50,6 +50,20 @@ def push_run(run_dir: Path, repo_id: str, private: bool = False) -> tuple[BestRe
     return best, files
 
 
+def push_winner(run_dir: Path, repo_id: str) -> str:
+    """`tuner report --storage ... --push-head ORG/NAME`: push the winner's head, when it has one on
+    this machine, and re-render RUN_DIR/k8s against the repository (push_run); one line saying what
+    was done (a training-free winner has nothing to push)."""
+    from deploy.render import load_best
+
+    best = load_best(run_dir / BEST)
+    if _local_ref(best.spec) is None and _local_ref(best.chain_spec) is None:
+        return f"the winner ({best.spec.key()}) has no trained head here: nothing pushed to {repo_id}"
+    best, files = push_run(run_dir, repo_id)
+    return (f"pushed the winner's head to {repo_id}; {run_dir / BEST} and {run_dir / 'k8s'} now reference it "
+            f"({len(files)} files)")
+
+
 def _cmd_push_head(args: argparse.Namespace) -> int:
     from deploy.push import push_dir
 

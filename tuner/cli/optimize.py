@@ -44,10 +44,24 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
         if not (args.storage and args.study) or args.run_dir:
             raise UserError("tuner report takes RUN_DIR, or --storage URL with --study NAME")
-        print(report_from_storage(args.storage, args.study, out, args.wait))
+        if args.push_head is not None:
+            from tuner.schema.config import HUB_REPO
+
+            if not HUB_REPO.fullmatch(args.push_head):
+                raise UserError(f"--push-head {args.push_head}: not a hub repository id (allowed: ORG/NAME, "
+                                "letters, digits, - _ .)")
+        written = report_from_storage(args.storage, args.study, out, args.wait)
+        if args.push_head is not None:
+            from tuner.cli.hub import push_winner
+
+            print(push_winner(written, args.push_head), file=sys.stderr)
+        print(written)
         return 0
     if args.run_dir is None:
         raise UserError("tuner report takes RUN_DIR, or --storage URL with --study NAME")
+    if args.push_head is not None:
+        raise UserError(f"--push-head {args.push_head} is for a shared study (--storage URL --study NAME); "
+                        f"push a run's head with `tuner push-head {args.run_dir} --to {args.push_head}`")
     if args.wait is not None:  # a run directory's study is read as it stands: nothing to wait for
         raise UserError(f"--wait {args.wait:g} is for a shared study (--storage URL --study NAME); "
                         f"tuner report {args.run_dir} reports the run as it stands")
@@ -129,6 +143,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--storage", help="a shared study's storage: postgresql://USER@HOST/DB (password from "
                                      "PGPASSWORD), env (SPECTUNE_STORAGE_URL) or journal:PATH")
     r.add_argument("--study", help="the shared study's name (with --storage)")
+    r.add_argument("--push-head", metavar="ORG/NAME",
+                   help="with --storage: then push the winner's trained head to this hub repository (HF_ENDPOINT, "
+                        "HF_TOKEN) and write the manifests against it, as `tuner push-head` does")
     r.add_argument("--out", help="directory for best.yaml, the report and manifests, created if missing "
                                  "(default RUN_DIR, or <run_dir>/<study>)")
     r.add_argument("--wait", type=float, metavar="SECONDS",

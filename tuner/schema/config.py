@@ -131,6 +131,7 @@ QUANTITY = re.compile(r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$")
 IMAGE_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")  # the OCI distribution spec's tag
 # An image repository without a tag: optional registry host[:port], then lowercase path components.
 IMAGE_REPO = re.compile(r"(?:[A-Za-z0-9.-]+(?::[0-9]+)?/)?[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*")
+HUB_REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")  # a Hugging Face hub repository id
 DEFAULT_IMAGE_REPO = "ghcr.io/spectune"  # publishes no images: build and push them (docs/deploy.md, "Images")
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # + at most 63 characters
 
@@ -455,6 +456,19 @@ class DistributedConfig(_Strict):
     # pods may land on several nodes (several GPU workers); ReadWriteOnce only on a one-node cluster.
     cache_storage: str | None = None  # null: 2.5 GiB per billion parameters of the model, plus 10 GiB
     cache_access_mode: Literal["ReadWriteMany", "ReadWriteOnce"] = "ReadWriteMany"
+    # A hub repository (ORG/NAME) the report Job pushes the winner's trained head to, so the
+    # manifests it writes serve it (`tuner report --push-head`); the token (write access) from
+    # push_token_secret. null: the head stays on the cache volume (push it yourself).
+    push_head_to: str | None = None
+    push_token_secret: SecretRef = SecretRef(name="hf-write-token", key="token")
+
+    @field_validator("push_head_to")
+    @classmethod
+    def _hub_repo(cls, v: str | None) -> str | None:
+        if v is not None and not HUB_REPO.fullmatch(v):
+            raise ValueError(f"distributed.push_head_to={v!r}: not a hub repository id (allowed: ORG/NAME, letters, "
+                             "digits, - _ .)")
+        return v
 
     @field_validator("image_tag", "postgres_tag", mode="before")
     @classmethod
