@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import yaml
@@ -19,7 +20,7 @@ from tuner.schema.fit import (builtin_memory_gib, max_model_len, max_model_len_w
                               tensor_parallel_size, tensor_parallel_why)
 from tuner.schema.flags import builtin_args, sglang_args, vllm_args
 from deploy.winner import MODEL_DIR, Served, WinnerOverride, served_spec
-from tuner.schema.config import BestResult, Config, HardwareConfig, UserError, deploy_image
+from tuner.schema.config import BestResult, Config, HardwareConfig, Projection, UserError, deploy_image
 
 PORT_NAME = "http"
 HEALTH_PATH = "/health"
@@ -127,9 +128,26 @@ def portable_storage(url: str | None) -> str | None:
     return url
 
 
+def run_relative(run: str) -> Callable[[str], str]:
+    """A function rewriting the tuning machine's run directory `run` in a text as the directory's
+    name (what the ConfigMap may say of it)."""
+    run = run.rstrip("/")
+    name = run.replace("\\", "/").rsplit("/", 1)[-1]
+    return lambda text: text.replace(run + "/", name + "/") if run else text
+
+
+def portable_projection(pj: Projection) -> Projection:
+    """A projection as the ConfigMap records it: the run directory by its name, the profile (and
+    the acceptance text naming it) relative to the run directory's parent."""
+    rel = run_relative(pj.run)
+    return pj.model_copy(update={"run": rel(pj.run + "/").rstrip("/"), "profile": rel(pj.profile),
+                                 "acceptance": rel(pj.acceptance)})
+
+
 def configmap_data(p: Plan) -> dict[str, str]:
     """The winning config and its provenance, as ConfigMap string values."""
     b, d = p.best, p.cfg.deploy
+    rel = run_relative(b.projection.run) if b is not None and b.projection is not None else (lambda text: text)
     served = {
         "target": d.target,
         "model": p.cfg.model.hf_id,
@@ -138,7 +156,7 @@ def configmap_data(p: Plan) -> dict[str, str]:
         "max_model_len": p.max_len,
         "spec": p.served.spec.model_dump(mode="json"),
         "tuned_spec": p.served.tuned.model_dump(mode="json"),
-        "notes": list(p.served.notes),
+        "notes": [rel(n) for n in p.served.notes],
         "command": p.command + p.args,
     }
     pj = b.projection if b is not None else None
@@ -151,6 +169,10 @@ def configmap_data(p: Plan) -> dict[str, str]:
         # the cluster gets no path of the tuning machine: a study file is named as in its run directory
         b = b.model_copy(update={"provenance": b.provenance.model_copy(
             update={"storage": portable_storage(b.provenance.storage)})})
+        if b.projection is not None:  # its reason names the profile too
+            b = b.model_copy(update={"projection": portable_projection(b.projection),
+                                     "reason": rel(b.reason) if b.reason else b.reason})
+            pj = b.projection
         # a projected configuration is no run's best.yaml: its record goes under its own name
         data["projected.yaml" if pj else "best.yaml"] = yaml.safe_dump(b.model_dump(mode="json", exclude_none=True),
                                                                        sort_keys=False, width=10**6)
