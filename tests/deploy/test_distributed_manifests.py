@@ -253,7 +253,7 @@ def test_drafts_are_trained_once_before_the_workers_into_the_claim_every_pod_mou
     from tuner.schema.config import trained_drafts
     from tuner.study.measurer import train_job
 
-    overrides = [*DEFAULT, "search.methods=[ngram,eagle,eagle3]"]
+    overrides = [*DEFAULT, "model=tiny-random", "search.methods=[ngram,eagle,eagle3]"]  # tiny: no GGUF digest
     docs = _docs(overrides)
     order = list(docs)
     assert order.index("cache-pvc.yaml") < order.index("create-study-job.yaml") < order.index("train-drafts-job.yaml") \
