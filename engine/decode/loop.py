@@ -12,6 +12,7 @@ from transformers import DynamicCache
 
 from engine.api import GenResult, GenStats, SamplingParams, TokenCallback
 from engine.models.cache import commit, new_cache
+from engine.models.eagle3_head import aux_features
 from engine.drafters import Drafter, make_drafter
 from engine.models.llama import KVCache, LeanForward, lean_forward
 from engine.models.target import Target, load_target
@@ -176,7 +177,7 @@ class Engine:
         hidden = out.last_hidden_state[0]
         logits = self.model.lm_head(hidden[-1:] if last_only else hidden)
         # a drafter that reads inner target layers (EAGLE-3) gets their inputs [n, len*h] too
-        self._aux = torch.cat([out.hidden_states[k][0] for k in aux_layers], dim=-1) if aux_layers else None
+        self._aux = aux_features(out.hidden_states, aux_layers, 0)
         return hidden, logits
 
     def _pick(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:

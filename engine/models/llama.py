@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine.models.eagle3_head import aux_features
 from engine.models.kernels import CALIBRATE_MIN_BYTES, LinearPlan, linear_plan, set_linear_plan, pack_weights, linear, calibrate_linears
 from tuner.schema.config import UserError
 
@@ -517,7 +518,7 @@ class LeanForward:
         x = rms_norm(x[:n], m.norm, m.eps)
         logits = linear(x[-1:] if last_only else x, m.lm_head)
         cache.length = p + n
-        aux_t = torch.cat([aux[k] for k in aux_layers], dim=-1) if aux_layers else None
+        aux_t = aux_features(aux, aux_layers)
         return x, logits, aux_t
 
     def step_batch(self, caches: list[KVCache], tokens: list[list[int]], depths: list[list[int] | None],
@@ -558,7 +559,7 @@ class LeanForward:
             x = batch_layer_forward(x, b, i, plan, cos, sin, m.n_heads, m.n_kv, m.eps)
         x = rms_norm(x, m.norm, m.eps)
         logits = linear(x[torch.tensor(pick, device=dev)], m.lm_head)  # the lm_head read once for every sequence
-        aux_t = torch.cat([aux[k] for k in aux_layers], dim=-1) if aux_layers else None
+        aux_t = aux_features(aux, aux_layers)
         out, li = [], 0
         for s, last in zip(seqs, last_only):
             s.cache.length = s.length
