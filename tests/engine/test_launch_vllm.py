@@ -38,7 +38,7 @@ def _config(*extra: str) -> Config:
     return load_config(["engine=vllm", "+workload=code", f"engine.vllm.executable={VLLM}",
                         f"engine.vllm.port={free_port()}", "engine.vllm.enforce_eager=true",
                         "engine.vllm.dtype=float32", "workload.num_prompts=3", "workload.num_heldout=0",
-                        "workload.max_new_tokens=64", *extra])
+                        "workload.max_new_tokens=32", *extra])
 
 
 def _servers_on(port: int) -> str:
