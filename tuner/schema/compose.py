@@ -6,6 +6,8 @@ impossible combination) becomes a `UserError` with one line naming the key and w
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import re
 from pathlib import Path
@@ -185,25 +187,36 @@ def explicit_source(model: dict[str, Any], overrides: list[str]) -> None:
 
 def compose(overrides: list[str] | None = None) -> dict[str, Any]:
     """Compose the config tree with Hydra overrides and return it as a plain dict (resolved)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
-
     overrides = list(overrides or [])
     check_override_syntax(overrides)
     # an experiment preset composes after the groups it adjusts (+workload=NAME given after it
     # must not undo it); plain key=value overrides still win over both
     overrides = ([o for o in overrides if not o.lstrip("+").startswith("experiment=")]
                  + [o for o in overrides if o.lstrip("+").startswith("experiment=")])
+    raw = copy.deepcopy(_hydra_composed(str(conf_dir()), tuple(overrides)))  # callers edit their copy
+    explicit_source(raw.get("model"), overrides)
+    return raw
+
+
+@functools.lru_cache(maxsize=256)
+def _hydra_composed(config_dir: str, overrides: tuple[str, ...]) -> dict[str, Any]:
+    """Hydra's composition of `overrides`, once per process. It re-reads and merges every file of the
+    tree (about 0.1 s), and one process composes the same overrides again and again: each packaged
+    workload whenever draft data is assembled, the Jobs' arguments while a render checks them. The
+    tree has no interpolations (nothing from the environment or the clock), so the result is a pure
+    function of the directory and the overrides. A failure raises each time (lru_cache keeps none)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
     try:
-        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            cfg = hydra_compose(config_name="config", overrides=overrides)
+        with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+            cfg = hydra_compose(config_name="config", overrides=list(overrides))
         raw = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except UserError:
         raise
     except Exception as exc:  # Hydra/OmegaConf raise many types; all are the user's override here
-        raise UserError(_hydra_error_line(exc, overrides)) from None
-    explicit_source(raw.get("model"), overrides)  # type: ignore[union-attr]
+        raise UserError(_hydra_error_line(exc, list(overrides))) from None
     return raw  # type: ignore[return-value]
 
 
