@@ -28,7 +28,7 @@ from tuner.search.space import SearchSpace
 from tuner.study.studies import WORKER
 
 # Small: a trial is a few seconds; one intra-op thread per worker so three share two cores fairly.
-SMALL = ["model=tiny-random", "+workload=code", "search=quick", "workload.num_prompts=2", "workload.num_heldout=1",
+SMALL = ["model=tiny-random", "+workload=code", "workload.concurrency=[1]", "search=quick", "workload.num_prompts=2", "workload.num_heldout=1",
          "workload.max_new_tokens=16", "search.heartbeat_grace_s=10", "engine.builtin.threads=1"]
 TIMEOUT_S = 420
 

@@ -23,7 +23,7 @@ from tuner.study.studies import ROLE
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-SMALL = ["model=tiny-random", "+workload=code", "search=quick", "workload.num_prompts=3",
+SMALL = ["model=tiny-random", "+workload=code", "workload.concurrency=[1]", "search=quick", "workload.num_prompts=3",
          "workload.num_heldout=2", "workload.max_new_tokens=16", "engine.builtin.threads=1"]
 
 

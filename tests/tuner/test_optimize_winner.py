@@ -172,7 +172,7 @@ def test_a_launched_server_is_measured_serving_first_so_two_repeats_restart_it_t
     from tuner.search.space import SearchSpace
     from tuner.study.studies import create_study
 
-    cfg = load_config(["model=tiny-random", "+workload=code", "search=quick", "search.repeats_min=2",
+    cfg = load_config(["model=tiny-random", "+workload=code", "workload.concurrency=[1]", "search=quick", "search.repeats_min=2",
                        "search.repeats_max=2", "search.n_trials=3", "search.ci_rel_width=0.0001"])
 
     class Launcher:
@@ -223,7 +223,7 @@ def test_a_point_sampled_again_reuses_its_measurement(tmp_path: Path) -> None:
     from tuner.search.space import SearchSpace
     from tuner.study.studies import create_study
 
-    cfg = load_config(["model=tiny-random", "+workload=code", "search=quick", "search.methods=[ngram]",
+    cfg = load_config(["model=tiny-random", "+workload=code", "workload.concurrency=[1]", "search=quick", "search.methods=[ngram]",
                        "search.depth.min=2", "search.depth.max=2", "search.repeats_max=1", "search.n_trials=4"])
     calls: list[str] = []
 

@@ -588,6 +588,10 @@ class Config(_Strict):
         if mml is not None and mml > self.model.max_context:
             raise ValueError(f"deploy.max_model_len={mml} exceeds the context of model {self.model.name} "
                              f"(model.max_context={self.model.max_context}): allowed are 64..{self.model.max_context}")
+        if self.search.sampler == "model" and self.workload is not None and len(self.workload.concurrency) > 1:
+            raise ValueError(f"search.sampler=model ranks the space at concurrency 1, and workload.concurrency="
+                             f"{self.workload.concurrency} has several levels: add workload.concurrency=[1], "
+                             "or use another sampler (tpe, random, grid, gp)")
         if self.hardware.accelerator == "cpu" and self.engine.kind == "sglang":
             raise ValueError("engine=sglang with hardware=cpu: SGLang needs a CUDA GPU (allowed engines on cpu: builtin, vllm)")
         return self
