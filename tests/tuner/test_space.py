@@ -195,7 +195,10 @@ def test_from_config_reads_the_heads_of_the_trained_head(tmp_path) -> None:
     assert SearchSpace.from_config(cfg).medusa_heads == 5  # not trained yet: what train-draft trains
     head = _medusa_head(tmp_path / "h", 2)
     space = SearchSpace.from_config(cfg, head_paths={"medusa": str(head)})
-    assert space.medusa_heads == 2 and max(p.depth for p in space.points() if p.method == "medusa") == 2
+    # (the grid holds a K per concurrency band, 14 s to enumerate: ask the space for its deepest point)
+    deepest = space.clip("medusa", 9, 1, 10)
+    assert space.medusa_heads == 2 and deepest.depth == 2 and space.contains(deepest)
+    assert not space.contains(deepest.model_copy(update={"depth": 3, "budget": 4}))
     given = load_config(["+workload=code", "search.methods=[medusa]", "spec.method=medusa", "spec.depth=2",
                          "spec.budget=3", f"spec.head_path={head}"])
     assert SearchSpace.from_config(given).medusa_heads == 2  # spec.head_path, before any head_paths
