@@ -92,7 +92,7 @@ BAD_INPUTS = [
     (["spec.foo=1"], "spec.foo: unknown key"),
     (["+spec.foo=1"], "spec.foo: unknown key in spec"),
     (["+bogus=1"], "bogus: unknown key in the top level"),
-    (["+workload=code", "search.sampler=model"],
+    (["+workload=code", "workload.concurrency=[1,4]", "search.sampler=model"],
      "search.sampler=model ranks the space at concurrency 1, and workload.concurrency=[1, 4] has several levels"),
     (["spec.depth=abc"], "spec.depth='abc': Input should be a valid integer"),
     (["spec.depth=0"], "spec.depth=0: Input should be greater than or equal to 1"),

@@ -28,7 +28,7 @@ from tuner.search.space import SearchSpace
 from tuner.study.studies import WORKER
 
 # Small: a trial is a few seconds; one intra-op thread per worker so three share two cores fairly.
-SMALL = ["model=tiny-random", "+workload=code", "workload.concurrency=[1]", "search=quick", "workload.num_prompts=2", "workload.num_heldout=1",
+SMALL = ["model=tiny-random", "+workload=code", "search=quick", "workload.num_prompts=2", "workload.num_heldout=1",
          "workload.max_new_tokens=16", "search.heartbeat_grace_s=10", "engine.builtin.threads=1"]
 TIMEOUT_S = 420
 
@@ -121,7 +121,8 @@ def test_local_workers_over_a_journal_file_survive_a_kill(tmp_path: Path) -> Non
     url = f"journal:{tmp_path / 'study.journal'}"
     # Six grid points (n-gram chains of depth 1..6): enough work that the spawned workers, which
     # start after this process, surely get some of it.
-    grid = [*SMALL, f"search.storage={url}", "search.workers=3", "search.sampler=grid", "search.depth.max=6",
+    grid = [*SMALL, "workload.concurrency=[1]", f"search.storage={url}", "search.workers=3", "search.sampler=grid",
+            "search.depth.max=6",
             "search.budget_max=7", "search.n_trials=20"]
     n_points = len(SearchSpace.from_config(load_config(grid)).points())
     assert n_points == 6

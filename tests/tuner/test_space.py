@@ -131,8 +131,9 @@ def test_from_config_quick_and_vllm() -> None:
                                                  "workload.concurrency=[1]"]))
     assert quick.methods == ("ngram",) and quick.depth_max == 4 and not quick.chain_only
     assert all(p.topk == 1 for p in quick.points()) and len(quick.points()) == 4
-    # the code workload's two default levels: a K for the second band (0..depth) beside each chain
-    banded = SearchSpace.from_config(load_config(["model=tiny-random", "+workload=code", "search=quick"]))
+    # two levels: a K for the second band (0..depth) beside each chain
+    banded = SearchSpace.from_config(load_config(["model=tiny-random", "+workload=code", "search=quick",
+                                                  "workload.concurrency=[1,4]"]))
     assert banded.k_bands == [(1, 1), (2, 4)] and len(banded.points()) == sum(d + 1 for d in range(1, 5))
     vllm = SearchSpace.from_config(load_config(["engine=vllm", "+workload=code", "search.methods=[eagle]",
                                                 "workload.concurrency=[1,4]"]))
