@@ -600,16 +600,20 @@ class LeanForward:
         return rms_norm(x, m.norm, m.eps)
 
     def warm_up(self) -> float:
-        """Compile (or load from the on-disk cache) the layer graphs a generation needs: a multi-row
-        step, a one-row step, and a second multi-row size, after which the row count is dynamic.
+        """Compile (or load from the on-disk cache) the layer graphs a generation needs: the one-row
+        step (and on CUDA a multi-row step and a second multi-row size, after which the row count is
+        dynamic).
         Returns the seconds it took (its first step at each size also counts in compile_s)."""
         t = time.perf_counter()
+        # two cache capacities and an unbucketed prompt: a generation's own cache and prompt then hit
+        # graphs whose cache length and row count are already dynamic (no recompile mid-run). On CPU
+        # only the one-row step is compiled, so there a short prefix and two one-row steps per
+        # capacity are all the graphs need; the eager multi-row steps would only cost time.
+        rows = (8, 1, 1, 4, 16, 100) if self._buckets else (8, 1, 1)
         with torch.inference_mode():
-            # two cache capacities and an unbucketed prompt: a generation's own cache and prompt then
-            # hit graphs whose cache length and row count are already dynamic (no recompile mid-run)
             for need in (64, 600):
                 cache = self.new_cache(need)
-                for n in (8, 1, 1, 4, 16, 100):
+                for n in rows:
                     if cache.length + self.rows_for(n) <= cache.capacity:
                         self.step(cache, [0] * n)
         return time.perf_counter() - t
