@@ -97,10 +97,11 @@ class Worker:
             try:
                 be.step()
             except Exception as exc:  # noqa: BLE001 - the running requests fail, the server goes on
-                be.abort(f"{type(exc).__name__}: {exc}")
-                for job, req in jobs:
-                    job.emit("error", req.error)
-                jobs = []
+                failed = {id(r) for r in be.abort(f"{type(exc).__name__}: {exc}")}
+                for job, req in jobs:  # the running ones fail; queued ones still get their turn
+                    if id(req) in failed:
+                        job.emit("error", req.error)
+                jobs = [(j, r) for j, r in jobs if id(r) not in failed]
             m.running.labels(m.model).set(be.running)
             m.waiting.labels(m.model).set(self._waiting())
 

@@ -407,3 +407,48 @@ def test_the_role_chunk_goes_out_with_the_first_token(cfg) -> None:
     finally:
         gate.set()
         stop()
+
+
+def test_a_step_that_raises_fails_the_running_requests_and_the_queued_ones_still_run(engine) -> None:
+    """The engine thread's guard: a step that raises fails the requests running in it, and a request
+    still waiting for a place in the batch runs afterwards instead of getting that error."""
+    import asyncio
+
+    from engine.api import SamplingParams
+    from engine.serving.metrics import Metrics
+    from engine.serving.worker import Job, Worker
+
+    async def main() -> tuple:
+        w = Worker(engine, Metrics("m"), 16)
+        be = w.batch
+        be.max_batch = 1  # the second request waits while the first runs
+        real, calls = be.step, []
+
+        def step() -> None:
+            calls.append(1)
+            real()
+            if len(calls) == 1:
+                raise RuntimeError("kernel")
+
+        be.step = step
+        loop = asyncio.get_running_loop()
+        ids = engine.encode_prompt("def f(x):", False)
+        a, b = Job(ids, SamplingParams(max_new_tokens=4), loop), Job(ids, SamplingParams(max_new_tokens=4), loop)
+        w.submit(a)
+        w.submit(b)
+        w.start()
+
+        async def last(job: Job) -> tuple:
+            while True:
+                kind, payload = await asyncio.wait_for(job.events.get(), 60)
+                if kind in ("error", "done"):
+                    return kind, payload
+
+        try:
+            return await last(a), await last(b), be
+        finally:
+            await asyncio.to_thread(w.stop)
+
+    ra, rb, be = asyncio.run(main())
+    assert ra == ("error", "RuntimeError: kernel")
+    assert rb[0] == "done" and rb[1].tokens and not be.pool.views  # every slot given back
