@@ -52,16 +52,19 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _tuner_serve(overrides: list[str], log_dir: str) -> Iterator[str]:
+def _tuner_serve(overrides: list[str], model: str, spec: SpecConfig, log_dir: str) -> Iterator[str]:
     """`tuner serve` in its own process (as vLLM runs in its own): the server's event loop and engine
-    thread never share a GIL with this load generator. Yields its base URL."""
+    thread never share a GIL with this load generator. Its arguments come from the one
+    SpecConfig-to-`tuner serve` mapping (tuner.schema.flags.builtin_args). Yields its base URL."""
     from engine.launch.health import healthy
     from engine.launch.process import stop_process_group
+    from tuner.schema.flags import builtin_args
 
     port = _free_port()
     log = open(os.path.join(log_dir, f"tuner-serve-{port}.log"), "w")
-    proc = subprocess.Popen([sys.executable, "-m", "tuner.cli", "serve", *overrides, "serve.host=127.0.0.1",
-                             f"serve.port={port}"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "tuner.cli", "serve", *overrides,
+                             *builtin_args(model, spec, host="127.0.0.1", port=port)],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 900
@@ -75,13 +78,6 @@ def _tuner_serve(overrides: list[str], log_dir: str) -> Iterator[str]:
         log.close()
 
 
-def _spec_overrides(spec: SpecConfig) -> list[str]:
-    if spec.method == "off":
-        return ["spec.method=off"]
-    return [f"spec.method={spec.method}", f"spec.depth={spec.depth}", f"spec.topk={spec.topk}",
-            f"spec.budget={spec.budget}"]
-
-
 def run_builtin(overrides: list[str], specs: list[SpecConfig], levels: list[int], repeats: int) -> list[dict[str, Any]]:
     over = [*overrides, f"engine.builtin.max_batch={max(levels)}", f"serve.queue_size={4 * max(levels)}"]
     cfg = load_config(over)
@@ -89,7 +85,7 @@ def run_builtin(overrides: list[str], specs: list[SpecConfig], levels: list[int]
     log_dir = tempfile.mkdtemp(prefix="spectune-concurrency-")
     rows = []
     for spec in specs:
-        with _tuner_serve([*over, *_spec_overrides(spec)], log_dir) as url:
+        with _tuner_serve(over, cfg.model.name, spec, log_dir) as url:
             got = _levels_run(HttpTarget(url, cfg.model.name, cfg.workload.chat_template), prompts, params, levels, repeats)
         for c, s in got.items():
             rows.append(_row("builtin", spec, c, s))
