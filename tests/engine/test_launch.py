@@ -295,7 +295,9 @@ def test_sigterm_ignored_escalates_to_sigkill(fake) -> None:
 
 
 _DRIVER = """
-import sys, time
+import signal, sys, time
+# Ctrl-C as a terminal delivers it, also when the suite runs as a background job (SIGINT ignored)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from engine.launch.launcher import Launcher
 from tuner.schema.config import LaunchedEngineConfig, SpecConfig
 ecfg = LaunchedEngineConfig(executable=sys.argv[1], port=int(sys.argv[2]), startup_timeout_s=60,
