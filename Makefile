@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.spectune-setup
 
-.PHONY: setup optimize test vllm sglang postgres gpu-check
+.PHONY: setup optimize test vllm vllm-suffix sglang postgres gpu-check
 
 # The install steps live in scripts/setup.sh, which the Dockerfiles run too (one source of truth).
 $(STAMP): pyproject.toml Makefile scripts/setup.sh
@@ -59,6 +59,25 @@ $(VLLM_STAMP):
 	touch $@
 
 vllm: $(VLLM_STAMP)
+
+# vLLM's `method: suffix` (spec.method=suffix with engine=vllm) imports arctic-inference, which PyPI
+# ships only as an sdist with a C++ suffix tree (nanobind): it is built here against .venv-vllm's own
+# torch, without build isolation, since the isolated build would fetch another torch. Opt-in: `make
+# vllm-suffix` (not part of `make test`). Its CUDA ops are built only with
+# ARCTIC_INFERENCE_PRECOMPILED_OPS=1 (left unset), so the build needs a C++20 compiler and
+# Python headers, not CUDA. Its gRPC stubs (for its embedding server, unused here) are skipped
+# without grpcio-tools, which would pull a protobuf older than vLLM's.
+ARCTIC_VERSION ?= 0.3.0
+ARCTIC_STAMP := $(VLLM_VENV)/.spectune-arctic-$(ARCTIC_VERSION)
+
+$(ARCTIC_STAMP): $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pip install -q "setuptools>=61" nanobind==2.9.2 cmake
+	PATH="$(abspath $(VLLM_VENV))/bin:$$PATH" $(VLLM_VENV)/bin/python -m pip install -q \
+	  --no-build-isolation --no-deps arctic-inference==$(ARCTIC_VERSION)
+	$(VLLM_VENV)/bin/python -c "from arctic_inference.suffix_decoding import SuffixDecodingCache"
+	touch $@
+
+vllm-suffix: $(ARCTIC_STAMP)
 
 # SGLang (CUDA only): `make sglang` on a GPU machine creates .venv-sglang.
 SGLANG_VENV ?= .venv-sglang
