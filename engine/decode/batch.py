@@ -202,11 +202,22 @@ class BatchEngine:
                 req.cache = self.pool.acquire(req.need)
                 req.state = self.engine.start(req.prompt_ids, req.params, req.on_tokens, drafter=None, room=self.room,
                                               cache=req.cache)
+                self._reuse_prefix(req)
                 for _, _, spec in self.schedule:  # every band's drafter sees the request from its prompt on
                     self._drafter(req, spec)
             except Exception as exc:  # noqa: BLE001 - the request fails, the batch goes on
                 req.error = f"{type(exc).__name__}: {exc}"
         return [r for r in fresh if r.error is None]
+
+    def _reuse_prefix(self, req: Request) -> None:
+        """Copy the longest cached prefix of the request's prompt into its slot (engine.decode.prefix)."""
+        pc = self.engine.prefix_cache
+        if pc is None:
+            return
+        n, entry = pc.lookup(req.prompt_ids, self.aux_layers)
+        if entry is not None:
+            pc.restore(entry, n, req.cache)
+            req.state.reuse_prefix(n, entry.hidden[:n], None if entry.aux is None else entry.aux[:n])
 
     def _drafter(self, req: Request, spec: SpecConfig) -> Drafter | None:
         """This request's drafter for `spec` (made at admission, fed every committed feature)."""
@@ -263,10 +274,17 @@ class BatchEngine:
             for req, _, _, _ in plans:
                 req.error = f"{type(exc).__name__}: {exc}"
             return
+        pc = self.engine.prefix_cache
         for (req, tree, _, _), (hidden, logits, aux) in zip(plans, outs):
             try:
-                if req.state.absorb(tree, hidden, logits, aux):
-                    req.result = req.state.result()
+                st = req.state
+                done = st.absorb(tree, hidden, logits, aux)
+                if tree is None and st.prompt_features is not None:
+                    if pc is not None:  # the prompt's KV, before any later step writes past it
+                        pc.store(st.prompt_ids, st.cache, *st.prompt_features, self.aux_layers)
+                    st.prompt_features = None
+                if done:
+                    req.result = st.result()
             except Exception as exc:  # noqa: BLE001
                 req.error = f"{type(exc).__name__}: {exc}"
 

@@ -13,6 +13,7 @@ from transformers import DynamicCache
 from engine.api import GenResult, GenStats, SamplingParams, TokenCallback
 from engine.models.cache import commit, new_cache
 from engine.models.eagle3_head import aux_features
+from engine.decode.prefix import PrefixCache
 from engine.drafters import Drafter, make_drafter
 from engine.models.llama import KVCache, LeanForward, lean_forward
 from engine.models.target import Target, load_target
@@ -106,6 +107,7 @@ class Engine:
         self.drafter: Drafter | None = None
         # continuous batching (engine.decode.batch), set from engine.builtin by from_config
         self.max_batch, self.prefill, self.kv_tokens = 1, "mixed", None
+        self.prefix_cache: PrefixCache | None = None  # the batch scheduler's (engine.decode.prefix)
         if spec is not None:
             self.set_spec(spec)
 
@@ -124,6 +126,8 @@ class Engine:
         engine = cls(target, model.max_context, spec, seed, lean)
         if lean is not None:
             engine.max_batch, engine.prefill, engine.kv_tokens = builtin.max_batch, builtin.prefill, builtin.kv_tokens
+            # it lives as long as the engine (a server, a study), as vLLM's lives as long as its server
+            engine.prefix_cache = PrefixCache(builtin.prefix_cache_tokens) if builtin.prefix_cache_tokens else None
         return engine
 
     def _eos_ids(self) -> set[int]:
@@ -251,18 +255,29 @@ class Decoding:
         self.prefilled = False
         self.done = False
         self._t = 0.0
+        # prompt positions whose KV a prefix cache put in the cache, and their features
+        self.reused = 0
+        self._reused: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.prompt_features: tuple[torch.Tensor, torch.Tensor | None] | None = None  # after the prefill
+
+    def reuse_prefix(self, n: int, hidden: torch.Tensor, aux: torch.Tensor | None) -> None:
+        """The cache already holds the first n prompt positions (engine.decode.prefix): the prefill
+        runs only the rest, and drafters are fed `hidden` / `aux` for those n positions."""
+        if self.prefilled or not 0 < n < len(self.prompt_ids):
+            raise ValueError(f"a prefix of {n} positions cannot be reused here")
+        self.reused, self._reused = n, (hidden, aux)
 
     @property
     def prefix(self) -> int:
         """Committed positions in the target's cache (the root is committed but not yet cached)."""
-        return 0 if not self.prefilled else len(self.ids) - 1
+        return self.reused if not self.prefilled else len(self.ids) - 1
 
     def plan(self) -> tuple[Tree | None, list[int] | None, bool]:
         """The next forward: (tree, tokens, last_only). The prompt first (tree None), then the drafted
         tree rooted at the last committed token; tokens None when the context is full (done)."""
         if not self.prefilled:
             self._t = time.perf_counter()
-            return None, list(self.ids), True
+            return None, self.ids[self.reused:], True
         prefix = self.prefix
         t = time.perf_counter()
         ids = self.ids
@@ -283,6 +298,12 @@ class Decoding:
         """Verify the forward `plan` asked for, commit, stream; returns True once generation ended."""
         e, stats, params, drafter = self.engine, self.stats, self.params, self.drafter
         if tree is None:  # the prompt
+            if self._reused is not None:  # the positions a prefix cache supplied come first
+                h0, a0 = self._reused
+                hidden = torch.cat([h0, hidden])
+                aux = None if aux is None or a0 is None else torch.cat([a0, aux])
+                self._reused = None
+            self.prompt_features = (hidden, aux)
             self.ids.append(e._pick(logits[-1], params, self.gen))
             self._observe_logits(self.ids[-2:-1], logits[-1:])
             self._observe(hidden, aux, None)

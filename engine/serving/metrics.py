@@ -26,6 +26,11 @@ class Metrics:
         self.running = Gauge("vllm:num_requests_running", "Requests being generated", lab, registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", lab, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", lab, registry=r)
+        # automatic prefix caching, in prompt tokens looked up and found (engine.decode.prefix)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", lab,
+                                      registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", lab, registry=r)
+        self._prefix_seen = (0, 0)
         self.success = Counter("vllm:request_success", "Finished requests", lab + ["finished_reason"], registry=r)
         lat = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", lab,
@@ -35,8 +40,15 @@ class Metrics:
         self.tpot = Histogram("vllm:request_time_per_output_token_seconds", "Per-request time per output token", lab,
                               buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=r)
         for m in (self.drafts, self.draft_tokens, self.accepted, self.waiting, self.running, self.prompt_tokens,
-                  self.generation_tokens):
+                  self.generation_tokens, self.prefix_queries, self.prefix_hits):
             m.labels(model_name=model_name)  # expose zeros before the first request
+
+    def prefix_cache(self, queries: int, hits: int) -> None:
+        """Bring the prefix-cache counters up to the cache's running totals."""
+        q0, h0 = self._prefix_seen
+        self.prefix_queries.labels(self.model).inc(queries - q0)
+        self.prefix_hits.labels(self.model).inc(hits - h0)
+        self._prefix_seen = (queries, hits)
 
     def record(self, res: GenResult, prompt_len: int, ttft_s: float, e2e_s: float) -> None:
         m, st = self.model, res.stats

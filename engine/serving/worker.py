@@ -104,6 +104,8 @@ class Worker:
                 jobs = [(j, r) for j, r in jobs if id(r) not in failed]
             m.running.labels(m.model).set(be.running)
             m.waiting.labels(m.model).set(self._waiting())
+            if (pc := be.engine.prefix_cache) is not None:
+                m.prefix_cache(pc.queries, pc.hits)
 
     def _submit_batched(self, job: Job) -> Any:
         first: list[float] = []

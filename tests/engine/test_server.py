@@ -115,6 +115,24 @@ def test_metrics_count_what_was_generated(server, cfg) -> None:
     assert float(gen[0].split()[-1]) - float(gen0[0].split()[-1]) == n
 
 
+def _counter(text: str, name: str) -> float:
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name + "_total"))
+
+
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, cfg) -> None:
+    """vLLM's prefix-cache counters: the second send of a prompt finds all of it but its last token."""
+    prompt = [(7 * i) % 200 + 3 for i in range(40)]
+    req = {"model": cfg.model.name, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    texts, hits, queries = [], [], []
+    for _ in range(2):
+        before = httpx.get(f"{server}/metrics").text
+        texts.append(httpx.post(f"{server}/v1/completions", json=req, timeout=60).json()["choices"][0]["text"])
+        after = httpx.get(f"{server}/metrics").text
+        hits.append(_counter(after, "vllm:prefix_cache_hits") - _counter(before, "vllm:prefix_cache_hits"))
+        queries.append(_counter(after, "vllm:prefix_cache_queries") - _counter(before, "vllm:prefix_cache_queries"))
+    assert queries == [40, 40] and hits == [0, 39] and texts[0] == texts[1]
+
+
 BAD_REQUESTS = [
     # (name, path, raw body or JSON, expected status, substring of the error message)
     ("bad json", "/v1/chat/completions", b"{not json", 400, "not valid JSON"),

@@ -190,6 +190,9 @@ class BuiltinEngineConfig(_Strict):
     # KV positions all active requests may hold together (None: unbounded); a request that does not
     # fit waits for others to finish, it is never truncated
     kv_tokens: int | None = Field(None, ge=64)
+    # automatic prefix caching (vLLM's enable_prefix_caching): prompt positions whose prefill KV is
+    # kept for later prompts that start with the same tokens; 0 turns it off
+    prefix_cache_tokens: int = Field(16384, ge=0)
 
 
 class LaunchedEngineConfig(_Strict):
