@@ -80,8 +80,11 @@ def _tokenizer(engine: TextEngine) -> Any:
 # the app
 
 
-def create_app(engine: TextEngine, model_cfg: ModelConfig, settings: ServeConfig) -> FastAPI:
-    """The FastAPI app serving `engine` (already set to its spec) as the model `model_cfg` under `settings`."""
+def create_app(engine: TextEngine, model_cfg: ModelConfig, settings: ServeConfig, *,
+               engine_thread: bool = True) -> FastAPI:
+    """The FastAPI app serving `engine` (already set to its spec) as the model `model_cfg` under `settings`.
+    `engine_thread`: its lifespan runs the engine in a thread of its own; False leaves running
+    `app.state.worker.run()` to the caller (`serve` does, in the main thread)."""
     metrics = Metrics(model_cfg.name)
     worker = Worker(engine, metrics, settings.queue_size)
     names = {model_cfg.name, model_cfg.hf_id}
@@ -92,9 +95,11 @@ def create_app(engine: TextEngine, model_cfg: ModelConfig, settings: ServeConfig
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        worker.start()
+        if engine_thread:
+            worker.start()
         yield
-        worker.stop()
+        if engine_thread:
+            worker.stop()
 
     app = FastAPI(title="spectune built-in engine", lifespan=lifespan)
     app.state.metrics = metrics
@@ -315,10 +320,37 @@ def _usage(prompt_len: int, res: GenResult) -> dict[str, int]:
 
 
 def serve(engine: TextEngine, model_cfg: ModelConfig, settings: ServeConfig) -> None:
-    """Serve until interrupted, on settings.host:settings.port."""
+    """Serve on settings.host:settings.port until SIGINT or SIGTERM. The engine runs in this (the
+    main) thread, where it was loaded, and uvicorn in a thread beside it (engine.serving.worker says
+    why); vLLM likewise keeps its engine core apart from its HTTP front end."""
+    import signal
+
     import uvicorn
 
-    uvicorn.run(create_app(engine, model_cfg, settings), host=settings.host, port=settings.port, log_level="info")
+    app = create_app(engine, model_cfg, settings, engine_thread=False)
+    worker: Worker = app.state.worker
+    # requests still streaming when the engine stops get 5 s to finish, then the server goes
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
+                                           timeout_graceful_shutdown=5))
+    http = threading.Thread(target=server.run, name="spectune-http", daemon=True)
+
+    def on_signal(_sig: int, _frame: Any) -> None:
+        # from another thread: the handler may interrupt this thread inside the queue's own lock
+        threading.Thread(target=worker.stop_soon, daemon=True).start()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        http.start()
+        watch = threading.Thread(target=lambda: (http.join(), worker.stop_soon()), daemon=True)
+        watch.start()  # a server that fails to start (or stops) ends the engine loop too
+        worker.run()
+    finally:
+        server.should_exit = True
+        http.join(timeout=30)
+        for s, h in old.items():
+            signal.signal(s, h)
+    if not server.started:
+        raise RuntimeError(f"the HTTP server did not start on {settings.host}:{settings.port} (see the log above)")
 
 
 def serve_in_thread(engine: TextEngine, model_cfg: ModelConfig, settings: ServeConfig, host: str = "127.0.0.1",

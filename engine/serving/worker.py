@@ -40,7 +40,15 @@ class Job:
 
 
 class Worker:
-    """One thread that runs the engine on queued jobs: batched when the engine batches, else FIFO."""
+    """Runs the engine on queued jobs: batched when the engine batches, else FIFO; in a thread of its
+    own (`start`) or in the caller's (`run`, what `tuner serve` does from the main thread).
+
+    Why the main thread for serving: libgomp keeps one OpenMP team per thread that ran a parallel
+    region, and once its threads outnumber the CPUs every team stops spinning between regions and
+    sleeps on a futex instead. The engine was loaded and warmed up in the main thread, so an engine
+    thread beside it made two teams on a 2-core machine, and a batched step of 8 took 105 ms there
+    against 72 ms in the main thread (hundreds of regions a step, each paying a wake-up).
+    """
 
     def __init__(self, engine: TextEngine, metrics: Metrics, queue_size: int) -> None:
         self.engine, self.metrics = engine, metrics
@@ -49,8 +57,8 @@ class Worker:
         from engine.decode.batch import batcher_for
 
         self.batch = batcher_for(engine)
-        self.thread = threading.Thread(target=self._batch_loop if self.batch else self._loop, name="spectune-engine",
-                                       daemon=True)
+        self.thread = threading.Thread(target=self.run, name="spectune-engine", daemon=True)
+        self.running_in: threading.Thread | None = None  # the thread running the loop, while it runs
 
     def _waiting(self) -> int:
         return self.jobs.qsize() + (self.batch.queued if self.batch is not None else 0)
@@ -63,14 +71,28 @@ class Worker:
         self.metrics.waiting.labels(self.metrics.model).set(self._waiting())
 
     def alive(self) -> bool:
-        return self.thread.is_alive()
+        return self.running_in is not None and self.running_in.is_alive()
 
     def start(self) -> None:
+        """Run the loop in a thread of its own."""
         self.thread.start()
+
+    def run(self) -> None:
+        """Run the loop in the calling thread until `stop_soon` (or `stop`)."""
+        self.running_in = threading.current_thread()
+        try:
+            (self._batch_loop if self.batch else self._loop)()
+        finally:
+            self.running_in = None
+
+    def stop_soon(self) -> None:
+        """Ask the loop to end after the step in flight (safe from a signal handler)."""
+        self.jobs.put_nowait(None)
 
     def stop(self) -> None:
         self.jobs.put(None)
-        self.thread.join(timeout=30)
+        if self.thread.is_alive():
+            self.thread.join(timeout=30)
 
     def _batch_loop(self) -> None:
         m, be = self.metrics, self.batch

@@ -354,6 +354,48 @@ def test_tuner_serve_command_serves_until_terminated() -> None:
     assert f"on http://127.0.0.1:{port}/v1" in out
 
 
+def test_serve_decodes_in_the_main_thread_and_stops_on_sigterm(cfg, engine, monkeypatch) -> None:
+    """`serve` (what `tuner serve` runs) steps the engine in the thread that loaded it, with uvicorn
+    beside it, and a SIGTERM ends both."""
+    import os
+    import signal
+    import time
+
+    from engine.decode.batch import BatchEngine
+    from engine.serving.server import serve
+
+    stepped_in: set[str] = set()
+    real = BatchEngine.step
+
+    def step(self) -> None:
+        stepped_in.add(threading.current_thread().name)
+        real(self)
+
+    monkeypatch.setattr(BatchEngine, "step", step)
+    settings = cfg.serve.model_copy(update={"host": "127.0.0.1", "port": free_port()})
+    got: dict = {}
+
+    def client() -> None:
+        url = f"http://127.0.0.1:{settings.port}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                got["r"] = httpx.post(f"{url}/v1/completions", timeout=30, json={
+                    "model": cfg.model.name, "prompt": "a b a b", "max_tokens": 5, "temperature": 0}).json()
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    threading.Thread(target=client, daemon=True).start()
+    t = time.monotonic()
+    serve(engine, cfg.model, settings)  # returns on the SIGTERM
+    assert time.monotonic() - t < 30 and got["r"]["usage"]["completion_tokens"] >= 1
+    assert stepped_in == {threading.main_thread().name}
+    assert signal.getsignal(signal.SIGTERM) == before  # the old handler is back
+
+
 def test_tuner_serve_on_a_busy_port_is_a_user_error(capsys) -> None:
     import socket
 
