@@ -1,14 +1,17 @@
 """tuner.study.measurer.Measurer over the built-in engine (tiny random model): a level of N plays at
 least N requests; every suffix run starts from one cache state, so a later trial never wins by a
-cache earlier trials warmed, and held-out runs meet a cache that saw the tuning prompts only."""
+cache earlier trials warmed, and held-out runs meet a cache that saw the tuning prompts only. Over a
+launched server (the fake vLLM) every suffix pass runs on a server that served no pass before."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from engine.drafters.suffix import clear_caches
 from engine.measure.workloads import Prompt
-from helpers import engine_for, fake_engine_exe
+from helpers import engine_for, fake_engine_exe, free_port
 from tuner.schema.compose import load_config
 from tuner.schema.config import SpecConfig, UserError
 from tuner.study.measurer import Measurer, engine_target_for, make_measure, open_launcher
@@ -100,3 +103,56 @@ def test_open_launcher_on_cpu_serves_the_local_checkpoint(tmp_path) -> None:
 def test_open_launcher_refuses_the_builtin_engine() -> None:
     with pytest.raises(UserError, match="not a launched engine"):
         open_launcher(load_config([]))
+
+
+def test_every_suffix_pass_on_a_launched_server_meets_an_empty_cache(tmp_path) -> None:
+    # vLLM keeps its suffix cache in its process: a trial's second repeat, its second concurrency
+    # level or the held-out pass would draft from the responses of the passes before it. Each
+    # suffix pass therefore runs on a server that served nothing before (fake vLLM, two levels).
+    import optuna
+
+    from engine.launch.launcher import Launcher
+    from tuner.schema.config import LaunchedEngineConfig
+    from tuner.search.space import SearchSpace
+    from tuner.study.measurer import make_launched_measure
+    from tuner.study.objective import Objective
+
+    cfg = load_config(["model=tiny-random", "+workload=code", "workload.concurrency=[1,2]", "workload.max_new_tokens=3",
+                       "search=quick", "search.repeats_min=2", "search.repeats_max=2"])
+    record, requests = tmp_path / "record.jsonl", tmp_path / "requests.jsonl"
+    ecfg = LaunchedEngineConfig(executable=fake_engine_exe(tmp_path, "vllm"), port=free_port(), startup_timeout_s=20,
+                                env={"FAKE_RECORD": str(record), "FAKE_REQUESTS": str(requests), "FAKE_STARTUP_S": "0",
+                                     "FAKE_CHILD": "0", "FAKE_TOKEN_S": "0.001"})
+    launcher = Launcher("vllm", ecfg, "/models/m", served_model_name="m", log_dir=tmp_path / "logs",
+                        stop_timeout_s=3.0, poll_s=0.02)
+    prompts = {"tune": [Prompt("t0", "def fib(n):", "x")], "heldout": [Prompt("h0", "def f(x):", "x")]}
+    m = make_launched_measure(launcher, cfg, prompts)
+    passes: list[tuple[int, str, int]] = []  # (server pid, method, requests played)
+    real = m.target_for
+
+    def spy(spec):
+        t = real(spec)
+        run = t.run
+        t.run = lambda ps, params, c: passes.append((launcher.pid, spec.method, len(ps))) or run(ps, params, c)
+        return t
+
+    m.target_for = spy
+    objective = Objective(optuna.create_study(), SearchSpace.from_config(cfg), m, cfg.workload, cfg.search)
+    suffix = SUFFIX.model_copy(update={"suffix_max_requests": 100})
+    with launcher:
+        tune = objective.evaluate(suffix, "tune")
+        heldout = objective.evaluate(suffix, "heldout", repeats_max=1)
+    # tune: 4 suffix passes on 4 servers + 1 for the baseline (its 4 passes share one server: they
+    # keep nothing); held-out: 2 suffix servers + the baseline's. Reusing servers would start 3 + 1.
+    assert (tune["repeats"], tune["server_starts"], heldout["server_starts"], launcher.starts) == (2, 5, 3, 8)
+    served = [p for p, method, _ in passes if method == "suffix"]
+    assert len(served) == 6 and len(set(served)) == 6  # no suffix pass on a server that served one before
+    by_pid: dict[int, int] = {}
+    for line in requests.read_text().splitlines():
+        pid = json.loads(line)["pid"]
+        by_pid[pid] = by_pid.get(pid, 0) + 1
+    for pid, method, n in passes:  # what each suffix server received is its one pass, nothing more
+        if method == "suffix":
+            assert by_pid[pid] == n
+    assert all("suffix" in " ".join(json.loads(r)["argv"]) for r in record.read_text().splitlines()
+               if json.loads(r)["pid"] in served)

@@ -108,6 +108,12 @@ class SpecConfig(Strict):
     def is_chain(self) -> bool:
         return self.topk == 1
 
+    @property
+    def remembers_requests(self) -> bool:
+        """Whether its drafter keeps what earlier requests generated (SuffixDecoding's global tree):
+        a pass then depends on the passes before it, so each one must start from a known cache."""
+        return self.method == "suffix" and self.suffix_max_requests > 0
+
     def key(self) -> str:
         """Short human-readable identity, e.g. 'eagle d5 k4 b8' or 'off'."""
         if self.method == "off":

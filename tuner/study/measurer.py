@@ -2,8 +2,10 @@
 built-in engine (in this process) or over a launched vLLM / SGLang server (HTTP).
 
 Both go through the one load generator (engine.measure.runner), so a trial's figures mean the same on
-every engine. A launched server is restarted only when its flags change, and its start-up is
-never part of a measurement (it runs outside the trial's clock, tuner.study.limits).
+every engine. A launched server is restarted when its flags change, and before every pass of a
+spec that remembers earlier requests (suffix: vLLM's cache cannot be restored, only emptied with
+its process); a start-up is never part of a measurement (it runs outside the trial's clock,
+tuner.study.limits).
 """
 
 from __future__ import annotations
@@ -94,7 +96,9 @@ class Measurer:
     prompts repeat until there are at least that many). A configuration that breaks requests raises
     (its trial fails). Over a launched server it also answers `serving(spec)` (is that server up
     now?) and `startups()` (cumulative start-ups and their seconds), which the objective uses to
-    measure the served spec first and to keep start-ups out of measurements."""
+    measure the served spec first and to keep start-ups out of measurements. A spec that remembers
+    earlier requests (suffix) starts every pass from one cache state: on the built-in engine the
+    one the study found (held-out: after the tuning prompts), on a launched server an empty one."""
 
     def __init__(self, target_for: Callable[[SpecConfig], Any], cfg: Config, prompts: dict[str, list[Any]],
                  launcher: Any = None, engine: Any = None) -> None:
@@ -114,15 +118,17 @@ class Measurer:
     def __call__(self, spec: SpecConfig, split: str, concurrency: int) -> Sample:
         from engine.drafters.memory import target_draft_memory
 
+        if self.launcher is not None and spec.remembers_requests:
+            self._fresh_server(spec)
         target = self.target_for(spec)
         prompts = self.prompts[split]
-        if self.engine is not None and spec.method == "suffix":
+        if self.engine is not None and spec.remembers_requests:
             self._start_suffix_run(split)
         played = [prompts[i % len(prompts)] for i in range(max(len(prompts), concurrency))] if prompts else prompts
         m = target.run(played, self.params, concurrency)
         if m.errors:  # a configuration that breaks requests is no candidate
             raise RuntimeError(f"{len(m.errors)}/{len(played)} requests failed; first: {m.errors[0]}")
-        if self.engine is not None and spec.method == "suffix" and split == "tune" and "heldout" not in self._suffix:
+        if self.engine is not None and spec.remembers_requests and split == "tune" and "heldout" not in self._suffix:
             from engine.drafters.suffix import snapshot_caches
 
             # held-out prompts meet a cache that saw the tuning prompts only, as a server would have
@@ -138,6 +144,15 @@ class Measurer:
                       itl_p50_ms=m.itl_p50_ms, itl_p99_ms=m.itl_p99_ms,
                       goodput=m.goodput(slo.ttft_p99_ms, slo.tpot_p99_ms), wall_s=m.wall_s)
 
+    def _fresh_server(self, spec: SpecConfig) -> None:
+        """A launched server's suffix cache can only be emptied by a new process: a running server
+        with these flags was started for an earlier pass of them (only passes start servers here),
+        so it is stopped and target_for starts a fresh one. Every pass of a trial's repeats and
+        levels, and the held-out pass, thus meets an empty cache; the start-up is outside the
+        trial's clock and counted in its server_starts like any other."""
+        if self.launcher.serves(spec):
+            with startup_excluded():  # stopping vLLM takes seconds: not the trial's measuring time
+                self.launcher.stop()
 
     def _start_suffix_run(self, split: str) -> None:
         """Every suffix run starts from one cache state (the one the study found), so no trial wins
