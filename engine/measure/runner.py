@@ -12,7 +12,9 @@ Two ways in, one set of figures (`Measurement`):
 
 Per request: TTFT = first streamed token(s) - arrival; TPOT = (e2e - TTFT) / (tokens - 1) (not ITL:
 under speculation one chunk can carry several tokens); ITL = gaps between streamed chunks.
-`measure` adds warm-up and repeats and reports medians with a 95% confidence interval.
+`measure` adds warm-up and repeats and reports medians with a 95% confidence interval; an
+in-process target starts each of them from the suffix cache its first pass found (a suffix spec's
+global tree would otherwise hand a repeated prompt its own earlier answer).
 """
 
 from __future__ import annotations
@@ -138,9 +140,10 @@ def run_inprocess(engine: TextEngine, prompts: Sequence[Prompt], params: Samplin
     stamps: list[list[float]] = [[] for _ in prompts]
     arrivals = [0.0] * len(prompts)
     ends: list[float] = [0.0] * len(prompts)
-    t0 = time.perf_counter()
-    from engine.decode.batch import batcher_for  # torch: only for in-process runs
+    # torch: only for in-process runs; imported before the clock starts (a first import takes seconds)
+    from engine.decode.batch import batcher_for
 
+    t0 = time.perf_counter()
     batch = batcher_for(engine) if concurrency > 1 else None
     if batch is not None:
         def on_tokens(i: int, _toks: list[int]) -> None:
@@ -309,7 +312,8 @@ def run_http(base_url: str, model: str, prompts: Sequence[Prompt], params: Sampl
 
 
 class LoadTarget(Protocol):
-    """Something `measure` can play prompts against (not engine.models.target.Target, the loaded model)."""
+    """Something `measure` can play prompts against (not engine.models.target.Target, the loaded model).
+    It may also have `start_pass()`, which `measure` calls before every pass (warm-up and each repeat)."""
 
     def run(self, prompts: Sequence[Prompt], params: SamplingParams, concurrency: int) -> Measurement: ...
 
@@ -318,9 +322,26 @@ class LoadTarget(Protocol):
 class InProcessTarget:
     engine: TextEngine
     chat_template: bool = True
+    # the engine's global suffix caches as this target's first pass found them (engine.drafters.suffix)
+    _suffix_start: dict[int, Any] | None = field(default=None, init=False, repr=False, compare=False)
 
     def run(self, prompts: Sequence[Prompt], params: SamplingParams, concurrency: int) -> Measurement:
         return run_inprocess(self.engine, prompts, params, concurrency, self.chat_template)
+
+    def start_pass(self) -> None:
+        """With a spec that remembers earlier requests (suffix), put the engine's suffix caches back
+        to the state this target's first pass found: every pass played through it (a bench's
+        warm-up, repeats and levels) meets the same cache, never its own earlier answers."""
+        spec = getattr(self.engine, "spec", None)
+        if spec is None or not spec.remembers_requests:  # no drafter that keeps anything across requests
+            return
+        from engine.drafters.suffix import restore_caches, snapshot_caches
+
+        target = self.engine.target  # type: ignore[attr-defined]  # the built-in engine's loaded model
+        if self._suffix_start is None:
+            self._suffix_start = snapshot_caches(target)
+        else:
+            restore_caches(target, self._suffix_start)
 
 
 @dataclass
@@ -413,11 +434,18 @@ def measure(target: LoadTarget, prompts: Sequence[Prompt], params: SamplingParam
     """
     if not prompts:
         raise ValueError("measure needs at least one prompt")
+    start = getattr(target, "start_pass", None)
+
+    def play(ps: Sequence[Prompt], c: int) -> Measurement:
+        if start is not None:  # the state a pass leaves (the suffix cache) is not the next one's start
+            start()
+        return target.run(ps, params, c)
+
     if warmup > 0:
-        target.run([prompts[i % len(prompts)] for i in range(warmup)], params, 1)
+        play([prompts[i % len(prompts)] for i in range(warmup)], 1)
     runs: list[Measurement] = []
     for _ in range(repeats):
-        runs.append(target.run(prompts, params, concurrency))
+        runs.append(play(prompts, concurrency))
         if ci_rel_width is not None and tight([m.output_tokens_per_s for m in runs], ci_rel_width, repeats_min or 2):
             break
     return Summary.of(runs)

@@ -370,3 +370,62 @@ def test_without_chat_template_both_paths_send_the_raw_text(real_cfg, real_engin
     assert m.errors == [] and m.texts == local.texts and m.output_tokens == local.output_tokens
     templated = run_inprocess(real_engine, prompts, params, chat_template=True)
     assert templated.texts != local.texts, "the chat template changes what the model sees"
+
+
+SUFFIX = ["spec.method=suffix", "spec.depth=4", "spec.budget=5", "spec.suffix_min_prob=0.0", "spec.suffix_spec_factor=2.0"]
+
+
+def test_every_pass_of_measure_starts_from_the_suffix_cache_it_found() -> None:
+    # At T=0 a suffix spec's global tree hands a repeated prompt its own earlier answer: without the
+    # restore, the warm-up and the first repeat would inflate the later repeats.
+    from engine.drafters.suffix import clear_caches
+    from engine.measure.runner import InProcessTarget
+    from engine.measure.workloads import load_prompts, sampling_params
+    from tuner.schema.compose import load_config
+
+    cfg = load_config([*REAL, *SUFFIX, "workload.num_prompts=1"])
+    engine = engine_for(cfg)
+    prompts, params = load_prompts(cfg.workload, "tune"), sampling_params(cfg.workload)
+    clear_caches(engine.target)
+    target = InProcessTarget(engine, chat_template=cfg.workload.chat_template)
+    s = measure(target, prompts, params, 1, warmup=1, repeats=2)
+    assert s.runs[0].tau == s.runs[1].tau and s.runs[0].texts == s.runs[1].texts
+    again = measure(target, prompts, params, 1, warmup=0, repeats=1)  # a later call: the same starting cache
+    assert again.runs[0].tau == s.runs[0].tau
+    clear_caches(engine.target)  # the control: a target without start_pass meets its own answers
+    class Bare:
+        def run(self, ps, p, c):
+            return target.run(ps, p, c)
+
+    b = measure(Bare(), prompts, params, 1, warmup=0, repeats=2)
+    assert b.runs[0].tau == s.runs[0].tau and b.runs[1].tau > b.runs[0].tau
+
+
+def test_bench_of_a_suffix_spec_starts_every_pass_from_the_cache_it_started_with(capsys) -> None:
+    import json
+
+    from engine.drafters.suffix import clear_caches
+    from tuner.cli import main
+    from tuner.schema.compose import load_config
+
+    args = ["bench", *REAL, *SUFFIX, "workload.num_prompts=1", "--json"]
+    engine = engine_for(load_config(REAL))
+    taus = []
+    for passes in (["bench.warmup=0", "bench.repeats=1"], ["bench.warmup=1", "bench.repeats=2"]):
+        clear_caches(engine.target)  # one target per process: its caches are shared by every engine on it
+        assert main([*args, *passes]) == 0
+        taus.append(json.loads(capsys.readouterr().out)["tau"])
+    assert taus[1] == taus[0]  # both repeats as the one pass: neither met the warm-up's or the other's answer
+
+
+def test_a_launched_suffix_bench_says_its_passes_share_the_servers_cache() -> None:
+    from tuner.cli.bench import launched_cache_note
+    from tuner.schema.compose import load_config
+
+    vllm = ["engine=vllm", *REAL[:1], *SUFFIX, "+workload=code"]
+    note = launched_cache_note(load_config(vllm), 1)
+    assert note is not None and "\n" not in note and "engine=vllm" in note and "suffix cache" in note
+    assert launched_cache_note(load_config([*vllm, "bench.warmup=0", "bench.repeats=1"]), 1) is None
+    assert launched_cache_note(load_config([*vllm, "bench.warmup=0", "bench.repeats=1"]), 2) is not None
+    assert launched_cache_note(load_config([*vllm, "spec.suffix_max_requests=0"]), 1) is None
+    assert launched_cache_note(load_config([*REAL[:1], *SUFFIX, "+workload=code"]), 1) is None  # built-in: restored

@@ -102,6 +102,11 @@ def bench(cfg: Config, url: str | None = None, model: str | None = None) -> dict
         raise UserError("bench.baseline=true with --url: a running endpoint cannot switch speculation off")
     if url is not None and model is None:
         model = _served_model(url)
+    note = launched_cache_note(cfg, len(levels)) if url is None else None
+    if note:
+        import sys
+
+        print(note, file=sys.stderr)
     with _targets(cfg, url, model) as target_for:
         # All levels of one spec before the other: a launched engine restarts only once.
         for lvl in levels:
@@ -131,6 +136,22 @@ def bench(cfg: Config, url: str | None = None, model: str | None = None) -> dict
     out.update(levels[0])
     out["levels"] = levels
     return out
+
+
+def launched_cache_note(cfg: Config, n_levels: int) -> str | None:
+    """The line a bench of a launched engine prints when several passes of a spec that remembers
+    earlier requests (suffix) share one server: unlike the built-in engine's, vLLM's suffix cache
+    cannot be put back between passes, so the later ones draft from the earlier ones' responses."""
+    from tuner.study.measurer import LAUNCHED
+
+    b, spec = cfg.bench, cfg.spec
+    if cfg.engine.kind not in LAUNCHED or not spec.remembers_requests or int(b.warmup > 0) + b.repeats * n_levels < 2:
+        return None
+    return (f"note: engine={cfg.engine.kind} spec.method={spec.method}: the warm-up, repeats and concurrency levels "
+            f"share one server, whose suffix cache keeps their responses (spec.suffix_max_requests="
+            f"{spec.suffix_max_requests}): repeated prompts draft from them, so tau and tok/s read above what new "
+            "prompts get (bench.warmup=0 bench.repeats=1 at one level measures one pass on an empty cache; a "
+            "study restarts the server per pass)")
 
 
 def _ms(d: dict[str, Any], key: str) -> str:
