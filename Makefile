@@ -67,11 +67,13 @@ vllm: $(VLLM_STAMP)
 # ARCTIC_INFERENCE_PRECOMPILED_OPS=1 (left unset), so the build needs a C++20 compiler and
 # Python headers, not CUDA. Its gRPC stubs (for its embedding server, unused here) are skipped
 # without grpcio-tools, which would pull a protobuf older than vLLM's.
+# Dockerfile.vllm-suffix builds the same into the vLLM image (`make image`, below).
 ARCTIC_VERSION ?= 0.3.0
+NANOBIND_VERSION ?= 2.9.2
 ARCTIC_STAMP := $(VLLM_VENV)/.spectune-arctic-$(ARCTIC_VERSION)
 
 $(ARCTIC_STAMP): $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pip install -q "setuptools>=61" nanobind==2.9.2 cmake
+	$(VLLM_VENV)/bin/python -m pip install -q "setuptools>=61" nanobind==$(NANOBIND_VERSION) cmake
 	PATH="$(abspath $(VLLM_VENV))/bin:$$PATH" $(VLLM_VENV)/bin/python -m pip install -q \
 	  --no-build-isolation --no-deps arctic-inference==$(ARCTIC_VERSION)
 	$(VLLM_VENV)/bin/python -c "from arctic_inference.suffix_decoding import SuffixDecodingCache"
@@ -96,13 +98,15 @@ sglang: $(SGLANG_VENV)/.spectune-sglang
 # tests/test_image.py checks both against `make -n image`). The default repository holds no published
 # images: build them (`make image`, a Docker daemon; or buildah: DOCKER="buildah --storage-driver vfs")
 # and push them to yours: `make image push IMAGE_REPO=registry.example/team`, then render with
-# image_repo=registry.example/team (docs/deploy.md, "Images").
+# image_repo=registry.example/team (docs/deploy.md, "Images"). The vLLM server with arctic-inference
+# (a spec.method=suffix winner on deploy=vllm) is tagged with the vLLM release it is built on too.
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 IMAGE_REPO ?= ghcr.io/spectune
 IMAGE := $(IMAGE_REPO)/spectune
 VLLM_IMAGE := $(IMAGE_REPO)/spectune-vllm
+VLLM_SUFFIX_IMAGE := $(IMAGE_REPO)/spectune-vllm-suffix:$(VERSION)-vllm-v$(VLLM_VERSION)
 DOCKER ?= docker
-IMAGE_TAGS := $(IMAGE):$(VERSION) $(IMAGE):$(VERSION)-cuda $(VLLM_IMAGE):$(VERSION)
+IMAGE_TAGS := $(IMAGE):$(VERSION) $(IMAGE):$(VERSION)-cuda $(VLLM_IMAGE):$(VERSION) $(VLLM_SUFFIX_IMAGE)
 
 .PHONY: image push image-check
 
@@ -110,6 +114,8 @@ image:
 	$(DOCKER) build --build-arg VARIANT=cpu -t $(IMAGE):$(VERSION) .
 	$(DOCKER) build --build-arg VARIANT=cuda -t $(IMAGE):$(VERSION)-cuda .
 	$(DOCKER) build -f Dockerfile.vllm --build-arg VLLM_BASE=vllm/vllm-openai:v$(VLLM_VERSION) -t $(VLLM_IMAGE):$(VERSION) .
+	$(DOCKER) build -f Dockerfile.vllm-suffix --build-arg VLLM_BASE=vllm/vllm-openai:v$(VLLM_VERSION) \
+	  --build-arg ARCTIC_VERSION=$(ARCTIC_VERSION) --build-arg NANOBIND_VERSION=$(NANOBIND_VERSION) -t $(VLLM_SUFFIX_IMAGE) .
 
 # The tags `make image` built, to IMAGE_REPO (log in to the registry first: `docker login` / `buildah login`).
 push:

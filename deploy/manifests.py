@@ -298,7 +298,7 @@ def deployment(p: Plan, config_hash: str) -> k.V1Deployment:
     pod_sc, container_sc = security_contexts(BUILTIN_UID if non_root else None)
     container = k.V1Container(
         name="server",
-        image=deploy_image(p.cfg),
+        image=deploy_image(p.cfg, p.served.spec),
         image_pull_policy="IfNotPresent",
         command=p.command,
         args=p.args,

@@ -107,16 +107,19 @@ def test_the_image_commands_exist_in_the_venv_and_run_help() -> None:
 def test_manifests_reference_exactly_the_tags_make_image_builds() -> None:
     tags = _make_image_tags()
     assert tags == [f"ghcr.io/spectune/spectune:{VERSION}", f"ghcr.io/spectune/spectune:{VERSION}-cuda",
-                    f"ghcr.io/spectune/spectune-vllm:{VERSION}"]
+                    f"ghcr.io/spectune/spectune-vllm:{VERSION}",
+                    f"ghcr.io/spectune/spectune-vllm-suffix:{VERSION}-vllm-v{_make_var('VLLM_VERSION')}"]
     # the defaults the renderers use
     from tuner.schema.compose import load_config
 
-    from tuner.schema.config import deploy_image, spectune_image
+    from tuner.schema.config import SpecConfig, deploy_image, spectune_image
 
     cfg = load_config([])
     assert cfg.image_tag == VERSION
-    assert deploy_image(cfg) in tags
-    assert [spectune_image(cfg, v) for v in ("cpu", "cuda", "vllm")] == tags  # one setting, every variant
+    assert deploy_image(cfg, cfg.spec) in tags
+    assert [spectune_image(cfg, v) for v in ("cpu", "cuda", "vllm")] == tags[:3]  # one setting, every variant
+    vllm = load_config(["deploy=vllm", "hardware=h200x1"])
+    assert deploy_image(vllm, SpecConfig(method="suffix", depth=4, budget=5)) == tags[3]  # vLLM + arctic-inference
     # every spectune image in a committed or golden manifest
     refs = set()
     for f in [*(ROOT / "k8s").rglob("*.yaml"), *(ROOT / "tests" / "golden").rglob("*.yaml")]:
@@ -126,6 +129,33 @@ def test_manifests_reference_exactly_the_tags_make_image_builds() -> None:
 
 def _make_n(*args: str) -> str:
     return subprocess.run(["make", "-n", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+
+def _make_var(name: str) -> str:
+    """A `NAME ?= value` default of the Makefile."""
+    m = re.search(rf"^{name} \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert m, f"Makefile: no {name} ?= default"
+    return m.group(1)
+
+
+def test_the_vllm_suffix_image_pins_what_make_vllm_suffix_installs() -> None:
+    """Dockerfile.vllm-suffix (vLLM's server for a suffix winner) builds arctic-inference as `make
+    vllm-suffix` does, from the same pinned versions, on the vLLM image the deploy config names."""
+    dfp = _parse("Dockerfile.vllm-suffix")
+    args = dict(a.split("=", 1) for ins in dfp.structure if ins["instruction"] == "ARG" for a in [ins["value"]] if "=" in a)
+    vllm = yaml.safe_load((ROOT / "conf/deploy/vllm.yaml").read_text())
+    assert args["VLLM_BASE"] == f"vllm/vllm-openai:v{_make_var('VLLM_VERSION')}" == f"{vllm['image']}:{vllm['image_tag']}"
+    assert args["ARCTIC_VERSION"] == _make_var("ARCTIC_VERSION") and args["NANOBIND_VERSION"] == _make_var("NANOBIND_VERSION")
+    assert [i["value"] for i in dfp.structure if i["instruction"] == "FROM"] == ["${VLLM_BASE}"]
+    runs = " ".join(i["value"] for i in dfp.structure if i["instruction"] == "RUN")
+    assert "pip install --no-cache-dir -q --no-build-isolation --no-deps arctic-inference==${ARCTIC_VERSION}" in runs
+    assert "nanobind==${NANOBIND_VERSION}" in runs and "from arctic_inference.suffix_decoding import" in runs
+    make = _make_n("-B", "vllm-suffix")
+    assert f"--no-build-isolation --no-deps arctic-inference=={args['ARCTIC_VERSION']}" in make
+    assert f"nanobind=={args['NANOBIND_VERSION']}" in make
+    build = next(ln for ln in _make_n("image").replace("\\\n", " ").splitlines() if "Dockerfile.vllm-suffix" in ln)
+    for name in ("VLLM_BASE", "ARCTIC_VERSION", "NANOBIND_VERSION"):
+        assert f"--build-arg {name}={args[name]}" in build
 
 
 def test_push_sends_the_tags_image_builds_to_image_repo() -> None:
@@ -139,7 +169,10 @@ def test_push_sends_the_tags_image_builds_to_image_repo() -> None:
     pushed = re.search(r"for tag in ([^;]+);", _make_n("push", f"IMAGE_REPO={repo}")).group(1).split()
     assert built == pushed and all(t.startswith(repo + "/") for t in built)
     cfg = load_config([f"image_repo={repo}"])
-    assert [spectune_image(cfg, v) for v in ("cpu", "cuda", "vllm")] == built
+    assert [spectune_image(cfg, v) for v in ("cpu", "cuda", "vllm")] == built[:3]
+    from tuner.schema.config import vllm_suffix_image
+
+    assert vllm_suffix_image(load_config([f"image_repo={repo}", "deploy=vllm"])) == built[3]
 
 
 def test_image_check_builds_from_a_debian_base_with_buildah_and_runs_the_image() -> None:

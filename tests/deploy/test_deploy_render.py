@@ -649,3 +649,36 @@ def test_replace_rollout_and_a_min_available_budget(tmp_path: Path) -> None:
     assert docs["pdb.yaml"]["spec"]["minAvailable"] == 2 and "maxUnavailable" not in docs["pdb.yaml"]["spec"]
     assert "downtime with one replica" in _line(tmp_path / "deployment.yaml", "maxSurge: 0")
     assert check_dir(tmp_path, "1.33") == []
+
+
+def test_a_suffix_winner_on_vllm_runs_the_vllm_image_with_arctic_inference(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture) -> None:
+    # vLLM imports arctic-inference for method suffix and the stock image has none: the Deployment
+    # runs spectune's image of it (Dockerfile.vllm-suffix, `make image`), from image_repo/image_tag.
+    base = ["model=llama-3.1-8b-instruct", "hardware=h200x1", "deploy=vllm"]
+    cfg = load_config(base)
+    want = f"ghcr.io/spectune/spectune-vllm-suffix:{cfg.image_tag}-vllm-{cfg.deploy.image_tag}"
+    run = tmp_path / "run"
+    save_config(cfg, run / "config.yaml")
+    best = _best(SpecConfig(method="suffix", depth=4, budget=5), None, "llama-3.1-8b-instruct", "h200x1", "vllm")
+    (run / "best.yaml").write_text(yaml.safe_dump(best.model_dump(mode="json")))
+    assert main(["render", "--from", str(run), "--out", str(tmp_path / "k8s")]) == 0
+    out, err = capsys.readouterr()
+    c = _container(tmp_path / "k8s")
+    assert c["image"] == want and c["command"] == ["vllm", "serve"]
+    assert json.loads(_opt(c["args"], "--speculative-config"))["method"] == "suffix"
+    assert f"note: {want} is not published" in err and ", valid)" in out  # strictly validated by the render
+    # one setting names every spectune image; other methods and a user's own image are served as given
+    render(load_config([*base, "spec.method=suffix", "spec.depth=4", "image_repo=registry.example.com/team"]),
+           None, tmp_path / "repo")
+    assert _container(tmp_path / "repo")["image"] == want.replace("ghcr.io/spectune", "registry.example.com/team")
+    render(load_config([*base, "spec.method=ngram", "spec.depth=4"]), None, tmp_path / "ngram")
+    assert _container(tmp_path / "ngram")["image"] == f"vllm/vllm-openai:{cfg.deploy.image_tag}"
+    render(load_config([*base, "spec.method=suffix", "spec.depth=4", "deploy.image=registry.example.com/team/vllm-arctic",
+                        "deploy.image_tag=v1"]), None, tmp_path / "own")
+    assert _container(tmp_path / "own")["image"] == "registry.example.com/team/vllm-arctic:v1"
+    # without a vLLM release there is no image to name: one line, exit 2
+    assert main(["render", *base, "spec.method=suffix", "spec.depth=4", "deploy.image_tag=null",
+                 "--out", str(tmp_path / "untagged")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "deploy.image_tag=null with spec.method=suffix" in err[0]

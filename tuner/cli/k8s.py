@@ -52,11 +52,13 @@ def _cmd_render(args: argparse.Namespace) -> int:
         print(f"note: the HPA scales on {hpa_metric_name(cfg.deploy.hpa.metric)} from the custom metrics API: "
               f"install prometheus-adapter with the rule written at the top of hpa.yaml (docs/deploy.md, "
               "Autoscaling), or set deploy.hpa.enabled=false", file=sys.stderr)
-    if cfg.deploy.image is None:  # spectune's own image (deploy=builtin)
-        from tuner.cli.cluster import image_note
-        from tuner.schema.config import deploy_image
+    from tuner.schema.config import deploy_image
 
-        image_note(cfg, deploy_image(cfg))
+    image = deploy_image(cfg, plan.served.spec)
+    if image.startswith(f"{cfg.image_repo}/"):  # spectune's own (deploy=builtin, vLLM with arctic-inference)
+        from tuner.cli.cluster import image_note
+
+        image_note(cfg, image)
     errors = check_dir(files[0].parent, cfg.deploy.k8s_version)
     for line in errors:  # never expected: a failure here is a renderer bug, reported like --check does
         print(line, file=sys.stderr)

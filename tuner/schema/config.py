@@ -555,7 +555,8 @@ class Config(_Strict):
     cache_dir: str | None = None  # None: ~/.cache/spectune (converted models, trained heads)
     seed: int = 0
     # spectune's own images (the built-in server, the tuner workers) as `make image` tags them:
-    # IMAGE_REPO/spectune:TAG, :TAG-cuda, IMAGE_REPO/spectune-vllm:TAG (spectune_image). The default
+    # IMAGE_REPO/spectune:TAG, :TAG-cuda, IMAGE_REPO/spectune-vllm:TAG (spectune_image), and the vLLM
+    # server with arctic-inference IMAGE_REPO/spectune-vllm-suffix:TAG-vllm-VLLM_TAG. The default
     # repository publishes none: `make image push IMAGE_REPO=...`, then image_repo=... (docs/deploy.md).
     image_repo: str = DEFAULT_IMAGE_REPO
     image_tag: str = "0.1.0"
@@ -607,11 +608,28 @@ def spectune_image(cfg: "Config", variant: Literal["cpu", "cuda", "vllm"] = "cpu
     return f"{cfg.image_repo}/{name}:{cfg.image_tag}{'-cuda' if variant == 'cuda' else ''}"
 
 
-def deploy_image(cfg: "Config") -> str:
-    """The serving Deployment's image: deploy.image:deploy.image_tag, or spectune's own (deploy=builtin)."""
+STOCK_VLLM_IMAGES = ("vllm/vllm-openai", "docker.io/vllm/vllm-openai")  # conf/deploy/vllm.yaml's: no arctic-inference
+
+
+def vllm_suffix_image(cfg: "Config") -> str:
+    """spectune's vLLM server with arctic-inference (Dockerfile.vllm-suffix) as `make image` tags it:
+    built on vllm/vllm-openai:deploy.image_tag, so its tag names that vLLM release after image_tag."""
+    tag = cfg.deploy.image_tag
+    if tag is None:
+        raise UserError("deploy.image_tag=null with spec.method=suffix: spectune's vLLM image with arctic-inference is "
+                        "built on one vLLM release; give deploy.image_tag=vX.Y.Z (make image VLLM_VERSION=X.Y.Z builds it)")
+    return f"{cfg.image_repo}/spectune-vllm-suffix:{cfg.image_tag}-vllm-{tag}"
+
+
+def deploy_image(cfg: "Config", spec: SpecConfig) -> str:
+    """The serving Deployment's image for serving `spec`: deploy.image:deploy.image_tag, spectune's own
+    (deploy=builtin), or, for a vLLM server of spec.method=suffix where deploy.image is the stock vLLM
+    image (which lacks the arctic-inference that method imports), spectune's vLLM image with it."""
     d = cfg.deploy
     if d.image is None:
         return spectune_image(cfg)
+    if d.target == "vllm" and spec.method == "suffix" and d.image in STOCK_VLLM_IMAGES:
+        return vllm_suffix_image(cfg)
     return f"{d.image}:{d.image_tag}" if d.image_tag else d.image
 
 
