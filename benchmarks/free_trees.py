@@ -56,14 +56,18 @@ def run(engine, prompts: list[list[int]], spec: SpecConfig, params: SamplingPara
 
     clear_caches(engine.target)
     engine.set_spec(spec)
-    new = fwd = 0
+    new = fwd = steps = drafted = 0
+    draft_s = 0.0
     toks, t0 = [], time.perf_counter()
     for p in prompts:
         r = engine.generate(p, params)
         new, fwd = new + r.stats.new_tokens, fwd + r.stats.target_forwards
+        steps, drafted, draft_s = steps + r.stats.draft_steps, drafted + r.stats.drafted_tokens, draft_s + r.stats.draft_s
         toks.append(r.tokens)
     s = time.perf_counter() - t0
+    # what a step costs: drafting time, and the rows the target verifies (the root plus the drafted nodes)
     return {"config": spec.key(), "tau": new / max(fwd, 1), "tok_s": new / s, "tokens": toks,
+            "draft_ms": 1e3 * draft_s / steps if steps else 0.0, "rows": 1 + drafted / steps if steps else 1.0,
             "wired": getattr(engine.drafter, "updates", 1) > 0}
 
 
@@ -205,14 +209,20 @@ def main() -> int:
         top = max(free, key=lambda r: r["speedup"]) if free else None
         summary[wl] = {"ratio": top["speedup"] / chain["speedup"] if top and chain else None,
                        "winner": top["config"] if top else None}
-    print(f"{'workload':8} {'family':17} {'config':32} {'tau':>5} {'tok/s':>7} {'speedup':>7}")
+    print(f"{'workload':8} {'family':17} {'config':32} {'tau':>5} {'tok/s':>7} {'speedup':>7} {'draft ms':>8} {'rows':>5}")
     for wl, family, r, sp in rows:
-        print(f"{wl:8} {family:17} {r['config']:32} {r['tau']:5.2f} {r['tok_s']:7.1f} {sp:7.2f}")
+        cost = f"{r['draft_ms']:8.2f} {r['rows']:5.1f}" if "draft_ms" in r else f"{'-':>8} {'-':>5}"
+        print(f"{wl:8} {family:17} {r['config']:32} {r['tau']:5.2f} {r['tok_s']:7.1f} {sp:7.2f} {cost}")
+    print("(draft ms: drafting time per verify step; rows: target rows verified per step, the root included)")
     print(json.dumps({"best_free_tree_vs_best_chain_code": summary["code"]["ratio"],
                       "best_free_tree_vs_best_chain_chat": summary["chat"]["ratio"],
                       "winner_code": summary["code"]["winner"], "winner_chat": summary["chat"]["winner"],
                       "winner_topk": winner_topk, "model": args.model, "prompts": args.prompts,
                       "max_new_tokens": args.max_new_tokens,
+                      "rows": [{"workload": wl, "family": family, "config": r["config"], "tau": round(r["tau"], 3),
+                                "speedup": round(sp, 3), "draft_ms": round(r.get("draft_ms", 0.0), 3),
+                                "rows": round(r.get("rows", 1.0), 2)} for wl, family, r, sp in rows
+                               if not family.startswith("vllm")],
                       "vllm": {f"{wl} {family}": {"config": r["config"], "tau": r["tau"], "speedup": sp}
                                for wl, family, r, sp in rows if family.startswith("vllm")} or None}))
     return 0
