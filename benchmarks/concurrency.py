@@ -157,14 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     if not levels or levels[0] < 1:
         print(f"--levels={args.levels}: each level must be >= 1", file=sys.stderr)
         return 2
+    if bad := [e for e in args.vllm_env if "=" not in e]:
+        print(f"--vllm-env {bad[0]}: KEY=VALUE", file=sys.stderr)
+        return 2
     over = ["+workload=code", f"workload.num_prompts={args.prompts}", f"workload.max_new_tokens={args.max_new_tokens}"]
     specs = _specs(depths)
     rows = run_builtin(over, specs, levels, args.repeats)
     if args.vllm:
-        bad = [e for e in args.vllm_env if "=" not in e]
-        if bad:
-            print(f"--vllm-env {bad[0]}: KEY=VALUE", file=sys.stderr)
-            return 2
         rows += run_vllm([*over, *(f"+engine.vllm.env.{k}='{v}'" for k, v in (e.split("=", 1) for e in args.vllm_env))], specs, levels, args.repeats)
 
     print(f"\nload average {os.getloadavg()[0]:.1f}; {args.prompts} HumanEval prompts, {args.max_new_tokens} new tokens, T=0")
