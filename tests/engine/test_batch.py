@@ -222,6 +222,33 @@ def test_step_batch_rows_equal_separate_steps(engine: Engine, prompts, layout: s
         assert plan.pool is None and plan.pooled is None and len(plan.alone) == 5
 
 
+@pytest.mark.parametrize("hole", [False, True])
+def test_one_row_decodes_attend_as_views_in_slot_order(engine: Engine, prompts, hole: bool, monkeypatch) -> None:
+    """Decode rows of sequences in consecutive pool slots attend with no gather ("direct"), even when
+    the caller lists them out of slot order; a free slot between them takes the gathering path.
+    Either way each sequence gets the logits of its own step."""
+    from engine.models import llama
+
+    lean = engine.lean
+    pool = llama.KVPool(lean.model, 5, 64)
+    caches = [pool.acquire(64) for _ in range(4)]
+    if hole:
+        pool.release(caches.pop(1))
+    own = [lean.new_cache(64) for _ in caches]
+    for i, (a, b) in enumerate(zip(caches, own)):
+        lean.step(a, prompts[i][:3 + 2 * i])
+        lean.step(b, prompts[i][:3 + 2 * i])
+    planned = []
+    real = llama.batch_plan
+    monkeypatch.setattr(llama, "batch_plan", lambda *a: planned.append(real(*a)) or planned[-1])
+    order = [2, 0, 1] if hole else [2, 0, 3, 1]
+    batched = lean.step_batch([caches[i] for i in order], [[7 + i] for i in order], [None] * len(order),
+                              [None] * len(order), [True] * len(order))
+    for i, (_, logits, _) in zip(order, batched):
+        torch.testing.assert_close(logits, lean.step(own[i], [7 + i])[1], rtol=1e-4, atol=1e-4)
+    assert planned[0].pooled.direct is (not hole)
+
+
 def test_the_pool_grows_keeps_its_contents_and_reuses_slots(engine: Engine, prompts) -> None:
     from engine.models.llama import KVPool
 
