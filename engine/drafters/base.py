@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Generator
+from dataclasses import dataclass
 
 import torch
 
 from engine.api import SamplingParams
-from engine.trees.tree import Tree, build_dynamic_tree
+from engine.trees.tree import Expansion, Tree, grow_dynamic_tree, run_steps
 from tuner.schema.config import SpecConfig
 
 
@@ -46,13 +48,27 @@ class Drafter(ABC):
         """A tree whose root is ids[-1]."""
 
 
+@dataclass(frozen=True)
+class CatchUp:
+    """A draft's first forward: feed the committed context `ids` the drafter has not cached yet."""
+
+    ids: list[int]
+
+
+# a draft under way: yields CatchUp, then an Expansion per tree level; is sent each one's logits
+DraftSteps = Generator[CatchUp | Expansion, torch.Tensor, Tree]
+
+
 class ModelDrafter(Drafter):
     """A drafter backed by a neural model with its own KV cache over the committed context.
 
     Subclasses implement `_catch_up(ids)` (feed committed context not yet cached, return the logits
     for the root's children) and `_run(tokens, parent_slots, positions, mask)` (run tree nodes,
     return their children's logits), plus `_rollback()` (drop the tree's cache entries).
-    The EAGLE-2 expansion (engine.trees.tree) calls `_expand` once per level with the frontier.
+    A draft is a sequence of steps (`drafting`): the catch-up, then the EAGLE-2 expansion
+    (engine.trees.tree) asks for one level at a time, which `_expand` runs. `draft` answers the
+    steps with the drafter's own forwards; engine.drafters.lockstep answers those of several
+    drafters sharing a head with one forward per step.
 
     A drafter scoring a draft vocabulary only sets `draft_vocab` (the target id of each logits
     column) and `vocab_size` (the target's): the tree is then built in draft ids (`_run` gets draft
@@ -82,6 +98,11 @@ class ModelDrafter(Drafter):
     def _rollback(self) -> None: ...
 
     def _expand(self, nodes: list[int], tokens: list[int], parents: list[int], level: int) -> torch.Tensor:
+        return self._run(tokens, *self._place(nodes, parents, level))
+
+    def _place(self, nodes: list[int], parents: list[int], level: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """Give a level's nodes the next cache slots: (their parents' slots, -1 for the root; their
+        rotary positions [1, k]; the visibility mask [1, 1, k, context + slots so far])."""
         first = self._n_slots
         k = len(nodes)
         parent_slots = [self._slot.get(p, -1) for p in parents]
@@ -96,15 +117,25 @@ class ModelDrafter(Drafter):
         mask = torch.ones(k, self._ctx_len + self._n_slots, dtype=torch.bool, device=self.device)
         mask[:, self._ctx_len:] = self._anc[first:self._n_slots, :self._n_slots]
         positions = torch.full((1, k), self._root_pos + level, device=self.device)
-        return self._run(tokens, parent_slots, positions, mask[None, None])
+        return parent_slots, positions, mask[None, None]
 
     @torch.inference_mode()
     def draft(self, ids: list[int], params: SamplingParams, generator: torch.Generator | None = None) -> Tree:
-        root_logits = self._catch_up(ids)
+        return run_steps(self.drafting(ids, params, generator), self._answer)
+
+    def _answer(self, step: CatchUp | Expansion) -> torch.Tensor:
+        """Run one step of a draft with this drafter's own forward."""
+        return self._catch_up(step.ids) if isinstance(step, CatchUp) else self._expand(*step)
+
+    def drafting(self, ids: list[int], params: SamplingParams, generator: torch.Generator | None = None) -> DraftSteps:
+        """`draft` as steps: yields CatchUp(ids) and is sent the root's children's logits [V], then
+        yields an Expansion per tree level and is sent [len(nodes), V]; returns the tree. Sampling
+        draws from `generator` in the same order however the steps are answered."""
+        root_logits = yield CatchUp(ids)
         self._slot, self._n_slots = {}, 0
         try:
-            tree = build_dynamic_tree(ids[-1], root_logits, self._expand, self.spec.depth, self.spec.topk,
-                                      self.spec.budget, temperature=params.temperature, generator=generator)
+            tree = yield from grow_dynamic_tree(ids[-1], root_logits, self.spec.depth, self.spec.topk,
+                                                self.spec.budget, temperature=params.temperature, generator=generator)
         finally:
             self._rollback()
         return tree if self.draft_vocab is None else to_target_vocab(tree, self.draft_vocab, self.vocab_size)

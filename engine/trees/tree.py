@@ -7,8 +7,9 @@ P + depth and the attention mask lets each node see the whole prefix plus its an
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -86,15 +87,59 @@ class Tree:
         return out
 
 
-# expand(nodes, tokens, parents, depth) -> draft logits [len(nodes), V] for the children of each
-# node; `nodes`/`parents` are indices into the candidate pool (0 = root).
+class Expansion(NamedTuple):
+    """One tree level to run: the frontier `nodes` (indices into the candidate pool, 0 = root), their
+    tokens and parents, and their depth `level` (1: the root's children)."""
+
+    nodes: list[int]
+    tokens: list[int]
+    parents: list[int]
+    level: int
+
+
+# expand(nodes, tokens, parents, level) -> draft logits [len(nodes), V] for the children of each node
 ExpandFn = Callable[[list[int], list[int], list[int], int], torch.Tensor]
+# a tree under construction: yields each level to run, is sent its logits, returns the tree
+TreeGrowth = Generator[Expansion, torch.Tensor, Tree]
+
+Ask = TypeVar("Ask")
+Reply = TypeVar("Reply")
+Done = TypeVar("Done")
+
+
+def run_steps(steps: Generator[Ask, Reply, Done], answer: Callable[[Ask], Reply]) -> Done:
+    """Drive a steppable computation on its own: answer each request it yields, return its result.
+    If `answer` raises, the computation is closed first (its `finally` blocks run now, not at
+    garbage collection)."""
+    reply: Reply | None = None
+    while True:
+        try:
+            ask = steps.send(reply)  # type: ignore[arg-type]  # None starts the generator
+        except StopIteration as done:
+            return done.value
+        try:
+            reply = answer(ask)
+        except BaseException:
+            steps.close()
+            raise
 
 
 def build_dynamic_tree(root: int, root_logits: torch.Tensor, expand: ExpandFn, depth: int, topk: int,
                        budget: int, temperature: float = 0.0,
                        generator: torch.Generator | None = None) -> Tree:
-    """EAGLE-2 expansion. Each level, every frontier node proposes its top-`topk` children scored by
+    """`grow_dynamic_tree` with every level run by `expand`."""
+    return run_steps(grow_dynamic_tree(root, root_logits, depth, topk, budget, temperature, generator),
+                     lambda e: expand(*e))
+
+
+def grow_dynamic_tree(root: int, root_logits: torch.Tensor, depth: int, topk: int, budget: int,
+                      temperature: float = 0.0, generator: torch.Generator | None = None) -> TreeGrowth:
+    """EAGLE-2 expansion, one level per step: yields an `Expansion` for each level after the first
+    and is sent the draft logits [len(nodes), V] of its nodes' children; returns the Tree. Being a
+    generator lets several trees grow in lockstep, their levels run in one forward
+    (engine.drafters.lockstep); `build_dynamic_tree` grows one.
+
+    Each level, every frontier node proposes its top-`topk` children scored by
     cumulative draft log-prob, and the global top-`topk` of those become the next frontier (the only
     nodes the drafter runs on). Finally the `budget-1` best candidates plus the root are kept; since a
     child never scores above its parent and ties keep the parent first, the kept set is ancestor-closed.
@@ -127,7 +172,7 @@ def build_dynamic_tree(root: int, root_logits: torch.Tensor, expand: ExpandFn, d
         tokens.append(t); parents.append(0); depths.append(1); scores.append(v)
         frontier.append(len(tokens) - 1)
     for level in range(2, depth + 1):
-        logits = expand(frontier, [tokens[i] for i in frontier], [parents[i] for i in frontier], level - 1)
+        logits = yield Expansion(frontier, [tokens[i] for i in frontier], [parents[i] for i in frontier], level - 1)
         vals, toks = children_of(frontier, logits)
         cum = vals + torch.tensor([scores[i] for i in frontier], device=vals.device)[:, None]
         flat_cum, flat_tok = cum.flatten().tolist(), toks.flatten().tolist()

@@ -233,16 +233,16 @@ def test_drafter_with_a_wrong_q_is_detected(monkeypatch: pytest.MonkeyPatch) -> 
     """Power check of the harness above: a sampled draft-model chain that records a q other than
     the one it sampled from (sampled from logits x2, recorded without) visibly biases the output."""
     from engine.trees import tree as T
-    real = T.build_dynamic_tree
+    real = T.grow_dynamic_tree
 
-    def wrong(root, root_logits, expand, depth, topk, budget, temperature=0.0, generator=None):
-        out = real(root, root_logits * 2.0, expand, depth, topk, budget, temperature, generator)
+    def wrong(root, root_logits, depth, topk, budget, temperature=0.0, generator=None):
+        out = yield from real(root, root_logits * 2.0, depth, topk, budget, temperature, generator)
         out.q[0] = torch.softmax(root_logits.float() / temperature, -1)  # not what the draft came from
         return out
 
     import engine.drafters.base as B
 
-    monkeypatch.setattr(B, "build_dynamic_tree", wrong)
+    monkeypatch.setattr(B, "grow_dynamic_tree", wrong)
     spec = SpecConfig(method="draft_model", depth=1, topk=1, budget=2, draft_model="x")
     assert _pvalue(_drafter_empirical(_draft_model_drafter, spec)) < 1e-6
 
