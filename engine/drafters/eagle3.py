@@ -7,7 +7,7 @@ import torch
 from engine.models.cache import KVBuffer
 from engine.drafters.base import ModelDrafter
 from engine.drafters.eagle import EagleDrafter
-from engine.drafters.lean_head import lean_head
+from engine.drafters.lean_head import HeadRows, lean_head
 from engine.models.eagle3_head import Eagle3Head
 from tuner.schema.config import SpecConfig
 
@@ -28,6 +28,7 @@ class Eagle3Drafter(EagleDrafter):
         self.draft_vocab = None if full else head.target_ids()
         self.lean = lean_head(head)
         self.cache = self.lean.new_cache() if self.lean is not None else KVBuffer()
+        self._lm_rows = None  # the head scores its own lm_head
         self._pending: list[torch.Tensor] = []
         self._root_feat: torch.Tensor | None = None
         self._slot_feat: list[torch.Tensor] = []
@@ -37,13 +38,15 @@ class Eagle3Drafter(EagleDrafter):
             raise RuntimeError("the EAGLE-3 drafter needs the target's aux hidden states (observe(features, aux))")
         self._pending.append(aux)
 
-    def _first(self, pending: torch.Tensor) -> torch.Tensor:
-        return self.head.fuse(pending) if self.lean is None else self.lean.fuse(pending)
+    def _first(self, pending: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        return pending, True  # the aux states: the head's fc fuses them in the forward
 
-    def _step(self, embeds: torch.Tensor, feats: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def _step(self, rows: HeadRows) -> torch.Tensor:
         if self.lean is not None:
-            return super()._step(embeds, feats, pos, mask)
-        return self.head(embeds, feats, pos, mask, self.cache)
+            return super()._step(rows)
+        feats = self.head.fuse(rows.feats) if rows.fuse else rows.feats
+        mask = None if rows.visible is None else rows.visible[None, None]
+        return self.head(rows.embeds[None], feats[None], rows.positions[None], mask, self.cache)[0]
 
     def _logits(self, feat: torch.Tensor) -> torch.Tensor:
         return self.head.logits(feat) if self.lean is None else self.lean.logits(feat)

@@ -6,16 +6,24 @@ become views of them, as the target's are), RoPE comes from a table, every linea
 `engine.models.kernels.linear` (oneDNN on CPU fp32, where MKL's small-batch GEMM costs about 3x: the 8,192-row draft lm_head over 4 rows took 2.3 ms with MKL and
 0.66 ms with oneDNN on the 2-core development machine), and the KV cache is engine.models.llama.KVCache:
 written by index, a rollback is a length change, doubling when full.
+
+One forward may carry several drafts (`step_batch`, continuous batching): their rows are
+concatenated so every linear reads the head's weights once, and each draft attends over its own
+cache with its own mask.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from engine.models.cache import KVBuffer
 from engine.models.eagle_head import EagleHead
 from engine.models.eagle3_head import Eagle3Head
 from engine.models.kernels import linear
-from engine.models.llama import Block, KVCache, _fuse, _fuse_bias, layer_forward, rms_norm, rope_table, visibility_mask
+from engine.models.llama import (Block, KVCache, _attend, _fuse, _fuse_bias, _out_mlp, _qkv, rms_norm, rope_table,
+                                 visibility_mask)
 
 
 def supports(head: torch.nn.Module) -> bool:
@@ -25,8 +33,25 @@ def supports(head: torch.nn.Module) -> bool:
         getattr(layer.mlp, n).bias is None for n in ("gate_proj", "up_proj", "down_proj"))
 
 
+@dataclass
+class HeadRows:
+    """One draft's share of a head forward: n new positions appended to its own cache."""
+
+    cache: KVCache | KVBuffer
+    embeds: torch.Tensor  # [n, h] token embeddings
+    feats: torch.Tensor  # [n, h] input features; with `fuse`, the target's aux states [n, 3h] (EAGLE-3)
+    positions: torch.Tensor  # [n] rotary positions
+    visible: torch.Tensor | None  # bool [n, cache.length + n] over the cached and new positions; None: causal
+    fuse: bool = False  # the features still go through the head's fc (an EAGLE-3 catch-up)
+
+
+def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
+    return ts[0] if len(ts) == 1 else torch.cat(ts)
+
+
 class LeanHead:
-    """One draft step of a head over n new positions: `step(cache, embeds, feats, positions, mask)`."""
+    """One draft step of a head over n new positions: `step(cache, embeds, feats, positions, mask)`,
+    or of several drafts at once: `step_batch(rows)`."""
 
     def __init__(self, head: EagleHead | Eagle3Head) -> None:
         self.eagle3 = isinstance(head, Eagle3Head)
@@ -71,13 +96,20 @@ class LeanHead:
              mask: torch.Tensor | None) -> torch.Tensor:
         """embeds, feats [n, h]; positions [n]; mask bool [n, cache.length + n] over the cached and
         new positions (None: causal). Appends the n keys/values; returns the output features [n, h]."""
-        n, p = embeds.shape[0], cache.length
-        length = p + n
-        cache.reserve(length)
+        return self.step_batch([HeadRows(cache, embeds, feats, positions, mask)])[0]
+
+    def step_batch(self, rows: list[HeadRows]) -> list[torch.Tensor]:
+        """`step` for several drafts in ONE forward: their rows concatenated (ragged), fc, q/k/v, o
+        and the MLP run once over all of them; each draft writes and attends over its own cache
+        through its own mask. Returns each draft's output features [n_i, h]."""
+        sizes = [r.embeds.shape[0] for r in rows]
+        raw = [r.feats for r in rows if r.fuse]
+        fused = iter(self.fuse(_cat(raw)).split([f.shape[0] for f in raw]) if raw else ())
+        feats = _cat([next(fused) if r.fuse else r.feats for r in rows])
+        embeds, positions = _cat([r.embeds for r in rows]), _cat([r.positions for r in rows])
         if int(positions.max()) >= self.cos.shape[0]:
             self.cos, self.sin = rope_table(self.inv_freq, self.rope_scale, int(positions.max()) + 1, self.device, self.dtype)
         cos, sin = self.cos[positions], self.sin[positions]
-        add = visibility_mask(mask, n, p, self.device, self.dtype)
         if self.eagle3:
             f = rms_norm(feats, self.hidden_norm, self.eps)
             attn_in = torch.cat([rms_norm(embeds, self.embed_norm, self.eps), f], dim=-1)
@@ -85,11 +117,19 @@ class LeanHead:
         else:
             x = attn_in = linear(torch.cat([embeds, feats], dim=-1), self.fc_w, self.fc_b)
         b = self.block
-        out = layer_forward(x, b.ln1, b.wqkv, b.bqkv, b.wo, b.ln2, b.w13, b.w2, cache.k[0], cache.v[0],
-                            torch.arange(p, length, device=self.device), cos, sin, add, length,
-                            self.n_heads, self.n_kv, self.eps, attn_in=attn_in)
-        cache.length = length
-        return out
+        q, k, v = _qkv(x, b.ln1, b.wqkv, b.bqkv, cos, sin, self.n_heads, self.n_kv, self.head_dim, self.eps, attn_in)
+        outs, at = [], 0
+        for r, n in zip(rows, sizes):  # attention is per draft: each has its own cache and tree
+            cache, p = r.cache, r.cache.length
+            length = p + n
+            cache.reserve(length)
+            add = visibility_mask(r.visible, n, p, self.device, self.dtype)
+            outs.append(_attend(q[:, at:at + n], k[:, at:at + n], v[:, at:at + n], cache.k[0], cache.v[0],
+                                torch.arange(p, length, device=self.device), add, length, self.n_heads != self.n_kv))
+            cache.length = length
+            at += n
+        out = _out_mlp(x, outs[0] if len(outs) == 1 else torch.cat(outs, dim=1), b.wo, b.ln2, b.w13, b.w2, self.eps)
+        return list(out.split(sizes)) if len(rows) > 1 else [out]
 
 
 def lean_head(head: EagleHead | Eagle3Head) -> LeanHead | None:
