@@ -1,7 +1,9 @@
 """Continuous batching for the built-in engine: every step runs ONE target forward over all active
 requests, each with its own draft tree, cache, positions and ancestor mask (engine.models.llama
 `LeanForward.step_batch`: rows concatenated; the caches are slots of one `KVPool`, so the decode
-rows of all requests attend in one call).
+rows of all requests attend in one call). Requests whose drafters share an EAGLE head draft in
+lockstep before it, one head forward per draft step for all of them (engine.drafters.lockstep);
+other drafters draft request by request.
 
 Requests join between steps and free their slot the moment they finish. A new request's prompt
 runs in the step after it joins, beside the other requests' decode rows ("mixed") or in a forward
@@ -28,7 +30,9 @@ import torch
 from engine.api import GenResult, SamplingParams, TokenCallback
 from engine.decode.loop import Decoding, Engine
 from engine.drafters import Drafter, make_drafter
+from engine.drafters.lockstep import draft_together, lockstep_groups
 from engine.models.llama import KVCache, KVPool
+from engine.trees.tree import Tree
 from tuner.schema.config import SpecConfig, UserError
 
 Band = tuple[int, int, SpecConfig]
@@ -245,14 +249,25 @@ class BatchEngine:
         return next(iter(sets), None)
 
     def _forward(self, reqs: list[Request], spec: SpecConfig | None) -> None:
-        """One target forward over `reqs`: each plans (its prompt, or a draft under `spec`)."""
+        """One target forward over `reqs`: each plans (its prompt, or a draft under `spec`; drafters
+        that share a head forward draft in lockstep first)."""
+        for req in reqs:
+            try:
+                if req.state.prefilled and spec is not None:
+                    req.state.drafter = self._drafter(req, spec)
+            except Exception as exc:  # noqa: BLE001 - a drafter that cannot be made fails its request only
+                req.error = f"{type(exc).__name__}: {exc}"
+        drafted = self._draft_in_lockstep([r for r in reqs if r.error is None])
         plans = []
         for req in reqs:
+            if req.error is not None:
+                continue
             st = req.state
             try:
-                if st.prefilled and spec is not None:
-                    st.drafter = self._drafter(req, spec)
-                tree, tokens, last_only = st.plan()
+                tree, dt = drafted.get(id(req), (None, 0.0))
+                if isinstance(tree, Exception):
+                    raise tree
+                tree, tokens, last_only = st.plan(tree, dt)
             except Exception as exc:  # noqa: BLE001 - a drafter crash fails its request only
                 req.error = f"{type(exc).__name__}: {exc}"
                 continue
@@ -287,6 +302,20 @@ class BatchEngine:
                     req.result = st.result()
             except Exception as exc:  # noqa: BLE001
                 req.error = f"{type(exc).__name__}: {exc}"
+
+    def _draft_in_lockstep(self, reqs: list[Request]) -> dict[int, tuple[Tree | Exception, float]]:
+        """Draft the requests whose drafters share a head forward together (engine.drafters.lockstep):
+        id(request) -> (its tree or the exception that failed it, the group's drafting seconds)."""
+        live = [r for r in reqs if r.state.will_draft]
+        out: dict[int, tuple[Tree | Exception, float]] = {}
+        for group in lockstep_groups([r.state.drafter for r in live]):
+            rs = [live[i] for i in group]
+            t = time.perf_counter()
+            trees = draft_together([r.state.drafter for r in rs], [r.state.ids for r in rs],
+                                   [r.state.params for r in rs], [r.state.gen for r in rs])
+            dt = time.perf_counter() - t
+            out.update({id(r): (tree, dt) for r, tree in zip(rs, trees)})
+        return out
 
     def _retire_cancelled(self) -> None:
         with self._lock:

@@ -272,16 +272,29 @@ class Decoding:
         """Committed positions in the target's cache (the root is committed but not yet cached)."""
         return self.reused if not self.prefilled else len(self.ids) - 1
 
-    def plan(self) -> tuple[Tree | None, list[int] | None, bool]:
+    @property
+    def will_draft(self) -> bool:
+        """Whether the next `plan` drafts a tree (the prompt has run and there is a drafter)."""
+        return self.prefilled and self.drafter is not None
+
+    def plan(self, drafted: Tree | None = None, draft_s: float = 0.0) -> tuple[Tree | None, list[int] | None, bool]:
         """The next forward: (tree, tokens, last_only). The prompt first (tree None), then the drafted
-        tree rooted at the last committed token; tokens None when the context is full (done)."""
+        tree rooted at the last committed token; tokens None when the context is full (done).
+        `drafted`: the tree when the caller drafted it with this request's drafter, ids, params and
+        generator (engine.decode.batch drafts several requests in lockstep), `draft_s` the seconds
+        that took."""
         if not self.prefilled:
             self._t = time.perf_counter()
             return None, self.ids[self.reused:], True
         prefix = self.prefix
         t = time.perf_counter()
         ids = self.ids
-        tree = self.drafter.draft(ids, self.params, self.gen) if self.drafter is not None else Tree([ids[-1]], [-1], [0])
+        if drafted is not None:
+            tree, t = drafted, t - draft_s
+        elif self.drafter is not None:
+            tree = self.drafter.draft(ids, self.params, self.gen)
+        else:
+            tree = Tree([ids[-1]], [-1], [0])
         self._t = time.perf_counter()
         self.stats.draft_s += self._t - t
         max_context = self.engine.max_context

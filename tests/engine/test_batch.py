@@ -1,8 +1,8 @@
 """Continuous batching (engine/decode/batch.py) on the tiny random Llama: greedy output at any batch
 size token-identical to batch 1 for every drafter, with mixed prompt lengths and requests joining
-mid-flight; a request's output never depends on its neighbours; seeded sampling identical to
-batch 1; bands switch the spec by batch size; max_batch and the KV budget hold; a cancelled or
-failing request leaves the others alone."""
+mid-flight; EAGLE heads draft in lockstep, one head forward per draft step; a request's output
+never depends on its neighbours; seeded sampling identical to batch 1; bands switch the spec by
+batch size; max_batch and the KV budget hold; a cancelled or failing request leaves the others alone."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from engine.api import SamplingParams
 from engine.decode.batch import BatchEngine, check_schedule, schedule_of, spec_for
 from engine.decode.loop import Engine
+from engine.drafters.lean_head import LeanHead
 from tuner.study.measurer import open_engine
 from tuner.schema.compose import load_config
 from tuner.schema.config import SpecConfig, UserError
@@ -63,6 +64,37 @@ def test_greedy_in_a_batch_equals_batch_1(engine: Engine, prompts, spec: SpecCon
     assert max(seen) == 3 and 1 < len(set(seen))  # really batched, and the batch size changed
     if spec.method != "off":
         assert sum(r.result.stats.drafted_tokens for r in reqs) > 0
+
+
+HEAD_SPECS = [SpecConfig(method="eagle", depth=3, topk=2, budget=6),
+              SpecConfig(method="eagle3", depth=3, topk=2, budget=6)]
+
+
+@pytest.mark.parametrize("spec", HEAD_SPECS, ids=lambda s: s.key())
+def test_heads_draft_in_lockstep_and_greedy_equals_batch_1(engine: Engine, prompts, spec: SpecConfig,
+                                                            monkeypatch) -> None:
+    """Requests of one EAGLE head draft together (engine.drafters.lockstep): one head forward per
+    draft step whatever the batch size, and the output at batch 4 is that of batch 1."""
+    params = SamplingParams(max_new_tokens=N_NEW)
+    ref = _alone(engine, spec, prompts, params)
+    be = BatchEngine(engine, max_batch=4, schedule=schedule_of(spec, 4))
+    drafts, per_step = [], []  # drafts in each head forward; head forwards before each target forward
+    real_head = LeanHead.step_batch
+    monkeypatch.setattr(LeanHead, "step_batch", lambda self, rows: drafts.append(len(rows)) or real_head(self, rows))
+    real = engine.lean.step_batch
+
+    def spy(caches, *a, **k):
+        per_step.append(len(drafts) - sum(per_step))
+        return real(caches, *a, **k)
+
+    engine.lean.step_batch = spy
+    try:
+        reqs = be.closed_loop(prompts, params, concurrency=4)
+    finally:
+        del engine.lean.step_batch
+    assert [r.result.tokens for r in reqs] == ref
+    assert max(per_step) == spec.depth  # a catch-up and depth-1 levels, never one set per request
+    assert max(drafts) == 4  # four requests' drafts in one head forward
 
 
 def test_a_requests_output_does_not_depend_on_its_neighbours(engine: Engine, prompts) -> None:
