@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from engine.models import smallm
 from engine.models.machine import cpu_signature, measured_once
 
 # The lm_head-sized layers (vocabulary rows) win on a single row too.
@@ -65,8 +66,9 @@ _ONEDNN = onednn_available()
 SKINNY_MAX_ROWS = 4  # rows up to which _cpu_linear uses the w @ x.T form on plain weights (measured 2-16 rows)
 PACK_ROWS = 16  # the row count packed weights are laid out for (verification steps are 3-64 rows)
 # CPU fp32 forms of x @ w.T on a packed target weight: oneDNN on the packed copy, MKL (F.linear), MKL
-# as w @ x.T. Which is fastest for a few rows depends on the CPU (see LinearPlan), so it is measured.
-FORMS = ("onednn", "mkl", "wxt")
+# as w @ x.T, and engine.models.smallm's few-row kernel on its own packed copy (where this machine
+# builds it). Which is fastest for a few rows depends on the CPU (see LinearPlan), so it is measured.
+FORMS = ("onednn", "mkl", "wxt", "smallm")
 PLAN_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # row counts calibrate_linears times; more rows: oneDNN
 CALIBRATE_MIN_BYTES = 32 << 20  # smaller models keep the default plan (their linears take microseconds)
 
@@ -114,21 +116,34 @@ def pack_weights(weights: list[torch.Tensor]) -> bool:
     `linear` uses outside compiled graphs. oneDNN otherwise re-lays a plain weight out on every call:
     packed, 30 layers' linears over 8 rows took 17.6 ms instead of 30.5, over 16 rows 23.7 instead
     of 38.4. The copy doubles the weights' memory, so it is made only while it takes at most a
-    quarter of physical memory. The weights must not change afterwards (the engine never does)."""
+    quarter of physical memory. The weights must not change afterwards (the engine never does).
+    Where the few-row kernel builds, each weight also gets its layout (`_smallm_packed`), within the
+    same memory bound."""
     if not (_ONEDNN and weights and weights[0].device.type == "cpu" and weights[0].dtype == torch.float32):
         return False
     total = sum(w.numel() * w.element_size() for w in weights)
-    if total > os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 4:
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if total > memory / 4:
         return False
+    with_smallm = 2 * total <= memory / 4 and smallm.library() is not None
     with torch.no_grad():
         for w in weights:
             if getattr(w, "_onednn_packed", None) is None:
                 w._onednn_packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
+            if with_smallm and getattr(w, "_smallm_packed", None) is None:
+                w._smallm_packed = smallm.pack(w)
     return True
+
+
+def forms_for(w: torch.Tensor) -> tuple[str, ...]:
+    """The FORMS a packed weight can take (smallm only where it was packed for it)."""
+    return FORMS if getattr(w, "_smallm_packed", None) is not None else FORMS[:-1]
 
 
 def _form_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, form: str,
                  packed: torch.Tensor | None) -> torch.Tensor:
+    if form == "smallm":
+        return smallm.linear(x, w._smallm_packed, w.shape[0], b)
     if form == "mkl":
         return F.linear(x, w, b)
     if form == "wxt":
@@ -210,16 +225,19 @@ def calibrate_linears(model: Any, cache_dir: str | os.PathLike | None = None, co
     from engine.models.machine import cache_root
 
     weights = [w for b in model.blocks for w in (b.wqkv, b.wo, b.w13, b.w2)]
-    # the rounds in the key: plans timed before the forms took turns are measured again
-    key = f"{cpu_signature()}|torch {torch.__version__}|{sorted({tuple(w.shape) for w in weights})}|{repeats} rounds"
+    forms = forms_for(weights[0])
+    # the rounds and forms in the key: plans timed before the forms took turns, or without a form
+    # this process has, are measured again
+    key = (f"{cpu_signature()}|torch {torch.__version__}|{sorted({tuple(w.shape) for w in weights})}|{repeats} rounds"
+           f"|{','.join(forms)}")
 
     def measure(old: dict | None) -> dict:
         got = dict(old or {})
         ms = got["ms"] = dict(got.get("ms", {}))  # kept for reports: rows -> form -> ms over every layer
         if "eager" not in got:
             for n in PLAN_ROWS:
-                ms[str(n)] = {f: round(t * 1e3, 2) for f, t in _time_forms(weights, n, FORMS, repeats).items()}
-            got["eager"] = [(n, min(FORMS, key=ms[str(n)].__getitem__)) for n in PLAN_ROWS]
+                ms[str(n)] = {f: round(t * 1e3, 2) for f, t in _time_forms(weights, n, forms, repeats).items()}
+            got["eager"] = [(n, min(forms, key=ms[str(n)].__getitem__)) for n in PLAN_ROWS]
         if compiled and "compiled_one_row" not in got:  # the product-sum against an extern MKL call
             ms["1 compiled"] = {f: round(t * 1e3, 2) for f, t in _time_forms(weights, 1, ("prodsum", "mkl"), repeats).items()}
             got["compiled_one_row"] = min(("prodsum", "mkl"), key=ms["1 compiled"].__getitem__)

@@ -331,8 +331,9 @@ def restore_plan():
 @pytest.mark.parametrize("form", FORMS)
 def test_every_cpu_linear_path_equals_f_linear(rows: int, bias: bool, form: str, restore_plan) -> None:
     """Each form a LinearPlan can name for a packed weight (oneDNN on the packed copy, MKL, MKL as
-    w @ x.T), and a plain weight's own rule (w @ x.T for 2-4 rows, oneDNN otherwise), with and without
-    a bias (Qwen2's q/k/v): the same product as F.linear."""
+    w @ x.T, the few-row kernel in passes of 8 rows, its last block of columns padded: 96 is not a
+    multiple of its block), and a plain weight's own rule (w @ x.T for 2-4 rows, oneDNN otherwise),
+    with and without a bias (Qwen2's q/k/v): the same product as F.linear."""
     set_linear_plan(LinearPlan(tuple((n, form) for n in PLAN_ROWS)))
     g = torch.Generator().manual_seed(rows)
     w, x = torch.randn(96, 64, generator=g), torch.randn(rows, 64, generator=g)
@@ -395,6 +396,21 @@ def test_weights_are_not_packed_past_a_quarter_of_memory(monkeypatch) -> None:
     page = os.sysconf("SC_PAGE_SIZE")
     monkeypatch.setattr(os, "sysconf", lambda name: (w.numel() * 4 * 4 - 1) // page if name == "SC_PHYS_PAGES" else page)
     assert not pack_weights([w]) and getattr(w, "_onednn_packed", None) is None
+    # room for one packed copy but not two: oneDNN's only, and the plan never names the few-row form for it
+    monkeypatch.setattr(os, "sysconf", lambda name: (w.numel() * 4 * 8 - 1) // page if name == "SC_PHYS_PAGES" else page)
+    assert pack_weights([w]) and w._onednn_packed is not None and getattr(w, "_smallm_packed", None) is None
+    assert "smallm" not in kernels.forms_for(w)
+
+
+def test_the_few_row_kernel_builds_here_and_is_timed_by_the_calibration() -> None:
+    """This machine kind has g++ (inductor needs it): the kernel builds, every packed weight carries
+    its layout, and the calibration times it beside the other forms."""
+    from engine.models import smallm
+
+    assert smallm.library() is not None, smallm.error()
+    w = torch.randn(smallm.BW * 3, 40)
+    assert pack_weights([w]) and w._smallm_packed.shape == (3, 40, smallm.BW) and kernels.forms_for(w) == FORMS
+    assert torch.equal(w._smallm_packed[1, :, 0], w[smallm.BW])  # block 1, column 0: output row BW, k-major
 
 
 def test_the_compiled_one_row_linear_equals_f_linear() -> None:

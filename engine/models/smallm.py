@@ -1,0 +1,153 @@
+"""A CPU fp32 linear for a few rows (1-8) that reads each weight once: the "smallm" form of the
+linear plan (engine.models.kernels), built from C++ at first use with the system compiler (the one
+inductor needs anyway) for this CPU (-march=native), and measured against oneDNN and MKL before
+the plan uses it.
+
+Why: on the 2-core Xeon of docs/results.md, oneDNN's small-M GEMM over SmolLM2's decoder weights
+took 26.8 ms for 8 rows and 23.8 ms for 4, while one row streams them in 16 ms; this kernel took
+22.9 and 20.4. Verification steps (a chain of 5 rows) and batched steps of a few requests are
+exactly these shapes.
+
+Layout: the weight w [N, K] is packed as [N / BW, K, BW] (BW output columns side by side, zero rows
+padding N up to a multiple of BW), so one block streams contiguously; for each k, one vector load
+of the block's columns and one broadcast of x[m, k] per row feed M * BW/VW fused multiply-adds
+into accumulators held in registers, and y [M, BW] is stored once: no horizontal sums. Blocks are
+split over the OpenMP threads of torch's own libgomp (the .so links the runtime the process has
+already loaded, so torch's thread count is the kernel's).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+MAX_ROWS = 8  # rows per pass; more rows run in passes of 8 (the plan measures whether that pays)
+
+_SOURCE = r"""
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
+#define BW (VW * NB)
+
+template <int M>
+static void run(const float* x, const float* wp, float* y, long N, long K, int threads) {
+  long blocks = N / BW;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (long b = 0; b < blocks; ++b) {
+    const float* wb = wp + b * K * BW;
+    vf acc[NB][M];
+    for (int j = 0; j < NB; ++j)
+      for (int m = 0; m < M; ++m) acc[j][m] = (vf){};
+    for (long k = 0; k < K; ++k) {
+      __builtin_prefetch(wb + (k + 32) * BW);  /* the next lines of the stream, ahead of the loads */
+      __builtin_prefetch(wb + (k + 32) * BW + 32);
+      vf w[NB];
+      _Pragma("GCC unroll 4")
+      for (int j = 0; j < NB; ++j) w[j] = *(const vfu*)(wb + k * BW + j * VW);
+      _Pragma("GCC unroll 8")
+      for (int m = 0; m < M; ++m) {
+        float xs = x[m * K + k];
+        _Pragma("GCC unroll 4")
+        for (int j = 0; j < NB; ++j) acc[j][m] += xs * w[j];
+      }
+    }
+    for (int j = 0; j < NB; ++j)
+      for (int m = 0; m < M; ++m) *(vfu*)(y + m * N + b * BW + j * VW) = acc[j][m];
+  }
+}
+
+extern "C" int smallm_linear(const float* x, const float* wp, float* y, long M, long N, long K, int threads) {
+  switch (M) {
+    case 1: run<1>(x, wp, y, N, K, threads); return 0;
+    case 2: run<2>(x, wp, y, N, K, threads); return 0;
+    case 3: run<3>(x, wp, y, N, K, threads); return 0;
+    case 4: run<4>(x, wp, y, N, K, threads); return 0;
+    case 5: run<5>(x, wp, y, N, K, threads); return 0;
+    case 6: run<6>(x, wp, y, N, K, threads); return 0;
+    case 7: run<7>(x, wp, y, N, K, threads); return 0;
+    case 8: run<8>(x, wp, y, N, K, threads); return 0;
+  }
+  return 1;
+}
+"""
+
+
+def _avx512() -> bool:
+    try:
+        return " avx512f " in f" {Path('/proc/cpuinfo').read_text()} "
+    except OSError:
+        return False
+
+
+# AVX-512: 16 lanes, 4 vectors of columns per block (32 accumulators at 8 rows fill the 32 registers);
+# AVX2: 8 lanes, one vector (its 16 registers hold 8 accumulators, the weights and a broadcast)
+VW, NB = (16, 4) if _avx512() else (8, 1)
+BW = VW * NB
+
+_LOCK = threading.Lock()
+_LIB: ctypes.CDLL | None = None
+_ERROR: str | None = None
+
+
+def _build() -> ctypes.CDLL:
+    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", f"-DVW={VW}", f"-DNB={NB}"]
+    tag = hashlib.sha256((_SOURCE + " ".join(flags)).encode()).hexdigest()[:16]
+    out = Path(tempfile.mkdtemp(prefix="spectune-smallm-")) / f"smallm-{tag}.so"
+    src = out.with_suffix(".cpp")
+    src.write_text(_SOURCE)
+    subprocess.run(["g++", *flags, str(src), "-o", str(out)], check=True, capture_output=True, text=True, timeout=120)
+    lib = ctypes.CDLL(str(out))
+    lib.smallm_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    lib.smallm_linear.restype = ctypes.c_int
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The built kernel, or None when this machine cannot build it (no g++, a failed compile: `error()` says why)."""
+    global _LIB, _ERROR
+    with _LOCK:
+        if _LIB is None and _ERROR is None:
+            try:
+                _LIB = _build()
+            except (OSError, subprocess.SubprocessError) as exc:
+                detail = getattr(exc, "stderr", "") or str(exc)
+                _ERROR = f"{type(exc).__name__}: {detail.strip().splitlines()[-1] if detail.strip() else exc}"
+        return _LIB
+
+
+def error() -> str | None:
+    """Why the kernel could not be built (None when it was, or was not tried yet)."""
+    return _ERROR
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] fp32 as [ceil(N / BW), K, BW]: each block of BW output columns contiguous, k-major."""
+    n, k = w.shape
+    pad = -n % BW
+    if pad:
+        w = torch.cat([w, w.new_zeros(pad, k)])
+    return w.detach().reshape(-1, BW, k).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ w.T (+ bias) for the weight `pack`ed into `packed` (n its output width), in passes
+    of at most MAX_ROWS rows. Needs `library()`."""
+    lib = _LIB if _LIB is not None else library()
+    if lib is None:
+        raise RuntimeError(f"smallm kernel unavailable: {_ERROR}")
+    x = x.contiguous()
+    rows, k = x.shape
+    width = packed.shape[0] * BW
+    y = x.new_empty(rows, width)
+    threads = torch.get_num_threads()
+    for r in range(0, rows, MAX_ROWS):
+        m = min(MAX_ROWS, rows - r)
+        lib.smallm_linear(x[r:r + m].data_ptr(), packed.data_ptr(), y[r:r + m].data_ptr(), m, width, k, threads)
+    if width != n:  # the padding columns of the last block
+        y = y[:, :n].contiguous()
+    return y if bias is None else y + bias
