@@ -247,11 +247,13 @@ def test_step_batch_rows_equal_separate_steps(engine: Engine, prompts, layout: s
         torch.testing.assert_close(l2, l1, rtol=1e-4, atol=1e-4)
         assert c1.length == c2.length
     plan = planned[0]
-    if layout == "pool slots":  # the four short sequences attended in one call, the long prompt alone
+    if layout == "pool slots":  # the four short sequences attended in pooled calls, the long prompt alone
         assert plan.pool is pool and len(plan.alone) == 1 and plan.alone[0].cache is many[0]
-        assert (plan.pooled.lo, plan.pooled.hi, plan.pooled.nmax) == (1, 6, 4)
+        calls = [(pa.lo, pa.hi, pa.nmax) for pa in plan.pooled]
+        assert calls[0][0] == 1 and calls[-1][1] == 6 and all(hi <= lo2 for (_, hi, _), (lo2, _, _) in zip(calls, calls[1:]))
+        assert 2 not in {slot for lo, hi, _ in calls for slot in range(lo, hi)}  # no call spans the free slot
     else:
-        assert plan.pool is None and plan.pooled is None and len(plan.alone) == 5
+        assert plan.pool is None and plan.pooled == [] and len(plan.alone) == 5
 
 
 @pytest.mark.parametrize("hole", [False, True])
@@ -278,7 +280,28 @@ def test_one_row_decodes_attend_as_views_in_slot_order(engine: Engine, prompts, 
                               [None] * len(order), [True] * len(order))
     for i, (_, logits, _) in zip(order, batched):
         torch.testing.assert_close(logits, lean.step(own[i], [7 + i])[1], rtol=1e-4, atol=1e-4)
-    assert planned[0].pooled.direct is (not hole)
+    assert all(pa.direct for pa in planned[0].pooled)
+    assert len(planned[0].pooled) == 1 + hole  # the free slot splits the run
+
+
+def test_pooled_calls_split_where_padding_would_cost_more_than_a_call() -> None:
+    """Runs of consecutive slots; a short sequence beside a long one gets a call of its own, similar
+    lengths share one, and no run spans a free slot."""
+    from engine.models import llama
+
+    class _C:
+        def __init__(self, slot: int) -> None:
+            self.slot = slot
+
+    def seqs(slots_lengths):
+        return [llama.BatchRows(_C(s), i, i + 1, torch.tensor([n - 1]), n, None) for i, (s, n) in enumerate(slots_lengths)]
+
+    def runs(slots_lengths):
+        return [[s.cache.slot for s in run] for run in llama._partition(seqs(slots_lengths))]
+
+    assert runs([(0, 300), (1, 310), (2, 290), (3, 305)]) == [[0, 1, 2, 3]]
+    assert runs([(0, 40), (1, 900), (2, 910)]) == [[0], [1, 2]]
+    assert runs([(0, 300), (1, 300), (3, 300)]) == [[0, 1], [3]]
 
 
 def test_the_pool_grows_keeps_its_contents_and_reuses_slots(engine: Engine, prompts) -> None:
