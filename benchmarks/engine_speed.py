@@ -256,10 +256,10 @@ def main(argv: list[str] | None = None) -> int:
                   + ", ".join(f"{n} rows {f}" for n, f in plan.eager) + "; more rows onednn")
     if plan.ms:  # what the calibration timed on this machine (ms over every decoder linear)
         forms = Table(title="linear forms timed by the calibration: ms over every decoder linear of the target")
-        for col in ("rows", "onednn (packed)", "mkl", "w @ x.T", "compiled product-sum"):
+        for col in ("rows", "onednn (packed)", "mkl", "w @ x.T", "few-row kernel", "compiled product-sum"):
             forms.add_column(col, justify="right")
         for n_rows, t in plan.ms.items():
-            forms.add_row(n_rows, *(f"{t[f]:.1f}" if f in t else "-" for f in ("onednn", "mkl", "wxt", "prodsum")))
+            forms.add_row(n_rows, *(f"{t[f]:.1f}" if f in t else "-" for f in ("onednn", "mkl", "wxt", "smallm", "prodsum")))
         console.print(forms)
     ar = by[f"built-in {best_fwd}, autoregressive"]
     best = max((r for n, r in rows if ("n-gram" in n or "EAGLE" in n) and "default plan" not in n),
