@@ -40,6 +40,14 @@ LABEL org.opencontainers.image.title="spectune" \
 # uid/gid 1000: the non-root user the rendered manifests run as (runAsUser, fsGroup).
 RUN groupadd --gid 1000 spectune \
     && useradd --uid 1000 --gid 1000 --create-home --shell /usr/sbin/nologin spectune
+# A C++ compiler and Python's headers at run time too: inductor compiles the lean forward's decode
+# step for the serving machine's CPU (engine.builtin.compile, on for fp32 models from 0.1B
+# parameters; its kernels include Python.h), and engine.models.smallm builds its few-row linear
+# kernel there (-march=native: built where it runs).
+RUN apt-get update -q \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends g++ libc6-dev \
+       $(python3 -c 'import os, sysconfig; print("" if os.path.isfile(os.path.join(sysconfig.get_paths()["include"], "Python.h")) else "python3-dev")') \
+    && rm -rf /var/lib/apt/lists/*
 COPY --from=build /opt/spectune /opt/spectune
 # HF_HOME: the model volume the manifests mount at /models (models and hub drafters live there).
 ENV PATH=/opt/spectune/bin:$PATH \
