@@ -327,31 +327,26 @@ def batch_layer_forward(x: torch.Tensor, b: Block, layer: int, plan: "BatchPlan"
         for s in plan.seqs:
             s.cache.k[layer].index_copy_(1, s.slots, k[s.start:s.stop].transpose(0, 1))
             s.cache.v[layer].index_copy_(1, s.slots, v[s.start:s.stop].transpose(0, 1))
-    pooled = plan.pooled
-    if len(pooled) == 1 and pooled[0].direct and not plan.alone:  # the common decode step: views only
-        pa = pooled[0]
-        o = _pooled_attend(q.reshape(pa.hi - pa.lo, n_kv, -1, d), plan.pool, layer, pa).reshape(n, -1)
-    else:
-        o = q.new_empty(n, n_heads, d)
-        g = n_heads // n_kv
-        for pa in pooled:
-            if pa.direct:
-                m = pa.hi - pa.lo
-                o[pa.first:pa.first + m] = _pooled_attend(q[pa.first:pa.first + m].reshape(m, n_kv, g, d), plan.pool,
-                                                          layer, pa).reshape(m, n_heads, d)
-                continue
-            qp = q.new_zeros(pa.hi - pa.lo, pa.nmax, n_heads, d)
-            qp[pa.at_slot, pa.at_row] = q[pa.rows]
-            # the g query heads of a kv head become g blocks of query rows: SDPA then reads each
-            # kv head once instead of once per query head (enable_gqa)
-            qp = qp.view(-1, pa.nmax, n_kv, g, d).permute(0, 2, 3, 1, 4).reshape(-1, n_kv, g * pa.nmax, d)
-            got = _pooled_attend(qp, plan.pool, layer, pa).view(-1, n_kv, g, pa.nmax, d).permute(0, 3, 1, 2, 4)
-            o[pa.rows] = got.reshape(-1, pa.nmax, n_heads, d)[pa.at_slot, pa.at_row]
-        for s in plan.alone:
-            o[s.start:s.stop] = F.scaled_dot_product_attention(
-                q[s.start:s.stop].transpose(0, 1)[None], s.cache.k[layer][None, :, :s.length],
-                s.cache.v[layer][None, :, :s.length], attn_mask=s.mask, enable_gqa=n_heads != n_kv)[0].transpose(0, 1)
-        o = o.view(n, -1)
+    o = q.new_empty(n, n_heads, d)
+    g = n_heads // n_kv
+    for pa in plan.pooled:
+        if pa.direct:  # one-row decodes in slot order: queries and outputs are slices of the step's rows
+            m = pa.hi - pa.lo
+            o[pa.first:pa.first + m] = _pooled_attend(q[pa.first:pa.first + m].reshape(m, n_kv, g, d), plan.pool,
+                                                      layer, pa).reshape(m, n_heads, d)
+            continue
+        qp = q.new_zeros(pa.hi - pa.lo, pa.nmax, n_heads, d)
+        qp[pa.at_slot, pa.at_row] = q[pa.rows]
+        # the g query heads of a kv head become g blocks of query rows: SDPA then reads each
+        # kv head once instead of once per query head (enable_gqa)
+        qp = qp.view(-1, pa.nmax, n_kv, g, d).permute(0, 2, 3, 1, 4).reshape(-1, n_kv, g * pa.nmax, d)
+        got = _pooled_attend(qp, plan.pool, layer, pa).view(-1, n_kv, g, pa.nmax, d).permute(0, 3, 1, 2, 4)
+        o[pa.rows] = got.reshape(-1, pa.nmax, n_heads, d)[pa.at_slot, pa.at_row]
+    for s in plan.alone:
+        o[s.start:s.stop] = F.scaled_dot_product_attention(
+            q[s.start:s.stop].transpose(0, 1)[None], s.cache.k[layer][None, :, :s.length],
+            s.cache.v[layer][None, :, :s.length], attn_mask=s.mask, enable_gqa=n_heads != n_kv)[0].transpose(0, 1)
+    o = o.view(n, -1)
     x = x + linear(o, b.wo)
     gate, up = linear(rms_norm(x, b.ln2, eps), b.w13).chunk(2, dim=-1)
     return x + linear(F.silu(gate) * up, b.w2)
