@@ -92,6 +92,8 @@ BAD_INPUTS = [
     (["spec.foo=1"], "spec.foo: unknown key"),
     (["+spec.foo=1"], "spec.foo: unknown key in spec"),
     (["+bogus=1"], "bogus: unknown key in the top level"),
+    (["engine=vllm", "engine.vllm.env={A:b}"], "engine.vllm.env={A:b}: Hydra adds no keys to an existing mapping "
+                                             "this way; replace the whole mapping with ++engine.vllm.env={A:b}"),
     (["+workload=code", "workload.concurrency=[1,4]", "search.sampler=model"],
      "search.sampler=model ranks the space at concurrency 1, and workload.concurrency=[1, 4] has several levels"),
     (["spec.depth=abc"], "spec.depth='abc': Input should be a valid integer"),
@@ -453,3 +455,12 @@ def test_a_config_saved_before_the_disruption_budget_keys_loads() -> None:
         d = validate(json.loads(json.dumps(raw))).deploy
         assert (d.pdb_min_available, d.pdb_max_unavailable) == want
         assert (d.model_cache_access_mode, d.rollout) == ("ReadWriteOnce", "surge")
+
+
+def test_a_mapping_is_set_whole_with_plus_plus_or_by_entry() -> None:
+    """engine.vllm.env (free-form): ++KEY={...} replaces it, +KEY.NAME=VALUE adds an entry; the
+    plain KEY={...} form is refused with a line naming both (BAD_INPUTS)."""
+    whole = load_config(["engine=vllm", "++engine.vllm.env={A:b,C:d}"]).engine.vllm
+    entry = load_config(["engine=vllm", "+engine.vllm.env.A=b"]).engine.vllm
+    assert whole is not None and whole.env == {"A": "b", "C": "d"}
+    assert entry is not None and entry.env == {"A": "b"}

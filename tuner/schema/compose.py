@@ -58,6 +58,10 @@ def _hydra_error_line(exc: Exception, overrides: list[str]) -> str:
             return (f"{key}: no {top} is set, so it has no keys to override; add +{top}=NAME first "
                     f"(available: {', '.join(available(top))}), e.g. +{top}={available(top)[0]} {overrides_of(overrides, key)}")
         m2 = re.search(r"Key '([^']+)' is not in struct", msg)
+        value = next((o.split("=", 1)[1] for o in overrides if _override_key(o) == key and "=" in o), "")
+        if m2 is None and value.lstrip().startswith("{"):  # a mapping the config has: Hydra merges into it
+            return (f"{key}={value}: Hydra adds no keys to an existing mapping this way; replace the whole "
+                    f"mapping with ++{key}={value}, or set one entry with +{key}.NAME=VALUE")
         parent = key.rsplit(".", 1)[0] if "." in key else ""
         bad = m2.group(1) if m2 else key
         return f"{key}: unknown key '{bad}'" + (f" in '{parent}'" if parent else "") + " (see `tuner config` for the valid keys)"
