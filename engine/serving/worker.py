@@ -31,12 +31,42 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
+    outbox: "Outbox | None" = None  # set while a batched step runs: the event waits for the step's end
 
     def emit(self, kind: str, payload: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
-        except RuntimeError:  # the event loop is gone (server shutting down)
-            self.cancelled = True
+        if self.outbox is not None:
+            self.outbox.items.append((self, kind, payload))
+            return
+        _deliver(self.loop, [(self, kind, payload)])
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[Job, str, Any]]) -> None:
+    def put() -> None:
+        for job, kind, payload in items:
+            job.events.put_nowait((kind, payload))
+
+    try:
+        loop.call_soon_threadsafe(put)
+    except RuntimeError:  # the event loop is gone (server shutting down)
+        for job, _, _ in items:
+            job.cancelled = True
+
+
+@dataclass
+class Outbox:
+    """The events of one batched step, handed to the event loop in ONE call after the step: each
+    call_soon_threadsafe writes to the loop's wake-up pipe, and at 8 requests a write per request
+    and step was 3.7% of the engine thread's samples (py-spy, 2-core EPYC)."""
+
+    items: list[tuple[Job, str, Any]] = field(default_factory=list)
+
+    def flush(self) -> None:
+        by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list]] = {}
+        for item in self.items:
+            by_loop.setdefault(id(item[0].loop), (item[0].loop, []))[1].append(item)
+        self.items = []
+        for loop, items in by_loop.values():
+            _deliver(loop, items)
 
 
 class Worker:
@@ -97,6 +127,7 @@ class Worker:
     def _batch_loop(self) -> None:
         m, be = self.metrics, self.batch
         jobs: list[tuple[Job, Any]] = []
+        outbox = Outbox()
         while True:
             idle = not be.active and not be.waiting
             try:
@@ -105,8 +136,10 @@ class Worker:
                 job = ...
             while job is not ...:
                 if job is None:
+                    outbox.flush()
                     return
                 if not job.cancelled:
+                    job.outbox = outbox
                     jobs.append((job, self._submit_batched(job)))
                 try:
                     job = self.jobs.get_nowait()
@@ -124,6 +157,7 @@ class Worker:
                     if id(req) in failed:
                         job.emit("error", req.error)
                 jobs = [(j, r) for j, r in jobs if id(r) not in failed]
+            outbox.flush()
             m.running.labels(m.model).set(be.running)
             m.waiting.labels(m.model).set(self._waiting())
             if (pc := be.engine.prefix_cache) is not None:

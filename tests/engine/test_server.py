@@ -512,3 +512,47 @@ def test_a_step_that_raises_fails_the_running_requests_and_the_queued_ones_still
     ra, rb, be = asyncio.run(main())
     assert ra == ("error", "RuntimeError: kernel")
     assert rb[0] == "done" and rb[1].tokens and not be.pool.views  # every slot given back
+
+
+def test_a_batched_steps_events_reach_the_event_loop_in_one_wake_up(engine) -> None:
+    """The batched loop hands each step's tokens of every request to the event loop in one
+    call_soon_threadsafe (each call writes to the loop's wake-up pipe), in order per request."""
+    import asyncio
+
+    from engine.api import SamplingParams
+    from engine.serving.metrics import Metrics
+    from engine.serving.worker import Job, Worker
+
+    async def main() -> tuple[list[list[tuple]], list[int], int]:
+        loop = asyncio.get_running_loop()
+        wakes, real = [], loop.call_soon_threadsafe
+
+        def counted(cb, *args):
+            if "_deliver" in cb.__qualname__:  # the worker's, not asyncio's own thread hand-offs
+                wakes.append(1)
+            return real(cb, *args)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        w = Worker(engine, Metrics("m"), 16)
+        be, steps, real_step = w.batch, [], w.batch.step
+        be.step = lambda: (steps.append(1), real_step())[1]
+        ids = engine.encode_prompt("def f(x):", False)
+        jobs = [Job(ids, SamplingParams(max_new_tokens=6), loop) for _ in range(3)]
+        for j in jobs:
+            w.submit(j)
+        w.start()
+        got: list[list[tuple]] = [[] for _ in jobs]
+        try:
+            for i, j in enumerate(jobs):
+                while not got[i] or got[i][-1][0] != "done":
+                    got[i].append(await asyncio.wait_for(j.events.get(), 60))
+        finally:
+            await asyncio.to_thread(w.stop)
+        return got, wakes, len(steps)
+
+    got, wakes, steps = asyncio.run(main())
+    for events in got:
+        assert [k for k, _ in events[:-1]] == ["tokens"] * (len(events) - 1) and events[-1][0] == "done"
+        assert sum((p for _, p in events[:-1]), []) == events[-1][1].tokens  # every token once, in order
+    # one wake-up per step that produced events (3 requests, 6 tokens each: 3 x 7 events otherwise)
+    assert 1 <= len(wakes) <= steps < sum(len(e) for e in got)
