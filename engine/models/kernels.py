@@ -226,10 +226,10 @@ def calibrate_linears(model: Any, cache_dir: str | os.PathLike | None = None, co
 
     weights = [w for b in model.blocks for w in (b.wqkv, b.wo, b.w13, b.w2)]
     forms = forms_for(weights[0])
-    # the rounds and forms in the key: plans timed before the forms took turns, or without a form
-    # this process has, are measured again
+    # the rounds, forms and the few-row kernel's version in the key: plans timed before the forms
+    # took turns, without a form this process has, or with another kernel are measured again
     key = (f"{cpu_signature()}|torch {torch.__version__}|{sorted({tuple(w.shape) for w in weights})}|{repeats} rounds"
-           f"|{','.join(forms)}")
+           f"|{','.join(forms)}" + (f"|smallm {smallm.TAG}" if "smallm" in forms else ""))
 
     def measure(old: dict | None) -> dict:
         got = dict(old or {})
