@@ -108,11 +108,10 @@ TAG = hashlib.sha256((_SOURCE + " ".join(_FLAGS)).encode()).hexdigest()[:16]
 
 
 def _build() -> ctypes.CDLL:
-    flags, tag = _FLAGS, TAG
-    out = Path(tempfile.mkdtemp(prefix="spectune-smallm-")) / f"smallm-{tag}.so"
+    out = Path(tempfile.mkdtemp(prefix="spectune-smallm-")) / f"smallm-{TAG}.so"
     src = out.with_suffix(".cpp")
     src.write_text(_SOURCE)
-    subprocess.run(["g++", *flags, str(src), "-o", str(out)], check=True, capture_output=True, text=True, timeout=120)
+    subprocess.run(["g++", *_FLAGS, str(src), "-o", str(out)], check=True, capture_output=True, text=True, timeout=120)
     lib = ctypes.CDLL(str(out))
     lib.smallm_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
     lib.smallm_linear.restype = ctypes.c_int
