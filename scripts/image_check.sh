@@ -18,6 +18,8 @@ run tuner render --check /tmp/k8s
 # the tiny random Llama (the packaged SmolLM2 tokenizer, no download): 2 prompts, 16 tokens, one repeat
 run tuner bench model=tiny-random +workload=code workload.num_prompts=2 workload.max_new_tokens=16 \
   bench.warmup=0 bench.repeats=1 spec.method=ngram
-# the compiler the engine needs at run time: an inductor CPU compile and the few-row kernel build
+# the compiler the engine needs at run time: an inductor CPU compile and the builds of the few-row
+# linear and the decode attention kernels
 run python -c "import torch; f = torch.compile(lambda x: (x * 2).sum()); assert f(torch.ones(4)).item() == 8.0; print('inductor ok')"
 run python -c "from engine.models import smallm; assert smallm.library() is not None, smallm.error(); print('smallm ok')"
+run python -c "from engine.models import attention; assert attention.library() is not None, attention.error(); print('attention ok')"

@@ -193,7 +193,7 @@ def test_image_check_builds_from_a_debian_base_with_buildah_and_runs_the_image()
     assert "from scratch" in base
     check = (ROOT / "scripts/image_check.sh").read_text()
     for cmd in ("run tuner --help", "run tuner render --out", "run tuner bench model=tiny-random", "torch.compile",
-                "smallm.library()"):
+                "smallm.library()", "attention.library()"):
         assert cmd in check
     dfp = _parse("Dockerfile")
     assert [i["value"].split()[0] for i in dfp.structure if i["instruction"] == "FROM"] == ["${PYTHON_BASE}"] * 2

@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine.models import attention
 from engine.models.eagle3_head import aux_features
-from engine.models.kernels import CALIBRATE_MIN_BYTES, LinearPlan, linear_plan, set_linear_plan, pack_weights, linear, calibrate_linears
+from engine.models.kernels import CALIBRATE_MIN_BYTES, LinearPlan, set_linear_plan, pack_weights, linear, calibrate_linears
 from tuner.schema.config import UserError
 
 # model_type -> whether q/k/v carry a bias; anything else is refused in one line
@@ -329,6 +330,8 @@ def batch_layer_forward(x: torch.Tensor, b: Block, layer: int, plan: "BatchPlan"
             s.cache.v[layer].index_copy_(1, s.slots, v[s.start:s.stop].transpose(0, 1))
     o = q.new_empty(n, n_heads, d)
     g = n_heads // n_kv
+    if plan.decode is not None:
+        attention.attend(q, plan.pool.k[layer], plan.pool.v[layer], o, plan.decode)
     for pa in plan.pooled:
         if pa.direct:  # one-row decodes in slot order: queries and outputs are slices of the step's rows
             m = pa.hi - pa.lo
@@ -404,6 +407,7 @@ class BatchPlan:
     pos_of: torch.Tensor | None = None
     pooled: list[PooledAttention] = field(default_factory=list)
     alone: list[BatchRows] = field(default_factory=list)
+    decode: attention.DecodeBatch | None = None  # the short sequences, when they attend through the CPU kernel
 
 
 # A sequence of at most this many rows joins the pooled attention call; a longer one (a prompt)
@@ -467,7 +471,9 @@ def _pooled_call(run: list[BatchRows], ancestors: dict[int, torch.Tensor | None]
 def batch_plan(seqs: list[BatchRows], ancestors: list[torch.Tensor | None], device: torch.device,
                dtype: torch.dtype, heads_per_kv: int = 1) -> BatchPlan:
     """Decide a batched step's writes and attention calls (see BatchPlan), once for all layers;
-    `heads_per_kv` is the number of query heads per kv head. Pooled sequences attend in runs of
+    `heads_per_kv` is the number of query heads per kv head. On CPU fp32 the short sequences attend
+    through the decode attention kernel (engine.models.attention), each over exactly its length;
+    elsewhere (CUDA, or no compiler for the kernel) they attend in pooled SDPA calls over runs of
     consecutive slots (`_partition`): padding a short sequence to a long neighbour's length costs
     reads (8 HumanEval prompts of 132-354 tokens: one call over all 8 read 1.7x their positions)."""
     pool = seqs[0].cache.pool
@@ -477,9 +483,14 @@ def batch_plan(seqs: list[BatchRows], ancestors: list[torch.Tensor | None], devi
     pos_of = torch.cat([s.slots for s in seqs])
     anc = {id(s): a for s, a in zip(seqs, ancestors)}
     group = sorted((s for s in seqs if s.stop - s.start <= POOL_ROWS), key=lambda s: s.cache.slot)
-    pooled = [_pooled_call(run, anc, device, dtype, heads_per_kv) for run in _partition(group)]
     ids = {id(s) for s in group}
-    return BatchPlan(seqs, pool, slot_of, pos_of, pooled, [s for s in seqs if id(s) not in ids])
+    alone = [s for s in seqs if id(s) not in ids]
+    if group and attention.usable(device, dtype, pool.k.shape[-1]):
+        decode = attention.DecodeBatch.of([(s.cache.slot, s.start, s.stop - s.start, s.length, anc[id(s)])
+                                           for s in group])
+        return BatchPlan(seqs, pool, slot_of, pos_of, alone=alone, decode=decode)
+    pooled = [_pooled_call(run, anc, device, dtype, heads_per_kv) for run in _partition(group)]
+    return BatchPlan(seqs, pool, slot_of, pos_of, pooled, alone)
 
 
 def additive_mask(prefix_len: int, n: int, ancestors: torch.Tensor | None, rows: int, length: int,

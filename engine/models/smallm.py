@@ -19,13 +19,10 @@ already loaded, so torch's thread count is the kernel's).
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 
 import torch
+
+from engine.models import native
 
 MAX_ROWS = 8  # rows per pass; more rows run in passes of 8 (the plan measures whether that pays)
 
@@ -85,55 +82,29 @@ extern "C" int smallm_linear(const float* x, const float* wp, float* y, long M, 
 """
 
 
-def _avx512() -> bool:
-    try:
-        return " avx512f " in f" {Path('/proc/cpuinfo').read_text()} "
-    except OSError:
-        return False
-
-
 # AVX-512: 16 lanes, 4 vectors of columns per block (32 accumulators at 8 rows fill the 32 registers);
 # AVX2: 8 lanes, one vector (its 16 registers hold 8 accumulators, the weights and a broadcast)
-VW, NB = (16, 4) if _avx512() else (8, 1)
+VW, NB = (16, 4) if native.avx512() else (8, 1)
 BW = VW * NB
 
-_LOCK = threading.Lock()
-_LIB: ctypes.CDLL | None = None
-_ERROR: str | None = None
 
-
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", f"-DVW={VW}", f"-DNB={NB}"]
-# the kernel's version: calibrated plans name it, so a changed kernel is timed again
-TAG = hashlib.sha256((_SOURCE + " ".join(_FLAGS)).encode()).hexdigest()[:16]
-
-
-def _build() -> ctypes.CDLL:
-    out = Path(tempfile.mkdtemp(prefix="spectune-smallm-")) / f"smallm-{TAG}.so"
-    src = out.with_suffix(".cpp")
-    src.write_text(_SOURCE)
-    subprocess.run(["g++", *_FLAGS, str(src), "-o", str(out)], check=True, capture_output=True, text=True, timeout=120)
-    lib = ctypes.CDLL(str(out))
+def _bind(lib: ctypes.CDLL) -> None:
     lib.smallm_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
     lib.smallm_linear.restype = ctypes.c_int
-    return lib
+
+
+_NATIVE = native.Native("smallm", _SOURCE, [f"-DVW={VW}", f"-DNB={NB}"], _bind)
+TAG = _NATIVE.tag
 
 
 def library() -> ctypes.CDLL | None:
     """The built kernel, or None when this machine cannot build it (no g++, a failed compile: `error()` says why)."""
-    global _LIB, _ERROR
-    with _LOCK:
-        if _LIB is None and _ERROR is None:
-            try:
-                _LIB = _build()
-            except (OSError, subprocess.SubprocessError) as exc:
-                detail = getattr(exc, "stderr", "") or str(exc)
-                _ERROR = f"{type(exc).__name__}: {detail.strip().splitlines()[-1] if detail.strip() else exc}"
-        return _LIB
+    return _NATIVE.library()
 
 
 def error() -> str | None:
     """Why the kernel could not be built (None when it was, or was not tried yet)."""
-    return _ERROR
+    return _NATIVE.error
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
@@ -148,9 +119,9 @@ def pack(w: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ w.T (+ bias) for the weight `pack`ed into `packed` (n its output width), in passes
     of at most MAX_ROWS rows. Needs `library()`."""
-    lib = _LIB if _LIB is not None else library()
+    lib = _NATIVE.library()
     if lib is None:
-        raise RuntimeError(f"smallm kernel unavailable: {_ERROR}")
+        raise RuntimeError(f"smallm kernel unavailable: {_NATIVE.error}")
     x = x.contiguous()
     rows, k = x.shape
     width = packed.shape[0] * BW

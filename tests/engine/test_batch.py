@@ -210,16 +210,23 @@ def test_bad_batch_settings_are_one_line(engine: Engine) -> None:
         BatchEngine(hf)
 
 
-@pytest.mark.parametrize("layout", ["own caches", "pool slots"])
+@pytest.mark.parametrize("layout", ["own caches", "pool slots", "pool slots, sdpa"])
 def test_step_batch_rows_equal_separate_steps(engine: Engine, prompts, layout: str, monkeypatch) -> None:
     """One batched forward of a long prompt, a short prompt, a one-row decode, a chain and a branching
     tree gives each sequence the logits its own step gives (fp32: equal to rounding), whether each
     has its own cache or all are slots of one pool (one slot left empty between them, and the
-    pool's group limited to 4 rows so that the long prompt attends alone)."""
-    from engine.models import llama
+    pool's group limited to 4 rows so that the long prompt attends alone). The pool's short
+    sequences attend through the CPU decode attention kernel, or (where it is not used: CUDA, no
+    compiler) in pooled SDPA calls."""
+    from engine.models import attention, llama
 
     lean = engine.lean
     monkeypatch.setattr(llama, "POOL_ROWS", 4)
+    kernel = layout == "pool slots"
+    if kernel and attention.library() is None:
+        pytest.skip(f"no C++ compiler: {attention.error()}")
+    if layout == "pool slots, sdpa":
+        monkeypatch.setattr(attention, "usable", lambda *a: False)
     assert len(prompts[1]) > 4
     toks = [prompts[1], prompts[3][:2], [8], [5, 6, 7], [9, 10, 11, 12]]
     anc = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
@@ -231,7 +238,7 @@ def test_step_batch_rows_equal_separate_steps(engine: Engine, prompts, layout: s
     for c_list in (one, many):
         for i, pfx in enumerate(pre):
             c = lean.new_cache(200)
-            if c_list is many and layout == "pool slots":
+            if c_list is many and layout != "own caches":
                 c = pool.acquire(200)
                 if i == 2:
                     c = pool.acquire(200)  # slot 2 stays empty: the pooled call spans a hole
@@ -247,8 +254,14 @@ def test_step_batch_rows_equal_separate_steps(engine: Engine, prompts, layout: s
         torch.testing.assert_close(l2, l1, rtol=1e-4, atol=1e-4)
         assert c1.length == c2.length
     plan = planned[0]
-    if layout == "pool slots":  # the four short sequences attended in pooled calls, the long prompt alone
-        assert plan.pool is pool and len(plan.alone) == 1 and plan.alone[0].cache is many[0]
+    if kernel:  # the four short sequences attended in one kernel call, each over its own length
+        assert plan.pool is pool and len(plan.alone) == 1 and plan.alone[0].cache is many[0] and plan.pooled == []
+        meta = plan.decode.meta.tolist()
+        assert sorted(m[0] for m in meta) == [1, 3, 4, 5]
+        assert {(m[2], m[3]) for m in meta} == {(len(t), c.length) for t, c in zip(toks[1:], many[1:])}
+        assert [m[4] >= 0 for m in sorted(meta)] == [False, False, False, True]  # only the tree brings a matrix
+    elif layout == "pool slots, sdpa":  # the four short sequences attended in pooled calls, the long prompt alone
+        assert plan.pool is pool and len(plan.alone) == 1 and plan.alone[0].cache is many[0] and plan.decode is None
         calls = [(pa.lo, pa.hi, pa.nmax) for pa in plan.pooled]
         assert calls[0][0] == 1 and calls[-1][1] == 6 and all(hi <= lo2 for (_, hi, _), (lo2, _, _) in zip(calls, calls[1:]))
         assert 2 not in {slot for lo, hi, _ in calls for slot in range(lo, hi)}  # no call spans the free slot
@@ -258,11 +271,13 @@ def test_step_batch_rows_equal_separate_steps(engine: Engine, prompts, layout: s
 
 @pytest.mark.parametrize("hole", [False, True])
 def test_one_row_decodes_attend_as_views_in_slot_order(engine: Engine, prompts, hole: bool, monkeypatch) -> None:
-    """Decode rows of sequences in consecutive pool slots attend with no gather ("direct"), even when
-    the caller lists them out of slot order; a free slot between them takes the gathering path.
-    Either way each sequence gets the logits of its own step."""
-    from engine.models import llama
+    """In pooled SDPA calls (the path without the CPU kernel), decode rows of sequences in consecutive
+    pool slots attend with no gather ("direct"), even when the caller lists them out of slot order; a
+    free slot between them takes the gathering path. Either way each sequence gets the logits of its
+    own step."""
+    from engine.models import attention, llama
 
+    monkeypatch.setattr(attention, "usable", lambda *a: False)
     lean = engine.lean
     pool = llama.KVPool(lean.model, 5, 64)
     caches = [pool.acquire(64) for _ in range(4)]

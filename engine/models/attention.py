@@ -1,0 +1,213 @@
+"""Decode attention over a KV pool on CPU fp32: every short sequence of a batched step (a decode row,
+a chain, a draft tree) attends over exactly its own length, each sequence's keys and values read once
+for all of its query rows and the g query heads that share a kv head.
+
+Why: the pooled SDPA call (engine.models.llama.PooledAttention) pads every sequence of a call to the
+longest one and reads the pool at about 9 GB/s; a batched step of 8 spent ~16 ms a step there on the
+2-core AVX-512 EPYC of docs/results.md, against ~4 ms for reading the keys and values once at its
+copy bandwidth.
+
+One task is one (sequence, kv head), over torch's OpenMP threads: the scores of its n x g query rows
+against each key (the key loaded once, from memory, then from L1 for every query row), the masked
+softmax per query row, then the values weighted the same way. A row sees the sequence's committed
+prefix and, within its own tree, the nodes its `visible` matrix marks (causal when there is none).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from engine.models import native
+
+HEAD_DIMS = (16, 32, 64, 128)  # head sizes the kernel is built for (SmolLM2 64, Llama/Qwen 64-128, tiny test models 16)
+
+_SOURCE = r"""
+#include <vector>
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
+typedef int vi __attribute__((vector_size(VW * 4)));
+
+static inline vf splat(float x) { return (vf){} + x; }
+
+/* the sum of a vector's lanes as a tree of halves (a scalar loop would be VW - 1 dependent adds) */
+static inline float hsum(vf a) {
+#if VW == 16
+  auto h8 = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  auto h8 = a;
+#endif
+  auto h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  auto h2 = __builtin_shufflevector(h4, h4, 0, 1) + __builtin_shufflevector(h4, h4, 2, 3);
+  return h2[0] + h2[1];
+}
+
+static inline float hmax(vf a) {
+  float m = a[0];
+  for (int l = 1; l < VW; ++l) m = a[l] > m ? a[l] : m;
+  return m;
+}
+
+/* e^x for x <= 0 (0 below -87): 2^(x log2 e) split into 2^n (exponent bits) and 2^f, |f| <= 1/2, by a
+   degree-7 Taylor polynomial of e^(f ln 2) (relative error < 1e-7) */
+static inline vf exp_le0(vf x) {
+  vf t = x * 1.4426950408889634f;
+  vf lo = splat(-126.f);
+  t = t < lo ? lo : t;
+  vf n = (t + 12582912.f) - 12582912.f;  /* round to nearest: 1.5 * 2^23 pushes the fraction out */
+  vf f = (t - n) * 0.6931471805599453f;
+  vf p = splat(1.f / 5040);
+  p = p * f + 1.f / 720; p = p * f + 1.f / 120; p = p * f + 1.f / 24;
+  p = p * f + 1.f / 6; p = p * f + 0.5f; p = p * f + 1.f; p = p * f + 1.f;
+  vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf r = p * (vf)bits;
+  return x < splat(-87.f) ? splat(0.f) : r;
+}
+
+/* meta per sequence: slot, first query row of the step, rows n, length L (prefix L - n plus the n
+   rows just written), offset of its n x n visibility bytes (-1: causal) */
+template <int D>
+static void run(const float* q, long q_row, const float* kc, const float* vc, float* o, long o_row,
+                long nseq, const long* meta, const unsigned char* vis, long n_kv, long g, long cap,
+                float scale, int threads) {
+  long tasks = nseq * n_kv;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> sc, acc;
+#pragma omp for schedule(dynamic, 1)
+    for (long task = 0; task < tasks; ++task) {
+      long s = task / n_kv, h = task % n_kv;
+      const long* m = meta + 5 * s;
+      long slot = m[0], start = m[1], n = m[2], L = m[3], voff = m[4], p = L - n, Q = n * g;
+      long Lp = (L + VW - 1) / VW * VW;  /* rows of scores padded to whole vectors with -inf */
+      const float* K = kc + (slot * n_kv + h) * cap * D;
+      const float* V = vc + (slot * n_kv + h) * cap * D;
+      sc.resize(Q * Lp);
+      acc.assign(Q * D, 0.f);
+      for (long t = 0; t < L; ++t) {
+        const float* kt = K + t * D;
+        for (long r = 0; r < n; ++r)
+          for (long j = 0; j < g; ++j) {
+            const float* qv = q + (start + r) * q_row + (h * g + j) * D;
+            vf a = {};
+            for (int i = 0; i < D; i += VW) a += *(const vfu*)(qv + i) * *(const vfu*)(kt + i);
+            sc[(r * g + j) * Lp + t] = hsum(a) * scale;
+          }
+      }
+      for (long r = 0; r < n; ++r) {
+        for (long j = 0; j < g; ++j) {
+          float* row = sc.data() + (r * g + j) * Lp;
+          for (long t = L; t < Lp; ++t) row[t] = -__builtin_inff();
+          for (long c = 0; c < n; ++c) {  /* the tree part: only what this row sees */
+            bool seen = voff < 0 ? c <= r : vis[voff + r * n + c] != 0;
+            if (!seen) row[p + c] = -__builtin_inff();
+          }
+          vf vm = splat(-__builtin_inff());
+          for (long t = 0; t < Lp; t += VW) {
+            vf x = *(vfu*)(row + t);
+            vm = x > vm ? x : vm;
+          }
+          vf mx = splat(hmax(vm)), vs = {};
+          for (long t = 0; t < Lp; t += VW) {
+            vf e = exp_le0(*(vfu*)(row + t) - mx);
+            *(vfu*)(row + t) = e;
+            vs += e;
+          }
+          vf inv = splat(1.f / hsum(vs));
+          for (long t = 0; t < Lp; t += VW) *(vfu*)(row + t) *= inv;
+        }
+      }
+      for (long t = 0; t < L; ++t) {
+        const float* vt = V + t * D;
+        for (long qi = 0; qi < Q; ++qi) {
+          float w = sc[qi * Lp + t];
+          float* a = acc.data() + qi * D;
+          for (int i = 0; i < D; i += VW) *(vfu*)(a + i) += w * *(const vfu*)(vt + i);
+        }
+      }
+      for (long r = 0; r < n; ++r)
+        for (long j = 0; j < g; ++j)
+          __builtin_memcpy(o + (start + r) * o_row + (h * g + j) * D, acc.data() + (r * g + j) * D, D * 4);
+    }
+  }
+}
+
+extern "C" int decode_attention(const float* q, long q_row, const float* kc, const float* vc, float* o, long o_row,
+                                long nseq, const long* meta, const unsigned char* vis, long n_kv, long g, long cap,
+                                long d, float scale, int threads) {
+  switch (d) {
+#define HEAD(D) case D: run<D>(q, q_row, kc, vc, o, o_row, nseq, meta, vis, n_kv, g, cap, scale, threads); return 0;
+    HEAD(16) HEAD(32) HEAD(64) HEAD(128)
+  }
+  return 1;
+}
+"""
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    lib.decode_attention.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
+                                     ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                                     ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+                                     ctypes.c_float, ctypes.c_int]
+    lib.decode_attention.restype = ctypes.c_int
+
+
+_NATIVE = native.Native("attention", _SOURCE, [f"-DVW={16 if native.avx512() else 8}"], _bind)
+
+
+def library() -> ctypes.CDLL | None:
+    """The built kernel, or None when this machine cannot build it (`error()` says why)."""
+    return _NATIVE.library()
+
+
+def error() -> str | None:
+    """Why the kernel could not be built (None when it was, or was not tried yet)."""
+    return _NATIVE.error
+
+
+def usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether a pool of this device, dtype and head size attends through the kernel."""
+    return device.type == "cpu" and dtype == torch.float32 and head_dim in HEAD_DIMS and library() is not None
+
+
+@dataclass
+class DecodeBatch:
+    """The sequences of a step that attend through the kernel: per sequence (slot, first row, rows,
+    length, offset of its visibility bytes or -1), and the visibility bytes of the trees."""
+
+    meta: torch.Tensor  # int64 [seqs, 5]
+    vis: torch.Tensor  # uint8 [sum of n*n over sequences with a tree] (at least one byte)
+
+    @classmethod
+    def of(cls, rows: list[tuple[int, int, int, int, torch.Tensor | None]]) -> "DecodeBatch":
+        """From (slot, first row, rows n, length, visible [n, n] bool or None for causal) per sequence."""
+        meta, vis, off = [], [], 0
+        for slot, start, n, length, visible in rows:
+            if visible is None:
+                meta.append((slot, start, n, length, -1))
+                continue
+            meta.append((slot, start, n, length, off))
+            vis.append(visible.reshape(-1).to(device="cpu", dtype=torch.uint8))
+            off += n * n
+        return cls(torch.tensor(meta, dtype=torch.long).reshape(-1, 5),
+                   torch.cat(vis) if vis else torch.zeros(1, dtype=torch.uint8))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, batch: DecodeBatch) -> None:
+    """o[row, head] for the rows of `batch`: q [rows, H, d] (any row stride, heads and d contiguous)
+    over one layer's pool k/v [slots, kv_heads, capacity, d] (contiguous), written into o [rows, H, d]
+    (contiguous). Rows of the step outside `batch` are left as they are."""
+    lib = _NATIVE.library()
+    if lib is None:
+        raise RuntimeError(f"decode attention kernel unavailable: {_NATIVE.error}")
+    slots, n_kv, cap, d = k.shape
+    heads = q.shape[1]
+    if q.stride(2) != 1 or q.stride(1) != d or not (k.is_contiguous() and v.is_contiguous() and o.is_contiguous()):
+        raise ValueError("decode attention: q needs contiguous heads, k/v/o contiguous")
+    rc = lib.decode_attention(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), o.data_ptr(), heads * d,
+                              batch.meta.shape[0], batch.meta.data_ptr(), batch.vis.data_ptr(), n_kv,
+                              heads // n_kv, cap, d, d ** -0.5, torch.get_num_threads())
+    if rc:
+        raise ValueError(f"decode attention: head size {d} not built (built: {HEAD_DIMS})")

@@ -1,0 +1,64 @@
+"""C++ kernels built at first use with the system compiler (the one inductor needs anyway), for this
+CPU (-march=native), loaded through ctypes: the few-row linear (engine.models.smallm) and the decode
+attention (engine.models.attention).
+
+Each library links torch's own OpenMP runtime (the process has already loaded libgomp), so torch's
+thread count is the kernel's. A machine without g++, or a failed compile, leaves the library None
+with the reason in `Native.error`: the callers then keep torch's kernels, and report why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+
+
+def avx512() -> bool:
+    """Whether this CPU has AVX-512F (16-lane fp32 vectors)."""
+    try:
+        return " avx512f " in f" {Path('/proc/cpuinfo').read_text()} "
+    except OSError:
+        return False
+
+
+class Native:
+    """One C++ source compiled with FLAGS plus `defines` into a shared library, once per process."""
+
+    def __init__(self, name: str, source: str, defines: list[str], bind: Callable[[ctypes.CDLL], None]) -> None:
+        self.name, self.source, self.bind = name, source, bind
+        self.flags = [*FLAGS, *defines]
+        # the kernel's version: plans timed with it name it, so a changed kernel is timed again
+        self.tag = hashlib.sha256((source + " ".join(self.flags)).encode()).hexdigest()[:16]
+        self.lib: ctypes.CDLL | None = None
+        self.error: str | None = None
+        self._lock = threading.Lock()
+
+    def _build(self) -> ctypes.CDLL:
+        out = Path(tempfile.mkdtemp(prefix=f"spectune-{self.name}-")) / f"{self.name}-{self.tag}.so"
+        src = out.with_suffix(".cpp")
+        src.write_text(self.source)
+        subprocess.run(["g++", *self.flags, str(src), "-o", str(out)], check=True, capture_output=True, text=True,
+                       timeout=120)
+        lib = ctypes.CDLL(str(out))
+        self.bind(lib)
+        return lib
+
+    def library(self) -> ctypes.CDLL | None:
+        """The built library, or None when this machine cannot build it (`error` says why)."""
+        if self.lib is not None:
+            return self.lib
+        with self._lock:
+            if self.lib is None and self.error is None:
+                try:
+                    self.lib = self._build()
+                except (OSError, subprocess.SubprocessError) as exc:
+                    detail = (getattr(exc, "stderr", "") or str(exc)).strip()
+                    self.error = f"{type(exc).__name__}: {detail.splitlines()[-1] if detail else exc}"
+            return self.lib
