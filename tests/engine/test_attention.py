@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models import attention
+from engine.models import attention, native
 
 pytestmark = pytest.mark.skipif(attention.library() is None, reason=f"no C++ compiler: {attention.error()}")
 
@@ -27,10 +27,27 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int, n: 
                                           attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
 
 
+_BUILT: dict[int, native.Native] = {}
+
+
+def _vector_width(vw: int) -> native.Native:
+    """The kernel built for `vw` lanes (AVX2 machines build 8, AVX-512 ones 16): both variants are
+    checked wherever the CPU runs them."""
+    if vw == 16 and not native.avx512():
+        pytest.skip("16-lane vectors need AVX-512")
+    if vw not in _BUILT:
+        _BUILT[vw] = native.Native("attention", attention._SOURCE, [f"-DVW={vw}"], attention._bind)
+        assert _BUILT[vw].library() is not None, _BUILT[vw].error
+    return _BUILT[vw]
+
+
+@pytest.mark.parametrize("vw", [8, 16])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("head_dim", [16, 64])
-def test_every_sequence_attends_over_exactly_its_own_positions(head_dim: int, threads: int, monkeypatch) -> None:
+def test_every_sequence_attends_over_exactly_its_own_positions(head_dim: int, threads: int, vw: int,
+                                                               monkeypatch) -> None:
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(attention, "_NATIVE", _vector_width(vw))
     torch.manual_seed(0)
     slots, n_kv, g, cap = 6, 3, 3, 96
     heads = n_kv * g
@@ -71,7 +88,7 @@ def test_a_tree_row_sees_only_its_ancestors() -> None:
 
 
 def test_a_head_size_it_was_not_built_for_is_refused() -> None:
-    k = torch.zeros(1, 1, 8, 24)
+    k = torch.zeros(1, 1, 16, 24)
     with pytest.raises(ValueError, match="head size 24"):
         attention.attend(torch.zeros(1, 1, 24), k, k, torch.zeros(1, 1, 24), attention.DecodeBatch.of([(0, 0, 1, 4, None)]))
     assert not attention.usable(torch.device("cpu"), torch.float32, 24)
