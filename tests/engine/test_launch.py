@@ -296,8 +296,10 @@ def test_sigterm_ignored_escalates_to_sigkill(fake) -> None:
 
 _DRIVER = """
 import signal, sys, time
-# Ctrl-C as a terminal delivers it, also when the suite runs as a background job (SIGINT ignored)
+# Ctrl-C and a hang-up as a terminal delivers them, also when the suite runs as a background job
+# (SIGINT ignored) or under nohup (SIGHUP ignored, which the launcher then leaves alone)
 signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
 from engine.launch.launcher import Launcher
 from tuner.schema.config import LaunchedEngineConfig, SpecConfig
 ecfg = LaunchedEngineConfig(executable=sys.argv[1], port=int(sys.argv[2]), startup_timeout_s=60,
