@@ -82,8 +82,10 @@ def code_prompts(engine: Engine, n: int) -> list[list[int]]:
     return [engine.encode_prompt("Complete this Python function:\n" + p["prompt"], True) for p in problems]
 
 
-def hf_generate(engine: Engine, prompt: list[int], max_new: int, lookup: int | None) -> tuple[list[int], float, int | None]:
-    """(new tokens without EOS, seconds, target forwards: one per token for AR, unknown with lookup).
+def hf_generate(engine: Engine, prompt: list[int], max_new: int,
+                lookup: int | None) -> tuple[list[int], float, int | None, float | None]:
+    """(new tokens without EOS, seconds, target forwards: one per token for AR, unknown with lookup,
+    seconds to the first token: not observed, None).
     `engine` is the plain one: its model is transformers' own, without the engine's oneDNN linears."""
     model, eos = engine.model, sorted(engine.eos)
     kw = {"prompt_lookup_num_tokens": lookup} if lookup else {}
@@ -95,13 +97,15 @@ def hf_generate(engine: Engine, prompt: list[int], max_new: int, lookup: int | N
     elapsed = time.perf_counter() - t
     new = out[0, len(prompt):].tolist()
     new = new[:-1] if new and new[-1] in eos else new
-    return new, elapsed, None if lookup else len(new)
+    return new, elapsed, None if lookup else len(new), None
 
 
-def builtin_generate(engine: Engine, prompt: list[int], max_new: int, spec: SpecConfig) -> tuple[list[int], float, int | None]:
+def builtin_generate(engine: Engine, prompt: list[int], max_new: int,
+                     spec: SpecConfig) -> tuple[list[int], float, int | None, float | None]:
+    """(new tokens, seconds, target forwards, seconds to the first token: the prompt's forward)."""
     engine.set_spec(spec)  # never reloads the target; an n-gram drafter is free to build
     res = engine.generate(prompt, SamplingParams(max_new_tokens=max_new))
-    return res.tokens, res.stats.total_s, res.stats.target_forwards
+    return res.tokens, res.stats.total_s, res.stats.target_forwards, res.stats.ttft_s
 
 
 def step_seconds(engine: Engine, n: int, prefix: int = 200, repeats: int = 5) -> float:
@@ -214,15 +218,19 @@ def main(argv: list[str] | None = None) -> int:
             runs[f"built-in {best_fwd}, EAGLE {spec.key()[6:]}"] = lambda p, n, spec=spec: builtin_generate(fast, p, n, spec)
     for fn in runs.values():  # warm-up: first calls allocate and pick kernels
         fn(prompts[0], 8)
-    acc = {name: {"tokens": 0, "seconds": 0.0, "forwards": 0, "outputs": []} for name in runs}
+    acc = {name: {"tokens": 0, "seconds": 0.0, "forwards": 0, "outputs": [], "ttft": 0.0} for name in runs}
     # prompts outer, engines inner: load drifting on a shared machine hits every row alike
     for p in prompts:
         for name, fn in runs.items():
-            toks, secs, fwd = fn(p, m)
+            toks, secs, fwd, ttft = fn(p, m)
             a = acc[name]
             a["tokens"] += len(toks); a["seconds"] += secs; a["outputs"].append(toks)
+            a["ttft"] = None if ttft is None or a["ttft"] is None else a["ttft"] + ttft
             a["forwards"] = None if fwd is None or a["forwards"] is None else a["forwards"] + fwd
+    # decode: after the first token (the prompt's forward, compute-bound, is what TTFT measures)
     rows = [(name, {**a, "tok_s": a["tokens"] / a["seconds"],
+                    "decode_tok_s": None if a["ttft"] is None else
+                    (a["tokens"] - len(prompts)) / (a["seconds"] - a["ttft"]),
                     "gb_s": None if a["forwards"] is None else weight_bytes * a["forwards"] / a["seconds"] / 1e9,
                     "tau": None if a["forwards"] is None else a["tokens"] / a["forwards"]}) for name, a in acc.items()]
     by = dict(rows)
@@ -231,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     table = Table(title=f"{args.model} {args.dtype} on {args.device}, {len(prompts)} HumanEval prompts, T=0, "
                         f"max {args.max_new_tokens} new tokens, batch 1, {torch.get_num_threads()} threads; "
                         f"weights {weight_bytes / 1e6:.0f} MB, copy bandwidth {bw:.1f} GB/s -> AR limit {limit:.1f} tok/s")
-    for col in ("engine", "tokens", "tok/s", "vs HF AR", "tau", "GB/s", "of copy bw", "same as HF AR"):
+    for col in ("engine", "tokens", "tok/s", "vs HF AR", "tau", "GB/s", "of copy bw", "decode tok/s", "same as HF AR"):
         table.add_column(col, justify="left" if col == "engine" else "right")
     summary = {"model": args.model, "dtype": args.dtype, "device": args.device, "prompts": len(prompts),
                "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
@@ -243,12 +251,15 @@ def main(argv: list[str] | None = None) -> int:
         gb = r["gb_s"]
         table.add_row(name, str(r["tokens"]), f"{r['tok_s']:.1f}", f"{r['tok_s'] / hf_ar:.2f}",
                       "-" if r["tau"] is None else f"{r['tau']:.2f}", "-" if gb is None else f"{gb:.1f}",
-                      "-" if gb is None else f"{gb / bw:.0%}", f"{same}/{len(ref)}")
+                      "-" if gb is None else f"{gb / bw:.0%}",
+                      "-" if r["decode_tok_s"] is None else f"{r['decode_tok_s']:.1f}", f"{same}/{len(ref)}")
         summary["rows"].append({"engine": name, "tokens": r["tokens"], "tok_s": round(r["tok_s"], 2),
                                 "vs_hf_ar": round(r["tok_s"] / hf_ar, 3),
                                 "tau": None if r["tau"] is None else round(r["tau"], 3),
                                 "gb_s": None if gb is None else round(gb, 2),
-                                "bw_share": None if gb is None else round(gb / bw, 3), "same_as_hf_ar": same})
+                                "bw_share": None if gb is None else round(gb / bw, 3),
+                                "decode_tok_s": None if r["decode_tok_s"] is None else round(r["decode_tok_s"], 2),
+                                "same_as_hf_ar": same})
     console = Console(width=160)  # wide enough for every column when piped
     console.print(table)
     plan = linear_plan()
@@ -266,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                key=lambda r: r["tok_s"])
     summary["builtin_ar_vs_hf_ar"] = round(ar["tok_s"] / hf_ar, 3)
     summary["builtin_ar_of_limit"] = round(ar["tok_s"] / limit, 3)
+    summary["builtin_ar_decode_of_limit"] = round(ar["decode_tok_s"] / limit, 3)
     summary["best_spec_vs_hf_ar"] = round(best["tok_s"] / hf_ar, 3)
 
     if not args.no_curve:
@@ -288,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             curve.add_row(*cells)
         console.print(curve)
         summary["verify16_over_ar"] = summary["curve"][best_fwd][16]
-    print(f"goals: built-in AR {summary['builtin_ar_of_limit']:.0%} of the bandwidth limit (>= 60%), "
+    print(f"goals: built-in AR {summary['builtin_ar_of_limit']:.0%} of the bandwidth limit with the prompt's forward, "
+          f"{summary['builtin_ar_decode_of_limit']:.0%} decoding (>= 80%), "
           f"{summary['builtin_ar_vs_hf_ar']:.2f}x HF AR (>= 1.5x); best speculative {summary['best_spec_vs_hf_ar']:.2f}x HF AR"
           + (f"; verifying 16 tokens {summary['verify16_over_ar']:.2f}x an AR step (<= 1.25x)" if not args.no_curve else ""))
     print(json.dumps(summary))
