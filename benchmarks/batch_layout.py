@@ -25,7 +25,8 @@ import torch.nn.functional as F
 H, K, D = 9, 3, 64
 
 
-def _time(fn, repeats: int = 20) -> float:
+def best_ms(fn, repeats: int = 20) -> float:
+    """Best-of-`repeats` milliseconds of fn() after one warm-up call."""
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -65,7 +66,7 @@ def case(b: int, rows: int, ctx: int) -> dict[str, float]:
     def padded_view() -> None:
         F.scaled_dot_product_attention(qb, stacked_k, stacked_v, attn_mask=pad_mask, enable_gqa=True)
 
-    return {"ragged": _time(ragged), "padded": _time(padded), "padded_view": _time(padded_view)}
+    return {"ragged": best_ms(ragged), "padded": best_ms(padded), "padded_view": best_ms(padded_view)}
 
 
 def main(argv: list[str] | None = None) -> int:

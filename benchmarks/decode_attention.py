@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,20 +22,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from batch_layout import best_ms  # noqa: E402 (this directory is on the path when run as a script)
 from engine.models import attention, llama  # noqa: E402
 
 LAYERS, H, K, D = 30, 9, 3, 64
 LENGTHS = (132, 180, 354, 250, 300, 200, 160, 340, 145, 230, 310, 190, 270, 150, 330, 210)  # + the new rows
-
-
-def _best(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
 
 
 def case(batch: int, rows: int, repeats: int) -> dict[str, float]:
@@ -73,7 +63,7 @@ def case(batch: int, rows: int, repeats: int) -> dict[str, float]:
                 o[pa.rows] = got.reshape(-1, pa.nmax, H, D)[pa.at_slot, pa.at_row]
 
     need = sum(lens) * K * D * 4 * 2 * LAYERS  # bytes of keys and values the sequences attend over
-    out = {"kernel_ms": _best(kernel, repeats), "sdpa_ms": _best(sdpa, repeats)}
+    out = {"kernel_ms": best_ms(kernel, repeats), "sdpa_ms": best_ms(sdpa, repeats)}
     ref = o.clone()
     kernel()
     out["max_abs_diff"] = float((o - ref).abs().max())
