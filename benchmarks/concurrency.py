@@ -57,14 +57,16 @@ def _tuner_serve(overrides: list[str], model: str, spec: SpecConfig, log_dir: st
     thread never share a GIL with this load generator. Its arguments come from the one
     SpecConfig-to-`tuner serve` mapping (tuner.schema.flags.builtin_args). Yields its base URL."""
     from engine.launch.health import healthy
-    from engine.launch.process import stop_process_group
+    from engine.launch.process import death_signal, stop_process_group
     from tuner.schema.flags import builtin_args
 
     port = _free_port()
     log = open(os.path.join(log_dir, f"tuner-serve-{port}.log"), "w")
     proc = subprocess.Popen([sys.executable, "-m", "tuner.cli", "serve", *overrides,
                              *builtin_args(model, spec, host="127.0.0.1", port=port)],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            # a benchmark killed outright (no `finally`) must not leave its server behind
+                            preexec_fn=death_signal(os.getpid()))
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 900
