@@ -3,9 +3,7 @@ a chain, a draft tree) attends over exactly its own length, each sequence's keys
 for all of its query rows and the g query heads that share a kv head.
 
 Why: the pooled SDPA call (engine.models.llama.PooledAttention) pads every sequence of a call to the
-longest one and reads the pool at about 9 GB/s; a batched step of 8 spent ~16 ms a step there on the
-2-core AVX-512 EPYC of docs/results.md, against ~4 ms for reading the keys and values once at its
-copy bandwidth.
+longest one and reads the pool well below the copy bandwidth; docs/design.md has the measurements.
 
 One task is one (sequence, kv head), over torch's OpenMP threads: the scores of its n x g query rows
 against 16 keys at a time (the block read from memory once, then from L1 for every query row; each
@@ -13,9 +11,6 @@ dot product kept as a vector of partial sums, and one transposing reduction summ
 once), the masked softmax per query row, then the values weighted by 4 query rows at a time (their
 accumulators in registers, each value row loaded once per 4). A row sees the sequence's committed
 prefix and, within its own tree, the nodes its `visible` matrix marks (causal when there is none).
-Blocking the scores and the outputs took a step of 8 five-row chains from 13.4 to 9.4 ms on the
-2-core AVX-512 EPYC (one-row decodes unchanged at 5.2 ms); software prefetch of the keys and values
-one to four blocks ahead measured within the VM's noise and was left out.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ attention (engine.models.attention).
 
 Each library links torch's own OpenMP runtime (the process has already loaded libgomp), so torch's
 thread count is the kernel's. A machine without g++, or a failed compile, leaves the library None
-with the reason in `Native.error`: the callers then keep torch's kernels, and report why.
+with the reason in `Native.error`: the callers then keep torch's kernels (the linear plan times
+only the forms it has; batched attention takes pooled SDPA), and scripts/image_check.sh asserts
+that both build in the image.
 """
 
 from __future__ import annotations

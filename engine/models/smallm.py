@@ -42,8 +42,7 @@ static void run(const float* x, const float* wp, float* y, long N, long K, int t
       for (int m = 0; m < M; ++m) acc[j][m] = (vf){};
     for (long k = 0; k < K; ++k) {
       /* the stream 32 k-rows ahead of the loads: every 64-byte line of a row (a row of 64 floats is
-         4 lines; prefetching 2 of them left a 2-core AVX-512 EPYC at 20.7 ms for 2 rows over
-         SmolLM2-shaped weights against 12.8 with all 4) */
+         4 lines; prefetching only 2 of them cost a third of the speed, docs/design.md) */
 #if BW >= 16
       _Pragma("GCC unroll 4")
       for (int off = 0; off < BW; off += 16) __builtin_prefetch(wb + (k + 32) * BW + off);

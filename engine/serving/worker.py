@@ -55,8 +55,8 @@ def _deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[Job, str, Any]])
 @dataclass
 class Outbox:
     """The events of one batched step, handed to the event loop in ONE call after the step: each
-    call_soon_threadsafe writes to the loop's wake-up pipe, and at 8 requests a write per request
-    and step was 3.7% of the engine thread's samples (py-spy, 2-core EPYC)."""
+    call_soon_threadsafe writes to the loop's wake-up pipe, and a write per request and step showed
+    in the engine thread's profile (docs/results.md)."""
 
     items: list[tuple[Job, str, Any]] = field(default_factory=list)
 
