@@ -176,14 +176,19 @@ def main(argv: list[str] | None = None) -> int:
     plain = open_engine(load_config([*over, "engine.builtin.onednn_linears=false"]))
     hf_fwd = open_engine(load_config([*over, "engine.builtin.forward=hf"]))
     engines = {"hf": hf_fwd, "lean": open_engine(load_config([*over, "engine.builtin.forward=lean",
-                                                                    "engine.builtin.compile=false"]))}
+                                                                    "engine.builtin.compile=false",
+                                                                    "engine.builtin.native_step=false"]))}
     compile_s = None
     if not args.no_compile:
         engines["lean compiled"] = open_engine(load_config([*over, "engine.builtin.forward=lean",
-                                                                   "engine.builtin.compile=true"]))
+                                                                   "engine.builtin.compile=true",
+                                                                   "engine.builtin.native_step=false"]))
         compile_s = engines["lean compiled"].lean.compile_s  # from_config warmed it up: compiled, or loaded from disk
         print(f"compile (or load from the on-disk cache): {compile_s:.1f} s, not counted in tok/s", file=sys.stderr)
-    best_fwd = "lean compiled" if "lean compiled" in engines else "lean"
+    native = open_engine(load_config([*over, "engine.builtin.forward=lean", "engine.builtin.native_step=auto"]))
+    if native.lean.native is not None:  # the default where it runs (CPU fp32 with g++)
+        engines["lean native"] = native
+    best_fwd = next(f for f in ("lean native", "lean compiled", "lean") if f in engines)
     fast = engines[best_fwd]
     lean = lean_forward(hf_fwd.target, linear_plan=args.linear_plan)  # the same plan as the rows
     weight_bytes = lean.model.weight_bytes()

@@ -25,7 +25,7 @@ def measure_forward(target: Target, tokens: tuple[int, ...] = TOKENS, contexts: 
     the engine verifies with (`builtin.forward`: the lean forward, compiled or not, or transformers')."""
     out: dict[str, float] = {}
     if builtin is not None and builtin.forward == "lean":
-        lean = lean_forward(target, builtin.compile, cache_dir, builtin.linear_plan)
+        lean = lean_forward(target, builtin.compile, cache_dir, builtin.linear_plan, builtin.native_step)
         if builtin.compile:
             lean.warm_up()
         with torch.inference_mode():

@@ -24,11 +24,10 @@ from engine.models import native
 
 HEAD_DIMS = (16, 32, 64, 128)  # head sizes the kernel is built for (SmolLM2 64, Llama/Qwen 64-128, tiny test models 16)
 
-_SOURCE = r"""
+# One (sequence, kv head) task: `attend_one`. Shared with the native decode step
+# (engine.models.decode_step), which runs it inside its own parallel region.
+TASK_SOURCE = r"""
 #include <vector>
-typedef float vf __attribute__((vector_size(VW * 4)));
-typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
-typedef int vi __attribute__((vector_size(VW * 4)));
 
 static inline vf splat(float x) { return (vf){} + x; }
 
@@ -105,6 +104,82 @@ static inline vf exp_le0(vf x) {
   return x < splat(-87.f) ? splat(0.f) : r;
 }
 
+/* one (sequence, kv head) task: the n x g query rows of the sequence's rows start..start+n-1 (row r's
+   head h * g + j at q + (start + r) * q_row + (h * g + j) * D) over its L positions of K / V (this kv
+   head's [capacity, D], capacity a multiple of VW: the last block of scores reads up to VW - 1
+   positions past L, masked), the tree part (the last n positions) along vis [n, n] (null: causal);
+   outputs at the same places in o (row stride o_row). `sc` is the caller's scratch. */
+template <int D>
+static void attend_one(const float* q, long q_row, const float* K, const float* V, float* o, long o_row,
+                       long start, long n, long L, const unsigned char* vis, long h, long g, float scale,
+                       std::vector<float>& sc) {
+  long p = L - n, Q = n * g;
+  long Lp = (L + VW - 1) / VW * VW;  /* rows of scores padded to whole vectors with -inf */
+  long Qp = (Q + QB - 1) / QB * QB;
+  sc.resize(Qp * Lp);
+  for (long i = Q * Lp; i < Qp * Lp; ++i) sc[i] = 0.f;
+  /* scores, VW positions at a time: each position's dot product stays a vector of partial sums
+     (D / VW fused multiply-adds), and one transposing reduction sums VW of them at once */
+  for (long t0 = 0; t0 < L; t0 += VW) {
+    const float* kb = K + t0 * D;
+    for (long qi = 0; qi < Q; ++qi) {
+      const float* qv = q + (start + qi / g) * q_row + (h * g + qi % g) * D;
+      vf a[VW];
+      _Pragma("GCC unroll 16")
+      for (int l = 0; l < VW; ++l) {
+        vf x = {};
+        for (int i = 0; i < D; i += VW) x += *(const vfu*)(qv + i) * *(const vfu*)(kb + l * D + i);
+        a[BITREV[l]] = x;
+      }
+      *(vfu*)(sc.data() + qi * Lp + t0) = lane_sums(a) * scale;
+    }
+  }
+  for (long r = 0; r < n; ++r) {
+    for (long j = 0; j < g; ++j) {
+      float* row = sc.data() + (r * g + j) * Lp;
+      for (long t = L; t < Lp; ++t) row[t] = -__builtin_inff();
+      for (long c = 0; c < n; ++c) {  /* the tree part: only what this row sees */
+        bool seen = vis == nullptr ? c <= r : vis[r * n + c] != 0;
+        if (!seen) row[p + c] = -__builtin_inff();
+      }
+      vf vm = splat(-__builtin_inff());
+      for (long t = 0; t < Lp; t += VW) {
+        vf x = *(vfu*)(row + t);
+        vm = x > vm ? x : vm;
+      }
+      vf mx = splat(hmax(vm)), vs = {};
+      for (long t = 0; t < Lp; t += VW) {
+        vf e = exp_le0(*(vfu*)(row + t) - mx);
+        *(vfu*)(row + t) = e;
+        vs += e;
+      }
+      vf inv = splat(1.f / hsum(vs));
+      for (long t = 0; t < Lp; t += VW) *(vfu*)(row + t) *= inv;
+    }
+  }
+  /* outputs, QB query rows at a time: their accumulators stay in registers while each value
+     row is loaded once per block (rows past Q carry zero weights) */
+  for (long q0 = 0; q0 < Q; q0 += QB) {
+    vf acc[QB][D / VW] = {};
+    for (long t = 0; t < L; ++t) {
+      const float* vt = V + t * D;
+      vf vv[D / VW];
+      for (int i = 0; i < D / VW; ++i) vv[i] = *(const vfu*)(vt + i * VW);
+      _Pragma("GCC unroll 4")
+      for (int b = 0; b < QB; ++b) {
+        float w = sc[(q0 + b) * Lp + t];
+        for (int i = 0; i < D / VW; ++i) acc[b][i] += w * vv[i];
+      }
+    }
+    for (int b = 0; b < QB && q0 + b < Q; ++b) {
+      float* out = o + (start + (q0 + b) / g) * o_row + (h * g + (q0 + b) % g) * D;
+      for (int i = 0; i < D / VW; ++i) *(vfu*)(out + i * VW) = acc[b][i];
+    }
+  }
+}
+"""
+
+_SOURCE = native.VECTORS + TASK_SOURCE + r"""
 /* meta per sequence: slot, first query row of the step, rows n, length L (prefix L - n plus the n
    rows just written), offset of its n x n visibility bytes (-1: causal) */
 template <int D>
@@ -119,71 +194,9 @@ static void run(const float* q, long q_row, const float* kc, const float* vc, fl
     for (long task = 0; task < tasks; ++task) {
       long s = task / n_kv, h = task % n_kv;
       const long* m = meta + 5 * s;
-      long slot = m[0], start = m[1], n = m[2], L = m[3], voff = m[4], p = L - n, Q = n * g;
-      long Lp = (L + VW - 1) / VW * VW;  /* rows of scores padded to whole vectors with -inf */
-      const float* K = kc + (slot * n_kv + h) * cap * D;
-      const float* V = vc + (slot * n_kv + h) * cap * D;
-      long Qp = (Q + QB - 1) / QB * QB;
-      sc.resize(Qp * Lp);
-      for (long i = Q * Lp; i < Qp * Lp; ++i) sc[i] = 0.f;
-      /* scores, VW positions at a time: each position's dot product stays a vector of partial sums
-         (D / VW fused multiply-adds), and one transposing reduction sums VW of them at once */
-      for (long t0 = 0; t0 < L; t0 += VW) {
-        const float* kb = K + t0 * D;
-        for (long qi = 0; qi < Q; ++qi) {
-          const float* qv = q + (start + qi / g) * q_row + (h * g + qi % g) * D;
-          vf a[VW];
-          _Pragma("GCC unroll 16")
-          for (int l = 0; l < VW; ++l) {
-            vf x = {};
-            for (int i = 0; i < D; i += VW) x += *(const vfu*)(qv + i) * *(const vfu*)(kb + l * D + i);
-            a[BITREV[l]] = x;
-          }
-          *(vfu*)(sc.data() + qi * Lp + t0) = lane_sums(a) * scale;
-        }
-      }
-      for (long r = 0; r < n; ++r) {
-        for (long j = 0; j < g; ++j) {
-          float* row = sc.data() + (r * g + j) * Lp;
-          for (long t = L; t < Lp; ++t) row[t] = -__builtin_inff();
-          for (long c = 0; c < n; ++c) {  /* the tree part: only what this row sees */
-            bool seen = voff < 0 ? c <= r : vis[voff + r * n + c] != 0;
-            if (!seen) row[p + c] = -__builtin_inff();
-          }
-          vf vm = splat(-__builtin_inff());
-          for (long t = 0; t < Lp; t += VW) {
-            vf x = *(vfu*)(row + t);
-            vm = x > vm ? x : vm;
-          }
-          vf mx = splat(hmax(vm)), vs = {};
-          for (long t = 0; t < Lp; t += VW) {
-            vf e = exp_le0(*(vfu*)(row + t) - mx);
-            *(vfu*)(row + t) = e;
-            vs += e;
-          }
-          vf inv = splat(1.f / hsum(vs));
-          for (long t = 0; t < Lp; t += VW) *(vfu*)(row + t) *= inv;
-        }
-      }
-      /* outputs, QB query rows at a time: their accumulators stay in registers while each value
-         row is loaded once per block (rows past Q carry zero weights) */
-      for (long q0 = 0; q0 < Q; q0 += QB) {
-        vf acc[QB][D / VW] = {};
-        for (long t = 0; t < L; ++t) {
-          const float* vt = V + t * D;
-          vf vv[D / VW];
-          for (int i = 0; i < D / VW; ++i) vv[i] = *(const vfu*)(vt + i * VW);
-          _Pragma("GCC unroll 4")
-          for (int b = 0; b < QB; ++b) {
-            float w = sc[(q0 + b) * Lp + t];
-            for (int i = 0; i < D / VW; ++i) acc[b][i] += w * vv[i];
-          }
-        }
-        for (int b = 0; b < QB && q0 + b < Q; ++b) {
-          float* out = o + (start + (q0 + b) / g) * o_row + (h * g + (q0 + b) % g) * D;
-          for (int i = 0; i < D / VW; ++i) *(vfu*)(out + i * VW) = acc[b][i];
-        }
-      }
+      long slot = m[0], voff = m[4];
+      attend_one<D>(q, q_row, kc + (slot * n_kv + h) * cap * D, vc + (slot * n_kv + h) * cap * D, o, o_row,
+                    m[1], m[2], m[3], voff < 0 ? nullptr : vis + voff, h, g, scale, sc);
     }
   }
 }

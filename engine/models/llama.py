@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.models import attention
+from engine.models import attention, decode_step
 from engine.models.eagle3_head import aux_features
 from engine.models.kernels import CALIBRATE_MIN_BYTES, LinearPlan, set_linear_plan, pack_weights, linear, calibrate_linears
 from tuner.schema.config import UserError
@@ -540,8 +540,11 @@ class LeanForward:
     that compiled something (the first call at each token bucket), which callers report apart
     from tokens/s."""
 
-    def __init__(self, model: LeanLlama, compile: bool = False, cache_dir: str | None = None) -> None:
+    def __init__(self, model: LeanLlama, compile: bool = False, cache_dir: str | None = None,
+                 native: bool = False) -> None:
         self.model = model
+        # steps of 1-8 rows of one sequence as one C++ call (engine.models.decode_step), where it runs
+        self.native = decode_step.NativeStep.of(model) if native else None
         self.compiled = compile
         self.compile_s = 0.0
         self._seen: set[int] = set()
@@ -581,6 +584,10 @@ class LeanForward:
             raise ValueError(f"KV cache full: {p}+{rows} > {cache.capacity}")
         pos = torch.arange(p, p + n, device=dev) if depths is None else torch.tensor(depths, device=dev) + p
         ids = torch.tensor(tokens, device=dev)
+        if self.native is not None and n <= decode_step.MAX_ROWS:
+            x, logits, aux = self.native(cache, ids, pos, ancestors, last_only, aux_layers)
+            cache.length = p + n
+            return x, logits, aux_features(aux, aux_layers)
         if rows > n:  # padding rows: token 0 at the first free position, written past the tree
             pos = torch.cat([pos, torch.full((rows - n,), p, device=dev, dtype=pos.dtype)])
             ids = torch.cat([ids, ids.new_zeros(rows - n)])
@@ -695,6 +702,8 @@ class LeanForward:
         # only the one-row step is compiled, so there a short prefix and two one-row steps per
         # capacity are all the graphs need; the eager multi-row steps would only cost time.
         rows = (8, 1, 1, 4, 16, 100) if self._buckets else (8, 1, 1)
+        if self.native is not None and not self._buckets:  # no step of CPU decoding runs the compiled graph
+            rows = (8, 1)
         with torch.inference_mode():
             for need in (64, 600):
                 cache = self.new_cache(need)
@@ -708,12 +717,18 @@ _LEAN: dict[tuple, LeanForward] = {}
 
 
 def lean_forward(target, compile: bool = False, cache_dir: str | None = None,
-                 linear_plan: str = "calibrated") -> LeanForward:
+                 linear_plan: str = "calibrated", native: bool | str = "auto") -> LeanForward:
     """The LeanForward of a loaded Target, built once per process (weights shared with target.model).
     `linear_plan` is engine.builtin.linear_plan: "calibrated" makes a CPU fp32 target of at least
     CALIBRATE_MIN_BYTES of decoder weights follow this machine's measured LinearPlan
-    (calibrate_linears, cached), set before anything is compiled; "default" the default plan."""
-    fw = lean_forward_of(target.model, compile, cache_dir)
+    (calibrate_linears, cached), set before anything is compiled; "default" the default plan.
+    `native` is engine.builtin.native_step: "auto" runs steps of 1-8 rows through the native step
+    where it can run, True requires it (UserError naming why it cannot), False never."""
+    if native is True:
+        why = native_step_refusal(target.model)
+        if why:
+            raise UserError(f"engine.builtin.native_step=true: {why}; allowed: auto (use it where it runs) or false")
+    fw = lean_forward_of(target.model, compile, cache_dir, native=native is not False)
     m = fw.model
     if linear_plan == "default":
         set_linear_plan(LinearPlan())
@@ -723,13 +738,29 @@ def lean_forward(target, compile: bool = False, cache_dir: str | None = None,
     return fw
 
 
-def lean_forward_of(hf_model: torch.nn.Module, compile: bool = False, cache_dir: str | None = None) -> LeanForward:
+def lean_forward_of(hf_model: torch.nn.Module, compile: bool = False, cache_dir: str | None = None,
+                    native: bool = False) -> LeanForward:
     """The LeanForward of an HF causal LM (a target or a draft model), built once per process and
-    model; every LeanForward of one model shares its LeanLlama (the weights are fused once)."""
-    key = (id(hf_model), compile)
+    model; every LeanForward of one model shares its LeanLlama (the weights are fused once).
+    `native`: its steps of 1-8 rows run as the native step where that can run."""
+    key = (id(hf_model), compile, native)
     with _COMPILE_LOCK:
         if key not in _LEAN:
-            same = next((f for (i, _), f in _LEAN.items() if i == id(hf_model)), None)
+            same = next((f for (i, *_), f in _LEAN.items() if i == id(hf_model)), None)
             model = same.model if same is not None else LeanLlama(hf_model)
-            _LEAN[key] = LeanForward(model, compile, cache_dir)
+            _LEAN[key] = LeanForward(model, compile, cache_dir, native)
         return _LEAN[key]
+
+
+def native_step_refusal(hf_model: torch.nn.Module) -> str | None:
+    """Why the native step cannot run for this model here (None: it can)."""
+    p = next(hf_model.parameters())
+    if p.device.type != "cpu" or p.dtype != torch.float32:
+        return f"it runs on CPU in float32 only (this model: {p.device.type}, {str(p.dtype).removeprefix('torch.')})"
+    if decode_step.library() is None:
+        return f"the C++ step could not be built here ({decode_step.error()})"
+    fw = lean_forward_of(hf_model, native=True)
+    if fw.native is None:
+        return ("its weights have no packed copy (memory too small for it), or the head size "
+                f"{fw.model.head_dim} is not one of {attention.HEAD_DIMS}")
+    return None

@@ -19,6 +19,13 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+# The vector types every kernel source starts with (VW: fp32 lanes, defined by the kernel's flags).
+VECTORS = r"""
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
+typedef int vi __attribute__((vector_size(VW * 4)));
+"""
+
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
 

@@ -26,43 +26,62 @@ from engine.models import native
 
 MAX_ROWS = 8  # rows per pass; more rows run in passes of 8 (the plan measures whether that pays)
 
-_SOURCE = r"""
-typedef float vf __attribute__((vector_size(VW * 4)));
-typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
+# One block of BW output columns for M rows: y[m, :BW] = x[m] . wb, wb one packed block [K, BW]. Shared
+# with the native decode step (engine.models.decode_step), which runs it inside its own parallel region.
+BLOCK_SOURCE = r"""
 #define BW (VW * NB)
 
 template <int M>
-static void run(const float* x, const float* wp, float* y, long N, long K, int threads) {
-  long blocks = N / BW;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (long b = 0; b < blocks; ++b) {
-    const float* wb = wp + b * K * BW;
-    vf acc[NB][M];
+static inline void block(const float* x, long ldx, const float* wb, float* y, long ldy, long K) {
+  /* one row has a single accumulator chain per vector: two k-rows in flight hide the FMA latency */
+  constexpr int KU = M == 1 ? 2 : 1;
+  vf acc[KU][NB][M];
+  for (int u = 0; u < KU; ++u)
     for (int j = 0; j < NB; ++j)
-      for (int m = 0; m < M; ++m) acc[j][m] = (vf){};
-    for (long k = 0; k < K; ++k) {
+      for (int m = 0; m < M; ++m) acc[u][j][m] = (vf){};
+  long k = 0;
+  for (; k + KU <= K; k += KU) {
+    _Pragma("GCC unroll 2")
+    for (int u = 0; u < KU; ++u) {
       /* the stream 32 k-rows ahead of the loads: every 64-byte line of a row (a row of 64 floats is
          4 lines; prefetching only 2 of them cost a third of the speed, docs/design.md) */
 #if BW >= 16
       _Pragma("GCC unroll 4")
-      for (int off = 0; off < BW; off += 16) __builtin_prefetch(wb + (k + 32) * BW + off);
+      for (int off = 0; off < BW; off += 16) __builtin_prefetch(wb + (k + u + 32) * BW + off);
 #else
-      __builtin_prefetch(wb + (k + 32) * BW);
-      __builtin_prefetch(wb + (k + 32) * BW + 32);
+      __builtin_prefetch(wb + (k + u + 32) * BW);
+      __builtin_prefetch(wb + (k + u + 32) * BW + 32);
 #endif
       vf w[NB];
       _Pragma("GCC unroll 4")
-      for (int j = 0; j < NB; ++j) w[j] = *(const vfu*)(wb + k * BW + j * VW);
+      for (int j = 0; j < NB; ++j) w[j] = *(const vfu*)(wb + (k + u) * BW + j * VW);
       _Pragma("GCC unroll 8")
       for (int m = 0; m < M; ++m) {
-        float xs = x[m * K + k];
+        float xs = x[m * ldx + k + u];
         _Pragma("GCC unroll 4")
-        for (int j = 0; j < NB; ++j) acc[j][m] += xs * w[j];
+        for (int j = 0; j < NB; ++j) acc[u][j][m] += xs * w[j];
       }
     }
-    for (int j = 0; j < NB; ++j)
-      for (int m = 0; m < M; ++m) *(vfu*)(y + m * N + b * BW + j * VW) = acc[j][m];
   }
+  for (; k < K; ++k)
+    for (int j = 0; j < NB; ++j) {
+      vf w = *(const vfu*)(wb + k * BW + j * VW);
+      for (int m = 0; m < M; ++m) acc[0][j][m] += x[m * ldx + k] * w;
+    }
+  for (int j = 0; j < NB; ++j)
+    for (int m = 0; m < M; ++m) {
+      vf a = acc[0][j][m];
+      for (int u = 1; u < KU; ++u) a += acc[u][j][m];
+      *(vfu*)(y + m * ldy + j * VW) = a;
+    }
+}
+"""
+
+_SOURCE = native.VECTORS + BLOCK_SOURCE + r"""
+template <int M>
+static void run(const float* x, const float* wp, float* y, long N, long K, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (long b = 0; b < N / BW; ++b) block<M>(x, K, wp + b * K * BW, y + b * BW, N, K);
 }
 
 extern "C" int smallm_linear(const float* x, const float* wp, float* y, long M, long N, long K, int threads) {

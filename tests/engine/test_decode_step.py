@@ -1,0 +1,145 @@
+"""engine/models/decode_step.py, the native step of 1-8 rows: logits, hidden states, layer inputs and the
+KV cache it writes equal the lean forward's torch path (and the HF model's logits) for a decode row,
+a chain, a branching tree and a pool slot; the engine takes it by default and greedy output stays
+identical; native_step=true refuses, in one line, where it cannot run."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.api import SamplingParams
+from engine.models import decode_step
+from engine.models.llama import KVPool, LeanForward, LeanLlama, lean_forward, native_step_refusal
+from engine.models.target import load_target
+from engine.trees.tree import Tree
+from tests.conftest import TINY
+from tuner.schema.compose import load_config
+from tuner.schema.config import SpecConfig, UserError
+from tuner.study.measurer import open_engine
+
+ATOL = 1e-4  # fp32 with another summation order, nothing else
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.skipif(decode_step.library() is None, reason=f"no C++ compiler: {decode_step.error()}")]
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[LeanForward, LeanForward]:
+    """(the torch lean forward, the native one) over one LeanLlama of the tiny random target."""
+    cfg = load_config(TINY)
+    model = LeanLlama(load_target(cfg.model, cfg.engine.builtin).model)
+    torch_fw, native_fw = LeanForward(model), LeanForward(model, native=True)
+    assert torch_fw.native is None and native_fw.native is not None
+    return torch_fw, native_fw
+
+
+def _tree(rng: random.Random, n: int) -> Tree:
+    parents, depths = [-1], [0]
+    for i in range(1, n):
+        p = rng.randrange(i)
+        parents.append(p)
+        depths.append(depths[p] + 1)
+    return Tree([rng.randrange(49152) for _ in range(n)], parents, depths)
+
+
+def _both(pair, caches, tokens, depths=None, ancestors=None, last_only=False, aux=None):
+    return [fw.step(c, tokens, depths, ancestors, last_only, aux) for fw, c in zip(pair, caches)]
+
+
+def test_rows_equal_torch_path_and_cache(pair) -> None:
+    """One row, a chain, a branching tree (each node sees only its ancestors), the largest row count
+    and the last row alone: every output and every cache entry within fp32 rounding of the torch path."""
+    rng = random.Random(0)
+    prompt = [rng.randrange(49152) for _ in range(37)]
+    with torch.inference_mode():
+        caches = [fw.new_cache(128) for fw in pair]
+        _both(pair, caches, prompt)  # 37 rows: both take the torch path
+        tree = _tree(rng, 7)
+        assert not tree.is_chain
+        cases = [([5], None, None, False), ([7, 8, 9, 10, 11], None, None, False),
+                 (tree.tokens, tree.depths, tree.ancestors(), False),
+                 ([rng.randrange(49152) for _ in range(decode_step.MAX_ROWS)], None, None, True)]
+        for tokens, depths, anc, last in cases:
+            (xa, la, aa), (xb, lb, ab) = _both(pair, caches, tokens, depths, anc, last, (0, 1))
+            n = len(tokens)
+            assert lb.shape == la.shape == (1 if last else n, 49152)
+            assert torch.allclose(la, lb, atol=ATOL) and torch.allclose(xa, xb, atol=ATOL) and torch.allclose(aa, ab, atol=ATOL)
+            ka, kb = caches[0].k[:, :, :caches[0].length], caches[1].k[:, :, :caches[1].length]
+            assert caches[0].length == caches[1].length == len(prompt) + n
+            assert torch.allclose(ka, kb, atol=ATOL)
+            assert torch.allclose(caches[0].v[:, :, :caches[0].length], caches[1].v[:, :, :caches[1].length], atol=ATOL)
+            for c in caches:
+                c.crop(len(prompt))
+
+
+def test_tree_rows_see_only_their_ancestors(pair) -> None:
+    """Each node's logits equal those of its root-to-node path run as a chain (a row that saw a
+    sibling, or a later node, would differ)."""
+    rng = random.Random(1)
+    native = pair[1]
+    prompt = [rng.randrange(49152) for _ in range(20)]
+    tree = _tree(rng, 8)
+    with torch.inference_mode():
+        cache = native.new_cache(64)
+        native.step(cache, prompt)
+        _, logits, _ = native.step(cache, tree.tokens, tree.depths, tree.ancestors())
+        for node in range(tree.size):
+            path = [node]
+            while tree.parents[path[-1]] >= 0:
+                path.append(tree.parents[path[-1]])
+            cache.crop(len(prompt))
+            _, chain, _ = native.step(cache, [tree.tokens[i] for i in reversed(path)])
+            assert torch.allclose(logits[node], chain[-1], atol=ATOL), node
+
+
+def test_pool_slot_writes_only_its_slot(pair) -> None:
+    """A cache that is a view of one pool slot: the step equals a lone cache's and leaves the other
+    slots' memory untouched."""
+    torch_fw, native = pair
+    rng = random.Random(2)
+    prompt = [rng.randrange(49152) for _ in range(30)]
+    with torch.inference_mode():
+        pool = KVPool(native.model, 3, 64)
+        pool.k.normal_()
+        pool.v.normal_()
+        others = pool.k[:, [0, 2]].clone(), pool.v[:, [0, 2]].clone()
+        slot = pool.acquire(64)
+        slot = pool.acquire(64) if slot.slot == 0 else slot
+        pool.acquire(64)
+        lone = torch_fw.new_cache(64)
+        for fw, c in ((native, slot), (torch_fw, lone)):
+            fw.step(c, prompt)
+        (_, la, _), (_, lb, _) = [fw.step(c, [3, 4, 5]) for fw, c in ((torch_fw, lone), (native, slot))]
+    assert slot.slot == 1 and torch.allclose(la, lb, atol=ATOL)
+    assert torch.equal(pool.k[:, [0, 2]], others[0]) and torch.equal(pool.v[:, [0, 2]], others[1])
+
+
+def test_engine_default_takes_it_and_greedy_is_identical() -> None:
+    """native_step=auto (the default) runs decoding through the native step; greedy output, plain and
+    with n-gram speculation (chains of up to 5 rows), equals native_step=false token for token."""
+    on = open_engine(load_config(TINY))
+    off = open_engine(load_config([*TINY, "engine.builtin.native_step=false"]))
+    assert on.lean.native is not None and off.lean.native is None
+    prompt = on.encode_prompt("a b c d a b c d a b c d a b", True)
+    for spec in (SpecConfig(method="off"), SpecConfig(method="ngram", depth=4, topk=1, budget=5)):
+        outs = []
+        for eng in (on, off):
+            eng.set_spec(spec)
+            outs.append(eng.generate(prompt, SamplingParams(max_new_tokens=24)).tokens)
+        assert outs[0] == outs[1] and len(outs[0]) == 24, spec
+
+
+def test_native_step_true_refuses_in_one_line() -> None:
+    """native_step=true where the step cannot run (bfloat16; a head size it is not built for) is a
+    UserError naming the cause; auto then quietly keeps the torch path, false never asks."""
+    bf = load_config([*TINY, "engine.builtin.dtype=bfloat16", "engine.builtin.native_step=true"])
+    target = load_target(bf.model, bf.engine.builtin)
+    with pytest.raises(UserError, match=r"native_step=true: it runs on CPU in float32 only .*bfloat16.*allowed: auto"):
+        lean_forward(target, native=True)
+    assert lean_forward(target, native="auto").native is None
+    odd = load_config([*TINY, "model.hidden_size=96", "model.head_dim=24"])
+    why = native_step_refusal(load_target(odd.model, odd.engine.builtin).model)
+    assert why is not None and "head size 24" in why and "\n" not in why
