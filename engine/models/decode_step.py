@@ -1,5 +1,6 @@
-"""The native decode step: one C++ call runs a whole target forward of a few rows (1-8: a decode row,
-a chain, a draft tree) of ONE sequence on CPU fp32, every decoder layer and the lm_head.
+"""The native decode step: one C++ call runs a whole target forward of a few rows on CPU fp32, every
+decoder layer and the lm_head: a decode row, a chain or a draft tree of one sequence (batch 1), or
+the rows of several sequences (a batched step), up to MAX_ROWS rows in all.
 
 Why: a one-row step of SmolLM2 reads 538 MB of weights, which this machine kind streams in about
 19-21 ms; the compiled layer-by-layer step took 32-35 ms on the AMX Xeon (docs/results.md), the rest
@@ -7,7 +8,8 @@ being 30 compiled-graph calls and their guards, each linear's own OpenMP region,
 rotations between them. Here one OpenMP region spans the step: the linears are the few-row kernel's
 blocks (engine.models.smallm) split over the threads, the attention is the decode attention kernel's
 task (engine.models.attention) per kv head, and the norms, rotations and activations run between
-barriers of the same threads.
+barriers of the same threads. Past 8 rows each weight block is read from memory once and the further
+rows pass over it while it is still in the core's cache.
 
 The weights are the few-row kernel's packed copies (`_smallm_packed`, made by kernels.pack_weights
 where memory allows); the KV cache is the lean forward's `KVCache` (a lone cache or a pool slot).
@@ -22,33 +24,37 @@ import ctypes
 import torch
 
 from engine.models import attention, native, smallm
+from engine.models.eagle3_head import aux_features
 
-MAX_ROWS = 8  # rows of one step (the few-row kernel's largest block)
+MAX_ROWS = 64  # rows of one step (past the few-row kernel's 8, further passes over each block in cache)
 
 _SOURCE = native.VECTORS + smallm.BLOCK_SOURCE + attention.TASK_SOURCE + r"""
 #include <math.h>
 #include <string.h>
 #include <omp.h>
 
-/* y[m, :N] = x[m] . W^T over the blocks of the packed W [Npad / BW, K, BW], split over the team (the
-   omp for's barrier ends it); y's rows are ldy apart (ldy >= the padded width) */
-template <int M>
-static void linear(const float* x, long ldx, const float* wp, float* y, long ldy, long N, long K) {
+/* y[r, :N] = x[r] . W^T for R rows over the blocks of the packed W [Npad / BW, K, BW], the blocks split
+   over the team (the omp for's barrier ends it). Each block is read from memory once: rows past 8 run
+   as further passes over the block while it is still in this core's cache. */
+static void linear_rows(long R, const float* x, long ldx, const float* wp, float* y, long ldy, long N, long K) {
   long blocks = (N + BW - 1) / BW;
 #pragma omp for schedule(static)
-  for (long b = 0; b < blocks; ++b) block<M>(x, ldx, wp + b * K * BW, y + b * BW, ldy, K);
-}
-
-static void linear_rows(long M, const float* x, long ldx, const float* wp, float* y, long ldy, long N, long K) {
-  switch (M) {
-    case 1: linear<1>(x, ldx, wp, y, ldy, N, K); break;
-    case 2: linear<2>(x, ldx, wp, y, ldy, N, K); break;
-    case 3: linear<3>(x, ldx, wp, y, ldy, N, K); break;
-    case 4: linear<4>(x, ldx, wp, y, ldy, N, K); break;
-    case 5: linear<5>(x, ldx, wp, y, ldy, N, K); break;
-    case 6: linear<6>(x, ldx, wp, y, ldy, N, K); break;
-    case 7: linear<7>(x, ldx, wp, y, ldy, N, K); break;
-    default: linear<8>(x, ldx, wp, y, ldy, N, K); break;
+  for (long b = 0; b < blocks; ++b) {
+    const float* wb = wp + b * K * BW;
+    for (long r0 = 0; r0 < R; r0 += 8) {
+      const float* xr = x + r0 * ldx;
+      float* yr = y + r0 * ldy + b * BW;
+      switch (R - r0 < 8 ? R - r0 : 8) {
+        case 1: block<1>(xr, ldx, wb, yr, ldy, K); break;
+        case 2: block<2>(xr, ldx, wb, yr, ldy, K); break;
+        case 3: block<3>(xr, ldx, wb, yr, ldy, K); break;
+        case 4: block<4>(xr, ldx, wb, yr, ldy, K); break;
+        case 5: block<5>(xr, ldx, wb, yr, ldy, K); break;
+        case 6: block<6>(xr, ldx, wb, yr, ldy, K); break;
+        case 7: block<7>(xr, ldx, wb, yr, ldy, K); break;
+        default: block<8>(xr, ldx, wb, yr, ldy, K); break;
+      }
+    }
   }
 }
 
@@ -72,19 +78,24 @@ static inline void rotate(float* x, const float* cos, const float* sin, long d) 
 
 static inline long up(long n) { return (n + BW - 1) / BW * BW; }
 
-/* w: per layer ln1, wqkv (packed), bqkv (or null), wo (packed), ln2, w13 (packed), w2 (packed).
-   Cache entry (layer l, kv head j, position t) at ck / cv + l * lstride + j * hstride + t * d.
-   Rows write positions prefix..prefix+M-1 and see the prefix plus, among themselves, vis [M, M]
-   (null: causal); cos / sin [M, d] at their rotary positions. Out: hidden [M, h] (final normed),
-   logits [lm_rows, Vpad] of the last lm_rows rows, aux [L, M, h] each layer's input (or null). */
+/* R rows of S sequences. meta per sequence (6 longs): first row, rows n, committed prefix p,
+   offset of its n x n visibility bytes in vis (-1: causal), the cache's layer and head strides;
+   its cache entry (layer l, kv head j, position t) at kp / vp[s] + l * lstride + j * hstride + t * D.
+   w per layer: ln1, wqkv (packed), bqkv (or null), wo (packed), ln2, w13 (packed), w2 (packed).
+   cos / sin [R, D] at the rows' rotary positions. Out: hidden [R, h] (final normed), logits
+   [P, ldl] of the rows `pick`, aux [L, R, h] each layer's input (or null). */
 template <int D>
-static void step(const float* emb, long M, const float* const* w, long L, long h, long H, long KV, long I,
-                 float* ck, float* cv, long lstride, long hstride, long prefix, const float* cos,
-                 const float* sin, const unsigned char* vis, float eps, const float* norm, const float* lm,
-                 long V, long lm_rows, float* hidden, float* logits, long ldl, float* aux, int threads) {
+static void forward(const float* emb, long R, long S, const long* meta, float* const* kp, float* const* vp,
+                    const float* const* w, long L, long h, long H, long KV, long I, const float* cos,
+                    const float* sin, const unsigned char* vis, float eps, const float* norm, const float* lm,
+                    long V, const long* pick, long P, float* hidden, float* logits, long ldl, float* aux,
+                    int threads) {
   long g = H / KV, nq = (H + 2 * KV) * D, ldq = up(nq), ldh = up(h), ld13 = up(2 * I);
-  std::vector<float> x(emb, emb + M * h), hn(M * h), qkv(M * ldq), att(M * H * D), tmp(M * ldh), gu(M * ld13),
-      act(M * I);
+  std::vector<float> x(emb, emb + R * h), hn(R * h), qkv(R * ldq), att(R * H * D), tmp(R * ldh), gu(R * ld13),
+      act(R * I), hp(P * h);
+  std::vector<long> seq_of(R);
+  for (long s = 0; s < S; ++s)
+    for (long r = 0; r < meta[6 * s + 1]; ++r) seq_of[meta[6 * s] + r] = s;
   float scale = 1.f / sqrtf((float)D);
 #pragma omp parallel num_threads(threads)
   {
@@ -92,63 +103,71 @@ static void step(const float* emb, long M, const float* const* w, long L, long h
     for (long l = 0; l < L; ++l) {
       const float* const* lw = w + 7 * l;
       const float *ln1 = lw[0], *wqkv = lw[1], *bqkv = lw[2], *wo = lw[3], *ln2 = lw[4], *w13 = lw[5], *w2 = lw[6];
-      float *kl = ck + l * lstride, *vl = cv + l * lstride;
-#pragma omp single
-      {
-        if (aux) memcpy(aux + l * M * h, x.data(), M * h * sizeof(float));
-        for (long r = 0; r < M; ++r) rms_norm(x.data() + r * h, ln1, hn.data() + r * h, h, eps);
-      }
-      linear_rows(M, hn.data(), h, wqkv, qkv.data(), ldq, nq, h);
-      /* bias, rotation of q and k heads, this step's keys and values into the cache */
 #pragma omp for schedule(static)
-      for (long u = 0; u < M * (H + 2 * KV); ++u) {
+      for (long r = 0; r < R; ++r) {
+        if (aux) memcpy(aux + (l * R + r) * h, x.data() + r * h, h * sizeof(float));
+        rms_norm(x.data() + r * h, ln1, hn.data() + r * h, h, eps);
+      }
+      linear_rows(R, hn.data(), h, wqkv, qkv.data(), ldq, nq, h);
+      /* bias, rotation of q and k heads, this step's keys and values into each sequence's cache */
+#pragma omp for schedule(static)
+      for (long u = 0; u < R * (H + 2 * KV); ++u) {
         long r = u / (H + 2 * KV), c = u % (H + 2 * KV);
         float* seg = qkv.data() + r * ldq + c * D;
         if (bqkv)
           for (long i = 0; i < D; ++i) seg[i] += bqkv[c * D + i];
         if (c < H + KV) rotate(seg, cos + r * D, sin + r * D, D);
-        if (c >= H + KV) memcpy(vl + (c - H - KV) * hstride + (prefix + r) * D, seg, D * sizeof(float));
-        else if (c >= H) memcpy(kl + (c - H) * hstride + (prefix + r) * D, seg, D * sizeof(float));
-      }
-#pragma omp for schedule(dynamic, 1)
-      for (long j = 0; j < KV; ++j)
-        attend_one<D>(qkv.data(), ldq, kl + j * hstride, vl + j * hstride, att.data(), H * D, 0, M, prefix + M, vis, j,
-                      g, scale, sc);
-      linear_rows(M, att.data(), H * D, wo, tmp.data(), ldh, h, H * D);
-#pragma omp single
-      {
-        for (long r = 0; r < M; ++r) {
-          float* xr = x.data() + r * h;
-          const float* t = tmp.data() + r * ldh;
-          for (long i = 0; i < h; ++i) xr[i] += t[i];
-          rms_norm(xr, ln2, hn.data() + r * h, h, eps);
+        if (c >= H) {
+          const long* m = meta + 6 * seq_of[r];
+          bool is_v = c >= H + KV;
+          float* base = (is_v ? vp : kp)[seq_of[r]] + l * m[4] + (c - H - (is_v ? KV : 0)) * m[5];
+          memcpy(base + (m[2] + r - m[0]) * D, seg, D * sizeof(float));
         }
       }
-      linear_rows(M, hn.data(), h, w13, gu.data(), ld13, 2 * I, h);
+#pragma omp for schedule(dynamic, 1)
+      for (long task = 0; task < S * KV; ++task) {
+        long s = task / KV, j = task % KV;
+        const long* m = meta + 6 * s;
+        long off = l * m[4] + j * m[5];
+        attend_one<D>(qkv.data(), ldq, kp[s] + off, vp[s] + off, att.data(), H * D, m[0], m[1], m[2] + m[1],
+                      m[3] < 0 ? nullptr : vis + m[3], j, g, scale, sc);
+      }
+      linear_rows(R, att.data(), H * D, wo, tmp.data(), ldh, h, H * D);
 #pragma omp for schedule(static)
-      for (long u = 0; u < M * I; ++u) {
+      for (long r = 0; r < R; ++r) {
+        float* xr = x.data() + r * h;
+        const float* t = tmp.data() + r * ldh;
+        for (long i = 0; i < h; ++i) xr[i] += t[i];
+        rms_norm(xr, ln2, hn.data() + r * h, h, eps);
+      }
+      linear_rows(R, hn.data(), h, w13, gu.data(), ld13, 2 * I, h);
+#pragma omp for schedule(static)
+      for (long u = 0; u < R * I; ++u) {
         long r = u / I, i = u % I;
         float a = gu[r * ld13 + i], b = gu[r * ld13 + I + i];
         act[u] = a / (1.f + expf(-a)) * b;
       }
-      linear_rows(M, act.data(), I, w2, tmp.data(), ldh, h, I);
+      linear_rows(R, act.data(), I, w2, tmp.data(), ldh, h, I);
 #pragma omp for schedule(static)
-      for (long u = 0; u < M * h; ++u) x[u] += tmp[(u / h) * ldh + u % h];
+      for (long u = 0; u < R * h; ++u) x[u] += tmp[(u / h) * ldh + u % h];
     }
-#pragma omp single
-    for (long r = 0; r < M; ++r) rms_norm(x.data() + r * h, norm, hidden + r * h, h, eps);
-    linear_rows(lm_rows, hidden + (M - lm_rows) * h, h, lm, logits, ldl, V, h);
+#pragma omp for schedule(static)
+    for (long r = 0; r < R; ++r) rms_norm(x.data() + r * h, norm, hidden + r * h, h, eps);
+#pragma omp for schedule(static)
+    for (long i = 0; i < P; ++i) memcpy(hp.data() + i * h, hidden + pick[i] * h, h * sizeof(float));
+    linear_rows(P, hp.data(), h, lm, logits, ldl, V, h);
   }
 }
 
-extern "C" int decode_step(const float* emb, long M, const float* const* w, long L, long h, long H, long KV, long D,
-                           long I, float* ck, float* cv, long lstride, long hstride, long prefix, const float* cos,
-                           const float* sin, const unsigned char* vis, float eps, const float* norm, const float* lm,
-                           long V, long lm_rows, float* hidden, float* logits, long ldl, float* aux, int threads) {
-  if (M < 1 || M > 8 || lm_rows < 1 || lm_rows > M) return 2;
+extern "C" int decode_forward(const float* emb, long R, long S, const long* meta, float* const* kp, float* const* vp,
+                              const float* const* w, long L, long h, long H, long KV, long D, long I, const float* cos,
+                              const float* sin, const unsigned char* vis, float eps, const float* norm, const float* lm,
+                              long V, const long* pick, long P, float* hidden, float* logits, long ldl, float* aux,
+                              int threads) {
+  if (R < 1 || S < 1 || P < 1) return 2;
   switch (D) {
-#define HEAD(DD) case DD: step<DD>(emb, M, w, L, h, H, KV, I, ck, cv, lstride, hstride, prefix, cos, sin, vis, eps, \
-                                   norm, lm, V, lm_rows, hidden, logits, ldl, aux, threads); return 0;
+#define HEAD(DD) case DD: forward<DD>(emb, R, S, meta, kp, vp, w, L, h, H, KV, I, cos, sin, vis, eps, norm, lm, V, \
+                                      pick, P, hidden, logits, ldl, aux, threads); return 0;
     HEAD(16) HEAD(32) HEAD(64) HEAD(128)
   }
   return 1;
@@ -158,9 +177,9 @@ extern "C" int decode_step(const float* emb, long M, const float* const* w, long
 
 def _bind(lib: ctypes.CDLL) -> None:
     p, n = ctypes.c_void_p, ctypes.c_long
-    lib.decode_step.argtypes = [p, n, p, n, n, n, n, n, n, p, p, n, n, n, p, p, p, ctypes.c_float, p, p, n, n, p, p,
-                                n, p, ctypes.c_int]
-    lib.decode_step.restype = ctypes.c_int
+    lib.decode_forward.argtypes = [p, n, n, p, p, p, p, n, n, n, n, n, n, p, p, p, ctypes.c_float, p, p, n, p, n,
+                                   p, p, n, p, ctypes.c_int]
+    lib.decode_forward.restype = ctypes.c_int
 
 
 _NATIVE = native.Native("decode_step", _SOURCE, [f"-DVW={smallm.VW}", f"-DNB={smallm.NB}"], _bind)
@@ -205,36 +224,61 @@ class NativeStep:
             return None
         return cls(model) if library() is not None else None
 
-    def __call__(self, cache, ids: torch.Tensor, pos: torch.Tensor, ancestors: torch.Tensor | None,
-                 last_only: bool, aux_layers: tuple[int, ...] | None
-                 ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
-        """Run tokens `ids` [n] (n <= MAX_ROWS) at rotary positions `pos` [n] after the cache's committed
-        prefix, attention causal or along `ancestors` [n, n] bool. Writes their keys and values at
-        positions prefix..prefix+n-1 (the caller sets the cache's length). Returns the final normed
-        hidden [n, h], logits [n or 1, V] and each of `aux_layers`' input [n, h]."""
+    def __call__(self, caches: list, ids: list[list[int]], pos: list[torch.Tensor],
+                 ancestors: list[torch.Tensor | None], last_only: list[bool], aux_layers: tuple[int, ...] | None
+                 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """One forward over the rows of several sequences: sequence i runs tokens ids[i] at rotary
+        positions pos[i] after caches[i]'s committed prefix, attention causal or along ancestors[i]
+        [n, n] bool, and gets logits of every row or, when last_only[i], of its last. Writes their keys
+        and values after each prefix and sets each cache's length. Returns per sequence (final normed
+        hidden [n, h], logits [n or 1, V], the inputs of `aux_layers` concatenated [n, len*h] or None)."""
         m = self.model
-        n, p = ids.shape[0], cache.length
-        k, v = cache.k, cache.v
-        if k.stride(3) != 1 or k.stride(2) != m.head_dim or k.stride() != v.stride():
-            raise ValueError("native decode step: the cache needs [layers, kv heads, capacity, d] with d contiguous")
-        cos_t, sin_t = m.rope(int(pos.max()) + 1)
-        cos, sin = cos_t[pos].contiguous(), sin_t[pos].contiguous()
-        emb = m.embed[ids].contiguous()
-        vis = None if ancestors is None else ancestors.to(dtype=torch.uint8).contiguous()
+        d = m.head_dim
+        meta, kp, vp, vis, pick = [], [], [], [], []
+        at = off = 0
+        for cache, toks, anc, last in zip(caches, ids, ancestors, last_only):
+            n, p = len(toks), cache.length
+            if p + n > cache.capacity:
+                raise ValueError(f"KV cache full: {p}+{n} > {cache.capacity}")
+            k, v = cache.k, cache.v
+            if k.stride(3) != 1 or k.stride(2) != d or k.stride() != v.stride():
+                raise ValueError("native decode step: a cache needs [layers, kv heads, capacity, d], d contiguous")
+            if anc is None:
+                meta += [at, n, p, -1, k.stride(0), k.stride(1)]
+            else:
+                meta += [at, n, p, off, k.stride(0), k.stride(1)]
+                vis.append(anc.reshape(-1).to(dtype=torch.uint8))
+                off += n * n
+            kp.append(k.data_ptr())
+            vp.append(v.data_ptr())
+            pick.extend([at + n - 1] if last else range(at, at + n))
+            at += n
+        posv = torch.cat(pos)
+        cos_t, sin_t = m.rope(int(posv.max()) + 1)
+        cos, sin = cos_t[posv].contiguous(), sin_t[posv].contiguous()
+        emb = m.embed[torch.tensor([t for toks in ids for t in toks])].contiguous()
+        meta_t = torch.tensor(meta, dtype=torch.long)
+        pick_t = torch.tensor(pick, dtype=torch.long)
+        vis_t = torch.cat(vis) if vis else torch.zeros(1, dtype=torch.uint8)
         h = emb.shape[1]
-        lm_rows = 1 if last_only else n
-        hidden = emb.new_empty(n, h)
+        hidden = emb.new_empty(at, h)
         width = self.lm.shape[0] * smallm.BW
-        logits = emb.new_empty(lm_rows, width)
-        aux = emb.new_empty(len(m.blocks), n, h) if aux_layers else None
-        rc = library().decode_step(
-            emb.data_ptr(), n, self._ptrs, len(m.blocks), h, m.n_heads, m.n_kv, m.head_dim, self.intermediate,
-            k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), p, cos.data_ptr(), sin.data_ptr(),
-            None if vis is None else vis.data_ptr(), m.eps, m.norm.data_ptr(), self.lm.data_ptr(), self.vocab,
-            lm_rows, hidden.data_ptr(), logits.data_ptr(), width, None if aux is None else aux.data_ptr(),
-            torch.get_num_threads())
+        logits = emb.new_empty(len(pick), width)
+        aux = emb.new_empty(len(m.blocks), at, h) if aux_layers else None
+        rc = library().decode_forward(
+            emb.data_ptr(), at, len(caches), meta_t.data_ptr(), (ctypes.c_void_p * len(kp))(*kp),
+            (ctypes.c_void_p * len(vp))(*vp), self._ptrs, len(m.blocks), h, m.n_heads, m.n_kv, d, self.intermediate,
+            cos.data_ptr(), sin.data_ptr(), vis_t.data_ptr(), m.eps, m.norm.data_ptr(), self.lm.data_ptr(),
+            self.vocab, pick_t.data_ptr(), len(pick), hidden.data_ptr(), logits.data_ptr(), width,
+            None if aux is None else aux.data_ptr(), torch.get_num_threads())
         if rc:
-            raise ValueError(f"native decode step: {n} rows or head size {m.head_dim} not supported (code {rc})")
+            raise ValueError(f"native decode step: head size {d} not built (code {rc})")
         if width != self.vocab:
             logits = logits[:, :self.vocab]
-        return hidden, logits, {i: aux[i] for i in (aux_layers or ())}
+        out, start, li = [], 0, 0
+        for cache, toks, last in zip(caches, ids, last_only):
+            n, nl = len(toks), 1 if last else len(toks)
+            cache.length += n
+            out.append((hidden[start:start + n], logits[li:li + nl], aux_features(aux, aux_layers, slice(start, start + n))))
+            start, li = start + n, li + nl
+        return out

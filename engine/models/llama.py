@@ -543,7 +543,7 @@ class LeanForward:
     def __init__(self, model: LeanLlama, compile: bool = False, cache_dir: str | None = None,
                  native: bool = False) -> None:
         self.model = model
-        # steps of 1-8 rows of one sequence as one C++ call (engine.models.decode_step), where it runs
+        # steps of up to decode_step.MAX_ROWS rows as one C++ call (engine.models.decode_step), where it runs
         self.native = decode_step.NativeStep.of(model) if native else None
         self.compiled = compile
         self.compile_s = 0.0
@@ -585,9 +585,7 @@ class LeanForward:
         pos = torch.arange(p, p + n, device=dev) if depths is None else torch.tensor(depths, device=dev) + p
         ids = torch.tensor(tokens, device=dev)
         if self.native is not None and n <= decode_step.MAX_ROWS:
-            x, logits, aux = self.native(cache, ids, pos, ancestors, last_only, aux_layers)
-            cache.length = p + n
-            return x, logits, aux_features(aux, aux_layers)
+            return self.native([cache], [tokens], [pos], [ancestors], [last_only], aux_layers)[0]
         if rows > n:  # padding rows: token 0 at the first free position, written past the tree
             pos = torch.cat([pos, torch.full((rows - n,), p, device=dev, dtype=pos.dtype)])
             ids = torch.cat([ids, ids.new_zeros(rows - n)])
@@ -620,6 +618,10 @@ class LeanForward:
         triple per sequence."""
         if len(caches) == 1:
             return [self.step(caches[0], tokens[0], depths[0], ancestors[0], last_only[0], aux_layers)]
+        if self.native is not None and sum(map(len, tokens)) <= decode_step.MAX_ROWS:
+            pos = [torch.arange(c.length, c.length + len(t)) if d is None else torch.tensor(d) + c.length
+                   for c, t, d in zip(caches, tokens, depths)]
+            return self.native(caches, tokens, pos, ancestors, last_only, aux_layers)
         m = self.model
         dev = m.device
         seqs, pos, ids, pick = [], [], [], []
@@ -722,7 +724,7 @@ def lean_forward(target, compile: bool = False, cache_dir: str | None = None,
     `linear_plan` is engine.builtin.linear_plan: "calibrated" makes a CPU fp32 target of at least
     CALIBRATE_MIN_BYTES of decoder weights follow this machine's measured LinearPlan
     (calibrate_linears, cached), set before anything is compiled; "default" the default plan.
-    `native` is engine.builtin.native_step: "auto" runs steps of 1-8 rows through the native step
+    `native` is engine.builtin.native_step: "auto" runs steps of a few rows through the native step
     where it can run, True requires it (UserError naming why it cannot), False never."""
     if native is True:
         why = native_step_refusal(target.model)
@@ -742,7 +744,7 @@ def lean_forward_of(hf_model: torch.nn.Module, compile: bool = False, cache_dir:
                     native: bool = False) -> LeanForward:
     """The LeanForward of an HF causal LM (a target or a draft model), built once per process and
     model; every LeanForward of one model shares its LeanLlama (the weights are fused once).
-    `native`: its steps of 1-8 rows run as the native step where that can run."""
+    `native`: its steps of a few rows run as the native step where that can run."""
     key = (id(hf_model), compile, native)
     with _COMPILE_LOCK:
         if key not in _LEAN:

@@ -1,7 +1,7 @@
-"""engine/models/decode_step.py, the native step of 1-8 rows: logits, hidden states, layer inputs and the
-KV cache it writes equal the lean forward's torch path (and the HF model's logits) for a decode row,
-a chain, a branching tree and a pool slot; the engine takes it by default and greedy output stays
-identical; native_step=true refuses, in one line, where it cannot run."""
+"""engine/models/decode_step.py, the native step: logits, hidden states, layer inputs and the KV cache it
+writes equal the lean forward's torch path for a decode row, a chain, a branching tree, a pool slot
+and the rows of several sequences in one call; the engine takes it by default and greedy output
+stays identical; native_step=true refuses, in one line, where it cannot run."""
 
 from __future__ import annotations
 
@@ -50,17 +50,19 @@ def _both(pair, caches, tokens, depths=None, ancestors=None, last_only=False, au
 
 
 def test_rows_equal_torch_path_and_cache(pair) -> None:
-    """One row, a chain, a branching tree (each node sees only its ancestors), the largest row count
-    and the last row alone: every output and every cache entry within fp32 rounding of the torch path."""
+    """One row, a chain, branching trees of 7 and 20 nodes (past 8 rows: further passes over each
+    weight block), the largest row count and the last row alone: every output and every cache entry
+    within fp32 rounding of the torch path."""
     rng = random.Random(0)
     prompt = [rng.randrange(49152) for _ in range(37)]
     with torch.inference_mode():
         caches = [fw.new_cache(128) for fw in pair]
-        _both(pair, caches, prompt)  # 37 rows: both take the torch path
+        _both(pair, caches, prompt)
         tree = _tree(rng, 7)
         assert not tree.is_chain
+        big = _tree(rng, 20)
         cases = [([5], None, None, False), ([7, 8, 9, 10, 11], None, None, False),
-                 (tree.tokens, tree.depths, tree.ancestors(), False),
+                 (tree.tokens, tree.depths, tree.ancestors(), False), (big.tokens, big.depths, big.ancestors(), False),
                  ([rng.randrange(49152) for _ in range(decode_step.MAX_ROWS)], None, None, True)]
         for tokens, depths, anc, last in cases:
             (xa, la, aa), (xb, lb, ab) = _both(pair, caches, tokens, depths, anc, last, (0, 1))
@@ -73,6 +75,36 @@ def test_rows_equal_torch_path_and_cache(pair) -> None:
             assert torch.allclose(caches[0].v[:, :, :caches[0].length], caches[1].v[:, :, :caches[1].length], atol=ATOL)
             for c in caches:
                 c.crop(len(prompt))
+
+
+def test_batched_rows_equal_torch_path(pair) -> None:
+    """Several sequences in pool slots, one native call: a decode row, a chain, a branching tree and
+    a chain past 8 rows (further passes over each weight block), some wanting only their last row's
+    logits, give the torch path's outputs and caches, sequence by sequence."""
+    rng = random.Random(3)
+    tree = _tree(rng, 6)
+    tokens = [[rng.randrange(49152)], [rng.randrange(49152) for _ in range(5)], tree.tokens,
+              [rng.randrange(49152) for _ in range(13)]]
+    depths, ancestors = [None, None, tree.depths, None], [None, None, tree.ancestors(), None]
+    last_only = [False, True, False, True]
+    prompts = [[rng.randrange(49152) for _ in range(n)] for n in (17, 40, 9, 25)]
+    outs, pools = [], []
+    with torch.inference_mode():
+        for fw in pair:
+            pool = KVPool(fw.model, 4, 64)
+            caches = [pool.acquire(64) for _ in prompts]
+            for c, pr in zip(caches, prompts):
+                fw.step(c, pr)
+            outs.append(fw.step_batch(caches, tokens, depths, ancestors, last_only, (1,)))
+            pools.append((pool, caches))
+    for i, ((xa, la, aa), (xb, lb, ab)) in enumerate(zip(*outs)):
+        assert la.shape == lb.shape == (1 if last_only[i] else len(tokens[i]), 49152), i
+        assert torch.allclose(la, lb, atol=ATOL) and torch.allclose(xa, xb, atol=ATOL) and torch.allclose(aa, ab, atol=ATOL), i
+    (pa, ca), (pb, cb) = pools
+    assert [c.length for c in ca] == [c.length for c in cb] == [len(p) + len(t) for p, t in zip(prompts, tokens)]
+    for a, b in zip(ca, cb):
+        assert torch.allclose(a.k[:, :, :a.length], b.k[:, :, :b.length], atol=ATOL)
+        assert torch.allclose(a.v[:, :, :a.length], b.v[:, :, :b.length], atol=ATOL)
 
 
 def test_tree_rows_see_only_their_ancestors(pair) -> None:
