@@ -120,7 +120,8 @@ class Engine:
         if builtin.threads:
             torch.set_num_threads(builtin.threads)
         target = load_target(model, builtin, cache_dir, seed)
-        lean = lean_forward(target, builtin.compile, cache_dir, builtin.linear_plan, builtin.native_step) if builtin.forward == "lean" else None
+        lean = (lean_forward(target, builtin.compile, cache_dir, builtin.linear_plan, builtin.native_step)
+                if builtin.forward == "lean" else None)
         if lean is not None and lean.compiled and lean.compile_s == 0:
             lean.warm_up()  # compile (or load) before any timed step: its seconds land in compile_s
         engine = cls(target, model.max_context, spec, seed, lean)

@@ -279,6 +279,7 @@ class NativeStep:
         for cache, toks, last in zip(caches, ids, last_only):
             n, nl = len(toks), 1 if last else len(toks)
             cache.length += n
-            out.append((hidden[start:start + n], logits[li:li + nl], aux_features(aux, aux_layers, slice(start, start + n))))
+            feats = aux_features(aux, aux_layers, slice(start, start + n))
+            out.append((hidden[start:start + n], logits[li:li + nl], feats))
             start, li = start + n, li + nl
         return out

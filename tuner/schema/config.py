@@ -181,10 +181,11 @@ class BuiltinEngineConfig(_Strict):
     # for 1-16 rows. calibrated: timed once per machine and cached (engine.models.kernels.calibrate_linears; the
     # fastest forms differ between CPUs); default: the forms measured fastest on a 2-core AVX2 EPYC.
     linear_plan: Literal["calibrated", "default"] = "calibrated"
-    # lean, CPU fp32: a step of 1-8 rows of ONE sequence (batch 1: a decode row, a chain, a draft tree)
-    # runs as one C++ call over every layer and the lm_head (engine.models.decode_step). auto: where it
-    # builds (g++) and the weights have their packed copy; true: required (an error says why it cannot
-    # run); false: layer by layer through torch (the compiled one-row step when compile is on)
+    # lean, CPU fp32: a step of up to 64 rows (a decode row, a chain or a draft tree of one request,
+    # or a batched step's rows) runs as one C++ call over every layer and the lm_head
+    # (engine.models.decode_step). auto: where it builds (g++) and the weights have their packed
+    # copy; true: required (an error says why it cannot run); false: layer by layer through torch
+    # (the compiled one-row step when compile is on)
     native_step: bool | Literal["auto"] = "auto"
     # continuous batching (lean forward): at most max_batch requests decode together, one target
     # forward per step over all of them (vLLM's max_num_seqs); 1 decodes one request at a time.
