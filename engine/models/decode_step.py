@@ -256,10 +256,11 @@ class NativeStep:
         posv = torch.cat(pos)
         cos_t, sin_t = m.rope(int(posv.max()) + 1)
         cos, sin = cos_t[posv].contiguous(), sin_t[posv].contiguous()
-        emb = m.embed[torch.tensor([t for toks in ids for t in toks])].contiguous()
-        meta_t = torch.tensor(meta, dtype=torch.long)
-        pick_t = torch.tensor(pick, dtype=torch.long)
-        vis_t = torch.cat(vis) if vis else torch.zeros(1, dtype=torch.uint8)
+        cpu = torch.device("cpu")  # the step runs on CPU only (NativeStep.of)
+        emb = m.embed[torch.tensor([t for toks in ids for t in toks], device=cpu)].contiguous()
+        meta_t = torch.tensor(meta, dtype=torch.long, device=cpu)
+        pick_t = torch.tensor(pick, dtype=torch.long, device=cpu)
+        vis_t = torch.cat(vis) if vis else torch.zeros(1, dtype=torch.uint8, device=cpu)
         h = emb.shape[1]
         hidden = emb.new_empty(at, h)
         width = self.lm.shape[0] * smallm.BW

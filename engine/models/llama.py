@@ -619,8 +619,9 @@ class LeanForward:
         if len(caches) == 1:
             return [self.step(caches[0], tokens[0], depths[0], ancestors[0], last_only[0], aux_layers)]
         if self.native is not None and sum(map(len, tokens)) <= decode_step.MAX_ROWS:
-            pos = [torch.arange(c.length, c.length + len(t)) if d is None else torch.tensor(d) + c.length
-                   for c, t, d in zip(caches, tokens, depths)]
+            dev = self.model.device
+            pos = [torch.arange(c.length, c.length + len(t), device=dev) if d is None
+                   else torch.tensor(d, device=dev) + c.length for c, t, d in zip(caches, tokens, depths)]
             return self.native(caches, tokens, pos, ancestors, last_only, aux_layers)
         m = self.model
         dev = m.device

@@ -217,10 +217,12 @@ def test_step_batch_rows_equal_separate_steps(engine: Engine, prompts, layout: s
     has its own cache or all are slots of one pool (one slot left empty between them, and the
     pool's group limited to 4 rows so that the long prompt attends alone). The pool's short
     sequences attend through the CPU decode attention kernel, or (where it is not used: CUDA, no
-    compiler) in pooled SDPA calls."""
+    compiler) in pooled SDPA calls. This is the torch path (native_step=false, or a step of more
+    rows than the native step takes); tests/engine/test_decode_step.py checks the native one."""
     from engine.models import attention, llama
 
     lean = engine.lean
+    monkeypatch.setattr(lean, "native", None)
     monkeypatch.setattr(llama, "POOL_ROWS", 4)
     kernel = layout == "pool slots"
     if kernel and attention.library() is None:
@@ -279,6 +281,7 @@ def test_one_row_decodes_attend_as_views_in_slot_order(engine: Engine, prompts, 
 
     monkeypatch.setattr(attention, "usable", lambda *a: False)
     lean = engine.lean
+    monkeypatch.setattr(lean, "native", None)  # the torch path's batched attention
     pool = llama.KVPool(lean.model, 5, 64)
     caches = [pool.acquire(64) for _ in range(4)]
     if hole:

@@ -175,3 +175,25 @@ def test_native_step_true_refuses_in_one_line() -> None:
     odd = load_config([*TINY, "model.hidden_size=96", "model.head_dim=24"])
     why = native_step_refusal(load_target(odd.model, odd.engine.builtin).model)
     assert why is not None and "head size 24" in why and "\n" not in why
+
+
+@pytest.mark.parametrize("vw, nb", [(8, 1), (16, 4)])
+def test_few_row_block_every_row_count_and_layout(vw: int, nb: int) -> None:
+    """The block both kernels share (engine.models.smallm.BLOCK_SOURCE), built for AVX2's layout (8
+    lanes, one vector a block) and AVX-512's (16 lanes, four): 1-8 rows over an odd K (one row keeps
+    two k-rows in flight, so K's last row takes the remainder path) equal F.linear."""
+    from engine.models import native, smallm
+
+    if vw == 16 and not native.avx512():
+        pytest.skip("16-lane vectors need AVX-512")
+    lib = native.Native("smallm", smallm._SOURCE, [f"-DVW={vw}", f"-DNB={nb}"], smallm._bind).library()
+    assert lib is not None
+    bw, k = vw * nb, 41
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3 * bw, k, generator=g)
+    packed = w.reshape(-1, bw, k).transpose(1, 2).contiguous()
+    for m in range(1, 9):
+        x = torch.randn(m, k, generator=g)
+        y = torch.empty(m, 3 * bw)
+        assert lib.smallm_linear(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, 3 * bw, k, 2) == 0
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5, msg=f"{m} rows")
