@@ -41,20 +41,8 @@ static void linear_rows(long R, const float* x, long ldx, const float* wp, float
 #pragma omp for schedule(static)
   for (long b = 0; b < blocks; ++b) {
     const float* wb = wp + b * K * BW;
-    for (long r0 = 0; r0 < R; r0 += 8) {
-      const float* xr = x + r0 * ldx;
-      float* yr = y + r0 * ldy + b * BW;
-      switch (R - r0 < 8 ? R - r0 : 8) {
-        case 1: block<1>(xr, ldx, wb, yr, ldy, K); break;
-        case 2: block<2>(xr, ldx, wb, yr, ldy, K); break;
-        case 3: block<3>(xr, ldx, wb, yr, ldy, K); break;
-        case 4: block<4>(xr, ldx, wb, yr, ldy, K); break;
-        case 5: block<5>(xr, ldx, wb, yr, ldy, K); break;
-        case 6: block<6>(xr, ldx, wb, yr, ldy, K); break;
-        case 7: block<7>(xr, ldx, wb, yr, ldy, K); break;
-        default: block<8>(xr, ldx, wb, yr, ldy, K); break;
-      }
-    }
+    for (long r0 = 0; r0 < R; r0 += 8)
+      block_m(R - r0 < 8 ? R - r0 : 8, x + r0 * ldx, ldx, wb, y + r0 * ldy + b * BW, ldy, K);
   }
 }
 

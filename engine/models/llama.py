@@ -737,7 +737,8 @@ def lean_forward(target, compile: bool = False, cache_dir: str | None = None,
         set_linear_plan(LinearPlan())
     elif m.packed and sum(w.numel() * w.element_size() for b in m.blocks for w in (b.wqkv, b.wo, b.w13, b.w2)) \
             >= CALIBRATE_MIN_BYTES:
-        calibrate_linears(m, cache_dir, compiled=compile)
+        # the compiled one-row form is timed only where a compiled graph will run it (not under the native step)
+        calibrate_linears(m, cache_dir, compiled=compile and fw.native is None)
     return fw
 
 

@@ -75,27 +75,28 @@ static inline void block(const float* x, long ldx, const float* wb, float* y, lo
       *(vfu*)(y + m * ldy + j * VW) = a;
     }
 }
+
+/* block<M> for a row count m known at run time (1-8) */
+static inline void block_m(long m, const float* x, long ldx, const float* wb, float* y, long ldy, long K) {
+  switch (m) {
+    case 1: block<1>(x, ldx, wb, y, ldy, K); break;
+    case 2: block<2>(x, ldx, wb, y, ldy, K); break;
+    case 3: block<3>(x, ldx, wb, y, ldy, K); break;
+    case 4: block<4>(x, ldx, wb, y, ldy, K); break;
+    case 5: block<5>(x, ldx, wb, y, ldy, K); break;
+    case 6: block<6>(x, ldx, wb, y, ldy, K); break;
+    case 7: block<7>(x, ldx, wb, y, ldy, K); break;
+    default: block<8>(x, ldx, wb, y, ldy, K); break;
+  }
+}
 """
 
 _SOURCE = native.VECTORS + BLOCK_SOURCE + r"""
-template <int M>
-static void run(const float* x, const float* wp, float* y, long N, long K, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (long b = 0; b < N / BW; ++b) block<M>(x, K, wp + b * K * BW, y + b * BW, N, K);
-}
-
 extern "C" int smallm_linear(const float* x, const float* wp, float* y, long M, long N, long K, int threads) {
-  switch (M) {
-    case 1: run<1>(x, wp, y, N, K, threads); return 0;
-    case 2: run<2>(x, wp, y, N, K, threads); return 0;
-    case 3: run<3>(x, wp, y, N, K, threads); return 0;
-    case 4: run<4>(x, wp, y, N, K, threads); return 0;
-    case 5: run<5>(x, wp, y, N, K, threads); return 0;
-    case 6: run<6>(x, wp, y, N, K, threads); return 0;
-    case 7: run<7>(x, wp, y, N, K, threads); return 0;
-    case 8: run<8>(x, wp, y, N, K, threads); return 0;
-  }
-  return 1;
+  if (M < 1 || M > 8) return 1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (long b = 0; b < N / BW; ++b) block_m(M, x, K, wp + b * K * BW, y + b * BW, N, K);
+  return 0;
 }
 """
 
