@@ -583,9 +583,9 @@ class LeanForward:
         if p + rows > cache.capacity:
             raise ValueError(f"KV cache full: {p}+{rows} > {cache.capacity}")
         pos = torch.arange(p, p + n, device=dev) if depths is None else torch.tensor(depths, device=dev) + p
-        ids = torch.tensor(tokens, device=dev)
         if self.native is not None and n <= decode_step.MAX_ROWS:
             return self.native([cache], [tokens], [pos], [ancestors], [last_only], aux_layers)[0]
+        ids = torch.tensor(tokens, device=dev)
         if rows > n:  # padding rows: token 0 at the first free position, written past the tree
             pos = torch.cat([pos, torch.full((rows - n,), p, device=dev, dtype=pos.dtype)])
             ids = torch.cat([ids, ids.new_zeros(rows - n)])
@@ -704,9 +704,9 @@ class LeanForward:
         # graphs whose cache length and row count are already dynamic (no recompile mid-run). On CPU
         # only the one-row step is compiled, so there a short prefix and two one-row steps per
         # capacity are all the graphs need; the eager multi-row steps would only cost time.
+        if self.native is not None and not self._buckets:
+            return 0.0  # CPU decoding runs the native step: no step runs a compiled graph
         rows = (8, 1, 1, 4, 16, 100) if self._buckets else (8, 1, 1)
-        if self.native is not None and not self._buckets:  # no step of CPU decoding runs the compiled graph
-            rows = (8, 1)
         with torch.inference_mode():
             for need in (64, 600):
                 cache = self.new_cache(need)

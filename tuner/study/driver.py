@@ -149,7 +149,9 @@ def drive(cfg: Config, run_dir: Path, open_study: Callable[[SearchSpace], optuna
             for line in intro(study):
                 progress.log(line)
             lean = getattr(engine, "lean", None)
-            if lean is not None and lean.compiled:
+            if getattr(lean, "native", None) is not None:
+                progress.log("target forward: the native step, one C++ call a step (engine.builtin.native_step)")
+            elif lean is not None and lean.compiled:
                 progress.log(f"target forward compiled (or loaded from the on-disk cache) in {lean.compile_s:.0f} s, "
                              "outside every trial")
             on_trial: Callable[[TrialOutcome], None] = progress
