@@ -90,6 +90,8 @@ BAD_INPUTS = [
     (["+workload=nope"], "workload=nope: unknown option for group 'workload' (available: chat, code, creative, json, math)"),
     (["workload=code"], "workload is not in the defaults list: add it with +workload=NAME"),
     (["spec.foo=1"], "spec.foo: unknown key"),
+    (["engine.builtin.native_step=maybe"], "engine.builtin.native_step='maybe': allowed: auto, true, false"),
+    (["engine.builtin.compile=fast"], "engine.builtin.compile='fast': allowed: auto, true, false"),
     (["+spec.foo=1"], "spec.foo: unknown key in spec"),
     (["+bogus=1"], "bogus: unknown key in the top level"),
     (["engine=vllm", "engine.vllm.env={A:b}"], "engine.vllm.env={A:b}: Hydra adds no keys to an existing mapping "

@@ -187,6 +187,14 @@ class BuiltinEngineConfig(_Strict):
     # copy; true: required (an error says why it cannot run); false: layer by layer through torch
     # (the compiled one-row step when compile is on)
     native_step: bool | Literal["auto"] = "auto"
+
+    @field_validator("compile", "native_step", mode="before")
+    @classmethod
+    def _auto_or_bool(cls, v: object, info: ValidationInfo) -> object:
+        # one line naming what is allowed, instead of pydantic's error per member of the union
+        if v == "auto" or isinstance(v, bool):
+            return v
+        raise ValueError(f"engine.builtin.{info.field_name}={v!r}: allowed: auto, true, false")
     # continuous batching (lean forward): at most max_batch requests decode together, one target
     # forward per step over all of them (vLLM's max_num_seqs); 1 decodes one request at a time.
     max_batch: int = Field(8, ge=1, le=256)
