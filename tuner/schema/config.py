@@ -181,7 +181,7 @@ class BuiltinEngineConfig(_Strict):
     # for 1-16 rows. calibrated: timed once per machine and cached (engine.models.kernels.calibrate_linears; the
     # fastest forms differ between CPUs); default: the forms measured fastest on a 2-core AVX2 EPYC.
     linear_plan: Literal["calibrated", "default"] = "calibrated"
-    # lean, CPU fp32: a step of up to 64 rows (a decode row, a chain or a draft tree of one request,
+    # lean, CPU fp32: a step of up to 160 rows (a decode row, a chain or a draft tree of one request,
     # or a batched step's rows) runs as one C++ call over every layer and the lm_head
     # (engine.models.decode_step). auto: where it builds (g++) and the weights have their packed
     # copy; true: required (an error says why it cannot run); false: layer by layer through torch
