@@ -237,10 +237,8 @@ class NativeStep:
             k, v = cache.k, cache.v
             if k.stride(3) != 1 or k.stride(2) != d or k.stride() != v.stride():
                 raise ValueError("native decode step: a cache needs [layers, kv heads, capacity, d], d contiguous")
-            if anc is None:
-                meta += [at, n, p, -1, k.stride(0), k.stride(1)]
-            else:
-                meta += [at, n, p, off, k.stride(0), k.stride(1)]
+            meta += [at, n, p, -1 if anc is None else off, k.stride(0), k.stride(1)]
+            if anc is not None:
                 vis.append(anc.reshape(-1).to(dtype=torch.uint8))
                 off += n * n
             kp.append(k.data_ptr())
