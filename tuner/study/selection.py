@@ -154,14 +154,15 @@ def contenders(trials: list[FrozenTrial], noise_rel: float) -> list[tuple[SpecCo
     return out
 
 
-def unresolved(others: list[tuple[SpecConfig, list[float]]], lead: list[float], noise_rel: float) -> list[int]:
+def unresolved(others: list[tuple[SpecConfig, list[float]]], lead: list[float], noise_rel: float,
+               head_to_head: bool = False) -> list[int]:
     """Which of `others` are neither separated from the leader (ratios `lead`) nor tied with it.
     Before any head-to-head pair, by the trials' bounds: an optimistic bound below the leader's
     pessimistic one is separated. Then by the head-to-head ratios alone (two pairs or more each):
     one-sided 95% bounds that do not overlap separate; geometric means within noise_rel tie."""
     out = []
     for i, (_, ratios) in enumerate(others):
-        if len(ratios) < 2 or len(lead) < 2:
+        if not head_to_head:
             if ratio_bounds(ratios, noise_rel)[1] >= ratio_bounds(lead, noise_rel)[0]:
                 out.append(i)
             continue
@@ -208,7 +209,7 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
             continue  # a head-to-head interval needs two pairs
         lead = head[lead_spec.model_dump_json()]
         mine = [(others[i][0], head[others[i][0].model_dump_json()]) for i in open_]
-        open_ = [open_[j] for j in unresolved(mine, lead, noise)]
+        open_ = [open_[j] for j in unresolved(mine, lead, noise, head_to_head=True)]
         if not open_:
             break
     left = f"; still not separated, taken as ties: {', '.join(others[i][0].key() for i in open_)}" if open_ else ""
