@@ -25,6 +25,7 @@ ROLE = "role"  # user attr naming why a trial exists: baseline | default | grid 
 FAIL_REASON = "fail_reason"
 HEARTBEAT = "heartbeat"  # trial user attr: unix time of its worker's last sign of life
 WORKER = "worker"  # trial user attr: host:pid of the worker that runs the trial
+NOISE_REL = "noise_rel"  # study user attr: search.noise_rel of the study
 NOISE = "noise_rel_measured"  # study user attr: the relative noise of a baseline pass, measured at the start
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 METRICS = ["output_tok_s"]
@@ -114,6 +115,7 @@ def create_study(cfg: Config, space: SearchSpace, run_dir: Path, name: str) -> o
     study.set_user_attr("model", cfg.model.name)
     study.set_user_attr("engine", cfg.engine.kind)
     study.set_user_attr("created", datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    study.set_user_attr(NOISE_REL, cfg.search.noise_rel)  # the report's bounds use the study's own band
     study.enqueue_trial({}, user_attrs={ROLE: "baseline"})
     if cfg.search.sampler == "grid":
         for spec in space.points():
