@@ -21,7 +21,7 @@ from tuner.schema.config import Config, SearchConfig, UserError
 from tuner.search.space import SearchSpace
 from tuner.study.storage import open_storage, storage_url
 
-ROLE = "role"  # user attr naming why a trial exists: baseline | default | grid | search
+ROLE = "role"  # user attr naming why a trial exists: baseline | default | grid | search | confirm
 FAIL_REASON = "fail_reason"
 HEARTBEAT = "heartbeat"  # trial user attr: unix time of its worker's last sign of life
 WORKER = "worker"  # trial user attr: host:pid of the worker that runs the trial
@@ -205,9 +205,10 @@ class Budget:
         return cls(search.n_trials, search.sampler in ("grid", "model"), count)
 
     def used(self, trials: list[FrozenTrial]) -> int:
+        # the confirmation round's pairs (role confirm) come after the budget: they never count in it
         if self.count == "finished":
-            return sum(1 for t in trials if t.state in FINISHED)
-        return sum(1 for t in trials if t.state != TrialState.WAITING)
+            return sum(1 for t in trials if t.state in FINISHED and role(t) != "confirm")
+        return sum(1 for t in trials if t.state != TrialState.WAITING and role(t) != "confirm")
 
     def spent(self, trials: list[FrozenTrial]) -> bool:
         waiting = sum(1 for t in trials if t.state == TrialState.WAITING)
@@ -222,10 +223,12 @@ class Budget:
 
 
 def finished_count(study: optuna.Study) -> int:
-    """Trials that count against `search.n_trials` (complete, pruned or failed)."""
-    return len(study.get_trials(deepcopy=False, states=FINISHED))
+    """Trials that count against `search.n_trials` (complete, pruned or failed; not the
+    confirmation round's pairs)."""
+    return sum(1 for t in study.get_trials(deepcopy=False, states=FINISHED) if role(t) != "confirm")
 
 
 def role(trial: Any) -> str:
-    """Why a trial exists (user attr set at enqueue time; sampled trials are 'search')."""
+    """Why a trial exists (user attr set at enqueue time; sampled trials are 'search'; the
+    confirmation round's pairs are 'confirm')."""
     return trial.user_attrs.get(ROLE, "search")
