@@ -186,3 +186,26 @@ def test_a_quiet_machine_gets_no_confirmation_round(tmp_path: Path) -> None:
     study, objective = _noisy_study(tmp_path, cfg, measure, [(ng(2), [1.35, 1.38]), (ng(5), [1.50, 1.45])],
                                     [10.0, 10.1, 9.9])
     assert confirm(study, objective, cfg.search.noise_rel) == 0 and measure.calls == []
+
+
+def test_noise_is_measured_and_costs_repeats_only_when_high(tmp_path: Path) -> None:
+    """The baseline's own passes, at the study's start, spread 16% (search.noise_rel is 5%): one
+    line says so, and the trials after it may take up to 4 pairs instead of 2. On a quiet machine
+    nothing changes."""
+    cfg = load_config(CFG)
+    noisy = Planted(lambda spec, n: (13.0, 2.0), base_script=[10.0, 12.5, 9.0, 11.5])
+    study, objective = study_of(tmp_path, cfg, noisy, [ng(2), ng(3)])
+    outcomes = [objective.run_one() for _ in range(3)]
+    notes = [o.note for o in outcomes if o.note]
+    assert outcomes[0].note == ("noise: the baseline passes spread 15.8% (above search.noise_rel=0.05): trials now "
+                                "repeat up to 4 pairs and bounds widen accordingly")
+    assert len(notes) == 1
+    # trial 1's baselines vary (9.0, 11.5, ...): 4 pairs; trial 2's agree exactly: tight after 2
+    assert [t.user_attrs["repeats"] for t in study.trials[1:]] == [4, 2]
+    assert study.user_attrs["noise_rel_measured"] > cfg.search.noise_rel
+
+    quiet = Planted(lambda spec, n: (13.0, 2.0), base_script=[10.0, 10.1, 9.95, 10.05])
+    study, objective = study_of(tmp_path / "q", cfg, quiet, [ng(2), ng(3)])
+    outcomes = [objective.run_one() for _ in range(3)]
+    assert all(o.note is None for o in outcomes) and "noise_rel_measured" not in study.user_attrs
+    assert [t.user_attrs["repeats"] for t in study.trials[1:]] == [2, 2]

@@ -111,6 +111,8 @@ class Progress:
             what = f"{o.state.name}: {o.reason}"
         best = f"best {self.best}" if self.best is not None else "best -"
         self.log(f"trial {n}/{self.task_total} #{o.number} {o.spec.key()}: {what} | {best}")
+        if o.note:
+            self.log(o.note)
         self.bar.update(self.task, completed=n, description=best)
 
     @property

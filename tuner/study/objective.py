@@ -26,7 +26,7 @@ from engine.measure.stats import geomean, log_interval, log_spread, tight
 from tuner.study.limits import TrialClock, TrialTimeout, active_clock, next_repeat_fits
 from tuner.schema.config import SearchConfig, SpecConfig, WorkloadConfig
 from tuner.search.space import SearchSpace
-from tuner.study.studies import FAIL_REASON, ROLE, role
+from tuner.study.studies import FAIL_REASON, NOISE, ROLE, role
 
 OFF = SpecConfig(method="off")
 _CONSTRAINT_PREFIX = "constraints:"  # where Optuna keeps a trial's constraint values (its system attrs)
@@ -100,6 +100,7 @@ class TrialOutcome:
     tok_s: float | None = None
     speedup: float | None = None
     reason: str | None = None
+    note: str | None = None  # one line for the user: the measured noise changed how trials repeat
 
 
 class Objective:
@@ -114,6 +115,7 @@ class Objective:
         self.search = search
         self.levels = sorted(set(workload.concurrency))
         self.multi = search.multi_objective
+        self.repeats_max = search.repeats_max  # sized by the measured noise (track_noise)
 
     # ---- measuring -------------------------------------------------------------------------
     def _at_levels(self, spec: SpecConfig, split: Split) -> list[Sample]:
@@ -148,7 +150,7 @@ class Objective:
         kept: list[str] = []  # pairs still implausible after every retry
         still: str | None = None
         is_off = spec.method == "off"
-        repeats_max = repeats_max or self.search.repeats_max
+        repeats_max = repeats_max or self.repeats_max
         server = self.measure if isinstance(self.measure, ServerMeasureFn) else None
         # The order still alternates between repeats; a launched server that already serves the
         # baseline is measured first, so a trial of 2 repeats restarts it twice instead of three times.
@@ -304,8 +306,40 @@ class Objective:
 
     # ---- one trial ---------------------------------------------------------------------------
     def run_one(self) -> TrialOutcome:
-        """Ask one trial, measure it and tell its outcome. Never raises for a failing trial;
+        """Ask one trial, measure it and tell its outcome (with a note when the measured noise
+        changed how trials repeat: track_noise). Never raises for a failing trial;
         KeyboardInterrupt marks the trial FAIL ('interrupted') and propagates."""
+        outcome = self._run_trial()
+        if not self.multi:
+            outcome.note = self.track_noise()
+        return outcome
+
+    def repeats_for(self, noise: float) -> int:
+        """Pairs a trial may take at most on a machine whose baseline passes spread `noise`:
+        search.repeats_max while it is within search.noise_rel (a quiet machine pays nothing
+        more), one more per further noise band, at most twice search.repeats_max."""
+        extra = max(0, math.ceil(noise / max(self.search.noise_rel, 1e-9) - 1e-9) - 1)
+        return min(self.search.repeats_max + extra, 2 * self.search.repeats_max)
+
+    def track_noise(self) -> str | None:
+        """Measure the machine's noise from the study's baseline passes (trial 0's, then every
+        trial's paired baseline), record it for the pruner's bands (study attr NOISE) and size
+        the repeats by it; one line when that changes what trials do, else None."""
+        spread = log_spread(self.baseline_history())
+        if spread is None:
+            return None
+        if spread > self.search.noise_rel or NOISE in self.study.user_attrs:
+            self.study.set_user_attr(NOISE, spread)
+        n = self.repeats_for(spread)
+        if n == self.repeats_max:
+            return None
+        self.repeats_max = n
+        if spread > self.search.noise_rel:
+            return (f"noise: the baseline passes spread {spread:.1%} (above search.noise_rel={self.search.noise_rel:g}): "
+                    f"trials now repeat up to {n} pairs and bounds widen accordingly")
+        return f"noise: the baseline passes spread {spread:.1%} again: trials repeat up to {n} pairs"
+
+    def _run_trial(self) -> TrialOutcome:
         trial = self.study.ask()
         started = time.monotonic()
         spec = OFF
