@@ -187,7 +187,7 @@ def test_a_launched_server_is_measured_serving_first_so_two_repeats_restart_it_t
     # A vLLM/SGLang trial restarts the server whenever the measured spec changes. Measuring the spec
     # the server already runs first (the order still alternating between repeats) saves one restart
     # per trial; the start-ups are recorded on the trial, outside every measurement.
-    from tuner.study.objective import Objective, Sample
+    from tuner.study.objective import Objective, Sample, ServerMeasureFn
     from tuner.study.measurer import make_launched_measure
     from tuner.search.space import SearchSpace
     from tuner.study.studies import create_study
@@ -212,11 +212,15 @@ def test_a_launched_server_is_measured_serving_first_so_two_repeats_restart_it_t
     launcher = Launcher()
     measure = make_launched_measure(launcher, cfg, {"tune": [], "heldout": []})
 
-    def fake(spec: SpecConfig, split: str, concurrency: int) -> Sample:
-        launcher.ensure(spec)  # the real measure would now run the load generator against the server
-        return Sample(tok_s=20.0 if spec.method == "off" else 30.0, tau=2.0, ttft_p99_ms=1.0, tpot_p99_ms=1.0)
+    class Fake:  # a ServerMeasureFn: the Measurer's serving() and startups(), a planted pass
+        serving, startups = measure.serving, measure.startups
 
-    fake.serving, fake.startups = measure.serving, measure.startups  # type: ignore[attr-defined]
+        def __call__(self, spec: SpecConfig, split: str, concurrency: int) -> Sample:
+            launcher.ensure(spec)  # the real measure would now run the load generator against the server
+            return Sample(tok_s=20.0 if spec.method == "off" else 30.0, tau=2.0, ttft_p99_ms=1.0, tpot_p99_ms=1.0)
+
+    fake = Fake()
+    assert isinstance(fake, ServerMeasureFn) and not isinstance(lambda s, p, c: None, ServerMeasureFn)
     space = SearchSpace.from_config(cfg)
     study = create_study(cfg, space, tmp_path, "restarts")
     objective = Objective(study, space, fake, cfg.workload, cfg.search)

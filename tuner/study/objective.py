@@ -134,7 +134,8 @@ class Objective:
     def evaluate(self, spec: SpecConfig, split: Split = "tune", trial: optuna.Trial | None = None,
                  started: float | None = None, repeats_max: int | None = None, first: int = 0) -> dict[str, Any]:
         """Measure `spec` with adjacent baselines until the speedup CI is tight (or repeats_max,
-        by default search.repeats_max); `first`: the order of the first pair (even: spec first).
+        by default what the measured noise allows: repeats_for); `first`: the order of the first
+        pair (even: spec first).
 
         A repeat that is implausible (see `implausible`) is measured again, up to
         PLAUSIBILITY_RETRIES times, before it counts: before it can prune, rank or win. Reports
