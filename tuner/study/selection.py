@@ -135,10 +135,12 @@ def _cheapest_of_best(cands: list[Candidate], noise_rel: float) -> tuple[Candida
 
 def contenders(trials: list[FrozenTrial], noise_rel: float) -> list[tuple[SpecConfig, list[float]]]:
     """What the confirmation round measures, with the ratios known so far: the CONFIRM_TOP best
-    configurations by pessimistic bound, and every pruned configuration whose first repeat was
-    within the noise of the leader's speedup (a glitch may have pruned it)."""
-    known = sorted((c for c in candidates(trials) if c.feasible and c.implausible is None),
-                   key=lambda c: -c.bounds(noise_rel)[0])
+    configurations by pessimistic bound (among those whose optimistic bound reaches 1.0), and
+    every pruned configuration whose first repeat was within the noise of the leader's speedup
+    (a glitch may have pruned it)."""
+    # one that cannot reach 1.0 even optimistically is no contender: off beats it
+    known = sorted((c for c in candidates(trials) if c.feasible and c.implausible is None
+                    and c.bounds(noise_rel)[1] >= 1.0), key=lambda c: -c.bounds(noise_rel)[0])
     out = [(c.spec, c.ratios) for c in known[:CONFIRM_TOP]]
     if not known:
         return out
