@@ -64,6 +64,10 @@ def plan(cfg: Config, best: BestResult | None, override: WinnerOverride | None =
     if d.target != "builtin" and cfg.hardware.accelerator != "cuda":
         raise UserError(f"deploy={d.target} with hardware={cfg.hardware.name}: a GPU target needs a cuda hardware profile "
                         "(or render deploy=builtin for CPU clusters)")
+    if d.target == "builtin" and cfg.hardware.accelerator == "cuda":
+        raise UserError(f"deploy=builtin with hardware={cfg.hardware.name}: the built-in server's pod runs on a CPU "
+                        f"node in fp32 without the GPUs of {cfg.hardware.name}; render deploy=vllm or deploy=sglang "
+                        "for a cuda hardware profile, or hardware=cpu for the built-in server")
     served = served_spec(cfg, best, override)
     # The built-in server runs on CPU nodes without tensor parallelism.
     tp = 1 if d.target == "builtin" else tensor_parallel_size(m, cfg.hardware, d)

@@ -61,6 +61,14 @@ class ModelConfig(_Strict):
     chat_template: bool = True
     draft_sources: DraftSources = DraftSources()
 
+    @field_validator("hf_id")
+    @classmethod
+    def _hf_id(cls, v: str) -> str:
+        # it becomes the engine's model argument in the manifests: anything else there is an injection
+        if not HUB_REPO.fullmatch(v):
+            raise ValueError(f"model.hf_id={v!r}: not a hub repository id (allowed: ORG/NAME, letters, digits, - _ .)")
+        return v
+
     def kv_bytes_per_token(self, dtype_bytes: float = 1.0) -> float:
         """KV-cache bytes per token (K and V, all layers) at the given element size."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
@@ -134,15 +142,21 @@ IMAGE_REPO = re.compile(r"(?:[A-Za-z0-9.-]+(?::[0-9]+)?/)?[a-z0-9]+(?:[._-][a-z0
 HUB_REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")  # a Hugging Face hub repository id
 DEFAULT_IMAGE_REPO = "ghcr.io/spectune"  # publishes no images: build and push them (docs/deploy.md, "Images")
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # + at most 63 characters
+DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # a Service's name: a label starting with a letter
+DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")  # + at most 253
+PROM_METRIC = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")  # a Prometheus metric name
 
 
-def quantity_error(key: str, v: str) -> str | None:
-    """Why `v` is no Kubernetes Quantity (e.g. 200Gi, 10Gi, 5, 500m), or None."""
+def quantity_error(key: str, v: str, size: bool = False) -> str | None:
+    """Why `v` is no Kubernetes Quantity (e.g. 200Gi, 10Gi, 5, 500m), or None; `size`: a volume's
+    size, which must also be above zero (a claim of -5Gi or 0 is refused by the API server)."""
     m = QUANTITY.match(v)
-    if m and any(c.isdigit() for c in m.group(1)) and m.group(1).count(".") <= 1:
-        return None
-    return (f"{key}={v!r}: not a Kubernetes quantity (a number with an optional suffix: Ki Mi Gi Ti Pi, "
-            "k M G T P, m, or an exponent; e.g. 200Gi, 5, 500m)")
+    if not (m and any(c.isdigit() for c in m.group(1)) and m.group(1).count(".") <= 1):
+        return (f"{key}={v!r}: not a Kubernetes quantity (a number with an optional suffix: Ki Mi Gi Ti Pi, "
+                "k M G T P, m, or an exponent; e.g. 200Gi, 5, 500m)")
+    if size and (m.group(1).startswith("-") or float(m.group(1)) == 0):
+        return f"{key}={v!r}: a volume size must be above zero (e.g. 200Gi)"
+    return None
 
 
 def image_tag_error(key: str, v: str) -> str | None:
@@ -157,6 +171,23 @@ def namespace_error(key: str, v: str) -> str | None:
         return None
     return (f"{key}={v!r}: not a Kubernetes namespace (a DNS-1123 label: lowercase letters, digits and '-', "
             "at most 63, starting and ending with a letter or digit)")
+
+
+def name_error(key: str, v: str, kind: Literal["label", "service", "subdomain"], limit: int = 63) -> str | None:
+    """Why `v` is no name the API server accepts for `key`, or None. label: a DNS-1123 label;
+    service: a DNS-1035 label (a Service's name, so it starts with a letter); subdomain: a DNS-1123
+    subdomain (dot-separated labels, e.g. a StorageClass). `limit`: the most characters, less than
+    the format's own where suffixes are added to the name."""
+    pattern, what = {"label": (DNS1123_LABEL, "a DNS-1123 label: lowercase letters, digits and '-', starting and "
+                                              "ending with a letter or digit"),
+                     "service": (DNS1035_LABEL, "a DNS-1035 label, as a Service's name: lowercase letters, digits "
+                                                "and '-', starting with a letter, ending with a letter or digit"),
+                     "subdomain": (DNS1123_SUBDOMAIN, "a DNS-1123 subdomain: lowercase letters, digits, '-' and '.', "
+                                                      "each dot-separated part starting and ending with a letter or "
+                                                      "digit")}[kind]
+    if len(v) <= limit and pattern.match(v):
+        return None
+    return f"{key}={v!r}: not a name Kubernetes accepts here ({what}; at most {limit} characters)"
 
 
 def _check(error: str | None, v: str) -> str:
@@ -242,8 +273,8 @@ class IntRange(_Strict):
 
     @model_validator(mode="after")
     def _order(self) -> "IntRange":
-        if self.min > self.max:
-            raise ValueError(f"min={self.min} > max={self.max}")
+        if self.min > self.max:  # the section that holds it prefixes its key (tuner.schema.compose)
+            raise ValueError(f"min={self.min} > max={self.max} (min must be <= max)")
         return self
 
 
@@ -311,6 +342,11 @@ class SearchConfig(_Strict):
     def _space(self) -> "SearchConfig":
         if any(k < 1 or k > 16 for k in self.topk):
             raise ValueError(f"search.topk={self.topk}: each choice must be in [1, 16]")
+        # the space's points are SpecConfigs: a bound beyond the spec's own would make trials fail
+        depth_max = next(m.le for m in SpecConfig.model_fields["depth"].metadata if hasattr(m, "le"))
+        if self.depth.max > depth_max:
+            raise ValueError(f"search.depth.max={self.depth.max}: spec.depth allows at most {depth_max} "
+                             f"(allowed: search.depth.min <= search.depth.max <= {depth_max})")
         if self.repeats_min > self.repeats_max:
             raise ValueError(f"search.repeats_min={self.repeats_min} > search.repeats_max={self.repeats_max}")
         if self.workers > 1 and (self.storage is None or self.storage.startswith("sqlite")):
@@ -337,6 +373,14 @@ class HPAConfig(_Strict):
     @classmethod
     def _quantity(cls, v: str) -> str:
         return _check(quantity_error("deploy.hpa.target_average", v), v)
+
+    @field_validator("metric")
+    @classmethod
+    def _metric(cls, v: str) -> str:
+        if not PROM_METRIC.match(v):
+            raise ValueError(f"deploy.hpa.metric={v!r}: not a Prometheus metric name (letters, digits, '_' and ':', "
+                             "not starting with a digit; e.g. vllm:num_requests_waiting)")
+        return v
 
 
 class SecretRef(_Strict):
@@ -445,7 +489,18 @@ class DeployConfig(_Strict):
     @field_validator("model_cache_size")
     @classmethod
     def _cache_size(cls, v: str) -> str:
-        return _check(quantity_error("deploy.model_cache_size", v), v)
+        return _check(quantity_error("deploy.model_cache_size", v, size=True), v)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        # the Service carries it (so does every other serving object)
+        return _check(name_error("deploy.name", v, "service"), v)
+
+    @field_validator("storage_class")
+    @classmethod
+    def _storage_class(cls, v: str | None) -> str | None:
+        return v if v is None else _check(name_error("deploy.storage_class", v, "subdomain", 253), v)
 
 
 class DistributedConfig(_Strict):
@@ -506,7 +561,19 @@ class DistributedConfig(_Strict):
     @field_validator("postgres_storage", "results_storage", "cache_storage")
     @classmethod
     def _storage(cls, v: str | None, info: ValidationInfo) -> str | None:
-        return v if v is None else _check(quantity_error(f"distributed.{info.field_name}", v), v)
+        return v if v is None else _check(quantity_error(f"distributed.{info.field_name}", v, size=True), v)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        # the database's Service is NAME-db; the longest suffix is a Job's (NAME-create-study), whose
+        # name is also a label value of its pods (at most 63 characters)
+        return _check(name_error("distributed.name", v, "service", 63 - len("-create-study")), v)
+
+    @field_validator("storage_class")
+    @classmethod
+    def _storage_class(cls, v: str | None) -> str | None:
+        return v if v is None else _check(name_error("distributed.storage_class", v, "subdomain", 253), v)
 
 
 class ServeConfig(_Strict):
@@ -514,6 +581,15 @@ class ServeConfig(_Strict):
     port: int = Field(ge=1, le=65535)
     queue_size: int = Field(ge=1)
     max_tokens_limit: int = Field(ge=1)
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        # an empty host would bind every interface: that must be said (0.0.0.0), never implied
+        if not v.strip() or any(c.isspace() for c in v):
+            raise ValueError(f"serve.host={v!r}: give an address to listen on (127.0.0.1: this machine only; "
+                             "0.0.0.0: every interface)")
+        return v
 
 
 class BenchConfig(_Strict):
@@ -612,7 +688,28 @@ class Config(_Strict):
                              "or use another sampler (tpe, random, grid, gp)")
         if self.hardware.accelerator == "cpu" and self.engine.kind == "sglang":
             raise ValueError("engine=sglang with hardware=cpu: SGLang needs a CUDA GPU (allowed engines on cpu: builtin, vllm)")
+        if self.hardware.accelerator == "cpu" and self.deploy.target == "sglang":
+            raise ValueError(f"deploy=sglang with hardware={self.hardware.name}: SGLang serves on CUDA GPUs only, so no "
+                             "manifest could be rendered; give a cuda hardware profile (e.g. hardware=h100x8), or "
+                             "deploy=vllm / deploy=builtin")
+        slo = self.workload.slo if self.workload is not None else None
+        if self.search.objective == "goodput" and slo is not None and slo.tpot_p99_ms is None and slo.ttft_p99_ms is None:
+            raise ValueError("search.objective=goodput counts requests that meet workload.slo, and both "
+                             "workload.slo.tpot_p99_ms and workload.slo.ttft_p99_ms are null: set one (e.g. "
+                             "workload.slo.tpot_p99_ms=50), or use search.objective=speed")
+        if "draft_model" in self.search.methods and not self.spec.draft_model and not self.model.draft_sources.draft_model:
+            raise ValueError(f"search.methods={list(self.search.methods)} includes draft_model, which drafts with a "
+                             "separate model: give spec.draft_model=DIR_OR_HUB_ID (a small model with the target's "
+                             f"tokenizer), or list one in model.draft_sources.draft_model of model {self.model.name}")
         return self
+
+    @field_validator("run_dir")
+    @classmethod
+    def _run_dir(cls, v: str) -> str:
+        # an empty one would put runs and manifests into the working directory itself
+        if not v.strip():
+            raise ValueError(f"run_dir={v!r}: give a directory for the runs (e.g. run_dir=runs)")
+        return v
 
 
 def spectune_image(cfg: "Config", variant: Literal["cpu", "cuda", "vllm"] = "cpu") -> str:
