@@ -486,6 +486,12 @@ class DeployConfig(_Strict):
     def _namespace(cls, v: str) -> str:
         return _check(namespace_error("deploy.namespace", v), v)
 
+    @field_validator("model_cache_size", mode="before")
+    @classmethod
+    def _size_str(cls, v: object) -> object:
+        # Hydra parses `deploy.model_cache_size=0` as an int: a Quantity is a string.
+        return str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+
     @field_validator("model_cache_size")
     @classmethod
     def _cache_size(cls, v: str) -> str:
@@ -557,6 +563,11 @@ class DistributedConfig(_Strict):
     @classmethod
     def _namespace(cls, v: str) -> str:
         return _check(namespace_error("distributed.namespace", v), v)
+
+    @field_validator("postgres_storage", "results_storage", "cache_storage", mode="before")
+    @classmethod
+    def _size_str(cls, v: object) -> object:
+        return str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
 
     @field_validator("postgres_storage", "results_storage", "cache_storage")
     @classmethod
