@@ -432,6 +432,8 @@ def test_draft_sources_mtp_is_gone_and_old_configs_still_load() -> None:
         validate(raw)
 
 
+PROJECT = ["project", "hardware=h200x1", "model=llama-3.1-8b-instruct", "spec.method=ngram", "spec.depth=3"]
+
 # Issue 25.6: the other commands' bad inputs, each one line naming the file, flag or argument and
 # what is expected; `{tmp}` in an argument is the test's directory (cli_files below fills it).
 CLI_BAD_INPUTS = [
@@ -453,6 +455,23 @@ CLI_BAD_INPUTS = [
     (["apply", "{tmp}/nodir", "--kubeconfig", "{tmp}/missing"], "error: {tmp}/nodir: no such directory"),
     (["report", "{tmp}/run"], "error: {tmp}/run: no study there ({tmp}/run/study.db does not exist)"),
     (["report", "{tmp}/run", "--out", "{tmp}/report"], "error: {tmp}/run: no study there"),
+    # Issue 37.2: projections refuse what no deployment could run, before anything is written
+    *[([*PROJECT, "--tau", tau, "--out", "{tmp}/proj"], f"--tau {shown}: tau is tokens per target forward: a number "
+                                                       "from 1 to 4 for 'ngram d3 k1 b4'")
+      for tau, shown in (("nan", "nan"), ("inf", "inf"), ("9", "9.0"), ("0.5", "0.5"))],
+    ([*PROJECT, "--tau", "2.5", "--concurrency", "1,100000", "--out", "{tmp}/proj"],
+     "--concurrency 100000: at context 1024 the KV cache of h200x1 holds at most 895 sequences"),
+    ([*PROJECT, "--tau", "2.5", "--concurrency", "64", "--context", "100000", "--out", "{tmp}/proj"],
+     "--concurrency 64: at context 100000 the KV cache of h200x1 holds at most 9 sequences"),
+    ([*PROJECT, "--tau", "2.5", "--context", "10000000", "--out", "{tmp}/proj"],
+     "--context 10000000: model llama-3.1-8b-instruct has a context of 131072 tokens (allowed: 1..131072)"),
+    ([*PROJECT, "--tau", "2.5", "--out", "{tmp}/acc-tau.json"],
+     "--out {tmp}/acc-tau.json: is an existing file, not a directory"),
+    (["project", "hardware=h100x8", "--acceptance-file", "{tmp}/acc-deep.json", "--out", "{tmp}/proj"],
+     "--acceptance-file {tmp}/acc-deep.json: entry 0: tau=7.5: tau is tokens per target forward: a number from 1 to 4"),
+    # Issue 38.5: the built-in server's pod on a GPU profile
+    (["render", "hardware=h100x8", "model=llama-3.1-8b-instruct", "--out", "{tmp}/k"],
+     "deploy=builtin with hardware=h100x8: the built-in server's pod runs on a CPU node in fp32"),
 ]
 
 
@@ -462,7 +481,8 @@ def cli_files(tmp_path: Path) -> Path:
     a run directory whose config.yaml has no study beside it."""
     good = {"method": "ngram", "depth": 3, "topk": 1, "budget": 4, "tau": 2.0}
     files = {"acc-type.json": [{**good, "depth": "x"}], "acc-field.json": [good, {"method": "ngram", "dept": 3, "tau": 2}],
-             "acc-rule.json": [{**good, "budget": 9}], "acc-tau.json": [{**good, "tau": "high"}]}
+             "acc-rule.json": [{**good, "budget": 9}], "acc-tau.json": [{**good, "tau": "high"}],
+             "acc-deep.json": [{**good, "tau": 7.5}]}
     for name, data in files.items():
         (tmp_path / name).write_text(json.dumps(data))
     (tmp_path / "acc-broken.yaml").write_text("- method: ngram\n  depth: 3: 4\n")
