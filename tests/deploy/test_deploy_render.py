@@ -361,6 +361,37 @@ def test_check_reports_one_line_per_invalid_doc(tmp_path: Path, capsys: pytest.C
     assert err[1].startswith("servicemonitor.yaml: ServiceMonitor/spectune: spec.endpoints[0].interval:")
 
 
+def test_check_names_what_the_api_server_refuses(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Issues 37 / 38.5: --check gives a tab's line and column, and refuses what the schema allows but
+    the API server does not: both PDB fields, a Service name that is no DNS-1035 label, an object
+    name that is no DNS-1123 subdomain."""
+    render(load_config([]), None, tmp_path)
+    pdb = yaml.safe_load((tmp_path / "pdb.yaml").read_text())
+    pdb["spec"]["minAvailable"] = 1
+    (tmp_path / "pdb.yaml").write_text(yaml.safe_dump(pdb))
+    svc = yaml.safe_load((tmp_path / "service.yaml").read_text())
+    svc["metadata"]["name"] = "1spectune"
+    (tmp_path / "service.yaml").write_text(yaml.safe_dump(svc))
+    cm = (tmp_path / "configmap.yaml").read_text()
+    (tmp_path / "configmap.yaml").write_text(cm.replace("\n  name: ", "\n\tname: ", 1))
+    dep = yaml.safe_load((tmp_path / "deployment.yaml").read_text())
+    dep["metadata"]["name"] = "Spec_Tune"
+    (tmp_path / "deployment.yaml").write_text(yaml.safe_dump(dep))
+    assert main(["render", "--check", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    err = sorted(captured.err.strip().splitlines())
+    assert len(err) == 4 and captured.out == "" and "Traceback" not in captured.err, err
+    line = cm[:cm.index("\n  name: ")].count("\n") + 2
+    assert err[0] == (f"configmap.yaml: not valid YAML at line {line}, column 1: found character '\\t' that cannot "
+                      "start any token (a tab: YAML indents with spaces only)")
+    assert err[1].startswith("deployment.yaml: Deployment/Spec_Tune: metadata.name='Spec_Tune': not a name Kubernetes "
+                             "accepts here (a DNS-1123 subdomain")
+    assert err[2] == ("pdb.yaml: PodDisruptionBudget/spectune: spec: minAvailable and maxUnavailable are mutually "
+                      "exclusive (a PodDisruptionBudget takes one)")
+    assert err[3].startswith("service.yaml: Service/1spectune: metadata.name='1spectune': not a name Kubernetes "
+                             "accepts here (a DNS-1035 label")
+
+
 def test_check_catches_fields_unknown_to_an_older_version(tmp_path: Path) -> None:
     render(load_config([]), None, tmp_path)
     dep = yaml.safe_load((tmp_path / "deployment.yaml").read_text())
