@@ -320,6 +320,11 @@ def test_ci_override_command(tmp_path: Path, capsys: pytest.CaptureFixture) -> N
     assert main(["render", "deploy=sglang", "hardware=h100x8", "deploy.replicas=3", "--out", str(tmp_path / "a")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot be served by deploy=sglang" in err[0] and "draft_sources" in err[0]
+    # Issue 37: the real reason (SGLang runs n-gram only as a tree), not a list that holds ngram
+    assert "'ngram d4 k1 b5' cannot be served by deploy=sglang: spec.topk=1 with spec.method=ngram and " \
+           "engine=sglang: sglang runs ngram as a tree only" in err[0], err[0]
+    assert "give spec.topk=2 (an n-gram tree, not measured) or spec.method=eagle3" in err[0]
+    assert not (tmp_path / "a").exists()
     # With a model that publishes heads, the same overrides render valid manifests.
     out = tmp_path / "b"
     assert main(["render", "model=llama-3.1-8b-instruct", "deploy=sglang", "hardware=h100x8", "deploy.replicas=3",

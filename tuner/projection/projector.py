@@ -456,6 +456,7 @@ def projected_best(cfg: Config, run: Path) -> BestResult:
     cost, tp = cost_for(cfg, acc)
     levels = [1] if hw.accelerator == "cpu" else sorted(set(cfg.workload.concurrency if cfg.workload else [1]))
     ctx = acc.context or DEFAULT_CONTEXT
+    check_projection_inputs(cfg, tp, levels, ctx)
     preds = project(cost, acc, levels, ctx)
     spec, rows = choose_projected(preds, cfg.deploy.target)
     measured = load_best(run / "best.yaml") if (run / "best.yaml").is_file() else None
