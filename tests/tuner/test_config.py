@@ -307,6 +307,25 @@ def test_cli_process_no_traceback() -> None:
     assert p.stderr.count("\n") == 1 and "spec.budget=9 with spec.topk=1" in p.stderr
 
 
+@pytest.mark.parametrize("delay_s", [0.4, 1.2])
+def test_ctrl_c_during_render_is_one_line(delay_s: float, tmp_path: Path) -> None:
+    """Issue 37: Ctrl-C while `tuner render` still imports (its first second) or composes: one line,
+    exit 130, no traceback, nothing rendered."""
+    import os
+    import signal
+    import time
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = tmp_path / "k8s"
+    p = subprocess.Popen([sys.executable, "-m", "tuner.cli", "render", "--out", str(out)], env=env, cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay_s)
+    p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=60)
+    assert (p.returncode, stdout, stderr) == (130, "", "interrupted\n")
+    assert not out.exists()
+
+
 def test_user_error_is_raised_by_library() -> None:
     with pytest.raises(UserError, match="spec.depth=0"):
         load_config(["spec.depth=0"])
