@@ -201,7 +201,7 @@ class BuiltinEngineConfig(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     fp8_weights: bool = False  # emulate e4m3 weights with per-channel scales (what --quantization fp8 serves)
     threads: int | None = Field(None, ge=1)
-    onednn_linears: bool = True  # CPU fp32: linears through oneDNN (engine/cpu_linear.py); false: plain nn.Linear
+    onednn_linears: bool = True  # CPU fp32: linears through oneDNN (engine/models/kernels.py); false: plain nn.Linear
     forward: Literal["lean", "hf"] = "lean"  # lean: the engine's own Llama forward (engine/models/llama.py); hf: transformers'
     # lean only: torch.compile the decoder layer (artifacts cached on disk; CUDA graphs on cuda).
     # auto: on for fp32 models of at least COMPILE_AUTO_MIN_B billion parameters (resolved when the
