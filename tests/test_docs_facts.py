@@ -132,3 +132,20 @@ def test_optimize_search_table_is_conf(option: str) -> None:
             assert cell == f"[{', '.join(map(str, value))}]", (option, key, cell, value)
         else:
             assert float(cell) == float(value) if not isinstance(value, str) else cell == value, (option, key, cell, value)
+
+
+# A measured figure: a time, a rate or a before -> after.
+FIGURE = re.compile(r"\b\d+(?:\.\d+)?\s*(?:ms|us|µs|GB/s|MB/s|tok/s)\b|\b\d+(?:\.\d+)?\s*(?:->|→)\s*\d")
+
+
+def test_no_measured_figures_in_docstrings_or_comments() -> None:
+    """Figures go to docs/results.md, where their machine and date are; code says why without them."""
+    found = []
+    for path in tracked():
+        rel = str(path.relative_to(REPO))
+        if path.suffix != ".py" or rel.startswith(("tests/", "benchmarks/")):
+            continue
+        for line in prose_of_python(path.read_text()).splitlines():
+            if FIGURE.search(line):
+                found.append(f"{rel}: {line.strip()}")
+    assert not found, "\n".join(found)

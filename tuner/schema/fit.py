@@ -71,7 +71,8 @@ def tensor_parallel_why(model: ModelConfig, hardware: HardwareConfig, deploy: De
 
 
 # Model load rate assumed for the startup budget: the first start downloads the weights from the
-# Hub into the cache volume (often 100-500 MB/s); a slow link must not trip the startup probe.
+# Hub into the cache volume, at a rate that varies with the link; a slow one must not trip the startup
+# probe, so the rate assumed is a low one.
 LOAD_GIB_PER_S = 0.1
 # Engine start beyond reading weights: CUDA graph capture, torch.compile, drafter load, warm-up.
 ENGINE_INIT_S = {"vllm": 180, "sglang": 180, "builtin": 60}
