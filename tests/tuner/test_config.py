@@ -488,6 +488,10 @@ CLI_BAD_INPUTS = [
      "--out {tmp}/acc-tau.json: is an existing file, not a directory"),
     (["project", "hardware=h100x8", "--acceptance-file", "{tmp}/acc-deep.json", "--out", "{tmp}/proj"],
      "--acceptance-file {tmp}/acc-deep.json: entry 0: tau=7.5: tau is tokens per target forward: a number from 1 to 4"),
+    # Issue 37: a mistyped command names the nearest one
+    (["confg", "+workload=code"], "error: confg: unknown command; did you mean tuner config? (commands: config, render, "),
+    (["rendr", "--out", "{tmp}/k"], "error: rendr: unknown command; did you mean tuner render?"),
+    (["xyzzy"], "error: xyzzy: unknown command (commands: config, render"),
     # Issue 38.5: the built-in server's pod on a GPU profile
     (["render", "hardware=h100x8", "model=llama-3.1-8b-instruct", "--out", "{tmp}/k"],
      "deploy=builtin with hardware=h100x8: the built-in server's pod runs on a CPU node in fp32"),
