@@ -116,7 +116,7 @@ def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path: Path, engin
 
 def test_a_trial_past_its_time_limit_fails_and_the_winner_is_off(tmp_path: Path, engine) -> None:
     # A measurement slower than the limit (a search that fits is checked before the first trial
-    # only when optimize builds its own measure: tests/test_limits.py).
+    # only when optimize builds its own measure: tests/tuner/test_limits.py).
     def slow(spec: SpecConfig, split: str, concurrency: int):
         from tuner.study.objective import Sample
 
