@@ -166,7 +166,7 @@ def test_the_confirmation_round_picks_the_truly_better_of_two(tmp_path: Path) ->
     assert tail == ["ngram d2 k1 b3", "off", "off", "ngram d4 k1 b5", "ngram d2 k1 b3", "off", "off", "ngram d4 k1 b5"]
     assert "confirmation round" in lines[0]
     win = pick_winner(study.trials, cfg.search.noise_rel, [1])
-    assert win.spec == ng(4)
+    assert win.spec == ng(4) and "head to head in the confirmation round 1.500x over 2 pairs" in win.reason
 
 
 def test_the_confirmation_round_declares_a_tie_and_it_goes_to_the_smaller_budget(tmp_path: Path) -> None:

@@ -449,7 +449,7 @@ class Objective:
                         "duration_s": round(time.monotonic() - t0, 3)},
             system_attrs={f"{_CONSTRAINT_PREFIX}{k}": c for k, c in constraints.items()})
         self.study.add_trial(frozen)
-        return self.study.get_trials(deepcopy=False)[-1]
+        return frozen
 
     def _fail(self, trial: optuna.Trial, reason: str) -> None:
         trial.set_user_attr(FAIL_REASON, reason)

@@ -214,7 +214,8 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
         open_ = [open_[j] for j in unresolved(mine, lead, noise, head_to_head=True)]
         if not open_:
             break
-    left = f"; still not separated, taken as ties: {', '.join(others[i][0].key() for i in open_)}" if open_ else ""
+    left = (f"; not separated after {CONFIRM_ROUNDS} rounds, ranked by their head-to-head figures: "
+            f"{', '.join(others[i][0].key() for i in open_)}" if open_ else "")
     log(f"confirmation round: {pairs} pairs{left}")
     return pairs
 
@@ -256,6 +257,8 @@ def pick_winner(trials: list[FrozenTrial], noise_rel: float, concurrency: list[i
         reason += f"; one-sided 95% lower bound {pick.lower:.3f})" if pick.lower is not None else ")"
     if pick.tau is not None:
         reason += f", tau {pick.tau:.2f}"
+    if pick.confirmed:
+        reason += f"; head to head in the confirmation round {geomean(pick.confirmed):.3f}x over {len(pick.confirmed)} pairs"
     if n > 1:
         reason += f", pooled over {n} trials"
     if n_tied > 1:
