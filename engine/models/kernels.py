@@ -110,13 +110,14 @@ def set_linear_plan(plan: LinearPlan) -> None:
     _PLAN = plan
 
 
-def pack_weights(weights: list[torch.Tensor]) -> bool:
+def pack_weights(weights: list[torch.Tensor], formats: list[str] | None = None) -> bool:
     """Give each CPU fp32 weight a copy in oneDNN's blocked layout (attribute `_onednn_packed`), which
     `linear` uses outside compiled graphs. oneDNN otherwise re-lays a plain weight out on every call,
     which costs a large share of a multi-row step (docs/results.md, "Figures behind the code"). The copy doubles the weights' memory, so it is made only while it takes at most a
     quarter of physical memory. The weights must not change afterwards (the engine never does).
-    Where the few-row kernel builds, each weight also gets its layout (`_smallm_packed`), within the
-    same memory bound."""
+    Where the few-row kernel builds, each weight also gets its layout (`_smallm_packed`, with its
+    `_smallm_scale`) in its entry of `formats` (fp32 | bf16 | fp8; default fp32), within the same
+    memory bound."""
     if not (_ONEDNN and weights and weights[0].device.type == "cpu" and weights[0].dtype == torch.float32):
         return False
     total = sum(w.numel() * w.element_size() for w in weights)
@@ -125,11 +126,11 @@ def pack_weights(weights: list[torch.Tensor]) -> bool:
         return False
     with_smallm = 2 * total <= memory / 4 and smallm.library() is not None
     with torch.no_grad():
-        for w in weights:
+        for w, fmt in zip(weights, formats or ["fp32"] * len(weights)):
             if getattr(w, "_onednn_packed", None) is None:
                 w._onednn_packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
             if with_smallm and getattr(w, "_smallm_packed", None) is None:
-                w._smallm_packed = smallm.pack(w)
+                w._smallm_packed, w._smallm_scale = smallm.pack(w, fmt)
     return True
 
 
@@ -141,7 +142,7 @@ def forms_for(w: torch.Tensor) -> tuple[str, ...]:
 def _form_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, form: str,
                  packed: torch.Tensor | None) -> torch.Tensor:
     if form == "smallm":
-        return smallm.linear(x, w._smallm_packed, w.shape[0], b)
+        return smallm.linear(x, w._smallm_packed, w.shape[0], b, w._smallm_scale)
     if form == "mkl":
         return F.linear(x, w, b)
     if form == "wxt":
@@ -227,7 +228,7 @@ def calibrate_linears(model: Any, cache_dir: str | os.PathLike | None = None, co
     # the rounds, forms and the few-row kernel's version in the key: plans timed before the forms
     # took turns, without a form this process has, or with another kernel are measured again
     key = (f"{cpu_signature()}|torch {torch.__version__}|{sorted({tuple(w.shape) for w in weights})}|{repeats} rounds"
-           f"|{','.join(forms)}" + (f"|smallm {smallm.TAG}" if "smallm" in forms else ""))
+           f"|{','.join(forms)}" + (f"|smallm {smallm.TAG} {weights[0]._smallm_packed.dtype}" if "smallm" in forms else ""))
 
     def measure(old: dict | None) -> dict:
         got = dict(old or {})

@@ -341,7 +341,8 @@ def measured_here(cfg: Config, acc: Acceptance, refresh: bool = False) -> StepCo
                         "(--from RUN or --profile), whose replay measured the draft times")
     if cfg.engine.builtin.threads:
         torch.set_num_threads(cfg.engine.builtin.threads)
-    target = load_target(cfg.model, cfg.engine.builtin.model_copy(update={"fp8_weights": fp8_profile(cfg)}),
+    target = load_target(cfg.model, cfg.engine.builtin.model_copy(
+        update={"weights": "fp8" if fp8_profile(cfg) else cfg.engine.builtin.weights}),
                          cfg.cache_dir, cfg.seed)
     b = cfg.engine.builtin
     key = engine_key(target, b.forward, b.compile, b.linear_plan)

@@ -199,7 +199,12 @@ def _check(error: str | None, v: str) -> str:
 class BuiltinEngineConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    fp8_weights: bool = False  # emulate e4m3 weights with per-channel scales (what --quantization fp8 serves)
+    # the weights the engine computes with (engine.models.fp8): fp32; bf16 (the served checkpoint's
+    # dtype); fp8 (vLLM's --quantization fp8: e4m3 decoder linears, one scale per fused tensor). The
+    # native step reads them at that size (2 or 1 bytes a weight); activations, norms, attention and
+    # the KV cache stay in `dtype`. auto: fp8 where the deployment serves FP8 (deploy.quantization=fp8),
+    # so trials measure the acceptance of the served weights; else fp32 (resolved when the config loads)
+    weights: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
     threads: int | None = Field(None, ge=1)
     onednn_linears: bool = True  # CPU fp32: linears through oneDNN (engine/models/kernels.py); false: plain nn.Linear
     forward: Literal["lean", "hf"] = "lean"  # lean: the engine's own Llama forward (engine/models/llama.py); hf: transformers'
@@ -710,7 +715,9 @@ class Config(_Strict):
         b = self.engine.builtin
         if b.compile == "auto":  # resolved here, so every consumer (and config.yaml) sees a bool
             on = b.forward == "lean" and b.dtype == "float32" and self.model.params_b >= COMPILE_AUTO_MIN_B
-            self.engine.builtin = b.model_copy(update={"compile": on})  # a copy: the default instance is shared
+            self.engine.builtin = b = b.model_copy(update={"compile": on})  # a copy: the default instance is shared
+        if b.weights == "auto":
+            self.engine.builtin = b.model_copy(update={"weights": "fp8" if self.deploy.quantization == "fp8" else "fp32"})
         refusal = engine_refusal(self.spec.method, self.spec.topk, self.engine.kind)
         if refusal:
             raise ValueError(refusal)
@@ -795,6 +802,11 @@ def trained_drafts(cfg: "Config") -> tuple[str, ...]:
     return tuple(out)
 
 
+# engine.builtin.weights in measured_weights' words
+WEIGHT_WORDS = {"bf16": "weights rounded to bf16",
+                "fp8": "fp8 e4m3 weights with per-tensor scales (vLLM's --quantization fp8; embeddings and lm_head bf16)"}
+
+
 def measured_weights(cfg: "Config") -> str:
     """Which weights the engine of cfg measures, in words (best.yaml's provenance.measured_weights;
     the manifests serve model.hf_id). The same order of sources as engine.models.target.hf_checkpoint_dir
@@ -810,7 +822,8 @@ def measured_weights(cfg: "Config") -> str:
         what = f"hub {m.hf_id}"
     if kind == "builtin":
         b = cfg.engine.builtin
-        run = ([f"run in {b.dtype}"] if b.dtype != "float32" else []) + (["fp8 weights emulated"] if b.fp8_weights else [])
+        run = ([f"run in {b.dtype}"] if b.dtype != "float32" else []) + (
+            [WEIGHT_WORDS[b.weights]] if b.weights not in ("fp32", "auto") else [])
     else:
         launched = getattr(cfg.engine, kind)
         gpu = cfg.hardware.accelerator == "cuda"
