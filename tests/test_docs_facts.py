@@ -5,6 +5,7 @@ and options that README.md and docs/ give equal the method registry and conf/.""
 from __future__ import annotations
 
 import ast
+import functools
 import io
 import re
 import subprocess
@@ -25,11 +26,13 @@ NOT_REPOSITORY = {"tuner/conf", "k8s/prod", "k8s/chat", "deploy/manifests/produc
 TEXT_FILES = (".md", ".yaml", ".yml", ".toml", ".sh", ".cfg", ".txt")
 
 
+@functools.cache
 def tracked() -> list[Path]:
     out = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     return [REPO / f for f in out.split() if (REPO / f).is_file()]
 
 
+@functools.cache
 def prose_of_python(source: str) -> str:
     """A Python file's comments and docstrings (its code strings may name paths that tests create)."""
     parts = [tok.string for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT]
