@@ -495,6 +495,12 @@ CLI_BAD_INPUTS = [
      "--acceptance-file {tmp}/acc-deep.json: entry 0: tau=7.5: tau is tokens per target forward: a number from 1 to 4"),
     (["render", "--check", "{tmp}/acc-tau.json"], "error: {tmp}/acc-tau.json: a file, not a directory of manifests"),
     (["apply", "--dry-run", "{tmp}/acc-tau.json"], "error: {tmp}/acc-tau.json: a file, not a directory of manifests"),
+    # Issue 37, reported twice before: a searched draft_model without a draft, at config time, no run written
+    (["optimize", "+workload=code", "model=tiny-random", "search.methods=[ngram,draft_model]", "run_dir={tmp}/runs"],
+     "includes draft_model, which drafts with a separate model: give spec.draft_model=DIR_OR_HUB_ID"),
+    (["optimize", "+workload=code", "engine.vllm.port=8101", "run_dir={tmp}/runs"],
+     "engine.vllm.port: engine.vllm.* exists only with engine=vllm; add engine=vllm"),
+    (["render", "--out", "{tmp}/k", "run_dir="], "run_dir='': give a directory for the runs"),
     # Issue 37: a mistyped command names the nearest one
     (["confg", "+workload=code"], "error: confg: unknown command; did you mean tuner config? (commands: config, render, "),
     (["rendr", "--out", "{tmp}/k"], "error: rendr: unknown command; did you mean tuner render?"),
