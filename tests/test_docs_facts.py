@@ -152,3 +152,16 @@ def test_no_measured_figures_in_docstrings_or_comments() -> None:
             if FIGURE.search(line):
                 found.append(f"{rel}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def test_every_group_option_the_docs_name_exists() -> None:
+    """`hardware=h100x8`, `+workload=code`, ... in README.md and docs/: each names an option conf/ has."""
+    named = re.compile(rf"(?<![\w.])\+?({'|'.join(GROUPS)})=([a-z0-9][a-z0-9.-]*[a-z0-9])")
+    wrong, seen = [], 0
+    for page in doc_pages():
+        for m in named.finditer(page.read_text()):
+            group, option = m.groups()
+            seen += 1
+            if option not in available(group):
+                wrong.append(f"{page.relative_to(REPO)}: {group}={option} (conf/{group}: {', '.join(available(group))})")
+    assert seen > 30 and not wrong, "\n".join(wrong)
