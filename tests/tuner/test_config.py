@@ -236,6 +236,11 @@ BAD_INPUTS = [
     (["+workload=code", "model=tiny-random", "search.methods=[ngram,draft_model]"],
      "search.methods=['ngram', 'draft_model'] includes draft_model, which drafts with a separate model: give "
      "spec.draft_model=DIR_OR_HUB_ID"),
+    (["search.methods=[off]"], "search.methods=['off']: name at least one speculative method"),
+    (["search.budget_max=4", "search.depth.min=5", "search.depth.max=6"],
+     "search.depth.min=5 with search.budget_max=4: a chain of depth d verifies d+1 tokens"),
+    (["deploy.hpa.min_replicas=5", "deploy.hpa.max_replicas=2"], "deploy.hpa.min_replicas=5 > deploy.hpa.max_replicas=2"),
+    (["deploy.replicas=9"], "deploy.replicas=9 exceeds deploy.hpa.max_replicas=4 (with an HPA deploy.replicas is its floor)"),
     # Issue 38.5: names and values the API server refuses
     (["deploy.name="], "deploy.name='': not a name Kubernetes accepts here (a DNS-1035 label"),
     (["deploy.name='a: b'"], "deploy.name='a: b': not a name Kubernetes accepts here"),
@@ -488,6 +493,14 @@ CLI_BAD_INPUTS = [
      "--out {tmp}/acc-tau.json: is an existing file, not a directory"),
     (["project", "hardware=h100x8", "--acceptance-file", "{tmp}/acc-deep.json", "--out", "{tmp}/proj"],
      "--acceptance-file {tmp}/acc-deep.json: entry 0: tau=7.5: tau is tokens per target forward: a number from 1 to 4"),
+    (["render", "--check", "{tmp}/acc-tau.json"], "error: {tmp}/acc-tau.json: a file, not a directory of manifests"),
+    (["apply", "--dry-run", "{tmp}/acc-tau.json"], "error: {tmp}/acc-tau.json: a file, not a directory of manifests"),
+    # Issue 37, reported twice before: a searched draft_model without a draft, at config time, no run written
+    (["optimize", "+workload=code", "model=tiny-random", "search.methods=[ngram,draft_model]", "run_dir={tmp}/runs"],
+     "includes draft_model, which drafts with a separate model: give spec.draft_model=DIR_OR_HUB_ID"),
+    (["optimize", "+workload=code", "engine.vllm.port=8101", "run_dir={tmp}/runs"],
+     "engine.vllm.port: engine.vllm.* exists only with engine=vllm; add engine=vllm"),
+    (["render", "--out", "{tmp}/k", "run_dir="], "run_dir='': give a directory for the runs"),
     # Issue 37: a mistyped command names the nearest one
     (["confg", "+workload=code"], "error: confg: unknown command; did you mean tuner config? (commands: config, render, "),
     (["rendr", "--out", "{tmp}/k"], "error: rendr: unknown command; did you mean tuner render?"),

@@ -352,6 +352,12 @@ class SearchConfig(_Strict):
         if self.depth.max > depth_max:
             raise ValueError(f"search.depth.max={self.depth.max}: spec.depth allows at most {depth_max} "
                              f"(allowed: search.depth.min <= search.depth.max <= {depth_max})")
+        if not any(m != "off" for m in self.methods):
+            raise ValueError(f"search.methods={list(self.methods)}: name at least one speculative method (e.g. [ngram]; "
+                             "off is trial 0, the baseline, in every study)")
+        if self.depth.min > self.budget_max - 1:
+            raise ValueError(f"search.depth.min={self.depth.min} with search.budget_max={self.budget_max}: a chain of "
+                             "depth d verifies d+1 tokens, so depth.min must be <= budget_max-1")
         if self.repeats_min > self.repeats_max:
             raise ValueError(f"search.repeats_min={self.repeats_min} > search.repeats_max={self.repeats_max}")
         if self.workers > 1 and (self.storage is None or self.storage.startswith("sqlite")):
@@ -443,6 +449,25 @@ class DeployConfig(_Strict):
                 return {**data, "pdb_min_available": None, "pdb_max_unavailable": 1 if old == 1 else None}
             return {**data, "pdb_max_unavailable": None}
         return data
+
+    @model_validator(mode="after")
+    def _autoscaler(self) -> "DeployConfig":
+        # checked when the config loads, so that config, optimize and render agree on it
+        h = self.hpa
+        if not h.enabled:
+            return self  # the Deployment carries the count as given (0: rendered with no pods)
+        if h.min_replicas > h.max_replicas:
+            raise ValueError(f"deploy.hpa.min_replicas={h.min_replicas} > deploy.hpa.max_replicas={h.max_replicas}")
+        # with an HPA, deploy.replicas is its floor: a floor it cannot keep is refused, not adjusted
+        if self.replicas == 0:
+            raise ValueError(f"deploy.replicas=0 with deploy.hpa.enabled=true: the HPA keeps at least "
+                             f"deploy.hpa.min_replicas={h.min_replicas} pod(s); for a Deployment with no pods set "
+                             "deploy.hpa.enabled=false, else give deploy.replicas >= 1")
+        if self.replicas > h.max_replicas:
+            raise ValueError(f"deploy.replicas={self.replicas} exceeds deploy.hpa.max_replicas={h.max_replicas} (with "
+                             f"an HPA deploy.replicas is its floor): raise deploy.hpa.max_replicas to at least "
+                             f"{self.replicas}, or set deploy.hpa.enabled=false for a fixed count")
+        return self
 
     @model_validator(mode="after")
     def _disruption_budget(self) -> "DeployConfig":
