@@ -14,6 +14,7 @@ from engine.api import GenResult, GenStats, SamplingParams, TokenCallback
 from engine.models.cache import commit, new_cache
 from engine.models.eagle3_head import aux_features
 from engine.decode.prefix import PrefixCache
+from engine.measure.workloads import ChatTokenizer
 from engine.drafters import Drafter, make_drafter
 from engine.models.llama import KVCache, LeanForward, lean_forward
 from engine.models.target import Target, load_target
@@ -152,10 +153,11 @@ class Engine:
 
     def encode_prompt(self, text: str, chat_template: bool) -> list[int]:
         """Token ids of a user prompt, through the model's chat template (with the assistant prefix) or raw."""
-        if chat_template and getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                      add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return ChatTokenizer(self.tokenizer).encode_prompt(text, chat_template)
+
+    def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation through the model's chat template, ready for the assistant's turn."""
+        return ChatTokenizer(self.tokenizer).encode_messages(messages)
 
     def _forward(self, tree: Tree | None, tokens: list[int], prefix: int, cache: DynamicCache | KVCache,
                  last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
