@@ -14,10 +14,9 @@ from engine.api import GenResult, GenStats, SamplingParams, TokenCallback
 from engine.models.cache import commit, new_cache
 from engine.models.eagle3_head import aux_features
 from engine.decode.prefix import PrefixCache
-from engine.measure.workloads import ChatTokenizer
 from engine.drafters import Drafter, make_drafter
 from engine.models.llama import KVCache, LeanForward, lean_forward
-from engine.models.target import Target, load_target
+from engine.models.target import ChatTokenizer, Target, load_target
 from engine.trees.tree import Tree
 from engine.trees.verify import process_logits, verify
 from tuner.schema.config import BuiltinEngineConfig, ModelConfig, SpecConfig, UserError

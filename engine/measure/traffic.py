@@ -22,6 +22,7 @@ file and line.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import heapq
 import json
@@ -30,7 +31,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO
 
 from tuner.schema.config import UserError
 
@@ -191,7 +192,7 @@ def detect(obj: Any) -> str | None:
 # reading a file as a stream of (line, value)
 
 
-def _json_array(f: TextIO, path: Path) -> Iterator[tuple[int, Any]]:
+def _json_array(f: Any, path: Path) -> Iterator[tuple[int, Any]]:
     """The elements of a JSON array file, one at a time (the array itself is never held)."""
     dec = json.JSONDecoder()
     buf, pos, line, eof = f.read(1 << 20), 0, 1, False
@@ -227,8 +228,12 @@ def _json_array(f: TextIO, path: Path) -> Iterator[tuple[int, Any]]:
             buf, pos = buf[pos:], 0
 
 
-def _lines(f: TextIO, path: Path, plain_ok: bool) -> Iterator[tuple[int, Any]]:
-    for n, raw in enumerate(f, 1):
+def _lines(f: BinaryIO, path: Path, plain_ok: bool) -> Iterator[tuple[int, Any]]:
+    for n, data in enumerate(f, 1):
+        try:
+            raw = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise UserError(f"{path}:{n}: not UTF-8 text") from None
         s = raw.strip()
         if not s:
             continue
@@ -249,29 +254,41 @@ def records(path: str | Path, fmt: str = "auto") -> tuple[str, Iterator[Record]]
     if not p.is_file():
         raise UserError(f"workload.path={path}: not a file")
     try:
-        f = p.open(encoding="utf-8")
-        head = f.read(4096)
-    except (OSError, UnicodeDecodeError) as exc:
+        f = p.open("rb")
+        first = b""
+        while not first:  # the first character that is not blank
+            chunk = f.read(1 << 16)
+            if not chunk:
+                break
+            first = chunk.lstrip()[:1]
+    except OSError as exc:
         raise UserError(f"workload.path={path}: cannot be read ({type(exc).__name__}: {exc})") from None
-    first = head.lstrip()
     if not first:
         f.close()
         raise UserError(f"{p}: the file is empty: no requests")
     f.seek(0)
-    array = first.startswith("[")
-    plain = not array and not first.startswith("{")
+    array = first == b"["
+    plain = not array and first != b"{"
+
+    def stream() -> Iterator[tuple[int, Any]]:
+        if not array:
+            return _lines(f, p, fmt == "prompts")
+        # a codecs reader, unlike a TextIOWrapper, does not close the file when it is dropped
+        return _json_array(codecs.getreader("utf-8")(f), p)
+
     if fmt == "auto":
         if plain:
             fmt = "prompts"
         else:
+            fmt = "openai"  # lines are read as JSON while detecting
             try:
-                n, obj = next(_json_array(f, p) if array else _lines(f, p, False))
+                n, obj = next(stream())
             except StopIteration:
                 f.close()
                 raise UserError(f"{p}: the file is empty: no requests") from None
-            except (OSError, UnicodeDecodeError) as exc:
+            except UnicodeDecodeError:
                 f.close()
-                raise UserError(f"{p}: cannot be read ({type(exc).__name__}: {exc})") from None
+                raise UserError(f"{p}: not UTF-8 text") from None
             found = detect(obj)
             if found is None:
                 f.close()
@@ -284,15 +301,14 @@ def records(path: str | Path, fmt: str = "auto") -> tuple[str, Iterator[Record]]
 
     def gen() -> Iterator[Record]:
         with f:
-            source = _json_array(f, p) if array else _lines(f, p, fmt == "prompts")
             n = 0
             try:
-                for n, obj in source:
+                for n, obj in stream():
                     try:
                         yield parse(obj, n)
                     except RecordError as exc:
                         raise UserError(f"{p}:{n}: {exc} (format {fmt})") from None
-            except UnicodeDecodeError:
+            except UnicodeDecodeError:  # inside a JSON array: the line after the last record read
                 raise UserError(f"{p}:{n + 1}: not UTF-8 text") from None
 
     return fmt, gen()

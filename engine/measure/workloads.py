@@ -57,32 +57,11 @@ class Prompt:
 
 
 class Encoder(Protocol):
-    """What tokenises a request: the built-in engine, or ChatTokenizer over a tokenizer."""
+    """What tokenises a request: the built-in engine, or engine.models.target.ChatTokenizer over a tokenizer."""
 
     def encode_prompt(self, text: str, chat_template: bool) -> list[int]: ...
 
     def encode_messages(self, messages: list[dict[str, str]]) -> list[int]: ...
-
-
-class ChatTokenizer:
-    """A request's token ids through an HF tokenizer: the one rule for the engine, the server and
-    the file loader (chat template with the assistant prefix, or raw text)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-
-    def encode_prompt(self, text: str, chat_template: bool) -> list[int]:
-        """Token ids of a user prompt, through the chat template (with the assistant prefix) or raw."""
-        if chat_template and getattr(self.tokenizer, "chat_template", None):
-            return self.encode_messages([{"role": "user", "content": text}])
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a conversation through the chat template, ready for the assistant's turn."""
-        if not getattr(self.tokenizer, "chat_template", None):  # a model without a template: the turns in order
-            return self.tokenizer.encode("\n\n".join(m["content"] for m in messages), add_special_tokens=False)
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
 
 def encode(encoder: Encoder, prompt: Prompt, chat_template: bool) -> list[int]:

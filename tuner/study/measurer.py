@@ -68,8 +68,7 @@ def request_encoder(cfg: Config, engine: Any = None) -> Any:
               f"workload.max_new_tokens and the server checks the context", file=sys.stderr)
         return None
     from engine.launch.launcher import model_ref
-    from engine.measure.workloads import ChatTokenizer
-    from engine.models.target import load_tokenizer
+    from engine.models.target import ChatTokenizer, load_tokenizer
 
     return ChatTokenizer(load_tokenizer(model_ref(cfg.model, cfg.cache_dir)))
 
