@@ -24,7 +24,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `workload inspect` to the tuner CLI."""
-    w = sub.add_parser("workload", help="look at a workload of your own requests (tuner workload inspect ...)")
+    w = sub.add_parser("workload", help="look at a workload of your own requests (tuner workload inspect ...)",
+                       **examples(
+                           "tuner workload inspect +workload=file workload.path=requests.jsonl",
+                           "tuner workload inspect +workload=mix 'workload.mix=[{workload:code,weight:0.7},"
+                           "{path:chat.jsonl,weight:0.3}]'",
+                       ))
     wsub = w.add_subparsers(dest="workload_command", metavar="SUBCOMMAND")
     wsub.required = True
     i = wsub.add_parser("inspect", help="the shape of a file (or mix) workload: requests, split, lengths, sampling, turns",
