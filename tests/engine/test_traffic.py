@@ -268,3 +268,26 @@ def test_http_plays_each_request_as_in_process(tmp_path: Path, engine) -> None:
     with serving(cfg, engine) as url:
         m = run_http(url, cfg.model.name, greedy, params, concurrency=2)
     assert m.errors == [] and m.texts == local.texts and m.output_tokens == local.output_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# mixes
+
+
+def test_a_mix_shares_requests_by_weight_in_every_prefix_with_each_parts_own_sampling(tmp_path: Path) -> None:
+    path = write_openai(tmp_path / "o.jsonl")
+    wl = load_config(["model=tiny-random", "+workload=mix", "workload.num_prompts=6", "workload.num_heldout=3",
+                      "workload.max_new_tokens=20",
+                      f"workload.mix=[{{workload:creative,weight:2}},{{path:'{path}',weight:1}}]"]).workload
+    tune = load_prompts(wl, "tune")
+    assert [p.part for p in tune] == ["creative", "o.jsonl", "creative", "creative", "o.jsonl", "creative"]
+    creative = [p for p in tune if p.part == "creative"]
+    assert all(p.params.temperature == 1.0 and p.params.top_p == 0.95 and p.params.max_new_tokens == 20
+               for p in creative), "a packaged part keeps its sampling, its budget capped by the mix's"
+    assert all(p.source == "file/openai" and p.params.max_new_tokens <= 20 for p in tune if p.part == "o.jsonl")
+    held = load_prompts(wl, "heldout")
+    assert sorted(p.part for p in held) == ["creative", "creative", "o.jsonl"]
+    assert not {p.id for p in tune} & {p.id for p in held}
+    with pytest.raises(UserError, match="at least one held-out request per part"):
+        load_config(["+workload=mix", "workload.num_heldout=1",
+                     "workload.mix=[{workload:code,weight:1},{workload:chat,weight:1}]"])
