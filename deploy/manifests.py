@@ -49,21 +49,13 @@ def plan(cfg: Config, best: BestResult | None, override: WinnerOverride | None =
     """Resolve spec, tensor parallel size (fit check), context length and the engine command line
     (`override`: the winner with spec.* overrides, deploy.winner.served_spec)."""
     d, m = cfg.deploy, cfg.model
-    if d.hpa.enabled and d.hpa.min_replicas > d.hpa.max_replicas:
-        raise UserError(f"deploy.hpa.min_replicas={d.hpa.min_replicas} > deploy.hpa.max_replicas={d.hpa.max_replicas}")
-    # With an HPA, deploy.replicas is its floor: a floor it cannot keep is refused, not adjusted.
-    # Without one the Deployment carries the count as given (0: rendered with no pods).
-    if d.hpa.enabled and d.replicas == 0:
-        raise UserError(f"deploy.replicas=0 with deploy.hpa.enabled=true: the HPA keeps at least "
-                        f"deploy.hpa.min_replicas={d.hpa.min_replicas} pod(s); for a Deployment with no pods set "
-                        "deploy.hpa.enabled=false, else give deploy.replicas >= 1")
-    if d.hpa.enabled and d.replicas > d.hpa.max_replicas:
-        raise UserError(f"deploy.replicas={d.replicas} exceeds deploy.hpa.max_replicas={d.hpa.max_replicas} (with an "
-                        f"HPA deploy.replicas is its floor): raise deploy.hpa.max_replicas to at least {d.replicas}, "
-                        "or set deploy.hpa.enabled=false for a fixed count")
     if d.target != "builtin" and cfg.hardware.accelerator != "cuda":
         raise UserError(f"deploy={d.target} with hardware={cfg.hardware.name}: a GPU target needs a cuda hardware profile "
                         "(or render deploy=builtin for CPU clusters)")
+    if d.target == "builtin" and cfg.hardware.accelerator == "cuda":
+        raise UserError(f"deploy=builtin with hardware={cfg.hardware.name}: the built-in server's pod runs on a CPU "
+                        f"node in fp32 without the GPUs of {cfg.hardware.name}; render deploy=vllm or deploy=sglang "
+                        "for a cuda hardware profile, or hardware=cpu for the built-in server")
     served = served_spec(cfg, best, override)
     # The built-in server runs on CPU nodes without tensor parallelism.
     tp = 1 if d.target == "builtin" else tensor_parallel_size(m, cfg.hardware, d)

@@ -2,9 +2,9 @@
 decoder layer and the lm_head: a decode row, a chain or a draft tree of one sequence (batch 1), or
 the rows of several sequences (a batched step), up to MAX_ROWS rows in all.
 
-Why: a one-row step of SmolLM2 reads 538 MB of weights, which this machine kind streams in about
-19-21 ms; the compiled layer-by-layer step took 32-35 ms on the AMX Xeon (docs/results.md), the rest
-being 30 compiled-graph calls and their guards, each linear's own OpenMP region, SDPA and the
+Why: a one-row step of SmolLM2 is bound by reading its weights, and the compiled layer-by-layer
+step took well over that read time on the AMX Xeon (docs/results.md, "Figures behind the code"), the
+rest being 30 compiled-graph calls and their guards, each linear's own OpenMP region, SDPA and the
 rotations between them. Here one OpenMP region spans the step: the linears are the few-row kernel's
 blocks (engine.models.smallm) split over the threads, the attention is the decode attention kernel's
 task (engine.models.attention) per kv head, and the norms, rotations and activations run between

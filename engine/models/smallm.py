@@ -4,8 +4,8 @@ inductor needs anyway) for this CPU (-march=native), and measured against oneDNN
 the plan uses it.
 
 Why: on the 2-core Xeon of docs/results.md, oneDNN's small-M GEMM over SmolLM2's decoder weights
-took 26.8 ms for 8 rows and 23.8 ms for 4, while one row streams them in 16 ms; this kernel took
-22.9 and 20.4. Verification steps (a chain of 5 rows) and batched steps of a few requests are
+took far longer for 4 and 8 rows than one row takes to stream them, and this kernel less
+(docs/results.md, "Figures behind the code"). Verification steps (a chain of 5 rows) and batched steps of a few requests are
 exactly these shapes.
 
 Layout: the weight w [N, K] is packed as [N / BW, K, BW] (BW output columns side by side, zero rows

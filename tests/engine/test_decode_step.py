@@ -12,7 +12,9 @@ import torch
 
 from engine.api import SamplingParams
 from engine.models import decode_step
-from engine.models.llama import KVPool, LeanForward, LeanLlama, lean_forward, native_step_refusal
+from engine.models.forward import LeanForward, lean_forward, native_step_refusal
+from engine.models.kvpool import KVPool
+from engine.models.llama import LeanLlama
 from engine.models.target import load_target
 from engine.trees.tree import Tree
 from tests.conftest import TINY
