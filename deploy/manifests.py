@@ -49,18 +49,19 @@ def plan(cfg: Config, best: BestResult | None, override: WinnerOverride | None =
     """Resolve spec, tensor parallel size (fit check), context length and the engine command line
     (`override`: the winner with spec.* overrides, deploy.winner.served_spec)."""
     d, m = cfg.deploy, cfg.model
-    if d.hpa.enabled and d.hpa.min_replicas > d.hpa.max_replicas:
+    scaled = d.autoscaler != "none"  # an HPA or a KEDA ScaledObject: both keep deploy.hpa's bounds
+    if scaled and d.hpa.min_replicas > d.hpa.max_replicas:
         raise UserError(f"deploy.hpa.min_replicas={d.hpa.min_replicas} > deploy.hpa.max_replicas={d.hpa.max_replicas}")
     # With an HPA, deploy.replicas is its floor: a floor it cannot keep is refused, not adjusted.
     # Without one the Deployment carries the count as given (0: rendered with no pods).
-    if d.hpa.enabled and d.replicas == 0:
-        raise UserError(f"deploy.replicas=0 with deploy.hpa.enabled=true: the HPA keeps at least "
+    if scaled and d.replicas == 0:
+        raise UserError(f"deploy.replicas=0 with deploy.autoscaler={d.autoscaler}: the HPA keeps at least "
                         f"deploy.hpa.min_replicas={d.hpa.min_replicas} pod(s); for a Deployment with no pods set "
-                        "deploy.hpa.enabled=false, else give deploy.replicas >= 1")
-    if d.hpa.enabled and d.replicas > d.hpa.max_replicas:
+                        "deploy.autoscaler=none, else give deploy.replicas >= 1")
+    if scaled and d.replicas > d.hpa.max_replicas:
         raise UserError(f"deploy.replicas={d.replicas} exceeds deploy.hpa.max_replicas={d.hpa.max_replicas} (with an "
-                        f"HPA deploy.replicas is its floor): raise deploy.hpa.max_replicas to at least {d.replicas}, "
-                        "or set deploy.hpa.enabled=false for a fixed count")
+                        f"autoscaler deploy.replicas is its floor): raise deploy.hpa.max_replicas to at least {d.replicas}, "
+                        "or set deploy.autoscaler=none for a fixed count")
     if d.target != "builtin" and cfg.hardware.accelerator != "cuda":
         raise UserError(f"deploy={d.target} with hardware={cfg.hardware.name}: a GPU target needs a cuda hardware profile "
                         "(or render deploy=builtin for CPU clusters)")
@@ -344,8 +345,9 @@ def deployment(p: Plan, config_hash: str) -> k.V1Deployment:
     return k.V1Deployment(
         api_version="apps/v1", kind="Deployment", metadata=_meta(p),
         spec=k.V1DeploymentSpec(
-            # With an HPA the replica count is the HPA's: a replicas field here would be reset on every apply.
-            replicas=None if d.hpa.enabled else d.replicas, strategy=strategy,
+            # With an autoscaler (an HPA, or KEDA's) the replica count is its: a replicas field here
+            # would be reset on every apply.
+            replicas=None if d.autoscaler != "none" else d.replicas, strategy=strategy,
             selector=k.V1LabelSelector(match_labels=_selector(p)),
             template=k.V1PodTemplateSpec(metadata=k.V1ObjectMeta(labels=_labels(p), annotations=annotations),
                                          spec=pod)))
@@ -383,7 +385,8 @@ def service_monitor(p: Plan) -> dict:
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
-        "metadata": {"name": d.name, "namespace": d.namespace, "labels": _labels(p)},
+        # deploy.monitor_labels: what the Prometheus Operator's serviceMonitorSelector matches
+        "metadata": {"name": d.name, "namespace": d.namespace, "labels": {**_labels(p), **d.monitor_labels}},
         "spec": {
             "selector": {"matchLabels": _selector(p)},
             "namespaceSelector": {"matchNames": [d.namespace]},
@@ -401,8 +404,11 @@ def build(cfg: Config, best: BestResult | None = None,
     data = configmap_data(p)
     config_hash = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
     objs: list[tuple[str, object] | None] = [
+        # A namespace is usually the cluster's (shared): owned here only when asked, since
+        # `kubectl delete -k` deletes what the kustomization lists.
         ("namespace.yaml", k.V1Namespace(api_version="v1", kind="Namespace", metadata=k.V1ObjectMeta(
-            name=d.namespace, labels={"app.kubernetes.io/managed-by": FIELD_MANAGER}))),
+            name=d.namespace, labels={"app.kubernetes.io/managed-by": FIELD_MANAGER})))
+        if d.create_namespace else None,
         ("configmap.yaml", k.V1ConfigMap(api_version="v1", kind="ConfigMap", metadata=_meta(p, f"{d.name}-winner"),
                                          data=data)),
         ("pvc.yaml", k.V1PersistentVolumeClaim(

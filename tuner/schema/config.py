@@ -344,6 +344,18 @@ class SecretRef(_Strict):
     key: str
 
 
+class AlertsConfig(_Strict):
+    """The PrometheusRule of a vLLM / SGLang target: acceptance drift and decode slowdown."""
+
+    enabled: bool = True
+    # live tau over `window` below this share of the tuned held-out tau fires SpeculationAcceptanceDrift
+    tau_fraction: float = Field(0.8, gt=0.0, lt=1.0)
+    # decode tokens/s per running request below (1 - this) x the winner's measured figure fires the slowdown alert
+    throughput_noise: float = Field(0.2, gt=0.0, lt=1.0)
+    window: str = Field("15m", pattern=r"^[0-9]+[smh]$")  # the PromQL range the rates are taken over
+    for_duration: str = Field("10m", pattern=r"^[0-9]+[smh]$")  # how long a condition holds before it fires
+
+
 class DeployConfig(_Strict):
     # No defaults here: conf/deploy/_base.yaml owns them (every option composes it first).
     target: Literal["vllm", "sglang", "builtin"]
@@ -381,6 +393,32 @@ class DeployConfig(_Strict):
     rollout: Literal["surge", "replace"] = "surge"
     hpa: HPAConfig
     extra_args: list[str]
+    # Where it is served: a Deployment, a KServe LLMInferenceService, or a LeaderWorkerSet (a model
+    # that needs more than one node). The defaults are for config.yaml files saved before these keys
+    # existed; conf/deploy/_base.yaml states them for every new config.
+    platform: Literal["deployment", "kserve", "lws"] = "deployment"
+    # hpa: an HPA on deploy.hpa.metric; keda: a KEDA ScaledObject on the same metric and bounds;
+    # none: a fixed deploy.replicas. deploy.hpa.enabled=false is the older spelling of none.
+    autoscaler: Literal["hpa", "keda", "none"] = "hpa"
+    gateway: Literal["none", "inference-pool"] = "none"  # inference-pool: an InferencePool and an HTTPRoute
+    gateway_name: str = "inference-gateway"  # the Gateway the HTTPRoute attaches to (the cluster's)
+    # false: the namespace is the cluster's (shared), never owned (and deleted) by `kubectl delete -k`
+    create_namespace: bool = False
+    # the labels a Prometheus Operator's serviceMonitorSelector / ruleSelector matches
+    monitor_labels: dict[str, str] = Field(default_factory=lambda: {"release": "kube-prometheus-stack"})
+    alerts: AlertsConfig = Field(default_factory=AlertsConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _autoscaler(cls, data: object) -> object:
+        # One switch: the HPA is rendered exactly when autoscaler=hpa. hpa.enabled=false (the older
+        # spelling) with the default autoscaler means none.
+        if not isinstance(data, dict) or not isinstance(data.get("hpa"), dict):
+            return data
+        hpa, auto = data["hpa"], data.get("autoscaler", "hpa")
+        if auto == "hpa" and hpa.get("enabled") is False:
+            auto = "none"
+        return {**data, "autoscaler": auto, "hpa": {**hpa, "enabled": auto == "hpa"}}
 
     @model_validator(mode="before")
     @classmethod
@@ -402,7 +440,7 @@ class DeployConfig(_Strict):
             raise ValueError(f"deploy.pdb_min_available={low} and deploy.pdb_max_unavailable={high}: a "
                              "PodDisruptionBudget takes one of them; add deploy.pdb_max_unavailable=null to "
                              "use minAvailable")
-        floor = max(self.hpa.min_replicas, self.replicas) if self.hpa.enabled else self.replicas
+        floor = max(self.hpa.min_replicas, self.replicas) if self.autoscaler != "none" else self.replicas
         if low and floor and low >= floor:
             raise ValueError(f"deploy.pdb_min_available={low} with {floor} pod(s) at rest blocks `kubectl drain`: "
                              f"no pod may ever be evicted; use deploy.pdb_max_unavailable=1 (the default), or raise "
