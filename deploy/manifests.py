@@ -43,6 +43,10 @@ class Plan:
     command: list[str]
     args: list[str]
     startup_s: int
+    # set by deploy.platforms.build: lines about the platform chosen, and what the cluster must have
+    platform_notes: tuple[str, ...] = ()
+    prerequisites: tuple[str, ...] = ()
+    nodes: int = 1  # pods (nodes) per replica: more than one in a LeaderWorkerSet
 
 
 def plan(cfg: Config, best: BestResult | None, override: WinnerOverride | None = None) -> Plan:

@@ -233,7 +233,9 @@ def validate(raw: dict[str, Any]) -> Config:
         cfg = Config.model_validate(raw)
     except ValidationError as err:
         raise UserError(_validation_line(err, raw)) from None
-    if cfg.hardware.accelerator == "cuda":
+    # deploy.platform=lws spreads a model over several nodes: the render's fit check is over those
+    # (deploy.lws.nodes_needed)
+    if cfg.hardware.accelerator == "cuda" and cfg.deploy.platform != "lws":
         from tuner.schema.fit import tensor_parallel_size
 
         tensor_parallel_size(cfg.model, cfg.hardware, cfg.deploy)

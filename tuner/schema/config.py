@@ -402,6 +402,9 @@ class DeployConfig(_Strict):
     autoscaler: Literal["hpa", "keda", "none"] = "hpa"
     gateway: Literal["none", "inference-pool"] = "none"  # inference-pool: an InferencePool and an HTTPRoute
     gateway_name: str = "inference-gateway"  # the Gateway the HTTPRoute attaches to (the cluster's)
+    gateway_namespace: str | None = None  # its namespace (null: deploy.namespace)
+    # where KEDA's prometheus trigger queries (the Prometheus Operator's `prometheus-operated` Service)
+    prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090"
     # false: the namespace is the cluster's (shared), never owned (and deleted) by `kubectl delete -k`
     create_namespace: bool = False
     # the labels a Prometheus Operator's serviceMonitorSelector / ruleSelector matches
