@@ -51,21 +51,29 @@ def tuned_figures(p: Plan) -> tuple[Figures | None, str]:
     """The winner's measured figures the alerts compare with, and which ones: held-out, else the
     tuning prompts' (a study without held-out prompts)."""
     b = p.best
-    if b is None:
+    if b is None or b.projection is not None:  # a projection predicts, it measured nothing
         return None, "none"
     if b.heldout is not None:
         return b.heldout, "held-out"
-    return b.metrics, "tuning prompts"
+    return b.metrics, "tuning"
 
 
-def alert_rules(p: Plan) -> list[dict]:
-    """The alerting rules this winner supports: drift needs a measured tau above 1, slowdown a
-    measured TPOT p99. Empty when nothing was measured (a render from the config alone)."""
+def alert_rules(p: Plan) -> tuple[list[dict], list[str]]:
+    """The alerting rules the winner's measurements support, and why any is left out: drift needs
+    a measured tau above 1 of the very spec served, slowdown a TPOT p99 measured on this hardware."""
     a, (fig, which) = p.cfg.deploy.alerts, tuned_figures(p)
-    if fig is None or p.cfg.deploy.target not in ("vllm", "sglang"):
-        return []
-    rules = []
-    if fig.tau is not None and fig.tau > 1.0 and p.served.spec.method != "off":
+    if p.cfg.deploy.target not in ("vllm", "sglang"):
+        return [], []
+    if fig is None:
+        return [], ["no PrometheusRule: its alerts compare with the winner's measured tau and TPOT, and this "
+                    "render has none (render --from RUN of a measured run)"]
+    assert p.best is not None
+    rules, skipped = [], []
+    same_spec = p.served.spec == p.best.spec
+    if not same_spec:
+        skipped.append(f"no {DRIFT_ALERT} alert: the served spec '{p.served.spec.key()}' is not the measured winner "
+                       f"'{p.best.spec.key()}', whose tau it would be compared with")
+    elif fig.tau is not None and fig.tau > 1.0 and p.served.spec.method != "off":
         floor = a.tau_fraction * fig.tau
         rules.append({
             "alert": DRIFT_ALERT,
@@ -81,7 +89,10 @@ def alert_rules(p: Plan) -> list[dict]:
                                 "(tuner optimize) or check the served spec."),
             },
         })
-    if fig.tpot_p99_ms:
+    if p.best.provenance.hardware != p.cfg.hardware.name:
+        skipped.append(f"no {SLOWDOWN_ALERT} alert: the winner's TPOT was measured on {p.best.provenance.hardware}, "
+                       f"not on hardware {p.cfg.hardware.name}")
+    elif fig.tpot_p99_ms and same_spec:
         # 1000 / TPOT p99: the per-request decode rate the winner kept at its slowest measured level
         rate = 1000.0 / fig.tpot_p99_ms
         floor = (1.0 - a.throughput_noise) * rate
@@ -98,12 +109,12 @@ def alert_rules(p: Plan) -> list[dict]:
                                 f"{floor:.3g} (deploy.alerts.throughput_noise={a.throughput_noise:g})."),
             },
         })
-    return rules
+    return rules, skipped
 
 
 def prometheus_rule(p: Plan) -> dict | None:
     """The PrometheusRule of the alerts (None when there is no rule to write)."""
-    rules = alert_rules(p)
+    rules, _ = alert_rules(p)
     if not rules:
         return None
     meta = _meta(p).to_dict()

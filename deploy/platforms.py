@@ -93,12 +93,11 @@ def build(cfg: Config, best: BestResult | None = None, override: WinnerOverride 
         com["inferencepool.yaml"] = {("spec", "endpointPickerRef", "name"):
                                      f"the cluster's endpoint picker Service (port {gateway.EPP_PORT}): see README.md"}
     if d.target in ("vllm", "sglang"):
-        rule = monitoring.prometheus_rule(p) if d.alerts.enabled else None
-        if rule is not None:
-            docs.append(("prometheusrule.yaml", rule))
-        elif d.alerts.enabled:
-            notes.append("no PrometheusRule: its alerts compare with the winner's measured tau and TPOT, and this "
-                         "render has none (render --from RUN)")
+        if d.alerts.enabled:
+            rule = monitoring.prometheus_rule(p)
+            if rule is not None:
+                docs.append(("prometheusrule.yaml", rule))
+            notes += monitoring.alert_rules(p)[1]
         docs.append(("dashboard.yaml", monitoring.dashboard_configmap(p)))
     r = Rendered(plan=p, docs=docs, comments=com, notes=notes, nodes=nodes)
     r.plan = replace(p, platform_notes=tuple(notes), prerequisites=tuple(prerequisites(r)), nodes=nodes)
