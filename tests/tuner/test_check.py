@@ -20,20 +20,19 @@ from tuner.run.check import Comparison, compare, measure_endpoint
 from tuner.schema.compose import load_config, save_config
 from tuner.schema.config import BestResult, Figures, Provenance, SpecConfig
 
-# A small held-out pass: 2 prompts of 16 tokens at concurrency 1 and 2.
+# A small held-out pass: 2 prompts of 12 tokens at concurrency 1 and 2.
 RUN = ["model=tiny-random", "+workload=code", "workload.num_prompts=4", "workload.num_heldout=2",
-       "workload.max_new_tokens=16"]
+       "workload.max_new_tokens=12"]
 
 
 @pytest.fixture(scope="module")
-def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny target itself saved as a draft model: under greedy decoding it drafts exactly what
-    the target would say, so its tau is far above 1 (speculation off has tau 1)."""
-    from engine.heads.draft_model_train import save_draft_model
-    from tuner.study.measurer import open_engine
+def draft_dir() -> Path:
+    """The tiny target's own checkpoint as a draft model: under greedy decoding it drafts exactly
+    what the target says, so its tau is far above 1 (speculation off has tau 1)."""
+    from engine.models.target import hf_checkpoint_dir
 
-    engine = open_engine(load_config(["model=tiny-random", "spec.method=off"]))
-    return save_draft_model(engine.model, engine.tokenizer, tmp_path_factory.mktemp("self-draft"))
+    cfg = load_config(["model=tiny-random"])
+    return hf_checkpoint_dir(cfg.model, cfg.cache_dir)
 
 
 @contextmanager
