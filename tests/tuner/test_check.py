@@ -16,7 +16,7 @@ import yaml
 
 from tests.helpers import free_port
 from tuner.cli import main
-from tuner.run.check import Comparison, compare, measure_endpoint
+from tuner.run.regression import Comparison, compare, measure_endpoint
 from tuner.schema.compose import load_config, save_config
 from tuner.schema.config import BestResult, Figures, Provenance, SpecConfig
 

@@ -1,4 +1,4 @@
-"""`tuner check --url URL --against RUN`: thin over tuner.run.check."""
+"""`tuner check --url URL --against RUN`: thin over tuner.run.regression."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tuner.schema.config import UserError
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from tuner.cli.bench import _served_model
-    from tuner.run.check import compare, measure_endpoint, run_figures
+    from tuner.run.regression import compare, measure_endpoint, run_figures
 
     if not 0 < args.tolerance < 1 or not 0 < args.tau_tolerance < 1:
         raise UserError(f"--tolerance {args.tolerance} / --tau-tolerance {args.tau_tolerance}: each is a share "
