@@ -12,8 +12,11 @@ import hashlib
 import json
 from dataclasses import dataclass, field, replace
 
+from kubernetes import client as k
+
 from deploy import gateway, keda, kserve, lws, monitoring
-from deploy.manifests import KeyPath, Plan, build as build_deployment, comments as deployment_comments, configmap_data
+from deploy.manifests import (KeyPath, Plan, build as build_deployment, comments as deployment_comments, configmap_data,
+                              deployment)
 from deploy.winner import WinnerOverride
 from tuner.schema.config import BestResult, Config, UserError
 
@@ -84,7 +87,7 @@ def build(cfg: Config, best: BestResult | None = None, override: WinnerOverride 
                 keda.threshold_source(p)
     elif nodes > 1:
         selector = lws.leader_selector(p)
-    target = ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet") if nodes > 1 else ("apps/v1", "Deployment")
+    target = (lws.API_VERSION, lws.KIND) if nodes > 1 else ("apps/v1", "Deployment")
     if d.autoscaler == "keda" and d.platform != "kserve":
         docs.append(("scaledobject.yaml", keda.scaled_object(p, *target)))
         com["scaledobject.yaml"] = {("spec", "triggers", 0, "metadata", "threshold"): keda.threshold_source(p)}
@@ -120,10 +123,6 @@ def _multinode(cfg: Config, best: BestResult | None, override: WinnerOverride | 
         byname["hpa.yaml"]["spec"]["scaleTargetRef"] = {"apiVersion": lws.API_VERSION, "kind": lws.KIND, "name": d.name}
     docs = _replace(docs, "deployment.yaml", "leaderworkerset.yaml", lws.leader_worker_set(p, worker, nodes, config_hash))
     # comments as for one node's Deployment, less the engine args (the group's, said below)
-    from kubernetes import client as k
-
-    from deploy.manifests import deployment
-
     one = k.ApiClient().sanitize_for_serialization(deployment(p, config_hash))
     com = deployment_comments(p, [(n, one if n == "leaderworkerset.yaml" else doc) for n, doc in docs]
                               + [("deployment.yaml", one)])

@@ -19,7 +19,7 @@ from engine.measure.promparse import parse_samples
 from tuner.cli import main
 from tuner.run.rundir import render_run
 from tuner.schema.compose import load_config, save_config
-from tuner.schema.config import BestResult, Figures, Provenance, SpecConfig
+from tuner.schema.config import BestResult, Figures, Provenance
 
 GOLDEN = Path(__file__).parents[1] / "golden"
 VLLM_8B = ["model=llama-3.1-8b-instruct", "hardware=h200x1", "deploy=vllm", "spec.method=ngram", "spec.depth=3"]
