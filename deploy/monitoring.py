@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 
+from kubernetes import client as k
+
 from deploy.manifests import Plan, _labels, _meta
 from tuner.schema.config import Figures
 
@@ -187,9 +189,8 @@ def dashboard(p: Plan) -> dict:
 
 def dashboard_configmap(p: Plan) -> dict:
     """The dashboard as a ConfigMap the Grafana sidecar loads (label grafana_dashboard=1)."""
-    meta = _meta(p, f"{p.cfg.deploy.name}-dashboard").to_dict()
-    return {
-        "apiVersion": "v1", "kind": "ConfigMap",
-        "metadata": {"name": meta["name"], "namespace": meta["namespace"], "labels": {**_labels(p), **DASHBOARD_LABEL}},
-        "data": {f"spectune-{p.cfg.deploy.name}.json": json.dumps(dashboard(p), indent=1, sort_keys=True)},
-    }
+    d = p.cfg.deploy
+    cm = k.V1ConfigMap(api_version="v1", kind="ConfigMap", metadata=k.V1ObjectMeta(
+        name=f"{d.name}-dashboard", namespace=d.namespace, labels={**_labels(p), **DASHBOARD_LABEL}),
+        data={f"spectune-{d.name}.json": json.dumps(dashboard(p), indent=1, sort_keys=True)})
+    return k.ApiClient().sanitize_for_serialization(cm)
