@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                     secs[method, w] += time.perf_counter() - t
                     toks[method, w] += len(res.tokens)
                     outs[method, w, i] = res.tokens
+            print(f"round {r + 1} {method}: " + ", ".join(f"{w} {toks[method, w] / secs[method, w]:.2f} tok/s"
+                                                     for w in engines), file=sys.stderr, flush=True)
     same = all(outs[m, "old", i] == outs[m, "new", i] for m in SPECS for i in range(len(prompts)))
     rows = {f"{m} {w}": toks[m, w] / secs[m, w] for m in SPECS for w in engines}
     ratio = {m: rows[f"{m} new"] / rows[f"{m} old"] for m in SPECS}

@@ -192,8 +192,12 @@ class Engine:
         the request is raised here."""
         one = self._batch_of_one()
         req = one.submit(prompt_ids, params, on_tokens)
-        while not req.finished:
-            one.step()
+        try:
+            while not req.finished:
+                one.step()
+        except BaseException:  # interrupted mid-step (the step itself fails only requests): start afresh
+            self._one = None
+            raise
         if req.exception is not None:
             raise req.exception
         if req.error is not None:

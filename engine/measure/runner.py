@@ -2,9 +2,9 @@
 
 Two ways in, one set of figures (`Measurement`):
 - `run_inprocess`: the built-in engine in this process. Concurrency N is a closed loop of N
-  clients in front of one engine that serves requests first come, first served (the engine runs
-  one request at a time, as the built-in server does): request i arrives at t0 for i < N, else when
-  request i-N finishes. TTFT, TPOT and end-to-end latency are measured from arrival, so queueing
+  clients in front of the engine's scheduler, the one the built-in server steps (up to
+  engine.builtin.max_batch requests decode together, the rest wait first come, first served):
+  request i arrives at t0 for i < N, else when request i-N finishes. TTFT, TPOT and end-to-end latency are measured from arrival, so queueing
   counts, exactly as it would over HTTP. No threads: timings are not disturbed by the GIL.
 - `run_http`: any OpenAI-compatible endpoint (the built-in server, vLLM, SGLang) with N concurrent
   streaming requests (httpx, asyncio). Token counts come from `usage` (stream_options.include_usage);
