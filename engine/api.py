@@ -67,6 +67,8 @@ class TextEngine(Protocol):
 
     def encode_prompt(self, text: str, chat_template: bool) -> list[int]: ...
 
+    def encode_messages(self, messages: list[dict[str, str]]) -> list[int]: ...
+
     def batcher(self) -> Any:
         """The scheduler of its requests (engine.decode.batch.BatchEngine): `submit`, `step`,
         `cancel`, `abort`, `closed_loop`; the server and the load generator drive it."""

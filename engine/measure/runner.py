@@ -32,8 +32,8 @@ import numpy as np
 
 from engine.api import SamplingParams, TextEngine
 from engine.measure.promparse import SpecCounters, spec_counters, tau_from_delta
-from engine.measure.stats import mean_ci, tight
-from engine.measure.workloads import Prompt
+from engine.measure.stats import log_interval, tight
+from engine.measure.workloads import Prompt, encode, params_of
 from tuner.schema.config import Figures
 
 
@@ -135,7 +135,8 @@ def run_inprocess(engine: TextEngine, prompts: Sequence[Prompt], params: Samplin
     together, the rest wait for a place."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
-    encoded = [engine.encode_prompt(p.text, chat_template) for p in prompts]  # tokenising is the client's work
+    encoded = [encode(engine, p, chat_template) for p in prompts]  # tokenising is the client's work
+    own = [params_of(p, params) for p in prompts]  # a request's own sampling and budget (a file's)
     records = [RequestRecord(prompt_id=p.id) for p in prompts]
     results: list[Any] = [None] * len(prompts)
     stamps: list[list[float]] = [[] for _ in prompts]
@@ -154,7 +155,7 @@ def run_inprocess(engine: TextEngine, prompts: Sequence[Prompt], params: Samplin
             records[i].error = req.error
 
     t0 = time.perf_counter()
-    batch.closed_loop(encoded, params, concurrency, on_tokens, on_done)
+    batch.closed_loop(encoded, own, concurrency, on_tokens, on_done)
     new_tokens = forwards = draft_steps = 0
     acc: list[int] = []
     draft_s = verify_s = 0.0
@@ -187,7 +188,9 @@ def run_inprocess(engine: TextEngine, prompts: Sequence[Prompt], params: Samplin
 
 
 def request_body(model: str, prompt: Prompt, params: SamplingParams, chat_template: bool) -> tuple[str, dict]:
-    """(path, JSON body) of one streaming request: chat completions with the template, else completions."""
+    """(path, JSON body) of one streaming request: chat completions with the template, else
+    completions (a request from a file says which itself, and carries its own sampling)."""
+    params = params_of(prompt, params)
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": params.max_new_tokens,
@@ -202,10 +205,10 @@ def request_body(model: str, prompt: Prompt, params: SamplingParams, chat_templa
         body["stop"] = list(params.stop)
     if params.seed is not None:
         body["seed"] = params.seed
-    if chat_template:
-        body["messages"] = [{"role": "user", "content": prompt.text}]
+    if chat_template if prompt.chat is None else prompt.chat:
+        body["messages"] = prompt.messages()
         return "/v1/chat/completions", body
-    body["prompt"] = prompt.text
+    body["prompt"] = "\n\n".join(m["content"] for m in prompt.messages())  # as engine.measure.workloads.encode
     return "/v1/completions", body
 
 
@@ -381,9 +384,7 @@ class Summary:
     @classmethod
     def of(cls, runs: list[Measurement]) -> "Summary":
         tps = [m.output_tokens_per_s for m in runs]
-        _, lo, hi = mean_ci(tps)
-        if lo is not None:
-            lo = max(0.0, lo)  # a rate is never negative
+        _, lo, hi, _, _ = log_interval(tps)  # on logs: a rate's interval is never negative
         return cls(
             runs=runs, output_tokens_per_s=float(statistics.median(tps)), ci_low=lo, ci_high=hi,
             tau=_median([m.tau for m in runs]),

@@ -27,8 +27,8 @@ def batch_layer_forward(x: torch.Tensor, b: Block, layer: int, plan: "BatchPlan"
 
     Rows stay rows-major ([n, heads, d]) from q/k/v to the output projection: q and k are rotated in
     one pass, and a pooled call of one-row sequences in slot order reads q and writes o as slices,
-    with no gather or scatter (measured on the 2-core Xeon at 8 one-row
-    sequences: the head-major form spent 1.8 ms a step in those copies and 2.7 ms in two rotations)."""
+    with no gather or scatter (the head-major form spent a measurable share of a step in those copies
+    and rotations: docs/results.md, "Figures behind the code")."""
     n, d = x.shape[0], plan.seqs[0].cache.k.shape[-1]
     qkv = linear(rms_norm(x, b.ln1, eps), b.wqkv, b.bqkv)
     qk = _rotate(qkv[:, :(n_heads + n_kv) * d].view(n, n_heads + n_kv, d), cos[:, None], sin[:, None])
@@ -129,9 +129,9 @@ POOL_ROWS = 16
 
 
 # What a pooled attention call costs beyond its reads, in slot-positions (one slot's keys and values
-# at one position, over every layer): measured on the 2-core Xeon, a call takes 8 us a layer and a
-# slot-position 0.11 us, so a sequence attends in a call of its own once padding it to its
-# neighbours' length would read more than ~75 positions it does not have.
+# at one position, over every layer): a call's fixed cost over a slot-position's, as measured on the
+# 2-core Xeon (docs/results.md, "Figures behind the code"), so a sequence attends in a call of its
+# own once padding it to its neighbours' length would read more positions than that.
 CALL_POSITIONS = 75
 
 
@@ -188,7 +188,7 @@ def batch_plan(seqs: list[BatchRows], ancestors: list[torch.Tensor | None], devi
     through the decode attention kernel (engine.models.attention), each over exactly its length;
     elsewhere (CUDA, or no compiler for the kernel) they attend in pooled SDPA calls over runs of
     consecutive slots (`_partition`): padding a short sequence to a long neighbour's length costs
-    reads (8 HumanEval prompts of 132-354 tokens: one call over all 8 read 1.7x their positions)."""
+    reads (docs/results.md, "Figures behind the code")."""
     pool = seqs[0].cache.pool
     if pool is None or any(s.cache.pool is not pool for s in seqs):
         return BatchPlan(seqs, alone=list(seqs))

@@ -105,7 +105,11 @@ class LeanLlama:
         self.device, self.dtype = self.embed.device, self.embed.dtype
         self._rope_len = 0
         self.cos = self.sin = torch.empty(0)
-        self.packed = pack_weights([self.lm_head] + [w for b in self.blocks for w in (b.wqkv, b.wo, b.w13, b.w2)])
+        # the weights' format (engine.models.fp8.apply_weights): the packed copies hold it, the lm_head in bf16 under fp8
+        self.weights = getattr(hf_model, "spectune_weights", "fp32")
+        lm = "bf16" if self.weights == "fp8" else self.weights
+        self.packed = pack_weights([self.lm_head] + [w for b in self.blocks for w in (b.wqkv, b.wo, b.w13, b.w2)],
+                                   [lm] + [self.weights] * 4 * len(self.blocks))
 
     def weight_bytes(self) -> int:
         """Bytes a decode step reads: every decoder weight, the final norm and the lm_head."""
