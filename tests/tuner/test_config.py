@@ -236,6 +236,9 @@ BAD_INPUTS = [
     (["+workload=code", "model=tiny-random", "search.methods=[ngram,draft_model]"],
      "search.methods=['ngram', 'draft_model'] includes draft_model, which drafts with a separate model: give "
      "spec.draft_model=DIR_OR_HUB_ID"),
+    # pydantic would read true as 1
+    (["spec.depth=true"], "spec.depth: true given where a number is expected"),
+    (["deploy.replicas=false"], "deploy.replicas: false given where a number is expected"),
     (["search.methods=[off]"], "search.methods=['off']: name at least one speculative method"),
     (["search.budget_max=4", "search.depth.min=5", "search.depth.max=6"],
      "search.depth.min=5 with search.budget_max=4: a chain of depth d verifies d+1 tokens"),
