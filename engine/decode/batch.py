@@ -350,11 +350,13 @@ class BatchEngine:
 
     # ---- a closed loop of clients (the in-process load generator) ----------------------------
 
-    def closed_loop(self, prompts: Sequence[list[int]], params: SamplingParams, concurrency: int,
-                    on_tokens: Callable[[int, list[int]], None] | None = None,
+    def closed_loop(self, prompts: Sequence[list[int]], params: SamplingParams | Sequence[SamplingParams],
+                    concurrency: int, on_tokens: Callable[[int, list[int]], None] | None = None,
                     on_done: Callable[[int, Request], None] | None = None) -> list[Request]:
         """Play `prompts` with `concurrency` clients, each sending its next prompt when its last one
-        finished; runs the steps in the calling thread. Returns the requests in prompt order."""
+        finished; runs the steps in the calling thread. Returns the requests in prompt order.
+        `params`: one for all, or each request's own."""
+        each = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         out: list[Request | None] = [None] * len(prompts)
         nxt = 0
 
@@ -372,9 +374,9 @@ class BatchEngine:
                     send(nxt - 1)
 
             try:
-                out[i] = self.submit(prompts[i], params, tok, done)
+                out[i] = self.submit(prompts[i], each[i], tok, done)
             except UserError as exc:
-                r = Request(list(prompts[i]), params, error=str(exc))
+                r = Request(list(prompts[i]), each[i], error=str(exc))
                 out[i] = r
                 done(r)
 

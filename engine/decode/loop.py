@@ -17,7 +17,7 @@ from engine.decode.prefix import PrefixCache
 from engine.drafters import Drafter, make_drafter
 from engine.models.forward import LeanForward, lean_forward
 from engine.models.kvpool import KVCache
-from engine.models.target import Target, load_target
+from engine.models.target import ChatTokenizer, Target, load_target
 from engine.trees.tree import Tree
 from engine.trees.verify import process_logits, verify
 from tuner.schema.config import BuiltinEngineConfig, ModelConfig, SpecConfig, UserError
@@ -153,10 +153,11 @@ class Engine:
 
     def encode_prompt(self, text: str, chat_template: bool) -> list[int]:
         """Token ids of a user prompt, through the model's chat template (with the assistant prefix) or raw."""
-        if chat_template and getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                      add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return ChatTokenizer(self.tokenizer).encode_prompt(text, chat_template)
+
+    def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation through the model's chat template, ready for the assistant's turn."""
+        return ChatTokenizer(self.tokenizer).encode_messages(messages)
 
     def _forward(self, tree: Tree | None, tokens: list[int], prefix: int, cache: DynamicCache | KVCache,
                  last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:

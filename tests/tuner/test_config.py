@@ -32,6 +32,10 @@ def test_every_group_option_composes(group: str) -> None:
             extra = ["hardware=h100x8", "model=llama-3.1-8b-instruct"]  # SGLang serves on GPUs only
         if group == "model" and opt not in ("smollm2-135m", "tiny-random"):
             extra = ["hardware=h100x8"]  # the built-in engine cannot load 7B+ in fp32 on the 24 GiB cpu host
+        if group == "workload" and opt == "file":  # the user's file: the one key it cannot default
+            extra = ["workload.path=requests.jsonl"]
+        if group == "workload" and opt == "mix":
+            extra = ["workload.mix=[{workload:code,weight:1}]"]
         cfg = load_config([f"{prefix}{group}={opt}", *extra])
         node = getattr(cfg, group)
         name = {"engine": "kind", "deploy": "target"}.get(group, "name")
@@ -89,7 +93,7 @@ BAD_INPUTS = [
     (["engine=trt"], "engine=trt: unknown option for group 'engine' (available: builtin, sglang, vllm)"),
     (["search=huge"], "search=huge: unknown option"),
     (["deploy=helm"], "deploy=helm: unknown option"),
-    (["+workload=nope"], "workload=nope: unknown option for group 'workload' (available: chat, code, creative, json, math)"),
+    (["+workload=nope"], "workload=nope: unknown option for group 'workload' (available: chat, code, creative, file, json, math, mix)"),
     (["workload=code"], "workload is not in the defaults list: add it with +workload=NAME"),
     (["spec.foo=1"], "spec.foo: unknown key"),
     (["engine.builtin.native_step=maybe"], "engine.builtin.native_step='maybe': allowed: auto, true, false"),
@@ -186,7 +190,7 @@ BAD_INPUTS = [
     (["=3"], "=3: no key before '='; expected KEY=VALUE"),
     (["spec.depth=3,"], "spec.depth=3,: not a value the override syntax reads; expected KEY=VALUE"),
     (["workload.concurrency=[1,4]"], "workload.concurrency: no workload is set, so it has no keys to override; "
-                                     "add +workload=NAME first (available: chat, code, creative, json, math), "
+                                     "add +workload=NAME first (available: chat, code, creative, file, json, math, mix), "
                                      "e.g. +workload=chat workload.concurrency=[1,4]"),
     # Issue 37: did-you-mean wherever a name is unknown (group, option, key, method).
     (["+worklaod=code"], "worklaod: not a config group or key; did you mean +workload=code? (groups: model, hardware"),
@@ -304,7 +308,7 @@ def test_cluster_values_that_are_accepted() -> None:
 def test_missing_workload_lists_workloads(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["config", "--require-workload"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "error: this command needs a workload: add +workload=NAME (available: chat, code, creative, json, math)"
+    assert err == "error: this command needs a workload: add +workload=NAME (available: chat, code, creative, file, json, math, mix)"
 
 
 def test_cli_process_no_traceback() -> None:
