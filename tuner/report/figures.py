@@ -439,6 +439,10 @@ def run_summary(study: optuna.Study, best: BestResult | None, cfg: Config | None
             rows.append(("workload", f"{w.name} ({w.source}: {w.num_prompts} tuning + {w.num_heldout} held-out prompts, "
                                      f"{w.max_new_tokens} new tokens, T={w.temperature:g}, concurrency "
                                      f"{','.join(map(str, w.concurrency))})"))
+            if w.mix:
+                rows.append(("mix", ", ".join(f"{p.label} (weight {p.weight:g})" for p in w.mix)))
+            if w.source in ("file", "mix") and not w.private:
+                rows.append(("request texts", "kept (workload.keep_text=true)"))
         sc = cfg.search
         rows.append(("search space", f"methods {', '.join(sc.methods)}; depth {sc.depth.min}-{sc.depth.max}; topk "
                                      f"{', '.join(map(str, sc.topk))}; budget <= {sc.budget_max}; sampler {sc.sampler}, "
@@ -514,7 +518,18 @@ def write_html(study: optuna.Study, run_dir: Path, best: BestResult | None, skip
                          f"{_fmt(best.heldout_speedup)}x</li>")
         if best.chain_spec is not None:
             parts.append(f"<li>best chain (for vLLM): {html.escape(best.chain_spec.key())}</li>")
+        if best.skipped_requests:
+            parts.append(f"<li>{best.skipped_requests} request(s) of the workload were refused by the engine as such "
+                         "(too long, a field it cannot honour): counted and skipped</li>")
         parts.append("</ul>")
+        if best.parts:
+            parts.append("<h3>Per part of the mix</h3><table><tr><th>part</th><th>weight</th><th>requests</th>"
+                         "<th>tau</th><th>speedup</th><th>tok/s</th><th>tok/s off</th></tr>")
+            for pr in best.parts:
+                parts.append(f"<tr><td>{html.escape(pr.name)}</td><td>{pr.weight:g}</td><td>{pr.requests} "
+                             f"({html.escape(pr.split)})</td><td>{_fmt(pr.tau)}</td><td>{_fmt(pr.speedup)}x</td>"
+                             f"<td>{_fmt(pr.output_tokens_per_s)}</td><td>{_fmt(pr.baseline_tokens_per_s)}</td></tr>")
+            parts.append("</table>")
     else:
         parts.append("<p>No winner yet: the study has not finished.</p>")
     links = []
