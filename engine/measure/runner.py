@@ -212,6 +212,10 @@ def request_body(model: str, prompt: Prompt, params: SamplingParams, chat_templa
         body["stop"] = list(params.stop)
     if params.seed is not None:
         body["seed"] = params.seed
+    if params.ignore_eos:
+        body["ignore_eos"] = True  # vLLM / SGLang extension, honoured by the built-in server too
+    if params.min_tokens:
+        body["min_tokens"] = params.min_tokens
     if chat_template:
         body["messages"] = [{"role": "user", "content": prompt.text}]
         return "/v1/chat/completions", body
