@@ -40,6 +40,7 @@ class Prompt:
     id: str
     text: str
     source: str  # e.g. "humaneval", "mtbench/writing", "gsm", "json/humaneval"
+    arrival_s: float | None = None  # when the request arrived in a recorded trace (workload.arrival=trace)
 
 
 @cache

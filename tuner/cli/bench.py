@@ -97,6 +97,9 @@ def bench(cfg: Config, url: str | None = None, model: str | None = None) -> dict
     prompts = load_prompts(wl, split)
     params = sampling_params(wl)
     b = cfg.bench
+    if not wl.concurrency:
+        raise UserError("tuner bench measures workload.concurrency levels and it is empty; request rates "
+                        "(workload.request_rate) are measured by tuner optimize: give workload.concurrency=[N]")
     levels: list[dict[str, Any]] = [{"concurrency": c} for c in wl.concurrency]
     if url is not None and b.baseline:
         raise UserError("bench.baseline=true with --url: a running endpoint cannot switch speculation off")

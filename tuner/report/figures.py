@@ -298,9 +298,14 @@ def plot_bars(rows: list[dict[str, Any]], path: Path, best: BestResult | None = 
     _save(draw_bars(rows, best), path)
 
 
+def _conc_levels(t: FrozenTrial) -> list[dict[str, Any]]:
+    """A trial's concurrency levels (its request-rate levels have their own table and figure)."""
+    return [x for x in t.user_attrs.get("levels") or [] if "concurrency" in x]
+
+
 def _level_trials(study: optuna.Study, best: BestResult) -> list[FrozenTrial]:
     key = best.spec.key()
-    return [t for t in complete(study) if t.user_attrs.get("spec") == key and len(t.user_attrs.get("levels") or []) > 1]
+    return [t for t in complete(study) if t.user_attrs.get("spec") == key and len(_conc_levels(t)) > 1]
 
 
 def concurrency_skip(study: optuna.Study, best: BestResult | None) -> str | None:
@@ -321,7 +326,7 @@ def concurrency_curve(study: optuna.Study, best: BestResult | None) -> tuple[lis
         raise ValueError(why)
     assert best is not None
     t = max(_level_trials(study, best), key=lambda t: t.user_attrs.get("repeats", 0))
-    levels = t.user_attrs["levels"]
+    levels = _conc_levels(t)
     cs = [int(x["concurrency"]) for x in levels]
     off = [float(x["baseline_tok_s"]) for x in levels]
     win = [float(x["tok_s"]) for x in levels]
@@ -415,7 +420,9 @@ def run_summary(study: optuna.Study, best: BestResult | None, cfg: Config | None
             w = cfg.workload
             rows.append(("workload", f"{w.name} ({w.source}: {w.num_prompts} tuning + {w.num_heldout} held-out prompts, "
                                      f"{w.max_new_tokens} new tokens, T={w.temperature:g}, concurrency "
-                                     f"{','.join(map(str, w.concurrency))})"))
+                                     f"{','.join(map(str, w.concurrency)) or '-'}"
+                                     + (f", request rates {','.join(f'{r:g}' for r in w.request_rate)}/s "
+                                        f"({w.arrival} arrivals)" if w.request_rate else "") + ")"))
         sc = cfg.search
         rows.append(("search space", f"methods {', '.join(sc.methods)}; depth {sc.depth.min}-{sc.depth.max}; topk "
                                      f"{', '.join(map(str, sc.topk))}; budget <= {sc.budget_max}; sampler {sc.sampler}, "

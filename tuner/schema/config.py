@@ -12,6 +12,7 @@ so that `tuner.schema.config` stays the one import.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
@@ -23,9 +24,9 @@ from tuner.schema.spec import Strict as _Strict
 
 __all__ = ["SLO", "BenchConfig", "BestResult", "BuiltinEngineConfig", "Config",
            "DeployConfig", "DistributedConfig", "DraftSources", "EngineConfig", "Figures", "GGUFSource", "HPAConfig",
-           "HardwareConfig", "IntRange", "LaunchedEngineConfig", "ModelConfig", "ProjectedPoint", "Projection",
-           "Provenance", "SearchConfig", "SecretRef", "ServeConfig", "SpecConfig", "SpecMethod", "TrainConfig",
-           "UserError", "WorkloadConfig", "check_search_methods", "measured_weights", "storage_password_error"]
+           "HardwareConfig", "IntRange", "LaunchedEngineConfig", "Level", "ModelConfig", "ProjectedPoint", "Projection",
+           "Provenance", "Rate", "SearchConfig", "SecretRef", "ServeConfig", "SpecConfig", "SpecMethod", "TrainConfig",
+           "UserError", "WorkloadConfig", "check_search_methods", "level_name", "measured_weights", "storage_password_error"]
 
 
 class GGUFSource(_Strict):
@@ -94,6 +95,25 @@ class HardwareConfig(_Strict):
         return self
 
 
+@dataclass(frozen=True)
+class Rate:
+    """An open-loop load level: requests arrive at `rps` per second whatever the engine does (a
+    closed-loop level is a plain int, the requests in flight). Both are levels of one study."""
+
+    rps: float
+
+    def __str__(self) -> str:
+        return f"{self.rps:g} req/s"
+
+
+Level = int | Rate  # a concurrency level (closed loop) or a request rate (open loop)
+
+
+def level_name(level: Level) -> str:
+    """How a level reads in logs and reasons: 'concurrency 4' or 'rate 2.5 req/s'."""
+    return f"rate {level}" if isinstance(level, Rate) else f"concurrency {level}"
+
+
 class SLO(_Strict):
     tpot_p99_ms: float | None = Field(None, gt=0)
     ttft_p99_ms: float | None = Field(None, gt=0)
@@ -111,14 +131,30 @@ class WorkloadConfig(_Strict):
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)  # 0 disables top-k filtering
-    concurrency: list[int] = Field(default_factory=lambda: [1], min_length=1)
+    concurrency: list[int] = Field(default_factory=lambda: [1])  # closed loop: requests in flight
+    # open loop: requests per second, each measured like a concurrency level (beside those, or
+    # instead with workload.concurrency=[]); arrivals poisson (seeded by workload.seed), constant,
+    # or trace (the prompts' own timestamps, scaled to each rate)
+    request_rate: list[float] = []
+    arrival: Literal["poisson", "constant", "trace"] = "poisson"
+    rate_requests: int = Field(16, ge=1, le=100_000)  # requests per rate level (the prompts repeat)
     slo: SLO = SLO()
 
     @model_validator(mode="after")
     def _conc(self) -> "WorkloadConfig":
         if any(c < 1 or c > 1024 for c in self.concurrency):
             raise ValueError(f"workload.concurrency={self.concurrency}: each level must be in [1, 1024]")
+        if any(not (0 < r <= 10_000) for r in self.request_rate):
+            raise ValueError(f"workload.request_rate={self.request_rate}: each rate (requests/s) must be in (0, 10000]")
+        if not self.concurrency and not self.request_rate:
+            raise ValueError("workload.concurrency=[] without workload.request_rate: give at least one level "
+                             "(e.g. workload.concurrency=[1] or workload.request_rate=[1,2,4])")
         return self
+
+    @property
+    def levels(self) -> list[Level]:
+        """The load levels a study measures: concurrency levels, then request rates, each ascending."""
+        return [*sorted(set(self.concurrency)), *(Rate(float(r)) for r in sorted(set(self.request_rate)))]
 
 
 COMPILE_AUTO_MIN_B = 0.1

@@ -19,7 +19,7 @@ from tuner.projection.profiling import tuning_prompts
 from tuner.schema.compose import packaged_workloads
 from tuner.study.limits import startup_excluded
 from tuner.study.objective import Sample
-from tuner.schema.config import Config, SpecConfig, UserError
+from tuner.schema.config import Config, Level, Rate, SpecConfig, UserError
 from tuner.schema.methods import head_methods
 
 LAUNCHED = ("vllm", "sglang")
@@ -27,10 +27,16 @@ LAUNCHED = ("vllm", "sglang")
 
 def study_prompts(cfg: Config) -> dict[str, list[Any]]:
     """The prompts a study measures: the tuning prompts for trials (tuner.projection.profiling),
-    every held-out prompt for the winner's re-measurement."""
+    every held-out prompt for the winner's re-measurement. Rates replayed from a trace need every
+    prompt's timestamp: refused here, before any trial, when they lack one."""
     from engine.measure.workloads import load_prompts
 
-    return {"tune": tuning_prompts(cfg), "heldout": load_prompts(cfg.workload, "heldout")}
+    prompts = {"tune": tuning_prompts(cfg), "heldout": load_prompts(cfg.workload, "heldout")}
+    w = cfg.workload
+    if w.request_rate and w.arrival == "trace" and any(p.arrival_s is None for ps in prompts.values() for p in ps):
+        raise UserError(f"workload.arrival=trace: the prompts of workload '{w.name}' carry no arrival timestamps "
+                        "(only a request log does); use workload.arrival=poisson or constant")
+    return prompts
 
 
 def open_engine(cfg: Config) -> Any:
@@ -115,8 +121,12 @@ class Measurer:
     def startups(self) -> tuple[int, float]:
         return getattr(self.launcher, "starts", 0), getattr(self.launcher, "total_startup_s", 0.0)
 
-    def __call__(self, spec: SpecConfig, split: str, concurrency: int) -> Sample:
+    def __call__(self, spec: SpecConfig, split: str, level: Level) -> Sample:
+        """Measure `spec` on `prompts[split]` at one level: `level` requests in flight (an int), or
+        requests arriving at a Rate (workload.rate_requests of them, the prompts repeating; the
+        same seeded arrivals for every configuration, so a pair meets the same traffic)."""
         from engine.drafters.memory import target_draft_memory
+        from engine.measure.runner import arrival_times
 
         if self.launcher is not None and spec.remembers_requests:
             self._fresh_server(spec)
@@ -124,8 +134,15 @@ class Measurer:
         prompts = self.prompts[split]
         if self.engine is not None and spec.remembers_requests:
             self._start_suffix_run(split)
-        played = [prompts[i % len(prompts)] for i in range(max(len(prompts), concurrency))] if prompts else prompts
-        m = target.run(played, self.params, concurrency)
+        w = self.cfg.workload
+        if isinstance(level, Rate):
+            n = max(len(prompts), w.rate_requests) if split != "probe" else len(prompts)
+            played = [prompts[i % len(prompts)] for i in range(n)] if prompts else prompts
+            at = arrival_times(len(played), level.rps, w.arrival, w.seed, [p.arrival_s for p in played])
+            m = target.run(played, self.params, 1, arrivals_s=at, rate=level.rps)
+        else:
+            played = [prompts[i % len(prompts)] for i in range(max(len(prompts), level))] if prompts else prompts
+            m = target.run(played, self.params, level)
         if m.errors:  # a configuration that breaks requests is no candidate
             raise RuntimeError(f"{len(m.errors)}/{len(played)} requests failed; first: {m.errors[0]}")
         if self.engine is not None and spec.remembers_requests and split == "tune" and "heldout" not in self._suffix:
@@ -142,7 +159,9 @@ class Measurer:
         slo = self.cfg.workload.slo
         return Sample(m.output_tokens_per_s, m.tau, m.ttft_p99_ms, m.tpot_p99_ms, self._draft_mb[key],
                       itl_p50_ms=m.itl_p50_ms, itl_p99_ms=m.itl_p99_ms,
-                      goodput=m.goodput(slo.ttft_p99_ms, slo.tpot_p99_ms), wall_s=m.wall_s)
+                      goodput=m.goodput(slo.ttft_p99_ms, slo.tpot_p99_ms), wall_s=m.wall_s,
+                      ttft_p50_ms=m.ttft_p50_ms, tpot_p50_ms=m.tpot_p50_ms, queue_p50_ms=m.queue_p50_ms,
+                      queue_p99_ms=m.queue_p99_ms, waiting_mean=m.waiting_mean, batch_sizes=m.batch_sizes or None)
 
     def _fresh_server(self, spec: SpecConfig) -> None:
         """A launched server's suffix cache can only be emptied by a new process: a running server

@@ -19,7 +19,8 @@ from optuna.trial import FrozenTrial, TrialState
 
 from engine.measure.stats import lower95, mean_ci
 from tuner.study.objective import OFF, Objective, spec_of
-from tuner.schema.config import BestResult, Config, Figures, Provenance, SpecConfig, measured_weights
+from tuner.schema.config import (BestResult, Config, Figures, Level, Provenance, SpecConfig, level_name,
+                                 measured_weights)
 from tuner.study.storage import mask_url, storage_url
 from tuner.study.studies import role
 
@@ -99,7 +100,7 @@ def _cheapest_of_best(cands: list[Candidate], noise_rel: float) -> tuple[Candida
     return min(tied, key=lambda c: (c.spec.budget, c.spec.depth, -c.speedup)), len(tied)
 
 
-def pick_winner(trials: list[FrozenTrial], noise_rel: float, concurrency: list[int]) -> Winner:
+def pick_winner(trials: list[FrozenTrial], noise_rel: float, concurrency: list[Level]) -> Winner:
     """The proven winner of a study, or `off` with the reason why speculation does not pay."""
     done = candidates(trials)
     if not done:
@@ -124,7 +125,9 @@ def pick_winner(trials: list[FrozenTrial], noise_rel: float, concurrency: list[i
             why = (f"Acceptance too low: tau={tau:.2f} tokens per target forward, so drafts are rarely "
                    "accepted and drafting plus verifying is pure overhead.")
         else:
-            why = (f"Verification too costly at concurrency {concurrency}: tau={tau:.2f} tokens per target "
+            at = (f"concurrency {concurrency}" if all(isinstance(c, int) for c in concurrency)
+                  else ", ".join(level_name(c) for c in concurrency))
+            why = (f"Verification too costly at {at}: tau={tau:.2f} tokens per target "
                    f"forward, but verifying {best.spec.budget} tokens per step costs more than the accepted "
                    "tokens save.")
         return Winner(OFF, None, head + why + " Serve without speculation.")
@@ -205,7 +208,7 @@ def compute_best(cfg: Config, study: optuna.Study, run_dir: Path, objective: Obj
                  log: Callable[[str], None] = lambda s: None) -> BestResult:
     """Pick the winner from the study's trials and assemble best.yaml; the winner is re-measured
     on the held-out prompts when an objective (an engine) is at hand, else that part stays empty."""
-    win = pick_winner(study.get_trials(deepcopy=False), cfg.search.noise_rel, cfg.workload.concurrency)
+    win = pick_winner(study.get_trials(deepcopy=False), cfg.search.noise_rel, cfg.workload.levels)
     if objective is None and cfg.workload.num_heldout > 0:
         cfg = cfg.model_copy(deep=True)
         cfg.workload.num_heldout = 0
