@@ -17,12 +17,12 @@ from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from tuner.schema.results import BestResult, Figures, ProjectedPoint, Projection, Provenance
+from tuner.schema.results import BestResult, Capacity, CapacityProbe, Figures, ProjectedPoint, Projection, Provenance
 from tuner.schema.methods import SpecMethod, engine_methods, engine_refusal, head_methods
 from tuner.schema.spec import SpecConfig, UserError
 from tuner.schema.spec import Strict as _Strict
 
-__all__ = ["SLO", "BenchConfig", "BestResult", "BuiltinEngineConfig", "Config",
+__all__ = ["SLO", "BenchConfig", "BestResult", "BuiltinEngineConfig", "Capacity", "CapacityProbe", "Config",
            "DeployConfig", "DistributedConfig", "DraftSources", "EngineConfig", "Figures", "GGUFSource", "HPAConfig",
            "HardwareConfig", "IntRange", "LaunchedEngineConfig", "Level", "ModelConfig", "ProjectedPoint", "Projection",
            "Provenance", "Rate", "SearchConfig", "SecretRef", "ServeConfig", "SpecConfig", "SpecMethod", "TrainConfig",
@@ -334,6 +334,11 @@ class SearchConfig(_Strict):
     workers: int = Field(ge=1, le=64)
     # Distributed studies: a RUNNING trial whose worker sent no heartbeat for this long is marked FAIL.
     heartbeat_grace_s: float = Field(ge=1)
+    # after the winner: the highest request rate at which the workload's SLOs hold, for the baseline
+    # and the winner, each found in at most capacity_probes measured rates (tuner.study.capacity);
+    # defaults here only for config.yaml files saved before these keys existed
+    capacity: bool = False
+    capacity_probes: int = Field(8, ge=2, le=32)
 
     @field_validator("storage")
     @classmethod
@@ -386,6 +391,10 @@ class DeployConfig(_Strict):
     name: str
     namespace: str
     replicas: int = Field(ge=0, le=1000)
+    # requests/s the Deployment must serve within the SLOs: replicas = ceil(target_rate / the winner's
+    # capacity in best.yaml, measured with search.capacity=true); replaces deploy.replicas (the
+    # default here only for config.yaml files saved before this key existed)
+    target_rate: float | None = Field(None, gt=0)
     # The server's image; null (deploy=builtin): spectune's own, from the top-level image_repo/image_tag.
     image: str | None
     image_tag: str | None
@@ -642,6 +651,13 @@ class Config(_Strict):
         if mml is not None and mml > self.model.max_context:
             raise ValueError(f"deploy.max_model_len={mml} exceeds the context of model {self.model.name} "
                              f"(model.max_context={self.model.max_context}): allowed are 64..{self.model.max_context}")
+        w = self.workload
+        if self.search.capacity and (w is None or (w.slo.ttft_p99_ms is None and w.slo.tpot_p99_ms is None)):
+            raise ValueError("search.capacity=true finds the highest request rate at which the workload's SLOs hold, "
+                             "and none is set: give workload.slo.ttft_p99_ms and/or workload.slo.tpot_p99_ms")
+        if self.search.sampler == "model" and w is not None and w.request_rate:
+            raise ValueError("search.sampler=model ranks the space at concurrency 1, and workload.request_rate="
+                             f"{w.request_rate} adds open-loop levels: use another sampler (tpe, random, grid, gp)")
         if self.search.sampler == "model" and self.workload is not None and len(self.workload.concurrency) > 1:
             raise ValueError(f"search.sampler=model ranks the space at concurrency 1, and workload.concurrency="
                              f"{self.workload.concurrency} has several levels: add workload.concurrency=[1], "

@@ -214,4 +214,14 @@ def compute_best(cfg: Config, study: optuna.Study, run_dir: Path, objective: Obj
         cfg.workload.num_heldout = 0
     if cfg.workload.num_heldout > 0:
         log("re-measuring the winner on the held-out prompts")
-    return best_result(cfg, study, run_dir, win, objective)
+    best = best_result(cfg, study, run_dir, win, objective)
+    if cfg.search.capacity:
+        if objective is None:  # a finaliser without an engine: the rates cannot be measured here
+            log("search.capacity=true: not measured (no engine in this process); best.yaml has no capacity")
+        else:
+            from tuner.study.capacity import describe, measure_capacity
+
+            base_tok_s = best.baseline.output_tokens_per_s if best.baseline is not None else None
+            best.capacity = measure_capacity(cfg, objective.measure, best.spec, base_tok_s, log)
+            log(describe(best.capacity, best.spec.key()))
+    return best
