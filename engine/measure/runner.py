@@ -637,8 +637,10 @@ class Summary:
 
 def measure(target: LoadTarget, prompts: Sequence[Prompt], params: SamplingParams, concurrency: int = 1,
             warmup: int = 1, repeats: int = 3, repeats_min: int | None = None,
-            ci_rel_width: float | None = None) -> Summary:
-    """Warm up with `warmup` requests (not measured), then play all prompts `repeats` times.
+            ci_rel_width: float | None = None, arrivals_s: Sequence[float] | None = None,
+            rate: float | None = None) -> Summary:
+    """Warm up with `warmup` requests (not measured), then play all prompts `repeats` times, with
+    `arrivals_s` (one offset per prompt, `rate` labels them) as an open loop.
 
     With `ci_rel_width`, stop early once at least `repeats_min` (default 2) repeats ran and the
     CI half-width is below that share of the median tokens/s.
@@ -647,16 +649,16 @@ def measure(target: LoadTarget, prompts: Sequence[Prompt], params: SamplingParam
         raise ValueError("measure needs at least one prompt")
     start = getattr(target, "start_pass", None)
 
-    def play(ps: Sequence[Prompt], c: int) -> Measurement:
+    def play(ps: Sequence[Prompt], c: int, at: Sequence[float] | None = None) -> Measurement:
         if start is not None:  # the state a pass leaves (the suffix cache) is not the next one's start
             start()
-        return target.run(ps, params, c)
+        return target.run(ps, params, c) if at is None else target.run(ps, params, c, arrivals_s=at, rate=rate)
 
     if warmup > 0:
         play([prompts[i % len(prompts)] for i in range(warmup)], 1)
     runs: list[Measurement] = []
     for _ in range(repeats):
-        runs.append(play(prompts, concurrency))
+        runs.append(play(prompts, concurrency, arrivals_s))
         if ci_rel_width is not None and tight([m.output_tokens_per_s for m in runs], ci_rel_width, repeats_min or 2):
             break
     return Summary.of(runs)

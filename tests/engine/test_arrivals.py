@@ -135,3 +135,19 @@ def test_rates_are_levels_of_a_study(tmp_path: Path) -> None:
     assert rates[1]["goodput"] == 8.0 and rates[0]["queue_p99_ms"] == 5.0
     assert spec.user_attrs["speedup"] == pytest.approx(1.5)
     assert base.user_attrs["feasible"] is False and spec.user_attrs["feasible"] is True
+
+
+def test_tuner_bench_measures_request_rates(capsys) -> None:
+    import json
+
+    from tuner.cli import main
+
+    rc = main(["bench", "model=tiny-random", "+workload=code", "workload.num_prompts=2", "workload.max_new_tokens=4",
+               "workload.concurrency=[1]", "workload.request_rate=[100]", "workload.rate_requests=5",
+               "workload.arrival=constant", "engine.builtin.max_batch=4", "bench.repeats=1", "bench.warmup=0", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    conc, rate = out["levels"]
+    assert conc["concurrency"] == 1 and "batch_sizes" not in conc
+    assert rate["rate"] == 100 and rate["n_requests"] == 5 and max(int(k) for k in rate["batch_sizes"]) >= 2
+    assert rate["queue_ms"]["p99"] is not None
