@@ -65,6 +65,10 @@ def plan(cfg: Config, best: BestResult | None, override: WinnerOverride | None =
     if d.target != "builtin" and cfg.hardware.accelerator != "cuda":
         raise UserError(f"deploy={d.target} with hardware={cfg.hardware.name}: a GPU target needs a cuda hardware profile "
                         "(or render deploy=builtin for CPU clusters)")
+    if d.target == "builtin" and cfg.hardware.accelerator == "cuda":
+        raise UserError(f"deploy=builtin with hardware={cfg.hardware.name}: the built-in server's pod runs on a CPU "
+                        f"node in fp32 without the GPUs of {cfg.hardware.name}; render deploy=vllm or deploy=sglang "
+                        "for a cuda hardware profile, or hardware=cpu for the built-in server")
     served = served_spec(cfg, best, override)
     replicas_why = None
     if d.target_rate is not None:
@@ -90,9 +94,8 @@ def plan(cfg: Config, best: BestResult | None, override: WinnerOverride | None =
                            extra_args=d.extra_args)
     else:
         e = cfg.engine.builtin
-        fp8 = quant == "fp8" or e.fp8_weights
-        builtin_memory_gib(m, cfg.hardware, e.dtype, fp8)
-        args = builtin_args(m.name, served.spec, host="0.0.0.0", port=d.port, dtype=e.dtype, fp8_weights=fp8,
+        builtin_memory_gib(m, cfg.hardware, e.dtype, e.weights == "fp8")
+        args = builtin_args(m.name, served.spec, host="0.0.0.0", port=d.port, dtype=e.dtype, weights=e.weights,
                             extra_args=[f"cache_dir={MODEL_DIR}/spectune", *d.extra_args])
     return Plan(cfg=cfg, best=best, served=served, tp=tp, max_len=max_len, command=COMMANDS[d.target],
                 args=args, startup_s=startup_budget_s(m, d), replicas_why=replicas_why)
@@ -243,7 +246,7 @@ def _resource_values(p: Plan) -> tuple[int, int, dict[str, str], str, str]:
                 f"half of hardware {hw.name}'s {hw.cpu_cores} cores x {part} (at least 2)",
                 f"half of hardware {hw.name}'s {hw.memory_gib:g} GiB x {part} (at least 8 GiB)")
     e = p.cfg.engine.builtin
-    fp8 = p.cfg.deploy.quantization == "fp8" or e.fp8_weights
+    fp8 = e.weights == "fp8"
     mem = builtin_memory_gib(p.cfg.model, hw, e.dtype, fp8)
     return (hw.cpu_cores, mem, {}, f"all {hw.cpu_cores} cores of hardware {hw.name} (the built-in engine's threads)",
             f"half of hardware {hw.name}'s {hw.memory_gib:g} GiB, or {p.cfg.model.params_b:g}B params at "

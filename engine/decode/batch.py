@@ -1,5 +1,5 @@
 """Continuous batching for the built-in engine: every step runs ONE target forward over all active
-requests, each with its own draft tree, cache, positions and ancestor mask (engine.models.llama
+requests, each with its own draft tree, cache, positions and ancestor mask (engine.models.batchplan
 `LeanForward.step_batch`: rows concatenated; the caches are slots of one `KVPool`, so the decode
 rows of all requests attend in one call). Requests whose drafters share an EAGLE head draft in
 lockstep before it, one head forward per draft step for all of them (engine.drafters.lockstep);
@@ -31,7 +31,7 @@ from engine.api import GenResult, SamplingParams, TokenCallback
 from engine.decode.loop import Decoding, Engine
 from engine.drafters import Drafter, make_drafter
 from engine.drafters.lockstep import draft_together, lockstep_groups
-from engine.models.llama import KVCache, KVPool
+from engine.models.kvpool import KVCache, KVPool
 from engine.trees.tree import Tree
 from tuner.schema.config import SpecConfig, UserError
 

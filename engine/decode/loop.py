@@ -15,7 +15,8 @@ from engine.models.cache import commit, new_cache
 from engine.models.eagle3_head import aux_features
 from engine.decode.prefix import PrefixCache
 from engine.drafters import Drafter, make_drafter
-from engine.models.llama import KVCache, LeanForward, lean_forward
+from engine.models.forward import LeanForward, lean_forward
+from engine.models.kvpool import KVCache
 from engine.models.target import Target, load_target
 from engine.trees.tree import Tree
 from engine.trees.verify import process_logits, verify
@@ -100,7 +101,7 @@ class Engine:
     def __init__(self, target: Target, max_context: int, spec: SpecConfig | None = None, seed: int = 0,
                  lean: LeanForward | None = None) -> None:
         self.target = target
-        self.lean = lean  # the engine's own forward (engine.models.llama); None: the HF model's
+        self.lean = lean  # the engine's own forward (engine.models.forward); None: the HF model's
         self.model = target.model
         self.tokenizer = target.tokenizer
         self.model_name = target.name

@@ -45,7 +45,7 @@ _DATA_SETTINGS = ("prompts", "max_new_tokens", "label_topk", "seed")
 @dataclass(frozen=True)
 class TrainJob:
     """What training a draft reads: the target `model`, loaded under the engine settings `builtin`
-    (their fp8_weights decide the precision of its features), the `workload` whose prompts it
+    (their weights decide the precision of its features), the `workload` whose prompts it
     learns, the `train` settings, the cache directory and the target's seed (a random_init
     target's weights)."""
 
@@ -77,7 +77,8 @@ def target_hash(job: TrainJob) -> str:
         basis = "gguf:" + file_digest(gguf_path(m.gguf.package, m.gguf.file), root)
     else:
         basis = f"hub:{m.hf_id}"
-    return _short(f"{basis}:fp8={job.builtin.fp8_weights}")
+    w = job.builtin.weights  # fp32 keyed as before, so heads trained then are found again
+    return _short(f"{basis}:fp8=False" if w == "fp32" else f"{basis}:weights={w}")
 
 
 def data_key(thash: str, prompts: Sequence, chat_template: bool, tc: TrainConfig,

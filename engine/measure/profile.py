@@ -323,7 +323,7 @@ def profile_prompts(model: ModelConfig, builtin: BuiltinEngineConfig, workload: 
 
     if builtin.threads:
         torch.set_num_threads(builtin.threads)
-    target = load_target(model, builtin.model_copy(update={"fp8_weights": fp8}), cache_dir, seed)
+    target = load_target(model, builtin.model_copy(update={"weights": "fp8" if fp8 else builtin.weights}), cache_dir, seed)
     engine = Engine(target, model.max_context, seed=seed)
     ids = [engine.encode_prompt(p.text, workload.chat_template) for p in prompts]
     return make_profile(target, ids, [p.id for p in prompts], specs, sampling_params(workload, seed=seed),

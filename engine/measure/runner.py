@@ -40,7 +40,7 @@ import numpy as np
 
 from engine.api import SamplingParams, TextEngine
 from engine.measure.promparse import SpecCounters, parse_samples, spec_counters, tau_from_delta
-from engine.measure.stats import mean_ci, tight
+from engine.measure.stats import log_interval, tight
 from engine.measure.workloads import Prompt
 from tuner.schema.config import Figures, UserError
 
@@ -602,9 +602,7 @@ class Summary:
     @classmethod
     def of(cls, runs: list[Measurement]) -> "Summary":
         tps = [m.output_tokens_per_s for m in runs]
-        _, lo, hi = mean_ci(tps)
-        if lo is not None:
-            lo = max(0.0, lo)  # a rate is never negative
+        _, lo, hi, _, _ = log_interval(tps)  # on logs: a rate's interval is never negative
         return cls(
             runs=runs, output_tokens_per_s=float(statistics.median(tps)), ci_low=lo, ci_high=hi,
             tau=_median([m.tau for m in runs]),

@@ -18,7 +18,7 @@ from tuner.schema.config import Config, SpecConfig, UserError
 def fp8_profile(cfg: Config) -> bool:
     """Whether acceptance must be measured under FP8-rounded weights: the deployment serves FP8
     (deploy.quantization=fp8) or the built-in engine is set to emulate it."""
-    return cfg.engine.builtin.fp8_weights or cfg.deploy.quantization == "fp8"
+    return cfg.engine.builtin.weights == "fp8" or cfg.deploy.quantization == "fp8"
 
 
 def tuning_prompts(cfg: Config, split: str = "tune", n: int | None = None) -> list[Any]:

@@ -71,7 +71,8 @@ def tensor_parallel_why(model: ModelConfig, hardware: HardwareConfig, deploy: De
 
 
 # Model load rate assumed for the startup budget: the first start downloads the weights from the
-# Hub into the cache volume (often 100-500 MB/s); a slow link must not trip the startup probe.
+# Hub into the cache volume, at a rate that varies with the link; a slow one must not trip the startup
+# probe, so the rate assumed is a low one.
 LOAD_GIB_PER_S = 0.1
 # Engine start beyond reading weights: CUDA graph capture, torch.compile, drafter load, warm-up.
 ENGINE_INIT_S = {"vllm": 180, "sglang": 180, "builtin": 60}
@@ -99,15 +100,30 @@ def startup_why(model: ModelConfig, deploy: DeployConfig, period_s: int) -> str:
             "downloads them)")
 
 
+def kv_headroom_tokens(model: ModelConfig, hardware: HardwareConfig, deploy: DeployConfig, tp: int) -> int:
+    """KV-cache tokens the headroom kept beside the weights holds (deploy.kv_headroom_frac of each
+    GPU's memory, at deploy.kv_cache_dtype): what the fit check reserves. KV heads shard across the
+    TP group, so the headroom adds up over it."""
+    kv_elem = 1.0 if deploy.kv_cache_dtype == "fp8" else 2.0
+    return int(hardware.gpu_memory_gib * deploy.kv_headroom_frac * tp * GIB / model.kv_bytes_per_token(kv_elem))
+
+
+def kv_cache_tokens(model: ModelConfig, hardware: HardwareConfig, deploy: DeployConfig, tp: int) -> int:
+    """KV-cache tokens a served engine holds over every sequence in flight: the memory it may take
+    (deploy.gpu_memory_utilization of `tp` GPUs) less the served weights, at deploy.kv_cache_dtype."""
+    kv_elem = 1.0 if deploy.kv_cache_dtype == "fp8" else 2.0
+    free = hardware.gpu_memory_gib * deploy.gpu_memory_utilization * tp - served_weight_gib(model, deploy.quantization)
+    return max(0, int(free * GIB / model.kv_bytes_per_token(kv_elem)))
+
+
 def max_model_len_why(model: ModelConfig, hardware: HardwareConfig, deploy: DeployConfig, tp: int) -> str:
     """Where max_model_len's answer came from, in one line (a manifest comment)."""
     if deploy.max_model_len is not None:
         return f"deploy.max_model_len={deploy.max_model_len} (given; model.max_context={model.max_context})"
     if hardware.accelerator == "cpu":
         return f"model.max_context={model.max_context}"
-    kv_elem = 1.0 if deploy.kv_cache_dtype == "fp8" else 2.0
-    kv_tokens = hardware.gpu_memory_gib * deploy.kv_headroom_frac * tp * GIB / model.kv_bytes_per_token(kv_elem)
-    return (f"min(model.max_context={model.max_context}, {int(kv_tokens)} tokens of {deploy.kv_cache_dtype} KV in "
+    kv_tokens = kv_headroom_tokens(model, hardware, deploy, tp)
+    return (f"min(model.max_context={model.max_context}, {kv_tokens} tokens of {deploy.kv_cache_dtype} KV in "
             f"the {deploy.kv_headroom_frac:g} x {hardware.gpu_memory_gib:g} GiB headroom of {tp} GPU(s)), "
             "rounded down to 1024")
 
@@ -123,9 +139,7 @@ def max_model_len(model: ModelConfig, hardware: HardwareConfig, deploy: DeployCo
         return deploy.max_model_len
     if hardware.accelerator == "cpu":
         return model.max_context
-    kv_elem = 1.0 if deploy.kv_cache_dtype == "fp8" else 2.0
-    kv_tokens = hardware.gpu_memory_gib * deploy.kv_headroom_frac * tp * GIB / model.kv_bytes_per_token(kv_elem)
-    return max(1024, min(model.max_context, int(kv_tokens) // 1024 * 1024))
+    return max(1024, min(model.max_context, kv_headroom_tokens(model, hardware, deploy, tp) // 1024 * 1024))
 
 
 def builtin_memory_gib(model: ModelConfig, hardware: HardwareConfig, dtype: str, fp8_weights: bool) -> int:

@@ -76,7 +76,8 @@ class SearchSpace:
             banded=cfg.engine.kind in ("vllm", "builtin"),
             concurrency=conc,
             head_paths=head_paths or {},
-            draft_model=cfg.spec.draft_model,
+            # spec.draft_model, else the model's published draft model (tuner.schema.config refuses neither)
+            draft_model=cfg.spec.draft_model or next(iter(cfg.model.draft_sources.draft_model), None),
             medusa_heads=medusa_heads(cfg, (head_paths or {}).get("medusa"))[0] if "medusa" in methods else None,
             ngram_match=tuple(dict.fromkeys(s.ngram_match)),
             suffix_spec_factor=tuple(dict.fromkeys(s.suffix_spec_factor)),

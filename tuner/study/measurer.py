@@ -13,19 +13,28 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tuner.projection.profiling import tuning_prompts
 from tuner.schema.compose import packaged_workloads
 from tuner.study.limits import startup_excluded
-from tuner.study.objective import Sample
+from tuner.study.objective import Sample, Split
 from tuner.schema.config import Config, Level, Rate, SpecConfig, UserError
 from tuner.schema.methods import head_methods
+
+if TYPE_CHECKING:  # the engine's heavy modules (torch) load only where a study runs
+    from engine.decode.loop import Engine
+    from engine.heads.pipeline import TrainJob
+    from engine.launch.launcher import Launcher
+    from engine.measure.runner import LoadTarget
+    from engine.measure.workloads import Prompt
+
+    TargetFor = Callable[[SpecConfig], LoadTarget]
 
 LAUNCHED = ("vllm", "sglang")
 
 
-def study_prompts(cfg: Config) -> dict[str, list[Any]]:
+def study_prompts(cfg: Config) -> dict[Split, list[Prompt]]:
     """The prompts a study measures: the tuning prompts for trials (tuner.projection.profiling),
     every held-out prompt for the winner's re-measurement. Rates replayed from a trace need every
     prompt's timestamp: refused here, before any trial, when they lack one."""
@@ -39,7 +48,7 @@ def study_prompts(cfg: Config) -> dict[str, list[Any]]:
     return prompts
 
 
-def open_engine(cfg: Config) -> Any:
+def open_engine(cfg: Config) -> Engine:
     """The built-in engine of cfg.model under cfg.engine.builtin, set to cfg.spec (the target is
     loaded once per process)."""
     from engine.decode.loop import Engine
@@ -47,7 +56,7 @@ def open_engine(cfg: Config) -> Any:
     return Engine.from_config(cfg.model, cfg.engine.builtin, cfg.spec, cache_dir=cfg.cache_dir, seed=cfg.seed)
 
 
-def open_launcher(cfg: Config, *, log_dir: str | Path | None = None, tensor_parallel_size: int = 1) -> Any:
+def open_launcher(cfg: Config, *, log_dir: str | Path | None = None, tensor_parallel_size: int = 1) -> Launcher:
     """A launcher (engine.launch.launcher.Launcher) for cfg.engine (vllm / sglang) serving cfg.model.
     On GPUs the server runs with the deployment's FP8 flags, so trials measure the precision that
     will be served."""
@@ -65,7 +74,7 @@ def open_launcher(cfg: Config, *, log_dir: str | Path | None = None, tensor_para
                     gpu_memory_utilization=cfg.deploy.gpu_memory_utilization if gpu else None, log_dir=log_dir)
 
 
-def engine_target_for(engine: Any, chat_template: bool) -> Callable[[SpecConfig], Any]:
+def engine_target_for(engine: Engine, chat_template: bool) -> TargetFor:
     """target_for(spec): the built-in engine switched to `spec` (only when it changes), as a
     load-generator target."""
     from engine.measure.runner import InProcessTarget
@@ -73,7 +82,7 @@ def engine_target_for(engine: Any, chat_template: bool) -> Callable[[SpecConfig]
     target = InProcessTarget(engine, chat_template=chat_template)
     current: list[SpecConfig | None] = [None]
 
-    def target_for(spec: SpecConfig) -> Any:
+    def target_for(spec: SpecConfig) -> LoadTarget:
         if current[0] != spec:
             current[0] = None  # a failing set_spec must not leave a stale 'current'
             engine.set_spec(spec)
@@ -83,12 +92,12 @@ def engine_target_for(engine: Any, chat_template: bool) -> Callable[[SpecConfig]
     return target_for
 
 
-def server_target_for(launcher: Any, chat_template: bool) -> Callable[[SpecConfig], Any]:
+def server_target_for(launcher: Launcher, chat_template: bool) -> TargetFor:
     """target_for(spec): the launched server serving `spec` (restarted when its flags change, the
     start-up outside the trial's clock), as a load-generator target over HTTP."""
     from engine.measure.runner import HttpTarget
 
-    def target_for(spec: SpecConfig) -> Any:
+    def target_for(spec: SpecConfig) -> LoadTarget:
         with startup_excluded():  # bounded by engine.<kind>.startup_timeout_s, not the trial's limit
             url = launcher.ensure(spec)
         return HttpTarget(url, launcher.model, chat_template)
@@ -100,28 +109,35 @@ class Measurer:
     """A study's MeasureFn, `measurer(spec, split, concurrency) -> Sample`: plays `prompts[split]`
     against `target_for(spec)` with the workload's sampling, `concurrency` requests in flight (the
     prompts repeat until there are at least that many). A configuration that breaks requests raises
-    (its trial fails). Over a launched server it also answers `serving(spec)` (is that server up
-    now?) and `startups()` (cumulative start-ups and their seconds), which the objective uses to
-    measure the served spec first and to keep start-ups out of measurements. A spec that remembers
+    (its trial fails). It is a tuner.study.objective.ServerMeasureFn: `serving(spec)` (is a launched
+    server up with that spec now? never in process) and `startups()` (cumulative start-ups and their
+    seconds), which the objective uses to measure the served spec first and to keep start-ups out of
+    measurements. A spec that remembers
     earlier requests (suffix) starts every pass from one cache state: on the built-in engine the
     one the study found (held-out: after the tuning prompts), on a launched server an empty one."""
 
-    def __init__(self, target_for: Callable[[SpecConfig], Any], cfg: Config, prompts: dict[str, list[Any]],
-                 launcher: Any = None, engine: Any = None) -> None:
+    def __init__(self, target_for: TargetFor, cfg: Config, prompts: dict[Split, list[Prompt]],
+                 launcher: Launcher | None = None, engine: Engine | None = None) -> None:
         from engine.measure.workloads import sampling_params
 
         self.target_for, self.prompts, self.cfg = target_for, prompts, cfg
         self.params = sampling_params(cfg.workload, seed=cfg.seed)
         self.launcher = launcher
-        self.serving: Callable[[SpecConfig], bool] | None = getattr(launcher, "serves", None) if launcher else None
         self._draft_mb: dict[tuple[str, str], float | None] = {}  # (spec, split) -> MB, measured once
         self.engine = engine  # the built-in engine, whose suffix caches every run starts from the same state
-        self._suffix: dict[str, Any] = {}  # split -> the suffix-cache state its runs start from
+        self._suffix: dict[Split, dict[int, tuple[tuple[int, ...], ...]]] = {}  # split -> the suffix-cache state its runs start from
+
+    def serving(self, spec: SpecConfig) -> bool:
+        """Whether the launched server up now serves `spec` (always False in process)."""
+        return self.launcher is not None and self.launcher.serves(spec)
 
     def startups(self) -> tuple[int, float]:
-        return getattr(self.launcher, "starts", 0), getattr(self.launcher, "total_startup_s", 0.0)
+        """Server start-ups so far and their seconds (none in process)."""
+        if self.launcher is None:
+            return 0, 0.0
+        return self.launcher.starts, self.launcher.total_startup_s
 
-    def __call__(self, spec: SpecConfig, split: str, level: Level) -> Sample:
+    def __call__(self, spec: SpecConfig, split: Split, level: Level) -> Sample:
         """Measure `spec` on `prompts[split]` at one level: `level` requests in flight (an int), or
         requests arriving at a Rate (workload.rate_requests of them, the prompts repeating; the
         same seeded arrivals for every configuration, so a pair meets the same traffic)."""
@@ -173,7 +189,7 @@ class Measurer:
             with startup_excluded():  # stopping vLLM takes seconds: not the trial's measuring time
                 self.launcher.stop()
 
-    def _start_suffix_run(self, split: str) -> None:
+    def _start_suffix_run(self, split: Split) -> None:
         """Every suffix run starts from one cache state (the one the study found), so no trial wins
         by a cache that earlier trials warmed."""
         from engine.drafters.suffix import restore_caches, snapshot_caches
@@ -194,7 +210,7 @@ def queue_note(cfg: Config) -> str | None:
             f"{mb} queue until a slot frees (raise engine.builtin.max_batch to decode them together)")
 
 
-def make_measure(engine: Any, cfg: Config, prompts: dict[str, list[Any]]) -> Measurer:
+def make_measure(engine: Engine, cfg: Config, prompts: dict[Split, list[Prompt]]) -> Measurer:
     """The Measurer over the built-in engine in this process."""
     note = queue_note(cfg)
     if note:
@@ -204,23 +220,26 @@ def make_measure(engine: Any, cfg: Config, prompts: dict[str, list[Any]]) -> Mea
     return Measurer(engine_target_for(engine, cfg.workload.chat_template), cfg, prompts, engine=engine)
 
 
-def make_launched_measure(launcher: Any, cfg: Config, prompts: dict[str, list[Any]]) -> Measurer:
+def make_launched_measure(launcher: Launcher, cfg: Config, prompts: dict[Split, list[Prompt]]) -> Measurer:
     """The Measurer over a launched vLLM / SGLang server (engine.launch.launcher.Launcher)."""
     return Measurer(server_target_for(launcher, cfg.workload.chat_template), cfg, prompts, launcher)
 
 
 @contextmanager
-def study_measure(cfg: Config, engine: Any, prompts: dict[str, list[Any]], run_dir: Path) -> Iterator[Measurer]:
+def study_measure(cfg: Config, engine: Engine | None, prompts: dict[Split, list[Prompt]],
+                  run_dir: Path) -> Iterator[Measurer]:
     """The MeasureFn of a study on cfg.engine: a launched server for engine=vllm/sglang (stopped
     on leaving; its logs in RUN_DIR/servers), else the given built-in engine."""
     if cfg.engine.kind in LAUNCHED:
         with open_launcher(cfg, log_dir=run_dir / "servers") as launcher:
             yield make_launched_measure(launcher, cfg, prompts)
         return
+    if engine is None:
+        raise ValueError("engine.kind=builtin: the study's built-in engine must be loaded first (open_engine)")
     yield make_measure(engine, cfg, prompts)
 
 
-def train_job(cfg: Config) -> Any:
+def train_job(cfg: Config) -> TrainJob:
     """What training cfg's drafts reads (engine.heads.pipeline.TrainJob): the target, the built-in
     engine settings, the workload (one must be given), the training settings."""
     from engine.heads.pipeline import TrainJob
@@ -257,7 +276,7 @@ def spec_with_trained_draft(cfg: Config) -> SpecConfig:
     return spec.model_copy(update={"head_path": str(found)})
 
 
-def get_drafts(cfg: Config, engine: Any, quiet: bool = False) -> dict[str, str]:
+def get_drafts(cfg: Config, engine: Engine | None, quiet: bool = False) -> dict[str, str]:
     """The trained drafts the searched methods need, by method: n-gram needs none. For each head
     method, in order: `spec.head_path` when spec.method is that method, the model's published head
     on an external engine (`model.draft_sources`), else the cached head of this target and workload
