@@ -589,9 +589,9 @@ def write_html(study: optuna.Study, run_dir: Path, best: BestResult | None, skip
         if best.chain_spec is not None:
             parts.append(f"<li>best chain (for vLLM): {html.escape(best.chain_spec.key())}</li>")
         if best.capacity is not None:
-            from tuner.study.capacity import describe
+            from tuner.study.capacity import describe as describe_capacity
 
-            parts.append(f"<li>{html.escape(describe(best.capacity, best.spec.key()))}</li>")
+            parts.append(f"<li>{html.escape(describe_capacity(best.capacity, best.spec.key()))}</li>")
         parts.append("</ul>")
     else:
         parts.append("<p>No winner yet: the study has not finished.</p>")
