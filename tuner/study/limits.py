@@ -144,11 +144,13 @@ class TrialWork:
 
     def describe(self) -> str:
         levels = f" x {self.levels} concurrency levels" if self.levels > 1 else ""
-        if self.rates:
-            levels += f" + {self.rate_requests} requests x {len(self.rates)} request rates"
-        return (f"{self.prompts} prompts x {self.max_new_tokens} tokens x {self.runs} runs "
-                f"(configuration + baseline){levels} x {self.repeats} repeat(s) = {self.tokens} tokens at the "
-                f"baseline's measured {self.tok_s:.1f} tok/s = ~{self.seconds:.3g} s")
+        head = f"{self.prompts} prompts x {self.max_new_tokens} tokens"
+        if self.rates:  # open-loop levels play rate_requests requests each
+            parts = [f"{self.prompts} prompts{levels}"] if self.levels else []
+            parts.append(f"{self.rate_requests} requests x {len(self.rates)} request rates")
+            head, levels = f"({' + '.join(parts)}) x {self.max_new_tokens} tokens", ""
+        return (f"{head} x {self.runs} runs (configuration + baseline){levels} x {self.repeats} repeat(s) = "
+                f"{self.tokens} tokens at the baseline's measured {self.tok_s:.1f} tok/s = ~{self.seconds:.3g} s")
 
 
 def trial_work(cfg: Config, n_prompts: int, tok_s: float) -> TrialWork:
