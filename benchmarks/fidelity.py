@@ -23,9 +23,11 @@ Prints one line per run; the last line printed is one JSON object with `max_regr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -90,9 +92,10 @@ def one_run(args: argparse.Namespace, engine: object, seed: int, loaded: bool, r
         load.start()
     t0 = time.monotonic()
     try:
-        out = optimize([*space_overrides(args), f"search.seed={seed}", f"run_dir={run_dir}",
-                        f"search.study_name=fidelity-{'loaded' if loaded else 'quiet'}-{seed}"],
-                       engine=engine, quiet=True)
+        with contextlib.redirect_stdout(sys.stderr):  # optimize prints its run directory: stdout is the table's
+            out = optimize([*space_overrides(args), f"search.seed={seed}", f"run_dir={run_dir}",
+                            f"search.study_name=fidelity-{'loaded' if loaded else 'quiet'}-{seed}"],
+                           engine=engine, quiet=True)
     finally:
         if load is not None:
             load.terminate()

@@ -50,18 +50,6 @@ def plan(cfg: Config, best: BestResult | None, override: WinnerOverride | None =
     """Resolve spec, tensor parallel size (fit check), context length and the engine command line
     (`override`: the winner with spec.* overrides, deploy.winner.served_spec)."""
     d, m = cfg.deploy, cfg.model
-    if d.hpa.enabled and d.hpa.min_replicas > d.hpa.max_replicas:
-        raise UserError(f"deploy.hpa.min_replicas={d.hpa.min_replicas} > deploy.hpa.max_replicas={d.hpa.max_replicas}")
-    # With an HPA, deploy.replicas is its floor: a floor it cannot keep is refused, not adjusted.
-    # Without one the Deployment carries the count as given (0: rendered with no pods).
-    if d.hpa.enabled and d.replicas == 0:
-        raise UserError(f"deploy.replicas=0 with deploy.hpa.enabled=true: the HPA keeps at least "
-                        f"deploy.hpa.min_replicas={d.hpa.min_replicas} pod(s); for a Deployment with no pods set "
-                        "deploy.hpa.enabled=false, else give deploy.replicas >= 1")
-    if d.hpa.enabled and d.replicas > d.hpa.max_replicas:
-        raise UserError(f"deploy.replicas={d.replicas} exceeds deploy.hpa.max_replicas={d.hpa.max_replicas} (with an "
-                        f"HPA deploy.replicas is its floor): raise deploy.hpa.max_replicas to at least {d.replicas}, "
-                        "or set deploy.hpa.enabled=false for a fixed count")
     if d.target != "builtin" and cfg.hardware.accelerator != "cuda":
         raise UserError(f"deploy={d.target} with hardware={cfg.hardware.name}: a GPU target needs a cuda hardware profile "
                         "(or render deploy=builtin for CPU clusters)")
@@ -95,7 +83,8 @@ def plan(cfg: Config, best: BestResult | None, override: WinnerOverride | None =
     else:
         e = cfg.engine.builtin
         builtin_memory_gib(m, cfg.hardware, e.dtype, e.weights == "fp8")
-        args = builtin_args(m.name, served.spec, host="0.0.0.0", port=d.port, dtype=e.dtype, weights=e.weights,
+        args = builtin_args(m.name, served.spec, host="0.0.0.0", port=d.port, dtype=e.dtype,
+                            weights=None if e.weights == "fp32" else e.weights,
                             extra_args=[f"cache_dir={MODEL_DIR}/spectune", *d.extra_args])
     return Plan(cfg=cfg, best=best, served=served, tp=tp, max_len=max_len, command=COMMANDS[d.target],
                 args=args, startup_s=startup_budget_s(m, d), replicas_why=replicas_why)

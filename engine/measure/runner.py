@@ -2,9 +2,9 @@
 
 Two ways in, one set of figures (`Measurement`):
 - `run_inprocess`: the built-in engine in this process. Concurrency N is a closed loop of N
-  clients in front of one engine that serves requests first come, first served (the engine runs
-  one request at a time, as the built-in server does): request i arrives at t0 for i < N, else when
-  request i-N finishes. TTFT, TPOT and end-to-end latency are measured from arrival, so queueing
+  clients in front of the engine's scheduler, the one the built-in server steps (up to
+  engine.builtin.max_batch requests decode together, the rest wait first come, first served):
+  request i arrives at t0 for i < N, else when request i-N finishes. TTFT, TPOT and end-to-end latency are measured from arrival, so queueing
   counts, exactly as it would over HTTP. No threads: timings are not disturbed by the GIL.
 - `run_http`: any OpenAI-compatible endpoint (the built-in server, vLLM, SGLang) with N concurrent
   streaming requests (httpx, asyncio). Token counts come from `usage` (stream_options.include_usage);
@@ -41,7 +41,7 @@ import numpy as np
 from engine.api import SamplingParams, TextEngine
 from engine.measure.promparse import SpecCounters, parse_samples, spec_counters, tau_from_delta
 from engine.measure.stats import log_interval, tight
-from engine.measure.workloads import Prompt
+from engine.measure.workloads import Prompt, encode, params_of
 from tuner.schema.config import Figures, UserError
 
 
@@ -176,17 +176,18 @@ def arrival_times(n: int, rate: float, kind: str = "poisson", seed: int = 0,
 def run_inprocess(engine: TextEngine, prompts: Sequence[Prompt], params: SamplingParams,
                   concurrency: int = 1, chat_template: bool = True, arrivals_s: Sequence[float] | None = None,
                   rate: float | None = None) -> Measurement:
-    """Play the prompts against an in-process engine: a closed loop of `concurrency` clients, each
-    sending its next prompt when its last one finished, or, with `arrivals_s` (offsets from the
-    start, ascending; `rate` labels them), an open loop: request i arrives at its offset. A built-in
-    engine that batches (engine.builtin.max_batch > 1) decodes the requests together; any other
-    runs them one at a time, first come, first served."""
+    """Play the prompts against an in-process engine through its scheduler (`engine.batcher()`,
+    engine.decode.batch: up to engine.builtin.max_batch requests decode together, the rest wait for
+    a place): a closed loop of `concurrency` clients, each sending its next prompt when its last one
+    finished, or, with `arrivals_s` (offsets from the start, ascending; `rate` labels them), an open
+    loop: request i arrives at its offset whatever is in flight."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
     open_loop = arrivals_s is not None
     if open_loop and len(arrivals_s) != len(prompts):
         raise ValueError("arrivals_s needs one offset per prompt")
-    encoded = [engine.encode_prompt(p.text, chat_template) for p in prompts]  # tokenising is the client's work
+    encoded = [encode(engine, p, chat_template) for p in prompts]  # tokenising is the client's work
+    own = [params_of(p, params) for p in prompts]  # a request's own sampling and budget (a file's)
     records = [RequestRecord(prompt_id=p.id) for p in prompts]
     results: list[Any] = [None] * len(prompts)
     stamps: list[list[float]] = [[] for _ in prompts]
@@ -194,58 +195,25 @@ def run_inprocess(engine: TextEngine, prompts: Sequence[Prompt], params: Samplin
     ends: list[float] = [0.0] * len(prompts)
     steps: dict[int, int] = {}
     waiting: list[int] = []
-    # torch: only for in-process runs; imported before the clock starts (a first import takes seconds)
-    from engine.decode.batch import batcher_for
+    batch = engine.batcher()  # before the clock starts: it may build drafters
+
+    def on_tokens(i: int, _toks: list[int]) -> None:
+        stamps[i].append(time.perf_counter())
+
+    def on_done(i: int, req: Any) -> None:
+        ends[i] = time.perf_counter()
+        arrivals[i] = req.arrival
+        results[i] = req.result
+        if req.error is not None:  # one failed request is recorded, the run goes on
+            records[i].error = req.error
 
     t0 = time.perf_counter()
-    batch = batcher_for(engine) if concurrency > 1 or open_loop else None
-    if open_loop and batch is not None:
-        def on_tok(i: int, _toks: list[int]) -> None:
-            stamps[i].append(time.perf_counter())
-
-        def finished(i: int, req: Any) -> None:
-            ends[i] = time.perf_counter()
-            results[i] = req.result
-            if req.error is not None:
-                records[i].error = req.error
-
-        _open_loop(batch, encoded, params, [t0 + a for a in arrivals_s], records, on_tok, finished, steps, waiting)
-        arrivals = [t0 + a for a in arrivals_s]
-    elif open_loop:
-        for i, ids in enumerate(encoded):
-            arrivals[i] = t0 + arrivals_s[i]
-            idle = arrivals[i] - time.perf_counter()
-            if idle > 0:
-                time.sleep(idle)  # the engine waits for the next request
-            start = time.perf_counter()
-            records[i].queue_s = start - arrivals[i]
-            waiting.append(sum(1 for a in arrivals_s[i + 1:] if t0 + a <= start))
-            try:
-                results[i] = engine.generate(ids, params, on_tokens=lambda _toks, i=i: stamps[i].append(time.perf_counter()))
-                steps[1] = steps.get(1, 0) + results[i].stats.target_forwards  # one request per forward
-            except Exception as exc:  # one failed request is recorded, the run goes on
-                records[i].error = f"{type(exc).__name__}: {exc}"
-            ends[i] = time.perf_counter()
-    elif batch is not None:
-        def on_tokens(i: int, _toks: list[int]) -> None:
-            stamps[i].append(time.perf_counter())
-
-        def on_done(i: int, req: Any) -> None:
-            ends[i] = time.perf_counter()
-            arrivals[i] = req.arrival
-            results[i] = req.result
-            if req.error is not None:
-                records[i].error = req.error
-
-        batch.closed_loop(encoded, params, concurrency, on_tokens, on_done)
+    if open_loop:
+        at = [t0 + a for a in arrivals_s]
+        arrivals = list(at)  # a request the scheduler refuses keeps its arrival
+        _open_loop(batch, encoded, own, at, records, on_tokens, on_done, steps, waiting)
     else:
-        for i, ids in enumerate(encoded):
-            arrivals[i] = t0 if i < concurrency else ends[i - concurrency]
-            try:
-                results[i] = engine.generate(ids, params, on_tokens=lambda _toks, i=i: stamps[i].append(time.perf_counter()))
-            except Exception as exc:  # one failed request is recorded, the run goes on
-                records[i].error = f"{type(exc).__name__}: {exc}"
-            ends[i] = time.perf_counter()
+        batch.closed_loop(encoded, own, concurrency, on_tokens, on_done)
     new_tokens = forwards = draft_steps = 0
     acc: list[int] = []
     draft_s = verify_s = 0.0
@@ -277,7 +245,7 @@ def run_inprocess(engine: TextEngine, prompts: Sequence[Prompt], params: Samplin
     return _measurement(records, wall, concurrency, tau, per_pos, draft_s=draft_s, verify_s=verify_s, **extra)
 
 
-def _open_loop(batch: Any, encoded: list[list[int]], params: SamplingParams, at: list[float],
+def _open_loop(batch: Any, encoded: list[list[int]], params: list[SamplingParams], at: list[float],
                records: list[RequestRecord], on_tokens: Any, on_done: Any, steps: dict[int, int],
                waiting: list[int]) -> None:
     """Drive a batch scheduler (engine.decode.batch.BatchEngine) with requests that arrive at the
@@ -294,7 +262,7 @@ def _open_loop(batch: Any, encoded: list[list[int]], params: SamplingParams, at:
             i = nxt
             nxt += 1
             try:
-                req = batch.submit(encoded[i], params, lambda toks, i=i: on_tokens(i, toks),
+                req = batch.submit(encoded[i], params[i], lambda toks, i=i: on_tokens(i, toks),
                                    lambda r, i=i: on_done(i, r))
             except Exception as exc:  # noqa: BLE001 - a request the scheduler refuses fails alone
                 records[i].error = f"{type(exc).__name__}: {exc}"
@@ -324,7 +292,9 @@ def _open_loop(batch: Any, encoded: list[list[int]], params: SamplingParams, at:
 
 
 def request_body(model: str, prompt: Prompt, params: SamplingParams, chat_template: bool) -> tuple[str, dict]:
-    """(path, JSON body) of one streaming request: chat completions with the template, else completions."""
+    """(path, JSON body) of one streaming request: chat completions with the template, else
+    completions (a request from a file says which itself, and carries its own sampling)."""
+    params = params_of(prompt, params)
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": params.max_new_tokens,
@@ -343,10 +313,10 @@ def request_body(model: str, prompt: Prompt, params: SamplingParams, chat_templa
         body["ignore_eos"] = True  # vLLM / SGLang extension, honoured by the built-in server too
     if params.min_tokens:
         body["min_tokens"] = params.min_tokens
-    if chat_template:
-        body["messages"] = [{"role": "user", "content": prompt.text}]
+    if chat_template if prompt.chat is None else prompt.chat:
+        body["messages"] = prompt.messages()
         return "/v1/chat/completions", body
-    body["prompt"] = prompt.text
+    body["prompt"] = "\n\n".join(m["content"] for m in prompt.messages())  # as engine.measure.workloads.encode
     return "/v1/completions", body
 
 

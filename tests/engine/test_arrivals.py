@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -19,7 +20,8 @@ from tuner.schema.config import Rate, SpecConfig, UserError
 
 
 class ServiceEngine:
-    """An engine that runs one request at a time, each taking exactly `service_s` (one forward)."""
+    """An engine whose scheduler runs one request at a time, each taking exactly `service_s` over
+    two steps (its first token after half of it)."""
 
     def __init__(self, service_s: float) -> None:
         self.service_s = service_s
@@ -27,13 +29,35 @@ class ServiceEngine:
     def encode_prompt(self, text: str, chat_template: bool) -> list[int]:
         return [1, 2, 3]
 
-    def generate(self, prompt_ids, params, on_tokens=None) -> GenResult:
+    def batcher(self) -> "OneAtATime":
+        return OneAtATime(self.service_s)
+
+
+class OneAtATime:
+    """The scheduler interface the load generator drives (submit, step, waiting, active)."""
+
+    def __init__(self, service_s: float) -> None:
+        self.service_s, self.waiting, self.active = service_s, [], []
+
+    def submit(self, prompt_ids, params, on_tokens=None, on_done=None) -> SimpleNamespace:
+        req = SimpleNamespace(arrival=time.perf_counter(), result=None, error=None, on_tokens=on_tokens,
+                              on_done=on_done, steps=0)
+        self.waiting.append(req)
+        return req
+
+    def step(self) -> None:
+        if not self.active:
+            self.active.append(self.waiting.pop(0))
+        req = self.active[0]
         time.sleep(self.service_s / 2)
-        if on_tokens:
-            on_tokens([7])
-        time.sleep(self.service_s / 2)
-        st = GenStats(new_tokens=2, target_forwards=1)
-        return GenResult(tokens=[7, 7], text="ab", finish_reason="length", stats=st)
+        req.steps += 1
+        if req.steps == 1:
+            req.on_tokens([7])
+            return
+        st = GenStats(new_tokens=2, target_forwards=2)
+        req.result = GenResult(tokens=[7, 7], text="ab", finish_reason="length", stats=st)
+        self.active.clear()
+        req.on_done(req)
 
 
 def _prompts(n: int) -> list[Prompt]:
@@ -62,7 +86,7 @@ def test_queueing_of_a_planted_service_time(service_s: float, rate: float) -> No
     n = 8
     m = run_inprocess(ServiceEngine(service_s), _prompts(n), SamplingParams(max_new_tokens=2),
                       arrivals_s=arrival_times(n, rate, "constant"), rate=rate)
-    assert m.rate == rate and m.n_requests == n and m.batch_sizes == {1: n}
+    assert m.rate == rate and m.n_requests == n and m.batch_sizes == {1: 2 * n}
     expect_last = max(0.0, (n - 1) * (service_s - 1 / rate)) * 1000
     assert m.queue_p99_ms == pytest.approx(expect_last * 0.99 + 0.01 * max(0.0, (n - 2) * (service_s - 1 / rate)) * 1000,
                                            abs=25)

@@ -166,7 +166,7 @@ def test_the_confirmation_round_picks_the_truly_better_of_two(tmp_path: Path) ->
     assert tail == ["ngram d2 k1 b3", "off", "off", "ngram d4 k1 b5", "ngram d2 k1 b3", "off", "off", "ngram d4 k1 b5"]
     assert "confirmation round" in lines[0]
     win = pick_winner(study.trials, cfg.search.noise_rel, [1])
-    assert win.spec == ng(4)
+    assert win.spec == ng(4) and "head to head in the confirmation round 1.500x over 2 pairs" in win.reason
 
 
 def test_the_confirmation_round_declares_a_tie_and_it_goes_to_the_smaller_budget(tmp_path: Path) -> None:
@@ -209,3 +209,22 @@ def test_noise_is_measured_and_costs_repeats_only_when_high(tmp_path: Path) -> N
     outcomes = [objective.run_one() for _ in range(3)]
     assert all(o.note is None for o in outcomes) and "noise_rel_measured" not in study.user_attrs
     assert [t.user_attrs["repeats"] for t in study.trials[1:]] == [2, 2]
+
+
+def test_contenders_are_the_best_by_lower_bound_and_pruned_trials_near_the_leader() -> None:
+    from tuner.study.selection import contenders
+
+    def trial(spec: SpecConfig, ratios: list[float], state: TrialState = TrialState.COMPLETE):
+        t = _planted_trial(spec, ratios)
+        return create_trial(state=state, value=t.value if state == TrialState.COMPLETE else None,
+                            params={}, distributions={}, user_attrs=t.user_attrs)
+
+    trials = [trial(ng(1), [1.30, 1.32]), trial(ng(2), [1.20, 1.22]), trial(ng(3), [1.10, 1.12]),
+              trial(ng(4), [1.05, 1.06]),  # fourth by lower bound: not measured again
+              trial(ng(5), [1.28], TrialState.PRUNED),  # pruned after one repeat within noise of 1.31: measured
+              trial(ng(6), [0.90], TrialState.PRUNED)]  # pruned far below: not
+    assert [(s.key(), r) for s, r in contenders(trials, 0.05)] == [
+        ("ngram d1 k1 b2", [1.30, 1.32]), ("ngram d2 k1 b3", [1.20, 1.22]), ("ngram d3 k1 b4", [1.10, 1.12]),
+        ("ngram d5 k1 b6", [1.28])]
+    slow = [trial(ng(1), [0.70, 0.72]), trial(ng(2), [0.60, 0.61])]  # off beats both even optimistically
+    assert contenders(slow, 0.05) == []

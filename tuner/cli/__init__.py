@@ -63,6 +63,7 @@ COMMAND_MODULES: list[str] = [
     "tuner.cli.cluster",
     "tuner.cli.project",
     "tuner.cli.hub",
+    "tuner.cli.workload",
 ]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -75,13 +76,21 @@ ENTRY_FIELDS = "method, depth, topk, budget, tau"
 
 
 def _entry_error(path: Path, i: int, err: ValidationError) -> str:
-    """One line naming the file, the entry and its bad field (pydantic's own text ends in a link)."""
+    """One line naming the file, the entry and its bad field (pydantic's own text ends in a link),
+    with the nearest field or method where one is misspelt."""
+    from tuner.schema.compose import closest
+
     e = err.errors()[0]
     field = ".".join(str(p) for p in e["loc"])
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "extra_forbidden":
         allowed = ", ".join([*SpecConfig.model_fields, "tau"])
-        why = f"unknown field {field!r} (allowed: {allowed})"
+        near = closest(field, [*SpecConfig.model_fields, "tau"])
+        why = f"unknown field {field!r} ({f'did you mean {near}? ' if near else ''}allowed: {allowed})"
+    elif e["type"] == "literal_error":
+        choices = re.findall(r"'([^']*)'", msg)
+        near = closest(str(e.get("input")), choices)
+        why = f"{field}={e.get('input')!r}: allowed: {', '.join(choices)}" + (f"; did you mean {near}?" if near else "")
     elif not field:  # a rule between fields (e.g. a chain's budget): its message names them
         why = msg
     else:

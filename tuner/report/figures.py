@@ -513,6 +513,10 @@ def run_summary(study: optuna.Study, best: BestResult | None, cfg: Config | None
                                      f"{','.join(map(str, w.concurrency)) or '-'}"
                                      + (f", request rates {','.join(f'{r:g}' for r in w.request_rate)}/s "
                                         f"({w.arrival} arrivals)" if w.request_rate else "") + ")"))
+            if w.mix:
+                rows.append(("mix", ", ".join(f"{p.label} (weight {p.weight:g})" for p in w.mix)))
+            if w.source in ("file", "mix") and not w.private:
+                rows.append(("request texts", "kept (workload.keep_text=true)"))
         sc = cfg.search
         rows.append(("search space", f"methods {', '.join(sc.methods)}; depth {sc.depth.min}-{sc.depth.max}; topk "
                                      f"{', '.join(map(str, sc.topk))}; budget <= {sc.budget_max}; sampler {sc.sampler}, "
@@ -592,7 +596,18 @@ def write_html(study: optuna.Study, run_dir: Path, best: BestResult | None, skip
             from tuner.study.capacity import describe as describe_capacity
 
             parts.append(f"<li>{html.escape(describe_capacity(best.capacity, best.spec.key()))}</li>")
+        if best.skipped_requests:
+            parts.append(f"<li>{best.skipped_requests} request(s) of the workload were refused by the engine as such "
+                         "(too long, a field it cannot honour): counted and skipped</li>")
         parts.append("</ul>")
+        if best.parts:
+            parts.append("<h3>Per part of the mix</h3><table><tr><th>part</th><th>weight</th><th>requests</th>"
+                         "<th>tau</th><th>speedup</th><th>tok/s</th><th>tok/s off</th></tr>")
+            for pr in best.parts:
+                parts.append(f"<tr><td>{html.escape(pr.name)}</td><td>{pr.weight:g}</td><td>{pr.requests} "
+                             f"({html.escape(pr.split)})</td><td>{_fmt(pr.tau)}</td><td>{_fmt(pr.speedup)}x</td>"
+                             f"<td>{_fmt(pr.output_tokens_per_s)}</td><td>{_fmt(pr.baseline_tokens_per_s)}</td></tr>")
+            parts.append("</table>")
     else:
         parts.append("<p>No winner yet: the study has not finished.</p>")
     links = []

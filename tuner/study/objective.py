@@ -32,6 +32,7 @@ OFF = SpecConfig(method="off")
 _CONSTRAINT_PREFIX = "constraints:"  # where Optuna keeps a trial's constraint values (its system attrs)
 # Re-measurements of an implausible pair before its figure is kept (flagged) as it is.
 PLAUSIBILITY_RETRIES = 2
+OUTLIER_HISTORY = 3  # baseline passes before one can be called an outlier (two say little of the spread)
 
 
 @dataclass
@@ -265,8 +266,8 @@ class Objective:
         A speedup of output tok/s can never exceed tau (tokens per target forward: a speculative
         step costs at least one forward), so a level's ratio above tau x (1 + noise) is a baseline
         that dipped or a glitch. A paired baseline more than 3 noise bands (on logs) from the
-        median of the study's baseline passes (`history`, two or more) is an outlier: its ratio
-        measures the machine's load, not the configuration.
+        median of the study's baseline passes (`history`, OUTLIER_HISTORY or more) is an outlier:
+        its ratio measures the machine's load, not the configuration.
         """
         noise = self.noise(history)
         if self.search.objective == "speed":  # a goodput ratio may exceed tau (requests meeting SLOs)
@@ -275,7 +276,7 @@ class Objective:
                 if x.tau is not None and ratio > x.tau * (1 + noise):
                     return (f"speedup {ratio:.3f}x at concurrency {c} exceeds tau {x.tau:.2f} x (1 + noise "
                             f"{noise:.2f}): a speedup cannot exceed tau")
-        if len(history) >= 2:
+        if len(history) >= OUTLIER_HISTORY:
             mid, now = statistics.median(history), _mean_tok(b)
             if mid > 0 and now > 0 and abs(math.log(now / mid)) > 3 * noise:
                 return (f"paired baseline {now:.1f} tok/s is an outlier against the study's baseline history "
@@ -477,7 +478,7 @@ class Objective:
                         "duration_s": round(time.monotonic() - t0, 3)},
             system_attrs={f"{_CONSTRAINT_PREFIX}{k}": c for k, c in constraints.items()})
         self.study.add_trial(frozen)
-        return self.study.get_trials(deepcopy=False)[-1]
+        return frozen
 
     def _fail(self, trial: optuna.Trial, reason: str) -> None:
         trial.set_user_attr(FAIL_REASON, reason)

@@ -20,8 +20,8 @@ from optuna.trial import FrozenTrial, TrialState
 
 from engine.measure.stats import geomean, log_interval, log_spread, ratio_bounds
 from tuner.study.objective import OFF, Objective, spec_of
-from tuner.schema.config import (BestResult, Config, Figures, Level, Provenance, SpecConfig, level_name,
-                                 measured_weights)
+from tuner.schema.config import (BestResult, Config, Figures, Level, PartResult, Provenance, SpecConfig,
+                                 level_name, measured_weights)
 from tuner.study.storage import mask_url, storage_url
 from tuner.study.studies import role
 
@@ -136,10 +136,12 @@ def _cheapest_of_best(cands: list[Candidate], noise_rel: float) -> tuple[Candida
 
 def contenders(trials: list[FrozenTrial], noise_rel: float) -> list[tuple[SpecConfig, list[float]]]:
     """What the confirmation round measures, with the ratios known so far: the CONFIRM_TOP best
-    configurations by pessimistic bound, and every pruned configuration whose first repeat was
-    within the noise of the leader's speedup (a glitch may have pruned it)."""
-    known = sorted((c for c in candidates(trials) if c.feasible and c.implausible is None),
-                   key=lambda c: -c.bounds(noise_rel)[0])
+    configurations by pessimistic bound (among those whose optimistic bound reaches 1.0), and
+    every pruned configuration whose first repeat was within the noise of the leader's speedup
+    (a glitch may have pruned it)."""
+    # one that cannot reach 1.0 even optimistically is no contender: off beats it
+    known = sorted((c for c in candidates(trials) if c.feasible and c.implausible is None
+                    and c.bounds(noise_rel)[1] >= 1.0), key=lambda c: -c.bounds(noise_rel)[0])
     out = [(c.spec, c.ratios) for c in known[:CONFIRM_TOP]]
     if not known:
         return out
@@ -213,7 +215,8 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
         open_ = [open_[j] for j in unresolved(mine, lead, noise, head_to_head=True)]
         if not open_:
             break
-    left = f"; still not separated, taken as ties: {', '.join(others[i][0].key() for i in open_)}" if open_ else ""
+    left = (f"; not separated after {CONFIRM_ROUNDS} rounds, ranked by their head-to-head figures: "
+            f"{', '.join(others[i][0].key() for i in open_)}" if open_ else "")
     log(f"confirmation round: {pairs} pairs{left}")
     return pairs
 
@@ -257,6 +260,8 @@ def pick_winner(trials: list[FrozenTrial], noise_rel: float, concurrency: list[L
         reason += f"; one-sided 95% lower bound {pick.lower:.3f})" if pick.lower is not None else ")"
     if pick.tau is not None:
         reason += f", tau {pick.tau:.2f}"
+    if pick.confirmed:
+        reason += f"; head to head in the confirmation round {geomean(pick.confirmed):.3f}x over {len(pick.confirmed)} pairs"
     if n > 1:
         reason += f", pooled over {n} trials"
     if n_tied > 1:
@@ -308,7 +313,10 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
         heldout_baseline = Figures(output_tokens_per_s=h["baseline_tok_s"])  # what the held-out speedup divides by
         heldout_speedup = h["speedup"]
     chain = win.chain.spec if win.chain is not None else None
+    parts = part_results(cfg, win.spec, objective) if objective is not None else []
+    skipped = len(getattr(getattr(objective, "measure", None), "skipped", ()) or ())
     return BestResult(
+        parts=parts, skipped_requests=skipped,
         spec=win.spec, chain_spec=chain, metrics=metrics, baseline=baseline, speedup=speedup,
         heldout=heldout, heldout_baseline=heldout_baseline, heldout_speedup=heldout_speedup, reason=win.reason,
         k_schedule_note=("K per concurrency band tuned (spec.k_per_batch_size)" if win.spec.k_per_batch_size else None),
@@ -320,6 +328,26 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
             model=cfg.model.name, hardware=cfg.hardware.name, engine=cfg.engine.kind, workload=cfg.workload.name,
             measured_weights=measured_weights(cfg), served_weights=cfg.model.hf_id),
     )
+
+
+def part_results(cfg: Config, spec: SpecConfig, objective: Objective) -> list[PartResult]:
+    """A mixed workload: the winner on each part's requests alone (held-out when there are some),
+    paired with the baseline as every measurement is, so a user sees which part it serves well."""
+    from engine.measure.workloads import split_counts
+    from tuner.study.measurer import part_split
+
+    w = cfg.workload
+    if not w.mix:
+        return []
+    split = "heldout" if w.num_heldout > 0 else "tune"
+    counts = split_counts([p.weight for p in w.mix], w.num_heldout if split == "heldout" else w.num_prompts)
+    out = []
+    for part, n in zip(w.mix, counts):
+        h = objective.evaluate(spec, part_split(part.label), repeats_max=min(HELDOUT_PAIRS, cfg.search.repeats_max))
+        out.append(PartResult(name=part.label, weight=part.weight, requests=n, split=split, tau=h["tau"],
+                              speedup=h["speedup"], output_tokens_per_s=h["tok_s"],
+                              baseline_tokens_per_s=h["baseline_tok_s"]))
+    return out
 
 
 def compute_best(cfg: Config, study: optuna.Study, run_dir: Path, objective: Objective | None,
@@ -335,6 +363,8 @@ def compute_best(cfg: Config, study: optuna.Study, run_dir: Path, objective: Obj
         cfg.workload.num_heldout = 0
     if cfg.workload.num_heldout > 0:
         log("re-measuring the winner on the held-out prompts")
+    if cfg.workload.mix and objective is not None:
+        log(f"measuring the winner on each of the {len(cfg.workload.mix)} parts of the mix")
     best = best_result(cfg, study, run_dir, win, objective)
     if cfg.search.capacity:
         if objective is None:  # a finaliser without an engine: the rates cannot be measured here
