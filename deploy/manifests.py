@@ -74,7 +74,8 @@ def plan(cfg: Config, best: BestResult | None, override: WinnerOverride | None =
     else:
         e = cfg.engine.builtin
         builtin_memory_gib(m, cfg.hardware, e.dtype, e.weights == "fp8")
-        args = builtin_args(m.name, served.spec, host="0.0.0.0", port=d.port, dtype=e.dtype, weights=e.weights,
+        args = builtin_args(m.name, served.spec, host="0.0.0.0", port=d.port, dtype=e.dtype,
+                            weights=None if e.weights == "fp32" else e.weights,
                             extra_args=[f"cache_dir={MODEL_DIR}/spectune", *d.extra_args])
     return Plan(cfg=cfg, best=best, served=served, tp=tp, max_len=max_len, command=COMMANDS[d.target],
                 args=args, startup_s=startup_budget_s(m, d))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 
 @dataclass
@@ -68,3 +68,8 @@ class TextEngine(Protocol):
     def encode_prompt(self, text: str, chat_template: bool) -> list[int]: ...
 
     def encode_messages(self, messages: list[dict[str, str]]) -> list[int]: ...
+
+    def batcher(self) -> Any:
+        """The scheduler of its requests (engine.decode.batch.BatchEngine): `submit`, `step`,
+        `cancel`, `abort`, `closed_loop`; the server and the load generator drive it."""
+        ...

