@@ -312,6 +312,11 @@ def _hydra_composed(config_dir: str, overrides: tuple[str, ...]) -> dict[str, An
     except UserError:
         raise
     except Exception as exc:  # Hydra/OmegaConf raise many types; all are the user's override here
+        cause: BaseException | None = exc
+        while cause is not None:  # Hydra wraps whatever interrupted it, a Ctrl-C included
+            if isinstance(cause, KeyboardInterrupt):
+                raise KeyboardInterrupt from None
+            cause = cause.__cause__ or cause.__context__
         raise UserError(_hydra_error_line(exc, list(overrides))) from None
     return raw  # type: ignore[return-value]
 
