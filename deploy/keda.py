@@ -1,9 +1,11 @@
-"""deploy.autoscaler=keda: a KEDA ScaledObject on the engine's waiting requests.
+"""deploy.autoscaler=keda: a KEDA ScaledObject.
 
-The trigger is KEDA's `prometheus` scaler over the series the ServiceMonitor scrapes
-(deploy.hpa.metric, vLLM's `vllm:num_requests_waiting` or SGLang's `sglang:num_queue_reqs`),
-summed over the serving pods; as an AverageValue metric KEDA divides it by the replica count, the
-same per-pod target the HPA path uses (deploy.hpa.target_average), within deploy.hpa's bounds.
+The trigger is KEDA's `prometheus` scaler over the series the ServiceMonitor scrapes, summed over
+the serving pods; as an AverageValue metric KEDA divides it by the replica count. With a capacity
+the study measured for the served configuration (best.yaml, search.capacity=true) it scales on
+finished requests per second at that capacity per pod; otherwise on the waiting requests
+(deploy.hpa.metric, vLLM's `vllm:num_requests_waiting` or SGLang's `sglang:num_queue_reqs`) at
+deploy.hpa.target_average per pod, as the HPA does. Either within deploy.hpa's bounds.
 """
 
 from __future__ import annotations
@@ -15,24 +17,47 @@ API_VERSION = "keda.sh/v1alpha1"
 KIND = "ScaledObject"
 
 
+def measured_capacity(p: Plan) -> float | None:
+    """Requests/s one pod of the served configuration sustains within the workload's SLOs, as the
+    study measured it (best.yaml capacity, search.capacity=true); None when it did not, or measured
+    another configuration."""
+    b = p.best
+    if b is None or b.capacity is None or b.projection is not None or p.served.spec != b.spec:
+        return None
+    return b.capacity.winner_rps
+
+
 def query(p: Plan) -> str:
-    """The PromQL the trigger evaluates: the waiting requests of this server's pods, summed."""
+    """The PromQL the trigger evaluates, summed over this server's pods: the finished requests per
+    second when a capacity was measured, else the waiting requests (deploy.hpa.metric)."""
     d = p.cfg.deploy
-    return f'sum({d.hpa.metric}{{namespace="{d.namespace}",service="{d.name}"}})'
+    sel = f'namespace="{d.namespace}",service="{d.name}"'
+    if measured_capacity(p) is not None:
+        done = "sglang:num_requests_total" if d.target == "sglang" else "vllm:request_success_total"
+        return f"sum(rate({done}{{{sel}}}[2m]))"
+    return f"sum({d.hpa.metric}{{{sel}}})"
+
+
+def threshold(p: Plan) -> str:
+    """The per-pod target: the measured capacity (req/s), else deploy.hpa.target_average."""
+    cap = measured_capacity(p)
+    return p.cfg.deploy.hpa.target_average if cap is None else f"{cap:.3g}"
 
 
 def threshold_source(p: Plan) -> str:
-    """Where the per-pod threshold comes from (a manifest comment). best.yaml records no measured
-    capacity (requests a pod serves within the SLOs), so it is the config's."""
+    """Where the per-pod threshold comes from (a manifest comment)."""
+    cap = measured_capacity(p)
+    if cap is not None:
+        return (f"per-pod threshold from the measured capacity: {cap:.3g} req/s of {p.served.spec.key()} within the "
+                "workload's SLOs (best.yaml capacity)")
     return (f"per-pod threshold from the config (deploy.hpa.target_average={p.cfg.deploy.hpa.target_average}): "
-            "the study recorded no measured capacity")
+            "the study recorded no measured capacity of the served configuration (search.capacity=true records one)")
 
 
 def prometheus_trigger(p: Plan) -> dict:
-    """KEDA's prometheus trigger on the waiting requests (also KServe's spec.scaling.keda)."""
-    d = p.cfg.deploy
+    """KEDA's prometheus trigger (also KServe's spec.scaling.keda)."""
     return {"type": "prometheus", "metricType": "AverageValue",
-            "metadata": {"serverAddress": d.prometheus_url, "query": query(p), "threshold": d.hpa.target_average}}
+            "metadata": {"serverAddress": p.cfg.deploy.prometheus_url, "query": query(p), "threshold": threshold(p)}}
 
 
 def scaled_object(p: Plan, target_api: str, target_kind: str) -> dict:

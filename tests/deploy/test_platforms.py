@@ -342,3 +342,31 @@ def test_slowdown_alert_on_the_recorded_page(tpot_ms: float, fires: bool, tmp_pa
     for r in wrong["spec"]["groups"][0]["rules"]:
         r["expr"] = r["expr"].replace("vllm:generation_tokens_total", "vllm:generation_tokens")
     assert _promtool_fires(tmp_path, wrong, "SpeculationDecodeSlowdown", series) is False
+
+
+def test_keda_threshold_from_the_measured_capacity(tmp_path: Path) -> None:
+    """With a capacity the study measured for the served spec, KEDA scales on finished requests/s
+    at that capacity per pod (a comment says so); a spec override falls back to the config's waiting
+    requests, and its comment says why."""
+    from tuner.schema.config import Capacity
+
+    cfg = load_config(VLLM_8B + ["deploy.autoscaler=keda"])
+    run = tmp_path / "run"
+    save_config(cfg, run / "config.yaml")
+    best = BestResult(spec=cfg.spec, heldout=Figures(output_tokens_per_s=40.0, tau=2.0, tpot_p99_ms=20.0),
+                      capacity=Capacity(baseline_rps=0.8, winner_rps=1.5, baseline_bounded=True, winner_bounded=True),
+                      provenance=Provenance(study="s", date="2026-12-01T00:00:00+00:00", model=cfg.model.name,
+                                            hardware="h200x1", engine="vllm", workload="chat"))
+    (run / "best.yaml").write_text(yaml.safe_dump(best.model_dump(mode="json")))
+    render_run(run, [], tmp_path / "k")
+    trig = _docs(tmp_path / "k")["scaledobject.yaml"]["spec"]["triggers"][0]["metadata"]
+    assert trig["query"] == 'sum(rate(vllm:request_success_total{namespace="spectune",service="spectune"}[2m]))'
+    assert trig["threshold"] == "1.5"
+    assert "# per-pod threshold from the measured capacity: 1.5 req/s of ngram d3 k1 b4" in \
+        (tmp_path / "k" / "scaledobject.yaml").read_text()
+    assert "vllm:request_success" in {name for name, _ in parse_samples(VLLM_AFTER)}  # a series vLLM exports
+    render_run(run, ["spec.depth=4"], tmp_path / "o")
+    trig = _docs(tmp_path / "o")["scaledobject.yaml"]["spec"]["triggers"][0]["metadata"]
+    assert trig["query"].startswith("sum(vllm:num_requests_waiting{") and trig["threshold"] == "5"
+    assert "the study recorded no measured capacity of the served configuration" in \
+        (tmp_path / "o" / "scaledobject.yaml").read_text()
