@@ -223,9 +223,13 @@ def test_trials_measured_over_http_like_a_launched_server(tmp_path: Path, engine
     cfg = load_config(SMALL)
     url, stop = serve_in_thread(engine, cfg.model, cfg.serve)
 
-    class BuiltinServer:
+    class BuiltinServer:  # what the Measurer reads of a Launcher
         model = cfg.model.name
         served: list[str] = []
+        starts, total_startup_s = 0, 0.0  # switching the spec starts no process
+
+        def serves(self, spec: SpecConfig) -> bool:
+            return bool(self.served) and self.served[-1] == spec.key()
 
         def ensure(self, spec: SpecConfig) -> str:
             engine.set_spec(spec)
