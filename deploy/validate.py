@@ -95,6 +95,8 @@ def load_dir(directory: Path) -> tuple[list[tuple[str, dict]], list[str]]:
     With a kustomization.yaml, its `resources` in their order (what `kubectl apply -k` applies);
     without one, every .yaml / .yml file in name order.
     """
+    if directory.exists() and not directory.is_dir():
+        raise UserError(f"{directory}: a file, not a directory of manifests (give the directory `tuner render` wrote)")
     if not directory.is_dir():
         raise UserError(f"{directory}: no such directory")
     docs, problems = [], []

@@ -5,6 +5,7 @@ and options that README.md and docs/ give equal the method registry and conf/.""
 from __future__ import annotations
 
 import ast
+import functools
 import io
 import re
 import subprocess
@@ -25,11 +26,13 @@ NOT_REPOSITORY = {"tuner/conf", "k8s/prod", "k8s/chat", "deploy/manifests/produc
 TEXT_FILES = (".md", ".yaml", ".yml", ".toml", ".sh", ".cfg", ".txt")
 
 
+@functools.cache
 def tracked() -> list[Path]:
     out = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     return [REPO / f for f in out.split() if (REPO / f).is_file()]
 
 
+@functools.cache
 def prose_of_python(source: str) -> str:
     """A Python file's comments and docstrings (its code strings may name paths that tests create)."""
     parts = [tok.string for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT]
@@ -54,7 +57,7 @@ def named_paths() -> dict[str, set[str]]:
             continue
         for m in PATH.finditer(text):
             ref = m.group(1).rstrip(".")
-            if not any(c in ref for c in "*{}<>$") and not re.search(r"/[A-Z_]+(/|$)", ref):  # globs, NAME placeholders
+            if not any(c in ref for c in "*{}<>$") and not re.search(r"/[A-Z_]+(\.\w+)?(/|$)", ref):  # globs, NAME placeholders
                 found.setdefault(ref, set()).add(str(path.relative_to(REPO)))
     return found
 
@@ -149,3 +152,16 @@ def test_no_measured_figures_in_docstrings_or_comments() -> None:
             if FIGURE.search(line):
                 found.append(f"{rel}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def test_every_group_option_the_docs_name_exists() -> None:
+    """`hardware=h100x8`, `+workload=code`, ... in README.md and docs/: each names an option conf/ has."""
+    named = re.compile(rf"(?<![\w.])\+?({'|'.join(GROUPS)})=([a-z0-9][a-z0-9.-]*[a-z0-9])")
+    wrong, seen = [], 0
+    for page in doc_pages():
+        for m in named.finditer(page.read_text()):
+            group, option = m.groups()
+            seen += 1
+            if option not in available(group):
+                wrong.append(f"{page.relative_to(REPO)}: {group}={option} (conf/{group}: {', '.join(available(group))})")
+    assert seen > 30 and not wrong, "\n".join(wrong)

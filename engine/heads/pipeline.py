@@ -32,6 +32,7 @@ from engine.heads.data import DATA_FILE, DistillData
 from engine.models.eagle3_head import default_aux_layers
 from engine.heads.evaluate import chain_acceptance
 from engine.heads.prompts import collect_prompts, fixed_code_texts
+from engine.measure.workloads import encode
 from engine.heads.schedule import Report, split_prompts
 from engine.heads.trainer import train_head
 from engine.heads.vocab import always_kept, build_vocab
@@ -148,7 +149,7 @@ def _answer_data(job: TrainJob, engine, prompts: Sequence, key: str, thash: str,
         if report:
             report("generate", done, total, {"tokens": tokens, "tok_s": tokens / max(seconds, 1e-9)})
 
-    encoded = [engine.encode_prompt(p.text, chat) for p in prompts]
+    encoded = [encode(engine, p, chat) for p in prompts]  # a file's request: its own turns
     data = generate_answers(engine.model, encoded, tc.max_new_tokens, engine.eos, pad, tc.gen_batch, tc.label_topk,
                             aux_layers=aux_layers, on_progress=progress,
                             meta={"key": key, "target": thash, "sources": _sources(prompts),

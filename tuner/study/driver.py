@@ -143,7 +143,7 @@ def drive(cfg: Config, run_dir: Path, open_study: Callable[[SearchSpace], optuna
     if before_work is not None and head_first:
         before_work()
     study = open_study(space)
-    prompts = study_prompts(cfg)
+    prompts = study_prompts(cfg, engine)
     with ExitStack() as stack:
         if measure is None:
             measure = stack.enter_context(study_measure(cfg, engine, prompts, run_dir))

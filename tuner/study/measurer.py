@@ -13,13 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tuner.projection.profiling import tuning_prompts
 from tuner.schema.compose import packaged_workloads
 from tuner.study.limits import startup_excluded
 from tuner.study.objective import Sample, Split
-from tuner.schema.config import Config, SpecConfig, UserError
+from tuner.schema.config import Config, Level, Rate, SpecConfig, UserError
 from tuner.schema.methods import head_methods
 
 if TYPE_CHECKING:  # the engine's heavy modules (torch) load only where a study runs
@@ -34,12 +34,57 @@ if TYPE_CHECKING:  # the engine's heavy modules (torch) load only where a study 
 LAUNCHED = ("vllm", "sglang")
 
 
-def study_prompts(cfg: Config) -> dict[Split, list[Prompt]]:
+def study_prompts(cfg: Config, engine: Engine | None = None) -> dict[str, list[Prompt]]:
     """The prompts a study measures: the tuning prompts for trials (tuner.projection.profiling),
-    every held-out prompt for the winner's re-measurement."""
-    from engine.measure.workloads import load_prompts
+    every held-out prompt for the winner's re-measurement, and for a mix each part's own
+    (`part_split(label)`), on which the winner's tau and speedup per part are measured. The user's
+    requests are tokenised here (`request_encoder`) for their budgets and the context check."""
+    from engine.measure.workloads import load_prompts, mix_prompts, part_labels
 
-    return {"tune": tuning_prompts(cfg), "heldout": load_prompts(cfg.workload, "heldout")}
+    enc = request_encoder(cfg, engine)
+    ctx = cfg.model.max_context if enc is not None else None
+    out = {"tune": tuning_prompts(cfg, encoder=enc), "heldout": load_prompts(cfg.workload, "heldout", enc, ctx)}
+    split = "heldout" if cfg.workload.num_heldout > 0 else "tune"
+    for label in part_labels(cfg.workload):
+        out[part_split(label)] = mix_prompts(cfg.workload, split, enc, ctx, only=label)
+    w = cfg.workload
+    # rates replayed from a trace need every request's timestamp: refused before any trial
+    if w.request_rate and w.arrival == "trace" and any(p.arrival_s is None for ps in out.values() for p in ps):
+        raise UserError(f"workload.arrival=trace: the requests of workload '{w.name}' carry no arrival timestamps "
+                        "(a request log's `timestamp`); use workload.arrival=poisson or constant")
+    return out
+
+
+def part_split(label: str) -> str:
+    """The name of a mix part's prompts in study_prompts."""
+    return f"part:{label}"
+
+
+def user_requests(cfg: Config) -> bool:
+    """Whether cfg's workload plays the user's own requests (a file, or a mix with a file part)."""
+    w = cfg.workload
+    return w is not None and (w.source == "file" or any(p.path for p in w.mix))
+
+
+def request_encoder(cfg: Config, engine: Any = None) -> Any:
+    """What tokenises the user's requests (their ShareGPT budgets, the context check): the built-in
+    engine, else the model's tokenizer when the model is on this machine; None for packaged
+    workloads, or when the tokenizer is not here (a launched server then refuses what does not fit,
+    and the study counts and skips it)."""
+    if not user_requests(cfg):
+        return None
+    if engine is not None and hasattr(engine, "encode_messages"):
+        return engine
+    if not (cfg.model.local_path or cfg.model.gguf or cfg.model.random_init):
+        import sys
+
+        print(f"note: the tokenizer of {cfg.model.name} is not on this machine: ShareGPT budgets are "
+              f"workload.max_new_tokens and the server checks the context", file=sys.stderr)
+        return None
+    from engine.launch.launcher import model_ref
+    from engine.models.target import ChatTokenizer, load_tokenizer
+
+    return ChatTokenizer(load_tokenizer(model_ref(cfg.model, cfg.cache_dir)))
 
 
 def open_engine(cfg: Config) -> Engine:
@@ -120,6 +165,7 @@ class Measurer:
         self._draft_mb: dict[tuple[str, str], float | None] = {}  # (spec, split) -> MB, measured once
         self.engine = engine  # the built-in engine, whose suffix caches every run starts from the same state
         self._suffix: dict[Split, dict[int, tuple[tuple[int, ...], ...]]] = {}  # split -> the suffix-cache state its runs start from
+        self.skipped: set[str] = set()  # ids of the user's requests the engine refused (counted, reported)
 
     def serving(self, spec: SpecConfig) -> bool:
         """Whether the launched server up now serves `spec` (always False in process)."""
@@ -131,8 +177,12 @@ class Measurer:
             return 0, 0.0
         return self.launcher.starts, self.launcher.total_startup_s
 
-    def __call__(self, spec: SpecConfig, split: Split, concurrency: int) -> Sample:
+    def __call__(self, spec: SpecConfig, split: Split, level: Level) -> Sample:
+        """Measure `spec` on `prompts[split]` at one level: `level` requests in flight (an int), or
+        requests arriving at a Rate (workload.rate_requests of them, the prompts repeating; the
+        same seeded arrivals for every configuration, so a pair meets the same traffic)."""
         from engine.drafters.memory import target_draft_memory
+        from engine.measure.runner import arrival_times
 
         if self.launcher is not None and spec.remembers_requests:
             self._fresh_server(spec)
@@ -140,9 +190,16 @@ class Measurer:
         prompts = self.prompts[split]
         if self.engine is not None and spec.remembers_requests:
             self._start_suffix_run(split)
-        played = [prompts[i % len(prompts)] for i in range(max(len(prompts), concurrency))] if prompts else prompts
-        m = target.run(played, self.params, concurrency)
-        if m.errors:  # a configuration that breaks requests is no candidate
+        w = self.cfg.workload
+        if isinstance(level, Rate):
+            n = max(len(prompts), w.rate_requests) if split != "probe" else len(prompts)
+            played = [prompts[i % len(prompts)] for i in range(n)] if prompts else prompts
+            at = arrival_times(len(played), level.rps, w.arrival, w.seed, [p.arrival_s for p in played])
+            m = target.run(played, self.params, 1, arrivals_s=at, rate=level.rps)
+        else:
+            played = [prompts[i % len(prompts)] for i in range(max(len(prompts), level))] if prompts else prompts
+            m = target.run(played, self.params, level)
+        if m.errors and not self._skip_refused(m.errors, m.n_requests):  # a configuration that breaks requests is no candidate
             raise RuntimeError(f"{len(m.errors)}/{len(played)} requests failed; first: {m.errors[0]}")
         if self.engine is not None and spec.remembers_requests and split == "tune" and "heldout" not in self._suffix:
             from engine.drafters.suffix import snapshot_caches
@@ -158,7 +215,25 @@ class Measurer:
         slo = self.cfg.workload.slo
         return Sample(m.output_tokens_per_s, m.tau, m.ttft_p99_ms, m.tpot_p99_ms, self._draft_mb[key],
                       itl_p50_ms=m.itl_p50_ms, itl_p99_ms=m.itl_p99_ms,
-                      goodput=m.goodput(slo.ttft_p99_ms, slo.tpot_p99_ms), wall_s=m.wall_s)
+                      goodput=m.goodput(slo.ttft_p99_ms, slo.tpot_p99_ms), wall_s=m.wall_s,
+                      ttft_p50_ms=m.ttft_p50_ms, tpot_p50_ms=m.tpot_p50_ms, queue_p50_ms=m.queue_p50_ms,
+                      queue_p99_ms=m.queue_p99_ms, waiting_mean=m.waiting_mean, batch_sizes=m.batch_sizes or None)
+
+    def _skip_refused(self, errors: list[str], finished: int) -> bool:
+        """With the user's own requests, one the engine refuses as such (HTTP 400: too long for the
+        context, a field it cannot honour) is a bad record, not a bad configuration: counted, said
+        once, and skipped. True when every error is such a refusal and some requests finished."""
+        refused = [e.split(": ", 1)[0] for e in errors if ": HTTP 400" in e]
+        if not user_requests(self.cfg) or len(refused) < len(errors) or finished == 0:
+            return False
+        new = set(refused) - self.skipped
+        if new:
+            import sys
+
+            self.skipped |= new
+            print(f"note: the engine refused {len(new)} request(s) of the workload ({', '.join(sorted(new))}); "
+                  f"skipped, {len(self.skipped)} so far", file=sys.stderr)
+        return True
 
     def _fresh_server(self, spec: SpecConfig) -> None:
         """A launched server's suffix cache can only be emptied by a new process: a running server

@@ -20,7 +20,8 @@ from optuna.trial import FrozenTrial, TrialState
 
 from engine.measure.stats import geomean, log_interval, log_spread, ratio_bounds
 from tuner.study.objective import OFF, Objective, spec_of
-from tuner.schema.config import BestResult, Config, Figures, Provenance, SpecConfig, measured_weights
+from tuner.schema.config import (BestResult, Config, Figures, Level, PartResult, Provenance, SpecConfig,
+                                 level_name, measured_weights)
 from tuner.study.storage import mask_url, storage_url
 from tuner.study.studies import role
 
@@ -223,7 +224,7 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
     return pairs
 
 
-def pick_winner(trials: list[FrozenTrial], noise_rel: float, concurrency: list[int]) -> Winner:
+def pick_winner(trials: list[FrozenTrial], noise_rel: float, concurrency: list[Level]) -> Winner:
     """The proven winner of a study, or `off` with the reason why speculation does not pay."""
     done = candidates(trials)
     if not done:
@@ -248,7 +249,9 @@ def pick_winner(trials: list[FrozenTrial], noise_rel: float, concurrency: list[i
             why = (f"Acceptance too low: tau={tau:.2f} tokens per target forward, so drafts are rarely "
                    "accepted and drafting plus verifying is pure overhead.")
         else:
-            why = (f"Verification too costly at concurrency {concurrency}: tau={tau:.2f} tokens per target "
+            at = (f"concurrency {concurrency}" if all(isinstance(c, int) for c in concurrency)
+                  else ", ".join(level_name(c) for c in concurrency))
+            why = (f"Verification too costly at {at}: tau={tau:.2f} tokens per target "
                    f"forward, but verifying {best.spec.budget} tokens per step costs more than the accepted "
                    "tokens save.")
         return Winner(OFF, None, head + why + " Serve without speculation.")
@@ -313,7 +316,10 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
         heldout_baseline = Figures(output_tokens_per_s=h["baseline_tok_s"])  # what the held-out speedup divides by
         heldout_speedup = h["speedup"]
     chain = win.chain.spec if win.chain is not None else None
+    parts = part_results(cfg, win.spec, objective) if objective is not None else []
+    skipped = len(getattr(getattr(objective, "measure", None), "skipped", ()) or ())
     return BestResult(
+        parts=parts, skipped_requests=skipped,
         spec=win.spec, chain_spec=chain, metrics=metrics, baseline=baseline, speedup=speedup,
         heldout=heldout, heldout_baseline=heldout_baseline, heldout_speedup=heldout_speedup, reason=win.reason,
         k_schedule_note=("K per concurrency band tuned (spec.k_per_batch_size)" if win.spec.k_per_batch_size else None),
@@ -327,6 +333,26 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
     )
 
 
+def part_results(cfg: Config, spec: SpecConfig, objective: Objective) -> list[PartResult]:
+    """A mixed workload: the winner on each part's requests alone (held-out when there are some),
+    paired with the baseline as every measurement is, so a user sees which part it serves well."""
+    from engine.measure.workloads import split_counts
+    from tuner.study.measurer import part_split
+
+    w = cfg.workload
+    if not w.mix:
+        return []
+    split = "heldout" if w.num_heldout > 0 else "tune"
+    counts = split_counts([p.weight for p in w.mix], w.num_heldout if split == "heldout" else w.num_prompts)
+    out = []
+    for part, n in zip(w.mix, counts):
+        h = objective.evaluate(spec, part_split(part.label), repeats_max=min(HELDOUT_PAIRS, cfg.search.repeats_max))
+        out.append(PartResult(name=part.label, weight=part.weight, requests=n, split=split, tau=h["tau"],
+                              speedup=h["speedup"], output_tokens_per_s=h["tok_s"],
+                              baseline_tokens_per_s=h["baseline_tok_s"]))
+    return out
+
+
 def compute_best(cfg: Config, study: optuna.Study, run_dir: Path, objective: Objective | None,
                  log: Callable[[str], None] = lambda s: None) -> BestResult:
     """Pick the winner from the study's trials and assemble best.yaml. With an objective (an
@@ -334,10 +360,22 @@ def compute_best(cfg: Config, study: optuna.Study, run_dir: Path, objective: Obj
     held-out prompts after; without one, both are left out."""
     if objective is not None and not cfg.search.multi_objective:
         confirm(study, objective, cfg.search.noise_rel, log)
-    win = pick_winner(study.get_trials(deepcopy=False), cfg.search.noise_rel, cfg.workload.concurrency)
+    win = pick_winner(study.get_trials(deepcopy=False), cfg.search.noise_rel, cfg.workload.levels)
     if objective is None and cfg.workload.num_heldout > 0:
         cfg = cfg.model_copy(deep=True)
         cfg.workload.num_heldout = 0
     if cfg.workload.num_heldout > 0:
         log("re-measuring the winner on the held-out prompts")
-    return best_result(cfg, study, run_dir, win, objective)
+    if cfg.workload.mix and objective is not None:
+        log(f"measuring the winner on each of the {len(cfg.workload.mix)} parts of the mix")
+    best = best_result(cfg, study, run_dir, win, objective)
+    if cfg.search.capacity:
+        if objective is None:  # a finaliser without an engine: the rates cannot be measured here
+            log("search.capacity=true: not measured (no engine in this process); best.yaml has no capacity")
+        else:
+            from tuner.study.capacity import describe, measure_capacity
+
+            base_tok_s = best.baseline.output_tokens_per_s if best.baseline is not None else None
+            best.capacity = measure_capacity(cfg, objective.measure, best.spec, base_tok_s, log)
+            log(describe(best.capacity, best.spec.key()))
+    return best
