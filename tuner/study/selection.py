@@ -184,15 +184,18 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
     measured head to head, one pair each per round in alternating order with the baseline,
     until every one is separated from the leader or tied with it (`unresolved`), at most
     CONFIRM_ROUNDS rounds; each pair is a COMPLETE trial with role `confirm`. It runs only when
-    the study's baseline passes spread beyond search.noise_rel: on a quiet machine the trials'
-    own figures stand, and the study takes no longer. Returns the pairs measured."""
+    the study's baseline passes spread beyond search.noise_rel (on a quiet machine the trials'
+    own figures stand, and the study takes no longer) and some contender reads at least
+    1 + noise_rel. Returns the pairs measured."""
     trials = study.get_trials(deepcopy=False)
     spread = log_spread(objective.baseline_history())
     if spread is None or spread <= noise_rel:
         return 0
     noise = max(noise_rel, spread)
     field_ = contenders(trials, noise)
-    if len(field_) < 2:
+    # nothing to confirm when no contender even reads what the winner rule asks (1 + noise_rel):
+    # the slowdown trap needs no head-to-head
+    if len(field_) < 2 or max(geomean(r) for _, r in field_) < 1 + noise_rel:
         return 0
     lead_spec, lead_known = field_[0]
     others = field_[1:]
