@@ -79,21 +79,22 @@ def test_arrival_schedules() -> None:
         arrival_times(2, 1.0, "trace", stamps=[1.0, None])
 
 
-@pytest.mark.parametrize("service_s,rate", [(0.05, 40.0), (0.05, 10.0)])
+@pytest.mark.parametrize("service_s,rate", [(0.05, 40.0), (0.02, 5.0)])
 def test_queueing_of_a_planted_service_time(service_s: float, rate: float) -> None:
     """One server, constant arrivals: below capacity (rate x service < 1) nobody waits; above it
-    request i waits i x (service - 1/rate), and its TTFT counts that wait from its arrival."""
+    request i waits i x (service - 1/rate) (at least: a loaded machine only lengthens the service),
+    and its TTFT counts that wait from its arrival."""
     n = 8
     m = run_inprocess(ServiceEngine(service_s), _prompts(n), SamplingParams(max_new_tokens=2),
                       arrivals_s=arrival_times(n, rate, "constant"), rate=rate)
     assert m.rate == rate and m.n_requests == n and m.batch_sizes == {1: 2 * n}
-    expect_last = max(0.0, (n - 1) * (service_s - 1 / rate)) * 1000
-    assert m.queue_p99_ms == pytest.approx(expect_last * 0.99 + 0.01 * max(0.0, (n - 2) * (service_s - 1 / rate)) * 1000,
-                                           abs=25)
-    assert m.ttft_p99_ms >= m.queue_p99_ms + service_s / 2 * 1000 - 5
+    assert m.ttft_p99_ms >= m.queue_p99_ms + service_s / 2 * 1000 * 0.9
     if rate * service_s < 1:
-        assert m.queue_p99_ms < 20 and m.wall_s == pytest.approx((n - 1) / rate + service_s, abs=0.1)
+        assert m.queue_p99_ms < 1000 / rate / 2
+        assert m.wall_s == pytest.approx((n - 1) / rate + service_s, abs=0.15)
     else:
+        last = (n - 1) * (service_s - 1 / rate) * 1000
+        assert m.queue_p99_ms >= 0.85 * last and m.queue_p50_ms < m.queue_p99_ms
         assert m.waiting_mean > 1
 
 
