@@ -176,3 +176,32 @@ def test_tuner_bench_measures_request_rates(capsys) -> None:
     assert conc["concurrency"] == 1 and "batch_sizes" not in conc
     assert rate["rate"] == 100 and rate["n_requests"] == 5 and max(int(k) for k in rate["batch_sizes"]) >= 2
     assert rate["queue_ms"]["p99"] is not None
+
+
+def test_trace_arrivals_replay_a_files_timestamps(tmp_path: Path) -> None:
+    """A request log's "timestamp" becomes each prompt's arrival; workload.arrival=trace replays
+    its gaps scaled to the rate, and a log without timestamps is refused before any trial."""
+    import json
+
+    from engine.measure.workloads import humaneval_prompts
+    from tuner.study.measurer import study_prompts
+
+    texts = [p.text for p in humaneval_prompts()[:30]]
+    stamped, bare = tmp_path / "log.jsonl", tmp_path / "bare.jsonl"
+    stamped.write_text("".join(json.dumps({"messages": [{"role": "user", "content": t}], "max_tokens": 8,
+                                           "timestamp": 1_700_000_000 + 3 * i * i}) + "\n"
+                               for i, t in enumerate(texts)))
+    bare.write_text("".join(json.dumps({"messages": [{"role": "user", "content": t}], "max_tokens": 8}) + "\n"
+                            for t in texts))
+    common = ["model=tiny-random", "+workload=file", "workload.request_rate=[2]", "workload.arrival=trace",
+              "workload.num_prompts=4", "workload.num_heldout=2"]
+    prompts = study_prompts(load_config([*common, f"workload.path={stamped}"]))
+    tune = prompts["tune"]
+    assert all(p.arrival_s is not None and p.arrival_s >= 1_700_000_000 for p in tune)
+    at = arrival_times(len(tune), 2.0, "trace", stamps=[p.arrival_s for p in tune])
+    ts = sorted(p.arrival_s for p in tune)
+    assert at[0] == 0.0 and at[-1] == pytest.approx((len(tune) - 1) / 2.0)  # mean rate 2 req/s
+    assert [b - a for a, b in zip(at, at[1:])] == pytest.approx(
+        [(b - a) * at[-1] / (ts[-1] - ts[0]) for a, b in zip(ts, ts[1:])])  # the trace's shape kept
+    with pytest.raises(UserError, match="arrival=trace"):
+        study_prompts(load_config([*common, f"workload.path={bare}"]))
