@@ -41,7 +41,6 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from engine.api import SamplingParams  # noqa: E402
-from engine.models.cache import crop_to, new_cache  # noqa: E402
 from engine.models.kernels import LinearPlan, linear_plan, set_linear_plan  # noqa: E402
 from engine.models.forward import lean_forward, native_step_refusal  # noqa: E402
 from engine.decode.loop import Engine  # noqa: E402
@@ -123,18 +122,17 @@ def step_seconds(engine: Engine, n: int, prefix: int = 200, repeats: int = 5) ->
     tree = Tree([rng.randrange(1000, 20000) for _ in range(n)], parents, depths)
     ctx = [rng.randrange(1000, 20000) for _ in range(prefix)]
     best = float("inf")
+    fw = engine.forward
+    branching = [tree.depths if not tree.is_chain else None], [tree.ancestors(engine.device) if not tree.is_chain else None]
     with torch.inference_mode():
-        cache = engine.lean.new_cache(prefix + n) if engine.lean else new_cache(engine.model.config)
-        engine._forward(None, ctx, 0, cache, True)  # the context once; each repeat rolls the tree back
+        cache = fw.new_cache(prefix + n)
+        fw.step_batch([cache], [ctx], [None], [None], [True])  # the context once; each repeat rolls the tree back
         for _ in range(repeats):
-            if engine.lean:
-                cache.crop(prefix)
-            else:
-                crop_to(cache, prefix)
+            cache.crop(prefix)
             if engine.device.type == "cuda":
                 torch.cuda.synchronize()
             t = time.perf_counter()
-            engine._forward(tree, tree.tokens, prefix, cache, False)
+            fw.step_batch([cache], [tree.tokens], *branching, [False])
             if engine.device.type == "cuda":
                 torch.cuda.synchronize()
             best = min(best, time.perf_counter() - t)
