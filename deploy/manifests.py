@@ -18,7 +18,7 @@ from kubernetes import client as k
 
 from tuner.schema.fit import (builtin_memory_gib, max_model_len, max_model_len_why, startup_budget_s, startup_why,
                               tensor_parallel_size, tensor_parallel_why)
-from tuner.schema.flags import builtin_args, sglang_args, vllm_args
+from tuner.schema.engine_command import PROGRAMS, Place, engine_command, server_settings
 from deploy.winner import MODEL_DIR, Served, WinnerOverride, served_spec
 from tuner.schema.config import BestResult, Config, HardwareConfig, Projection, UserError, deploy_image
 
@@ -27,7 +27,7 @@ HEALTH_PATH = "/health"
 METRICS_PATH = "/metrics"
 FIELD_MANAGER = "spectune"
 BUILTIN_UID = 1000  # the spectune image runs as this non-root user; vLLM/SGLang images run as root
-COMMANDS = {"vllm": ["vllm", "serve"], "sglang": ["python3", "-m", "sglang.launch_server"], "builtin": ["tuner", "serve"]}
+COMMANDS = PROGRAMS  # each target's program, as its image has it
 STARTUP_PERIOD_S = 10
 
 
@@ -42,6 +42,7 @@ class Plan:
     max_len: int
     command: list[str]
     args: list[str]
+    env: dict[str, str]
     startup_s: int
 
 
@@ -65,37 +66,27 @@ def plan(cfg: Config, best: BestResult | None, override: WinnerOverride | None =
         raise UserError(f"deploy={d.target} with hardware={cfg.hardware.name}: a GPU target needs a cuda hardware profile "
                         "(or render deploy=builtin for CPU clusters)")
     served = served_spec(cfg, best, override)
-    # The built-in server runs on CPU nodes without tensor parallelism.
-    tp = 1 if d.target == "builtin" else tensor_parallel_size(m, cfg.hardware, d)
-    max_len = max_model_len(m, cfg.hardware, d, tp)
-    quant = None if d.quantization == "none" else d.quantization
-    if d.target == "vllm":
-        args = vllm_args(m.hf_id, served.spec, dtype="auto", max_model_len=max_len, tensor_parallel_size=tp,
-                         quantization=quant, kv_cache_dtype=d.kv_cache_dtype,
-                         gpu_memory_utilization=d.gpu_memory_utilization, served_model_name=served_names(cfg),
-                         host="0.0.0.0", port=d.port, extra_args=d.extra_args)
-    elif d.target == "sglang":
-        args = sglang_args(m.hf_id, served.spec, tp=tp, quantization=quant, kv_cache_dtype=d.kv_cache_dtype,
-                           host="0.0.0.0", port=d.port, context_length=max_len,
-                           mem_fraction_static=d.gpu_memory_utilization, served_model_name=m.name,
-                           extra_args=d.extra_args)
-    else:
+    settings = server_settings(cfg, d.target)
+    if d.target == "builtin":
         e = cfg.engine.builtin
-        fp8 = quant == "fp8" or e.fp8_weights
-        builtin_memory_gib(m, cfg.hardware, e.dtype, fp8)
-        args = builtin_args(m.name, served.spec, host="0.0.0.0", port=d.port, dtype=e.dtype, fp8_weights=fp8,
-                            extra_args=[f"cache_dir={MODEL_DIR}/spectune", *d.extra_args])
-    return Plan(cfg=cfg, best=best, served=served, tp=tp, max_len=max_len, command=COMMANDS[d.target],
-                args=args, startup_s=startup_budget_s(m, d))
+        builtin_memory_gib(m, cfg.hardware, e.dtype, settings.quantization == "fp8")
+    argv, env = engine_command(settings, served.spec, pod_place(cfg))
+    # The built-in server runs on CPU nodes without tensor parallelism.
+    tp = settings.tp
+    max_len = max_model_len(m, cfg.hardware, d, tp) if d.target == "builtin" else settings.context_length
+    program = len(PROGRAMS[d.target])
+    return Plan(cfg=cfg, best=best, served=served, tp=tp, max_len=max_len or 0, command=argv[:program],
+                args=argv[program:], env=env, startup_s=startup_budget_s(m, d))
 
 
-def served_names(cfg: Config) -> list[str]:
-    """The model names a vLLM Deployment answers to: the config name (first: the metrics' model_name
-    label) and the hub id clients also ask for. SGLang's --served-model-name takes one name (its
-    server_args: Optional[str]) and its OpenAI layer serves a request whatever model it names (its
-    own examples send model="default"), so it gets the config name alone; the built-in server
-    accepts both names itself (engine.serving.server)."""
-    return list(dict.fromkeys([cfg.model.name, cfg.model.hf_id]))
+def pod_place(cfg: Config) -> Place:
+    """Where the deployed server listens and finds its model (what may differ from a trial's, and
+    nothing else: tuner.schema.engine_command.PLACE_FIELDS)."""
+    d, m = cfg.deploy, cfg.model
+    if d.target == "builtin":
+        return Place(host="0.0.0.0", port=d.port, model=m.name, env={"HF_HOME": f"{MODEL_DIR}/hf"},
+                     cache_dir=f"{MODEL_DIR}/spectune")
+    return Place(host="0.0.0.0", port=d.port, model=m.hf_id, env={"HF_HOME": f"{MODEL_DIR}/hf"})
 
 
 def _labels(p: Plan) -> dict[str, str]:
@@ -228,13 +219,12 @@ def _probe(p: Plan, period: int, failures: int) -> k.V1Probe:
 
 
 def _env(p: Plan) -> list[k.V1EnvVar]:
-    env = [k.V1EnvVar(name="HF_HOME", value=f"{MODEL_DIR}/hf")]
+    """The engine command's variables (tuner.schema.engine_command), then the hub token by reference."""
+    env = [k.V1EnvVar(name=name, value=value) for name, value in sorted(p.env.items())]
     sec = p.cfg.deploy.hf_token_secret
     if sec is not None:  # by reference only: the token value never appears in a manifest
         env.append(k.V1EnvVar(name="HF_TOKEN", value_from=k.V1EnvVarSource(
             secret_key_ref=k.V1SecretKeySelector(name=sec.name, key=sec.key))))
-    if p.cfg.deploy.target == "vllm":
-        env.append(k.V1EnvVar(name="VLLM_NO_USAGE_STATS", value="1"))
     return env
 
 

@@ -356,6 +356,8 @@ class DeployConfig(_Strict):
     port: int = Field(ge=1, le=65535)
     k8s_version: str  # 1.25 .. 1.37 (K8S_VERSIONS)
     gpu_memory_utilization: float = Field(gt=0, le=1.0)
+    # SGLang's --mem-fraction-static, passed only when set: SGLang's own default leaves room for the drafter.
+    mem_fraction_static: float | None = Field(None, gt=0, le=1.0)
     max_model_len: int | None = Field(ge=64)
     quantization: Literal["fp8", "none"]
     kv_cache_dtype: Literal["fp8", "auto"]
