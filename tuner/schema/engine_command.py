@@ -11,6 +11,7 @@ environment. A trial and a pod differ only in their `Place`: PLACE_FIELDS names 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -172,3 +173,44 @@ def engine_command(s: ServerSettings, spec: SpecConfig, place: Place) -> tuple[l
                                         *s.extra_args])
     env.update(place.env)
     return PROGRAMS[s.kind] + args, env
+
+
+# The flags (and `tuner serve` override keys) whose values are a Place's: what each names.
+_PLACE_FLAGS = {"--host": "host", "--port": "port", "--model-path": "model", "--speculative-draft-model-path": "model",
+                "serve.host": "host", "serve.port": "port", "model": "model", "cache_dir": "model",
+                "spec.head_path": "model", "spec.draft_model": "model"}
+
+
+def _token_difference(prev: str, a: str, b: str, position: int) -> str:
+    if position == 0:  # vLLM's positional model
+        return "model"
+    if prev in _PLACE_FLAGS:
+        return _PLACE_FLAGS[prev]
+    if prev == "--speculative-config":  # the same JSON but for the drafter's location
+        ja, jb = json.loads(a), json.loads(b)
+        return "model" if {**ja, "model": None} == {**jb, "model": None} else f"{prev} {a} != {b}"
+    key_a, _, _ = a.partition("=")
+    key_b, _, _ = b.partition("=")
+    if key_a == key_b and key_a in _PLACE_FLAGS:
+        return _PLACE_FLAGS[key_a]
+    return f"{prev} {a} != {b}"
+
+
+def command_differences(a: tuple[list[str], dict[str, str]], b: tuple[list[str], dict[str, str]]) -> set[str]:
+    """What two engine commands (argv after the program, environment) differ in: PLACE_FIELDS
+    names, or a line naming any other difference (a test asserts there is none)."""
+    (argv_a, env_a), (argv_b, env_b) = a, b
+    if len(argv_a) != len(argv_b):
+        return {f"argv of {len(argv_a)} vs {len(argv_b)} items: {sorted(set(argv_a) ^ set(argv_b))}"}
+    out = {_token_difference(argv_a[i - 1] if i else "", x, y, i) for i, (x, y) in enumerate(zip(argv_a, argv_b))
+           if x != y}
+    for name in set(env_a) | set(env_b):
+        if env_a.get(name) != env_b.get(name):
+            out.add("model" if name in MODEL_ENV else f"env {name}: {env_a.get(name)} != {env_b.get(name)}")
+    return out
+
+
+def builtin_trial_place(cfg: Config) -> Place:
+    """The Place of `tuner serve` reproducing a built-in study's in-process engine on this machine."""
+    return Place(host=cfg.serve.host, port=cfg.serve.port, model=cfg.model.name,
+                 cache_dir=cfg.cache_dir or os.path.expanduser("~/.cache/spectune"))

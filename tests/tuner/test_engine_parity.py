@@ -1,0 +1,151 @@
+"""What a trial measures is what the manifests deploy: for every engine x method x packaged hardware
+profile, the command a study's launcher runs and the rendered Deployment's container command differ
+only in tuner.schema.engine_command.PLACE_FIELDS (host, port, the model's location)."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deploy.manifests import plan, pod_place
+from helpers import fake_engine_exe
+from tuner.schema.compose import load_config
+from tuner.schema.config import Config, SpecConfig, UserError
+from tuner.schema.engine_command import (MODEL_ENV, PLACE_FIELDS, PROGRAMS, builtin_trial_place, command_differences,
+                                         engine_command, server_settings)
+from tuner.study.measurer import open_launcher
+
+HARDWARE = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "conf" / "hardware").glob("*.yaml"))
+GPU_HARDWARE = [h for h in HARDWARE if yaml.safe_load((Path(__file__).resolve().parents[2] / "conf" / "hardware"
+                                                        / f"{h}.yaml").read_text())["accelerator"] == "cuda"]
+HEAD = "org/a-head"  # a hub id: the pod pulls it itself, so the pod's spec keeps it
+TREE = {"depth": 3, "topk": 2, "budget": 6}
+# One valid spec per method an engine runs (vLLM: chains; SGLang: NGRAM as a tree, EAGLE as trees and chains).
+SPECS: dict[str, dict[str, dict]] = {
+    "vllm": {"off": {}, "ngram": {"depth": 3}, "suffix": {"depth": 3},
+             "draft_model": {"depth": 3, "draft_model": "meta-llama/Llama-3.2-1B-Instruct"},
+             "eagle": {"depth": 3, "head_path": HEAD}, "eagle3": {"depth": 3, "head_path": HEAD},
+             "medusa": {"depth": 3, "head_path": HEAD}},
+    "sglang": {"off": {}, "ngram": TREE, "eagle": {**TREE, "head_path": HEAD}, "eagle3": {"depth": 3, "head_path": HEAD}},
+    "builtin": {"off": {}, "ngram": TREE, "suffix": {"depth": 3}, "recycle": {"depth": 3},
+                "draft_model": {"depth": 3, "draft_model": "org/draft"}, "eagle": {**TREE, "head_path": HEAD},
+                "eagle3": {"depth": 3, "head_path": HEAD}, "medusa": {"depth": 3, "head_path": HEAD}},
+}
+CASES = [(e, m, h) for e in ("vllm", "sglang") for m in SPECS[e] for h in GPU_HARDWARE] + \
+        [("builtin", m, h) for m in SPECS["builtin"] for h in HARDWARE]
+
+
+@functools.cache
+def _base(engine: str, hardware: str, root: Path) -> Config:
+    """The study config of `engine` on `hardware` (composed once per pair: Hydra is the slow part)."""
+    if engine == "builtin":
+        return load_config(["model=smollm2-135m", f"hardware={hardware}", "engine=builtin", "deploy=builtin"])
+    ckpt = root / "ckpt"  # the trial serves a local copy, the pod the hub id: a model-location difference
+    ckpt.mkdir(exist_ok=True)
+    (ckpt / "config.json").write_text("{}")
+    return load_config(["model=llama-3.1-8b-instruct", f"+model.local_path={ckpt}", f"hardware={hardware}",
+                        f"engine={engine}", f"deploy={engine}", f"engine.{engine}.executable={fake_engine_exe(root, engine)}"])
+
+
+def _trial_and_pod(engine: str, method: str, hardware: str, root: Path) -> tuple[tuple, tuple]:
+    cfg = _base(engine, hardware, root)
+    cfg = cfg.model_copy(update={"spec": SpecConfig(method=method, **SPECS[engine][method])})
+    if engine == "builtin":
+        argv, env = engine_command(server_settings(cfg, "builtin"), cfg.spec, builtin_trial_place(cfg))
+        trial = argv[len(PROGRAMS["builtin"]):], env
+    else:
+        tmp_path = root
+        launcher = open_launcher(cfg, log_dir=tmp_path)
+        argv = launcher.command(cfg.spec)
+        program = len(argv) - (len(engine_command(launcher.settings, cfg.spec, pod_place(cfg))[0]) - len(PROGRAMS[engine]))
+        trial = argv[program:], launcher.env(cfg.spec)
+    p = plan(cfg, None)
+    assert p.command == PROGRAMS[engine]
+    assert p.served.spec.method == method  # the pod serves the measured method (nothing adapted it away)
+    return trial, (p.args, p.env)
+
+
+_ROOT: list[Path] = []
+
+
+def _root(factory: pytest.TempPathFactory) -> Path:
+    if not _ROOT:
+        _ROOT.append(factory.mktemp("parity"))
+    return _ROOT[0]
+
+
+@pytest.mark.parametrize(("engine", "method", "hardware"), CASES)
+def test_trial_and_deployment_commands_differ_only_in_place(engine: str, method: str, hardware: str,
+                                                           tmp_path_factory) -> None:
+    trial, pod = _trial_and_pod(engine, method, hardware, _root(tmp_path_factory))
+    diff = command_differences(trial, pod)
+    # a trial listens on 127.0.0.1 and the pod on 0.0.0.0: at least that shows, so nothing was compared vacuously
+    assert "host" in diff and diff <= set(PLACE_FIELDS), diff
+
+
+def test_the_builtin_trial_command_reproduces_the_in_process_engine() -> None:
+    # The built-in engine runs trials in process: its `tuner serve` command must compose back to
+    # exactly the engine settings and spec the study measured with, not the image's defaults.
+    cfg = load_config(["model=smollm2-135m", "engine=builtin", "deploy=builtin", "engine.builtin.max_batch=3",
+                       "engine.builtin.prefix_cache_tokens=0", "spec.method=ngram", "spec.depth=5"])
+    argv, _ = engine_command(server_settings(cfg, "builtin"), cfg.spec, builtin_trial_place(cfg))
+    served = load_config(argv[len(PROGRAMS["builtin"]):])
+    assert served.engine.builtin == cfg.engine.builtin and served.spec == cfg.spec
+
+
+def test_differences_outside_the_place_are_named() -> None:
+    cfg = load_config(["model=llama-3.1-8b-instruct", "hardware=h200x1", "engine=vllm", "deploy=vllm"])
+    s = server_settings(cfg, "vllm")
+    place = pod_place(cfg)
+    a = engine_command(s, cfg.spec, place)
+    b = engine_command(s.__class__(**{**s.__dict__, "tp": 2}), cfg.spec, place)
+    (tp_line,) = command_differences(a, b)
+    assert "--tensor-parallel-size" in tp_line
+    c = engine_command(s.__class__(**{**s.__dict__, "context_length": 4096}), cfg.spec, place)
+    assert [d for d in command_differences(a, c) if d not in PLACE_FIELDS]
+    env = engine_command(s, cfg.spec, place.__class__(**{**place.__dict__, "env": {"X": "1"}}))
+    assert "env X: None != 1" in command_differences(a, env)
+    assert set(MODEL_ENV) >= set(place.env)
+
+
+def test_a_cpu_trial_of_a_gpu_deployment_cannot_be_rendered_on_cpu() -> None:
+    cfg = load_config(["engine=vllm", "deploy=vllm"])
+    with pytest.raises(UserError, match="needs a cuda hardware profile"):
+        plan(cfg, None)
+
+
+def test_the_documented_sglang_study_composes_with_valid_sglang_defaults() -> None:
+    from tuner.schema.config import check_search_methods
+    from tuner.schema.methods import engine_refusal
+
+    cfg = load_config(["model=llama-3.1-8b-instruct", "hardware=h200x1", "engine=sglang", "deploy=sglang", "+workload=chat"])
+    assert engine_refusal(cfg.spec.method, cfg.spec.topk, "sglang") is None
+    check_search_methods(cfg)  # the default search without what SGLang does not run
+    assert "suffix" not in cfg.search.methods and "ngram" in cfg.search.methods
+    # other engines keep the embedded defaults
+    assert load_config([]).spec.topk == 1 and "suffix" in load_config([]).search.methods
+    # the user's spec still wins
+    assert load_config(["hardware=h200x1", "engine=sglang", "spec.topk=2", "spec.budget=5"]).spec.budget == 5
+
+
+def test_sglang_memory_fraction_only_when_set_and_longer_context_allowed_for_a_short_draft(tmp_path) -> None:
+    import json
+
+    base = ["model=llama-3.1-8b-instruct", "hardware=h200x1", "engine=sglang", "deploy=sglang"]
+    cfg = load_config(base)
+    argv, env = engine_command(server_settings(cfg, "sglang"), SpecConfig(method="off"), pod_place(cfg))
+    assert "--mem-fraction-static" not in argv and "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN" not in env
+    cfg = load_config([*base, "deploy.mem_fraction_static=0.8"])
+    argv, _ = engine_command(server_settings(cfg, "sglang"), SpecConfig(method="off"), pod_place(cfg))
+    assert argv[argv.index("--mem-fraction-static") + 1] == "0.8"
+    head = tmp_path / "head"
+    head.mkdir()
+    context = server_settings(cfg, "sglang").context_length
+    for declared, allowed in ((2048, True), (context, False)):
+        (head / "config.json").write_text(json.dumps({"max_position_embeddings": declared}))
+        spec = SpecConfig(method="eagle3", depth=3, head_path=str(head))
+        _, env = engine_command(server_settings(cfg, "sglang"), spec, pod_place(cfg))
+        assert ("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN" in env) is allowed
