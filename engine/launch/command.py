@@ -29,9 +29,10 @@ def resolve_executable(executable: str) -> str:
     return ""
 
 
-def local_program(kind: Kind, ecfg: LaunchedEngineConfig) -> list[str]:
-    """What runs PROGRAMS[kind] from the local environment engine.<kind>.executable."""
-    exe = resolve_executable(ecfg.executable)
+def local_program(kind: Kind, ecfg: LaunchedEngineConfig, strict: bool = True) -> list[str]:
+    """What runs PROGRAMS[kind] from the local environment engine.<kind>.executable (strict=False:
+    the path as configured when it is not installed, for a command that is only printed)."""
+    exe = resolve_executable(ecfg.executable) or ("" if strict else ecfg.executable)
     if not exe:
         raise UserError(
             f"engine.{kind}.executable={ecfg.executable}: not found (create the environment with "
@@ -71,10 +72,10 @@ def settings_for(
 
 
 def local_command(kind: Kind, ecfg: LaunchedEngineConfig, settings: ServerSettings, model_ref: str,
-                  spec: SpecConfig) -> tuple[list[str], dict[str, str]]:
+                  spec: SpecConfig, strict: bool = True) -> tuple[list[str], dict[str, str]]:
     """argv and variables (set on top of the inherited environment) of the local server for `spec`."""
     argv, env = engine_command(settings, spec, trial_place(ecfg, model_ref))
-    return local_program(kind, ecfg) + argv[len(PROGRAMS[kind]):], env
+    return local_program(kind, ecfg, strict) + argv[len(PROGRAMS[kind]):], env
 
 
 def server_command(kind: Kind, ecfg: LaunchedEngineConfig, model_ref: str, spec: SpecConfig, **kw: object) -> list[str]:

@@ -149,3 +149,28 @@ def test_sglang_memory_fraction_only_when_set_and_longer_context_allowed_for_a_s
         spec = SpecConfig(method="eagle3", depth=3, head_path=str(head))
         _, env = engine_command(server_settings(cfg, "sglang"), spec, pod_place(cfg))
         assert ("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN" in env) is allowed
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_dry_run_prints_the_baseline_and_first_trial_servers_and_starts_nothing(engine: str, tmp_path, capsys) -> None:
+    import shlex
+
+    from tuner.cli import main
+    from tuner.schema.fit import max_model_len, tensor_parallel_size
+
+    over = ["model=llama-3.3-70b-instruct", "hardware=h100x8", f"engine={engine}", f"deploy={engine}", "+workload=chat",
+            f"run_dir={tmp_path / 'runs'}", f"engine.{engine}.executable={tmp_path / 'absent' / 'python'}"]
+    assert main(["optimize", *over, "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    argvs = [shlex.split(line) for line in out if line.startswith(f"  {tmp_path}")]
+    assert len(argvs) == 2 and not (tmp_path / "runs").exists()  # baseline and first trial; no run directory
+    base, first = argvs
+    assert not [a for a in base if a.startswith("--speculative")] and [a for a in first if a.startswith("--speculative")]
+    cfg = load_config(over)
+    tp = tensor_parallel_size(cfg.model, cfg.hardware, cfg.deploy)
+    tp_flag, len_flag = ("--tensor-parallel-size", "--max-model-len") if engine == "vllm" else ("--tp", "--context-length")
+    for argv in argvs:
+        assert argv[argv.index(tp_flag) + 1] == str(tp)
+        assert argv[argv.index(len_flag) + 1] == str(max_model_len(cfg.model, cfg.hardware, cfg.deploy, tp))
+    assert main(["bench", *over[:-2], "bench.baseline=true", "--dry-run"]) == 0
+    assert "baseline server" in capsys.readouterr().out

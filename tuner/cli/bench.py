@@ -191,8 +191,17 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from tuner.schema.compose import load_config
+    from tuner.schema.compose import load_config, require_workload
 
+    if args.dry_run:
+        from tuner.run.dryrun import dry_run
+
+        if args.url:
+            raise UserError(f"--dry-run with --url {args.url}: bench starts nothing for a running endpoint")
+        cfg = load_config(args.overrides)
+        require_workload(cfg)
+        print(dry_run(cfg, "bench"))
+        return 0
     result = bench(load_config(args.overrides), args.url, args.model)
     if args.json:
         print(json.dumps(result))
@@ -211,6 +220,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        ))
     b.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. spec.depth=6 bench.baseline=true +workload=code")
     b.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    b.add_argument("--dry-run", action="store_true",
+                   help="print the command and environment of the server(s) it would start (the baseline's with "
+                        "bench.baseline=true), then exit without starting anything")
     b.add_argument("--url", help="measure this running OpenAI-compatible endpoint instead of starting an engine")
     b.add_argument("--model", help="with --url: the model name to request (default: the first in /v1/models)")
     b.set_defaults(func=_cmd_bench)
