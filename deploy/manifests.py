@@ -458,7 +458,7 @@ def comments(p: Plan, docs: list[tuple[str, dict]]) -> dict[str, dict[KeyPath, s
     }
     if d.target != "builtin":
         dep[(*c, "resources", "requests", hw.gpu_resource)] = tensor_parallel_why(p.cfg.model, hw, d, p.tp)
-        tp_at = _arg_value(args, "--tensor-parallel-size" if d.target == "vllm" else "--tp")
+        tp_at = _arg_value(args, "--tensor-parallel-size" if d.target == "vllm" else "--tp-size")
         if tp_at is not None:
             dep[(*c, "args", tp_at)] = tensor_parallel_why(p.cfg.model, hw, d, p.tp)
         len_at = _arg_value(args, "--max-model-len" if d.target == "vllm" else "--context-length")

@@ -168,7 +168,7 @@ def test_dry_run_prints_the_baseline_and_first_trial_servers_and_starts_nothing(
     assert not [a for a in base if a.startswith("--speculative")] and [a for a in first if a.startswith("--speculative")]
     cfg = load_config(over)
     tp = tensor_parallel_size(cfg.model, cfg.hardware, cfg.deploy)
-    tp_flag, len_flag = ("--tensor-parallel-size", "--max-model-len") if engine == "vllm" else ("--tp", "--context-length")
+    tp_flag, len_flag = ("--tensor-parallel-size", "--max-model-len") if engine == "vllm" else ("--tp-size", "--context-length")
     for argv in argvs:
         assert argv[argv.index(tp_flag) + 1] == str(tp)
         assert argv[argv.index(len_flag) + 1] == str(max_model_len(cfg.model, cfg.hardware, cfg.deploy, tp))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -214,3 +215,10 @@ def builtin_trial_place(cfg: Config) -> Place:
     """The Place of `tuner serve` reproducing a built-in study's in-process engine on this machine."""
     return Place(host=cfg.serve.host, port=cfg.serve.port, model=cfg.model.name,
                  cache_dir=cfg.cache_dir or os.path.expanduser("~/.cache/spectune"))
+
+
+def pinned_version(image_tag: str | None) -> str | None:
+    """The engine release an image tag names (`v0.5.9-cu129` -> `0.5.9`): the one pin per engine that
+    `make vllm` / `make sglang` install too (they read conf/deploy/<engine>.yaml's image_tag)."""
+    m = re.match(r"v?(\d+(?:\.\d+)+)", image_tag or "")
+    return m.group(1) if m else None
