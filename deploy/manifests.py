@@ -7,6 +7,7 @@ YAML output and server-side apply all see exactly the same data.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -18,7 +19,8 @@ from kubernetes import client as k
 
 from tuner.schema.fit import (builtin_memory_gib, max_model_len, max_model_len_why, startup_budget_s, startup_why,
                               tensor_parallel_size, tensor_parallel_why)
-from tuner.schema.engine_command import PROGRAMS, Place, engine_command, server_settings
+from tuner.schema.engine_command import (PROGRAMS, Place, check_engine_version, engine_command, server_differences,
+                                         server_settings)
 from deploy.winner import MODEL_DIR, Served, WinnerOverride, served_spec
 from tuner.schema.config import BestResult, Config, HardwareConfig, Projection, UserError, deploy_image
 
@@ -65,7 +67,11 @@ def plan(cfg: Config, best: BestResult | None, override: WinnerOverride | None =
     if d.target != "builtin" and cfg.hardware.accelerator != "cuda":
         raise UserError(f"deploy={d.target} with hardware={cfg.hardware.name}: a GPU target needs a cuda hardware profile "
                         "(or render deploy=builtin for CPU clusters)")
+    check_engine_version(cfg, best)
     served = served_spec(cfg, best, override)
+    differs = server_differences(cfg, best)
+    if differs:  # a CPU trial of a GPU deployment: said once, and kept in the ConfigMap's notes
+        served = dataclasses.replace(served, notes=(*served.notes, differs))
     settings = server_settings(cfg, d.target)
     if d.target == "builtin":
         e = cfg.engine.builtin

@@ -90,3 +90,17 @@ def server_env(kind: Kind, ecfg: LaunchedEngineConfig, model_ref: str, accelerat
     """The variables the launcher sets on top of the inherited environment (no spec: no drafter)."""
     settings = settings_for(kind, ecfg, accelerator=accelerator)
     return engine_command(settings, SpecConfig(method="off"), trial_place(ecfg, model_ref))[1]
+
+
+def engine_version(kind: Kind, ecfg: LaunchedEngineConfig) -> str | None:
+    """The release of `kind` installed in the virtual environment of engine.<kind>.executable, read
+    from its package metadata (nothing is run); None when there is none to read."""
+    exe = resolve_executable(ecfg.executable)
+    if not exe:
+        return None
+    venv = Path(exe).parent.parent  # <venv>/bin/<executable>
+    for meta in sorted(venv.glob(f"lib/python3*/site-packages/{kind}-*.dist-info/METADATA")):
+        for line in meta.read_text(errors="replace").splitlines():
+            if line.startswith("Version:"):
+                return line.split(":", 1)[1].strip()
+    return None

