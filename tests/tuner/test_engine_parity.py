@@ -5,6 +5,7 @@ only in tuner.schema.engine_command.PLACE_FIELDS (host, port, the model's locati
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 
 import pytest
@@ -224,3 +225,27 @@ def test_a_cpu_trial_of_a_gpu_deployment_records_both_and_render_says_what_diffe
     assert "context 2048 -> 131072" in line and "quantization none -> fp8" in line and "TP" not in line
     same = _best(gpu, "0.32.0")
     assert not [n for n in plan(gpu, same).served.notes if "the study measured" in n]
+
+
+@pytest.mark.parametrize("hardware", HARDWARE)
+def test_big_models_are_refused_at_config_time_on_every_profile(hardware: str, tmp_path, capsys) -> None:
+    from tuner.cli import main
+    from tuner.schema.config import check_search_methods
+
+    big = ["model=llama-3.3-70b-instruct", f"hardware={hardware}", "+workload=chat", f"run_dir={tmp_path}", "deploy=vllm"]
+    with pytest.raises(UserError) as refused:
+        load_config([*big, "engine=builtin"])
+    served = "does not fit hardware" not in str(refused.value)  # l4x1 cannot serve it at all: that line comes first
+    if served:
+        assert re.match(rf"engine=builtin with model llama-3.3-70b-instruct: its .* needs? 263 GiB .* "
+                        rf"but .*hardware {hardware} has", str(refused.value))
+    if hardware in GPU_HARDWARE and served:  # vLLM serves it sharded, but the eagle head would be trained on one device
+        assert main(["optimize", *big, "engine=vllm"]) == 2
+        err = capsys.readouterr().err
+        assert "search.methods contains eagle: llama-3.3-70b-instruct lists no eagle head and training one needs " \
+               "~263 GiB on one device" in err and "drop it or set model.draft_sources.eagle" in err
+        assert not list(tmp_path.iterdir())  # refused before the run directory (and any download)
+        check_search_methods(load_config([*big, "engine=vllm", "search.methods=[ngram,eagle3]"]))  # a listed head
+    small = load_config(["model=llama-3.1-8b-instruct", f"hardware={hardware}", "+workload=chat", "engine=vllm"])
+    if hardware in ("h200x1", "h100x8"):
+        check_search_methods(small)  # an 8B head trains on one of these GPUs

@@ -240,7 +240,7 @@ def validate(raw: dict[str, Any]) -> Config:
     if cfg.engine.kind == "builtin":
         from tuner.schema.fit import check_builtin_fits
 
-        check_builtin_fits(cfg.model, cfg.hardware)
+        check_builtin_fits(cfg.model, cfg.hardware, cfg.engine.builtin)
     if cfg.spec.method == "medusa":
         heads, source = medusa_heads(cfg)
         if cfg.spec.depth > heads:

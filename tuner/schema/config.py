@@ -698,3 +698,11 @@ def check_search_methods(cfg: "Config") -> None:
     bad = [m for m in cfg.search.methods if m not in allowed]
     if bad:
         raise UserError(f"search.methods={bad} with engine={cfg.engine.kind}: this engine runs {', '.join(allowed)}")
+    from tuner.schema.fit import builtin_fit_problem
+
+    for m in trained_drafts(cfg):  # a head trained with the built-in engine: refused before any download
+        problem = builtin_fit_problem(cfg.model, cfg.hardware, cfg.engine.builtin)
+        if problem is not None:
+            need, _, limit = problem
+            raise UserError(f"search.methods contains {m}: {cfg.model.name} lists no {m} head and training one needs "
+                            f"~{need:.0f} GiB on one device, but {limit}; drop it or set model.draft_sources.{m}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuner.schema.config import DeployConfig, HardwareConfig, ModelConfig, UserError
+from tuner.schema.config import BuiltinEngineConfig, DeployConfig, HardwareConfig, ModelConfig, UserError
 
 GIB = 1024**3
 # FP8 checkpoints keep embeddings, lm_head, norms and scales in 16 bit: a few percent over 1 byte/param.
@@ -20,17 +20,37 @@ def builtin_load_gib(model: ModelConfig) -> float:
     return model.params_b * 1e9 * 4 / GIB
 
 
-def check_builtin_fits(model: ModelConfig, hardware: HardwareConfig) -> None:
-    """Refuse, when the config loads, engine=builtin for a model whose fp32 weights exceed the
-    host's memory (hardware.memory_gib) on a CPU profile: the 70B/72B configs (and, on a 24 GiB
-    host, 7B/8B ones) are served by vLLM / SGLang only."""
-    need = builtin_load_gib(model)
-    if hardware.accelerator == "cpu" and need > hardware.memory_gib:
+def builtin_fit_problem(model: ModelConfig, hardware: HardwareConfig,
+                        builtin: BuiltinEngineConfig | None = None) -> tuple[float, str, str] | None:
+    """(GiB needed, what needs them, what they exceed) when the built-in engine, which also trains
+    every draft head, cannot hold `model` on `hardware`; None when it can. It reads the checkpoint in
+    float32 into host memory, then (on a cuda profile, unless engine.builtin.device=cpu) moves it to
+    ONE GPU at engine.builtin.dtype."""
+    b = builtin or BuiltinEngineConfig()
+    load = builtin_load_gib(model)
+    if load > hardware.memory_gib:
+        return (load, f"its single-device fp32 load needs {load:.0f} GiB ({model.params_b:g}B params x 4 bytes)",
+                f"hardware {hardware.name} has {hardware.memory_gib:g} GiB (hardware.memory_gib)")
+    if hardware.accelerator == "cuda" and b.device != "cpu":
+        per_param = 1 if b.fp8_weights else (4 if b.dtype == "float32" else 2)
+        need = model.params_b * 1e9 * per_param / GIB
+        if need > hardware.gpu_memory_gib:
+            return (need, f"its weights on one GPU need {need:.0f} GiB ({model.params_b:g}B params x {per_param} bytes, "
+                          f"engine.builtin.dtype={b.dtype})",
+                    f"one GPU of hardware {hardware.name} has {hardware.gpu_memory_gib:g} GiB")
+    return None
+
+
+def check_builtin_fits(model: ModelConfig, hardware: HardwareConfig, builtin: BuiltinEngineConfig | None = None) -> None:
+    """Refuse, when the config loads, engine=builtin for a model it cannot hold on this hardware
+    (builtin_fit_problem): the 70B/72B configs on every packaged profile, 7B/8B on a 24 GiB host."""
+    problem = builtin_fit_problem(model, hardware, builtin)
+    if problem is not None:
+        _, what, limit = problem
         raise UserError(
-            f"engine=builtin with model {model.name}: its single-device fp32 load needs {need:.0f} GiB "
-            f"({model.params_b:g}B params x 4 bytes) but hardware {hardware.name} has {hardware.memory_gib:g} GiB "
-            "(hardware.memory_gib); run this model with engine=vllm or engine=sglang (on a GPU profile, "
-            "e.g. hardware=h100x8), or set hardware.memory_gib to this host's memory if it has more")
+            f"engine=builtin with model {model.name}: {what} but {limit}; run this model with engine=vllm or "
+            "engine=sglang on a GPU profile (they shard it over the GPUs), or set hardware.memory_gib to this "
+            "host's memory if it has more")
 
 
 def tensor_parallel_size(model: ModelConfig, hardware: HardwareConfig, deploy: DeployConfig) -> int:
