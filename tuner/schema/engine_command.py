@@ -145,6 +145,16 @@ def draft_context(ref: str | None) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
+def sglang_draft(spec: SpecConfig, draft: str | None) -> str | None:
+    """The drafter SGLang loads: a local EAGLE-1 head's SGLang view (engine.models.eagle_head's
+    `sglang/` beside it) when it has one, else the given location or the spec's own."""
+    field_ = METHODS[spec.method].draft_field
+    ref = draft or (getattr(spec, field_) if field_ else None)
+    if ref and spec.method == "eagle" and (Path(ref).expanduser() / "sglang" / "config.json").is_file():
+        return str(Path(ref) / "sglang")
+    return ref
+
+
 def engine_command(s: ServerSettings, spec: SpecConfig, place: Place) -> tuple[list[str], dict[str, str]]:
     """argv (PROGRAMS[kind] first) and the environment variables of `s.kind`'s server serving
     `spec` at `place`."""
@@ -160,9 +170,9 @@ def engine_command(s: ServerSettings, spec: SpecConfig, place: Place) -> tuple[l
                            host=place.host, port=place.port, dtype=s.dtype, context_length=s.context_length,
                            mem_fraction_static=s.memory_fraction,
                            served_model_name=s.served_names[0] if s.served_names else None,
-                           draft_ref=place.draft, disable_cuda_graph=s.enforce_eager, extra_args=s.extra_args)
-        field_ = METHODS[spec.method].draft_field
-        draft = place.draft or (getattr(spec, field_) if field_ else None)
+                           draft_ref=sglang_draft(spec, place.draft), disable_cuda_graph=s.enforce_eager,
+                           extra_args=s.extra_args)
+        draft = sglang_draft(spec, place.draft)
         if draft and s.context_length is not None:
             known = draft_context(draft)
             # Heads often declare a short context (EAGLE-3 heads: 2048); unknown (a hub id) counts as shorter.
