@@ -88,8 +88,10 @@ def bench(cfg: Config, url: str | None = None, model: str | None = None) -> dict
     wl = cfg.workload
     assert wl is not None
     if url is None and cfg.engine.kind == "builtin":
+        from tuner.schema.fit import check_builtin_fits
         from tuner.study.measurer import spec_with_trained_draft
 
+        check_builtin_fits(cfg.model, cfg.hardware, cfg.engine.builtin)  # before any download
         cfg = cfg.model_copy(update={"spec": spec_with_trained_draft(cfg)})
     split = "heldout" if cfg.bench.heldout else "tune"
     if split == "heldout" and wl.num_heldout == 0:

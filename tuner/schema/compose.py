@@ -237,9 +237,11 @@ def validate(raw: dict[str, Any]) -> Config:
         from tuner.schema.fit import tensor_parallel_size
 
         tensor_parallel_size(cfg.model, cfg.hardware, cfg.deploy)
-    if cfg.engine.kind == "builtin":
+    if cfg.engine.kind == "builtin" and cfg.hardware.accelerator == "cpu":
         from tuner.schema.fit import check_builtin_fits
 
+        # a GPU profile is also what `tuner render deploy=vllm` names: checked where the engine runs
+        # (tuner.schema.config.check_search_methods, tuner bench)
         check_builtin_fits(cfg.model, cfg.hardware, cfg.engine.builtin)
     if cfg.spec.method == "medusa":
         heads, source = medusa_heads(cfg)

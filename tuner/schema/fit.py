@@ -97,26 +97,34 @@ LOAD_GIB_PER_S = 0.1
 ENGINE_INIT_S = {"vllm": 180, "sglang": 180, "builtin": 60}
 
 
-def served_weight_gib(model: ModelConfig, quantization: str) -> float:
-    """Weight GiB the server reads at start: FP8 when quantized, else the model's native dtype."""
-    if quantization == "fp8":
-        return fp8_weight_gib(model)
+# Online FP8 quantization of the loaded 16-bit weights (vLLM / SGLang --quantization fp8): an assumed
+# rate, generous for a GPU (it reads and writes each weight once) so that slow first starts still fit.
+QUANTIZE_GIB_PER_S = 1.0
+
+
+def downloaded_weight_gib(model: ModelConfig) -> float:
+    """Weight GiB the server downloads and reads at start: the hub checkpoint in its native dtype
+    (an FP8 deployment quantizes it online after loading; nothing FP8 is downloaded)."""
     native_bytes = 4 if model.native_dtype == "float32" else 2
     return model.params_b * 1e9 * native_bytes / GIB
 
 
 def startup_budget_s(model: ModelConfig, deploy: DeployConfig) -> int:
-    """Seconds a pod may take to become healthy: weights GiB / load rate + engine init."""
-    return int(ENGINE_INIT_S[deploy.target] + served_weight_gib(model, deploy.quantization) / LOAD_GIB_PER_S)
+    """Seconds a pod may take to become healthy: engine init + the downloaded checkpoint at the load
+    rate + its online quantization when deployed FP8."""
+    gib = downloaded_weight_gib(model)
+    quantize = gib / QUANTIZE_GIB_PER_S if deploy.quantization == "fp8" else 0.0
+    return int(ENGINE_INIT_S[deploy.target] + gib / LOAD_GIB_PER_S + quantize)
 
 
 def startup_why(model: ModelConfig, deploy: DeployConfig, period_s: int) -> str:
     """Where the startup probe's budget came from, in one line (a manifest comment)."""
     budget = startup_budget_s(model, deploy)
-    gib = served_weight_gib(model, deploy.quantization)
+    gib = downloaded_weight_gib(model)
+    quantize = (f" + online FP8 quantization at {QUANTIZE_GIB_PER_S:g} GiB/s" if deploy.quantization == "fp8" else "")
     return (f"{-(-budget // period_s)} x {period_s} s >= {budget} s start-up budget: {ENGINE_INIT_S[deploy.target]} s "
-            f"{deploy.target} start + {gib:.1f} GiB of weights at {LOAD_GIB_PER_S:g} GiB/s (the first start "
-            "downloads them)")
+            f"{deploy.target} start + {gib:.1f} GiB {model.native_dtype} checkpoint at {LOAD_GIB_PER_S:g} GiB/s (the "
+            f"first start downloads it){quantize}")
 
 
 def max_model_len_why(model: ModelConfig, hardware: HardwareConfig, deploy: DeployConfig, tp: int) -> str:
