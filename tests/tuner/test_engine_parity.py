@@ -160,6 +160,7 @@ def test_dry_run_prints_the_baseline_and_first_trial_servers_and_starts_nothing(
     from tuner.schema.fit import max_model_len, tensor_parallel_size
 
     over = ["model=llama-3.3-70b-instruct", "hardware=h100x8", f"engine={engine}", f"deploy={engine}", "+workload=chat",
+            "search.methods=[ngram,eagle3]",  # a listed eagle3 head: nothing to train on one device
             f"run_dir={tmp_path / 'runs'}", f"engine.{engine}.executable={tmp_path / 'absent' / 'python'}"]
     assert main(["optimize", *over, "--dry-run"]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -173,7 +174,7 @@ def test_dry_run_prints_the_baseline_and_first_trial_servers_and_starts_nothing(
     for argv in argvs:
         assert argv[argv.index(tp_flag) + 1] == str(tp)
         assert argv[argv.index(len_flag) + 1] == str(max_model_len(cfg.model, cfg.hardware, cfg.deploy, tp))
-    assert main(["bench", *over[:-2], "bench.baseline=true", "--dry-run"]) == 0
+    assert main(["bench", *over[:-2], "bench.baseline=true", "--dry-run"]) == 0  # (without run_dir, executable)
     assert "baseline server" in capsys.readouterr().out
 
 
@@ -230,11 +231,11 @@ def test_a_cpu_trial_of_a_gpu_deployment_records_both_and_render_says_what_diffe
 @pytest.mark.parametrize("hardware", HARDWARE)
 def test_big_models_are_refused_at_config_time_on_every_profile(hardware: str, tmp_path, capsys) -> None:
     from tuner.cli import main
-    from tuner.schema.config import check_search_methods
+    from tuner.schema.fit import check_study_fits
 
     big = ["model=llama-3.3-70b-instruct", f"hardware={hardware}", "+workload=chat", f"run_dir={tmp_path}", "deploy=vllm"]
     with pytest.raises(UserError) as refused:
-        check_search_methods(load_config([*big, "engine=builtin"]))
+        check_study_fits(load_config([*big, "engine=builtin"]))
     served = "does not fit hardware" not in str(refused.value)  # l4x1 cannot serve it at all: that line comes first
     if served:
         assert re.match(rf"engine=builtin with model llama-3.3-70b-instruct: its .* needs? 263 GiB .* "
@@ -245,7 +246,7 @@ def test_big_models_are_refused_at_config_time_on_every_profile(hardware: str, t
         assert "search.methods contains eagle: llama-3.3-70b-instruct lists no eagle head and training one needs " \
                "~263 GiB on one device" in err and "drop it or set model.draft_sources.eagle" in err
         assert not list(tmp_path.iterdir())  # refused before the run directory (and any download)
-        check_search_methods(load_config([*big, "engine=vllm", "search.methods=[ngram,eagle3]"]))  # a listed head
+        check_study_fits(load_config([*big, "engine=vllm", "search.methods=[ngram,eagle3]"]))  # a listed head
     small = load_config(["model=llama-3.1-8b-instruct", f"hardware={hardware}", "+workload=chat", "engine=vllm"])
     if hardware in ("h200x1", "h100x8"):
-        check_search_methods(small)  # an 8B head trains on one of these GPUs
+        check_study_fits(small)  # an 8B head trains on one of these GPUs

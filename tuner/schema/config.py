@@ -691,22 +691,12 @@ def measured_weights(cfg: "Config") -> str:
 
 
 def check_search_methods(cfg: "Config") -> None:
-    """Refuse, in one line and before any trial, run directory or download, a searched method the
-    chosen engine cannot run, a built-in engine that cannot hold the model on this hardware, and a
-    head the study would have to train where the built-in engine cannot hold the target (checked
-    when a study starts, not at every config load: `tuner bench engine=sglang` does not search, and
-    `tuner render deploy=vllm hardware=h100x8` runs no engine, so neither must stop there)."""
+    """Refuse, in one line and before any trial, a searched method the chosen engine cannot run
+    (checked when a study starts, not at every config load: `tuner bench engine=sglang` does not
+    search, so the default search.methods must not stop it; tuner.schema.fit.check_study_fits
+    checks memory at the same time)."""
     allowed = engine_methods(cfg.engine.kind)
     bad = [m for m in cfg.search.methods if m not in allowed]
     if bad:
         raise UserError(f"search.methods={bad} with engine={cfg.engine.kind}: this engine runs {', '.join(allowed)}")
-    from tuner.schema.fit import builtin_fit_problem, check_builtin_fits
 
-    if cfg.engine.kind == "builtin":
-        check_builtin_fits(cfg.model, cfg.hardware, cfg.engine.builtin)
-    for m in trained_drafts(cfg):  # a head trained with the built-in engine: refused before any download
-        problem = builtin_fit_problem(cfg.model, cfg.hardware, cfg.engine.builtin)
-        if problem is not None:
-            need, _, limit = problem
-            raise UserError(f"search.methods contains {m}: {cfg.model.name} lists no {m} head and training one needs "
-                            f"~{need:.0f} GiB on one device, but {limit}; drop it or set model.draft_sources.{m}")

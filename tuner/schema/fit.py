@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from tuner.schema.config import BuiltinEngineConfig, DeployConfig, HardwareConfig, ModelConfig, UserError
+from tuner.schema.config import (BuiltinEngineConfig, Config, DeployConfig, HardwareConfig, ModelConfig, UserError,
+                                 trained_drafts)
 
 GIB = 1024**3
 # FP8 checkpoints keep embeddings, lm_head, norms and scales in 16 bit: a few percent over 1 byte/param.
@@ -51,6 +52,21 @@ def check_builtin_fits(model: ModelConfig, hardware: HardwareConfig, builtin: Bu
             f"engine=builtin with model {model.name}: {what} but {limit}; run this model with engine=vllm or "
             "engine=sglang on a GPU profile (they shard it over the GPUs), or set hardware.memory_gib to this "
             "host's memory if it has more")
+
+
+def check_study_fits(cfg: Config) -> None:
+    """Refuse, in one line and before any trial, run directory or download: a built-in engine that
+    cannot hold the model on this hardware, and a head the study would train (the built-in engine
+    loads its target) where the built-in engine cannot hold the target. Checked when a study starts,
+    not at every config load: `tuner render deploy=vllm hardware=h100x8` runs no engine."""
+    if cfg.engine.kind == "builtin":
+        check_builtin_fits(cfg.model, cfg.hardware, cfg.engine.builtin)
+    for m in trained_drafts(cfg):
+        problem = builtin_fit_problem(cfg.model, cfg.hardware, cfg.engine.builtin)
+        if problem is not None:
+            need, _, limit = problem
+            raise UserError(f"search.methods contains {m}: {cfg.model.name} lists no {m} head and training one needs "
+                            f"~{need:.0f} GiB on one device, but {limit}; drop it or set model.draft_sources.{m}")
 
 
 def tensor_parallel_size(model: ModelConfig, hardware: HardwareConfig, deploy: DeployConfig) -> int:
