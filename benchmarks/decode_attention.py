@@ -1,5 +1,5 @@
 """The attention of a batched step on CPU: the decode attention kernel (engine.models.attention) against
-the pooled SDPA calls it replaced (engine.models.llama's PooledAttention, still the path on CUDA),
+the pooled SDPA calls it replaced (engine.models.batchplan's PooledAttention, still the path on CUDA),
 over every layer of SmolLM2's shapes (30 layers, 9 query heads, 3 KV heads, head size 64) for B
 sequences of HumanEval-like mixed lengths in one KV pool, each with `rows` new rows (1: a decode
 step; more: a chain being verified).
@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from batch_layout import best_ms  # noqa: E402 (this directory is on the path when run as a script)
-from engine.models import attention, llama  # noqa: E402
+from engine.models import attention, batchplan  # noqa: E402
 
 LAYERS, H, K, D = 30, 9, 3, 64
 LENGTHS = (132, 180, 354, 250, 300, 200, 160, 340, 145, 230, 310, 190, 270, 150, 330, 210)  # + the new rows
@@ -37,11 +37,11 @@ def case(batch: int, rows: int, repeats: int) -> dict[str, float]:
                            v=torch.randn(LAYERS, batch, K, cap, D, generator=g))
     q = torch.randn(batch * rows, H + 2 * K, D, generator=g)[:, :H]  # a view of fused q/k/v rows, as in a step
     o = torch.empty(batch * rows, H, D)
-    seqs = [llama.BatchRows(SimpleNamespace(slot=s, pool=pool), s * rows, (s + 1) * rows, torch.arange(n - rows, n),
+    seqs = [batchplan.BatchRows(SimpleNamespace(slot=s, pool=pool), s * rows, (s + 1) * rows, torch.arange(n - rows, n),
                             n, None) for s, n in enumerate(lens)]
     decode = attention.DecodeBatch.of([(s, s * rows, rows, n, None) for s, n in enumerate(lens)])
-    calls = [llama._pooled_call(run, {id(s): None for s in seqs}, torch.device("cpu"), torch.float32, H // K)
-             for run in llama._partition(seqs)]
+    calls = [batchplan._pooled_call(run, {id(s): None for s in seqs}, torch.device("cpu"), torch.float32, H // K)
+             for run in batchplan._partition(seqs)]
     plan = SimpleNamespace(pool=pool, pooled=calls)
 
     def kernel() -> None:
@@ -53,13 +53,13 @@ def case(batch: int, rows: int, repeats: int) -> dict[str, float]:
             for pa in plan.pooled:
                 if pa.direct:
                     m = pa.hi - pa.lo
-                    o[pa.first:pa.first + m] = llama._pooled_attend(
+                    o[pa.first:pa.first + m] = batchplan._pooled_attend(
                         q[pa.first:pa.first + m].reshape(m, K, H // K, D), pool, layer, pa).reshape(m, H, D)
                     continue
                 qp = q.new_zeros(pa.hi - pa.lo, pa.nmax, H, D)
                 qp[pa.at_slot, pa.at_row] = q[pa.rows]
                 qp = qp.view(-1, pa.nmax, K, H // K, D).permute(0, 2, 3, 1, 4).reshape(-1, K, H // K * pa.nmax, D)
-                got = llama._pooled_attend(qp, pool, layer, pa).view(-1, K, H // K, pa.nmax, D).permute(0, 3, 1, 2, 4)
+                got = batchplan._pooled_attend(qp, pool, layer, pa).view(-1, K, H // K, pa.nmax, D).permute(0, 3, 1, 2, 4)
                 o[pa.rows] = got.reshape(-1, pa.nmax, H, D)[pa.at_slot, pa.at_row]
 
     need = sum(lens) * K * D * 4 * 2 * LAYERS  # bytes of keys and values the sequences attend over

@@ -4,7 +4,7 @@
 
 Rows (all in the same process, same prompts, in the same run): HF generate autoregressive (transformers' own
 model without the engine's oneDNN linears), HF generate(prompt_lookup_num_tokens=4), the built-in engine
-autoregressive with each forward (`hf`: transformers' model; `lean`: engine/llama.py, eager and compiled),
+autoregressive with each forward (`hf`: transformers' model; `lean`: engine/models/forward.py, eager and compiled),
 built-in n-gram at several depths on the fastest forward. EAGLE rows only with --eagle-head (a trained head).
 The lean rows follow the machine's calibrated linear plan (engine.builtin.linear_plan); --compare-plans adds
 the compiled AR and deepest n-gram rows, and a curve column, under the default (AVX2-tuned) plan.
@@ -39,7 +39,7 @@ from rich.table import Table  # noqa: E402
 from engine.api import SamplingParams  # noqa: E402
 from engine.models.cache import crop_to, new_cache  # noqa: E402
 from engine.models.kernels import LinearPlan, linear_plan, set_linear_plan  # noqa: E402
-from engine.models.llama import lean_forward  # noqa: E402
+from engine.models.forward import lean_forward  # noqa: E402
 from engine.decode.loop import Engine  # noqa: E402
 from tuner.study.measurer import open_engine  # noqa: E402
 from engine.models.machine import cpu_signature, measured_once  # noqa: E402

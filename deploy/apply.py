@@ -112,6 +112,20 @@ def _order(docs: list[tuple[str, dict]]) -> list[dict]:
     return namespaces + [d for d in objs if d.get("kind") != "Namespace"]
 
 
+def unreachable_why(err: BaseException) -> str:
+    """What a user understands of a connection error (urllib3 wraps the cause in MaxRetryError)."""
+    reason = getattr(err, "reason", None) or err
+    text = f"{type(reason).__name__} {reason}".lower()
+    for needle, why in (("refused", "connection refused"), ("name or service not known", "host not found"),
+                        ("nodename nor servname", "host not found"), ("name resolution", "host not found"),
+                        ("timed out", "connection timed out"), ("timeout", "connection timed out"),
+                        ("certificate", "TLS certificate not accepted"), ("ssl", "TLS handshake failed"),
+                        ("unreachable", "network unreachable"), ("reset", "connection reset")):
+        if needle in text:
+            return why
+    return f"cannot connect ({type(reason).__name__})"
+
+
 def _patch(api: k.ApiClient, doc: dict, dry_run: bool) -> tuple[int, dict]:
     query = [("fieldManager", FIELD_MANAGER), ("force", "true"), ("fieldValidation", "Strict")]
     if dry_run:
@@ -127,7 +141,8 @@ def _patch(api: k.ApiClient, doc: dict, dry_run: bool) -> tuple[int, dict]:
     except k.ApiException as err:
         status, raw = err.status, err.body
     except Exception as err:  # urllib3 connection errors: the cluster is unreachable
-        raise UserError(f"apply: cannot reach the API server at {api.configuration.host}: {type(err).__name__}") from None
+        raise UserError(f"apply: {unreachable_why(err)} at {api.configuration.host} (is the cluster up, and is "
+                        "the kubeconfig's context the right one?)") from None
     try:
         payload = json.loads(raw or b"{}")
     except ValueError:

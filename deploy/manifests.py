@@ -52,21 +52,13 @@ def plan(cfg: Config, best: BestResult | None, override: WinnerOverride | None =
     """Resolve spec, tensor parallel size (fit check), context length and the engine command line
     (`override`: the winner with spec.* overrides, deploy.winner.served_spec)."""
     d, m = cfg.deploy, cfg.model
-    if d.hpa.enabled and d.hpa.min_replicas > d.hpa.max_replicas:
-        raise UserError(f"deploy.hpa.min_replicas={d.hpa.min_replicas} > deploy.hpa.max_replicas={d.hpa.max_replicas}")
-    # With an HPA, deploy.replicas is its floor: a floor it cannot keep is refused, not adjusted.
-    # Without one the Deployment carries the count as given (0: rendered with no pods).
-    if d.hpa.enabled and d.replicas == 0:
-        raise UserError(f"deploy.replicas=0 with deploy.hpa.enabled=true: the HPA keeps at least "
-                        f"deploy.hpa.min_replicas={d.hpa.min_replicas} pod(s); for a Deployment with no pods set "
-                        "deploy.hpa.enabled=false, else give deploy.replicas >= 1")
-    if d.hpa.enabled and d.replicas > d.hpa.max_replicas:
-        raise UserError(f"deploy.replicas={d.replicas} exceeds deploy.hpa.max_replicas={d.hpa.max_replicas} (with an "
-                        f"HPA deploy.replicas is its floor): raise deploy.hpa.max_replicas to at least {d.replicas}, "
-                        "or set deploy.hpa.enabled=false for a fixed count")
     if d.target != "builtin" and cfg.hardware.accelerator != "cuda":
         raise UserError(f"deploy={d.target} with hardware={cfg.hardware.name}: a GPU target needs a cuda hardware profile "
                         "(or render deploy=builtin for CPU clusters)")
+    if d.target == "builtin" and cfg.hardware.accelerator == "cuda":
+        raise UserError(f"deploy=builtin with hardware={cfg.hardware.name}: the built-in server's pod runs on a CPU "
+                        f"node in fp32 without the GPUs of {cfg.hardware.name}; render deploy=vllm or deploy=sglang "
+                        "for a cuda hardware profile, or hardware=cpu for the built-in server")
     check_engine_version(cfg, best)
     served = served_spec(cfg, best, override)
     differs = server_differences(cfg, best)
@@ -75,7 +67,7 @@ def plan(cfg: Config, best: BestResult | None, override: WinnerOverride | None =
     settings = server_settings(cfg, d.target)
     if d.target == "builtin":
         e = cfg.engine.builtin
-        builtin_memory_gib(m, cfg.hardware, e.dtype, settings.quantization == "fp8")
+        builtin_memory_gib(m, cfg.hardware, e.dtype, e.weights == "fp8")
     argv, env = engine_command(settings, served.spec, pod_place(cfg))
     # The built-in server runs on CPU nodes without tensor parallelism.
     tp = settings.tp
@@ -205,7 +197,7 @@ def _resource_values(p: Plan) -> tuple[int, int, dict[str, str], str, str]:
                 f"half of hardware {hw.name}'s {hw.cpu_cores} cores x {part} (at least 2)",
                 f"half of hardware {hw.name}'s {hw.memory_gib:g} GiB x {part} (at least 8 GiB)")
     e = p.cfg.engine.builtin
-    fp8 = p.cfg.deploy.quantization == "fp8" or e.fp8_weights
+    fp8 = e.weights == "fp8"
     mem = builtin_memory_gib(p.cfg.model, hw, e.dtype, fp8)
     return (hw.cpu_cores, mem, {}, f"all {hw.cpu_cores} cores of hardware {hw.name} (the built-in engine's threads)",
             f"half of hardware {hw.name}'s {hw.memory_gib:g} GiB, or {p.cfg.model.params_b:g}B params at "

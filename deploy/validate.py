@@ -51,6 +51,24 @@ def doc_error(doc: object, version: str) -> str | None:
         return f"no schema for {doc['apiVersion']} {doc['kind']} in Kubernetes {version}"
     except jsonschema.ValidationError as err:
         return _where(err)
+    return server_rule_error(doc)
+
+
+def server_rule_error(doc: dict) -> str | None:
+    """What the API server refuses although the OpenAPI schema allows it: a name that is no DNS name
+    (a Service's must be a DNS-1035 label, other objects' a DNS-1123 subdomain), and a
+    PodDisruptionBudget with both minAvailable and maxUnavailable."""
+    from tuner.schema.config import name_error
+
+    name = (doc.get("metadata") or {}).get("name")
+    if isinstance(name, str):
+        error = (name_error("metadata.name", name, "service") if doc["kind"] == "Service"
+                 else name_error("metadata.name", name, "subdomain", 253))
+        if error:
+            return error
+    spec = doc.get("spec") or {}
+    if doc["kind"] == "PodDisruptionBudget" and "minAvailable" in spec and "maxUnavailable" in spec:
+        return "spec: minAvailable and maxUnavailable are mutually exclusive (a PodDisruptionBudget takes one)"
     return None
 
 
@@ -77,12 +95,17 @@ def load_dir(directory: Path) -> tuple[list[tuple[str, dict]], list[str]]:
     With a kustomization.yaml, its `resources` in their order (what `kubectl apply -k` applies);
     without one, every .yaml / .yml file in name order.
     """
+    if directory.exists() and not directory.is_dir():
+        raise UserError(f"{directory}: a file, not a directory of manifests (give the directory `tuner render` wrote)")
     if not directory.is_dir():
         raise UserError(f"{directory}: no such directory")
     docs, problems = [], []
     kust = directory / KUSTOMIZATION
     if kust.is_file():
-        listed = (yaml.safe_load(kust.read_text()) or {}).get("resources", [])
+        try:
+            listed = (yaml.safe_load(kust.read_text()) or {}).get("resources", [])
+        except yaml.YAMLError as err:
+            return [], [yaml_problem(KUSTOMIZATION, err)]
         problems += [f"{KUSTOMIZATION}: resource {r} does not exist" for r in listed if not (directory / r).is_file()]
         files = [directory / r for r in listed if (directory / r).is_file()]
     else:
@@ -95,8 +118,19 @@ def load_dir(directory: Path) -> tuple[list[tuple[str, dict]], list[str]]:
                 if doc is not None:
                     docs.append((path.name, doc))
         except yaml.YAMLError as err:
-            problems.append(f"{path.name}: not valid YAML: {str(err).splitlines()[0]}")
+            problems.append(yaml_problem(path.name, err))
     return docs, problems
+
+
+def yaml_problem(name: str, err: yaml.YAMLError) -> str:
+    """One line for a file PyYAML cannot read: where (line and column, 1-based) and what, with the
+    cause a hand edit most often has (a tab, which YAML never allows for indentation)."""
+    mark = getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    if mark is not None and mark.buffer and mark.pointer < len(mark.buffer) and mark.buffer[mark.pointer] == "\t":
+        problem += " (a tab: YAML indents with spaces only)"
+    return f"{name}: not valid YAML{where}: {problem}"
 
 
 def check_dir(directory: Path, version: str) -> list[str]:

@@ -85,7 +85,8 @@ def served_spec(cfg: Config, best: BestResult | None, override: WinnerOverride |
         )
         spec = chain
 
-    if target == "sglang" and engine_refusal(spec.method, spec.topk, "sglang") is not None:
+    refusal = engine_refusal(spec.method, spec.topk, "sglang")
+    if target == "sglang" and refusal is not None:
         for method in ("eagle3", "eagle"):
             sources = getattr(model.draft_sources, method)
             if sources:
@@ -97,9 +98,12 @@ def served_spec(cfg: Config, best: BestResult | None, override: WinnerOverride |
                 spec = _with(spec, method=method, head_path=sources[0])
                 break
         else:
+            # the registry's reason (e.g. SGLang runs n-gram only as a tree), and what can be served instead
+            tree = (f"spec.topk=2 (an n-gram tree, not measured) or " if spec.method == "ngram" and spec.topk == 1
+                    else "")
             raise UserError(
-                f"spec.method={spec.method} cannot be served by deploy=sglang (allowed: {', '.join(engine_methods('sglang'))}) "
-                f"and model {model.name} lists no draft_sources.eagle3/eagle: give spec.method=eagle3 spec.head_path=HEAD"
+                f"'{spec.key()}' cannot be served by deploy=sglang: {refusal}; model {model.name} lists no "
+                f"draft_sources.eagle3/eagle to serve instead: give {tree}spec.method=eagle3 spec.head_path=HEAD"
             )
 
     if spec.method in head_methods() and not spec.head_path:

@@ -234,7 +234,7 @@ def test_the_config_check_catches_each_kind_of_read(tmp_path: Path) -> None:
 
 
 def test_no_two_modules_share_a_name() -> None:
-    """One concept, one module name: `engine/eagle.py` beside `engine/drafters/eagle.py` is what this stops."""
+    """One concept, one module name: an `eagle.py` directly in engine/ beside `engine/drafters/eagle.py` is what this stops."""
     names = [p.name for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py") if p.name != "__init__.py"]
     assert sorted({n for n in names if names.count(n) > 1}) == []
 

@@ -1,5 +1,5 @@
 """Continuous batching for the built-in engine: every step runs ONE target forward over all active
-requests, each with its own draft tree, cache, positions and ancestor mask (engine.models.llama
+requests, each with its own draft tree, cache, positions and ancestor mask (engine.models.batchplan
 `LeanForward.step_batch`: rows concatenated; the caches are slots of one `KVPool`, so the decode
 rows of all requests attend in one call). Requests whose drafters share an EAGLE head draft in
 lockstep before it, one head forward per draft step for all of them (engine.drafters.lockstep);
@@ -31,7 +31,7 @@ from engine.api import GenResult, SamplingParams, TokenCallback
 from engine.decode.loop import Decoding, Engine
 from engine.drafters import Drafter, make_drafter
 from engine.drafters.lockstep import draft_together, lockstep_groups
-from engine.models.llama import KVCache, KVPool
+from engine.models.kvpool import KVCache, KVPool
 from engine.trees.tree import Tree
 from tuner.schema.config import SpecConfig, UserError
 
@@ -350,11 +350,13 @@ class BatchEngine:
 
     # ---- a closed loop of clients (the in-process load generator) ----------------------------
 
-    def closed_loop(self, prompts: Sequence[list[int]], params: SamplingParams, concurrency: int,
-                    on_tokens: Callable[[int, list[int]], None] | None = None,
+    def closed_loop(self, prompts: Sequence[list[int]], params: SamplingParams | Sequence[SamplingParams],
+                    concurrency: int, on_tokens: Callable[[int, list[int]], None] | None = None,
                     on_done: Callable[[int, Request], None] | None = None) -> list[Request]:
         """Play `prompts` with `concurrency` clients, each sending its next prompt when its last one
-        finished; runs the steps in the calling thread. Returns the requests in prompt order."""
+        finished; runs the steps in the calling thread. Returns the requests in prompt order.
+        `params`: one for all, or each request's own."""
+        each = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         out: list[Request | None] = [None] * len(prompts)
         nxt = 0
 
@@ -372,9 +374,9 @@ class BatchEngine:
                     send(nxt - 1)
 
             try:
-                out[i] = self.submit(prompts[i], params, tok, done)
+                out[i] = self.submit(prompts[i], each[i], tok, done)
             except UserError as exc:
-                r = Request(list(prompts[i]), params, error=str(exc))
+                r = Request(list(prompts[i]), each[i], error=str(exc))
                 out[i] = r
                 done(r)
 

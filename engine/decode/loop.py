@@ -15,8 +15,9 @@ from engine.models.cache import commit, new_cache
 from engine.models.eagle3_head import aux_features
 from engine.decode.prefix import PrefixCache
 from engine.drafters import Drafter, make_drafter
-from engine.models.llama import KVCache, LeanForward, lean_forward
-from engine.models.target import Target, load_target
+from engine.models.forward import LeanForward, lean_forward
+from engine.models.kvpool import KVCache
+from engine.models.target import ChatTokenizer, Target, load_target
 from engine.trees.tree import Tree
 from engine.trees.verify import process_logits, verify
 from tuner.schema.config import BuiltinEngineConfig, ModelConfig, SpecConfig, UserError
@@ -95,7 +96,7 @@ class Engine:
     def __init__(self, target: Target, max_context: int, spec: SpecConfig | None = None, seed: int = 0,
                  lean: LeanForward | None = None) -> None:
         self.target = target
-        self.lean = lean  # the engine's own forward (engine.models.llama); None: the HF model's
+        self.lean = lean  # the engine's own forward (engine.models.forward); None: the HF model's
         self.model = target.model
         self.tokenizer = target.tokenizer
         self.model_name = target.name
@@ -152,10 +153,11 @@ class Engine:
 
     def encode_prompt(self, text: str, chat_template: bool) -> list[int]:
         """Token ids of a user prompt, through the model's chat template (with the assistant prefix) or raw."""
-        if chat_template and getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                      add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return ChatTokenizer(self.tokenizer).encode_prompt(text, chat_template)
+
+    def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation through the model's chat template, ready for the assistant's turn."""
+        return ChatTokenizer(self.tokenizer).encode_messages(messages)
 
     def _forward(self, tree: Tree | None, tokens: list[int], prefix: int, cache: DynamicCache | KVCache,
                  last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:

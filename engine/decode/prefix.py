@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.models.llama import KVCache
+from engine.models.kvpool import KVCache
 
 MIN_REUSE = 16  # positions below which copying is not worth a lookup's bookkeeping
 

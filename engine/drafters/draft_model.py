@@ -19,7 +19,9 @@ import torch
 from engine.models.cache import crop_to, new_cache
 from engine.drafters.base import ModelDrafter
 from engine.models.kernels import linear
-from engine.models.llama import KVCache, LeanForward, check_supported, lean_forward_of
+from engine.models.forward import LeanForward, lean_forward_of
+from engine.models.kvpool import KVCache
+from engine.models.llama import check_supported
 from tuner.schema.config import SpecConfig, UserError
 
 DRAFT_VOCAB = "draft_vocab.json"

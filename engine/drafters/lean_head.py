@@ -3,8 +3,9 @@
 The head modules (engine.models.eagle_head, engine.models.eagle3_head) stay what training and checkpoints use. For
 drafting, their q/k/v and gate/up weights are fused into one tensor each (the modules' weights
 become views of them, as the target's are), RoPE comes from a table, every linear goes through
-`engine.models.kernels.linear` (oneDNN on CPU fp32, where MKL's small-batch GEMM costs about 3x: the 8,192-row draft lm_head over 4 rows took 2.3 ms with MKL and
-0.66 ms with oneDNN on the 2-core development machine), and the KV cache is engine.models.llama.KVCache:
+`engine.models.kernels.linear` (oneDNN on CPU fp32, where MKL's small-batch GEMM costs several
+times more for the draft lm_head over a tree level's rows: docs/results.md, "Figures behind the
+code"), and the KV cache is engine.models.kvpool.KVCache:
 written by index, a rollback is a length change, doubling when full.
 
 One forward may carry several drafts (`step_batch`, continuous batching): their rows are
@@ -22,8 +23,9 @@ from engine.models.cache import KVBuffer
 from engine.models.eagle_head import EagleHead
 from engine.models.eagle3_head import Eagle3Head
 from engine.models.kernels import linear
-from engine.models.llama import (Block, KVCache, _attend, _fuse, _fuse_bias, _out_mlp, _qkv, rms_norm, rope_table,
-                                 visibility_mask)
+from engine.models.forward import visibility_mask
+from engine.models.kvpool import KVCache
+from engine.models.llama import Block, _attend, _fuse, _fuse_bias, _out_mlp, _qkv, rms_norm, rope_table
 
 
 def supports(head: torch.nn.Module) -> bool:

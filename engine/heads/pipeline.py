@@ -32,6 +32,7 @@ from engine.heads.data import DATA_FILE, DistillData
 from engine.models.eagle3_head import default_aux_layers
 from engine.heads.evaluate import chain_acceptance
 from engine.heads.prompts import collect_prompts, fixed_code_texts
+from engine.measure.workloads import encode
 from engine.heads.schedule import Report, split_prompts
 from engine.heads.trainer import train_head
 from engine.heads.vocab import always_kept, build_vocab
@@ -45,7 +46,7 @@ _DATA_SETTINGS = ("prompts", "max_new_tokens", "label_topk", "seed")
 @dataclass(frozen=True)
 class TrainJob:
     """What training a draft reads: the target `model`, loaded under the engine settings `builtin`
-    (their fp8_weights decide the precision of its features), the `workload` whose prompts it
+    (their weights decide the precision of its features), the `workload` whose prompts it
     learns, the `train` settings, the cache directory and the target's seed (a random_init
     target's weights)."""
 
@@ -77,7 +78,8 @@ def target_hash(job: TrainJob) -> str:
         basis = "gguf:" + file_digest(gguf_path(m.gguf.package, m.gguf.file), root)
     else:
         basis = f"hub:{m.hf_id}"
-    return _short(f"{basis}:fp8={job.builtin.fp8_weights}")
+    w = job.builtin.weights  # fp32 keyed as before, so heads trained then are found again
+    return _short(f"{basis}:fp8=False" if w == "fp32" else f"{basis}:weights={w}")
 
 
 def data_key(thash: str, prompts: Sequence, chat_template: bool, tc: TrainConfig,
@@ -147,7 +149,7 @@ def _answer_data(job: TrainJob, engine, prompts: Sequence, key: str, thash: str,
         if report:
             report("generate", done, total, {"tokens": tokens, "tok_s": tokens / max(seconds, 1e-9)})
 
-    encoded = [engine.encode_prompt(p.text, chat) for p in prompts]
+    encoded = [encode(engine, p, chat) for p in prompts]  # a file's request: its own turns
     data = generate_answers(engine.model, encoded, tc.max_new_tokens, engine.eos, pad, tc.gen_batch, tc.label_topk,
                             aux_layers=aux_layers, on_progress=progress,
                             meta={"key": key, "target": thash, "sources": _sources(prompts),

@@ -9,7 +9,7 @@ import time
 import torch
 
 from engine.models.cache import crop_to, new_cache
-from engine.models.llama import lean_forward
+from engine.models.forward import lean_forward
 from engine.models.target import Target
 from tuner.schema.config import BuiltinEngineConfig
 

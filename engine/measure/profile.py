@@ -33,7 +33,7 @@ from engine.drafters.suffix import restore_caches, snapshot_caches
 from engine.models.target import Target
 from engine.trees.tree import Tree
 from engine.trees.verify import process_logits
-from engine.measure.workloads import Prompt, sampling_params
+from engine.measure.workloads import Prompt, encode, sampling_params
 from engine.measure.profile_file import KIND, PROFILE_FILE, Profile, load_profile  # noqa: F401 (re-exported)
 from tuner.schema.config import BuiltinEngineConfig, ModelConfig, SpecConfig, UserError, WorkloadConfig
 from tuner.schema.methods import method as method_info
@@ -323,9 +323,9 @@ def profile_prompts(model: ModelConfig, builtin: BuiltinEngineConfig, workload: 
 
     if builtin.threads:
         torch.set_num_threads(builtin.threads)
-    target = load_target(model, builtin.model_copy(update={"fp8_weights": fp8}), cache_dir, seed)
+    target = load_target(model, builtin.model_copy(update={"weights": "fp8" if fp8 else builtin.weights}), cache_dir, seed)
     engine = Engine(target, model.max_context, seed=seed)
-    ids = [engine.encode_prompt(p.text, workload.chat_template) for p in prompts]
+    ids = [encode(engine, p, workload.chat_template) for p in prompts]  # a file's request: its own turns
     return make_profile(target, ids, [p.id for p in prompts], specs, sampling_params(workload, seed=seed),
                         engine.eos, model.max_context, model=model.name, hf_id=model.hf_id, fp8=fp8,
                         workload=workload.name, seed=seed, on_point=on_point,

@@ -32,8 +32,8 @@ import numpy as np
 
 from engine.api import SamplingParams, TextEngine
 from engine.measure.promparse import SpecCounters, spec_counters, tau_from_delta
-from engine.measure.stats import mean_ci, tight
-from engine.measure.workloads import Prompt
+from engine.measure.stats import log_interval, tight
+from engine.measure.workloads import Prompt, encode, params_of
 from tuner.schema.config import Figures
 
 
@@ -134,7 +134,8 @@ def run_inprocess(engine: TextEngine, prompts: Sequence[Prompt], params: Samplin
     (engine.builtin.max_batch > 1) decodes the clients' requests together; any other runs them one at a time."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
-    encoded = [engine.encode_prompt(p.text, chat_template) for p in prompts]  # tokenising is the client's work
+    encoded = [encode(engine, p, chat_template) for p in prompts]  # tokenising is the client's work
+    own = [params_of(p, params) for p in prompts]  # a request's own sampling and budget (a file's)
     records = [RequestRecord(prompt_id=p.id) for p in prompts]
     results: list[Any] = [None] * len(prompts)
     stamps: list[list[float]] = [[] for _ in prompts]
@@ -156,12 +157,12 @@ def run_inprocess(engine: TextEngine, prompts: Sequence[Prompt], params: Samplin
             if req.error is not None:
                 records[i].error = req.error
 
-        batch.closed_loop(encoded, params, concurrency, on_tokens, on_done)
+        batch.closed_loop(encoded, own, concurrency, on_tokens, on_done)
     else:
         for i, ids in enumerate(encoded):
             arrivals[i] = t0 if i < concurrency else ends[i - concurrency]
             try:
-                results[i] = engine.generate(ids, params, on_tokens=lambda _toks, i=i: stamps[i].append(time.perf_counter()))
+                results[i] = engine.generate(ids, own[i], on_tokens=lambda _toks, i=i: stamps[i].append(time.perf_counter()))
             except Exception as exc:  # one failed request is recorded, the run goes on
                 records[i].error = f"{type(exc).__name__}: {exc}"
             ends[i] = time.perf_counter()
@@ -197,7 +198,9 @@ def run_inprocess(engine: TextEngine, prompts: Sequence[Prompt], params: Samplin
 
 
 def request_body(model: str, prompt: Prompt, params: SamplingParams, chat_template: bool) -> tuple[str, dict]:
-    """(path, JSON body) of one streaming request: chat completions with the template, else completions."""
+    """(path, JSON body) of one streaming request: chat completions with the template, else
+    completions (a request from a file says which itself, and carries its own sampling)."""
+    params = params_of(prompt, params)
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": params.max_new_tokens,
@@ -212,10 +215,10 @@ def request_body(model: str, prompt: Prompt, params: SamplingParams, chat_templa
         body["stop"] = list(params.stop)
     if params.seed is not None:
         body["seed"] = params.seed
-    if chat_template:
-        body["messages"] = [{"role": "user", "content": prompt.text}]
+    if chat_template if prompt.chat is None else prompt.chat:
+        body["messages"] = prompt.messages()
         return "/v1/chat/completions", body
-    body["prompt"] = prompt.text
+    body["prompt"] = "\n\n".join(m["content"] for m in prompt.messages())  # as engine.measure.workloads.encode
     return "/v1/completions", body
 
 
@@ -391,9 +394,7 @@ class Summary:
     @classmethod
     def of(cls, runs: list[Measurement]) -> "Summary":
         tps = [m.output_tokens_per_s for m in runs]
-        _, lo, hi = mean_ci(tps)
-        if lo is not None:
-            lo = max(0.0, lo)  # a rate is never negative
+        _, lo, hi, _, _ = log_interval(tps)  # on logs: a rate's interval is never negative
         return cls(
             runs=runs, output_tokens_per_s=float(statistics.median(tps)), ci_low=lo, ci_high=hi,
             tau=_median([m.tau for m in runs]),

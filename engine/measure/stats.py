@@ -1,5 +1,6 @@
 """The one statistics helper: a 95% Student-t interval of a mean (and its one-sided lower bound), the
-repeat-until-tight rule, and the geometric mean that averages ratios (speedups over levels).
+same on a log scale for ratios and rates (`log_interval`), the repeat-until-tight rule, and the
+geometric mean that averages ratios (speedups over levels).
 
 Used by the load generator (engine.measure.runner: repeats of one configuration) and by the tuner's trials
 (tuner.study.objective: repeats of a speedup ratio). Measurements on these machines are noisy (about
@@ -37,6 +38,54 @@ def lower95(xs: list[float]) -> float | None:
     from scipy.stats import t
 
     return statistics.fmean(xs) - float(t.ppf(0.95, len(xs) - 1)) * statistics.stdev(xs) / math.sqrt(len(xs))
+
+
+def t95_one_sided(n: int) -> float:
+    """One-sided 95% Student-t quantile for a mean of n samples (n >= 2)."""
+    from scipy.stats import t
+
+    return float(t.ppf(0.95, n - 1))
+
+
+def log_interval(xs: list[float]) -> tuple[float, float | None, float | None, float | None, float | None]:
+    """A positive figure's (a speedup, a tok/s) geometric mean and its intervals, computed on the
+    logs and mapped back: (center, two-sided 95% low, high, one-sided 95% lower, one-sided 95%
+    upper). Bounds are None with fewer than two samples.
+
+    Ratios multiply, so their noise is symmetric on a log scale: the interval of a speedup can
+    never reach 0 or below, and it is wider above the center than below, as a ratio's is. A
+    non-positive sample (nothing served) gives 0 for the center and every bound (geomean's limit).
+    """
+    if any(x <= 0 for x in xs):
+        zero = 0.0 if len(xs) >= 2 else None
+        return 0.0, zero, zero, zero, zero
+    if len(set(xs)) == 1:  # exact: exp(log(x)) may miss x by a rounding
+        same = xs[0] if len(xs) >= 2 else None
+        return xs[0], same, same, same, same
+    logs = [math.log(x) for x in xs]
+    m = statistics.fmean(logs)
+    se = statistics.stdev(logs) / math.sqrt(len(xs))
+    two, one = t95(len(xs)) * se, t95_one_sided(len(xs)) * se
+    return math.exp(m), math.exp(m - two), math.exp(m + two), math.exp(m - one), math.exp(m + one)
+
+
+def ratio_bounds(xs: list[float], noise: float) -> tuple[float, float]:
+    """(pessimistic, optimistic) bounds of a ratio's mean: its one-sided 95% bounds on logs, never
+    narrower than twice the noise band around the geometric mean (two samples that happen to agree
+    prove less than their interval says; one sample has no interval at all)."""
+    m, _, _, lower, upper = log_interval(xs)
+    band_lo, band_hi = m * (1 - 2 * noise), m / max(1 - 2 * noise, 1e-9)
+    if lower is None or upper is None:
+        return band_lo, band_hi
+    return min(lower, band_lo), max(upper, band_hi)
+
+
+def log_spread(xs: list[float]) -> float | None:
+    """The relative spread of one sample of a positive figure: the standard deviation of its logs
+    (0.05 ~ +-5% per sample); None with fewer than two samples or a non-positive one."""
+    if len(xs) < 2 or any(x <= 0 for x in xs):
+        return None
+    return statistics.stdev([math.log(x) for x in xs])
 
 
 def rel_half_width(xs: list[float]) -> float | None:

@@ -2,7 +2,7 @@
 a chain, a draft tree) attends over exactly its own length, each sequence's keys and values read once
 for all of its query rows and the g query heads that share a kv head.
 
-Why: the pooled SDPA call (engine.models.llama.PooledAttention) pads every sequence of a call to the
+Why: the pooled SDPA call (engine.models.batchplan.PooledAttention) pads every sequence of a call to the
 longest one and reads the pool well below the copy bandwidth; docs/design.md has the measurements.
 
 One task is one (sequence, kv head), over torch's OpenMP threads: the scores of its n x g query rows

@@ -2,9 +2,9 @@
 decoder layer and the lm_head: a decode row, a chain or a draft tree of one sequence (batch 1), or
 the rows of several sequences (a batched step), up to MAX_ROWS rows in all.
 
-Why: a one-row step of SmolLM2 reads 538 MB of weights, which this machine kind streams in about
-19-21 ms; the compiled layer-by-layer step took 32-35 ms on the AMX Xeon (docs/results.md), the rest
-being 30 compiled-graph calls and their guards, each linear's own OpenMP region, SDPA and the
+Why: a one-row step of SmolLM2 is bound by reading its weights, and the compiled layer-by-layer
+step took well over that read time on the AMX Xeon (docs/results.md, "Figures behind the code"), the
+rest being 30 compiled-graph calls and their guards, each linear's own OpenMP region, SDPA and the
 rotations between them. Here one OpenMP region spans the step: the linears are the few-row kernel's
 blocks (engine.models.smallm) split over the threads, the attention is the decode attention kernel's
 task (engine.models.attention) per kv head, and the norms, rotations and activations run between
@@ -41,14 +41,15 @@ _SOURCE = native.VECTORS + smallm.BLOCK_SOURCE + attention.TASK_SOURCE + r"""
    one pass; more rows in passes of at most PASS_ROWS (balanced) over the block while it is still in
    this core's cache. Past one pass the block is compute-bound, and 8 rows' accumulators and weights
    do not fit the registers (measured: 8 five-row chains 80 -> 72 ms in passes of 7). */
-static void linear_rows(long R, const float* x, long ldx, const float* wp, float* y, long ldy, long N, long K) {
+template <typename W>
+static void linear_rows(long R, const float* x, long ldx, const W* wp, float* y, long ldy, long N, long K, float scale) {
   long blocks = (N + BW - 1) / BW;
   long passes = R <= 8 ? 1 : (R + PASS_ROWS - 1) / PASS_ROWS, per = (R + passes - 1) / passes;
 #pragma omp for schedule(static)
   for (long b = 0; b < blocks; ++b) {
-    const float* wb = wp + b * K * BW;
+    const W* wb = wp + b * K * BW;
     for (long r0 = 0; r0 < R; r0 += per)
-      block_m(R - r0 < per ? R - r0 : per, x + r0 * ldx, ldx, wb, y + r0 * ldy + b * BW, ldy, K);
+      block_m(R - r0 < per ? R - r0 : per, x + r0 * ldx, ldx, wb, y + r0 * ldy + b * BW, ldy, K, scale);
   }
 }
 
@@ -75,15 +76,17 @@ static inline long up(long n) { return (n + BW - 1) / BW * BW; }
 /* R rows of S sequences. meta per sequence (6 longs): first row, rows n, committed prefix p,
    offset of its n x n visibility bytes in vis (-1: causal), the cache's layer and head strides;
    its cache entry (layer l, kv head j, position t) at kp / vp[s] + l * lstride + j * hstride + t * D.
-   w per layer: ln1, wqkv (packed), bqkv (or null), wo (packed), ln2, w13 (packed), w2 (packed).
+   w per layer: ln1, wqkv (packed), bqkv (or null), wo (packed), ln2, w13 (packed), w2 (packed); the
+   packed ones of element type W with scales ws per layer (wqkv, wo, w13, w2), the lm_head of LW.
    cos / sin [R, D] at the rows' rotary positions. Out: hidden [R, h] (final normed), logits
    [P, ldl] of the rows `pick`, aux [L, R, h] each layer's input (or null). */
-template <int D>
+template <int D, typename W, typename LW>
 static void forward(const float* emb, long R, long S, const long* meta, float* const* kp, float* const* vp,
-                    const float* const* w, long L, long h, long H, long KV, long I, const float* cos,
-                    const float* sin, const unsigned char* vis, float eps, const float* norm, const float* lm,
-                    long V, const long* pick, long P, float* hidden, float* logits, long ldl, float* aux,
+                    const void* const* w, const float* ws, long L, long h, long H, long KV, long I, const float* cos,
+                    const float* sin, const unsigned char* vis, float eps, const float* norm, const void* lmv,
+                    float lms, long V, const long* pick, long P, float* hidden, float* logits, long ldl, float* aux,
                     int threads) {
+  const LW* lm = (const LW*)lmv;
   long g = H / KV, nq = (H + 2 * KV) * D, ldq = up(nq), ldh = up(h), ld13 = up(2 * I);
   std::vector<float> x(emb, emb + R * h), hn(R * h), qkv(R * ldq), att(R * H * D), tmp(R * ldh), gu(R * ld13),
       act(R * I), hp(P * h);
@@ -95,14 +98,16 @@ static void forward(const float* emb, long R, long S, const long* meta, float* c
   {
     std::vector<float> sc;
     for (long l = 0; l < L; ++l) {
-      const float* const* lw = w + 7 * l;
-      const float *ln1 = lw[0], *wqkv = lw[1], *bqkv = lw[2], *wo = lw[3], *ln2 = lw[4], *w13 = lw[5], *w2 = lw[6];
+      const void* const* lw = w + 7 * l;
+      const float *ln1 = (const float*)lw[0], *bqkv = (const float*)lw[2], *ln2 = (const float*)lw[4];
+      const W *wqkv = (const W*)lw[1], *wo = (const W*)lw[3], *w13 = (const W*)lw[5], *w2 = (const W*)lw[6];
+      const float* s = ws + 4 * l;
 #pragma omp for schedule(static)
       for (long r = 0; r < R; ++r) {
         if (aux) memcpy(aux + (l * R + r) * h, x.data() + r * h, h * sizeof(float));
         rms_norm(x.data() + r * h, ln1, hn.data() + r * h, h, eps);
       }
-      linear_rows(R, hn.data(), h, wqkv, qkv.data(), ldq, nq, h);
+      linear_rows(R, hn.data(), h, wqkv, qkv.data(), ldq, nq, h, s[0]);
       /* bias, rotation of q and k heads, this step's keys and values into each sequence's cache */
 #pragma omp for schedule(static)
       for (long u = 0; u < R * (H + 2 * KV); ++u) {
@@ -126,7 +131,7 @@ static void forward(const float* emb, long R, long S, const long* meta, float* c
         attend_one<D>(qkv.data(), ldq, kp[s] + off, vp[s] + off, att.data(), H * D, m[0], m[1], m[2] + m[1],
                       m[3] < 0 ? nullptr : vis + m[3], j, g, scale, sc);
       }
-      linear_rows(R, att.data(), H * D, wo, tmp.data(), ldh, h, H * D);
+      linear_rows(R, att.data(), H * D, wo, tmp.data(), ldh, h, H * D, s[1]);
 #pragma omp for schedule(static)
       for (long r = 0; r < R; ++r) {
         float* xr = x.data() + r * h;
@@ -134,14 +139,14 @@ static void forward(const float* emb, long R, long S, const long* meta, float* c
         for (long i = 0; i < h; ++i) xr[i] += t[i];
         rms_norm(xr, ln2, hn.data() + r * h, h, eps);
       }
-      linear_rows(R, hn.data(), h, w13, gu.data(), ld13, 2 * I, h);
+      linear_rows(R, hn.data(), h, w13, gu.data(), ld13, 2 * I, h, s[2]);
 #pragma omp for schedule(static)
       for (long u = 0; u < R * I; ++u) {
         long r = u / I, i = u % I;
         float a = gu[r * ld13 + i], b = gu[r * ld13 + I + i];
         act[u] = a / (1.f + expf(-a)) * b;
       }
-      linear_rows(R, act.data(), I, w2, tmp.data(), ldh, h, I);
+      linear_rows(R, act.data(), I, w2, tmp.data(), ldh, h, I, s[3]);
 #pragma omp for schedule(static)
       for (long u = 0; u < R * h; ++u) x[u] += tmp[(u / h) * ldh + u % h];
     }
@@ -149,30 +154,34 @@ static void forward(const float* emb, long R, long S, const long* meta, float* c
     for (long r = 0; r < R; ++r) rms_norm(x.data() + r * h, norm, hidden + r * h, h, eps);
 #pragma omp for schedule(static)
     for (long i = 0; i < P; ++i) memcpy(hp.data() + i * h, hidden + pick[i] * h, h * sizeof(float));
-    linear_rows(P, hp.data(), h, lm, logits, ldl, V, h);
+    linear_rows(P, hp.data(), h, lm, logits, ldl, V, h, lms);
   }
 }
 
+/* fmt: the decoder weights' format and the lm_head's: 0 fp32 and fp32, 1 bf16 and bf16, 2 e4m3 and bf16 */
 extern "C" int decode_forward(const float* emb, long R, long S, const long* meta, float* const* kp, float* const* vp,
-                              const float* const* w, long L, long h, long H, long KV, long D, long I, const float* cos,
-                              const float* sin, const unsigned char* vis, float eps, const float* norm, const float* lm,
-                              long V, const long* pick, long P, float* hidden, float* logits, long ldl, float* aux,
-                              int threads) {
+                              const void* const* w, const float* ws, int fmt, long L, long h, long H, long KV, long D,
+                              long I, const float* cos, const float* sin, const unsigned char* vis, float eps,
+                              const float* norm, const void* lm, float lms, long V, const long* pick, long P,
+                              float* hidden, float* logits, long ldl, float* aux, int threads) {
   if (R < 1 || S < 1 || P < 1) return 2;
-  switch (D) {
-#define HEAD(DD) case DD: forward<DD>(emb, R, S, meta, kp, vp, w, L, h, H, KV, I, cos, sin, vis, eps, norm, lm, V, \
-                                      pick, P, hidden, logits, ldl, aux, threads); return 0;
-    HEAD(16) HEAD(32) HEAD(64) HEAD(128)
+#define HEAD(DD, W, LW) case DD: forward<DD, W, LW>(emb, R, S, meta, kp, vp, w, ws, L, h, H, KV, I, cos, sin, vis, eps, \
+                                                    norm, lm, lms, V, pick, P, hidden, logits, ldl, aux, threads); return 0;
+#define HEADS(W, LW) switch (D) { HEAD(16, W, LW) HEAD(32, W, LW) HEAD(64, W, LW) HEAD(128, W, LW) } return 1;
+  switch (fmt) {
+    case 0: HEADS(float, float)
+    case 1: HEADS(bf16_t, bf16_t)
+    case 2: HEADS(e4m3_t, bf16_t)
   }
-  return 1;
+  return 3;
 }
 """
 
 
 def _bind(lib: ctypes.CDLL) -> None:
     p, n = ctypes.c_void_p, ctypes.c_long
-    lib.decode_forward.argtypes = [p, n, n, p, p, p, p, n, n, n, n, n, n, p, p, p, ctypes.c_float, p, p, n, p, n,
-                                   p, p, n, p, ctypes.c_int]
+    lib.decode_forward.argtypes = [p, n, n, p, p, p, p, p, ctypes.c_int, n, n, n, n, n, n, p, p, p, ctypes.c_float,
+                                   p, p, ctypes.c_float, n, p, n, p, p, n, p, ctypes.c_int]
     lib.decode_forward.restype = ctypes.c_int
 
 
@@ -195,13 +204,20 @@ class NativeStep:
 
     def __init__(self, model) -> None:
         self.model = model
-        ptrs = []
+        ptrs, scales = [], []
         for b in model.blocks:
             ptrs += [b.ln1, b.wqkv._smallm_packed, b.bqkv, b.wo._smallm_packed, b.ln2, b.w13._smallm_packed,
                      b.w2._smallm_packed]
+            scales += [w._smallm_scale for w in (b.wqkv, b.wo, b.w13, b.w2)]
         self._keep = [t for t in ptrs if t is not None]  # the tensors the pointers point into
         self._ptrs = (ctypes.c_void_p * len(ptrs))(*[None if t is None else t.data_ptr() for t in ptrs])
+        self._scales = (ctypes.c_float * len(scales))(*scales)
+        self.fmt = smallm.FORMATS[model.blocks[0].wqkv._smallm_packed.dtype]
         self.lm = model.lm_head._smallm_packed
+        self.lm_scale = model.lm_head._smallm_scale
+        if smallm.FORMATS[self.lm.dtype] != min(self.fmt, 1):  # the pairs decode_forward is built for
+            raise ValueError(f"native decode step: lm_head packed as {self.lm.dtype} beside decoder weights "
+                             f"of format {self.fmt}")
         self.vocab = model.lm_head.shape[0]
         self.intermediate = model.blocks[0].w2.shape[1]
 
@@ -260,9 +276,9 @@ class NativeStep:
         aux = emb.new_empty(len(m.blocks), at, h) if aux_layers else None
         rc = library().decode_forward(
             emb.data_ptr(), at, len(caches), meta_t.data_ptr(), (ctypes.c_void_p * len(kp))(*kp),
-            (ctypes.c_void_p * len(vp))(*vp), self._ptrs, len(m.blocks), h, m.n_heads, m.n_kv, d, self.intermediate,
-            cos.data_ptr(), sin.data_ptr(), vis_t.data_ptr(), m.eps, m.norm.data_ptr(), self.lm.data_ptr(),
-            self.vocab, pick_t.data_ptr(), len(pick), hidden.data_ptr(), logits.data_ptr(), width,
+            (ctypes.c_void_p * len(vp))(*vp), self._ptrs, self._scales, self.fmt, len(m.blocks), h, m.n_heads, m.n_kv, d,
+            self.intermediate, cos.data_ptr(), sin.data_ptr(), vis_t.data_ptr(), m.eps, m.norm.data_ptr(),
+            self.lm.data_ptr(), self.lm_scale, self.vocab, pick_t.data_ptr(), len(pick), hidden.data_ptr(), logits.data_ptr(), width,
             None if aux is None else aux.data_ptr(), torch.get_num_threads())
         if rc:
             raise ValueError(f"native decode step: head size {d} not built (code {rc})")

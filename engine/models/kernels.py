@@ -4,11 +4,10 @@ oneDNN linear layers.
 
 fp32 linear layers on CPU through oneDNN where MKL's small-batch GEMM is slow.
 
-Measured on the development machine (AMD EPYC, AVX2, torch 2.13 CPU wheel, 2 threads) for
-SmolLM2's shapes: MKL (`F.linear`) takes 9.4 ms for the 49152x576 lm_head on one row and about
-2x that for 2-16 rows; oneDNN (`torch.ops.mkldnn._linear_pointwise`, the op Inductor emits for
-CPU linears) takes 4.4 ms and 10 ms. For the 576-wide decoder projections oneDNN is ~15% faster
-from 2 rows on and no faster on one row. Speculative verification runs 2-16 rows per forward,
+On the 2-core AVX2 EPYC, for SmolLM2's shapes, MKL (`F.linear`) costs about twice as much for 2-16
+rows as for one, and oneDNN (`torch.ops.mkldnn._linear_pointwise`, the op Inductor emits for CPU
+linears) less for the lm_head and for the decoder projections from 2 rows on (the figures:
+docs/results.md, "Figures behind the code"). Speculative verification runs 2-16 rows per forward,
 so this moves the cost of a verification step closer to that of an autoregressive one.
 
 Only inference goes through oneDNN (that op has no autograd formula): with gradients enabled
@@ -78,9 +77,9 @@ class LinearPlan:
     """Which form each CPU fp32 linear over a packed weight takes, by row count, and which one-row form
     the compiled decode step traces ("prodsum": a product and a sum inductor fuses into one pass over
     the weight; "mkl": an extern MKL call). The default is what measured fastest on a 2-core AVX2 EPYC
-    (prodsum 36 -> 22 ms per decode step, two rows w @ x.T 44 -> 25 ms, oneDNN packed beyond); on a
-    2-core AVX-512 Xeon the same forms measured 1.6x (one row, compiled) and 2x (two rows) slower than
-    MKL there, hence `calibrate_linears`."""
+    (prodsum for the compiled row, w @ x.T for two rows, oneDNN packed beyond); on a 2-core AVX-512
+    Xeon the same forms measured slower than MKL there (docs/results.md, "Figures behind the code"),
+    hence `calibrate_linears`."""
 
     eager: tuple[tuple[int, str], ...] = ((1, "onednn"), (2, "wxt"))
     compiled_one_row: str = "prodsum"
@@ -111,14 +110,14 @@ def set_linear_plan(plan: LinearPlan) -> None:
     _PLAN = plan
 
 
-def pack_weights(weights: list[torch.Tensor]) -> bool:
+def pack_weights(weights: list[torch.Tensor], formats: list[str] | None = None) -> bool:
     """Give each CPU fp32 weight a copy in oneDNN's blocked layout (attribute `_onednn_packed`), which
-    `linear` uses outside compiled graphs. oneDNN otherwise re-lays a plain weight out on every call:
-    packed, 30 layers' linears over 8 rows took 17.6 ms instead of 30.5, over 16 rows 23.7 instead
-    of 38.4. The copy doubles the weights' memory, so it is made only while it takes at most a
+    `linear` uses outside compiled graphs. oneDNN otherwise re-lays a plain weight out on every call,
+    which costs a large share of a multi-row step (docs/results.md, "Figures behind the code"). The copy doubles the weights' memory, so it is made only while it takes at most a
     quarter of physical memory. The weights must not change afterwards (the engine never does).
-    Where the few-row kernel builds, each weight also gets its layout (`_smallm_packed`), within the
-    same memory bound."""
+    Where the few-row kernel builds, each weight also gets its layout (`_smallm_packed`, with its
+    `_smallm_scale`) in its entry of `formats` (fp32 | bf16 | fp8; default fp32), within the same
+    memory bound."""
     if not (_ONEDNN and weights and weights[0].device.type == "cpu" and weights[0].dtype == torch.float32):
         return False
     total = sum(w.numel() * w.element_size() for w in weights)
@@ -127,11 +126,11 @@ def pack_weights(weights: list[torch.Tensor]) -> bool:
         return False
     with_smallm = 2 * total <= memory / 4 and smallm.library() is not None
     with torch.no_grad():
-        for w in weights:
+        for w, fmt in zip(weights, formats or ["fp32"] * len(weights)):
             if getattr(w, "_onednn_packed", None) is None:
                 w._onednn_packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
             if with_smallm and getattr(w, "_smallm_packed", None) is None:
-                w._smallm_packed = smallm.pack(w)
+                w._smallm_packed, w._smallm_scale = smallm.pack(w, fmt)
     return True
 
 
@@ -143,7 +142,7 @@ def forms_for(w: torch.Tensor) -> tuple[str, ...]:
 def _form_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, form: str,
                  packed: torch.Tensor | None) -> torch.Tensor:
     if form == "smallm":
-        return smallm.linear(x, w._smallm_packed, w.shape[0], b)
+        return smallm.linear(x, w._smallm_packed, w.shape[0], b, w._smallm_scale)
     if form == "mkl":
         return F.linear(x, w, b)
     if form == "wxt":
@@ -156,7 +155,7 @@ def _cpu_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tor
     """CPU fp32 x @ w.T (+ b) outside a compiled graph. A packed (target) weight takes the form the
     process's LinearPlan names for the row count. A plain weight (draft heads) takes w @ x.T for 2-4
     rows, which streams it near the read bandwidth where oneDNN's small-M GEMM on a plain weight
-    reads at 17-18 GB/s, and oneDNN otherwise."""
+    reads well below it, and oneDNN otherwise."""
     rows = x.shape[0] if x.dim() == 2 else 0
     packed = getattr(w, "_onednn_packed", None)
     if packed is not None:
@@ -168,7 +167,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     """x @ w.T (+ b). CPU fp32 outside a compiled graph: `_cpu_linear`. Inside one (on CPU only the
     one-row step is compiled) a single row is written as the plan says: by default a product and a
     sum, which inductor fuses into one pass over the weight (on the AVX2 machine faster than oneDNN's
-    GEMV: a compiled decode step 36 -> 22 ms)."""
+    GEMV)."""
     if _ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32:
         if not torch.compiler.is_compiling():
             return _cpu_linear(x, w, b)
@@ -229,7 +228,7 @@ def calibrate_linears(model: Any, cache_dir: str | os.PathLike | None = None, co
     # the rounds, forms and the few-row kernel's version in the key: plans timed before the forms
     # took turns, without a form this process has, or with another kernel are measured again
     key = (f"{cpu_signature()}|torch {torch.__version__}|{sorted({tuple(w.shape) for w in weights})}|{repeats} rounds"
-           f"|{','.join(forms)}" + (f"|smallm {smallm.TAG}" if "smallm" in forms else ""))
+           f"|{','.join(forms)}" + (f"|smallm {smallm.TAG} {weights[0]._smallm_packed.dtype}" if "smallm" in forms else ""))
 
     def measure(old: dict | None) -> dict:
         got = dict(old or {})

@@ -4,8 +4,8 @@ inductor needs anyway) for this CPU (-march=native), and measured against oneDNN
 the plan uses it.
 
 Why: on the 2-core Xeon of docs/results.md, oneDNN's small-M GEMM over SmolLM2's decoder weights
-took 26.8 ms for 8 rows and 23.8 ms for 4, while one row streams them in 16 ms; this kernel took
-22.9 and 20.4. Verification steps (a chain of 5 rows) and batched steps of a few requests are
+took far longer for 4 and 8 rows than one row takes to stream them, and this kernel less
+(docs/results.md, "Figures behind the code"). Verification steps (a chain of 5 rows) and batched steps of a few requests are
 exactly these shapes.
 
 Layout: the weight w [N, K] is packed as [N / BW, K, BW] (BW output columns side by side, zero rows
@@ -29,32 +29,73 @@ MAX_ROWS = 8  # rows per pass; more rows run in passes of 8 (the plan measures w
 # One block of BW output columns for M rows: y[m, :BW] = x[m] . wb, wb one packed block [K, BW]. Shared
 # with the native decode step (engine.models.decode_step), which runs it inside its own parallel region.
 BLOCK_SOURCE = r"""
+#include <immintrin.h>
 #define BW (VW * NB)
 
-template <int M>
-static inline void block(const float* x, long ldx, const float* wb, float* y, long ldy, long K) {
+/* Weight element types: fp32; bf16 (the top half of an fp32: widened by a shift); e4m3 (vLLM's fp8,
+   sign-magnitude moved into fp16 bits, which the CPU widens exactly, subnormals included; the 2^8
+   between the formats' exponent biases and the tensor's scale apply to y once). */
+typedef unsigned short bf16_t;
+typedef unsigned char e4m3_t;
+
+static inline vf wload(const float* p) { return *(const vfu*)p; }
+
+static inline vf wload(const bf16_t* p) {
+#if VW == 16
+  return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
+#else
+  return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
+#endif
+}
+
+static inline vf wload(const e4m3_t* p) {
+#if VW == 16
+  __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
+  __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                              _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7));
+  return (vf)_mm512_cvtph_ps(h);
+#else
+  __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p));
+  __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                           _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7));
+  return (vf)_mm256_cvtph_ps(h);
+#endif
+}
+
+/* what y is multiplied by for a tensor of per-tensor scale s */
+static inline float wscale(const float*, float) { return 1.f; }
+static inline float wscale(const bf16_t*, float) { return 1.f; }
+static inline float wscale(const e4m3_t*, float s) { return s * 256.f; }
+
+/* One block of BW output columns for M rows: y[m, :BW] = x[m] . wb (* the weight's scale), wb one
+   packed block [K, BW] of weights of type W. */
+template <int M, typename W>
+static inline void block(const float* x, long ldx, const W* wb, float* y, long ldy, long K, float scale) {
   /* one row has a single accumulator chain per vector: two k-rows in flight hide the FMA latency */
   constexpr int KU = M == 1 ? 2 : 1;
+  constexpr int ROW = BW * sizeof(W);  /* bytes of one k-row of the block */
   vf acc[KU][NB][M];
   for (int u = 0; u < KU; ++u)
     for (int j = 0; j < NB; ++j)
       for (int m = 0; m < M; ++m) acc[u][j][m] = (vf){};
+  const char* wc = (const char*)wb;
   long k = 0;
   for (; k + KU <= K; k += KU) {
     _Pragma("GCC unroll 2")
     for (int u = 0; u < KU; ++u) {
-      /* the stream 32 k-rows ahead of the loads: every 64-byte line of a row (a row of 64 floats is
-         4 lines; prefetching only 2 of them cost a third of the speed, docs/design.md) */
-#if BW >= 16
-      _Pragma("GCC unroll 4")
-      for (int off = 0; off < BW; off += 16) __builtin_prefetch(wb + (k + u + 32) * BW + off);
-#else
-      __builtin_prefetch(wb + (k + u + 32) * BW);
-      __builtin_prefetch(wb + (k + u + 32) * BW + 32);
-#endif
+      /* the stream as many bytes ahead of the loads as 32 fp32 k-rows: every 64-byte line of a k-row
+         (a row of 64 floats is 4 lines; prefetching only 2 of them cost a third of the speed,
+         docs/design.md) */
+      const char* ahead = wc + (k + u) * ROW + 32 * BW * 4;
+      if (ROW >= 64) {
+        _Pragma("GCC unroll 4")
+        for (int off = 0; off < ROW; off += 64) __builtin_prefetch(ahead + off);
+      } else if (((k + u) * ROW) % 64 == 0) {
+        __builtin_prefetch(ahead);
+      }
       vf w[NB];
       _Pragma("GCC unroll 4")
-      for (int j = 0; j < NB; ++j) w[j] = *(const vfu*)(wb + (k + u) * BW + j * VW);
+      for (int j = 0; j < NB; ++j) w[j] = wload(wb + (k + u) * BW + j * VW);
       _Pragma("GCC unroll 8")
       for (int m = 0; m < M; ++m) {
         float xs = x[m * ldx + k + u];
@@ -65,38 +106,51 @@ static inline void block(const float* x, long ldx, const float* wb, float* y, lo
   }
   for (; k < K; ++k)
     for (int j = 0; j < NB; ++j) {
-      vf w = *(const vfu*)(wb + k * BW + j * VW);
+      vf w = wload(wb + k * BW + j * VW);
       for (int m = 0; m < M; ++m) acc[0][j][m] += x[m * ldx + k] * w;
     }
+  float f = wscale(wb, scale);
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < M; ++m) {
       vf a = acc[0][j][m];
       for (int u = 1; u < KU; ++u) a += acc[u][j][m];
-      *(vfu*)(y + m * ldy + j * VW) = a;
+      *(vfu*)(y + m * ldy + j * VW) = a * f;  /* exact where f is 1 */
     }
 }
 
 /* block<M> for a row count m known at run time (1-8) */
-static inline void block_m(long m, const float* x, long ldx, const float* wb, float* y, long ldy, long K) {
+template <typename W>
+static inline void block_m(long m, const float* x, long ldx, const W* wb, float* y, long ldy, long K, float scale) {
   switch (m) {
-    case 1: block<1>(x, ldx, wb, y, ldy, K); break;
-    case 2: block<2>(x, ldx, wb, y, ldy, K); break;
-    case 3: block<3>(x, ldx, wb, y, ldy, K); break;
-    case 4: block<4>(x, ldx, wb, y, ldy, K); break;
-    case 5: block<5>(x, ldx, wb, y, ldy, K); break;
-    case 6: block<6>(x, ldx, wb, y, ldy, K); break;
-    case 7: block<7>(x, ldx, wb, y, ldy, K); break;
-    default: block<8>(x, ldx, wb, y, ldy, K); break;
+    case 1: block<1>(x, ldx, wb, y, ldy, K, scale); break;
+    case 2: block<2>(x, ldx, wb, y, ldy, K, scale); break;
+    case 3: block<3>(x, ldx, wb, y, ldy, K, scale); break;
+    case 4: block<4>(x, ldx, wb, y, ldy, K, scale); break;
+    case 5: block<5>(x, ldx, wb, y, ldy, K, scale); break;
+    case 6: block<6>(x, ldx, wb, y, ldy, K, scale); break;
+    case 7: block<7>(x, ldx, wb, y, ldy, K, scale); break;
+    default: block<8>(x, ldx, wb, y, ldy, K, scale); break;
   }
 }
 """
 
 _SOURCE = native.VECTORS + BLOCK_SOURCE + r"""
-extern "C" int smallm_linear(const float* x, const float* wp, float* y, long M, long N, long K, int threads) {
-  if (M < 1 || M > 8) return 1;
+template <typename W>
+static void run(const float* x, const W* wp, float* y, long M, long N, long K, float scale, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (long b = 0; b < N / BW; ++b) block_m(M, x, K, wp + b * K * BW, y + b * BW, N, K);
-  return 0;
+  for (long b = 0; b < N / BW; ++b) block_m(M, x, K, wp + b * K * BW, y + b * BW, N, K, scale);
+}
+
+/* fmt: 0 fp32, 1 bf16, 2 e4m3 with per-tensor scale */
+extern "C" int smallm_linear(const float* x, const void* wp, float* y, long M, long N, long K, int fmt, float scale,
+                             int threads) {
+  if (M < 1 || M > 8) return 1;
+  switch (fmt) {
+    case 0: run(x, (const float*)wp, y, M, N, K, scale, threads); return 0;
+    case 1: run(x, (const bf16_t*)wp, y, M, N, K, scale, threads); return 0;
+    case 2: run(x, (const e4m3_t*)wp, y, M, N, K, scale, threads); return 0;
+  }
+  return 2;
 }
 """
 
@@ -108,7 +162,8 @@ BW = VW * NB
 
 
 def _bind(lib: ctypes.CDLL) -> None:
-    lib.smallm_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    lib.smallm_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int, ctypes.c_float,
+                                                                               ctypes.c_int]
     lib.smallm_linear.restype = ctypes.c_int
 
 
@@ -126,18 +181,48 @@ def error() -> str | None:
     return _NATIVE.error
 
 
-def pack(w: torch.Tensor) -> torch.Tensor:
-    """w [N, K] fp32 as [ceil(N / BW), K, BW]: each block of BW output columns contiguous, k-major."""
+# packed weight dtype -> the kernel's `fmt`
+FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
+# engine.builtin.weights -> the packed weight dtype
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+
+
+def pack(w: torch.Tensor, weights: str = "fp32") -> tuple[torch.Tensor, float]:
+    """w [N, K] fp32 as [ceil(N / BW), K, BW] in the `weights` format (fp32 | bf16 | fp8): each block
+    of BW output columns contiguous, k-major; and the scale the kernel multiplies y by (fp8: vLLM's
+    per-tensor scale, engine.models.fp8; else 1). w must hold values of that format already (the
+    engine rounds its weights once when it loads them), so the copy is exact."""
     n, k = w.shape
     pad = -n % BW
+    scale = 1.0
+    if weights == "fp8":
+        from engine.models.fp8 import quantize_e4m3
+
+        w, s = quantize_e4m3(w)
+        scale = float(s)
+    else:
+        w = w.to(DTYPES[weights])
     if pad:
-        w = torch.cat([w, w.new_zeros(pad, k)])
-    return w.detach().reshape(-1, BW, k).transpose(1, 2).contiguous()
+        w = torch.cat([w.view(torch.uint8) if weights == "fp8" else w,
+                       torch.zeros(pad, k, dtype=torch.uint8 if weights == "fp8" else w.dtype)])
+        if weights == "fp8":
+            w = w.view(torch.float8_e4m3fn)
+    packed = w.detach().reshape(-1, BW, k).transpose(1, 2)
+    if weights == "fp8":  # copies of float8 tensors go through their bytes
+        return packed.view(torch.uint8).contiguous().view(torch.float8_e4m3fn), scale
+    return packed.contiguous(), scale
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ w.T (+ bias) for the weight `pack`ed into `packed` (n its output width), in passes
-    of at most MAX_ROWS rows. Needs `library()`."""
+def unpack(packed: torch.Tensor, scale: float, n: int) -> torch.Tensor:
+    """The fp32 weight [n, K] a `pack`ed copy holds (what the kernel multiplies with)."""
+    w = packed.float().transpose(1, 2).reshape(-1, packed.shape[1])[:n]
+    return w * scale if packed.dtype == torch.float8_e4m3fn else w
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+           scale: float = 1.0) -> torch.Tensor:
+    """x [M, K] @ w.T (+ bias) for the weight `pack`ed into `packed` (n its output width, scale its
+    `pack` scale), in passes of at most MAX_ROWS rows. Needs `library()`."""
     lib = _NATIVE.library()
     if lib is None:
         raise RuntimeError(f"smallm kernel unavailable: {_NATIVE.error}")
@@ -146,9 +231,11 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
     width = packed.shape[0] * BW
     y = x.new_empty(rows, width)
     threads = torch.get_num_threads()
+    fmt = FORMATS[packed.dtype]
     for r in range(0, rows, MAX_ROWS):
         m = min(MAX_ROWS, rows - r)
-        lib.smallm_linear(x[r:r + m].data_ptr(), packed.data_ptr(), y[r:r + m].data_ptr(), m, width, k, threads)
+        lib.smallm_linear(x[r:r + m].data_ptr(), packed.data_ptr(), y[r:r + m].data_ptr(), m, width, k, fmt, scale,
+                          threads)
     if width != n:  # the padding columns of the last block
         y = y[:, :n].contiguous()
     return y if bias is None else y + bias

@@ -10,7 +10,7 @@ Sources (a `ModelConfig`):
   packaged SmolLM2 tokenizer (extracted once into `<cache>/tokenizers/`).
 Everything written to the cache is built in a temp dir and renamed into place, so concurrent
 processes never see half a checkpoint. Loaded targets are cached per process by
-(source, dtype, fp8, device): changing the speculative configuration never reloads.
+(source, dtype, weights, device): changing the speculative configuration never reloads.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+
+from typing import Any
 
 import torch
 
@@ -276,6 +278,27 @@ def check_dimensions(model_cfg: ModelConfig, path: Path) -> None:
             "or load the weights the config describes")
 
 
+class ChatTokenizer:
+    """A request's token ids through an HF tokenizer: the one rule for the engine, the server and
+    the file loader (chat template with the assistant prefix, or raw text)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def encode_prompt(self, text: str, chat_template: bool) -> list[int]:
+        """Token ids of a user prompt, through the chat template (with the assistant prefix) or raw."""
+        if chat_template and getattr(self.tokenizer, "chat_template", None):
+            return self.encode_messages([{"role": "user", "content": text}])
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation through the chat template, ready for the assistant's turn."""
+        if not getattr(self.tokenizer, "chat_template", None):  # a model without a template: the turns in order
+            return self.tokenizer.encode("\n\n".join(m["content"] for m in messages), add_special_tokens=False)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+
 def load_tokenizer(path: str | os.PathLike):
     """An HF tokenizer from a directory, cached per process."""
     key = str(Path(path).resolve())
@@ -303,10 +326,10 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def load_target(model_cfg: ModelConfig, engine_cfg: BuiltinEngineConfig, cache_dir: str | None = None,
                 seed: int = 0) -> Target:
-    """The target model + tokenizer, loaded once per process per (source, dtype, fp8, device)."""
+    """The target model + tokenizer, loaded once per process per (source, dtype, weights, device)."""
     device = resolve_device(engine_cfg.device)
     dtype = resolve_dtype(engine_cfg.dtype, device)
-    key = (model_cfg.model_dump_json(), str(cache_dir), str(dtype), engine_cfg.fp8_weights, str(device), seed,
+    key = (model_cfg.model_dump_json(), str(cache_dir), str(dtype), engine_cfg.weights, str(device), seed,
            engine_cfg.onednn_linears)
     with _LOCK:
         if key in _TARGETS:
@@ -323,10 +346,10 @@ def load_target(model_cfg: ModelConfig, engine_cfg: BuiltinEngineConfig, cache_d
             with still_working(f"loading {model_cfg.name} from {path}"):
                 model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
             tok = load_tokenizer(path)
-        if engine_cfg.fp8_weights:
-            from engine.models.fp8 import apply_fp8_weights
+        from engine.models.fp8 import apply_weights
 
-            apply_fp8_weights(model)
+        # "auto" only where a BuiltinEngineConfig did not come through a Config (which resolves it)
+        apply_weights(model, "fp32" if engine_cfg.weights == "auto" else engine_cfg.weights)
         model = model.to(device=device, dtype=dtype).eval()
         model.requires_grad_(False)
         if engine_cfg.onednn_linears and device.type == "cpu" and dtype == torch.float32:

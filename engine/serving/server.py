@@ -203,9 +203,7 @@ def create_app(engine: TextEngine, model_cfg: ModelConfig, settings: ServeConfig
             return engine.encode_prompt(msgs[0].text(), True)  # exactly what the in-process runner sends
         if msgs[-1].role != "user":
             raise APIError(400, "the last message must have role 'user'", param="messages")
-        rendered = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in msgs],
-                                           tokenize=False, add_generation_prompt=True)
-        return engine.encode_prompt(rendered, False)
+        return engine.encode_messages([{"role": m.role, "content": m.text()} for m in msgs])
 
     def completion_ids(body: CompletionRequest) -> list[int]:
         if isinstance(body.prompt, list):

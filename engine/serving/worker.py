@@ -76,8 +76,9 @@ class Worker:
     Why the main thread for serving: libgomp keeps one OpenMP team per thread that ran a parallel
     region, and once its threads outnumber the CPUs every team stops spinning between regions and
     sleeps on a futex instead. The engine was loaded and warmed up in the main thread, so an engine
-    thread beside it made two teams on a 2-core machine, and a batched step of 8 took 105 ms there
-    against 72 ms in the main thread (hundreds of regions a step, each paying a wake-up).
+    thread beside it made two teams on a 2-core machine, and a batched step was markedly slower there
+    than in the main thread (hundreds of regions a step, each paying a wake-up; docs/results.md,
+    "Figures behind the code").
     """
 
     def __init__(self, engine: TextEngine, metrics: Metrics, queue_size: int) -> None:

@@ -7,7 +7,7 @@ children are tried in drafting order with the rule that matches how they were dr
 - siblings sampled without replacement from q: accept with min(1, r(x)/q_j(x)), q_j = q with the
   earlier draws removed and renormalised, else r <- norm(max(0, r - q_j)).
 When every child fails (or the node is a leaf) the bonus token is sampled from r. Both rules
-leave the output distributed exactly as the target's (tests/test_engine_lossless.py).
+leave the output distributed exactly as the target's (tests/engine/test_engine_lossless.py).
 """
 
 from __future__ import annotations

@@ -155,13 +155,17 @@ def test_rejected_object_is_one_line(manifests: Path, tmp_path: Path, capsys: py
     assert err == ['error: apply Deployment/spectune: HTTP 422 Invalid: Deployment "x" is invalid: spec.foo: Forbidden']
 
 
-def test_unreachable_server_and_missing_kubeconfig(manifests: Path, tmp_path: Path) -> None:
+def test_unreachable_server_and_missing_kubeconfig(manifests: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 37: an API server that is not there is 'connection refused at URL', one line, exit 2."""
     with FakeApiServer() as srv:
         url = srv.url
-    api = api_client(str(_kubeconfig(tmp_path / "kc", url)))  # server now closed
-    api.configuration.retries = 0
-    with pytest.raises(UserError, match="cannot reach the API server"):
-        apply_dir(manifests, api)
+    kc = _kubeconfig(tmp_path / "kc", url)  # server now closed
+    assert main(["apply", "--dry-run", "--kubeconfig", str(kc), str(manifests)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith(f"error: apply: connection refused at {url} (is the cluster up"), captured.err
+    assert "MaxRetryError" not in captured.err and "Traceback" not in captured.err
     with pytest.raises(UserError, match="kubeconfig"):
         api_client(str(tmp_path / "missing"))
 

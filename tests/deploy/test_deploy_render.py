@@ -320,6 +320,11 @@ def test_ci_override_command(tmp_path: Path, capsys: pytest.CaptureFixture) -> N
     assert main(["render", "deploy=sglang", "hardware=h100x8", "deploy.replicas=3", "--out", str(tmp_path / "a")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot be served by deploy=sglang" in err[0] and "draft_sources" in err[0]
+    # Issue 37: the real reason (SGLang runs n-gram only as a tree), not a list that holds ngram
+    assert "'ngram d4 k1 b5' cannot be served by deploy=sglang: spec.topk=1 with spec.method=ngram and " \
+           "engine=sglang: sglang runs ngram as a tree only" in err[0], err[0]
+    assert "give spec.topk=2 (an n-gram tree, not measured) or spec.method=eagle3" in err[0]
+    assert not (tmp_path / "a").exists()
     # With a model that publishes heads, the same overrides render valid manifests.
     out = tmp_path / "b"
     assert main(["render", "model=llama-3.1-8b-instruct", "deploy=sglang", "hardware=h100x8", "deploy.replicas=3",
@@ -359,6 +364,37 @@ def test_check_reports_one_line_per_invalid_doc(tmp_path: Path, capsys: pytest.C
     assert len(err) == 2
     assert err[0].startswith("deployment.yaml: Deployment/spectune: spec.template.spec.containers[0]:") and "resourcez" in err[0]
     assert err[1].startswith("servicemonitor.yaml: ServiceMonitor/spectune: spec.endpoints[0].interval:")
+
+
+def test_check_names_what_the_api_server_refuses(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Issues 37 / 38.5: --check gives a tab's line and column, and refuses what the schema allows but
+    the API server does not: both PDB fields, a Service name that is no DNS-1035 label, an object
+    name that is no DNS-1123 subdomain."""
+    render(load_config([]), None, tmp_path)
+    pdb = yaml.safe_load((tmp_path / "pdb.yaml").read_text())
+    pdb["spec"]["minAvailable"] = 1
+    (tmp_path / "pdb.yaml").write_text(yaml.safe_dump(pdb))
+    svc = yaml.safe_load((tmp_path / "service.yaml").read_text())
+    svc["metadata"]["name"] = "1spectune"
+    (tmp_path / "service.yaml").write_text(yaml.safe_dump(svc))
+    cm = (tmp_path / "configmap.yaml").read_text()
+    (tmp_path / "configmap.yaml").write_text(cm.replace("\n  name: ", "\n\tname: ", 1))
+    dep = yaml.safe_load((tmp_path / "deployment.yaml").read_text())
+    dep["metadata"]["name"] = "Spec_Tune"
+    (tmp_path / "deployment.yaml").write_text(yaml.safe_dump(dep))
+    assert main(["render", "--check", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    err = sorted(captured.err.strip().splitlines())
+    assert len(err) == 4 and captured.out == "" and "Traceback" not in captured.err, err
+    line = cm[:cm.index("\n  name: ")].count("\n") + 2
+    assert err[0] == (f"configmap.yaml: not valid YAML at line {line}, column 1: found character '\\t' that cannot "
+                      "start any token (a tab: YAML indents with spaces only)")
+    assert err[1].startswith("deployment.yaml: Deployment/Spec_Tune: metadata.name='Spec_Tune': not a name Kubernetes "
+                             "accepts here (a DNS-1123 subdomain")
+    assert err[2] == ("pdb.yaml: PodDisruptionBudget/spectune: spec: minAvailable and maxUnavailable are mutually "
+                      "exclusive (a PodDisruptionBudget takes one)")
+    assert err[3].startswith("service.yaml: Service/1spectune: metadata.name='1spectune': not a name Kubernetes "
+                             "accepts here (a DNS-1035 label")
 
 
 def test_check_catches_fields_unknown_to_an_older_version(tmp_path: Path) -> None:

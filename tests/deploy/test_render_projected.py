@@ -90,6 +90,12 @@ def test_vllm_serves_the_projected_k_schedule_and_the_configmap_says_so(run: Pat
     assert main(["render", "--from", str(run), "--projected", "hardware=h100x8", "deploy=vllm", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "projected for h100x8" in text and "measured winner: 'eagle3 d5 k4 b8'" in text and ", valid)" in text
+    # Issue 37: one figure per level, not one number for four levels
+    import re
+
+    levels = re.findall(r"(\d+): ([0-9.]+)x, TPOT ([0-9.]+) ms", text)
+    assert [int(c) for c, _, _ in levels] == LEVELS, text
+    assert len({tpot for _, _, tpot in levels}) == len(LEVELS), text  # TPOT grows with the batch
     summary, rows = _projection(run, tmp_path / "proj", "vllm", LEVELS)
     capsys.readouterr()
     # The Deployment's vLLM flags are the projection's K schedule, exactly.

@@ -219,11 +219,11 @@ def test_step_batch_rows_equal_separate_steps(engine: Engine, prompts, layout: s
     sequences attend through the CPU decode attention kernel, or (where it is not used: CUDA, no
     compiler) in pooled SDPA calls. This is the torch path (native_step=false, or a step of more
     rows than the native step takes); tests/engine/test_decode_step.py checks the native one."""
-    from engine.models import attention, llama
+    from engine.models import attention, batchplan, kvpool
 
     lean = engine.lean
     monkeypatch.setattr(lean, "native", None)
-    monkeypatch.setattr(llama, "POOL_ROWS", 4)
+    monkeypatch.setattr(batchplan, "POOL_ROWS", 4)
     kernel = layout == "pool slots"
     if kernel and attention.library() is None:
         pytest.skip(f"no C++ compiler: {attention.error()}")
@@ -235,7 +235,7 @@ def test_step_batch_rows_equal_separate_steps(engine: Engine, prompts, layout: s
     deps = [None, None, None, None, [0, 1, 1, 2]]
     ancs = [None, None, None, None, anc]
     pre = [None, None, prompts[4], prompts[0], prompts[2]]
-    pool = llama.KVPool(lean.model, 7, 64)
+    pool = kvpool.KVPool(lean.model, 7, 64)
     one, many = [], []
     for c_list in (one, many):
         for i, pfx in enumerate(pre):
@@ -248,8 +248,8 @@ def test_step_batch_rows_equal_separate_steps(engine: Engine, prompts, layout: s
                 lean.step(c, pfx)
             c_list.append(c)
     planned = []
-    real = llama.batch_plan
-    monkeypatch.setattr(llama, "batch_plan", lambda *a: planned.append(real(*a)) or planned[-1])
+    real = batchplan.batch_plan
+    monkeypatch.setattr(batchplan, "batch_plan", lambda *a: planned.append(real(*a)) or planned[-1])
     alone = [lean.step(c, t, d, a) for c, t, d, a in zip(one, toks, deps, ancs)]
     batched = lean.step_batch(many, toks, deps, ancs, [False] * 5)
     for (h1, l1, _), (h2, l2, _), c1, c2 in zip(alone, batched, one, many):
@@ -277,12 +277,12 @@ def test_one_row_decodes_attend_as_views_in_slot_order(engine: Engine, prompts, 
     pool slots attend with no gather ("direct"), even when the caller lists them out of slot order; a
     free slot between them takes the gathering path. Either way each sequence gets the logits of its
     own step."""
-    from engine.models import attention, llama
+    from engine.models import attention, batchplan, kvpool
 
     monkeypatch.setattr(attention, "usable", lambda *a: False)
     lean = engine.lean
     monkeypatch.setattr(lean, "native", None)  # the torch path's batched attention
-    pool = llama.KVPool(lean.model, 5, 64)
+    pool = kvpool.KVPool(lean.model, 5, 64)
     caches = [pool.acquire(64) for _ in range(4)]
     if hole:
         pool.release(caches.pop(1))
@@ -291,8 +291,8 @@ def test_one_row_decodes_attend_as_views_in_slot_order(engine: Engine, prompts, 
         lean.step(a, prompts[i][:3 + 2 * i])
         lean.step(b, prompts[i][:3 + 2 * i])
     planned = []
-    real = llama.batch_plan
-    monkeypatch.setattr(llama, "batch_plan", lambda *a: planned.append(real(*a)) or planned[-1])
+    real = batchplan.batch_plan
+    monkeypatch.setattr(batchplan, "batch_plan", lambda *a: planned.append(real(*a)) or planned[-1])
     order = [2, 0, 1] if hole else [2, 0, 3, 1]
     batched = lean.step_batch([caches[i] for i in order], [[7 + i] for i in order], [None] * len(order),
                               [None] * len(order), [True] * len(order))
@@ -305,17 +305,17 @@ def test_one_row_decodes_attend_as_views_in_slot_order(engine: Engine, prompts, 
 def test_pooled_calls_split_where_padding_would_cost_more_than_a_call() -> None:
     """Runs of consecutive slots; a short sequence beside a long one gets a call of its own, similar
     lengths share one, and no run spans a free slot."""
-    from engine.models import llama
+    from engine.models import batchplan
 
     class _C:
         def __init__(self, slot: int) -> None:
             self.slot = slot
 
     def seqs(slots_lengths):
-        return [llama.BatchRows(_C(s), i, i + 1, torch.tensor([n - 1]), n, None) for i, (s, n) in enumerate(slots_lengths)]
+        return [batchplan.BatchRows(_C(s), i, i + 1, torch.tensor([n - 1]), n, None) for i, (s, n) in enumerate(slots_lengths)]
 
     def runs(slots_lengths):
-        return [[s.cache.slot for s in run] for run in llama._partition(seqs(slots_lengths))]
+        return [[s.cache.slot for s in run] for run in batchplan._partition(seqs(slots_lengths))]
 
     assert runs([(0, 300), (1, 310), (2, 290), (3, 305)]) == [[0, 1, 2, 3]]
     assert runs([(0, 40), (1, 900), (2, 910)]) == [[0], [1, 2]]
@@ -323,7 +323,7 @@ def test_pooled_calls_split_where_padding_would_cost_more_than_a_call() -> None:
 
 
 def test_the_pool_grows_keeps_its_contents_and_reuses_slots(engine: Engine, prompts) -> None:
-    from engine.models.llama import KVPool
+    from engine.models.kvpool import KVPool
 
     lean = engine.lean
     pool = KVPool(lean.model, 2, 8)

@@ -1,4 +1,4 @@
-"""engine/cpu_linear.py: oneDNN linears give nn.Linear's results, keep gradients working, and are
+"""engine/models/kernels.py: oneDNN linears give nn.Linear's results, keep gradients working, and are
 what the built-in engine's CPU fp32 target uses (with an off switch)."""
 
 from __future__ import annotations

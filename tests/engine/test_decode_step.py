@@ -12,7 +12,9 @@ import torch
 
 from engine.api import SamplingParams
 from engine.models import decode_step
-from engine.models.llama import KVPool, LeanForward, LeanLlama, lean_forward, native_step_refusal
+from engine.models.forward import LeanForward, lean_forward, native_step_refusal
+from engine.models.kvpool import KVPool
+from engine.models.llama import LeanLlama
 from engine.models.target import load_target
 from engine.trees.tree import Tree
 from tests.conftest import TINY
@@ -177,12 +179,17 @@ def test_native_step_true_refuses_in_one_line() -> None:
     assert why is not None and "head size 24" in why and "\n" not in why
 
 
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "fp8"])
 @pytest.mark.parametrize("vw, nb", [(8, 1), (16, 4)])
-def test_few_row_block_every_row_count_and_layout(vw: int, nb: int) -> None:
+def test_few_row_block_every_row_count_and_layout(vw: int, nb: int, weights: str) -> None:
     """The block both kernels share (engine.models.smallm.BLOCK_SOURCE), built for AVX2's layout (8
-    lanes, one vector a block) and AVX-512's (16 lanes, four): 1-8 rows over an odd K (one row keeps
-    two k-rows in flight, so K's last row takes the remainder path) equal F.linear."""
+    lanes, one vector a block) and AVX-512's (16 lanes, four), at each weight format: 1-8 rows over
+    an odd K (one row keeps two k-rows in flight, so K's last row takes the remainder path) equal
+    F.linear over the weights the packed copy holds. The fp8 weight spans e4m3's whole range (448
+    down to its subnormals, both signs), so a wrong exponent bias, a lost sign or subnormal, or a
+    missing scale is visible."""
     from engine.models import native, smallm
+    from engine.models.fp8 import dequantize_e4m3, quantize_e4m3
 
     if vw == 16 and not native.avx512():
         pytest.skip("16-lane vectors need AVX-512")
@@ -190,10 +197,36 @@ def test_few_row_block_every_row_count_and_layout(vw: int, nb: int) -> None:
     assert lib is not None
     bw, k = vw * nb, 41
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(3 * bw, k, generator=g)
-    packed = w.reshape(-1, bw, k).transpose(1, 2).contiguous()
+    w = torch.randn(3 * bw, k, generator=g) * torch.logspace(-4, 0, k)  # columns from 1e-4 to 1: subnormals in e4m3
+    scale = 1.0
+    if weights == "fp8":
+        w8, s = quantize_e4m3(w)
+        assert (w8.float().abs() < 2 ** -6).any() and (w8.float() != 0).logical_and(w8.float().abs() < 2 ** -6).any()
+        w, scale, stored = dequantize_e4m3(w8, s), float(s), w8.view(torch.uint8)
+    else:
+        w = w.to(smallm.DTYPES[weights]).float()
+        stored = w.to(smallm.DTYPES[weights])
+    packed = stored.reshape(-1, bw, k).transpose(1, 2).contiguous()
     for m in range(1, 9):
         x = torch.randn(m, k, generator=g)
         y = torch.empty(m, 3 * bw)
-        assert lib.smallm_linear(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, 3 * bw, k, 2) == 0
+        assert lib.smallm_linear(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, 3 * bw, k,
+                                 smallm.FORMATS[smallm.DTYPES[weights]], scale, 2) == 0
         torch.testing.assert_close(y, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5, msg=f"{m} rows")
+
+
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_pack_holds_the_rounded_weight(weights: str) -> None:
+    """smallm.pack of a weight already rounded to the format (what the engine packs) is exact: unpacked
+    it gives the same values (fp8: to fp32 rounding, the per-tensor scale derived again), with the
+    padding columns of the last block zero."""
+    from engine.models import smallm
+    from engine.models.fp8 import dequantize_e4m3, quantize_e4m3
+
+    w = torch.randn(smallm.BW + 5, 37, generator=torch.Generator().manual_seed(1))
+    w = dequantize_e4m3(*quantize_e4m3(w)) if weights == "fp8" else w.bfloat16().float()
+    packed, scale = smallm.pack(w, weights)
+    assert packed.dtype == smallm.DTYPES[weights] and packed.shape == (2, 37, smallm.BW)
+    assert (scale != 1.0) == (weights == "fp8")
+    torch.testing.assert_close(smallm.unpack(packed, scale, w.shape[0]), w, rtol=1e-6, atol=0)
+    assert not packed.float().transpose(1, 2).reshape(-1, 37)[w.shape[0]:].any()

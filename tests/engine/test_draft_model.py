@@ -200,7 +200,7 @@ def test_lean_draft_model_equals_transformers_forward(monkeypatch: pytest.Monkey
     import engine.drafters.draft_model as DM
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engine.models.llama import KVCache
+    from engine.models.kvpool import KVCache
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)

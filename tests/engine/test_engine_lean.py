@@ -1,4 +1,4 @@
-"""engine/llama.py, the lean forward: logits equal the HF model's (prefill, decode, chains, branching
+"""engine/models/llama.py and forward.py, the lean forward: logits equal the HF model's (prefill, decode, chains, branching
 trees, other architectures), its static cache's commit/rollback equals recomputation from scratch,
 greedy output is token-identical to autoregressive for every drafter, compiled equals eager."""
 
@@ -15,7 +15,9 @@ from engine.drafters import DraftModelDrafter
 import engine.models.kernels as kernels
 from engine.models.kernels import (FORMS, PLAN_ROWS, LinearPlan, calibrate_linears, linear, linear_plan, pack_weights,
                                    set_linear_plan)
-from engine.models.llama import BUCKETS, KVCache, LeanForward, LeanLlama, additive_mask, check_supported, lean_forward
+from engine.models.forward import LeanForward, additive_mask, lean_forward
+from engine.models.kvpool import BUCKETS, KVCache
+from engine.models.llama import LeanLlama, check_supported
 from engine.decode.loop import Engine
 from tuner.study.measurer import open_engine
 from engine.models.target import load_target

@@ -1,4 +1,4 @@
-"""engine/machine.py: per-machine measurements are measured once, kept under their key, and
+"""engine/models/machine.py: per-machine measurements are measured once, kept under their key, and
 measured again only when asked (with the old value at hand)."""
 
 from __future__ import annotations

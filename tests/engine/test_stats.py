@@ -20,3 +20,30 @@ def test_geomean_of_ratios_and_of_a_zero() -> None:
     for bad in ([], [-1.0, 2.0]):
         with pytest.raises(statistics.StatisticsError):
             geomean(bad)
+
+
+def test_intervals_of_ratios_are_taken_on_logs() -> None:
+    """Issue 39.2: a speedup's interval is never negative and is asymmetric, as a ratio's is; the
+    arithmetic t-interval of the same two repeats reaches below zero."""
+    from engine.measure.stats import log_interval, mean_ci
+
+    xs = [0.9, 2.6]  # two repeats that disagree
+    assert mean_ci(xs)[1] < 0  # what the trials showed before: [-9.9, 13.4]x
+    c, lo, hi, lower, upper = log_interval(xs)
+    assert c == pytest.approx(math.sqrt(0.9 * 2.6))
+    assert 0 < lo < lower < c < upper < hi
+    assert hi - c > c - lo and hi / c == pytest.approx(c / lo)  # symmetric on the log scale only
+    assert log_interval([1.3]) == (1.3, None, None, None, None)
+    assert log_interval([1.25, 1.25, 1.25]) == (1.25,) * 5  # exact, no exp(log(x)) rounding
+    assert log_interval([0.0, 2.0])[:3] == (0.0, 0.0, 0.0)  # nothing served: geomean's limit
+
+
+def test_ratio_bounds_are_never_narrower_than_the_noise_band() -> None:
+    from engine.measure.stats import log_interval, ratio_bounds
+
+    assert ratio_bounds([1.2], 0.05) == pytest.approx((1.2 * 0.9, 1.2 / 0.9))  # one repeat: the band
+    agree = [1.30, 1.31]  # two repeats that happen to agree: their interval is narrower than the band
+    assert ratio_bounds(agree, 0.05)[0] == pytest.approx(log_interval(agree)[0] * 0.9)
+    wide = [0.9, 2.6]
+    _, _, _, lower, upper = log_interval(wide)
+    assert ratio_bounds(wide, 0.05) == pytest.approx((lower, upper))

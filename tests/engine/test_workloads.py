@@ -14,10 +14,10 @@ from engine.measure.workloads import (
     mtbench_prompts,
     sampling_params,
 )
-from tuner.schema.compose import available, load_config
+from tuner.schema.compose import available, load_config, packaged_names
 from tuner.schema.config import UserError
 
-WORKLOADS = available("workload")
+WORKLOADS = packaged_names()  # file and mix have no prompts of their own (tests/engine/test_traffic.py)
 
 
 def _wl(name: str, *overrides: str):

@@ -28,8 +28,14 @@ def test_every_group_option_composes(group: str) -> None:
             extra = ["hardware=h100x8", "spec.method=eagle", "spec.depth=3", "spec.topk=1", "spec.budget=4"]
         if group == "hardware" and opt != "cpu":
             extra = ["model=llama-3.1-8b-instruct"]
+        if group == "deploy" and opt == "sglang":
+            extra = ["hardware=h100x8", "model=llama-3.1-8b-instruct"]  # SGLang serves on GPUs only
         if group == "model" and opt not in ("smollm2-135m", "tiny-random"):
             extra = ["hardware=h100x8"]  # the built-in engine cannot load 7B+ in fp32 on the 24 GiB cpu host
+        if group == "workload" and opt == "file":  # the user's file: the one key it cannot default
+            extra = ["workload.path=requests.jsonl"]
+        if group == "workload" and opt == "mix":
+            extra = ["workload.mix=[{workload:code,weight:1}]"]
         cfg = load_config([f"{prefix}{group}={opt}", *extra])
         node = getattr(cfg, group)
         name = {"engine": "kind", "deploy": "target"}.get(group, "name")
@@ -87,13 +93,13 @@ BAD_INPUTS = [
     (["engine=trt"], "engine=trt: unknown option for group 'engine' (available: builtin, sglang, vllm)"),
     (["search=huge"], "search=huge: unknown option"),
     (["deploy=helm"], "deploy=helm: unknown option"),
-    (["+workload=nope"], "workload=nope: unknown option for group 'workload' (available: chat, code, creative, json, math)"),
+    (["+workload=nope"], "workload=nope: unknown option for group 'workload' (available: chat, code, creative, file, json, math, mix)"),
     (["workload=code"], "workload is not in the defaults list: add it with +workload=NAME"),
     (["spec.foo=1"], "spec.foo: unknown key"),
     (["engine.builtin.native_step=maybe"], "engine.builtin.native_step='maybe': allowed: auto, true, false"),
     (["engine.builtin.compile=fast"], "engine.builtin.compile='fast': allowed: auto, true, false"),
-    (["+spec.foo=1"], "spec.foo: unknown key in spec"),
-    (["+bogus=1"], "bogus: unknown key in the top level"),
+    (["+spec.foo=1"], "spec.foo: unknown key in spec; keys in spec: method, depth, topk, budget"),
+    (["+bogus=1"], "bogus: unknown key at the top level; keys at the top level: model, hardware"),
     (["engine=vllm", "engine.vllm.env={A:b}"], "engine.vllm.env={A:b}: Hydra adds no keys to an existing mapping "
                                              "this way; replace the whole mapping with ++engine.vllm.env={A:b}"),
     (["+workload=code", "workload.concurrency=[1,4]", "search.sampler=model"],
@@ -101,14 +107,14 @@ BAD_INPUTS = [
     (["spec.depth=abc"], "spec.depth='abc': Input should be a valid integer"),
     (["spec.depth=0"], "spec.depth=0: Input should be greater than or equal to 1"),
     (["spec.depth=99"], "spec.depth=99: Input should be less than or equal to 16"),
-    (["spec.method=bogus"], "spec.method='bogus': Input should be 'off', 'ngram', 'suffix', 'recycle', 'draft_model'"),
+    (["spec.method=bogus"], "spec.method='bogus': allowed: off, ngram, suffix, recycle, draft_model"),
     (["spec.topk=1", "spec.budget=3"], "spec.budget=3 with spec.topk=1 must equal spec.depth+1=5"),
     (["spec.depth=3", "spec.budget=5"], "spec.budget=5 with spec.topk=1 must equal spec.depth+1=4"),
     (["spec.method=eagle", "spec.depth=2", "spec.topk=2", "spec.budget=9"], "spec.budget=9 exceeds 1 + depth*topk = 5"),
     (["spec.method=suffix", "spec.depth=8", "spec.suffix_tree_depth=8"], "spec.depth=8 with spec.method=suffix must be < spec.suffix_tree_depth=8"),
     (["spec.method=suffix", "spec.suffix_min_prob=1.5"], "spec.suffix_min_prob=1.5: Input should be less than or equal to 1"),
     (["spec.method=suffix", "spec.suffix_spec_factor=0"], "spec.suffix_spec_factor=0: Input should be greater than 0"),
-    (["spec.method=ngram", "spec.topk=2", "spec.ngram_match=dfs"], "spec.ngram_match='dfs': Input should be 'bfs' or 'prob'"),
+    (["spec.method=ngram", "spec.topk=2", "spec.ngram_match=dfs"], "spec.ngram_match='dfs': allowed: bfs, prob"),
     (["engine=vllm", "spec.method=ngram", "spec.depth=2", "spec.topk=2", "spec.budget=5"], "with engine=vllm: it verifies chains only"),
     (["engine=vllm", "spec.method=recycle"], "spec.method=recycle with engine=vllm: allowed are"),
     (["engine=sglang", "hardware=h100x8", "spec.method=suffix", "spec.topk=2", "spec.budget=5"], "spec.method=suffix with engine=sglang: allowed are"),
@@ -122,9 +128,9 @@ BAD_INPUTS = [
     (["engine=vllm", "spec.method=eagle", "spec.depth=3", "spec.topk=2", "spec.budget=5"], "with engine=vllm: it verifies chains only"),
     (["engine=sglang"], "engine=sglang"),
     (["search.n_trials=0"], "search.n_trials=0: Input should be greater than or equal to 1"),
-    (["search.sampler=cmaes"], "search.sampler='cmaes': Input should be 'tpe', 'random', 'grid', 'gp' or 'model'"),
+    (["search.sampler=cmaes"], "search.sampler='cmaes': allowed: tpe, random, grid, gp, model"),
     (["search.topk=[1,32]"], "search.topk=[1, 32]: each choice must be in [1, 16]"),
-    (["search.depth.min=6", "search.depth.max=2"], "min=6 > max=2"),
+    (["search.depth.min=6", "search.depth.max=2"], "search.depth.min=6 > search.depth.max=2"),
     (["+workload=code", "workload.temperature=-1"], "workload.temperature=-1"),
     (["+workload=code", "workload.concurrency=[0]"], "workload.concurrency=[0]: each level must be in [1, 1024]"),
     (["+workload=code", "workload.top_p=0"], "workload.top_p=0"),
@@ -168,8 +174,8 @@ BAD_INPUTS = [
                                      "PodDisruptionBudget takes one of them; add deploy.pdb_max_unavailable=null"),
     (["deploy.pdb_max_unavailable=0"], "deploy.pdb_max_unavailable=0: Input should be greater than or equal to 1"),
     (["deploy.model_cache_access_mode=RWX"],
-     "deploy.model_cache_access_mode='RWX': Input should be 'ReadWriteOnce' or 'ReadWriteMany'"),
-    (["deploy.rollout=fast"], "deploy.rollout='fast': Input should be 'surge' or 'replace'"),
+     "deploy.model_cache_access_mode='RWX': allowed: ReadWriteOnce, ReadWriteMany"),
+    (["deploy.rollout=fast"], "deploy.rollout='fast': allowed: surge, replace"),
     # Issue 25.6: override slips name the argument and the KEY=VALUE form, never Hydra's parser internals.
     (["spec.depth:3"], "spec.depth:3: an override is KEY=VALUE, here spec.depth=3"),
     (["spec.depth=3,4"], "spec.depth=3,4: a comma outside brackets is a sweep of several values, and a tuner "
@@ -184,8 +190,79 @@ BAD_INPUTS = [
     (["=3"], "=3: no key before '='; expected KEY=VALUE"),
     (["spec.depth=3,"], "spec.depth=3,: not a value the override syntax reads; expected KEY=VALUE"),
     (["workload.concurrency=[1,4]"], "workload.concurrency: no workload is set, so it has no keys to override; "
-                                     "add +workload=NAME first (available: chat, code, creative, json, math), "
+                                     "add +workload=NAME first (available: chat, code, creative, file, json, math, mix), "
                                      "e.g. +workload=chat workload.concurrency=[1,4]"),
+    # Issue 37: did-you-mean wherever a name is unknown (group, option, key, method).
+    (["+worklaod=code"], "worklaod: not a config group or key; did you mean +workload=code? (groups: model, hardware"),
+    (["hardwre=h100x8"], "hardwre: not a config group or key; did you mean hardware=h100x8?"),
+    (["hardware=h100x9"], "hardware=h100x9: unknown option for group 'hardware' (did you mean hardware=h100x8? "
+                          "available: a100-80gbx4, cpu"),
+    (["+experiment=batchin"], "did you mean experiment=batching?"),
+    (["spec.methd=ngram"], "spec.methd: unknown key in spec; did you mean spec.method?"),
+    (["serve.hots=1"], "serve.hots: unknown key in serve; did you mean serve.host?"),
+    (["deploy.vllm.port=1"], "deploy.vllm.port: unknown key 'vllm' in deploy; keys in deploy: target, name"),
+    (["spec.method=ngrm"], "spec.method='ngrm': allowed: off, ngram, suffix, recycle, draft_model, eagle, eagle3, "
+                           "medusa; did you mean ngram?"),
+    (["search.methods=[ngram,eagel]"], "search.methods.1='eagel': allowed: off, ngram"),
+    (["search.methods=[ngram,eagel]"], "did you mean eagle?"),
+    # a key of an option not selected names the group to add
+    (["engine.vllm.port=8101"], "engine.vllm.port: engine.vllm.* exists only with engine=vllm; add engine=vllm"),
+    (["engine=sglang", "hardware=h100x8", "engine.vllm.port=8101"], "exists only with engine=vllm (now engine=sglang)"),
+    # forms: lists, entries, Secret references, K bands, a range's order
+    (["search.depth.min=5", "search.depth.max=2"], "search.depth.min=5 > search.depth.max=2 (min must be <= max)"),
+    (["deploy.extra_args=--enforce-eager"], "deploy.extra_args='--enforce-eager': a list is expected, in brackets: "
+                                            "deploy.extra_args=[--enforce-eager]"),
+    (["search.methods=ngram"], "search.methods='ngram': a list is expected, in brackets: search.methods=[ngram]"),
+    (["deploy.extra_args=[--tensor-parallel-size,4]"], "deploy.extra_args[1]=4: each entry is a string: quote a number"),
+    (["deploy.extra_args=[--tensor-parallel-size=4]"], "an entry holding '=' must be quoted inside the brackets, e.g. "
+                                                       "deploy.extra_args=['--tensor-parallel-size=4']"),
+    (["deploy.hf_token_secret=my-secret"], "deploy.hf_token_secret=my-secret: a Secret reference has the keys name and "
+                                           "key (the Secret and its key): deploy.hf_token_secret={name: my-secret, key: token}"),
+    (["distributed.push_token_secret=foo"], "distributed.push_token_secret={name: foo, key: token}"),
+    (["spec.k_per_batch_size=[[1,4]]"], "spec.k_per_batch_size=[[1, 4]]: each band is [lo, hi, K]"),
+    (["spec.k_per_batch_size=[[1,4,x]]"], "each band is [lo, hi, K]"),
+    (["deploy.name=spëctune"], "deploy.name=spëctune: 'ë' is not ASCII: the override syntax reads such a value only "
+                               "quoted (deploy.name='spëctune')"),
+    # values that would misbehave later: an empty host binds every interface, an empty run_dir writes into '.'
+    (["serve.host="], "serve.host='': give an address to listen on"),
+    (["serve.host=' '"], "serve.host=' ': give an address to listen on"),
+    (["run_dir="], "run_dir='': give a directory for the runs"),
+    (["model.hf_id='meta-llama/x --trust-remote-code'"], "model.hf_id='meta-llama/x --trust-remote-code': not a hub "
+                                                         "repository id (allowed: ORG/NAME"),
+    (["model.hf_id=llama"], "model.hf_id='llama': not a hub repository id"),
+    # cross-section contradictions, at config time (so config, optimize, render and project agree)
+    (["engine=vllm", "hardware=cpu", "deploy=sglang"], "deploy=sglang with hardware=cpu: SGLang serves on CUDA GPUs only"),
+    (["search.depth.max=10000"], "search.depth.max=10000: spec.depth allows at most 16"),
+    (["search.depth.min=17", "search.depth.max=20"], "search.depth.max=20: spec.depth allows at most 16"),
+    (["search.objective=goodput", "+workload=code", "workload.slo.tpot_p99_ms=null", "workload.slo.ttft_p99_ms=null"],
+     "search.objective=goodput counts requests that meet workload.slo, and both workload.slo.tpot_p99_ms and "
+     "workload.slo.ttft_p99_ms are null"),
+    (["+workload=code", "model=tiny-random", "search.methods=[ngram,draft_model]"],
+     "search.methods=['ngram', 'draft_model'] includes draft_model, which drafts with a separate model: give "
+     "spec.draft_model=DIR_OR_HUB_ID"),
+    (["search.methods=[off]"], "search.methods=['off']: name at least one speculative method"),
+    (["search.budget_max=4", "search.depth.min=5", "search.depth.max=6"],
+     "search.depth.min=5 with search.budget_max=4: a chain of depth d verifies d+1 tokens"),
+    (["deploy.hpa.min_replicas=5", "deploy.hpa.max_replicas=2"], "deploy.hpa.min_replicas=5 > deploy.hpa.max_replicas=2"),
+    (["deploy.replicas=9"], "deploy.replicas=9 exceeds deploy.hpa.max_replicas=4 (with an HPA deploy.replicas is its floor)"),
+    # Issue 38.5: names and values the API server refuses
+    (["deploy.name="], "deploy.name='': not a name Kubernetes accepts here (a DNS-1035 label"),
+    (["deploy.name='a: b'"], "deploy.name='a: b': not a name Kubernetes accepts here"),
+    (["deploy.name=-spectune"], "deploy.name='-spectune': not a name"),
+    (["deploy.name=1spectune"], "deploy.name='1spectune': not a name Kubernetes accepts here (a DNS-1035 label, as a "
+                                "Service's name: lowercase letters, digits and '-', starting with a letter"),
+    (["deploy.name=spec.tune"], "deploy.name='spec.tune': not a name"),
+    ([f"deploy.name={'s' * 64}"], "at most 63 characters"),
+    (["distributed.name=Tuner_1"], "distributed.name='Tuner_1': not a name Kubernetes accepts here"),
+    ([f"distributed.name={'t' * 51}"], "at most 50 characters"),
+    (["deploy.storage_class=Fast_SSD"], "deploy.storage_class='Fast_SSD': not a name Kubernetes accepts here (a DNS-1123 "
+                                        "subdomain"),
+    (["distributed.storage_class=.ssd"], "distributed.storage_class='.ssd': not a name"),
+    (["deploy.hpa.metric="], "deploy.hpa.metric='': not a Prometheus metric name"),
+    (["deploy.hpa.metric='requests waiting'"], "deploy.hpa.metric='requests waiting': not a Prometheus metric name"),
+    (["deploy.model_cache_size=-5Gi"], "deploy.model_cache_size='-5Gi': a volume size must be above zero"),
+    (["deploy.model_cache_size=0"], "deploy.model_cache_size='0': a volume size must be above zero"),
+    (["distributed.cache_storage=-1Gi"], "distributed.cache_storage='-1Gi': a volume size must be above zero"),
 ]
 
 
@@ -212,6 +289,10 @@ def test_overrides_the_syntax_check_lets_through() -> None:
 
 
 def test_cluster_values_that_are_accepted() -> None:
+    cfg = load_config(["deploy.name=spectune-7b", f"deploy.name={'s' * 63}", "distributed.name=tuner-1",
+                       "deploy.storage_class=fast.ssd-1", "distributed.storage_class=standard", "serve.host=0.0.0.0",
+                       "deploy.hpa.metric=sglang:num_queue_reqs", "run_dir=./out", "model.hf_id=Org_1/Model-7B.v2"])
+    assert (cfg.deploy.storage_class, cfg.serve.host, cfg.model.hf_id) == ("fast.ssd-1", "0.0.0.0", "Org_1/Model-7B.v2")
     cfg = load_config(["deploy.model_cache_size=1.5Ti", "deploy.hpa.target_average=500m", "deploy.image_tag=v0.6.3-cu12_1",
                        "deploy.namespace=team-a1", "distributed.namespace=x", "distributed.postgres_tag=17.2",
                        "deploy.hpa.target_average=5", "deploy.max_model_len=8192", "deploy.k8s_version=1.25"])
@@ -224,7 +305,7 @@ def test_cluster_values_that_are_accepted() -> None:
 def test_missing_workload_lists_workloads(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["config", "--require-workload"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "error: this command needs a workload: add +workload=NAME (available: chat, code, creative, json, math)"
+    assert err == "error: this command needs a workload: add +workload=NAME (available: chat, code, creative, file, json, math, mix)"
 
 
 def test_cli_process_no_traceback() -> None:
@@ -233,6 +314,25 @@ def test_cli_process_no_traceback() -> None:
     p = subprocess.run([str(tuner), "config", "spec.topk=1", "spec.budget=9"], capture_output=True, text=True)
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr.count("\n") == 1 and "spec.budget=9 with spec.topk=1" in p.stderr
+
+
+@pytest.mark.parametrize("delay_s", [0.4, 1.2])
+def test_ctrl_c_during_render_is_one_line(delay_s: float, tmp_path: Path) -> None:
+    """Issue 37: Ctrl-C while `tuner render` still imports (its first second) or composes: one line,
+    exit 130, no traceback, nothing rendered."""
+    import os
+    import signal
+    import time
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = tmp_path / "k8s"
+    p = subprocess.Popen([sys.executable, "-m", "tuner.cli", "render", "--out", str(out)], env=env, cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay_s)
+    p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=60)
+    assert (p.returncode, stdout, stderr) == (130, "", "interrupted\n")
+    assert not out.exists()
 
 
 def test_user_error_is_raised_by_library() -> None:
@@ -360,6 +460,8 @@ def test_draft_sources_mtp_is_gone_and_old_configs_still_load() -> None:
         validate(raw)
 
 
+PROJECT = ["project", "hardware=h200x1", "model=llama-3.1-8b-instruct", "spec.method=ngram", "spec.depth=3"]
+
 # Issue 25.6: the other commands' bad inputs, each one line naming the file, flag or argument and
 # what is expected; `{tmp}` in an argument is the test's directory (cli_files below fills it).
 CLI_BAD_INPUTS = [
@@ -381,6 +483,35 @@ CLI_BAD_INPUTS = [
     (["apply", "{tmp}/nodir", "--kubeconfig", "{tmp}/missing"], "error: {tmp}/nodir: no such directory"),
     (["report", "{tmp}/run"], "error: {tmp}/run: no study there ({tmp}/run/study.db does not exist)"),
     (["report", "{tmp}/run", "--out", "{tmp}/report"], "error: {tmp}/run: no study there"),
+    # Issue 37.2: projections refuse what no deployment could run, before anything is written
+    *[([*PROJECT, "--tau", tau, "--out", "{tmp}/proj"], f"--tau {shown}: tau is tokens per target forward: a number "
+                                                       "from 1 to 4 for 'ngram d3 k1 b4'")
+      for tau, shown in (("nan", "nan"), ("inf", "inf"), ("9", "9.0"), ("0.5", "0.5"))],
+    ([*PROJECT, "--tau", "2.5", "--concurrency", "1,100000", "--out", "{tmp}/proj"],
+     "--concurrency 100000: at context 1024 the KV cache of h200x1 holds at most 895 sequences"),
+    ([*PROJECT, "--tau", "2.5", "--concurrency", "64", "--context", "100000", "--out", "{tmp}/proj"],
+     "--concurrency 64: at context 100000 the KV cache of h200x1 holds at most 9 sequences"),
+    ([*PROJECT, "--tau", "2.5", "--context", "10000000", "--out", "{tmp}/proj"],
+     "--context 10000000: model llama-3.1-8b-instruct has a context of 131072 tokens (allowed: 1..131072)"),
+    ([*PROJECT, "--tau", "2.5", "--out", "{tmp}/acc-tau.json"],
+     "--out {tmp}/acc-tau.json: is an existing file, not a directory"),
+    (["project", "hardware=h100x8", "--acceptance-file", "{tmp}/acc-deep.json", "--out", "{tmp}/proj"],
+     "--acceptance-file {tmp}/acc-deep.json: entry 0: tau=7.5: tau is tokens per target forward: a number from 1 to 4"),
+    (["render", "--check", "{tmp}/acc-tau.json"], "error: {tmp}/acc-tau.json: a file, not a directory of manifests"),
+    (["apply", "--dry-run", "{tmp}/acc-tau.json"], "error: {tmp}/acc-tau.json: a file, not a directory of manifests"),
+    # Issue 37, reported twice before: a searched draft_model without a draft, at config time, no run written
+    (["optimize", "+workload=code", "model=tiny-random", "search.methods=[ngram,draft_model]", "run_dir={tmp}/runs"],
+     "includes draft_model, which drafts with a separate model: give spec.draft_model=DIR_OR_HUB_ID"),
+    (["optimize", "+workload=code", "engine.vllm.port=8101", "run_dir={tmp}/runs"],
+     "engine.vllm.port: engine.vllm.* exists only with engine=vllm; add engine=vllm"),
+    (["render", "--out", "{tmp}/k", "run_dir="], "run_dir='': give a directory for the runs"),
+    # Issue 37: a mistyped command names the nearest one
+    (["confg", "+workload=code"], "error: confg: unknown command; did you mean tuner config? (commands: config, render, "),
+    (["rendr", "--out", "{tmp}/k"], "error: rendr: unknown command; did you mean tuner render?"),
+    (["xyzzy"], "error: xyzzy: unknown command (commands: config, render"),
+    # Issue 38.5: the built-in server's pod on a GPU profile
+    (["render", "hardware=h100x8", "model=llama-3.1-8b-instruct", "--out", "{tmp}/k"],
+     "deploy=builtin with hardware=h100x8: the built-in server's pod runs on a CPU node in fp32"),
 ]
 
 
@@ -390,7 +521,8 @@ def cli_files(tmp_path: Path) -> Path:
     a run directory whose config.yaml has no study beside it."""
     good = {"method": "ngram", "depth": 3, "topk": 1, "budget": 4, "tau": 2.0}
     files = {"acc-type.json": [{**good, "depth": "x"}], "acc-field.json": [good, {"method": "ngram", "dept": 3, "tau": 2}],
-             "acc-rule.json": [{**good, "budget": 9}], "acc-tau.json": [{**good, "tau": "high"}]}
+             "acc-rule.json": [{**good, "budget": 9}], "acc-tau.json": [{**good, "tau": "high"}],
+             "acc-deep.json": [{**good, "tau": 7.5}]}
     for name, data in files.items():
         (tmp_path / name).write_text(json.dumps(data))
     (tmp_path / "acc-broken.yaml").write_text("- method: ngram\n  depth: 3: 4\n")

@@ -130,7 +130,7 @@ def test_the_microbenchmark_times_the_forward_the_engine_verifies_with(forward, 
     """The cost model times the engine's own forward (engine.builtin.forward), not always
     transformers': the lean forward is ~15% faster per step here, so timing the wrong one made
     every prediction of `tuner project hardware=cpu` and search.sampler=model too slow."""
-    import engine.models.llama as L
+    import engine.models.forward as L
     from engine.models.target import load_target
     from engine.measure.profile import engine_key
     from engine.measure.microbench import TOKENS, measure_forward

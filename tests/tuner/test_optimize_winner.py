@@ -13,7 +13,7 @@ from tuner.schema.compose import load_config
 from tuner.study.selection import pick_winner
 from tuner.schema.config import SpecConfig, UserError
 from tuner.study.storage import open_storage, storage_url
-from tuner.study.studies import FAIL_REASON, ROLE, HopelessPruner, load_study
+from tuner.study.studies import FAIL_REASON, ROLE, BoundPruner, load_study
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 NOISE = 0.05
@@ -73,13 +73,15 @@ def test_a_ci_that_includes_one_is_not_a_win() -> None:
 
 
 def test_faster_is_a_one_sided_claim_on_the_repeats() -> None:
-    """Two repeats at 1.58x and 1.77x: the two-sided 95% interval (t = 12.7 with one degree of
-    freedom) spans [0.47, 2.88], yet the one-sided bound clears 1.0, so it wins; two repeats that
-    disagree (1.02x, 1.40x) do not prove anything."""
+    """Two repeats at 1.58x and 1.77x: the two-sided 95% interval on the log ratios (t = 12.7 with
+    one degree of freedom) spans [0.81, 3.44] around the geometric mean 1.672 (positive, wider
+    above than below, as a ratio's is), yet the one-sided bound clears 1.0, so it wins; two
+    repeats that disagree (1.02x, 1.40x) do not prove anything."""
     steady = _trial(ng(5), 1.675, ci=(0.47, 2.88))
     steady.user_attrs["ratios"] = [1.58, 1.77]
     w = pick_winner([steady], NOISE, [1])
-    assert w.spec == ng(5) and "one-sided 95% lower bound 1.07" in w.reason
+    assert w.spec == ng(5) and "one-sided 95% lower bound 1.169" in w.reason
+    assert "1.672x" in w.reason and "95% CI [0.813, 3.441]" in w.reason
     shaky = _trial(ng(5), 1.21, ci=(-1.2, 3.6))
     shaky.user_attrs["ratios"] = [1.02, 1.40]
     assert pick_winner([shaky], NOISE, [1]).spec.method == "off"
@@ -147,27 +149,45 @@ def test_resume_marks_stale_running_trials_fail(tmp_path: Path) -> None:
     assert "interrupted" in again.trials[1].user_attrs[FAIL_REASON]
 
 
-def test_hopeless_pruner_compares_with_the_baseline_and_the_best(tmp_path: Path) -> None:
+def test_pruner_compares_an_optimistic_bound_with_the_best_pessimistic_bound(tmp_path: Path) -> None:
+    """BoundPruner: a trial after one repeat may reach its ratio widened by twice the noise band;
+    it is pruned only when even that is below 1.0 or below the best trial's one-sided lower bound.
+    A glitch (one repeat far above the other) has a wide interval, and an implausible figure is
+    no bar at all: neither can prune the trials after it."""
     study = optuna.create_study(storage=f"sqlite:///{tmp_path}/p.db", direction="maximize",
-                                pruner=HopelessPruner(noise_rel=0.05))
-    study.set_user_attr("reference_tok_s", 100.0)
-    t = study.ask()
-    t.report(85.0, 0)
-    assert t.should_prune()  # 15% below the baseline: beyond twice the 5% noise band
-    t2 = study.ask()
-    t2.report(95.0, 0)
-    assert not t2.should_prune()  # within noise: worth another repeat
-    study.tell(t2, 130.0)
-    t3 = study.ask()
-    t3.report(110.0, 0)
-    assert t3.should_prune()  # beats the baseline but is hopeless against the best so far (130)
+                                pruner=BoundPruner(noise_rel=0.05))
+
+    def after_one(ratio: float) -> bool:
+        t = study.ask()
+        t.set_user_attr("ratios", [ratio])
+        t.report(ratio, 0)
+        pruned = t.should_prune()
+        study.tell(t, state=TrialState.PRUNED)
+        return pruned
+
+    def complete(ratios: list[float], **attrs: object) -> None:
+        t = study.ask()
+        for k, v in {"ratios": ratios, "feasible": True, **attrs}.items():
+            t.set_user_attr(k, v)
+        study.tell(t, 100.0 * ratios[0])
+
+    assert after_one(0.85)  # 0.85 / 0.9 = 0.94: cannot reach the baseline
+    assert not after_one(0.95)  # may still reach 1.06
+    complete([2.9, 1.1])  # a glitch: its geometric mean 1.79, its lower bound far below 1
+    complete([2.7, 2.6], implausible="speedup 2.7x exceeds tau 1.70")
+    assert not after_one(1.10)  # neither the glitch nor the implausible figure prunes it
+    complete([1.30, 1.32])  # a steady best: pessimistic bound 1.31 x 0.9 = 1.18
+    assert after_one(1.05)  # 1.05 / 0.9 = 1.17 < 1.18
+    assert not after_one(1.10)  # 1.22: it may still beat the best
+    study.set_user_attr("noise_rel_measured", 0.10)  # a noisy machine widens every band
+    assert not after_one(1.05)  # 1.05 / 0.8 = 1.31 > 1.31 x 0.8 = 1.05
 
 
 def test_a_launched_server_is_measured_serving_first_so_two_repeats_restart_it_twice(tmp_path: Path) -> None:
     # A vLLM/SGLang trial restarts the server whenever the measured spec changes. Measuring the spec
     # the server already runs first (the order still alternating between repeats) saves one restart
     # per trial; the start-ups are recorded on the trial, outside every measurement.
-    from tuner.study.objective import Objective, Sample
+    from tuner.study.objective import Objective, Sample, ServerMeasureFn
     from tuner.study.measurer import make_launched_measure
     from tuner.search.space import SearchSpace
     from tuner.study.studies import create_study
@@ -192,11 +212,15 @@ def test_a_launched_server_is_measured_serving_first_so_two_repeats_restart_it_t
     launcher = Launcher()
     measure = make_launched_measure(launcher, cfg, {"tune": [], "heldout": []})
 
-    def fake(spec: SpecConfig, split: str, concurrency: int) -> Sample:
-        launcher.ensure(spec)  # the real measure would now run the load generator against the server
-        return Sample(tok_s=20.0 if spec.method == "off" else 30.0, tau=2.0, ttft_p99_ms=1.0, tpot_p99_ms=1.0)
+    class Fake:  # a ServerMeasureFn: the Measurer's serving() and startups(), a planted pass
+        serving, startups = measure.serving, measure.startups
 
-    fake.serving, fake.startups = measure.serving, measure.startups  # type: ignore[attr-defined]
+        def __call__(self, spec: SpecConfig, split: str, concurrency: int) -> Sample:
+            launcher.ensure(spec)  # the real measure would now run the load generator against the server
+            return Sample(tok_s=20.0 if spec.method == "off" else 30.0, tau=2.0, ttft_p99_ms=1.0, tpot_p99_ms=1.0)
+
+    fake = Fake()
+    assert isinstance(fake, ServerMeasureFn) and not isinstance(lambda s, p, c: None, ServerMeasureFn)
     space = SearchSpace.from_config(cfg)
     study = create_study(cfg, space, tmp_path, "restarts")
     objective = Objective(study, space, fake, cfg.workload, cfg.search)

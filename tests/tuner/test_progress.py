@@ -40,7 +40,7 @@ def test_trial_loop_prints_while_a_long_trial_runs(capsys: pytest.CaptureFixture
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study()
     clock = Clock()
-    with Progress(study, 10, interval=30, clock=clock, poll=3600) as progress:  # stderr captured: no terminal
+    with Progress(study, 10, noise_rel=0.05, interval=30, clock=clock, poll=3600) as progress:  # stderr captured: no terminal
         assert progress.heartbeat.active
         progress.log("intro")
         clock.t += 45
@@ -56,5 +56,31 @@ def test_quiet_progress_has_no_heartbeat() -> None:
     from tuner.study.driver import Progress
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    with Progress(optuna.create_study(), 3, quiet=True) as progress:
+    with Progress(optuna.create_study(), 3, quiet=True, noise_rel=0.05) as progress:
         assert not progress.heartbeat.active
+
+
+def test_the_progress_line_shows_the_best_by_lower_bound(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 39.1: a glitch (2.9x then 1.1x) is not shown as the best; the steady trial is, with
+    its interval and lower bound. history.png's step line follows the same leader."""
+    from optuna.trial import TrialState, create_trial
+
+    from tuner.report.figures import history_data
+    from tuner.schema.config import SpecConfig
+    from tuner.study.driver import Progress
+    from tuner.study.objective import TrialOutcome, spec_attrs
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize")
+    study.set_user_attr("noise_rel", 0.05)
+    glitch, steady = (SpecConfig(method="ngram", depth=d, topk=1, budget=d + 1) for d in (5, 4))
+    with Progress(study, 10, noise_rel=0.05, interval=30, clock=Clock(), poll=3600) as progress:
+        for spec, ratios in ((glitch, [2.9, 1.1]), (steady, [1.30, 1.32])):
+            study.add_trial(create_trial(state=TrialState.COMPLETE, value=1.0, user_attrs={
+                **spec_attrs(spec), "ratios": ratios, "speedup": sum(ratios) / 2, "feasible": True,
+                "speedup_ci_low": 0.1, "speedup_ci_high": 3.0}))
+            progress(TrialOutcome(study.trials[-1].number, TrialState.COMPLETE, spec, 13.0, sum(ratios) / 2))
+    first, second = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("trial ")]
+    assert first.endswith("| best ngram d5 k1 b6 1.786x [0.00, 844.47], lower bound 0.08x")
+    assert second.endswith("| best ngram d4 k1 b5 1.310x [1.19, 1.44], lower bound 1.18x")
+    assert [p["best"] for p in history_data(study)] == ["ngram d5 k1 b6", "ngram d4 k1 b5"]

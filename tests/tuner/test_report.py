@@ -11,6 +11,7 @@ import pytest
 from optuna.distributions import CategoricalDistribution, IntDistribution
 from optuna.trial import TrialState, create_trial
 
+from engine.measure.stats import log_interval
 from tuner.report import figures
 from tuner.schema.compose import load_config
 from tuner.schema.config import BestResult, Figures, Provenance, SpecConfig
@@ -39,8 +40,10 @@ def _study() -> optuna.Study:
     for state, role, method, depth, topk, sp, extra in TRIALS:
         attrs = {"role": role, "spec_method": method, "spec_depth": depth, "spec_topk": topk,
                  "spec": "off" if method == "off" else f"{method} d{depth} k{topk}", **extra}
+        if method != "off":
+            attrs["spec_json"] = SpecConfig(method=method, depth=depth, topk=topk, budget=depth + 1).model_dump(mode="json")
         if sp is not None:
-            attrs.update(speedup=sp, tok_s=REF * sp, baseline_tok_s=REF, tpot_p99_ms=8.0)
+            attrs.update(speedup=sp, tok_s=REF * sp, baseline_tok_s=REF, tpot_p99_ms=8.0, ratios=[sp * 1.02, sp / 1.02])
         params = {"method": method, "depth": depth or 1, "topk": topk or 1}
         study.add_trial(create_trial(state=state, value=REF * sp if state == TrialState.COMPLETE else None,
                                      params=params, distributions=DISTS, user_attrs=attrs))
@@ -73,9 +76,13 @@ def test_history_plots_the_speedup_of_every_trial_pruned_ones_marked() -> None:
     assert ax.get_ylabel() == "speedup over the adjacent baseline (x)"  # what the points are, not "output tok/s"
     right = [a for a in ax.child_axes if a.get_ylabel()]  # the secondary axis: the same points as the objective
     assert right and "objective: drift-corrected output tok/s" in right[0].get_ylabel() and "20.0 tok/s" in right[0].get_ylabel()
-    # the best-so-far line counts only complete feasible trials (trial 6 missed its SLO)
-    (step,) = [ln for ln in ax.get_lines() if ln.get_label() == "best feasible so far"]
-    assert list(step.get_ydata()) == [1.0, 1.3, 1.52, 1.52, 1.52, 1.52, 1.52, 1.52]
+    # the best-so-far line is the best one-sided lower bound (on log ratios) among complete feasible
+    # speculative trials (trial 6 missed its SLO; trial 5 reused trial 2's measurement)
+    (step,) = [ln for ln in ax.get_lines() if ln.get_label().startswith("best so far by lower bound")]
+    assert step.get_label() == "best so far by lower bound (now ngram d3 k1 b4)"
+    low = {sp: log_interval([sp * 1.02, sp / 1.02])[3] for sp in (1.3, 1.52)}
+    assert list(step.get_xdata()) == [1, 2, 3, 4, 5, 6, 7]
+    assert list(step.get_ydata()) == pytest.approx([low[1.3]] + [low[1.52]] * 6)
     matplotlib.pyplot.close(fig)
 
 

@@ -147,9 +147,11 @@ def test_from_config_quick_and_vllm() -> None:
 
 
 def test_impossible_depth_range_is_a_user_error() -> None:
-    cfg = load_config(["+workload=code", "search.depth.min=8", "search.depth.max=8", "search.budget_max=4"])
+    """Refused when the config loads (issue 37: config and optimize agree), and by the space itself."""
+    with pytest.raises(UserError, match="search.depth.min=8 with search.budget_max=4"):
+        load_config(["+workload=code", "search.depth.min=8", "search.depth.max=8", "search.budget_max=4"])
     with pytest.raises(UserError, match="search.depth.min=8"):
-        SearchSpace.from_config(cfg)
+        _space(methods=("ngram",), depth_min=8, depth_max=8, budget_max=4)
 
 
 MEDUSA = _space(methods=("eagle", "medusa"), topk=(1, 2), budget_max=16, medusa_heads=4)

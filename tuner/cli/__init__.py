@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from tuner.schema.config import UserError
+# Only light imports here: `tuner` imports this module before main() can catch a Ctrl-C.
 from tuner.cli.help import examples, start_here
 
 Handler = Callable[[argparse.Namespace], int | None]
@@ -63,6 +63,7 @@ COMMAND_MODULES: list[str] = [
     "tuner.cli.cluster",
     "tuner.cli.project",
     "tuner.cli.hub",
+    "tuner.cli.workload",
 ]
 
 
@@ -78,11 +79,30 @@ def command_parser(parser: argparse.ArgumentParser, name: str) -> argparse.Argum
     return sub.choices[name]
 
 
+def unknown_command(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """One line for a first argument that names no command (the nearest one, and the list), or None."""
+    from tuner.schema.compose import closest
+
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    word = next((a for a in argv if not a.startswith("-")), None)
+    if word is None or word in sub.choices:
+        return None
+    near = closest(word, sub.choices)
+    return (f"{word}: unknown command" + (f"; did you mean tuner {near}?" if near else "")
+            + f" (commands: {', '.join(sub.choices)})")
+
+
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """Parse the command line, overrides and options in any order: argparse stops filling a
     positional list at the first option, so the overrides after it come back unrecognized; they
     join the command's overrides in the order given. Anything else unrecognized is answered with
-    the command's own usage line (argparse's would be the top-level one)."""
+    the command's own usage line (argparse's would be the top-level one). An unknown command is a
+    UserError naming the nearest one."""
+    from tuner.schema.spec import UserError
+
+    unknown = unknown_command(parser, sys.argv[1:] if argv is None else argv)
+    if unknown:
+        raise UserError(unknown)
     args, extra = parser.parse_known_args(argv)
     if extra:
         cmd = command_parser(parser, args.command)
@@ -95,14 +115,17 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `tuner` console script."""
-    parser = build_parser()
-    args = parse(parser, argv)
+    """Entry point of the `tuner` console script. A user error is one line and exit 2; Ctrl-C at
+    any point, imports included, is one line and exit 130."""
     try:
-        rc = args.func(args)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        from tuner.schema.spec import UserError
+
+        try:
+            parser = build_parser()
+            rc = (args := parse(parser, argv)).func(args)
+        except UserError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

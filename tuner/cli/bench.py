@@ -96,7 +96,10 @@ def bench(cfg: Config, url: str | None = None, model: str | None = None) -> dict
     split = "heldout" if cfg.bench.heldout else "tune"
     if split == "heldout" and wl.num_heldout == 0:
         raise UserError("bench.heldout=true with workload.num_heldout=0: there are no held-out prompts")
-    prompts = load_prompts(wl, split)
+    from tuner.study.measurer import request_encoder
+
+    enc = request_encoder(cfg)  # the user's requests: ShareGPT budgets in tokens, the context check
+    prompts = load_prompts(wl, split, enc, cfg.model.max_context if enc is not None else None)
     params = sampling_params(wl)
     b = cfg.bench
     levels: list[dict[str, Any]] = [{"concurrency": c} for c in wl.concurrency]

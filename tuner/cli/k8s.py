@@ -64,10 +64,12 @@ def _cmd_render(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr)
     pj = plan.best.projection if plan.best is not None else None
     if pj is not None:
+        # one figure per level: a geometric mean over levels would read as the figure at each of them
+        levels = "; ".join(f"{p.concurrency}: {p.speedup:.2f}x, TPOT {p.tpot_ms:.2f} ms"
+                           + (f" ('{p.spec}')" if p.spec != plan.best.spec.key() else "") for p in pj.per_concurrency)
         print(f"projected for {pj.hardware} ({pj.cost_model}, TP {pj.tensor_parallel_size}) from {pj.profile}: "
-              f"'{plan.best.spec.key()}', predicted {pj.predicted_speedup:.2f}x, TPOT {pj.predicted_tpot_ms:.2f} ms "
-              f"at concurrency {','.join(map(str, pj.concurrency))}"
-              + (f" (measured winner: '{pj.measured_spec}')" if pj.measured_spec else ""))
+              f"'{plan.best.spec.key()}', predicted at concurrency {levels}; geometric mean "
+              f"{pj.predicted_speedup:.2f}x" + (f" (measured winner: '{pj.measured_spec}')" if pj.measured_spec else ""))
     # without --out, name the directory in full: the default lands under the current directory
     where = f"{files[0].parent}" if out is not None else f"{files[0].parent.resolve()} (default --out;"
     print(f"rendered {len(files)} files into {where}{' ' if out is None else ' ('}deploy={cfg.deploy.target}, "

@@ -173,8 +173,8 @@ class Roofline:
 # ---- here: measured on this machine with the built-in engine ------------------------------------
 
 # Bumped whenever the engine's forward changes speed, so that cost tables cached by an older engine
-# are measured again (2: one-row CPU linears through oneDNN, a decode step 46 -> 35 ms here; 4: CPU
-# linear forms chosen per machine by engine.models.kernels.calibrate_linears).
+# are measured again (2: one-row CPU linears through oneDNN, a faster decode step; 4: CPU linear
+# forms chosen per machine by engine.models.kernels.calibrate_linears).
 ENGINE_REVISION = 4
 
 

@@ -18,17 +18,19 @@ from tuner.schema.config import Config, SpecConfig, UserError
 def fp8_profile(cfg: Config) -> bool:
     """Whether acceptance must be measured under FP8-rounded weights: the deployment serves FP8
     (deploy.quantization=fp8) or the built-in engine is set to emulate it."""
-    return cfg.engine.builtin.fp8_weights or cfg.deploy.quantization == "fp8"
+    return cfg.engine.builtin.weights == "fp8" or cfg.deploy.quantization == "fp8"
 
 
-def tuning_prompts(cfg: Config, split: str = "tune", n: int | None = None) -> list[Any]:
+def tuning_prompts(cfg: Config, split: str = "tune", n: int | None = None, encoder: Any = None) -> list[Any]:
     """The first `n` prompts of cfg.workload's `split` (default n: search.trial_prompts, the
-    prompts every trial plays; all of them when that is null)."""
+    prompts every trial plays; all of them when that is null). With `encoder` (what tokenises a
+    request), a file's requests get their token budgets and must fit model.max_context."""
     from engine.measure.workloads import load_prompts
 
     if cfg.workload is None:
-        raise UserError("no workload given: add +workload=NAME (code, chat, math, json, creative)")
-    return load_prompts(cfg.workload, split)[: n if n is not None else cfg.search.trial_prompts]
+        raise UserError("no workload given: add +workload=NAME (code, chat, math, json, creative, file, mix)")
+    prompts = load_prompts(cfg.workload, split, encoder, cfg.model.max_context if encoder is not None else None)
+    return prompts[: n if n is not None else cfg.search.trial_prompts]
 
 
 def profile_config(cfg: Config, specs: Sequence[SpecConfig], split: str = "tune", n_prompts: int | None = None,

@@ -11,6 +11,7 @@ which acceptance was used.
 from __future__ import annotations
 
 import csv
+import math
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -117,18 +118,55 @@ def acceptance_from_file(path: Path) -> Acceptance:
             spec = SpecConfig(**fields)
         except ValidationError as exc:
             raise UserError(_entry_error(path, i, exc)) from None
+        error = tau_error(spec, tau)
+        if error:
+            raise UserError(f"--acceptance-file {path}: entry {i}: tau={tau!r}: {error}")
         points.append((spec, float(tau)))
     return Acceptance(points=points, source=f"acceptance file {path}")
+
+
+def tau_error(spec: SpecConfig, tau: object) -> str | None:
+    """Why `tau` cannot be the tokens per target forward of `spec`, or None: a finite number from 1
+    (nothing accepted: the target's own token) to depth + 1 (every drafted token of the deepest path
+    accepted, plus the target's bonus token)."""
+    most = 1 if spec.method == "off" else spec.depth + 1
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or not 1 <= tau <= most:
+        return (f"tau is tokens per target forward: a number from 1 to {most} for '{spec.key()}' "
+                f"(spec.depth + 1: every drafted token accepted plus the bonus token)")
+    return None
+
+
+def check_projection_inputs(cfg: Config, tp: int, concurrency: list[int], context: int) -> None:
+    """Refuse, before anything is written, what no deployment of cfg could run: a context beyond the
+    model's, or more sequences at that context than the KV headroom of the hardware holds."""
+    m = cfg.model
+    if not 1 <= context <= m.max_context:
+        raise UserError(f"--context {context}: model {m.name} has a context of {m.max_context} tokens "
+                        f"(allowed: 1..{m.max_context})")
+    if cfg.hardware.accelerator != "cuda":
+        return  # hardware=cpu projects concurrency 1 from this machine's measured cost
+    from tuner.schema.fit import kv_cache_tokens, served_weight_gib
+
+    d = cfg.deploy
+    capacity = kv_cache_tokens(m, cfg.hardware, d, tp)
+    fits = capacity // context
+    over = [c for c in concurrency if c > fits]
+    if over:
+        raise UserError(f"--concurrency {','.join(map(str, over))}: at context {context} the KV cache of "
+                        f"{cfg.hardware.name} holds at most {fits} sequences ({capacity} KV tokens at deploy.kv_cache_dtype="
+                        f"{d.kv_cache_dtype}: deploy.gpu_memory_utilization={d.gpu_memory_utilization:g} of {tp} x "
+                        f"{cfg.hardware.gpu_memory_gib:g} GiB less {served_weight_gib(m, d.quantization):.1f} GiB of weights)")
 
 
 def acceptance_for(cfg: Config, run: Path | None = None, profile: Path | None = None, tau: float | None = None,
                    acceptance_file: Path | None = None) -> Acceptance:
     """Where the taus come from, in order: --tau (for cfg.spec), --acceptance-file, the profile."""
     if tau is not None:
-        if tau < 1:
-            raise UserError(f"--tau {tau}: tau is tokens per target forward, at least 1")
         if cfg.spec.method == "off":
             raise UserError("--tau needs a speculative spec: set spec.method, spec.depth, spec.topk, spec.budget")
+        error = tau_error(cfg.spec, tau)
+        if error:
+            raise UserError(f"--tau {tau}: {error}")
         return Acceptance(points=[(cfg.spec, tau)], source=f"--tau {tau} for {cfg.spec.key()}")
     if acceptance_file is not None:
         return acceptance_from_file(acceptance_file)
@@ -303,7 +341,8 @@ def measured_here(cfg: Config, acc: Acceptance, refresh: bool = False) -> StepCo
                         "(--from RUN or --profile), whose replay measured the draft times")
     if cfg.engine.builtin.threads:
         torch.set_num_threads(cfg.engine.builtin.threads)
-    target = load_target(cfg.model, cfg.engine.builtin.model_copy(update={"fp8_weights": fp8_profile(cfg)}),
+    target = load_target(cfg.model, cfg.engine.builtin.model_copy(
+        update={"weights": "fp8" if fp8_profile(cfg) else cfg.engine.builtin.weights}),
                          cfg.cache_dir, cfg.seed)
     b = cfg.engine.builtin
     key = engine_key(target, b.forward, b.compile, b.linear_plan)
@@ -334,16 +373,20 @@ def run_projection(cfg: Config, acc: Acceptance, out_dir: Path, concurrency: lis
     """Project `acc` onto cfg.hardware for cfg.model as cfg.deploy serves it; write projection.csv,
     projection.png and projection.yaml (best per concurrency, the K schedule, what was assumed).
     hardware=cpu (here) uses the measured cost model at concurrency 1; GPUs the roofline."""
+    from deploy.render import make_out_dir
+    from tuner.schema.fit import tensor_parallel_size
+
     hw = cfg.hardware
-    cost, tp = cost_for(cfg, acc)
     if hw.accelerator == "cpu":
         concurrency = [1]
     if concurrency is None:
         levels = cfg.workload.concurrency if cfg.workload and len(cfg.workload.concurrency) > 1 else DEFAULT_CONCURRENCY
         concurrency = sorted(set(levels))
     ctx = context or acc.context or DEFAULT_CONTEXT
+    check_projection_inputs(cfg, tensor_parallel_size(cfg.model, hw, cfg.deploy), list(concurrency), ctx)
+    make_out_dir(out_dir)  # before the cost: a file in its place is said before anything is measured
+    cost, tp = cost_for(cfg, acc)
     preds = project(cost, acc, list(concurrency), ctx)
-    out_dir.mkdir(parents=True, exist_ok=True)
     write_csv(preds, out_dir / "projection.csv")
     here = "measured cost of this machine" if hw.accelerator == "cpu" else f"TP {tp}, roofline"
     title = (f"{cfg.model.name} on {hw.name} ({here}, {'FP8' if cfg.deploy.quantization == 'fp8' else '16-bit'} "
@@ -414,6 +457,7 @@ def projected_best(cfg: Config, run: Path) -> BestResult:
     cost, tp = cost_for(cfg, acc)
     levels = [1] if hw.accelerator == "cpu" else sorted(set(cfg.workload.concurrency if cfg.workload else [1]))
     ctx = acc.context or DEFAULT_CONTEXT
+    check_projection_inputs(cfg, tp, levels, ctx)
     preds = project(cost, acc, levels, ctx)
     spec, rows = choose_projected(preds, cfg.deploy.target)
     measured = load_best(run / "best.yaml") if (run / "best.yaml").is_file() else None

@@ -19,14 +19,15 @@ import yaml
 from optuna.trial import FrozenTrial, TrialState
 
 from tuner.schema.config import BestResult, Config, measured_weights
-from tuner.study.studies import FAIL_REASON, role
+from tuner.study.selection import describe, leader
+from tuner.study.studies import FAIL_REASON, NOISE_REL, role
 
 CSV_FILE = "trials.csv"
 BEST_FILE = "best.yaml"
 HTML_FILE = "report.html"
 CSV_ATTRS = ("spec", "spec_method", "spec_depth", "spec_topk", "spec_budget", "tok_s", "tok_s_ci_low",
-             "tok_s_ci_high", "baseline_tok_s", "speedup", "speedup_ci_low", "speedup_ci_high", "tau",
-             "ttft_p99_ms", "tpot_p99_ms", "itl_p50_ms", "itl_p99_ms", "draft_mb", "repeats", "feasible", "slo_violations", FAIL_REASON, "prune_reason",
+             "tok_s_ci_high", "baseline_tok_s", "speedup", "speedup_ci_low", "speedup_ci_high", "speedup_lower", "tau",
+             "ttft_p99_ms", "tpot_p99_ms", "itl_p50_ms", "itl_p99_ms", "draft_mb", "repeats", "feasible", "slo_violations", FAIL_REASON, "prune_reason", "implausible",
              "duration_s")
 
 
@@ -74,14 +75,29 @@ def _save(fig: Any, path: Path) -> None:
     plt.close(fig)
 
 
+def study_noise(study: optuna.Study) -> float:
+    """The noise band the study's bounds use (search.noise_rel, stored at creation; 0 for a study
+    created before it was stored: then the bounds are the repeats' intervals alone)."""
+    return float(study.user_attrs.get(NOISE_REL, 0.0))
+
+
 def history_data(study: optuna.Study) -> list[dict[str, Any]]:
     """Every finished trial in order: its speedup (a pruned trial's at its last repeat; a failed
-    one has none), its state, whether it reused an earlier trial's measurement, and feasibility."""
+    one has none) and 95% interval, its state, whether it reused an earlier trial's measurement,
+    feasibility, and the best configuration by lower bound among the trials up to it (`best`,
+    `best_lower`: selection.leader, what the progress line showed then)."""
     out = []
+    done: list[FrozenTrial] = []
+    noise = study_noise(study)
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)):
         a = t.user_attrs
+        done.append(t)
+        lead = leader(done, noise)
         out.append({"number": t.number, "state": t.state.name, "speedup": a.get("speedup"), "spec": a.get("spec"),
-                    "reused_from": a.get("reused_from"), "feasible": a.get("feasible", True)})
+                    "ci_low": a.get("speedup_ci_low"), "ci_high": a.get("speedup_ci_high"),
+                    "reused_from": a.get("reused_from"), "feasible": a.get("feasible", True),
+                    "best": lead.spec.key() if lead is not None else None,
+                    "best_lower": lead.bounds(noise)[0] if lead is not None else None})
     return out
 
 
@@ -90,9 +106,10 @@ def history_skip(study: optuna.Study) -> str | None:
 
 
 def draw_history(study: optuna.Study, objective: str = "speed") -> Any:
-    """Speedup of every trial against its number: measured, pruned (at its last repeat), reused
-    and failed marked apart, the best feasible so far as a step line; the right axis reads the same
-    points as the study's objective value (speedup x trial 0's baseline: drift-corrected tok/s)."""
+    """Speedup of every trial against its number, with its 95% interval: measured, pruned (at its
+    last repeat), reused and failed marked apart; the best so far by lower bound as a step line
+    (a lucky figure with a wide interval does not raise it); the right axis reads the same points
+    as the study's objective value (speedup x trial 0's baseline: drift-corrected tok/s)."""
     import matplotlib.pyplot as plt
 
     pts = history_data(study)
@@ -106,20 +123,25 @@ def draw_history(study: optuna.Study, objective: str = "speed") -> Any:
         if sel:
             ax.scatter([p["number"] for p in sel], [p["speedup"] for p in sel], marker=marker, color=color,
                        label=label, zorder=3)
+            bars = [p for p in sel if p["ci_low"] is not None and p["ci_high"] is not None]
+            if bars:  # intervals on log ratios: asymmetric, never below 0
+                ax.errorbar([p["number"] for p in bars], [p["speedup"] for p in bars],
+                            yerr=[[p["speedup"] - p["ci_low"] for p in bars], [p["ci_high"] - p["speedup"] for p in bars]],
+                            fmt="none", ecolor=color, alpha=0.4, lw=1, zorder=2)
     ys = [p["speedup"] for p in pts if p["speedup"] is not None] or [1.0]
     failed = [p["number"] for p in pts if p["state"] == "FAIL" or p["speedup"] is None]
     if failed:
         ax.scatter(failed, [min(ys + [1.0]) * 0.95] * len(failed), marker="v", color="#b22",
                    label="failed (no speedup)", zorder=3)
-    best, line_x, line_y = None, [], []
-    for p in pts:
-        if p["state"] == "COMPLETE" and p["feasible"] and p["speedup"] is not None:
-            best = p["speedup"] if best is None else max(best, p["speedup"])
-        if best is not None:
-            line_x.append(p["number"])
-            line_y.append(best)
-    if line_x:
-        ax.step(line_x, line_y, where="post", color="#2a7", alpha=0.5, label="best feasible so far")
+    line = [(p["number"], p["best_lower"]) for p in pts if p["best_lower"] is not None]
+    if line:
+        last = next(p for p in reversed(pts) if p["best"] is not None)
+        ax.step([x for x, _ in line], [y for _, y in line], where="post", color="#2a7", alpha=0.6,
+                label=f"best so far by lower bound (now {last['best']})")
+    lows = [p["ci_low"] for p in pts if p["ci_low"] is not None]
+    highs = [p["ci_high"] for p in pts if p["ci_high"] is not None]
+    if highs:  # an interval of two repeats can be very wide: keep the points readable
+        ax.set_ylim(max(0.0, min(ys + lows + [1.0]) * 0.9), min(max(ys + highs), 2 * max(ys)) * 1.05)
     ax.axhline(1.0, color="grey", ls=":", lw=1)
     ax.set_xlabel("trial")
     ax.set_ylabel(SPEEDUP_LABEL if objective == "speed" else "goodput ratio over the adjacent baseline (x)")
@@ -128,7 +150,7 @@ def draw_history(study: optuna.Study, objective: str = "speed") -> Any:
         right = ax.secondary_yaxis("right", functions=(lambda v, r=ref: v * r, lambda v, r=ref: v / r))
         right.set_ylabel(f"objective: drift-corrected {'output tok/s' if objective == 'speed' else 'goodput'}\n"
                          f"(speedup x trial 0's baseline, {ref:.1f} tok/s)", fontsize=8)
-    ax.set_title(f"speedup of every trial ({len(pts)})")
+    ax.set_title(f"speedup of every trial ({len(pts)}), 95% intervals")
     ax.legend(fontsize=7)
     return fig
 
@@ -200,8 +222,9 @@ def plot_pareto(study: optuna.Study, path: Path) -> None:
 
 
 def importance_trials(study: optuna.Study) -> list[FrozenTrial]:
-    """The trials Optuna's importances are computed from: complete ones with a value."""
-    return [t for t in complete(study) if t.values]
+    """The trials Optuna's importances are computed from: complete ones with a value (the
+    confirmation round's pairs carry no parameters)."""
+    return [t for t in complete(study) if t.values and role(t) != "confirm"]
 
 
 def importances_skip(study: optuna.Study) -> str | None:
@@ -416,6 +439,10 @@ def run_summary(study: optuna.Study, best: BestResult | None, cfg: Config | None
             rows.append(("workload", f"{w.name} ({w.source}: {w.num_prompts} tuning + {w.num_heldout} held-out prompts, "
                                      f"{w.max_new_tokens} new tokens, T={w.temperature:g}, concurrency "
                                      f"{','.join(map(str, w.concurrency))})"))
+            if w.mix:
+                rows.append(("mix", ", ".join(f"{p.label} (weight {p.weight:g})" for p in w.mix)))
+            if w.source in ("file", "mix") and not w.private:
+                rows.append(("request texts", "kept (workload.keep_text=true)"))
         sc = cfg.search
         rows.append(("search space", f"methods {', '.join(sc.methods)}; depth {sc.depth.min}-{sc.depth.max}; topk "
                                      f"{', '.join(map(str, sc.topk))}; budget <= {sc.budget_max}; sampler {sc.sampler}, "
@@ -472,6 +499,10 @@ def write_html(study: optuna.Study, run_dir: Path, best: BestResult | None, skip
     for label, value in run_summary(study, best, cfg):
         parts.append(f"<tr><th>{html.escape(label)}</th><td>{html.escape(value)}</td></tr>")
     parts.append("</table>")
+    lead = leader(study.get_trials(deepcopy=False), study_noise(study))
+    if lead is not None:
+        parts.append(f"<p>Best by lower bound: {html.escape(describe(lead, study_noise(study)))} (the 95% interval of "
+                     "its repeats' ratios, on logs; pruning and the progress line rank by that lower bound)</p>")
     if best is not None:
         parts.append(f"<h2>Winner: {html.escape(best.spec.key())}</h2><p>{html.escape(best.reason or '')}</p><ul>")
         if best.metrics:
@@ -487,7 +518,18 @@ def write_html(study: optuna.Study, run_dir: Path, best: BestResult | None, skip
                          f"{_fmt(best.heldout_speedup)}x</li>")
         if best.chain_spec is not None:
             parts.append(f"<li>best chain (for vLLM): {html.escape(best.chain_spec.key())}</li>")
+        if best.skipped_requests:
+            parts.append(f"<li>{best.skipped_requests} request(s) of the workload were refused by the engine as such "
+                         "(too long, a field it cannot honour): counted and skipped</li>")
         parts.append("</ul>")
+        if best.parts:
+            parts.append("<h3>Per part of the mix</h3><table><tr><th>part</th><th>weight</th><th>requests</th>"
+                         "<th>tau</th><th>speedup</th><th>tok/s</th><th>tok/s off</th></tr>")
+            for pr in best.parts:
+                parts.append(f"<tr><td>{html.escape(pr.name)}</td><td>{pr.weight:g}</td><td>{pr.requests} "
+                             f"({html.escape(pr.split)})</td><td>{_fmt(pr.tau)}</td><td>{_fmt(pr.speedup)}x</td>"
+                             f"<td>{_fmt(pr.output_tokens_per_s)}</td><td>{_fmt(pr.baseline_tokens_per_s)}</td></tr>")
+            parts.append("</table>")
     else:
         parts.append("<p>No winner yet: the study has not finished.</p>")
     links = []
@@ -521,6 +563,10 @@ def write_html(study: optuna.Study, run_dir: Path, best: BestResult | None, skip
         ci = (f"[{_fmt(a.get('speedup_ci_low'))}, {_fmt(a.get('speedup_ci_high'))}]"
               if a.get("speedup_ci_low") is not None else "")
         note = a.get(FAIL_REASON) or a.get("prune_reason") or a.get("slo_violations") or ""
+        if a.get("implausible"):  # kept after every re-measurement: it neither prunes nor wins
+            note = f"implausible: {a['implausible']}" + (f"; {note}" if note else "")
+        elif a.get("remeasured"):
+            note = f"re-measured: {'; '.join(a['remeasured'])}" + (f"; {note}" if note else "")
         if "reused_from" in a:  # a sampler proposed the point again: no new measurement
             note = f"reused: the measurement of trial {a['reused_from']}" + (f"; {note}" if note else "")
         value = _fmt(t.values[0]) if t.values else ""

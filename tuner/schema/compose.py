@@ -7,22 +7,26 @@ impossible combination) becomes a `UserError` with one line naming the key and w
 from __future__ import annotations
 
 import copy
+import difflib
 import functools
 import json
 import re
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from tuner.schema.config import Config, UserError, WorkloadConfig
+from tuner.schema.config import Config, SecretRef, UserError, WorkloadConfig
 
 GROUPS = ("model", "hardware", "engine", "search", "deploy", "serve", "bench", "train", "distributed", "workload",
           "experiment")
 # Diversity sources of head training in a fixed order (prompt selection depends on it, and so does
 # the data cache key): the packaged workloads first, then any others found in conf/workload.
 WORKLOAD_ORDER = ("code", "chat", "math", "json", "creative")
+TRAFFIC_WORKLOADS = ("file", "mix")  # the user's own requests: no prompt set of their own
 
 
 def conf_dir() -> Path:
@@ -40,12 +44,74 @@ def available(group: str) -> list[str]:
     return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml") if not p.stem.startswith("_"))
 
 
+def closest(name: str, choices: typing.Iterable[str]) -> str | None:
+    """The choice nearest to a mistyped `name` by edit distance (difflib), or None when none is close."""
+    found = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def _model_of(annotation: object) -> type[BaseModel] | None:
+    """The pydantic model inside an annotation (`X`, `X | None`), or None for a plain value."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return next((m for a in typing.get_args(annotation) if (m := _model_of(a)) is not None), None)
+    return None
+
+
+def schema_model(path: list[str]) -> type[BaseModel] | None:
+    """The config model at a dotted path of Config (['deploy', 'hpa'] -> HPAConfig); None when the
+    path ends at a plain value, a list or a free-form mapping, or leaves the schema."""
+    model: type[BaseModel] | None = Config
+    for part in path:
+        field = model.model_fields.get(part) if model is not None else None
+        if field is None:
+            return None
+        model = _model_of(field.annotation)
+    return model
+
+
+def _unknown_key_line(key: str, value: str | None, overrides: list[str]) -> str:
+    """One line for an override of a key the config does not have: the key it exists under when its
+    group's option is not selected (engine.vllm.port needs engine=vllm), else the nearest key or
+    group (did you mean), else where the valid keys are listed."""
+    parts = key.split(".")
+    if len(parts) > 2 and parts[0] in GROUPS and parts[1] in available(parts[0]):
+        group, option = parts[:2]
+        given = next((o.split("=", 1)[1] for o in overrides if _override_key(o) == group and "=" in o), None)
+        try:
+            _get(_hydra_composed(str(conf_dir()), (f"{group}={option}",)), parts)
+        except (KeyError, UserError):
+            pass
+        else:
+            now = f" (now {group}={given})" if given else ""
+            return f"{key}: {'.'.join(parts[:2])}.* exists only with {group}={option}{now}; add {group}={option}"
+    # the first part the schema does not have, under the longest path it does
+    depth = next((i for i in range(1, len(parts)) if schema_model(parts[:i]) is None), len(parts))
+    parent, bad = parts[:depth - 1], parts[depth - 1]
+    model = schema_model(parent)
+    if model is None:
+        return f"{key}: unknown key (see `tuner config` for the valid keys)"
+    names = list(model.model_fields)
+    where = f"in {'.'.join(parent)}" if parent else "at the top level"
+    near = closest(bad, [*names, *GROUPS] if not parent else names)
+    if not parent and near in GROUPS:  # a mistyped group; workload and experiment are added with +
+        plus = "" if near in default_groups() else "+"
+        return (f"{key}: not a config group or key; did you mean {plus}{near}={value or 'NAME'}? "
+                f"(groups: {', '.join(GROUPS)})")
+    what = f"'{bad}' " if depth < len(parts) else ""
+    hint = f"did you mean {'.'.join([*parent, near])}?" if near else f"keys {where}: {', '.join(names)}"
+    return f"{key}: unknown key {what}{where}; {hint}"
+
+
 def _hydra_error_line(exc: Exception, overrides: list[str]) -> str:
     msg = str(exc)
     m = re.search(r"Could not find '(\w+)/([^']+)'", msg)
     if m:
         group, opt = m.groups()
-        return f"{group}={opt}: unknown option for group '{group}' (available: {', '.join(available(group))})"
+        near = closest(opt, available(group))
+        hint = f"did you mean {group}={near}? " if near else ""
+        return f"{group}={opt}: unknown option for group '{group}' ({hint}available: {', '.join(available(group))})"
     m = re.search(r"Could not override '([^']+)'", msg)
     if m:
         key = m.group(1)
@@ -62,9 +128,7 @@ def _hydra_error_line(exc: Exception, overrides: list[str]) -> str:
         if m2 is None and value.lstrip().startswith("{"):  # a mapping the config has: Hydra merges into it
             return (f"{key}={value}: Hydra adds no keys to an existing mapping this way; replace the whole "
                     f"mapping with ++{key}={value}, or set one entry with +{key}.NAME=VALUE")
-        parent = key.rsplit(".", 1)[0] if "." in key else ""
-        bad = m2.group(1) if m2 else key
-        return f"{key}: unknown key '{bad}'" + (f" in '{parent}'" if parent else "") + " (see `tuner config` for the valid keys)"
+        return _unknown_key_line(key, value, overrides)
     m = re.search(r"Could not append to config. An item is already at '([^']+)'", msg)
     if m:
         return f"+{m.group(1)}: already set; override it without '+' ({m.group(1)}=...)"
@@ -123,6 +187,12 @@ def override_syntax_error(override: str) -> str | None:
         if ":" in key:  # `spec.depth:3`, YAML's spelling
             return f"{override}: an override is KEY=VALUE, here {key.replace(':', '=', 1)}"
         return f"{override}: no '=VALUE'; {FORMS}"
+    outside = next((ch for ch in value if not ch.isascii()), None)
+    if outside is not None:
+        return f"{override}: {outside!r} is not ASCII: the override syntax reads such a value only quoted ({key}='{value}')"
+    if value.startswith("[") and "=" in value:
+        return (f"{override}: an entry holding '=' must be quoted inside the brackets, e.g. "
+                f"{key}=['--tensor-parallel-size=4']")
     opened = _unclosed(value)
     if opened:
         closer = _CLOSERS.get(opened, opened)
@@ -146,16 +216,35 @@ def default_groups() -> set[str]:
 
 def _validation_line(err: ValidationError, raw: dict[str, Any]) -> str:
     e = err.errors()[0]
-    loc = ".".join(str(p) for p in e["loc"])
+    path = [str(p) for p in e["loc"]]
+    loc = ".".join(path)
     msg = e["msg"]
+    if path[:2] == ["spec", "k_per_batch_size"] and len(path) > 2:
+        value = (raw.get("spec") or {}).get("k_per_batch_size")
+        return (f"spec.k_per_batch_size={value}: each band is [lo, hi, K] (an inclusive concurrency range and the "
+                "draft length there, integers), e.g. spec.k_per_batch_size=[[1,4,3],[5,64,1]]")
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
+        if msg.startswith("min=") and loc:  # IntRange's order: name the section's keys
+            return re.sub(r"\b(min|max)=", rf"{loc}.\1=", msg)
         return msg if "=" in msg or not loc else f"{loc}: {msg}"
     if e["type"] == "extra_forbidden":
-        parent = loc.rsplit(".", 1)[0] if "." in loc else "the top level"
-        return f"{loc}: unknown key in {parent} (see `tuner config` for the valid keys)"
+        value = e.get("input")
+        return _unknown_key_line(loc, None if isinstance(value, (dict, list)) else str(value), [])
     if e["type"] == "missing":
         return f"{loc}: required key is missing"
+    if e["type"] == "literal_error":
+        allowed = re.findall(r"'([^']*)'", msg)
+        near = closest(str(e.get("input")), allowed)
+        return f"{loc}={e.get('input')!r}: allowed: {', '.join(allowed)}" + (f"; did you mean {near}?" if near else "")
+    if e["type"] == "list_type":
+        value = e.get("input")
+        return (f"{loc}={value!r}: a list is expected, in brackets: {loc}=[{value}] (several: "
+                f"{loc}=[A,B])")
+    if e["type"] == "string_type" and len(path) > 1 and path[-1].isdigit():
+        key, index = ".".join(path[:-1]), path[-1]
+        return (f"{key}[{index}]={e.get('input')!r}: each entry is a string: quote a number or a value with '=' "
+                f"inside the brackets, e.g. {key}=[--tensor-parallel-size,'4'] or {key}=['--tensor-parallel-size=4']")
     if e["type"] in ("model_type", "dict_type") and not isinstance(e.get("input"), (dict, list)):
         # `spec=eagle`: a section given a value as if it were a config group
         value = e.get("input")
@@ -165,6 +254,9 @@ def _validation_line(err: ValidationError, raw: dict[str, Any]) -> str:
             methods = SpecConfig.model_fields["method"].annotation.__args__  # type: ignore[union-attr]
             hint = (f"use spec.method={value}" if value in methods
                     else f"set its keys, e.g. spec.method=NAME ({', '.join(methods)})")
+        elif schema_model(path) is SecretRef:
+            return (f"{loc}={value}: a Secret reference has the keys name and key (the Secret and its key): "
+                    f"{loc}={{name: {value}, key: token}}")
         else:
             hint = f"set its keys, e.g. {loc}.KEY=VALUE (see `tuner config`)"
         what = "a config group" if "." not in loc else "a single value"
@@ -241,8 +333,14 @@ def validate(raw: dict[str, Any]) -> Config:
         from tuner.schema.fit import check_builtin_fits
 
         # a GPU profile is also what `tuner render deploy=vllm` names: checked where the engine runs
-        # (tuner.schema.config.check_search_methods, tuner bench)
+        # (tuner.schema.fit.check_study_fits, tuner bench)
         check_builtin_fits(cfg.model, cfg.hardware, cfg.engine.builtin)
+    if cfg.workload is not None:
+        packaged = packaged_names()
+        bad = [p.workload for p in cfg.workload.mix if p.workload is not None and p.workload not in packaged]
+        if bad:
+            raise UserError(f"workload.mix: unknown workload {bad[0]!r} (allowed: {', '.join(packaged)}; or a file "
+                            "part {path: PATH, weight: W})")
     if cfg.spec.method == "medusa":
         heads, source = medusa_heads(cfg)
         if cfg.spec.depth > heads:
@@ -362,7 +460,18 @@ def packaged_workloads(cfg: Config) -> list[WorkloadConfig]:
     """Every packaged workload other than cfg's: diversity prompts for head training, and held-out
     sets to exclude from its data."""
     own = cfg.workload.name if cfg.workload else None
-    names = [n for n in WORKLOAD_ORDER if n in available("workload")]
-    names += [n for n in available("workload") if n not in WORKLOAD_ORDER]
-    return [w for w in (load_config([f"+workload={name}"]).workload for name in names)
+    return [w for w in (load_config([f"+workload={name}"]).workload for name in packaged_names())
             if w is not None and w.name != own]
+
+
+def packaged_names() -> list[str]:
+    """The packaged workloads (each a prompt set of its own), WORKLOAD_ORDER first."""
+    names = [n for n in WORKLOAD_ORDER if n in available("workload")]
+    return names + [n for n in available("workload") if n not in WORKLOAD_ORDER and n not in TRAFFIC_WORKLOADS]
+
+
+def packaged_workload(name: str) -> WorkloadConfig:
+    """The packaged workload `name` (conf/workload/NAME.yaml) as its config."""
+    wl = load_config([f"+workload={name}"]).workload
+    assert wl is not None
+    return wl

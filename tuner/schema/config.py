@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from tuner.schema.results import BestResult, Figures, ProjectedPoint, Projection, Provenance
+from tuner.schema.results import BestResult, Figures, PartResult, ProjectedPoint, Projection, Provenance
 from tuner.schema.methods import SpecMethod, engine_methods, engine_refusal, head_methods
 from tuner.schema.spec import SpecConfig, UserError
 from tuner.schema.spec import Strict as _Strict
@@ -24,7 +24,7 @@ from tuner.schema.spec import Strict as _Strict
 __all__ = ["SLO", "BenchConfig", "BestResult", "BuiltinEngineConfig", "Config",
            "DeployConfig", "DistributedConfig", "DraftSources", "EngineConfig", "Figures", "GGUFSource", "HPAConfig",
            "HardwareConfig", "IntRange", "LaunchedEngineConfig", "ModelConfig", "ProjectedPoint", "Projection",
-           "Provenance", "SearchConfig", "SecretRef", "ServeConfig", "SpecConfig", "SpecMethod", "TrainConfig",
+           "MixPart", "PACKAGED_SOURCES", "PartResult", "Provenance", "RequestFormat", "SearchConfig", "SecretRef", "ServeConfig", "SpecConfig", "SpecMethod", "TrainConfig",
            "UserError", "WorkloadConfig", "check_search_methods", "measured_weights", "storage_password_error"]
 
 
@@ -60,6 +60,14 @@ class ModelConfig(_Strict):
     native_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     chat_template: bool = True
     draft_sources: DraftSources = DraftSources()
+
+    @field_validator("hf_id")
+    @classmethod
+    def _hf_id(cls, v: str) -> str:
+        # it becomes the engine's model argument in the manifests: anything else there is an injection
+        if not HUB_REPO.fullmatch(v):
+            raise ValueError(f"model.hf_id={v!r}: not a hub repository id (allowed: ORG/NAME, letters, digits, - _ .)")
+        return v
 
     def kv_bytes_per_token(self, dtype_bytes: float = 1.0) -> float:
         """KV-cache bytes per token (K and V, all layers) at the given element size."""
@@ -99,9 +107,40 @@ class SLO(_Strict):
     ttft_p99_ms: float | None = Field(None, gt=0)
 
 
+RequestFormat = Literal["auto", "openai", "sharegpt", "prompts"]
+PACKAGED_SOURCES = ("humaneval", "mtbench", "gsm", "json")  # prompt sets shipped in packages
+
+
+class MixPart(_Strict):
+    """One part of a mixed workload: a packaged workload (conf/workload/NAME.yaml) or a file of
+    requests, played in proportion to its weight."""
+
+    workload: str | None = None  # a packaged workload's name (code, chat, math, json, creative)
+    path: str | None = None  # or a file of requests (format as workload.format)
+    format: RequestFormat = "auto"
+    weight: float = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "MixPart":
+        if (self.workload is None) == (self.path is None):
+            raise ValueError("each workload.mix part names exactly one of workload (a packaged workload) or path "
+                             "(a file of requests), with a weight > 0")
+        return self
+
+    @property
+    def label(self) -> str:
+        """The part's name in reports: the workload's name, else the file's name."""
+        return self.workload or self.path.replace("\\", "/").rsplit("/", 1)[-1]  # type: ignore[union-attr]
+
+
 class WorkloadConfig(_Strict):
     name: str
-    source: Literal["humaneval", "mtbench", "gsm", "json"]
+    # a packaged prompt set, a file of requests (path, format) or a mix of parts (mix)
+    source: Literal["humaneval", "mtbench", "gsm", "json", "file", "mix"]
+    path: str | None = None  # source=file: the requests (JSONL / JSON / plain text)
+    format: RequestFormat = "auto"  # source=file: how `path` is shaped; auto detects it from the first record
+    keep_text: bool = False  # file / mix: request and answer texts may appear in run directories and logs
+    mix: list[MixPart] = []  # source=mix: the parts
     categories: list[str] = []  # mtbench categories to keep (empty: all)
     num_prompts: int = Field(ge=1)  # tuning prompts
     num_heldout: int = Field(ge=0)  # held-out prompts, disjoint from the tuning ones
@@ -118,7 +157,27 @@ class WorkloadConfig(_Strict):
     def _conc(self) -> "WorkloadConfig":
         if any(c < 1 or c > 1024 for c in self.concurrency):
             raise ValueError(f"workload.concurrency={self.concurrency}: each level must be in [1, 1024]")
+        if self.source == "file" and not self.path:
+            raise ValueError("workload.path: +workload=file needs the file of requests (workload.path=PATH)")
+        if self.source == "mix" and not self.mix:
+            raise ValueError("workload.mix: +workload=mix needs its parts, e.g. "
+                             "workload.mix='[{workload:code,weight:0.7},{path:chat.jsonl,weight:0.3}]'")
+        if self.source != "mix" and self.mix:
+            raise ValueError(f"workload.mix: parts are for +workload=mix, not source {self.source}")
+        if self.source == "mix" and self.num_heldout > 0 and self.num_heldout < len(self.mix):
+            raise ValueError(f"workload.num_heldout={self.num_heldout}: a mix of {len(self.mix)} parts needs at "
+                             f"least one held-out request per part (num_heldout >= {len(self.mix)}, or 0)")
+        if self.source == "mix" and self.num_prompts < len(self.mix):
+            raise ValueError(f"workload.num_prompts={self.num_prompts}: a mix of {len(self.mix)} parts needs at "
+                             f"least one tuning request per part")
         return self
+
+    @property
+    def private(self) -> bool:
+        """Whether the requests are the user's own traffic, whose texts stay out of run directories
+        and logs (unless keep_text)."""
+        files = self.source == "file" or any(p.path for p in self.mix)
+        return files and not self.keep_text
 
 
 COMPILE_AUTO_MIN_B = 0.1
@@ -134,15 +193,21 @@ IMAGE_REPO = re.compile(r"(?:[A-Za-z0-9.-]+(?::[0-9]+)?/)?[a-z0-9]+(?:[._-][a-z0
 HUB_REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")  # a Hugging Face hub repository id
 DEFAULT_IMAGE_REPO = "ghcr.io/spectune"  # publishes no images: build and push them (docs/deploy.md, "Images")
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # + at most 63 characters
+DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # a Service's name: a label starting with a letter
+DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")  # + at most 253
+PROM_METRIC = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")  # a Prometheus metric name
 
 
-def quantity_error(key: str, v: str) -> str | None:
-    """Why `v` is no Kubernetes Quantity (e.g. 200Gi, 10Gi, 5, 500m), or None."""
+def quantity_error(key: str, v: str, size: bool = False) -> str | None:
+    """Why `v` is no Kubernetes Quantity (e.g. 200Gi, 10Gi, 5, 500m), or None; `size`: a volume's
+    size, which must also be above zero (a claim of -5Gi or 0 is refused by the API server)."""
     m = QUANTITY.match(v)
-    if m and any(c.isdigit() for c in m.group(1)) and m.group(1).count(".") <= 1:
-        return None
-    return (f"{key}={v!r}: not a Kubernetes quantity (a number with an optional suffix: Ki Mi Gi Ti Pi, "
-            "k M G T P, m, or an exponent; e.g. 200Gi, 5, 500m)")
+    if not (m and any(c.isdigit() for c in m.group(1)) and m.group(1).count(".") <= 1):
+        return (f"{key}={v!r}: not a Kubernetes quantity (a number with an optional suffix: Ki Mi Gi Ti Pi, "
+                "k M G T P, m, or an exponent; e.g. 200Gi, 5, 500m)")
+    if size and (m.group(1).startswith("-") or float(m.group(1)) == 0):
+        return f"{key}={v!r}: a volume size must be above zero (e.g. 200Gi)"
+    return None
 
 
 def image_tag_error(key: str, v: str) -> str | None:
@@ -159,6 +224,23 @@ def namespace_error(key: str, v: str) -> str | None:
             "at most 63, starting and ending with a letter or digit)")
 
 
+def name_error(key: str, v: str, kind: Literal["label", "service", "subdomain"], limit: int = 63) -> str | None:
+    """Why `v` is no name the API server accepts for `key`, or None. label: a DNS-1123 label;
+    service: a DNS-1035 label (a Service's name, so it starts with a letter); subdomain: a DNS-1123
+    subdomain (dot-separated labels, e.g. a StorageClass). `limit`: the most characters, less than
+    the format's own where suffixes are added to the name."""
+    pattern, what = {"label": (DNS1123_LABEL, "a DNS-1123 label: lowercase letters, digits and '-', starting and "
+                                              "ending with a letter or digit"),
+                     "service": (DNS1035_LABEL, "a DNS-1035 label, as a Service's name: lowercase letters, digits "
+                                                "and '-', starting with a letter, ending with a letter or digit"),
+                     "subdomain": (DNS1123_SUBDOMAIN, "a DNS-1123 subdomain: lowercase letters, digits, '-' and '.', "
+                                                      "each dot-separated part starting and ending with a letter or "
+                                                      "digit")}[kind]
+    if len(v) <= limit and pattern.match(v):
+        return None
+    return f"{key}={v!r}: not a name Kubernetes accepts here ({what}; at most {limit} characters)"
+
+
 def _check(error: str | None, v: str) -> str:
     if error:
         raise ValueError(error)
@@ -168,10 +250,15 @@ def _check(error: str | None, v: str) -> str:
 class BuiltinEngineConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    fp8_weights: bool = False  # emulate e4m3 weights with per-channel scales (what --quantization fp8 serves)
+    # the weights the engine computes with (engine.models.fp8): fp32; bf16 (the served checkpoint's
+    # dtype); fp8 (vLLM's --quantization fp8: e4m3 decoder linears, one scale per fused tensor). The
+    # native step reads them at that size (2 or 1 bytes a weight); activations, norms, attention and
+    # the KV cache stay in `dtype`. auto: fp8 where the deployment serves FP8 (deploy.quantization=fp8),
+    # so trials measure the acceptance of the served weights; else fp32 (resolved when the config loads)
+    weights: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
     threads: int | None = Field(None, ge=1)
-    onednn_linears: bool = True  # CPU fp32: linears through oneDNN (engine/cpu_linear.py); false: plain nn.Linear
-    forward: Literal["lean", "hf"] = "lean"  # lean: the engine's own Llama forward (engine/llama.py); hf: transformers'
+    onednn_linears: bool = True  # CPU fp32: linears through oneDNN (engine/models/kernels.py); false: plain nn.Linear
+    forward: Literal["lean", "hf"] = "lean"  # lean: the engine's own Llama forward (engine/models/llama.py); hf: transformers'
     # lean only: torch.compile the decoder layer (artifacts cached on disk; CUDA graphs on cuda).
     # auto: on for fp32 models of at least COMPILE_AUTO_MIN_B billion parameters (resolved when the
     # config loads, see Config): SmolLM2-135M decodes 1.22x faster compiled and compiles in ~25 s
@@ -242,8 +329,8 @@ class IntRange(_Strict):
 
     @model_validator(mode="after")
     def _order(self) -> "IntRange":
-        if self.min > self.max:
-            raise ValueError(f"min={self.min} > max={self.max}")
+        if self.min > self.max:  # the section that holds it prefixes its key (tuner.schema.compose)
+            raise ValueError(f"min={self.min} > max={self.max} (min must be <= max)")
         return self
 
 
@@ -311,6 +398,17 @@ class SearchConfig(_Strict):
     def _space(self) -> "SearchConfig":
         if any(k < 1 or k > 16 for k in self.topk):
             raise ValueError(f"search.topk={self.topk}: each choice must be in [1, 16]")
+        # the space's points are SpecConfigs: a bound beyond the spec's own would make trials fail
+        depth_max = next(m.le for m in SpecConfig.model_fields["depth"].metadata if hasattr(m, "le"))
+        if self.depth.max > depth_max:
+            raise ValueError(f"search.depth.max={self.depth.max}: spec.depth allows at most {depth_max} "
+                             f"(allowed: search.depth.min <= search.depth.max <= {depth_max})")
+        if not any(m != "off" for m in self.methods):
+            raise ValueError(f"search.methods={list(self.methods)}: name at least one speculative method (e.g. [ngram]; "
+                             "off is trial 0, the baseline, in every study)")
+        if self.depth.min > self.budget_max - 1:
+            raise ValueError(f"search.depth.min={self.depth.min} with search.budget_max={self.budget_max}: a chain of "
+                             "depth d verifies d+1 tokens, so depth.min must be <= budget_max-1")
         if self.repeats_min > self.repeats_max:
             raise ValueError(f"search.repeats_min={self.repeats_min} > search.repeats_max={self.repeats_max}")
         if self.workers > 1 and (self.storage is None or self.storage.startswith("sqlite")):
@@ -337,6 +435,14 @@ class HPAConfig(_Strict):
     @classmethod
     def _quantity(cls, v: str) -> str:
         return _check(quantity_error("deploy.hpa.target_average", v), v)
+
+    @field_validator("metric")
+    @classmethod
+    def _metric(cls, v: str) -> str:
+        if not PROM_METRIC.match(v):
+            raise ValueError(f"deploy.hpa.metric={v!r}: not a Prometheus metric name (letters, digits, '_' and ':', "
+                             "not starting with a digit; e.g. vllm:num_requests_waiting)")
+        return v
 
 
 class SecretRef(_Strict):
@@ -400,6 +506,25 @@ class DeployConfig(_Strict):
         return data
 
     @model_validator(mode="after")
+    def _autoscaler(self) -> "DeployConfig":
+        # checked when the config loads, so that config, optimize and render agree on it
+        h = self.hpa
+        if not h.enabled:
+            return self  # the Deployment carries the count as given (0: rendered with no pods)
+        if h.min_replicas > h.max_replicas:
+            raise ValueError(f"deploy.hpa.min_replicas={h.min_replicas} > deploy.hpa.max_replicas={h.max_replicas}")
+        # with an HPA, deploy.replicas is its floor: a floor it cannot keep is refused, not adjusted
+        if self.replicas == 0:
+            raise ValueError(f"deploy.replicas=0 with deploy.hpa.enabled=true: the HPA keeps at least "
+                             f"deploy.hpa.min_replicas={h.min_replicas} pod(s); for a Deployment with no pods set "
+                             "deploy.hpa.enabled=false, else give deploy.replicas >= 1")
+        if self.replicas > h.max_replicas:
+            raise ValueError(f"deploy.replicas={self.replicas} exceeds deploy.hpa.max_replicas={h.max_replicas} (with "
+                             f"an HPA deploy.replicas is its floor): raise deploy.hpa.max_replicas to at least "
+                             f"{self.replicas}, or set deploy.hpa.enabled=false for a fixed count")
+        return self
+
+    @model_validator(mode="after")
     def _disruption_budget(self) -> "DeployConfig":
         low, high = self.pdb_min_available or 0, self.pdb_max_unavailable
         if low and high is not None:
@@ -446,10 +571,27 @@ class DeployConfig(_Strict):
     def _namespace(cls, v: str) -> str:
         return _check(namespace_error("deploy.namespace", v), v)
 
+    @field_validator("model_cache_size", mode="before")
+    @classmethod
+    def _size_str(cls, v: object) -> object:
+        # Hydra parses `deploy.model_cache_size=0` as an int: a Quantity is a string.
+        return str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+
     @field_validator("model_cache_size")
     @classmethod
     def _cache_size(cls, v: str) -> str:
-        return _check(quantity_error("deploy.model_cache_size", v), v)
+        return _check(quantity_error("deploy.model_cache_size", v, size=True), v)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        # the Service carries it (so does every other serving object)
+        return _check(name_error("deploy.name", v, "service"), v)
+
+    @field_validator("storage_class")
+    @classmethod
+    def _storage_class(cls, v: str | None) -> str | None:
+        return v if v is None else _check(name_error("deploy.storage_class", v, "subdomain", 253), v)
 
 
 class DistributedConfig(_Strict):
@@ -507,10 +649,27 @@ class DistributedConfig(_Strict):
     def _namespace(cls, v: str) -> str:
         return _check(namespace_error("distributed.namespace", v), v)
 
+    @field_validator("postgres_storage", "results_storage", "cache_storage", mode="before")
+    @classmethod
+    def _size_str(cls, v: object) -> object:
+        return str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+
     @field_validator("postgres_storage", "results_storage", "cache_storage")
     @classmethod
     def _storage(cls, v: str | None, info: ValidationInfo) -> str | None:
-        return v if v is None else _check(quantity_error(f"distributed.{info.field_name}", v), v)
+        return v if v is None else _check(quantity_error(f"distributed.{info.field_name}", v, size=True), v)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        # the database's Service is NAME-db; the longest suffix is a Job's (NAME-create-study), whose
+        # name is also a label value of its pods (at most 63 characters)
+        return _check(name_error("distributed.name", v, "service", 63 - len("-create-study")), v)
+
+    @field_validator("storage_class")
+    @classmethod
+    def _storage_class(cls, v: str | None) -> str | None:
+        return v if v is None else _check(name_error("distributed.storage_class", v, "subdomain", 253), v)
 
 
 class ServeConfig(_Strict):
@@ -518,6 +677,15 @@ class ServeConfig(_Strict):
     port: int = Field(ge=1, le=65535)
     queue_size: int = Field(ge=1)
     max_tokens_limit: int = Field(ge=1)
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        # an empty host would bind every interface: that must be said (0.0.0.0), never implied
+        if not v.strip() or any(c.isspace() for c in v):
+            raise ValueError(f"serve.host={v!r}: give an address to listen on (127.0.0.1: this machine only; "
+                             "0.0.0.0: every interface)")
+        return v
 
 
 class BenchConfig(_Strict):
@@ -602,7 +770,9 @@ class Config(_Strict):
         b = self.engine.builtin
         if b.compile == "auto":  # resolved here, so every consumer (and config.yaml) sees a bool
             on = b.forward == "lean" and b.dtype == "float32" and self.model.params_b >= COMPILE_AUTO_MIN_B
-            self.engine.builtin = b.model_copy(update={"compile": on})  # a copy: the default instance is shared
+            self.engine.builtin = b = b.model_copy(update={"compile": on})  # a copy: the default instance is shared
+        if b.weights == "auto":
+            self.engine.builtin = b.model_copy(update={"weights": "fp8" if self.deploy.quantization == "fp8" else "fp32"})
         refusal = engine_refusal(self.spec.method, self.spec.topk, self.engine.kind)
         if refusal:
             raise ValueError(refusal)
@@ -616,7 +786,28 @@ class Config(_Strict):
                              "or use another sampler (tpe, random, grid, gp)")
         if self.hardware.accelerator == "cpu" and self.engine.kind == "sglang":
             raise ValueError("engine=sglang with hardware=cpu: SGLang needs a CUDA GPU (allowed engines on cpu: builtin, vllm)")
+        if self.hardware.accelerator == "cpu" and self.deploy.target == "sglang":
+            raise ValueError(f"deploy=sglang with hardware={self.hardware.name}: SGLang serves on CUDA GPUs only, so no "
+                             "manifest could be rendered; give a cuda hardware profile (e.g. hardware=h100x8), or "
+                             "deploy=vllm / deploy=builtin")
+        slo = self.workload.slo if self.workload is not None else None
+        if self.search.objective == "goodput" and slo is not None and slo.tpot_p99_ms is None and slo.ttft_p99_ms is None:
+            raise ValueError("search.objective=goodput counts requests that meet workload.slo, and both "
+                             "workload.slo.tpot_p99_ms and workload.slo.ttft_p99_ms are null: set one (e.g. "
+                             "workload.slo.tpot_p99_ms=50), or use search.objective=speed")
+        if "draft_model" in self.search.methods and not self.spec.draft_model and not self.model.draft_sources.draft_model:
+            raise ValueError(f"search.methods={list(self.search.methods)} includes draft_model, which drafts with a "
+                             "separate model: give spec.draft_model=DIR_OR_HUB_ID (a small model with the target's "
+                             f"tokenizer), or list one in model.draft_sources.draft_model of model {self.model.name}")
         return self
+
+    @field_validator("run_dir")
+    @classmethod
+    def _run_dir(cls, v: str) -> str:
+        # an empty one would put runs and manifests into the working directory itself
+        if not v.strip():
+            raise ValueError(f"run_dir={v!r}: give a directory for the runs (e.g. run_dir=runs)")
+        return v
 
 
 def spectune_image(cfg: "Config", variant: Literal["cpu", "cuda", "vllm"] = "cpu") -> str:
@@ -666,6 +857,11 @@ def trained_drafts(cfg: "Config") -> tuple[str, ...]:
     return tuple(out)
 
 
+# engine.builtin.weights in measured_weights' words
+WEIGHT_WORDS = {"bf16": "weights rounded to bf16",
+                "fp8": "fp8 e4m3 weights with per-tensor scales (vLLM's --quantization fp8; embeddings and lm_head bf16)"}
+
+
 def measured_weights(cfg: "Config") -> str:
     """Which weights the engine of cfg measures, in words (best.yaml's provenance.measured_weights;
     the manifests serve model.hf_id). The same order of sources as engine.models.target.hf_checkpoint_dir
@@ -681,7 +877,8 @@ def measured_weights(cfg: "Config") -> str:
         what = f"hub {m.hf_id}"
     if kind == "builtin":
         b = cfg.engine.builtin
-        run = ([f"run in {b.dtype}"] if b.dtype != "float32" else []) + (["fp8 weights emulated"] if b.fp8_weights else [])
+        run = ([f"run in {b.dtype}"] if b.dtype != "float32" else []) + (
+            [WEIGHT_WORDS[b.weights]] if b.weights not in ("fp32", "auto") else [])
     else:
         launched = getattr(cfg.engine, kind)
         gpu = cfg.hardware.accelerator == "cuda"

@@ -68,6 +68,7 @@ class ServerSettings:
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     builtin_overrides: tuple[str, ...] = ()  # kind builtin: engine.builtin.* overrides of `tuner serve`
+    builtin_weights: str | None = None  # kind builtin: engine.builtin.weights
 
 
 def launched_section(cfg: Config, kind: str) -> LaunchedEngineConfig:
@@ -89,12 +90,12 @@ def server_settings(cfg: Config, kind: Kind) -> ServerSettings:
     d, m, hw = cfg.deploy, cfg.model, cfg.hardware
     if kind == "builtin":
         e = cfg.engine.builtin
-        fp8 = d.quantization == "fp8" or e.fp8_weights
         over = tuple(f"engine.builtin.{k}={_plain(v)}" for k, v in e.model_dump(mode="json").items()
-                     if k not in ("dtype", "fp8_weights"))
+                     if k not in ("dtype", "weights"))
         extra = tuple(d.extra_args) if d.target == "builtin" else ()
-        return ServerSettings(kind="builtin", dtype=e.dtype, quantization="fp8" if fp8 else None,
-                              served_names=(m.name,), extra_args=extra, builtin_overrides=over)
+        return ServerSettings(kind="builtin", dtype=e.dtype, quantization="fp8" if e.weights == "fp8" else None,
+                              served_names=(m.name,), extra_args=extra, builtin_overrides=over,
+                              builtin_weights=e.weights)
     ecfg = launched_section(cfg, kind)
     gpu = hw.accelerator == "cuda"
     tp = tensor_parallel_size(m, hw, d) if gpu else 1
@@ -179,8 +180,7 @@ def engine_command(s: ServerSettings, spec: SpecConfig, place: Place) -> tuple[l
             if known is None or known < s.context_length:
                 env[SGLANG_LONGER_CONTEXT] = "1"
     else:
-        args = builtin_args(place.model, spec, host=place.host, port=place.port, dtype=s.dtype,
-                            fp8_weights=s.quantization == "fp8",
+        args = builtin_args(place.model, spec, host=place.host, port=place.port, dtype=s.dtype, weights=s.builtin_weights,
                             extra_args=[*s.builtin_overrides, *([f"cache_dir={place.cache_dir}"] if place.cache_dir else []),
                                         *s.extra_args])
     env.update(place.env)

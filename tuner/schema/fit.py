@@ -21,23 +21,30 @@ def builtin_load_gib(model: ModelConfig) -> float:
     return model.params_b * 1e9 * 4 / GIB
 
 
-def builtin_fit_problem(model: ModelConfig, hardware: HardwareConfig,
-                        builtin: BuiltinEngineConfig | None = None) -> tuple[float, str, str] | None:
+def head_training_gib(model: ModelConfig) -> float:
+    """What training a draft head adds on the target's device: about one decoder layer plus its input
+    projection (3h x h), trained in fp32 with Adam (weights, gradient, two moments: 16 bytes a parameter)."""
+    params = model.params_b * 1e9 / model.num_layers + 3 * model.hidden_size**2
+    return params * 16 / GIB
+
+
+def builtin_fit_problem(model: ModelConfig, hardware: HardwareConfig, builtin: BuiltinEngineConfig | None = None,
+                        extra_gib: float = 0.0) -> tuple[float, str, str] | None:
     """(GiB needed, what needs them, what they exceed) when the built-in engine, which also trains
     every draft head, cannot hold `model` on `hardware`; None when it can. It reads the checkpoint in
     float32 into host memory, then (on a cuda profile, unless engine.builtin.device=cpu) moves it to
-    ONE GPU at engine.builtin.dtype."""
+    ONE GPU at engine.builtin.weights / dtype; `extra_gib` more on that device (head training)."""
     b = builtin or BuiltinEngineConfig()
-    load = builtin_load_gib(model)
+    load = builtin_load_gib(model) + (extra_gib if hardware.accelerator == "cpu" or b.device == "cpu" else 0.0)
     if load > hardware.memory_gib:
         return (load, f"its single-device fp32 load needs {load:.0f} GiB ({model.params_b:g}B params x 4 bytes)",
                 f"hardware {hardware.name} has {hardware.memory_gib:g} GiB (hardware.memory_gib)")
     if hardware.accelerator == "cuda" and b.device != "cpu":
-        per_param = 1 if b.fp8_weights else (4 if b.dtype == "float32" else 2)
-        need = model.params_b * 1e9 * per_param / GIB
+        per_param = {"fp8": 1, "bf16": 2}.get(b.weights, 4 if b.dtype == "float32" else 2)
+        need = model.params_b * 1e9 * per_param / GIB + extra_gib
         if need > hardware.gpu_memory_gib:
             return (need, f"its weights on one GPU need {need:.0f} GiB ({model.params_b:g}B params x {per_param} bytes, "
-                          f"engine.builtin.dtype={b.dtype})",
+                          f"engine.builtin.weights={b.weights}, dtype={b.dtype})",
                     f"one GPU of hardware {hardware.name} has {hardware.gpu_memory_gib:g} GiB")
     return None
 
@@ -62,7 +69,7 @@ def check_study_fits(cfg: Config) -> None:
     if cfg.engine.kind == "builtin":
         check_builtin_fits(cfg.model, cfg.hardware, cfg.engine.builtin)
     for m in trained_drafts(cfg):
-        problem = builtin_fit_problem(cfg.model, cfg.hardware, cfg.engine.builtin)
+        problem = builtin_fit_problem(cfg.model, cfg.hardware, cfg.engine.builtin, head_training_gib(cfg.model))
         if problem is not None:
             need, _, limit = problem
             raise UserError(f"search.methods contains {m}: {cfg.model.name} lists no {m} head and training one needs "
@@ -107,7 +114,8 @@ def tensor_parallel_why(model: ModelConfig, hardware: HardwareConfig, deploy: De
 
 
 # Model load rate assumed for the startup budget: the first start downloads the weights from the
-# Hub into the cache volume (often 100-500 MB/s); a slow link must not trip the startup probe.
+# Hub into the cache volume, at a rate that varies with the link; a slow one must not trip the startup
+# probe, so the rate assumed is a low one.
 LOAD_GIB_PER_S = 0.1
 # Engine start beyond reading weights: CUDA graph capture, torch.compile, drafter load, warm-up.
 ENGINE_INIT_S = {"vllm": 180, "sglang": 180, "builtin": 60}
@@ -143,15 +151,30 @@ def startup_why(model: ModelConfig, deploy: DeployConfig, period_s: int) -> str:
             f"first start downloads it){quantize}")
 
 
+def kv_headroom_tokens(model: ModelConfig, hardware: HardwareConfig, deploy: DeployConfig, tp: int) -> int:
+    """KV-cache tokens the headroom kept beside the weights holds (deploy.kv_headroom_frac of each
+    GPU's memory, at deploy.kv_cache_dtype): what the fit check reserves. KV heads shard across the
+    TP group, so the headroom adds up over it."""
+    kv_elem = 1.0 if deploy.kv_cache_dtype == "fp8" else 2.0
+    return int(hardware.gpu_memory_gib * deploy.kv_headroom_frac * tp * GIB / model.kv_bytes_per_token(kv_elem))
+
+
+def kv_cache_tokens(model: ModelConfig, hardware: HardwareConfig, deploy: DeployConfig, tp: int) -> int:
+    """KV-cache tokens a served engine holds over every sequence in flight: the memory it may take
+    (deploy.gpu_memory_utilization of `tp` GPUs) less the served weights, at deploy.kv_cache_dtype."""
+    kv_elem = 1.0 if deploy.kv_cache_dtype == "fp8" else 2.0
+    free = hardware.gpu_memory_gib * deploy.gpu_memory_utilization * tp - served_weight_gib(model, deploy.quantization)
+    return max(0, int(free * GIB / model.kv_bytes_per_token(kv_elem)))
+
+
 def max_model_len_why(model: ModelConfig, hardware: HardwareConfig, deploy: DeployConfig, tp: int) -> str:
     """Where max_model_len's answer came from, in one line (a manifest comment)."""
     if deploy.max_model_len is not None:
         return f"deploy.max_model_len={deploy.max_model_len} (given; model.max_context={model.max_context})"
     if hardware.accelerator == "cpu":
         return f"model.max_context={model.max_context}"
-    kv_elem = 1.0 if deploy.kv_cache_dtype == "fp8" else 2.0
-    kv_tokens = hardware.gpu_memory_gib * deploy.kv_headroom_frac * tp * GIB / model.kv_bytes_per_token(kv_elem)
-    return (f"min(model.max_context={model.max_context}, {int(kv_tokens)} tokens of {deploy.kv_cache_dtype} KV in "
+    kv_tokens = kv_headroom_tokens(model, hardware, deploy, tp)
+    return (f"min(model.max_context={model.max_context}, {kv_tokens} tokens of {deploy.kv_cache_dtype} KV in "
             f"the {deploy.kv_headroom_frac:g} x {hardware.gpu_memory_gib:g} GiB headroom of {tp} GPU(s)), "
             "rounded down to 1024")
 
@@ -167,9 +190,7 @@ def max_model_len(model: ModelConfig, hardware: HardwareConfig, deploy: DeployCo
         return deploy.max_model_len
     if hardware.accelerator == "cpu":
         return model.max_context
-    kv_elem = 1.0 if deploy.kv_cache_dtype == "fp8" else 2.0
-    kv_tokens = hardware.gpu_memory_gib * deploy.kv_headroom_frac * tp * GIB / model.kv_bytes_per_token(kv_elem)
-    return max(1024, min(model.max_context, int(kv_tokens) // 1024 * 1024))
+    return max(1024, min(model.max_context, kv_headroom_tokens(model, hardware, deploy, tp) // 1024 * 1024))
 
 
 def builtin_memory_gib(model: ModelConfig, hardware: HardwareConfig, dtype: str, fp8_weights: bool) -> int:

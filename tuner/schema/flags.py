@@ -206,7 +206,7 @@ def builtin_args(
     host: str = "0.0.0.0",
     port: int = 8000,
     dtype: str | None = None,
-    fp8_weights: bool = False,
+    weights: str | None = None,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
     """Hydra overrides after `tuner serve`: model and engine groups, every spec.* field, serve.host/port.
@@ -219,7 +219,7 @@ def builtin_args(
         args.append(f"spec.{name}={_hydra_value(value)}")
     if dtype is not None:
         args.append(f"engine.builtin.dtype={dtype}")
-    if fp8_weights:
-        args.append("engine.builtin.fp8_weights=true")
+    if weights is not None:
+        args.append(f"engine.builtin.weights={weights}")
     args += [f"serve.host={_hydra_value(host)}", f"serve.port={port}"]
     return args + list(extra_args)

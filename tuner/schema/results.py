@@ -80,6 +80,19 @@ class Projection(_Strict):
     measured_spec: str | None = None  # the run's measured winner (best.yaml), for comparison
 
 
+class PartResult(_Strict):
+    """The winner on one part of a mixed workload, against the baseline measured beside it."""
+
+    name: str  # the part's workload name or file name
+    weight: float
+    requests: int  # requests of the part played (held-out when the workload has them, else tuning)
+    split: str  # "heldout" or "tune"
+    tau: float | None = None
+    speedup: float | None = None
+    output_tokens_per_s: float | None = None
+    baseline_tokens_per_s: float | None = None
+
+
 class BestResult(_Strict):
     """`best.yaml` in a run directory: written by `tuner optimize`, read by `tuner render --from`."""
 
@@ -95,3 +108,5 @@ class BestResult(_Strict):
     reason: str | None = None  # why the winner is what it is (e.g. the slowdown trap)
     provenance: Provenance
     projection: Projection | None = None  # set when the spec was projected, not measured (render --projected)
+    parts: list[PartResult] = []  # a mixed workload: the winner per part
+    skipped_requests: int = 0  # the user's requests the engine refused as such (counted, not played)

@@ -61,9 +61,8 @@ class SearchSpace:
         """The space of `cfg.search` for `cfg.engine` and the workload's concurrency levels; Medusa
         points are capped by the heads of head_paths["medusa"] (or of what train-draft trains)."""
         s = cfg.search
-        methods = tuple(m for m in s.methods if m != "off")  # `off` is trial 0, never sampled
-        if not methods:
-            raise UserError(f"search.methods={list(s.methods)}: name at least one speculative method (e.g. [ngram])")
+        # `off` is trial 0, never sampled (SearchConfig refuses a list of nothing else)
+        methods = tuple(m for m in s.methods if m != "off")
         conc = tuple(sorted(set(cfg.workload.concurrency))) if cfg.workload else (1,)
         return cls(
             methods=methods,
@@ -76,7 +75,8 @@ class SearchSpace:
             banded=cfg.engine.kind in ("vllm", "builtin"),
             concurrency=conc,
             head_paths=head_paths or {},
-            draft_model=cfg.spec.draft_model,
+            # spec.draft_model, else the model's published draft model (tuner.schema.config refuses neither)
+            draft_model=cfg.spec.draft_model or next(iter(cfg.model.draft_sources.draft_model), None),
             medusa_heads=medusa_heads(cfg, (head_paths or {}).get("medusa"))[0] if "medusa" in methods else None,
             ngram_match=tuple(dict.fromkeys(s.ngram_match)),
             suffix_spec_factor=tuple(dict.fromkeys(s.suffix_spec_factor)),

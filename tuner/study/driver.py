@@ -21,6 +21,7 @@ from engine.heartbeat import INTERVAL_S, Heartbeat
 from tuner.study.limits import check_trial_fits
 from tuner.study.measurer import LAUNCHED, get_drafts, needs_head, open_engine, study_measure, study_prompts
 from tuner.study.objective import MeasureFn, Objective, TrialOutcome
+from tuner.study.selection import describe, leader
 from tuner.schema.config import BestResult, Config, SearchConfig, check_search_methods
 from tuner.schema.fit import check_study_fits
 from tuner.search.space import SearchSpace
@@ -59,11 +60,12 @@ def run_trials(study: optuna.Study, objective: Objective, search: SearchConfig,
 
 
 class Progress:
-    """Live progress on stderr: trial k/N, parameters, tok/s, speedup, best so far, ETA. A line per
+    """Live progress on stderr: trial k/N, parameters, tok/s, speedup, the best so far by what is
+    known (its one-sided lower bound: a lucky figure is not shown as the best), ETA. A line per
     trial; redirected (CI, `kubectl logs`, where rich's bar shows nothing), also one at least every
     `interval` s while a trial (or the held-out re-measurement) runs (engine.heartbeat)."""
 
-    def __init__(self, study: optuna.Study, n_trials: int, quiet: bool = False, *,
+    def __init__(self, study: optuna.Study, n_trials: int, quiet: bool = False, *, noise_rel: float,
                  interval: float = INTERVAL_S, clock: Callable[[], float] = time.monotonic,
                  poll: float | None = None) -> None:
         from rich.console import Console
@@ -76,12 +78,13 @@ class Progress:
                                 TextColumn("{task.description}"), TimeElapsedColumn(),
                                 TextColumn("ETA"), TimeRemainingColumn(), console=self.console, transient=False)
         self.task = self.bar.add_task("", total=n_trials, completed=finished_count(study))
-        self.best: float | None = None
+        self.noise_rel = noise_rel
+        self.best: str | None = None  # selection.describe of the leader by lower bound
         self.heartbeat = Heartbeat(self._describe, interval=interval, clock=clock, poll=poll,
                                    active=not quiet and not self.console.is_terminal)
 
     def _describe(self) -> str:
-        best = f"best {self.best:.3f}x" if self.best is not None else "best -"
+        best = f"best {self.best}" if self.best is not None else "best -"
         since = self.heartbeat.clock() - self.heartbeat.last
         return (f"trials {finished_count(self.study)}/{self.task_total} | {best} | still working: "
                 f"{since:.0f} s since the last line, {self.heartbeat.elapsed():.0f} s in all")
@@ -96,19 +99,21 @@ class Progress:
         self.bar.__exit__(*exc)
 
     def log(self, text: str) -> None:
-        self.console.print(text, highlight=False)
+        self.console.print(text, highlight=False, soft_wrap=True)  # one line per trial, also in logs
         self.heartbeat.beat()
 
     def __call__(self, o: TrialOutcome) -> None:
         n = finished_count(self.study)
-        if o.state == TrialState.COMPLETE and o.spec.method != "off" and o.speedup is not None:
-            self.best = max(self.best or 0.0, o.speedup)
+        lead = leader(self.study.get_trials(deepcopy=False), self.noise_rel)
+        self.best = describe(lead, self.noise_rel) if lead is not None else None
         if o.state == TrialState.COMPLETE:
             what = f"{o.tok_s:7.2f} tok/s {o.speedup:.3f}x"
         else:
             what = f"{o.state.name}: {o.reason}"
-        best = f"best {self.best:.3f}x" if self.best is not None else "best -"
+        best = f"best {self.best}" if self.best is not None else "best -"
         self.log(f"trial {n}/{self.task_total} #{o.number} {o.spec.key()}: {what} | {best}")
+        if o.note:
+            self.log(o.note)
         self.bar.update(self.task, completed=n, description=best)
 
     @property
@@ -140,14 +145,14 @@ def drive(cfg: Config, run_dir: Path, open_study: Callable[[SearchSpace], optuna
     if before_work is not None and head_first:
         before_work()
     study = open_study(space)
-    prompts = study_prompts(cfg)
+    prompts = study_prompts(cfg, engine)
     with ExitStack() as stack:
         if measure is None:
             measure = stack.enter_context(study_measure(cfg, engine, prompts, run_dir))
             check_trial_fits(cfg, measure, prompts)  # refuse before the first trial what cannot fit
         objective = Objective(study, space, measure, cfg.workload, cfg.search)
         total = budget_of(study, cfg.search).total(study.get_trials(deepcopy=False))
-        with Progress(study, total, quiet=quiet) as progress:
+        with Progress(study, total, quiet=quiet, noise_rel=cfg.search.noise_rel) as progress:
             for line in intro(study):
                 progress.log(line)
             lean = getattr(engine, "lean", None)

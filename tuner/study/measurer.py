@@ -13,27 +13,76 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tuner.projection.profiling import tuning_prompts
 from tuner.schema.compose import packaged_workloads
 from tuner.study.limits import startup_excluded
-from tuner.study.objective import Sample
+from tuner.study.objective import Sample, Split
 from tuner.schema.config import Config, SpecConfig, UserError
 from tuner.schema.methods import head_methods
+
+if TYPE_CHECKING:  # the engine's heavy modules (torch) load only where a study runs
+    from engine.decode.loop import Engine
+    from engine.heads.pipeline import TrainJob
+    from engine.launch.launcher import Launcher
+    from engine.measure.runner import LoadTarget
+    from engine.measure.workloads import Prompt
+
+    TargetFor = Callable[[SpecConfig], LoadTarget]
 
 LAUNCHED = ("vllm", "sglang")
 
 
-def study_prompts(cfg: Config) -> dict[str, list[Any]]:
+def study_prompts(cfg: Config, engine: Engine | None = None) -> dict[str, list[Prompt]]:
     """The prompts a study measures: the tuning prompts for trials (tuner.projection.profiling),
-    every held-out prompt for the winner's re-measurement."""
-    from engine.measure.workloads import load_prompts
+    every held-out prompt for the winner's re-measurement, and for a mix each part's own
+    (`part_split(label)`), on which the winner's tau and speedup per part are measured. The user's
+    requests are tokenised here (`request_encoder`) for their budgets and the context check."""
+    from engine.measure.workloads import load_prompts, mix_prompts, part_labels
 
-    return {"tune": tuning_prompts(cfg), "heldout": load_prompts(cfg.workload, "heldout")}
+    enc = request_encoder(cfg, engine)
+    ctx = cfg.model.max_context if enc is not None else None
+    out = {"tune": tuning_prompts(cfg, encoder=enc), "heldout": load_prompts(cfg.workload, "heldout", enc, ctx)}
+    split = "heldout" if cfg.workload.num_heldout > 0 else "tune"
+    for label in part_labels(cfg.workload):
+        out[part_split(label)] = mix_prompts(cfg.workload, split, enc, ctx, only=label)
+    return out
 
 
-def open_engine(cfg: Config) -> Any:
+def part_split(label: str) -> str:
+    """The name of a mix part's prompts in study_prompts."""
+    return f"part:{label}"
+
+
+def user_requests(cfg: Config) -> bool:
+    """Whether cfg's workload plays the user's own requests (a file, or a mix with a file part)."""
+    w = cfg.workload
+    return w is not None and (w.source == "file" or any(p.path for p in w.mix))
+
+
+def request_encoder(cfg: Config, engine: Any = None) -> Any:
+    """What tokenises the user's requests (their ShareGPT budgets, the context check): the built-in
+    engine, else the model's tokenizer when the model is on this machine; None for packaged
+    workloads, or when the tokenizer is not here (a launched server then refuses what does not fit,
+    and the study counts and skips it)."""
+    if not user_requests(cfg):
+        return None
+    if engine is not None and hasattr(engine, "encode_messages"):
+        return engine
+    if not (cfg.model.local_path or cfg.model.gguf or cfg.model.random_init):
+        import sys
+
+        print(f"note: the tokenizer of {cfg.model.name} is not on this machine: ShareGPT budgets are "
+              f"workload.max_new_tokens and the server checks the context", file=sys.stderr)
+        return None
+    from engine.launch.launcher import model_ref
+    from engine.models.target import ChatTokenizer, load_tokenizer
+
+    return ChatTokenizer(load_tokenizer(model_ref(cfg.model, cfg.cache_dir)))
+
+
+def open_engine(cfg: Config) -> Engine:
     """The built-in engine of cfg.model under cfg.engine.builtin, set to cfg.spec (the target is
     loaded once per process)."""
     from engine.decode.loop import Engine
@@ -41,7 +90,7 @@ def open_engine(cfg: Config) -> Any:
     return Engine.from_config(cfg.model, cfg.engine.builtin, cfg.spec, cache_dir=cfg.cache_dir, seed=cfg.seed)
 
 
-def open_launcher(cfg: Config, *, log_dir: str | Path | None = None) -> Any:
+def open_launcher(cfg: Config, *, log_dir: str | Path | None = None) -> Launcher:
     """A launcher (engine.launch.launcher.Launcher) for cfg.engine (vllm / sglang) serving cfg.model
     with the command the manifests carry (tuner.schema.engine_command.server_settings): on GPUs the
     deployment's tensor parallelism, context length and FP8 flags, so trials measure the server
@@ -56,7 +105,7 @@ def open_launcher(cfg: Config, *, log_dir: str | Path | None = None) -> Any:
                     settings=server_settings(cfg, kind), accelerator=cfg.hardware.accelerator, log_dir=log_dir)
 
 
-def engine_target_for(engine: Any, chat_template: bool) -> Callable[[SpecConfig], Any]:
+def engine_target_for(engine: Engine, chat_template: bool) -> TargetFor:
     """target_for(spec): the built-in engine switched to `spec` (only when it changes), as a
     load-generator target."""
     from engine.measure.runner import InProcessTarget
@@ -64,7 +113,7 @@ def engine_target_for(engine: Any, chat_template: bool) -> Callable[[SpecConfig]
     target = InProcessTarget(engine, chat_template=chat_template)
     current: list[SpecConfig | None] = [None]
 
-    def target_for(spec: SpecConfig) -> Any:
+    def target_for(spec: SpecConfig) -> LoadTarget:
         if current[0] != spec:
             current[0] = None  # a failing set_spec must not leave a stale 'current'
             engine.set_spec(spec)
@@ -74,12 +123,12 @@ def engine_target_for(engine: Any, chat_template: bool) -> Callable[[SpecConfig]
     return target_for
 
 
-def server_target_for(launcher: Any, chat_template: bool) -> Callable[[SpecConfig], Any]:
+def server_target_for(launcher: Launcher, chat_template: bool) -> TargetFor:
     """target_for(spec): the launched server serving `spec` (restarted when its flags change, the
     start-up outside the trial's clock), as a load-generator target over HTTP."""
     from engine.measure.runner import HttpTarget
 
-    def target_for(spec: SpecConfig) -> Any:
+    def target_for(spec: SpecConfig) -> LoadTarget:
         with startup_excluded():  # bounded by engine.<kind>.startup_timeout_s, not the trial's limit
             url = launcher.ensure(spec)
         return HttpTarget(url, launcher.model, chat_template)
@@ -91,33 +140,41 @@ class Measurer:
     """A study's MeasureFn, `measurer(spec, split, concurrency) -> Sample`: plays `prompts[split]`
     against `target_for(spec)` with the workload's sampling, `concurrency` requests in flight (the
     prompts repeat until there are at least that many). A configuration that breaks requests raises
-    (its trial fails). Over a launched server it also answers `serving(spec)` (is that server up
-    now?) and `startups()` (cumulative start-ups and their seconds), which the objective uses to
-    measure the served spec first and to keep start-ups out of measurements. A spec that remembers
+    (its trial fails). It is a tuner.study.objective.ServerMeasureFn: `serving(spec)` (is a launched
+    server up with that spec now? never in process) and `startups()` (cumulative start-ups and their
+    seconds), which the objective uses to measure the served spec first and to keep start-ups out of
+    measurements. A spec that remembers
     earlier requests (suffix) starts every pass from one cache state: on the built-in engine the
     one the study found (held-out: after the tuning prompts), on a launched server an empty one."""
 
-    def __init__(self, target_for: Callable[[SpecConfig], Any], cfg: Config, prompts: dict[str, list[Any]],
-                 launcher: Any = None, engine: Any = None) -> None:
+    def __init__(self, target_for: TargetFor, cfg: Config, prompts: dict[Split, list[Prompt]],
+                 launcher: Launcher | None = None, engine: Engine | None = None) -> None:
         from engine.measure.workloads import sampling_params
 
         self.target_for, self.prompts, self.cfg = target_for, prompts, cfg
         self.params = sampling_params(cfg.workload, seed=cfg.seed)
         self.launcher = launcher
-        self.serving: Callable[[SpecConfig], bool] | None = getattr(launcher, "serves", None) if launcher else None
         self._draft_mb: dict[tuple[str, str], float | None] = {}  # (spec, split) -> MB, measured once
         self.engine = engine  # the built-in engine, whose suffix caches every run starts from the same state
-        self._suffix: dict[str, Any] = {}  # split -> the suffix-cache state its runs start from
+        self._suffix: dict[Split, dict[int, tuple[tuple[int, ...], ...]]] = {}  # split -> the suffix-cache state its runs start from
+        self.skipped: set[str] = set()  # ids of the user's requests the engine refused (counted, reported)
+
+    def serving(self, spec: SpecConfig) -> bool:
+        """Whether the launched server up now serves `spec` (always False in process)."""
+        return self.launcher is not None and self.launcher.serves(spec)
 
     @property
     def engine_version(self) -> str | None:
         """The release of the launched engine that served the trials (None: built-in, or not read)."""
-        return getattr(self.launcher, "version", None)
+        return self.launcher.version if self.launcher is not None else None
 
     def startups(self) -> tuple[int, float]:
-        return getattr(self.launcher, "starts", 0), getattr(self.launcher, "total_startup_s", 0.0)
+        """Server start-ups so far and their seconds (none in process)."""
+        if self.launcher is None:
+            return 0, 0.0
+        return self.launcher.starts, self.launcher.total_startup_s
 
-    def __call__(self, spec: SpecConfig, split: str, concurrency: int) -> Sample:
+    def __call__(self, spec: SpecConfig, split: Split, concurrency: int) -> Sample:
         from engine.drafters.memory import target_draft_memory
 
         if self.launcher is not None and spec.remembers_requests:
@@ -128,7 +185,7 @@ class Measurer:
             self._start_suffix_run(split)
         played = [prompts[i % len(prompts)] for i in range(max(len(prompts), concurrency))] if prompts else prompts
         m = target.run(played, self.params, concurrency)
-        if m.errors:  # a configuration that breaks requests is no candidate
+        if m.errors and not self._skip_refused(m.errors, m.n_requests):  # a configuration that breaks requests is no candidate
             raise RuntimeError(f"{len(m.errors)}/{len(played)} requests failed; first: {m.errors[0]}")
         if self.engine is not None and spec.remembers_requests and split == "tune" and "heldout" not in self._suffix:
             from engine.drafters.suffix import snapshot_caches
@@ -146,6 +203,22 @@ class Measurer:
                       itl_p50_ms=m.itl_p50_ms, itl_p99_ms=m.itl_p99_ms,
                       goodput=m.goodput(slo.ttft_p99_ms, slo.tpot_p99_ms), wall_s=m.wall_s)
 
+    def _skip_refused(self, errors: list[str], finished: int) -> bool:
+        """With the user's own requests, one the engine refuses as such (HTTP 400: too long for the
+        context, a field it cannot honour) is a bad record, not a bad configuration: counted, said
+        once, and skipped. True when every error is such a refusal and some requests finished."""
+        refused = [e.split(": ", 1)[0] for e in errors if ": HTTP 400" in e]
+        if not user_requests(self.cfg) or len(refused) < len(errors) or finished == 0:
+            return False
+        new = set(refused) - self.skipped
+        if new:
+            import sys
+
+            self.skipped |= new
+            print(f"note: the engine refused {len(new)} request(s) of the workload ({', '.join(sorted(new))}); "
+                  f"skipped, {len(self.skipped)} so far", file=sys.stderr)
+        return True
+
     def _fresh_server(self, spec: SpecConfig) -> None:
         """A launched server's suffix cache can only be emptied by a new process: a running server
         with these flags was started for an earlier pass of them (only passes start servers here),
@@ -156,7 +229,7 @@ class Measurer:
             with startup_excluded():  # stopping vLLM takes seconds: not the trial's measuring time
                 self.launcher.stop()
 
-    def _start_suffix_run(self, split: str) -> None:
+    def _start_suffix_run(self, split: Split) -> None:
         """Every suffix run starts from one cache state (the one the study found), so no trial wins
         by a cache that earlier trials warmed."""
         from engine.drafters.suffix import restore_caches, snapshot_caches
@@ -177,7 +250,7 @@ def queue_note(cfg: Config) -> str | None:
             f"{mb} queue until a slot frees (raise engine.builtin.max_batch to decode them together)")
 
 
-def make_measure(engine: Any, cfg: Config, prompts: dict[str, list[Any]]) -> Measurer:
+def make_measure(engine: Engine, cfg: Config, prompts: dict[Split, list[Prompt]]) -> Measurer:
     """The Measurer over the built-in engine in this process."""
     note = queue_note(cfg)
     if note:
@@ -187,23 +260,26 @@ def make_measure(engine: Any, cfg: Config, prompts: dict[str, list[Any]]) -> Mea
     return Measurer(engine_target_for(engine, cfg.workload.chat_template), cfg, prompts, engine=engine)
 
 
-def make_launched_measure(launcher: Any, cfg: Config, prompts: dict[str, list[Any]]) -> Measurer:
+def make_launched_measure(launcher: Launcher, cfg: Config, prompts: dict[Split, list[Prompt]]) -> Measurer:
     """The Measurer over a launched vLLM / SGLang server (engine.launch.launcher.Launcher)."""
     return Measurer(server_target_for(launcher, cfg.workload.chat_template), cfg, prompts, launcher)
 
 
 @contextmanager
-def study_measure(cfg: Config, engine: Any, prompts: dict[str, list[Any]], run_dir: Path) -> Iterator[Measurer]:
+def study_measure(cfg: Config, engine: Engine | None, prompts: dict[Split, list[Prompt]],
+                  run_dir: Path) -> Iterator[Measurer]:
     """The MeasureFn of a study on cfg.engine: a launched server for engine=vllm/sglang (stopped
     on leaving; its logs in RUN_DIR/servers), else the given built-in engine."""
     if cfg.engine.kind in LAUNCHED:
         with open_launcher(cfg, log_dir=run_dir / "servers") as launcher:
             yield make_launched_measure(launcher, cfg, prompts)
         return
+    if engine is None:
+        raise ValueError("engine.kind=builtin: the study's built-in engine must be loaded first (open_engine)")
     yield make_measure(engine, cfg, prompts)
 
 
-def train_job(cfg: Config) -> Any:
+def train_job(cfg: Config) -> TrainJob:
     """What training cfg's drafts reads (engine.heads.pipeline.TrainJob): the target, the built-in
     engine settings, the workload (one must be given), the training settings."""
     from engine.heads.pipeline import TrainJob
@@ -240,7 +316,7 @@ def spec_with_trained_draft(cfg: Config) -> SpecConfig:
     return spec.model_copy(update={"head_path": str(found)})
 
 
-def get_drafts(cfg: Config, engine: Any, quiet: bool = False) -> dict[str, str]:
+def get_drafts(cfg: Config, engine: Engine | None, quiet: bool = False) -> dict[str, str]:
     """The trained drafts the searched methods need, by method: n-gram needs none. For each head
     method, in order: `spec.head_path` when spec.method is that method, the model's published head
     on an external engine (`model.draft_sources`), else the cached head of this target and workload

@@ -12,23 +12,27 @@ reason in the `fail_reason` user attr.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import optuna
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState, create_trial
 
-from engine.measure.stats import geomean, mean_ci, tight
+from engine.measure.stats import geomean, log_interval, log_spread, tight
 from tuner.study.limits import TrialClock, TrialTimeout, active_clock, next_repeat_fits
-from tuner.schema.config import SpecConfig, WorkloadConfig
+from tuner.schema.config import SearchConfig, SpecConfig, WorkloadConfig
 from tuner.search.space import SearchSpace
-from tuner.study.studies import FAIL_REASON, role
+from tuner.study.studies import FAIL_REASON, NOISE, ROLE, role
 
 OFF = SpecConfig(method="off")
+_CONSTRAINT_PREFIX = "constraints:"  # where Optuna keeps a trial's constraint values (its system attrs)
+# Re-measurements of an implausible pair before its figure is kept (flagged) as it is.
+PLAUSIBILITY_RETRIES = 2
+OUTLIER_HISTORY = 3  # baseline passes before one can be called an outlier (two say little of the spread)
 
 
 @dataclass
@@ -46,11 +50,35 @@ class Sample:
     wall_s: float | None = None  # the run's wall time (goodput's floor: half a request over it)
 
 
-# (spec, split "tune"|"heldout", concurrency) -> Sample. The optimize flow builds it from the
-# engine and the shared runner; nothing here generates tokens itself.
-# A MeasureFn over a launched server may also carry `serving(spec) -> bool` (is that server up now?)
-# and `startups() -> (starts, seconds)` (cumulative server start-ups), both optional.
-MeasureFn = Callable[[SpecConfig, str, int], Sample]
+Split = Literal["tune", "heldout"]
+
+
+@runtime_checkable
+class MeasureFn(Protocol):
+    """What a trial measures with: one run of the load generator for `spec` on the prompts of
+    `split` with `concurrency` requests in flight. The optimize flow builds it from the engine and
+    the shared runner (tuner.study.measurer.Measurer); nothing here generates tokens itself."""
+
+    def __call__(self, spec: SpecConfig, split: Split, concurrency: int) -> Sample: ...
+
+
+@runtime_checkable
+class ServerMeasureFn(MeasureFn, Protocol):
+    """A MeasureFn over a launched server, which a trial measures serving-first (one restart less)
+    and whose start-ups it records apart from every measurement."""
+
+    def serving(self, spec: SpecConfig) -> bool:
+        """Whether the server up now serves `spec`."""
+        ...
+
+    def startups(self) -> tuple[int, float]:
+        """Server start-ups so far and their seconds, cumulative."""
+        ...
+
+
+def _mean_tok(samples: list[Sample]) -> float:
+    """One pass's output tok/s: the mean over its concurrency levels."""
+    return statistics.fmean(x.tok_s for x in samples)
 
 
 def _max_opt(xs: list[float | None]) -> float | None:
@@ -73,13 +101,14 @@ class TrialOutcome:
     tok_s: float | None = None
     speedup: float | None = None
     reason: str | None = None
+    note: str | None = None  # one line for the user: the measured noise changed how trials repeat
 
 
 class Objective:
     """Runs trials of one study with a MeasureFn (ask, measure, set constraints, tell)."""
 
     def __init__(self, study: optuna.Study, space: SearchSpace, measure: MeasureFn, workload: WorkloadConfig,
-                 search: Any) -> None:
+                 search: SearchConfig) -> None:
         self.study = study
         self.space = space
         self.measure = measure
@@ -87,12 +116,13 @@ class Objective:
         self.search = search
         self.levels = sorted(set(workload.concurrency))
         self.multi = search.multi_objective
+        self.repeats_max = search.repeats_max  # sized by the measured noise (track_noise)
 
     # ---- measuring -------------------------------------------------------------------------
-    def _at_levels(self, spec: SpecConfig, split: str) -> list[Sample]:
+    def _at_levels(self, spec: SpecConfig, split: Split) -> list[Sample]:
         return [self.measure(spec, split, c) for c in self.levels]
 
-    def measure_pair(self, spec: SpecConfig, split: str, repeat: int) -> tuple[list[Sample], list[Sample]]:
+    def measure_pair(self, spec: SpecConfig, split: Split, repeat: int) -> tuple[list[Sample], list[Sample]]:
         """One repeat: the spec and the baseline back to back, order alternating to cancel drift."""
         if repeat % 2 == 0:
             s = self._at_levels(spec, split)
@@ -102,41 +132,64 @@ class Objective:
             s = self._at_levels(spec, split)
         return s, b
 
-    def evaluate(self, spec: SpecConfig, split: str = "tune", trial: optuna.Trial | None = None,
-                 started: float | None = None, repeats_max: int | None = None) -> dict[str, Any]:
+    def evaluate(self, spec: SpecConfig, split: Split = "tune", trial: optuna.Trial | None = None,
+                 started: float | None = None, repeats_max: int | None = None, first: int = 0) -> dict[str, Any]:
         """Measure `spec` with adjacent baselines until the speedup CI is tight (or repeats_max,
-        by default search.repeats_max).
+        by default what the measured noise allows: repeats_for); `first`: the order of the first
+        pair (even: spec first).
 
-        Reports intermediate values to `trial` and raises TrialPruned when it is hopeless.
-        Returns the figures (tok/s, baseline, speedup and its CI, tau, p99 latencies, repeats).
+        A repeat that is implausible (see `implausible`) is measured again, up to
+        PLAUSIBILITY_RETRIES times, before it counts: before it can prune, rank or win. Reports
+        intermediate values to `trial` and raises TrialPruned when it is hopeless. Returns the
+        figures (tok/s, baseline, speedup and its intervals, tau, p99 latencies, repeats, and why
+        repeats were measured again).
         """
         started = started or time.monotonic()
         ratios: list[float] = []
         spec_s: list[list[Sample]] = []
         base_s: list[list[Sample]] = []
+        remeasured: list[str] = []  # why a pair was measured again
+        kept: list[str] = []  # pairs still implausible after every retry
+        still: str | None = None
         is_off = spec.method == "off"
-        repeats_max = repeats_max or self.search.repeats_max
+        repeats_max = repeats_max or self.repeats_max
+        server = self.measure if isinstance(self.measure, ServerMeasureFn) else None
         # The order still alternates between repeats; a launched server that already serves the
         # baseline is measured first, so a trial of 2 repeats restarts it twice instead of three times.
-        serving = getattr(self.measure, "serving", None)
-        flip = int(not is_off and serving is not None and serving(OFF) and not serving(spec))
-        startups = getattr(self.measure, "startups", None)
-        starts0, startup0 = startups() if startups is not None else (0, 0.0)
+        flip = int(not is_off and server is not None and server.serving(OFF) and not server.serving(spec))
+        starts0, startup0 = server.startups() if server is not None else (0, 0.0)
+        history = self.baseline_history(trial) if split == "tune" and not is_off else []
+        passes = first  # pairs measured, re-measurements included: the order alternates over all of them
+        figures: dict[str, Any] = {}
         for r in range(repeats_max):
             clock = active_clock()  # the trial's measuring clock (none for the held-out check)
             repeat_t0 = clock.elapsed() if clock is not None else 0.0
             if is_off:  # the baseline itself: one measurement per repeat, speedup 1 by definition
                 s = self._at_levels(OFF, split)
                 b = s
+                ratio = 1.0
             else:
-                s, b = self.measure_pair(spec, split, r + flip)
+                for attempt in range(PLAUSIBILITY_RETRIES + 1):
+                    s, b = self.measure_pair(spec, split, passes + flip)
+                    passes += 1
+                    ratio = geomean([self._score(x) / max(self._score(y), self._floor(y)) for x, y in zip(s, b)])
+                    still = self.implausible(s, b, history + [_mean_tok(x) for x in base_s])
+                    if still is None:
+                        break
+                    if attempt < PLAUSIBILITY_RETRIES:
+                        remeasured.append(f"repeat {r + 1}: {still}")
+                if still is not None:  # kept after every retry: it never prunes another trial nor wins
+                    kept.append(f"repeat {r + 1}: {still}")
             spec_s.append(s)
             base_s.append(b)
-            ratios.append(geomean([self._score(x) / max(self._score(y), self._floor(y)) for x, y in zip(s, b)])
-                          if not is_off else 1.0)
+            ratios.append(ratio)
             figures = self._figures(spec_s, base_s, ratios)
-            if startups is not None:  # server start-ups are never inside a measurement; recorded apart
-                starts, startup = startups()
+            if remeasured:
+                figures["remeasured"] = remeasured
+            if kept:
+                figures["implausible"] = "; ".join(kept)
+            if server is not None:  # server start-ups are never inside a measurement; recorded apart
+                starts, startup = server.startups()
                 figures.update(server_starts=starts - starts0, server_startup_s=round(startup - startup0, 2))
             if trial is not None:
                 for k, v in figures.items():
@@ -144,13 +197,14 @@ class Objective:
                 if not self.multi and not is_off:
                     trial.report(self._value(figures), r)
             done = len(ratios) >= self.search.repeats_min and (
-                is_off and self._tight([statistics.fmean(x.tok_s for x in s_) for s_ in spec_s])
+                is_off and self._tight([_mean_tok(s_) for s_ in spec_s])
                 or not is_off and self._tight(ratios))
             if done or r + 1 == repeats_max:
                 break
-            # Pruning is single-objective only in Optuna; the study's pruner is HopelessPruner.
+            # Pruning is single-objective only in Optuna; the study's pruner is BoundPruner.
             if trial is not None and not self.multi and not is_off and trial.should_prune():
-                raise optuna.TrialPruned(f"hopeless after {r + 1} repeat(s): speedup {ratios[-1]:.3f}")
+                raise optuna.TrialPruned(f"hopeless after {r + 1} repeat(s): speedup {ratios[-1]:.3f}, its optimistic "
+                                         "bound below the best trial's pessimistic one")
             if clock is not None:
                 clock.check()  # threads without SIGALRM
                 # Size the repeats to the limit: stop (complete) when one more would not fit.
@@ -159,6 +213,46 @@ class Objective:
                         trial.set_user_attr("repeats_cut", f"search.trial_timeout_s={self.search.trial_timeout_s:g}")
                     break
         return figures
+
+    def baseline_history(self, trial: optuna.Trial | None = None) -> list[float]:
+        """Every baseline tok/s measured on the tuning prompts so far (mean over the levels per
+        pass): trial 0's passes and each trial's paired baselines, `trial` itself left out."""
+        out: list[float] = []
+        mine = trial.number if trial is not None else None
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
+            if t.number == mine or "reused_from" in t.user_attrs:
+                continue
+            out += t.user_attrs.get("tok_s_samples", []) if role(t) == "baseline" else t.user_attrs.get(
+                "baseline_samples", [])
+        return out
+
+    def noise(self, history: list[float]) -> float:
+        """The relative noise the plausibility rules allow: search.noise_rel, or the spread of the
+        study's baseline passes when it is larger (a busy machine)."""
+        return max(self.search.noise_rel, log_spread(history) or 0.0)
+
+    def implausible(self, s: list[Sample], b: list[Sample], history: list[float]) -> str | None:
+        """Why one pair (spec samples `s`, baseline samples `b`, per level) cannot be believed, or None.
+
+        A speedup of output tok/s can never exceed tau (tokens per target forward: a speculative
+        step costs at least one forward), so a level's ratio above tau x (1 + noise) is a baseline
+        that dipped or a glitch. A paired baseline more than 3 noise bands (on logs) from the
+        median of the study's baseline passes (`history`, OUTLIER_HISTORY or more) is an outlier:
+        its ratio measures the machine's load, not the configuration.
+        """
+        noise = self.noise(history)
+        if self.search.objective == "speed":  # a goodput ratio may exceed tau (requests meeting SLOs)
+            for c, x, y in zip(self.levels, s, b):
+                ratio = x.tok_s / max(y.tok_s, 1e-12)
+                if x.tau is not None and ratio > x.tau * (1 + noise):
+                    return (f"speedup {ratio:.3f}x at concurrency {c} exceeds tau {x.tau:.2f} x (1 + noise "
+                            f"{noise:.2f}): a speedup cannot exceed tau")
+        if len(history) >= OUTLIER_HISTORY:
+            mid, now = statistics.median(history), _mean_tok(b)
+            if mid > 0 and now > 0 and abs(math.log(now / mid)) > 3 * noise:
+                return (f"paired baseline {now:.1f} tok/s is an outlier against the study's baseline history "
+                        f"(median {mid:.1f} tok/s over {len(history)} passes, noise {noise:.2f})")
+        return None
 
     def _score(self, x: Sample) -> float:
         """What the search ranks: output tok/s (search.objective=speed) or goodput."""
@@ -179,15 +273,17 @@ class Objective:
         return tight(xs, self.search.ci_rel_width)
 
     def _figures(self, spec_s: list[list[Sample]], base_s: list[list[Sample]], ratios: list[float]) -> dict[str, Any]:
-        tok = [statistics.fmean(x.tok_s for x in s) for s in spec_s]
-        base = [statistics.fmean(x.tok_s for x in b) for b in base_s]
-        sp, sp_lo, sp_hi = mean_ci(ratios)
-        t, t_lo, t_hi = mean_ci(tok)
+        tok = [_mean_tok(s) for s in spec_s]
+        base = [_mean_tok(b) for b in base_s]
+        # ratios and rates multiply: their intervals are taken on logs (never negative, asymmetric)
+        sp, sp_lo, sp_hi, sp_lower, sp_upper = log_interval(ratios)
+        t, t_lo, t_hi, _, _ = log_interval(tok)
         flat = [x for s in spec_s for x in s]
         return {
             "tok_s": t, "tok_s_ci_low": t_lo, "tok_s_ci_high": t_hi,
             "baseline_tok_s": statistics.fmean(base),
             "speedup": sp, "speedup_ci_low": sp_lo, "speedup_ci_high": sp_hi,
+            "speedup_lower": sp_lower, "speedup_upper": sp_upper,  # one-sided 95% bounds: prune and rank
             "tau": _mean_opt([x.tau for x in flat]),
             "ttft_p99_ms": _max_opt([x.ttft_p99_ms for x in flat]),
             "tpot_p99_ms": _max_opt([x.tpot_p99_ms for x in flat]),
@@ -197,6 +293,7 @@ class Objective:
             "repeats": len(ratios),
             "ratios": ratios,
             "tok_s_samples": tok,
+            "baseline_samples": base,  # the study's baseline history (plausibility)
             # per concurrency level, over the repeats: what the throughput-vs-concurrency plot shows
             "levels": [{"concurrency": c, "tok_s": statistics.fmean(s[i].tok_s for s in spec_s),
                         "baseline_tok_s": statistics.fmean(b[i].tok_s for b in base_s)}
@@ -211,8 +308,40 @@ class Objective:
 
     # ---- one trial ---------------------------------------------------------------------------
     def run_one(self) -> TrialOutcome:
-        """Ask one trial, measure it and tell its outcome. Never raises for a failing trial;
+        """Ask one trial, measure it and tell its outcome (with a note when the measured noise
+        changed how trials repeat: track_noise). Never raises for a failing trial;
         KeyboardInterrupt marks the trial FAIL ('interrupted') and propagates."""
+        outcome = self._run_trial()
+        if not self.multi:
+            outcome.note = self.track_noise()
+        return outcome
+
+    def repeats_for(self, noise: float) -> int:
+        """Pairs a trial may take at most on a machine whose baseline passes spread `noise`:
+        search.repeats_max while it is within search.noise_rel (a quiet machine pays nothing
+        more), one more per further noise band, at most twice search.repeats_max."""
+        extra = max(0, math.ceil(noise / max(self.search.noise_rel, 1e-9) - 1e-9) - 1)
+        return min(self.search.repeats_max + extra, 2 * self.search.repeats_max)
+
+    def track_noise(self) -> str | None:
+        """Measure the machine's noise from the study's baseline passes (trial 0's, then every
+        trial's paired baseline), record it for the pruner's bands (study attr NOISE) and size
+        the repeats by it; one line when that changes what trials do, else None."""
+        spread = log_spread(self.baseline_history())
+        if spread is None:
+            return None
+        if spread > self.search.noise_rel or NOISE in self.study.user_attrs:
+            self.study.set_user_attr(NOISE, spread)
+        n = self.repeats_for(spread)
+        if n == self.repeats_max:
+            return None
+        self.repeats_max = n
+        if spread > self.search.noise_rel:
+            return (f"noise: the baseline passes spread {spread:.1%} (above search.noise_rel={self.search.noise_rel:g}): "
+                    f"trials now repeat up to {n} pairs and bounds widen accordingly")
+        return f"noise: the baseline passes spread {spread:.1%} again: trials repeat up to {n} pairs"
+
+    def _run_trial(self) -> TrialOutcome:
         trial = self.study.ask()
         started = time.monotonic()
         spec = OFF
@@ -277,34 +406,69 @@ class Objective:
         return TrialOutcome(trial.number, TrialState.COMPLETE, spec, earlier.user_attrs.get("tok_s"),
                             earlier.user_attrs.get("speedup"))
 
-    def _constrain(self, trial: optuna.Trial, figures: dict[str, Any]) -> None:
-        """The workload's SLOs as Optuna constraints (<= 0 is feasible)."""
+    def _slo(self, figures: dict[str, Any]) -> tuple[dict[str, float], dict[str, Any]]:
+        """The workload's SLOs as Optuna constraints (<= 0 is feasible) and the user attrs that say
+        so (`feasible`, `slo_violations`)."""
         slo = self.workload.slo
+        constraints: dict[str, float] = {}
         violations = []
         for key, limit in (("tpot_p99_ms", slo.tpot_p99_ms), ("ttft_p99_ms", slo.ttft_p99_ms)):
             if limit is None:
                 continue
             measured = figures.get(key)
             c = (measured - limit) if measured is not None else 0.0
-            trial.set_constraint(key, c)
+            constraints[key] = c
             if c > 0:
                 violations.append(f"{key}={measured:.1f} > {limit:g}")
-        trial.set_user_attr("feasible", not violations)
+        attrs: dict[str, Any] = {"feasible": not violations}
         if violations:
-            trial.set_user_attr("slo_violations", "; ".join(violations))
+            attrs["slo_violations"] = "; ".join(violations)
+        return constraints, attrs
+
+    def _constrain(self, trial: optuna.Trial, figures: dict[str, Any]) -> None:
+        constraints, attrs = self._slo(figures)
+        for key, c in constraints.items():
+            trial.set_constraint(key, c)
+        for key, v in attrs.items():
+            trial.set_user_attr(key, v)
+
+    def confirm(self, spec: SpecConfig, order: int) -> FrozenTrial:
+        """One head-to-head pair of the confirmation round (tuner.study.selection.confirm), in the
+        order `order` (even: spec first), recorded as a COMPLETE trial with role `confirm`: added
+        to the study, never asked of the sampler nor counted in search.n_trials. Plausibility holds
+        as in any trial."""
+        t0 = time.monotonic()
+        figures = self.evaluate(spec, "tune", repeats_max=1, first=order)
+        constraints, attrs = self._slo(figures)
+        tpot = figures["tpot_p99_ms"]
+        value = self._value(figures)
+        frozen = create_trial(
+            state=TrialState.COMPLETE, values=[value, tpot if tpot is not None else float("inf")] if self.multi
+            else [value], params={}, distributions={},
+            user_attrs={**figures, **attrs, **spec_attrs(spec), ROLE: "confirm",
+                        "duration_s": round(time.monotonic() - t0, 3)},
+            system_attrs={f"{_CONSTRAINT_PREFIX}{k}": c for k, c in constraints.items()})
+        self.study.add_trial(frozen)
+        return frozen
 
     def _fail(self, trial: optuna.Trial, reason: str) -> None:
         trial.set_user_attr(FAIL_REASON, reason)
         self.study.tell(trial, state=TrialState.FAIL)
 
 
+def spec_attrs(spec: SpecConfig) -> dict[str, Any]:
+    """A trial's SpecConfig as user attrs: whole (for best.yaml) and by field (for trials.csv)."""
+    attrs: dict[str, Any] = {"spec": spec.key(), "spec_json": spec.model_dump(mode="json")}
+    for k in ("depth", "topk", "budget"):
+        attrs[f"spec_{k}"] = getattr(spec, k) if spec.method != "off" else None
+    attrs["spec_method"] = spec.method
+    return attrs
+
+
 def record_spec(trial: optuna.Trial, spec: SpecConfig) -> None:
-    """Store the trial's SpecConfig in its user attrs: whole (for best.yaml) and by field (for trials.csv)."""
-    trial.set_user_attr("spec", spec.key())
-    trial.set_user_attr("spec_json", spec.model_dump(mode="json"))
-    for k in ("method", "depth", "topk", "budget"):
-        trial.set_user_attr(f"spec_{k}", getattr(spec, k) if spec.method != "off" else None)
-    trial.set_user_attr("spec_method", spec.method)
+    """Store the trial's SpecConfig in its user attrs (spec_attrs)."""
+    for k, v in spec_attrs(spec).items():
+        trial.set_user_attr(k, v)
 
 
 def spec_of(trial: optuna.trial.FrozenTrial) -> SpecConfig | None:

@@ -7,9 +7,10 @@ noise (the slowdown trap), and best.yaml says whether acceptance or verification
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -17,14 +18,16 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from engine.measure.stats import lower95, mean_ci
+from engine.measure.stats import geomean, log_interval, log_spread, ratio_bounds
 from tuner.study.objective import OFF, Objective, spec_of
 from tuner.schema.engine_command import measured_server
-from tuner.schema.config import BestResult, Config, Figures, Provenance, SpecConfig, measured_weights
+from tuner.schema.config import BestResult, Config, Figures, PartResult, Provenance, SpecConfig, measured_weights
 from tuner.study.storage import mask_url, storage_url
 from tuner.study.studies import role
 
 HELDOUT_PAIRS = 2  # spec/baseline pairs of the held-out check
+CONFIRM_TOP = 3  # the best configurations by pessimistic bound that the confirmation round measures
+CONFIRM_ROUNDS = 3  # head-to-head pairs per contender at most
 
 # Below this many tokens per target forward, drafts are too rarely accepted to pay for drafting
 # and verification at all; above it, a slowdown means verifying costs more than it saves.
@@ -43,31 +46,54 @@ class Candidate:
     tau: float | None
     feasible: bool
     lower: float | None = None  # one-sided 95% lower bound of the speedup, from the repeats' ratios
+    ratios: list[float] = field(default_factory=list)  # every repeat's ratio, pooled
+    confirmed: list[float] = field(default_factory=list)  # the confirmation round's ratios (head to head)
+    implausible: str | None = None  # why a figure stayed implausible after its re-measurements
 
     @classmethod
     def of(cls, spec: SpecConfig, trials: list[FrozenTrial]) -> "Candidate":
         ratios = [r for t in trials for r in t.user_attrs.get("ratios", [t.user_attrs["speedup"]])]
-        if len(trials) == 1:  # keep the trial's own interval
+        sp, lo, hi, lower, _ = log_interval(ratios)  # ratios: intervals on logs
+        if len(trials) == 1 and "ratios" not in trials[0].user_attrs:  # a bare figure: keep its own interval
             a = trials[0].user_attrs
             sp, lo, hi = a["speedup"], a.get("speedup_ci_low"), a.get("speedup_ci_high")
-        else:
-            sp, lo, hi = mean_ci(ratios)
         taus = [t.user_attrs["tau"] for t in trials if t.user_attrs.get("tau") is not None]
+        confirmed = [r for t in trials if role(t) == "confirm" for r in t.user_attrs.get("ratios", [])]
+        why = "; ".join(t.user_attrs["implausible"] for t in trials if t.user_attrs.get("implausible")) or None
         return cls(spec, trials, sp, lo, hi, statistics.fmean(taus) if taus else None,
-                   all(all(c <= 0 for c in t.constraints.values()) for t in trials), lower95(ratios))
+                   all(all(c <= 0 for c in t.constraints.values()) for t in trials), lower, ratios, confirmed, why)
 
     def mean(self, key: str) -> float | None:
         vals = [t.user_attrs[key] for t in self.trials if t.user_attrs.get(key) is not None]
         return statistics.fmean(vals) if vals else None
 
+    def bounds(self, noise_rel: float) -> tuple[float, float]:
+        """(pessimistic, optimistic) bounds of the speedup (engine.measure.stats.ratio_bounds)."""
+        return ratio_bounds(self.ratios or [self.speedup], noise_rel)
+
     def beats_baseline(self, noise_rel: float) -> bool:
         """Faster than the baseline beyond noise. Without accepted drafts (tau ~ 1) nothing can be
-        faster than plain decoding, so such a measurement is noise, however large."""
+        faster than plain decoding, so such a measurement is noise, however large; a figure that
+        stayed implausible after its re-measurements proves nothing either."""
         # "Faster" is a one-sided claim: the one-sided 95% bound of the repeats' ratios must clear 1.0
         # (the two-sided interval, reported, is far wider with the usual two repeats).
         bound = self.lower if self.lower is not None else self.ci_low
-        return (self.speedup >= 1 + noise_rel and (bound is None or bound > 1.0)
+        return (self.implausible is None and self.speedup >= 1 + noise_rel and (bound is None or bound > 1.0)
                 and (self.tau is None or self.tau >= 1 + noise_rel))
+
+
+def leader(trials: list[FrozenTrial], noise_rel: float) -> Candidate | None:
+    """The best configuration by what is known: the highest pessimistic bound among feasible,
+    plausible candidates (what the progress line, history.png and the report show)."""
+    known = [c for c in candidates(trials) if c.feasible and c.implausible is None]
+    return max(known, key=lambda c: c.bounds(noise_rel)[0], default=None)
+
+
+def describe(c: Candidate, noise_rel: float) -> str:
+    """'SPEC 1.290x [1.10, 1.52], lower bound 1.21x': a candidate's speedup, its 95% interval and
+    its pessimistic bound."""
+    ci = f" [{c.ci_low:.2f}, {c.ci_high:.2f}]" if c.ci_low is not None and c.ci_high is not None else ""
+    return f"{c.spec.key()} {c.speedup:.3f}x{ci}, lower bound {c.bounds(noise_rel)[0]:.2f}x"
 
 
 @dataclass
@@ -94,10 +120,105 @@ def candidates(trials: list[FrozenTrial]) -> list[Candidate]:
 
 
 def _cheapest_of_best(cands: list[Candidate], noise_rel: float) -> tuple[Candidate, int]:
-    """The best speedup, and among those within noise of it the smallest budget (then depth)."""
-    top = max(c.speedup for c in cands)
-    tied = [c for c in cands if c.speedup >= top * (1 - noise_rel)]
-    return min(tied, key=lambda c: (c.spec.budget, c.spec.depth, -c.speedup)), len(tied)
+    """The best speedup, and among those within noise of it the smallest budget (then depth). When
+    the confirmation round measured candidates head to head, those figures rank them: they were
+    measured adjacent in time, interleaved with the baseline."""
+    confirmed = [c for c in cands if c.confirmed]
+    pool = confirmed or cands
+
+    def score(c: Candidate) -> float:
+        return geomean(c.confirmed) if confirmed else c.speedup
+
+    top = max(score(c) for c in pool)
+    tied = [c for c in pool if score(c) >= top * (1 - noise_rel)]
+    return min(tied, key=lambda c: (c.spec.budget, c.spec.depth, -score(c))), len(tied)
+
+
+def contenders(trials: list[FrozenTrial], noise_rel: float) -> list[tuple[SpecConfig, list[float]]]:
+    """What the confirmation round measures, with the ratios known so far: the CONFIRM_TOP best
+    configurations by pessimistic bound (among those whose optimistic bound reaches 1.0), and
+    every pruned configuration whose first repeat was within the noise of the leader's speedup
+    (a glitch may have pruned it)."""
+    # one that cannot reach 1.0 even optimistically is no contender: off beats it
+    known = sorted((c for c in candidates(trials) if c.feasible and c.implausible is None
+                    and c.bounds(noise_rel)[1] >= 1.0), key=lambda c: -c.bounds(noise_rel)[0])
+    out = [(c.spec, c.ratios) for c in known[:CONFIRM_TOP]]
+    if not known:
+        return out
+    taken = {spec.model_dump_json() for spec, _ in out} | {c.spec.model_dump_json() for c in known}
+    for t in trials:
+        spec, ratios = spec_of(t), t.user_attrs.get("ratios")
+        if (t.state != TrialState.PRUNED or spec is None or not ratios or "reused_from" in t.user_attrs
+                or t.user_attrs.get("implausible") or spec.model_dump_json() in taken):
+            continue
+        if ratios[0] >= known[0].speedup * (1 - noise_rel):
+            out.append((spec, ratios[:1]))
+            taken.add(spec.model_dump_json())
+    return out
+
+
+def unresolved(others: list[tuple[SpecConfig, list[float]]], lead: list[float], noise_rel: float,
+               head_to_head: bool = False) -> list[int]:
+    """Which of `others` are neither separated from the leader (ratios `lead`) nor tied with it.
+    Before any head-to-head pair, by the trials' bounds: an optimistic bound below the leader's
+    pessimistic one is separated. Then by the head-to-head ratios alone (two pairs or more each):
+    one-sided 95% bounds that do not overlap separate; geometric means within noise_rel tie."""
+    out = []
+    for i, (_, ratios) in enumerate(others):
+        if not head_to_head:
+            if ratio_bounds(ratios, noise_rel)[1] >= ratio_bounds(lead, noise_rel)[0]:
+                out.append(i)
+            continue
+        m, _, _, lo, hi = log_interval(ratios)
+        lm, _, _, llo, lhi = log_interval(lead)
+        separated = hi is not None and llo is not None and (hi < llo or (lhi is not None and lo is not None and lhi < lo))
+        tied = abs(math.log(m / lm)) <= math.log(1 + noise_rel) if m > 0 and lm > 0 else False
+        if not separated and not tied:
+            out.append(i)
+    return out
+
+
+def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
+            log: Callable[[str], None] = lambda s: None) -> int:
+    """The confirmation round before the winner is named: the contenders (see `contenders`) are
+    measured head to head, one pair each per round in alternating order with the baseline,
+    until every one is separated from the leader or tied with it (`unresolved`), at most
+    CONFIRM_ROUNDS rounds; each pair is a COMPLETE trial with role `confirm`. It runs only when
+    the study's baseline passes spread beyond search.noise_rel: on a quiet machine the trials'
+    own figures stand, and the study takes no longer. Returns the pairs measured."""
+    trials = study.get_trials(deepcopy=False)
+    spread = log_spread(objective.baseline_history())
+    if spread is None or spread <= noise_rel:
+        return 0
+    noise = max(noise_rel, spread)
+    field_ = contenders(trials, noise)
+    if len(field_) < 2:
+        return 0
+    lead_spec, lead_known = field_[0]
+    others = field_[1:]
+    open_ = unresolved(others, lead_known, noise)
+    if not open_:
+        return 0
+    log(f"confirmation round: baseline passes spread {spread:.1%} (above search.noise_rel={noise_rel:g}); "
+        f"{lead_spec.key()} head to head with {', '.join(others[i][0].key() for i in open_)}")
+    head: dict[str, list[float]] = {}
+    pairs = 0
+    for r in range(CONFIRM_ROUNDS):
+        for spec in [lead_spec] + [others[i][0] for i in open_]:
+            t = objective.confirm(spec, pairs)
+            head.setdefault(spec.model_dump_json(), []).extend(t.user_attrs["ratios"])
+            pairs += 1
+        if r == 0:
+            continue  # a head-to-head interval needs two pairs
+        lead = head[lead_spec.model_dump_json()]
+        mine = [(others[i][0], head[others[i][0].model_dump_json()]) for i in open_]
+        open_ = [open_[j] for j in unresolved(mine, lead, noise, head_to_head=True)]
+        if not open_:
+            break
+    left = (f"; not separated after {CONFIRM_ROUNDS} rounds, ranked by their head-to-head figures: "
+            f"{', '.join(others[i][0].key() for i in open_)}" if open_ else "")
+    log(f"confirmation round: {pairs} pairs{left}")
+    return pairs
 
 
 def pick_winner(trials: list[FrozenTrial], noise_rel: float, concurrency: list[int]) -> Winner:
@@ -137,6 +258,8 @@ def pick_winner(trials: list[FrozenTrial], noise_rel: float, concurrency: list[i
         reason += f"; one-sided 95% lower bound {pick.lower:.3f})" if pick.lower is not None else ")"
     if pick.tau is not None:
         reason += f", tau {pick.tau:.2f}"
+    if pick.confirmed:
+        reason += f"; head to head in the confirmation round {geomean(pick.confirmed):.3f}x over {len(pick.confirmed)} pairs"
     if n > 1:
         reason += f", pooled over {n} trials"
     if n_tied > 1:
@@ -188,7 +311,10 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
         heldout_baseline = Figures(output_tokens_per_s=h["baseline_tok_s"])  # what the held-out speedup divides by
         heldout_speedup = h["speedup"]
     chain = win.chain.spec if win.chain is not None else None
+    parts = part_results(cfg, win.spec, objective) if objective is not None else []
+    skipped = len(getattr(getattr(objective, "measure", None), "skipped", ()) or ())
     return BestResult(
+        parts=parts, skipped_requests=skipped,
         spec=win.spec, chain_spec=chain, metrics=metrics, baseline=baseline, speedup=speedup,
         heldout=heldout, heldout_baseline=heldout_baseline, heldout_speedup=heldout_speedup, reason=win.reason,
         k_schedule_note=("K per concurrency band tuned (spec.k_per_batch_size)" if win.spec.k_per_batch_size else None),
@@ -203,14 +329,39 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
     )
 
 
+def part_results(cfg: Config, spec: SpecConfig, objective: Objective) -> list[PartResult]:
+    """A mixed workload: the winner on each part's requests alone (held-out when there are some),
+    paired with the baseline as every measurement is, so a user sees which part it serves well."""
+    from engine.measure.workloads import split_counts
+    from tuner.study.measurer import part_split
+
+    w = cfg.workload
+    if not w.mix:
+        return []
+    split = "heldout" if w.num_heldout > 0 else "tune"
+    counts = split_counts([p.weight for p in w.mix], w.num_heldout if split == "heldout" else w.num_prompts)
+    out = []
+    for part, n in zip(w.mix, counts):
+        h = objective.evaluate(spec, part_split(part.label), repeats_max=min(HELDOUT_PAIRS, cfg.search.repeats_max))
+        out.append(PartResult(name=part.label, weight=part.weight, requests=n, split=split, tau=h["tau"],
+                              speedup=h["speedup"], output_tokens_per_s=h["tok_s"],
+                              baseline_tokens_per_s=h["baseline_tok_s"]))
+    return out
+
+
 def compute_best(cfg: Config, study: optuna.Study, run_dir: Path, objective: Objective | None,
                  log: Callable[[str], None] = lambda s: None) -> BestResult:
-    """Pick the winner from the study's trials and assemble best.yaml; the winner is re-measured
-    on the held-out prompts when an objective (an engine) is at hand, else that part stays empty."""
+    """Pick the winner from the study's trials and assemble best.yaml. With an objective (an
+    engine) at hand, the confirmation round runs first and the winner is re-measured on the
+    held-out prompts after; without one, both are left out."""
+    if objective is not None and not cfg.search.multi_objective:
+        confirm(study, objective, cfg.search.noise_rel, log)
     win = pick_winner(study.get_trials(deepcopy=False), cfg.search.noise_rel, cfg.workload.concurrency)
     if objective is None and cfg.workload.num_heldout > 0:
         cfg = cfg.model_copy(deep=True)
         cfg.workload.num_heldout = 0
     if cfg.workload.num_heldout > 0:
         log("re-measuring the winner on the held-out prompts")
+    if cfg.workload.mix and objective is not None:
+        log(f"measuring the winner on each of the {len(cfg.workload.mix)} parts of the mix")
     return best_result(cfg, study, run_dir, win, objective)

@@ -16,41 +16,58 @@ import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import FrozenTrial, TrialState
 
+from engine.measure.stats import ratio_bounds
 from tuner.schema.config import Config, SearchConfig, UserError
 from tuner.search.space import SearchSpace
 from tuner.study.storage import open_storage, storage_url
 
-ROLE = "role"  # user attr naming why a trial exists: baseline | default | grid | search
+ROLE = "role"  # user attr naming why a trial exists: baseline | default | grid | search | confirm
 FAIL_REASON = "fail_reason"
 HEARTBEAT = "heartbeat"  # trial user attr: unix time of its worker's last sign of life
 WORKER = "worker"  # trial user attr: host:pid of the worker that runs the trial
+NOISE_REL = "noise_rel"  # study user attr: search.noise_rel of the study
+NOISE = "noise_rel_measured"  # study user attr: the relative noise of a baseline pass, measured at the start
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 METRICS = ["output_tok_s"]
 METRICS_MULTI = ["output_tok_s", "tpot_p99_ms"]
 
 
-class HopelessPruner(optuna.pruners.BasePruner):
-    """Prune a trial whose drift-corrected tok/s after a repeat is so far below both the baseline and
-    the best trial so far that further repeats cannot make it the winner (2x the noise band)."""
+class BoundPruner(optuna.pruners.BasePruner):
+    """Prune a trial whose optimistic bound cannot reach what is already known: its speedup's
+    one-sided 95% upper bound (after one repeat: the ratio widened by twice the noise band) is
+    below 1.0 or below the pessimistic bound (one-sided 95% lower bound) of the best trial so far.
+
+    Bounds, never point values: one glitched measurement has a wide interval, so it cannot prune
+    the trials after it. A trial whose figure stayed implausible (tuner.study.objective) is no bar.
+    The noise band is search.noise_rel, or the noise measured at the study's start when larger.
+    """
 
     def __init__(self, noise_rel: float) -> None:
         self.noise_rel = noise_rel
 
-    def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
-        step = trial.last_step
-        if step is None:
+    def prune(self, study: optuna.Study, trial: FrozenTrial) -> bool:
+        ratios = trial.user_attrs.get("ratios")
+        if not ratios or trial.user_attrs.get("implausible"):
             return False
-        now = trial.intermediate_values[step]
-        ref = study.user_attrs.get("reference_tok_s")
-        best = max((t.value for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                    if t.value is not None), default=0.0)
-        bar = max(ref or 0.0, best)
-        return bar > 0 and now < bar * (1 - 2 * self.noise_rel)
+        noise = max(self.noise_rel, study.user_attrs.get(NOISE, 0.0))
+        return ratio_bounds(ratios, noise)[1] < max(1.0, best_lower(study, noise))
+
+
+def best_lower(study: optuna.Study, noise: float) -> float:
+    """The best pessimistic bound of a speedup among the study's complete, feasible, plausible
+    speculative trials (0 when there is none)."""
+    best = 0.0
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        a = t.user_attrs
+        if role(t) == "baseline" or not a.get("ratios") or a.get("implausible") or not a.get("feasible", True):
+            continue
+        best = max(best, ratio_bounds(a["ratios"], noise)[0])
+    return best
 
 
 def make_pruner(search: SearchConfig) -> optuna.pruners.BasePruner:
-    """HopelessPruner for single-objective studies (Optuna prunes single-objective trials only)."""
-    return optuna.pruners.NopPruner() if search.multi_objective else HopelessPruner(search.noise_rel)
+    """BoundPruner for single-objective studies (Optuna prunes single-objective trials only)."""
+    return optuna.pruners.NopPruner() if search.multi_objective else BoundPruner(search.noise_rel)
 
 
 def make_sampler(search: SearchConfig) -> optuna.samplers.BaseSampler:
@@ -98,6 +115,7 @@ def create_study(cfg: Config, space: SearchSpace, run_dir: Path, name: str) -> o
     study.set_user_attr("model", cfg.model.name)
     study.set_user_attr("engine", cfg.engine.kind)
     study.set_user_attr("created", datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    study.set_user_attr(NOISE_REL, cfg.search.noise_rel)  # the report's bounds use the study's own band
     study.enqueue_trial({}, user_attrs={ROLE: "baseline"})
     if cfg.search.sampler == "grid":
         for spec in space.points():
@@ -187,9 +205,10 @@ class Budget:
         return cls(search.n_trials, search.sampler in ("grid", "model"), count)
 
     def used(self, trials: list[FrozenTrial]) -> int:
+        # the confirmation round's pairs (role confirm) come after the budget: they never count in it
         if self.count == "finished":
-            return sum(1 for t in trials if t.state in FINISHED)
-        return sum(1 for t in trials if t.state != TrialState.WAITING)
+            return sum(1 for t in trials if t.state in FINISHED and role(t) != "confirm")
+        return sum(1 for t in trials if t.state != TrialState.WAITING and role(t) != "confirm")
 
     def spent(self, trials: list[FrozenTrial]) -> bool:
         waiting = sum(1 for t in trials if t.state == TrialState.WAITING)
@@ -204,10 +223,12 @@ class Budget:
 
 
 def finished_count(study: optuna.Study) -> int:
-    """Trials that count against `search.n_trials` (complete, pruned or failed)."""
-    return len(study.get_trials(deepcopy=False, states=FINISHED))
+    """Trials that count against `search.n_trials` (complete, pruned or failed; not the
+    confirmation round's pairs)."""
+    return sum(1 for t in study.get_trials(deepcopy=False, states=FINISHED) if role(t) != "confirm")
 
 
 def role(trial: Any) -> str:
-    """Why a trial exists (user attr set at enqueue time; sampled trials are 'search')."""
+    """Why a trial exists (user attr set at enqueue time; sampled trials are 'search'; the
+    confirmation round's pairs are 'confirm')."""
     return trial.user_attrs.get(ROLE, "search")

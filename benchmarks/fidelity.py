@@ -1,0 +1,149 @@
+"""Measured regret: does a study return the best configuration, quiet and under background load?
+
+1. Reference: every configuration of a small fixed space (n-gram chains, depth 1 to --depth-max)
+   measured long and interleaved: --ref-rounds rounds, each a (configuration, baseline) pair per
+   configuration in alternating order, on the study's own tuning prompts and load generator
+   (tuner.study.objective.Objective.measure_pair). A configuration's reference speedup is the
+   geometric mean of its pairs' ratios; `off` is 1.0 by definition.
+2. The study (`tuner optimize` over the same space, default search settings otherwise) runs --runs
+   times (default 3), each with another search.seed, once quiet and once with a background load:
+   a process of this script's own that keeps one core busy about 30% of the time in short bursts,
+   and stops by itself after --load-s seconds (or when this script ends).
+3. Per run: the winner, its reference speedup, the regret (the reference's best minus the
+   winner's reference speedup, over the best), the held-out speedup against the tuning one, and
+   the wall time. Goals (issue 39): regret <= 0.03 and held-out within 5% of tuning in every run.
+
+Prints one line per run; the last line printed is one JSON object with `max_regret`,
+`max_heldout_gap` and `runs`. Usage:
+
+    python benchmarks/fidelity.py                       # SmolLM2, 3 seeds, quiet and loaded (long)
+    python benchmarks/fidelity.py --model tiny-random --runs 1 --ref-rounds 2   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import optuna
+import yaml
+
+from engine.measure.stats import geomean
+from tuner.run.session import optimize
+from tuner.schema.compose import load_config
+from tuner.schema.config import BestResult
+from tuner.search.space import SearchSpace
+from tuner.study.measurer import make_measure, open_engine, study_prompts
+from tuner.study.objective import OFF, Objective
+
+BUSY_SHARE = 0.30  # of one core, in bursts
+BURST_S = 0.05  # one burst: short enough that every pass of a trial meets several
+
+
+def background_load(seconds: float, parent: int) -> None:
+    """Keep one core busy BUSY_SHARE of the time in bursts of BURST_S, for `seconds` at most or
+    until the parent process is gone."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and os.getppid() == parent:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < BURST_S:
+            pass
+        time.sleep(BURST_S * (1 - BUSY_SHARE) / BUSY_SHARE)
+
+
+def space_overrides(args: argparse.Namespace) -> list[str]:
+    """The small fixed space (n-gram chains, one concurrency level: no K per band, so every point
+    is one configuration), the workload and the engine: shared by the reference and every study."""
+    return [f"model={args.model}", "+workload=code", "workload.concurrency=[1]", "search.methods=[ngram]",
+            "search.depth.min=1", f"search.depth.max={args.depth_max}", "search.topk=[1]",
+            f"search.budget_max={args.depth_max + 1}", f"search.n_trials={args.n_trials}",
+            f"engine.builtin.threads={args.threads}"]
+
+
+def reference(args: argparse.Namespace, engine: object) -> dict[str, float]:
+    """Every point's reference speedup (its key -> geometric mean of --ref-rounds interleaved pairs)."""
+    cfg = load_config(space_overrides(args))
+    space = SearchSpace.from_config(cfg)
+    objective = Objective(optuna.create_study(direction="maximize"), space,
+                          make_measure(engine, cfg, study_prompts(cfg)), cfg.workload, cfg.search)
+    ratios: dict[str, list[float]] = {p.key(): [] for p in space.points()}
+    n = 0
+    for _ in range(args.ref_rounds):
+        for spec in space.points():
+            s, b = objective.measure_pair(spec, "tune", n)
+            n += 1
+            ratios[spec.key()].append(geomean([x.tok_s / y.tok_s for x, y in zip(s, b)]))
+    return {key: geomean(rs) for key, rs in ratios.items()}
+
+
+def one_run(args: argparse.Namespace, engine: object, seed: int, loaded: bool, ref: dict[str, float],
+            run_dir: Path) -> dict[str, object]:
+    """One study; its winner judged against the reference."""
+    load = None
+    if loaded:
+        load = multiprocessing.Process(target=background_load, args=(args.load_s, os.getpid()), daemon=True)
+        load.start()
+    t0 = time.monotonic()
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # optimize prints its run directory: stdout is the table's
+            out = optimize([*space_overrides(args), f"search.seed={seed}", f"run_dir={run_dir}",
+                            f"search.study_name=fidelity-{'loaded' if loaded else 'quiet'}-{seed}"],
+                           engine=engine, quiet=True)
+    finally:
+        if load is not None:
+            load.terminate()
+            load.join()
+    wall = time.monotonic() - t0
+    best = BestResult.model_validate(yaml.safe_load((out / "best.yaml").read_text()))
+    top = max([1.0, *ref.values()])
+    mine = 1.0 if best.spec.method == "off" else ref[best.spec.key()]  # the space is fixed: every winner is in it
+    gap = (abs(best.heldout_speedup - best.speedup) / best.speedup
+           if best.heldout_speedup is not None and best.speedup else None)
+    return {"seed": seed, "loaded": loaded, "winner": best.spec.key(), "tuning": best.speedup,
+            "heldout": best.heldout_speedup, "reference": mine, "regret": (top - mine) / top,
+            "heldout_gap": gap, "wall_s": round(wall, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--runs", type=int, default=3, help="studies per condition (quiet, loaded), one seed each")
+    ap.add_argument("--depth-max", type=int, default=6, help="the space: n-gram chains of depth 1..N")
+    ap.add_argument("--n-trials", type=int, default=6)
+    ap.add_argument("--ref-rounds", type=int, default=6, help="interleaved pairs per point in the reference")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--load-s", type=float, default=1800.0, help="the background load stops by itself after this")
+    ap.add_argument("--conditions", default="quiet,loaded")
+    ap.add_argument("--run-dir", type=Path, default=None)
+    args = ap.parse_args()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="fidelity-"))
+    engine = open_engine(load_config(space_overrides(args)))
+    t0 = time.monotonic()
+    ref = reference(args, engine)
+    print(f"reference ({args.ref_rounds} interleaved pairs per point, {time.monotonic() - t0:.0f} s): "
+          + ", ".join(f"{k} {v:.3f}x" for k, v in sorted(ref.items(), key=lambda kv: -kv[1])), flush=True)
+    runs = []
+    for cond in args.conditions.split(","):
+        for seed in range(args.runs):
+            r = one_run(args, engine, seed, cond == "loaded", ref, run_dir)
+            runs.append(r)
+            gap = f"{r['heldout_gap']:.1%}" if r["heldout_gap"] is not None else "-"
+            print(f"{cond:6s} seed {seed}: winner {r['winner']} (tuning {r['tuning']:.3f}x, held-out "
+                  f"{r['heldout'] or float('nan'):.3f}x, reference {r['reference']:.3f}x), regret {r['regret']:.1%}, "
+                  f"held-out gap {gap}, {r['wall_s']:.0f} s", flush=True)
+    gaps = [r["heldout_gap"] for r in runs if r["heldout_gap"] is not None]
+    print(json.dumps({"max_regret": max(r["regret"] for r in runs), "max_heldout_gap": max(gaps) if gaps else None,
+                      "runs": runs, "reference": ref, "load": {"busy_share": BUSY_SHARE, "burst_s": BURST_S},
+                      "run_dir": str(run_dir)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""A winner to trust on a noisy machine (issue 39), with planted measurements: a fake MeasureFn
+returns scripted figures, the study is a real Optuna study (in memory: a commit per user attr on
+SQLite costs seconds on a busy machine; the confirmation round's on SQLite), the objective and the
+selection are the real ones. A glitch cannot prune a better trial nor win; an implausible pair is
+measured again; the confirmation round picks the truly better configuration, ties go to the
+smaller budget, and a quiet machine gets no extra measurement."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState, create_trial
+
+from tuner.schema.compose import load_config
+from tuner.schema.config import Config, SpecConfig
+from tuner.search.space import SearchSpace
+from tuner.study.objective import Objective, Sample, spec_attrs
+from tuner.study.selection import confirm, leader, pick_winner
+from tuner.study.studies import ROLE, make_pruner
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+CFG = ["model=tiny-random", "+workload=code", "workload.concurrency=[1]", "search=quick", "search.repeats_min=2",
+       "search.repeats_max=2", "search.ci_rel_width=0.0001", "search.depth.max=6", "search.budget_max=8"]
+
+
+def ng(depth: int) -> SpecConfig:
+    return SpecConfig(method="ngram", depth=depth, topk=1, budget=depth + 1)
+
+
+Script = Callable[[SpecConfig, int], tuple[float, float]]  # (spec, its n-th pass) -> (tok/s, tau)
+
+
+class Planted:
+    """A MeasureFn whose figures are scripted: the baseline reads `base` tok/s, or the next of
+    `base_script` while it lasts; a spec reads script(spec, n) for its n-th pass. Every call is
+    recorded."""
+
+    def __init__(self, script: Script, base: float = 10.0, base_script: list[float] | None = None) -> None:
+        self.script, self.base, self.base_script = script, base, list(base_script or [])
+        self.calls: list[str] = []
+        self.passes: dict[str, int] = {}
+
+    def __call__(self, spec: SpecConfig, split: str, concurrency: int) -> Sample:
+        self.calls.append(spec.key())
+        if spec.method == "off":
+            return Sample(self.base_script.pop(0) if self.base_script else self.base, 1.0, 1.0, 1.0)
+        n = self.passes.get(spec.key(), 0)
+        self.passes[spec.key()] = n + 1
+        tok_s, tau = self.script(spec, n)
+        return Sample(tok_s, tau, 1.0, 1.0)
+
+
+def study_of(tmp_path: Path, cfg: Config, measure: Planted, specs: list[SpecConfig],
+             in_memory: bool = True) -> tuple[optuna.Study, Objective]:
+    """A study with the baseline and `specs` enqueued in that order, the study's own pruner."""
+    space = SearchSpace.from_config(cfg)
+    study = optuna.create_study(storage=None if in_memory else f"sqlite:///{tmp_path}/s.db", direction="maximize",
+                                pruner=make_pruner(cfg.search))
+    study.enqueue_trial({}, user_attrs={ROLE: "baseline"})
+    for spec in specs:
+        study.enqueue_trial(space.params_of(spec), user_attrs={ROLE: "grid"})
+    return study, Objective(study, space, measure, cfg.workload, cfg.search)
+
+
+def test_a_glitch_cannot_prune_a_better_trial_nor_win(tmp_path: Path) -> None:
+    """ngram d2 reads 2.9x in its first repeat (a glitch) and 1.1x in its second: compared by point
+    values (the old HopelessPruner) its 2.0x mean pruned the 1.3x of every later trial after one
+    repeat. Its one-sided lower bound is far below 1, so ngram d4 completes and wins."""
+    cfg = load_config(CFG)
+    glitch = {0: 29.0, 1: 11.0}
+    measure = Planted(lambda spec, n: (glitch[n], 4.0) if spec.depth == 2 else (13.0, 2.0))
+    study, objective = study_of(tmp_path, cfg, measure, [ng(2), ng(4)])
+    outcomes = [objective.run_one() for _ in range(3)]
+    assert [o.state for o in outcomes] == [TrialState.COMPLETE] * 3
+    g, b = study.trials[1], study.trials[2]
+    assert g.user_attrs["ratios"] == [2.9, 1.1] and g.user_attrs["speedup_lower"] < 1.0
+    assert b.user_attrs["ratios"] == [1.3, 1.3] and b.user_attrs["repeats"] == 2
+    win = pick_winner(study.trials, cfg.search.noise_rel, [1])
+    assert win.spec == ng(4)
+    best = leader(study.trials, cfg.search.noise_rel)
+    assert best is not None and best.spec == ng(4)  # the progress line's best: by lower bound, not 2.0x
+
+
+def test_a_trial_far_below_the_best_lower_bound_is_still_pruned(tmp_path: Path) -> None:
+    cfg = load_config(CFG)
+    measure = Planted(lambda spec, n: (15.0, 2.0) if spec.depth == 4 else (10.5, 2.0))
+    study, objective = study_of(tmp_path, cfg, measure, [ng(4), ng(2)])
+    outcomes = [objective.run_one() for _ in range(3)]
+    assert outcomes[2].state == TrialState.PRUNED  # 1.05 / 0.9 = 1.17 < 1.5 x 0.9
+    assert "optimistic bound" in study.trials[2].user_attrs["prune_reason"]
+    assert measure.passes["ngram d2 k1 b3"] == 1
+
+
+def test_an_implausible_ratio_is_measured_again_and_the_trial_says_why(tmp_path: Path) -> None:
+    """ngram d3 reads 2.7x with tau 1.7 (a speedup cannot exceed tau): that pair is measured again
+    before it counts; ngram d5's paired baseline dips to 5 tok/s against a history at 10: an
+    outlier, measured again too. Both trials record why; their kept ratios are the re-measured ones."""
+    cfg = load_config(CFG)
+    first = {"ngram d3 k1 b4": 27.0, "ngram d5 k1 b6": 7.0}
+    measure = Planted(lambda spec, n: (first.get(spec.key(), 14.0) if n == 0 else 14.0, 1.7),
+                      base_script=[10.0, 10.2, 10.0, 10.0, 10.0, 5.0])
+    study, objective = study_of(tmp_path, cfg, measure, [ng(3), ng(5)])
+    for _ in range(3):
+        objective.run_one()
+    t3, t5 = study.trials[1], study.trials[2]
+    (why,) = t3.user_attrs["remeasured"]
+    assert why.startswith("repeat 1: speedup 2.700x at concurrency 1 exceeds tau 1.70")
+    assert t3.user_attrs["ratios"] == [1.4, 1.4] and "implausible" not in t3.user_attrs
+    (why,) = t5.user_attrs["remeasured"]
+    assert "paired baseline 5.0 tok/s is an outlier" in why and "median 10.0 tok/s" in why
+    assert t5.user_attrs["ratios"] == [1.4, 1.4]
+    assert measure.passes == {"ngram d3 k1 b4": 3, "ngram d5 k1 b6": 3}  # 2 repeats + 1 re-measurement each
+
+
+def test_a_figure_that_stays_implausible_never_prunes_nor_wins(tmp_path: Path) -> None:
+    cfg = load_config(CFG)
+    measure = Planted(lambda spec, n: (27.0, 1.7) if spec.depth == 3 else (12.0, 2.0))
+    study, objective = study_of(tmp_path, cfg, measure, [ng(3), ng(2)])
+    outcomes = [objective.run_one() for _ in range(3)]
+    t3 = study.trials[1]
+    assert len(t3.user_attrs["remeasured"]) == 2 * 2  # two retries in each of two repeats
+    assert "exceeds tau" in t3.user_attrs["implausible"]
+    assert outcomes[2].state == TrialState.COMPLETE  # 1.2x is not pruned by a 2.7x no one can believe
+    assert pick_winner(study.trials, cfg.search.noise_rel, [1]).spec == ng(2)
+
+
+def _planted_trial(spec: SpecConfig, ratios: list[float], base: float = 10.0) -> optuna.trial.FrozenTrial:
+    sp = sum(ratios) / len(ratios)
+    return create_trial(
+        state=TrialState.COMPLETE, value=base * sp, params={}, distributions={},
+        user_attrs={**spec_attrs(spec), ROLE: "search", "ratios": ratios, "speedup": sp, "tau": 3.0,
+                    "tok_s": base * sp, "baseline_tok_s": base, "baseline_samples": [base] * len(ratios),
+                    "feasible": True})
+
+
+def _noisy_study(tmp_path: Path, cfg: Config, measure: Planted, planted: list[tuple[SpecConfig, list[float]]],
+                 baseline: list[float], in_memory: bool = True) -> tuple[optuna.Study, Objective]:
+    study, objective = study_of(tmp_path, cfg, measure, [], in_memory)
+    study.add_trial(create_trial(state=TrialState.COMPLETE, value=10.0, params={}, distributions={},
+                                 user_attrs={**spec_attrs(SpecConfig(method="off")), ROLE: "baseline",
+                                             "tok_s_samples": baseline, "ratios": [1.0, 1.0], "speedup": 1.0}))
+    for spec, ratios in planted:
+        study.add_trial(_planted_trial(spec, ratios))
+    return study, objective
+
+
+def test_the_confirmation_round_picks_the_truly_better_of_two(tmp_path: Path) -> None:
+    """On a noisy machine (baseline passes 8.5-12 tok/s) ngram d2 was lucky in its trial (1.45x,
+    1.40x) and ngram d4 unlucky (1.35x, 1.30x); truly they run at 1.3x and 1.5x. Head to head,
+    interleaved with the baseline, they separate and ngram d4 wins."""
+    cfg = load_config(CFG)
+    measure = Planted(lambda spec, n: (13.0 if spec.depth == 2 else 15.0, 3.0))
+    study, objective = _noisy_study(tmp_path, cfg, measure, [(ng(2), [1.45, 1.40]), (ng(4), [1.35, 1.30])],
+                                    [10.0, 12.0, 8.5], in_memory=False)  # the confirmation trials on real SQLite
+    assert pick_winner(study.trials, cfg.search.noise_rel, [1]).spec == ng(2)  # the trials alone are fooled
+    lines: list[str] = []
+    pairs = confirm(study, objective, cfg.search.noise_rel, lines.append)
+    assert pairs == 4 and measure.passes == {"ngram d2 k1 b3": 2, "ngram d4 k1 b5": 2}  # separated after 2 rounds
+    confirms = [t for t in study.trials if t.user_attrs.get(ROLE) == "confirm"]
+    assert len(confirms) == 4 and all(t.state == TrialState.COMPLETE for t in confirms)
+    # interleaved: every pair has its baseline adjacent, the order alternating from pair to pair
+    tail = measure.calls[-8:]
+    assert tail == ["ngram d2 k1 b3", "off", "off", "ngram d4 k1 b5", "ngram d2 k1 b3", "off", "off", "ngram d4 k1 b5"]
+    assert "confirmation round" in lines[0]
+    win = pick_winner(study.trials, cfg.search.noise_rel, [1])
+    assert win.spec == ng(4) and "head to head in the confirmation round 1.500x over 2 pairs" in win.reason
+
+
+def test_the_confirmation_round_declares_a_tie_and_it_goes_to_the_smaller_budget(tmp_path: Path) -> None:
+    cfg = load_config(CFG)
+    measure = Planted(lambda spec, n: (14.0, 3.0))  # both truly 1.4x
+    study, objective = _noisy_study(tmp_path, cfg, measure, [(ng(2), [1.35, 1.38]), (ng(5), [1.50, 1.45])],
+                                    [10.0, 12.0, 8.5])
+    assert pick_winner(study.trials, cfg.search.noise_rel, [1]).spec == ng(5)
+    assert confirm(study, objective, cfg.search.noise_rel) == 4  # tied after two rounds: no third
+    win = pick_winner(study.trials, cfg.search.noise_rel, [1])
+    assert win.spec == ng(2) and "smallest budget" in win.reason
+
+
+def test_a_quiet_machine_gets_no_confirmation_round(tmp_path: Path) -> None:
+    cfg = load_config(CFG)
+    measure = Planted(lambda spec, n: (14.0, 3.0))
+    study, objective = _noisy_study(tmp_path, cfg, measure, [(ng(2), [1.35, 1.38]), (ng(5), [1.50, 1.45])],
+                                    [10.0, 10.1, 9.9])
+    assert confirm(study, objective, cfg.search.noise_rel) == 0 and measure.calls == []
+
+
+def test_noise_is_measured_and_costs_repeats_only_when_high(tmp_path: Path) -> None:
+    """The baseline's own passes, at the study's start, spread 16% (search.noise_rel is 5%): one
+    line says so, and the trials after it may take up to 4 pairs instead of 2. On a quiet machine
+    nothing changes."""
+    cfg = load_config(CFG)
+    noisy = Planted(lambda spec, n: (13.0, 2.0), base_script=[10.0, 12.5, 9.0, 11.5])
+    study, objective = study_of(tmp_path, cfg, noisy, [ng(2), ng(3)])
+    outcomes = [objective.run_one() for _ in range(3)]
+    notes = [o.note for o in outcomes if o.note]
+    assert outcomes[0].note == ("noise: the baseline passes spread 15.8% (above search.noise_rel=0.05): trials now "
+                                "repeat up to 4 pairs and bounds widen accordingly")
+    assert len(notes) == 1
+    # trial 1's baselines vary (9.0, 11.5, ...): 4 pairs; trial 2's agree exactly: tight after 2
+    assert [t.user_attrs["repeats"] for t in study.trials[1:]] == [4, 2]
+    assert study.user_attrs["noise_rel_measured"] > cfg.search.noise_rel
+
+    quiet = Planted(lambda spec, n: (13.0, 2.0), base_script=[10.0, 10.1, 9.95, 10.05])
+    study, objective = study_of(tmp_path / "q", cfg, quiet, [ng(2), ng(3)])
+    outcomes = [objective.run_one() for _ in range(3)]
+    assert all(o.note is None for o in outcomes) and "noise_rel_measured" not in study.user_attrs
+    assert [t.user_attrs["repeats"] for t in study.trials[1:]] == [2, 2]
+
+
+def test_contenders_are_the_best_by_lower_bound_and_pruned_trials_near_the_leader() -> None:
+    from tuner.study.selection import contenders
+
+    def trial(spec: SpecConfig, ratios: list[float], state: TrialState = TrialState.COMPLETE):
+        t = _planted_trial(spec, ratios)
+        return create_trial(state=state, value=t.value if state == TrialState.COMPLETE else None,
+                            params={}, distributions={}, user_attrs=t.user_attrs)
+
+    trials = [trial(ng(1), [1.30, 1.32]), trial(ng(2), [1.20, 1.22]), trial(ng(3), [1.10, 1.12]),
+              trial(ng(4), [1.05, 1.06]),  # fourth by lower bound: not measured again
+              trial(ng(5), [1.28], TrialState.PRUNED),  # pruned after one repeat within noise of 1.31: measured
+              trial(ng(6), [0.90], TrialState.PRUNED)]  # pruned far below: not
+    assert [(s.key(), r) for s, r in contenders(trials, 0.05)] == [
+        ("ngram d1 k1 b2", [1.30, 1.32]), ("ngram d2 k1 b3", [1.20, 1.22]), ("ngram d3 k1 b4", [1.10, 1.12]),
+        ("ngram d5 k1 b6", [1.28])]
+    slow = [trial(ng(1), [0.70, 0.72]), trial(ng(2), [0.60, 0.61])]  # off beats both even optimistically
+    assert contenders(slow, 0.05) == []
