@@ -126,6 +126,13 @@ ENGINE_INIT_S = {"vllm": 180, "sglang": 180, "builtin": 60}
 QUANTIZE_GIB_PER_S = 1.0
 
 
+def served_weight_gib(model: ModelConfig, quantization: str) -> float:
+    """Weight GiB the server holds in GPU memory: FP8 when quantized, else the model's native dtype."""
+    if quantization == "fp8":
+        return fp8_weight_gib(model)
+    return downloaded_weight_gib(model)
+
+
 def downloaded_weight_gib(model: ModelConfig) -> float:
     """Weight GiB the server downloads and reads at start: the hub checkpoint in its native dtype
     (an FP8 deployment quantizes it online after loading; nothing FP8 is downloaded)."""
