@@ -48,7 +48,7 @@ def emitted(kind: str) -> list[list[str]]:
 
 def _sglang_server_args(tmp_dir: Path) -> str:
     """server_args.py of the pinned SGLang wheel (pip download --no-deps, cached beside the tests' tmp)."""
-    version = pinned_version(load_config(["deploy=sglang"]).deploy.image_tag)
+    version = pinned_version(load_config(["deploy=sglang", "hardware=h200x1"]).deploy.image_tag)
     wheels = list(tmp_dir.glob(f"sglang-{version}-*.whl"))
     if not wheels:
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"sglang=={version}", "-d",
@@ -109,7 +109,7 @@ print("parsed", len(json.loads(sys.argv[1])))
 def test_every_vllm_flag_parses_with_the_installed_vllm() -> None:
     version = subprocess.run([str(VLLM_PYTHON), "-c", "import importlib.metadata as m; print(m.version('vllm'))"],
                              capture_output=True, text=True, check=True).stdout.strip()
-    assert version.split("+")[0] == pinned_version(load_config(["deploy=vllm"]).deploy.image_tag)
+    assert version.split("+")[0] == pinned_version(load_config(["deploy=vllm", "hardware=h200x1"]).deploy.image_tag)
     argvs = emitted("vllm")
     r = subprocess.run([str(VLLM_PYTHON), "-c", PARSE, json.dumps(argvs)], input=json.dumps(argvs), capture_output=True,
                        text=True, timeout=900)

@@ -8,7 +8,6 @@ import json
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ from tuner.schema.engine_command import Place, engine_command, pinned_version, s
 @pytest.fixture(scope="module")
 def sglang_models(tmp_path_factory) -> dict[str, str]:
     """{architecture: module} of the pinned SGLang's Llama EAGLE drafts (EntryClass of its model files)."""
-    version = pinned_version(load_config(["deploy=sglang"]).deploy.image_tag)
+    version = pinned_version(load_config(["deploy=sglang", "hardware=h200x1"]).deploy.image_tag)
     d = tmp_path_factory.getbasetemp().parent / "sglang-wheel"
     wheels = list(d.glob(f"sglang-{version}-*.whl"))
     if not wheels:

@@ -4,6 +4,7 @@ only in tuner.schema.engine_command.PLACE_FIELDS (host, port, the model's locati
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from pathlib import Path
@@ -69,19 +70,14 @@ def _trial_and_pod(engine: str, method: str, hardware: str, root: Path) -> tuple
     return trial, (p.args, p.env)
 
 
-_ROOT: list[Path] = []
-
-
-def _root(factory: pytest.TempPathFactory) -> Path:
-    if not _ROOT:
-        _ROOT.append(factory.mktemp("parity"))
-    return _ROOT[0]
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("parity")
 
 
 @pytest.mark.parametrize(("engine", "method", "hardware"), CASES)
-def test_trial_and_deployment_commands_differ_only_in_place(engine: str, method: str, hardware: str,
-                                                           tmp_path_factory) -> None:
-    trial, pod = _trial_and_pod(engine, method, hardware, _root(tmp_path_factory))
+def test_trial_and_deployment_commands_differ_only_in_place(engine: str, method: str, hardware: str, root: Path) -> None:
+    trial, pod = _trial_and_pod(engine, method, hardware, root)
     diff = command_differences(trial, pod)
     # a trial listens on 127.0.0.1 and the pod on 0.0.0.0: at least that shows, so nothing was compared vacuously
     assert "host" in diff and diff <= set(PLACE_FIELDS), diff
@@ -102,12 +98,12 @@ def test_differences_outside_the_place_are_named() -> None:
     s = server_settings(cfg, "vllm")
     place = pod_place(cfg)
     a = engine_command(s, cfg.spec, place)
-    b = engine_command(s.__class__(**{**s.__dict__, "tp": 2}), cfg.spec, place)
+    b = engine_command(dataclasses.replace(s, tp=2), cfg.spec, place)
     (tp_line,) = command_differences(a, b)
     assert "--tensor-parallel-size" in tp_line
-    c = engine_command(s.__class__(**{**s.__dict__, "context_length": 4096}), cfg.spec, place)
+    c = engine_command(dataclasses.replace(s, context_length=4096), cfg.spec, place)
     assert [d for d in command_differences(a, c) if d not in PLACE_FIELDS]
-    env = engine_command(s, cfg.spec, place.__class__(**{**place.__dict__, "env": {"X": "1"}}))
+    env = engine_command(s, cfg.spec, dataclasses.replace(place, env={"X": "1"}))
     assert "env X: None != 1" in command_differences(a, env)
     assert set(MODEL_ENV) >= set(place.env)
 
