@@ -46,6 +46,11 @@ class Plan:
     args: list[str]
     env: dict[str, str]
     startup_s: int
+    replicas_why: str | None = None  # deploy.target_rate: how the replica count was sized
+    # set by deploy.platforms.build: lines about the platform chosen, and what the cluster must have
+    platform_notes: tuple[str, ...] = ()
+    prerequisites: tuple[str, ...] = ()
+    nodes: int = 1  # pods (nodes) per replica: more than one in a LeaderWorkerSet
 
 
 def plan(cfg: Config, best: BestResult | None, override: WinnerOverride | None = None) -> Plan:
@@ -61,6 +66,14 @@ def plan(cfg: Config, best: BestResult | None, override: WinnerOverride | None =
                         "for a cuda hardware profile, or hardware=cpu for the built-in server")
     check_engine_version(cfg, best)
     served = served_spec(cfg, best, override)
+    replicas_why = None
+    if d.target_rate is not None:
+        n, replicas_why = sized_replicas(d.target_rate, best, served)
+        if d.hpa.enabled and n > d.hpa.max_replicas:
+            raise UserError(f"deploy.target_rate={d.target_rate:g} needs {n} replicas ({replicas_why}), above "
+                            f"deploy.hpa.max_replicas={d.hpa.max_replicas}: raise it to at least {n}")
+        cfg = cfg.model_copy(update={"deploy": d.model_copy(update={"replicas": n})})
+        d = cfg.deploy
     differs = server_differences(cfg, best)
     if differs:  # a CPU trial of a GPU deployment: said once, and kept in the ConfigMap's notes
         served = dataclasses.replace(served, notes=(*served.notes, differs))
@@ -74,7 +87,33 @@ def plan(cfg: Config, best: BestResult | None, override: WinnerOverride | None =
     max_len = max_model_len(m, cfg.hardware, d, tp) if d.target == "builtin" else settings.context_length
     program = len(PROGRAMS[d.target])
     return Plan(cfg=cfg, best=best, served=served, tp=tp, max_len=max_len or 0, command=argv[:program],
-                args=argv[program:], env=env, startup_s=startup_budget_s(m, d))
+                args=argv[program:], env=env, startup_s=startup_budget_s(m, d), replicas_why=replicas_why)
+
+
+def sized_replicas(target_rate: float, best: BestResult | None, served: Served) -> tuple[int, str]:
+    """(replicas, why) for deploy.target_rate: ceil(target / the served configuration's capacity at
+    the SLOs), the capacity best.yaml recorded (search.capacity=true). Refused when there is none
+    for the configuration served: a replica count from another configuration's capacity is wrong."""
+    cap = best.capacity if best is not None else None
+    if cap is None:
+        raise UserError(f"deploy.target_rate={target_rate:g} sizes replicas from the winner's capacity at the SLOs, "
+                        "and best.yaml records none: run tuner optimize with search.capacity=true (or drop "
+                        "deploy.target_rate and give deploy.replicas)")
+    key = served.spec.key()
+    rps, bounded = ((cap.winner_rps, cap.winner_bounded) if key == best.spec.key()
+                    else (cap.baseline_rps, cap.baseline_bounded) if served.spec.method == "off" else (None, True))
+    if key not in (best.spec.key(), "off"):
+        raise UserError(f"deploy.target_rate={target_rate:g}: the served configuration {key} is not the one whose "
+                        f"capacity was measured ({best.spec.key()}); drop the spec override or deploy.target_rate")
+    if rps is None:
+        raise UserError(f"deploy.target_rate={target_rate:g}: {key} met the SLOs at no rate measured (best.yaml "
+                        "capacity), so no replica count serves it; relax workload.slo or give deploy.replicas")
+    n = max(1, math.ceil(target_rate / rps))
+    why = (f"deploy.target_rate={target_rate:g} req/s / capacity {rps:.3g} req/s of {key} at the SLOs "
+           f"(best.yaml) = {target_rate / rps:.2f}, rounded up to {n}")
+    if not bounded:
+        why += "; that capacity is a lower bound (the SLOs held at every rate measured), so this may be more than needed"
+    return n, why
 
 
 def pod_place(cfg: Config) -> Place:
@@ -332,8 +371,9 @@ def deployment(p: Plan, config_hash: str) -> k.V1Deployment:
     return k.V1Deployment(
         api_version="apps/v1", kind="Deployment", metadata=_meta(p),
         spec=k.V1DeploymentSpec(
-            # With an HPA the replica count is the HPA's: a replicas field here would be reset on every apply.
-            replicas=None if d.hpa.enabled else d.replicas, strategy=strategy,
+            # With an autoscaler (an HPA, or KEDA's) the replica count is its: a replicas field here
+            # would be reset on every apply.
+            replicas=None if d.autoscaler != "none" else d.replicas, strategy=strategy,
             selector=k.V1LabelSelector(match_labels=_selector(p)),
             template=k.V1PodTemplateSpec(metadata=k.V1ObjectMeta(labels=_labels(p), annotations=annotations),
                                          spec=pod)))
@@ -371,7 +411,8 @@ def service_monitor(p: Plan) -> dict:
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
-        "metadata": {"name": d.name, "namespace": d.namespace, "labels": _labels(p)},
+        # deploy.monitor_labels: what the Prometheus Operator's serviceMonitorSelector matches
+        "metadata": {"name": d.name, "namespace": d.namespace, "labels": {**_labels(p), **d.monitor_labels}},
         "spec": {
             "selector": {"matchLabels": _selector(p)},
             "namespaceSelector": {"matchNames": [d.namespace]},
@@ -389,8 +430,11 @@ def build(cfg: Config, best: BestResult | None = None,
     data = configmap_data(p)
     config_hash = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
     objs: list[tuple[str, object] | None] = [
+        # A namespace is usually the cluster's (shared): owned here only when asked, since
+        # `kubectl delete -k` deletes what the kustomization lists.
         ("namespace.yaml", k.V1Namespace(api_version="v1", kind="Namespace", metadata=k.V1ObjectMeta(
-            name=d.namespace, labels={"app.kubernetes.io/managed-by": FIELD_MANAGER}))),
+            name=d.namespace, labels={"app.kubernetes.io/managed-by": FIELD_MANAGER})))
+        if d.create_namespace else None,
         ("configmap.yaml", k.V1ConfigMap(api_version="v1", kind="ConfigMap", metadata=_meta(p, f"{d.name}-winner"),
                                          data=data)),
         ("pvc.yaml", k.V1PersistentVolumeClaim(
@@ -466,6 +510,8 @@ def comments(p: Plan, docs: list[tuple[str, dict]]) -> dict[str, dict[KeyPath, s
         if names_at is not None:
             dep[(*c, "args", names_at)] = ("model.name and model.hf_id: requests may name either" if d.target == "vllm"
                                            else "SGLang takes one name and serves requests naming any model")
+    if p.replicas_why is not None and not d.hpa.enabled:
+        dep[("spec", "replicas")] = p.replicas_why
     out["deployment.yaml"] = dep
     if "pvc.yaml" in byname:
         out["pvc.yaml"] = {("spec", "accessModes", 0): "deploy.model_cache_access_mode: every pod mounts this claim"}
@@ -482,7 +528,8 @@ def comments(p: Plan, docs: list[tuple[str, dict]]) -> dict[str, dict[KeyPath, s
                  "(custom.metrics.k8s.io). prometheus-adapter serves it from the series " + d.hpa.metric + " that the "
                  "ServiceMonitor scrapes, with this rule in its Helm values (docs/deploy.md, Autoscaling):\n" + rule),
             ("spec", "metrics", 0, "pods", "metric", "name"): f"the series {d.hpa.metric}, renamed by the adapter rule above",
-            ("spec", "minReplicas"): f"max(deploy.hpa.min_replicas={d.hpa.min_replicas}, deploy.replicas={d.replicas}) = {lo}",
+            ("spec", "minReplicas"): f"max(deploy.hpa.min_replicas={d.hpa.min_replicas}, deploy.replicas={d.replicas}) = {lo}"
+                                     + (f"; deploy.replicas: {p.replicas_why}" if p.replicas_why else ""),
             ("spec", "maxReplicas"): f"deploy.hpa.max_replicas={hi}",
         }
     return out

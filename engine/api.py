@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 
 @dataclass
@@ -20,6 +20,10 @@ class SamplingParams:
     top_k: int = 0  # 0: no top-k filter
     stop: list[str] = field(default_factory=list)  # stop strings (never emitted)
     seed: int | None = None
+    # vLLM's peer-client fields: end-of-sequence does not end the request (fixed output lengths), and
+    # neither it nor a stop string ends one before min_tokens new tokens
+    ignore_eos: bool = False
+    min_tokens: int = 0
 
 
 @dataclass
@@ -68,3 +72,8 @@ class TextEngine(Protocol):
     def encode_prompt(self, text: str, chat_template: bool) -> list[int]: ...
 
     def encode_messages(self, messages: list[dict[str, str]]) -> list[int]: ...
+
+    def batcher(self) -> Any:
+        """The scheduler of its requests (engine.decode.batch.BatchEngine): `submit`, `step`,
+        `cancel`, `abort`, `closed_loop`; the server and the load generator drive it."""
+        ...

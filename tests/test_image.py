@@ -183,6 +183,9 @@ def test_image_check_builds_from_a_debian_base_with_buildah_and_runs_the_image()
     debootstrap base given as the Dockerfile's FROM argument, then runs tuner inside it; the CPU
     variant can only take torch's CPU build (the +cpu pin), never a bare `torch`."""
     out = _make_n("image-check")
+    # a fresh machine: buildah and debootstrap installed first when missing (issue 38.7), as make postgres does
+    install = out.splitlines()[:5]
+    assert "for t in buildah debootstrap; do command -v $t" in install[0] and "apt-get install -y -q $missing" in install[3]
     assert "scripts/image_base.sh localhost/spectune-base:bookworm" in out
     bud = next(line for line in out.splitlines() if " bud " in line)
     assert "--isolation chroot" in bud and "--build-arg PYTHON_BASE=localhost/spectune-base:bookworm" in bud

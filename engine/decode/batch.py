@@ -1,7 +1,9 @@
-"""Continuous batching for the built-in engine: every step runs ONE target forward over all active
+"""The one decode driver of the built-in engine, with continuous batching: a single request
+(`Engine.generate`) is a batch of one. Every step runs ONE target forward over all active
 requests, each with its own draft tree, cache, positions and ancestor mask (engine.models.batchplan
 `LeanForward.step_batch`: rows concatenated; the caches are slots of one `KVPool`, so the decode
-rows of all requests attend in one call). Requests whose drafters share an EAGLE head draft in
+rows of all requests attend in one call; the hf forward, engine.models.hf_forward, runs them one
+after the other). Requests whose drafters share an EAGLE head draft in
 lockstep before it, one head forward per draft step for all of them (engine.drafters.lockstep);
 other drafters draft request by request.
 
@@ -24,14 +26,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from engine.api import GenResult, SamplingParams, TokenCallback
-from engine.decode.loop import Decoding, Engine
 from engine.drafters import Drafter, make_drafter
 from engine.drafters.lockstep import draft_together, lockstep_groups
-from engine.models.kvpool import KVCache, KVPool
 from engine.trees.tree import Tree
 from tuner.schema.config import SpecConfig, UserError
 
@@ -65,15 +66,6 @@ def schedule_of(spec: SpecConfig, max_batch: int) -> list[Band]:
     return bands
 
 
-def batcher_for(engine: object) -> "BatchEngine | None":
-    """A scheduler over a built-in engine that batches (lean forward, engine.builtin.max_batch > 1)
-    with its spec's bands and batch settings; None for any other engine (it runs requests one at a time)."""
-    if not isinstance(engine, Engine) or engine.lean is None or engine.max_batch <= 1:
-        return None
-    return BatchEngine(engine, engine.max_batch, schedule_of(engine.spec, engine.max_batch), engine.prefill,
-                       engine.kv_tokens)
-
-
 def check_schedule(schedule: Sequence[Band], max_batch: int) -> None:
     """Bands must cover 1..max_batch without gaps or overlaps; one line naming the problem."""
     want = 1
@@ -98,30 +90,40 @@ class Request:
     arrival: float = field(default_factory=time.perf_counter)
     result: GenResult | None = None
     error: str | None = None
+    exception: Exception | None = None  # what set `error`, when an exception did (Engine.generate raises it)
     cancelled: bool = False
-    state: Decoding | None = None
+    state: Any = None  # its engine.decode.loop.Decoding once admitted
     drafters: dict[str, Drafter | None] = field(default_factory=dict)
     need: int = 0  # cache positions this request holds
-    cache: KVCache | None = None  # its pool slot while admitted
+    cache: Any = None  # its place in the pool while admitted (a KVCache, or an HFCache)
 
     @property
     def finished(self) -> bool:
         return self.result is not None or self.error is not None
 
+    def fail(self, exc: Exception) -> None:
+        """The request ends with `exc` (the batch goes on)."""
+        self.error, self.exception = f"{type(exc).__name__}: {exc}", exc
+
 
 class BatchEngine:
-    """The scheduler over one `Engine`: `submit` from any thread, `step` from one thread to decode."""
+    """The scheduler over one engine (engine.decode.loop.Engine): `submit` from any thread, `step`
+    from one thread to decode. `drafter`: one drafter every request uses instead of drafters of its
+    own (a batch of one place: `Engine.generate` with the engine's drafter)."""
 
-    def __init__(self, engine: Engine, max_batch: int = 8, schedule: Sequence[Band] | None = None,
-                 prefill: str = "mixed", kv_tokens: int | None = None) -> None:
-        if engine.lean is None:
+    def __init__(self, engine: Any, max_batch: int = 8, schedule: Sequence[Band] | None = None,
+                 prefill: str = "mixed", kv_tokens: int | None = None, drafter: Drafter | None = None) -> None:
+        if engine.lean is None and max_batch > 1:
             raise UserError("batching needs engine.builtin.forward=lean (the hf forward decodes one request at a time)")
+        if drafter is not None and max_batch > 1:
+            raise ValueError("one drafter object serves a batch of one place only")
         if max_batch < 1:
             raise UserError(f"engine.builtin.max_batch={max_batch}: must be >= 1")
         if prefill not in ("mixed", "separate"):
             raise UserError(f"engine.builtin.prefill={prefill}: allowed mixed, separate")
         self.engine = engine
         self.max_batch = max_batch
+        self.given = drafter
         self.schedule: list[Band] = list(schedule) if schedule else [(1, max(max_batch, 1), engine.spec)]
         check_schedule(self.schedule, max_batch)
         self.prefill = prefill
@@ -130,7 +132,7 @@ class BatchEngine:
         # one slot per batch place, its capacity grown to the longest request admitted so far; made
         # at the first admission, inside inference mode like every other cache the compiled step sees
         # (a tensor made outside it has other dispatch keys, and the compiled layer would recompile)
-        self.pool: KVPool | None = None
+        self.pool: Any = None  # the forward's pool: a KVPool (lean), an HFPool (hf)
         self.aux_layers = self._aux_layers()
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
@@ -200,17 +202,18 @@ class BatchEngine:
                 self.active.append(req)
                 fresh.append(req)
         if fresh and self.pool is None:
-            self.pool = KVPool(self.engine.lean.model, self.max_batch, max(r.need for r in fresh))
+            self.pool = self.engine.forward.pool(self.max_batch, max(r.need for r in fresh))
         for req in fresh:
             try:
                 req.cache = self.pool.acquire(req.need)
-                req.state = self.engine.start(req.prompt_ids, req.params, req.on_tokens, drafter=None, room=self.room,
-                                              cache=req.cache)
+                req.state = self.engine.start(req.prompt_ids, req.params, req.on_tokens, self.given, req.cache)
+                if self.given is not None:
+                    req.drafters = {spec.key(): self.given for _, _, spec in self.schedule if spec.method != "off"}
                 self._reuse_prefix(req)
                 for _, _, spec in self.schedule:  # every band's drafter sees the request from its prompt on
                     self._drafter(req, spec)
             except Exception as exc:  # noqa: BLE001 - the request fails, the batch goes on
-                req.error = f"{type(exc).__name__}: {exc}"
+                req.fail(exc)
         return [r for r in fresh if r.error is None]
 
     def _reuse_prefix(self, req: Request) -> None:
@@ -240,7 +243,7 @@ class BatchEngine:
         sets = set()
         for _, _, spec in self.schedule:
             if spec.method != "off":
-                d = make_drafter(spec, self.engine.target, self.engine.seed)
+                d = self.given or make_drafter(spec, self.engine.target, self.engine.seed)
                 if d is not None and d.aux_layers:
                     sets.add(tuple(d.aux_layers))
         if len(sets) > 1:
@@ -256,7 +259,7 @@ class BatchEngine:
                 if req.state.prefilled and spec is not None:
                     req.state.drafter = self._drafter(req, spec)
             except Exception as exc:  # noqa: BLE001 - a drafter that cannot be made fails its request only
-                req.error = f"{type(exc).__name__}: {exc}"
+                req.fail(exc)
         drafted = self._draft_in_lockstep([r for r in reqs if r.error is None])
         plans = []
         for req in reqs:
@@ -269,7 +272,7 @@ class BatchEngine:
                     raise tree
                 tree, tokens, last_only = st.plan(tree, dt)
             except Exception as exc:  # noqa: BLE001 - a drafter crash fails its request only
-                req.error = f"{type(exc).__name__}: {exc}"
+                req.fail(exc)
                 continue
             if tokens is None:
                 req.result = st.result()
@@ -280,14 +283,14 @@ class BatchEngine:
         dev = self.engine.device
         branching = [t is not None and not t.is_chain for _, t, _, _ in plans]
         try:
-            outs = self.engine.lean.step_batch(
+            outs = self.engine.forward.step_batch(
                 [r.state.cache for r, _, _, _ in plans], [toks for _, _, toks, _ in plans],
                 [t.depths if b else None for (_, t, _, _), b in zip(plans, branching)],
                 [t.ancestors(dev) if b else None for (_, t, _, _), b in zip(plans, branching)],
                 [last for _, _, _, last in plans], self.aux_layers)
         except Exception as exc:  # noqa: BLE001 - the step's requests fail; the scheduler (and a server) goes on
             for req, _, _, _ in plans:
-                req.error = f"{type(exc).__name__}: {exc}"
+                req.fail(exc)
             return
         pc = self.engine.prefix_cache
         for (req, tree, _, _), (hidden, logits, aux) in zip(plans, outs):
@@ -301,7 +304,7 @@ class BatchEngine:
                 if done:
                     req.result = st.result()
             except Exception as exc:  # noqa: BLE001
-                req.error = f"{type(exc).__name__}: {exc}"
+                req.fail(exc)
 
     def _draft_in_lockstep(self, reqs: list[Request]) -> dict[int, tuple[Tree | Exception, float]]:
         """Draft the requests whose drafters share a head forward together (engine.drafters.lockstep):

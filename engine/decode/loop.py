@@ -1,6 +1,9 @@
-"""The one decode loop: autoregressive decoding is the tree with only a root, speculation the same
-loop with drafted nodes. Each step: draft a tree rooted at the last committed token, run ONE target
-forward over prefix cache + tree, verify, commit the accepted nodes' KV and drop the rest."""
+"""The built-in engine (`Engine`) and one generation's state (`Decoding`).
+
+Autoregressive decoding is the tree with only a root, speculation the same step with drafted
+nodes. Each step: draft a tree rooted at the last committed token, run ONE target forward over
+prefix cache + tree, verify, commit the accepted nodes' KV and drop the rest. The one driver of
+those steps is engine.decode.batch: a single request (`Engine.generate`) is a batch of one."""
 
 from __future__ import annotations
 
@@ -8,14 +11,13 @@ import time
 from collections.abc import Iterable
 
 import torch
-from transformers import DynamicCache
 
 from engine.api import GenResult, GenStats, SamplingParams, TokenCallback
-from engine.models.cache import commit, new_cache
-from engine.models.eagle3_head import aux_features
+from engine.decode.batch import BatchEngine, schedule_of
 from engine.decode.prefix import PrefixCache
 from engine.drafters import Drafter, make_drafter
 from engine.models.forward import LeanForward, lean_forward
+from engine.models.hf_forward import HFCache, HFForward
 from engine.models.kvpool import KVCache
 from engine.models.target import ChatTokenizer, Target, load_target
 from engine.trees.tree import Tree
@@ -38,12 +40,14 @@ class _Stopper:
 
     def push(self, new: Iterable[int]) -> bool:
         """Commit tokens in order; returns True once generation is finished."""
+        p = self.params
         for t in new:
-            if t in self.eos:
+            # below min_tokens (and with ignore_eos at all) an end-of-sequence token is kept as text
+            if t in self.eos and not p.ignore_eos and len(self.tokens) >= p.min_tokens:
                 self.finish = "stop"
                 break
             self.tokens.append(t)
-            if self.stops and self._check_stop():
+            if self.stops and len(self.tokens) > p.min_tokens and self._check_stop():
                 break
             if len(self.tokens) >= self.params.max_new_tokens:
                 self.finish = "length"
@@ -53,7 +57,10 @@ class _Stopper:
 
     def _check_stop(self) -> bool:
         text = self.tok.decode(self.tokens, skip_special_tokens=False)
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        # a stop string must end past the first min_tokens tokens' text (none ends the request before)
+        floor = len(self.tok.decode(self.tokens[: self.params.min_tokens], skip_special_tokens=False)) \
+            if self.params.min_tokens else 0
+        hits = [i for i in (text.find(s, max(0, floor - len(s) + 1)) for s in self.stops) if i >= 0]
         if hits:
             self.finish, self.cut = "stop", min(hits)
             # keep the tokens whose text ends before the stop string
@@ -97,6 +104,7 @@ class Engine:
                  lean: LeanForward | None = None) -> None:
         self.target = target
         self.lean = lean  # the engine's own forward (engine.models.forward); None: the HF model's
+        self.forward: LeanForward | HFForward = lean if lean is not None else HFForward(target.model)
         self.model = target.model
         self.tokenizer = target.tokenizer
         self.model_name = target.name
@@ -109,6 +117,8 @@ class Engine:
         # continuous batching (engine.decode.batch), set from engine.builtin by from_config
         self.max_batch, self.prefill, self.kv_tokens = 1, "mixed", None
         self.prefix_cache: PrefixCache | None = None  # the batch scheduler's (engine.decode.prefix)
+        self._one: BatchEngine | None = None  # generate's batch of one, kept while the drafter is
+        self._given = False  # whether the drafter was handed in (set_drafter), not made from the spec
         if spec is not None:
             self.set_spec(spec)
 
@@ -146,10 +156,12 @@ class Engine:
         are loaded once per process."""
         self.drafter = make_drafter(spec, self.target, self.seed)
         self.spec = spec
+        self._one, self._given = None, False
 
     def set_drafter(self, drafter: Drafter | None, spec: SpecConfig) -> None:
         """Use a drafter built elsewhere (tests: an oracle that drafts with the target)."""
         self.drafter, self.spec = drafter, spec
+        self._one, self._given = None, drafter is not None
 
     def encode_prompt(self, text: str, chat_template: bool) -> list[int]:
         """Token ids of a user prompt, through the model's chat template (with the assistant prefix) or raw."""
@@ -159,79 +171,70 @@ class Engine:
         """Token ids of a conversation through the model's chat template, ready for the assistant's turn."""
         return ChatTokenizer(self.tokenizer).encode_messages(messages)
 
-    def _forward(self, tree: Tree | None, tokens: list[int], prefix: int, cache: DynamicCache | KVCache,
-                 last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run `tokens` (the prompt when `tree` is None, else the tree's nodes) after `prefix` cached
-        positions: (final normed hidden [n, h], logits [n or 1, V])."""
-        aux_layers = self.drafter.aux_layers if self.drafter is not None else None
-        if self.lean is not None:
-            branching = tree is not None and not tree.is_chain
-            hidden, logits, self._aux = self.lean.step(
-                cache, tokens, tree.depths if branching else None, tree.ancestors(self.device) if branching else None,
-                last_only, aux_layers)
-            return hidden, logits
-        dev = self.device
-        ids = torch.tensor([tokens], device=dev)
-        if tree is None:
-            pos = torch.arange(prefix, prefix + len(tokens), device=dev)[None]
-            mask = None
-        else:
-            # a chain is causal: HF builds that mask itself; a branching tree needs the ancestor mask
-            pos = tree.position_ids(prefix, dev)
-            mask = None if tree.is_chain else tree.attention_mask(prefix, dev)
-        out = self.model.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache,
-                               use_cache=True, output_hidden_states=bool(aux_layers))
-        hidden = out.last_hidden_state[0]
-        logits = self.model.lm_head(hidden[-1:] if last_only else hidden)
-        # a drafter that reads inner target layers (EAGLE-3) gets their inputs [n, len*h] too
-        self._aux = aux_features(out.hidden_states, aux_layers, 0)
-        return hidden, logits
-
     def _pick(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
         if params.temperature <= 0:
             return int(logits.argmax())
         return int(torch.multinomial(process_logits(logits, params), 1, generator=gen))
 
-    def start(self, prompt_ids: list[int], params: SamplingParams, on_tokens: TokenCallback | None = None,
-              drafter: Drafter | None | str = "engine", room: int | None = None,
-              cache: KVCache | None = None) -> "Decoding":
-        """A generation's state before its first forward (its cache allocated, or `cache`, a batch's
-        pool slot). `drafter`: the engine's own (a batch gives each request its own), or one given."""
+    def start(self, prompt_ids: list[int], params: SamplingParams, on_tokens: TokenCallback | None,
+              drafter: Drafter | None, cache: KVCache | HFCache) -> "Decoding":
+        """A generation's state before its first forward: `cache` is its place in a batch's pool,
+        `drafter` the one it starts with (None: none yet; a batch adds its bands' drafters)."""
         if not prompt_ids:
             raise UserError("prompt is empty: at least one token is needed")
         if len(prompt_ids) >= self.max_context:
             raise UserError(f"prompt has {len(prompt_ids)} tokens; model.max_context={self.max_context}")
-        return Decoding(self, prompt_ids, params, on_tokens, self.drafter if drafter == "engine" else drafter, room,
-                        cache)
+        return Decoding(self, prompt_ids, params, on_tokens, drafter, cache)
 
     def cache_room(self, spec: SpecConfig | None = None) -> int:
         """Positions a step may write past the committed prefix under `spec` (the engine's by default)."""
         spec = self.spec if spec is None else spec
         return max(spec.budget, spec.depth + 1) if spec.method != "off" else 1
 
-    @torch.inference_mode()
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  on_tokens: TokenCallback | None = None) -> GenResult:
-        """Generate from prompt ids; on_tokens receives each batch of newly committed tokens."""
-        d = self.start(prompt_ids, params, on_tokens)
-        while not d.done:
-            tree, tokens, last_only = d.plan()
-            if tokens is None:
-                break
-            hidden, logits = self._forward(tree, tokens, d.prefix, d.cache, last_only)
-            d.absorb(tree, hidden, logits, self._aux)
-        return d.result()
+        """Generate from prompt ids with the engine's drafter; on_tokens receives each batch of newly
+        committed tokens. A batch of one in the one decode driver (engine.decode.batch); what fails
+        the request is raised here."""
+        one = self._batch_of_one()
+        req = one.submit(prompt_ids, params, on_tokens)
+        try:
+            while not req.finished:
+                one.step()
+        except BaseException:  # interrupted mid-step (the step itself fails only requests): start afresh
+            self._one = None
+            raise
+        if req.exception is not None:
+            raise req.exception
+        if req.error is not None:
+            raise RuntimeError(req.error)
+        return req.result
+
+    def _batch_of_one(self) -> BatchEngine:
+        """The batch `generate` runs in: one place, the engine's own drafter (kept until it changes)."""
+        if self._one is None:
+            spec = self.drafter.spec if self.drafter is not None else self.spec
+            self._one = BatchEngine(self, 1, [(1, 1, spec)], drafter=self.drafter)
+        return self._one
+
+    def batcher(self) -> BatchEngine:
+        """A scheduler of this engine's requests (engine.decode.batch): up to engine.builtin.max_batch
+        decode together (the hf forward: one at a time), each with drafters of its own, under the
+        spec's bands; a drafter handed in by `set_drafter` is one object, so with it requests run
+        one at a time, all drafted by it."""
+        if self._given:
+            return self._batch_of_one()
+        return BatchEngine(self, self.max_batch, schedule_of(self.spec, self.max_batch), self.prefill,
+                           self.kv_tokens)
 
 
 class Decoding:
     """One generation's state between target forwards: its cache, committed ids, drafter, stopper and
-    stats. `plan` drafts the next forward's tokens, `absorb` verifies its logits and commits. The
-    single-request loop (`Engine.generate`) and the batch scheduler (engine.decode.batch) drive the
-    same object, so a request decodes identically alone or in a batch."""
+    stats. `plan` drafts the next forward's tokens, `absorb` verifies its logits and commits; the
+    batch scheduler (engine.decode.batch) drives it, alone or beside other requests."""
 
     def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams,
-                 on_tokens: TokenCallback | None, drafter: Drafter | None, room: int | None = None,
-                 cache: KVCache | None = None) -> None:
+                 on_tokens: TokenCallback | None, drafter: Drafter | None, cache: KVCache | HFCache) -> None:
         self.engine, self.params, self.drafter = engine, params, drafter
         self.t_start = time.perf_counter()
         dev = engine.device
@@ -242,13 +245,7 @@ class Decoding:
         spec = drafter.spec if drafter is not None else SpecConfig()
         self.stats = GenStats(accepted_per_pos=[0] * (spec.depth if drafter else 0))
         self.stop = _Stopper(engine.tokenizer, engine.eos, params, on_tokens)
-        if cache is not None:
-            self.cache = cache
-        elif engine.lean is not None:
-            room = room if room is not None else (engine.cache_room(spec) if drafter is not None else 1)
-            self.cache = engine.lean.new_cache(min(len(prompt_ids) + params.max_new_tokens, engine.max_context) + room)
-        else:
-            self.cache = new_cache(engine.model.config)
+        self.cache = cache
         if drafter is not None:
             drafter.reset(prompt_ids)
         # every drafter fed the committed features (a batch may switch drafters between steps)
@@ -335,10 +332,7 @@ class Decoding:
             path, bonus = [0], e._pick(logits[0], params, self.gen)
         else:
             path, bonus = verify(tree, logits, params, self.gen)
-            if e.lean is not None:
-                self.cache.commit(prefix, path)
-            else:
-                commit(self.cache, prefix, path)
+            self.cache.commit(prefix, path)
             stats.draft_steps += 1
             stats.drafted_tokens += n - 1
             stats.accepted_tokens += len(path) - 1

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from engine.models import attention, batchplan, decode_step
 from engine.models.eagle3_head import aux_features
 from engine.models.kernels import CALIBRATE_MIN_BYTES, LinearPlan, set_linear_plan, linear, calibrate_linears
-from engine.models.kvpool import BUCKETS, KVCache, padded_capacity
+from engine.models.kvpool import BUCKETS, KVCache, KVPool, padded_capacity
 from engine.models.llama import LeanLlama, layer_forward, rms_norm
 from engine.models.batchplan import BatchRows, batch_layer_forward
 from tuner.schema.config import UserError
@@ -103,6 +103,10 @@ class LeanForward:
     def new_cache(self, need: int) -> KVCache:
         """An empty cache for a generation of up to `need` positions, plus room for bucket padding."""
         return KVCache(self.model, padded_capacity(need))
+
+    def pool(self, slots: int, capacity: int) -> KVPool:
+        """The caches of a batch of `slots` places, each of at least `capacity` positions (it grows)."""
+        return KVPool(self.model, slots, capacity)
 
     def rows_for(self, n: int) -> int:
         """The rows a step of n tokens runs with: the bucket when compiled on CUDA (beyond the largest: n)."""

@@ -1,8 +1,8 @@
 """The built-in server's queue and its one engine thread: requests wait in a bounded queue (a full
-queue answers 429) and the thread runs the engine on them, sending tokens, errors and results
-back to each request's event loop. A built-in engine that batches (max_batch > 1) decodes up
-to max_batch requests together (engine.decode.batch), joining and leaving between steps; any
-other engine runs them one at a time, first come, first served.
+queue answers 429) and the thread steps the engine's scheduler (engine.decode.batch) on them,
+sending tokens, errors and results back to each request's event loop. Up to
+engine.builtin.max_batch requests decode together, joining and leaving between steps (max_batch 1:
+one at a time, first come, first served).
 """
 
 from __future__ import annotations
@@ -17,10 +17,6 @@ from typing import Any
 from engine.api import SamplingParams, TextEngine
 from engine.serving.metrics import Metrics
 from engine.serving.requests import APIError
-
-
-class _Cancelled(Exception):
-    """Raised from the token callback to stop generating for a client that went away."""
 
 
 @dataclass
@@ -70,8 +66,8 @@ class Outbox:
 
 
 class Worker:
-    """Runs the engine on queued jobs: batched when the engine batches, else FIFO; in a thread of its
-    own (`start`) or in the caller's (`run`, what `tuner serve` does from the main thread).
+    """Steps the engine's scheduler (`engine.batcher()`) on queued jobs; in a thread of its own
+    (`start`) or in the caller's (`run`, what `tuner serve` does from the main thread).
 
     Why the main thread for serving: libgomp keeps one OpenMP team per thread that ran a parallel
     region, and once its threads outnumber the CPUs every team stops spinning between regions and
@@ -85,14 +81,12 @@ class Worker:
         self.engine, self.metrics = engine, metrics
         self.queue_size = queue_size
         self.jobs: queue.Queue[Job | None] = queue.Queue()
-        from engine.decode.batch import batcher_for
-
-        self.batch = batcher_for(engine)
+        self.batch = engine.batcher()
         self.thread = threading.Thread(target=self.run, name="spectune-engine", daemon=True)
         self.running_in: threading.Thread | None = None  # the thread running the loop, while it runs
 
     def _waiting(self) -> int:
-        return self.jobs.qsize() + (self.batch.queued if self.batch is not None else 0)
+        return self.jobs.qsize() + self.batch.queued
 
     def submit(self, job: Job) -> None:
         if self._waiting() >= self.queue_size:
@@ -112,7 +106,7 @@ class Worker:
         """Run the loop in the calling thread until `stop_soon` (or `stop`)."""
         self.running_in = threading.current_thread()
         try:
-            (self._batch_loop if self.batch else self._loop)()
+            self._loop()
         finally:
             self.running_in = None
 
@@ -125,7 +119,7 @@ class Worker:
         if self.thread.is_alive():
             self.thread.join(timeout=30)
 
-    def _batch_loop(self) -> None:
+    def _loop(self) -> None:
         m, be = self.metrics, self.batch
         jobs: list[tuple[Job, Any]] = []
         outbox = Outbox()
@@ -141,7 +135,7 @@ class Worker:
                     return
                 if not job.cancelled:
                     job.outbox = outbox
-                    jobs.append((job, self._submit_batched(job)))
+                    jobs.append((job, self._submit(job)))
                 try:
                     job = self.jobs.get_nowait()
                 except queue.Empty:
@@ -164,7 +158,7 @@ class Worker:
             if (pc := be.engine.prefix_cache) is not None:
                 m.prefix_cache(pc.queries, pc.hits)
 
-    def _submit_batched(self, job: Job) -> Any:
+    def _submit(self, job: Job) -> Any:
         first: list[float] = []
 
         def on_tokens(toks: list[int]) -> None:
@@ -187,32 +181,3 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - a request that cannot run fails alone
             job.emit("error", f"{type(exc).__name__}: {exc}")
             return None
-
-    def _loop(self) -> None:
-        m = self.metrics
-        while (job := self.jobs.get()) is not None:
-            m.waiting.labels(m.model).set(self.jobs.qsize())
-            if job.cancelled:
-                continue
-            m.running.labels(m.model).set(1)
-            first: list[float] = []
-
-            def on_tokens(toks: list[int], job: Job = job, first: list[float] = first) -> None:
-                if job.cancelled:
-                    raise _Cancelled()
-                if not first:
-                    first.append(time.perf_counter())
-                job.emit("tokens", list(toks))
-
-            try:
-                res = self.engine.generate(job.prompt_ids, job.params, on_tokens=on_tokens)
-            except _Cancelled:
-                pass
-            except Exception as exc:  # the request fails, the server goes on
-                job.emit("error", f"{type(exc).__name__}: {exc}")
-            else:
-                end = time.perf_counter()
-                m.record(res, len(job.prompt_ids), (first[0] if first else end) - job.arrival, end - job.arrival)
-                job.emit("done", res)
-            finally:
-                m.running.labels(m.model).set(0)

@@ -188,12 +188,12 @@ def test_builtin_args_round_trip_through_hydra() -> None:
 
     spec = SpecConfig(method="eagle", depth=3, topk=2, budget=6, head_path="/models/my head",
                       k_per_batch_size=[(1, 8, 2), (9, 64, 1)])
-    args = builtin_args("tiny-random", spec, host="0.0.0.0", port=8000, fp8_weights=True)
+    args = builtin_args("tiny-random", spec, host="0.0.0.0", port=8000, weights="fp8")
     cfg = load_config(args)
     assert cfg.spec == spec
     assert cfg.model.name == "tiny-random"
     assert (cfg.serve.host, cfg.serve.port) == ("0.0.0.0", 8000)
-    assert cfg.engine.builtin.fp8_weights is True
+    assert cfg.engine.builtin.weights == "fp8"
 
 
 @pytest.mark.parametrize("method", ["off", "ngram", "suffix", "recycle", "draft_model"])

@@ -7,11 +7,12 @@ import time
 
 import pytest
 
-from engine.api import GenResult, GenStats, SamplingParams
+from engine.api import SamplingParams
 from engine.measure.promparse import SpecCounters, parse_samples, spec_counters, tau_from_delta
 from engine.measure.runner import Measurement, Summary, measure, request_body, run_inprocess
 from engine.measure.workloads import Prompt
 from helpers import engine_for, serving
+from tuner.schema.compose import load_config
 
 # A /metrics page shaped like vLLM's: _total suffixes, model_name and engine labels, per-position
 # counts, other metrics around the spec_decode ones.
@@ -136,55 +137,46 @@ def test_request_body_chat_and_completion() -> None:
     assert path == "/v1/completions" and body["prompt"] == "hello" and "top_k" not in body
 
 
-class SleepyEngine:
-    """A stand-in engine with known service time, to check the closed-loop timing arithmetic."""
-
-    def __init__(self, step_s: float = 0.01, tokens: int = 4) -> None:
-        self.step_s, self.tokens, self.calls = step_s, tokens, 0
-
-    def encode_prompt(self, text: str, chat_template: bool) -> list[int]:
-        return [1, 2, 3]
-
-    def generate(self, prompt_ids, params, on_tokens=None) -> GenResult:
-        self.calls += 1
-        st = GenStats(accepted_per_pos=[1])
-        for i in range(self.tokens // 2):  # 2 tokens per forward: tau 2
-            time.sleep(self.step_s)
-            if on_tokens:
-                on_tokens([i, i])
-            st.target_forwards += 1
-            st.draft_steps += 1
-            st.accepted_tokens += 1
-        st.accepted_per_pos = [st.draft_steps]
-        st.new_tokens = self.tokens
-        return GenResult(tokens=[0] * self.tokens, text="x" * self.tokens, finish_reason="length", stats=st)
-
-
 PROMPTS = [Prompt(id=f"p{i}", text=f"t{i}", source="t") for i in range(4)]
+TINY = ["model=tiny-random", "spec.method=ngram", "spec.depth=3", "spec.budget=4", "engine.builtin.max_batch=1"]
 
 
-def test_inprocess_concurrency_counts_queueing_from_arrival() -> None:
-    eng = SleepyEngine(step_s=0.01, tokens=4)  # each request >= 20 ms, first token >= 10 ms
-    m1 = run_inprocess(eng, PROMPTS, SamplingParams(), concurrency=1)
-    m4 = run_inprocess(eng, PROMPTS, SamplingParams(), concurrency=4)
-    assert m1.n_requests == m4.n_requests == 4 and m1.output_tokens == 16
-    assert m1.tau == pytest.approx(2.0) and m1.accepted_per_pos == [1.0]
-    # c=1: each request arrives when the previous ends, so no TTFT includes another's service time.
-    # c=4: all four arrive at once; the last waits for three requests (>= 60 ms) before its first token.
-    assert m4.ttft_p99_ms is not None and m4.ttft_p99_ms >= 3 * 20 + 10
-    assert m1.ttft_p99_ms is not None and m1.ttft_p99_ms < m4.ttft_p99_ms
-    assert m1.tpot_p50_ms is not None and m1.tpot_p50_ms > 0
+def _slowed(engine, monkeypatch, step_s: float, fail_prefill: int | None = None) -> None:
+    """Every target forward of `engine` takes at least `step_s` more; the prefill numbered
+    `fail_prefill` (0-based) raises instead."""
+    real, prefills = engine.forward.step_batch, [0]
 
-
-def test_inprocess_records_a_failed_request_and_goes_on() -> None:
-    class Flaky(SleepyEngine):
-        def generate(self, prompt_ids, params, on_tokens=None):
-            if self.calls == 1:
-                self.calls += 1
+    def step_batch(caches, tokens, depths, ancestors, last_only, aux_layers=None):
+        if last_only[0]:  # a prompt's forward
+            prefills[0] += 1
+            if prefills[0] - 1 == fail_prefill:
                 raise RuntimeError("boom")
-            return super().generate(prompt_ids, params, on_tokens)
+        time.sleep(step_s)
+        return real(caches, tokens, depths, ancestors, last_only, aux_layers)
 
-    m = run_inprocess(Flaky(step_s=0.001), PROMPTS, SamplingParams())
+    monkeypatch.setattr(engine.forward, "step_batch", step_batch)
+
+
+def test_inprocess_concurrency_counts_queueing_from_arrival(monkeypatch) -> None:
+    """One place in the batch (max_batch 1), every forward >= 10 ms: at c=1 each request arrives
+    when the previous ends, so no TTFT includes another's service time; at c=4 all four arrive at
+    once and the last waits for three requests (>= 3 forwards) before its own prompt runs."""
+    eng = engine_for(load_config(TINY))
+    _slowed(eng, monkeypatch, 0.01)
+    params = SamplingParams(max_new_tokens=4)
+    m1 = run_inprocess(eng, PROMPTS, params, concurrency=1)
+    m4 = run_inprocess(eng, PROMPTS, params, concurrency=4)
+    assert m1.n_requests == m4.n_requests == 4 and m1.output_tokens == m4.output_tokens >= 4
+    assert m1.tau is not None and m1.tau >= 1.0
+    assert m4.ttft_p99_ms is not None and m4.ttft_p99_ms >= 4 * 10
+    assert m1.ttft_p99_ms is not None and m1.ttft_p99_ms < m4.ttft_p99_ms
+    assert m1.tpot_p50_ms is not None and m1.tpot_p50_ms >= 10
+
+
+def test_inprocess_records_a_failed_request_and_goes_on(monkeypatch) -> None:
+    eng = engine_for(load_config(TINY))
+    _slowed(eng, monkeypatch, 0.0, fail_prefill=1)
+    m = run_inprocess(eng, PROMPTS, SamplingParams(max_new_tokens=4))
     assert m.n_requests == 3 and len(m.errors) == 1 and "boom" in m.errors[0] and m.texts[1] == ""
 
 
