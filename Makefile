@@ -42,7 +42,10 @@ promtool:
 # `vllm` CLI looks up the distribution named "vllm", so a minimal dist-info of that name is added
 # (a version with "+cpu" keeps vLLM's device detection on CPU).
 VLLM_VENV ?= .venv-vllm
-VLLM_VERSION ?= 0.32.0
+# One pin per engine: the release of the image the manifests name (conf/deploy/<engine>.yaml's
+# image_tag), installed here too, so trials measure the version the pods run.
+pin = $(shell sed -n 's/^image_tag: v\([0-9][0-9.]*\).*/\1/p' conf/deploy/$(1).yaml)
+VLLM_VERSION ?= $(call pin,vllm)
 VLLM_STAMP := $(VLLM_VENV)/.spectune-vllm-$(VLLM_VERSION)
 define VLLM_DIST_INFO
 import pathlib, sys, sysconfig
@@ -90,15 +93,16 @@ vllm-suffix: $(ARCTIC_STAMP)
 
 # SGLang (CUDA only): `make sglang` on a GPU machine creates .venv-sglang.
 SGLANG_VENV ?= .venv-sglang
-$(SGLANG_VENV)/.spectune-sglang:
+SGLANG_VERSION ?= $(call pin,sglang)
+$(SGLANG_VENV)/.spectune-sglang-$(SGLANG_VERSION):
 	@command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 || \
 	  { echo "make sglang: SGLang needs a CUDA GPU (use engine=vllm or engine=builtin on CPU)"; exit 1; }
 	python3 -m venv $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade pip
-	$(SGLANG_VENV)/bin/python -m pip install -q "sglang[all]"
+	$(SGLANG_VENV)/bin/python -m pip install -q "sglang[all]==$(SGLANG_VERSION)"
 	touch $@
 
-sglang: $(SGLANG_VENV)/.spectune-sglang
+sglang: $(SGLANG_VENV)/.spectune-sglang-$(SGLANG_VERSION)
 
 # Container images: the tag is the package version, the repository IMAGE_REPO, the one setting the
 # rendered manifests take their spectune images from too (config key image_repo, same default;

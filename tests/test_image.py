@@ -134,10 +134,11 @@ def _make_n(*args: str) -> str:
 
 
 def _make_var(name: str) -> str:
-    """A `NAME ?= value` default of the Makefile."""
-    m = re.search(rf"^{name} \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M)
-    assert m, f"Makefile: no {name} ?= default"
-    return m.group(1)
+    """The value make gives a Makefile variable (VLLM_VERSION is read from conf/deploy/vllm.yaml's pin)."""
+    out = subprocess.run(["make", "-s", "--no-print-directory", "--eval", "print-var-%: ; @echo $($*)",
+                          f"print-var-{name}"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert out, f"Makefile: no value for {name}"
+    return out
 
 
 def test_the_vllm_suffix_image_pins_what_make_vllm_suffix_installs() -> None:

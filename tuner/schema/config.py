@@ -521,6 +521,10 @@ class DeployConfig(_Strict):
     port: int = Field(ge=1, le=65535)
     k8s_version: str  # 1.25 .. 1.37 (K8S_VERSIONS)
     gpu_memory_utilization: float = Field(gt=0, le=1.0)
+    # SGLang's --mem-fraction-static, passed only when set: SGLang's own default leaves room for the drafter.
+    mem_fraction_static: float | None = Field(None, gt=0, le=1.0)
+    # render a deployment whose image names another engine release than the one a study measured
+    allow_version_mismatch: bool = False
     max_model_len: int | None = Field(ge=64)
     quantization: Literal["fp8", "none"]
     kv_cache_dtype: Literal["fp8", "auto"]
@@ -983,8 +987,10 @@ def measured_weights(cfg: "Config") -> str:
 def check_search_methods(cfg: "Config") -> None:
     """Refuse, in one line and before any trial, a searched method the chosen engine cannot run
     (checked when a study starts, not at every config load: `tuner bench engine=sglang` does not
-    search, so the default search.methods must not stop it)."""
+    search, so the default search.methods must not stop it; tuner.schema.fit.check_study_fits
+    checks memory at the same time)."""
     allowed = engine_methods(cfg.engine.kind)
     bad = [m for m in cfg.search.methods if m not in allowed]
     if bad:
         raise UserError(f"search.methods={bad} with engine={cfg.engine.kind}: this engine runs {', '.join(allowed)}")
+
