@@ -115,7 +115,7 @@ def test_lws_leader_serves_and_workers_join(matrix: dict) -> None:
             assert "--headless" in wa and "--headless" not in la
             assert la[la.index("--master-addr") + 1] == "$(LWS_LEADER_ADDRESS)"
         else:  # one TP group over both nodes
-            assert la[la.index("--tp") + 1] == "8" and la[la.index("--dist-init-addr") + 1] == "$(LWS_LEADER_ADDRESS):5000"
+            assert la[la.index("--tp-size") + 1] == "8" and la[la.index("--dist-init-addr") + 1] == "$(LWS_LEADER_ADDRESS):5000"
         # only the leader serves HTTP
         assert docs["service.yaml"]["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
     so = _docs(matrix[("lws", "vllm")])["scaledobject.yaml"]["spec"]["scaleTargetRef"]
