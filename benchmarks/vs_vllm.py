@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--builtin-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--builtin-weights", default="fp32", choices=["fp32", "bf16", "fp8"],
+                    help="engine.builtin.weights of the built-in rows (fp8: vLLM's --quantization fp8 scheme)")
     ap.add_argument("--builtin-forward", default="lean", choices=["lean", "hf"])
     ap.add_argument("--no-compile", action="store_true", help="the built-in lean forward without torch.compile")
     ap.add_argument("--vllm-dtypes", default="bfloat16,float32",
@@ -140,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         threads = [f"engine.builtin.threads={args.builtin_threads}"] if args.builtin_threads else []
         compiled = args.builtin_forward == "lean" and not args.no_compile
         rows += run_builtin(common + [f"engine.builtin.dtype={args.builtin_dtype}", *threads,
+                                      f"engine.builtin.weights={args.builtin_weights}",
                                       f"engine.builtin.forward={args.builtin_forward}",
                                       f"engine.builtin.compile={str(compiled).lower()}"],
                             specs, args.warmup, args.repeats)
@@ -178,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         r.pop("texts")
     print(json.dumps({
         "benchmark": "vs_vllm", "model": "smollm2-135m", "workload": "code", "prompts": args.prompts,
-        "max_new_tokens": args.max_new_tokens, "builtin_dtype": args.builtin_dtype, "builtin_forward": args.builtin_forward, "vllm_dtypes": vllm_dtypes,
+        "max_new_tokens": args.max_new_tokens, "builtin_dtype": args.builtin_dtype, "builtin_weights": args.builtin_weights, "builtin_forward": args.builtin_forward, "vllm_dtypes": vllm_dtypes,
         "vllm_eager": args.vllm_eager, "builtin_threads": args.builtin_threads, "load_average": load,
         "rows": rows, **ratios,
         "best": {"builtin": b_sp and b_sp["config"], "vllm": v_sp and f"{v_sp['config']} {v_sp['dtype']}",

@@ -66,3 +66,31 @@ def serving(cfg, engine) -> Iterator[str]:
         yield url
     finally:
         stop()
+
+
+# The largest top-2 logit margin a change of blocking (rows per forward, batch layout) can flip, by
+# engine.builtin.weights: at every format activations and accumulation are fp32 (the weights only
+# change values), so two blockings differ by fp32 summation order, ~1e-5 on these logits.
+TIE_MARGIN = {"fp32": 1e-3, "bf16": 1e-3, "fp8": 1e-3}
+
+
+def assert_same_or_near_tie(engine, prompt: list[int], a: list[int], b: list[int], weights: str) -> int | None:
+    """Two greedy continuations of `prompt` by `engine` under different blockings are the same, or
+    at their first difference the engine's top-2 logits (over prompt + the common part) are exactly
+    the two tokens chosen and lie within TIE_MARGIN[weights]: a tie the rounding may break either
+    way. Returns the index of that difference (None: identical)."""
+    import torch
+
+    i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if i is None:
+        assert len(a) == len(b), f"one output stops early: {len(a)} vs {len(b)} tokens"
+        return None
+    with torch.inference_mode():
+        cache = engine.lean.new_cache(len(prompt) + i + 1)
+        _, logits, _ = engine.lean.step(cache, prompt + a[:i], last_only=True)
+    top = torch.topk(logits[-1].float(), 2)
+    margin = float(top.values[0] - top.values[1])
+    assert {a[i], b[i]} == set(top.indices.tolist()) and margin <= TIE_MARGIN[weights], (
+        f"outputs differ at token {i} ({a[i]} vs {b[i]}): top-2 {top.indices.tolist()} margin {margin:.2e}, "
+        f"not a {weights} rounding tie (<= {TIE_MARGIN[weights]:g})")
+    return i

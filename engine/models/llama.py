@@ -112,9 +112,12 @@ class LeanLlama:
                                    [lm] + [self.weights] * 4 * len(self.blocks))
 
     def weight_bytes(self) -> int:
-        """Bytes a decode step reads: every decoder weight, the final norm and the lm_head."""
+        """Bytes a decode step reads: every decoder weight, the final norm and the lm_head; a weight
+        with a few-row packed copy counts that copy (what the native step reads: 2 or 1 bytes a
+        weight at bf16 or fp8, padding included)."""
         ts = [self.norm, self.lm_head] + [t for b in self.blocks for t in (b.ln1, b.wqkv, b.bqkv, b.wo, b.ln2, b.w13, b.w2)
                                           if t is not None]
+        ts = [getattr(t, "_smallm_packed", None) if getattr(t, "_smallm_packed", None) is not None else t for t in ts]
         return sum(t.numel() * t.element_size() for t in ts)
 
     def rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:

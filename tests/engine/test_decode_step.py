@@ -28,13 +28,16 @@ pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.skipif(decode_step.library() is None, reason=f"no C++ compiler: {decode_step.error()}")]
 
 
-@pytest.fixture(scope="module")
-def pair() -> tuple[LeanForward, LeanForward]:
-    """(the torch lean forward, the native one) over one LeanLlama of the tiny random target."""
-    cfg = load_config(TINY)
+@pytest.fixture(scope="module", params=["fp32", "bf16", "fp8"])
+def pair(request) -> tuple[LeanForward, LeanForward]:
+    """(the torch lean forward, the native one) over one LeanLlama of the tiny random target, at each
+    weight format: the torch path computes with the rounded values in fp32, the native step reads its
+    packed copy in the format itself, so the two agree to fp32 rounding at every format."""
+    cfg = load_config([*TINY, f"engine.builtin.weights={request.param}"])
     model = LeanLlama(load_target(cfg.model, cfg.engine.builtin).model)
     torch_fw, native_fw = LeanForward(model), LeanForward(model, native=True)
     assert torch_fw.native is None and native_fw.native is not None
+    assert native_fw.native.fmt == {"fp32": 0, "bf16": 1, "fp8": 2}[request.param]
     return torch_fw, native_fw
 
 

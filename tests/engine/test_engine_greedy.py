@@ -13,7 +13,7 @@ import torch
 from engine.api import SamplingParams
 from engine.drafters import DraftModelDrafter
 from engine.models.eagle_head import load_head, random_head, save_head
-from engine.models.fp8 import apply_fp8_weights, quantize_e4m3
+from engine.models.fp8 import apply_weights, quantize_e4m3
 from engine.decode.loop import Engine
 from tuner.study.measurer import open_engine
 from engine.models.target import random_llama, smollm2_tokenizer_dir
@@ -235,22 +235,31 @@ def test_target_loaded_once_per_process(engine: Engine) -> None:
 
 
 def test_fp8_weights() -> None:
+    """vLLM's fp8 scheme: one scale per tensor (absmax / 448), the tensors being the fused ones vLLM's
+    kernels see (q/k/v share a scale, gate/up share one); everything else rounded to bf16."""
     torch.manual_seed(0)
     w = torch.randn(16, 32)
     w8, scale = quantize_e4m3(w)
-    assert w8.dtype == torch.float8_e4m3fn and scale.shape == (16, 1)
+    assert w8.dtype == torch.float8_e4m3fn and scale.numel() == 1
     deq = w8.float() * scale
-    assert ((deq - w).abs() <= w.abs() * 2 ** -3 + scale * 2 ** -9).all()  # e4m3: 3 mantissa bits
-    assert torch.allclose(deq.abs().amax(1), w.abs().amax(1))  # the channel max is exact
+    assert ((deq - w).abs() <= w.abs() * 2 ** -4 + scale * 2 ** -10).all()  # e4m3: 3 mantissa bits, RNE
+    assert torch.allclose(deq.abs().amax(), w.abs().amax())  # the tensor max is exact
     cfg = load_config(["model=tiny-random"]).model
     m = random_llama(cfg)
     before = m.model.layers[0].mlp.up_proj.weight.clone()
     emb = m.model.embed_tokens.weight.clone()
-    assert apply_fp8_weights(m) == 7 * cfg.num_layers
-    after = m.model.layers[0].mlp.up_proj.weight
-    assert not torch.equal(before, after) and torch.equal(m.model.embed_tokens.weight, emb)
-    assert all(len(torch.unique(row)) <= 256 for row in after[:4])
-    e = open_engine(load_config(["model=tiny-random", "engine.builtin.fp8_weights=true", "spec.method=ngram"]))
+    assert apply_weights(m, "fp8") == 7 * cfg.num_layers and m.spectune_weights == "fp8"
+    layer = m.model.layers[0]
+    after = layer.mlp.up_proj.weight
+    assert not torch.equal(before, after) and torch.equal(m.model.embed_tokens.weight, emb.bfloat16().float())
+    # one scale per fused tensor: every value of q, k and v is a multiple of the shared scale by an e4m3 value
+    qkv = torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight])
+    s = qkv.abs().amax() / 448
+    torch.testing.assert_close((qkv / s).to(torch.float8_e4m3fn).float() * s, qkv, rtol=1e-6, atol=0)
+    # (and at least one of them has a smaller max, so a scale of its own would differ)
+    assert any(t.weight.abs().amax() < qkv.abs().amax() for t in (layer.self_attn.q_proj, layer.self_attn.k_proj))
+    assert len(torch.unique(after)) <= 256
+    e = open_engine(load_config(["model=tiny-random", "engine.builtin.weights=fp8", "spec.method=ngram"]))
     res = e.generate(e.encode_prompt("hello", True), SamplingParams(max_new_tokens=5))
     assert len(res.tokens) == 5
 

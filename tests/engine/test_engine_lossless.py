@@ -4,7 +4,8 @@ A small-vocabulary synthetic target p(next | last) and draft q(next | last) (Mar
 sample generates L tokens by repeatedly drafting a tree with topk > 1 and depth > 1 from q and
 verifying it against p; the empirical distribution over the V**L sequences must match the exact
 product of p (chi-square). The same harness with either known biased rule (docs/design.md) must fail.
-The last two tests sample through the batch scheduler on the tiny random Llama (4 requests in flight).
+The last two tests sample through the batch scheduler on the tiny random Llama (4 requests in flight),
+with fp32 and with bf16 weights.
 """
 
 from __future__ import annotations
@@ -426,15 +427,30 @@ def _batch_counts(engine, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return counts, torch.tensor(exact)
 
 
-def test_sampling_in_a_batch_is_lossless(engine) -> None:
-    counts, exact = _batch_counts(engine, 600)
+@pytest.fixture(scope="module")
+def engine_bf16():
+    """The tiny random Llama with bf16 weights (the native step reads them as bf16; the exact
+    distribution comes from the same rounded weights through transformers' forward)."""
+    from tests.conftest import TINY
+    from tuner.schema.compose import load_config
+    from tuner.study.measurer import open_engine
+
+    return open_engine(load_config([*TINY, "engine.builtin.weights=bf16"]))
+
+
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+def test_sampling_in_a_batch_is_lossless(weights: str, request: pytest.FixtureRequest) -> None:
+    counts, exact = _batch_counts(request.getfixturevalue("engine" if weights == "fp32" else "engine_bf16"), 600)
     assert float(chisquare(counts.numpy(), (exact / exact.sum() * counts.sum()).numpy()).pvalue) > 1e-3
 
 
-def test_sampling_in_a_batch_with_a_wrong_rule_is_detected(engine, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+def test_sampling_in_a_batch_with_a_wrong_rule_is_detected(weights: str, request: pytest.FixtureRequest,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     def kept_in_r(r, x, q, u):  # a rejected sibling left in r: over-samples it
         return (True, r) if u < float(r[x]) else (False, r)
 
+    engine = request.getfixturevalue("engine" if weights == "fp32" else "engine_bf16")
     monkeypatch.setattr(V, "accept_topk", kept_in_r)
     counts, exact = _batch_counts(engine, 600)
     assert float(chisquare(counts.numpy(), (exact / exact.sum() * counts.sum()).numpy()).pvalue) < 1e-6

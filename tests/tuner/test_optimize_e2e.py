@@ -90,7 +90,11 @@ def test_winner_is_off_when_speculation_cannot_help(tmp_path: Path, engine) -> N
                    "train.steps=5", "train.max_new_tokens=16")
     study = open_run_study(run_dir)
     methods = {t.user_attrs.get("spec_method") for t in study.trials if t.state == TrialState.COMPLETE}
-    assert {"off", "ngram", "eagle"} <= methods
+    # on a busy machine the measured noise gives trials a second repeat, so a 0.2x EAGLE trial may be
+    # pruned after its first: measured all the same
+    measured = {t.user_attrs.get("spec_method") for t in study.trials if t.state in (TrialState.COMPLETE,
+                                                                                    TrialState.PRUNED)}
+    assert {"off", "ngram"} <= methods and "eagle" in measured
     taus = [t.user_attrs["tau"] for t in study.trials if t.user_attrs.get("spec_method") in ("ngram", "eagle")]
     assert taus and max(taus) < 1.3  # the premise: no acceptance
     best = BestResult.model_validate(yaml.safe_load((run_dir / "best.yaml").read_text()))
@@ -219,9 +223,13 @@ def test_trials_measured_over_http_like_a_launched_server(tmp_path: Path, engine
     cfg = load_config(SMALL)
     url, stop = serve_in_thread(engine, cfg.model, cfg.serve)
 
-    class BuiltinServer:
+    class BuiltinServer:  # what the Measurer reads of a Launcher
         model = cfg.model.name
         served: list[str] = []
+        starts, total_startup_s = 0, 0.0  # switching the spec starts no process
+
+        def serves(self, spec: SpecConfig) -> bool:
+            return bool(self.served) and self.served[-1] == spec.key()
 
         def ensure(self, spec: SpecConfig) -> str:
             engine.set_spec(spec)

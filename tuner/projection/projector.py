@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -75,13 +76,21 @@ ENTRY_FIELDS = "method, depth, topk, budget, tau"
 
 
 def _entry_error(path: Path, i: int, err: ValidationError) -> str:
-    """One line naming the file, the entry and its bad field (pydantic's own text ends in a link)."""
+    """One line naming the file, the entry and its bad field (pydantic's own text ends in a link),
+    with the nearest field or method where one is misspelt."""
+    from tuner.schema.compose import closest
+
     e = err.errors()[0]
     field = ".".join(str(p) for p in e["loc"])
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "extra_forbidden":
         allowed = ", ".join([*SpecConfig.model_fields, "tau"])
-        why = f"unknown field {field!r} (allowed: {allowed})"
+        near = closest(field, [*SpecConfig.model_fields, "tau"])
+        why = f"unknown field {field!r} ({f'did you mean {near}? ' if near else ''}allowed: {allowed})"
+    elif e["type"] == "literal_error":
+        choices = re.findall(r"'([^']*)'", msg)
+        near = closest(str(e.get("input")), choices)
+        why = f"{field}={e.get('input')!r}: allowed: {', '.join(choices)}" + (f"; did you mean {near}?" if near else "")
     elif not field:  # a rule between fields (e.g. a chain's budget): its message names them
         why = msg
     else:
@@ -455,7 +464,7 @@ def projected_best(cfg: Config, run: Path) -> BestResult:
     acc = acceptance_from_profile(path, cfg.model.name)
     hw = cfg.hardware
     cost, tp = cost_for(cfg, acc)
-    levels = [1] if hw.accelerator == "cpu" else sorted(set(cfg.workload.concurrency if cfg.workload else [1]))
+    levels = [1] if hw.accelerator == "cpu" else sorted(set(cfg.workload.concurrency if cfg.workload else [1]) or {1})
     ctx = acc.context or DEFAULT_CONTEXT
     check_projection_inputs(cfg, tp, levels, ctx)
     preds = project(cost, acc, levels, ctx)

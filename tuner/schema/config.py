@@ -12,20 +12,23 @@ so that `tuner.schema.config` stays the one import.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from tuner.schema.results import BestResult, Figures, PartResult, ProjectedPoint, Projection, Provenance
+from tuner.schema.results import (BestResult, Capacity, CapacityProbe, Figures, PartResult, ProjectedPoint, Projection,
+                                  Provenance)
 from tuner.schema.methods import SpecMethod, engine_methods, engine_refusal, head_methods
 from tuner.schema.spec import SpecConfig, UserError
 from tuner.schema.spec import Strict as _Strict
 
-__all__ = ["SLO", "BenchConfig", "BestResult", "BuiltinEngineConfig", "Config",
+__all__ = ["SLO", "BenchConfig", "BestResult", "BuiltinEngineConfig", "Capacity", "CapacityProbe", "Config",
            "DeployConfig", "DistributedConfig", "DraftSources", "EngineConfig", "Figures", "GGUFSource", "HPAConfig",
-           "HardwareConfig", "IntRange", "LaunchedEngineConfig", "ModelConfig", "ProjectedPoint", "Projection",
-           "MixPart", "PACKAGED_SOURCES", "PartResult", "Provenance", "RequestFormat", "SearchConfig", "SecretRef", "ServeConfig", "SpecConfig", "SpecMethod", "TrainConfig",
-           "UserError", "WorkloadConfig", "check_search_methods", "measured_weights", "storage_password_error"]
+           "HardwareConfig", "IntRange", "LaunchedEngineConfig", "Level", "ModelConfig", "ProjectedPoint", "Projection",
+           "MixPart", "PACKAGED_SOURCES", "PartResult", "Provenance", "Rate", "RequestFormat", "SearchConfig", "SecretRef",
+           "ServeConfig", "SpecConfig", "SpecMethod", "TrainConfig", "UserError", "WorkloadConfig", "check_search_methods",
+           "level_name", "measured_weights", "storage_password_error"]
 
 
 class GGUFSource(_Strict):
@@ -102,6 +105,25 @@ class HardwareConfig(_Strict):
         return self
 
 
+@dataclass(frozen=True)
+class Rate:
+    """An open-loop load level: requests arrive at `rps` per second whatever the engine does (a
+    closed-loop level is a plain int, the requests in flight). Both are levels of one study."""
+
+    rps: float
+
+    def __str__(self) -> str:
+        return f"{self.rps:g} req/s"
+
+
+Level = int | Rate  # a concurrency level (closed loop) or a request rate (open loop)
+
+
+def level_name(level: Level) -> str:
+    """How a level reads in logs and reasons: 'concurrency 4' or 'rate 2.5 req/s'."""
+    return f"rate {level}" if isinstance(level, Rate) else f"concurrency {level}"
+
+
 class SLO(_Strict):
     tpot_p99_ms: float | None = Field(None, gt=0)
     ttft_p99_ms: float | None = Field(None, gt=0)
@@ -150,13 +172,24 @@ class WorkloadConfig(_Strict):
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)  # 0 disables top-k filtering
-    concurrency: list[int] = Field(default_factory=lambda: [1], min_length=1)
+    concurrency: list[int] = Field(default_factory=lambda: [1])  # closed loop: requests in flight
+    # open loop: requests per second, each measured like a concurrency level (beside those, or
+    # instead with workload.concurrency=[]); arrivals poisson (seeded by workload.seed), constant,
+    # or trace (the prompts' own timestamps, scaled to each rate)
+    request_rate: list[float] = []
+    arrival: Literal["poisson", "constant", "trace"] = "poisson"
+    rate_requests: int = Field(16, ge=1, le=100_000)  # requests per rate level (the prompts repeat)
     slo: SLO = SLO()
 
     @model_validator(mode="after")
     def _conc(self) -> "WorkloadConfig":
         if any(c < 1 or c > 1024 for c in self.concurrency):
             raise ValueError(f"workload.concurrency={self.concurrency}: each level must be in [1, 1024]")
+        if any(not (0 < r <= 10_000) for r in self.request_rate):
+            raise ValueError(f"workload.request_rate={self.request_rate}: each rate (requests/s) must be in (0, 10000]")
+        if not self.concurrency and not self.request_rate:
+            raise ValueError("workload.concurrency=[] without workload.request_rate: give at least one level "
+                             "(e.g. workload.concurrency=[1] or workload.request_rate=[1,2,4])")
         if self.source == "file" and not self.path:
             raise ValueError("workload.path: +workload=file needs the file of requests (workload.path=PATH)")
         if self.source == "mix" and not self.mix:
@@ -171,6 +204,11 @@ class WorkloadConfig(_Strict):
             raise ValueError(f"workload.num_prompts={self.num_prompts}: a mix of {len(self.mix)} parts needs at "
                              f"least one tuning request per part")
         return self
+
+    @property
+    def levels(self) -> list[Level]:
+        """The load levels a study measures: concurrency levels, then request rates, each ascending."""
+        return [*sorted(set(self.concurrency)), *(Rate(float(r)) for r in sorted(set(self.request_rate)))]
 
     @property
     def private(self) -> bool:
@@ -385,6 +423,11 @@ class SearchConfig(_Strict):
     workers: int = Field(ge=1, le=64)
     # Distributed studies: a RUNNING trial whose worker sent no heartbeat for this long is marked FAIL.
     heartbeat_grace_s: float = Field(ge=1)
+    # after the winner: the highest request rate at which the workload's SLOs hold, for the baseline
+    # and the winner, each found in at most capacity_probes measured rates (tuner.study.capacity);
+    # defaults here only for config.yaml files saved before these keys existed
+    capacity: bool = False
+    capacity_probes: int = Field(8, ge=2, le=32)
 
     @field_validator("storage")
     @classmethod
@@ -450,18 +493,38 @@ class SecretRef(_Strict):
     key: str
 
 
+class AlertsConfig(_Strict):
+    """The PrometheusRule of a vLLM / SGLang target: acceptance drift and decode slowdown."""
+
+    enabled: bool = True
+    # live tau over `window` below this share of the tuned held-out tau fires SpeculationAcceptanceDrift
+    tau_fraction: float = Field(0.8, gt=0.0, lt=1.0)
+    # decode tokens/s per running request below (1 - this) x the winner's measured figure fires the slowdown alert
+    throughput_noise: float = Field(0.2, gt=0.0, lt=1.0)
+    window: str = Field("15m", pattern=r"^[0-9]+[smh]$")  # the PromQL range the rates are taken over
+    for_duration: str = Field("10m", pattern=r"^[0-9]+[smh]$")  # how long a condition holds before it fires
+
+
 class DeployConfig(_Strict):
     # No defaults here: conf/deploy/_base.yaml owns them (every option composes it first).
     target: Literal["vllm", "sglang", "builtin"]
     name: str
     namespace: str
     replicas: int = Field(ge=0, le=1000)
+    # requests/s the Deployment must serve within the SLOs: replicas = ceil(target_rate / the winner's
+    # capacity in best.yaml, measured with search.capacity=true); replaces deploy.replicas (the
+    # default here only for config.yaml files saved before this key existed)
+    target_rate: float | None = Field(None, gt=0)
     # The server's image; null (deploy=builtin): spectune's own, from the top-level image_repo/image_tag.
     image: str | None
     image_tag: str | None
     port: int = Field(ge=1, le=65535)
     k8s_version: str  # 1.25 .. 1.37 (K8S_VERSIONS)
     gpu_memory_utilization: float = Field(gt=0, le=1.0)
+    # SGLang's --mem-fraction-static, passed only when set: SGLang's own default leaves room for the drafter.
+    mem_fraction_static: float | None = Field(None, gt=0, le=1.0)
+    # render a deployment whose image names another engine release than the one a study measured
+    allow_version_mismatch: bool = False
     max_model_len: int | None = Field(ge=64)
     quantization: Literal["fp8", "none"]
     kv_cache_dtype: Literal["fp8", "auto"]
@@ -487,6 +550,35 @@ class DeployConfig(_Strict):
     rollout: Literal["surge", "replace"] = "surge"
     hpa: HPAConfig
     extra_args: list[str]
+    # Where it is served: a Deployment, a KServe LLMInferenceService, or a LeaderWorkerSet (a model
+    # that needs more than one node). The defaults are for config.yaml files saved before these keys
+    # existed; conf/deploy/_base.yaml states them for every new config.
+    platform: Literal["deployment", "kserve", "lws"] = "deployment"
+    # hpa: an HPA on deploy.hpa.metric; keda: a KEDA ScaledObject on the same metric and bounds;
+    # none: a fixed deploy.replicas. deploy.hpa.enabled=false is the older spelling of none.
+    autoscaler: Literal["hpa", "keda", "none"] = "hpa"
+    gateway: Literal["none", "inference-pool"] = "none"  # inference-pool: an InferencePool and an HTTPRoute
+    gateway_name: str = "inference-gateway"  # the Gateway the HTTPRoute attaches to (the cluster's)
+    gateway_namespace: str | None = None  # its namespace (null: deploy.namespace)
+    # where KEDA's prometheus trigger queries (the Prometheus Operator's `prometheus-operated` Service)
+    prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090"
+    # false: the namespace is the cluster's (shared), never owned (and deleted) by `kubectl delete -k`
+    create_namespace: bool = False
+    # the labels a Prometheus Operator's serviceMonitorSelector / ruleSelector matches
+    monitor_labels: dict[str, str] = Field(default_factory=lambda: {"release": "kube-prometheus-stack"})
+    alerts: AlertsConfig = Field(default_factory=AlertsConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_autoscaler_switch(cls, data: object) -> object:
+        # One switch: the HPA is rendered exactly when autoscaler=hpa. hpa.enabled=false (the older
+        # spelling) with the default autoscaler means none.
+        if not isinstance(data, dict) or not isinstance(data.get("hpa"), dict):
+            return data
+        hpa, auto = data["hpa"], data.get("autoscaler", "hpa")
+        if auto == "hpa" and hpa.get("enabled") is False:
+            auto = "none"
+        return {**data, "autoscaler": auto, "hpa": {**hpa, "enabled": auto == "hpa"}}
 
     @model_validator(mode="before")
     @classmethod
@@ -504,20 +596,22 @@ class DeployConfig(_Strict):
     @model_validator(mode="after")
     def _autoscaler(self) -> "DeployConfig":
         # checked when the config loads, so that config, optimize and render agree on it
-        h = self.hpa
-        if not h.enabled:
+        # an HPA or a KEDA ScaledObject: both keep deploy.hpa's bounds
+        h, auto = self.hpa, self.autoscaler
+        if auto == "none":
             return self  # the Deployment carries the count as given (0: rendered with no pods)
+        what = "an HPA" if auto == "hpa" else "KEDA"
         if h.min_replicas > h.max_replicas:
             raise ValueError(f"deploy.hpa.min_replicas={h.min_replicas} > deploy.hpa.max_replicas={h.max_replicas}")
-        # with an HPA, deploy.replicas is its floor: a floor it cannot keep is refused, not adjusted
+        # with an autoscaler, deploy.replicas is its floor: a floor it cannot keep is refused, not adjusted
         if self.replicas == 0:
-            raise ValueError(f"deploy.replicas=0 with deploy.hpa.enabled=true: the HPA keeps at least "
+            raise ValueError(f"deploy.replicas=0 with deploy.autoscaler={auto}: {what} keeps at least "
                              f"deploy.hpa.min_replicas={h.min_replicas} pod(s); for a Deployment with no pods set "
-                             "deploy.hpa.enabled=false, else give deploy.replicas >= 1")
+                             "deploy.autoscaler=none, else give deploy.replicas >= 1")
         if self.replicas > h.max_replicas:
             raise ValueError(f"deploy.replicas={self.replicas} exceeds deploy.hpa.max_replicas={h.max_replicas} (with "
-                             f"an HPA deploy.replicas is its floor): raise deploy.hpa.max_replicas to at least "
-                             f"{self.replicas}, or set deploy.hpa.enabled=false for a fixed count")
+                             f"{what} deploy.replicas is its floor): raise deploy.hpa.max_replicas to at least "
+                             f"{self.replicas}, or set deploy.autoscaler=none for a fixed count")
         return self
 
     @model_validator(mode="after")
@@ -527,7 +621,7 @@ class DeployConfig(_Strict):
             raise ValueError(f"deploy.pdb_min_available={low} and deploy.pdb_max_unavailable={high}: a "
                              "PodDisruptionBudget takes one of them; add deploy.pdb_max_unavailable=null to "
                              "use minAvailable")
-        floor = max(self.hpa.min_replicas, self.replicas) if self.hpa.enabled else self.replicas
+        floor = max(self.hpa.min_replicas, self.replicas) if self.autoscaler != "none" else self.replicas
         if low and floor and low >= floor:
             raise ValueError(f"deploy.pdb_min_available={low} with {floor} pod(s) at rest blocks `kubectl drain`: "
                              f"no pod may ever be evicted; use deploy.pdb_max_unavailable=1 (the default), or raise "
@@ -776,6 +870,13 @@ class Config(_Strict):
         if mml is not None and mml > self.model.max_context:
             raise ValueError(f"deploy.max_model_len={mml} exceeds the context of model {self.model.name} "
                              f"(model.max_context={self.model.max_context}): allowed are 64..{self.model.max_context}")
+        w = self.workload
+        if self.search.capacity and (w is None or (w.slo.ttft_p99_ms is None and w.slo.tpot_p99_ms is None)):
+            raise ValueError("search.capacity=true finds the highest request rate at which the workload's SLOs hold, "
+                             "and none is set: give workload.slo.ttft_p99_ms and/or workload.slo.tpot_p99_ms")
+        if self.search.sampler == "model" and w is not None and w.request_rate:
+            raise ValueError("search.sampler=model ranks the space at concurrency 1, and workload.request_rate="
+                             f"{w.request_rate} adds open-loop levels: use another sampler (tpe, random, grid, gp)")
         if self.search.sampler == "model" and self.workload is not None and len(self.workload.concurrency) > 1:
             raise ValueError(f"search.sampler=model ranks the space at concurrency 1, and workload.concurrency="
                              f"{self.workload.concurrency} has several levels: add workload.concurrency=[1], "
@@ -886,8 +987,10 @@ def measured_weights(cfg: "Config") -> str:
 def check_search_methods(cfg: "Config") -> None:
     """Refuse, in one line and before any trial, a searched method the chosen engine cannot run
     (checked when a study starts, not at every config load: `tuner bench engine=sglang` does not
-    search, so the default search.methods must not stop it)."""
+    search, so the default search.methods must not stop it; tuner.schema.fit.check_study_fits
+    checks memory at the same time)."""
     allowed = engine_methods(cfg.engine.kind)
     bad = [m for m in cfg.search.methods if m not in allowed]
     if bad:
         raise UserError(f"search.methods={bad} with engine={cfg.engine.kind}: this engine runs {', '.join(allowed)}")
+

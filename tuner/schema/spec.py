@@ -5,9 +5,9 @@ a user error) and `UserError`. Part of the one config schema: import these from 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from tuner.schema.methods import SpecMethod, can_branch
 
@@ -19,6 +19,17 @@ class UserError(Exception):
 class Strict(BaseModel):
     # Unknown keys are user errors (a typo in an override must not be ignored silently).
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_number(cls, v: object, info: ValidationInfo) -> object:
+        # pydantic reads true as 1 for a number: `spec.depth=true` would silently mean depth 1
+        if isinstance(v, bool) and info.field_name is not None:
+            annotation = cls.model_fields[info.field_name].annotation
+            kinds = set(get_args(annotation)) if get_args(annotation) else {annotation}
+            if kinds & {int, float} and bool not in kinds:
+                raise ValueError(f"{str(v).lower()} given where a number is expected")
+        return v
 
 
 TREE_BUDGET = 5  # a tree's budget when none is given (a chain's is always depth+1)

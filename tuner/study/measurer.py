@@ -19,7 +19,7 @@ from tuner.projection.profiling import tuning_prompts
 from tuner.schema.compose import packaged_workloads
 from tuner.study.limits import startup_excluded
 from tuner.study.objective import Sample, Split
-from tuner.schema.config import Config, SpecConfig, UserError
+from tuner.schema.config import Config, Level, Rate, SpecConfig, UserError
 from tuner.schema.methods import head_methods
 
 if TYPE_CHECKING:  # the engine's heavy modules (torch) load only where a study runs
@@ -47,6 +47,11 @@ def study_prompts(cfg: Config, engine: Engine | None = None) -> dict[str, list[P
     split = "heldout" if cfg.workload.num_heldout > 0 else "tune"
     for label in part_labels(cfg.workload):
         out[part_split(label)] = mix_prompts(cfg.workload, split, enc, ctx, only=label)
+    w = cfg.workload
+    # rates replayed from a trace need every request's timestamp: refused before any trial
+    if w.request_rate and w.arrival == "trace" and any(p.arrival_s is None for ps in out.values() for p in ps):
+        raise UserError(f"workload.arrival=trace: the requests of workload '{w.name}' carry no arrival timestamps "
+                        "(a request log's `timestamp`); use workload.arrival=poisson or constant")
     return out
 
 
@@ -90,22 +95,19 @@ def open_engine(cfg: Config) -> Engine:
     return Engine.from_config(cfg.model, cfg.engine.builtin, cfg.spec, cache_dir=cfg.cache_dir, seed=cfg.seed)
 
 
-def open_launcher(cfg: Config, *, log_dir: str | Path | None = None, tensor_parallel_size: int = 1) -> Launcher:
-    """A launcher (engine.launch.launcher.Launcher) for cfg.engine (vllm / sglang) serving cfg.model.
-    On GPUs the server runs with the deployment's FP8 flags, so trials measure the precision that
-    will be served."""
+def open_launcher(cfg: Config, *, log_dir: str | Path | None = None) -> Launcher:
+    """A launcher (engine.launch.launcher.Launcher) for cfg.engine (vllm / sglang) serving cfg.model
+    with the command the manifests carry (tuner.schema.engine_command.server_settings): on GPUs the
+    deployment's tensor parallelism, context length and FP8 flags, so trials measure the server
+    that will be deployed."""
     from engine.launch.launcher import Launcher, model_ref
+    from tuner.schema.engine_command import server_settings
 
     kind = cfg.engine.kind
     if kind not in LAUNCHED:
         raise UserError(f"engine.kind={kind}: not a launched engine (allowed: {', '.join(LAUNCHED)})")
-    gpu = cfg.hardware.accelerator == "cuda"
     return Launcher(kind, getattr(cfg.engine, kind), model_ref(cfg.model, cfg.cache_dir),
-                    served_model_name=cfg.model.name, accelerator=cfg.hardware.accelerator,
-                    quantization=cfg.deploy.quantization if gpu else None,
-                    kv_cache_dtype=cfg.deploy.kv_cache_dtype if gpu else None,
-                    tensor_parallel_size=tensor_parallel_size,
-                    gpu_memory_utilization=cfg.deploy.gpu_memory_utilization if gpu else None, log_dir=log_dir)
+                    settings=server_settings(cfg, kind), accelerator=cfg.hardware.accelerator, log_dir=log_dir)
 
 
 def engine_target_for(engine: Engine, chat_template: bool) -> TargetFor:
@@ -166,14 +168,23 @@ class Measurer:
         """Whether the launched server up now serves `spec` (always False in process)."""
         return self.launcher is not None and self.launcher.serves(spec)
 
+    @property
+    def engine_version(self) -> str | None:
+        """The release of the launched engine that served the trials (None: built-in, or not read)."""
+        return self.launcher.version if self.launcher is not None else None
+
     def startups(self) -> tuple[int, float]:
         """Server start-ups so far and their seconds (none in process)."""
         if self.launcher is None:
             return 0, 0.0
         return self.launcher.starts, self.launcher.total_startup_s
 
-    def __call__(self, spec: SpecConfig, split: Split, concurrency: int) -> Sample:
+    def __call__(self, spec: SpecConfig, split: Split, level: Level) -> Sample:
+        """Measure `spec` on `prompts[split]` at one level: `level` requests in flight (an int), or
+        requests arriving at a Rate (workload.rate_requests of them, the prompts repeating; the
+        same seeded arrivals for every configuration, so a pair meets the same traffic)."""
         from engine.drafters.memory import target_draft_memory
+        from engine.measure.runner import arrival_times
 
         if self.launcher is not None and spec.remembers_requests:
             self._fresh_server(spec)
@@ -181,8 +192,15 @@ class Measurer:
         prompts = self.prompts[split]
         if self.engine is not None and spec.remembers_requests:
             self._start_suffix_run(split)
-        played = [prompts[i % len(prompts)] for i in range(max(len(prompts), concurrency))] if prompts else prompts
-        m = target.run(played, self.params, concurrency)
+        w = self.cfg.workload
+        if isinstance(level, Rate):
+            n = max(len(prompts), w.rate_requests) if split != "probe" else len(prompts)
+            played = [prompts[i % len(prompts)] for i in range(n)] if prompts else prompts
+            at = arrival_times(len(played), level.rps, w.arrival, w.seed, [p.arrival_s for p in played])
+            m = target.run(played, self.params, 1, arrivals_s=at, rate=level.rps)
+        else:
+            played = [prompts[i % len(prompts)] for i in range(max(len(prompts), level))] if prompts else prompts
+            m = target.run(played, self.params, level)
         if m.errors and not self._skip_refused(m.errors, m.n_requests):  # a configuration that breaks requests is no candidate
             raise RuntimeError(f"{len(m.errors)}/{len(played)} requests failed; first: {m.errors[0]}")
         if self.engine is not None and spec.remembers_requests and split == "tune" and "heldout" not in self._suffix:
@@ -199,7 +217,9 @@ class Measurer:
         slo = self.cfg.workload.slo
         return Sample(m.output_tokens_per_s, m.tau, m.ttft_p99_ms, m.tpot_p99_ms, self._draft_mb[key],
                       itl_p50_ms=m.itl_p50_ms, itl_p99_ms=m.itl_p99_ms,
-                      goodput=m.goodput(slo.ttft_p99_ms, slo.tpot_p99_ms), wall_s=m.wall_s)
+                      goodput=m.goodput(slo.ttft_p99_ms, slo.tpot_p99_ms), wall_s=m.wall_s,
+                      ttft_p50_ms=m.ttft_p50_ms, tpot_p50_ms=m.tpot_p50_ms, queue_p50_ms=m.queue_p50_ms,
+                      queue_p99_ms=m.queue_p99_ms, waiting_mean=m.waiting_mean, batch_sizes=m.batch_sizes or None)
 
     def _skip_refused(self, errors: list[str], finished: int) -> bool:
         """With the user's own requests, one the engine refuses as such (HTTP 400: too long for the
