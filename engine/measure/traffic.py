@@ -62,6 +62,9 @@ class Record:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     turns: int = 1  # turns of the whole conversation (sharegpt: all, not only the prompt's)
+    # when the request arrived, in seconds (a record's optional "timestamp", as a gateway logs it):
+    # workload.arrival=trace replays these gaps; not part of the request's identity
+    arrival_s: float | None = None
 
     def key(self) -> bytes:
         """The request's identity: its text and parameters, not its line (stable when the file grows)."""
@@ -89,6 +92,11 @@ def _number(obj: dict, key: str, lo: float, hi: float, lo_open: bool = False) ->
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo < v if lo_open else lo <= v) or v > hi:
         raise RecordError(f"{key}={v!r}: allowed is a number in {'(' if lo_open else '['}{lo}, {hi}]")
     return float(v)
+
+
+def _arrival(obj: dict) -> float | None:
+    """A record's arrival time: its optional "timestamp", seconds (since the epoch or any origin)."""
+    return _number(obj, "timestamp", 0.0, 1e13)
 
 
 def _int(obj: dict, key: str, lo: int) -> int | None:
@@ -141,7 +149,7 @@ def parse_openai(obj: Any, line: int) -> Record:
     budget = _int(obj, "max_completion_tokens", 1) or _int(obj, "max_tokens", 1)
     return Record(line, messages, chat, max_tokens=budget, temperature=_number(obj, "temperature", 0.0, 2.0),
                   top_p=_number(obj, "top_p", 0.0, 1.0, lo_open=True), stop=tuple(stop or ()),
-                  seed=_int(obj, "seed", -(2**63)), turns=len(messages))
+                  seed=_int(obj, "seed", -(2**63)), turns=len(messages), arrival_s=_arrival(obj))
 
 
 def parse_sharegpt(obj: Any, line: int) -> Record:
@@ -158,18 +166,20 @@ def parse_sharegpt(obj: Any, line: int) -> Record:
     prompt, reply = (turns, None) if first is None else (turns[:first], turns[first][1])
     if not prompt:
         raise RecordError("no prompt: the conversation starts with a gpt turn")
-    return Record(line, _conversation(prompt), None, reply=reply, turns=len(turns))
+    return Record(line, _conversation(prompt), None, reply=reply, turns=len(turns), arrival_s=_arrival(obj))
 
 
 def parse_prompt(obj: Any, line: int) -> Record:
     """A `{"prompt": ...}` record or a line of plain text."""
+    arrival = None
     if isinstance(obj, dict):
         if not isinstance(obj.get("prompt"), str):
             raise RecordError("no prompt: a prompts record is {\"prompt\": \"...\"} or a line of plain text")
+        arrival = _arrival(obj)
         obj = obj["prompt"]
     if not isinstance(obj, str) or not obj.strip():
         raise RecordError("no prompt: the line is empty")
-    return Record(line, (("user", obj),), None)
+    return Record(line, (("user", obj),), None, arrival_s=arrival)
 
 
 PARSERS = {"openai": parse_openai, "sharegpt": parse_sharegpt, "prompts": parse_prompt}

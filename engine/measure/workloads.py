@@ -291,7 +291,7 @@ def file_prompts(workload: WorkloadConfig, split: Split, n_tune: int, n_heldout:
             top_p=workload.top_p if rec.top_p is None else rec.top_p, top_k=workload.top_k,
             stop=list(rec.stop), seed=rec.seed)
         p = Prompt(id=f"{label}:{rec.line}", text=rec.messages[-1][1], source=f"file/{shape.format}",
-                   history=rec.messages[:-1], chat=rec.chat, params=params, part=part)
+                   history=rec.messages[:-1], chat=rec.chat, params=params, part=part, arrival_s=rec.arrival_s)
         if encoder is not None and max_context is not None:
             n = len(encode(encoder, p, workload.chat_template))
             if n >= max_context:

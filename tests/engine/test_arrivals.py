@@ -79,21 +79,22 @@ def test_arrival_schedules() -> None:
         arrival_times(2, 1.0, "trace", stamps=[1.0, None])
 
 
-@pytest.mark.parametrize("service_s,rate", [(0.05, 40.0), (0.05, 10.0)])
+@pytest.mark.parametrize("service_s,rate", [(0.05, 40.0), (0.02, 5.0)])
 def test_queueing_of_a_planted_service_time(service_s: float, rate: float) -> None:
     """One server, constant arrivals: below capacity (rate x service < 1) nobody waits; above it
-    request i waits i x (service - 1/rate), and its TTFT counts that wait from its arrival."""
+    request i waits i x (service - 1/rate) (at least: a loaded machine only lengthens the service),
+    and its TTFT counts that wait from its arrival."""
     n = 8
     m = run_inprocess(ServiceEngine(service_s), _prompts(n), SamplingParams(max_new_tokens=2),
                       arrivals_s=arrival_times(n, rate, "constant"), rate=rate)
     assert m.rate == rate and m.n_requests == n and m.batch_sizes == {1: 2 * n}
-    expect_last = max(0.0, (n - 1) * (service_s - 1 / rate)) * 1000
-    assert m.queue_p99_ms == pytest.approx(expect_last * 0.99 + 0.01 * max(0.0, (n - 2) * (service_s - 1 / rate)) * 1000,
-                                           abs=25)
-    assert m.ttft_p99_ms >= m.queue_p99_ms + service_s / 2 * 1000 - 5
+    assert m.ttft_p99_ms >= m.queue_p99_ms + service_s / 2 * 1000 * 0.9
     if rate * service_s < 1:
-        assert m.queue_p99_ms < 20 and m.wall_s == pytest.approx((n - 1) / rate + service_s, abs=0.1)
+        assert m.queue_p99_ms < 1000 / rate / 2
+        assert m.wall_s == pytest.approx((n - 1) / rate + service_s, abs=0.15)
     else:
+        last = (n - 1) * (service_s - 1 / rate) * 1000
+        assert m.queue_p99_ms >= 0.85 * last and m.queue_p50_ms < m.queue_p99_ms
         assert m.waiting_mean > 1
 
 
@@ -175,3 +176,32 @@ def test_tuner_bench_measures_request_rates(capsys) -> None:
     assert conc["concurrency"] == 1 and "batch_sizes" not in conc
     assert rate["rate"] == 100 and rate["n_requests"] == 5 and max(int(k) for k in rate["batch_sizes"]) >= 2
     assert rate["queue_ms"]["p99"] is not None
+
+
+def test_trace_arrivals_replay_a_files_timestamps(tmp_path: Path) -> None:
+    """A request log's "timestamp" becomes each prompt's arrival; workload.arrival=trace replays
+    its gaps scaled to the rate, and a log without timestamps is refused before any trial."""
+    import json
+
+    from engine.measure.workloads import humaneval_prompts
+    from tuner.study.measurer import study_prompts
+
+    texts = [p.text for p in humaneval_prompts()[:30]]
+    stamped, bare = tmp_path / "log.jsonl", tmp_path / "bare.jsonl"
+    stamped.write_text("".join(json.dumps({"messages": [{"role": "user", "content": t}], "max_tokens": 8,
+                                           "timestamp": 1_700_000_000 + 3 * i * i}) + "\n"
+                               for i, t in enumerate(texts)))
+    bare.write_text("".join(json.dumps({"messages": [{"role": "user", "content": t}], "max_tokens": 8}) + "\n"
+                            for t in texts))
+    common = ["model=tiny-random", "+workload=file", "workload.request_rate=[2]", "workload.arrival=trace",
+              "workload.num_prompts=4", "workload.num_heldout=2"]
+    prompts = study_prompts(load_config([*common, f"workload.path={stamped}"]))
+    tune = prompts["tune"]
+    assert all(p.arrival_s is not None and p.arrival_s >= 1_700_000_000 for p in tune)
+    at = arrival_times(len(tune), 2.0, "trace", stamps=[p.arrival_s for p in tune])
+    ts = sorted(p.arrival_s for p in tune)
+    assert at[0] == 0.0 and at[-1] == pytest.approx((len(tune) - 1) / 2.0)  # mean rate 2 req/s
+    assert [b - a for a, b in zip(at, at[1:])] == pytest.approx(
+        [(b - a) * at[-1] / (ts[-1] - ts[0]) for a, b in zip(ts, ts[1:])])  # the trace's shape kept
+    with pytest.raises(UserError, match="arrival=trace"):
+        study_prompts(load_config([*common, f"workload.path={bare}"]))

@@ -118,7 +118,7 @@ BAD_INPUTS = [
     (["engine=vllm", "spec.method=ngram", "spec.depth=2", "spec.topk=2", "spec.budget=5"], "with engine=vllm: it verifies chains only"),
     (["engine=vllm", "spec.method=recycle"], "spec.method=recycle with engine=vllm: allowed are"),
     (["engine=sglang", "hardware=h100x8", "spec.method=suffix", "spec.topk=2", "spec.budget=5"], "spec.method=suffix with engine=sglang: allowed are"),
-    (["engine=sglang", "hardware=h100x8", "spec.method=ngram"], "spec.topk=1 with spec.method=ngram and engine=sglang: sglang runs ngram as a tree only"),
+    (["engine=sglang", "hardware=h100x8", "spec.method=ngram", "spec.topk=1", "spec.budget=5"], "spec.topk=1 with spec.method=ngram and engine=sglang: sglang runs ngram as a tree only"),
     (["spec.ngram_min=5", "spec.ngram_max=3"], "spec.ngram_min=5 > spec.ngram_max=3"),
     (["spec.method=draft_model", "spec.depth=3", "spec.budget=4"], "spec.draft_model is required when spec.method=draft_model"),
     (["spec.method=medusa", "spec.depth=6", "spec.budget=7"],
@@ -383,7 +383,7 @@ def test_a_method_the_engine_cannot_run_is_refused_before_any_trial(tmp_path: Pa
                                           "search.methods=[eagle,medusa]"]))
     check_search_methods(load_config(["engine=sglang", "hardware=h100x8", "spec.method=eagle", "search.methods=[eagle,eagle3]"]))
     with pytest.raises(UserError, match="spec.topk=1 with spec.method=ngram and engine=sglang"):
-        load_config(["engine=sglang", "hardware=h100x8", "spec.method=ngram"])  # SGLang's NGRAM is a tree
+        load_config(["engine=sglang", "hardware=h100x8", "spec.method=ngram", "spec.topk=1", "spec.budget=5"])  # SGLang's NGRAM is a tree
     load_config(["engine=sglang", "hardware=h100x8", "spec.method=ngram", "spec.topk=2", "spec.budget=6"])
     out = subprocess.run([sys.executable, "-m", "tuner.cli", "optimize", "+workload=code", "engine=sglang",
                           "hardware=h100x8", "spec.method=eagle", "search.methods=[suffix]", f"run_dir={tmp_path}/runs"],

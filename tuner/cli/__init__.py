@@ -68,6 +68,7 @@ COMMAND_MODULES: list[str] = [
     "tuner.cli.project",
     "tuner.cli.hub",
     "tuner.cli.workload",
+    "tuner.cli.check",
 ]
 
 

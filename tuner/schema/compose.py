@@ -330,14 +330,18 @@ def validate(raw: dict[str, Any]) -> Config:
         cfg = Config.model_validate(raw)
     except ValidationError as err:
         raise UserError(_validation_line(err, raw)) from None
-    if cfg.hardware.accelerator == "cuda":
+    # deploy.platform=lws spreads a model over several nodes: the render's fit check is over those
+    # (deploy.lws.nodes_needed)
+    if cfg.hardware.accelerator == "cuda" and cfg.deploy.platform != "lws":
         from tuner.schema.fit import tensor_parallel_size
 
         tensor_parallel_size(cfg.model, cfg.hardware, cfg.deploy)
-    if cfg.engine.kind == "builtin":
+    if cfg.engine.kind == "builtin" and cfg.hardware.accelerator == "cpu":
         from tuner.schema.fit import check_builtin_fits
 
-        check_builtin_fits(cfg.model, cfg.hardware)
+        # a GPU profile is also what `tuner render deploy=vllm` names: checked where the engine runs
+        # (tuner.schema.fit.check_study_fits, tuner bench)
+        check_builtin_fits(cfg.model, cfg.hardware, cfg.engine.builtin)
     if cfg.workload is not None:
         packaged = packaged_names()
         bad = [p.workload for p in cfg.workload.mix if p.workload is not None and p.workload not in packaged]

@@ -20,6 +20,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from engine.measure.stats import geomean, log_interval, log_spread, ratio_bounds
 from tuner.study.objective import OFF, Objective, spec_of
+from tuner.schema.engine_command import measured_server
 from tuner.schema.config import (BestResult, Config, Figures, Level, PartResult, Provenance, SpecConfig,
                                  level_name, measured_weights)
 from tuner.study.storage import mask_url, storage_url
@@ -329,7 +330,8 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
             storage=mask_url(storage_url(cfg.search, run_dir)),  # no password in best.yaml
             date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             model=cfg.model.name, hardware=cfg.hardware.name, engine=cfg.engine.kind, workload=cfg.workload.name,
-            measured_weights=measured_weights(cfg), served_weights=cfg.model.hf_id),
+            measured_weights=measured_weights(cfg), served_weights=cfg.model.hf_id,
+            server=measured_server(cfg, getattr(objective.measure, "engine_version", None) if objective else None)),
     )
 
 
