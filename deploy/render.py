@@ -12,12 +12,14 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from deploy.manifests import Plan, build, comments
+from deploy.manifests import Plan
+from deploy.platforms import build, readme
 from deploy.winner import WinnerOverride
 from tuner.schema.config import BestResult, Config, UserError
 
 HEADER = "# Rendered by `tuner render` (spectune). Change the config and re-render rather than editing.\n"
 KUSTOMIZATION = "kustomization.yaml"
+README = "README.md"  # beside the manifests: what they are and what the cluster must already have
 
 
 class _Dumper(yaml.SafeDumper):
@@ -86,11 +88,14 @@ def kustomization(files: list[str]) -> dict:
 
 def render(cfg: Config, best: BestResult | None, out: Path,
            override: WinnerOverride | None = None) -> tuple[Plan, list[Path]]:
-    """Build and write all manifests into `out` (created). Files an earlier render wrote that this
+    """Build and write all manifests (deploy.platforms.build) and README.md into `out` (created).
+    Files an earlier render wrote that this
     one does not (e.g. hpa.yaml after deploy.hpa.enabled=false) are removed; other files are kept.
     `override`: serve the winner with spec.* overrides applied (deploy.winner.served_spec)."""
-    p, docs = build(cfg, best, override)
-    return p, write_docs(docs, out, comments=comments(p, docs))
+    r = build(cfg, best, override)
+    files = write_docs(r.docs, out, comments=r.comments)
+    (out / README).write_text(readme(r, list(r.plan.prerequisites)))
+    return r.plan, files
 
 
 def out_arg(text: str | None) -> Path | None:

@@ -17,8 +17,27 @@ from kubernetes_validate.utils import SchemaNotFoundError, VersionNotSupportedEr
 
 from tuner.schema.config import UserError
 
-# (apiVersion, kind) -> vendored JSON schema under deploy/schemas/ (CRDs kubernetes-validate does not know).
-CRD_SCHEMAS = {("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor.json"}
+# (apiVersion, kind) -> JSON schema under deploy/schemas/ (CRDs kubernetes-validate does not know). No
+# package on PyPI ships these CRDs' schemas: each file is written for spectune from the fields its
+# CRD documents (named in its description), strict (unknown fields rejected).
+CRD_SCHEMAS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor.json",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule.json",
+    ("serving.kserve.io/v1alpha2", "LLMInferenceService"): "llminferenceservice.json",
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): "leaderworkerset.json",
+    ("keda.sh/v1alpha1", "ScaledObject"): "scaledobject.json",
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepool.json",
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproute.json",
+}
+# Pod specs inside CRD objects: checked, strictly, by the Kubernetes schema of the version (as a
+# PodTemplate's template), as the API server checks the core types a CRD embeds.
+EMBEDDED: dict[tuple[str, str], list[tuple[tuple[str, ...], str]]] = {
+    ("serving.kserve.io/v1alpha2", "LLMInferenceService"): [(("spec", "template"), "PodSpec"),
+                                                            (("spec", "worker"), "PodSpec")],
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): [
+        (("spec", "leaderWorkerTemplate", "leaderTemplate"), "PodTemplateSpec"),
+        (("spec", "leaderWorkerTemplate", "workerTemplate"), "PodTemplateSpec")],
+}
 KUSTOMIZATION = "kustomization.yaml"
 
 
@@ -42,7 +61,31 @@ def doc_error(doc: object, version: str) -> str | None:
     crd = CRD_SCHEMAS.get((doc["apiVersion"], doc["kind"]))
     if crd is not None:
         errors = sorted(_crd_validator(crd).iter_errors(doc), key=lambda e: list(e.absolute_path))
-        return _where(errors[0]) if errors else None
+        if errors:
+            return _where(errors[0])
+        return _embedded_error(doc, version)
+    return _core_error(doc, version)
+
+
+def _embedded_error(doc: dict, version: str) -> str | None:
+    """Why a pod spec embedded in a CRD object is invalid for Kubernetes `version`, or None."""
+    for path, kind in EMBEDDED.get((doc["apiVersion"], doc["kind"]), []):
+        node: object = doc
+        for key in path:
+            node = node.get(key) if isinstance(node, dict) else None
+        if node is None:
+            continue
+        template = {"spec": node} if kind == "PodSpec" else node
+        err = _core_error({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "embedded"},
+                           "template": template}, version)
+        if err is not None:  # the PodTemplate's path, said as the CRD object's
+            where, _, message = err.partition(": ")
+            inner = where.removeprefix("template.spec" if kind == "PodSpec" else "template").lstrip(".")
+            return f"{'.'.join(path)}{'.' + inner if inner else ''}: {message}"
+    return None
+
+
+def _core_error(doc: dict, version: str) -> str | None:
     try:
         kubernetes_validate.validate(doc, version, strict=True)
     except VersionNotSupportedError:

@@ -57,7 +57,7 @@ def named_paths() -> dict[str, set[str]]:
             continue
         for m in PATH.finditer(text):
             ref = m.group(1).rstrip(".")
-            if not any(c in ref for c in "*{}<>$") and not re.search(r"/[A-Z_]+(/|$)", ref):  # globs, NAME placeholders
+            if not any(c in ref for c in "*{}<>$") and not re.search(r"/[A-Z_]+(\.\w+)?(/|$)", ref):  # globs, NAME placeholders
                 found.setdefault(ref, set()).add(str(path.relative_to(REPO)))
     return found
 

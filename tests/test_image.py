@@ -134,10 +134,11 @@ def _make_n(*args: str) -> str:
 
 
 def _make_var(name: str) -> str:
-    """A `NAME ?= value` default of the Makefile."""
-    m = re.search(rf"^{name} \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M)
-    assert m, f"Makefile: no {name} ?= default"
-    return m.group(1)
+    """The value make gives a Makefile variable (VLLM_VERSION is read from conf/deploy/vllm.yaml's pin)."""
+    out = subprocess.run(["make", "-s", "--no-print-directory", "--eval", "print-var-%: ; @echo $($*)",
+                          f"print-var-{name}"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert out, f"Makefile: no value for {name}"
+    return out
 
 
 def test_the_vllm_suffix_image_pins_what_make_vllm_suffix_installs() -> None:
@@ -182,6 +183,9 @@ def test_image_check_builds_from_a_debian_base_with_buildah_and_runs_the_image()
     debootstrap base given as the Dockerfile's FROM argument, then runs tuner inside it; the CPU
     variant can only take torch's CPU build (the +cpu pin), never a bare `torch`."""
     out = _make_n("image-check")
+    # a fresh machine: buildah and debootstrap installed first when missing (issue 38.7), as make postgres does
+    install = out.splitlines()[:5]
+    assert "for t in buildah debootstrap; do command -v $t" in install[0] and "apt-get install -y -q $missing" in install[3]
     assert "scripts/image_base.sh localhost/spectune-base:bookworm" in out
     bud = next(line for line in out.splitlines() if " bud " in line)
     assert "--isolation chroot" in bud and "--build-arg PYTHON_BASE=localhost/spectune-base:bookworm" in bud

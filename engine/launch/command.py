@@ -1,6 +1,6 @@
-"""The command line of a launched vLLM / SGLang server: the executable, its argv for a SpecConfig
-(the flags come from `tuner.schema.flags`, the one mapping the manifests use too) and the variables set
-on top of the inherited environment.
+"""The command line of a launched vLLM / SGLang server, as the launcher runs it: the engine's
+command (tuner.schema.engine_command, the one the manifests carry too) with the program resolved to the
+local environment's executable.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Literal
 
-from tuner.schema.flags import sglang_args, vllm_args
+from tuner.schema.engine_command import PROGRAMS, Place, ServerSettings, engine_command, launched_env
 from tuner.schema.config import LaunchedEngineConfig, SpecConfig, UserError
 
 Kind = Literal["vllm", "sglang"]
@@ -29,20 +29,10 @@ def resolve_executable(executable: str) -> str:
     return ""
 
 
-def server_command(
-    kind: Kind,
-    ecfg: LaunchedEngineConfig,
-    model_ref: str,
-    spec: SpecConfig,
-    *,
-    served_model_name: str | None = None,
-    quantization: str | None = None,
-    kv_cache_dtype: str | None = None,
-    tensor_parallel_size: int = 1,
-    gpu_memory_utilization: float | None = None,
-) -> list[str]:
-    """The full argv that starts `kind` serving `model_ref` under `spec` on ecfg.host:ecfg.port."""
-    exe = resolve_executable(ecfg.executable)
+def local_program(kind: Kind, ecfg: LaunchedEngineConfig, strict: bool = True) -> list[str]:
+    """What runs PROGRAMS[kind] from the local environment engine.<kind>.executable (strict=False:
+    the path as configured when it is not installed, for a command that is only printed)."""
+    exe = resolve_executable(ecfg.executable) or ("" if strict else ecfg.executable)
     if not exe:
         raise UserError(
             f"engine.{kind}.executable={ecfg.executable}: not found (create the environment with "
@@ -50,29 +40,67 @@ def server_command(
         )
     if kind == "vllm":
         # A python interpreter runs vLLM's CLI module; anything else is the `vllm` script itself.
-        head = [exe, "-m", "vllm.entrypoints.cli.main", "serve"] if Path(exe).name.startswith("python") else [exe, "serve"]
-        return head + vllm_args(
-            model_ref, spec, dtype=ecfg.dtype, max_model_len=ecfg.max_model_len,
-            tensor_parallel_size=tensor_parallel_size, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-            gpu_memory_utilization=gpu_memory_utilization, served_model_name=served_model_name,
-            host=ecfg.host, port=ecfg.port, enforce_eager=ecfg.enforce_eager, extra_args=ecfg.extra_args,
-        )
-    if kind == "sglang":
-        return [exe, "-m", "sglang.launch_server"] + sglang_args(
-            model_ref, spec, tp=tensor_parallel_size, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-            host=ecfg.host, port=ecfg.port, dtype=ecfg.dtype, context_length=ecfg.max_model_len,
-            mem_fraction_static=gpu_memory_utilization, served_model_name=served_model_name,
-            disable_cuda_graph=ecfg.enforce_eager, extra_args=ecfg.extra_args,
-        )
-    raise UserError(f"engine.kind={kind}: not a launched engine (allowed: vllm, sglang)")
+        return [exe, "-m", "vllm.entrypoints.cli.main", "serve"] if Path(exe).name.startswith("python") else [exe, "serve"]
+    return [exe, "-m", "sglang.launch_server"]
+
+
+def trial_place(ecfg: LaunchedEngineConfig, model_ref: str) -> Place:
+    """A trial's Place: engine.<kind>.host/port and the local checkpoint (never the hub, when local)."""
+    return Place(host=ecfg.host, port=ecfg.port, model=model_ref,
+                 env={"HF_HUB_OFFLINE": "1"} if Path(model_ref).is_dir() else {})
+
+
+def settings_for(
+    kind: Kind,
+    ecfg: LaunchedEngineConfig,
+    *,
+    served_model_name: str | None = None,
+    accelerator: str = "cpu",
+    quantization: str | None = None,
+    kv_cache_dtype: str | None = None,
+    tensor_parallel_size: int = 1,
+    gpu_memory_utilization: float | None = None,
+) -> ServerSettings:
+    """ServerSettings given piece by piece (a launcher opened without a config; a study's launcher
+    gets tuner.schema.engine_command.server_settings(cfg, kind))."""
+    return ServerSettings(kind=kind, tp=tensor_parallel_size, context_length=ecfg.max_model_len, dtype=ecfg.dtype,
+                          quantization=None if quantization == "none" else quantization, kv_cache_dtype=kv_cache_dtype,
+                          memory_fraction=gpu_memory_utilization,
+                          served_names=(served_model_name,) if served_model_name else (),
+                          enforce_eager=ecfg.enforce_eager, extra_args=tuple(ecfg.extra_args),
+                          env=launched_env(kind, ecfg, accelerator == "cuda"))
+
+
+def local_command(kind: Kind, ecfg: LaunchedEngineConfig, settings: ServerSettings, model_ref: str,
+                  spec: SpecConfig, strict: bool = True) -> tuple[list[str], dict[str, str]]:
+    """argv and variables (set on top of the inherited environment) of the local server for `spec`."""
+    argv, env = engine_command(settings, spec, trial_place(ecfg, model_ref))
+    return local_program(kind, ecfg, strict) + argv[len(PROGRAMS[kind]):], env
+
+
+def server_command(kind: Kind, ecfg: LaunchedEngineConfig, model_ref: str, spec: SpecConfig, **kw: object) -> list[str]:
+    """The full argv that starts `kind` serving `model_ref` under `spec` on ecfg.host:ecfg.port
+    (keywords: those of settings_for)."""
+    if kind not in ("vllm", "sglang"):
+        raise UserError(f"engine.kind={kind}: not a launched engine (allowed: vllm, sglang)")
+    return local_command(kind, ecfg, settings_for(kind, ecfg, **kw), model_ref, spec)[0]  # type: ignore[arg-type]
 
 
 def server_env(kind: Kind, ecfg: LaunchedEngineConfig, model_ref: str, accelerator: str) -> dict[str, str]:
-    """The variables the launcher sets on top of the inherited environment (ecfg.env wins)."""
-    env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-    if Path(model_ref).is_dir():
-        env["HF_HUB_OFFLINE"] = "1"  # a local checkpoint: never reach for the hub
-    if kind == "vllm" and accelerator == "cpu":
-        env["VLLM_CPU_KVCACHE_SPACE"] = "2"  # GiB of KV cache; vLLM-cpu's default is sized for servers
-    env.update(ecfg.env)
-    return env
+    """The variables the launcher sets on top of the inherited environment (no spec: no drafter)."""
+    settings = settings_for(kind, ecfg, accelerator=accelerator)
+    return engine_command(settings, SpecConfig(method="off"), trial_place(ecfg, model_ref))[1]
+
+
+def engine_version(kind: Kind, ecfg: LaunchedEngineConfig) -> str | None:
+    """The release of `kind` installed in the virtual environment of engine.<kind>.executable, read
+    from its package metadata (nothing is run); None when there is none to read."""
+    exe = resolve_executable(ecfg.executable)
+    if not exe:
+        return None
+    venv = Path(exe).parent.parent  # <venv>/bin/<executable>
+    for meta in sorted(venv.glob(f"lib/python3*/site-packages/{kind}-*.dist-info/METADATA")):
+        for line in meta.read_text(errors="replace").splitlines():
+            if line.startswith("Version:"):
+                return line.split(":", 1)[1].strip()
+    return None

@@ -28,9 +28,11 @@ import time
 from pathlib import Path
 
 from engine.heartbeat import still_working
-from engine.launch.command import PROJECT_ROOT, SETUP_HINT, Kind, resolve_executable, server_command, server_env
+from engine.launch.command import (PROJECT_ROOT, SETUP_HINT, Kind, engine_version, local_command, resolve_executable,
+                                   server_command, server_env, settings_for)
 from engine.launch.health import error_line, healthy, last_line, port_in_use
 from engine.launch.process import death_signal, install_handlers, stop_all, stop_process_group, track, untrack
+from tuner.schema.engine_command import ServerSettings
 from tuner.schema.config import LaunchedEngineConfig, ModelConfig, SpecConfig
 
 __all__ = ["PROJECT_ROOT", "SETUP_HINT", "EngineStartError", "Kind", "Launcher", "error_line", "healthy", "last_line",
@@ -74,6 +76,7 @@ class Launcher:
         ecfg: LaunchedEngineConfig,
         model_ref: str,
         *,
+        settings: ServerSettings | None = None,
         served_model_name: str | None = None,
         accelerator: str = "cpu",
         quantization: str | None = None,
@@ -87,10 +90,13 @@ class Launcher:
         self.kind = kind
         self.ecfg = ecfg
         self.model_ref = model_ref
-        self.model = served_model_name or model_ref
+        # settings: the study's (tuner.schema.engine_command.server_settings, the manifests' too), else the pieces given
+        self.settings = settings or settings_for(
+            kind, ecfg, served_model_name=served_model_name, accelerator=accelerator, quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization)
+        self.model = self.settings.served_names[0] if self.settings.served_names else model_ref
         self.accelerator = accelerator
-        self._flag_kw = dict(quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-                             tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization)
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"spectune-{kind}-"))
         self.stop_timeout_s = stop_timeout_s
         self.poll_s = poll_s
@@ -101,6 +107,7 @@ class Launcher:
         self.starts = 0
         self.reused = False
         self.log_path: Path | None = None
+        self.version: str | None = None  # the engine release that served (read at the first start)
         self._proc: subprocess.Popen | None = None
         self._key: tuple | None = None
         self._lock = threading.RLock()
@@ -109,11 +116,11 @@ class Launcher:
 
     def command(self, spec: SpecConfig) -> list[str]:
         """The argv a server for `spec` runs with."""
-        return server_command(self.kind, self.ecfg, self.model_ref, spec, served_model_name=self.model, **self._flag_kw)
+        return local_command(self.kind, self.ecfg, self.settings, self.model_ref, spec)[0]
 
-    def env(self) -> dict[str, str]:
-        """The variables set on top of the inherited environment."""
-        return server_env(self.kind, self.ecfg, self.model_ref, self.accelerator)
+    def env(self, spec: SpecConfig | None = None) -> dict[str, str]:
+        """The variables set on top of the inherited environment for a server of `spec`."""
+        return local_command(self.kind, self.ecfg, self.settings, self.model_ref, spec or SpecConfig(method="off"))[1]
 
     @property
     def running(self) -> bool:
@@ -133,12 +140,12 @@ class Launcher:
     def serves(self, spec: SpecConfig) -> bool:
         """Whether the running server was started with exactly `spec`'s flags (ensure would reuse it)."""
         with self._lock:
-            return self.running and self._server_key(self.command(spec), self.env()) == self._key
+            return self.running and self._server_key(self.command(spec), self.env(spec)) == self._key
 
     def ensure(self, spec: SpecConfig) -> str:
         """A healthy server for `spec`: the running one when its flags are identical, else a new one."""
         with self._lock:
-            cmd, env = self.command(spec), self.env()
+            cmd, env = local_command(self.kind, self.ecfg, self.settings, self.model_ref, spec)
             key = self._server_key(cmd, env)
             if key == self._key and self.running and self._healthy():
                 self.startup_s, self.reused = 0.0, True
@@ -179,6 +186,8 @@ class Launcher:
             raise
         self.startup_s = time.monotonic() - t0
         self.total_startup_s += self.startup_s
+        if self.version is None:
+            self.version = engine_version(self.kind, self.ecfg)
         self.reused = False
         self._key = key
 

@@ -218,6 +218,9 @@ def save_eagle3(head: Eagle3Head, path: str | Path) -> Path:
     cfg = head.config.to_dict()
     cfg.update(architectures=[ARCHITECTURE], num_hidden_layers=1, draft_vocab_size=head.draft_vocab_size,
                tie_word_embeddings=False, **{AUX_KEY: list(head.aux_layers)})
+    # SGLang reads the layers from eagle_config and captures the input of layer id + 1 (vLLM: of layer
+    # id, and its top-level key wins over eagle_config): the same target states, ids one lower.
+    cfg["eagle_config"] = {AUX_KEY: [k - 1 for k in head.aux_layers], "use_aux_hidden_state": True}
     cfg.pop("transformers_version", None)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str) + "\n")
     # clone: a head that drafted has fused weights (engine.drafters.lean_head) whose rows are views

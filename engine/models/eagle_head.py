@@ -32,6 +32,11 @@ from engine.models.cache import KVBuffer
 from tuner.schema.config import UserError
 
 WEIGHTS = "model.safetensors"
+# SGLang loads an EAGLE-1 draft only as architecture LlamaForCausalLMEagle, whose fc has a bias, while
+# vLLM maps "LlamaForCausalLM" to its EAGLE model and would not know that name: the head keeps vLLM's
+# config.json and gets an SGLang view beside it (same weights, a zero fc.bias, SGLang's architecture).
+SGLANG_DIR = "sglang"
+SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle"
 DRAFT_VOCAB = "draft_vocab.json"
 _IGNORED = ("embed_tokens.weight", "lm_head.weight")  # shared from the target
 
@@ -128,6 +133,24 @@ def random_head(target_config: LlamaConfig, seed: int = 0) -> EagleHead:
     return head
 
 
+def save_sglang_view(out: Path, cfg: dict, hidden: int) -> Path:
+    """out/sglang: the head as SGLang loads an EAGLE-1 draft (tuner.schema.engine_command points
+    --speculative-draft-model-path there): config.json with SGLang's architecture, the weights
+    (a link to the head's own) and a zero fc.bias (SGLang's fc has a bias; the head is trained without)."""
+    from safetensors.torch import save_file
+
+    view = out / SGLANG_DIR
+    view.mkdir(exist_ok=True)
+    (view / "config.json").write_text(json.dumps({**cfg, "architectures": [SGLANG_ARCHITECTURE]}, indent=2,
+                                                 default=str) + "\n")
+    link = view / WEIGHTS
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(Path("..") / WEIGHTS)
+    save_file({"fc.bias": torch.zeros(hidden)}, str(view / "fc_bias.safetensors"), metadata={"format": "pt"})
+    return view
+
+
 def save_head(head: EagleHead, path: str | Path) -> Path:
     """Write config.json + model.safetensors in the public EAGLE-1 layout."""
     from safetensors.torch import save_file
@@ -141,6 +164,7 @@ def save_head(head: EagleHead, path: str | Path) -> Path:
     # clone: a head that drafted has fused weights (engine.drafters.lean_head) whose rows are views
     state = {k: v.detach().cpu().clone() for k, v in head.state_dict().items() if not k.startswith("rotary_emb")}
     save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
+    save_sglang_view(out, cfg, state["fc.weight"].shape[0])
     if head.draft_ids is not None:
         (out / DRAFT_VOCAB).write_text(json.dumps({"target_ids": head.draft_ids.tolist()}) + "\n")
     return out

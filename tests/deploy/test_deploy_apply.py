@@ -98,6 +98,7 @@ EXPECTED_PATHS = [
     "/apis/monitoring.coreos.com/v1/namespaces/serving/servicemonitors/spectune",
     "/apis/policy/v1/namespaces/serving/poddisruptionbudgets/spectune",
     "/apis/autoscaling/v2/namespaces/serving/horizontalpodautoscalers/spectune",
+    "/api/v1/namespaces/serving/configmaps/spectune-dashboard",
 ]
 
 

@@ -117,7 +117,7 @@ def test_sglang_tree(method: str, algo: str) -> None:
     spec = SpecConfig(method=method, depth=5, topk=4, budget=8, head_path="org/head")
     args = sglang_args("org/target", spec, tp=4, quantization="fp8", kv_cache_dtype="fp8", port=8000)
     assert _opt(args, "--model-path") == "org/target"
-    assert _opt(args, "--tp") == "4"
+    assert _opt(args, "--tp-size") == "4"
     assert _opt(args, "--quantization") == "fp8"
     assert _opt(args, "--kv-cache-dtype") == "fp8_e4m3"
     assert _opt(args, "--speculative-algorithm") == algo
@@ -134,7 +134,8 @@ def test_sglang_ngram_tree_golden(match: str) -> None:
     args = sglang_args("org/target", spec)
     assert args[args.index("--speculative-algorithm"):] == [
         "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "12",
-        "--speculative-ngram-max-bfs-breadth", "4", "--speculative-ngram-max-trie-depth", "11",
+        "--speculative-ngram-max-bfs-breadth", "4", "--speculative-ngram-min-match-window-size", "2",
+        "--speculative-ngram-max-match-window-size", "5", "--speculative-ngram-branch-length", "11",
         "--speculative-ngram-match-type", match.upper()]
 
 
@@ -161,7 +162,7 @@ def test_sglang_chain_draft_tokens_are_steps_plus_one() -> None:
 def test_sglang_off_has_no_speculative_flags() -> None:
     args = sglang_args("t", SpecConfig(method="off"))
     assert not any(a.startswith("--speculative") for a in args)
-    assert "--disable-cuda-graph" not in args and "--tp" not in args
+    assert "--disable-cuda-graph" not in args and "--tp-size" not in args
 
 
 def test_sglang_general_flags() -> None:

@@ -102,7 +102,7 @@ def _notes(err: str) -> list[str]:
     """The `note:` lines of a render but the ones every render with an HPA (its adapter rule) or
     with spectune's image at the unpublished default repository prints."""
     return [ln for ln in err.splitlines() if ln.startswith("note:") and not ln.startswith("note: the HPA scales on")
-            and "is not published" not in ln]
+            and "is not published" not in ln and not ln.startswith(("note: no PrometheusRule", "note: no Speculation"))]
 
 
 def _adapter_rule(hpa: Path) -> dict:
@@ -227,7 +227,9 @@ def test_common_objects_and_hardening(name: str, rendered: dict[str, Path]) -> N
     d = rendered[name]
     docs = _docs(d)
     kust = docs.pop("kustomization.yaml")
-    assert sorted(kust["resources"]) == sorted(docs) and kust["resources"][0] == "namespace.yaml"
+    # the namespace is the cluster's: not in the kustomization unless deploy.create_namespace=true
+    assert sorted(kust["resources"]) == sorted(docs) and kust["resources"][0] == "configmap.yaml"
+    assert "namespace.yaml" not in docs and (d / "README.md").is_file()
     dep = docs["deployment.yaml"]
     pod = dep["spec"]["template"]["spec"]
     c = pod["containers"][0]
@@ -414,8 +416,8 @@ def test_kubectl_kustomize_builds_the_directory(rendered: dict[str, Path]) -> No
     r = subprocess.run(["kubectl", "kustomize", str(rendered["vllm-h100x8"])], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     kinds = [d["kind"] for d in yaml.safe_load_all(r.stdout)]
-    assert sorted(kinds) == sorted(["Namespace", "ConfigMap", "Deployment", "Service",
-                                    "ServiceMonitor", "PodDisruptionBudget", "HorizontalPodAutoscaler"])
+    assert sorted(kinds) == sorted(["ConfigMap", "Deployment", "Service", "ServiceMonitor", "PodDisruptionBudget",
+                                    "HorizontalPodAutoscaler", "ConfigMap"])  # the second: the Grafana dashboard
 
 
 def test_example_ci_workflow_commands_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -539,7 +541,11 @@ def test_render_without_out_names_the_directory_it_wrote(tmp_path: Path, monkeyp
         "with the rule written at the top of hpa.yaml (docs/deploy.md, Autoscaling), or set deploy.hpa.enabled=false",
         "note: ghcr.io/spectune/spectune:0.1.0 is not published: build and push it (make image push IMAGE_REPO=REPO) "
         "and render with image_repo=REPO (docs/deploy.md, Images)"]
-    assert len(out) == 1 and out[0].startswith(f"rendered 8 files into {tmp_path / 'runs' / 'k8s'} (default --out; ")
+    # what the cluster must already have, one line each, then the summary line
+    assert [ln for ln in out if not ln.startswith("needs: ")] == out[-1:]
+    assert "needs: the namespace spectune (kubectl create namespace spectune; or render with " \
+           "deploy.create_namespace=true)" in out
+    assert out[-1].startswith(f"rendered 7 files into {tmp_path / 'runs' / 'k8s'} (default --out; ")
     assert (tmp_path / "runs" / "k8s" / "kustomization.yaml").is_file()
 
 
@@ -606,7 +612,7 @@ def test_replicas_the_hpa_cannot_keep_are_refused(tmp_path: Path, capsys: pytest
     """Issue 25: with an HPA, deploy.replicas is its floor: 0, or more than deploy.hpa.max_replicas,
     is refused in one line (it was silently raised to 1 / raised the max). Without an HPA, 0 renders
     a Deployment with no pods, as asked."""
-    for replicas, needle in ((0, "deploy.replicas=0 with deploy.hpa.enabled=true"),
+    for replicas, needle in ((0, "deploy.replicas=0 with deploy.autoscaler=hpa"),
                              (6, "deploy.replicas=6 exceeds deploy.hpa.max_replicas=4")):
         assert main(["render", f"deploy.replicas={replicas}", "--out", str(tmp_path / "o")]) == 2
         err = capsys.readouterr().err.strip().splitlines()

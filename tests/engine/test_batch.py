@@ -362,3 +362,33 @@ def test_a_failing_forward_fails_its_requests_and_the_scheduler_goes_on(engine: 
     be.step()
     assert be.abort("RuntimeError: step") == [d, e] and d.error == e.error == "RuntimeError: step"
     assert be.running == 0 and not be.pool.views
+
+
+def test_the_hf_forward_runs_in_the_same_driver_and_is_greedy_identical(prompts) -> None:
+    """engine.builtin.forward=hf decodes through this driver too (a batch of one place,
+    engine.models.hf_forward): with a drafter that drafts with the target (its logits sharpened so
+    that the greedy path survives the budget cut) every step accepts a whole chain (transformers'
+    cache kept by a crop) or a whole branching path (kept by index), and the output is its own
+    autoregressive output, as it is with n-gram drafts."""
+    from engine.drafters.draft_model import DraftModelDrafter
+
+    class Oracle(DraftModelDrafter):
+        def _catch_up(self, ids):
+            return super()._catch_up(ids) * 100
+
+        def _run(self, *args):
+            return super()._run(*args) * 100
+
+    hf = open_engine(load_config(["model=tiny-random", "spec.method=off", "engine.builtin.forward=hf"]))
+    assert hf.lean is None
+    params = SamplingParams(max_new_tokens=N_NEW)
+    ref = [hf.generate(p, params).tokens for p in prompts]
+    for topk, budget in ((1, 4), (2, 7)):  # a chain (kept by a crop), a branching tree (kept by index)
+        oracle = SpecConfig(method="draft_model", depth=3, topk=topk, budget=budget, draft_model="oracle")
+        hf.set_drafter(Oracle(oracle, hf.model), oracle)
+        for p, r in zip(prompts, ref):
+            res = hf.generate(p, params)
+            assert res.tokens == r and res.stats.accepted_tokens == 3 * res.stats.draft_steps
+            assert res.stats.draft_steps > 0 or len(r) <= 1
+    hf.set_spec(SpecConfig(method="ngram", depth=3, topk=1, budget=4, ngram_min=1, ngram_max=3))
+    assert [hf.generate(p, params).tokens for p in prompts] == ref

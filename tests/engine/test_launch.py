@@ -137,7 +137,7 @@ def test_sglang_command(tmp_path: Path) -> None:
     assert _opt(argv, "--speculative-draft-model-path") == "/h3"
     assert (_opt(argv, "--speculative-num-steps"), _opt(argv, "--speculative-eagle-topk"),
             _opt(argv, "--speculative-num-draft-tokens")) == ("5", "4", "8")
-    assert _opt(argv, "--tp") == "2" and _opt(argv, "--quantization") == "fp8"
+    assert _opt(argv, "--tp-size") == "2" and _opt(argv, "--quantization") == "fp8"
     assert _opt(argv, "--kv-cache-dtype") == "fp8_e4m3" and _opt(argv, "--context-length") == "4096"
     assert _opt(argv, "--mem-fraction-static") == "0.85" and "--disable-cuda-graph" in argv
     # topk=1: SGLang's rule draft tokens = steps + 1.

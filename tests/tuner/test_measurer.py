@@ -77,15 +77,20 @@ def _opt(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
 
 
-def test_open_launcher_on_gpus_uses_the_hub_id_and_the_deployments_fp8_flags(tmp_path) -> None:
+def test_open_launcher_on_gpus_uses_the_hub_id_and_the_deployments_tp_context_and_fp8_flags(tmp_path) -> None:
+    from tuner.schema.fit import max_model_len, tensor_parallel_size
+
     exe = fake_engine_exe(tmp_path, "vllm")
-    cfg = load_config(["engine=vllm", "deploy=vllm", "model=llama-3.1-8b-instruct", "hardware=h100x8",
+    cfg = load_config(["engine=vllm", "deploy=vllm", "model=llama-3.3-70b-instruct", "hardware=h100x8",
                        f"engine.vllm.executable={exe}"])
-    launcher = open_launcher(cfg, log_dir=tmp_path, tensor_parallel_size=2)
+    launcher = open_launcher(cfg, log_dir=tmp_path)
     argv = launcher.command(SpecConfig(method="eagle3", depth=3, budget=4, head_path="/h"))
     assert argv[2] == cfg.model.hf_id and launcher.model == cfg.model.name
     assert _opt(argv, "--quantization") == "fp8" and _opt(argv, "--kv-cache-dtype") == "fp8"
-    assert _opt(argv, "--tensor-parallel-size") == "2"
+    # the fit check's TP (a 70B model needs more than one H100) and the deployed context, not engine.vllm's
+    tp = tensor_parallel_size(cfg.model, cfg.hardware, cfg.deploy)
+    assert tp > 1 and _opt(argv, "--tensor-parallel-size") == str(tp)
+    assert _opt(argv, "--max-model-len") == str(max_model_len(cfg.model, cfg.hardware, cfg.deploy, tp)) != "2048"
     assert launcher.base_url == f"http://127.0.0.1:{cfg.engine.vllm.port}"
 
 

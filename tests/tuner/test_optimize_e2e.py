@@ -90,7 +90,11 @@ def test_winner_is_off_when_speculation_cannot_help(tmp_path: Path, engine) -> N
                    "train.steps=5", "train.max_new_tokens=16")
     study = open_run_study(run_dir)
     methods = {t.user_attrs.get("spec_method") for t in study.trials if t.state == TrialState.COMPLETE}
-    assert {"off", "ngram", "eagle"} <= methods
+    # on a busy machine the measured noise gives trials a second repeat, so a 0.2x EAGLE trial may be
+    # pruned after its first: measured all the same
+    measured = {t.user_attrs.get("spec_method") for t in study.trials if t.state in (TrialState.COMPLETE,
+                                                                                    TrialState.PRUNED)}
+    assert {"off", "ngram"} <= methods and "eagle" in measured
     taus = [t.user_attrs["tau"] for t in study.trials if t.user_attrs.get("spec_method") in ("ngram", "eagle")]
     assert taus and max(taus) < 1.3  # the premise: no acceptance
     best = BestResult.model_validate(yaml.safe_load((run_dir / "best.yaml").read_text()))
@@ -134,7 +138,8 @@ def test_a_trial_past_its_time_limit_fails_and_the_winner_is_off(tmp_path: Path,
 
 @pytest.mark.parametrize("ci_rel_width,expected", [(10.0, 2), (1e-9, 3)])
 def test_repeats_stop_when_the_interval_is_tight(tmp_path: Path, engine, ci_rel_width: float, expected: int) -> None:
-    # noise_rel=0.5 keeps the pruner out of it: hopeless means below (1 - 2*0.5) = 0 x the best
+    # noise_rel=0.5 keeps the pruner (its band: 1 - 2*0.5 = 0, no bound is ever below a bar), the noise
+    # sizing and the confirmation round (a spread above 50%) out of it
     run_dir = _run(tmp_path, engine, "search.n_trials=3", "search.repeats_min=2", "search.repeats_max=3",
                    f"search.ci_rel_width={ci_rel_width}", "search.noise_rel=0.5")
     study = open_run_study(run_dir)
@@ -199,7 +204,8 @@ def test_resume_after_kill_9_loses_at_most_the_running_trial(tmp_path: Path, eng
 
     run_dir = optimize(None, resume=tmp_path / "r", engine=engine, quiet=True)
     study = open_run_study(run_dir)
-    finished = [t for t in study.trials if t.state in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)]
+    finished = [t for t in study.trials if t.state in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
+                and t.user_attrs.get("role") != "confirm"]  # not the confirmation round's pairs
     assert len(finished) == 9
     after = {t.number: t.value for t in study.trials if t.state == TrialState.COMPLETE}
     assert all(after[n] == v for n, v in before.items())  # nothing measured was lost
@@ -219,9 +225,13 @@ def test_trials_measured_over_http_like_a_launched_server(tmp_path: Path, engine
     cfg = load_config(SMALL)
     url, stop = serve_in_thread(engine, cfg.model, cfg.serve)
 
-    class BuiltinServer:
+    class BuiltinServer:  # what the Measurer reads of a Launcher
         model = cfg.model.name
         served: list[str] = []
+        starts, total_startup_s = 0, 0.0  # switching the spec starts no process
+
+        def serves(self, spec: SpecConfig) -> bool:
+            return bool(self.served) and self.served[-1] == spec.key()
 
         def ensure(self, spec: SpecConfig) -> str:
             engine.set_spec(spec)

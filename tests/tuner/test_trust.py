@@ -228,3 +228,11 @@ def test_contenders_are_the_best_by_lower_bound_and_pruned_trials_near_the_leade
         ("ngram d5 k1 b6", [1.28])]
     slow = [trial(ng(1), [0.70, 0.72]), trial(ng(2), [0.60, 0.61])]  # off beats both even optimistically
     assert contenders(slow, 0.05) == []
+
+
+def test_no_confirmation_round_when_nothing_reads_like_a_winner(tmp_path: Path) -> None:
+    cfg = load_config(CFG)
+    measure = Planted(lambda spec, n: (10.0, 3.0))
+    study, objective = _noisy_study(tmp_path, cfg, measure, [(ng(2), [1.00, 1.02]), (ng(5), [0.95, 0.98])],
+                                    [10.0, 12.0, 8.5])
+    assert confirm(study, objective, cfg.search.noise_rel) == 0 and measure.calls == []

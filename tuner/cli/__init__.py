@@ -7,8 +7,12 @@ positional arguments. User errors print one line and exit 2.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 # Only light imports here: `tuner` imports this module before main() can catch a Ctrl-C.
 from tuner.cli.help import examples, start_here
@@ -64,6 +68,7 @@ COMMAND_MODULES: list[str] = [
     "tuner.cli.project",
     "tuner.cli.hub",
     "tuner.cli.workload",
+    "tuner.cli.check",
 ]
 
 
@@ -114,18 +119,60 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
     return args
 
 
+def _in_import(frame: object) -> bool:
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):  # type: ignore[attr-defined]
+            return True
+        frame = frame.f_back  # type: ignore[attr-defined]
+    return False
+
+
+@contextmanager
+def interrupts_outside_imports() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt as usual, except while a module is being imported: raised
+    inside an extension's initialisation it leaves a half-made module, a Rust panic (pydantic_core)
+    or an exit by signal instead of one line; there it is re-delivered a moment later, once the
+    import is done. Only in the main thread and over Python's own handler (a test's stays)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+
+    pending: list[threading.Timer] = []
+
+    def on_sigint(signum: int, frame: object) -> None:
+        pending.clear()
+        if not _in_import(frame):
+            raise KeyboardInterrupt
+        later = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT))
+        later.daemon = True
+        pending.append(later)
+        later.start()
+
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for later in pending:  # a Ctrl-C still waiting for its import: the command ended first
+            later.cancel()
+        if pending:
+            raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `tuner` console script. A user error is one line and exit 2; Ctrl-C at
     any point, imports included, is one line and exit 130."""
     try:
-        from tuner.schema.spec import UserError
+        with interrupts_outside_imports():
+            from tuner.schema.spec import UserError
 
-        try:
-            parser = build_parser()
-            rc = (args := parse(parser, argv)).func(args)
-        except UserError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+            try:
+                parser = build_parser()
+                rc = (args := parse(parser, argv)).func(args)
+            except UserError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -105,8 +105,10 @@ def bench(cfg: Config, url: str | None = None, model: str | None = None) -> dict
     wl = cfg.workload
     assert wl is not None
     if url is None and cfg.engine.kind == "builtin":
+        from tuner.schema.fit import check_builtin_fits
         from tuner.study.measurer import spec_with_trained_draft
 
+        check_builtin_fits(cfg.model, cfg.hardware, cfg.engine.builtin)  # before any download
         cfg = cfg.model_copy(update={"spec": spec_with_trained_draft(cfg)})
     split = "heldout" if cfg.bench.heldout else "tune"
     if split == "heldout" and wl.num_heldout == 0:
@@ -220,8 +222,17 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from tuner.schema.compose import load_config
+    from tuner.schema.compose import load_config, require_workload
 
+    if args.dry_run:
+        from tuner.run.dryrun import dry_run
+
+        if args.url:
+            raise UserError(f"--dry-run with --url {args.url}: bench starts nothing for a running endpoint")
+        cfg = load_config(args.overrides)
+        require_workload(cfg)
+        print(dry_run(cfg, "bench"))
+        return 0
     result = bench(load_config(args.overrides), args.url, args.model)
     if args.json:
         print(json.dumps(result))
@@ -240,6 +251,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        ))
     b.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. spec.depth=6 bench.baseline=true +workload=code")
     b.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    b.add_argument("--dry-run", action="store_true",
+                   help="print the command and environment of the server(s) it would start (the baseline's with "
+                        "bench.baseline=true), then exit without starting anything")
     b.add_argument("--url", help="measure this running OpenAI-compatible endpoint instead of starting an engine")
     b.add_argument("--model", help="with --url: the model name to request (default: the first in /v1/models)")
     b.set_defaults(func=_cmd_bench)

@@ -43,7 +43,7 @@ def _cmd_render(args: argparse.Namespace) -> int:
 
         cfg = load_config(args.overrides)
         plan, files = render(cfg, None, out or Path(cfg.run_dir) / "k8s")
-    for note in plan.served.notes:
+    for note in (*plan.served.notes, *plan.platform_notes):
         print(f"note: {note}", file=sys.stderr)
     cfg = plan.cfg
     if cfg.deploy.hpa.enabled:  # nothing in the cluster serves the HPA's metric until an adapter does
@@ -70,11 +70,15 @@ def _cmd_render(args: argparse.Namespace) -> int:
         print(f"projected for {pj.hardware} ({pj.cost_model}, TP {pj.tensor_parallel_size}) from {pj.profile}: "
               f"'{plan.best.spec.key()}', predicted at concurrency {levels}; geometric mean "
               f"{pj.predicted_speedup:.2f}x" + (f" (measured winner: '{pj.measured_spec}')" if pj.measured_spec else ""))
+    # what the cluster must already have (also in README.md beside the manifests), one line each
+    for line in plan.prerequisites:
+        print(f"needs: {line}")
     # without --out, name the directory in full: the default lands under the current directory
+    nodes = f" x {plan.nodes} nodes" if plan.nodes > 1 else ""
     where = f"{files[0].parent}" if out is not None else f"{files[0].parent.resolve()} (default --out;"
     print(f"rendered {len(files)} files into {where}{' ' if out is None else ' ('}deploy={cfg.deploy.target}, "
           f"spec '{plan.served.spec.key()}', "
-          f"TP {plan.tp}, Kubernetes {cfg.deploy.k8s_version}{', INVALID' if errors else ', valid'})")
+          f"TP {plan.tp}{nodes}, Kubernetes {cfg.deploy.k8s_version}{', INVALID' if errors else ', valid'})")
     return 2 if errors else 0
 
 

@@ -16,6 +16,8 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     from tuner.run.session import optimize
     from tuner.run.rundir import run_dir_of
 
+    if args.dry_run and (args.worker or args.create_only):
+        raise UserError("--dry-run is for `tuner optimize` of a new study, not with --worker or --create-only")
     if args.worker or args.create_only:  # distributed studies (tuner.run.distributed)
         from tuner.run import distributed
         if args.resume:
@@ -28,6 +30,20 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     if args.wait_drafts is not None:
         raise UserError(f"--wait-drafts {args.wait_drafts:g} is for a worker (--worker): a study started here "
                         "trains its drafts itself")
+    if args.dry_run:
+        from tuner.run.dryrun import dry_run
+        from tuner.schema.compose import load_config, require_workload
+        from tuner.schema.config import check_search_methods
+        from tuner.schema.fit import check_study_fits
+
+        if args.resume:
+            raise UserError("--dry-run is for a new study: a resumed one continues with the servers it started")
+        cfg = load_config(args.overrides)
+        require_workload(cfg)
+        check_search_methods(cfg)
+        check_study_fits(cfg)
+        print(dry_run(cfg, "optimize"))
+        return 0
     optimize(args.overrides, resume=run_dir_of(args.resume) if args.resume else None, quiet=args.quiet)
     return 0
 
@@ -120,6 +136,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     o.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +workload=code search=quick")
     o.add_argument("--resume", metavar="RUN_DIR", help="continue the study of RUN_DIR after an interruption")
     o.add_argument("--quiet", action="store_true", help="no live progress, only the run directory")
+    o.add_argument("--dry-run", action="store_true",
+                   help="print the command and environment of the baseline server and of the first trial's server, "
+                        "then exit without starting anything")
     o.add_argument("--worker", action="store_true",
                    help="join the shared study search.study_name in search.storage (its config comes from the "
                         "study; only search.storage, search.study_name, engine.*, run_dir, cache_dir are taken)")

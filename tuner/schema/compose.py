@@ -312,6 +312,11 @@ def _hydra_composed(config_dir: str, overrides: tuple[str, ...]) -> dict[str, An
     except UserError:
         raise
     except Exception as exc:  # Hydra/OmegaConf raise many types; all are the user's override here
+        cause: BaseException | None = exc
+        while cause is not None:  # Hydra wraps whatever interrupted it, a Ctrl-C included
+            if isinstance(cause, KeyboardInterrupt):
+                raise KeyboardInterrupt from None
+            cause = cause.__cause__ or cause.__context__
         raise UserError(_hydra_error_line(exc, list(overrides))) from None
     return raw  # type: ignore[return-value]
 
@@ -325,14 +330,18 @@ def validate(raw: dict[str, Any]) -> Config:
         cfg = Config.model_validate(raw)
     except ValidationError as err:
         raise UserError(_validation_line(err, raw)) from None
-    if cfg.hardware.accelerator == "cuda":
+    # deploy.platform=lws spreads a model over several nodes: the render's fit check is over those
+    # (deploy.lws.nodes_needed)
+    if cfg.hardware.accelerator == "cuda" and cfg.deploy.platform != "lws":
         from tuner.schema.fit import tensor_parallel_size
 
         tensor_parallel_size(cfg.model, cfg.hardware, cfg.deploy)
-    if cfg.engine.kind == "builtin":
+    if cfg.engine.kind == "builtin" and cfg.hardware.accelerator == "cpu":
         from tuner.schema.fit import check_builtin_fits
 
-        check_builtin_fits(cfg.model, cfg.hardware)
+        # a GPU profile is also what `tuner render deploy=vllm` names: checked where the engine runs
+        # (tuner.schema.fit.check_study_fits, tuner bench)
+        check_builtin_fits(cfg.model, cfg.hardware, cfg.engine.builtin)
     if cfg.workload is not None:
         packaged = packaged_names()
         bad = [p.workload for p in cfg.workload.mix if p.workload is not None and p.workload not in packaged]

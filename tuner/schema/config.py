@@ -493,6 +493,18 @@ class SecretRef(_Strict):
     key: str
 
 
+class AlertsConfig(_Strict):
+    """The PrometheusRule of a vLLM / SGLang target: acceptance drift and decode slowdown."""
+
+    enabled: bool = True
+    # live tau over `window` below this share of the tuned held-out tau fires SpeculationAcceptanceDrift
+    tau_fraction: float = Field(0.8, gt=0.0, lt=1.0)
+    # decode tokens/s per running request below (1 - this) x the winner's measured figure fires the slowdown alert
+    throughput_noise: float = Field(0.2, gt=0.0, lt=1.0)
+    window: str = Field("15m", pattern=r"^[0-9]+[smh]$")  # the PromQL range the rates are taken over
+    for_duration: str = Field("10m", pattern=r"^[0-9]+[smh]$")  # how long a condition holds before it fires
+
+
 class DeployConfig(_Strict):
     # No defaults here: conf/deploy/_base.yaml owns them (every option composes it first).
     target: Literal["vllm", "sglang", "builtin"]
@@ -509,6 +521,10 @@ class DeployConfig(_Strict):
     port: int = Field(ge=1, le=65535)
     k8s_version: str  # 1.25 .. 1.37 (K8S_VERSIONS)
     gpu_memory_utilization: float = Field(gt=0, le=1.0)
+    # SGLang's --mem-fraction-static, passed only when set: SGLang's own default leaves room for the drafter.
+    mem_fraction_static: float | None = Field(None, gt=0, le=1.0)
+    # render a deployment whose image names another engine release than the one a study measured
+    allow_version_mismatch: bool = False
     max_model_len: int | None = Field(ge=64)
     quantization: Literal["fp8", "none"]
     kv_cache_dtype: Literal["fp8", "auto"]
@@ -534,6 +550,35 @@ class DeployConfig(_Strict):
     rollout: Literal["surge", "replace"] = "surge"
     hpa: HPAConfig
     extra_args: list[str]
+    # Where it is served: a Deployment, a KServe LLMInferenceService, or a LeaderWorkerSet (a model
+    # that needs more than one node). The defaults are for config.yaml files saved before these keys
+    # existed; conf/deploy/_base.yaml states them for every new config.
+    platform: Literal["deployment", "kserve", "lws"] = "deployment"
+    # hpa: an HPA on deploy.hpa.metric; keda: a KEDA ScaledObject on the same metric and bounds;
+    # none: a fixed deploy.replicas. deploy.hpa.enabled=false is the older spelling of none.
+    autoscaler: Literal["hpa", "keda", "none"] = "hpa"
+    gateway: Literal["none", "inference-pool"] = "none"  # inference-pool: an InferencePool and an HTTPRoute
+    gateway_name: str = "inference-gateway"  # the Gateway the HTTPRoute attaches to (the cluster's)
+    gateway_namespace: str | None = None  # its namespace (null: deploy.namespace)
+    # where KEDA's prometheus trigger queries (the Prometheus Operator's `prometheus-operated` Service)
+    prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090"
+    # false: the namespace is the cluster's (shared), never owned (and deleted) by `kubectl delete -k`
+    create_namespace: bool = False
+    # the labels a Prometheus Operator's serviceMonitorSelector / ruleSelector matches
+    monitor_labels: dict[str, str] = Field(default_factory=lambda: {"release": "kube-prometheus-stack"})
+    alerts: AlertsConfig = Field(default_factory=AlertsConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_autoscaler_switch(cls, data: object) -> object:
+        # One switch: the HPA is rendered exactly when autoscaler=hpa. hpa.enabled=false (the older
+        # spelling) with the default autoscaler means none.
+        if not isinstance(data, dict) or not isinstance(data.get("hpa"), dict):
+            return data
+        hpa, auto = data["hpa"], data.get("autoscaler", "hpa")
+        if auto == "hpa" and hpa.get("enabled") is False:
+            auto = "none"
+        return {**data, "autoscaler": auto, "hpa": {**hpa, "enabled": auto == "hpa"}}
 
     @model_validator(mode="before")
     @classmethod
@@ -551,20 +596,22 @@ class DeployConfig(_Strict):
     @model_validator(mode="after")
     def _autoscaler(self) -> "DeployConfig":
         # checked when the config loads, so that config, optimize and render agree on it
-        h = self.hpa
-        if not h.enabled:
+        # an HPA or a KEDA ScaledObject: both keep deploy.hpa's bounds
+        h, auto = self.hpa, self.autoscaler
+        if auto == "none":
             return self  # the Deployment carries the count as given (0: rendered with no pods)
+        what = "an HPA" if auto == "hpa" else "KEDA"
         if h.min_replicas > h.max_replicas:
             raise ValueError(f"deploy.hpa.min_replicas={h.min_replicas} > deploy.hpa.max_replicas={h.max_replicas}")
-        # with an HPA, deploy.replicas is its floor: a floor it cannot keep is refused, not adjusted
+        # with an autoscaler, deploy.replicas is its floor: a floor it cannot keep is refused, not adjusted
         if self.replicas == 0:
-            raise ValueError(f"deploy.replicas=0 with deploy.hpa.enabled=true: the HPA keeps at least "
+            raise ValueError(f"deploy.replicas=0 with deploy.autoscaler={auto}: {what} keeps at least "
                              f"deploy.hpa.min_replicas={h.min_replicas} pod(s); for a Deployment with no pods set "
-                             "deploy.hpa.enabled=false, else give deploy.replicas >= 1")
+                             "deploy.autoscaler=none, else give deploy.replicas >= 1")
         if self.replicas > h.max_replicas:
             raise ValueError(f"deploy.replicas={self.replicas} exceeds deploy.hpa.max_replicas={h.max_replicas} (with "
-                             f"an HPA deploy.replicas is its floor): raise deploy.hpa.max_replicas to at least "
-                             f"{self.replicas}, or set deploy.hpa.enabled=false for a fixed count")
+                             f"{what} deploy.replicas is its floor): raise deploy.hpa.max_replicas to at least "
+                             f"{self.replicas}, or set deploy.autoscaler=none for a fixed count")
         return self
 
     @model_validator(mode="after")
@@ -574,7 +621,7 @@ class DeployConfig(_Strict):
             raise ValueError(f"deploy.pdb_min_available={low} and deploy.pdb_max_unavailable={high}: a "
                              "PodDisruptionBudget takes one of them; add deploy.pdb_max_unavailable=null to "
                              "use minAvailable")
-        floor = max(self.hpa.min_replicas, self.replicas) if self.hpa.enabled else self.replicas
+        floor = max(self.hpa.min_replicas, self.replicas) if self.autoscaler != "none" else self.replicas
         if low and floor and low >= floor:
             raise ValueError(f"deploy.pdb_min_available={low} with {floor} pod(s) at rest blocks `kubectl drain`: "
                              f"no pod may ever be evicted; use deploy.pdb_max_unavailable=1 (the default), or raise "
@@ -940,8 +987,10 @@ def measured_weights(cfg: "Config") -> str:
 def check_search_methods(cfg: "Config") -> None:
     """Refuse, in one line and before any trial, a searched method the chosen engine cannot run
     (checked when a study starts, not at every config load: `tuner bench engine=sglang` does not
-    search, so the default search.methods must not stop it)."""
+    search, so the default search.methods must not stop it; tuner.schema.fit.check_study_fits
+    checks memory at the same time)."""
     allowed = engine_methods(cfg.engine.kind)
     bad = [m for m in cfg.search.methods if m not in allowed]
     if bad:
         raise UserError(f"search.methods={bad} with engine={cfg.engine.kind}: this engine runs {', '.join(allowed)}")
+

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from tuner.schema.config import DeployConfig, HardwareConfig, ModelConfig, UserError
+from tuner.schema.config import (BuiltinEngineConfig, Config, DeployConfig, HardwareConfig, ModelConfig, UserError,
+                                 trained_drafts)
 
 GIB = 1024**3
 # FP8 checkpoints keep embeddings, lm_head, norms and scales in 16 bit: a few percent over 1 byte/param.
@@ -20,17 +21,59 @@ def builtin_load_gib(model: ModelConfig) -> float:
     return model.params_b * 1e9 * 4 / GIB
 
 
-def check_builtin_fits(model: ModelConfig, hardware: HardwareConfig) -> None:
-    """Refuse, when the config loads, engine=builtin for a model whose fp32 weights exceed the
-    host's memory (hardware.memory_gib) on a CPU profile: the 70B/72B configs (and, on a 24 GiB
-    host, 7B/8B ones) are served by vLLM / SGLang only."""
-    need = builtin_load_gib(model)
-    if hardware.accelerator == "cpu" and need > hardware.memory_gib:
+def head_training_gib(model: ModelConfig) -> float:
+    """What training a draft head adds on the target's device: about one decoder layer plus its input
+    projection (3h x h), trained in fp32 with Adam (weights, gradient, two moments: 16 bytes a parameter)."""
+    params = model.params_b * 1e9 / model.num_layers + 3 * model.hidden_size**2
+    return params * 16 / GIB
+
+
+def builtin_fit_problem(model: ModelConfig, hardware: HardwareConfig, builtin: BuiltinEngineConfig | None = None,
+                        extra_gib: float = 0.0) -> tuple[float, str, str] | None:
+    """(GiB needed, what needs them, what they exceed) when the built-in engine, which also trains
+    every draft head, cannot hold `model` on `hardware`; None when it can. It reads the checkpoint in
+    float32 into host memory, then (on a cuda profile, unless engine.builtin.device=cpu) moves it to
+    ONE GPU at engine.builtin.weights / dtype; `extra_gib` more on that device (head training)."""
+    b = builtin or BuiltinEngineConfig()
+    load = builtin_load_gib(model) + (extra_gib if hardware.accelerator == "cpu" or b.device == "cpu" else 0.0)
+    if load > hardware.memory_gib:
+        return (load, f"its single-device fp32 load needs {load:.0f} GiB ({model.params_b:g}B params x 4 bytes)",
+                f"hardware {hardware.name} has {hardware.memory_gib:g} GiB (hardware.memory_gib)")
+    if hardware.accelerator == "cuda" and b.device != "cpu":
+        per_param = {"fp8": 1, "bf16": 2}.get(b.weights, 4 if b.dtype == "float32" else 2)
+        need = model.params_b * 1e9 * per_param / GIB + extra_gib
+        if need > hardware.gpu_memory_gib:
+            return (need, f"its weights on one GPU need {need:.0f} GiB ({model.params_b:g}B params x {per_param} bytes, "
+                          f"engine.builtin.weights={b.weights}, dtype={b.dtype})",
+                    f"one GPU of hardware {hardware.name} has {hardware.gpu_memory_gib:g} GiB")
+    return None
+
+
+def check_builtin_fits(model: ModelConfig, hardware: HardwareConfig, builtin: BuiltinEngineConfig | None = None) -> None:
+    """Refuse, when the config loads, engine=builtin for a model it cannot hold on this hardware
+    (builtin_fit_problem): the 70B/72B configs on every packaged profile, 7B/8B on a 24 GiB host."""
+    problem = builtin_fit_problem(model, hardware, builtin)
+    if problem is not None:
+        _, what, limit = problem
         raise UserError(
-            f"engine=builtin with model {model.name}: its single-device fp32 load needs {need:.0f} GiB "
-            f"({model.params_b:g}B params x 4 bytes) but hardware {hardware.name} has {hardware.memory_gib:g} GiB "
-            "(hardware.memory_gib); run this model with engine=vllm or engine=sglang (on a GPU profile, "
-            "e.g. hardware=h100x8), or set hardware.memory_gib to this host's memory if it has more")
+            f"engine=builtin with model {model.name}: {what} but {limit}; run this model with engine=vllm or "
+            "engine=sglang on a GPU profile (they shard it over the GPUs), or set hardware.memory_gib to this "
+            "host's memory if it has more")
+
+
+def check_study_fits(cfg: Config) -> None:
+    """Refuse, in one line and before any trial, run directory or download: a built-in engine that
+    cannot hold the model on this hardware, and a head the study would train (the built-in engine
+    loads its target) where the built-in engine cannot hold the target. Checked when a study starts,
+    not at every config load: `tuner render deploy=vllm hardware=h100x8` runs no engine."""
+    if cfg.engine.kind == "builtin":
+        check_builtin_fits(cfg.model, cfg.hardware, cfg.engine.builtin)
+    for m in trained_drafts(cfg):
+        problem = builtin_fit_problem(cfg.model, cfg.hardware, cfg.engine.builtin, head_training_gib(cfg.model))
+        if problem is not None:
+            need, _, limit = problem
+            raise UserError(f"search.methods contains {m}: {cfg.model.name} lists no {m} head and training one needs "
+                            f"~{need:.0f} GiB on one device, but {limit}; drop it or set model.draft_sources.{m}")
 
 
 def tensor_parallel_size(model: ModelConfig, hardware: HardwareConfig, deploy: DeployConfig) -> int:
@@ -78,26 +121,41 @@ LOAD_GIB_PER_S = 0.1
 ENGINE_INIT_S = {"vllm": 180, "sglang": 180, "builtin": 60}
 
 
+# Online FP8 quantization of the loaded 16-bit weights (vLLM / SGLang --quantization fp8): an assumed
+# rate, generous for a GPU (it reads and writes each weight once) so that slow first starts still fit.
+QUANTIZE_GIB_PER_S = 1.0
+
+
 def served_weight_gib(model: ModelConfig, quantization: str) -> float:
-    """Weight GiB the server reads at start: FP8 when quantized, else the model's native dtype."""
+    """Weight GiB the server holds in GPU memory: FP8 when quantized, else the model's native dtype."""
     if quantization == "fp8":
         return fp8_weight_gib(model)
+    return downloaded_weight_gib(model)
+
+
+def downloaded_weight_gib(model: ModelConfig) -> float:
+    """Weight GiB the server downloads and reads at start: the hub checkpoint in its native dtype
+    (an FP8 deployment quantizes it online after loading; nothing FP8 is downloaded)."""
     native_bytes = 4 if model.native_dtype == "float32" else 2
     return model.params_b * 1e9 * native_bytes / GIB
 
 
 def startup_budget_s(model: ModelConfig, deploy: DeployConfig) -> int:
-    """Seconds a pod may take to become healthy: weights GiB / load rate + engine init."""
-    return int(ENGINE_INIT_S[deploy.target] + served_weight_gib(model, deploy.quantization) / LOAD_GIB_PER_S)
+    """Seconds a pod may take to become healthy: engine init + the downloaded checkpoint at the load
+    rate + its online quantization when deployed FP8."""
+    gib = downloaded_weight_gib(model)
+    quantize = gib / QUANTIZE_GIB_PER_S if deploy.quantization == "fp8" else 0.0
+    return int(ENGINE_INIT_S[deploy.target] + gib / LOAD_GIB_PER_S + quantize)
 
 
 def startup_why(model: ModelConfig, deploy: DeployConfig, period_s: int) -> str:
     """Where the startup probe's budget came from, in one line (a manifest comment)."""
     budget = startup_budget_s(model, deploy)
-    gib = served_weight_gib(model, deploy.quantization)
+    gib = downloaded_weight_gib(model)
+    quantize = (f" + online FP8 quantization at {QUANTIZE_GIB_PER_S:g} GiB/s" if deploy.quantization == "fp8" else "")
     return (f"{-(-budget // period_s)} x {period_s} s >= {budget} s start-up budget: {ENGINE_INIT_S[deploy.target]} s "
-            f"{deploy.target} start + {gib:.1f} GiB of weights at {LOAD_GIB_PER_S:g} GiB/s (the first start "
-            "downloads them)")
+            f"{deploy.target} start + {gib:.1f} GiB {model.native_dtype} checkpoint at {LOAD_GIB_PER_S:g} GiB/s (the "
+            f"first start downloads it){quantize}")
 
 
 def kv_headroom_tokens(model: ModelConfig, hardware: HardwareConfig, deploy: DeployConfig, tp: int) -> int:

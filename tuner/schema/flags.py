@@ -133,7 +133,7 @@ def sglang_args(
     """
     args = ["--model-path", model_ref, "--host", host, "--port", str(port), "--enable-metrics"]
     if tp != 1:
-        args += ["--tp", str(tp)]
+        args += ["--tp-size", str(tp)]
     if dtype is not None:
         args += ["--dtype", dtype]
     if quantization not in (None, "none"):
@@ -160,13 +160,16 @@ def sglang_args(
         if spec.topk == 1 and spec.budget != spec.depth + 1:
             raise UserError(f"spec.budget={spec.budget} with spec.topk=1 must be spec.depth+1={spec.depth + 1} for SGLang")
         if spec.method == "ngram":
-            # SGLang's NGRAM trie holds the matched suffix plus the draft: ngram_max + depth tokens deep;
-            # its BFS breadth is the tree's topk, its draft tokens the budget (root included)
+            # SGLang's NGRAM (0.5.9 names) matches a suffix of ngram_min..ngram_max tokens; a trie branch
+            # holds the match plus the draft (branch length ngram_max + depth, which SGLang requires to
+            # exceed the match window); its BFS breadth is the tree's topk, its draft tokens the budget
             return args + [
                 "--speculative-algorithm", algo,
                 "--speculative-num-draft-tokens", str(spec.budget),
                 "--speculative-ngram-max-bfs-breadth", str(spec.topk),
-                "--speculative-ngram-max-trie-depth", str(spec.ngram_max + spec.depth),
+                "--speculative-ngram-min-match-window-size", str(spec.ngram_min),
+                "--speculative-ngram-max-match-window-size", str(spec.ngram_max),
+                "--speculative-ngram-branch-length", str(spec.ngram_max + spec.depth),
                 "--speculative-ngram-match-type", spec.ngram_match.upper(),
             ] + list(extra_args)
         args += [

@@ -21,6 +21,18 @@ class Figures(_Strict):
     draft_mb: float | None = None  # drafter parameters + KV cache at the longest request (built-in engine)
 
 
+class MeasuredServer(_Strict):
+    """The server a study's trials ran (best.yaml): what `tuner render` compares with what it deploys."""
+
+    engine: str
+    version: str | None = None  # the engine release measured (vLLM / SGLang); None: not known
+    hardware: str
+    tensor_parallel_size: int = 1
+    context_length: int | None = None
+    quantization: str | None = None
+    kv_cache_dtype: str | None = None
+
+
 class Provenance(_Strict):
     study: str
     trial: int | None = None
@@ -35,6 +47,7 @@ class Provenance(_Strict):
     measured_weights: str | None = None
     served_weights: str | None = None
     spectune_version: str = "0.1.0"
+    server: MeasuredServer | None = None  # vLLM / SGLang studies: the measured server's version and settings
 
 
 class ProjectedPoint(_Strict):

@@ -23,6 +23,7 @@ from tuner.study.measurer import LAUNCHED, get_drafts, needs_head, open_engine, 
 from tuner.study.objective import MeasureFn, Objective, TrialOutcome
 from tuner.study.selection import describe, leader
 from tuner.schema.config import BestResult, Config, SearchConfig, check_search_methods
+from tuner.schema.fit import check_study_fits
 from tuner.search.space import SearchSpace
 from tuner.study.studies import Budget, finished_count
 from tuner.study.workers import BudgetSpent, WorkerStudy, heartbeat_stopped
@@ -134,6 +135,7 @@ def drive(cfg: Config, run_dir: Path, open_study: Callable[[SearchSpace], optuna
     """
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # our own progress says what happens
     check_search_methods(cfg)
+    check_study_fits(cfg)
     head_first = needs_head(cfg)
     if before_work is not None and not head_first:
         before_work()

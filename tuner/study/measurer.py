@@ -95,22 +95,19 @@ def open_engine(cfg: Config) -> Engine:
     return Engine.from_config(cfg.model, cfg.engine.builtin, cfg.spec, cache_dir=cfg.cache_dir, seed=cfg.seed)
 
 
-def open_launcher(cfg: Config, *, log_dir: str | Path | None = None, tensor_parallel_size: int = 1) -> Launcher:
-    """A launcher (engine.launch.launcher.Launcher) for cfg.engine (vllm / sglang) serving cfg.model.
-    On GPUs the server runs with the deployment's FP8 flags, so trials measure the precision that
-    will be served."""
+def open_launcher(cfg: Config, *, log_dir: str | Path | None = None) -> Launcher:
+    """A launcher (engine.launch.launcher.Launcher) for cfg.engine (vllm / sglang) serving cfg.model
+    with the command the manifests carry (tuner.schema.engine_command.server_settings): on GPUs the
+    deployment's tensor parallelism, context length and FP8 flags, so trials measure the server
+    that will be deployed."""
     from engine.launch.launcher import Launcher, model_ref
+    from tuner.schema.engine_command import server_settings
 
     kind = cfg.engine.kind
     if kind not in LAUNCHED:
         raise UserError(f"engine.kind={kind}: not a launched engine (allowed: {', '.join(LAUNCHED)})")
-    gpu = cfg.hardware.accelerator == "cuda"
     return Launcher(kind, getattr(cfg.engine, kind), model_ref(cfg.model, cfg.cache_dir),
-                    served_model_name=cfg.model.name, accelerator=cfg.hardware.accelerator,
-                    quantization=cfg.deploy.quantization if gpu else None,
-                    kv_cache_dtype=cfg.deploy.kv_cache_dtype if gpu else None,
-                    tensor_parallel_size=tensor_parallel_size,
-                    gpu_memory_utilization=cfg.deploy.gpu_memory_utilization if gpu else None, log_dir=log_dir)
+                    settings=server_settings(cfg, kind), accelerator=cfg.hardware.accelerator, log_dir=log_dir)
 
 
 def engine_target_for(engine: Engine, chat_template: bool) -> TargetFor:
@@ -170,6 +167,11 @@ class Measurer:
     def serving(self, spec: SpecConfig) -> bool:
         """Whether the launched server up now serves `spec` (always False in process)."""
         return self.launcher is not None and self.launcher.serves(spec)
+
+    @property
+    def engine_version(self) -> str | None:
+        """The release of the launched engine that served the trials (None: built-in, or not read)."""
+        return self.launcher.version if self.launcher is not None else None
 
     def startups(self) -> tuple[int, float]:
         """Server start-ups so far and their seconds (none in process)."""

@@ -17,14 +17,14 @@ import statistics
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
 from engine.measure.stats import geomean, log_interval, log_spread, tight
 from tuner.study.limits import TrialClock, TrialTimeout, active_clock, next_repeat_fits
-from tuner.schema.config import Level, Rate, SearchConfig, SpecConfig, WorkloadConfig
+from tuner.schema.config import Level, Rate, SearchConfig, SpecConfig, WorkloadConfig, level_name
 from tuner.search.space import SearchSpace
 from tuner.study.studies import FAIL_REASON, NOISE, ROLE, role
 
@@ -56,7 +56,9 @@ class Sample:
     batch_sizes: dict[int, int] | None = None  # open loop: requests per step -> steps (or gauge samples)
 
 
-Split = Literal["tune", "heldout"]
+# Which prompts a pass plays: "tune", "heldout", or one part of a mixed workload
+# (tuner.study.measurer.part_split)
+Split = str
 
 
 @runtime_checkable
@@ -274,7 +276,7 @@ class Objective:
             for c, x, y in zip(self.levels, s, b):
                 ratio = x.tok_s / max(y.tok_s, 1e-12)
                 if x.tau is not None and ratio > x.tau * (1 + noise):
-                    return (f"speedup {ratio:.3f}x at concurrency {c} exceeds tau {x.tau:.2f} x (1 + noise "
+                    return (f"speedup {ratio:.3f}x at {level_name(c)} exceeds tau {x.tau:.2f} x (1 + noise "
                             f"{noise:.2f}): a speedup cannot exceed tau")
         if len(history) >= OUTLIER_HISTORY:
             mid, now = statistics.median(history), _mean_tok(b)

@@ -20,6 +20,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from engine.measure.stats import geomean, log_interval, log_spread, ratio_bounds
 from tuner.study.objective import OFF, Objective, spec_of
+from tuner.schema.engine_command import measured_server
 from tuner.schema.config import (BestResult, Config, Figures, Level, PartResult, Provenance, SpecConfig,
                                  level_name, measured_weights)
 from tuner.study.storage import mask_url, storage_url
@@ -184,15 +185,18 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
     measured head to head, one pair each per round in alternating order with the baseline,
     until every one is separated from the leader or tied with it (`unresolved`), at most
     CONFIRM_ROUNDS rounds; each pair is a COMPLETE trial with role `confirm`. It runs only when
-    the study's baseline passes spread beyond search.noise_rel: on a quiet machine the trials'
-    own figures stand, and the study takes no longer. Returns the pairs measured."""
+    the study's baseline passes spread beyond search.noise_rel (on a quiet machine the trials'
+    own figures stand, and the study takes no longer) and some contender reads at least
+    1 + noise_rel. Returns the pairs measured."""
     trials = study.get_trials(deepcopy=False)
     spread = log_spread(objective.baseline_history())
     if spread is None or spread <= noise_rel:
         return 0
     noise = max(noise_rel, spread)
     field_ = contenders(trials, noise)
-    if len(field_) < 2:
+    # nothing to confirm when no contender even reads what the winner rule asks (1 + noise_rel):
+    # the slowdown trap needs no head-to-head
+    if len(field_) < 2 or max(geomean(r) for _, r in field_) < 1 + noise_rel:
         return 0
     lead_spec, lead_known = field_[0]
     others = field_[1:]
@@ -326,7 +330,8 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
             storage=mask_url(storage_url(cfg.search, run_dir)),  # no password in best.yaml
             date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             model=cfg.model.name, hardware=cfg.hardware.name, engine=cfg.engine.kind, workload=cfg.workload.name,
-            measured_weights=measured_weights(cfg), served_weights=cfg.model.hf_id),
+            measured_weights=measured_weights(cfg), served_weights=cfg.model.hf_id,
+            server=measured_server(cfg, getattr(objective.measure, "engine_version", None) if objective else None)),
     )
 
 
