@@ -170,8 +170,12 @@ extern "C" int decode_forward(const float* emb, long R, long S, const long* meta
 #define HEADS(W, LW) switch (D) { HEAD(16, W, LW) HEAD(32, W, LW) HEAD(64, W, LW) HEAD(128, W, LW) } return 1;
   switch (fmt) {
     case 0: HEADS(float, float)
+#ifdef HAS_BF16_W
     case 1: HEADS(bf16_t, bf16_t)
+#endif
+#ifdef HAS_E4M3_W
     case 2: HEADS(e4m3_t, bf16_t)
+#endif
   }
   return 3;
 }
@@ -183,6 +187,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.decode_forward.argtypes = [p, n, n, p, p, p, p, p, ctypes.c_int, n, n, n, n, n, n, p, p, p, ctypes.c_float,
                                    p, p, ctypes.c_float, n, p, n, p, p, n, p, ctypes.c_int]
     lib.decode_forward.restype = ctypes.c_int
+    lib.weight_formats.restype = ctypes.c_int
 
 
 _NATIVE = native.Native("decode_step", _SOURCE, [f"-DVW={smallm.VW}", f"-DNB={smallm.NB}"], _bind)

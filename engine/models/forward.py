@@ -277,6 +277,12 @@ def lean_forward(target, compile: bool = False, cache_dir: str | None = None,
             raise UserError(f"engine.builtin.native_step=true: {why}; allowed: auto (use it where it runs) or false")
     fw = lean_forward_of(target.model, compile, cache_dir, native=native is not False)
     m = fw.model
+    if native == "auto" and m.weights != "fp32" and fw.native is None and m.device.type == "cpu" \
+            and m.dtype == torch.float32:
+        # the torch path would read the rounded values at 4 bytes: another speed than the format's
+        raise UserError(f"engine.builtin.weights={m.weights}: the native step that reads them cannot run for this "
+                        f"model ({native_step_refusal(target.model)}); allowed: fp32, or native_step=false to "
+                        "measure the rounded values through the fp32 torch path")
     if linear_plan == "default":
         set_linear_plan(LinearPlan())
     elif m.packed and sum(w.numel() * w.element_size() for b in m.blocks for w in (b.wqkv, b.wo, b.w13, b.w2)) \

@@ -38,8 +38,30 @@ BLOCK_SOURCE = r"""
 typedef unsigned short bf16_t;
 typedef unsigned char e4m3_t;
 
+/* The widenings need AVX2 (bf16, e4m3) and F16C (e4m3) at 8 lanes, AVX-512F at 16 (which implies
+   both). A CPU without them still builds the fp32 kernel; weight_formats() says which formats were built. */
+#if VW == 16 || defined(__AVX2__)
+#define HAS_BF16_W 1
+#endif
+#if VW == 16 || (defined(__AVX2__) && defined(__F16C__))
+#define HAS_E4M3_W 1
+#endif
+
+/* bit f set: format f (0 fp32, 1 bf16, 2 e4m3) was built for this CPU */
+extern "C" int weight_formats() {
+  int f = 1;
+#ifdef HAS_BF16_W
+  f |= 2;
+#endif
+#ifdef HAS_E4M3_W
+  f |= 4;
+#endif
+  return f;
+}
+
 static inline vf wload(const float* p) { return *(const vfu*)p; }
 
+#ifdef HAS_BF16_W
 static inline vf wload(const bf16_t* p) {
 #if VW == 16
   return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
@@ -47,7 +69,9 @@ static inline vf wload(const bf16_t* p) {
   return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
 #endif
 }
+#endif
 
+#ifdef HAS_E4M3_W
 static inline vf wload(const e4m3_t* p) {
 #if VW == 16
   __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
@@ -61,6 +85,7 @@ static inline vf wload(const e4m3_t* p) {
   return (vf)_mm256_cvtph_ps(h);
 #endif
 }
+#endif
 
 /* what y is multiplied by for a tensor of per-tensor scale s */
 static inline float wscale(const float*, float) { return 1.f; }
@@ -147,8 +172,12 @@ extern "C" int smallm_linear(const float* x, const void* wp, float* y, long M, l
   if (M < 1 || M > 8) return 1;
   switch (fmt) {
     case 0: run(x, (const float*)wp, y, M, N, K, scale, threads); return 0;
+#ifdef HAS_BF16_W
     case 1: run(x, (const bf16_t*)wp, y, M, N, K, scale, threads); return 0;
+#endif
+#ifdef HAS_E4M3_W
     case 2: run(x, (const e4m3_t*)wp, y, M, N, K, scale, threads); return 0;
+#endif
   }
   return 2;
 }
@@ -165,6 +194,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.smallm_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int, ctypes.c_float,
                                                                                ctypes.c_int]
     lib.smallm_linear.restype = ctypes.c_int
+    lib.weight_formats.restype = ctypes.c_int
 
 
 _NATIVE = native.Native("smallm", _SOURCE, [f"-DVW={VW}", f"-DNB={NB}"], _bind)
@@ -179,6 +209,12 @@ def library() -> ctypes.CDLL | None:
 def error() -> str | None:
     """Why the kernel could not be built (None when it was, or was not tried yet)."""
     return _NATIVE.error
+
+
+def built_formats(lib: ctypes.CDLL) -> set[str]:
+    """The weight formats (engine.builtin.weights) a library built from BLOCK_SOURCE reads on this CPU."""
+    bits = lib.weight_formats()
+    return {name for i, name in enumerate(("fp32", "bf16", "fp8")) if bits >> i & 1}
 
 
 # packed weight dtype -> the kernel's `fmt`

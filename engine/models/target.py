@@ -329,6 +329,12 @@ def load_target(model_cfg: ModelConfig, engine_cfg: BuiltinEngineConfig, cache_d
     """The target model + tokenizer, loaded once per process per (source, dtype, weights, device)."""
     device = resolve_device(engine_cfg.device)
     dtype = resolve_dtype(engine_cfg.dtype, device)
+    from engine.models.fp8 import weights_refusal
+
+    why = weights_refusal(engine_cfg.weights, device, dtype)
+    if why:  # before reading any weights
+        auto = " (what auto picks where deploy.quantization=fp8)" if engine_cfg.weights == "fp8" else ""
+        raise UserError(f"engine.builtin.weights={engine_cfg.weights}{auto}: {why}; allowed here: fp32" + (", bf16" if weights_refusal("bf16", device, dtype) is None else ""))
     key = (model_cfg.model_dump_json(), str(cache_dir), str(dtype), engine_cfg.weights, str(device), seed,
            engine_cfg.onednn_linears)
     with _LOCK:

@@ -1,0 +1,99 @@
+"""engine.builtin.weights where the native step cannot read the format: the kernels still build (fp32)
+on a CPU without the widening instructions, and bf16 / fp8 are refused in one line (exit 2 from the
+CLI) instead of measuring the rounded values at fp32 speed."""
+
+from __future__ import annotations
+
+import ctypes
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.models import decode_step, native, smallm
+from tests.conftest import TINY
+from tuner.schema.compose import load_config
+from tuner.schema.config import UserError
+from tuner.study.measurer import open_engine
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(smallm.library() is None, reason=f"no C++ compiler: {smallm.error()}")
+
+
+def _formats_only(extra: list[str]) -> native.Native:
+    """The shared block source alone (its weight_formats), built for 8 lanes with `extra` flags."""
+    def bind(lib: ctypes.CDLL) -> None:
+        lib.weight_formats.restype = ctypes.c_int
+
+    return native.Native("formats", native.VECTORS + smallm.BLOCK_SOURCE, ["-DVW=8", "-DNB=1", *extra], bind)
+
+
+@pytest.mark.parametrize("extra, formats", [([], {"fp32", "bf16", "fp8"}),
+                                            (["-mno-f16c"], {"fp32", "bf16"}),
+                                            (["-mno-avx2", "-mno-f16c"], {"fp32"})])
+def test_kernel_builds_the_formats_the_cpu_has(extra: list[str], formats: set[str]) -> None:
+    """Built as for an AVX2 CPU without F16C, or without AVX2 at all, the few-row kernel still builds and
+    computes fp32 exactly; it reports only the formats it built and refuses the others' fmt codes
+    (a CPU lacking the instructions lost the fp32 kernel too when the widenings were unconditional)."""
+    lib = native.Native("smallm", smallm._SOURCE, ["-DVW=8", "-DNB=1", *extra], smallm._bind).library()
+    assert lib is not None
+    assert smallm.built_formats(lib) == formats
+    g = torch.Generator().manual_seed(0)
+    k, n = 19, 16
+    w, x = torch.randn(n, k, generator=g), torch.randn(3, k, generator=g)
+    packed = w.reshape(-1, 8, k).transpose(1, 2).contiguous()
+    y = torch.empty(3, n)
+    assert lib.smallm_linear(x.data_ptr(), packed.data_ptr(), y.data_ptr(), 3, n, k, 0, 1.0, 1) == 0
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+    for name, fmt in (("bf16", 1), ("fp8", 2)):
+        rc = lib.smallm_linear(x.data_ptr(), packed.data_ptr(), y.data_ptr(), 3, n, k, fmt, 1.0, 1)
+        assert (rc == 0) == (name in formats)
+
+
+def test_a_cpu_without_f16c_refuses_fp8_and_runs_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the native step built as on an AVX2 CPU without F16C, fp8 is refused in one line naming the
+    key, the missing instructions and what is allowed; bf16 is not refused."""
+    from engine.models.fp8 import weights_refusal
+
+    monkeypatch.setattr(decode_step, "_NATIVE", _formats_only(["-mno-f16c"]))
+    with pytest.raises(UserError) as e:
+        open_engine(load_config([*TINY, "engine.builtin.weights=fp8"]))
+    msg = str(e.value)
+    assert msg.startswith("engine.builtin.weights=fp8") and "\n" not in msg
+    assert "F16C" in msg and msg.endswith("allowed here: fp32, bf16"), msg
+    cpu = torch.device("cpu")
+    assert weights_refusal("bf16", cpu, torch.float32) is None and weights_refusal("fp32", cpu, torch.float32) is None
+
+
+def test_fp8_where_the_step_cannot_run_for_the_model() -> None:
+    """A head size the native step is not built for, at fp8: refused (the torch path would read the
+    rounded values at 4 bytes); native_step=false, the user's explicit choice of that path, loads."""
+    odd = [*TINY, "model.hidden_size=96", "model.head_dim=24", "engine.builtin.weights=fp8"]
+    with pytest.raises(UserError) as e:
+        open_engine(load_config(odd))
+    msg = str(e.value)
+    assert msg.startswith("engine.builtin.weights=fp8") and "head size 24" in msg and "\n" not in msg
+    assert open_engine(load_config([*odd, "engine.builtin.native_step=false"])).lean.native is None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_no_compiler_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """`tuner serve` with bf16 weights on a machine without g++ (PATH without it): exit 2, one line on
+    stderr naming engine.builtin.weights, the reason and fp32 as what is allowed; no traceback."""
+    env = {"PATH": str(tmp_path), "PYTHONPATH": str(ROOT), "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "tuner.cli", "serve", "model=tiny-random", "engine.builtin.weights=bf16",
+                        f"serve.port={_free_port()}", f"cache_dir={tmp_path / 'c'}"], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: engine.builtin.weights=bf16: "), lines
+    assert "could not be built" in lines[0] and lines[0].endswith("allowed here: fp32"), lines
