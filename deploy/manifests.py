@@ -80,7 +80,7 @@ def plan(cfg: Config, best: BestResult | None, override: WinnerOverride | None =
     settings = server_settings(cfg, d.target)
     if d.target == "builtin":
         e = cfg.engine.builtin
-        builtin_memory_gib(m, cfg.hardware, e.dtype, e.weights == "fp8")
+        builtin_memory_gib(m, cfg.hardware, e.dtype, e.weights)
     argv, env = engine_command(settings, served.spec, pod_place(cfg))
     # The built-in server runs on CPU nodes without tensor parallelism.
     tp = settings.tp
@@ -236,11 +236,10 @@ def _resource_values(p: Plan) -> tuple[int, int, dict[str, str], str, str]:
                 f"half of hardware {hw.name}'s {hw.cpu_cores} cores x {part} (at least 2)",
                 f"half of hardware {hw.name}'s {hw.memory_gib:g} GiB x {part} (at least 8 GiB)")
     e = p.cfg.engine.builtin
-    fp8 = e.weights == "fp8"
-    mem = builtin_memory_gib(p.cfg.model, hw, e.dtype, fp8)
+    mem, how = builtin_memory_gib(p.cfg.model, hw, e.dtype, e.weights)
     return (hw.cpu_cores, mem, {}, f"all {hw.cpu_cores} cores of hardware {hw.name} (the built-in engine's threads)",
-            f"half of hardware {hw.name}'s {hw.memory_gib:g} GiB, or {p.cfg.model.params_b:g}B params at "
-            f"{'fp8' if fp8 else e.dtype} x 1.5 + 1 GiB when more (tuner.schema.fit.builtin_memory_gib)")
+            f"half of hardware {hw.name}'s {hw.memory_gib:g} GiB, or {how} when more "
+            "(tuner.schema.fit.builtin_memory_gib)")
 
 
 def _resources(p: Plan) -> k.V1ResourceRequirements:

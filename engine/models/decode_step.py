@@ -204,6 +204,28 @@ def error() -> str | None:
     return _NATIVE.error
 
 
+def weights_refusal(weights: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why `weights` cannot be read in its own format by the engine here (None: it can). On CPU only
+    the native step reads bf16 and fp8 at 2 and 1 bytes a weight; without it the engine would measure
+    the rounded values at fp32 speed, another speed than the format's, so it is refused instead. bf16
+    at dtype=bfloat16 is the model's own dtype. On CUDA the rounded values are what is measured (the
+    acceptance of the served weights), read at `dtype` (docs/engine.md)."""
+    if weights in ("fp32", "auto") or device.type != "cpu" or (weights == "bf16" and dtype == torch.bfloat16):
+        return None
+    if dtype != torch.float32:
+        return f"on CPU the native step reads {weights} weights, and it runs at dtype=float32 only (dtype: {dtype})"
+    lib = library()
+    if lib is None:
+        return f"the native step that reads them could not be built here ({error()})"
+    if weights not in smallm.built_formats(lib):
+        return f"this CPU lacks {FORMAT_NEEDS[weights]}, which widening {weights} weights in the native step needs"
+    return None
+
+
+# the instructions the native step's widening of a format needs (engine.models.smallm: HAS_BF16_W, HAS_E4M3_W)
+FORMAT_NEEDS = {"bf16": "AVX2 (or AVX-512F)", "fp8": "AVX2 and F16C (or AVX-512F)"}
+
+
 class NativeStep:
     """The native step over one LeanLlama's packed weights (see the module doc). Build it with `of`."""
 

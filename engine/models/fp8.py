@@ -19,30 +19,6 @@ E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 WEIGHTS = ("fp32", "bf16", "fp8")
 
 
-def weights_refusal(weights: str, device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why `weights` cannot be read in its own format by the engine here (None: it can). On CPU only
-    the native step reads bf16 and fp8 at 2 and 1 bytes a weight; without it the engine would measure
-    the rounded values at fp32 speed, another speed than the format's, so it is refused instead. bf16
-    at dtype=bfloat16 is the model's own dtype. On CUDA the rounded values are what is measured (the
-    acceptance of the served weights), read at `dtype` (docs/engine.md)."""
-    if weights in ("fp32", "auto") or device.type != "cpu" or (weights == "bf16" and dtype == torch.bfloat16):
-        return None
-    if dtype != torch.float32:
-        return f"on CPU the native step reads {weights} weights, and it runs at dtype=float32 only (dtype: {dtype})"
-    from engine.models import decode_step, smallm
-
-    lib = decode_step.library()
-    if lib is None:
-        return f"the native step that reads them could not be built here ({decode_step.error()})"
-    if weights not in smallm.built_formats(lib):
-        return f"this CPU lacks {FORMAT_NEEDS[weights]}, which widening {weights} weights in the native step needs"
-    return None
-
-
-# the instructions the native step's widening of a format needs (engine.models.smallm: HAS_BF16_W, HAS_E4M3_W)
-FORMAT_NEEDS = {"bf16": "AVX2 (or AVX-512F)", "fp8": "AVX2 and F16C (or AVX-512F)"}
-
-
 def quantize_e4m3(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [out, in] -> (float8_e4m3fn weight, fp32 scalar scale): absmax over the whole tensor."""
     w = weight.detach().float()

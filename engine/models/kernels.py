@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from engine.models import smallm
 from engine.models.machine import cpu_signature, measured_once
+from tuner.schema.fit import packed_copies
 
 # The lm_head-sized layers (vocabulary rows) win on a single row too.
 _WIDE = 8192
@@ -122,9 +123,10 @@ def pack_weights(weights: list[torch.Tensor], formats: list[str] | None = None) 
         return False
     total = sum(w.numel() * w.element_size() for w in weights)
     memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if total > memory / 4:
+    onednn, few = packed_copies(total, memory)
+    if not onednn:
         return False
-    with_smallm = 2 * total <= memory / 4 and smallm.library() is not None
+    with_smallm = few and smallm.library() is not None
     with torch.no_grad():
         for w, fmt in zip(weights, formats or ["fp32"] * len(weights)):
             if getattr(w, "_onednn_packed", None) is None:

@@ -329,7 +329,7 @@ def load_target(model_cfg: ModelConfig, engine_cfg: BuiltinEngineConfig, cache_d
     """The target model + tokenizer, loaded once per process per (source, dtype, weights, device)."""
     device = resolve_device(engine_cfg.device)
     dtype = resolve_dtype(engine_cfg.dtype, device)
-    from engine.models.fp8 import weights_refusal
+    from engine.models.decode_step import weights_refusal
 
     why = weights_refusal(engine_cfg.weights, device, dtype)
     if why:  # before reading any weights

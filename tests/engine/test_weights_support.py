@@ -5,6 +5,7 @@ CLI) instead of measuring the rounded values at fp32 speed."""
 from __future__ import annotations
 
 import ctypes
+import os
 import socket
 import subprocess
 import sys
@@ -57,7 +58,7 @@ def test_kernel_builds_the_formats_the_cpu_has(extra: list[str], formats: set[st
 def test_a_cpu_without_f16c_refuses_fp8_and_runs_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the native step built as on an AVX2 CPU without F16C, fp8 is refused in one line naming the
     key, the missing instructions and what is allowed; bf16 is not refused."""
-    from engine.models.fp8 import weights_refusal
+    from engine.models.decode_step import weights_refusal
 
     monkeypatch.setattr(decode_step, "_NATIVE", _formats_only(["-mno-f16c"]))
     with pytest.raises(UserError) as e:
@@ -97,3 +98,56 @@ def test_no_compiler_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert r.returncode == 2, r.stderr[-3000:]
     assert len(lines) == 1 and lines[0].startswith("error: engine.builtin.weights=bf16: "), lines
     assert "could not be built" in lines[0] and lines[0].endswith("allowed here: fp32"), lines
+
+
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "fp8"])
+def test_memory_estimate_is_what_the_engine_holds(weights: str) -> None:
+    """tuner.schema.fit.builtin_weight_bytes on CPU float32 against the bytes a loaded engine really holds
+    at each format: the model's values at float32, oneDNN's packed copy and the native step's packed
+    copy (1 byte a weight under fp8, the lm_head's 2): equal to 1% (block padding). The pod's memory
+    request is built on it."""
+    from tuner.schema.fit import builtin_memory_gib, builtin_weight_bytes
+
+    cfg = load_config([*TINY, f"engine.builtin.weights={weights}"])
+    engine = open_engine(cfg)
+    m = engine.lean.model
+    assert m.packed and engine.lean.native is not None
+    linears = [m.lm_head] + [t for b in m.blocks for t in (b.wqkv, b.wo, b.w13, b.w2)]
+    held = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    held += sum(t.numel() * t.element_size() for w in linears for t in (w._onednn_packed, w._smallm_packed))
+    params = sum(p.numel() for p in engine.model.parameters())
+    model = cfg.model.model_copy(update={"params_b": params / 1e9})
+    memory_gib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30  # what pack_weights sees
+    estimate, words = builtin_weight_bytes(model, "float32", weights, cpu=True, memory_gib=memory_gib)
+    assert estimate == pytest.approx(held, rel=0.01), (estimate, held)
+    assert f"native step's {weights} copy" in words
+    gib, how = builtin_memory_gib(model, cfg.hardware, "float32", weights)
+    assert gib >= cfg.hardware.memory_gib / 2 and how.startswith(words)
+
+
+def test_memory_estimate_follows_the_packing_rule() -> None:
+    """The copies are counted only where pack_weights makes them: an 8B model on a 40 GiB host gets
+    none (its 32 GB of fp32 weights exceed a quarter), on a 1 TiB host both; fp8's copy is a quarter
+    of fp32's (with the lm_head at 2 bytes)."""
+    from tuner.schema.fit import builtin_weight_bytes
+
+    m = load_config(["model=llama-3.1-8b-instruct", "hardware.memory_gib=1024"]).model
+    p = m.params_b * 1e9
+    assert builtin_weight_bytes(m, "float32", "fp8", cpu=True, memory_gib=40)[0] == p * 4
+    assert builtin_weight_bytes(m, "float32", "fp32", cpu=True, memory_gib=1024)[0] == p * 12
+    fp8, words = builtin_weight_bytes(m, "float32", "fp8", cpu=True, memory_gib=1024)
+    assert fp8 == p * 9 + m.vocab_size * m.hidden_size and "native step's fp8 copy" in words
+
+
+def test_gpu_estimate_holds_the_values_at_dtype() -> None:
+    """On CUDA the engine holds the rounded values at dtype, no packed copies: fp8 weights at bfloat16
+    take 2 bytes a parameter, not 1; the refusal says so."""
+    from tuner.schema.fit import builtin_fit_problem, builtin_weight_bytes
+
+    cfg = load_config(TINY)
+    big = cfg.model.model_copy(update={"params_b": 50.0})
+    assert builtin_weight_bytes(big, "bfloat16", "fp8", cpu=False)[0] == 50e9 * 2
+    hw = cfg.hardware.model_copy(update={"accelerator": "cuda", "gpu_memory_gib": 80.0, "memory_gib": 1024.0})
+    b = cfg.engine.builtin.model_copy(update={"device": "cuda", "dtype": "bfloat16", "weights": "fp8"})
+    problem = builtin_fit_problem(big, hw, b)  # 47 GiB at 1 byte would fit one 80 GiB GPU; 93 do not
+    assert problem is not None and "50B params x 2 bytes at bfloat16" in problem[1]

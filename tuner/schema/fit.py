@@ -21,6 +21,38 @@ def builtin_load_gib(model: ModelConfig) -> float:
     return model.params_b * 1e9 * 4 / GIB
 
 
+# bytes a weight takes in each engine.builtin.weights format's packed copy (engine.models.smallm.pack)
+FORMAT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
+
+
+def packed_copies(fp32_bytes: float, memory_bytes: float) -> tuple[bool, bool]:
+    """Whether CPU fp32 weights of `fp32_bytes` get (oneDNN's packed copy, the native step's packed copy)
+    on a machine of `memory_bytes`: each copy only while the copies take at most a quarter of it
+    (engine.models.kernels.pack_weights follows this rule; the memory estimate counts it)."""
+    return fp32_bytes <= memory_bytes / 4, 2 * fp32_bytes <= memory_bytes / 4
+
+
+def builtin_weight_bytes(model: ModelConfig, dtype: str, weights: str, cpu: bool,
+                         memory_gib: float = 0.0) -> tuple[float, str]:
+    """(bytes, in words) of the weights the built-in engine holds. The model keeps every parameter at
+    `dtype` (bf16 / fp8 weights are rounded values in it, engine.models.fp8). On CPU at float32, on a
+    machine of `memory_gib`, the linears also get oneDNN's packed fp32 copy and the native step's copy
+    in the `weights` format (under fp8 the lm_head's in bf16) where packed_copies allows; the copies are
+    counted over every parameter (an untied embedding has none: a slight over-count)."""
+    params = model.params_b * 1e9
+    at = 4 if dtype == "float32" else 2
+    words = f"{model.params_b:g}B params x {at} bytes at {dtype}"
+    if not cpu or dtype != "float32":
+        return params * at, words
+    onednn, few = packed_copies(params * 4, memory_gib * GIB)
+    fmt = weights if weights in FORMAT_BYTES else "fp32"
+    lm_head = model.vocab_size * model.hidden_size
+    held = params * at + (params * 4 if onednn else 0)
+    held += (params * FORMAT_BYTES[fmt] + (lm_head if fmt == "fp8" else 0)) if few else 0
+    words += (" + oneDNN's fp32 copy" if onednn else "") + (f" + the native step's {fmt} copy" if few else "")
+    return held, words
+
+
 def head_training_gib(model: ModelConfig) -> float:
     """What training a draft head adds on the target's device: about one decoder layer plus its input
     projection (3h x h), trained in fp32 with Adam (weights, gradient, two moments: 16 bytes a parameter)."""
@@ -40,11 +72,11 @@ def builtin_fit_problem(model: ModelConfig, hardware: HardwareConfig, builtin: B
         return (load, f"its single-device fp32 load needs {load:.0f} GiB ({model.params_b:g}B params x 4 bytes)",
                 f"hardware {hardware.name} has {hardware.memory_gib:g} GiB (hardware.memory_gib)")
     if hardware.accelerator == "cuda" and b.device != "cpu":
-        per_param = {"fp8": 1, "bf16": 2}.get(b.weights, 4 if b.dtype == "float32" else 2)
-        need = model.params_b * 1e9 * per_param / GIB + extra_gib
+        held, words = builtin_weight_bytes(model, b.dtype, b.weights, cpu=False)
+        need = held / GIB + extra_gib
         if need > hardware.gpu_memory_gib:
-            return (need, f"its weights on one GPU need {need:.0f} GiB ({model.params_b:g}B params x {per_param} bytes, "
-                          f"engine.builtin.weights={b.weights}, dtype={b.dtype})",
+            return (need, f"its weights on one GPU need {need:.0f} GiB ({words}, "
+                          f"engine.builtin.weights={b.weights} rounds their values)",
                     f"one GPU of hardware {hardware.name} has {hardware.gpu_memory_gib:g} GiB")
     return None
 
@@ -200,18 +232,17 @@ def max_model_len(model: ModelConfig, hardware: HardwareConfig, deploy: DeployCo
     return max(1024, min(model.max_context, kv_headroom_tokens(model, hardware, deploy, tp) // 1024 * 1024))
 
 
-def builtin_memory_gib(model: ModelConfig, hardware: HardwareConfig, dtype: str, fp8_weights: bool) -> int:
-    """Memory request of a built-in (CPU) server pod: half the node, more when the weights need it.
-
-    Weights at the engine's dtype (1 byte with FP8 weights) x 1.5 for activations and the KV cache,
-    + 1 GiB for the process; one line when the node cannot hold that.
-    """
-    per_param = 1 if fp8_weights else (4 if dtype == "float32" else 2)
-    need = model.params_b * 1e9 * per_param / GIB * 1.5 + 1
+def builtin_memory_gib(model: ModelConfig, hardware: HardwareConfig, dtype: str, weights: str) -> tuple[int, str]:
+    """(GiB, how) of the memory request of a built-in (CPU) server pod: half the node, more when the
+    engine needs it: the weights it holds (builtin_weight_bytes: the values and their packed copies)
+    + half the values again for activations and the KV cache + 1 GiB for the process; one line when
+    the node cannot hold that."""
+    held, words = builtin_weight_bytes(model, dtype, weights, cpu=True, memory_gib=hardware.memory_gib)
+    need = (held + model.params_b * 1e9 * (4 if dtype == "float32" else 2) / 2) / GIB + 1
     if need > hardware.memory_gib:
         raise UserError(
-            f"model {model.name} needs ~{need:.0f} GiB of memory on the built-in server ({dtype}"
-            f"{', fp8 weights' if fp8_weights else ''}) but hardware {hardware.name} has {hardware.memory_gib:g} GiB "
-            "(choose a smaller model, deploy.quantization=fp8, or deploy=vllm on GPUs)"
+            f"model {model.name} needs ~{need:.0f} GiB of memory on the built-in server ({words}, "
+            f"engine.builtin.weights={weights}) but hardware {hardware.name} has {hardware.memory_gib:g} GiB "
+            "(choose a smaller model, or deploy=vllm on GPUs)"
         )
-    return int(min(hardware.memory_gib, max(hardware.memory_gib / 2, need)))
+    return int(min(hardware.memory_gib, max(hardware.memory_gib / 2, need))), f"{words}, + half the values + 1 GiB"
