@@ -237,6 +237,15 @@ BAD_INPUTS = [
     (["search.objective=goodput", "+workload=code", "workload.slo.tpot_p99_ms=null", "workload.slo.ttft_p99_ms=null"],
      "search.objective=goodput counts requests that meet workload.slo, and both workload.slo.tpot_p99_ms and "
      "workload.slo.ttft_p99_ms are null"),
+    # the search's methods and top-k against the engine (issue 37: refused at load, not when the space is built)
+    (["engine=sglang", "hardware=h100x8", "spec.method=eagle", "search.methods=[eagle,medusa]"],
+     "search.methods=['medusa'] with engine=sglang: this engine runs off, ngram, eagle, eagle3; remove them from "
+     "search.methods, or use engine=builtin or engine=vllm"),
+    (["engine=vllm", "search.methods=[ngram,recycle]"], "search.methods=['recycle'] with engine=vllm: this engine runs "
+                                                        "off, ngram, suffix, draft_model, eagle, eagle3, medusa; "
+                                                        "remove them from search.methods, or use engine=builtin"),
+    (["engine=sglang", "hardware=h100x8", "search.methods=[ngram,eagle]", "search.topk=[1]"],
+     "search.topk=[1] with ngram in search.methods and engine=sglang: sglang runs ngram as a tree only, add a topk >= 2"),
     (["+workload=code", "model=tiny-random", "search.methods=[ngram,draft_model]"],
      "search.methods=['ngram', 'draft_model'] includes draft_model, which drafts with a separate model: give "
      "spec.draft_model=DIR_OR_HUB_ID"),
@@ -365,32 +374,34 @@ def test_config_found_from_installed_wheel(tmp_path: Path) -> None:
     assert str(conf_dir()).startswith(str(REPO))  # and the checkout still finds its own conf/
 
 
-def test_a_method_the_engine_cannot_run_is_refused_before_any_trial(tmp_path: Path) -> None:
-    """search.methods is checked against the chosen engine at validation, in one line naming the key."""
-    import subprocess
-    import sys
-
-    from tuner.schema.compose import load_config
-    from tuner.schema.config import UserError
+def test_a_method_the_engine_cannot_run_is_refused_before_any_trial(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """search.methods and search.topk are checked against the chosen engine when the config loads, so
+    config, optimize, render and project refuse the same input in the same line, and optimize
+    before its run directory exists."""
     from tuner.schema.methods import engine_methods
 
     assert {"off", "ngram", "draft_model", "eagle", "eagle3", "medusa"} <= set(engine_methods("builtin"))
     assert {"off", "ngram", "draft_model", "eagle", "eagle3", "medusa"} <= set(engine_methods("vllm"))
-    from tuner.schema.config import check_search_methods
-
-    with pytest.raises(UserError, match=r"search.methods=\['medusa'\] with engine=sglang"):
-        check_search_methods(load_config(["engine=sglang", "hardware=h100x8", "spec.method=eagle",
-                                          "search.methods=[eagle,medusa]"]))
-    check_search_methods(load_config(["engine=sglang", "hardware=h100x8", "spec.method=eagle", "search.methods=[eagle,eagle3]"]))
+    load_config(["engine=sglang", "hardware=h100x8", "spec.method=eagle", "search.methods=[eagle,eagle3]"])
     with pytest.raises(UserError, match="spec.topk=1 with spec.method=ngram and engine=sglang"):
         load_config(["engine=sglang", "hardware=h100x8", "spec.method=ngram", "spec.topk=1", "spec.budget=5"])  # SGLang's NGRAM is a tree
     load_config(["engine=sglang", "hardware=h100x8", "spec.method=ngram", "spec.topk=2", "spec.budget=6"])
-    out = subprocess.run([sys.executable, "-m", "tuner.cli", "optimize", "+workload=code", "engine=sglang",
-                          "hardware=h100x8", "spec.method=eagle", "search.methods=[suffix]", f"run_dir={tmp_path}/runs"],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "search.methods=['suffix'] with engine=sglang" in out.stderr
-    assert "Traceback" not in out.stderr
-    assert not (tmp_path / "runs").exists()  # refused before a run directory (config.yaml) is written
+    load_config(["engine=sglang", "hardware=h100x8", "search.methods=[ngram]", "search.topk=[1,2]"])  # trees of k=2
+    load_config(["engine=vllm", "search.methods=[ngram,eagle]", "search.topk=[2,4]"])  # vLLM's chains take k=1 anyway
+    bad = ["+workload=code", "engine=sglang", "hardware=h100x8", "spec.method=eagle", "search.methods=[suffix]",
+           f"run_dir={tmp_path}/runs"]
+    lines = set()
+    for command in (["config"], ["optimize"], ["optimize", "--dry-run"], ["render", f"--out={tmp_path}/k8s"],
+                    ["project", "--tau=2", f"--out={tmp_path}/projection"]):
+        assert main([*command, *bad]) == 2, command
+        captured = capsys.readouterr()
+        assert "Traceback" not in captured.err and len(captured.err.strip().splitlines()) == 1, (command, captured.err)
+        lines.add(captured.err.strip())
+    assert lines == {"error: search.methods=['suffix'] with engine=sglang: this engine runs off, ngram, eagle, eagle3; "
+                     "remove them from search.methods, or use engine=builtin or engine=vllm"}
+    assert list(tmp_path.iterdir()) == []  # no run directory, manifests or projection written
+
 
 
 def test_groups_and_experiment_presets() -> None:
