@@ -203,7 +203,7 @@ BAD_INPUTS = [
     (["deploy.vllm.port=1"], "deploy.vllm.port: unknown key 'vllm' in deploy; keys in deploy: target, name"),
     (["spec.method=ngrm"], "spec.method='ngrm': allowed: off, ngram, suffix, recycle, draft_model, eagle, eagle3, "
                            "medusa; did you mean ngram?"),
-    (["search.methods=[ngram,eagel]"], "search.methods.1='eagel': allowed: off, ngram"),
+    (["search.methods=[ngram,eagel]"], "search.methods[1]='eagel': allowed: off, ngram"),
     (["search.methods=[ngram,eagel]"], "did you mean eagle?"),
     # a key of an option not selected names the group to add
     (["engine.vllm.port=8101"], "engine.vllm.port: engine.vllm.* exists only with engine=vllm; add engine=vllm"),
