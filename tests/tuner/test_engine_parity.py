@@ -121,6 +121,12 @@ def test_the_documented_sglang_study_composes_with_valid_sglang_defaults() -> No
     assert engine_refusal(cfg.spec.method, cfg.spec.topk, "sglang") is None
     assert search_refusal(cfg.search.methods, cfg.search.topk, "sglang") is None  # the default search without what SGLang does not run
     assert "suffix" not in cfg.search.methods and "ngram" in cfg.search.methods
+    # every search option composes for SGLang (quick: its n-grams as the smallest trees)
+    for option in ("quick", "grid"):
+        s = load_config(["hardware=h200x1", "engine=sglang", f"search={option}"]).search
+        assert search_refusal(s.methods, s.topk, "sglang") is None and "ngram" in s.methods
+    assert load_config(["hardware=h200x1", "engine=sglang", "search=quick"]).search.topk == [2]
+    assert load_config(["search=quick"]).search.topk == [1]
     # other engines keep the embedded defaults
     assert load_config([]).spec.topk == 1 and "suffix" in load_config([]).search.methods
     # the user's spec still wins

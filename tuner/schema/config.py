@@ -867,7 +867,7 @@ class Config(_Strict):
         if refusal:
             raise ValueError(refusal)
         # the search's points too, here rather than when a study starts: config, optimize, render and
-        # project then agree (conf/engine_search/ drops from the default search what the engine lacks)
+        # project then agree (conf/engine_search/ adapts the search options to what the engine runs)
         refusal = search_refusal(self.search.methods, self.search.topk, self.engine.kind)
         if refusal:
             raise ValueError(refusal)
