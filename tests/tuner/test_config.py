@@ -328,13 +328,13 @@ def test_cli_process_no_traceback() -> None:
     assert p.stderr.count("\n") == 1 and "spec.budget=9 with spec.topk=1" in p.stderr
 
 
-def _started(pid: int, marker: str, timeout_s: float = 60.0) -> None:
-    """Wait until process `pid` has loaded the shared library `marker` (its /proc maps name it)."""
+def _started(p: subprocess.Popen, marker: str, timeout_s: float = 60.0) -> None:
+    """Wait until process `p` has loaded the shared library `marker` (its /proc maps name it)."""
     import time
 
     end = time.monotonic() + timeout_s
-    while marker not in Path(f"/proc/{pid}/maps").read_text():
-        assert time.monotonic() < end, f"{marker} never loaded"
+    while marker not in Path(f"/proc/{p.pid}/maps").read_text():
+        assert p.poll() is None and time.monotonic() < end, f"{marker} never loaded (exit code {p.poll()})"
         time.sleep(0.005)
 
 
@@ -355,7 +355,7 @@ def test_ctrl_c_during_render_is_one_line(after_s: float, tmp_path: Path) -> Non
     p = subprocess.Popen([sys.executable, "-m", "tuner.cli", "render", "--out", str(out)], env=env, cwd=tmp_path,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _started(p.pid, "_pydantic_core")
+        _started(p, "_pydantic_core")
         time.sleep(after_s)
         p.send_signal(signal.SIGINT)
     finally:
