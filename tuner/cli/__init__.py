@@ -22,7 +22,7 @@ def _is_cli_process() -> bool:
     """Whether this process runs the `tuner` command (the console script, or python -m tuner.cli),
     rather than importing this module as a library (tests, other programs)."""
     argv = getattr(sys, "orig_argv", sys.argv)
-    return os.path.basename(sys.argv[0]) == "tuner" or any(
+    return sys.argv[:1] != [] and os.path.basename(sys.argv[0]) == "tuner" or any(
         a == "-m" and b == "tuner.cli" for a, b in zip(argv, argv[1:]))
 
 
