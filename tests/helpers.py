@@ -9,7 +9,7 @@ from __future__ import annotations
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -66,6 +66,34 @@ def serving(cfg, engine) -> Iterator[str]:
         yield url
     finally:
         stop()
+
+
+# The built-in server the server tests share: tiny-random with n-gram speculation, small replies.
+TINY_SERVER = ["model=tiny-random", "spec.method=ngram", "spec.depth=3", "spec.budget=4", "serve.max_tokens_limit=64"]
+
+
+def server_fixtures(overrides: list[str]) -> tuple[Callable, Callable, Callable]:
+    """Module-scoped pytest fixtures (cfg, engine, server) for a test module to bind by those names
+    (`cfg, engine, server = server_fixtures(TINY_SERVER)`): the config of `overrides`, its built-in
+    engine, and that engine's server on 127.0.0.1 (the fixture's value is its URL)."""
+    import pytest
+
+    from tuner.schema.compose import load_config
+
+    @pytest.fixture(scope="module")
+    def cfg():
+        return load_config(overrides)
+
+    @pytest.fixture(scope="module")
+    def engine(cfg):
+        return engine_for(cfg)
+
+    @pytest.fixture(scope="module")
+    def server(cfg, engine):
+        with serving(cfg, engine) as url:
+            yield url
+
+    return cfg, engine, server
 
 
 # The largest top-2 logit margin a change of blocking (rows per forward, batch layout) can flip, by

@@ -12,29 +12,14 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from helpers import engine_for, serving
+from helpers import TINY_SERVER, server_fixtures
 from engine.api import SamplingParams
-from tuner.schema.compose import load_config
 
 PROMPT = "Write a long story about the sea."
 N = 12
 
 
-@pytest.fixture(scope="module")
-def cfg():
-    return load_config(["model=tiny-random", "spec.method=ngram", "spec.depth=3", "spec.budget=4",
-                        "serve.max_tokens_limit=64"])
-
-
-@pytest.fixture(scope="module")
-def engine(cfg):
-    return engine_for(cfg)
-
-
-@pytest.fixture(scope="module")
-def server(cfg, engine):
-    with serving(cfg, engine) as url:
-        yield url
+cfg, engine, server = server_fixtures(TINY_SERVER)
 
 
 @pytest.fixture

@@ -10,28 +10,12 @@ import threading
 import httpx
 import pytest
 
-from helpers import engine_for, free_port, serving
+from helpers import TINY_SERVER, free_port, server_fixtures
 from engine.measure.promparse import spec_counters
 from engine.serving.server import TextStream, serve_in_thread
 from tuner.schema.compose import load_config
 
-OVERRIDES = ["model=tiny-random", "spec.method=ngram", "spec.depth=3", "spec.budget=4", "serve.max_tokens_limit=64"]
-
-
-@pytest.fixture(scope="module")
-def cfg():
-    return load_config(OVERRIDES)
-
-
-@pytest.fixture(scope="module")
-def engine(cfg):
-    return engine_for(cfg)
-
-
-@pytest.fixture(scope="module")
-def server(cfg, engine):
-    with serving(cfg, engine) as url:
-        yield url
+cfg, engine, server = server_fixtures(TINY_SERVER)
 
 
 def _sse(r: httpx.Response) -> list[dict]:
@@ -276,7 +260,7 @@ def test_full_queue_answers_429_and_recovers(engine, monkeypatch) -> None:
         return real(self, reqs, spec)
 
     monkeypatch.setattr(BatchEngine, "_forward", held)
-    small = load_config(OVERRIDES + ["serve.queue_size=1"])
+    small = load_config(TINY_SERVER + ["serve.queue_size=1"])
     url, stop = serve_in_thread(engine, small.model, small.serve)
     try:
         results: list[int] = []

@@ -115,13 +115,18 @@ def test_a_cpu_trial_of_a_gpu_deployment_cannot_be_rendered_on_cpu() -> None:
 
 
 def test_the_documented_sglang_study_composes_with_valid_sglang_defaults() -> None:
-    from tuner.schema.config import check_search_methods
-    from tuner.schema.methods import engine_refusal
+    from tuner.schema.methods import engine_refusal, search_refusal
 
     cfg = load_config(["model=llama-3.1-8b-instruct", "hardware=h200x1", "engine=sglang", "deploy=sglang", "+workload=chat"])
     assert engine_refusal(cfg.spec.method, cfg.spec.topk, "sglang") is None
-    check_search_methods(cfg)  # the default search without what SGLang does not run
+    assert search_refusal(cfg.search.methods, cfg.search.topk, "sglang") is None  # the default search without what SGLang does not run
     assert "suffix" not in cfg.search.methods and "ngram" in cfg.search.methods
+    # every search option composes for SGLang (quick: its n-grams as the smallest trees)
+    for option in ("quick", "grid"):
+        s = load_config(["hardware=h200x1", "engine=sglang", f"search={option}"]).search
+        assert search_refusal(s.methods, s.topk, "sglang") is None and "ngram" in s.methods
+    assert load_config(["hardware=h200x1", "engine=sglang", "search=quick"]).search.topk == [2]
+    assert load_config(["search=quick"]).search.topk == [1]
     # other engines keep the embedded defaults
     assert load_config([]).spec.topk == 1 and "suffix" in load_config([]).search.methods
     # the user's spec still wins

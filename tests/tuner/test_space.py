@@ -257,5 +257,5 @@ def test_default_study_searches_a_training_free_tree_and_engines_refuse_in_one_l
     tree = space.clip("suffix", 5, 4, 8)
     assert "suffix" in space.methods and max(space.topk_of("suffix")) > 1 and tree.topk == 4 and space.contains(tree)
     assert space.topk_of("ngram") == (1, 2, 4, 8)
-    with pytest.raises(UserError, match="tree only, give a topk >= 2"):
+    with pytest.raises(UserError, match="search.topk=\\[1\\] with ngram in search.methods and engine=sglang: sglang runs ngram as a tree only"):
         _space(methods=("ngram",), topk=(1,), engine="sglang")

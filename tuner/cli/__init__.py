@@ -6,13 +6,35 @@ positional arguments. User errors print one line and exit 2.
 
 from __future__ import annotations
 
-import argparse
+import _signal  # signal's C core: `import signal` first imports enum, a few ms more without a handler
 import os
-import signal
 import sys
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+
+
+def _interrupted_before_main(signum: int, frame: object) -> None:
+    """Ctrl-C while the `tuner` process still imports this module: nothing has been done yet, so
+    one line and exit 130 at once (Python's own handler would print a KeyboardInterrupt traceback)."""
+    os.write(2, b"interrupted\n")
+    os._exit(130)
+
+
+def _is_cli_process() -> bool:
+    """Whether this process runs the `tuner` command (the console script, or python -m tuner.cli),
+    rather than importing this module as a library (tests, other programs)."""
+    argv = getattr(sys, "orig_argv", sys.argv)
+    return sys.argv[:1] != [] and os.path.basename(sys.argv[0]) == "tuner" or any(
+        a == "-m" and b == "tuner.cli" for a, b in zip(argv, argv[1:]))
+
+
+# First, before the other imports: main() takes over from this handler (interrupts_outside_imports).
+if _is_cli_process():
+    _signal.signal(_signal.SIGINT, _interrupted_before_main)
+
+import argparse  # noqa: E402
+import signal  # noqa: E402
+import threading  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 
 # Only light imports here: `tuner` imports this module before main() can catch a Ctrl-C.
 from tuner.cli.help import examples, start_here
@@ -132,9 +154,10 @@ def interrupts_outside_imports() -> Iterator[None]:
     """Ctrl-C raises KeyboardInterrupt as usual, except while a module is being imported: raised
     inside an extension's initialisation it leaves a half-made module, a Rust panic (pydantic_core)
     or an exit by signal instead of one line; there it is re-delivered a moment later, once the
-    import is done. Only in the main thread and over Python's own handler (a test's stays)."""
+    import is done. Only in the main thread and over Python's own handler or the one this module
+    installs while the command starts (a test's stays)."""
     if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+            or signal.getsignal(signal.SIGINT) not in (signal.default_int_handler, _interrupted_before_main)):
         yield
         return
 

@@ -33,14 +33,12 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     if args.dry_run:
         from tuner.run.dryrun import dry_run
         from tuner.schema.compose import load_config, require_workload
-        from tuner.schema.config import check_search_methods
         from tuner.schema.fit import check_study_fits
 
         if args.resume:
             raise UserError("--dry-run is for a new study: a resumed one continues with the servers it started")
         cfg = load_config(args.overrides)
         require_workload(cfg)
-        check_search_methods(cfg)
         check_study_fits(cfg)
         print(dry_run(cfg, "optimize"))
         return 0

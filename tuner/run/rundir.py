@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from tuner.schema.compose import apply_overrides, load_config, load_saved_config, require_workload, save_config
-from tuner.schema.config import BestResult, Config, SpecConfig, UserError, check_search_methods
+from tuner.schema.config import BestResult, Config, SpecConfig, UserError
 from tuner.schema.fit import check_study_fits
 from tuner.study.storage import mask_url, open_storage, storage_url
 from tuner.study.studies import default_study_name
@@ -36,7 +36,6 @@ def prepare_run(overrides: list[str] | None, resume: Path | None) -> tuple[Confi
         return cfg, resume, True
     cfg = load_config(overrides)
     require_workload(cfg)
-    check_search_methods(cfg)  # refused before the run directory exists: a refusal leaves no files
     check_study_fits(cfg)
     cfg.search.study_name = default_study_name(cfg)
     run_dir = Path(cfg.run_dir) / cfg.search.study_name

@@ -234,6 +234,8 @@ def _validation_line(err: ValidationError, raw: dict[str, Any]) -> str:
     if e["type"] == "missing":
         return f"{loc}: required key is missing"
     if e["type"] == "literal_error":
+        if len(path) > 1 and path[-1].isdigit():  # a list's entry, written as the other list entries are
+            loc = f"{'.'.join(path[:-1])}[{path[-1]}]"
         allowed = re.findall(r"'([^']*)'", msg)
         near = closest(str(e.get("input")), allowed)
         return f"{loc}={e.get('input')!r}: allowed: {', '.join(allowed)}" + (f"; did you mean {near}?" if near else "")

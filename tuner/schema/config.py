@@ -19,7 +19,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from tuner.schema.results import (BestResult, Capacity, CapacityProbe, Figures, PartResult, ProjectedPoint, Projection,
                                   Provenance)
-from tuner.schema.methods import SpecMethod, engine_methods, engine_refusal, head_methods
+from tuner.schema.methods import SpecMethod, engine_refusal, head_methods, search_refusal
 from tuner.schema.spec import SpecConfig, UserError
 from tuner.schema.spec import Strict as _Strict
 
@@ -27,7 +27,7 @@ __all__ = ["SLO", "BenchConfig", "BestResult", "BuiltinEngineConfig", "Capacity"
            "DeployConfig", "DistributedConfig", "DraftSources", "EngineConfig", "Figures", "GGUFSource", "HPAConfig",
            "HardwareConfig", "IntRange", "LaunchedEngineConfig", "Level", "ModelConfig", "ProjectedPoint", "Projection",
            "MixPart", "PACKAGED_SOURCES", "PartResult", "Provenance", "Rate", "RequestFormat", "SearchConfig", "SecretRef",
-           "ServeConfig", "SpecConfig", "SpecMethod", "TrainConfig", "UserError", "WorkloadConfig", "check_search_methods",
+           "ServeConfig", "SpecConfig", "SpecMethod", "TrainConfig", "UserError", "WorkloadConfig",
            "level_name", "measured_weights", "storage_password_error"]
 
 
@@ -866,6 +866,11 @@ class Config(_Strict):
         refusal = engine_refusal(self.spec.method, self.spec.topk, self.engine.kind)
         if refusal:
             raise ValueError(refusal)
+        # the search's points too, here rather than when a study starts: config, optimize, render and
+        # project then agree (conf/engine_search/ adapts the search options to what the engine runs)
+        refusal = search_refusal(self.search.methods, self.search.topk, self.engine.kind)
+        if refusal:
+            raise ValueError(refusal)
         mml = self.deploy.max_model_len
         if mml is not None and mml > self.model.max_context:
             raise ValueError(f"deploy.max_model_len={mml} exceeds the context of model {self.model.name} "
@@ -982,15 +987,3 @@ def measured_weights(cfg: "Config") -> str:
         run = [f"served by {kind} at dtype {launched.dtype if launched else 'auto'}"]
         run += ["fp8 quantization"] if gpu and cfg.deploy.quantization == "fp8" else []
     return what + (f"; {', '.join(run)}" if run else "")
-
-
-def check_search_methods(cfg: "Config") -> None:
-    """Refuse, in one line and before any trial, a searched method the chosen engine cannot run
-    (checked when a study starts, not at every config load: `tuner bench engine=sglang` does not
-    search, so the default search.methods must not stop it; tuner.schema.fit.check_study_fits
-    checks memory at the same time)."""
-    allowed = engine_methods(cfg.engine.kind)
-    bad = [m for m in cfg.search.methods if m not in allowed]
-    if bad:
-        raise UserError(f"search.methods={bad} with engine={cfg.engine.kind}: this engine runs {', '.join(allowed)}")
-

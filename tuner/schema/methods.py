@@ -127,3 +127,19 @@ def engine_refusal(name: str, topk: int, engine: str) -> str | None:
                 f"only, topk must be 1 (trees of {name}: {', '.join(m.tree_engines)})")
     return (f"spec.topk=1 with spec.method={name} and engine={engine}: {engine} runs {name} as a tree only "
             f"(topk >= 2; {name} chains: {', '.join(m.chain_engines)})")
+
+
+def search_refusal(methods: "list[str] | tuple[str, ...]", topk: "list[int] | tuple[int, ...]", engine: str) -> str | None:
+    """Why `engine` cannot run every point kind of a search over `methods` and `topk` (search.*),
+    one line naming the keys and what is allowed; None when it can. A method must run on the engine
+    in some shape, and one it runs as a tree only needs a searched topk >= 2."""
+    bad = [m for m in methods if engine not in METHODS[m].engines]
+    if bad:
+        others = [e for e in ENGINES if all(e in METHODS[m].engines for m in bad)]
+        return (f"search.methods={bad} with engine={engine}: this engine runs {', '.join(engine_methods(engine))}; "
+                f"remove them from search.methods" + (f", or use engine={' or engine='.join(others)}" if others else ""))
+    tree_only = [m for m in methods if m != "off" and engine not in METHODS[m].chain_engines]
+    if tree_only and not any(k > 1 for k in topk):
+        return (f"search.topk={list(topk)} with {', '.join(tree_only)} in search.methods and engine={engine}: "
+                f"{engine} runs {', '.join(tree_only)} as a tree only, add a topk >= 2 (e.g. search.topk=[2,4])")
+    return None

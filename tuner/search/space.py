@@ -22,7 +22,7 @@ from typing import Any
 
 from tuner.schema.compose import medusa_heads
 from tuner.schema.config import Config, SpecConfig, UserError
-from tuner.schema.methods import METHOD_NAMES, can_branch, method as method_info
+from tuner.schema.methods import METHOD_NAMES, can_branch, method as method_info, search_refusal
 
 # Engines' published defaults, enqueued (clipped to the space) right after the baseline so the
 # search starts from what a user would get without tuning.
@@ -92,10 +92,9 @@ class SearchSpace:
                 "verifies d+1 tokens, so depth.min must be <= budget_max-1"
             )
         object.__setattr__(self, "depth_max", capped)
-        for m in self.methods:
-            if not self.topk_of(m):
-                raise UserError(f"search.topk={list(self.topk)} with {m} in search.methods and engine={self.engine}: "
-                                f"{self.engine} runs {m} as a tree only, give a topk >= 2")
+        refusal = search_refusal(self.methods, self.topk, self.engine)  # the config's own check, for spaces built here
+        if refusal:
+            raise UserError(refusal)
         if "medusa" in self.methods and self.depth_max_of("medusa") < self.depth_min:
             raise UserError(
                 f"search.depth.min={self.depth_min} with medusa in search.methods: its head set has "

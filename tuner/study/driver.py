@@ -22,7 +22,7 @@ from tuner.study.limits import check_trial_fits
 from tuner.study.measurer import LAUNCHED, get_drafts, needs_head, open_engine, study_measure, study_prompts
 from tuner.study.objective import MeasureFn, Objective, TrialOutcome
 from tuner.study.selection import describe, leader
-from tuner.schema.config import BestResult, Config, SearchConfig, check_search_methods
+from tuner.schema.config import BestResult, Config, SearchConfig
 from tuner.schema.fit import check_study_fits
 from tuner.search.space import SearchSpace
 from tuner.study.studies import Budget, finished_count
@@ -134,7 +134,6 @@ def drive(cfg: Config, run_dir: Path, open_study: Callable[[SearchSpace], optuna
     after the draft head is trained when one is needed (they then find it cached).
     """
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # our own progress says what happens
-    check_search_methods(cfg)
     check_study_fits(cfg)
     head_first = needs_head(cfg)
     if before_work is not None and not head_first:
