@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "bw_share": None if gb is None else round(gb / bw, 3),
                                 "decode_tok_s": None if r["decode_tok_s"] is None else round(r["decode_tok_s"], 2),
                                 "same_as_hf_ar" if fmt is None else "same_as_own_ar": same,
-                                "weights": fmt or "fp32"})
+                                "weights": fmt or ("bf16" if name == hf_ar_rows.get("bfloat16") else "fp32")})
     console = Console(width=160)  # wide enough for every column when piped
     console.print(table)
     plan = linear_plan()
