@@ -285,17 +285,18 @@ def test_hf_token_only_by_secret_reference(tmp_path: Path, monkeypatch: pytest.M
 
 def test_builtin_pod_gets_the_hub_token_by_the_same_reference(rendered: dict[str, Path], tmp_path: Path) -> None:
     """Issue 38: the built-in server (and its draft fetch) reads HF_TOKEN from deploy.hf_token_secret
-    as vLLM's and SGLang's do, so a gated model downloads; null leaves it out, and the Secret out of
-    the prerequisites."""
+    as vLLM's and SGLang's do, so a gated model downloads. Its default is null: the packaged model needs
+    no hub, and a required Secret the cluster lacks would keep the default pod from starting."""
     ref = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}}
     pod = _docs(rendered["builtin-cpu"])["deployment.yaml"]["spec"]["template"]["spec"]
-    for c in [*pod["containers"], *pod["initContainers"]]:
-        assert ref in c["env"], c["name"]
-    assert ref in _container(rendered["vllm-h200x1"])["env"]  # the same reference as the vLLM pod's
-    assert "a Secret hf-token with key token" in (rendered["builtin-cpu"] / "README.md").read_text()
-    render(load_config(["model=tiny-random", "spec.method=ngram", "deploy.hf_token_secret=null"]), None, tmp_path)
-    assert all(e["name"] != "HF_TOKEN" for e in _container(tmp_path)["env"])
-    assert "hf-token" not in (tmp_path / "README.md").read_text()
+    assert all(e["name"] != "HF_TOKEN" for c in [*pod["containers"], *pod.get("initContainers", [])] for e in c.get("env", []))
+    assert "hf-token" not in (rendered["builtin-cpu"] / "README.md").read_text()
+    assert ref in _container(rendered["vllm-h200x1"])["env"]
+    render(load_config(["spec.method=ngram", "deploy.hf_token_secret={name: hf-token, key: token}"]), None, tmp_path)
+    pod = _docs(tmp_path)["deployment.yaml"]["spec"]["template"]["spec"]
+    for c in [*pod["containers"], *pod.get("initContainers", [])]:
+        assert ref in c["env"], c["name"]  # the same reference as the vLLM pod's
+    assert "a Secret hf-token with key token" in (tmp_path / "README.md").read_text()
 
 
 def test_render_is_byte_identical(tmp_path: Path) -> None:
