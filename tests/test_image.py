@@ -130,7 +130,9 @@ def test_manifests_reference_exactly_the_tags_make_image_builds() -> None:
 
 
 def _make_n(*args: str) -> str:
-    return subprocess.run(["make", "-n", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    # --no-print-directory: under a parent make (make test) the first line would be "Entering directory"
+    return subprocess.run(["make", "-n", "--no-print-directory", *args], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout
 
 
 def _make_var(name: str) -> str:

@@ -80,7 +80,7 @@ class KVPool:
 
     def __init__(self, model: LeanLlama, slots: int, capacity: int) -> None:
         self.model, self.slots = model, slots
-        self.k = self.v = torch.empty(0)
+        self.k = self.v = torch.empty(0, device=model.device)  # the model's device: never the default one
         self.capacity = 0
         self.views: dict[int, KVCache] = {}
         self.fit(capacity)

@@ -167,14 +167,15 @@ def test_tuner_bench_measures_request_rates(capsys) -> None:
 
     from tuner.cli import main
 
-    rc = main(["bench", "model=tiny-random", "+workload=code", "workload.num_prompts=2", "workload.max_new_tokens=4",
-               "workload.concurrency=[1]", "workload.request_rate=[100]", "workload.rate_requests=5",
+    rc = main(["bench", "model=tiny-random", "+workload=code", "workload.num_prompts=2", "workload.max_new_tokens=16",
+               "workload.concurrency=[1]", "workload.request_rate=[10000]", "workload.rate_requests=5",
                "workload.arrival=constant", "engine.builtin.max_batch=4", "bench.repeats=1", "bench.warmup=0", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     conc, rate = out["levels"]
     assert conc["concurrency"] == 1 and "batch_sizes" not in conc
-    assert rate["rate"] == 100 and rate["n_requests"] == 5 and max(int(k) for k in rate["batch_sizes"]) >= 2
+    # 10,000 req/s: all five arrive within a step of the first, so the engine must batch them
+    assert rate["rate"] == 10000 and rate["n_requests"] == 5 and max(int(k) for k in rate["batch_sizes"]) >= 2
     assert rate["queue_ms"]["p99"] is not None
 
 

@@ -339,7 +339,7 @@ def _started(p: subprocess.Popen, marker: str, timeout_s: float = 60.0) -> None:
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
-@pytest.mark.parametrize("after_s", [0.0, 0.3, 0.6])
+@pytest.mark.parametrize("after_s", [0.0, 0.1, 0.25])  # a quiet render writes ~0.9 s after the mark
 def test_ctrl_c_during_render_is_one_line(after_s: float, tmp_path: Path) -> None:
     """Issue 37: Ctrl-C while `tuner render` imports (inside an extension's initialisation it had
     made a Rust panic or an exit by signal) or composes (Hydra wrapped it into a composition

@@ -58,7 +58,9 @@ def test_quick_study_end_to_end(tmp_path: Path, engine, capsys) -> None:
     # on a busy machine the confirmation round may add head-to-head pairs (role confirm) after the trials
     confirms = [r for r in rows if r["role"] == "confirm"]
     rows = [r for r in rows if r["role"] != "confirm"]
-    assert len(rows) == 6 and all(r["state"] == "COMPLETE" for r in rows + confirms)
+    # a noisy machine can give a searched trial a second repeat, and then a bound can prune it
+    assert len(rows) == 6 and rows[0]["state"] == "COMPLETE" and all(r["state"] == "COMPLETE" for r in confirms)
+    assert all(r["state"] in ("COMPLETE", "PRUNED") for r in rows[1:]) and any(r["state"] == "COMPLETE" for r in rows[1:])
     assert {r["spec"] for r in confirms} <= {r["spec"] for r in rows[1:]}
     assert rows[0]["role"] == "baseline" and rows[0]["spec"] == "off"
     assert rows[1]["role"] == "default" and rows[1]["spec"] == "ngram d4 k1 b5"  # SGLang/EAGLE defaults clipped
