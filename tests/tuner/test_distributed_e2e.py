@@ -141,7 +141,8 @@ def test_local_workers_over_a_journal_file_survive_a_kill(tmp_path: Path) -> Non
     assert out.strip().splitlines()[-1] == str(run_dir)
     trials = [t for t in _trials(url, "j") if t.user_attrs.get("role") != "confirm"]  # not the confirmation pairs
     assert len(trials) == n_points + 1, [(t.number, t.state.name) for t in trials]
-    assert all(t.state in (TrialState.COMPLETE, TrialState.FAIL) for t in trials), [t.state.name for t in trials]
+    # finished: a bound may prune a grid point once noise gives it a second repeat
+    assert all(t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL) for t in trials), [t.state.name for t in trials]
     specs = Counter(t.user_attrs.get("spec") for t in trials)
     assert all(v == 1 for v in specs.values()), specs  # each grid point exactly once
     failed = {t.number: t.user_attrs.get("fail_reason") for t in trials if t.state == TrialState.FAIL}
