@@ -17,19 +17,13 @@ OFF = SpecConfig(method="off")
 def _existing_drafts(cfg: Config) -> tuple[dict[str, str], list[str]]:
     """The drafts a study would use that exist now (no training), and the head methods still to train:
     the order of tuner.study.measurer.get_drafts."""
-    from engine.heads.pipeline import cached_head
-    from tuner.study.measurer import LAUNCHED, train_job
+    from tuner.study.measurer import existing_draft
 
     found: dict[str, str] = {}
     missing: list[str] = []
     for m in (m for m in cfg.search.methods if m in head_methods()):
-        published = getattr(cfg.model.draft_sources, m, [])
-        if cfg.spec.head_path and cfg.spec.method == m:
-            found[m] = cfg.spec.head_path
-        elif cfg.engine.kind in LAUNCHED and published:
-            found[m] = published[0]
-        elif cfg.workload is not None and (cached := cached_head(train_job(cfg), m)) is not None:
-            found[m] = str(cached)
+        if (draft := existing_draft(cfg, m)) is not None:
+            found[m] = draft
         else:
             missing.append(m)
     return found, missing

@@ -334,6 +334,22 @@ def spec_with_trained_draft(cfg: Config) -> SpecConfig:
     return spec.model_copy(update={"head_path": str(found)})
 
 
+def existing_draft(cfg: Config, method: str) -> str | None:
+    """Where head `method`'s draft comes from without training, or None (it must be trained), in
+    order: `spec.head_path` when spec.method is that method, the model's published head on an
+    external engine (`model.draft_sources`), the cached head of this target and workload."""
+    from engine.heads.pipeline import cached_head
+
+    published = getattr(cfg.model.draft_sources, method, [])
+    if cfg.spec.head_path and cfg.spec.method == method:
+        return cfg.spec.head_path
+    if cfg.engine.kind in LAUNCHED and published:
+        return published[0]
+    if cfg.workload is not None and (cached := cached_head(train_job(cfg), method)) is not None:
+        return str(cached)
+    return None
+
+
 def get_drafts(cfg: Config, engine: Engine | None, quiet: bool = False) -> dict[str, str]:
     """The trained drafts the searched methods need, by method: n-gram needs none. For each head
     method, in order: `spec.head_path` when spec.method is that method, the model's published head
@@ -342,19 +358,13 @@ def get_drafts(cfg: Config, engine: Engine | None, quiet: bool = False) -> dict[
     from rich.console import Console
 
     from engine.heads.drafts import ensure_draft
-    from engine.heads.pipeline import cached_head
     from tuner.study.progress import head_progress
 
     console = Console(stderr=True, quiet=quiet)
     out: dict[str, str] = {}
     for m in (m for m in cfg.search.methods if m in head_methods()):
-        published = getattr(cfg.model.draft_sources, m, [])
-        if cfg.spec.head_path and cfg.spec.method == m:
-            out[m] = cfg.spec.head_path
-        elif cfg.engine.kind in LAUNCHED and published:
-            out[m] = published[0]
-        elif cached_head(train_job(cfg), m) is not None:
-            out[m] = str(cached_head(train_job(cfg), m))
+        if (found := existing_draft(cfg, m)) is not None:
+            out[m] = found
         else:
             console.print(f"training the {m} draft for {cfg.model.name} on workload {cfg.workload.name} "
                           "(once: cached for later studies)", highlight=False)
