@@ -26,6 +26,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc, url: str, timeout_s: float) -> None:
+    """Wait until the server process `proc` answers 200 on `url`/health; fail with its output if it exits."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "tuner serve did not become healthy"
+        time.sleep(0.25)
+
+
 def fake_engine_exe(directory: Path, name: str = "vllm") -> str:
     """An executable file `directory/bin/name` that runs tests/fake_engine_server.py (a stand-in for
     `vllm` or SGLang's python); its path."""

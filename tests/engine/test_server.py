@@ -10,7 +10,7 @@ import threading
 import httpx
 import pytest
 
-from helpers import TINY_SERVER, free_port, server_fixtures
+from helpers import TINY_SERVER, free_port, server_fixtures, wait_healthy
 from engine.measure.promparse import spec_counters
 from engine.serving.server import TextStream, serve_in_thread
 from tuner.schema.compose import load_config
@@ -303,22 +303,12 @@ def test_text_stream_holds_back_stop_strings_and_partial_characters() -> None:
 def test_tuner_serve_command_serves_until_terminated() -> None:
     import subprocess
     import sys
-    import time
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tuner.cli", "serve", "model=tiny-random",
                              f"serve.port={port}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "tuner serve did not become healthy"
-            time.sleep(0.25)
+        wait_healthy(proc, f"http://127.0.0.1:{port}", 120)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
                        json={"model": "tiny-random", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1

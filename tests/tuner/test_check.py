@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_healthy
 from tuner.cli import main
 from tuner.run.regression import Comparison, compare, measure_endpoint
 from tuner.schema.compose import load_config, save_config
@@ -42,16 +40,7 @@ def serve(spec: list[str]) -> Iterator[str]:
                              *spec], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "tuner serve did not become healthy"
-            time.sleep(0.25)
+        wait_healthy(proc, url, 180)
         yield url
     finally:
         proc.terminate()
