@@ -102,8 +102,8 @@ BAD_INPUTS = [
     (["+bogus=1"], "bogus: unknown key at the top level; keys at the top level: model, hardware"),
     (["engine=vllm", "engine.vllm.env={A:b}"], "engine.vllm.env={A:b}: Hydra adds no keys to an existing mapping "
                                              "this way; replace the whole mapping with ++engine.vllm.env={A:b}"),
-    (["+workload=code", "workload.concurrency=[1,4]", "search.sampler=model"],
-     "search.sampler=model ranks the space at concurrency 1, and workload.concurrency=[1, 4] has several levels"),
+    (["+workload=code", "workload.request_rate=[2]", "search.sampler=model"],
+     "search.sampler=model ranks the space at concurrency levels (requests in flight), and workload.request_rate=[2.0]"),
     (["spec.depth=abc"], "spec.depth='abc': Input should be a valid integer"),
     (["spec.depth=0"], "spec.depth=0: Input should be greater than or equal to 1"),
     (["spec.depth=99"], "spec.depth=99: Input should be less than or equal to 16"),
