@@ -43,6 +43,7 @@ class Plan:
     command: list[str]
     args: list[str]
     startup_s: int
+    replicas_why: str | None = None  # deploy.target_rate: how the replica count was sized
 
 
 def plan(cfg: Config, best: BestResult | None, override: WinnerOverride | None = None) -> Plan:
@@ -57,6 +58,14 @@ def plan(cfg: Config, best: BestResult | None, override: WinnerOverride | None =
                         f"node in fp32 without the GPUs of {cfg.hardware.name}; render deploy=vllm or deploy=sglang "
                         "for a cuda hardware profile, or hardware=cpu for the built-in server")
     served = served_spec(cfg, best, override)
+    replicas_why = None
+    if d.target_rate is not None:
+        n, replicas_why = sized_replicas(d.target_rate, best, served)
+        if d.hpa.enabled and n > d.hpa.max_replicas:
+            raise UserError(f"deploy.target_rate={d.target_rate:g} needs {n} replicas ({replicas_why}), above "
+                            f"deploy.hpa.max_replicas={d.hpa.max_replicas}: raise it to at least {n}")
+        cfg = cfg.model_copy(update={"deploy": d.model_copy(update={"replicas": n})})
+        d = cfg.deploy
     # The built-in server runs on CPU nodes without tensor parallelism.
     tp = 1 if d.target == "builtin" else tensor_parallel_size(m, cfg.hardware, d)
     max_len = max_model_len(m, cfg.hardware, d, tp)
@@ -78,7 +87,33 @@ def plan(cfg: Config, best: BestResult | None, override: WinnerOverride | None =
                             weights=None if e.weights == "fp32" else e.weights,
                             extra_args=[f"cache_dir={MODEL_DIR}/spectune", *d.extra_args])
     return Plan(cfg=cfg, best=best, served=served, tp=tp, max_len=max_len, command=COMMANDS[d.target],
-                args=args, startup_s=startup_budget_s(m, d))
+                args=args, startup_s=startup_budget_s(m, d), replicas_why=replicas_why)
+
+
+def sized_replicas(target_rate: float, best: BestResult | None, served: Served) -> tuple[int, str]:
+    """(replicas, why) for deploy.target_rate: ceil(target / the served configuration's capacity at
+    the SLOs), the capacity best.yaml recorded (search.capacity=true). Refused when there is none
+    for the configuration served: a replica count from another configuration's capacity is wrong."""
+    cap = best.capacity if best is not None else None
+    if cap is None:
+        raise UserError(f"deploy.target_rate={target_rate:g} sizes replicas from the winner's capacity at the SLOs, "
+                        "and best.yaml records none: run tuner optimize with search.capacity=true (or drop "
+                        "deploy.target_rate and give deploy.replicas)")
+    key = served.spec.key()
+    rps, bounded = ((cap.winner_rps, cap.winner_bounded) if key == best.spec.key()
+                    else (cap.baseline_rps, cap.baseline_bounded) if served.spec.method == "off" else (None, True))
+    if key not in (best.spec.key(), "off"):
+        raise UserError(f"deploy.target_rate={target_rate:g}: the served configuration {key} is not the one whose "
+                        f"capacity was measured ({best.spec.key()}); drop the spec override or deploy.target_rate")
+    if rps is None:
+        raise UserError(f"deploy.target_rate={target_rate:g}: {key} met the SLOs at no rate measured (best.yaml "
+                        "capacity), so no replica count serves it; relax workload.slo or give deploy.replicas")
+    n = max(1, math.ceil(target_rate / rps))
+    why = (f"deploy.target_rate={target_rate:g} req/s / capacity {rps:.3g} req/s of {key} at the SLOs "
+           f"(best.yaml) = {target_rate / rps:.2f}, rounded up to {n}")
+    if not bounded:
+        why += "; that capacity is a lower bound (the SLOs held at every rate measured), so this may be more than needed"
+    return n, why
 
 
 def served_names(cfg: Config) -> list[str]:
@@ -470,6 +505,8 @@ def comments(p: Plan, docs: list[tuple[str, dict]]) -> dict[str, dict[KeyPath, s
         if names_at is not None:
             dep[(*c, "args", names_at)] = ("model.name and model.hf_id: requests may name either" if d.target == "vllm"
                                            else "SGLang takes one name and serves requests naming any model")
+    if p.replicas_why is not None and not d.hpa.enabled:
+        dep[("spec", "replicas")] = p.replicas_why
     out["deployment.yaml"] = dep
     if "pvc.yaml" in byname:
         out["pvc.yaml"] = {("spec", "accessModes", 0): "deploy.model_cache_access_mode: every pod mounts this claim"}
@@ -486,7 +523,8 @@ def comments(p: Plan, docs: list[tuple[str, dict]]) -> dict[str, dict[KeyPath, s
                  "(custom.metrics.k8s.io). prometheus-adapter serves it from the series " + d.hpa.metric + " that the "
                  "ServiceMonitor scrapes, with this rule in its Helm values (docs/deploy.md, Autoscaling):\n" + rule),
             ("spec", "metrics", 0, "pods", "metric", "name"): f"the series {d.hpa.metric}, renamed by the adapter rule above",
-            ("spec", "minReplicas"): f"max(deploy.hpa.min_replicas={d.hpa.min_replicas}, deploy.replicas={d.replicas}) = {lo}",
+            ("spec", "minReplicas"): f"max(deploy.hpa.min_replicas={d.hpa.min_replicas}, deploy.replicas={d.replicas}) = {lo}"
+                                     + (f"; deploy.replicas: {p.replicas_why}" if p.replicas_why else ""),
             ("spec", "maxReplicas"): f"deploy.hpa.max_replicas={hi}",
         }
     return out

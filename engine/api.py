@@ -20,6 +20,10 @@ class SamplingParams:
     top_k: int = 0  # 0: no top-k filter
     stop: list[str] = field(default_factory=list)  # stop strings (never emitted)
     seed: int | None = None
+    # vLLM's peer-client fields: end-of-sequence does not end the request (fixed output lengths), and
+    # neither it nor a stop string ends one before min_tokens new tokens
+    ignore_eos: bool = False
+    min_tokens: int = 0
 
 
 @dataclass

@@ -40,12 +40,14 @@ class _Stopper:
 
     def push(self, new: Iterable[int]) -> bool:
         """Commit tokens in order; returns True once generation is finished."""
+        p = self.params
         for t in new:
-            if t in self.eos:
+            # below min_tokens (and with ignore_eos at all) an end-of-sequence token is kept as text
+            if t in self.eos and not p.ignore_eos and len(self.tokens) >= p.min_tokens:
                 self.finish = "stop"
                 break
             self.tokens.append(t)
-            if self.stops and self._check_stop():
+            if self.stops and len(self.tokens) > p.min_tokens and self._check_stop():
                 break
             if len(self.tokens) >= self.params.max_new_tokens:
                 self.finish = "length"
@@ -55,7 +57,10 @@ class _Stopper:
 
     def _check_stop(self) -> bool:
         text = self.tok.decode(self.tokens, skip_special_tokens=False)
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        # a stop string must end past the first min_tokens tokens' text (none ends the request before)
+        floor = len(self.tok.decode(self.tokens[: self.params.min_tokens], skip_special_tokens=False)) \
+            if self.params.min_tokens else 0
+        hits = [i for i in (text.find(s, max(0, floor - len(s) + 1)) for s in self.stops) if i >= 0]
         if hits:
             self.finish, self.cut = "stop", min(hits)
             # keep the tokens whose text ends before the stop string

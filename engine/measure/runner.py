@@ -10,6 +10,14 @@ Two ways in, one set of figures (`Measurement`):
   streaming requests (httpx, asyncio). Token counts come from `usage` (stream_options.include_usage);
   tau and acceptance per position from the delta of the `vllm:spec_decode_*` counters on /metrics.
 
+Open loop (`arrivals`, seconds from the start, `arrival_times`): request i arrives at its time
+whatever the engine is doing, as production traffic does (a request rate instead of N clients).
+In process it is queued at that moment (the batch scheduler admits it when a slot frees; an engine
+that runs one request at a time takes it when the last one ends), over HTTP it is sent then. The
+queueing delay (arrival to admission, in process), the requests waiting and the batch sizes the
+engine actually ran (each step's active requests in process; the server's
+`vllm:num_requests_running` gauge sampled over HTTP) are recorded per run.
+
 Per request: TTFT = first streamed token(s) - arrival; TPOT = (e2e - TTFT) / (tokens - 1) (not ITL:
 under speculation one chunk can carry several tokens); ITL = gaps between streamed chunks.
 `measure` adds warm-up and repeats and reports medians with a 95% confidence interval; an
@@ -31,10 +39,10 @@ import httpx
 import numpy as np
 
 from engine.api import SamplingParams, TextEngine
-from engine.measure.promparse import SpecCounters, spec_counters, tau_from_delta
+from engine.measure.promparse import SpecCounters, parse_samples, spec_counters, tau_from_delta
 from engine.measure.stats import log_interval, tight
 from engine.measure.workloads import Prompt, encode, params_of
-from tuner.schema.config import Figures
+from tuner.schema.config import Figures, UserError
 
 
 @dataclass
@@ -48,6 +56,7 @@ class RequestRecord:
     itl_s: list[float] = field(default_factory=list)
     text: str = ""
     error: str | None = None
+    queue_s: float | None = None  # arrival to admission (in process)
 
     @property
     def tpot_s(self) -> float | None:
@@ -83,6 +92,11 @@ class Measurement:
     verify_s: float | None = None
     # (TTFT ms, TPOT ms or None) of each finished request, in prompt order: what goodput counts
     latencies: list[tuple[float | None, float | None]] = field(default_factory=list)
+    rate: float | None = None  # open loop: the request rate (requests/s) the arrivals were drawn at
+    queue_p50_ms: float | None = None  # arrival to admission (in process)
+    queue_p99_ms: float | None = None
+    waiting_mean: float | None = None  # requests waiting for a slot, averaged over steps (or scrapes)
+    batch_sizes: dict[int, int] = field(default_factory=dict)  # requests in a step -> steps (or scrapes)
 
     def to_dict(self, texts: bool = False) -> dict[str, Any]:
         d = asdict(self)
@@ -110,6 +124,10 @@ def _measurement(records: list[RequestRecord], wall_s: float, concurrency: int, 
     tpot = [t for r in ok if (t := r.tpot_s) is not None]
     itl = [g for r in ok for g in r.itl_s]
     out_tokens = sum(r.output_tokens for r in ok)
+    queue = [r.queue_s for r in ok if r.queue_s is not None]
+    if queue:
+        extra.setdefault("queue_p50_ms", _pct(queue, 50))
+        extra.setdefault("queue_p99_ms", _pct(queue, 99))
     return Measurement(
         output_tokens_per_s=out_tokens / wall_s if wall_s > 0 else 0.0,
         request_throughput=len(ok) / wall_s if wall_s > 0 else 0.0,
@@ -123,18 +141,51 @@ def _measurement(records: list[RequestRecord], wall_s: float, concurrency: int, 
         **extra)
 
 
+def arrival_times(n: int, rate: float, kind: str = "poisson", seed: int = 0,
+                  stamps: Sequence[float | None] | None = None) -> list[float]:
+    """Arrival offsets (seconds from the start, the first at 0) of n requests at `rate` per second:
+    poisson (exponential gaps drawn with `seed`, so a configuration and its baseline meet the same
+    arrivals), constant (1 / rate apart), or trace (the requests' own timestamps `stamps`, their
+    gaps scaled so that the mean rate is `rate`)."""
+    if rate <= 0:
+        raise ValueError("rate must be > 0")
+    if n <= 0:
+        return []
+    if kind == "constant":
+        return [i / rate for i in range(n)]
+    if kind == "poisson":
+        gaps = np.random.default_rng(seed).exponential(1.0 / rate, n - 1)
+        return [0.0, *np.cumsum(gaps).tolist()]
+    if kind != "trace":
+        raise ValueError(f"arrival={kind!r}: allowed poisson, constant, trace")
+    if stamps is None or len(stamps) < n or any(t is None for t in stamps[:n]):
+        raise UserError("workload.arrival=trace: every request needs its arrival timestamp (Prompt.arrival_s); "
+                        "these prompts carry none (use arrival=poisson or constant)")
+    ts = sorted(float(t) for t in stamps[:n])  # type: ignore[arg-type]
+    span = ts[-1] - ts[0]
+    if n == 1 or span <= 0:
+        return [i / rate for i in range(n)]  # all at one instant: no gaps to scale, play them evenly
+    scale = (n - 1) / rate / span  # the trace's mean gap becomes 1 / rate
+    return [(t - ts[0]) * scale for t in ts]
+
+
 # ---------------------------------------------------------------------------------------------
 # in-process
 
 
 def run_inprocess(engine: TextEngine, prompts: Sequence[Prompt], params: SamplingParams,
-                  concurrency: int = 1, chat_template: bool = True) -> Measurement:
-    """Play the prompts against an in-process engine: a closed loop of `concurrency` clients, each
-    sending its next prompt when its last one finished, through the engine's scheduler
-    (`engine.batcher()`, engine.decode.batch): up to engine.builtin.max_batch requests decode
-    together, the rest wait for a place."""
+                  concurrency: int = 1, chat_template: bool = True, arrivals_s: Sequence[float] | None = None,
+                  rate: float | None = None) -> Measurement:
+    """Play the prompts against an in-process engine through its scheduler (`engine.batcher()`,
+    engine.decode.batch: up to engine.builtin.max_batch requests decode together, the rest wait for
+    a place): a closed loop of `concurrency` clients, each sending its next prompt when its last one
+    finished, or, with `arrivals_s` (offsets from the start, ascending; `rate` labels them), an open
+    loop: request i arrives at its offset whatever is in flight."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
+    open_loop = arrivals_s is not None
+    if open_loop and len(arrivals_s) != len(prompts):
+        raise ValueError("arrivals_s needs one offset per prompt")
     encoded = [encode(engine, p, chat_template) for p in prompts]  # tokenising is the client's work
     own = [params_of(p, params) for p in prompts]  # a request's own sampling and budget (a file's)
     records = [RequestRecord(prompt_id=p.id) for p in prompts]
@@ -142,6 +193,8 @@ def run_inprocess(engine: TextEngine, prompts: Sequence[Prompt], params: Samplin
     stamps: list[list[float]] = [[] for _ in prompts]
     arrivals = [0.0] * len(prompts)
     ends: list[float] = [0.0] * len(prompts)
+    steps: dict[int, int] = {}
+    waiting: list[int] = []
     batch = engine.batcher()  # before the clock starts: it may build drafters
 
     def on_tokens(i: int, _toks: list[int]) -> None:
@@ -155,7 +208,12 @@ def run_inprocess(engine: TextEngine, prompts: Sequence[Prompt], params: Samplin
             records[i].error = req.error
 
     t0 = time.perf_counter()
-    batch.closed_loop(encoded, own, concurrency, on_tokens, on_done)
+    if open_loop:
+        at = [t0 + a for a in arrivals_s]
+        arrivals = list(at)  # a request the scheduler refuses keeps its arrival
+        _open_loop(batch, encoded, own, at, records, on_tokens, on_done, steps, waiting)
+    else:
+        batch.closed_loop(encoded, own, concurrency, on_tokens, on_done)
     new_tokens = forwards = draft_steps = 0
     acc: list[int] = []
     draft_s = verify_s = 0.0
@@ -180,7 +238,53 @@ def run_inprocess(engine: TextEngine, prompts: Sequence[Prompt], params: Samplin
     wall = (max(ends) - t0) if ends else 0.0
     tau = new_tokens / forwards if forwards else None
     per_pos = [a / draft_steps for a in acc] if draft_steps else []
-    return _measurement(records, wall, concurrency, tau, per_pos, draft_s=draft_s, verify_s=verify_s)
+    extra: dict[str, Any] = {}
+    if open_loop:
+        extra = dict(rate=rate, batch_sizes=dict(sorted(steps.items())),
+                     waiting_mean=statistics.fmean(waiting) if waiting else None)
+    return _measurement(records, wall, concurrency, tau, per_pos, draft_s=draft_s, verify_s=verify_s, **extra)
+
+
+def _open_loop(batch: Any, encoded: list[list[int]], params: list[SamplingParams], at: list[float],
+               records: list[RequestRecord], on_tokens: Any, on_done: Any, steps: dict[int, int],
+               waiting: list[int]) -> None:
+    """Drive a batch scheduler (engine.decode.batch.BatchEngine) with requests that arrive at the
+    times `at` (perf_counter): each is submitted at its time, joins the batch when a slot frees, and
+    the engine steps while any request is active or waiting. Records each request's queueing delay
+    (arrival to the start of the step that admitted it), each step's batch size and the requests
+    left waiting after each step."""
+    pending: dict[int, tuple[int, Any]] = {}  # id(request) -> (index, request), submitted, not yet admitted
+    nxt = 0
+    n = len(encoded)
+    while nxt < n or batch.waiting or batch.active:
+        now = time.perf_counter()
+        while nxt < n and at[nxt] <= now:
+            i = nxt
+            nxt += 1
+            try:
+                req = batch.submit(encoded[i], params[i], lambda toks, i=i: on_tokens(i, toks),
+                                   lambda r, i=i: on_done(i, r))
+            except Exception as exc:  # noqa: BLE001 - a request the scheduler refuses fails alone
+                records[i].error = f"{type(exc).__name__}: {exc}"
+                continue
+            req.arrival = at[i]
+            pending[id(req)] = (i, req)
+        if not batch.waiting and not batch.active:
+            if nxt < n:
+                time.sleep(max(0.0, at[nxt] - time.perf_counter()))  # idle until the next arrival
+            continue
+        before = len(batch.active)
+        t_step = time.perf_counter()
+        batch.step()
+        queued = {id(r) for r in batch.waiting}
+        admitted = [k for k in pending if k not in queued]
+        for k in admitted:
+            i, _req = pending.pop(k)
+            records[i].queue_s = max(0.0, t_step - at[i])
+        size = before + len(admitted)
+        if size:
+            steps[size] = steps.get(size, 0) + 1
+        waiting.append(len(batch.waiting))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,6 +309,10 @@ def request_body(model: str, prompt: Prompt, params: SamplingParams, chat_templa
         body["stop"] = list(params.stop)
     if params.seed is not None:
         body["seed"] = params.seed
+    if params.ignore_eos:
+        body["ignore_eos"] = True  # vLLM / SGLang extension, honoured by the built-in server too
+    if params.min_tokens:
+        body["min_tokens"] = params.min_tokens
     if chat_template if prompt.chat is None else prompt.chat:
         body["messages"] = prompt.messages()
         return "/v1/chat/completions", body
@@ -259,11 +367,43 @@ async def _one_request(client: httpx.AsyncClient, path: str, body: dict, rec: Re
     rec.itl_s = [b - a for a, b in zip(stamps, stamps[1:])]
 
 
+# the gauges of requests running and waiting: vLLM's names (the built-in server's too), SGLang's
+RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
+WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+GAUGE_PERIOD_S = 0.1
+
+
+async def _gauges(client: httpx.AsyncClient, sizes: dict[int, int], waiting: list[float],
+                  stop: asyncio.Event) -> None:
+    """Sample the server's running / waiting gauges every GAUGE_PERIOD_S until `stop`: the batch
+    sizes the server ran (samples with at least one request running) and its queue."""
+    while not stop.is_set():
+        try:
+            r = await client.get("/metrics")
+            vals = parse_samples(r.text) if r.status_code == 200 else {}
+        except httpx.HTTPError:
+            vals = {}
+        run = [v for (name, _), v in vals.items() if name in RUNNING]
+        wait = [v for (name, _), v in vals.items() if name in WAITING]
+        if run and sum(run) >= 1:
+            n = int(round(sum(run)))
+            sizes[n] = sizes.get(n, 0) + 1
+            if wait:
+                waiting.append(sum(wait))
+        try:
+            await asyncio.wait_for(stop.wait(), GAUGE_PERIOD_S)
+        except asyncio.TimeoutError:
+            pass
+
+
 async def run_http_async(base_url: str, model: str, prompts: Sequence[Prompt], params: SamplingParams,
-                         concurrency: int = 1, chat_template: bool = True, timeout_s: float = 600.0) -> Measurement:
+                         concurrency: int = 1, chat_template: bool = True, timeout_s: float = 600.0,
+                         arrivals_s: Sequence[float] | None = None, rate: float | None = None) -> Measurement:
     """`run_http` for callers already inside an event loop."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
+    if arrivals_s is not None:
+        return await _open_loop_http(base_url, model, prompts, params, chat_template, timeout_s, arrivals_s, rate)
     records = [RequestRecord(prompt_id=p.id) for p in prompts]
     timeout = httpx.Timeout(timeout_s, connect=10.0)
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
@@ -294,10 +434,54 @@ async def run_http_async(base_url: str, model: str, prompts: Sequence[Prompt], p
     return _measurement(records, wall, concurrency, tau, per_pos)
 
 
+async def _open_loop_http(base_url: str, model: str, prompts: Sequence[Prompt], params: SamplingParams,
+                          chat_template: bool, timeout_s: float, arrivals_s: Sequence[float],
+                          rate: float | None) -> Measurement:
+    """Send request i at its offset arrivals_s[i] whatever is in flight (an open loop)."""
+    if len(arrivals_s) != len(prompts):
+        raise ValueError("arrivals_s needs one offset per prompt")
+    records = [RequestRecord(prompt_id=p.id) for p in prompts]
+    timeout = httpx.Timeout(timeout_s, connect=10.0)
+    n = len(prompts) + 2  # every request may be in flight at once: a connection each, never a client-side queue
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    sizes: dict[int, int] = {}
+    waiting: list[float] = []
+    async with httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout, limits=limits) as client, \
+            httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout) as scraper:
+        before = await _scrape(client)
+        ends: list[float] = []
+        t0 = time.perf_counter()
+
+        async def one(i: int) -> None:
+            at = t0 + arrivals_s[i]
+            await asyncio.sleep(max(0.0, at - time.perf_counter()))
+            path, body = request_body(model, prompts[i], params, chat_template)
+            await _one_request(client, path, body, records[i], at)
+            ends.append(time.perf_counter())
+
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(_gauges(scraper, sizes, waiting, stop))
+        await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        wall = (max(ends) - t0) if ends else 0.0
+        stop.set()
+        await sampler
+        after = await _scrape(client)
+    tau, per_pos = None, []
+    if before is not None and after is not None:
+        delta = after - before
+        tau = tau_from_delta(sum(r.output_tokens for r in records if r.error is None), delta)
+        per_pos = delta.acceptance_per_pos()
+    return _measurement(records, wall, 1, tau, per_pos, rate=rate, batch_sizes=dict(sorted(sizes.items())),
+                        waiting_mean=statistics.fmean(waiting) if waiting else None)
+
+
 def run_http(base_url: str, model: str, prompts: Sequence[Prompt], params: SamplingParams,
-             concurrency: int = 1, chat_template: bool = True, timeout_s: float = 600.0) -> Measurement:
-    """Play the prompts against an OpenAI-compatible endpoint with `concurrency` streaming clients."""
-    return asyncio.run(run_http_async(base_url, model, prompts, params, concurrency, chat_template, timeout_s))
+             concurrency: int = 1, chat_template: bool = True, timeout_s: float = 600.0,
+             arrivals_s: Sequence[float] | None = None, rate: float | None = None) -> Measurement:
+    """Play the prompts against an OpenAI-compatible endpoint with `concurrency` streaming clients,
+    or with `arrivals_s` (offsets from the start) each request sent at its time (an open loop)."""
+    return asyncio.run(run_http_async(base_url, model, prompts, params, concurrency, chat_template, timeout_s,
+                                      arrivals_s, rate))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,7 +492,8 @@ class LoadTarget(Protocol):
     """Something `measure` can play prompts against (not engine.models.target.Target, the loaded model).
     It may also have `start_pass()`, which `measure` calls before every pass (warm-up and each repeat)."""
 
-    def run(self, prompts: Sequence[Prompt], params: SamplingParams, concurrency: int) -> Measurement: ...
+    def run(self, prompts: Sequence[Prompt], params: SamplingParams, concurrency: int,
+            arrivals_s: Sequence[float] | None = None, rate: float | None = None) -> Measurement: ...
 
 
 @dataclass
@@ -318,8 +503,9 @@ class InProcessTarget:
     # the engine's global suffix caches as this target's first pass found them (engine.drafters.suffix)
     _suffix_start: dict[int, Any] | None = field(default=None, init=False, repr=False, compare=False)
 
-    def run(self, prompts: Sequence[Prompt], params: SamplingParams, concurrency: int) -> Measurement:
-        return run_inprocess(self.engine, prompts, params, concurrency, self.chat_template)
+    def run(self, prompts: Sequence[Prompt], params: SamplingParams, concurrency: int,
+            arrivals_s: Sequence[float] | None = None, rate: float | None = None) -> Measurement:
+        return run_inprocess(self.engine, prompts, params, concurrency, self.chat_template, arrivals_s, rate)
 
     def start_pass(self) -> None:
         """With a spec that remembers earlier requests (suffix), put the engine's suffix caches back
@@ -344,8 +530,10 @@ class HttpTarget:
     chat_template: bool = True
     timeout_s: float = 600.0
 
-    def run(self, prompts: Sequence[Prompt], params: SamplingParams, concurrency: int) -> Measurement:
-        return run_http(self.base_url, self.model, prompts, params, concurrency, self.chat_template, self.timeout_s)
+    def run(self, prompts: Sequence[Prompt], params: SamplingParams, concurrency: int,
+            arrivals_s: Sequence[float] | None = None, rate: float | None = None) -> Measurement:
+        return run_http(self.base_url, self.model, prompts, params, concurrency, self.chat_template, self.timeout_s,
+                        arrivals_s, rate)
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -417,8 +605,10 @@ class Summary:
 
 def measure(target: LoadTarget, prompts: Sequence[Prompt], params: SamplingParams, concurrency: int = 1,
             warmup: int = 1, repeats: int = 3, repeats_min: int | None = None,
-            ci_rel_width: float | None = None) -> Summary:
-    """Warm up with `warmup` requests (not measured), then play all prompts `repeats` times.
+            ci_rel_width: float | None = None, arrivals_s: Sequence[float] | None = None,
+            rate: float | None = None) -> Summary:
+    """Warm up with `warmup` requests (not measured), then play all prompts `repeats` times, with
+    `arrivals_s` (one offset per prompt, `rate` labels them) as an open loop.
 
     With `ci_rel_width`, stop early once at least `repeats_min` (default 2) repeats ran and the
     CI half-width is below that share of the median tokens/s.
@@ -427,16 +617,16 @@ def measure(target: LoadTarget, prompts: Sequence[Prompt], params: SamplingParam
         raise ValueError("measure needs at least one prompt")
     start = getattr(target, "start_pass", None)
 
-    def play(ps: Sequence[Prompt], c: int) -> Measurement:
+    def play(ps: Sequence[Prompt], c: int, at: Sequence[float] | None = None) -> Measurement:
         if start is not None:  # the state a pass leaves (the suffix cache) is not the next one's start
             start()
-        return target.run(ps, params, c)
+        return target.run(ps, params, c) if at is None else target.run(ps, params, c, arrivals_s=at, rate=rate)
 
     if warmup > 0:
         play([prompts[i % len(prompts)] for i in range(warmup)], 1)
     runs: list[Measurement] = []
     for _ in range(repeats):
-        runs.append(play(prompts, concurrency))
+        runs.append(play(prompts, concurrency, arrivals_s))
         if ci_rel_width is not None and tight([m.output_tokens_per_s for m in runs], ci_rel_width, repeats_min or 2):
             break
     return Summary.of(runs)

@@ -50,6 +50,7 @@ class Prompt:
     chat: bool | None = None  # None: the workload's chat_template; a file's request may say (openai prompt: False)
     params: SamplingParams | None = field(default=None, compare=False, hash=False)  # its own; None: the workload's
     part: str = ""  # the mix part it was drawn from
+    arrival_s: float | None = field(default=None, compare=False)  # its time in a recorded trace (workload.arrival=trace)
 
     def messages(self) -> list[dict[str, str]]:
         """The chat messages of this request."""

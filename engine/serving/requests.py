@@ -1,20 +1,39 @@
-"""What the built-in server accepts and how it refuses: the OpenAI request bodies (unknown OpenAI
-fields are ignored, as OpenAI-compatible servers do) and the OpenAI-shaped error answer, with the
+"""What the built-in server accepts and how it refuses: the OpenAI request bodies (with vLLM's
+peer-client fields `ignore_eos` and `min_tokens`) and the OpenAI-shaped error answer, with the
 checks on a raw JSON body that pydantic does not make (JSON constants, lone surrogates).
+
+A field the server cannot honour is refused with a 400 naming it, never dropped in silence: a
+benchmark client that asks for penalties or log-probabilities must not measure something else than
+it asked for. Such a field passes only at the value that changes nothing (`NEUTRAL`); request
+metadata that never changes the output (`METADATA`) is accepted as is.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
+# Fields OpenAI clients and vLLM's benchmark send that the engine does not implement, each with the
+# values that leave the output unchanged (vllm bench serve sends repetition_penalty=1.0 and logprobs=null).
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
+    "min_p": (None, 0, 0.0), "logprobs": (None, False), "top_logprobs": (None, 0), "prompt_logprobs": (None,),
+    "echo": (None, False), "best_of": (None, 1), "logit_bias": (None, {}), "suffix": (None, ""),
+    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
+    "stop_token_ids": (None, []), "use_beam_search": (None, False), "skip_special_tokens": (None, True),
+    "include_stop_str_in_output": (None, False), "spaces_between_special_tokens": (None, True),
+}
+METADATA = frozenset({"user", "metadata", "store"})  # never change what is generated
+
+
 class Body(BaseModel):
     """The fields both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # checked by `unsupported`: refused by name, never ignored
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -27,6 +46,24 @@ class Body(BaseModel):
     n: int = Field(1, ge=1, le=1)  # one choice per request
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+    ignore_eos: bool = False  # vLLM extension: end-of-sequence does not end the request
+    min_tokens: int = Field(0, ge=0)  # vLLM extension: no end-of-sequence or stop string before this many tokens
+
+    def unsupported(self) -> "APIError | None":
+        """A 400 naming the first field this server cannot honour (at the value given), or None."""
+        for name, value in (self.model_extra or {}).items():
+            if name in METADATA:
+                continue
+            if name in NEUTRAL:
+                if any(type(value) is type(ok) and value == ok for ok in NEUTRAL[name] if ok is not None) \
+                        or value is None:
+                    continue
+                allowed = ", ".join(json.dumps(v) for v in NEUTRAL[name])
+                return APIError(400, f"{name}={json.dumps(value)[:80]} is not supported by this server (it does "
+                                     f"not implement {name}; allowed: {allowed})", param=name, code="unsupported_field")
+            return APIError(400, f"unknown field '{name}': this server does not implement it and refuses it "
+                                 "rather than ignore it", param=name, code="unsupported_field")
+        return None
 
 
 class TextPart(BaseModel):

@@ -172,6 +172,9 @@ def create_app(engine: TextEngine, model_cfg: ModelConfig, settings: ServeConfig
             body = model.model_validate(raw)
         except ValidationError as err:
             raise validation_error(err) from None
+        refused = body.unsupported()
+        if refused is not None:
+            raise refused
         if body.model is not None and body.model not in names:
             raise APIError(404, f"the model '{body.model}' does not exist (served: {model_cfg.name})",
                            param="model", code="model_not_found")
@@ -189,13 +192,16 @@ def create_app(engine: TextEngine, model_cfg: ModelConfig, settings: ServeConfig
         if prompt_len + max_new > ctx:
             raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_new}) exceeds the model's context "
                                 f"of {ctx} tokens", param="max_tokens", code="context_length_exceeded")
+        if body.min_tokens > max_new:
+            raise APIError(400, f"min_tokens={body.min_tokens} exceeds max_tokens={max_new}", param="min_tokens")
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if any(not s for s in stops):
             raise APIError(400, "stop strings must not be empty", param="stop")
         # A temperature this small divides logits into overflow; it means greedy, as in other servers.
         temperature = body.temperature if body.temperature >= 1e-5 else 0.0
         return SamplingParams(max_new_tokens=max_new, temperature=temperature, top_p=body.top_p,
-                              top_k=max(0, body.top_k), stop=stops, seed=body.seed)
+                              top_k=max(0, body.top_k), stop=stops, seed=body.seed,
+                              ignore_eos=body.ignore_eos, min_tokens=body.min_tokens)
 
     def chat_ids(body: ChatRequest) -> list[int]:
         msgs = body.messages

@@ -135,7 +135,8 @@ def test_write_figures_skips_for_missing_data_only(tmp_path: Path, monkeypatch: 
     assert not list(tmp_path.glob("*.png"))
     study = _study()
     assert figures.write_figures(study, tmp_path, _best()) == {
-        "concurrency.png": "the workload has one concurrency level (workload.concurrency)"}
+        "concurrency.png": "the workload has one concurrency level (workload.concurrency)",
+        "rates.png": "no request rate was measured (workload.request_rate, search.capacity)"}
 
     def broken(*_: object) -> None:
         raise RuntimeError("a plotting bug")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -61,7 +62,23 @@ def _figures(s: Any, spec: SpecConfig) -> dict[str, Any]:
         "accepted_per_pos": s.accepted_per_pos,
         "n_requests": sum(m.n_requests for m in s.runs),
         "errors": s.errors[:5],
-    }
+    } | (_open_loop_figures(s) if s.runs and s.runs[0].rate is not None else {})
+
+
+def _open_loop_figures(s: Any) -> dict[str, Any]:
+    """A request rate's queueing and the batch sizes the engine ran (summed over the repeats)."""
+    sizes: dict[int, int] = {}
+    for m in s.runs:
+        for n, k in m.batch_sizes.items():
+            sizes[n] = sizes.get(n, 0) + k
+    p50 = [m.queue_p50_ms for m in s.runs if m.queue_p50_ms is not None]
+    p99 = [m.queue_p99_ms for m in s.runs if m.queue_p99_ms is not None]
+    return {"queue_ms": {"p50": statistics.median(p50) if p50 else None, "p99": statistics.median(p99) if p99 else None},
+            "batch_sizes": dict(sorted(sizes.items()))}
+
+
+def _level(lvl: dict[str, Any]) -> str:
+    return f"rate {lvl['rate']:g} req/s" if "rate" in lvl else f"concurrency {lvl['concurrency']}"
 
 
 def _served_model(url: str) -> str:
@@ -78,9 +95,9 @@ def _served_model(url: str) -> str:
 
 def bench(cfg: Config, url: str | None = None, model: str | None = None) -> dict[str, Any]:
     """Measure cfg.spec (and, with bench.baseline, speculation off) on cfg.workload at each of its
-    concurrency levels. Top-level figures are those of the first level; `levels` has them all.
+    concurrency levels and request rates. Top-level figures are those of the first level; `levels` has them all.
     With `url`, measure that running OpenAI-compatible endpoint as it is (engine "http")."""
-    from engine.measure.runner import measure
+    from engine.measure.runner import arrival_times, measure
     from engine.measure.workloads import load_prompts, sampling_params
     from tuner.schema.compose import require_workload
 
@@ -101,6 +118,16 @@ def bench(cfg: Config, url: str | None = None, model: str | None = None) -> dict
     params = sampling_params(wl)
     b = cfg.bench
     levels: list[dict[str, Any]] = [{"concurrency": c} for c in wl.concurrency]
+    levels += [{"rate": r} for r in sorted(set(wl.request_rate))]
+    rate_prompts = [prompts[i % len(prompts)] for i in range(max(len(prompts), wl.rate_requests))]
+
+    def at_level(target: Any, lvl: dict[str, Any]) -> Any:
+        """The bench's figures of one level: a concurrency, or a request rate (workload.arrival)."""
+        if "concurrency" in lvl:
+            return measure(target, prompts, params, lvl["concurrency"], b.warmup, b.repeats)
+        at = arrival_times(len(rate_prompts), lvl["rate"], wl.arrival, wl.seed, [p.arrival_s for p in rate_prompts])
+        return measure(target, rate_prompts, params, 1, b.warmup, b.repeats, arrivals_s=at, rate=lvl["rate"])
+
     if url is not None and b.baseline:
         raise UserError("bench.baseline=true with --url: a running endpoint cannot switch speculation off")
     if url is not None and model is None:
@@ -113,21 +140,19 @@ def bench(cfg: Config, url: str | None = None, model: str | None = None) -> dict
     with _targets(cfg, url, model) as target_for:
         # All levels of one spec before the other: a launched engine restarts only once.
         for lvl in levels:
-            lvl.update(_figures(measure(target_for(cfg.spec), prompts, params, lvl["concurrency"],
-                                        b.warmup, b.repeats), cfg.spec))
+            lvl.update(_figures(at_level(target_for(cfg.spec), lvl), cfg.spec))
         from engine.drafters.memory import target_draft_memory
 
         draft_mem = target_draft_memory(target_for(cfg.spec), prompts, wl.max_new_tokens, wl.chat_template)
         if b.baseline:
             for lvl in levels:
-                base = _figures(measure(target_for(OFF), prompts, params, lvl["concurrency"], b.warmup,
-                                        b.repeats), OFF)
+                base = _figures(at_level(target_for(OFF), lvl), OFF)
                 lvl["baseline"] = base
                 lvl["speedup"] = (lvl["output_tokens_per_s"] / base["output_tokens_per_s"]
                                   if base["output_tokens_per_s"] > 0 else None)
     for lvl in levels:
         if lvl["n_requests"] == 0:
-            raise UserError(f"every request failed at concurrency {lvl['concurrency']}: {lvl['errors'][0]}")
+            raise UserError(f"every request failed at {_level(lvl)}: {lvl['errors'][0]}")
     out: dict[str, Any] = {
         "engine": "http" if url else cfg.engine.kind, "model": model or cfg.model.name, "hardware": cfg.hardware.name,
         "spec": None if url else cfg.spec.model_dump(mode="json"), "spec_key": url or cfg.spec.key(),
@@ -162,7 +187,7 @@ def _ms(d: dict[str, Any], key: str) -> str:
     return "-" if p50 is None else f"{p50:.1f} / {p99:.1f}"
 
 
-def _row(name: str, c: int, f: dict[str, Any], speedup: float | None) -> list[str]:
+def _row(name: str, c: int | str, f: dict[str, Any], speedup: float | None) -> list[str]:
     tps = f"{f['output_tokens_per_s']:.1f}"
     if f["ci"]:
         tps += f" [{f['ci'][0]:.1f}, {f['ci'][1]:.1f}]"
@@ -178,13 +203,14 @@ def print_table(result: dict[str, Any]) -> None:
 
     t = Table(title=f"{result['engine']} · {result['model']} · workload {result['workload']} ({result['split']}, "
                     f"{result['n_prompts']} prompts, {result['repeats']} repeats)")
-    for col in ("conc", "spec", "tok/s [95% CI]", "tau", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
+    for col in ("conc/rate", "spec", "tok/s [95% CI]", "tau", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
                 "ITL p50/p99 ms", "accept/pos", "speedup", "errors"):
         t.add_column(col, justify="left" if col == "spec" else "right")
     for lvl in result["levels"]:
-        t.add_row(*_row(result["spec_key"], lvl["concurrency"], lvl, lvl.get("speedup")))
+        where = f"{lvl['rate']:g}/s" if "rate" in lvl else lvl["concurrency"]
+        t.add_row(*_row(result["spec_key"], where, lvl, lvl.get("speedup")))
         if "baseline" in lvl:
-            t.add_row(*_row("off (baseline)", lvl["concurrency"], lvl["baseline"], None))
+            t.add_row(*_row("off (baseline)", where, lvl["baseline"], None))
     Console().print(t)
     mem = result.get("draft_memory")
     if mem:

@@ -464,7 +464,7 @@ def projected_best(cfg: Config, run: Path) -> BestResult:
     acc = acceptance_from_profile(path, cfg.model.name)
     hw = cfg.hardware
     cost, tp = cost_for(cfg, acc)
-    levels = [1] if hw.accelerator == "cpu" else sorted(set(cfg.workload.concurrency if cfg.workload else [1]))
+    levels = [1] if hw.accelerator == "cpu" else sorted(set(cfg.workload.concurrency if cfg.workload else [1]) or {1})
     ctx = acc.context or DEFAULT_CONTEXT
     check_projection_inputs(cfg, tp, levels, ctx)
     preds = project(cost, acc, levels, ctx)

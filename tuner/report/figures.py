@@ -321,9 +321,14 @@ def plot_bars(rows: list[dict[str, Any]], path: Path, best: BestResult | None = 
     _save(draw_bars(rows, best), path)
 
 
+def _conc_levels(t: FrozenTrial) -> list[dict[str, Any]]:
+    """A trial's concurrency levels (its request-rate levels have their own table and figure)."""
+    return [x for x in t.user_attrs.get("levels") or [] if "concurrency" in x]
+
+
 def _level_trials(study: optuna.Study, best: BestResult) -> list[FrozenTrial]:
     key = best.spec.key()
-    return [t for t in complete(study) if t.user_attrs.get("spec") == key and len(t.user_attrs.get("levels") or []) > 1]
+    return [t for t in complete(study) if t.user_attrs.get("spec") == key and len(_conc_levels(t)) > 1]
 
 
 def concurrency_skip(study: optuna.Study, best: BestResult | None) -> str | None:
@@ -344,7 +349,7 @@ def concurrency_curve(study: optuna.Study, best: BestResult | None) -> tuple[lis
         raise ValueError(why)
     assert best is not None
     t = max(_level_trials(study, best), key=lambda t: t.user_attrs.get("repeats", 0))
-    levels = t.user_attrs["levels"]
+    levels = _conc_levels(t)
     cs = [int(x["concurrency"]) for x in levels]
     off = [float(x["baseline_tok_s"]) for x in levels]
     win = [float(x["tok_s"]) for x in levels]
@@ -372,6 +377,72 @@ def plot_concurrency(study: optuna.Study, best: BestResult | None, path: Path) -
     _save(fig, path)
 
 
+def _rate_trial(study: optuna.Study, best: BestResult | None) -> FrozenTrial | None:
+    """The winner's trial (the baseline's when off won) with the most repeats that measured request rates."""
+    if best is None:
+        return None
+    key = best.spec.key()
+    ts = [t for t in complete(study) if t.user_attrs.get("spec") == key
+          and any("rate" in x for x in t.user_attrs.get("levels") or [])]
+    return max(ts, key=lambda t: t.user_attrs.get("repeats", 0)) if ts else None
+
+
+def rate_rows(study: optuna.Study, best: BestResult | None) -> list[dict[str, Any]]:
+    """The winner trial's figures per request rate (spec and adjacent baseline): the report's table."""
+    t = _rate_trial(study, best)
+    return [x for x in t.user_attrs["levels"] if "rate" in x] if t is not None else []
+
+
+def rate_curves(study: optuna.Study, best: BestResult | None) -> dict[str, list[tuple[float, float | None, float | None]]]:
+    """(rate, TTFT p99 ms, TPOT p99 ms) of off and of the winner, ascending in rate: the winner
+    trial's rate levels and the capacity search's probes together."""
+    out: dict[str, dict[float, tuple[float | None, float | None]]] = {"off": {}}
+    win = best.spec.key() if best is not None else "off"
+    out.setdefault(win, {})
+    for x in rate_rows(study, best):
+        out["off"][x["rate"]] = (x.get("baseline_ttft_p99_ms"), x.get("baseline_tpot_p99_ms"))
+        out[win][x["rate"]] = (x.get("ttft_p99_ms"), x.get("tpot_p99_ms"))
+    cap = best.capacity if best is not None else None
+    for p in (cap.probes if cap is not None else []):
+        if p.spec in out:
+            out[p.spec][p.rate] = (p.ttft_p99_ms, p.tpot_p99_ms)
+    return {k: [(r, *v[r]) for r in sorted(v)] for k, v in out.items() if v}
+
+
+def rate_skip(study: optuna.Study, best: BestResult | None) -> str | None:
+    """Why the study has no latency-against-rate figure, or None."""
+    if not rate_curves(study, best):
+        return "no request rate was measured (workload.request_rate, search.capacity)"
+    return None
+
+
+def plot_rates(study: optuna.Study, best: BestResult | None, path: Path) -> None:
+    """rates.png: TTFT p99 and TPOT p99 against the request rate for off and the winner, the SLOs
+    as horizontal lines and each capacity as a vertical one."""
+    import matplotlib.pyplot as plt
+
+    curves = rate_curves(study, best)
+    slo = (best.capacity.slo_ttft_p99_ms, best.capacity.slo_tpot_p99_ms) if best and best.capacity else (None, None)
+    caps = ({"off": best.capacity.baseline_rps, best.spec.key(): best.capacity.winner_rps}
+            if best and best.capacity else {})
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, i, name, limit in ((axes[0], 1, "TTFT p99 (ms)", slo[0]), (axes[1], 2, "TPOT p99 (ms)", slo[1])):
+        for (label, pts), mark in zip(curves.items(), ("o-", "s-")):
+            xs = [p[0] for p in pts if p[i] is not None]
+            line = ax.plot(xs, [p[i] for p in pts if p[i] is not None], mark,
+                           label="off" if label == "off" else f"winner: {label}")[0]
+            if caps.get(label):
+                ax.axvline(caps[label], color=line.get_color(), ls=":", lw=1)
+        if limit is not None:
+            ax.axhline(limit, color="red", ls="--", lw=1, label=f"SLO {limit:g} ms")
+        ax.set_xscale("log")
+        ax.set_xlabel("request rate (requests/s, open loop)")
+        ax.set_ylabel(name)
+        ax.legend(fontsize=8)
+    fig.suptitle("Latency against request rate (dotted: capacity at the SLOs)")
+    _save(fig, path)
+
+
 def write_figures(study: optuna.Study, run_dir: Path, best: BestResult | None,
                   objective: str = "speed") -> dict[str, str]:
     """Render every figure that the study's data allows; returns {file: why} for those its data
@@ -386,6 +457,7 @@ def write_figures(study: optuna.Study, run_dir: Path, best: BestResult | None,
         ("importances.png", lambda: importances_skip(study), lambda p: plot_importances(study, p)),
         ("bars.png", lambda: bars_skip(study, best), lambda p: plot_bars(bar_data(study, best), p, best)),
         ("concurrency.png", lambda: concurrency_skip(study, best), lambda p: plot_concurrency(study, best, p)),
+        ("rates.png", lambda: rate_skip(study, best), lambda p: plot_rates(study, best, p)),
     ]
     if (run_dir / "prediction.json").is_file():  # search.sampler=model
         from tuner.search.guided import RANK, SURFACE_FILE, plot_predicted_surface, plot_predicted_vs_measured
@@ -438,7 +510,9 @@ def run_summary(study: optuna.Study, best: BestResult | None, cfg: Config | None
             w = cfg.workload
             rows.append(("workload", f"{w.name} ({w.source}: {w.num_prompts} tuning + {w.num_heldout} held-out prompts, "
                                      f"{w.max_new_tokens} new tokens, T={w.temperature:g}, concurrency "
-                                     f"{','.join(map(str, w.concurrency))})"))
+                                     f"{','.join(map(str, w.concurrency)) or '-'}"
+                                     + (f", request rates {','.join(f'{r:g}' for r in w.request_rate)}/s "
+                                        f"({w.arrival} arrivals)" if w.request_rate else "") + ")"))
             if w.mix:
                 rows.append(("mix", ", ".join(f"{p.label} (weight {p.weight:g})" for p in w.mix)))
             if w.source in ("file", "mix") and not w.private:
@@ -518,6 +592,10 @@ def write_html(study: optuna.Study, run_dir: Path, best: BestResult | None, skip
                          f"{_fmt(best.heldout_speedup)}x</li>")
         if best.chain_spec is not None:
             parts.append(f"<li>best chain (for vLLM): {html.escape(best.chain_spec.key())}</li>")
+        if best.capacity is not None:
+            from tuner.study.capacity import describe as describe_capacity
+
+            parts.append(f"<li>{html.escape(describe_capacity(best.capacity, best.spec.key()))}</li>")
         if best.skipped_requests:
             parts.append(f"<li>{best.skipped_requests} request(s) of the workload were refused by the engine as such "
                          "(too long, a field it cannot honour): counted and skipped</li>")
@@ -544,8 +622,26 @@ def write_html(study: optuna.Study, run_dir: Path, best: BestResult | None, skip
     parts.append("<p>Speedup: a trial's output tok/s over speculation off measured adjacent in time (x). Objective "
                  "value: that speedup x the reference baseline of trial 0, i.e. output tok/s corrected for machine "
                  "drift. Times in ms, throughput in output tokens/s over all requests.</p><h2>Figures</h2>")
+    rows = rate_rows(study, best)
+    if rows:
+        parts.append("<h2>Request rates (open loop)</h2><table><tr><th>rate (req/s)</th><th>tok/s off / winner</th>"
+                     "<th>goodput off / winner (req/s)</th><th>TTFT p50 / p99 (ms) off</th><th>TTFT p50 / p99 (ms) "
+                     "winner</th><th>TPOT p50 / p99 (ms) off</th><th>TPOT p50 / p99 (ms) winner</th>"
+                     "<th>queue p99 (ms) off / winner</th><th>batch sizes run, winner (size: steps)</th></tr>")
+        for x in rows:
+            def pair(a: str, b: str) -> str:
+                return f"{_fmt(x.get(a))} / {_fmt(x.get(b))}"
+            sizes = ", ".join(f"{k}: {v}" for k, v in (x.get("batch_sizes") or {}).items())
+            parts.append(f"<tr><td>{x['rate']:g}</td><td>{pair('baseline_tok_s', 'tok_s')}</td>"
+                         f"<td>{pair('baseline_goodput', 'goodput')}</td>"
+                         f"<td>{pair('baseline_ttft_p50_ms', 'baseline_ttft_p99_ms')}</td>"
+                         f"<td>{pair('ttft_p50_ms', 'ttft_p99_ms')}</td>"
+                         f"<td>{pair('baseline_tpot_p50_ms', 'baseline_tpot_p99_ms')}</td>"
+                         f"<td>{pair('tpot_p50_ms', 'tpot_p99_ms')}</td>"
+                         f"<td>{pair('baseline_queue_p99_ms', 'queue_p99_ms')}</td><td>{html.escape(sizes)}</td></tr>")
+        parts.append("</table>")
     for name in ("history.png", "heatmap.png", "pareto.png", "importances.png", "bars.png", "concurrency.png",
-                 "predicted.png", "predicted_surface.png"):
+                 "rates.png", "predicted.png", "predicted_surface.png"):
         if (run_dir / name).is_file():
             parts.append(f"<a href='{name}'><img src='{name}' alt='{name}'></a>")
             n = len(importance_trials(study))

@@ -12,20 +12,23 @@ so that `tuner.schema.config` stays the one import.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from tuner.schema.results import BestResult, Figures, PartResult, ProjectedPoint, Projection, Provenance
+from tuner.schema.results import (BestResult, Capacity, CapacityProbe, Figures, PartResult, ProjectedPoint, Projection,
+                                  Provenance)
 from tuner.schema.methods import SpecMethod, engine_methods, engine_refusal, head_methods
 from tuner.schema.spec import SpecConfig, UserError
 from tuner.schema.spec import Strict as _Strict
 
-__all__ = ["SLO", "BenchConfig", "BestResult", "BuiltinEngineConfig", "Config",
+__all__ = ["SLO", "BenchConfig", "BestResult", "BuiltinEngineConfig", "Capacity", "CapacityProbe", "Config",
            "DeployConfig", "DistributedConfig", "DraftSources", "EngineConfig", "Figures", "GGUFSource", "HPAConfig",
-           "HardwareConfig", "IntRange", "LaunchedEngineConfig", "ModelConfig", "ProjectedPoint", "Projection",
-           "MixPart", "PACKAGED_SOURCES", "PartResult", "Provenance", "RequestFormat", "SearchConfig", "SecretRef", "ServeConfig", "SpecConfig", "SpecMethod", "TrainConfig",
-           "UserError", "WorkloadConfig", "check_search_methods", "measured_weights", "storage_password_error"]
+           "HardwareConfig", "IntRange", "LaunchedEngineConfig", "Level", "ModelConfig", "ProjectedPoint", "Projection",
+           "MixPart", "PACKAGED_SOURCES", "PartResult", "Provenance", "Rate", "RequestFormat", "SearchConfig", "SecretRef",
+           "ServeConfig", "SpecConfig", "SpecMethod", "TrainConfig", "UserError", "WorkloadConfig", "check_search_methods",
+           "level_name", "measured_weights", "storage_password_error"]
 
 
 class GGUFSource(_Strict):
@@ -102,6 +105,25 @@ class HardwareConfig(_Strict):
         return self
 
 
+@dataclass(frozen=True)
+class Rate:
+    """An open-loop load level: requests arrive at `rps` per second whatever the engine does (a
+    closed-loop level is a plain int, the requests in flight). Both are levels of one study."""
+
+    rps: float
+
+    def __str__(self) -> str:
+        return f"{self.rps:g} req/s"
+
+
+Level = int | Rate  # a concurrency level (closed loop) or a request rate (open loop)
+
+
+def level_name(level: Level) -> str:
+    """How a level reads in logs and reasons: 'concurrency 4' or 'rate 2.5 req/s'."""
+    return f"rate {level}" if isinstance(level, Rate) else f"concurrency {level}"
+
+
 class SLO(_Strict):
     tpot_p99_ms: float | None = Field(None, gt=0)
     ttft_p99_ms: float | None = Field(None, gt=0)
@@ -150,13 +172,24 @@ class WorkloadConfig(_Strict):
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)  # 0 disables top-k filtering
-    concurrency: list[int] = Field(default_factory=lambda: [1], min_length=1)
+    concurrency: list[int] = Field(default_factory=lambda: [1])  # closed loop: requests in flight
+    # open loop: requests per second, each measured like a concurrency level (beside those, or
+    # instead with workload.concurrency=[]); arrivals poisson (seeded by workload.seed), constant,
+    # or trace (the prompts' own timestamps, scaled to each rate)
+    request_rate: list[float] = []
+    arrival: Literal["poisson", "constant", "trace"] = "poisson"
+    rate_requests: int = Field(16, ge=1, le=100_000)  # requests per rate level (the prompts repeat)
     slo: SLO = SLO()
 
     @model_validator(mode="after")
     def _conc(self) -> "WorkloadConfig":
         if any(c < 1 or c > 1024 for c in self.concurrency):
             raise ValueError(f"workload.concurrency={self.concurrency}: each level must be in [1, 1024]")
+        if any(not (0 < r <= 10_000) for r in self.request_rate):
+            raise ValueError(f"workload.request_rate={self.request_rate}: each rate (requests/s) must be in (0, 10000]")
+        if not self.concurrency and not self.request_rate:
+            raise ValueError("workload.concurrency=[] without workload.request_rate: give at least one level "
+                             "(e.g. workload.concurrency=[1] or workload.request_rate=[1,2,4])")
         if self.source == "file" and not self.path:
             raise ValueError("workload.path: +workload=file needs the file of requests (workload.path=PATH)")
         if self.source == "mix" and not self.mix:
@@ -171,6 +204,11 @@ class WorkloadConfig(_Strict):
             raise ValueError(f"workload.num_prompts={self.num_prompts}: a mix of {len(self.mix)} parts needs at "
                              f"least one tuning request per part")
         return self
+
+    @property
+    def levels(self) -> list[Level]:
+        """The load levels a study measures: concurrency levels, then request rates, each ascending."""
+        return [*sorted(set(self.concurrency)), *(Rate(float(r)) for r in sorted(set(self.request_rate)))]
 
     @property
     def private(self) -> bool:
@@ -385,6 +423,11 @@ class SearchConfig(_Strict):
     workers: int = Field(ge=1, le=64)
     # Distributed studies: a RUNNING trial whose worker sent no heartbeat for this long is marked FAIL.
     heartbeat_grace_s: float = Field(ge=1)
+    # after the winner: the highest request rate at which the workload's SLOs hold, for the baseline
+    # and the winner, each found in at most capacity_probes measured rates (tuner.study.capacity);
+    # defaults here only for config.yaml files saved before these keys existed
+    capacity: bool = False
+    capacity_probes: int = Field(8, ge=2, le=32)
 
     @field_validator("storage")
     @classmethod
@@ -456,6 +499,10 @@ class DeployConfig(_Strict):
     name: str
     namespace: str
     replicas: int = Field(ge=0, le=1000)
+    # requests/s the Deployment must serve within the SLOs: replicas = ceil(target_rate / the winner's
+    # capacity in best.yaml, measured with search.capacity=true); replaces deploy.replicas (the
+    # default here only for config.yaml files saved before this key existed)
+    target_rate: float | None = Field(None, gt=0)
     # The server's image; null (deploy=builtin): spectune's own, from the top-level image_repo/image_tag.
     image: str | None
     image_tag: str | None
@@ -776,6 +823,13 @@ class Config(_Strict):
         if mml is not None and mml > self.model.max_context:
             raise ValueError(f"deploy.max_model_len={mml} exceeds the context of model {self.model.name} "
                              f"(model.max_context={self.model.max_context}): allowed are 64..{self.model.max_context}")
+        w = self.workload
+        if self.search.capacity and (w is None or (w.slo.ttft_p99_ms is None and w.slo.tpot_p99_ms is None)):
+            raise ValueError("search.capacity=true finds the highest request rate at which the workload's SLOs hold, "
+                             "and none is set: give workload.slo.ttft_p99_ms and/or workload.slo.tpot_p99_ms")
+        if self.search.sampler == "model" and w is not None and w.request_rate:
+            raise ValueError("search.sampler=model ranks the space at concurrency 1, and workload.request_rate="
+                             f"{w.request_rate} adds open-loop levels: use another sampler (tpe, random, grid, gp)")
         if self.search.sampler == "model" and self.workload is not None and len(self.workload.concurrency) > 1:
             raise ValueError(f"search.sampler=model ranks the space at concurrency 1, and workload.concurrency="
                              f"{self.workload.concurrency} has several levels: add workload.concurrency=[1], "

@@ -67,6 +67,30 @@ class Projection(_Strict):
     measured_spec: str | None = None  # the run's measured winner (best.yaml), for comparison
 
 
+class CapacityProbe(_Strict):
+    """One rate a capacity search measured for one configuration."""
+
+    spec: str  # the configuration's key ("off" for the baseline)
+    rate: float  # requests per second offered
+    ttft_p99_ms: float | None = None
+    tpot_p99_ms: float | None = None
+    goodput: float | None = None
+    ok: bool  # every request finished and the workload's SLOs held
+
+
+class Capacity(_Strict):
+    """The highest request rate at which the workload's SLOs held (`search.capacity=true`), for
+    the baseline and the winner, found by a bracketing search over rates (tuner.study.capacity)."""
+
+    baseline_rps: float | None  # None: the SLOs broke at every rate tried
+    winner_rps: float | None
+    baseline_bounded: bool  # False: the SLOs held at every rate tried, so the capacity is a lower bound
+    winner_bounded: bool
+    slo_ttft_p99_ms: float | None = None
+    slo_tpot_p99_ms: float | None = None
+    probes: list[CapacityProbe] = []
+
+
 class PartResult(_Strict):
     """The winner on one part of a mixed workload, against the baseline measured beside it."""
 
@@ -95,5 +119,6 @@ class BestResult(_Strict):
     reason: str | None = None  # why the winner is what it is (e.g. the slowdown trap)
     provenance: Provenance
     projection: Projection | None = None  # set when the spec was projected, not measured (render --projected)
+    capacity: Capacity | None = None  # search.capacity=true: the SLO-attained rate of the baseline and the winner
     parts: list[PartResult] = []  # a mixed workload: the winner per part
     skipped_requests: int = 0  # the user's requests the engine refused as such (counted, not played)

@@ -127,28 +127,39 @@ class TrialWork:
     levels: int  # concurrency levels
     repeats: int  # search.repeats_min
     tok_s: float  # the baseline's measured output tokens/s
+    rates: tuple[float, ...] = ()  # request rates (open loop): each plays rate_requests requests
+    rate_requests: int = 0
 
     @property
     def tokens(self) -> int:
-        return self.prompts * self.max_new_tokens * self.runs * self.levels * self.repeats
+        per_repeat = self.prompts * self.levels + self.rate_requests * len(self.rates)
+        return per_repeat * self.max_new_tokens * self.runs * self.repeats
 
     @property
     def seconds(self) -> float:
-        """An upper bound: every answer runs to max_new_tokens, every level at the measured speed."""
-        return self.tokens / self.tok_s
+        """An upper bound: every answer runs to max_new_tokens, every level at the measured speed; a
+        rate level lasts at least as long as its arrivals take."""
+        arriving = sum(self.rate_requests / r for r in self.rates) * self.runs * self.repeats
+        return max(self.tokens / self.tok_s, arriving)
 
     def describe(self) -> str:
         levels = f" x {self.levels} concurrency levels" if self.levels > 1 else ""
-        return (f"{self.prompts} prompts x {self.max_new_tokens} tokens x {self.runs} runs "
-                f"(configuration + baseline){levels} x {self.repeats} repeat(s) = {self.tokens} tokens at the "
-                f"baseline's measured {self.tok_s:.1f} tok/s = ~{self.seconds:.3g} s")
+        head = f"{self.prompts} prompts x {self.max_new_tokens} tokens"
+        if self.rates:  # open-loop levels play rate_requests requests each
+            parts = [f"{self.prompts} prompts{levels}"] if self.levels else []
+            parts.append(f"{self.rate_requests} requests x {len(self.rates)} request rates")
+            head, levels = f"({' + '.join(parts)}) x {self.max_new_tokens} tokens", ""
+        return (f"{head} x {self.runs} runs (configuration + baseline){levels} x {self.repeats} repeat(s) = "
+                f"{self.tokens} tokens at the baseline's measured {self.tok_s:.1f} tok/s = ~{self.seconds:.3g} s")
 
 
 def trial_work(cfg: Config, n_prompts: int, tok_s: float) -> TrialWork:
     """The least work of one speculative trial of this search (see TrialWork)."""
-    return TrialWork(prompts=n_prompts, max_new_tokens=cfg.workload.max_new_tokens, runs=2,
-                     levels=len(set(cfg.workload.concurrency)), repeats=cfg.search.repeats_min,
-                     tok_s=max(tok_s, 1e-9))
+    w = cfg.workload
+    rates = sorted(set(w.request_rate))
+    n_rate = max(n_prompts, w.rate_requests)
+    return TrialWork(prompts=n_prompts, max_new_tokens=w.max_new_tokens, runs=2, levels=len(set(w.concurrency)),
+                     repeats=cfg.search.repeats_min, tok_s=max(tok_s, 1e-9), rates=tuple(rates), rate_requests=n_rate)
 
 
 def fits_or_refuse(cfg: Config, work: TrialWork) -> None:
@@ -174,8 +185,7 @@ def check_trial_fits(cfg: Config, measure: Any, prompts: dict[str, list[Any]]) -
     """
     prompts["probe"] = prompts["tune"][:1]
     try:  # twice, the faster counts: the first run of a process also pays one-off warm-up costs
-        tok_s = max(measure(SpecConfig(method="off"), "probe", min(cfg.workload.concurrency)).tok_s
-                    for _ in range(2))
+        tok_s = max(measure(SpecConfig(method="off"), "probe", cfg.workload.levels[0]).tok_s for _ in range(2))
     except Exception:
         return None
     work = trial_work(cfg, len(prompts["tune"]), tok_s)

@@ -19,7 +19,7 @@ from tuner.projection.profiling import tuning_prompts
 from tuner.schema.compose import packaged_workloads
 from tuner.study.limits import startup_excluded
 from tuner.study.objective import Sample, Split
-from tuner.schema.config import Config, SpecConfig, UserError
+from tuner.schema.config import Config, Level, Rate, SpecConfig, UserError
 from tuner.schema.methods import head_methods
 
 if TYPE_CHECKING:  # the engine's heavy modules (torch) load only where a study runs
@@ -47,6 +47,11 @@ def study_prompts(cfg: Config, engine: Engine | None = None) -> dict[str, list[P
     split = "heldout" if cfg.workload.num_heldout > 0 else "tune"
     for label in part_labels(cfg.workload):
         out[part_split(label)] = mix_prompts(cfg.workload, split, enc, ctx, only=label)
+    w = cfg.workload
+    # rates replayed from a trace need every request's timestamp: refused before any trial
+    if w.request_rate and w.arrival == "trace" and any(p.arrival_s is None for ps in out.values() for p in ps):
+        raise UserError(f"workload.arrival=trace: the requests of workload '{w.name}' carry no arrival timestamps "
+                        "(a request log's `timestamp`); use workload.arrival=poisson or constant")
     return out
 
 
@@ -172,8 +177,12 @@ class Measurer:
             return 0, 0.0
         return self.launcher.starts, self.launcher.total_startup_s
 
-    def __call__(self, spec: SpecConfig, split: Split, concurrency: int) -> Sample:
+    def __call__(self, spec: SpecConfig, split: Split, level: Level) -> Sample:
+        """Measure `spec` on `prompts[split]` at one level: `level` requests in flight (an int), or
+        requests arriving at a Rate (workload.rate_requests of them, the prompts repeating; the
+        same seeded arrivals for every configuration, so a pair meets the same traffic)."""
         from engine.drafters.memory import target_draft_memory
+        from engine.measure.runner import arrival_times
 
         if self.launcher is not None and spec.remembers_requests:
             self._fresh_server(spec)
@@ -181,8 +190,15 @@ class Measurer:
         prompts = self.prompts[split]
         if self.engine is not None and spec.remembers_requests:
             self._start_suffix_run(split)
-        played = [prompts[i % len(prompts)] for i in range(max(len(prompts), concurrency))] if prompts else prompts
-        m = target.run(played, self.params, concurrency)
+        w = self.cfg.workload
+        if isinstance(level, Rate):
+            n = max(len(prompts), w.rate_requests) if split != "probe" else len(prompts)
+            played = [prompts[i % len(prompts)] for i in range(n)] if prompts else prompts
+            at = arrival_times(len(played), level.rps, w.arrival, w.seed, [p.arrival_s for p in played])
+            m = target.run(played, self.params, 1, arrivals_s=at, rate=level.rps)
+        else:
+            played = [prompts[i % len(prompts)] for i in range(max(len(prompts), level))] if prompts else prompts
+            m = target.run(played, self.params, level)
         if m.errors and not self._skip_refused(m.errors, m.n_requests):  # a configuration that breaks requests is no candidate
             raise RuntimeError(f"{len(m.errors)}/{len(played)} requests failed; first: {m.errors[0]}")
         if self.engine is not None and spec.remembers_requests and split == "tune" and "heldout" not in self._suffix:
@@ -199,7 +215,9 @@ class Measurer:
         slo = self.cfg.workload.slo
         return Sample(m.output_tokens_per_s, m.tau, m.ttft_p99_ms, m.tpot_p99_ms, self._draft_mb[key],
                       itl_p50_ms=m.itl_p50_ms, itl_p99_ms=m.itl_p99_ms,
-                      goodput=m.goodput(slo.ttft_p99_ms, slo.tpot_p99_ms), wall_s=m.wall_s)
+                      goodput=m.goodput(slo.ttft_p99_ms, slo.tpot_p99_ms), wall_s=m.wall_s,
+                      ttft_p50_ms=m.ttft_p50_ms, tpot_p50_ms=m.tpot_p50_ms, queue_p50_ms=m.queue_p50_ms,
+                      queue_p99_ms=m.queue_p99_ms, waiting_mean=m.waiting_mean, batch_sizes=m.batch_sizes or None)
 
     def _skip_refused(self, errors: list[str], finished: int) -> bool:
         """With the user's own requests, one the engine refuses as such (HTTP 400: too long for the

@@ -24,7 +24,7 @@ from optuna.trial import FrozenTrial, TrialState, create_trial
 
 from engine.measure.stats import geomean, log_interval, log_spread, tight
 from tuner.study.limits import TrialClock, TrialTimeout, active_clock, next_repeat_fits
-from tuner.schema.config import SearchConfig, SpecConfig, WorkloadConfig
+from tuner.schema.config import Level, Rate, SearchConfig, SpecConfig, WorkloadConfig
 from tuner.search.space import SearchSpace
 from tuner.study.studies import FAIL_REASON, NOISE, ROLE, role
 
@@ -48,6 +48,12 @@ class Sample:
     itl_p99_ms: float | None = None
     goodput: float | None = None  # finished requests/s meeting the workload's TTFT and TPOT SLOs
     wall_s: float | None = None  # the run's wall time (goodput's floor: half a request over it)
+    ttft_p50_ms: float | None = None
+    tpot_p50_ms: float | None = None
+    queue_p50_ms: float | None = None  # open loop, in process: arrival to admission
+    queue_p99_ms: float | None = None
+    waiting_mean: float | None = None  # open loop: requests waiting for a slot, on average
+    batch_sizes: dict[int, int] | None = None  # open loop: requests per step -> steps (or gauge samples)
 
 
 Split = Literal["tune", "heldout"]
@@ -56,10 +62,10 @@ Split = Literal["tune", "heldout"]
 @runtime_checkable
 class MeasureFn(Protocol):
     """What a trial measures with: one run of the load generator for `spec` on the prompts of
-    `split` with `concurrency` requests in flight. The optimize flow builds it from the engine and
+    `split` at one level: `level` requests in flight (an int) or requests arriving at a Rate. The optimize flow builds it from the engine and
     the shared runner (tuner.study.measurer.Measurer); nothing here generates tokens itself."""
 
-    def __call__(self, spec: SpecConfig, split: Split, concurrency: int) -> Sample: ...
+    def __call__(self, spec: SpecConfig, split: Split, level: Level) -> Sample: ...
 
 
 @runtime_checkable
@@ -77,7 +83,7 @@ class ServerMeasureFn(MeasureFn, Protocol):
 
 
 def _mean_tok(samples: list[Sample]) -> float:
-    """One pass's output tok/s: the mean over its concurrency levels."""
+    """One pass's output tok/s: the mean over its levels."""
     return statistics.fmean(x.tok_s for x in samples)
 
 
@@ -89,6 +95,29 @@ def _max_opt(xs: list[float | None]) -> float | None:
 def _mean_opt(xs: list[float | None]) -> float | None:
     vals = [x for x in xs if x is not None]
     return statistics.fmean(vals) if vals else None
+
+
+def _level_figures(level: Level, spec: list[Sample], base: list[Sample]) -> dict[str, Any]:
+    """One level's figures over the repeats: tok/s of the spec and the baseline, and for a request
+    rate also goodput, TTFT / TPOT p50 and p99 (worst repeat), queueing and the batch sizes run."""
+    out: dict[str, Any] = {"tok_s": statistics.fmean(x.tok_s for x in spec),
+                           "baseline_tok_s": statistics.fmean(x.tok_s for x in base)}
+    if not isinstance(level, Rate):
+        return {"concurrency": level, **out}
+    out = {"rate": level.rps, **out}
+    for who, xs in (("", spec), ("baseline_", base)):
+        out[f"{who}goodput"] = _mean_opt([x.goodput for x in xs])
+        for k in ("ttft_p50_ms", "tpot_p50_ms", "queue_p50_ms"):
+            out[f"{who}{k}"] = _mean_opt([getattr(x, k) for x in xs])
+        for k in ("ttft_p99_ms", "tpot_p99_ms", "queue_p99_ms"):
+            out[f"{who}{k}"] = _max_opt([getattr(x, k) for x in xs])
+        out[f"{who}waiting_mean"] = _mean_opt([x.waiting_mean for x in xs])
+        sizes: dict[str, int] = {}
+        for x in xs:
+            for n, k in (x.batch_sizes or {}).items():
+                sizes[str(n)] = sizes.get(str(n), 0) + k  # str keys: user attrs are JSON
+        out[f"{who}batch_sizes"] = dict(sorted(sizes.items(), key=lambda kv: int(kv[0])))
+    return out
 
 
 @dataclass
@@ -114,7 +143,7 @@ class Objective:
         self.measure = measure
         self.workload = workload
         self.search = search
-        self.levels = sorted(set(workload.concurrency))
+        self.levels: list[Level] = workload.levels  # concurrency levels and request rates alike
         self.multi = search.multi_objective
         self.repeats_max = search.repeats_max  # sized by the measured noise (track_noise)
 
@@ -294,9 +323,9 @@ class Objective:
             "ratios": ratios,
             "tok_s_samples": tok,
             "baseline_samples": base,  # the study's baseline history (plausibility)
-            # per concurrency level, over the repeats: what the throughput-vs-concurrency plot shows
-            "levels": [{"concurrency": c, "tok_s": statistics.fmean(s[i].tok_s for s in spec_s),
-                        "baseline_tok_s": statistics.fmean(b[i].tok_s for b in base_s)}
+            # per level, over the repeats: what the throughput-vs-concurrency plot and, for rates,
+            # the per-rate table show
+            "levels": [_level_figures(c, [s[i] for s in spec_s], [b[i] for b in base_s])
                        for i, c in enumerate(self.levels)],
             "goodput": _mean_opt([x.goodput for x in flat]),
             "baseline_goodput": _mean_opt([y.goodput for b in base_s for y in b]),

@@ -20,7 +20,8 @@ from optuna.trial import FrozenTrial, TrialState
 
 from engine.measure.stats import geomean, log_interval, log_spread, ratio_bounds
 from tuner.study.objective import OFF, Objective, spec_of
-from tuner.schema.config import BestResult, Config, Figures, PartResult, Provenance, SpecConfig, measured_weights
+from tuner.schema.config import (BestResult, Config, Figures, Level, PartResult, Provenance, SpecConfig,
+                                 level_name, measured_weights)
 from tuner.study.storage import mask_url, storage_url
 from tuner.study.studies import role
 
@@ -220,7 +221,7 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
     return pairs
 
 
-def pick_winner(trials: list[FrozenTrial], noise_rel: float, concurrency: list[int]) -> Winner:
+def pick_winner(trials: list[FrozenTrial], noise_rel: float, concurrency: list[Level]) -> Winner:
     """The proven winner of a study, or `off` with the reason why speculation does not pay."""
     done = candidates(trials)
     if not done:
@@ -245,7 +246,9 @@ def pick_winner(trials: list[FrozenTrial], noise_rel: float, concurrency: list[i
             why = (f"Acceptance too low: tau={tau:.2f} tokens per target forward, so drafts are rarely "
                    "accepted and drafting plus verifying is pure overhead.")
         else:
-            why = (f"Verification too costly at concurrency {concurrency}: tau={tau:.2f} tokens per target "
+            at = (f"concurrency {concurrency}" if all(isinstance(c, int) for c in concurrency)
+                  else ", ".join(level_name(c) for c in concurrency))
+            why = (f"Verification too costly at {at}: tau={tau:.2f} tokens per target "
                    f"forward, but verifying {best.spec.budget} tokens per step costs more than the accepted "
                    "tokens save.")
         return Winner(OFF, None, head + why + " Serve without speculation.")
@@ -354,7 +357,7 @@ def compute_best(cfg: Config, study: optuna.Study, run_dir: Path, objective: Obj
     held-out prompts after; without one, both are left out."""
     if objective is not None and not cfg.search.multi_objective:
         confirm(study, objective, cfg.search.noise_rel, log)
-    win = pick_winner(study.get_trials(deepcopy=False), cfg.search.noise_rel, cfg.workload.concurrency)
+    win = pick_winner(study.get_trials(deepcopy=False), cfg.search.noise_rel, cfg.workload.levels)
     if objective is None and cfg.workload.num_heldout > 0:
         cfg = cfg.model_copy(deep=True)
         cfg.workload.num_heldout = 0
@@ -362,4 +365,14 @@ def compute_best(cfg: Config, study: optuna.Study, run_dir: Path, objective: Obj
         log("re-measuring the winner on the held-out prompts")
     if cfg.workload.mix and objective is not None:
         log(f"measuring the winner on each of the {len(cfg.workload.mix)} parts of the mix")
-    return best_result(cfg, study, run_dir, win, objective)
+    best = best_result(cfg, study, run_dir, win, objective)
+    if cfg.search.capacity:
+        if objective is None:  # a finaliser without an engine: the rates cannot be measured here
+            log("search.capacity=true: not measured (no engine in this process); best.yaml has no capacity")
+        else:
+            from tuner.study.capacity import describe, measure_capacity
+
+            base_tok_s = best.baseline.output_tokens_per_s if best.baseline is not None else None
+            best.capacity = measure_capacity(cfg, objective.measure, best.spec, base_tok_s, log)
+            log(describe(best.capacity, best.spec.key()))
+    return best
