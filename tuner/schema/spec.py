@@ -64,6 +64,7 @@ class SpecConfig(Strict):
     suffix_max_requests: int = Field(10000, ge=0, le=1_000_000)
     # vLLM dynamic K: [[min_batch, max_batch, K], ...], inclusive ranges, K <= depth.
     k_per_batch_size: list[tuple[int, int, int]] | None = None
+    adaptive: bool = False  # the built-in engine sizes each request's draft per step; depth/budget are the bounds
 
     @model_validator(mode="before")
     @classmethod
