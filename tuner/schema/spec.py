@@ -135,4 +135,6 @@ class SpecConfig(Strict):
             key += f" {self.ngram_match}"
         if self.method == "suffix":
             key += f" f{self.suffix_spec_factor:g} p{self.suffix_min_prob:g}"
+        if self.adaptive:
+            key += " adaptive"
         return key
