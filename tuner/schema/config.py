@@ -17,13 +17,13 @@ from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from tuner.schema.results import (BestResult, Capacity, CapacityProbe, Figures, PartResult, ProjectedPoint, Projection,
-                                  Provenance)
+from tuner.schema.results import (ArmLevel, Arms, BestResult, Capacity, CapacityProbe, Figures, PartResult,
+                                  ProjectedPoint, Projection, Provenance)
 from tuner.schema.methods import SpecMethod, engine_refusal, head_methods, search_refusal
 from tuner.schema.spec import SpecConfig, UserError
 from tuner.schema.spec import Strict as _Strict
 
-__all__ = ["SLO", "BenchConfig", "BestResult", "BuiltinEngineConfig", "Capacity", "CapacityProbe", "Config",
+__all__ = ["SLO", "ArmLevel", "Arms", "BenchConfig", "BestResult", "BuiltinEngineConfig", "Capacity", "CapacityProbe", "Config",
            "DeployConfig", "DistributedConfig", "DraftSources", "EngineConfig", "Figures", "GGUFSource", "HPAConfig",
            "HardwareConfig", "IntRange", "LaunchedEngineConfig", "Level", "ModelConfig", "ProjectedPoint", "Projection",
            "MixPart", "PACKAGED_SOURCES", "PartResult", "Provenance", "Rate", "RequestFormat", "SearchConfig", "SecretRef",
