@@ -428,6 +428,10 @@ class SearchConfig(_Strict):
     # defaults here only for config.yaml files saved before these keys existed
     capacity: bool = False
     capacity_probes: int = Field(8, ge=2, le=32)
+    # the built-in engine: spec.adaptive is searched too (one arm enqueued at the widest bounds) and
+    # compared with the best static schedule and off per level (best.yaml `arms`); False for saved
+    # configs from before the key existed
+    adaptive: bool = False
 
     @field_validator("storage")
     @classmethod
