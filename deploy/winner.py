@@ -87,7 +87,7 @@ def _static_instead(cfg: Config, spec: SpecConfig, best: BestResult | None, why:
                         "measured a static schedule to serve instead: give spec.adaptive=false (or render --from a "
                         "run that searched search.adaptive)")
     head = f"winner '{spec.key()}' sizes its drafts per step on the built-in engine; {why}: serving "
-    if arms.static is None:
+    if arms.static is None or not arms.static_beats_off:
         return SpecConfig(method="off"), head + "speculation off, second best in the study (no static schedule beat it)"
     versus = (f", {arms.static_speedup:.3f}x against the adaptive {arms.adaptive_speedup:.3f}x"
               if arms.static_speedup is not None and arms.adaptive_speedup is not None else "")

@@ -22,9 +22,9 @@ STATIC = SpecConfig(method="eagle3", depth=4, topk=1, budget=5, head_path=HEAD,
                     k_per_batch_size=[(1, 1, 4), (2, 8, 2)])
 
 
-def _best(spec: SpecConfig, static: SpecConfig | None) -> BestResult:
-    arms = Arms(choice="adaptive", adaptive=spec, static=static, adaptive_speedup=1.41,
-                static_speedup=1.22 if static else None,
+def _best(spec: SpecConfig, static: SpecConfig | None, beats_off: bool = True) -> BestResult:
+    arms = Arms(choice="adaptive", adaptive=spec, static=static, static_beats_off=beats_off and static is not None,
+                adaptive_speedup=1.41, static_speedup=1.22 if static else None,
                 levels=[ArmLevel(level="c=1", off_tok_s=40.0, static_speedup=1.3, static_tok_s=52.0,
                                  adaptive_speedup=1.5, adaptive_tok_s=60.0)])
     return BestResult(spec=spec, metrics=Figures(output_tokens_per_s=60.0, tau=2.1),
@@ -112,9 +112,11 @@ def test_vllm_serves_the_tuned_k_schedule_and_says_why(tmp_path: Path, capsys: p
 
 
 def test_no_static_schedule_beat_off_serves_off(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    docs, notes = _render(tmp_path, _best(ADAPTIVE, None), ["deploy=vllm", "hardware=h200x1"], capsys)
-    assert "--speculative-config" not in _pod(docs)["containers"][0]["args"]
-    assert len(notes) == 1 and "speculation off, second best" in notes[0]
+    for static in (None, STATIC):  # none measured, or measured slower than off
+        docs, notes = _render(tmp_path / str(static), _best(ADAPTIVE, static, beats_off=False),
+                              ["deploy=vllm", "hardware=h200x1"], capsys)
+        assert "--speculative-config" not in _pod(docs)["containers"][0]["args"]
+        assert len(notes) == 1 and "speculation off, second best" in notes[0]
 
 
 def test_builtin_serves_adaptive_as_measured(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -48,7 +48,7 @@ STATIC = {1: 1.5, 4: 0.9}
 ADAPTIVE = {1: 1.4, 4: 1.1}
 
 
-def _study(tmp_path: Path, adaptive: dict[int, float]) -> tuple[optuna.Study, object]:
+def _study(tmp_path: Path, adaptive: dict[int, float], static: dict[int, float] = STATIC) -> tuple[optuna.Study, object]:
     cfg = load_config(["+workload=code", "search=quick", "search.adaptive=true", "workload.concurrency=[1,4]",
                        "search.repeats_max=1", "workload.num_heldout=0"])
 
@@ -56,7 +56,7 @@ def _study(tmp_path: Path, adaptive: dict[int, float]) -> tuple[optuna.Study, ob
         off = 20.0 * c
         if spec.method == "off":
             return Sample(off, 1.0, 1.0, 1.0)
-        return Sample(off * (adaptive if spec.adaptive else STATIC)[c], 3.0, 1.0, 1.0)
+        return Sample(off * (adaptive if spec.adaptive else static)[c], 3.0, 1.0, 1.0)
 
     space = SearchSpace.from_config(cfg)
     study = create_study(cfg, space, tmp_path, "arms")
@@ -71,7 +71,7 @@ def test_best_yaml_and_the_report_compare_the_three_arms_per_level(tmp_path: Pat
     study, best = _study(tmp_path, ADAPTIVE)
     arms = best.arms
     assert best.spec.adaptive and arms.choice == "adaptive" and arms.adaptive == best.spec
-    assert arms.static is not None and not arms.static.adaptive and arms.static.k_per_batch_size
+    assert arms.static_beats_off and not arms.static.adaptive and arms.static.k_per_batch_size
     assert best.chain_spec == arms.static  # what vLLM serves is static
     assert [(lv.level, lv.off_tok_s) for lv in arms.levels] == [("c=1", 20.0), ("c=4", 80.0)]
     assert [lv.static_speedup for lv in arms.levels] == pytest.approx([1.5, 0.9])
@@ -90,3 +90,10 @@ def test_a_static_schedule_ahead_of_the_adaptive_arm_is_chosen(tmp_path: Path) -
     _, best = _study(tmp_path, {1: 1.2, 4: 0.95})
     assert best.arms.choice == "static" and not best.spec.adaptive and best.arms.static == best.spec
     assert [lv.adaptive_speedup for lv in best.arms.levels] == pytest.approx([1.2, 0.95])
+
+
+def test_a_static_schedule_slower_than_off_is_shown_but_is_no_second_best(tmp_path: Path) -> None:
+    _, best = _study(tmp_path, ADAPTIVE, {1: 0.9, 4: 0.8})
+    arms = best.arms
+    assert arms.choice == "adaptive" and arms.static is not None and not arms.static_beats_off
+    assert [lv.static_speedup for lv in arms.levels] == pytest.approx([0.9, 0.8]) and best.chain_spec is None

@@ -562,7 +562,7 @@ def arms_html(arms: Arms) -> str:
     def cell(tok: float | None, sp: float | None) -> str:
         return "-" if sp is None else f"{tok:.1f} ({sp:.3f}x)" if tok is not None else f"{sp:.3f}x"
 
-    static = arms.static.key() if arms.static is not None else "none beat off"
+    static = arms.static.key() if arms.static is not None else "none measured"
     adaptive = arms.adaptive.key() if arms.adaptive is not None else "-"
     out = [f"<h3>Adaptive, static, off: chosen {html.escape(arms.choice)}</h3><table><tr><th>level</th>"
            f"<th>off tok/s</th><th>best static, {html.escape(static)}</th><th>adaptive, {html.escape(adaptive)}</th>"

@@ -139,7 +139,8 @@ class Arms(_Strict):
 
     choice: Literal["adaptive", "static", "off"]
     adaptive: SpecConfig | None = None  # the best adaptive configuration measured (None: none completed)
-    static: SpecConfig | None = None  # the best static schedule beating off (None: none did): the second best
+    static: SpecConfig | None = None  # the best static schedule measured (None: none completed)
+    static_beats_off: bool = False  # it beat off by the winner's rules: the second best to an adaptive winner
     adaptive_speedup: float | None = None  # over every level (geometric mean of the pairs' ratios)
     static_speedup: float | None = None
     levels: list[ArmLevel] = []

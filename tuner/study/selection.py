@@ -292,16 +292,22 @@ def _level_speedups(c: Candidate, n: int) -> list[float | None]:
 def compare_arms(trials: list[FrozenTrial], noise_rel: float, levels: list[Level], win: Winner) -> Arms | None:
     """The adaptive arm against the best static schedule and off, at every measured level (None when
     no adaptive configuration completed a measurement). Each arm is its best configuration by the
-    winner's rule (a proven one first), with its speedup over the baseline measured beside it per
-    level, and that speedup x the baseline trial's tok/s at the level (as Optuna's values are)."""
-    done = [c for c in candidates(trials) if c.feasible and c.implausible is None]
-    adaptive = [c for c in done if c.spec.adaptive]
+    winner's rule (the fastest when none beats off), with its speedup over the baseline measured
+    beside it per level, and that speedup x the baseline trial's tok/s at the level (as Optuna's
+    values are)."""
+    done = [c for c in candidates(trials) if c.feasible]
+    # an implausible figure never wins, but the arm is still shown from it when it is all there is
+    adaptive = [c for c in done if c.spec.adaptive and c.implausible is None] or [c for c in done if c.spec.adaptive]
     if not adaptive:
         return None
-    static = [c for c in done if not c.spec.adaptive and c.beats_baseline(noise_rel)]
-    proven = [c for c in adaptive if c.beats_baseline(noise_rel)]
-    best_adaptive = _cheapest_of_best(proven, noise_rel)[0] if proven else max(adaptive, key=lambda c: c.speedup)
-    best_static = _cheapest_of_best(static, noise_rel)[0] if static else None
+    static = [c for c in done if not c.spec.adaptive and c.implausible is None]
+
+    def best_of(cs: list[Candidate]) -> Candidate | None:  # the winner's rule; the fastest when none beat off
+        proven = [c for c in cs if c.beats_baseline(noise_rel)]
+        return _cheapest_of_best(proven, noise_rel)[0] if proven else max(cs, key=lambda c: c.speedup, default=None)
+
+    best_adaptive, best_static = best_of(adaptive), best_of(static)
+    assert best_adaptive is not None
     base = next((t for t in trials if role(t) == "baseline" and t.state == TrialState.COMPLETE), None)
     off = [lv.get("tok_s") for lv in (base.user_attrs.get("levels") or [])] if base is not None else []
     off = off if len(off) == len(levels) else [None] * len(levels)
@@ -317,6 +323,7 @@ def compare_arms(trials: list[FrozenTrial], noise_rel: float, levels: list[Level
             for lv, o, s, a in zip(levels, off, s_sp, a_sp)]
     choice = "off" if win.spec.method == "off" else "adaptive" if win.spec.adaptive else "static"
     return Arms(choice=choice, adaptive=best_adaptive.spec, static=best_static.spec if best_static else None,
+                static_beats_off=best_static is not None and best_static.beats_baseline(noise_rel),
                 adaptive_speedup=round(best_adaptive.speedup, 4),
                 static_speedup=round(best_static.speedup, 4) if best_static is not None else None, levels=rows)
 
@@ -325,7 +332,7 @@ def describe_arms(arms: Arms) -> str:
     """One line: the adaptive arm against the best static schedule and off, and which was chosen."""
     a = f"adaptive {arms.adaptive.key()} {arms.adaptive_speedup:.3f}x" if arms.adaptive is not None else "adaptive -"
     s = (f"best static {arms.static.key()} {arms.static_speedup:.3f}x" if arms.static is not None
-         else "no static schedule beat off")
+         else "no static schedule measured")
     return f"arms over every level: {a}, {s}, off 1.000x: chosen {arms.choice}"
 
 
