@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/adaptive.py                                   # code and chat, c = 1..32
     .venv/bin/python benchmarks/adaptive.py --levels 1,4 --prompts 2 --max-new-tokens 16 --depths 2  # a smoke run
-    .venv/bin/python benchmarks/adaptive.py --prompts 12 --max-new-tokens 128 --depths 1,2,3,4,6,8 --rounds 2
+    .venv/bin/python benchmarks/adaptive.py --prompts 12 --max-new-tokens 128 --depths 1,2,3,4,6,8 --rounds 4
 
 Each configuration runs as `tuner serve` in a process of its own (max_batch = the highest level;
 benchmarks/concurrency.py starts it, with the same SpecConfig-to-`tuner serve` mapping the manifests
@@ -10,8 +10,8 @@ use), and the one load generator plays HumanEval (code) and MT-bench (chat) prom
 speculation off, a small grid of static n-gram chains (`--depths`; the best of them at each level is
 that level's "best static") and the adaptive engine bounded by the grid's deepest chain
 (`spec.adaptive=true`). A level of N plays max(prompts, N) requests with N clients in flight, T=0.
-`--rounds 2` measures every configuration again in reverse order and takes the mean per cell, which
-cancels linear drift. The last line is one JSON object with `min_adaptive_vs_best_static` and
+Every round after the first measures the configurations again in the reverse order; a cell is the
+mean over the rounds (two, by default, cancel linear drift). The last line is one JSON object with `min_adaptive_vs_best_static` and
 `min_adaptive_vs_off`, the minima over every level of both workloads.
 """
 
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depths", default="2,4,8", help="the static grid's chain depths; the deepest bounds adaptive")
     ap.add_argument("--method", default="ngram", choices=["ngram", "suffix"], help="a drafter that needs no head")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
-    ap.add_argument("--rounds", type=int, default=1, help="passes over the configurations, alternating their order")
+    ap.add_argument("--rounds", type=int, default=2, help="passes over the configurations, alternating their order")
     args = ap.parse_args(argv)
     try:
         levels = sorted({int(x) for x in args.levels.split(",") if x})
