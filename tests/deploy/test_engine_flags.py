@@ -122,8 +122,6 @@ def test_sglang_adaptive_table_matches_each_release(version: str, tmp_path_facto
 
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-if not VLLM_PYTHON.exists():  # a worktree uses the main checkout's environment
-    VLLM_PYTHON = Path("/work/main/.venv-vllm/bin/python") if Path("/work/main/.venv-vllm/bin/python").exists() else VLLM_PYTHON
 PARSE = """
 import dataclasses, json, sys
 from vllm.config import SpeculativeConfig
