@@ -19,10 +19,20 @@ from engine.models.machine import cache_root, cpu_signature, measured_once
 CONTEXT = 256  # committed positions of each timed sequence
 PER_SEQUENCE = (1, 2, 3, 5, 9, 17)  # rows per sequence timed (a chain of depth k verifies k+1)
 MAX_ROWS = 256  # the largest step timed; beyond it the last segment's slope extends the curve
-ROUNDS = 3  # the fastest of this many timings after one warm-up call
+ROUNDS = 2  # the fastest of this many timings after one warm-up call
 FOLLOW = 0.1  # the share of each live observation in the online figures
 CLIP_LOW, CLIP_HIGH = 0.5, 4.0  # a live step counts as taking between these multiples of the curve
-VERSION = 1  # in the cache key: a change of what is timed measures again
+VERSION = 2  # in the cache key: a change of what is timed measures again
+
+
+def _envelope(pts: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """More rows never cost less: each point at most what any point of more rows took (another
+    process stalling a timing only adds time, so the lower envelope is the machine's)."""
+    out, low = [], float("inf")
+    for x, s in reversed(pts):
+        low = min(low, s)
+        out.append((x, low))
+    return out[::-1]
 
 
 def batch_levels(max_batch: int) -> list[int]:
@@ -39,7 +49,7 @@ class StepCost:
     beyond one each; `draft_s`: seconds per drafted node."""
 
     def __init__(self, curves: dict[int, list[tuple[int, float]]], max_rows: int) -> None:
-        self.curves = {b: sorted(pts) for b, pts in curves.items()}
+        self.curves = {b: _envelope(sorted(pts)) for b, pts in curves.items()}
         self.levels = sorted(self.curves)
         self.max_rows = max_rows  # rows per sequence the curve was timed up to
         self.draft_s = 0.0
