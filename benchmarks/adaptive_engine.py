@@ -12,7 +12,8 @@ within each round, their order rotating from round to round, so drift on a share
 all of them. A level of N plays max(prompts, N) requests with N clients in flight. Prints tok/s
 and tau per level; `greedy_identical` says whether every row's
 texts equal speculation off's; the last line is one JSON object with adaptive/off and
-adaptive/static per level. The HTTP study arm over levels 1-32 is benchmarks/adaptive.py.
+adaptive/static per level. Over HTTP at levels 1-32, with a grid of static specs, is the study arm's
+benchmark (issue 36).
 """
 
 from __future__ import annotations

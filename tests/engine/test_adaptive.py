@@ -160,12 +160,10 @@ def test_the_curve_is_timed_once_and_cached(engine: Engine, tmp_path, monkeypatc
     assert stepcost.step_cost(engine.lean, 3, 4, "tiny test", tmp_path).curves == cost.curves
 
 
-def test_adaptive_needs_the_lean_forward() -> None:
-    from tuner.study.measurer import open_engine
-
+def test_adaptive_needs_the_lean_forward(engine: Engine, monkeypatch) -> None:
+    monkeypatch.setattr(engine, "lean", None)  # the config refuses forward=hf first (tests/tuner/test_config.py)
     with pytest.raises(UserError, match="spec.adaptive=true needs engine.builtin.forward=lean"):
-        open_engine(load_config(["model=tiny-random", "engine.builtin.forward=hf", "spec.method=ngram",
-                                 "spec.adaptive=true"]))
+        engine.set_spec(SpecConfig(method="ngram", adaptive=True))
 
 
 def test_the_config_reaches_the_engine_and_the_served_command() -> None:
