@@ -149,8 +149,10 @@ def test_the_curve_is_timed_once_and_cached(engine: Engine, tmp_path, monkeypatc
     cost = stepcost.step_cost(engine.lean, 3, 4, "tiny test", tmp_path)
     assert sorted(cost.curves) == [1, 2, 3]
     for b, pts in cost.curves.items():
-        assert [x for x, _ in pts] == [b * (k - 1) for k in (1, 2, 3, 4)]
+        assert [x for x, _ in pts] == list(range(3 * b + 1))  # every extra row up to 3 per sequence
         assert all(s > 0 for _, s in pts)
+    assert stepcost.extras_timed(8, 9) == [*range(17), 17, 32, 33, 64]
+    assert stepcost.extras_timed(32, 17)[-1] == stepcost.MAX_ROWS - 32
     assert len(json.loads((tmp_path / "step_cost.json").read_text())) == 1
 
     def timed_again(*a, **k):
