@@ -163,6 +163,8 @@ BAD_INPUTS = [
     (["spec.method=off", "spec.adaptive=true"], "spec.adaptive=true with spec.method=off: adaptive sizes a drafter's"),
     (["spec.adaptive=true", "spec.k_per_batch_size=[[1,4,3]]"], "spec.adaptive=true with spec.k_per_batch_size"),
     (["spec.adaptive=yes-please"], "spec.adaptive"),
+    (["engine=vllm", "spec.adaptive=true"], "spec.adaptive=true with engine=vllm: adaptive speculation runs in the built-in"),
+    (["engine.builtin.forward=hf", "spec.adaptive=true"], "spec.adaptive=true needs engine.builtin.forward=lean"),
     (["spec.depth="], "spec.depth='': Input should be a valid integer"),
     # Issue 24.3c: the built-in engine loads every checkpoint in fp32 on one device.
     (["model=llama-3.3-70b-instruct"], "engine=builtin with model llama-3.3-70b-instruct: its single-device fp32 "
