@@ -48,21 +48,8 @@ static void linear_rows(long R, const float* x, long ldx, const W* wp, float* y,
 #pragma omp for schedule(static)
   for (long b = 0; b < blocks; ++b) {
     const W* wb = wp + b * K * BW;
-    if (passes > 1 && sizeof(W) < sizeof(float)) {
-      /* bf16 / e4m3 over several passes: widened once into this thread's fp32 copy of the block (in its
-         cache) instead of once per pass. The same values, FMAs and final factor as one pass, so a row's
-         result does not depend on how many rows share the step. */
-      static thread_local std::vector<float> wide;
-      if ((long)wide.size() < K * BW) wide.resize(K * BW);
-      for (long i = 0; i < K * NB; ++i) *(vfu*)(wide.data() + i * VW) = wload(wb + i * VW);
-      const float f = wscale(wb, scale);
-      for (long r0 = 0; r0 < R; r0 += per)
-        block_m(R - r0 < per ? R - r0 : per, x + r0 * ldx, ldx, (const float*)wide.data(), y + r0 * ldy + b * BW,
-                ldy, K, f);
-    } else {
-      for (long r0 = 0; r0 < R; r0 += per)
-        block_m(R - r0 < per ? R - r0 : per, x + r0 * ldx, ldx, wb, y + r0 * ldy + b * BW, ldy, K, scale);
-    }
+    for (long r0 = 0; r0 < R; r0 += per)
+      block_m(R - r0 < per ? R - r0 : per, x + r0 * ldx, ldx, wb, y + r0 * ldy + b * BW, ldy, K, scale);
   }
 }
 
