@@ -8,7 +8,8 @@ model without the engine's oneDNN linears; at --dtype float32 also in bfloat16, 
 the faster of the two, named in the title and the JSON's `hf_ar_dtype`: HF at its best dtype on the
 machine; the "same as HF AR" column stays against the fp32 row), HF generate(prompt_lookup_num_tokens=4), the built-in engine
 autoregressive with each forward (`hf`: transformers' model; `lean`: engine/models/forward.py, eager and compiled),
-built-in n-gram at several depths on the fastest forward. EAGLE rows only with --eagle-head (a trained head).
+built-in n-gram at several depths on the fastest forward. EAGLE rows only with --eagle-head (a trained head);
+with --weights, n-gram and EAGLE rows at each format.
 The lean rows follow the machine's calibrated linear plan (engine.builtin.linear_plan); --compare-plans adds
 the compiled AR and deepest n-gram rows, and a curve column, under the default (AVX2-tuned) plan.
 
@@ -18,7 +19,7 @@ bandwidth allows (the AR limit). Then the verification curve: the cost of one ta
 a tree of n tokens, relative to a one-token (AR) step, for n = 1..64, per forward. Compile time is
 reported apart and never counted in tok/s. Prints tables; the last line is one JSON object.
 With --weights, the native step also runs at each further weight format (engine.builtin.weights:
-bf16, fp8): its AR and n-gram rows, its bytes read per token and bandwidth limit, and its curve
+bf16, fp8): its AR, n-gram and EAGLE rows, its bytes read per token and bandwidth limit, and its curve
 column, all in the same interleaved run; a format's rows compare their output with its own AR row.
 Timings are noisy when the CPUs are shared: compare rows of one run, never absolute figures.
 """
@@ -259,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.eagle_head:
         for d, k, b in ((3, 1, 4), (4, 4, 8)):
             spec = SpecConfig(method="eagle", depth=d, topk=k, budget=b, head_path=args.eagle_head)
-            runs[f"built-in {best_fwd}, EAGLE {spec.key()[6:]}"] = lambda p, n, spec=spec: builtin_generate(fast, p, n, spec)
+            for fwd in spec_fwds:
+                runs[f"built-in {fwd}, EAGLE {spec.key()[6:]}"] = \
+                    lambda p, n, spec=spec, eng=engines[fwd]: builtin_generate(eng, p, n, spec)
     for fn in runs.values():  # warm-up: first calls allocate and pick kernels
         fn(prompts[0], 8)
     acc = {name: {"tokens": 0, "seconds": 0.0, "forwards": 0, "outputs": [], "ttft": 0.0} for name in runs}
@@ -333,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["best_spec_vs_hf_ar"] = round(best["tok_s"] / hf_ar, 3)
     per = Table(title="per weight format (native step): bytes read per token, the copy-bandwidth limit, AR and best n-gram")
     for col in ("weights", "MB per token", "AR limit tok/s", "AR tok/s", "of limit", "AR decode of limit",
-                "best n-gram tok/s", "its tau", "vs own AR"):
+                "best n-gram tok/s", "its tau", "vs own AR", "best EAGLE tok/s", "its tau", "vs own AR"):
         per.add_column(col, justify="right")
     summary["weights"] = {}
     for w in formats:
@@ -342,14 +345,19 @@ def main(argv: list[str] | None = None) -> int:
         lim = bw * 1e9 / nbytes
         ar_w = by[f"built-in {fwd}, autoregressive"]
         ng = max((r for n, r in rows if n.startswith(f"built-in {fwd}, n-gram")), key=lambda r: r["tok_s"], default=None)
+        eg = max((r for n, r in rows if n.startswith(f"built-in {fwd}, EAGLE")), key=lambda r: r["tok_s"], default=None)
         summary["weights"][w] = {"weight_bytes": nbytes, "ar_limit_tok_s": round(lim, 2), "ar_tok_s": round(ar_w["tok_s"], 2),
                                  "ar_of_limit": round(ar_w["tok_s"] / lim, 3),
                                  "ar_decode_of_limit": round(ar_w["decode_tok_s"] / lim, 3),
                                  "best_ngram_tok_s": None if ng is None else round(ng["tok_s"], 2),
-                                 "best_ngram_tau": None if ng is None else round(ng["tau"], 3)}
+                                 "best_ngram_tau": None if ng is None else round(ng["tau"], 3),
+                                 "best_eagle_tok_s": None if eg is None else round(eg["tok_s"], 2),
+                                 "best_eagle_tau": None if eg is None else round(eg["tau"], 3)}
         per.add_row(w, f"{nbytes / 1e6:.0f}", f"{lim:.1f}", f"{ar_w['tok_s']:.1f}", f"{ar_w['tok_s'] / lim:.0%}",
                     f"{ar_w['decode_tok_s'] / lim:.0%}", "-" if ng is None else f"{ng['tok_s']:.1f}",
-                    "-" if ng is None else f"{ng['tau']:.2f}", "-" if ng is None else f"{ng['tok_s'] / ar_w['tok_s']:.2f}")
+                    "-" if ng is None else f"{ng['tau']:.2f}", "-" if ng is None else f"{ng['tok_s'] / ar_w['tok_s']:.2f}",
+                    "-" if eg is None else f"{eg['tok_s']:.1f}", "-" if eg is None else f"{eg['tau']:.2f}",
+                    "-" if eg is None else f"{eg['tok_s'] / ar_w['tok_s']:.2f}")
     console.print(per)
 
     if not args.no_curve:

@@ -21,8 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.models import native
+from tuner.schema.precision import NATIVE_HEAD_DIMS
 
-HEAD_DIMS = (16, 32, 64, 128)  # head sizes the kernel is built for (SmolLM2 64, Llama/Qwen 64-128, tiny test models 16)
+# head sizes the kernel is built for (SmolLM2 64, Llama/Qwen 64-128, tiny test models 16); the config reads them too
+HEAD_DIMS = NATIVE_HEAD_DIMS
 
 # One (sequence, kv head) task: `attend_one`. Shared with the native decode step
 # (engine.models.decode_step), which runs it inside its own parallel region.

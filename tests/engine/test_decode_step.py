@@ -233,3 +233,23 @@ def test_pack_holds_the_rounded_weight(weights: str) -> None:
     assert (scale != 1.0) == (weights == "fp8")
     torch.testing.assert_close(smallm.unpack(packed, scale, w.shape[0]), w, rtol=1e-6, atol=0)
     assert not packed.float().transpose(1, 2).reshape(-1, 37)[w.shape[0]:].any()
+
+
+def test_a_row_is_the_same_in_any_step(pair) -> None:
+    """Batch invariance at every format: a sequence's 2-row chain alone (one pass over each weight
+    block) and beside another sequence's 12-row chain (14 rows: two passes, a bf16 / fp8 block widened
+    once into fp32 for both) give bit-identical logits and hidden states. (A single row keeps two
+    k-rows in flight, another summation order: it is compared within fp32 rounding elsewhere.)"""
+    _, fw = pair
+    rng = random.Random(5)
+    prompts = [[rng.randrange(49152) for _ in range(n)] for n in (21, 30)]
+    tok, chain = [rng.randrange(49152) for _ in range(2)], [rng.randrange(49152) for _ in range(12)]
+    with torch.inference_mode():
+        pool = KVPool(fw.model, 2, 64)
+        a, b = pool.acquire(64), pool.acquire(64)
+        fw.step(a, prompts[0])
+        fw.step(b, prompts[1])
+        (h1, l1, _), = fw.step_batch([a], [tok], [None], [None], [False])
+        a.crop(len(prompts[0]))
+        (h2, l2, _), _ = fw.step_batch([a, b], [tok, chain], [None, None], [None, None], [False, True])
+    assert torch.equal(l1, l2) and torch.equal(h1, h2)

@@ -305,7 +305,7 @@ def test_cuda_graphs_equal_eager() -> None:
 
 @pytest.mark.slow
 def test_smollm2_logits_equal_hf() -> None:
-    cfg = load_config(["model=smollm2-135m", "engine.builtin.onednn_linears=false"])
+    cfg = load_config(["model=smollm2-135m", "engine.builtin.onednn_linears=false", "engine.builtin.weights=fp32"])
     target = load_target(cfg.model, cfg.engine.builtin, cfg.cache_dir, cfg.seed)
     fw = lean_forward(target)
     ids = target.tokenizer.encode("def quicksort(xs):\n    ")

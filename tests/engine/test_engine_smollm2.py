@@ -19,7 +19,7 @@ N_NEW = 32
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return open_engine(load_config(["spec.method=off"]))
+    return open_engine(load_config(["spec.method=off", "engine.builtin.weights=fp32"]))  # exact against HF
 
 
 @pytest.fixture(scope="module")

@@ -151,3 +151,24 @@ def test_gpu_estimate_holds_the_values_at_dtype() -> None:
     b = cfg.engine.builtin.model_copy(update={"device": "cuda", "dtype": "bfloat16", "weights": "fp8"})
     problem = builtin_fit_problem(big, hw, b)  # 47 GiB at 1 byte would fit one 80 GiB GPU; 93 do not
     assert problem is not None and "50B params x 2 bytes at bfloat16" in problem[1]
+
+
+def test_auto_weights_resolve_where_the_engine_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """engine.builtin.weights=auto stays in the config (a manifest's pod resolves it on its node) and
+    the engine resolves it with the config's rule (tuner.schema.precision) on the machine it loads on:
+    bf16 for the packaged model on a CPU with native bf16, fp32 on an AVX2-only CPU and on CUDA; the
+    tiny test model keeps fp32 (and loads so: its native step runs on fp32 weights)."""
+    from engine.models.target import resolve_weights
+    from tuner.schema import precision
+    from tuner.schema.config import builtin_weights
+
+    cfg = load_config([])
+    assert cfg.engine.builtin.weights == "auto"
+    cpu = torch.device("cpu")
+    for flags, want in (({"avx2", "avx512f", "avx512_bf16"}, "bf16"), ({"avx2", "amx_bf16"}, "bf16"), ({"avx2"}, "fp32")):
+        monkeypatch.setattr(precision, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert resolve_weights(cfg.engine.builtin, cfg.model, cpu) == builtin_weights(cfg) == want, flags
+        assert resolve_weights(cfg.engine.builtin, cfg.model, torch.device("cuda")) == "fp32"
+    monkeypatch.undo()
+    tiny = open_engine(load_config(TINY))
+    assert tiny.lean.model.weights == "fp32"

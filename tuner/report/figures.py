@@ -18,7 +18,7 @@ import optuna
 import yaml
 from optuna.trial import FrozenTrial, TrialState
 
-from tuner.schema.config import Arms, BestResult, Config, measured_weights
+from tuner.schema.config import Arms, BestResult, Config, measured_weights, weights_reason
 from tuner.study.selection import describe, leader
 from tuner.study.studies import FAIL_REASON, NOISE_REL, role
 
@@ -502,6 +502,9 @@ def run_summary(study: optuna.Study, best: BestResult | None, cfg: Config | None
     rows: list[tuple[str, str]] = []
     if cfg is not None:
         rows.append(("model", f"{cfg.model.name} ({cfg.model.hf_id}; measured: {measured_weights(cfg)})"))
+        why = pv.weights_reason if pv is not None and pv.weights_reason else weights_reason(cfg)
+        if why:
+            rows.append(("weights", why))
         rows.append(("hardware", f"{cfg.hardware.name} ({cfg.hardware.accelerator}, "
                                  + (f"{cfg.hardware.gpu_count} GPU(s))" if cfg.hardware.accelerator == "cuda"
                                     else f"{cfg.hardware.cpu_cores} cores)")))

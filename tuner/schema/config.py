@@ -20,6 +20,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from tuner.schema.results import (ArmLevel, Arms, BestResult, Capacity, CapacityProbe, Figures, PartResult,
                                   ProjectedPoint, Projection, Provenance)
 from tuner.schema.methods import SpecMethod, engine_refusal, head_methods, search_refusal
+from tuner.schema.precision import auto_weights
 from tuner.schema.spec import SpecConfig, UserError
 from tuner.schema.spec import Strict as _Strict
 
@@ -28,7 +29,7 @@ __all__ = ["SLO", "ArmLevel", "Arms", "BenchConfig", "BestResult", "BuiltinEngin
            "HardwareConfig", "IntRange", "LaunchedEngineConfig", "Level", "ModelConfig", "ProjectedPoint", "Projection",
            "MixPart", "PACKAGED_SOURCES", "PartResult", "Provenance", "Rate", "RequestFormat", "SearchConfig", "SecretRef",
            "ServeConfig", "SpecConfig", "SpecMethod", "TrainConfig", "UserError", "WorkloadConfig",
-           "level_name", "measured_weights", "storage_password_error"]
+           "level_name", "measured_weights", "storage_password_error", "weights_reason", "builtin_weights"]
 
 
 class GGUFSource(_Strict):
@@ -291,8 +292,10 @@ class BuiltinEngineConfig(_Strict):
     # the weights the engine computes with (engine.models.fp8): fp32; bf16 (the served checkpoint's
     # dtype); fp8 (vLLM's --quantization fp8: e4m3 decoder linears, one scale per fused tensor). The
     # native step reads them at that size (2 or 1 bytes a weight); activations, norms, attention and
-    # the KV cache stay in `dtype`. auto: fp8 where the deployment serves FP8 (deploy.quantization=fp8),
-    # so trials measure the acceptance of the served weights; else fp32 (resolved when the config loads)
+    # the KV cache stay in `dtype`. auto: fp8 where the deployment serves FP8 (deploy.quantization=fp8,
+    # resolved when the config loads), so trials measure the acceptance of the served weights; else
+    # per machine, where the engine loads (tuner.schema.precision): bf16 where the native step runs on
+    # a CPU with native bf16 (avx512_bf16, AMX) for a model of at least 0.1B parameters, else fp32
     weights: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
     threads: int | None = Field(None, ge=1)
     onednn_linears: bool = True  # CPU fp32: linears through oneDNN (engine/models/kernels.py); false: plain nn.Linear
@@ -865,8 +868,8 @@ class Config(_Strict):
         if b.compile == "auto":  # resolved here, so every consumer (and config.yaml) sees a bool
             on = b.forward == "lean" and b.dtype == "float32" and self.model.params_b >= COMPILE_AUTO_MIN_B
             self.engine.builtin = b = b.model_copy(update={"compile": on})  # a copy: the default instance is shared
-        if b.weights == "auto":
-            self.engine.builtin = b.model_copy(update={"weights": "fp8" if self.deploy.quantization == "fp8" else "fp32"})
+        if b.weights == "auto" and self.deploy.quantization == "fp8":  # the rest of auto is per machine
+            self.engine.builtin = b.model_copy(update={"weights": "fp8"})
         refusal = engine_refusal(self.spec.method, self.spec.topk, self.engine.kind)
         if refusal:
             raise ValueError(refusal)
@@ -960,6 +963,32 @@ def trained_drafts(cfg: "Config") -> tuple[str, ...]:
     return tuple(out)
 
 
+def auto_weights_of(cfg: "Config") -> tuple[str, str]:
+    """(format, reason in one line) that engine.builtin.weights=auto takes for cfg on this machine."""
+    b, m = cfg.engine.builtin, cfg.model
+    return auto_weights(quantization=cfg.deploy.quantization, device=b.device, accelerator=cfg.hardware.accelerator,
+                        dtype=b.dtype, forward=b.forward, native_step=b.native_step, params_b=m.params_b,
+                        head_dim=m.head_dim)
+
+
+def builtin_weights(cfg: "Config") -> str:
+    """The format the built-in engine of cfg computes with on this machine (auto resolved)."""
+    w = cfg.engine.builtin.weights
+    return auto_weights_of(cfg)[0] if w == "auto" else w
+
+
+def weights_reason(cfg: "Config") -> str | None:
+    """Why the built-in engine of cfg measures at its weights on this machine, in one line (best.yaml's
+    provenance.weights_reason and the report); None for a launched engine."""
+    if cfg.engine.kind != "builtin":
+        return None
+    auto, why = auto_weights_of(cfg)
+    w = cfg.engine.builtin.weights
+    if w in ("auto", auto):
+        return f"{auto}: {why}"
+    return f"{w}: set in engine.builtin.weights (auto takes {auto} here: {why})"
+
+
 # engine.builtin.weights in measured_weights' words
 WEIGHT_WORDS = {"bf16": "weights rounded to bf16",
                 "fp8": "fp8 e4m3 weights with per-tensor scales (vLLM's --quantization fp8; embeddings and lm_head bf16)"}
@@ -980,8 +1009,8 @@ def measured_weights(cfg: "Config") -> str:
         what = f"hub {m.hf_id}"
     if kind == "builtin":
         b = cfg.engine.builtin
-        run = ([f"run in {b.dtype}"] if b.dtype != "float32" else []) + (
-            [WEIGHT_WORDS[b.weights]] if b.weights not in ("fp32", "auto") else [])
+        w = builtin_weights(cfg)
+        run = ([f"run in {b.dtype}"] if b.dtype != "float32" else []) + ([WEIGHT_WORDS[w]] if w != "fp32" else [])
     else:
         launched = getattr(cfg.engine, kind)
         gpu = cfg.hardware.accelerator == "cuda"

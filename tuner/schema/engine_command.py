@@ -97,7 +97,7 @@ def server_settings(cfg: Config, kind: Kind) -> ServerSettings:
         extra = tuple(d.extra_args) if d.target == "builtin" else ()
         return ServerSettings(kind="builtin", dtype=e.dtype, quantization="fp8" if e.weights == "fp8" else None,
                               served_names=(m.name,), extra_args=extra, builtin_overrides=over,
-                              builtin_weights=None if e.weights == "fp32" else e.weights)  # fp32: the default
+                              builtin_weights=None if e.weights == "auto" else e.weights)  # auto: per node
     ecfg = launched_section(cfg, kind)
     gpu = hw.accelerator == "cuda"
     tp = tensor_parallel_size(m, hw, d) if gpu else 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tuner.schema.precision import packed_copies
 from tuner.schema.config import (BuiltinEngineConfig, Config, DeployConfig, HardwareConfig, ModelConfig, UserError,
                                  trained_drafts)
 
@@ -23,13 +24,6 @@ def builtin_load_gib(model: ModelConfig) -> float:
 
 # bytes a weight takes in each engine.builtin.weights format's packed copy (engine.models.smallm.pack)
 FORMAT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
-
-
-def packed_copies(fp32_bytes: float, memory_bytes: float) -> tuple[bool, bool]:
-    """Whether CPU fp32 weights of `fp32_bytes` get (oneDNN's packed copy, the native step's packed copy)
-    on a machine of `memory_bytes`: each copy only while the copies take at most a quarter of it
-    (engine.models.kernels.pack_weights follows this rule; the memory estimate counts it)."""
-    return fp32_bytes <= memory_bytes / 4, 2 * fp32_bytes <= memory_bytes / 4
 
 
 def builtin_weight_bytes(model: ModelConfig, dtype: str, weights: str, cpu: bool,

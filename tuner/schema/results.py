@@ -48,6 +48,8 @@ class Provenance(_Strict):
     # dequantized, and which the manifests serve (model.hf_id): a winner tuned on the one is served on the other.
     measured_weights: str | None = None
     served_weights: str | None = None
+    # why the built-in engine measured at its engine.builtin.weights, one line (tuner.schema.config.weights_reason)
+    weights_reason: str | None = None
     spectune_version: str = "0.1.0"
     server: MeasuredServer | None = None  # vLLM / SGLang studies: the measured server's version and settings
 

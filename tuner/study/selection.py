@@ -22,7 +22,7 @@ from engine.measure.stats import geomean, log_interval, log_spread, ratio_bounds
 from tuner.study.objective import OFF, Objective, spec_of
 from tuner.schema.engine_command import measured_server
 from tuner.schema.config import (ArmLevel, Arms, BestResult, Config, Figures, Level, PartResult, Provenance, Rate,
-                                 SpecConfig, level_name, measured_weights)
+                                 SpecConfig, level_name, measured_weights, weights_reason)
 from tuner.study.storage import mask_url, storage_url
 from tuner.study.studies import role
 
@@ -395,6 +395,7 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
             date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             model=cfg.model.name, hardware=cfg.hardware.name, engine=cfg.engine.kind, workload=cfg.workload.name,
             measured_weights=measured_weights(cfg), served_weights=cfg.model.hf_id,
+            weights_reason=weights_reason(cfg),
             server=measured_server(cfg, getattr(objective.measure, "engine_version", None) if objective else None)),
     )
 
