@@ -142,15 +142,13 @@ def _answer_data(job: TrainJob, engine, prompts: Sequence, key: str, thash: str,
                  aux_layers: Sequence[int] | None, workloads: Sequence[WorkloadConfig]) -> DistillData:
     """The target's answers to the prompts (stage 2), saved at path."""
     tc, chat = job.train, job.workload.chat_template
-    tok = engine.tokenizer
-    pad = tok.pad_token_id if tok.pad_token_id is not None else min(engine.eos)
 
     def progress(done: int, total: int, tokens: int, seconds: float) -> None:
         if report:
             report("generate", done, total, {"tokens": tokens, "tok_s": tokens / max(seconds, 1e-9)})
 
     encoded = [encode(engine, p, chat) for p in prompts]  # a file's request: its own turns
-    data = generate_answers(engine.model, encoded, tc.max_new_tokens, engine.eos, pad, tc.gen_batch, tc.label_topk,
+    data = generate_answers(engine.forward, encoded, tc.max_new_tokens, engine.eos, tc.gen_batch, tc.label_topk,
                             aux_layers=aux_layers, on_progress=progress,
                             meta={"key": key, "target": thash, "sources": _sources(prompts),
                                   "workloads": [job.workload.name, *[w.name for w in workloads]]})

@@ -51,7 +51,7 @@ def prompts(engine: Engine) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def data(engine: Engine, prompts) -> DistillData:
-    return generate_answers(engine.model, prompts, 24, engine.eos, 0, batch=4, topk=4)
+    return generate_answers(engine.forward, prompts, 24, engine.eos, batch=4, topk=4)
 
 
 def test_prompts_exclude_every_heldout_prompt_and_mix_sources() -> None:
@@ -84,8 +84,13 @@ def test_stdlib_code_prompts_look_like_humaneval() -> None:
 
 
 def test_batched_answers_equal_batch1_greedy(engine: Engine, prompts) -> None:
-    """Left padding, the per-row positions and dropping finished rows must not change a token."""
-    res = answer_batch(engine.model, prompts[:4], 20, engine.eos, 0, topk=4)
+    """Prefilling together, the per-row positions and dropping finished rows must not change a token,
+    through the engine's forward and through transformers' behind the same interface."""
+    from engine.models.hf_forward import HFForward
+
+    res = answer_batch(engine.forward, prompts[:4], 20, engine.eos, topk=4)
+    hf = answer_batch(HFForward(engine.model), prompts[:4], 20, engine.eos, topk=4)
+    assert [r["answer"] for r in hf] == [r["answer"] for r in res]
     for p, r in zip(prompts[:4], res):
         assert engine.generate(p, SamplingParams(max_new_tokens=20)).tokens == r["answer"]
         # features are the target's final normed hidden states of prompt + answer (but the last token)
@@ -103,11 +108,11 @@ def test_batched_answers_equal_batch1_greedy(engine: Engine, prompts) -> None:
 def test_early_eos_rows_leave_the_batch(engine: Engine, prompts) -> None:
     """A row that ends early leaves the batch (its cache rows are dropped); the rows that go on must
     still produce exactly their batch-1 greedy answers."""
-    first = answer_batch(engine.model, prompts[:1], 3, engine.eos, 0)[0]["answer"]
+    first = answer_batch(engine.forward, prompts[:1], 3, engine.eos)[0]["answer"]
     stop = first[1]  # make prompt 0's second token an EOS: it finishes at step 2
-    res = answer_batch(engine.model, prompts[:3], 12, engine.eos | {stop}, 0)
+    res = answer_batch(engine.forward, prompts[:3], 12, engine.eos | {stop})
     assert res[0]["answer"] == first[:2]
-    full = answer_batch(engine.model, prompts[1:3], 12, engine.eos, 0)
+    full = answer_batch(engine.forward, prompts[1:3], 12, engine.eos)
     for r, f, p in zip(res[1:], full, prompts[1:3]):
         cut = next((i + 1 for i, t in enumerate(f["answer"]) if t == stop), len(f["answer"]))
         assert r["answer"] == f["answer"][:cut]
@@ -366,7 +371,7 @@ def test_eagle3_head_trains_saves_in_the_vllm_layout_and_serves(engine: Engine, 
     from engine.models.eagle3_head import default_aux_layers, load_eagle3
 
     layers = default_aux_layers(engine.model.config.num_hidden_layers)
-    data = generate_answers(engine.model, prompts, 24, engine.eos, 0, batch=4, topk=4, aux_layers=layers)
+    data = generate_answers(engine.forward, prompts, 24, engine.eos, batch=4, topk=4, aux_layers=layers)
     h = engine.model.config.hidden_size
     assert data.aux.shape == (data.num_tokens, 3 * h)
     with torch.no_grad():
