@@ -18,7 +18,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from engine.measure.stats import geomean, log_interval, log_spread, ratio_bounds
+from engine.measure.stats import geomean, log_interval, ratio_bounds
 from tuner.study.objective import OFF, Objective, spec_of
 from tuner.schema.engine_command import measured_server
 from tuner.schema.config import (BestResult, Config, Figures, Level, PartResult, Provenance, SpecConfig,
@@ -185,14 +185,14 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
     measured head to head, one pair each per round in alternating order with the baseline,
     until every one is separated from the leader or tied with it (`unresolved`), at most
     CONFIRM_ROUNDS rounds; each pair is a COMPLETE trial with role `confirm`. It runs only when
-    the study's baseline passes spread beyond search.noise_rel (on a quiet machine the trials'
-    own figures stand, and the study takes no longer) and some contender reads at least
-    1 + noise_rel. Returns the pairs measured."""
+    the machine's noise rose above its floor during the study (Objective.noise_rose: at the floor
+    the trials' own figures stand, and the study takes no longer) and some contender reads at
+    least 1 + noise_rel. Returns the pairs measured."""
     trials = study.get_trials(deepcopy=False)
-    spread = log_spread(objective.baseline_history())
-    if spread is None or spread <= noise_rel:
+    rose = objective.noise_rose()
+    if rose is None:
         return 0
-    noise = max(noise_rel, spread)
+    noise = max(noise_rel, rose)
     field_ = contenders(trials, noise)
     # nothing to confirm when no contender even reads what the winner rule asks (1 + noise_rel):
     # the slowdown trap needs no head-to-head
@@ -203,7 +203,7 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
     open_ = unresolved(others, lead_known, noise)
     if not open_:
         return 0
-    log(f"confirmation round: baseline passes spread {spread:.1%} (above search.noise_rel={noise_rel:g}); "
+    log(f"confirmation round: the baseline passes spread {rose:.1%}, above the machine's floor; "
         f"{lead_spec.key()} head to head with {', '.join(others[i][0].key() for i in open_)}")
     head: dict[str, list[float]] = {}
     pairs = 0
