@@ -229,13 +229,15 @@ def ensure_trained(job: TrainJob, method: str, train: Callable[[Any, DistillData
     engine = open_engine(job, engine)
     t0 = time.perf_counter()
     data = build_data(job, engine, workloads, report, aux_layers(engine))
+    data_s = time.perf_counter() - t0  # the answers when made now, else loading them
     save, summary = train(engine, data)
     if out.exists():
         shutil.rmtree(out)
     save(out)
     meta = {"target": job.model.name, "target_hash": target_hash(job), "workload": job.workload.name,
             "method": method, "data": dict(data.meta), "train": job.train.model_dump(mode="json"),
-            "seed": job.train.seed, **summary, "total_seconds": round(time.perf_counter() - t0, 1)}
+            "seed": job.train.seed, **summary, "data_seconds": round(data_s, 1),
+            "total_seconds": round(time.perf_counter() - t0, 1)}
     (out / META).write_text(json.dumps(meta, indent=2) + "\n")
     if work is not None:
         shutil.rmtree(work, ignore_errors=True)

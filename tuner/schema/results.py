@@ -135,3 +135,6 @@ class BestResult(_Strict):
     capacity: Capacity | None = None  # search.capacity=true: the SLO-attained rate of the baseline and the winner
     parts: list[PartResult] = []  # a mixed workload: the winner per part
     skipped_requests: int = 0  # the user's requests the engine refused as such (counted, not played)
+    # wall seconds of each phase of the run that wrote it, in order (engine load, a draft's answers
+    # and training when made in that run, trials, confirmation round, held-out check)
+    phases_s: dict[str, float] = {}

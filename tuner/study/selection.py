@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -360,8 +361,10 @@ def compute_best(cfg: Config, study: optuna.Study, run_dir: Path, objective: Obj
     """Pick the winner from the study's trials and assemble best.yaml. With an objective (an
     engine) at hand, the confirmation round runs first and the winner is re-measured on the
     held-out prompts after; without one, both are left out."""
+    t0 = time.monotonic()
     if objective is not None and not cfg.search.multi_objective:
         confirm(study, objective, cfg.search.noise_rel, log)
+    t1 = time.monotonic()
     win = pick_winner(study.get_trials(deepcopy=False), cfg.search.noise_rel, cfg.workload.levels)
     if objective is None and cfg.workload.num_heldout > 0:
         cfg = cfg.model_copy(deep=True)
@@ -371,6 +374,7 @@ def compute_best(cfg: Config, study: optuna.Study, run_dir: Path, objective: Obj
     if cfg.workload.mix and objective is not None:
         log(f"measuring the winner on each of the {len(cfg.workload.mix)} parts of the mix")
     best = best_result(cfg, study, run_dir, win, objective)
+    best.phases_s = {"confirmation": round(t1 - t0, 1), "held-out": round(time.monotonic() - t1, 1)}
     if cfg.search.capacity:
         if objective is None:  # a finaliser without an engine: the rates cannot be measured here
             log("search.capacity=true: not measured (no engine in this process); best.yaml has no capacity")
@@ -378,6 +382,8 @@ def compute_best(cfg: Config, study: optuna.Study, run_dir: Path, objective: Obj
             from tuner.study.capacity import describe, measure_capacity
 
             base_tok_s = best.baseline.output_tokens_per_s if best.baseline is not None else None
+            t2 = time.monotonic()
             best.capacity = measure_capacity(cfg, objective.measure, best.spec, base_tok_s, log)
+            best.phases_s["capacity"] = round(time.monotonic() - t2, 1)
             log(describe(best.capacity, best.spec.key()))
     return best
