@@ -33,7 +33,7 @@ from engine.models.eagle3_head import default_aux_layers
 from engine.heads.evaluate import chain_acceptance
 from engine.heads.prompts import collect_prompts, fixed_code_texts
 from engine.measure.workloads import encode
-from engine.heads.schedule import Report, split_prompts
+from engine.heads.schedule import Report, split_prompts, train_precision
 from engine.heads.trainer import train_head
 from engine.heads.vocab import always_kept, build_vocab
 from tuner.schema.config import BuiltinEngineConfig, ModelConfig, TrainConfig, UserError, WorkloadConfig
@@ -93,11 +93,15 @@ def data_key(thash: str, prompts: Sequence, chat_template: bool, tc: TrainConfig
 
 
 def head_key(job: TrainJob, method: str) -> str:
-    """Identity of a head: workload, method and every training setting (a fixed-text supplement that
-    is off is left out, so heads trained before it existed keep their key)."""
-    skip = {"checkpoint_every"} | ({"fixed_text_tokens"} if not job.train.fixed_text_tokens else set())
-    return _short(json.dumps([job.workload.model_dump(mode="json"), method,
-                              job.train.model_dump(mode="json", exclude=skip)], sort_keys=True))
+    """Identity of a head: workload, method and every training setting, the precision as it resolves
+    on this machine (a fixed-text supplement that is off and fp32 training are left out, so heads
+    trained before those settings existed keep their key)."""
+    skip = {"checkpoint_every", "precision"} | ({"fixed_text_tokens"} if not job.train.fixed_text_tokens else set())
+    train = job.train.model_dump(mode="json", exclude=skip)
+    precision = train_precision(job.train, "cuda" if job.builtin.device != "cpu" and torch.cuda.is_available() else "cpu")
+    if precision != "fp32":
+        train["precision"] = precision
+    return _short(json.dumps([job.workload.model_dump(mode="json"), method, train], sort_keys=True))
 
 
 def head_dir(job: TrainJob, method: str = "eagle") -> Path:

@@ -7,6 +7,7 @@ training setting."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -330,6 +331,12 @@ def test_cache_reused_retrain_and_keys_cover_training_settings(engine: Engine, t
     assert P.head_dir(cfg, "eagle3") != p1
     assert P.head_dir(train_job(cfg_of("train.steps=3", "train.epochs=100", "train.prompts=3", "train.fixed_text_tokens=0",
                                        tmp=tmp_path))) == p1  # off: the key of a head trained before the setting existed
+    # fp32 training keeps the key heads had before train.precision existed; bf16 is another head
+    fp32 = P.head_dir(train_job(cfg_of("train.steps=3", "train.epochs=100", "train.prompts=3", "train.precision=fp32",
+                                       tmp=tmp_path)))
+    bf16 = P.head_dir(train_job(cfg_of("train.steps=3", "train.epochs=100", "train.prompts=3", "train.precision=bf16",
+                                       tmp=tmp_path)))
+    assert bf16 != fp32 and p1 in (fp32, bf16)
     fixed = train_job(cfg_of("train.steps=3", "train.epochs=100", "train.prompts=3", "train.fixed_text_tokens=40",
                              tmp=tmp_path))
     assert P.head_dir(fixed) != p1
@@ -436,3 +443,21 @@ def test_training_prompts_are_the_same_in_another_process() -> None:
     runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300).stdout.strip()
             for _ in range(2)}
     assert len(runs) == 1 and len(next(iter(runs))) == 64
+
+
+def test_training_precision_is_bf16_only_where_the_hardware_multiplies_it(monkeypatch, data: DistillData,
+                                                                         engine: Engine, tmp_path) -> None:
+    """auto: bf16 autocast on a CPU with avx512_bf16 or AMX, fp32 on one that would emulate it; a
+    bf16 step trains (fp32 weights) and says so in the summary."""
+    from engine.models import machine
+
+    tc = cfg_of().train
+    monkeypatch.setattr(machine, "cpu_signature", lambda: "AMD EPYC|avx2,avx512f,avx512_bf16|2t")
+    assert S.train_precision(tc) == "bf16" and isinstance(S.step_precision(tc), torch.autocast)
+    monkeypatch.setattr(machine, "cpu_signature", lambda: "AMD EPYC|avx2|2t")
+    assert S.train_precision(tc) == "fp32" and not isinstance(S.step_precision(tc), torch.autocast)
+    bf16 = tc.model_copy(update={"precision": "bf16", "steps": 3, "eval_every": 3})
+    assert S.train_precision(bf16) == "bf16"
+    head, summary = T.train_head(data, engine.model, bf16, None, tmp_path / "w")
+    assert summary["precision"] == "bf16" and summary["steps"] == 3 and math.isfinite(summary["loss_last"])
+    assert all(p.dtype == torch.float32 for p in head.parameters())
