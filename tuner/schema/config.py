@@ -17,13 +17,13 @@ from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from tuner.schema.results import (BestResult, Capacity, CapacityProbe, Figures, PartResult, ProjectedPoint, Projection,
-                                  Provenance)
+from tuner.schema.results import (ArmLevel, Arms, BestResult, Capacity, CapacityProbe, Figures, PartResult,
+                                  ProjectedPoint, Projection, Provenance)
 from tuner.schema.methods import SpecMethod, engine_refusal, head_methods, search_refusal
 from tuner.schema.spec import SpecConfig, UserError
 from tuner.schema.spec import Strict as _Strict
 
-__all__ = ["SLO", "BenchConfig", "BestResult", "BuiltinEngineConfig", "Capacity", "CapacityProbe", "Config",
+__all__ = ["SLO", "ArmLevel", "Arms", "BenchConfig", "BestResult", "BuiltinEngineConfig", "Capacity", "CapacityProbe", "Config",
            "DeployConfig", "DistributedConfig", "DraftSources", "EngineConfig", "Figures", "GGUFSource", "HPAConfig",
            "HardwareConfig", "IntRange", "LaunchedEngineConfig", "Level", "ModelConfig", "ProjectedPoint", "Projection",
            "MixPart", "PACKAGED_SOURCES", "PartResult", "Provenance", "Rate", "RequestFormat", "SearchConfig", "SecretRef",
@@ -428,6 +428,10 @@ class SearchConfig(_Strict):
     # defaults here only for config.yaml files saved before these keys existed
     capacity: bool = False
     capacity_probes: int = Field(8, ge=2, le=32)
+    # the built-in engine: spec.adaptive is searched too (one arm enqueued at the widest bounds) and
+    # compared with the best static schedule and off per level (best.yaml `arms`); False for saved
+    # configs from before the key existed
+    adaptive: bool = False
 
     @field_validator("storage")
     @classmethod
@@ -881,12 +885,9 @@ class Config(_Strict):
             raise ValueError("search.capacity=true finds the highest request rate at which the workload's SLOs hold, "
                              "and none is set: give workload.slo.ttft_p99_ms and/or workload.slo.tpot_p99_ms")
         if self.search.sampler == "model" and w is not None and w.request_rate:
-            raise ValueError("search.sampler=model ranks the space at concurrency 1, and workload.request_rate="
-                             f"{w.request_rate} adds open-loop levels: use another sampler (tpe, random, grid, gp)")
-        if self.search.sampler == "model" and self.workload is not None and len(self.workload.concurrency) > 1:
-            raise ValueError(f"search.sampler=model ranks the space at concurrency 1, and workload.concurrency="
-                             f"{self.workload.concurrency} has several levels: add workload.concurrency=[1], "
-                             "or use another sampler (tpe, random, grid, gp)")
+            raise ValueError("search.sampler=model ranks the space at concurrency levels (requests in flight), and "
+                             f"workload.request_rate={w.request_rate} adds open-loop levels, whose queueing it does not "
+                             "predict: use another sampler (tpe, random, grid, gp)")
         if self.hardware.accelerator == "cpu" and self.engine.kind == "sglang":
             raise ValueError("engine=sglang with hardware=cpu: SGLang needs a CUDA GPU (allowed engines on cpu: builtin, vllm)")
         if self.hardware.accelerator == "cpu" and self.deploy.target == "sglang":

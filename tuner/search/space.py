@@ -4,8 +4,10 @@ Parameters (Optuna names): `method` (only when several are searched), `depth` (`
 for Medusa points), `topk` (tree methods on tree engines only; `tree_topk` where the engine runs
 no chain of the method: SGLang n-gram), `budget` (only when the tree leaves a choice), the
 training-free trees' own (`ngram_match` for n-gram trees, `suffix_spec_factor` and
-`suffix_min_prob` for suffix, each only when several values are searched) and, for chain engines with several concurrency levels, `k_c{level}` (the K of each higher
-concurrency band).
+`suffix_min_prob` for suffix, each only when several values are searched), `adaptive` (the built-in
+engine with search.adaptive: the engine sizes each request's draft per step, depth and budget its
+bounds) and, for chain engines with several concurrency levels, `k_c{level}` (the K of each higher
+concurrency band; a static point's only: an adaptive one has no schedule).
 
 The rules of `SpecConfig` are built into the ranges instead of being rejected afterwards:
 budget is drawn from [depth+1, min(budget_max, 1 + depth*topk)], topk=1 fixes budget=depth+1,
@@ -55,6 +57,7 @@ class SearchSpace:
     ngram_match: tuple[str, ...] = ("bfs",)  # n-gram trees (topk > 1)
     suffix_spec_factor: tuple[float, ...] = (1.0,)
     suffix_min_prob: tuple[float, ...] = (0.1,)
+    adaptive: bool = False  # spec.adaptive is searched (the built-in engine only: it runs the controller)
 
     @classmethod
     def from_config(cls, cfg: Config, head_paths: dict[str, str] | None = None) -> "SearchSpace":
@@ -81,6 +84,7 @@ class SearchSpace:
             ngram_match=tuple(dict.fromkeys(s.ngram_match)),
             suffix_spec_factor=tuple(dict.fromkeys(s.suffix_spec_factor)),
             suffix_min_prob=tuple(dict.fromkeys(s.suffix_min_prob)),
+            adaptive=s.adaptive and cfg.engine.kind == "builtin",
         )
 
     def __post_init__(self) -> None:
@@ -158,8 +162,10 @@ class SearchSpace:
         return bands
 
     def _spec(self, method: str, depth: int, topk: int, budget: int, ks: list[int] | None = None,
-              own: dict[str, Any] | None = None) -> SpecConfig:
+              own: dict[str, Any] | None = None, adaptive: bool = False) -> SpecConfig:
         extra: dict[str, Any] = dict(own or {})
+        if adaptive:
+            extra["adaptive"] = True
         field = method_info(method).draft_field
         if field == "head_path":
             extra["head_path"] = (self.head_paths or {}).get(method)
@@ -180,10 +186,11 @@ class SearchSpace:
         budget = trial.suggest_int("budget", lo, hi) if hi > lo else lo
         own = {name: trial.suggest_categorical(name, list(vals)) if len(vals) > 1 else vals[0]
                for name, vals in self._extras(method, topk)}
+        adaptive = bool(trial.suggest_categorical("adaptive", [False, True])) if self.adaptive else False
         ks = None
-        if self.k_bands:
+        if self.k_bands and not adaptive:
             ks = [trial.suggest_int(f"k_c{hi_}", 0, depth) for _, hi_ in self.k_bands[1:]]
-        return self._spec(method, depth, topk, budget, ks, own)
+        return self._spec(method, depth, topk, budget, ks, own, adaptive)
 
     def params_of(self, spec: SpecConfig) -> dict[str, Any]:
         """The Optuna params that make `suggest` return `spec` (for enqueue_trial)."""
@@ -199,6 +206,8 @@ class SearchSpace:
         for name, vals in self._extras(spec.method, spec.topk):
             if len(vals) > 1:
                 p[name] = getattr(spec, name)
+        if self.adaptive:
+            p["adaptive"] = spec.adaptive
         if self.k_bands and spec.k_per_batch_size:
             for (_, hi_, k) in spec.k_per_batch_size[1:]:
                 p[f"k_c{hi_}"] = k
@@ -207,6 +216,8 @@ class SearchSpace:
     def contains(self, spec: SpecConfig) -> bool:
         """Whether `spec` is a point of this space."""
         if spec.method not in self.methods or not (self.depth_min <= spec.depth <= self.depth_max_of(spec.method)):
+            return False
+        if spec.adaptive and (not self.adaptive or spec.k_per_batch_size):
             return False
         if spec.topk not in self.topk_of(spec.method):
             return False
@@ -235,9 +246,22 @@ class SearchSpace:
                     out.append(spec)
         return out
 
+    def arms(self) -> list[SpecConfig]:
+        """The adaptive arm enqueued after the defaults (search.adaptive): the first searched method
+        at the space's widest bounds, a chain where the engine runs one (the controller shortens it
+        per request and step), else its widest tree. Empty when adaptive is not searched."""
+        if not self.adaptive:
+            return []
+        method = self.methods[0]
+        depth = self.depth_max_of(method)
+        topk = 1 if 1 in self.topk_of(method) else max(self.topk_of(method))
+        point = self.clip(method, depth, topk, self.budget_range(depth, topk)[1])
+        return [SpecConfig.model_validate({**point.model_dump(), "adaptive": True, "k_per_batch_size": None})]
+
     def points(self) -> list[SpecConfig]:
         """Every point of the space (the exhaustive grid), in a fixed order."""
         out: list[SpecConfig] = []
+        seen: set[str] = set()  # a set of dumps: comparing models in a list is quadratic, and a banded space has thousands
         for method in self.methods:
             for depth in range(self.depth_min, self.depth_max_of(method) + 1):
                 for topk in self.topk_of(method):
@@ -252,6 +276,10 @@ class SearchSpace:
                                        if self.k_bands else [None])
                             for ks in band_ks:
                                 spec = self._spec(method, depth, topk, budget, list(ks) if ks is not None else None, own)
-                                if spec not in out:
+                                dump = spec.model_dump_json()
+                                if dump not in seen:
+                                    seen.add(dump)
                                     out.append(spec)
+                            if self.adaptive:  # the same bounds, sized per step by the engine
+                                out.append(self._spec(method, depth, topk, budget, None, own, adaptive=True))
         return out
