@@ -1,10 +1,10 @@
 """Stage 2 of the head pipeline: the target answers the training prompts, batched, greedily.
 
 The head must predict what *this* target says next, so its data is the target's own greedy answers
-(on-policy). Generation is the cost that bounds how much data a head sees, so it is batched: left-
-padded prompts share one forward per step, the KV cache grows in place, and rows that finished leave
-the batch (the cache keeps only the live rows), so a batch costs what its longest answer costs only
-while that answer is the one still running. Everything training needs is captured on the way, so no
+(on-policy). Generation is the cost that bounds how much data a head sees, so it is batched through
+the engine's own forward: the prompts are prefilled in one step, then every step decodes one token
+for each running row in one call (on CPU the native step), and rows that finished leave the batch,
+so a batch costs what its longest answer costs only while that answer is the one still running. Everything training needs is captured on the way, so no
 second pass over the text is needed: the target's final normed hidden state at every position (the
 EAGLE feature) and, at answer positions, the target's top-k next-token probabilities (soft labels).
 """
@@ -16,115 +16,77 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.models.cache import new_cache
 from engine.models.eagle3_head import aux_features
 from engine.heads.data import FIXED_TEXT, DistillData
 
 Progress = Callable[[int, int, int, float], None]  # (prompts done, total, tokens generated, seconds)
 
 
-def _batch_select(cache, rows: torch.Tensor) -> None:
-    """Keep only `rows` (batch indices) in every layer of the cache."""
-    for layer in cache.layers:
-        layer.batch_keep(rows)
-
-
 @torch.inference_mode()
-def answer_batch(model, prompts: Sequence[Sequence[int]], max_new: int, eos: set[int], pad: int,
+def answer_batch(forward, prompts: Sequence[Sequence[int]], max_new: int, eos: set[int],
                  topk: int = 8, aux_layers: Sequence[int] | None = None) -> list[dict]:
-    """Greedy answers to `prompts`, one forward per step for the whole batch.
+    """Greedy answers to `prompts` through the engine's own forward (`Engine.forward`: the lean or
+    native step, or transformers behind the same interface), the live rows of a step in one call.
 
-    Returns per prompt: `answer` (token ids, EOS included when reached), `features` float16
-    [len(prompt)+len(answer)-1, h] for positions 0..n-2 (the last token's feature predicts nothing we
-    keep), `topk_ids` / `topk_probs` [len(answer), k]: the target's distribution for each answer token,
-    and with `aux_layers` (EAGLE-3) `aux` float16 [same positions as features, len(aux_layers)*h]: the
-    inputs of those target layers (residual stream).
+    The prompts are prefilled together, then each step decodes one token for every row still
+    running; a row that finished releases its cache. Returns per prompt: `answer` (token ids, EOS
+    included when reached), `features` float16 [len(prompt)+len(answer)-1, h] for positions 0..n-2
+    (the last token's feature predicts nothing we keep), `topk_ids` / `topk_probs` [len(answer), k]:
+    the target's distribution for each answer token, and with `aux_layers` (EAGLE-3) `aux` float16
+    [same positions as features, len(aux_layers)*h]: the inputs of those target layers.
     """
-    dev = next(model.parameters()).device
+    aux_t = tuple(aux_layers) if aux_layers else None
     b = len(prompts)
-    width = max(len(p) for p in prompts)
-    ids = torch.full((b, width), pad, dtype=torch.long, device=dev)
-    valid = torch.zeros(b, width, dtype=torch.bool, device=dev)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(list(p), device=dev)
-        valid[i, width - len(p):] = True
-    pos = (valid.long().cumsum(1) - 1).clamp(min=0)
-    dtype = next(model.parameters()).dtype
-    neg = torch.finfo(dtype).min
-    causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()
-    allowed = causal[None] & valid[:, None, :]
-    # a padding query row sees nothing; give it itself so softmax stays finite (its output is unused)
-    allowed |= torch.eye(width, dtype=torch.bool, device=dev)[None]
-    mask = torch.zeros(b, 1, width, width, dtype=dtype, device=dev).masked_fill_(~allowed[:, None], neg)
-    cache = new_cache(model.config)
-    want_aux = bool(aux_layers)
-
-    def forward(**kw):
-        out = model.model(**kw, cache=cache, use_cache=True, output_hidden_states=want_aux)
-        aux = aux_features(out.hidden_states, aux_layers)
-        return out.last_hidden_state, aux
-
-    hidden, aux = forward(input_ids=ids, position_ids=pos, attention_mask=mask)
-    feats = [[hidden[i, width - len(p):].to(torch.float16)] for i, p in enumerate(prompts)]
-    auxs = [[aux[i, width - len(p):].to(torch.float16)] for i, p in enumerate(prompts)] if want_aux else None
-    last = hidden[:, -1]
+    pool = forward.pool(b, max(len(p) for p in prompts) + max_new + 1)
+    caches = [pool.acquire(len(p) + max_new + 1) for p in prompts]
+    feats: list[list[torch.Tensor]] = [[] for _ in range(b)]
+    auxs: list[list[torch.Tensor]] = [[] for _ in range(b)]
     answers: list[list[int]] = [[] for _ in range(b)]
     tk_ids: list[list[torch.Tensor]] = [[] for _ in range(b)]
     tk_p: list[list[torch.Tensor]] = [[] for _ in range(b)]
-    live = torch.arange(b, device=dev)  # original row of each cache row
-    key_valid = valid
-    lengths = valid.sum(1)
+    live = list(range(b))
+    outs = forward.step_batch(caches, [list(p) for p in prompts], [None] * b, [None] * b, [True] * b, aux_t)
     for step in range(max_new):
-        logits = model.lm_head(last).float()
-        probs, top = torch.softmax(logits, -1).topk(topk, dim=-1)
-        nxt = top[:, 0]
-        done_rows = []
-        for r, i in enumerate(live.tolist()):
-            t = int(nxt[r])
-            answers[i].append(t)
-            tk_ids[i].append(top[r])
-            tk_p[i].append(probs[r])
-            if t in eos or step == max_new - 1:
-                done_rows.append(r)
-        if len(done_rows) == len(live):
+        nxt: list[int] = []
+        for i, (hidden, logits, aux) in zip(live, outs):
+            feats[i].append(hidden.to(torch.float16))
+            if aux_t:
+                auxs[i].append(aux.to(torch.float16))
+            probs, top = torch.softmax(logits[-1].float(), -1).topk(topk)
+            answers[i].append(int(top[0]))
+            tk_ids[i].append(top)
+            tk_p[i].append(probs)
+        still = [i for i in live if answers[i][-1] not in eos and step < max_new - 1]
+        for i in set(live) - set(still):
+            pool.release(caches[i])
+        live = still
+        if not live:
             break
-        if done_rows:
-            keep = torch.tensor([r for r in range(len(live)) if r not in set(done_rows)], device=dev)
-            _batch_select(cache, keep)
-            live, nxt, key_valid, lengths = live[keep], nxt[keep], key_valid[keep], lengths[keep]
-        key_valid = torch.cat([key_valid, torch.ones(len(live), 1, dtype=torch.bool, device=dev)], 1)
-        step_mask = torch.zeros(len(live), 1, 1, key_valid.shape[1], dtype=dtype, device=dev)
-        step_mask.masked_fill_(~key_valid[:, None, None], neg)
-        out, aux = forward(input_ids=nxt[:, None], position_ids=lengths[:, None], attention_mask=step_mask)
-        lengths = lengths + 1
-        last = out[:, 0]
-        for r, i in enumerate(live.tolist()):
-            feats[i].append(out[r].to(torch.float16))
-            if want_aux:
-                auxs[i].append(aux[r].to(torch.float16))
+        outs = forward.step_batch([caches[i] for i in live], [[answers[i][-1]] for i in live], [None] * len(live),
+                                  [None] * len(live), [True] * len(live), aux_t)
     res = []
     for i in range(b):
-        n = len(prompts[i]) + len(answers[i]) - 1
-        r = {"answer": answers[i], "features": torch.cat(feats[i])[:n].cpu(),
+        r = {"answer": answers[i], "features": torch.cat(feats[i]).cpu(),
              "topk_ids": torch.stack(tk_ids[i]).cpu(), "topk_probs": torch.stack(tk_p[i]).to(torch.float16).cpu()}
-        if want_aux:
-            r["aux"] = torch.cat(auxs[i])[:n].cpu()
+        if aux_t:
+            r["aux"] = torch.cat(auxs[i]).cpu()
         res.append(r)
     return res
 
 
-def generate_answers(model, prompts: Sequence[Sequence[int]], max_new: int, eos: set[int], pad: int,
+def generate_answers(forward, prompts: Sequence[Sequence[int]], max_new: int, eos: set[int],
                      batch: int = 32, topk: int = 8, aux_layers: Sequence[int] | None = None,
                      prompt_idx: Sequence[int] | None = None,
                      on_progress: Progress | None = None, meta: dict | None = None) -> DistillData:
-    """Answer every prompt (batches of similar prompt length) and lay the results out as DistillData."""
+    """Answer every prompt through the engine's forward (batches of similar prompt length) and lay the
+    results out as DistillData."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     results: list[dict | None] = [None] * len(prompts)
     t0 = time.perf_counter()
     done = tokens = 0
     for a in range(0, len(order), batch):
         idx = order[a:a + batch]
-        for i, r in zip(idx, answer_batch(model, [prompts[i] for i in idx], max_new, eos, pad, topk, aux_layers)):
+        for i, r in zip(idx, answer_batch(forward, [prompts[i] for i in idx], max_new, eos, topk, aux_layers)):
             results[i] = r
             tokens += len(r["answer"])
         done += len(idx)

@@ -29,7 +29,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.drafters.draft_model import DRAFT_VOCAB
 from engine.heads.pipeline import TrainJob, ensure_trained
-from engine.heads.schedule import EarlyStop, Report, batch_ids, epoch_steps, lr_at, split_prompts, total_steps
+from engine.heads.schedule import (EarlyStop, Report, batch_ids, epoch_steps, lr_at, split_prompts, step_precision,
+                                   total_steps)
 from engine.heads.vocab import label_index, token_map
 from tuner.schema.config import TrainConfig, UserError, WorkloadConfig
 
@@ -152,7 +153,8 @@ def train_draft_model(data, target: torch.nn.Module, tc: TrainConfig, report: Re
     for step in range(steps):
         for grp in opt.param_groups:
             grp["lr"] = lr_at(tc, step, steps, LR_SCALE)
-        loss, parts = draft_loss(model, lm_w, t2d, make_batch(data, batch_ids(train_seqs, tc, step), tc.seq_len))
+        with step_precision(tc, lm_w.device):
+            loss, parts = draft_loss(model, lm_w, t2d, make_batch(data, batch_ids(train_seqs, tc, step), tc.seq_len))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

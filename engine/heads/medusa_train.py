@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.heads.pipeline import TrainJob, ensure_trained
-from engine.heads.schedule import EarlyStop, Report, lr_at, split_prompts, total_steps
+from engine.heads.schedule import EarlyStop, Report, lr_at, split_prompts, step_precision, total_steps
 from engine.heads.vocab import label_index, token_map
 from engine.models.medusa_head import MedusaHeads, new_heads, save_heads
 from tuner.schema.config import TrainConfig, UserError, WorkloadConfig
@@ -125,7 +125,8 @@ def train_medusa(data, target: torch.nn.Module, name: str, tc: TrainConfig, repo
         for grp in opt.param_groups:
             grp["lr"] = lr_at(tc, step, steps)
         idx = torch.randint(len(tpos), (per_step,), generator=g)
-        loss, acc = medusa_loss(heads, feats[tpos[idx]].float(), tlab[idx])
+        with step_precision(tc, feats.device):
+            loss, acc = medusa_loss(heads, feats[tpos[idx]].float(), tlab[idx])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)

@@ -33,7 +33,7 @@ from engine.models.eagle3_head import default_aux_layers
 from engine.heads.evaluate import chain_acceptance
 from engine.heads.prompts import collect_prompts, fixed_code_texts
 from engine.measure.workloads import encode
-from engine.heads.schedule import Report, split_prompts
+from engine.heads.schedule import Report, split_prompts, train_precision
 from engine.heads.trainer import train_head
 from engine.heads.vocab import always_kept, build_vocab
 from tuner.schema.config import BuiltinEngineConfig, ModelConfig, TrainConfig, UserError, WorkloadConfig
@@ -93,11 +93,15 @@ def data_key(thash: str, prompts: Sequence, chat_template: bool, tc: TrainConfig
 
 
 def head_key(job: TrainJob, method: str) -> str:
-    """Identity of a head: workload, method and every training setting (a fixed-text supplement that
-    is off is left out, so heads trained before it existed keep their key)."""
-    skip = {"checkpoint_every"} | ({"fixed_text_tokens"} if not job.train.fixed_text_tokens else set())
-    return _short(json.dumps([job.workload.model_dump(mode="json"), method,
-                              job.train.model_dump(mode="json", exclude=skip)], sort_keys=True))
+    """Identity of a head: workload, method and every training setting, the precision as it resolves
+    on this machine (a fixed-text supplement that is off and fp32 training are left out, so heads
+    trained before those settings existed keep their key)."""
+    skip = {"checkpoint_every", "precision"} | ({"fixed_text_tokens"} if not job.train.fixed_text_tokens else set())
+    train = job.train.model_dump(mode="json", exclude=skip)
+    precision = train_precision(job.train, "cuda" if job.builtin.device != "cpu" and torch.cuda.is_available() else "cpu")
+    if precision != "fp32":
+        train["precision"] = precision
+    return _short(json.dumps([job.workload.model_dump(mode="json"), method, train], sort_keys=True))
 
 
 def head_dir(job: TrainJob, method: str = "eagle") -> Path:
@@ -142,15 +146,13 @@ def _answer_data(job: TrainJob, engine, prompts: Sequence, key: str, thash: str,
                  aux_layers: Sequence[int] | None, workloads: Sequence[WorkloadConfig]) -> DistillData:
     """The target's answers to the prompts (stage 2), saved at path."""
     tc, chat = job.train, job.workload.chat_template
-    tok = engine.tokenizer
-    pad = tok.pad_token_id if tok.pad_token_id is not None else min(engine.eos)
 
     def progress(done: int, total: int, tokens: int, seconds: float) -> None:
         if report:
             report("generate", done, total, {"tokens": tokens, "tok_s": tokens / max(seconds, 1e-9)})
 
     encoded = [encode(engine, p, chat) for p in prompts]  # a file's request: its own turns
-    data = generate_answers(engine.model, encoded, tc.max_new_tokens, engine.eos, pad, tc.gen_batch, tc.label_topk,
+    data = generate_answers(engine.forward, encoded, tc.max_new_tokens, engine.eos, tc.gen_batch, tc.label_topk,
                             aux_layers=aux_layers, on_progress=progress,
                             meta={"key": key, "target": thash, "sources": _sources(prompts),
                                   "workloads": [job.workload.name, *[w.name for w in workloads]]})
@@ -231,13 +233,15 @@ def ensure_trained(job: TrainJob, method: str, train: Callable[[Any, DistillData
     engine = open_engine(job, engine)
     t0 = time.perf_counter()
     data = build_data(job, engine, workloads, report, aux_layers(engine))
+    data_s = time.perf_counter() - t0  # the answers when made now, else loading them
     save, summary = train(engine, data)
     if out.exists():
         shutil.rmtree(out)
     save(out)
     meta = {"target": job.model.name, "target_hash": target_hash(job), "workload": job.workload.name,
             "method": method, "data": dict(data.meta), "train": job.train.model_dump(mode="json"),
-            "seed": job.train.seed, **summary, "total_seconds": round(time.perf_counter() - t0, 1)}
+            "seed": job.train.seed, **summary, "data_seconds": round(data_s, 1),
+            "total_seconds": round(time.perf_counter() - t0, 1)}
     (out / META).write_text(json.dumps(meta, indent=2) + "\n")
     if work is not None:
         shutil.rmtree(work, ignore_errors=True)

@@ -11,10 +11,14 @@ stopping. One copy, so the three trainers read train.* the same way.
 - LR: linear warm-up for `train.warmup` steps, then cosine decay to 10% of the peak.
 - Early stop: the validation loss every `train.eval_every` steps (and at the last); the best
   weights are kept; training stops after `train.patience` validations without improvement.
+- Precision: a training step's matmuls run in bfloat16 (autocast; fp32 weights, optimizer and
+  validation) where the hardware multiplies bf16 natively (`train.precision=auto`: a GPU, or a CPU
+  with avx512_bf16 or AMX), else in fp32: emulated bf16 is slower than fp32.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -111,3 +115,22 @@ class EarlyStop:
         """Load the best weights validated into `model` (nothing when none was validated)."""
         if self.state["best"] is not None:
             model.load_state_dict(self.state["best"])
+
+
+def train_precision(tc: TrainConfig, device: torch.device | str = "cpu") -> str:
+    """What train.precision means on `device`: "bf16" or "fp32" (auto: bf16 where it is native)."""
+    if tc.precision != "auto":
+        return tc.precision
+    if torch.device(device).type == "cuda":
+        return "bf16"
+    from engine.models.machine import cpu_signature
+
+    flags = cpu_signature().split("|")[-2].split(",")  # "model|flags|threads"
+    return "bf16" if "avx512_bf16" in flags or "amx_bf16" in flags else "fp32"
+
+
+def step_precision(tc: TrainConfig, device: torch.device | str = "cpu") -> contextlib.AbstractContextManager:
+    """The context a training step's forward runs in: bf16 autocast, or nothing (fp32)."""
+    if train_precision(tc, device) == "bf16":
+        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()

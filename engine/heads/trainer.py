@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from engine.models.eagle_head import EagleHead, head_config
 from engine.heads.data import IGNORE, DistillData
-from engine.heads.schedule import EarlyStop, Report, batch_ids, epoch_steps, lr_at, split_prompts, total_steps
+from engine.heads.schedule import (EarlyStop, Report, batch_ids, epoch_steps, lr_at, split_prompts, step_precision,
+                                   total_steps, train_precision)
 from engine.heads.vocab import DraftVocab
 from tuner.schema.config import TrainConfig, UserError
 
@@ -262,7 +263,8 @@ def train_head(data: DistillData, target: torch.nn.Module, tc: TrainConfig, voca
         batch = make_batch(data, batch_ids(train_seqs, tc, step), tc.seq_len, device)
         tokens += int(batch["lens"].sum())
         gen = torch.Generator().manual_seed(tc.seed * 1_000_003 + step)
-        loss, parts = step_loss(net, embed, t2d, batch, tc, tc.noise * rms, gen)
+        with step_precision(tc, device):
+            loss, parts = step_loss(net, embed, t2d, batch, tc, tc.noise * rms, gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
@@ -292,7 +294,8 @@ def train_head(data: DistillData, target: torch.nn.Module, tc: TrainConfig, voca
                "loss_first": state["history"][0] if state["history"] else None,
                "loss_last": state["history"][-1] if state["history"] else None,
                "val_loss": state["val"], "best_val_loss": None if not state["val"] else round(state["best_val"], 5),
-               "train_sequences": len(train_seqs), "val_sequences": len(val_seqs)}
+               "train_sequences": len(train_seqs), "val_sequences": len(val_seqs),
+               "precision": train_precision(tc, device)}
     return head, summary
 
 

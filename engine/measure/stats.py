@@ -88,6 +88,14 @@ def log_spread(xs: list[float]) -> float | None:
     return statistics.stdev([math.log(x) for x in xs])
 
 
+def f95(d1: int, d2: int) -> float:
+    """The one-sided 95% quantile of the F distribution with (d1, d2) degrees of freedom: how far
+    the ratio of two sample variances from one unchanged source can reach by chance."""
+    from scipy.stats import f
+
+    return float(f.ppf(0.95, d1, d2))
+
+
 def rel_half_width(xs: list[float]) -> float | None:
     """The interval's half-width over the mean: the relative noise of the figure (None without
     an interval or with a mean of zero)."""

@@ -7,6 +7,7 @@ training setting."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -51,7 +52,7 @@ def prompts(engine: Engine) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def data(engine: Engine, prompts) -> DistillData:
-    return generate_answers(engine.model, prompts, 24, engine.eos, 0, batch=4, topk=4)
+    return generate_answers(engine.forward, prompts, 24, engine.eos, batch=4, topk=4)
 
 
 def test_prompts_exclude_every_heldout_prompt_and_mix_sources() -> None:
@@ -84,8 +85,13 @@ def test_stdlib_code_prompts_look_like_humaneval() -> None:
 
 
 def test_batched_answers_equal_batch1_greedy(engine: Engine, prompts) -> None:
-    """Left padding, the per-row positions and dropping finished rows must not change a token."""
-    res = answer_batch(engine.model, prompts[:4], 20, engine.eos, 0, topk=4)
+    """Prefilling together, the per-row positions and dropping finished rows must not change a token,
+    through the engine's forward and through transformers' behind the same interface."""
+    from engine.models.hf_forward import HFForward
+
+    res = answer_batch(engine.forward, prompts[:4], 20, engine.eos, topk=4)
+    hf = answer_batch(HFForward(engine.model), prompts[:4], 20, engine.eos, topk=4)
+    assert [r["answer"] for r in hf] == [r["answer"] for r in res]
     for p, r in zip(prompts[:4], res):
         assert engine.generate(p, SamplingParams(max_new_tokens=20)).tokens == r["answer"]
         # features are the target's final normed hidden states of prompt + answer (but the last token)
@@ -103,11 +109,11 @@ def test_batched_answers_equal_batch1_greedy(engine: Engine, prompts) -> None:
 def test_early_eos_rows_leave_the_batch(engine: Engine, prompts) -> None:
     """A row that ends early leaves the batch (its cache rows are dropped); the rows that go on must
     still produce exactly their batch-1 greedy answers."""
-    first = answer_batch(engine.model, prompts[:1], 3, engine.eos, 0)[0]["answer"]
+    first = answer_batch(engine.forward, prompts[:1], 3, engine.eos)[0]["answer"]
     stop = first[1]  # make prompt 0's second token an EOS: it finishes at step 2
-    res = answer_batch(engine.model, prompts[:3], 12, engine.eos | {stop}, 0)
+    res = answer_batch(engine.forward, prompts[:3], 12, engine.eos | {stop})
     assert res[0]["answer"] == first[:2]
-    full = answer_batch(engine.model, prompts[1:3], 12, engine.eos, 0)
+    full = answer_batch(engine.forward, prompts[1:3], 12, engine.eos)
     for r, f, p in zip(res[1:], full, prompts[1:3]):
         cut = next((i + 1 for i, t in enumerate(f["answer"]) if t == stop), len(f["answer"]))
         assert r["answer"] == f["answer"][:cut]
@@ -325,6 +331,12 @@ def test_cache_reused_retrain_and_keys_cover_training_settings(engine: Engine, t
     assert P.head_dir(cfg, "eagle3") != p1
     assert P.head_dir(train_job(cfg_of("train.steps=3", "train.epochs=100", "train.prompts=3", "train.fixed_text_tokens=0",
                                        tmp=tmp_path))) == p1  # off: the key of a head trained before the setting existed
+    # fp32 training keeps the key heads had before train.precision existed; bf16 is another head
+    fp32 = P.head_dir(train_job(cfg_of("train.steps=3", "train.epochs=100", "train.prompts=3", "train.precision=fp32",
+                                       tmp=tmp_path)))
+    bf16 = P.head_dir(train_job(cfg_of("train.steps=3", "train.epochs=100", "train.prompts=3", "train.precision=bf16",
+                                       tmp=tmp_path)))
+    assert bf16 != fp32 and p1 in (fp32, bf16)
     fixed = train_job(cfg_of("train.steps=3", "train.epochs=100", "train.prompts=3", "train.fixed_text_tokens=40",
                              tmp=tmp_path))
     assert P.head_dir(fixed) != p1
@@ -366,7 +378,7 @@ def test_eagle3_head_trains_saves_in_the_vllm_layout_and_serves(engine: Engine, 
     from engine.models.eagle3_head import default_aux_layers, load_eagle3
 
     layers = default_aux_layers(engine.model.config.num_hidden_layers)
-    data = generate_answers(engine.model, prompts, 24, engine.eos, 0, batch=4, topk=4, aux_layers=layers)
+    data = generate_answers(engine.forward, prompts, 24, engine.eos, batch=4, topk=4, aux_layers=layers)
     h = engine.model.config.hidden_size
     assert data.aux.shape == (data.num_tokens, 3 * h)
     with torch.no_grad():
@@ -431,3 +443,21 @@ def test_training_prompts_are_the_same_in_another_process() -> None:
     runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300).stdout.strip()
             for _ in range(2)}
     assert len(runs) == 1 and len(next(iter(runs))) == 64
+
+
+def test_training_precision_is_bf16_only_where_the_hardware_multiplies_it(monkeypatch, data: DistillData,
+                                                                         engine: Engine, tmp_path) -> None:
+    """auto: bf16 autocast on a CPU with avx512_bf16 or AMX, fp32 on one that would emulate it; a
+    bf16 step trains (fp32 weights) and says so in the summary."""
+    from engine.models import machine
+
+    tc = cfg_of().train
+    monkeypatch.setattr(machine, "cpu_signature", lambda: "AMD EPYC|avx2,avx512f,avx512_bf16|2t")
+    assert S.train_precision(tc) == "bf16" and isinstance(S.step_precision(tc), torch.autocast)
+    monkeypatch.setattr(machine, "cpu_signature", lambda: "AMD EPYC|avx2|2t")
+    assert S.train_precision(tc) == "fp32" and not isinstance(S.step_precision(tc), torch.autocast)
+    bf16 = tc.model_copy(update={"precision": "bf16", "steps": 3, "eval_every": 3})
+    assert S.train_precision(bf16) == "bf16"
+    head, summary = T.train_head(data, engine.model, bf16, None, tmp_path / "w")
+    assert summary["precision"] == "bf16" and summary["steps"] == 3 and math.isfinite(summary["loss_last"])
+    assert all(p.dtype == torch.float32 for p in head.parameters())

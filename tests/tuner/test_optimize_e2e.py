@@ -75,6 +75,9 @@ def test_quick_study_end_to_end(tmp_path: Path, engine, capsys) -> None:
     assert best.provenance.study == "s" and best.provenance.model == "tiny-random"
     assert best.heldout is not None and best.heldout.output_tokens_per_s > 0
     assert best.baseline is not None and best.metrics is not None
+    # the engine was given (nothing loaded) and no head trained: the phases the run had, in order
+    assert list(best.phases_s) == ["trials", "confirmation", "held-out"]
+    assert best.phases_s["trials"] > 0 and best.phases_s["held-out"] > 0
     html = (run_dir / "report.html").read_text()
     assert "history.png" in html and best.spec.key() in html
 
@@ -89,7 +92,7 @@ def test_winner_is_off_when_speculation_cannot_help(tmp_path: Path, engine) -> N
     # A random model's drafts are essentially never accepted: n-gram lookup over its random output,
     # and an EAGLE head trained for a few steps on it (engine.heads, cached per target and workload).
     run_dir = _run(tmp_path, engine, "search.methods=[ngram,eagle]", "search.n_trials=7", "train.prompts=4",
-                   "train.steps=5", "train.max_new_tokens=16")
+                   "train.steps=5", "train.max_new_tokens=16", f"cache_dir={tmp_path / 'cache'}")
     study = open_run_study(run_dir)
     methods = {t.user_attrs.get("spec_method") for t in study.trials if t.state == TrialState.COMPLETE}
     # on a busy machine the measured noise gives trials a second repeat, so a 0.2x EAGLE trial may be
@@ -103,6 +106,9 @@ def test_winner_is_off_when_speculation_cannot_help(tmp_path: Path, engine) -> N
     assert best.spec.method == "off"
     assert "slowdown trap" in best.reason and "Acceptance too low" in best.reason
     assert best.speedup == 1.0 and best.heldout_speedup == 1.0
+    # an empty cache: the head's answers and training are phases of this run, timed apart
+    assert list(best.phases_s)[:3] == ["eagle answers", "eagle training", "trials"]
+    assert best.phases_s["eagle training"] > 0
 
 
 def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path: Path, engine) -> None:

@@ -138,9 +138,12 @@ def drive(cfg: Config, run_dir: Path, open_study: Callable[[SearchSpace], optuna
     head_first = needs_head(cfg)
     if before_work is not None and not head_first:
         before_work()
+    phases: dict[str, float] = {}  # wall seconds per phase, in order: best.yaml's phases_s
+    t0 = time.monotonic()
     if engine is None and measure is None and cfg.engine.kind not in LAUNCHED:
         engine = open_engine(cfg)
-    space = SearchSpace.from_config(cfg, head_paths=get_drafts(cfg, engine, quiet))
+        phases["engine load"] = round(time.monotonic() - t0, 1)
+    space = SearchSpace.from_config(cfg, head_paths=get_drafts(cfg, engine, quiet, phases))
     if before_work is not None and head_first:
         before_work()
     study = open_study(space)
@@ -166,8 +169,12 @@ def drive(cfg: Config, run_dir: Path, open_study: Callable[[SearchSpace], optuna
                 from tuner.study.studies import ROLE
 
                 on_trial = Widener(study, space, cfg, run_dir, progress, progress.log, ROLE)
+            t0 = time.monotonic()
             ran = run_trials(study, objective, cfg.search, on_trial)
+            phases["trials"] = round(time.monotonic() - t0, 1)
             best = finish(study, objective, ran, progress.log)
             if best is not None:
+                best.phases_s = {**phases, **best.phases_s}
                 progress.log(f"winner: {best.spec.key()} — {best.reason}")
+                progress.log("time: " + ", ".join(f"{k} {v:.0f} s" for k, v in best.phases_s.items()))
     return study, best

@@ -350,14 +350,17 @@ def existing_draft(cfg: Config, method: str) -> str | None:
     return None
 
 
-def get_drafts(cfg: Config, engine: Engine | None, quiet: bool = False) -> dict[str, str]:
+def get_drafts(cfg: Config, engine: Engine | None, quiet: bool = False,
+               phases: dict[str, float] | None = None) -> dict[str, str]:
     """The trained drafts the searched methods need, by method: n-gram needs none. For each head
     method, in order: `spec.head_path` when spec.method is that method, the model's published head
     on an external engine (`model.draft_sources`), else the cached head of this target and workload
-    or a newly trained one (engine.heads.drafts: the trainer of each method)."""
+    or a newly trained one (engine.heads.drafts: the trainer of each method). A draft trained now
+    adds its wall seconds to `phases`: "<method> answers" (its data) and "<method> training"."""
     from rich.console import Console
 
     from engine.heads.drafts import ensure_draft
+    from engine.heads.pipeline import read_meta
     from tuner.study.progress import head_progress
 
     console = Console(stderr=True, quiet=quiet)
@@ -372,4 +375,8 @@ def get_drafts(cfg: Config, engine: Engine | None, quiet: bool = False) -> dict[
             with head_progress(quiet) as report:
                 out[m] = str(ensure_draft(train_job(cfg), m, engine, workloads=packaged_workloads(cfg),
                                           report=report))
+            if phases is not None:
+                meta = read_meta(out[m])
+                phases[f"{m} answers"] = meta["data_seconds"]
+                phases[f"{m} training"] = round(meta["total_seconds"] - meta["data_seconds"], 1)
     return out

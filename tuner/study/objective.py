@@ -22,17 +22,23 @@ from typing import Any, Protocol, runtime_checkable
 import optuna
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
-from engine.measure.stats import geomean, log_interval, log_spread, tight
+from engine.measure.stats import f95, geomean, log_interval, log_spread, tight
 from tuner.study.limits import TrialClock, TrialTimeout, active_clock, next_repeat_fits
 from tuner.schema.config import Level, Rate, SearchConfig, SpecConfig, WorkloadConfig, level_name
 from tuner.search.space import SearchSpace
-from tuner.study.studies import FAIL_REASON, NOISE, ROLE, role
+from tuner.study.studies import FAIL_REASON, FLOOR, NOISE, ROLE, ROSE, role
 
 OFF = SpecConfig(method="off")
 _CONSTRAINT_PREFIX = "constraints:"  # where Optuna keeps a trial's constraint values (its system attrs)
 # Re-measurements of an implausible pair before its figure is kept (flagged) as it is.
 PLAUSIBILITY_RETRIES = 2
 OUTLIER_HISTORY = 3  # baseline passes before one can be called an outlier (two say little of the spread)
+# The machine's noise floor: the spread of the study's first baseline passes (trial 0's and the
+# first trials' paired baselines: its first minute or so). The recent spread, over the last
+# NOISE_WINDOW passes (a drift over the study is not in it: pairs cancel drift), costs repeats only
+# when it rises above that floor beyond chance.
+FLOOR_PASSES = 6
+NOISE_WINDOW = 6
 
 
 @dataclass
@@ -347,30 +353,80 @@ class Objective:
             outcome.note = self.track_noise()
         return outcome
 
-    def repeats_for(self, noise: float) -> int:
-        """Pairs a trial may take at most on a machine whose baseline passes spread `noise`:
-        search.repeats_max while it is within search.noise_rel (a quiet machine pays nothing
-        more), one more per further noise band, at most twice search.repeats_max."""
-        extra = max(0, math.ceil(noise / max(self.search.noise_rel, 1e-9) - 1e-9) - 1)
-        return min(self.search.repeats_max + extra, 2 * self.search.repeats_max)
+    def repeats_for(self, noise: float, ref: float) -> int:
+        """Pairs a trial may take at most while the recent spread `noise` is above the reference
+        spread `ref` (the floor, at least search.noise_rel): an interval's width goes as
+        noise / sqrt(pairs), so search.repeats_max x (noise / ref)^2 pairs separate configurations
+        as well as search.repeats_max did at the floor; at most twice search.repeats_max."""
+        n = math.ceil(self.search.repeats_max * (noise / max(ref, 1e-9)) ** 2 - 1e-9)
+        return max(self.search.repeats_max, min(n, 2 * self.search.repeats_max))
+
+    def noise_floor(self, history: list[float]) -> tuple[float | None, str | None]:
+        """The machine's noise floor: the spread of the study's first FLOOR_PASSES baseline passes
+        (recorded once, study attr FLOOR, so a resumed or shared study keeps it), None before there
+        are as many; and the one line that says so when it is above search.noise_rel (else None)."""
+        floor = self.study.user_attrs.get(FLOOR)
+        if floor is not None or len(history) < FLOOR_PASSES:
+            return floor, None
+        floor = log_spread(history[:FLOOR_PASSES]) or 0.0
+        self.study.set_user_attr(FLOOR, floor)
+        if floor <= self.search.noise_rel:
+            return floor, None
+        return floor, (f"noise floor: the study's first {FLOOR_PASSES} baseline passes spread {floor:.1%} (above "
+                       f"search.noise_rel={self.search.noise_rel:g}): this machine's ordinary spread; trials repeat "
+                       f"up to {self.search.repeats_max} pairs unless the noise rises above it")
+
+    def noise_rise(self, history: list[float], floor: float | None) -> float | None:
+        """The spread of the last NOISE_WINDOW baseline passes when it is above the floor (at least
+        search.noise_rel) beyond chance: the variance ratio past the one-sided 95% F quantile. Else
+        None, also while the floor is not known yet."""
+        if floor is None or len(history) < NOISE_WINDOW:
+            return None
+        recent = log_spread(history[-NOISE_WINDOW:])
+        ref = max(floor, self.search.noise_rel)
+        if recent is None or (recent / ref) ** 2 <= f95(NOISE_WINDOW - 1, FLOOR_PASSES - 1):
+            return None
+        return recent
+
+    def noise_rose(self) -> float | None:
+        """The highest recent spread that rose above the floor during the study (what turns the
+        confirmation round on), or the current one; None when the noise stayed at its floor. A
+        study too short to know its floor compares its whole spread with search.noise_rel."""
+        history = self.baseline_history()
+        floor = self.study.user_attrs.get(FLOOR)
+        if floor is None and len(history) < FLOOR_PASSES:
+            spread = log_spread(history)
+            return spread if spread is not None and spread > self.search.noise_rel else None
+        floor = floor if floor is not None else log_spread(history[:FLOOR_PASSES])
+        now = self.noise_rise(history, floor)
+        peak = self.study.user_attrs.get(ROSE)
+        return max((x for x in (now, peak) if x is not None), default=None)
 
     def track_noise(self) -> str | None:
         """Measure the machine's noise from the study's baseline passes (trial 0's, then every
-        trial's paired baseline), record it for the pruner's bands (study attr NOISE) and size
-        the repeats by it; one line when that changes what trials do, else None."""
-        spread = log_spread(self.baseline_history())
+        trial's paired baseline): the whole spread widens the pruner's bands (study attr NOISE)
+        when above search.noise_rel; the floor is set from the first passes (noise_floor); a recent
+        spread above it beyond chance (noise_rise) sizes the repeats (repeats_for). One line per
+        decision: the floor when it is above search.noise_rel, each change of the repeats."""
+        history = self.baseline_history()
+        spread = log_spread(history)
         if spread is None:
             return None
         if spread > self.search.noise_rel or NOISE in self.study.user_attrs:
             self.study.set_user_attr(NOISE, spread)
-        n = self.repeats_for(spread)
-        if n == self.repeats_max:
-            return None
-        self.repeats_max = n
-        if spread > self.search.noise_rel:
-            return (f"noise: the baseline passes spread {spread:.1%} (above search.noise_rel={self.search.noise_rel:g}): "
-                    f"trials now repeat up to {n} pairs and bounds widen accordingly")
-        return f"noise: the baseline passes spread {spread:.1%} again: trials repeat up to {n} pairs"
+        floor, line = self.noise_floor(history)
+        lines = [line] if line else []
+        rose = self.noise_rise(history, floor)
+        ref = max(floor or 0.0, self.search.noise_rel)
+        n = self.repeats_for(rose, ref) if rose is not None else self.search.repeats_max
+        if rose is not None:
+            self.study.set_user_attr(ROSE, max(rose, self.study.user_attrs.get(ROSE, 0.0)))
+        if n != self.repeats_max:
+            self.repeats_max = n
+            lines.append(f"noise: the last {NOISE_WINDOW} baseline passes spread {rose:.1%}, above the floor {ref:.1%} "
+                         f"beyond chance: trials now repeat up to {n} pairs" if rose is not None else
+                         f"noise: back at its floor {ref:.1%}: trials repeat up to {n} pairs")
+        return "\n".join(lines) or None
 
     def _run_trial(self) -> TrialOutcome:
         trial = self.study.ask()

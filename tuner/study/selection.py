@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -18,7 +19,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from engine.measure.stats import geomean, log_interval, log_spread, ratio_bounds
+from engine.measure.stats import geomean, log_interval, ratio_bounds
 from tuner.study.objective import OFF, Objective, spec_of
 from tuner.schema.engine_command import measured_server
 from tuner.schema.config import (ArmLevel, Arms, BestResult, Config, Figures, Level, PartResult, Provenance, Rate,
@@ -185,14 +186,14 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
     measured head to head, one pair each per round in alternating order with the baseline,
     until every one is separated from the leader or tied with it (`unresolved`), at most
     CONFIRM_ROUNDS rounds; each pair is a COMPLETE trial with role `confirm`. It runs only when
-    the study's baseline passes spread beyond search.noise_rel (on a quiet machine the trials'
-    own figures stand, and the study takes no longer) and some contender reads at least
-    1 + noise_rel. Returns the pairs measured."""
+    the machine's noise rose above its floor during the study (Objective.noise_rose: at the floor
+    the trials' own figures stand, and the study takes no longer) and some contender reads at
+    least 1 + noise_rel. Returns the pairs measured."""
     trials = study.get_trials(deepcopy=False)
-    spread = log_spread(objective.baseline_history())
-    if spread is None or spread <= noise_rel:
+    rose = objective.noise_rose()
+    if rose is None:
         return 0
-    noise = max(noise_rel, spread)
+    noise = max(noise_rel, rose)
     field_ = contenders(trials, noise)
     # nothing to confirm when no contender even reads what the winner rule asks (1 + noise_rel):
     # the slowdown trap needs no head-to-head
@@ -203,7 +204,7 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
     open_ = unresolved(others, lead_known, noise)
     if not open_:
         return 0
-    log(f"confirmation round: baseline passes spread {spread:.1%} (above search.noise_rel={noise_rel:g}); "
+    log(f"confirmation round: the baseline passes spread {rose:.1%}, above the machine's floor; "
         f"{lead_spec.key()} head to head with {', '.join(others[i][0].key() for i in open_)}")
     head: dict[str, list[float]] = {}
     pairs = 0
@@ -425,8 +426,10 @@ def compute_best(cfg: Config, study: optuna.Study, run_dir: Path, objective: Obj
     """Pick the winner from the study's trials and assemble best.yaml. With an objective (an
     engine) at hand, the confirmation round runs first and the winner is re-measured on the
     held-out prompts after; without one, both are left out."""
+    t0 = time.monotonic()
     if objective is not None and not cfg.search.multi_objective:
         confirm(study, objective, cfg.search.noise_rel, log)
+    t1 = time.monotonic()
     win = pick_winner(study.get_trials(deepcopy=False), cfg.search.noise_rel, cfg.workload.levels)
     if objective is None and cfg.workload.num_heldout > 0:
         cfg = cfg.model_copy(deep=True)
@@ -436,6 +439,7 @@ def compute_best(cfg: Config, study: optuna.Study, run_dir: Path, objective: Obj
     if cfg.workload.mix and objective is not None:
         log(f"measuring the winner on each of the {len(cfg.workload.mix)} parts of the mix")
     best = best_result(cfg, study, run_dir, win, objective)
+    best.phases_s = {"confirmation": round(t1 - t0, 1), "held-out": round(time.monotonic() - t1, 1)}
     if best.arms is not None:
         log(describe_arms(best.arms))
     if cfg.search.capacity:
@@ -445,6 +449,8 @@ def compute_best(cfg: Config, study: optuna.Study, run_dir: Path, objective: Obj
             from tuner.study.capacity import describe, measure_capacity
 
             base_tok_s = best.baseline.output_tokens_per_s if best.baseline is not None else None
+            t2 = time.monotonic()
             best.capacity = measure_capacity(cfg, objective.measure, best.spec, base_tok_s, log)
+            best.phases_s["capacity"] = round(time.monotonic() - t2, 1)
             log(describe(best.capacity, best.spec.key()))
     return best
