@@ -29,6 +29,7 @@ from tuner.search.space import SearchSpace
 from tuner.study.studies import FAIL_REASON, NOISE, ROLE, role
 
 OFF = SpecConfig(method="off")
+ENGINE_VERSION = "engine_version"  # trial user attr: the launched engine's release that measured it
 _CONSTRAINT_PREFIX = "constraints:"  # where Optuna keeps a trial's constraint values (its system attrs)
 # Re-measurements of an implausible pair before its figure is kept (flagged) as it is.
 PLAUSIBILITY_RETRIES = 2
@@ -386,6 +387,7 @@ class Objective:
                     return self._reuse(trial, spec, earlier)
                 figures = self.evaluate(spec, "tune", trial, started)
         except optuna.TrialPruned as exc:
+            self._record_version(trial)
             trial.set_user_attr("prune_reason", str(exc))
             self.study.tell(trial, state=TrialState.PRUNED)
             return TrialOutcome(trial.number, TrialState.PRUNED, spec, reason=str(exc))
@@ -401,6 +403,7 @@ class Objective:
             self._fail(trial, reason)
             return TrialOutcome(trial.number, TrialState.FAIL, spec, reason=reason)
         trial.set_user_attr("duration_s", round(time.monotonic() - started, 3))
+        self._record_version(trial)
         if role(trial) == "baseline" and "reference_tok_s" not in self.study.user_attrs:
             self.study.set_user_attr("reference_tok_s", figures["tok_s"])
         self._constrain(trial, figures)
@@ -411,6 +414,13 @@ class Objective:
         else:
             self.study.tell(trial, value)
         return TrialOutcome(trial.number, TrialState.COMPLETE, spec, figures["tok_s"], figures["speedup"])
+
+    def _record_version(self, trial: optuna.Trial) -> None:
+        """The launched engine's release on the trial it measured: a shared study's finaliser, or a
+        report made from the storage alone, reads it there (tuner.study.selection.measured_version)."""
+        version = getattr(self.measure, "engine_version", None)
+        if version is not None:
+            trial.set_user_attr(ENGINE_VERSION, version)
 
     def _measured(self, spec: SpecConfig) -> optuna.trial.FrozenTrial | None:
         """An earlier COMPLETE or PRUNED trial of the same configuration (a sampler may propose a
@@ -477,6 +487,7 @@ class Objective:
             state=TrialState.COMPLETE, values=[value, tpot if tpot is not None else float("inf")] if self.multi
             else [value], params={}, distributions={},
             user_attrs={**figures, **attrs, **spec_attrs(spec), ROLE: "confirm",
+                        **({ENGINE_VERSION: v} if (v := getattr(self.measure, "engine_version", None)) else {}),
                         "duration_s": round(time.monotonic() - t0, 3)},
             system_attrs={f"{_CONSTRAINT_PREFIX}{k}": c for k, c in constraints.items()})
         self.study.add_trial(frozen)

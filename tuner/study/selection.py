@@ -19,7 +19,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from engine.measure.stats import geomean, log_interval, log_spread, ratio_bounds
-from tuner.study.objective import OFF, Objective, spec_of
+from tuner.study.objective import ENGINE_VERSION, OFF, Objective, spec_of
 from tuner.schema.engine_command import measured_server
 from tuner.schema.config import (BestResult, Config, Figures, Level, PartResult, Provenance, SpecConfig,
                                  level_name, measured_weights)
@@ -331,8 +331,20 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
             date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             model=cfg.model.name, hardware=cfg.hardware.name, engine=cfg.engine.kind, workload=cfg.workload.name,
             measured_weights=measured_weights(cfg), served_weights=cfg.model.hf_id,
-            server=measured_server(cfg, getattr(objective.measure, "engine_version", None) if objective else None)),
+            server=measured_server(cfg, measured_version(trials, c.trials if c is not None else [], objective))),
     )
+
+
+def measured_version(trials: list[FrozenTrial], winners: list[FrozenTrial], objective: Objective | None) -> str | None:
+    """The launched engine's release the study measured: this process's server, else what the trials
+    recorded (a shared study's finaliser whose server never started, a report from the storage alone);
+    the winner's trials first. Several releases are listed, comma-separated, so render refuses them."""
+    mine = getattr(objective.measure, "engine_version", None) if objective is not None else None
+    seen = [t.user_attrs.get(ENGINE_VERSION) for t in winners]
+    if not any(seen):
+        seen = [t.user_attrs.get(ENGINE_VERSION) for t in trials]
+    found = sorted({v for v in [mine, *seen] if v})
+    return ", ".join(found) if found else None
 
 
 def part_results(cfg: Config, spec: SpecConfig, objective: Objective) -> list[PartResult]:
