@@ -30,6 +30,8 @@ from tuner.study.studies import FAIL_REASON, NOISE, ROLE, role
 
 OFF = SpecConfig(method="off")
 ENGINE_VERSION = "engine_version"  # trial user attr: the launched engine's release that measured it
+# study user attr of a study with rates: its K bands [lo, hi, the K parameter] (the first band drafts depth)
+K_BANDS = "k_bands"
 _CONSTRAINT_PREFIX = "constraints:"  # where Optuna keeps a trial's constraint values (its system attrs)
 # Re-measurements of an implausible pair before its figure is kept (flagged) as it is.
 PLAUSIBILITY_RETRIES = 2
@@ -378,6 +380,8 @@ class Objective:
         started = time.monotonic()
         spec = OFF
         try:
+            if role(trial) != "baseline":
+                self._observe_rates()  # outside the trial's clock: it may wait for another worker's trial 0
             with TrialClock(self.search.trial_timeout_s):
                 if role(trial) != "baseline":
                     spec = self.space.suggest(trial)
@@ -414,6 +418,17 @@ class Objective:
         else:
             self.study.tell(trial, value)
         return TrialOutcome(trial.number, TrialState.COMPLETE, spec, figures["tok_s"], figures["speedup"])
+
+    def _observe_rates(self) -> None:
+        """Give the space the batch sizes the baseline ran at each request rate, so the K bands follow
+        them (tuner.search.space.batch_bands), and record the bands in the study (attr K_BANDS). The
+        grid and the model-guided sampler enqueue their points before anything is measured: their
+        bands come from the concurrency levels alone."""
+        if not self.space.needs_rate_sizes or self.search.sampler in ("grid", "model"):
+            return
+        self.space = self.space.with_rate_sizes(baseline_rate_sizes(self.study))
+        if K_BANDS not in self.study.user_attrs:
+            self.study.set_user_attr(K_BANDS, [list(b) for b in self.space.bands])
 
     def _record_version(self, trial: optuna.Trial) -> None:
         """The launched engine's release on the trial it measured: a shared study's finaliser, or a
@@ -496,6 +511,21 @@ class Objective:
     def _fail(self, trial: optuna.Trial, reason: str) -> None:
         trial.set_user_attr(FAIL_REASON, reason)
         self.study.tell(trial, state=TrialState.FAIL)
+
+
+def baseline_rate_sizes(study: optuna.Study, poll_s: float = 1.0) -> dict[float, dict[int, int]]:
+    """The batch sizes (size -> steps) the baseline trial ran at each request rate. In a shared study
+    another worker may still be measuring it: wait until it is told (a lost worker's trial is swept
+    FAIL by the heartbeat sweep)."""
+    while True:
+        base = next((t for t in study.get_trials(deepcopy=False) if role(t) == "baseline"), None)
+        if base is None or base.state in (TrialState.FAIL, TrialState.PRUNED):
+            raise RuntimeError("the baseline trial (trial 0) did not complete: no batch sizes per request rate to "
+                               "draw the K bands from")
+        if base.state == TrialState.COMPLETE:
+            return {float(lv["rate"]): {int(k): int(v) for k, v in (lv.get("batch_sizes") or {}).items()}
+                    for lv in base.user_attrs.get("levels", []) if "rate" in lv}
+        time.sleep(poll_s)
 
 
 def spec_attrs(spec: SpecConfig) -> dict[str, Any]:
