@@ -323,7 +323,9 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
         parts=parts, skipped_requests=skipped,
         spec=win.spec, chain_spec=chain, metrics=metrics, baseline=baseline, speedup=speedup,
         heldout=heldout, heldout_baseline=heldout_baseline, heldout_speedup=heldout_speedup, reason=win.reason,
-        k_schedule_note=("K per concurrency band tuned (spec.k_per_batch_size)" if win.spec.k_per_batch_size else None),
+        k_schedule_note=(("K per batch-size band tuned (spec.k_per_batch_size; the bands follow the concurrency "
+                          "levels and the batch sizes the baseline ran at each request rate)") if cfg.workload.request_rate
+                         else "K per concurrency band tuned (spec.k_per_batch_size)") if win.spec.k_per_batch_size else None,
         provenance=Provenance(
             study=study.study_name, trial=c.trials[0].number if c is not None else
             (base_trial.number if base_trial is not None else None),
