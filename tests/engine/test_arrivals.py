@@ -193,6 +193,34 @@ def test_k_bands_of_a_study_follow_the_batch_sizes_its_baseline_ran_per_rate(tmp
     assert baseline_rate_sizes(study) == planted
 
 
+def test_a_worker_waits_for_the_baseline_s_batch_sizes_and_a_failed_baseline_fails_its_trial() -> None:
+    import threading
+
+    import optuna
+    from optuna.trial import TrialState
+
+    from tuner.study.objective import baseline_rate_sizes
+
+    study = optuna.create_study()
+    study.enqueue_trial({}, user_attrs={"role": "baseline"})
+    base = study.ask()  # another worker's trial 0, still measuring
+
+    def finish() -> None:
+        time.sleep(0.3)
+        base.set_user_attr("levels", [{"concurrency": 1}, {"rate": 2.0, "batch_sizes": {"1": 4, "3": 2}}])
+        study.tell(base, 1.0)
+
+    threading.Thread(target=finish).start()
+    t0 = time.monotonic()
+    assert baseline_rate_sizes(study, poll_s=0.05) == {2.0: {1: 4, 3: 2}}
+    assert time.monotonic() - t0 >= 0.25
+    failed = optuna.create_study()
+    failed.enqueue_trial({}, user_attrs={"role": "baseline"})
+    failed.tell(failed.ask(), state=TrialState.FAIL)
+    with pytest.raises(RuntimeError, match="did not complete"):
+        baseline_rate_sizes(failed)
+
+
 def test_tuner_bench_measures_request_rates(capsys) -> None:
     import json
 
