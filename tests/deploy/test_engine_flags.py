@@ -84,8 +84,6 @@ def test_every_sglang_flag_exists_in_the_pinned_sglang(tmp_path_factory) -> None
 
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-if not VLLM_PYTHON.exists():  # a worktree uses the main checkout's environment
-    VLLM_PYTHON = Path("/work/main/.venv-vllm/bin/python") if Path("/work/main/.venv-vllm/bin/python").exists() else VLLM_PYTHON
 PARSE = """
 import dataclasses, json, sys
 from vllm.config import SpeculativeConfig
