@@ -165,7 +165,7 @@ def test_rates_are_levels_of_a_study(tmp_path: Path) -> None:
 def test_k_bands_of_a_study_follow_the_batch_sizes_its_baseline_ran_per_rate(tmp_path: Path) -> None:
     """Planted batch sizes: off runs mostly 1 at 0.5 req/s, 3 at 2 req/s and 6 at 4 req/s (as in
     tests/tuner/test_space.py); every trial after the baseline draws a K per band of those sizes, not
-    per rate label nor per the configuration's own (smaller) batches."""
+    per rate label nor per the configuration's own (smaller) batches, which are never pooled in."""
     from tuner.search.space import SearchSpace
     from tuner.study.objective import K_BANDS, Objective, Sample, baseline_rate_sizes, spec_of
     from tuner.study.studies import create_study
@@ -190,7 +190,8 @@ def test_k_bands_of_a_study_follow_the_batch_sizes_its_baseline_ran_per_rate(tmp
     default = study.trials[1]  # enqueued before anything was measured: one K everywhere
     assert default.user_attrs["role"] == "default" and {k for _, _, k in specs[0].k_per_batch_size} == {specs[0].depth}
     assert all({"k_r2", "k_r4"} <= set(t.params) for t in study.trials[1:])
-    assert baseline_rate_sizes(study) == planted
+    # trial 0's sizes pooled with each trial's paired baseline: three passes of off in all
+    assert baseline_rate_sizes(study) == {r: {k: 3 * v for k, v in sizes.items()} for r, sizes in planted.items()}
 
 
 def test_a_worker_waits_for_the_baseline_s_batch_sizes_and_a_failed_baseline_fails_its_trial() -> None:

@@ -275,9 +275,8 @@ def test_k_bands_follow_the_batch_sizes_each_rate_ran() -> None:
     from tuner.search.space import batch_bands
 
     space = _rates_space()
-    assert space.needs_rate_sizes and space.k_bands == []  # nothing measured yet: no bands
+    assert space.waits_for_rate_sizes and space.k_bands == []  # nothing measured yet: no bands
     space = space.with_rate_sizes(PLANTED)
-    assert not space.needs_rate_sizes
     # 0.5 | 2: an edge at 1 puts 6/36 of 0.5's steps above it, at 2 puts 5/29 of 2's below: 1.
     # 2 | 4: at 3, 12/29 + 0; at 4, 2/29 + 3/36; at 5, 0 + 9/36: 4. The last band ends at 4's largest size.
     assert space.bands == [(1, 1, "k_r0.5"), (2, 4, "k_r2"), (5, 8, "k_r4")]

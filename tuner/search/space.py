@@ -9,8 +9,8 @@ per-batch-size schedule and several load levels, the K of each higher band: `k_c
 concurrency level, `k_r{rate}` for a request rate.
 
 The K bands follow the batch sizes each level runs (`batch_bands`): a concurrency level runs its own
-batch size; a request rate runs the distribution of sizes its baseline trial recorded, known only
-once trial 0 has measured it (`with_rate_sizes`). Between two levels the band edge is the size that
+batch size; a request rate runs the distribution of sizes off recorded at it, known once trial 0 has
+measured it and refined by every paired baseline after (`with_rate_sizes`). Between two levels the band edge is the size that
 puts the fewest of either level's steps in the other's band.
 
 The rules of `SpecConfig` are built into the ranges instead of being rejected afterwards:
@@ -203,9 +203,9 @@ class SearchSpace:
         return depth + 1, min(self.budget_max, 1 + depth * topk)
 
     @property
-    def needs_rate_sizes(self) -> bool:
-        """Whether the K bands wait for the batch sizes the rates' baseline runs (trial 0)."""
-        return self.banded and bool(self.rates) and self.rate_sizes is None and len(self.concurrency) + len(self.rates) > 1
+    def waits_for_rate_sizes(self) -> bool:
+        """Whether the K bands follow the batch sizes the rates' baseline runs (known from trial 0 on)."""
+        return self.banded and bool(self.rates) and len(self.concurrency) + len(self.rates) > 1
 
     def with_rate_sizes(self, sizes: dict[float, dict[int, int]]) -> "SearchSpace":
         """This space with the batch sizes each rate's baseline ran (rate -> size -> steps)."""

@@ -30,7 +30,7 @@ from tuner.study.studies import FAIL_REASON, NOISE, ROLE, role
 
 OFF = SpecConfig(method="off")
 ENGINE_VERSION = "engine_version"  # trial user attr: the launched engine's release that measured it
-# study user attr of a study with rates: its K bands [lo, hi, the K parameter] (the first band drafts depth)
+# study user attr of a study with rates: its latest K bands [lo, hi, the K parameter] (the first drafts depth)
 K_BANDS = "k_bands"
 _CONSTRAINT_PREFIX = "constraints:"  # where Optuna keeps a trial's constraint values (its system attrs)
 # Re-measurements of an implausible pair before its figure is kept (flagged) as it is.
@@ -420,15 +420,17 @@ class Objective:
         return TrialOutcome(trial.number, TrialState.COMPLETE, spec, figures["tok_s"], figures["speedup"])
 
     def _observe_rates(self) -> None:
-        """Give the space the batch sizes the baseline ran at each request rate, so the K bands follow
-        them (tuner.search.space.batch_bands), and record the bands in the study (attr K_BANDS). The
+        """Give the space the batch sizes off ran at each request rate so far (baseline_rate_sizes), so
+        the K bands follow them (tuner.search.space.batch_bands); record the bands in the study (attr
+        K_BANDS, the latest; each trial's spec keeps the bands it was measured with). The
         grid and the model-guided sampler enqueue their points before anything is measured: their
         bands come from the concurrency levels alone."""
-        if not self.space.needs_rate_sizes or self.search.sampler in ("grid", "model"):
+        if not self.space.waits_for_rate_sizes or self.search.sampler in ("grid", "model"):
             return
         self.space = self.space.with_rate_sizes(baseline_rate_sizes(self.study))
-        if K_BANDS not in self.study.user_attrs:
-            self.study.set_user_attr(K_BANDS, [list(b) for b in self.space.bands])
+        bands = [list(b) for b in self.space.bands]
+        if self.study.user_attrs.get(K_BANDS) != bands:
+            self.study.set_user_attr(K_BANDS, bands)
 
     def _record_version(self, trial: optuna.Trial) -> None:
         """The launched engine's release on the trial it measured: a shared study's finaliser, or a
@@ -514,18 +516,30 @@ class Objective:
 
 
 def baseline_rate_sizes(study: optuna.Study, poll_s: float = 1.0) -> dict[float, dict[int, int]]:
-    """The batch sizes (size -> steps) the baseline trial ran at each request rate. In a shared study
-    another worker may still be measuring it: wait until it is told (a lost worker's trial is swept
-    FAIL by the heartbeat sweep)."""
+    """The batch sizes (size -> steps) off ran at each request rate: trial 0's, pooled with every
+    finished trial's paired baselines, so one disturbed pass (the engine's first, warming up) weighs
+    less as the study goes on. In a shared study another worker may still be measuring trial 0: wait
+    until it is told (a lost worker's trial is swept FAIL by the heartbeat sweep)."""
     while True:
-        base = next((t for t in study.get_trials(deepcopy=False) if role(t) == "baseline"), None)
+        trials = study.get_trials(deepcopy=False)
+        base = next((t for t in trials if role(t) == "baseline"), None)
         if base is None or base.state in (TrialState.FAIL, TrialState.PRUNED):
             raise RuntimeError("the baseline trial (trial 0) did not complete: no batch sizes per request rate to "
                                "draw the K bands from")
         if base.state == TrialState.COMPLETE:
-            return {float(lv["rate"]): {int(k): int(v) for k, v in (lv.get("batch_sizes") or {}).items()}
-                    for lv in base.user_attrs.get("levels", []) if "rate" in lv}
+            break
         time.sleep(poll_s)
+    out: dict[float, dict[int, int]] = {}
+    for t in trials:
+        if t.state not in (TrialState.COMPLETE, TrialState.PRUNED) or "reused_from" in t.user_attrs:
+            continue
+        key = "batch_sizes" if t is base else "baseline_batch_sizes"
+        for lv in t.user_attrs.get("levels", []):
+            if "rate" in lv:
+                sizes = out.setdefault(float(lv["rate"]), {})
+                for k, v in (lv.get(key) or {}).items():
+                    sizes[int(k)] = sizes.get(int(k), 0) + int(v)
+    return out
 
 
 def spec_attrs(spec: SpecConfig) -> dict[str, Any]:
