@@ -521,7 +521,12 @@ def _mixed_file_counts(engine, tmp_path, monkeypatch, temps: dict[float, int]) -
     def recording_batcher():  # the requests in prompt order, for their tokens
         be = real_batcher()
         submit = be.submit
-        be.submit = lambda *a, **kw: played.append(submit(*a, **kw)) or played[-1]
+
+        def recorded(*a, **kw):
+            played.append(submit(*a, **kw))
+            return played[-1]
+
+        be.submit = recorded
         return be
 
     monkeypatch.setattr(engine, "batcher", recording_batcher)
