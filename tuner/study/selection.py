@@ -338,9 +338,10 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
 
 
 def measured_version(trials: list[FrozenTrial], winners: list[FrozenTrial], objective: Objective | None) -> str | None:
-    """The launched engine's release the study measured: this process's server, else what the trials
-    recorded (a shared study's finaliser whose server never started, a report from the storage alone);
-    the winner's trials first. Several releases are listed, comma-separated, so render refuses them."""
+    """The launched engine's release the study measured: this process's server's with what the
+    winner's trials recorded (all trials' when they recorded none), so a shared study's finaliser
+    whose server never started, or a report from the storage alone, still has it. Several releases
+    are listed, comma-separated, so render refuses them."""
     mine = getattr(objective.measure, "engine_version", None) if objective is not None else None
     seen = [t.user_attrs.get(ENGINE_VERSION) for t in winners]
     if not any(seen):
