@@ -19,9 +19,10 @@ from kubernetes import client as k
 
 from tuner.schema.fit import (builtin_memory_gib, max_model_len, max_model_len_why, startup_budget_s, startup_why,
                               tensor_parallel_size, tensor_parallel_why)
-from tuner.schema.engine_command import (PROGRAMS, Place, check_engine_version, engine_command, server_differences,
-                                         server_settings)
+from tuner.schema.engine_command import (PROGRAMS, Place, check_engine_version, engine_command, pinned_version,
+                                         server_differences, server_settings)
 from deploy.winner import MODEL_DIR, Served, WinnerOverride, served_spec
+from tuner.schema.flags import sglang_adaptive, sglang_adaptive_config
 from tuner.schema.config import BestResult, Config, HardwareConfig, Projection, UserError, deploy_image
 
 PORT_NAME = "http"
@@ -31,6 +32,9 @@ FIELD_MANAGER = "spectune"
 BUILTIN_UID = 1000  # the spectune image runs as this non-root user; vLLM/SGLang images run as root
 COMMANDS = PROGRAMS  # each target's program, as its image has it
 STARTUP_PERIOD_S = 10
+# SGLang reads its adaptive knobs from a file: the winner ConfigMap's key, mounted here
+ADAPTIVE_KEY = "sglang-adaptive.json"
+ADAPTIVE_DIR = "/etc/spectune"
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,10 @@ def plan(cfg: Config, best: BestResult | None, override: WinnerOverride | None =
     if d.target == "builtin":
         e = cfg.engine.builtin
         builtin_memory_gib(m, cfg.hardware, e.dtype, e.weights)
-    argv, env = engine_command(settings, served.spec, pod_place(cfg))
+    place = pod_place(cfg)
+    if d.target == "sglang" and served.spec.adaptive:
+        place = dataclasses.replace(place, adaptive_config=f"{ADAPTIVE_DIR}/{ADAPTIVE_KEY}")
+    argv, env = engine_command(settings, served.spec, place)
     # The built-in server runs on CPU nodes without tensor parallelism.
     tp = settings.tp
     max_len = max_model_len(m, cfg.hardware, d, tp) if d.target == "builtin" else settings.context_length
@@ -193,6 +200,9 @@ def configmap_data(p: Plan) -> dict[str, str]:
         "spec": p.served.spec.key(),
         "source": "projection" if pj else "best.yaml" if b else "config overrides",
     }
+    adaptive = adaptive_file(p)
+    if adaptive is not None:
+        data[ADAPTIVE_KEY] = adaptive
     if b is not None:
         # the cluster gets no path of the tuning machine: a study file is named as in its run directory
         b = b.model_copy(update={"provenance": b.provenance.model_copy(
@@ -223,6 +233,13 @@ def configmap_data(p: Plan) -> dict[str, str]:
             "measured_spec": pj.measured_spec or "",
         })
     return data
+
+
+def adaptive_file(p: Plan) -> str | None:
+    """The JSON file SGLang reads its adaptive knobs from (`--speculative-adaptive-config`), when the
+    served spec is adaptive on SGLang; None otherwise."""
+    how = sglang_adaptive(pinned_version(p.cfg.deploy.image_tag)) if p.cfg.deploy.target == "sglang" and p.served.spec.adaptive else None
+    return json.dumps(sglang_adaptive_config(p.served.spec, how), sort_keys=True) if how is not None else None
 
 
 def _resource_values(p: Plan) -> tuple[int, int, dict[str, str], str, str]:
@@ -321,6 +338,7 @@ def deployment(p: Plan, config_hash: str) -> k.V1Deployment:
     d, hw = p.cfg.deploy, p.cfg.hardware
     gpu = d.target != "builtin"
     non_root = d.target == "builtin"
+    adaptive = adaptive_file(p) is not None
     pod_sc, container_sc = security_contexts(BUILTIN_UID if non_root else None)
     container = k.V1Container(
         name="server",
@@ -332,7 +350,8 @@ def deployment(p: Plan, config_hash: str) -> k.V1Deployment:
         ports=[k.V1ContainerPort(name=PORT_NAME, container_port=d.port, protocol="TCP")],
         resources=_resources(p),
         volume_mounts=[k.V1VolumeMount(name="model-cache", mount_path=MODEL_DIR),
-                       k.V1VolumeMount(name="dshm", mount_path="/dev/shm")],
+                       k.V1VolumeMount(name="dshm", mount_path="/dev/shm")]
+        + ([k.V1VolumeMount(name="adaptive", mount_path=ADAPTIVE_DIR, read_only=True)] if adaptive else []),
         startup_probe=_probe(p, STARTUP_PERIOD_S, math.ceil(p.startup_s / STARTUP_PERIOD_S)),
         liveness_probe=_probe(p, 10, 3),
         readiness_probe=_probe(p, 5, 3),
@@ -360,7 +379,8 @@ def deployment(p: Plan, config_hash: str) -> k.V1Deployment:
             # NCCL / tensor-parallel workers share memory through /dev/shm; the default 64Mi is too small.
             k.V1Volume(name="dshm", empty_dir=k.V1EmptyDirVolumeSource(medium="Memory",
                                                                         size_limit="16Gi" if gpu else "1Gi")),
-        ],
+        ] + ([k.V1Volume(name="adaptive", config_map=k.V1ConfigMapVolumeSource(
+            name=f"{d.name}-winner", items=[k.V1KeyToPath(key=ADAPTIVE_KEY, path=ADAPTIVE_KEY)]))] if adaptive else []),
         node_selector=node_selector,
         tolerations=tolerations,
     )

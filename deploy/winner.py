@@ -1,6 +1,9 @@
 """Which SpecConfig a deployment target serves: the study's winner, adapted to what the target can run.
 
-vLLM verifies chains only (a tree winner is replaced by the study's best chain); SGLang serves
+An adaptive winner (spec.adaptive) is served adaptively where the pinned release of the target runs
+it for its method (tuner.schema.flags' tables), else the study's best static schedule, measured
+second best, is served instead. vLLM verifies chains only (a tree winner is replaced by the study's
+best chain); SGLang serves
 EAGLE / EAGLE-3 heads only (another method is replaced by a head from the model's
 draft_sources). A drafter must have a source a pod can reach: a hub repository (vLLM and SGLang
 pull it themselves; for the built-in server an init container downloads it into the model volume)
@@ -14,6 +17,9 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 from tuner.schema.config import BestResult, Config, SpecConfig, UserError
+from tuner.schema.engine_command import pinned_version
+from tuner.schema.flags import (SGLANG_ADAPTIVE_FIRST, SGLANG_ADAPTIVE_METHODS, adaptive_steps, sglang_adaptive,
+                                vllm_adaptive_methods)
 from tuner.schema.methods import METHODS, engine_methods, engine_refusal, head_methods
 
 MODEL_DIR = "/models"  # mount point of the model-cache volume in every pod
@@ -49,6 +55,47 @@ class WinnerOverride:
     chain_error: str | None = None  # why the overrides leave no valid chain (said when vLLM would serve it)
 
 
+def adaptive_refusal(cfg: Config, spec: SpecConfig) -> str | None:
+    """Why deploy.target's pinned release cannot size `spec`'s drafts per step itself, or None when it
+    can (the built-in server always can)."""
+    target, tag = cfg.deploy.target, cfg.deploy.image_tag
+    version = pinned_version(tag)
+    if target == "vllm":
+        methods = vllm_adaptive_methods(version)
+        if METHODS[spec.method].vllm in methods:
+            return None
+        return (f"vLLM {version} (deploy.image_tag={tag}) verifies adaptively (enable_adaptive_verification) only "
+                f"for method {', '.join(sorted(methods)) or 'none'}")
+    if target == "sglang":
+        how = sglang_adaptive(version)
+        if how is None:
+            return (f"SGLang {version} (deploy.image_tag={tag}) has no --speculative-adaptive "
+                    f"(from {SGLANG_ADAPTIVE_FIRST})")
+        if spec.method not in SGLANG_ADAPTIVE_METHODS or spec.topk != 1:
+            return f"SGLang {version} adapts EAGLE / EAGLE-3 chains only (topk=1)"
+        if not adaptive_steps(spec.depth, how.zero_steps)[1:]:
+            return f"SGLang {version} needs two step counts to switch between and depth {spec.depth} leaves one"
+    return None
+
+
+def _static_instead(cfg: Config, spec: SpecConfig, best: BestResult | None, why: str) -> tuple[SpecConfig, str]:
+    """The study's best static schedule (the second best to an adaptive winner), or off when no
+    static schedule beat off, and the line saying so; refused without a study that measured both."""
+    arms = best.arms if best is not None else None
+    if arms is None:
+        raise UserError(f"'{spec.key()}' cannot be served adaptively by deploy={cfg.deploy.target}: {why}, and no study "
+                        "measured a static schedule to serve instead: give spec.adaptive=false (or render --from a "
+                        "run that searched search.adaptive)")
+    head = f"winner '{spec.key()}' sizes its drafts per step on the built-in engine; {why}: serving "
+    if arms.static is None or not arms.static_beats_off:
+        return SpecConfig(method="off"), head + "speculation off, second best in the study (no static schedule beat it)"
+    versus = (f", {arms.static_speedup:.3f}x against the adaptive {arms.adaptive_speedup:.3f}x"
+              if arms.static_speedup is not None and arms.adaptive_speedup is not None else "")
+    bands = " with its tuned K per batch size (k_per_batch_size)" if arms.static.k_per_batch_size else ""
+    return arms.static, (f"{head}the static schedule the study measured second best, '{arms.static.key()}'{bands}"
+                         f"{versus}")
+
+
 def served_spec(cfg: Config, best: BestResult | None, override: WinnerOverride | None = None) -> Served:
     """Resolve the spec to serve for cfg.deploy.target from best.yaml (or cfg.spec without one);
     `override`: the winner with spec.* overrides applied, served instead (and said so in a note)."""
@@ -66,6 +113,12 @@ def served_spec(cfg: Config, best: BestResult | None, override: WinnerOverride |
         notes.append(f"winner tuned for model {best.provenance.model} on {best.provenance.hardware}, rendered for "
                      f"{model.name} on {cfg.hardware.name}: re-measure there to confirm the speedup (or render "
                      "--projected for the configuration its acceptance profile predicts there)")
+
+    if spec.adaptive and spec.method != "off":
+        why = adaptive_refusal(cfg, spec)
+        if why is not None:
+            spec, note = _static_instead(cfg, spec, best, why)
+            notes.append(note)
 
     if target == "vllm" and spec.method != "off" and spec.topk != 1:
         chain = override.chain if override is not None else best.chain_spec if best is not None else None

@@ -133,6 +133,8 @@ def test_optimize_search_table_is_conf(option: str) -> None:
             assert cell == f"{value.min}-{value.max}", (option, key, cell)
         elif isinstance(value, list):
             assert cell == f"[{', '.join(map(str, value))}]", (option, key, cell, value)
+        elif isinstance(value, bool):
+            assert cell == str(value).lower(), (option, key, cell, value)
         else:
             assert float(cell) == float(value) if not isinstance(value, str) else cell == value, (option, key, cell, value)
 

@@ -17,6 +17,12 @@ The speculative configuration follows the number of active requests: `schedule` 
 (lo, hi, SpecConfig), like vLLM's `num_speculative_tokens_per_batch_size` but with a whole spec
 per band (method, depth, top-k, budget, or off). Each request keeps one drafter per band, fed every
 committed feature from its prompt on, so a band change never loses drafter state.
+
+A band whose spec is adaptive (`spec.adaptive`) sizes each request's draft every step within the
+spec's depth and budget (engine.decode.control): before drafting from the requests' acceptance
+estimates (engine.decode.acceptance) and the step-cost curve (engine.decode.stepcost), drafters
+drafting at most that many nodes or not at all; after drafting from the drafts' real sizes, each
+draft cut to the nodes that pay. Every verify step then updates the estimates.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from typing import Any
 import torch
 
 from engine.api import GenResult, SamplingParams, TokenCallback
+from engine.decode.acceptance import BATCH_RATE, Acceptance
+from engine.decode.control import choose
 from engine.drafters import Drafter, make_drafter
 from engine.drafters.lockstep import draft_together, lockstep_groups
 from engine.trees.tree import Tree
@@ -66,6 +74,14 @@ def schedule_of(spec: SpecConfig, max_batch: int) -> list[Band]:
     return bands
 
 
+def bounded(spec: SpecConfig, nodes: int) -> SpecConfig:
+    """`spec` drafting at most `nodes` nodes (besides the root): a chain of that depth, a tree of
+    that budget within the spec's depth."""
+    if spec.topk == 1:
+        return spec.model_copy(update={"depth": nodes, "budget": nodes + 1})
+    return spec.model_copy(update={"depth": min(spec.depth, nodes), "budget": nodes + 1})
+
+
 def check_schedule(schedule: Sequence[Band], max_batch: int) -> None:
     """Bands must cover 1..max_batch without gaps or overlaps; one line naming the problem."""
     want = 1
@@ -96,6 +112,7 @@ class Request:
     drafters: dict[str, Drafter | None] = field(default_factory=dict)
     need: int = 0  # cache positions this request holds
     cache: Any = None  # its place in the pool while admitted (a KVCache, or an HFCache)
+    accept: dict[str, Acceptance] = field(default_factory=dict)  # per adaptive spec: its acceptance estimate
 
     @property
     def finished(self) -> bool:
@@ -129,6 +146,11 @@ class BatchEngine:
         self.prefill = prefill
         self.kv_tokens = kv_tokens
         self.room = max(engine.cache_room(s) for _, _, s in self.schedule)
+        # adaptive bands: the step-cost curve (timed once per machine and forward) and the batch's
+        # acceptance estimate per spec, each request's starting point
+        adaptive = [s for _, _, s in self.schedule if s.adaptive and s.method != "off"]
+        self.cost = engine.step_costs(max_batch, self.room) if adaptive else None
+        self.accept = {s.key(): Acceptance(s.budget - 1, rate=BATCH_RATE) for s in adaptive}
         # one slot per batch place, its capacity grown to the longest request admitted so far; made
         # at the first admission, inside inference mode like every other cache the compiled step sees
         # (a tensor made outside it has other dispatch keys, and the compiled layer would recompile)
@@ -260,7 +282,11 @@ class BatchEngine:
                     req.state.drafter = self._drafter(req, spec)
             except Exception as exc:  # noqa: BLE001 - a drafter that cannot be made fails its request only
                 req.fail(exc)
-        drafted = self._draft_in_lockstep([r for r in reqs if r.error is None])
+        live = [r for r in reqs if r.error is None]
+        if spec is not None and spec.adaptive and spec.method != "off":
+            drafted = self._draft_adaptively(live, spec)
+        else:
+            drafted = self._draft_in_lockstep(live)
         plans = []
         for req in reqs:
             if req.error is not None:
@@ -282,6 +308,7 @@ class BatchEngine:
             return
         dev = self.engine.device
         branching = [t is not None and not t.is_chain for _, t, _, _ in plans]
+        t = time.perf_counter()
         try:
             outs = self.engine.forward.step_batch(
                 [r.state.cache for r, _, _, _ in plans], [toks for _, _, toks, _ in plans],
@@ -292,6 +319,8 @@ class BatchEngine:
             for req, _, _, _ in plans:
                 req.fail(exc)
             return
+        if self.cost is not None and all(tree is not None for _, tree, _, _ in plans):  # decode rows only
+            self.cost.observe_step(len(plans), sum(len(toks) - 1 for _, _, toks, _ in plans), time.perf_counter() - t)
         pc = self.engine.prefix_cache
         for (req, tree, _, _), (hidden, logits, aux) in zip(plans, outs):
             try:
@@ -305,6 +334,78 @@ class BatchEngine:
                     req.result = st.result()
             except Exception as exc:  # noqa: BLE001
                 req.fail(exc)
+        if spec is not None and spec.key() in self.accept:
+            self._learn(spec, [(req, tree) for req, tree, _, _ in plans if tree is not None and req.error is None])
+
+    def _estimate(self, req: Request, spec: SpecConfig) -> Acceptance:
+        """The request's acceptance estimate under an adaptive spec (the batch's, when it starts)."""
+        key = spec.key()
+        if key not in req.accept:
+            req.accept[key] = self.accept[key].fork()
+        return req.accept[key]
+
+    def _draft_adaptively(self, reqs: list[Request], spec: SpecConfig) -> dict[int, tuple[Tree | Exception, float]]:
+        """`_draft_in_lockstep` under the controller (engine.decode.control): each request drafts at
+        most the nodes expected to pay (none: no draft call), then each draft is cut to the nodes
+        that pay given every draft's real size."""
+        live = [r for r in reqs if r.state.will_draft]
+        if not live:
+            return {}
+        batch = len(reqs)
+        # rows beyond one per sequence that the step runs anyway: the prompts joining it
+        extra = sum(len(r.state.ids) - r.state.reused - 1 for r in reqs if not r.state.prefilled)
+        cost = self.cost
+
+        def step_s(n: int) -> float:
+            return cost.step_s(batch, extra + n)
+
+        est = [self._estimate(r, spec) for r in live]
+        nodes = spec.budget - 1
+        limits = choose([e.gains(nodes) for e in est], batch, step_s, cost.draft_s)
+        drafting = [(r, n) for r, n in zip(live, limits) if n > 0]
+        full = {id(r): r.state.drafter.spec for r, _ in drafting}
+        for r, n in drafting:
+            r.state.drafter.spec = bounded(spec, n)
+        t = time.perf_counter()
+        try:
+            out = self._draft_in_lockstep([r for r, _ in drafting])
+            for r, _ in drafting:  # the drafters that draft alone
+                if id(r) not in out:
+                    t1 = time.perf_counter()
+                    try:
+                        tree: Tree | Exception = r.state.drafter.draft(r.state.ids, r.state.params, r.state.gen)
+                    except Exception as exc:  # noqa: BLE001 - fails its request only (in plan)
+                        tree = exc
+                    out[id(r)] = (tree, time.perf_counter() - t1)
+        finally:
+            for r, _ in drafting:
+                r.state.drafter.spec = full[id(r)]
+        sizes = [out[id(r)][0].size - 1 if id(r) in out and isinstance(out[id(r)][0], Tree) else 0 for r in live]
+        cost.observe_draft(time.perf_counter() - t, sum(sizes))
+        keep = choose([e.gains(s) for e, s in zip(est, sizes)], batch, step_s)
+        for r, k, size in zip(live, keep, sizes):
+            if id(r) not in out:  # the controller chose no draft
+                out[id(r)] = (Tree.chain(r.state.ids[-1], []), 0.0)
+            elif k < size:
+                tree, dt = out[id(r)]
+                out[id(r)] = (tree.first(k + 1), dt)
+        return out
+
+    def _learn(self, spec: SpecConfig, verified: list[tuple[Request, Tree]]) -> None:
+        """Update the acceptance estimates from a step's verifications: each request's own, and
+        the batch's from every request's; indices nobody verified drift back (engine.decode.acceptance)."""
+        batch = self.accept[spec.key()]
+        most = 0
+        for req, tree in verified:
+            if req.state.drafter is None:
+                continue  # nothing drafted: nothing to learn
+            est = self._estimate(req, spec)
+            drafted = tree.size - 1
+            est.update(drafted, req.state.path)
+            est.drift(drafted, batch.p)
+            batch.update(drafted, req.state.path)
+            most = max(most, drafted)
+        batch.drift(most)
 
     def _draft_in_lockstep(self, reqs: list[Request]) -> dict[int, tuple[Tree | Exception, float]]:
         """Draft the requests whose drafters share a head forward together (engine.drafters.lockstep):

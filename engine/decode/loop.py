@@ -15,6 +15,7 @@ import torch
 from engine.api import GenResult, GenStats, SamplingParams, TokenCallback
 from engine.decode.batch import BatchEngine, schedule_of
 from engine.decode.prefix import PrefixCache
+from engine.decode.stepcost import StepCost, step_cost
 from engine.drafters import Drafter, make_drafter
 from engine.models.forward import LeanForward, lean_forward
 from engine.models.hf_forward import HFCache, HFForward
@@ -119,6 +120,8 @@ class Engine:
         self.prefix_cache: PrefixCache | None = None  # the batch scheduler's (engine.decode.prefix)
         self._one: BatchEngine | None = None  # generate's batch of one, kept while the drafter is
         self._given = False  # whether the drafter was handed in (set_drafter), not made from the spec
+        self.cache_dir: str | None = None  # where measured facts are cached (engine.models.machine)
+        self._costs: dict[tuple[int, int], dict] = {}  # step-cost curves timed: (max_batch, rows) -> curve
         if spec is not None:
             self.set_spec(spec)
 
@@ -135,11 +138,14 @@ class Engine:
                 if builtin.forward == "lean" else None)
         if lean is not None and lean.compiled and lean.compile_s == 0:
             lean.warm_up()  # compile (or load) before any timed step: its seconds land in compile_s
-        engine = cls(target, model.max_context, spec, seed, lean)
+        engine = cls(target, model.max_context, None, seed, lean)
+        engine.cache_dir = cache_dir
         if lean is not None:
             engine.max_batch, engine.prefill, engine.kv_tokens = builtin.max_batch, builtin.prefill, builtin.kv_tokens
             # it lives as long as the engine (a server, a study), as vLLM's lives as long as its server
             engine.prefix_cache = PrefixCache(builtin.prefix_cache_tokens) if builtin.prefix_cache_tokens else None
+        if spec is not None:
+            engine.set_spec(spec)  # after max_batch: an adaptive spec times its step-cost curve for it
         return engine
 
     def _eos_ids(self) -> set[int]:
@@ -155,8 +161,26 @@ class Engine:
         """Switch the speculative configuration; the target is never reloaded, draft models and heads
         are loaded once per process."""
         self.drafter = make_drafter(spec, self.target, self.seed)
+        if spec.adaptive:  # at start-up, outside any timed run
+            self.step_costs(self.max_batch, self.cache_room(spec))
         self.spec = spec
         self._one, self._given = None, False
+
+    def step_costs(self, max_batch: int, rows: int) -> StepCost:
+        """The step-cost curve of adaptive speculation (engine.decode.stepcost) for batches of up to
+        `max_batch` requests of up to `rows` rows each: timed once per machine and forward (cached
+        on disk), a fresh copy of its online figures per call."""
+        if self.lean is None:
+            raise UserError("spec.adaptive=true needs engine.builtin.forward=lean (its step-cost curve is timed "
+                            "over the lean forward); allowed: forward=lean, or spec.adaptive=false")
+        got = next((c for (b, r), c in self._costs.items() if b >= max_batch and r >= rows), None)
+        if got is None:
+            m = self.lean.model
+            signature = (f"{self.model_name}|{m.weights}|{m.dtype}|{m.device}|{len(m.blocks)} layers|"
+                         f"native {self.lean.native is not None}|compiled {self.lean.compiled}")
+            got = self._costs[(max_batch, rows)] = step_cost(self.lean, max_batch, rows, signature,
+                                                             self.cache_dir).to_json()
+        return StepCost.from_json(got)
 
     def set_drafter(self, drafter: Drafter | None, spec: SpecConfig) -> None:
         """Use a drafter built elsewhere (tests: an oracle that drafts with the target)."""
@@ -254,6 +278,7 @@ class Decoding:
         self.ids = list(prompt_ids)
         self.prefilled = False
         self.done = False
+        self.path: list[int] = [0]  # the last verify step's accepted nodes (root first)
         self._t = 0.0
         # prompt positions whose KV a prefix cache put in the cache, and their features
         self.reused = 0
@@ -340,6 +365,7 @@ class Decoding:
                 if d > len(stats.accepted_per_pos):
                     stats.accepted_per_pos.append(0)
                 stats.accepted_per_pos[d - 1] += 1
+        self.path = path
         if any(d.wants_logits for d in self.observers):  # logits[path] copies rows: only for a drafter that reads them
             self._observe_logits([tree.tokens[i] for i in path], logits[path])
         self._observe(hidden, aux, path if len(path) > 1 else [0])

@@ -37,6 +37,15 @@ class Tree:
     def size(self) -> int:
         return len(self.tokens)
 
+    def first(self, n: int) -> "Tree":
+        """The tree of its first n nodes (ancestor-closed: a parent comes before its children). A
+        sampled node keeps its draws: a draw whose node is dropped is skipped as one outside the tree."""
+        if n >= self.size:
+            return self
+        return Tree(tokens=self.tokens[:n], parents=self.parents[:n], depths=self.depths[:n],
+                    q={p: v for p, v in self.q.items() if p < n},
+                    sampled={p: v for p, v in self.sampled.items() if p < n})
+
     @property
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))

@@ -16,6 +16,9 @@ import pytest
 from tuner.schema.compose import load_config
 from tuner.schema.config import SpecConfig
 from tuner.schema.engine_command import PROGRAMS, Place, engine_command, pinned_version, server_settings
+from tuner.schema.flags import (SGLANG_ADAPTIVE, SGLANG_ADAPTIVE_METHODS, sglang_adaptive, sglang_adaptive_config,
+                                sglang_args, vllm_adaptive_methods)
+from tuner.schema.methods import METHODS
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAD = "org/head"
@@ -46,16 +49,18 @@ def emitted(kind: str) -> list[list[str]]:
     return out
 
 
-def _sglang_server_args(tmp_dir: Path) -> str:
-    """server_args.py of the pinned SGLang wheel (pip download --no-deps, cached beside the tests' tmp)."""
-    version = pinned_version(load_config(["deploy=sglang", "hardware=h200x1"]).deploy.image_tag)
+def _sglang_server_args(tmp_dir: Path, version: str | None = None,
+                        member: str = "sglang/srt/server_args.py") -> str:
+    """A file of an SGLang wheel, server_args.py of the pinned one by default (pip download --no-deps,
+    cached beside the tests' tmp)."""
+    version = version or pinned_version(load_config(["deploy=sglang", "hardware=h200x1"]).deploy.image_tag)
     wheels = list(tmp_dir.glob(f"sglang-{version}-*.whl"))
     if not wheels:
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"sglang=={version}", "-d",
                         str(tmp_dir)], check=True, timeout=300)
         wheels = list(tmp_dir.glob(f"sglang-{version}-*.whl"))
     with zipfile.ZipFile(wheels[0]) as whl:
-        return whl.read("sglang/srt/server_args.py").decode()
+        return whl.read(member).decode() if member in whl.namelist() else ""
 
 
 def _add_argument_calls(source: str) -> list[ast.Call]:
@@ -81,6 +86,39 @@ def test_every_sglang_flag_exists_in_the_pinned_sglang(tmp_path_factory) -> None
                 assert a in flags, f"{a}: not a flag of the pinned SGLang ({argv})"
                 if a in choices:
                     assert argv[i + 1] in choices[a], f"{a} {argv[i + 1]}: allowed {choices[a]}"
+
+
+def _flags(source: str) -> set[str]:
+    """The flags of a server_args.py: its add_argument calls and, from 0.5.14, the ServerArgs fields
+    annotated `A[type, help]`, from which SGLang makes `--field-name` flags."""
+    tree = ast.parse(source)
+    fields = {f"--{n.target.id.replace('_', '-')}" for c in ast.walk(tree) if isinstance(c, ast.ClassDef)
+              and c.name == "ServerArgs" for n in c.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+              and isinstance(n.annotation, ast.Subscript) and getattr(n.annotation.value, "id", None) == "A"}
+    return fields | {a.value for call in _add_argument_calls(source) for a in call.args
+                     if isinstance(a, ast.Constant) and str(a.value).startswith("--")}
+
+
+@pytest.mark.parametrize("version", ["0.5.10", *(".".join(map(str, v)) for v, _ in SGLANG_ADAPTIVE)])
+def test_sglang_adaptive_table_matches_each_release(version: str, tmp_path_factory) -> None:
+    """tuner.schema.flags.SGLANG_ADAPTIVE against each release's own sources: where the flag is, what
+    it needs (the overlap scheduler off), how its knobs file is keyed, whether 0 steps are allowed,
+    and that every flag an adaptive spec renders exists there."""
+    cache = tmp_path_factory.getbasetemp().parent / "sglang-wheel"
+    flags = _flags(_sglang_server_args(cache, version))
+    params = _sglang_server_args(cache, version, "sglang/srt/speculative/adaptive_spec_params.py")
+    how = sglang_adaptive(version)
+    assert (how is not None) == ("--speculative-adaptive" in flags)
+    if how is None:
+        return
+    assert how.overlap_off == ("disable_overlap_schedule" in params)
+    assert how.by_batch_size == ("isdigit()" in params) and how.zero_steps == ("non-negative" in params)
+    assert '("EAGLE", "EAGLE3")' in params and {METHODS[m].sglang for m in SGLANG_ADAPTIVE_METHODS} == {"EAGLE", "EAGLE3"}
+    spec = SpecConfig(method="eagle3", depth=5, head_path=HEAD, adaptive=True)
+    argv = sglang_args("m", spec, version=version, adaptive_config="/etc/spectune/a.json")
+    assert {a for a in argv if a.startswith("--")} <= flags
+    knobs = sglang_adaptive_config(spec, how)
+    assert all(f'"{k}"' in params for entry in ([knobs] if "candidate_steps" in knobs else knobs.values()) for k in entry)
 
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -112,3 +150,14 @@ def test_every_vllm_flag_parses_with_the_installed_vllm() -> None:
     r = subprocess.run([str(VLLM_PYTHON), "-c", PARSE, json.dumps(argvs)], input=json.dumps(argvs), capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0 and f"parsed {len(argvs)}" in r.stdout, r.stderr[-3000:]
+
+
+def test_vllm_adaptive_table_matches_the_installed_vllm() -> None:
+    """VLLM_ADAPTIVE_METHODS for the pinned release says what the installed vLLM's config documents."""
+    version = pinned_version(load_config(["deploy=vllm", "hardware=h200x1"]).deploy.image_tag)
+    found = list(VLLM_PYTHON.parents[1].glob("lib/python3*/site-packages/vllm/config/speculative.py"))
+    if not found:
+        pytest.skip("needs .venv-vllm (make vllm)")
+    source = found[0].read_text()
+    assert "enable_adaptive_verification: bool" in source
+    assert vllm_adaptive_methods(version) == {"dspark"} and 'only supported for method="dspark"' in source

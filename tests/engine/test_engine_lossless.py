@@ -389,16 +389,20 @@ def test_training_free_trees_with_a_wrong_rule_are_detected(spec: SpecConfig, mo
 BATCH_PARAMS = SamplingParams(temperature=1.5, top_k=3, max_new_tokens=3)
 
 
-def _batch_counts(engine, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch_counts(engine, n: int, adaptive: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`adaptive`: the same tree under adaptive control (spec.adaptive), each verified row costing
+    0.15 of a step: the controller drafts 0 to 4 nodes as its estimates move."""
     import dataclasses
 
     from engine.decode import batch as B
+    from engine.decode.stepcost import StepCost
     from engine.drafters.draft_model import DraftModelDrafter
 
-    spec = SpecConfig(method="draft_model", depth=2, topk=2, budget=5, draft_model="the target")
+    spec = SpecConfig(method="draft_model", depth=2, topk=2, budget=5, draft_model="the target", adaptive=adaptive)
     prompt = [5, 9, 2, 7, 5, 9]
     real = B.make_drafter
     B.make_drafter = lambda s, target, seed: DraftModelDrafter(s, engine.model)
+    engine.step_costs = lambda *a: StepCost({1: [(0, 1.0), (16, 3.4)], 4: [(0, 4.0), (64, 13.6)]}, max_rows=5)
     try:
         be = B.BatchEngine(engine, max_batch=4, schedule=[(1, 4, spec)])
         reqs = [be.submit(prompt, dataclasses.replace(BATCH_PARAMS, seed=i)) for i in range(n)]
@@ -406,6 +410,11 @@ def _batch_counts(engine, n: int) -> tuple[torch.Tensor, torch.Tensor]:
             be.step()
     finally:
         B.make_drafter = real
+        del engine.step_costs
+    if adaptive:
+        drafted = sum(q.result.stats.drafted_tokens for q in reqs)
+        steps = sum(q.result.stats.draft_steps for q in reqs)
+        assert 0 < drafted < 4 * steps  # the controller cut drafts below the bound
     assert all(r.error is None for r in reqs)
     assert sum(q.result.stats.accepted_tokens for q in reqs) > n // 2  # the drafts really are verified
     return _counts(engine, prompt, BATCH_PARAMS, [q.result.tokens for q in reqs])
@@ -455,21 +464,23 @@ def engine_bf16():
     return open_engine(load_config([*TINY, "engine.builtin.weights=bf16"]))
 
 
-@pytest.mark.parametrize("weights", ["fp32", "bf16"])
-def test_sampling_in_a_batch_is_lossless(weights: str, request: pytest.FixtureRequest) -> None:
-    counts, exact = _batch_counts(request.getfixturevalue("engine" if weights == "fp32" else "engine_bf16"), 600)
+@pytest.mark.parametrize("weights,adaptive", [("fp32", False), ("bf16", False), ("fp32", True)])
+def test_sampling_in_a_batch_is_lossless(weights: str, adaptive: bool, request: pytest.FixtureRequest) -> None:
+    counts, exact = _batch_counts(request.getfixturevalue("engine" if weights == "fp32" else "engine_bf16"), 600,
+                                  adaptive)
     assert float(chisquare(counts.numpy(), (exact / exact.sum() * counts.sum()).numpy()).pvalue) > 1e-3
 
 
-@pytest.mark.parametrize("weights", ["fp32", "bf16"])
-def test_sampling_in_a_batch_with_a_wrong_rule_is_detected(weights: str, request: pytest.FixtureRequest,
+# the fp32 control runs under adaptive control, bf16 without
+@pytest.mark.parametrize("weights,adaptive", [("fp32", True), ("bf16", False)])
+def test_sampling_in_a_batch_with_a_wrong_rule_is_detected(weights: str, adaptive: bool, request: pytest.FixtureRequest,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     def kept_in_r(r, x, q, u):  # a rejected sibling left in r: over-samples it
         return (True, r) if u < float(r[x]) else (False, r)
 
     engine = request.getfixturevalue("engine" if weights == "fp32" else "engine_bf16")
     monkeypatch.setattr(V, "accept_topk", kept_in_r)
-    counts, exact = _batch_counts(engine, 600)
+    counts, exact = _batch_counts(engine, 600, adaptive)
     assert float(chisquare(counts.numpy(), (exact / exact.sum() * counts.sum()).numpy()).pvalue) < 1e-6
 
 

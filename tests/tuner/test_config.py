@@ -159,6 +159,10 @@ BAD_INPUTS = [
     (["deploy.gpu_memory_utilization=1.5"], "deploy.gpu_memory_utilization=1.5"),
     (["serve.port=70000"], "serve.port=70000"),
     (["spec.k_per_batch_size=[[1,4,9]]"], "each K in [0, depth=4]"),
+    # Issue 36.5: adaptive sizes a drafter's drafts, bounded by depth; a K schedule would be a second rule.
+    (["spec.method=off", "spec.adaptive=true"], "spec.adaptive=true with spec.method=off: adaptive sizes a drafter's"),
+    (["spec.adaptive=true", "spec.k_per_batch_size=[[1,4,3]]"], "spec.adaptive=true with spec.k_per_batch_size"),
+    (["spec.adaptive=yes-please"], "spec.adaptive"),
     (["spec.depth="], "spec.depth='': Input should be a valid integer"),
     # Issue 24.3c: the built-in engine loads every checkpoint in fp32 on one device.
     (["model=llama-3.3-70b-instruct"], "engine=builtin with model llama-3.3-70b-instruct: its single-device fp32 "

@@ -18,7 +18,7 @@ import optuna
 import yaml
 from optuna.trial import FrozenTrial, TrialState
 
-from tuner.schema.config import BestResult, Config, measured_weights
+from tuner.schema.config import Arms, BestResult, Config, measured_weights
 from tuner.study.selection import describe, leader
 from tuner.study.studies import FAIL_REASON, NOISE_REL, role
 
@@ -557,6 +557,27 @@ def _link(target: Path, here: Path) -> str:
     return html.escape(os.path.relpath(target, here))
 
 
+def arms_html(arms: Arms) -> str:
+    """The adaptive arm, the best static schedule and off per level (best.yaml `arms`), as a table."""
+    def cell(tok: float | None, sp: float | None) -> str:
+        return "-" if sp is None else f"{tok:.1f} ({sp:.3f}x)" if tok is not None else f"{sp:.3f}x"
+
+    static = arms.static.key() if arms.static is not None else "none measured"
+    adaptive = arms.adaptive.key() if arms.adaptive is not None else "-"
+    out = [f"<h3>Adaptive, static, off: chosen {html.escape(arms.choice)}</h3><table><tr><th>level</th>"
+           f"<th>off tok/s</th><th>best static, {html.escape(static)}</th><th>adaptive, {html.escape(adaptive)}</th>"
+           "</tr>"]
+    for lv in arms.levels:
+        off = "-" if lv.off_tok_s is None else f"{lv.off_tok_s:.1f}"
+        out.append(f"<tr><td>{html.escape(lv.level)}</td><td>{off}</td>"
+                   f"<td>{cell(lv.static_tok_s, lv.static_speedup)}</td>"
+                   f"<td>{cell(lv.adaptive_tok_s, lv.adaptive_speedup)}</td></tr>")
+    out.append(f"<tr><th>all levels</th><td>1.000x</td><td>{_fmt(arms.static_speedup)}x</td>"
+               f"<td>{_fmt(arms.adaptive_speedup)}x</td></tr></table><p>Each arm's speedup over the baseline measured "
+               "beside it at that level; tok/s is that speedup x the baseline trial's tok/s there.</p>")
+    return "".join(out)
+
+
 def write_html(study: optuna.Study, run_dir: Path, best: BestResult | None, skipped: dict[str, str],
                cfg: Config | None = None, source: Path | None = None) -> None:
     """report.html: the run summary, the verdict with its units, the next command, links to
@@ -600,6 +621,8 @@ def write_html(study: optuna.Study, run_dir: Path, best: BestResult | None, skip
             parts.append(f"<li>{best.skipped_requests} request(s) of the workload were refused by the engine as such "
                          "(too long, a field it cannot honour): counted and skipped</li>")
         parts.append("</ul>")
+        if best.arms is not None:
+            parts.append(arms_html(best.arms))
         if best.parts:
             parts.append("<h3>Per part of the mix</h3><table><tr><th>part</th><th>weight</th><th>requests</th>"
                          "<th>tau</th><th>speedup</th><th>tok/s</th><th>tok/s off</th></tr>")

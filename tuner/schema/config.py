@@ -17,13 +17,13 @@ from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from tuner.schema.results import (BestResult, Capacity, CapacityProbe, Figures, PartResult, ProjectedPoint, Projection,
-                                  Provenance)
+from tuner.schema.results import (ArmLevel, Arms, BestResult, Capacity, CapacityProbe, Figures, PartResult,
+                                  ProjectedPoint, Projection, Provenance)
 from tuner.schema.methods import SpecMethod, engine_refusal, head_methods, search_refusal
 from tuner.schema.spec import SpecConfig, UserError
 from tuner.schema.spec import Strict as _Strict
 
-__all__ = ["SLO", "BenchConfig", "BestResult", "BuiltinEngineConfig", "Capacity", "CapacityProbe", "Config",
+__all__ = ["SLO", "ArmLevel", "Arms", "BenchConfig", "BestResult", "BuiltinEngineConfig", "Capacity", "CapacityProbe", "Config",
            "DeployConfig", "DistributedConfig", "DraftSources", "EngineConfig", "Figures", "GGUFSource", "HPAConfig",
            "HardwareConfig", "IntRange", "LaunchedEngineConfig", "Level", "ModelConfig", "ProjectedPoint", "Projection",
            "MixPart", "PACKAGED_SOURCES", "PartResult", "Provenance", "Rate", "RequestFormat", "SearchConfig", "SecretRef",
@@ -428,6 +428,10 @@ class SearchConfig(_Strict):
     # defaults here only for config.yaml files saved before these keys existed
     capacity: bool = False
     capacity_probes: int = Field(8, ge=2, le=32)
+    # the built-in engine: spec.adaptive is searched too (one arm enqueued at the widest bounds) and
+    # compared with the best static schedule and off per level (best.yaml `arms`); False for saved
+    # configs from before the key existed
+    adaptive: bool = False
 
     @field_validator("storage")
     @classmethod

@@ -50,6 +50,7 @@ class Place:
     draft: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     cache_dir: str | None = None  # the built-in server's model cache (`tuner serve cache_dir=`)
+    adaptive_config: str | None = None  # a pod's SGLang adaptive knobs file (mounted from the winner ConfigMap)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class ServerSettings:
     env: tuple[tuple[str, str], ...] = ()
     builtin_overrides: tuple[str, ...] = ()  # kind builtin: engine.builtin.* overrides of `tuner serve`
     builtin_weights: str | None = None  # kind builtin: engine.builtin.weights
+    version: str | None = None  # the engine release (deploy.image_tag's, which `make vllm/sglang` installs too)
 
 
 def launched_section(cfg: Config, kind: str) -> LaunchedEngineConfig:
@@ -108,6 +110,7 @@ def server_settings(cfg: Config, kind: Kind) -> ServerSettings:
     names = tuple(dict.fromkeys([m.name, m.hf_id])) if kind == "vllm" else (m.name,)
     extra = tuple(ecfg.extra_args) + (tuple(d.extra_args) if d.target == kind else ())
     return ServerSettings(kind=kind, tp=tp, context_length=context, dtype=ecfg.dtype,
+                          version=pinned_version(d.image_tag) if d.target == kind else None,
                           quantization=d.quantization if gpu and d.quantization != "none" else None,
                           kv_cache_dtype=d.kv_cache_dtype if gpu else None, memory_fraction=fraction,
                           served_names=names, enforce_eager=ecfg.enforce_eager, extra_args=extra,
@@ -165,14 +168,14 @@ def engine_command(s: ServerSettings, spec: SpecConfig, place: Place) -> tuple[l
                          tensor_parallel_size=s.tp, quantization=s.quantization, kv_cache_dtype=s.kv_cache_dtype,
                          gpu_memory_utilization=s.memory_fraction, served_model_name=list(s.served_names),
                          host=place.host, port=place.port, enforce_eager=s.enforce_eager, draft_ref=place.draft,
-                         extra_args=s.extra_args)
+                         extra_args=s.extra_args, version=s.version)
     elif s.kind == "sglang":
         args = sglang_args(place.model, spec, tp=s.tp, quantization=s.quantization, kv_cache_dtype=s.kv_cache_dtype,
                            host=place.host, port=place.port, dtype=s.dtype, context_length=s.context_length,
                            mem_fraction_static=s.memory_fraction,
                            served_model_name=s.served_names[0] if s.served_names else None,
                            draft_ref=sglang_draft(spec, place.draft), disable_cuda_graph=s.enforce_eager,
-                           extra_args=s.extra_args)
+                           extra_args=s.extra_args, version=s.version, adaptive_config=place.adaptive_config)
         draft = sglang_draft(spec, place.draft)
         if draft and s.context_length is not None:
             known = draft_context(draft)

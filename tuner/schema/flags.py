@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from tuner.schema.config import SpecConfig, UserError
 from tuner.schema.methods import METHODS, engine_methods, engine_refusal
@@ -26,12 +27,79 @@ def _draft_ref(spec: SpecConfig, draft_ref: str | None) -> str:
     return ref
 
 
-def vllm_speculative_config(spec: SpecConfig, draft_ref: str | None = None) -> dict | None:
+# vLLM's adaptive verification (`enable_adaptive_verification`, vllm#47808 / #52228) by release: the
+# vLLM methods it runs for. 0.32's config documents it "only supported for method=dspark".
+VLLM_ADAPTIVE_METHODS: dict[str, frozenset[str]] = {"0.32": frozenset({"dspark"})}
+
+
+def vllm_adaptive_methods(version: str | None) -> frozenset[str]:
+    """The vLLM method names whose drafts vLLM `version` verifies adaptively (none when unknown)."""
+    if version is None:
+        return frozenset()
+    return VLLM_ADAPTIVE_METHODS.get(".".join(version.split("+")[0].split(".")[:2]), frozenset())
+
+
+@dataclass(frozen=True)
+class SglangAdaptive:
+    """How one SGLang release runs `--speculative-adaptive` (sgl#21599): its knobs come from the JSON
+    file `--speculative-adaptive-config` names."""
+
+    overlap_off: bool  # adaptive runs only with the overlap scheduler off (else it silently stays static)
+    by_batch_size: bool  # the file maps the smallest batch size of a range to its knobs (sgl#24055)
+    zero_steps: bool  # a candidate of 0 steps (no draft) is allowed
+
+
+# Read from each wheel's server_args.py and speculative/adaptive_spec_params.py: no flag up to 0.5.10;
+# EAGLE / EAGLE-3 chains only in every release since.
+SGLANG_ADAPTIVE: tuple[tuple[tuple[int, ...], SglangAdaptive], ...] = (
+    ((0, 5, 11), SglangAdaptive(overlap_off=True, by_batch_size=False, zero_steps=False)),
+    ((0, 5, 12), SglangAdaptive(overlap_off=False, by_batch_size=False, zero_steps=False)),
+    ((0, 5, 13), SglangAdaptive(overlap_off=False, by_batch_size=True, zero_steps=False)),
+    ((0, 5, 14), SglangAdaptive(overlap_off=False, by_batch_size=True, zero_steps=True)),
+)
+SGLANG_ADAPTIVE_FIRST = ".".join(map(str, SGLANG_ADAPTIVE[0][0]))
+SGLANG_ADAPTIVE_METHODS = ("eagle", "eagle3")
+
+
+def _release(version: str) -> tuple[int, ...] | None:
+    parts = re.match(r"(\d+(?:\.\d+)*)", version)
+    return tuple(int(x) for x in parts.group(1).split(".")) if parts else None
+
+
+def sglang_adaptive(version: str | None) -> SglangAdaptive | None:
+    """How SGLang `version` runs adaptive speculation, or None when it has no `--speculative-adaptive`
+    (or the version is unknown)."""
+    release = _release(version) if version else None
+    if release is None:
+        return None
+    found = None
+    for since, how in SGLANG_ADAPTIVE:
+        if release >= since:
+            found = how
+    return found
+
+
+def adaptive_steps(depth: int, zero_steps: bool) -> list[int]:
+    """The step counts SGLang may switch between for a depth bound: 1, about half the bound and the
+    bound (each is a captured runtime state, so a few), 0 (no draft) where the release allows it."""
+    return sorted({1, (depth + 1) // 2, depth} | ({0} if zero_steps else set()))
+
+
+def sglang_adaptive_config(spec: SpecConfig, how: SglangAdaptive) -> dict:
+    """The JSON object of `--speculative-adaptive-config` for an adaptive spec: its candidate steps
+    within spec.depth, for every batch size."""
+    knobs = {"candidate_steps": adaptive_steps(spec.depth, how.zero_steps)}
+    return {"1": knobs} if how.by_batch_size else knobs
+
+
+def vllm_speculative_config(spec: SpecConfig, draft_ref: str | None = None, version: str | None = None) -> dict | None:
     """The `--speculative-config` JSON object for vLLM, or None when speculation is off.
 
     vLLM verifies chains only (tree attention was removed), so topk > 1 is a user error: render
     the study's `chain_spec` instead. `num_speculative_tokens_per_batch_size` carries the tuned
-    per-batch-size K schedule when the spec has one.
+    per-batch-size K schedule when the spec has one; an adaptive spec turns on
+    `enable_adaptive_verification`, which vLLM `version` runs for a few methods only
+    (VLLM_ADAPTIVE_METHODS; deploy.winner serves the study's static schedule elsewhere).
     """
     if spec.method == "off":
         return None
@@ -56,6 +124,12 @@ def vllm_speculative_config(spec: SpecConfig, draft_ref: str | None = None) -> d
         conf["model"] = _draft_ref(spec, draft_ref)
     if spec.k_per_batch_size:
         conf["num_speculative_tokens_per_batch_size"] = [list(r) for r in spec.k_per_batch_size]
+    if spec.adaptive:
+        if name not in vllm_adaptive_methods(version):
+            raise UserError(f"spec.adaptive=true with spec.method={spec.method}: vLLM {version or '(version unknown)'} "
+                            "verifies adaptively only for method "
+                            f"{', '.join(sorted(vllm_adaptive_methods(version))) or 'none known'}; give spec.adaptive=false")
+        conf["enable_adaptive_verification"] = True
     return conf
 
 
@@ -75,6 +149,7 @@ def vllm_args(
     enforce_eager: bool = False,
     draft_ref: str | None = None,
     extra_args: Sequence[str] = (),
+    version: str | None = None,
 ) -> list[str]:
     """Arguments after `vllm serve` (the model first, then flags in a fixed order).
 
@@ -98,7 +173,7 @@ def vllm_args(
         args += ["--served-model-name", *names]
     if enforce_eager:
         args.append("--enforce-eager")
-    conf = vllm_speculative_config(spec, draft_ref)
+    conf = vllm_speculative_config(spec, draft_ref, version)
     if conf is not None:
         # Compact and key-sorted: the same spec always yields the same bytes (diffable manifests).
         args += ["--speculative-config", json.dumps(conf, sort_keys=True, separators=(",", ":"))]
@@ -121,6 +196,8 @@ def sglang_args(
     draft_ref: str | None = None,
     disable_cuda_graph: bool = False,
     extra_args: Sequence[str] = (),
+    version: str | None = None,
+    adaptive_config: str | None = None,
 ) -> list[str]:
     """Arguments after `python -m sglang.launch_server`.
 
@@ -129,7 +206,9 @@ def sglang_args(
     and this function re-checks it so a launcher never starts a server that silently differs.
     `--enable-metrics` is always on: SGLang serves no /metrics without it, and both the trial
     load generator (tau from `sglang:spec_accept_length`) and the rendered ServiceMonitor/HPA
-    (`sglang:num_queue_reqs`) read that page.
+    (`sglang:num_queue_reqs`) read that page. An adaptive spec (an EAGLE / EAGLE-3 chain, SGLang
+    `version` from SGLANG_ADAPTIVE_FIRST) adds `--speculative-adaptive` with the file
+    `adaptive_config` (sglang_adaptive_config's JSON; the pod mounts it), its depth the bound.
     """
     args = ["--model-path", model_ref, "--host", host, "--port", str(port), "--enable-metrics"]
     if tp != 1:
@@ -179,7 +258,29 @@ def sglang_args(
             "--speculative-eagle-topk", str(spec.topk),
             "--speculative-num-draft-tokens", str(spec.budget),
         ]
+        if spec.adaptive:
+            args += _sglang_adaptive_args(spec, version, adaptive_config)
     return args + list(extra_args)
+
+
+def _sglang_adaptive_args(spec: SpecConfig, version: str | None, adaptive_config: str | None) -> list[str]:
+    """`--speculative-adaptive` and what SGLang `version` needs with it; a one-line refusal where that
+    release cannot run it (SGLang would fall back to static steps without saying so)."""
+    how = sglang_adaptive(version)
+    if how is None:
+        raise UserError(f"spec.adaptive=true: SGLang {version or '(version unknown)'} has no --speculative-adaptive "
+                        f"(from {SGLANG_ADAPTIVE_FIRST}); give spec.adaptive=false")
+    if spec.method not in SGLANG_ADAPTIVE_METHODS or spec.topk != 1:
+        raise UserError(f"spec.adaptive=true with '{spec.key()}': SGLang adapts EAGLE / EAGLE-3 chains only (topk=1); "
+                        "give spec.adaptive=false")
+    if not adaptive_steps(spec.depth, how.zero_steps)[1:]:
+        raise UserError(f"spec.adaptive=true with spec.depth={spec.depth}: SGLang {version} needs two step counts "
+                        "to switch between; give spec.depth >= 2")
+    if adaptive_config is None:
+        raise UserError("spec.adaptive=true: SGLang reads its adaptive knobs from a file, which only the rendered "
+                        "manifests provide (a trial measures adaptive speculation on the built-in engine)")
+    args = ["--speculative-adaptive", "--speculative-adaptive-config", adaptive_config]
+    return args + (["--disable-overlap-schedule"] if how.overlap_off else [])
 
 
 _HYDRA_PLAIN = re.compile(r"[A-Za-z0-9_./:@+-]+")

@@ -4,6 +4,8 @@ Part of the one config schema: import these from `tuner.schema.config`.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from tuner.schema.spec import SpecConfig, Strict as _Strict
 
 
@@ -117,6 +119,33 @@ class PartResult(_Strict):
     baseline_tokens_per_s: float | None = None
 
 
+class ArmLevel(_Strict):
+    """The three arms at one measured level: output tok/s of speculation off (the study's baseline
+    trial) and, for the best static schedule and the best adaptive configuration, their speedup
+    over the baseline measured beside them and that speedup x off's tok/s (drift-corrected, as the
+    study ranks trials). None: that arm was not measured."""
+
+    level: str  # "c=4" (requests in flight) or "1.5 req/s"
+    off_tok_s: float | None = None
+    static_speedup: float | None = None
+    static_tok_s: float | None = None
+    adaptive_speedup: float | None = None
+    adaptive_tok_s: float | None = None
+
+
+class Arms(_Strict):
+    """The adaptive arm against the best static schedule and speculation off (search.adaptive on the
+    built-in engine): which of the three the study chose, and the evidence per level."""
+
+    choice: Literal["adaptive", "static", "off"]
+    adaptive: SpecConfig | None = None  # the best adaptive configuration measured (None: none completed)
+    static: SpecConfig | None = None  # the best static schedule measured (None: none completed)
+    static_beats_off: bool = False  # it beat off by the winner's rules: the second best to an adaptive winner
+    adaptive_speedup: float | None = None  # over every level (geometric mean of the pairs' ratios)
+    static_speedup: float | None = None
+    levels: list[ArmLevel] = []
+
+
 class BestResult(_Strict):
     """`best.yaml` in a run directory: written by `tuner optimize`, read by `tuner render --from`."""
 
@@ -135,3 +164,4 @@ class BestResult(_Strict):
     capacity: Capacity | None = None  # search.capacity=true: the SLO-attained rate of the baseline and the winner
     parts: list[PartResult] = []  # a mixed workload: the winner per part
     skipped_requests: int = 0  # the user's requests the engine refused as such (counted, not played)
+    arms: Arms | None = None  # search.adaptive: adaptive against the best static schedule and off, per level

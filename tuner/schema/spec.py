@@ -64,6 +64,9 @@ class SpecConfig(Strict):
     suffix_max_requests: int = Field(10000, ge=0, le=1_000_000)
     # vLLM dynamic K: [[min_batch, max_batch, K], ...], inclusive ranges, K <= depth.
     k_per_batch_size: list[tuple[int, int, int]] | None = None
+    # the built-in engine sizes each request's draft every step from its observed acceptance and the
+    # measured step cost; depth and budget are then the bounds it chooses within (0 drafted included)
+    adaptive: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -82,7 +85,13 @@ class SpecConfig(Strict):
     @model_validator(mode="after")
     def _rules(self) -> "SpecConfig":
         if self.method == "off":
+            if self.adaptive:
+                raise ValueError("spec.adaptive=true with spec.method=off: adaptive sizes a drafter's drafts, "
+                                 "choose a method (ngram, suffix, recycle, draft_model, eagle, eagle3, medusa)")
             return self
+        if self.adaptive and self.k_per_batch_size is not None:
+            raise ValueError("spec.adaptive=true with spec.k_per_batch_size: both choose the draft length, "
+                             "give one of them (adaptive bounds it by spec.depth)")
         if self.topk == 1 and self.budget != self.depth + 1:
             raise ValueError(
                 f"spec.budget={self.budget} with spec.topk=1 must equal spec.depth+1={self.depth + 1} "
@@ -134,4 +143,6 @@ class SpecConfig(Strict):
             key += f" {self.ngram_match}"
         if self.method == "suffix":
             key += f" f{self.suffix_spec_factor:g} p{self.suffix_min_prob:g}"
+        if self.adaptive:
+            key += " adaptive"
         return key

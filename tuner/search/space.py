@@ -4,14 +4,16 @@ Parameters (Optuna names): `method` (only when several are searched), `depth` (`
 for Medusa points), `topk` (tree methods on tree engines only; `tree_topk` where the engine runs
 no chain of the method: SGLang n-gram), `budget` (only when the tree leaves a choice), the
 training-free trees' own (`ngram_match` for n-gram trees, `suffix_spec_factor` and
-`suffix_min_prob` for suffix, each only when several values are searched) and, for engines with a
-per-batch-size schedule and several load levels, the K of each higher band: `k_c{level}` for a
-concurrency level, `k_r{rate}` for a request rate.
+`suffix_min_prob` for suffix, each only when several values are searched), `adaptive` (the built-in
+engine with search.adaptive: the engine sizes each request's draft per step, depth and budget its
+bounds) and, for engines with a per-batch-size schedule and several load levels, the K of each
+higher band of a static point (an adaptive one has no schedule): `k_c{level}` for a concurrency
+level, `k_r{rate}` for a request rate.
 
 The K bands follow the batch sizes each level runs (`batch_bands`): a concurrency level runs its own
 batch size; a request rate runs the distribution of sizes off recorded at it, known once trial 0 has
-measured it and refined by every paired baseline after (`with_rate_sizes`). Between two levels the band edge is the size that
-puts the fewest of either level's steps in the other's band.
+measured it and refined by every paired baseline after (`with_rate_sizes`). Between two levels the
+band edge is the size that puts the fewest of either level's steps in the other's band.
 
 The rules of `SpecConfig` are built into the ranges instead of being rejected afterwards:
 budget is drawn from [depth+1, min(budget_max, 1 + depth*topk)], topk=1 fixes budget=depth+1,
@@ -110,6 +112,7 @@ class SearchSpace:
     ngram_match: tuple[str, ...] = ("bfs",)  # n-gram trees (topk > 1)
     suffix_spec_factor: tuple[float, ...] = (1.0,)
     suffix_min_prob: tuple[float, ...] = (0.1,)
+    adaptive: bool = False  # spec.adaptive is searched (the built-in engine only: it runs the controller)
 
     @classmethod
     def from_config(cls, cfg: Config, head_paths: dict[str, str] | None = None) -> "SearchSpace":
@@ -137,6 +140,7 @@ class SearchSpace:
             ngram_match=tuple(dict.fromkeys(s.ngram_match)),
             suffix_spec_factor=tuple(dict.fromkeys(s.suffix_spec_factor)),
             suffix_min_prob=tuple(dict.fromkeys(s.suffix_min_prob)),
+            adaptive=s.adaptive and cfg.engine.kind == "builtin",
         )
 
     def __post_init__(self) -> None:
@@ -238,8 +242,10 @@ class SearchSpace:
         return [f"k_c{c}" for c in self.concurrency] + [f"k_r{r:g}" for r in self.rates]
 
     def _spec(self, method: str, depth: int, topk: int, budget: int, ks: list[int] | None = None,
-              own: dict[str, Any] | None = None) -> SpecConfig:
+              own: dict[str, Any] | None = None, adaptive: bool = False) -> SpecConfig:
         extra: dict[str, Any] = dict(own or {})
+        if adaptive:
+            extra["adaptive"] = True
         field = method_info(method).draft_field
         if field == "head_path":
             extra["head_path"] = (self.head_paths or {}).get(method)
@@ -260,10 +266,11 @@ class SearchSpace:
         budget = trial.suggest_int("budget", lo, hi) if hi > lo else lo
         own = {name: trial.suggest_categorical(name, list(vals)) if len(vals) > 1 else vals[0]
                for name, vals in self._extras(method, topk)}
+        adaptive = bool(trial.suggest_categorical("adaptive", [False, True])) if self.adaptive else False
         ks = None
-        if self.k_bands:
+        if self.k_bands and not adaptive:
             ks = [trial.suggest_int(name, 0, depth) for name in self.k_params]
-        return self._spec(method, depth, topk, budget, ks, own)
+        return self._spec(method, depth, topk, budget, ks, own, adaptive)
 
     def params_of(self, spec: SpecConfig) -> dict[str, Any]:
         """The Optuna params that make `suggest` return `spec` (for enqueue_trial)."""
@@ -279,6 +286,10 @@ class SearchSpace:
         for name, vals in self._extras(spec.method, spec.topk):
             if len(vals) > 1:
                 p[name] = getattr(spec, name)
+        if self.adaptive:
+            p["adaptive"] = spec.adaptive
+        if spec.adaptive:  # no schedule, no K
+            return p
         bands = spec.k_per_batch_size or []
         if all(k == spec.depth for _, _, k in bands):
             # one K everywhere (the defaults): every band's K, also those the rates' sizes will add
@@ -290,6 +301,8 @@ class SearchSpace:
     def contains(self, spec: SpecConfig) -> bool:
         """Whether `spec` is a point of this space."""
         if spec.method not in self.methods or not (self.depth_min <= spec.depth <= self.depth_max_of(spec.method)):
+            return False
+        if spec.adaptive and (not self.adaptive or spec.k_per_batch_size):
             return False
         if spec.topk not in self.topk_of(spec.method):
             return False
@@ -318,6 +331,18 @@ class SearchSpace:
                     out.append(spec)
         return out
 
+    def arms(self) -> list[SpecConfig]:
+        """The adaptive arm enqueued after the defaults (search.adaptive): the first searched method
+        at the space's widest bounds, a chain where the engine runs one (the controller shortens it
+        per request and step), else its widest tree. Empty when adaptive is not searched."""
+        if not self.adaptive:
+            return []
+        method = self.methods[0]
+        depth = self.depth_max_of(method)
+        topk = 1 if 1 in self.topk_of(method) else max(self.topk_of(method))
+        point = self.clip(method, depth, topk, self.budget_range(depth, topk)[1])
+        return [SpecConfig.model_validate({**point.model_dump(), "adaptive": True, "k_per_batch_size": None})]
+
     def points(self) -> list[SpecConfig]:
         """Every point of the space (the exhaustive grid), in a fixed order."""
         out: list[SpecConfig] = []
@@ -337,4 +362,6 @@ class SearchSpace:
                                 spec = self._spec(method, depth, topk, budget, list(ks) if ks is not None else None, own)
                                 if spec not in out:
                                     out.append(spec)
+                            if self.adaptive:  # the same bounds, sized per step by the engine
+                                out.append(self._spec(method, depth, topk, budget, None, own, adaptive=True))
         return out

@@ -21,8 +21,8 @@ from optuna.trial import FrozenTrial, TrialState
 from engine.measure.stats import geomean, log_interval, log_spread, ratio_bounds
 from tuner.study.objective import ENGINE_VERSION, OFF, Objective, spec_of
 from tuner.schema.engine_command import measured_server
-from tuner.schema.config import (BestResult, Config, Figures, Level, PartResult, Provenance, SpecConfig,
-                                 level_name, measured_weights)
+from tuner.schema.config import (ArmLevel, Arms, BestResult, Config, Figures, Level, PartResult, Provenance, Rate,
+                                 SpecConfig, level_name, measured_weights)
 from tuner.study.storage import mask_url, storage_url
 from tuner.study.studies import role
 
@@ -236,7 +236,8 @@ def pick_winner(trials: list[FrozenTrial], noise_rel: float, concurrency: list[L
         return Winner(OFF, None, "no speculative configuration met the workload's SLOs "
                                  f"({'; '.join(viol[:3])}): speculation stays off")
     winners = [c for c in feasible if c.beats_baseline(noise_rel)]
-    chains = [c for c in winners if c.spec.topk == 1]
+    # what vLLM serves of a tree: a static chain (an adaptive one is served as the study's static schedule)
+    chains = [c for c in winners if c.spec.topk == 1 and not c.spec.adaptive]
     chain = _cheapest_of_best(chains, noise_rel)[0] if chains else None
     if not winners:
         best = max(feasible, key=lambda c: c.speedup)
@@ -271,6 +272,68 @@ def pick_winner(trials: list[FrozenTrial], noise_rel: float, concurrency: list[L
     if n_tied > 1:
         reason += f"; {n_tied} configurations were within noise ({noise_rel:.0%}) of the best: the smallest budget wins"
     return Winner(pick.spec, pick, reason, chain)
+
+
+def _level_key(level: Level) -> str:
+    return f"{level.rps:g} req/s" if isinstance(level, Rate) else f"c={level}"
+
+
+def _level_speedups(c: Candidate, n: int) -> list[float | None]:
+    """A candidate's speedup at each of n levels: per trial the level's tok/s over its paired
+    baseline's (means over the repeats), the geometric mean over its trials."""
+    out: list[float | None] = []
+    for i in range(n):
+        ratios = [lv[i]["tok_s"] / lv[i]["baseline_tok_s"] for t in c.trials
+                  if len(lv := t.user_attrs.get("levels") or []) == n and lv[i].get("baseline_tok_s")]
+        out.append(geomean(ratios) if ratios else None)
+    return out
+
+
+def compare_arms(trials: list[FrozenTrial], noise_rel: float, levels: list[Level], win: Winner) -> Arms | None:
+    """The adaptive arm against the best static schedule and off, at every measured level (None when
+    no adaptive configuration completed a measurement). Each arm is its best configuration by the
+    winner's rule (the fastest when none beats off), with its speedup over the baseline measured
+    beside it per level, and that speedup x the baseline trial's tok/s at the level (as Optuna's
+    values are)."""
+    done = [c for c in candidates(trials) if c.feasible]
+    # an implausible figure never wins, but the arm is still shown from it when it is all there is
+    adaptive = [c for c in done if c.spec.adaptive and c.implausible is None] or [c for c in done if c.spec.adaptive]
+    if not adaptive:
+        return None
+    static = [c for c in done if not c.spec.adaptive and c.implausible is None]
+
+    def best_of(cs: list[Candidate]) -> Candidate | None:  # the winner's rule; the fastest when none beat off
+        proven = [c for c in cs if c.beats_baseline(noise_rel)]
+        return _cheapest_of_best(proven, noise_rel)[0] if proven else max(cs, key=lambda c: c.speedup, default=None)
+
+    best_adaptive, best_static = best_of(adaptive), best_of(static)
+    assert best_adaptive is not None
+    base = next((t for t in trials if role(t) == "baseline" and t.state == TrialState.COMPLETE), None)
+    off = [lv.get("tok_s") for lv in (base.user_attrs.get("levels") or [])] if base is not None else []
+    off = off if len(off) == len(levels) else [None] * len(levels)
+    a_sp = _level_speedups(best_adaptive, len(levels))
+    s_sp = _level_speedups(best_static, len(levels)) if best_static is not None else [None] * len(levels)
+
+    def tok(sp: float | None, o: float | None) -> float | None:
+        return round(sp * o, 2) if sp is not None and o is not None else None
+
+    rows = [ArmLevel(level=_level_key(lv), off_tok_s=round(o, 2) if o is not None else None,
+                     static_speedup=round(s, 4) if s is not None else None, static_tok_s=tok(s, o),
+                     adaptive_speedup=round(a, 4) if a is not None else None, adaptive_tok_s=tok(a, o))
+            for lv, o, s, a in zip(levels, off, s_sp, a_sp)]
+    choice = "off" if win.spec.method == "off" else "adaptive" if win.spec.adaptive else "static"
+    return Arms(choice=choice, adaptive=best_adaptive.spec, static=best_static.spec if best_static else None,
+                static_beats_off=best_static is not None and best_static.beats_baseline(noise_rel),
+                adaptive_speedup=round(best_adaptive.speedup, 4),
+                static_speedup=round(best_static.speedup, 4) if best_static is not None else None, levels=rows)
+
+
+def describe_arms(arms: Arms) -> str:
+    """One line: the adaptive arm against the best static schedule and off, and which was chosen."""
+    a = f"adaptive {arms.adaptive.key()} {arms.adaptive_speedup:.3f}x" if arms.adaptive is not None else "adaptive -"
+    s = (f"best static {arms.static.key()} {arms.static_speedup:.3f}x" if arms.static is not None
+         else "no static schedule measured")
+    return f"arms over every level: {a}, {s}, off 1.000x: chosen {arms.choice}"
 
 
 def _mean_attr(trials: list[Any], key: str) -> float | None:
@@ -317,10 +380,11 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
         heldout_baseline = Figures(output_tokens_per_s=h["baseline_tok_s"])  # what the held-out speedup divides by
         heldout_speedup = h["speedup"]
     chain = win.chain.spec if win.chain is not None else None
+    arms = compare_arms(trials, cfg.search.noise_rel, cfg.workload.levels, win)
     parts = part_results(cfg, win.spec, objective) if objective is not None else []
     skipped = len(getattr(getattr(objective, "measure", None), "skipped", ()) or ())
     return BestResult(
-        parts=parts, skipped_requests=skipped,
+        parts=parts, skipped_requests=skipped, arms=arms,
         spec=win.spec, chain_spec=chain, metrics=metrics, baseline=baseline, speedup=speedup,
         heldout=heldout, heldout_baseline=heldout_baseline, heldout_speedup=heldout_speedup, reason=win.reason,
         k_schedule_note=(("K per batch-size band tuned (spec.k_per_batch_size; the bands follow the concurrency "
@@ -386,6 +450,8 @@ def compute_best(cfg: Config, study: optuna.Study, run_dir: Path, objective: Obj
     if cfg.workload.mix and objective is not None:
         log(f"measuring the winner on each of the {len(cfg.workload.mix)} parts of the mix")
     best = best_result(cfg, study, run_dir, win, objective)
+    if best.arms is not None:
+        log(describe_arms(best.arms))
     if cfg.search.capacity:
         if objective is None:  # a finaliser without an engine: the rates cannot be measured here
             log("search.capacity=true: not measured (no engine in this process); best.yaml has no capacity")

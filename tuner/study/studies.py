@@ -21,7 +21,7 @@ from tuner.schema.config import Config, SearchConfig, UserError
 from tuner.search.space import SearchSpace
 from tuner.study.storage import open_storage, storage_url
 
-ROLE = "role"  # user attr naming why a trial exists: baseline | default | grid | search | confirm
+ROLE = "role"  # user attr naming why a trial exists: baseline | default | adaptive | grid | search | confirm
 FAIL_REASON = "fail_reason"
 HEARTBEAT = "heartbeat"  # trial user attr: unix time of its worker's last sign of life
 WORKER = "worker"  # trial user attr: host:pid of the worker that runs the trial
@@ -127,6 +127,9 @@ def create_study(cfg: Config, space: SearchSpace, run_dir: Path, name: str) -> o
     else:
         for spec in space.defaults():
             study.enqueue_trial(space.params_of(spec), user_attrs={ROLE: "default"})
+    if cfg.search.sampler != "grid":  # a grid holds the adaptive points already
+        for spec in space.arms():  # measured early, as the defaults are: the arm the study compares
+            study.enqueue_trial(space.params_of(spec), user_attrs={ROLE: "adaptive"})
     return study
 
 

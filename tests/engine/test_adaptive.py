@@ -1,0 +1,269 @@
+"""Adaptive speculation (`spec.adaptive`; engine.decode.control, acceptance, stepcost): the
+controller on planted acceptance and cost (nothing when acceptance is low or a row costs a step,
+deeper when acceptance is high and verifying is cheap, the best of every choice on small batches),
+the estimates' updates, the step-cost curve (interpolated, timed once and cached), and greedy output
+with adaptive control token-identical to speculation off at batch 1, 2 and 4 for several drafters.
+The chi-square sampling test under adaptive control is in test_engine_lossless.py."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+
+from engine.api import SamplingParams
+from engine.decode import batch as B
+from engine.decode import stepcost
+from engine.decode.acceptance import PRIOR, Acceptance
+from engine.decode.batch import BatchEngine, bounded, schedule_of
+from engine.decode.control import choose
+from engine.decode.loop import Engine
+from engine.decode.stepcost import StepCost
+from engine.drafters.draft_model import DraftModelDrafter
+from engine.trees.tree import Tree
+from tuner.schema.compose import load_config
+from tuner.schema.config import SpecConfig, UserError
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def linear_cost(base: float, per_row: float):
+    return lambda n: base + per_row * n
+
+
+# ---- the controller on planted numbers ---------------------------------------------------------
+
+def test_nothing_is_drafted_when_acceptance_is_low() -> None:
+    gains = [[0.04, 0.01, 0.0]] * 4
+    assert choose(gains, 4, linear_cost(1.0, 0.02)) == [0, 0, 0, 0]
+
+
+def test_nothing_is_drafted_when_a_row_costs_a_step() -> None:
+    """Compute-bound verification: every row costs what a whole one-row step does, so even 0.9
+    acceptance loses (1.9 tokens in 2 steps' time); drafting is also refused when drafting costs."""
+    assert choose([[0.9, 0.8, 0.7]], 1, linear_cost(1.0, 1.0)) == [0]
+    assert choose([[0.9, 0.8, 0.7]], 1, linear_cost(1.0, 0.0), draft_s=1.0) == [0]
+
+
+def test_deeper_when_acceptance_is_high_and_verify_is_cheap() -> None:
+    high = [0.95 ** r for r in range(1, 9)]
+    assert choose([high], 1, linear_cost(1.0, 0.01)) == [8]
+    mid = [PRIOR ** r for r in range(1, 9)]
+    # 0.7^r per node, 0.15 of a step per row: 3 nodes (1.747 tokens per step-time; 2: 1.685, 4: 1.733)
+    assert choose([mid], 1, linear_cost(1.0, 0.15)) == [3]
+    assert choose([mid], 1, linear_cost(1.0, 0.01))[0] > 3
+
+
+def test_the_batch_drafts_for_the_requests_that_pay() -> None:
+    gains = [[0.9, 0.85, 0.8], [0.05, 0.01, 0.0], [0.9, 0.1, 0.0]]
+    assert choose(gains, 3, linear_cost(3.0, 0.2)) == [3, 0, 1]
+
+
+def _best_by_enumeration(gains, tokens, step_s, draft_s):
+    best, best_rate = None, -1.0
+    for ns in itertools.product(*[range(len(g) + 1) for g in gains]):
+        n = sum(ns)
+        rate = (tokens + sum(sum(g[:k]) for g, k in zip(gains, ns))) / (step_s(n) + draft_s * n)
+        if rate > best_rate + 1e-12:
+            best, best_rate = ns, rate
+    return best_rate
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_choice_is_the_best_of_every_choice(seed: int) -> None:
+    """On random non-increasing gains and a random concave or convex cost: the controller's rate
+    equals the best over every combination of draft lengths."""
+    rnd = random.Random(seed)
+    gains = []
+    for _ in range(rnd.randint(1, 4)):
+        a, g = rnd.random(), []
+        for _ in range(rnd.randint(0, 4)):
+            g.append(a)
+            a *= rnd.random()
+        gains.append(g)
+    tokens = len(gains)
+    base, per, bend = rnd.uniform(0.5, 2), rnd.uniform(0, 0.6), rnd.uniform(0.5, 1.5)
+    draft_s = rnd.choice([0.0, rnd.uniform(0, 0.2)])
+
+    def step_s(n: int) -> float:
+        return base + per * n ** bend
+
+    got = choose(gains, tokens, step_s, draft_s)
+    assert all(0 <= k <= len(g) for k, g in zip(got, gains))
+    n = sum(got)
+    rate = (tokens + sum(sum(g[:k]) for g, k in zip(gains, got))) / (step_s(n) + draft_s * n)
+    assert rate == pytest.approx(_best_by_enumeration(gains, tokens, step_s, draft_s), rel=1e-9)
+
+
+# ---- the estimates ------------------------------------------------------------------------------
+
+def test_estimates_follow_the_verified_nodes_and_unverified_ones_drift_back() -> None:
+    a = Acceptance(4, [0.5, 0.5, 0.5, 0.5], rate=0.5)
+    a.update(3, [0, 1, 2])  # nodes 1 and 2 accepted, 3 rejected, 4 not drafted
+    assert a.p == [0.75, 0.75, 0.25, 0.5]
+    a.drift(3, [0.0] * 4)  # only index 4 was not verified
+    assert a.p[:3] == [0.75, 0.75, 0.25] and 0.48 < a.p[3] < 0.5
+    tree = Acceptance(5, [0.5] * 5, rate=0.5)
+    tree.update(5, [0, 2, 4])  # a tree's accepted path: nodes 2 and 4 (node 1 was a rejected sibling)
+    assert tree.p == [0.25, 0.75, 0.25, 0.75, 0.25]
+    assert tree.gains(5) == [0.25, 0.25, 0.25, 0.25, 0.25]  # non-increasing: the first n are the best n
+    assert tree.gains(2) == [0.25, 0.25]
+    low = Acceptance(2, [0.0, 0.0])
+    for _ in range(200):
+        low.drift(0)  # nothing drafted for a long time: it returns to the prior and will try again
+    assert low.p == pytest.approx([PRIOR, PRIOR ** 2], abs=0.01)
+
+
+def test_a_request_starts_from_the_batch_estimate() -> None:
+    batch = Acceptance(3, rate=0.05)
+    assert batch.p == pytest.approx([PRIOR, PRIOR ** 2, PRIOR ** 3])
+    for _ in range(100):
+        batch.update(3, [0])  # nothing is ever accepted
+    req = batch.fork()
+    assert req.p == batch.p and req.p is not batch.p and req.rate > batch.rate
+    assert choose([req.gains(3)], 1, linear_cost(1.0, 0.05)) == [0]
+
+
+# ---- the step-cost curve ------------------------------------------------------------------------
+
+def test_the_curve_interpolates_in_rows_and_between_batch_levels() -> None:
+    c = StepCost({1: [(0, 1.0), (4, 2.0)], 4: [(0, 2.0), (8, 4.0), (16, 5.0)]}, max_rows=5)
+    assert c.step_s(1, 2) == pytest.approx(1.5)
+    assert c.step_s(1, 8) == pytest.approx(3.0)  # past the last point: the last segment's slope
+    assert c.step_s(4, 12) == pytest.approx(4.5)
+    assert c.step_s(2, 0) == pytest.approx(1.0 + (2.0 - 1.0) / 3)  # a third of the way from 1 to 4
+    c.observe_step(1, 0, 1.5)
+    assert c.offset == pytest.approx(0.05) and c.step_s(1, 0) == pytest.approx(1.05)
+    c.observe_step(1, 0, 1e9)  # a stalled step counts as at most CLIP_HIGH x the curve
+    assert c.offset < 0.05 + stepcost.FOLLOW * stepcost.CLIP_HIGH
+    c.observe_draft(0.3, 3)
+    assert c.draft_s == pytest.approx(stepcost.FOLLOW * 0.1)
+    assert StepCost.from_json(c.to_json()).curves == c.curves
+
+
+def test_the_curve_is_timed_once_and_cached(engine: Engine, tmp_path, monkeypatch) -> None:
+    cost = stepcost.step_cost(engine.lean, 3, 4, "tiny test", tmp_path)
+    assert sorted(cost.curves) == [1, 2, 3]
+    for b, pts in cost.curves.items():
+        assert [x for x, _ in pts] == [b * (k - 1) for k in (1, 2, 3, 4)]
+        assert all(s > 0 for _, s in pts)
+    assert len(json.loads((tmp_path / "step_cost.json").read_text())) == 1
+
+    def timed_again(*a, **k):
+        raise AssertionError("a cached curve was timed again")
+
+    monkeypatch.setattr(stepcost, "time_steps", timed_again)
+    assert stepcost.step_cost(engine.lean, 3, 4, "tiny test", tmp_path).curves == cost.curves
+
+
+def test_adaptive_needs_the_lean_forward() -> None:
+    from tuner.study.measurer import open_engine
+
+    with pytest.raises(UserError, match="spec.adaptive=true needs engine.builtin.forward=lean"):
+        open_engine(load_config(["model=tiny-random", "engine.builtin.forward=hf", "spec.method=ngram",
+                                 "spec.adaptive=true"]))
+
+
+def test_the_config_reaches_the_engine_and_the_served_command() -> None:
+    from tuner.schema.flags import builtin_args
+    from tuner.study.measurer import open_engine
+
+    cfg = load_config(["model=tiny-random", "spec.method=ngram", "spec.depth=3", "spec.adaptive=true"])
+    engine = open_engine(cfg)
+    assert engine.spec.adaptive and engine._costs  # its curve was timed when the spec was set
+    be = engine.batcher()
+    assert be.cost is not None and list(be.accept) == ["ngram d3 k1 b4 adaptive"]
+    args = builtin_args(cfg.model.name, cfg.spec)
+    assert "spec.adaptive=true" in args  # `tuner serve` gets it from the one engine command
+    assert load_config([a for a in args if a.startswith("spec.")] + ["model=tiny-random"]).spec == cfg.spec
+
+
+def test_a_tree_cut_keeps_its_first_nodes() -> None:
+    import torch
+
+    t = Tree(tokens=[5, 6, 7, 8, 9], parents=[-1, 0, 0, 1, 3], depths=[0, 1, 1, 2, 3],
+             q={0: torch.ones(3), 3: torch.ones(3)}, sampled={0: [6, 4], 3: [9]})
+    c = t.first(3)
+    assert (c.tokens, c.parents, c.depths) == ([5, 6, 7], [-1, 0, 0], [0, 1, 1])
+    assert list(c.q) == [0] and c.sampled == {0: [6, 4]}
+    assert t.first(9) is t
+    assert bounded(SpecConfig(method="ngram", depth=6), 2).key() == "ngram d2 k1 b3"
+    assert bounded(SpecConfig(method="eagle", depth=3, topk=4, budget=10), 5).key() == "eagle d3 k4 b6"
+
+
+# ---- greedy output: adaptive equals off -----------------------------------------------------------
+
+PROMPTS = ["def fib(n): return fib(n - 1) + fib(n - 2) def fib(n):", "a b c d a b c d a b c d a b",
+           "for i in range(10): print(i) for i in range(10):", "x"]
+N_NEW = 20
+SPECS = [SpecConfig(method="ngram", depth=3, ngram_min=1, ngram_max=3),
+         SpecConfig(method="ngram", depth=3, topk=2, budget=6, ngram_min=1, ngram_max=3),
+         SpecConfig(method="eagle", depth=3, topk=2, budget=6),
+         SpecConfig(method="draft_model", depth=4, draft_model="the target"),
+         SpecConfig(method="draft_model", depth=3, topk=2, budget=6, draft_model="the target")]
+
+
+@pytest.fixture(scope="module")
+def off(engine: Engine) -> tuple[list[list[int]], list[list[int]]]:
+    prompts = [engine.encode_prompt(p, False) for p in PROMPTS]
+    engine.set_spec(SpecConfig(method="off"))
+    return prompts, [engine.generate(p, SamplingParams(max_new_tokens=N_NEW)).tokens for p in prompts]
+
+
+def _the_target_drafts(engine: Engine, monkeypatch) -> None:
+    """method=draft_model drafts with the target itself (acceptance near 1 at greedy)."""
+    real = B.make_drafter
+    monkeypatch.setattr(B, "make_drafter", lambda s, target, seed: DraftModelDrafter(s, engine.model)
+                        if s.method == "draft_model" else real(s, target, seed))
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4])
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.key())
+def test_greedy_with_adaptive_control_equals_off(engine: Engine, off, spec: SpecConfig, batch: int,
+                                                 monkeypatch) -> None:
+    """At 0.15 of a step per verified row the controller cuts drafts in the middle (and drafts
+    nothing where acceptance is low); the tokens are those of speculation off all the same."""
+    prompts, ref = off
+    _the_target_drafts(engine, monkeypatch)
+    planted = StepCost({1: [(0, 1e-3), (16, 1e-3 * (1 + 16 * 0.15))],
+                        4: [(0, 4e-3), (64, 4e-3 * (1 + 16 * 0.15))]}, max_rows=17)
+    monkeypatch.setattr(engine, "step_costs", lambda *a: planted)
+    monkeypatch.setattr(StepCost, "observe_step", lambda *a: None)  # the planted curve stays as planted
+    adaptive = spec.model_copy(update={"adaptive": True})
+    sizes = []
+    be = BatchEngine(engine, max_batch=batch, schedule=schedule_of(adaptive, batch))
+    real_draft = be._draft_adaptively
+
+    def spy(reqs, s):
+        out = real_draft(reqs, s)
+        sizes.extend(t.size - 1 for t, _ in out.values() if isinstance(t, Tree))
+        return out
+
+    be._draft_adaptively = spy
+    reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=batch)
+    assert [r.error for r in reqs] == [None] * len(prompts)
+    assert [r.result.tokens for r in reqs] == ref
+    print(spec.key(), batch, sorted(set(sizes)), sum(r.result.stats.accepted_tokens for r in reqs))
+    if spec.method == "draft_model":  # the target drafting itself: drafts pay; sizes change as it learns
+        assert sum(r.result.stats.accepted_tokens for r in reqs) > 0 and len(set(sizes)) > 1
+    if spec.method == "eagle":  # a random head: its drafts stop paying
+        assert 0 in sizes
+
+
+def test_drafts_stop_when_the_step_is_costly_and_go_full_when_cheap(engine: Engine, off, monkeypatch) -> None:
+    prompts, ref = off
+    _the_target_drafts(engine, monkeypatch)
+    monkeypatch.setattr(StepCost, "observe_step", lambda *a: None)
+    spec = SpecConfig(method="draft_model", depth=4, draft_model="the target", adaptive=True)
+    drafted = {}
+    for name, per_row in (("costly", 1.0), ("cheap", 0.001)):
+        planted = StepCost({1: [(0, 1.0), (16, 1 + 16 * per_row)]}, max_rows=5)  # drafting is cheap beside it
+        monkeypatch.setattr(engine, "step_costs", lambda *a, planted=planted: planted)
+        be = BatchEngine(engine, max_batch=1, schedule=schedule_of(spec, 1))
+        reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=1)
+        assert [r.result.tokens for r in reqs] == ref
+        drafted[name] = [(r.result.stats.drafted_tokens, r.result.stats.draft_steps) for r in reqs]
+    assert all(d == 0 for d, _ in drafted["costly"])
+    assert all(d == 4 * s and s > 0 for d, s in drafted["cheap"])  # the whole depth at every step
