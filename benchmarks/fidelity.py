@@ -5,10 +5,12 @@
    configuration in alternating order, on the study's own tuning prompts and load generator
    (tuner.study.objective.Objective.measure_pair). A configuration's reference speedup is the
    geometric mean of its pairs' ratios; `off` is 1.0 by definition.
-2. The study (`tuner optimize` over the same space, default search settings otherwise) runs --runs
-   times (default 3), each with another search.seed, once quiet and once with a background load:
-   a process of this script's own that keeps one core busy about 30% of the time in short bursts,
-   and stops by itself after --load-s seconds (or when this script ends).
+2. The study (`tuner optimize search=--search` over the same space: `quick` by default, so that
+   the whole benchmark takes about 20 minutes on 2 cores; `--search default` for the default
+   study's repeats and interval) runs --runs times (default 3), each with another search.seed,
+   once quiet and once with a background load: a process of this script's own that keeps one core
+   busy about 30% of the time in short bursts, and stops by itself after --load-s seconds (or when
+   this script ends).
 3. Per run: the winner, its reference speedup, the regret (the reference's best minus the
    winner's reference speedup, over the best), the held-out speedup against the tuning one, and
    the wall time. Goals (issue 39): regret <= 0.03 and held-out within 5% of tuning in every run.
@@ -16,7 +18,8 @@
 Prints one line per run; the last line printed is one JSON object with `max_regret`,
 `max_heldout_gap` and `runs`. Usage:
 
-    python benchmarks/fidelity.py                       # SmolLM2, 3 seeds, quiet and loaded (long)
+    python benchmarks/fidelity.py                       # SmolLM2, 3 seeds, quiet and loaded (~20 min)
+    python benchmarks/fidelity.py --search default --depth-max 6 --ref-rounds 8   # larger, longer
     python benchmarks/fidelity.py --model tiny-random --runs 1 --ref-rounds 2   # a smoke run
 """
 
@@ -61,7 +64,8 @@ def background_load(seconds: float, parent: int) -> None:
 def space_overrides(args: argparse.Namespace) -> list[str]:
     """The small fixed space (n-gram chains, one concurrency level: no K per band, so every point
     is one configuration), the workload and the engine: shared by the reference and every study."""
-    return [f"model={args.model}", "+workload=code", "workload.concurrency=[1]", "search.methods=[ngram]",
+    return [f"model={args.model}", "+workload=code", "workload.concurrency=[1]", f"search={args.search}",
+            "search.methods=[ngram]",
             "search.depth.min=1", f"search.depth.max={args.depth_max}", "search.topk=[1]",
             f"search.budget_max={args.depth_max + 1}", f"search.n_trials={args.n_trials}",
             f"engine.builtin.threads={args.threads}"]
@@ -115,9 +119,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--runs", type=int, default=3, help="studies per condition (quiet, loaded), one seed each")
-    ap.add_argument("--depth-max", type=int, default=6, help="the space: n-gram chains of depth 1..N")
+    ap.add_argument("--search", default="quick", help="the study's search option (conf/search): quick, default")
+    ap.add_argument("--depth-max", type=int, default=4, help="the space: n-gram chains of depth 1..N")
     ap.add_argument("--n-trials", type=int, default=6)
-    ap.add_argument("--ref-rounds", type=int, default=6, help="interleaved pairs per point in the reference")
+    ap.add_argument("--ref-rounds", type=int, default=5, help="interleaved pairs per point in the reference")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--load-s", type=float, default=1800.0, help="the background load stops by itself after this")
     ap.add_argument("--conditions", default="quiet,loaded")
@@ -142,6 +147,7 @@ def main() -> None:
     gaps = [r["heldout_gap"] for r in runs if r["heldout_gap"] is not None]
     print(json.dumps({"max_regret": max(r["regret"] for r in runs), "max_heldout_gap": max(gaps) if gaps else None,
                       "runs": runs, "reference": ref, "load": {"busy_share": BUSY_SHARE, "burst_s": BURST_S},
+                      "settings": {k: v for k, v in vars(args).items() if k != "run_dir"},
                       "run_dir": str(run_dir)}))
 
 

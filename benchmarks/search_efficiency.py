@@ -12,7 +12,8 @@
    drift-corrected tok/s). Random search is replayed the same way, for comparison.
 3. Goal: the TPE median over seeds is at most 10% of the grid's size.
 4. `search.sampler=model` (`--model-live N`, 0 skips it): the grid's prompts are profiled and this
-   machine's cost model measured (tuner.search.guided.predict_space); `off` and the N best predicted points
+   machine's cost model measured, a batched step per concurrency level included
+   (tuner.search.guided.predict_space: each point ranked over the levels, with its K per band); `off` and the N best predicted points
    are looked up as live trials, widening by N whenever a looked-up speedup is off its prediction
    by more than twice the noise band. Deterministic, so one row. The profile's greedy tau is also
    compared with each grid point's live tau (they must agree: the same prompts, T=0).
@@ -150,12 +151,16 @@ def plot(curves: dict[str, list[list[float]]], within: float, grid_points: int, 
 
 
 def _grid_taus(run_dir: Path) -> dict[str, float]:
-    """Measured tau of each complete grid point (live engine, the grid's prompts)."""
+    """Measured tau of each complete grid point that runs one spec at every level (its K per band,
+    if any, is its depth everywhere), keyed as that spec (live engine, the grid's prompts)."""
     out: dict[str, float] = {}
     for t in open_run_study(run_dir).trials:
         spec = spec_of(t)
-        if spec is not None and t.state == optuna.trial.TrialState.COMPLETE and t.user_attrs.get("tau") is not None:
-            out.setdefault(_key(spec), t.user_attrs["tau"])
+        if spec is None or t.state != optuna.trial.TrialState.COMPLETE or t.user_attrs.get("tau") is None:
+            continue
+        if spec.k_per_batch_size and any(k != spec.depth for _, _, k in spec.k_per_batch_size):
+            continue  # another spec in some band: its tau mixes two configurations
+        out.setdefault(_key(spec.model_copy(update={"k_per_batch_size": None})), t.user_attrs["tau"])
     return out
 
 
@@ -196,7 +201,7 @@ def replay_model(run_dir: Path, cfg, table: dict[str, float], pruned: dict[str, 
             continue
         so_far = max(so_far, value)
         err = (value / base) / ranked[r][PREDICTED] - 1
-        seen.append({"rank": r, "spec": ranked[r]["key"], "predicted": round(ranked[r][PREDICTED], 3),
+        seen.append({"rank": r, "spec": ranked[r]["label"], "predicted": round(ranked[r][PREDICTED], 3),
                      "measured": round(value / base, 3), "error": round(err, 3)})
         if hit is None and so_far >= target:
             hit = n

@@ -160,10 +160,10 @@ class Engine:
     def set_spec(self, spec: SpecConfig) -> None:
         """Switch the speculative configuration; the target is never reloaded, draft models and heads
         are loaded once per process."""
-        self.drafter = make_drafter(spec, self.target, self.seed)
+        drafter = make_drafter(spec, self.target, self.seed)
         if spec.adaptive:  # at start-up, outside any timed run
             self.step_costs(self.max_batch, self.cache_room(spec))
-        self.spec = spec
+        self.drafter, self.spec = drafter, spec
         self._one, self._given = None, False
 
     def step_costs(self, max_batch: int, rows: int) -> StepCost:

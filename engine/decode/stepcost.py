@@ -17,12 +17,22 @@ import torch
 from engine.models.machine import cache_root, cpu_signature, measured_once
 
 CONTEXT = 256  # committed positions of each timed sequence
-PER_SEQUENCE = (1, 2, 3, 5, 9, 17)  # rows per sequence timed (a chain of depth k verifies k+1)
+DENSE = 16  # every extra row count up to this one is timed
 MAX_ROWS = 256  # the largest step timed; beyond it the last segment's slope extends the curve
-ROUNDS = 3  # the fastest of this many timings after one warm-up call
+ROUNDS = 2  # the fastest of this many timings after one warm-up call
 FOLLOW = 0.1  # the share of each live observation in the online figures
 CLIP_LOW, CLIP_HIGH = 0.5, 4.0  # a live step counts as taking between these multiples of the curve
-VERSION = 1  # in the cache key: a change of what is timed measures again
+VERSION = 3  # in the cache key: a change of what is timed measures again
+
+
+def _envelope(pts: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """More rows never cost less: each point at most what any point of more rows took (another
+    process stalling a timing only adds time, so the lower envelope is the machine's)."""
+    out, low = [], float("inf")
+    for x, s in reversed(pts):
+        low = min(low, s)
+        out.append((x, low))
+    return out[::-1]
 
 
 def batch_levels(max_batch: int) -> list[int]:
@@ -39,7 +49,7 @@ class StepCost:
     beyond one each; `draft_s`: seconds per drafted node."""
 
     def __init__(self, curves: dict[int, list[tuple[int, float]]], max_rows: int) -> None:
-        self.curves = {b: sorted(pts) for b, pts in curves.items()}
+        self.curves = {b: _envelope(sorted(pts)) for b, pts in curves.items()}
         self.levels = sorted(self.curves)
         self.max_rows = max_rows  # rows per sequence the curve was timed up to
         self.draft_s = 0.0
@@ -95,28 +105,39 @@ class StepCost:
         return cls({int(b): [(int(x), ms / 1e3) for x, ms in pts] for b, pts in got["ms"].items()}, got["max_rows"])
 
 
+def extras_timed(batch: int, max_rows: int) -> list[int]:
+    """The extra rows timed at a batch size: every count up to DENSE (a few-row kernel runs rows in
+    passes, so its cost is a staircase whose first steps a coarse grid would smooth away), then
+    2^i and 2^i + 1 (each side of a pass boundary) up to batch x (max_rows - 1) or MAX_ROWS."""
+    top = min(batch * (max_rows - 1), MAX_ROWS - batch)
+    xs = set(range(min(DENSE, top) + 1)) | {top}
+    p = DENSE
+    while p < top:
+        xs |= {p, p + 1}
+        p *= 2
+    return sorted(x for x in xs if x <= top)
+
+
 def time_steps(forward: Any, max_batch: int, max_rows: int) -> StepCost:
     """Time `forward.step_batch` over batch_levels(max_batch) sequences of CONTEXT committed
-    positions, each running 1..max_rows rows (PER_SEQUENCE), on a pool of its own."""
+    positions, the extra rows (`extras_timed`) spread over them, on a pool of its own."""
     curves: dict[int, list[tuple[int, float]]] = {}
-    per_seq = sorted({k for k in PER_SEQUENCE if k <= max_rows} | {max_rows})
     with torch.inference_mode():
         pool = forward.pool(max_batch, CONTEXT + max_rows)
         caches = [pool.acquire(CONTEXT + max_rows) for _ in range(max_batch)]
         for b in batch_levels(max_batch):
             pts = []
-            for k in per_seq:
-                if b * k > MAX_ROWS and pts:
-                    break
+            for x in extras_timed(b, max_rows):
+                rows = [[1] * (1 + x // b + (i < x % b)) for i in range(b)]
                 best = float("inf")
                 for i in range(ROUNDS + 1):
                     for c in caches[:b]:
                         c.length = CONTEXT  # the pool is zeroed: attention over zeros costs what it would
                     t = time.perf_counter()
-                    forward.step_batch(caches[:b], [[1] * k] * b, [None] * b, [None] * b, [False] * b)
+                    forward.step_batch(caches[:b], rows, [None] * b, [None] * b, [False] * b)
                     if i:
                         best = min(best, time.perf_counter() - t)
-                pts.append((b * (k - 1), best))
+                pts.append((x, best))
             curves[b] = pts
         for c in caches:
             pool.release(c)

@@ -141,14 +141,18 @@ def test_the_curve_interpolates_in_rows_and_between_batch_levels() -> None:
     c.observe_draft(0.3, 3)
     assert c.draft_s == pytest.approx(stepcost.FOLLOW * 0.1)
     assert StepCost.from_json(c.to_json()).curves == c.curves
+    stalled = StepCost({1: [(0, 1.0), (1, 9.0), (2, 1.2), (4, 1.5)]}, max_rows=5)  # one timing stalled
+    assert stalled.curves[1] == [(0, 1.0), (1, 1.2), (2, 1.2), (4, 1.5)]
 
 
 def test_the_curve_is_timed_once_and_cached(engine: Engine, tmp_path, monkeypatch) -> None:
     cost = stepcost.step_cost(engine.lean, 3, 4, "tiny test", tmp_path)
     assert sorted(cost.curves) == [1, 2, 3]
     for b, pts in cost.curves.items():
-        assert [x for x, _ in pts] == [b * (k - 1) for k in (1, 2, 3, 4)]
+        assert [x for x, _ in pts] == list(range(3 * b + 1))  # every extra row up to 3 per sequence
         assert all(s > 0 for _, s in pts)
+    assert stepcost.extras_timed(8, 9) == [*range(17), 17, 32, 33, 64]
+    assert stepcost.extras_timed(32, 17)[-1] == stepcost.MAX_ROWS - 32
     assert len(json.loads((tmp_path / "step_cost.json").read_text())) == 1
 
     def timed_again(*a, **k):
@@ -158,12 +162,10 @@ def test_the_curve_is_timed_once_and_cached(engine: Engine, tmp_path, monkeypatc
     assert stepcost.step_cost(engine.lean, 3, 4, "tiny test", tmp_path).curves == cost.curves
 
 
-def test_adaptive_needs_the_lean_forward() -> None:
-    from tuner.study.measurer import open_engine
-
+def test_adaptive_needs_the_lean_forward(engine: Engine, monkeypatch) -> None:
+    monkeypatch.setattr(engine, "lean", None)  # the config refuses forward=hf first (tests/tuner/test_config.py)
     with pytest.raises(UserError, match="spec.adaptive=true needs engine.builtin.forward=lean"):
-        open_engine(load_config(["model=tiny-random", "engine.builtin.forward=hf", "spec.method=ngram",
-                                 "spec.adaptive=true"]))
+        engine.set_spec(SpecConfig(method="ngram", adaptive=True))
 
 
 def test_the_config_reaches_the_engine_and_the_served_command() -> None:
@@ -201,6 +203,7 @@ N_NEW = 20
 SPECS = [SpecConfig(method="ngram", depth=3, ngram_min=1, ngram_max=3),
          SpecConfig(method="ngram", depth=3, topk=2, budget=6, ngram_min=1, ngram_max=3),
          SpecConfig(method="eagle", depth=3, topk=2, budget=6),
+         SpecConfig(method="recycle", depth=3, topk=2, budget=6),
          SpecConfig(method="draft_model", depth=4, draft_model="the target"),
          SpecConfig(method="draft_model", depth=3, topk=2, budget=6, draft_model="the target")]
 
@@ -224,7 +227,8 @@ def _the_target_drafts(engine: Engine, monkeypatch) -> None:
 def test_greedy_with_adaptive_control_equals_off(engine: Engine, off, spec: SpecConfig, batch: int,
                                                  monkeypatch) -> None:
     """At 0.15 of a step per verified row the controller cuts drafts in the middle (and drafts
-    nothing where acceptance is low); the tokens are those of speculation off all the same."""
+    nothing where acceptance is low); the tokens are those of speculation off all the same.
+    Token Recycling drafts its whole template whatever the limit, so its drafts are cut after."""
     prompts, ref = off
     _the_target_drafts(engine, monkeypatch)
     planted = StepCost({1: [(0, 1e-3), (16, 1e-3 * (1 + 16 * 0.15))],
@@ -232,7 +236,9 @@ def test_greedy_with_adaptive_control_equals_off(engine: Engine, off, spec: Spec
     monkeypatch.setattr(engine, "step_costs", lambda *a: planted)
     monkeypatch.setattr(StepCost, "observe_step", lambda *a: None)  # the planted curve stays as planted
     adaptive = spec.model_copy(update={"adaptive": True})
-    sizes = []
+    sizes, cuts = [], []
+    real_first = Tree.first
+    monkeypatch.setattr(Tree, "first", lambda t, n: cuts.append((t.size, n)) or real_first(t, n))
     be = BatchEngine(engine, max_batch=batch, schedule=schedule_of(adaptive, batch))
     real_draft = be._draft_adaptively
 
@@ -245,11 +251,12 @@ def test_greedy_with_adaptive_control_equals_off(engine: Engine, off, spec: Spec
     reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=batch)
     assert [r.error for r in reqs] == [None] * len(prompts)
     assert [r.result.tokens for r in reqs] == ref
-    print(spec.key(), batch, sorted(set(sizes)), sum(r.result.stats.accepted_tokens for r in reqs))
     if spec.method == "draft_model":  # the target drafting itself: drafts pay; sizes change as it learns
         assert sum(r.result.stats.accepted_tokens for r in reqs) > 0 and len(set(sizes)) > 1
     if spec.method == "eagle":  # a random head: its drafts stop paying
         assert 0 in sizes
+    if spec.method == "recycle" and batch == 1:  # (in a batch its drafts may all fit what pays)
+        assert any(n < size for size, n in cuts)
 
 
 def test_drafts_stop_when_the_step_is_costly_and_go_full_when_cheap(engine: Engine, off, monkeypatch) -> None:

@@ -102,8 +102,8 @@ BAD_INPUTS = [
     (["+bogus=1"], "bogus: unknown key at the top level; keys at the top level: model, hardware"),
     (["engine=vllm", "engine.vllm.env={A:b}"], "engine.vllm.env={A:b}: Hydra adds no keys to an existing mapping "
                                              "this way; replace the whole mapping with ++engine.vllm.env={A:b}"),
-    (["+workload=code", "workload.concurrency=[1,4]", "search.sampler=model"],
-     "search.sampler=model ranks the space at concurrency 1, and workload.concurrency=[1, 4] has several levels"),
+    (["+workload=code", "workload.request_rate=[2]", "search.sampler=model"],
+     "search.sampler=model ranks the space at concurrency levels (requests in flight), and workload.request_rate=[2.0]"),
     (["spec.depth=abc"], "spec.depth='abc': Input should be a valid integer"),
     (["spec.depth=0"], "spec.depth=0: Input should be greater than or equal to 1"),
     (["spec.depth=99"], "spec.depth=99: Input should be less than or equal to 16"),
@@ -163,6 +163,8 @@ BAD_INPUTS = [
     (["spec.method=off", "spec.adaptive=true"], "spec.adaptive=true with spec.method=off: adaptive sizes a drafter's"),
     (["spec.adaptive=true", "spec.k_per_batch_size=[[1,4,3]]"], "spec.adaptive=true with spec.k_per_batch_size"),
     (["spec.adaptive=yes-please"], "spec.adaptive"),
+    (["engine=vllm", "spec.adaptive=true"], "spec.adaptive=true with engine=vllm: adaptive speculation runs in the built-in"),
+    (["engine.builtin.forward=hf", "spec.adaptive=true"], "spec.adaptive=true needs engine.builtin.forward=lean"),
     (["spec.depth="], "spec.depth='': Input should be a valid integer"),
     # Issue 24.3c: the built-in engine loads every checkpoint in fp32 on one device.
     (["model=llama-3.3-70b-instruct"], "engine=builtin with model llama-3.3-70b-instruct: its single-device fp32 "

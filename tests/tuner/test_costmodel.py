@@ -144,3 +144,61 @@ def test_the_microbenchmark_times_the_forward_the_engine_verifies_with(forward, 
     assert set(out) == {"1,16", "4,16"} and all(v > 0 for v in out.values())
     assert (steps == [16, 1, 4]) == (forward == "lean") and (steps == []) == (forward == "hf")
     assert engine_key(target, forward).endswith(f"forward={forward}") and TOKENS[0] == 1
+
+
+def test_measured_batched_steps_and_draft_times_per_batch() -> None:
+    """A batched step is priced from its own table (not the single sequence's), a batch size never
+    measured is refused; drafters that draft alone cost once per sequence, EAGLE heads in lockstep
+    as the forward grows from one sequence's top-k rows to all of theirs."""
+    m = Measured(forward={"1,128": 0.010, "4,128": 0.012, "8,128": 0.016},
+                 batched={2: {"1,128": 0.013, "4,128": 0.030}},
+                 draft={"ngram d3 k1 b4": 0.001, "eagle d3 k4 b8": 0.004})
+    assert m.verify_s(1, 2, 128) == pytest.approx(0.013)
+    assert m.verify_s(4, 2, 128) == pytest.approx(0.030)
+    assert m.verify_s(4, 1, 128) == pytest.approx(0.012)
+    with pytest.raises(UserError, match="concurrency 4: .* batched steps of 1, 2 sequences only"):
+        m.verify_s(1, 4, 128)
+    ngram = SpecConfig(method="ngram", depth=3, budget=4)
+    eagle = SpecConfig(method="eagle", depth=3, topk=4, budget=8)
+    assert m.draft_s(ngram, 2, 128) == pytest.approx(0.002)
+    assert m.draft_s(eagle, 2, 128) == pytest.approx(0.004 * 0.016 / 0.012)  # 4 rows alone, 8 rows together
+    assert m.draft_s(eagle, 1, 128) == pytest.approx(0.004)
+
+
+def test_measured_cost_adds_a_missing_batch_to_the_cached_table(tmp_path, monkeypatch) -> None:
+    import engine.measure.microbench as mb
+
+    calls = []
+
+    def fake(target, builtin=None, cache_dir=None, batch=1):
+        calls.append(batch)
+        return {"1,128": 0.01 * batch, "2,128": 0.02 * batch}
+
+    monkeypatch.setattr(mb, "measure_forward", fake)
+    a = measured_cost(None, "tiny|fp32", tmp_path)
+    b = measured_cost(None, "tiny|fp32", tmp_path, batches=(1, 2))
+    c = measured_cost(None, "tiny|fp32", tmp_path, batches=(2,))
+    assert calls == [1, 2]  # batch 1 once, batch 2 once: the second and third calls read the cache
+    assert a.batched == {} and b.batched == c.batched == {2: {"1,128": 0.02, "2,128": 0.04}}
+    assert b.forward == a.forward and c.verify_s(2, 2, 128) == pytest.approx(0.04)
+
+
+def test_the_microbenchmark_times_a_batched_step_of_the_lean_forward(monkeypatch) -> None:
+    """batch=2 times one step_batch of two sequences (each its own prompt in a slot of one pool);
+    the hf forward, which decodes one request at a time, is refused in one line."""
+    import engine.models.forward as L
+    from engine.models.target import load_target
+    from engine.measure.microbench import measure_forward
+
+    cfg = load_config(["model=tiny-random", "engine.builtin.threads=1"])
+    target = load_target(cfg.model, cfg.engine.builtin, cfg.cache_dir, cfg.seed)
+    batches = []
+    real = L.LeanForward.step_batch
+    monkeypatch.setattr(L.LeanForward, "step_batch", lambda self, caches, tokens, *a, **k:
+                        batches.append([len(t) for t in tokens]) or real(self, caches, tokens, *a, **k))
+    out = measure_forward(target, tokens=(1, 4), contexts=(16,), repeats=1, builtin=cfg.engine.builtin, batch=2)
+    assert set(out) == {"1,16", "4,16"} and all(v > 0 for v in out.values())
+    assert batches == [[1, 1], [4, 4]]
+    hf = cfg.engine.builtin.model_copy(update={"forward": "hf"})
+    with pytest.raises(UserError, match="concurrency 2: only engine.builtin.forward=lean"):
+        measure_forward(target, tokens=(1,), contexts=(16,), repeats=1, builtin=hf, batch=2)

@@ -29,26 +29,36 @@ SMALL = ["model=tiny-random", "+workload=code", "workload.concurrency=[1]", "sea
 
 @pytest.fixture(scope="module")
 def model_run(tmp_path_factory: pytest.TempPathFactory, one_torch_thread) -> Path:
-    """A search.sampler=model study of the tiny model (n-gram depth 1-4), run once for this module."""
-    return optimize([*SMALL, f"run_dir={tmp_path_factory.mktemp('model')}", "search.study_name=m",
-                     "search.sampler=model", "search.model_live=2", "search.n_trials=4"], quiet=True)
+    """A search.sampler=model study of the tiny model (n-gram depth 1-4) at the default workload's
+    two concurrency levels, run once for this module."""
+    levels = [o for o in SMALL if not o.startswith("workload.concurrency=")] + ["workload.concurrency=[1,2]"]
+    return optimize([*levels, f"run_dir={tmp_path_factory.mktemp('model')}", "search.study_name=m",
+                     "search.sampler=model", "search.model_live=2", "search.n_trials=3"], quiet=True)
 
 
 def test_model_sampler_measures_off_and_the_predicted_best(model_run: Path) -> None:
+    """Two levels: every chain with each K of the band of 2 is ranked (each level's prediction
+    recorded with its band's spec), and the live trials are the best predicted points, bands included."""
     run = model_run
     ranked = json.loads((run / "prediction.json").read_text())
-    assert [p["key"] for p in ranked] and len(ranked) == 4  # quick: n-gram depth 1-4
+    assert len(ranked) == 2 + 3 + 4 + 5  # quick: n-gram depth 1-4, K 0..depth at concurrency 2
     assert ranked == sorted(ranked, key=lambda p: -p[PREDICTED])
+    for p in ranked:
+        (lo, hi, k1), (lo2, hi2, k2) = p["spec"]["k_per_batch_size"]
+        assert (lo, hi, k1, lo2, hi2) == (1, 1, p["spec"]["depth"], 2, 2)
+        assert [lv["concurrency"] for lv in p["levels"]] == [1, 2]
+        assert p["levels"][1]["spec"] == ("off" if k2 == 0 else f"ngram d{k2} k1 b{k2 + 1}")
+        assert p[PREDICTED] == pytest.approx((p["levels"][0]["speedup"] * p["levels"][1]["speedup"]) ** 0.5)
     assert (run / "profile.json").is_file()
     study = optuna.load_study(study_name="m", storage=f"sqlite:///{run / 'study.db'}")
     trials = study.get_trials(deepcopy=False)
     assert trials[0].user_attrs[ROLE] == "baseline"
     live = [t for t in trials[1:] if t.user_attrs.get(RANK) is not None]
-    assert [t.user_attrs[RANK] for t in live] == list(range(len(live)))
-    searched = [t for t in trials if t.user_attrs.get(ROLE) != "confirm"]  # not the confirmation round's pairs
-    assert 2 <= len(live) <= 3 and len(searched) <= 4  # widening never exceeds search.n_trials
+    assert [t.user_attrs[RANK] for t in live] == [0, 1]  # search.n_trials=3 leaves no room to widen
     for t in live:
-        assert t.params["depth"] == ranked[t.user_attrs[RANK]]["spec"]["depth"]
+        spec = ranked[t.user_attrs[RANK]]["spec"]
+        assert (t.params["depth"], t.params["k_c2"]) == (spec["depth"], spec["k_per_batch_size"][1][2])
+        assert [lv["concurrency"] for lv in t.user_attrs["levels"]] == [1, 2]  # measured at both levels
     assert (run / "predicted.png").is_file() and "predicted.png" in (run / "report.html").read_text()
 
 
@@ -66,10 +76,11 @@ def test_the_report_draws_the_predicted_surface_of_the_prediction(model_run: Pat
     assert [(p.method, p.topk) for p in panels] == [("ngram", 1)]
     (panel,) = panels
     assert panel.depths == [1, 2, 3, 4] and panel.budgets == [2, 3, 4, 5]
-    for p in ranked:  # every prediction in its cell, exactly
-        assert panel.at(p["spec"]["depth"], p["spec"]["budget"]) == p[PREDICTED]
+    for p in ranked:  # every cell holds the best prediction of its K schedules, exactly
+        d, b = p["spec"]["depth"], p["spec"]["budget"]
+        assert panel.at(d, b) == max(q[PREDICTED] for q in ranked if (q["spec"]["depth"], q["spec"]["budget"]) == (d, b))
     cells = [v for row in panel.speedup for v in row]
-    assert sum(v is not None for v in cells) == len(ranked) == 4  # a chain: budget = depth + 1, the rest empty
+    assert sum(v is not None for v in cells) == 4  # a chain: budget = depth + 1, the rest empty
     assert panel.speedup[0][1] is None  # depth 2 with budget 2 is no point of the space
     live = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
             if t.user_attrs.get(RANK) is not None]
@@ -121,3 +132,49 @@ def test_widener_enqueues_more_when_a_prediction_is_off(tmp_path: Path, measured
         assert ranks == [None, 0, 1, 2, 3] and "widening the live sample by 2" in logs[0]
     else:
         assert ranks == [None, 0, 1] and not logs
+
+
+CHAINS = {"ngram d1 k1 b2": 1.5, "ngram d2 k1 b3": 1.9, "ngram d3 k1 b4": 2.2, "ngram d4 k1 b5": 2.4}
+
+
+def _banded_space() -> SearchSpace:
+    """n-gram chains of depth 1-4 at the default workload's two levels: each point a K per band."""
+    cfg = load_config(["model=tiny-random", "+workload=code", "search=quick", "workload.concurrency=[1,2]"])
+    space = SearchSpace.from_config(cfg)
+    assert space.k_bands == [(1, 1), (2, 2)]
+    return space
+
+
+@pytest.mark.parametrize("steep", [True, False])
+def test_the_ranking_per_level_follows_the_batched_cost(steep: bool) -> None:
+    """Planted profile (tau per chain) and cost: verifying more tokens is nearly free for one
+    sequence. When a batched step of two sequences pays for every row (steep), speculation loses
+    at concurrency 2, so the best point is the deepest chain alone and off in the band of 2 (K 4/0);
+    when the batched step stays cheap, the deepest chain in both bands. A point's prediction is
+    the geometric mean of its levels', each level priced with its band's spec at that batch."""
+    from tuner.projection.costmodel import Measured
+    from tuner.search.guided import rank_points
+
+    two = {"1,128": 0.012, "2,128": 0.030, "5,128": 0.060} if steep else {"1,128": 0.012, "2,128": 0.013, "5,128": 0.0145}
+    cost = Measured(forward={"1,128": 0.010, "2,128": 0.011, "5,128": 0.012}, batched={2: two},
+                    draft={k: 0.0005 for k in CHAINS})
+    space = _banded_space()
+    ranked = rank_points(cost, CHAINS, space.points(), [1, 2], 128, 8)
+    assert len(ranked) == 2 + 3 + 4 + 5  # depth d: K 0..d in the band of 2
+    top = ranked[0]
+    alone = 2.4 * 0.010 / (0.012 + 0.0005)  # d4 at concurrency 1
+    assert top["spec"]["depth"] == 4 and top["levels"][0] == pytest.approx(
+        {"concurrency": 1, "spec": "ngram d4 k1 b5", "tau": 2.4, "speedup": alone, "tok_s": 2.4 / 0.0125})
+    if steep:
+        assert top["spec"]["k_per_batch_size"] == [[1, 1, 4], [2, 2, 0]] and top["label"] == "ngram d4 k1 b5 K 4/0"
+        assert top["levels"][1]["spec"] == "off" and top["levels"][1]["speedup"] == pytest.approx(1.0)
+        assert top[PREDICTED] == pytest.approx(alone ** 0.5)
+    else:
+        assert top["spec"]["k_per_batch_size"] == [[1, 1, 4], [2, 2, 4]]
+        together = 2.4 * 0.012 / (0.0145 + 2 * 0.0005)  # two n-gram lookups one after the other
+        assert top["levels"][1]["spec"] == "ngram d4 k1 b5"
+        assert top[PREDICTED] == pytest.approx((alone * together) ** 0.5)
+    assert ranked == sorted(ranked, key=lambda e: -e[PREDICTED])
+    # the best spec at each level on its own: the same at 1 either way, differing at 2 when steep
+    best_at = [max(ranked, key=lambda e: e["levels"][i]["speedup"])["levels"][i]["spec"] for i in (0, 1)]
+    assert best_at == ["ngram d4 k1 b5", "off" if steep else "ngram d4 k1 b5"]

@@ -17,9 +17,12 @@ def profile_specs(cfg: Config, heads: dict[str, str] | None) -> list[SpecConfig]
     from tuner.search.space import SearchSpace
 
     out: list[SpecConfig] = [SpecConfig(method="off")]
+    seen = {out[0].model_dump_json()}  # a set: a banded space has thousands of points (a list test is quadratic)
     for spec in SearchSpace.from_config(cfg, head_paths=heads).points():
         spec = spec.model_copy(update={"k_per_batch_size": None})
-        if spec not in out:
+        dump = spec.model_dump_json()
+        if dump not in seen:
+            seen.add(dump)
             out.append(spec)
     return out
 

@@ -8,9 +8,9 @@ this module says what a forward costs. Two sources, one interface (`StepCost`):
   max(weight + KV bytes / HBM bandwidth, FLOPs / tensor peak) + per-step and per-layer overhead
   + tensor-parallel all-reduces, with FP8 weights (1 byte, FP8 peak) and FP8 KV when deployed.
 - `Measured` ("here"): a short microbenchmark of the built-in engine's target forward against
-  tokens verified and context length (engine.measure.microbench), cached per machine and engine,
-  plus the draft time per step that the acceptance profile measured while it replayed each
-  configuration.
+  tokens verified and context length, alone and as one batched step of each concurrency level
+  asked for (engine.measure.microbench), cached per machine and engine, plus the draft time per
+  step that the acceptance profile measured while it replayed each configuration.
 
 Predicted throughput of a point = tau / (verify time(budget, batch) + draft time(point)).
 """
@@ -190,16 +190,20 @@ def machine_key(engine_key: str) -> str:
 
 @dataclass
 class Measured:
-    """Target forward seconds by (tokens, context), interpolated linearly in both; draft seconds per
-    decoding step by configuration key, from the acceptance profile's replay."""
+    """Target forward seconds by (tokens, context), interpolated linearly in both, for one sequence
+    and for batched steps of the sizes in `batched`; draft seconds per decoding step of one sequence
+    by configuration key, from the acceptance profile's replay."""
 
-    forward: dict[str, float]  # "tokens,context" -> seconds
+    forward: dict[str, float]  # "tokens,context" -> seconds, one sequence
     draft: dict[str, float] = field(default_factory=dict)  # spec key -> seconds per decoding step
     key: str = ""
+    # batch size -> "tokens,context" -> seconds of one step of that many sequences, each verifying tokens
+    batched: dict[int, dict[str, float]] = field(default_factory=dict)
 
-    def _at(self, tokens: int, context: int) -> float:
-        toks = sorted({int(k.split(",")[0]) for k in self.forward})
-        ctxs = sorted({int(k.split(",")[1]) for k in self.forward})
+    def _at(self, tokens: float, context: int, batch: int = 1) -> float:
+        table = self.forward if batch == 1 else self.batched[batch]
+        toks = sorted({int(k.split(",")[0]) for k in table})
+        ctxs = sorted({int(k.split(",")[1]) for k in table})
 
         def interp(xs: list[int], x: float) -> tuple[int, int, float]:
             if x <= xs[0]:
@@ -215,24 +219,34 @@ class Measured:
         c0, c1, fc = interp(ctxs, context)
 
         def f(t: int, c: int) -> float:
-            return self.forward[f"{t},{c}"]
+            return table[f"{t},{c}"]
 
         lo = f(t0, c0) + (f(t1, c0) - f(t0, c0)) * ft
         hi = f(t0, c1) + (f(t1, c1) - f(t0, c1)) * ft
         return max(lo + (hi - lo) * fc, 1e-6)
 
     def verify_s(self, tokens: float, batch: int, context: int) -> float:
-        if batch != 1:
-            raise UserError(f"concurrency {batch}: the measured cost model covers one sequence at a time "
-                            "(the built-in engine decodes requests one by one); project to a hardware profile instead")
-        return self._at(tokens, context)
+        if batch != 1 and batch not in self.batched:
+            measured = ", ".join(map(str, [1, *sorted(self.batched)]))
+            raise UserError(f"concurrency {batch}: the measured cost model of this machine has batched steps of "
+                            f"{measured} sequences only; project to a hardware profile instead")
+        return self._at(tokens, context, batch)
 
     def draft_s(self, spec: SpecConfig, batch: int, context: int) -> float:
+        """One sequence's measured draft time, for `batch` sequences: drafters that draft alone
+        (lookups, draft models, Medusa) one after another, so `batch` times it; EAGLE heads in
+        lockstep (engine.drafters.lockstep), one head forward over every sequence's rows, so it
+        grows as the target's measured forward grows from one sequence's top-k rows to all of theirs."""
         if spec.method in ("off",):
             return 0.0
         if spec.key() not in self.draft:
             raise UserError(f"{spec.key()}: no measured draft time (profile it with `tuner profile`)")
-        return self.draft[spec.key()]
+        one = self.draft[spec.key()]
+        if batch == 1:
+            return one
+        if method_info(spec.method).trained_by == "eagle":
+            return one * self._at(spec.topk * batch, context) / self._at(spec.topk, context)
+        return one * batch
 
 
 def cache_path(cache_dir: Path, key: str) -> Path:
@@ -240,23 +254,33 @@ def cache_path(cache_dir: Path, key: str) -> Path:
 
 
 def measured_cost(target, engine_key: str, cache_dir: Path, refresh: bool = False,
-                  builtin: BuiltinEngineConfig | None = None, spectune_cache: str | None = None) -> Measured:
+                  builtin: BuiltinEngineConfig | None = None, spectune_cache: str | None = None,
+                  batches: tuple[int, ...] = (1,)) -> Measured:
     """The measured forward costs of this machine and engine setting (`engine_key` names the
-    forward; `builtin` selects it), from the cache or measured now (seconds for a 135M model on 2
-    cores). `spectune_cache` is the configured cache_dir (compiled artifacts of the lean forward)."""
+    forward; `builtin` selects it) for one sequence and for a batched step of each of `batches`,
+    from the cache or measured now (seconds for a 135M model on 2 cores; a batch size the cache
+    lacks is measured and added). `spectune_cache` is the configured cache_dir (compiled
+    artifacts of the lean forward)."""
+    from engine.measure import microbench
+
     key = machine_key(engine_key)
     path = cache_path(Path(cache_dir), key)
-    if path.is_file() and not refresh:
-        data = json.loads(path.read_text())
-        return Measured(forward=data["forward"], key=key)
-    from engine.measure.microbench import measure_forward
-
-    fwd = measure_forward(target, builtin=builtin, cache_dir=spectune_cache)
+    data = json.loads(path.read_text()) if path.is_file() and not refresh else {}
+    fwd = data.get("forward")
+    batched = {int(b): t for b, t in data.get("batched", {}).items()}
+    todo = [b for b in sorted(set(batches)) if b > 1 and b not in batched]
+    if fwd is not None and not todo:
+        return Measured(forward=fwd, key=key, batched=batched)
+    if fwd is None:
+        fwd = microbench.measure_forward(target, builtin=builtin, cache_dir=spectune_cache)
+    for b in todo:
+        batched[b] = microbench.measure_forward(target, builtin=builtin, cache_dir=spectune_cache, batch=b)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"engine": engine_key, "forward": fwd}, indent=1))
+    tmp.write_text(json.dumps({"engine": engine_key, "forward": fwd,
+                               "batched": {str(b): t for b, t in sorted(batched.items())}}, indent=1))
     tmp.replace(path)
-    return Measured(forward=fwd, key=key)
+    return Measured(forward=fwd, key=key, batched=batched)
 
 
 def roofline_for(model: ModelConfig, hw: HardwareConfig, tp: int, quantization: str, kv_cache_dtype: str,

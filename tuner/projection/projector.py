@@ -334,9 +334,10 @@ def format_table(preds: list[Prediction], per_level: int = 5) -> str:
     return "\n".join(lines)
 
 
-def measured_here(cfg: Config, acc: Acceptance, refresh: bool = False) -> StepCost:
+def measured_here(cfg: Config, acc: Acceptance, refresh: bool = False, batches: tuple[int, ...] = (1,)) -> StepCost:
     """The measured cost model of this machine for cfg's built-in engine (target forward vs tokens
-    and context, cached per machine and engine) with the draft times the profile measured."""
+    and context, alone and as a batched step of each of `batches`, cached per machine and engine)
+    with the draft times the profile measured."""
     import torch
 
     from engine.models.machine import cache_root
@@ -359,7 +360,7 @@ def measured_here(cfg: Config, acc: Acceptance, refresh: bool = False) -> StepCo
         raise UserError(f"the profile's draft times were measured with {acc.engine}, this engine is "
                         f"{key}: profile again with the same engine.builtin settings")
     cost = measured_cost(target, key, cache_root(cfg.cache_dir), refresh=refresh, builtin=b,
-                         spectune_cache=cfg.cache_dir)
+                         spectune_cache=cfg.cache_dir, batches=batches)
     cost.draft = dict(acc.draft_s)
     return cost
 

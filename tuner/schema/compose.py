@@ -350,6 +350,12 @@ def validate(raw: dict[str, Any]) -> Config:
         if bad:
             raise UserError(f"workload.mix: unknown workload {bad[0]!r} (allowed: {', '.join(packaged)}; or a file "
                             "part {path: PATH, weight: W})")
+    if cfg.spec.adaptive and cfg.engine.kind != "builtin":
+        raise UserError(f"spec.adaptive=true with engine={cfg.engine.kind}: adaptive speculation runs in the built-in "
+                        "engine; allowed: engine=builtin, or spec.adaptive=false")
+    if cfg.spec.adaptive and cfg.engine.builtin.forward != "lean":
+        raise UserError("spec.adaptive=true needs engine.builtin.forward=lean (its step-cost curve is timed over the "
+                        "lean forward); allowed: forward=lean, or spec.adaptive=false")
     if cfg.spec.method == "medusa":
         heads, source = medusa_heads(cfg)
         if cfg.spec.depth > heads:

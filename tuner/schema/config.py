@@ -884,12 +884,9 @@ class Config(_Strict):
             raise ValueError("search.capacity=true finds the highest request rate at which the workload's SLOs hold, "
                              "and none is set: give workload.slo.ttft_p99_ms and/or workload.slo.tpot_p99_ms")
         if self.search.sampler == "model" and w is not None and w.request_rate:
-            raise ValueError("search.sampler=model ranks the space at concurrency 1, and workload.request_rate="
-                             f"{w.request_rate} adds open-loop levels: use another sampler (tpe, random, grid, gp)")
-        if self.search.sampler == "model" and self.workload is not None and len(self.workload.concurrency) > 1:
-            raise ValueError(f"search.sampler=model ranks the space at concurrency 1, and workload.concurrency="
-                             f"{self.workload.concurrency} has several levels: add workload.concurrency=[1], "
-                             "or use another sampler (tpe, random, grid, gp)")
+            raise ValueError("search.sampler=model ranks the space at concurrency levels (requests in flight), and "
+                             f"workload.request_rate={w.request_rate} adds open-loop levels, whose queueing it does not "
+                             "predict: use another sampler (tpe, random, grid, gp)")
         if self.hardware.accelerator == "cpu" and self.engine.kind == "sglang":
             raise ValueError("engine=sglang with hardware=cpu: SGLang needs a CUDA GPU (allowed engines on cpu: builtin, vllm)")
         if self.hardware.accelerator == "cpu" and self.deploy.target == "sglang":

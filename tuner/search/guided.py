@@ -1,18 +1,21 @@
 """Model-guided search (`search.sampler=model`): predict the whole space, measure the best few live.
 
 Acceptance is profiled once (engine.measure.profile: the exact greedy tau of every point, an estimate at
-T>0), the cost of this machine is measured (tuner.projection.costmodel, cached), and every point's speedup is
-predicted. The study then live-measures `off` and the `search.model_live` best predicted points;
-the live measurements decide the winner as with any other sampler. When a live speedup disagrees
-with its prediction by more than twice the noise band (`search.noise_rel`), the tuner says so and
-enqueues the next `search.model_live` predicted points (up to `search.n_trials` trials).
+T>0), the cost of this machine is measured (tuner.projection.costmodel, cached: one sequence, and a
+batched step at each of the workload's concurrency levels), and every point's speedup is predicted at
+every level, each level with the spec its band runs there (a point's K per band,
+`k_per_batch_size`). A point's predicted speedup is the geometric mean over the levels, as a
+trial's measured one is. The study then live-measures `off` and the `search.model_live` best
+predicted points; the live measurements decide the winner as with any other sampler. When a live
+speedup disagrees with its prediction by more than twice the noise band (`search.noise_rel`), the
+tuner says so and enqueues the next `search.model_live` predicted points (up to `search.n_trials` trials).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,8 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+from engine.measure.stats import geomean
+from tuner.projection.costmodel import Prediction, StepCost, predict
 from tuner.schema.config import Config, SpecConfig, UserError
 from tuner.search.space import SearchSpace
 
@@ -29,26 +34,74 @@ RANK = "predicted_rank"  # user attr of an enqueued predicted trial
 PREDICTED = "predicted_speedup"
 
 
+def level_specs(spec: SpecConfig, levels: Sequence[int], max_batch: int) -> dict[int, SpecConfig]:
+    """What `spec` runs at each concurrency level: the spec of its band there (the engine's own
+    rule, engine.decode.batch), at most `max_batch` requests decoding together."""
+    from engine.decode.batch import schedule_of, spec_for
+
+    bands = schedule_of(spec, max_batch)
+    return {c: spec_for(bands, min(c, max_batch)) for c in levels}
+
+
+def label(spec: SpecConfig) -> str:
+    """A point's key with its K per band when it has bands ('ngram d4 k1 b5 K 4/0'): the spec key
+    alone does not tell two band schedules of one configuration apart."""
+    ks = spec.k_per_batch_size
+    return spec.key() + (" K " + "/".join(str(k) for _, _, k in ks) if ks else "")
+
+
+def rank_points(cost: StepCost, taus: dict[str, float], points: Sequence[SpecConfig], levels: Sequence[int],
+                context: int, max_batch: int, verified: dict[str, Any] | None = None) -> list[dict]:
+    """Every point's predicted speedup at every level (its band's spec, `max_batch` sequences at
+    most in a step) and over the levels (their geometric mean, what a trial measures), best first.
+    `taus` and `verified` are by spec key (an acceptance profile's)."""
+    ver = verified or {}
+    memo: dict[tuple[str, int], Prediction] = {}
+
+    def at(spec: SpecConfig, level: int) -> Prediction:
+        k = (spec.key(), level)
+        if k not in memo:
+            tau = 1.0 if spec.method == "off" else taus[spec.key()]
+            memo[k] = predict(cost, spec, tau, min(level, max_batch), context, ver.get(spec.key()))
+        return memo[k]
+
+    out = []
+    for p in points:
+        per = [(c, at(s, c)) for c, s in level_specs(p, levels, max_batch).items()]
+        out.append({"key": p.key(), "label": label(p), "spec": p.model_dump(mode="json"),
+                    "tau": per[0][1].tau, PREDICTED: geomean([x.speedup for _, x in per]),
+                    "predicted_tok_s": per[0][1].tok_s,
+                    "levels": [{"concurrency": c, "spec": x.spec.key(), "tau": x.tau, "speedup": x.speedup,
+                                "tok_s": x.tok_s} for c, x in per]})
+    return sorted(out, key=lambda e: -e[PREDICTED])
+
+
 def predict_space(cfg: Config, space: SearchSpace, run_dir: Path) -> list[dict]:
-    """Every point of the space ranked by predicted speedup at concurrency 1 on this machine
-    (profile.json and prediction.json are written to the run directory)."""
+    """Every point of the space ranked by predicted speedup over the workload's concurrency levels
+    on this machine (profile.json and prediction.json are written to the run directory)."""
     from tuner.projection.profiling import profile_config
-    from tuner.projection.projector import acceptance_from_profile, measured_here, project
+    from tuner.projection.projector import acceptance_from_profile, measured_here
 
     if cfg.engine.kind != "builtin":
         raise UserError(f"search.sampler=model with engine={cfg.engine.kind}: the cost model is measured with the "
                         "built-in engine (use engine=builtin, or another sampler)")
-    points = [s for s in space.points() if s.k_per_batch_size is None]
-    prof = profile_config(cfg, [SpecConfig(method="off"), *points])
+    levels = list(space.concurrency)
+    max_batch = cfg.engine.builtin.max_batch
+    points = space.points()
+    # every spec some band runs: a point's lower bands run shallower specs that may not be points
+    run: dict[str, SpecConfig] = {}
+    for p in points:
+        for s in level_specs(p, levels, max_batch).values():
+            if s.method != "off":
+                run.setdefault(s.key(), s)
+    prof = profile_config(cfg, [SpecConfig(method="off"), *run.values()])
     acc = acceptance_from_profile(prof.save(run_dir), cfg.model.name)
-    # the profile's points carry the same head paths as the space's: same keys, same specs
-    by_key = {s.key(): s for s in points}
-    preds = project(measured_here(cfg, acc), acc, [1], acc.context or 256)
-    ranked = sorted((p for p in preds if p.spec.method != "off"), key=lambda p: -p.speedup)
-    out = [{"key": p.spec.key(), "spec": by_key[p.spec.key()].model_dump(mode="json"), "tau": p.tau,
-            "estimate": acc.estimate, PREDICTED: p.speedup, "predicted_tok_s": p.tok_s} for p in ranked]
-    (run_dir / PREDICTION_FILE).write_text(json.dumps(out, indent=1))
-    return out
+    batches = tuple(sorted({min(c, max_batch) for c in levels}))
+    cost = measured_here(cfg, acc, batches=batches)
+    ranked = rank_points(cost, {s.key(): tau for s, tau in acc.points}, points, levels, acc.context or 256,
+                         max_batch, acc.verified)
+    (run_dir / PREDICTION_FILE).write_text(json.dumps(ranked, indent=1))
+    return ranked
 
 
 def read_prediction(run_dir: Path) -> list[dict]:
@@ -86,7 +139,7 @@ class Widener:
         self.on_trial(o)
         if o.state != TrialState.COMPLETE or o.speedup is None or o.spec.method == "off":
             return
-        pred = next((p[PREDICTED] for p in self.ranked if p["key"] == o.spec.key()), None)
+        pred = next((p[PREDICTED] for p in self.ranked if SpecConfig(**p["spec"]) == o.spec), None)
         if pred is None:
             return
         err = o.speedup / pred - 1
@@ -96,7 +149,7 @@ class Widener:
         room = self.cfg.search.n_trials - len(self.study.get_trials(deepcopy=False))
         n = enqueue_predicted(self.study, self.space, self.ranked, start, min(self.cfg.search.model_live, room),
                               self.role_attr)
-        self.log(f"prediction off for {o.spec.key()}: {pred:.2f}x predicted, {o.speedup:.2f}x measured "
+        self.log(f"prediction off for {label(o.spec)}: {pred:.2f}x predicted, {o.speedup:.2f}x measured "
                  f"({err:+.0%}, noise band ±{self.band:.0%}); "
                  + (f"widening the live sample by {n} more predicted points" if n else "no predicted point left"))
 
@@ -108,7 +161,7 @@ def plot_predicted_vs_measured(study: optuna.Study, run_dir: Path, path: Path) -
     ranked = read_prediction(run_dir)
     if not ranked:
         raise ValueError(f"no {PREDICTION_FILE} (search.sampler is not model)")
-    pts = [(t.user_attrs[PREDICTED], t.user_attrs["speedup"], ranked[t.user_attrs[RANK]]["key"])
+    pts = [(t.user_attrs[PREDICTED], t.user_attrs["speedup"], ranked[t.user_attrs[RANK]].get("label", ranked[t.user_attrs[RANK]]["key"]))
            for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
            if t.user_attrs.get(RANK) is not None and t.user_attrs.get("speedup") is not None]
     if not pts:

@@ -346,6 +346,7 @@ class SearchSpace:
     def points(self) -> list[SpecConfig]:
         """Every point of the space (the exhaustive grid), in a fixed order."""
         out: list[SpecConfig] = []
+        seen: set[str] = set()  # a set of dumps: comparing models in a list is quadratic, and a banded space has thousands
         for method in self.methods:
             for depth in range(self.depth_min, self.depth_max_of(method) + 1):
                 for topk in self.topk_of(method):
@@ -360,7 +361,9 @@ class SearchSpace:
                                        if self.k_bands else [None])
                             for ks in band_ks:
                                 spec = self._spec(method, depth, topk, budget, list(ks) if ks is not None else None, own)
-                                if spec not in out:
+                                dump = spec.model_dump_json()
+                                if dump not in seen:
+                                    seen.add(dump)
                                     out.append(spec)
                             if self.adaptive:  # the same bounds, sized per step by the engine
                                 out.append(self._spec(method, depth, topk, budget, None, own, adaptive=True))

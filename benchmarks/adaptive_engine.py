@@ -1,0 +1,110 @@
+"""Adaptive speculation in the built-in engine, in process: speculation off, a static spec and the
+same spec adaptive (`spec.adaptive`: its depth the bound) at each concurrency level, through the one
+load generator (engine.measure.runner, InProcessTarget) on the workload's prompts.
+
+    python benchmarks/adaptive_engine.py                                  # code, levels 1 and 8
+    python benchmarks/adaptive_engine.py --levels 1,8 --prompts 8 --max-new-tokens 128 --rounds 2
+    python benchmarks/adaptive_engine.py --workload chat --static ngram:4 --adaptive ngram:8
+
+One engine (the packaged SmolLM2, engine.builtin.max_batch = the highest level) plays every row;
+the step-cost curve is timed (or read from its cache) before anything is measured. Rows take turns
+within each round, their order rotating from round to round, so drift on a shared machine falls on
+all of them. A level of N plays max(prompts, N) requests with N clients in flight. Prints tok/s
+and tau per level; `greedy_identical` says whether every row's
+texts equal speculation off's; the last line is one JSON object with adaptive/off and
+adaptive/static per level. Over HTTP at levels 1-32, with a grid of static specs, is the study arm's
+benchmark (issue 36).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.measure.runner import InProcessTarget, measure  # noqa: E402
+from engine.measure.workloads import load_prompts, sampling_params  # noqa: E402
+from tuner.schema.compose import load_config  # noqa: E402
+from tuner.schema.config import SpecConfig  # noqa: E402
+from tuner.study.measurer import open_engine  # noqa: E402
+
+
+def _spec(text: str, adaptive: bool = False) -> SpecConfig:
+    """'ngram:4' -> an n-gram chain of depth 4."""
+    method, _, depth = text.partition(":")
+    d = int(depth or 4)
+    return SpecConfig(method=method, depth=d, topk=1, budget=d + 1, adaptive=adaptive)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--workload", default="code")
+    ap.add_argument("--levels", default="1,8")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--static", default="ngram:4", help="the static row, METHOD:DEPTH (a chain)")
+    ap.add_argument("--adaptive", default="ngram:8", help="the adaptive row, METHOD:MAX_DEPTH")
+    args = ap.parse_args(argv)
+    levels = [int(x) for x in args.levels.split(",")]
+    rows = {"off": SpecConfig(method="off"), f"static {args.static}": _spec(args.static),
+            f"adaptive {args.adaptive}": _spec(args.adaptive, adaptive=True)}
+    cfg = load_config([f"model={args.model}", "spec.method=off", f"+workload={args.workload}",
+                       f"workload.max_new_tokens={args.max_new_tokens}", f"engine.builtin.max_batch={max(levels)}"])
+    engine = open_engine(cfg)
+    prompts = load_prompts(cfg.workload)[:args.prompts]
+    params = sampling_params(cfg.workload)
+    target = InProcessTarget(engine, cfg.workload.chat_template)
+    t = time.perf_counter()
+    for spec in rows.values():
+        engine.set_spec(spec)  # the adaptive one times its step-cost curve here (or reads its cache)
+    setup_s = time.perf_counter() - t
+
+    tps: dict[tuple[str, int], list[float]] = {}
+    tau: dict[tuple[str, int], list[float]] = {}
+    texts: dict[tuple[str, int], list[str]] = {}
+    names = list(rows)
+    for c in levels:
+        ps = [prompts[i % len(prompts)] for i in range(max(len(prompts), c))]
+        for r in range(args.rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                engine.set_spec(rows[name])
+                s = measure(target, ps, params, c, warmup=1, repeats=1)
+                if s.errors:
+                    raise SystemExit(f"{name} at concurrency {c}: {s.errors[0]}")
+                m = s.runs[0]
+                tps.setdefault((name, c), []).append(m.output_tokens_per_s)
+                tau.setdefault((name, c), []).append(m.tau or 1.0)
+                texts[(name, c)] = m.texts
+
+    off, static, adaptive = names
+    print(f"{args.model}, {args.workload} prompts x{args.prompts}, {args.max_new_tokens} new tokens, T=0, "
+          f"{args.rounds} rounds (median); set-up {setup_s:.1f} s")
+    print(f"{'c':>3} " + " ".join(f"{n:>22}" for n in names) + "   adaptive/off  adaptive/static")
+    out = {"levels": {}}
+    identical = True
+    for c in levels:
+        med = {n: statistics.median(tps[(n, c)]) for n in names}
+        taus = {n: statistics.median(tau[(n, c)]) for n in names}
+        identical &= all(texts[(n, c)] == texts[(off, c)] for n in names)
+        print(f"{c:>3} " + " ".join(f"{med[n]:>12.1f} (t {taus[n]:.2f})" for n in names)
+              + f"   {med[adaptive] / med[off]:>12.3f}  {med[adaptive] / med[static]:>15.3f}")
+        out["levels"][c] = {"tok_s": {n: round(med[n], 2) for n in names}, "tau": {n: round(taus[n], 3) for n in names},
+                            "adaptive_vs_off": round(med[adaptive] / med[off], 3),
+                            "adaptive_vs_static": round(med[adaptive] / med[static], 3)}
+    out["greedy_identical"] = identical
+    out["min_adaptive_vs_off"] = min(v["adaptive_vs_off"] for v in out["levels"].values())
+    out["min_adaptive_vs_static"] = min(v["adaptive_vs_static"] for v in out["levels"].values())
+    print(f"greedy_identical: {identical}")
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
