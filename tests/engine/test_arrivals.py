@@ -162,6 +162,66 @@ def test_rates_are_levels_of_a_study(tmp_path: Path) -> None:
     assert base.user_attrs["feasible"] is False and spec.user_attrs["feasible"] is True
 
 
+def test_k_bands_of_a_study_follow_the_batch_sizes_its_baseline_ran_per_rate(tmp_path: Path) -> None:
+    """Planted batch sizes: off runs mostly 1 at 0.5 req/s, 3 at 2 req/s and 6 at 4 req/s (as in
+    tests/tuner/test_space.py); every trial after the baseline draws a K per band of those sizes, not
+    per rate label nor per the configuration's own (smaller) batches, which are never pooled in."""
+    from tuner.search.space import SearchSpace
+    from tuner.study.objective import K_BANDS, Objective, Sample, baseline_rate_sizes, spec_of
+    from tuner.study.studies import create_study
+
+    planted = {0.5: {1: 30, 2: 6}, 2.0: {2: 5, 3: 12, 4: 10, 5: 2}, 4.0: {4: 3, 5: 6, 6: 14, 7: 9, 8: 4}}
+    cfg = load_config(["+workload=code", "search=quick", "workload.concurrency=[]",
+                       "workload.request_rate=[0.5,2,4]", "search.repeats_max=1"])
+
+    def measure(spec: SpecConfig, split: str, level) -> Sample:
+        off = spec.method == "off"
+        sizes = planted[level.rps] if off else {1: 50}  # a configuration's own batches are not the bands
+        return Sample(10.0 * level.rps * (1 if off else 1.3), 1.6, 100.0, 20.0, goodput=level.rps, batch_sizes=sizes)
+
+    space = SearchSpace.from_config(cfg)
+    study = create_study(cfg, space, tmp_path, "bands")
+    objective = Objective(study, space, measure, cfg.workload, cfg.search)
+    for _ in range(3):  # the baseline, the enqueued default, one sampled point
+        objective.run_one()
+    assert study.user_attrs[K_BANDS] == [[1, 1, "k_r0.5"], [2, 4, "k_r2"], [5, 8, "k_r4"]]
+    specs = [spec_of(t) for t in study.trials[1:]]
+    assert all([(lo, hi) for lo, hi, _ in s.k_per_batch_size] == [(1, 1), (2, 4), (5, 8)] for s in specs)
+    default = study.trials[1]  # enqueued before anything was measured: one K everywhere
+    assert default.user_attrs["role"] == "default" and {k for _, _, k in specs[0].k_per_batch_size} == {specs[0].depth}
+    assert all({"k_r2", "k_r4"} <= set(t.params) for t in study.trials[1:])
+    # trial 0's sizes pooled with each trial's paired baseline: three passes of off in all
+    assert baseline_rate_sizes(study) == {r: {k: 3 * v for k, v in sizes.items()} for r, sizes in planted.items()}
+
+
+def test_a_worker_waits_for_the_baseline_s_batch_sizes_and_a_failed_baseline_fails_its_trial() -> None:
+    import threading
+
+    import optuna
+    from optuna.trial import TrialState
+
+    from tuner.study.objective import baseline_rate_sizes
+
+    study = optuna.create_study()
+    study.enqueue_trial({}, user_attrs={"role": "baseline"})
+    base = study.ask()  # another worker's trial 0, still measuring
+
+    def finish() -> None:
+        time.sleep(0.3)
+        base.set_user_attr("levels", [{"concurrency": 1}, {"rate": 2.0, "batch_sizes": {"1": 4, "3": 2}}])
+        study.tell(base, 1.0)
+
+    threading.Thread(target=finish).start()
+    t0 = time.monotonic()
+    assert baseline_rate_sizes(study, poll_s=0.05) == {2.0: {1: 4, 3: 2}}
+    assert time.monotonic() - t0 >= 0.25
+    failed = optuna.create_study()
+    failed.enqueue_trial({}, user_attrs={"role": "baseline"})
+    failed.tell(failed.ask(), state=TrialState.FAIL)
+    with pytest.raises(RuntimeError, match="did not complete"):
+        baseline_rate_sizes(failed)
+
+
 def test_tuner_bench_measures_request_rates(capsys) -> None:
     import json
 

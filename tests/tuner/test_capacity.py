@@ -57,6 +57,20 @@ def test_capacity_is_a_lower_bound_or_none_when_the_slo_never_or_always_breaks()
     assert not slo_holds(Sample(1.0, ttft_p99_ms=None, tpot_p99_ms=None), SLO(ttft_p99_ms=5))
 
 
+def test_probes_no_larger_than_the_batch_say_they_cannot_queue() -> None:
+    from tuner.study.capacity import measure_capacity
+
+    lines: list[str] = []
+    small = load_config(["model=tiny-random", "+workload=code", "search.capacity=true", "workload.rate_requests=8",
+                         "engine.builtin.max_batch=8", "search.capacity_probes=2"])
+    measure_capacity(small, planted(), SpecConfig(method="off"), 10.0, lines.append)
+    assert any("never queue" in line and "workload.rate_requests=8" in line for line in lines)
+    lines.clear()
+    measure_capacity(small.model_copy(update={"workload": small.workload.model_copy(update={"rate_requests": 24})}),
+                     planted(), SpecConfig(method="off"), 10.0, lines.append)
+    assert not any("never queue" in line for line in lines)
+
+
 def test_capacity_needs_an_slo() -> None:
     with pytest.raises(UserError, match="search.capacity=true"):
         load_config(["+workload=code", "search.capacity=true", "workload.slo.ttft_p99_ms=null",

@@ -26,6 +26,7 @@ from tuner.schema.compose import load_config
 from tuner.study.driver import run_trials
 from tuner.study.objective import Objective
 from tuner.schema.config import UserError
+from tuner.schema.engine_command import check_engine_version
 from tuner.search.space import SearchSpace
 from tuner.study.storage import open_storage, storage_url
 from tuner.study.studies import HEARTBEAT, WORKER, sweep_stale
@@ -244,6 +245,9 @@ def test_a_vllm_worker_measures_through_the_launcher(tmp_path: Path, monkeypatch
     monkeypatch.setenv("FAKE_TOKEN_S", "0.01")  # 16 tokens: 160 ms a request, well above HTTP overheads
     url = f"journal:{tmp_path / 'study.journal'}"
     exe = fake_engine_exe(tmp_path)
+    info = tmp_path / "lib" / "python3.11" / "site-packages" / "vllm-0.31.0+cpu.dist-info"  # the release it runs
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.31.0+cpu\n")
     study_args = [f"search.storage={url}", "search.study_name=v"]
     assert main(["optimize", "--create-only", *BASE, *study_args, "engine=vllm", f"engine.vllm.executable={exe}",
                  "search.n_trials=2", "workload.max_new_tokens=16"]) == 0
@@ -262,6 +266,31 @@ def test_a_vllm_worker_measures_through_the_launcher(tmp_path: Path, monkeypatch
     assert spec.user_attrs["server_starts"] >= 1
     assert spec.user_attrs["speedup"] > 1.3  # the fake serves twice as fast with speculation
     assert (run_dir / "best.yaml").is_file() and any((run_dir / "servers").iterdir())
+    # the release measured is in best.yaml, also when the report is made from the storage alone
+    # (no engine in that process), so `tuner render` can compare it with the image it deploys
+    assert "version: 0.31.0+cpu" in (run_dir / "best.yaml").read_text()
+    assert all(t.user_attrs["engine_version"] == "0.31.0+cpu" for t in trials)
+    from tuner.study.selection import compute_best
+
+    cfg = w.study_config(_study(url, "v"))
+    best = compute_best(cfg, _study(url, "v"), tmp_path / "again", None)
+    assert best.provenance.server.version == "0.31.0+cpu"
+    gpu = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update={"target": "vllm", "image_tag": "v0.32.0"})})
+    with pytest.raises(UserError, match="the study measured vllm 0.31.0"):
+        check_engine_version(gpu, best)
+    # a worker that ran another release: both are listed and no single image matches them
+    from optuna.trial import create_trial
+
+    from tuner.study.selection import measured_version
+
+    other = create_trial(state=TrialState.COMPLETE, value=1.0, user_attrs={"engine_version": "0.32.0"})
+    assert measured_version([*trials, other], [], None) == "0.31.0+cpu, 0.32.0"
+    assert measured_version([*trials, other], trials[1:], None) == "0.31.0+cpu"  # the winner's trials first
+    mixed = best.model_copy(deep=True)
+    mixed.provenance.server.version = "0.31.0+cpu, 0.32.0"
+    with pytest.raises(UserError, match="the study measured vllm 0.31.0"):
+        check_engine_version(gpu.model_copy(update={"deploy": gpu.deploy.model_copy(update={"image_tag": "v0.31.0"})}),
+                             mixed)
 
 
 def test_two_vllm_workers_share_a_postgres_study_each_with_its_own_server(server, tmp_path: Path, monkeypatch) -> None:

@@ -259,3 +259,56 @@ def test_default_study_searches_a_training_free_tree_and_engines_refuse_in_one_l
     assert space.topk_of("ngram") == (1, 2, 4, 8)
     with pytest.raises(UserError, match="search.topk=\\[1\\] with ngram in search.methods and engine=sglang: sglang runs ngram as a tree only"):
         _space(methods=("ngram",), topk=(1,), engine="sglang")
+
+
+# ---- K bands from the batch sizes the levels run (planted distributions) ---------------------------
+# size -> steps of three request rates' baseline runs: medians 1, 3 and 6
+PLANTED = {0.5: {1: 30, 2: 6}, 2.0: {2: 5, 3: 12, 4: 10, 5: 2}, 4.0: {4: 3, 5: 6, 6: 14, 7: 9, 8: 4}}
+
+
+def _rates_space(concurrency: tuple[int, ...] = (), engine: str = "builtin") -> SearchSpace:
+    return SearchSpace(methods=("ngram",), depth_min=1, depth_max=4, topk=(1,), budget_max=8, engine=engine,
+                       banded=True, concurrency=concurrency, rates=tuple(PLANTED))
+
+
+def test_k_bands_follow_the_batch_sizes_each_rate_ran() -> None:
+    from tuner.search.space import batch_bands
+
+    space = _rates_space()
+    assert space.waits_for_rate_sizes and space.k_bands == []  # nothing measured yet: no bands
+    space = space.with_rate_sizes(PLANTED)
+    # 0.5 | 2: an edge at 1 puts 6/36 of 0.5's steps above it, at 2 puts 5/29 of 2's below: 1.
+    # 2 | 4: at 3, 12/29 + 0; at 4, 2/29 + 3/36; at 5, 0 + 9/36: 4. The last band ends at 4's largest size.
+    assert space.bands == [(1, 1, "k_r0.5"), (2, 4, "k_r2"), (5, 8, "k_r4")]
+    assert space.k_params == ["k_r2", "k_r4"]
+    # concurrency levels alone keep their bands: a level c ends its band at c
+    assert batch_bands([("k_c1", ((1, 1),)), ("k_c8", ((8, 1),)), ("k_c32", ((32, 1),))]) == [
+        (1, 1, "k_c1"), (2, 8, "k_c8"), (9, 32, "k_c32")]
+    # beside a concurrency level 3 (between the rates' medians 1 and 6): 0.5 keeps its steps at 2
+    mixed = _rates_space(concurrency=(3,)).with_rate_sizes({0.5: PLANTED[0.5], 4.0: PLANTED[4.0]})
+    assert mixed.bands == [(1, 2, "k_r0.5"), (3, 3, "k_c3"), (4, 8, "k_r4")]
+    # two rates that run the same median share one band (the lower rate's K); one band is no schedule
+    same = _rates_space().with_rate_sizes({0.5: {1: 10}, 2.0: {1: 8, 2: 3}, 4.0: {1: 9}})
+    assert same.k_bands == []
+    # a rate without recorded sizes (no gauge over HTTP) gets no band of its own
+    assert _rates_space().with_rate_sizes({0.5: PLANTED[0.5], 4.0: PLANTED[4.0]}).k_params == ["k_r4"]
+
+
+def test_rate_bands_become_k_per_batch_size_and_defaults_keep_one_k() -> None:
+    space = _rates_space(engine="vllm").with_rate_sizes(PLANTED)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3))
+    for _ in range(10):
+        trial = study.ask()
+        spec = space.suggest(trial)
+        assert [(lo, hi) for lo, hi, _ in spec.k_per_batch_size] == [(1, 1), (2, 4), (5, 8)]
+        assert spec.k_per_batch_size[0][2] == spec.depth and set(trial.params) >= {"k_r2", "k_r4"}
+        assert all(space.params_of(spec)[name] == trial.params[name] for name in space.k_params)  # round trip
+        study.tell(trial, 1.0)
+    # a default enqueued before the sizes were known (one K everywhere) asks for its depth in every band
+    before = _rates_space(engine="vllm")
+    default = before.clip("ngram", 3, 1, 4)
+    params = before.params_of(default)
+    assert params["k_r2"] == params["k_r4"] == 3
+    study.enqueue_trial(params)
+    spec = space.suggest(study.ask())
+    assert spec.depth == 3 and [k for _, _, k in spec.k_per_batch_size] == [3, 3, 3]

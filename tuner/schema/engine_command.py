@@ -260,7 +260,8 @@ def check_engine_version(cfg: Config, best: BestResult | None) -> None:
     if server is None or server.version is None or server.engine != d.target or d.allow_version_mismatch:
         return
     image = pinned_version(d.image_tag)
-    if image is not None and image != _base_release(server.version):
+    measured = {_base_release(v.strip()) for v in server.version.split(",")}  # a shared study may list several
+    if image is not None and measured != {image}:
         raise UserError(f"deploy.image_tag={d.image_tag} runs {d.target} {image} but the study measured {d.target} "
                         f"{server.version} (best.yaml provenance.server.version): install the image's release "
                         f"(`make {d.target}`) and re-run the study, or set deploy.allow_version_mismatch=true")

@@ -6,8 +6,14 @@ no chain of the method: SGLang n-gram), `budget` (only when the tree leaves a ch
 training-free trees' own (`ngram_match` for n-gram trees, `suffix_spec_factor` and
 `suffix_min_prob` for suffix, each only when several values are searched), `adaptive` (the built-in
 engine with search.adaptive: the engine sizes each request's draft per step, depth and budget its
-bounds) and, for chain engines with several concurrency levels, `k_c{level}` (the K of each higher
-concurrency band; a static point's only: an adaptive one has no schedule).
+bounds) and, for engines with a per-batch-size schedule and several load levels, the K of each
+higher band of a static point (an adaptive one has no schedule): `k_c{level}` for a concurrency
+level, `k_r{rate}` for a request rate.
+
+The K bands follow the batch sizes each level runs (`batch_bands`): a concurrency level runs its own
+batch size; a request rate runs the distribution of sizes off recorded at it, known once trial 0 has
+measured it and refined by every paired baseline after (`with_rate_sizes`). Between two levels the
+band edge is the size that puts the fewest of either level's steps in the other's band.
 
 The rules of `SpecConfig` are built into the ranges instead of being rejected afterwards:
 budget is drawn from [depth+1, min(budget_max, 1 + depth*topk)], topk=1 fixes budget=depth+1,
@@ -19,7 +25,7 @@ token k+1, so H heads draft at most H tokens).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tuner.schema.compose import medusa_heads
@@ -37,6 +43,52 @@ KNOWN_DEFAULTS: dict[str, tuple[int, int, int]] = {
 NGRAM_CHAIN_DEFAULT = (4, 1, 5)
 
 
+Sizes = tuple[tuple[int, int], ...]  # (batch size, steps run at it), ascending by size
+
+
+def _median(sizes: Sizes) -> int:
+    """The step-weighted median batch size."""
+    total, run = sum(n for _, n in sizes), 0
+    for size, n in sizes:
+        run += n
+        if 2 * run >= total:
+            return size
+    return sizes[-1][0]
+
+
+def _share_above(sizes: Sizes, t: int) -> float:
+    return sum(n for s, n in sizes if s > t) / max(1, sum(n for _, n in sizes))
+
+
+def batch_bands(levels: list[tuple[str, Sizes]]) -> list[tuple[int, int, str]]:
+    """K bands [(lo, hi, the level whose K it takes)] for levels given as (parameter name, batch sizes
+    run): ordered by their median batch size, levels of one median sharing the first one's band. The
+    edge between adjacent levels A and B is the size t in [median A, median B - 1] that minimises
+    A's share of steps above t plus B's share at or below t (the smallest t among ties, so a
+    concurrency level c, all its steps at c, ends its band at c); the last band ends at the largest
+    size its level ran. Fewer than two distinct medians: no bands."""
+    groups: list[tuple[int, str, Sizes]] = []
+    for name, sizes in sorted(levels, key=lambda x: _median(x[1])):
+        med = _median(sizes)
+        if groups and groups[-1][0] == med:
+            merged: dict[int, int] = dict(groups[-1][2])
+            for size, n in sizes:
+                merged[size] = merged.get(size, 0) + n
+            groups[-1] = (med, groups[-1][1], tuple(sorted(merged.items())))
+        else:
+            groups.append((med, name, sizes))
+    if len(groups) < 2:
+        return []
+    bands, lo = [], 1
+    for (med_a, name, a), (med_b, _, b) in zip(groups, groups[1:]):
+        cut = min(range(med_a, med_b), key=lambda t: (_share_above(a, t) + 1 - _share_above(b, t), t))
+        bands.append((lo, cut, name))
+        lo = cut + 1
+    last = groups[-1]
+    bands.append((lo, max(lo, last[2][-1][0]), last[1]))
+    return bands
+
+
 @dataclass(frozen=True)
 class SearchSpace:
     """The valid SpecConfig points of one study."""
@@ -50,6 +102,9 @@ class SearchSpace:
     engine: str = "builtin"  # which engine runs the points: which methods may branch there (tuner.schema.methods)
     banded: bool = False  # the engine applies a per-batch-size schedule (vLLM's K bands; the built-in's bands)
     concurrency: tuple[int, ...] = (1,)
+    rates: tuple[float, ...] = ()  # request-rate levels (requests/s)
+    # per rate, the batch sizes its baseline ran; None until trial 0 has measured them
+    rate_sizes: tuple[tuple[float, Sizes], ...] | None = None
     head_paths: dict[str, str] | None = None  # trained head per method (eagle / eagle3 / medusa points)
     draft_model: str | None = None
     medusa_heads: int | None = None  # heads of the Medusa head set: its deepest draft (None: no cap)
@@ -77,6 +132,7 @@ class SearchSpace:
             engine=cfg.engine.kind,
             banded=cfg.engine.kind in ("vllm", "builtin"),
             concurrency=conc,
+            rates=tuple(sorted(set(float(r) for r in cfg.workload.request_rate))) if cfg.workload else (),
             head_paths=head_paths or {},
             # spec.draft_model, else the model's published draft model (tuner.schema.config refuses neither)
             draft_model=cfg.spec.draft_model or next(iter(cfg.model.draft_sources.draft_model), None),
@@ -151,15 +207,39 @@ class SearchSpace:
         return depth + 1, min(self.budget_max, 1 + depth * topk)
 
     @property
-    def k_bands(self) -> list[tuple[int, int]]:
-        """Concurrency bands [lo, hi] (inclusive) for a per-batch-size K; empty for one level."""
-        if not self.banded or len(self.concurrency) < 2:
+    def waits_for_rate_sizes(self) -> bool:
+        """Whether the K bands follow the batch sizes the rates' baseline runs (known from trial 0 on)."""
+        return self.banded and bool(self.rates) and len(self.concurrency) + len(self.rates) > 1
+
+    def with_rate_sizes(self, sizes: dict[float, dict[int, int]]) -> "SearchSpace":
+        """This space with the batch sizes each rate's baseline ran (rate -> size -> steps)."""
+        return replace(self, rate_sizes=tuple((r, tuple(sorted(sizes.get(r, {}).items()))) for r in self.rates))
+
+    @property
+    def bands(self) -> list[tuple[int, int, str]]:
+        """The K bands (lo, hi, the level whose K parameter they take; the first drafts `depth`)."""
+        if not self.banded:
             return []
-        bands, lo = [], 1
-        for c in self.concurrency:
-            bands.append((lo, c))
-            lo = c + 1
-        return bands
+        levels: list[tuple[str, Sizes]] = [(f"k_c{c}", ((c, 1),)) for c in self.concurrency]
+        # a rate with no recorded batch size (no gauge over HTTP) gets no band of its own
+        levels += [(f"k_r{r:g}", sizes) for r, sizes in self.rate_sizes or () if sizes]
+        return batch_bands(levels)
+
+    @property
+    def k_bands(self) -> list[tuple[int, int]]:
+        """Batch-size bands [lo, hi] (inclusive) for a per-batch-size K; empty for one level."""
+        return [(lo, hi) for lo, hi, _ in self.bands]
+
+    @property
+    def k_params(self) -> list[str]:
+        """The Optuna names of the K of each band after the first (the first drafts `depth`)."""
+        return [name for _, _, name in self.bands[1:]]
+
+    def _all_k_params(self) -> list[str]:
+        """Every K name the bands may come to use, before the rates' batch sizes are known."""
+        if not self.banded or len(self.concurrency) + len(self.rates) < 2:
+            return []
+        return [f"k_c{c}" for c in self.concurrency] + [f"k_r{r:g}" for r in self.rates]
 
     def _spec(self, method: str, depth: int, topk: int, budget: int, ks: list[int] | None = None,
               own: dict[str, Any] | None = None, adaptive: bool = False) -> SpecConfig:
@@ -189,7 +269,7 @@ class SearchSpace:
         adaptive = bool(trial.suggest_categorical("adaptive", [False, True])) if self.adaptive else False
         ks = None
         if self.k_bands and not adaptive:
-            ks = [trial.suggest_int(f"k_c{hi_}", 0, depth) for _, hi_ in self.k_bands[1:]]
+            ks = [trial.suggest_int(name, 0, depth) for name in self.k_params]
         return self._spec(method, depth, topk, budget, ks, own, adaptive)
 
     def params_of(self, spec: SpecConfig) -> dict[str, Any]:
@@ -208,9 +288,14 @@ class SearchSpace:
                 p[name] = getattr(spec, name)
         if self.adaptive:
             p["adaptive"] = spec.adaptive
-        if self.k_bands and spec.k_per_batch_size:
-            for (_, hi_, k) in spec.k_per_batch_size[1:]:
-                p[f"k_c{hi_}"] = k
+        if spec.adaptive:  # no schedule, no K
+            return p
+        bands = spec.k_per_batch_size or []
+        if all(k == spec.depth for _, _, k in bands):
+            # one K everywhere (the defaults): every band's K, also those the rates' sizes will add
+            p.update({name: spec.depth for name in self._all_k_params()})
+        else:
+            p.update({name: k for name, (_, _, k) in zip(self.k_params, bands[1:])})
         return p
 
     def contains(self, spec: SpecConfig) -> bool:

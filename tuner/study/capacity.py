@@ -89,6 +89,12 @@ def measure_capacity(cfg: Config, measure: MeasureFn, winner: SpecConfig, baseli
     slo, n = cfg.workload.slo, cfg.search.capacity_probes
     start = start_rate(cfg, baseline_tok_s)
     log(f"capacity at the SLOs: bracketing request rates from {start:.3g} req/s, at most {n} rates each")
+    w, batch = cfg.workload, cfg.engine.builtin.max_batch
+    if cfg.engine.kind == "builtin" and w.rate_requests <= batch:
+        # every request of a probe finds a place in the batch at once, however fast they arrive
+        log(f"capacity: a probe plays workload.rate_requests={w.rate_requests} requests, no more than "
+            f"engine.builtin.max_batch={batch}: they never queue, so this is the capacity for a burst of "
+            f"{w.rate_requests}, not a sustained rate (raise workload.rate_requests)")
     base, base_bounded, probes = search_capacity(measure, OFF, slo, start, n, log)
     if winner.method == "off":
         win, win_bounded, more = base, base_bounded, []

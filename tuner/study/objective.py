@@ -29,6 +29,9 @@ from tuner.search.space import SearchSpace
 from tuner.study.studies import FAIL_REASON, FLOOR, NOISE, ROLE, ROSE, role
 
 OFF = SpecConfig(method="off")
+ENGINE_VERSION = "engine_version"  # trial user attr: the launched engine's release that measured it
+# study user attr of a study with rates: its latest K bands [lo, hi, the K parameter] (the first drafts depth)
+K_BANDS = "k_bands"
 _CONSTRAINT_PREFIX = "constraints:"  # where Optuna keeps a trial's constraint values (its system attrs)
 # Re-measurements of an implausible pair before its figure is kept (flagged) as it is.
 PLAUSIBILITY_RETRIES = 2
@@ -433,6 +436,8 @@ class Objective:
         started = time.monotonic()
         spec = OFF
         try:
+            if role(trial) != "baseline":
+                self._observe_rates()  # outside the trial's clock: it may wait for another worker's trial 0
             with TrialClock(self.search.trial_timeout_s):
                 if role(trial) != "baseline":
                     spec = self.space.suggest(trial)
@@ -442,6 +447,7 @@ class Objective:
                     return self._reuse(trial, spec, earlier)
                 figures = self.evaluate(spec, "tune", trial, started)
         except optuna.TrialPruned as exc:
+            self._record_version(trial)
             trial.set_user_attr("prune_reason", str(exc))
             self.study.tell(trial, state=TrialState.PRUNED)
             return TrialOutcome(trial.number, TrialState.PRUNED, spec, reason=str(exc))
@@ -457,6 +463,7 @@ class Objective:
             self._fail(trial, reason)
             return TrialOutcome(trial.number, TrialState.FAIL, spec, reason=reason)
         trial.set_user_attr("duration_s", round(time.monotonic() - started, 3))
+        self._record_version(trial)
         if role(trial) == "baseline" and "reference_tok_s" not in self.study.user_attrs:
             self.study.set_user_attr("reference_tok_s", figures["tok_s"])
         self._constrain(trial, figures)
@@ -467,6 +474,26 @@ class Objective:
         else:
             self.study.tell(trial, value)
         return TrialOutcome(trial.number, TrialState.COMPLETE, spec, figures["tok_s"], figures["speedup"])
+
+    def _observe_rates(self) -> None:
+        """Give the space the batch sizes off ran at each request rate so far (baseline_rate_sizes), so
+        the K bands follow them (tuner.search.space.batch_bands); record the bands in the study (attr
+        K_BANDS, the latest; each trial's spec keeps the bands it was measured with). The
+        grid and the model-guided sampler enqueue their points before anything is measured: their
+        bands come from the concurrency levels alone."""
+        if not self.space.waits_for_rate_sizes or self.search.sampler in ("grid", "model"):
+            return
+        self.space = self.space.with_rate_sizes(baseline_rate_sizes(self.study))
+        bands = [list(b) for b in self.space.bands]
+        if self.study.user_attrs.get(K_BANDS) != bands:
+            self.study.set_user_attr(K_BANDS, bands)
+
+    def _record_version(self, trial: optuna.Trial) -> None:
+        """The launched engine's release on the trial it measured: a shared study's finaliser, or a
+        report made from the storage alone, reads it there (tuner.study.selection.measured_version)."""
+        version = getattr(self.measure, "engine_version", None)
+        if version is not None:
+            trial.set_user_attr(ENGINE_VERSION, version)
 
     def _measured(self, spec: SpecConfig) -> optuna.trial.FrozenTrial | None:
         """An earlier COMPLETE or PRUNED trial of the same configuration (a sampler may propose a
@@ -533,6 +560,7 @@ class Objective:
             state=TrialState.COMPLETE, values=[value, tpot if tpot is not None else float("inf")] if self.multi
             else [value], params={}, distributions={},
             user_attrs={**figures, **attrs, **spec_attrs(spec), ROLE: "confirm",
+                        **({ENGINE_VERSION: v} if (v := getattr(self.measure, "engine_version", None)) else {}),
                         "duration_s": round(time.monotonic() - t0, 3)},
             system_attrs={f"{_CONSTRAINT_PREFIX}{k}": c for k, c in constraints.items()})
         self.study.add_trial(frozen)
@@ -541,6 +569,33 @@ class Objective:
     def _fail(self, trial: optuna.Trial, reason: str) -> None:
         trial.set_user_attr(FAIL_REASON, reason)
         self.study.tell(trial, state=TrialState.FAIL)
+
+
+def baseline_rate_sizes(study: optuna.Study, poll_s: float = 1.0) -> dict[float, dict[int, int]]:
+    """The batch sizes (size -> steps) off ran at each request rate: trial 0's, pooled with every
+    finished trial's paired baselines, so one disturbed pass (the engine's first, warming up) weighs
+    less as the study goes on. In a shared study another worker may still be measuring trial 0: wait
+    until it is told (a lost worker's trial is swept FAIL by the heartbeat sweep)."""
+    while True:
+        trials = study.get_trials(deepcopy=False)
+        base = next((t for t in trials if role(t) == "baseline"), None)
+        if base is None or base.state in (TrialState.FAIL, TrialState.PRUNED):
+            raise RuntimeError("the baseline trial (trial 0) did not complete: no batch sizes per request rate to "
+                               "draw the K bands from")
+        if base.state == TrialState.COMPLETE:
+            break
+        time.sleep(poll_s)
+    out: dict[float, dict[int, int]] = {}
+    for t in trials:
+        if t.state not in (TrialState.COMPLETE, TrialState.PRUNED) or "reused_from" in t.user_attrs:
+            continue
+        key = "batch_sizes" if t is base else "baseline_batch_sizes"
+        for lv in t.user_attrs.get("levels", []):
+            if "rate" in lv:
+                sizes = out.setdefault(float(lv["rate"]), {})
+                for k, v in (lv.get(key) or {}).items():
+                    sizes[int(k)] = sizes.get(int(k), 0) + int(v)
+    return out
 
 
 def spec_attrs(spec: SpecConfig) -> dict[str, Any]:

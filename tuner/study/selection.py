@@ -20,7 +20,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from engine.measure.stats import geomean, log_interval, ratio_bounds
-from tuner.study.objective import OFF, Objective, spec_of
+from tuner.study.objective import ENGINE_VERSION, OFF, Objective, spec_of
 from tuner.schema.engine_command import measured_server
 from tuner.schema.config import (ArmLevel, Arms, BestResult, Config, Figures, Level, PartResult, Provenance, Rate,
                                  SpecConfig, level_name, measured_weights, weights_reason)
@@ -388,7 +388,9 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
         parts=parts, skipped_requests=skipped, arms=arms,
         spec=win.spec, chain_spec=chain, metrics=metrics, baseline=baseline, speedup=speedup,
         heldout=heldout, heldout_baseline=heldout_baseline, heldout_speedup=heldout_speedup, reason=win.reason,
-        k_schedule_note=("K per concurrency band tuned (spec.k_per_batch_size)" if win.spec.k_per_batch_size else None),
+        k_schedule_note=(("K per batch-size band tuned (spec.k_per_batch_size; the bands follow the concurrency "
+                          "levels and the batch sizes the baseline ran at each request rate)") if cfg.workload.request_rate
+                         else "K per concurrency band tuned (spec.k_per_batch_size)") if win.spec.k_per_batch_size else None,
         provenance=Provenance(
             study=study.study_name, trial=c.trials[0].number if c is not None else
             (base_trial.number if base_trial is not None else None),
@@ -397,8 +399,21 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
             model=cfg.model.name, hardware=cfg.hardware.name, engine=cfg.engine.kind, workload=cfg.workload.name,
             measured_weights=measured_weights(cfg), served_weights=cfg.model.hf_id,
             weights_reason=weights_reason(cfg),
-            server=measured_server(cfg, getattr(objective.measure, "engine_version", None) if objective else None)),
+            server=measured_server(cfg, measured_version(trials, c.trials if c is not None else [], objective))),
     )
+
+
+def measured_version(trials: list[FrozenTrial], winners: list[FrozenTrial], objective: Objective | None) -> str | None:
+    """The launched engine's release the study measured: this process's server's with what the
+    winner's trials recorded (all trials' when they recorded none), so a shared study's finaliser
+    whose server never started, or a report from the storage alone, still has it. Several releases
+    are listed, comma-separated, so render refuses them."""
+    mine = getattr(objective.measure, "engine_version", None) if objective is not None else None
+    seen = [t.user_attrs.get(ENGINE_VERSION) for t in winners]
+    if not any(seen):
+        seen = [t.user_attrs.get(ENGINE_VERSION) for t in trials]
+    found = sorted({v for v in [mine, *seen] if v})
+    return ", ".join(found) if found else None
 
 
 def part_results(cfg: Config, spec: SpecConfig, objective: Objective) -> list[PartResult]:
