@@ -13,13 +13,15 @@ from tuner.cli.help import examples
 
 
 def profile_specs(cfg: Config, heads: dict[str, str] | None) -> list[SpecConfig]:
-    """The search space's points, one per acceptance identity (a K schedule does not change tau)."""
+    """The search space's points, one per acceptance identity (a K schedule does not change tau; an adaptive
+    point is profiled as the static tree of its bounds)."""
     from tuner.search.space import SearchSpace
 
     out: list[SpecConfig] = [SpecConfig(method="off")]
     seen = {out[0].model_dump_json()}  # a set: a banded space has thousands of points (a list test is quadratic)
     for spec in SearchSpace.from_config(cfg, head_paths=heads).points():
-        spec = spec.model_copy(update={"k_per_batch_size": None})
+        # an adaptive point's drafts are sized at run time: the static tree of its bounds is what a profile can measure
+        spec = spec.model_copy(update={"k_per_batch_size": None, "adaptive": False})
         dump = spec.model_dump_json()
         if dump not in seen:
             seen.add(dump)

@@ -87,7 +87,7 @@ def predict_space(cfg: Config, space: SearchSpace, run_dir: Path) -> list[dict]:
                         "built-in engine (use engine=builtin, or another sampler)")
     levels = list(space.concurrency)
     max_batch = cfg.engine.builtin.max_batch
-    points = space.points()
+    points = [p for p in space.points() if not p.adaptive]  # the cost model predicts static schedules only
     # every spec some band runs: a point's lower bands run shallower specs that may not be points
     run: dict[str, SpecConfig] = {}
     for p in points:
