@@ -11,7 +11,7 @@ from engine.api import SamplingParams
 from engine.measure.promparse import SpecCounters, parse_samples, spec_counters, tau_from_delta
 from engine.measure.runner import Measurement, Summary, measure, request_body, run_inprocess
 from engine.measure.workloads import Prompt
-from helpers import engine_for, serving
+from helpers import engine_for, server_fixtures
 from tuner.schema.compose import load_config
 
 # A /metrics page shaped like vLLM's: _total suffixes, model_name and engine labels, per-position
@@ -242,39 +242,24 @@ REAL = ["model=tiny-random", "spec.method=ngram", "spec.depth=3", "spec.budget=4
         "workload.num_prompts=4", "workload.num_heldout=1", "workload.max_new_tokens=12"]
 
 
-@pytest.fixture(scope="module")
-def real_cfg():
-    from tuner.schema.compose import load_config
-
-    return load_config(REAL)
-
-
-@pytest.fixture(scope="module")
-def real_engine(real_cfg):
-    return engine_for(real_cfg)
-
-
-@pytest.fixture(scope="module")
-def real_server(real_cfg, real_engine):
-    with serving(real_cfg, real_engine) as url:
-        yield url
+cfg, engine, server = server_fixtures(REAL)
 
 
 @pytest.mark.parametrize("concurrency", [1, 4])
-def test_http_against_the_builtin_server_measures_what_inprocess_does(real_cfg, real_engine, real_server,
+def test_http_against_the_builtin_server_measures_what_inprocess_does(cfg, engine, server,
                                                                       concurrency: int) -> None:
     from engine.measure.runner import run_http
     from engine.measure.workloads import load_prompts, sampling_params
 
-    prompts = load_prompts(real_cfg.workload, "tune")
-    params = sampling_params(real_cfg.workload)
-    local = run_inprocess(real_engine, prompts, params, concurrency=1)
-    m = run_http(real_server, real_cfg.model.name, prompts, params, concurrency=concurrency)
+    prompts = load_prompts(cfg.workload, "tune")
+    params = sampling_params(cfg.workload)
+    local = run_inprocess(engine, prompts, params, concurrency=1)
+    m = run_http(server, cfg.model.name, prompts, params, concurrency=concurrency)
     assert m.errors == [] and m.n_requests == len(prompts) and m.concurrency == concurrency
     assert m.texts == local.texts, "greedy texts over HTTP (in prompt order) equal the in-process ones"
     assert m.output_tokens == local.output_tokens, "usage.completion_tokens counts what the engine generated"
     # tau over HTTP follows from the /metrics delta: output / (output - accepted) over the run.
-    results = [real_engine.generate(real_engine.encode_prompt(p.text, True), params) for p in prompts]
+    results = [engine.generate(engine.encode_prompt(p.text, True), params) for p in prompts]
     out = sum(r.stats.new_tokens for r in results)
     acc = sum(r.stats.accepted_tokens for r in results)
     drafts = sum(r.stats.draft_steps for r in results)
@@ -287,18 +272,18 @@ def test_http_against_the_builtin_server_measures_what_inprocess_does(real_cfg, 
     assert m.ttft_p50_ms <= m.ttft_p99_ms and m.output_tokens_per_s > 0 and m.wall_s > 0
 
 
-def test_http_records_failed_requests(real_cfg, real_server) -> None:
+def test_http_records_failed_requests(cfg, server) -> None:
     from engine.measure.runner import run_http
 
-    m = run_http(real_server, "no-such-model", PROMPTS[:2], SamplingParams(max_new_tokens=2), concurrency=2)
+    m = run_http(server, "no-such-model", PROMPTS[:2], SamplingParams(max_new_tokens=2), concurrency=2)
     assert m.n_requests == 0 and len(m.errors) == 2 and "404" in m.errors[0] and m.output_tokens_per_s == 0
 
 
-def test_inprocess_real_engine_reports_tau_and_stats(real_cfg, real_engine) -> None:
+def test_inprocess_real_engine_reports_tau_and_stats(cfg, engine) -> None:
     from engine.measure.workloads import load_prompts, sampling_params
 
-    prompts = load_prompts(real_cfg.workload, "tune")
-    m = run_inprocess(real_engine, prompts, sampling_params(real_cfg.workload), concurrency=2)
+    prompts = load_prompts(cfg.workload, "tune")
+    m = run_inprocess(engine, prompts, sampling_params(cfg.workload), concurrency=2)
     assert m.errors == [] and m.tau is not None and m.tau >= 1.0
     assert m.draft_s is not None and m.verify_s is not None and m.verify_s > 0
 
@@ -336,31 +321,31 @@ def test_bench_table_and_user_errors(capsys, monkeypatch) -> None:
     assert "no held-out prompts" in capsys.readouterr().err
 
 
-def test_bench_url_measures_a_running_endpoint(real_server, capsys) -> None:
+def test_bench_url_measures_a_running_endpoint(server, capsys) -> None:
     import json
 
     from tuner.cli import main
 
     rc = main(["bench", *REAL, "workload.num_prompts=2", "workload.max_new_tokens=6", "bench.repeats=1",
-               "--url", real_server, "--json"])
+               "--url", server, "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["engine"] == "http" and out["model"] == "tiny-random" and out["spec_key"] == real_server
+    assert out["engine"] == "http" and out["model"] == "tiny-random" and out["spec_key"] == server
     assert out["n_requests"] == 2 and out["output_tokens_per_s"] > 0 and out["tau"] is not None
-    assert main(["bench", *REAL, "bench.baseline=true", "--url", real_server]) == 2
+    assert main(["bench", *REAL, "bench.baseline=true", "--url", server]) == 2
     assert "cannot switch speculation off" in capsys.readouterr().err
 
 
-def test_without_chat_template_both_paths_send_the_raw_text(real_cfg, real_engine, real_server) -> None:
+def test_without_chat_template_both_paths_send_the_raw_text(cfg, engine, server) -> None:
     from engine.measure.runner import run_http
     from engine.measure.workloads import load_prompts
 
-    prompts = load_prompts(real_cfg.workload, "tune")[:2]
+    prompts = load_prompts(cfg.workload, "tune")[:2]
     params = SamplingParams(max_new_tokens=6)
-    local = run_inprocess(real_engine, prompts, params, chat_template=False)
-    m = run_http(real_server, real_cfg.model.name, prompts, params, chat_template=False)
+    local = run_inprocess(engine, prompts, params, chat_template=False)
+    m = run_http(server, cfg.model.name, prompts, params, chat_template=False)
     assert m.errors == [] and m.texts == local.texts and m.output_tokens == local.output_tokens
-    templated = run_inprocess(real_engine, prompts, params, chat_template=True)
+    templated = run_inprocess(engine, prompts, params, chat_template=True)
     assert templated.texts != local.texts, "the chat template changes what the model sees"
 
 
