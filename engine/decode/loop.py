@@ -17,10 +17,10 @@ from engine.decode.batch import BatchEngine, schedule_of
 from engine.decode.prefix import PrefixCache
 from engine.decode.stepcost import StepCost, step_cost
 from engine.drafters import Drafter, make_drafter
-from engine.models.forward import LeanForward, lean_forward
+from engine.models.forward import LeanForward, lean_forward, prebuild_kernels
 from engine.models.hf_forward import HFCache, HFForward
 from engine.models.kvpool import KVCache
-from engine.models.target import ChatTokenizer, Target, load_target
+from engine.models.target import ChatTokenizer, Target, load_target, resolve_device
 from engine.trees.tree import Tree
 from engine.trees.verify import process_logits, verify
 from tuner.schema.config import BuiltinEngineConfig, ModelConfig, SpecConfig, UserError
@@ -133,6 +133,8 @@ class Engine:
         seeds a random_init target and sampling."""
         if builtin.threads:
             torch.set_num_threads(builtin.threads)
+        if builtin.forward == "lean" and builtin.native_step is not False and resolve_device(builtin.device).type == "cpu":
+            prebuild_kernels()
         target = load_target(model, builtin, cache_dir, seed)
         lean = (lean_forward(target, builtin.compile, cache_dir, builtin.linear_plan, builtin.native_step)
                 if builtin.forward == "lean" else None)

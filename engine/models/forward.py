@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.models import attention, batchplan, decode_step
+from engine.models import attention, batchplan, decode_step, smallm
 from engine.models.eagle3_head import aux_features
 from engine.models.kernels import CALIBRATE_MIN_BYTES, LinearPlan, set_linear_plan, linear, calibrate_linears
 from engine.models.kvpool import BUCKETS, KVCache, KVPool, padded_capacity
@@ -261,6 +261,13 @@ class LeanForward:
 
 
 _LEAN: dict[tuple, LeanForward] = {}
+
+
+def prebuild_kernels() -> None:
+    """Start building (or loading, when cached) the C++ kernels of the CPU lean forward on background
+    threads, so that a first build overlaps the weights' load instead of following it."""
+    for mod in (decode_step, smallm, attention):
+        mod._NATIVE.prebuild()
 
 
 def lean_forward(target, compile: bool = False, cache_dir: str | None = None,

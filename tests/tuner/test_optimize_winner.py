@@ -197,7 +197,7 @@ def test_a_launched_server_is_measured_serving_first_so_two_repeats_restart_it_t
 
     class Launcher:
         model = "m"
-        starts, total_startup_s, running = 0, 0.0, None
+        starts, total_startup_s, running, version = 0, 0.0, None, None
 
         def serves(self, spec: SpecConfig) -> bool:
             return self.running == spec
@@ -212,8 +212,9 @@ def test_a_launched_server_is_measured_serving_first_so_two_repeats_restart_it_t
     launcher = Launcher()
     measure = make_launched_measure(launcher, cfg, {"tune": [], "heldout": []})
 
-    class Fake:  # a ServerMeasureFn: the Measurer's serving() and startups(), a planted pass
+    class Fake:  # a ServerMeasureFn: the Measurer's serving() and startups(), its release, a planted pass
         serving, startups = measure.serving, measure.startups
+        engine_version = "0.32.0+cpu"
 
         def __call__(self, spec: SpecConfig, split: str, concurrency: int) -> Sample:
             launcher.ensure(spec)  # the real measure would now run the load generator against the server
@@ -221,6 +222,7 @@ def test_a_launched_server_is_measured_serving_first_so_two_repeats_restart_it_t
 
     fake = Fake()
     assert isinstance(fake, ServerMeasureFn) and not isinstance(lambda s, p, c: None, ServerMeasureFn)
+    assert isinstance(measure, ServerMeasureFn)  # the Measurer itself, release included
     space = SearchSpace.from_config(cfg)
     study = create_study(cfg, space, tmp_path, "restarts")
     objective = Objective(study, space, fake, cfg.workload, cfg.search)
@@ -230,6 +232,7 @@ def test_a_launched_server_is_measured_serving_first_so_two_repeats_restart_it_t
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
     # trial 0 (off): one start; every speculative trial: exactly two, and both repeats measured
     assert [t.user_attrs["server_starts"] for t in trials] == [1, 2, 2]
+    assert all(t.user_attrs["engine_version"] == "0.32.0+cpu" for t in trials)  # the release, typed, on each trial
     assert trials[1].user_attrs["server_startup_s"] == 60.0
     assert [t.user_attrs["repeats"] for t in trials[1:]] == [2, 2]
     assert launcher.starts == 5

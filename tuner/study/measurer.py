@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tuner.projection.profiling import tuning_prompts
 from tuner.schema.compose import packaged_workloads
@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # the engine's heavy modules (torch) load only where a study 
     from engine.heads.pipeline import TrainJob
     from engine.launch.launcher import Launcher
     from engine.measure.runner import LoadTarget
-    from engine.measure.workloads import Prompt
+    from engine.measure.workloads import Encoder, Prompt
 
     TargetFor = Callable[[SpecConfig], LoadTarget]
 
@@ -66,14 +66,14 @@ def user_requests(cfg: Config) -> bool:
     return w is not None and (w.source == "file" or any(p.path for p in w.mix))
 
 
-def request_encoder(cfg: Config, engine: Any = None) -> Any:
+def request_encoder(cfg: Config, engine: Encoder | None = None) -> Encoder | None:
     """What tokenises the user's requests (their ShareGPT budgets, the context check): the built-in
     engine, else the model's tokenizer when the model is on this machine; None for packaged
     workloads, or when the tokenizer is not here (a launched server then refuses what does not fit,
     and the study counts and skips it)."""
     if not user_requests(cfg):
         return None
-    if engine is not None and hasattr(engine, "encode_messages"):
+    if engine is not None:
         return engine
     if not (cfg.model.local_path or cfg.model.gguf or cfg.model.random_init):
         import sys

@@ -81,8 +81,14 @@ class MeasureFn(Protocol):
 
 @runtime_checkable
 class ServerMeasureFn(MeasureFn, Protocol):
-    """A MeasureFn over a launched server, which a trial measures serving-first (one restart less)
-    and whose start-ups it records apart from every measurement."""
+    """A MeasureFn over a launched server, which a trial measures serving-first (one restart less),
+    whose start-ups it records apart from every measurement, and whose release it records on
+    every trial."""
+
+    @property
+    def engine_version(self) -> str | None:
+        """The launched engine's release (None until read, or where the server does not say)."""
+        ...
 
     def serving(self, spec: SpecConfig) -> bool:
         """Whether the server up now serves `spec`."""
@@ -488,10 +494,14 @@ class Objective:
         if self.study.user_attrs.get(K_BANDS) != bands:
             self.study.set_user_attr(K_BANDS, bands)
 
+    def engine_version(self) -> str | None:
+        """The release of the launched engine measuring (None in process)."""
+        return self.measure.engine_version if isinstance(self.measure, ServerMeasureFn) else None
+
     def _record_version(self, trial: optuna.Trial) -> None:
         """The launched engine's release on the trial it measured: a shared study's finaliser, or a
         report made from the storage alone, reads it there (tuner.study.selection.measured_version)."""
-        version = getattr(self.measure, "engine_version", None)
+        version = self.engine_version()
         if version is not None:
             trial.set_user_attr(ENGINE_VERSION, version)
 
@@ -560,7 +570,7 @@ class Objective:
             state=TrialState.COMPLETE, values=[value, tpot if tpot is not None else float("inf")] if self.multi
             else [value], params={}, distributions={},
             user_attrs={**figures, **attrs, **spec_attrs(spec), ROLE: "confirm",
-                        **({ENGINE_VERSION: v} if (v := getattr(self.measure, "engine_version", None)) else {}),
+                        **({ENGINE_VERSION: v} if (v := self.engine_version()) else {}),
                         "duration_s": round(time.monotonic() - t0, 3)},
             system_attrs={f"{_CONSTRAINT_PREFIX}{k}": c for k, c in constraints.items()})
         self.study.add_trial(frozen)

@@ -408,7 +408,7 @@ def measured_version(trials: list[FrozenTrial], winners: list[FrozenTrial], obje
     winner's trials recorded (all trials' when they recorded none), so a shared study's finaliser
     whose server never started, or a report from the storage alone, still has it. Several releases
     are listed, comma-separated, so render refuses them."""
-    mine = getattr(objective.measure, "engine_version", None) if objective is not None else None
+    mine = objective.engine_version() if objective is not None else None
     seen = [t.user_attrs.get(ENGINE_VERSION) for t in winners]
     if not any(seen):
         seen = [t.user_attrs.get(ENGINE_VERSION) for t in trials]
