@@ -65,7 +65,7 @@ def space_overrides(args: argparse.Namespace) -> list[str]:
     """The small fixed space (n-gram chains, one concurrency level: no K per band, so every point
     is one configuration), the workload and the engine: shared by the reference and every study."""
     return [f"model={args.model}", "+workload=code", "workload.concurrency=[1]", f"search={args.search}",
-            "search.methods=[ngram]",
+            "search.methods=[ngram]", "search.adaptive=false",  # static chains only: every winner is in the reference
             "search.depth.min=1", f"search.depth.max={args.depth_max}", "search.topk=[1]",
             f"search.budget_max={args.depth_max + 1}", f"search.n_trials={args.n_trials}",
             f"engine.builtin.threads={args.threads}"]
