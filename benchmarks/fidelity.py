@@ -20,6 +20,7 @@ Prints one line per run; the last line printed is one JSON object with `max_regr
 
     python benchmarks/fidelity.py                       # SmolLM2, 3 seeds, quiet and loaded (~20 min)
     python benchmarks/fidelity.py --search default --depth-max 6 --ref-rounds 8   # larger, longer
+    python benchmarks/fidelity.py --search default --set search.confirm=always   # a variant, side by side
     python benchmarks/fidelity.py --model tiny-random --runs 1 --ref-rounds 2   # a smoke run
 """
 
@@ -68,7 +69,7 @@ def space_overrides(args: argparse.Namespace) -> list[str]:
             "search.methods=[ngram]", "search.adaptive=false",  # static chains only: every winner is in the reference
             "search.depth.min=1", f"search.depth.max={args.depth_max}", "search.topk=[1]",
             f"search.budget_max={args.depth_max + 1}", f"search.n_trials={args.n_trials}",
-            f"engine.builtin.threads={args.threads}"]
+            f"engine.builtin.threads={args.threads}", *args.set]
 
 
 def reference(args: argparse.Namespace, engine: object) -> dict[str, float]:
@@ -126,6 +127,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--load-s", type=float, default=1800.0, help="the background load stops by itself after this")
     ap.add_argument("--conditions", default="quiet,loaded")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for the reference and every study (e.g. search.confirm=always)")
     ap.add_argument("--run-dir", type=Path, default=None)
     args = ap.parse_args()
     optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -263,3 +263,19 @@ def test_no_confirmation_round_when_nothing_reads_like_a_winner(tmp_path: Path) 
     study, objective = _noisy_study(tmp_path, cfg, measure, [(ng(2), [1.00, 1.02]), (ng(5), [0.95, 0.98])],
                                     NOISY)
     assert confirm(study, objective, cfg.search.noise_rel) == 0 and measure.calls == []
+
+
+def test_search_confirm_always_runs_the_round_at_the_noise_floor_and_finds_the_better(tmp_path: Path) -> None:
+    """At the floor, two pairs that agree by chance lead by lower bound (ngram d2: 1.45x, 1.40x; truly
+    1.3x) over a truly better one (ngram d4: 1.35x, 1.30x; truly 1.5x). search.confirm=always measures
+    them head to head anyway; auto leaves the trials' figures (the test above)."""
+    cfg = load_config([*CFG, "search.confirm=always"])
+    measure = Planted(lambda spec, n: (13.0 if spec.depth == 2 else 15.0, 3.0))
+    study, objective = _noisy_study(tmp_path, cfg, measure, [(ng(2), [1.45, 1.40]), (ng(4), [1.35, 1.30])],
+                                    [10.0, 10.1, 9.9])
+    assert objective.noise_rose() is None  # the machine stayed at its floor
+    assert pick_winner(study.trials, cfg.search.noise_rel, [1]).spec == ng(2)  # the trials alone are fooled
+    lines: list[str] = []
+    assert confirm(study, objective, cfg.search.noise_rel, lines.append) == 4
+    assert "search.confirm=always" in lines[0]
+    assert pick_winner(study.trials, cfg.search.noise_rel, [1]).spec == ng(4)

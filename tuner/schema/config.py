@@ -417,6 +417,9 @@ class SearchConfig(_Strict):
     ci_rel_width: float = Field(gt=0)  # stop repeating when the CI half-width / mean is below this
     trial_timeout_s: float = Field(gt=0)
     noise_rel: float = Field(ge=0)  # a speedup within this of 1.0 (or of the best) is a tie
+    # when the confirmation round runs (tuner.study.selection.confirm): auto, when the noise rose above
+    # the machine's floor; always, whenever the best few are not separated; "auto" for saved configs
+    confirm: Literal["auto", "always"] = "auto"
     model_live: int = Field(ge=1)  # sampler=model: predicted points measured live (and per widening)
     # Tuning prompts each trial plays (the first N of the workload's tuning split; None: all). The
     # winner is re-measured on the held-out prompts either way. Keeps CPU studies within minutes.

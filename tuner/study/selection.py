@@ -187,13 +187,14 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
     until every one is separated from the leader or tied with it (`unresolved`), at most
     CONFIRM_ROUNDS rounds; each pair is a COMPLETE trial with role `confirm`. It runs only when
     the machine's noise rose above its floor during the study (Objective.noise_rose: at the floor
-    the trials' own figures stand, and the study takes no longer) and some contender reads at
-    least 1 + noise_rel. Returns the pairs measured."""
+    the trials' own figures stand, and the study takes no longer), or always with
+    search.confirm=always (two pairs that agree by chance can lead by lower bound at the floor too),
+    and some contender reads at least 1 + noise_rel. Returns the pairs measured."""
     trials = study.get_trials(deepcopy=False)
     rose = objective.noise_rose()
-    if rose is None:
+    if rose is None and objective.search.confirm == "auto":
         return 0
-    noise = max(noise_rel, rose)
+    noise = max(noise_rel, rose or 0.0)
     field_ = contenders(trials, noise)
     # nothing to confirm when no contender even reads what the winner rule asks (1 + noise_rel):
     # the slowdown trap needs no head-to-head
@@ -204,8 +205,10 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
     open_ = unresolved(others, lead_known, noise)
     if not open_:
         return 0
-    log(f"confirmation round: the baseline passes spread {rose:.1%}, above the machine's floor; "
-        f"{lead_spec.key()} head to head with {', '.join(others[i][0].key() for i in open_)}")
+    why = (f"the baseline passes spread {rose:.1%}, above the machine's floor" if rose is not None
+           else "search.confirm=always")
+    log(f"confirmation round: {why}; {lead_spec.key()} head to head with "
+        f"{', '.join(others[i][0].key() for i in open_)}")
     head: dict[str, list[float]] = {}
     pairs = 0
     for r in range(CONFIRM_ROUNDS):
