@@ -6,7 +6,7 @@
    (tuner.study.objective.Objective.measure_pair). A configuration's reference speedup is the
    geometric mean of its pairs' ratios; `off` is 1.0 by definition.
 2. The study (`tuner optimize search=--search` over the same space: `quick` by default, so that
-   the whole benchmark takes about 20 minutes on 2 cores; `--search default` for the default
+   the whole benchmark stays within minutes on 2 cores (docs/results.md); `--search default` for the default
    study's repeats and interval) runs --runs times (default 3), each with another search.seed,
    once quiet and once with a background load: a process of this script's own that keeps one core
    busy about 30% of the time in short bursts, and stops by itself after --load-s seconds (or when
@@ -18,7 +18,7 @@
 Prints one line per run; the last line printed is one JSON object with `max_regret`,
 `max_heldout_gap` and `runs`. Usage:
 
-    python benchmarks/fidelity.py                       # SmolLM2, 3 seeds, quiet and loaded (~20 min)
+    python benchmarks/fidelity.py                       # SmolLM2, 3 seeds, quiet and loaded
     python benchmarks/fidelity.py --search default --depth-max 6 --ref-rounds 8   # larger, longer
     python benchmarks/fidelity.py --search default --set search.confirm=always   # a variant, side by side
     python benchmarks/fidelity.py --model tiny-random --runs 1 --ref-rounds 2   # a smoke run
