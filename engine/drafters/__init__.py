@@ -59,6 +59,17 @@ def load_draft_model(path: str, target, dtype: torch.dtype, device: torch.device
         return _MODELS.setdefault(key, model)
 
 
+def _at_target_weights(head: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module:
+    """The head frozen and rounded to the format it is served in beside the target's weights
+    (engine.models.fp8.head_weights: bf16 beside bf16 and fp8 targets), so the drafts it proposes are
+    those of the served head and its linears read 2 bytes a weight (engine.drafters.lean_head)."""
+    from engine.models.fp8 import apply_weights, head_weights
+
+    head.requires_grad_(False)
+    apply_weights(head, head_weights(getattr(model, "spectune_weights", "fp32")))
+    return head
+
+
 def load_eagle_head(spec: SpecConfig, target, seed: int = 0) -> torch.nn.Module:
     """The EAGLE-1 head of `spec.head_path`, or a seeded random head when no path is given (cached)."""
     from engine.models.eagle_head import load_head, random_head
@@ -69,8 +80,7 @@ def load_eagle_head(spec: SpecConfig, target, seed: int = 0) -> torch.nn.Module:
         if key in _HEADS:
             return _HEADS[key]
     head = load_head(spec.head_path, model.config) if spec.head_path else random_head(model.config, seed)
-    head = head.to(device=target.device, dtype=target.dtype).eval()
-    head.requires_grad_(False)
+    head = _at_target_weights(head.to(device=target.device, dtype=target.dtype).eval(), model)
     with _LOCK:
         return _HEADS.setdefault(key, head)
 
@@ -103,8 +113,7 @@ def load_eagle3_head(spec: SpecConfig, target, seed: int = 0) -> torch.nn.Module
         if key in _HEADS:
             return _HEADS[key]
     head = load_eagle3(spec.head_path, model.config) if spec.head_path else random_eagle3(model, seed)
-    head = head.to(device=target.device, dtype=target.dtype).eval()
-    head.requires_grad_(False)
+    head = _at_target_weights(head.to(device=target.device, dtype=target.dtype).eval(), model)
     with _LOCK:
         return _HEADS.setdefault(key, head)
 

@@ -8,6 +8,8 @@ from engine.models.cache import KVBuffer
 from engine.drafters.base import CatchUp, ModelDrafter
 from engine.drafters.lean_head import HeadRows, lean_head
 from engine.models.eagle_head import EagleHead
+from engine.models.forward import lean_model_of
+from engine.models.kernels import pack_weights
 from engine.trees.tree import Expansion
 from tuner.schema.config import SpecConfig
 
@@ -34,7 +36,7 @@ class EagleDrafter(ModelDrafter):
         self.vocab_size = self.lm_head.weight.shape[0]
         ids = head.draft_ids
         self.draft_vocab = None if ids is None else ids.to(self.device)
-        self._lm_rows = _draft_rows(head, self.lm_head.weight, self.draft_vocab)
+        self._lm_rows = _draft_rows(head, target, self.lm_head.weight, self.draft_vocab)
         self._pending: list[torch.Tensor] = []
         self.lean = lean_head(head)
         self.cache = self.lean.new_cache() if self.lean is not None else KVBuffer()
@@ -119,13 +121,22 @@ class EagleDrafter(ModelDrafter):
         self._slot_feat = []
 
 
-def _draft_rows(head: EagleHead, lm_weight: torch.Tensor, draft_vocab: torch.Tensor | None) -> torch.Tensor:
+def _draft_rows(head: EagleHead, target: torch.nn.Module, lm_weight: torch.Tensor,
+                draft_vocab: torch.Tensor | None) -> torch.Tensor:
     """The lm_head rows the head scores (all, or those of its draft vocabulary), made once per head
     and lm_head: every request's drafter shares them (one copy in memory, one logits matmul for a
-    batch of drafts)."""
+    batch of drafts). They read as the target's lm_head does in its format (2 bytes a weight beside
+    bf16 and fp8 targets): the whole lm_head is most of a draft step's bytes."""
     cached = getattr(head, "_draft_rows", None)
     if cached is None or cached[0] is not lm_weight:
-        rows = lm_weight.detach() if draft_vocab is None else lm_weight[draft_vocab].detach().contiguous()
+        lean = lean_model_of(target)
+        if draft_vocab is None:  # the target's own lm_head, with its packed copies where its lean forward made them
+            rows = lean.lm_head if lean is not None and lean.lm_head.data_ptr() == lm_weight.data_ptr() \
+                else lm_weight.detach()
+        else:  # the draft vocabulary's rows, packed as the target packs its lm_head (bf16 beside fp8 weights)
+            rows = lm_weight[draft_vocab].detach().contiguous()
+            weights = getattr(target, "spectune_weights", "fp32")
+            pack_weights([rows], ["bf16" if weights == "fp8" else weights])
         cached = (lm_weight, rows)
         head._draft_rows = cached
     return cached[1]

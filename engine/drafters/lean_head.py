@@ -22,7 +22,7 @@ import torch
 from engine.models.cache import KVBuffer
 from engine.models.eagle_head import EagleHead
 from engine.models.eagle3_head import Eagle3Head
-from engine.models.kernels import linear
+from engine.models.kernels import linear, pack_weights
 from engine.models.forward import visibility_mask
 from engine.models.kvpool import KVCache
 from engine.models.llama import Block, _attend, _fuse, _fuse_bias, _out_mlp, _qkv, rms_norm, rope_table
@@ -73,6 +73,11 @@ class LeanHead:
             self.hidden_norm = layer.hidden_norm.weight.detach()
             self.norm_before_residual = head.norm_before_residual
             self.final_norm, self.lm_w = head.norm.weight.detach(), head.lm_head.weight.detach()
+        # the target's packed copies at the head's format (engine.models.fp8.head_weights): its linears
+        # take the forms the target's do (the few-row kernel reads 2 bytes a weight beside a bf16 target)
+        self.weights = getattr(head, "spectune_weights", "fp32")
+        linears = [self.fc_w, self.block.wqkv, self.block.wo, self.block.w13, self.block.w2]
+        pack_weights(linears + ([self.lm_w] if self.eagle3 else []), [self.weights] * (len(linears) + self.eagle3))
         self.n_heads, self.n_kv, self.head_dim = a.n_heads, a.n_kv, a.head_dim
         self.eps = cfg.rms_norm_eps
         self.device, self.dtype = self.fc_w.device, self.fc_w.dtype

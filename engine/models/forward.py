@@ -313,6 +313,13 @@ def lean_forward_of(hf_model: torch.nn.Module, compile: bool = False, cache_dir:
         return _LEAN[key]
 
 
+def lean_model_of(hf_model: torch.nn.Module) -> LeanLlama | None:
+    """The LeanLlama built for `hf_model` in this process (its weights fused and packed), or None when
+    no lean forward of it was built: what draft heads share the target's packed lm_head through."""
+    with _COMPILE_LOCK:
+        return next((f.model for (i, *_), f in _LEAN.items() if i == id(hf_model)), None)
+
+
 def native_step_refusal(hf_model: torch.nn.Module) -> str | None:
     """Why the native step cannot run for this model here (None: it can)."""
     p = next(hf_model.parameters())

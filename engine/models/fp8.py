@@ -37,6 +37,13 @@ def _fused_groups(layer: torch.nn.Module) -> list[list[torch.nn.Linear]]:
     return [[a.q_proj, a.k_proj, a.v_proj], [a.o_proj], [m.gate_proj, m.up_proj], [m.down_proj]]
 
 
+def head_weights(target_weights: str) -> str:
+    """The format a draft head computes in beside a target at `target_weights`: the served dtype, bf16
+    under bf16 and fp8 (vLLM's --quantization fp8 quantizes the target only: a draft head of its own
+    checkpoint keeps speculative_config.quantization unset), fp32 at fp32."""
+    return "fp32" if target_weights == "fp32" else "bf16"
+
+
 @torch.no_grad()
 def apply_weights(model: torch.nn.Module, weights: str) -> int:
     """Round the model's parameters (in place) to `weights` (fp32: unchanged) and record it in

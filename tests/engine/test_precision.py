@@ -41,21 +41,24 @@ def _outputs(engine, spec: SpecConfig, prompts) -> list[list[int]]:
     return [engine.generate(p, SamplingParams(max_new_tokens=N_NEW)).tokens for p in prompts]
 
 
-@pytest.mark.parametrize("kind", ["chain", "tree", "ngram"])
+@pytest.mark.parametrize("kind", ["chain", "tree", "ngram", "eagle"])
 def test_speculative_greedy_equals_ar_at_the_same_weights(at, kind: str) -> None:
     """A chain and a tree of drafts, alone and 3 in a batch, against the engine's AR output."""
     weights, engine, prompts = at
+    if kind == "eagle" and weights == "fp32":
+        pytest.skip("the head at fp32: tests/engine/test_engine_greedy.py; here its bf16 copies beside bf16 / fp8")
     cfg = load_config(TINY)
     own = str(hf_checkpoint_dir(cfg.model, cfg.cache_dir))
     spec = {"chain": SpecConfig(method="draft_model", depth=3, topk=1, budget=4, draft_model=own),
             "tree": SpecConfig(method="draft_model", depth=3, topk=2, budget=6, draft_model=own),
-            "ngram": SpecConfig(method="ngram", depth=4, topk=1, budget=5, ngram_min=1, ngram_max=3)}[kind]
+            "ngram": SpecConfig(method="ngram", depth=4, topk=1, budget=5, ngram_min=1, ngram_max=3),
+            "eagle": SpecConfig(method="eagle", depth=3, topk=2, budget=5)}[kind]  # a seeded random head
     ar = _outputs(engine, SpecConfig(method="off"), prompts)
     alone = _outputs(engine, spec, prompts)
     be = BatchEngine(engine, max_batch=3, schedule=schedule_of(spec, 3))
     reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=3)
     assert [r.error for r in reqs] == [None] * len(prompts)
-    if kind != "ngram":  # drafts really were verified and accepted (several rows a step)
+    if kind in ("chain", "tree"):  # drafts really were verified and accepted (several rows a step)
         assert sum(r.result.stats.accepted_tokens for r in reqs) > len(prompts) * N_NEW // 4
     for p, a, s, r in zip(prompts, ar, alone, reqs):
         assert len(a) == N_NEW
@@ -90,3 +93,25 @@ def test_a_real_difference_is_not_a_tie(at) -> None:
     for other in top.indices[1:].tolist():
         with pytest.raises(AssertionError, match="differ at token 0"):
             assert_same_or_near_tie(engine, prompts[0], ar, [other] + ar[1:], weights)
+
+
+def test_the_eagle_head_runs_at_the_served_precision(at) -> None:
+    """Beside a bf16 or fp8 target the EAGLE head holds bf16 values (the dtype it is served in: vLLM
+    quantizes only the target under fp8), its linears have the few-row kernel's bf16 copies, and its
+    draft logits read the target's packed lm_head itself (no second copy) and equal F.linear over its
+    values; beside fp32 the head keeps its fp32 values, packed in fp32."""
+    weights, engine, prompts = at
+    engine.set_spec(SpecConfig(method="eagle", depth=2, topk=1, budget=3))
+    drafter = engine.drafter
+    params = [p for p in drafter.head.parameters()]
+    rounded = all(torch.equal(p, p.bfloat16().float()) for p in params)
+    assert rounded == (weights != "fp32")
+    lean, fmt = drafter.lean, torch.float32 if weights == "fp32" else torch.bfloat16
+    assert lean.weights == ("fp32" if weights == "fp32" else "bf16")
+    assert all(w._smallm_packed.dtype == fmt for w in (lean.fc_w, lean.block.wqkv, lean.block.wo, lean.block.w13,
+                                                        lean.block.w2))
+    assert drafter._lm_rows is engine.lean.model.lm_head and drafter._lm_rows._smallm_packed.dtype == fmt
+    feat = torch.randn(3, drafter._lm_rows.shape[1])
+    with torch.inference_mode():
+        torch.testing.assert_close(drafter._logits(feat), torch.nn.functional.linear(feat, drafter._lm_rows),
+                                   rtol=1e-4, atol=1e-4)

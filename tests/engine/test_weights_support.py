@@ -137,6 +137,10 @@ def test_memory_estimate_follows_the_packing_rule() -> None:
     assert builtin_weight_bytes(m, "float32", "fp32", cpu=True, memory_gib=1024)[0] == p * 12
     fp8, words = builtin_weight_bytes(m, "float32", "fp8", cpu=True, memory_gib=1024)
     assert fp8 == p * 9 + m.vocab_size * m.hidden_size and "native step's fp8 copy" in words
+    # auto left to the node: bf16 there on a CPU with native bf16, fp32 elsewhere; the request holds the larger
+    auto, words = builtin_weight_bytes(m, "float32", "auto", cpu=True, memory_gib=1024)
+    assert auto == p * 12 > builtin_weight_bytes(m, "float32", "bf16", cpu=True, memory_gib=1024)[0]
+    assert "auto, resolved on the node: counted at fp32" in words
 
 
 def test_gpu_estimate_holds_the_values_at_dtype() -> None:

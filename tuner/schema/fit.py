@@ -32,7 +32,9 @@ def builtin_weight_bytes(model: ModelConfig, dtype: str, weights: str, cpu: bool
     `dtype` (bf16 / fp8 weights are rounded values in it, engine.models.fp8). On CPU at float32, on a
     machine of `memory_gib`, the linears also get oneDNN's packed fp32 copy and the native step's copy
     in the `weights` format (under fp8 the lm_head's in bf16) where packed_copies allows; the copies are
-    counted over every parameter (an untied embedding has none: a slight over-count)."""
+    counted over every parameter (an untied embedding has none: a slight over-count). `auto` left to a
+    pod's node (bf16 on a CPU with native bf16, else fp32) is counted at fp32, its larger copy, so the
+    memory request holds on either CPU."""
     params = model.params_b * 1e9
     at = 4 if dtype == "float32" else 2
     words = f"{model.params_b:g}B params x {at} bytes at {dtype}"
@@ -44,6 +46,8 @@ def builtin_weight_bytes(model: ModelConfig, dtype: str, weights: str, cpu: bool
     held = params * at + (params * 4 if onednn else 0)
     held += (params * FORMAT_BYTES[fmt] + (lm_head if fmt == "fp8" else 0)) if few else 0
     words += (" + oneDNN's fp32 copy" if onednn else "") + (f" + the native step's {fmt} copy" if few else "")
+    if few and weights == "auto":  # fp8 was resolved when the config loaded; bf16 or fp32 depend on the node's CPU
+        words += " (engine.builtin.weights=auto, resolved on the node: counted at fp32, the most it takes there)"
     return held, words
 
 
