@@ -290,6 +290,7 @@ def test_greedy_with_adaptive_control_equals_off(engine: Engine, off, spec: Spec
                         4: [(0, 4e-3), (64, 4e-3 * (1 + 16 * 0.15))]}, max_rows=17)
     monkeypatch.setattr(engine, "step_costs", lambda *a: planted)
     monkeypatch.setattr(StepCost, "observe_step", lambda *a: None)  # the planted curve stays as planted
+    monkeypatch.setattr(StepCost, "observe_draft", lambda *a: None)  # and drafting stays free (no wall-clock)
     adaptive = spec.model_copy(update={"adaptive": True})
     sizes, cuts = [], []
     real_first = Tree.first
@@ -306,8 +307,8 @@ def test_greedy_with_adaptive_control_equals_off(engine: Engine, off, spec: Spec
     reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=batch)
     assert [r.error for r in reqs] == [None] * len(prompts)
     assert [r.result.tokens for r in reqs] == ref
-    if spec.method == "draft_model":  # the target drafting itself: drafts pay; sizes change as it learns
-        assert sum(r.result.stats.accepted_tokens for r in reqs) > 0 and len(set(sizes)) > 1
+    if spec.method == "draft_model":  # the target drafting itself: drafts pay, several nodes deep
+        assert sum(r.result.stats.accepted_tokens for r in reqs) > 0 and max(sizes) >= 3
     if spec.method == "eagle":  # a random head: its drafts stop paying
         assert 0 in sizes
     if spec.method == "recycle" and batch == 1:  # (in a batch its drafts may all fit what pays)
