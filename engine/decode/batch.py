@@ -38,7 +38,7 @@ import torch
 
 from engine.api import GenResult, SamplingParams, TokenCallback
 from engine.decode.acceptance import BATCH_RATE, Acceptance
-from engine.decode.control import choose
+from engine.decode.control import MARGIN, choose
 from engine.drafters import Drafter, make_drafter
 from engine.drafters.lockstep import draft_together, lockstep_groups
 from engine.trees.tree import Tree
@@ -361,7 +361,7 @@ class BatchEngine:
 
         est = [self._estimate(r, spec) for r in live]
         nodes = spec.budget - 1
-        limits = choose([e.gains(nodes) for e in est], batch, step_s, cost.draft_s)
+        limits = choose([e.gains(nodes) for e in est], batch, step_s, cost.draft_s, MARGIN)
         drafting = [(r, n) for r, n in zip(live, limits) if n > 0]
         full = {id(r): r.state.drafter.spec for r, _ in drafting}
         for r, n in drafting:
@@ -382,7 +382,7 @@ class BatchEngine:
                 r.state.drafter.spec = full[id(r)]
         sizes = [out[id(r)][0].size - 1 if id(r) in out and isinstance(out[id(r)][0], Tree) else 0 for r in live]
         cost.observe_draft(time.perf_counter() - t, sum(sizes))
-        keep = choose([e.gains(s) for e, s in zip(est, sizes)], batch, step_s)
+        keep = choose([e.gains(s) for e, s in zip(est, sizes)], batch, step_s, margin=MARGIN)
         for r, k, size in zip(live, keep, sizes):
             if id(r) not in out:  # the controller chose no draft
                 out[id(r)] = (Tree.chain(r.state.ids[-1], []), 0.0)

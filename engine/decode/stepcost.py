@@ -1,9 +1,17 @@
 """The step-cost curve adaptive speculation weighs drafts against (`spec.adaptive`): the seconds of
 one target forward as a function of the sequences in it and the rows beyond one per sequence,
 timed on this machine over the engine's own forward at start-up and cached like the linear plan
-(engine.models.machine.measured_once, <cache>/step_cost.json); plus what the live engine adds:
-the drafter's seconds per drafted node and the level of real steps (contexts longer than the
-timed one read more keys), both followed online."""
+(engine.models.machine.measured_once, <cache>/step_cost.json); plus what the live engine learns
+from the steps it actually runs: the drafter's seconds per drafted node and, per batch size, what a
+step without drafts and each further row really cost against the curve.
+
+The curve was timed once, at other contexts, perhaps under another load: the live figures, not the
+curve, price a step. Per batch size the live steps fit t = c0 (a + b m) by least squares (c0: the
+curve's step without extra rows, m: the curve's cost of the extra rows over c0), the slope b held
+towards the live level of all steps (a curve timed under a load that has since gone is uniformly
+too slow; rows cost what the curve says, times that level) until the steps run spread their rows
+enough to say otherwise. A batch size that never drafts keeps that prior, a batch size whose drafts
+cost more than the curve said learns it from the steps that drafted."""
 
 from __future__ import annotations
 
@@ -19,10 +27,14 @@ from engine.models.machine import cache_root, cpu_signature, measured_once
 CONTEXT = 256  # committed positions of each timed sequence
 DENSE = 16  # every extra row count up to this one is timed
 MAX_ROWS = 256  # the largest step timed; beyond it the last segment's slope extends the curve
-ROUNDS = 2  # the fastest of this many timings after one warm-up call
-FOLLOW = 0.1  # the share of each live observation in the online figures
-CLIP_LOW, CLIP_HIGH = 0.5, 4.0  # a live step counts as taking between these multiples of the curve
-VERSION = 3  # in the cache key: a change of what is timed measures again
+ROUNDS = 3  # the fastest of this many timings of each point, taken in passes over all points
+FOLLOW = 0.05  # the share of each live observation in the online figures (about the last 20 steps)
+CLIP_LOW, CLIP_HIGH = 0.25, 4.0  # a live step counts as taking between these multiples of the curve
+# the ridge towards the prior slope: live steps whose m / c0 vary this much (variance) weigh as much
+# as the prior (a batch size whose steps all have the same rows leaves the slope at the prior)
+PRIOR_VAR = 0.003
+LOW_SLOPE = 0.5  # the slope never falls below this share of the prior (a few lucky steps are noise)
+VERSION = 4  # in the cache key: a change of what is timed measures again
 
 
 def _envelope(pts: list[tuple[int, float]]) -> list[tuple[int, float]]:
@@ -44,16 +56,39 @@ def batch_levels(max_batch: int) -> list[int]:
     return out + [max_batch]
 
 
+class _Live:
+    """One batch size's live steps, exponentially weighted: sums of 1, m, t, m^2 and m t, where m
+    and t are the curve's extra-row cost and the step's seconds, both over the curve's c0."""
+
+    def __init__(self) -> None:
+        self.w = self.m = self.t = self.mm = self.mt = 0.0
+
+    def add(self, m: float, t: float) -> None:
+        k = 1 - FOLLOW
+        self.w, self.m, self.t = k * self.w + FOLLOW, k * self.m + FOLLOW * m, k * self.t + FOLLOW * t
+        self.mm, self.mt = k * self.mm + FOLLOW * m * m, k * self.mt + FOLLOW * m * t
+
+    def fit(self, slope0: float) -> tuple[float, float]:
+        """(a, b) of t = a + b m: least squares, b ridged towards slope0 and at least LOW_SLOPE x it."""
+        mean_m, mean_t = self.m / self.w, self.t / self.w
+        var = max(self.mm / self.w - mean_m ** 2, 0.0)
+        cov = self.mt / self.w - mean_m * mean_t
+        b = max((cov + PRIOR_VAR * slope0) / (var + PRIOR_VAR), LOW_SLOPE * slope0)
+        return mean_t - b * mean_m, b
+
+
 class StepCost:
     """`step_s(batch, extra)`: seconds of a target step over `batch` sequences with `extra` rows
-    beyond one each; `draft_s`: seconds per drafted node."""
+    beyond one each, as the live steps say (the curve where none ran yet); `draft_s`: seconds per
+    drafted node."""
 
     def __init__(self, curves: dict[int, list[tuple[int, float]]], max_rows: int) -> None:
         self.curves = {b: _envelope(sorted(pts)) for b, pts in curves.items()}
         self.levels = sorted(self.curves)
         self.max_rows = max_rows  # rows per sequence the curve was timed up to
         self.draft_s = 0.0
-        self.offset = 0.0  # live steps minus the curve (seconds), followed online
+        self.level = 1.0  # live steps over the curve, all batch sizes together, followed online
+        self.live: dict[int, _Live] = {}
 
     def _at(self, batch: int, extra: float) -> float:
         pts = self.curves[batch]
@@ -80,16 +115,22 @@ class StepCost:
         return (1 - w) * self._at(b0, extra) + w * self._at(b1, extra)
 
     def step_s(self, batch: int, extra: float) -> float:
-        """Expected seconds of a live step (the curve plus the followed offset, never below a tenth
-        of the curve)."""
-        c = self.curve_s(batch, extra)
-        return max(c + self.offset, 0.1 * c)
+        """Expected seconds of a live step: the batch size's fit of its live steps on the curve
+        (engine.decode.stepcost), the curve times the live level where that batch size has not run."""
+        c0 = self.curve_s(batch, 0)
+        m = self.curve_s(batch, extra) / c0 - 1
+        live = self.live.get(batch)
+        a, b = live.fit(self.level) if live is not None else (self.level, self.level)
+        return c0 * max(a + b * m, 0.1)
 
     def observe_step(self, batch: int, extra: int, seconds: float) -> None:
-        """A live step's time: the offset follows what it took beyond the curve (a step taken
-        within [CLIP_LOW, CLIP_HIGH] x the curve: one stalled by another process says little)."""
+        """A live step's time (taken as within [CLIP_LOW, CLIP_HIGH] x the curve: a step stalled by
+        another process says little)."""
         c = self.curve_s(batch, extra)
-        self.offset += FOLLOW * (min(max(seconds, CLIP_LOW * c), CLIP_HIGH * c) - c - self.offset)
+        t = min(max(seconds, CLIP_LOW * c), CLIP_HIGH * c)
+        self.level += FOLLOW * (t / c - self.level)
+        c0 = self.curve_s(batch, 0)
+        self.live.setdefault(batch, _Live()).add(c / c0 - 1, t / c0)
 
     def observe_draft(self, seconds: float, nodes: int) -> None:
         """A step's drafting time over the nodes it drafted."""
@@ -120,25 +161,26 @@ def extras_timed(batch: int, max_rows: int) -> list[int]:
 
 def time_steps(forward: Any, max_batch: int, max_rows: int) -> StepCost:
     """Time `forward.step_batch` over batch_levels(max_batch) sequences of CONTEXT committed
-    positions, the extra rows (`extras_timed`) spread over them, on a pool of its own."""
+    positions, the extra rows (`extras_timed`) spread over them, on a pool of its own. Each batch
+    size is timed in passes over all its points, a warm-up pass first: a burst of another process's
+    work then slows one timing of several points rather than every timing of one point."""
     curves: dict[int, list[tuple[int, float]]] = {}
     with torch.inference_mode():
         pool = forward.pool(max_batch, CONTEXT + max_rows)
         caches = [pool.acquire(CONTEXT + max_rows) for _ in range(max_batch)]
         for b in batch_levels(max_batch):
-            pts = []
-            for x in extras_timed(b, max_rows):
-                rows = [[1] * (1 + x // b + (i < x % b)) for i in range(b)]
-                best = float("inf")
-                for i in range(ROUNDS + 1):
+            xs = extras_timed(b, max_rows)
+            best = dict.fromkeys(xs, float("inf"))
+            for i in range(ROUNDS + 1):
+                for x in xs:
+                    rows = [[1] * (1 + x // b + (j < x % b)) for j in range(b)]
                     for c in caches[:b]:
                         c.length = CONTEXT  # the pool is zeroed: attention over zeros costs what it would
                     t = time.perf_counter()
                     forward.step_batch(caches[:b], rows, [None] * b, [None] * b, [False] * b)
                     if i:
-                        best = min(best, time.perf_counter() - t)
-                pts.append((x, best))
-            curves[b] = pts
+                        best[x] = min(best[x], time.perf_counter() - t)
+            curves[b] = list(best.items())
         for c in caches:
             pool.release(c)
     return StepCost(curves, max_rows)

@@ -18,7 +18,7 @@ from engine.decode import batch as B
 from engine.decode import stepcost
 from engine.decode.acceptance import PRIOR, Acceptance
 from engine.decode.batch import BatchEngine, bounded, schedule_of
-from engine.decode.control import choose
+from engine.decode.control import MARGIN, choose
 from engine.decode.loop import Engine
 from engine.decode.stepcost import StepCost
 from engine.drafters.draft_model import DraftModelDrafter
@@ -134,15 +134,70 @@ def test_the_curve_interpolates_in_rows_and_between_batch_levels() -> None:
     assert c.step_s(1, 8) == pytest.approx(3.0)  # past the last point: the last segment's slope
     assert c.step_s(4, 12) == pytest.approx(4.5)
     assert c.step_s(2, 0) == pytest.approx(1.0 + (2.0 - 1.0) / 3)  # a third of the way from 1 to 4
-    c.observe_step(1, 0, 1.5)
-    assert c.offset == pytest.approx(0.05) and c.step_s(1, 0) == pytest.approx(1.05)
-    c.observe_step(1, 0, 1e9)  # a stalled step counts as at most CLIP_HIGH x the curve
-    assert c.offset < 0.05 + stepcost.FOLLOW * stepcost.CLIP_HIGH
     c.observe_draft(0.3, 3)
     assert c.draft_s == pytest.approx(stepcost.FOLLOW * 0.1)
     assert StepCost.from_json(c.to_json()).curves == c.curves
     stalled = StepCost({1: [(0, 1.0), (1, 9.0), (2, 1.2), (4, 1.5)]}, max_rows=5)  # one timing stalled
     assert stalled.curves[1] == [(0, 1.0), (1, 1.2), (2, 1.2), (4, 1.5)]
+
+
+# a curve like the one timed at batch 8 on a loaded machine: a 40 ms step, 1 ms per extra row
+TIMED = {1: [(0, 0.020), (16, 0.028)], 8: [(0, 0.040), (64, 0.104)]}
+
+
+def _run(cost: StepCost, batch: int, steps: int, seconds, rows=range(17)) -> None:
+    for i in range(steps):
+        x = rows[i % len(rows)]
+        cost.observe_step(batch, x, seconds(x))
+
+
+def test_live_steps_without_drafts_rescale_the_whole_curve() -> None:
+    """The curve was timed under twice today's load: steps at batch 8 with no draft rows take half
+    of it, and the rows (never run at batch 8) are priced at half too; a batch size that never ran
+    follows the level of all live steps."""
+    c = StepCost(TIMED, max_rows=9)
+    _run(c, 8, 200, lambda x: 0.020, rows=[0])
+    assert c.step_s(8, 0) == pytest.approx(0.020, rel=0.01)
+    assert c.step_s(8, 16) == pytest.approx(0.5 * 0.056, rel=0.02)
+    assert c.step_s(1, 8) == pytest.approx(0.5 * 0.024, rel=0.02)
+
+
+def test_rows_dearer_than_the_curve_are_learnt_from_the_steps_that_drafted() -> None:
+    """The steps at batch 8 that drafted show 2.5 ms per row where the curve said 1: the estimate
+    follows them, and with it the controller stops drafting for requests whose drafts paid on the
+    curve; at batch 1, where the curve was right, nothing changes."""
+    c = StepCost(TIMED, max_rows=9)
+    _run(c, 8, 300, lambda x: 0.040 + 0.0025 * x)
+    _run(c, 1, 300, lambda x: 0.020 + 0.0005 * x)
+    for x in (0, 4, 16):
+        assert c.step_s(8, x) == pytest.approx(0.040 + 0.0025 * x, rel=0.06)  # the ridge pulls a little
+        assert c.step_s(1, x) == pytest.approx(0.020 + 0.0005 * x, rel=0.03)
+    gains = [[0.45, 0.3, 0.2]] * 8
+    curve = StepCost(TIMED, max_rows=9)
+    assert sum(choose(gains, 8, lambda n: curve.step_s(8, n), margin=MARGIN)) > 0  # the curve alone: drafts pay
+    assert choose(gains, 8, lambda n: c.step_s(8, n), margin=MARGIN) == [0] * 8
+
+
+def test_a_stalled_step_moves_the_estimate_by_a_bounded_amount() -> None:
+    c = StepCost(TIMED, max_rows=9)
+    _run(c, 8, 100, lambda x: 0.040 + 0.001 * x)
+    before = c.step_s(8, 8)
+    c.observe_step(8, 8, 1e9)  # another process held the cores for a while
+    assert before < c.step_s(8, 8) < before * (1 + stepcost.FOLLOW * stepcost.CLIP_HIGH * 2)
+
+
+def test_at_batch_8_rows_priced_as_measured_draft_nothing_for_low_acceptance() -> None:
+    """The step's cost at batch 8 as measured in bf16 on the 2-core EPYC (19 ms, 1.7 ms per row):
+    a draft row is worth it only when its token is accepted with more than about 0.7, and the
+    margin asks for more; requests accepting 0.6 get no draft, one accepting 0.95 does."""
+    step = linear_cost(0.0193, 0.0017)
+    low = [[0.6 ** r for r in range(1, 9)]] * 8
+    assert choose(low, 8, step, margin=MARGIN) == [0] * 8
+    assert choose(low[:1] * 1, 1, linear_cost(0.018, 0.0013), margin=MARGIN)[0] >= 3  # alone, it pays
+    high = [[0.95 ** r for r in range(1, 9)]] + low[1:]
+    got = choose(high, 8, step, margin=MARGIN)
+    assert got[0] > 0 and got[1:] == [0] * 7
+    assert choose([[0.72]] * 8, 8, step) == [1] * 8 and choose([[0.72]] * 8, 8, step, margin=MARGIN) == [0] * 8
 
 
 def test_the_curve_is_timed_once_and_cached(engine: Engine, tmp_path, monkeypatch) -> None:
@@ -235,6 +290,7 @@ def test_greedy_with_adaptive_control_equals_off(engine: Engine, off, spec: Spec
                         4: [(0, 4e-3), (64, 4e-3 * (1 + 16 * 0.15))]}, max_rows=17)
     monkeypatch.setattr(engine, "step_costs", lambda *a: planted)
     monkeypatch.setattr(StepCost, "observe_step", lambda *a: None)  # the planted curve stays as planted
+    monkeypatch.setattr(StepCost, "observe_draft", lambda *a: None)  # and drafting stays free (no wall-clock)
     adaptive = spec.model_copy(update={"adaptive": True})
     sizes, cuts = [], []
     real_first = Tree.first
@@ -251,8 +307,8 @@ def test_greedy_with_adaptive_control_equals_off(engine: Engine, off, spec: Spec
     reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=batch)
     assert [r.error for r in reqs] == [None] * len(prompts)
     assert [r.result.tokens for r in reqs] == ref
-    if spec.method == "draft_model":  # the target drafting itself: drafts pay; sizes change as it learns
-        assert sum(r.result.stats.accepted_tokens for r in reqs) > 0 and len(set(sizes)) > 1
+    if spec.method == "draft_model":  # the target drafting itself: drafts pay, several nodes deep
+        assert sum(r.result.stats.accepted_tokens for r in reqs) > 0 and max(sizes) >= 3
     if spec.method == "eagle":  # a random head: its drafts stop paying
         assert 0 in sizes
     if spec.method == "recycle" and batch == 1:  # (in a batch its drafts may all fit what pays)
