@@ -2,6 +2,10 @@
 CPU (-march=native), loaded through ctypes: the few-row linear (engine.models.smallm) and the decode
 attention (engine.models.attention).
 
+A built library is kept under ~/.cache/spectune/native/, named by its source, flags and this CPU,
+so later processes (every worker, every `tuner serve`) load it instead of compiling again (seconds
+of g++ each); where that directory cannot be written, each process builds its own copy.
+
 Each library links torch's own OpenMP runtime (the process has already loaded libgomp), so torch's
 thread count is the kernel's. A machine without g++, or a failed compile, leaves the library None
 with the reason in `Native.error`: the callers then keep torch's kernels (the linear plan times
@@ -13,11 +17,15 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
+import shutil
 import subprocess
 import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
+
+from engine.models.machine import cache_root
 
 # The vector types every kernel source starts with (VW: fp32 lanes, defined by the kernel's flags).
 VECTORS = r"""
@@ -37,6 +45,21 @@ def avx512() -> bool:
         return False
 
 
+def build_dir() -> Path:
+    """Where built libraries are kept: native/ under the default cache root (~/.cache/spectune)."""
+    return cache_root(None) / "native"
+
+
+def cpu_key() -> str:
+    """This CPU as -march=native sees it (model name and every flag), hashed: a home directory shared
+    by machines of different CPUs never loads a library built for another."""
+    try:
+        info = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith(("model name", "flags"))]
+    except OSError:
+        info = []
+    return hashlib.sha256("\n".join(sorted(set(info))).encode()).hexdigest()[:12]
+
+
 class Native:
     """One C++ source compiled with FLAGS plus `defines` into a shared library, once per process."""
 
@@ -50,14 +73,35 @@ class Native:
         self._lock = threading.Lock()
 
     def _build(self) -> ctypes.CDLL:
-        out = Path(tempfile.mkdtemp(prefix=f"spectune-{self.name}-")) / f"{self.name}-{self.tag}.so"
-        src = out.with_suffix(".cpp")
-        src.write_text(self.source)
-        subprocess.run(["g++", *self.flags, str(src), "-o", str(out)], check=True, capture_output=True, text=True,
-                       timeout=120)
-        lib = ctypes.CDLL(str(out))
+        cached = build_dir() / f"{self.name}-{self.tag}-{cpu_key()}.so"
+        try:
+            lib = ctypes.CDLL(str(cached))
+        except OSError:  # not built yet on this machine (or unreadable): build it
+            lib = ctypes.CDLL(str(self._compile(cached)))
         self.bind(lib)
         return lib
+
+    def _compile(self, cached: Path) -> Path:
+        """Compile into `cached` (written whole: workers may build at once), or into a temporary
+        directory where the cache cannot be written; the library's path."""
+        work = Path(tempfile.mkdtemp(prefix=f"spectune-{self.name}-"))
+        src, out = work / f"{self.name}-{self.tag}.cpp", work / f"{self.name}-{self.tag}.so"
+        src.write_text(self.source)
+        try:
+            subprocess.run(["g++", *self.flags, str(src), "-o", str(out)], check=True, capture_output=True, text=True,
+                           timeout=120)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+            tmp.write_bytes(out.read_bytes())
+            os.replace(tmp, cached)
+        except OSError:
+            return out
+        shutil.rmtree(work, ignore_errors=True)
+        return cached
 
     def library(self) -> ctypes.CDLL | None:
         """The built library, or None when this machine cannot build it (`error` says why)."""

@@ -1,13 +1,17 @@
 """engine/models/machine.py: per-machine measurements are measured once, kept under their key, and
-measured again only when asked (with the old value at hand)."""
+measured again only when asked (with the old value at hand); engine/models/native.py: a built C++
+library is kept and the next process loads it without compiling."""
 
 from __future__ import annotations
 
+import ctypes
 import json
+import subprocess
 
 import pytest
 import torch
 
+from engine.models import native
 from engine.models.machine import cpu_signature, measured_once
 
 
@@ -42,3 +46,27 @@ def test_the_cpu_signature_names_the_thread_count(monkeypatch) -> None:
         assert one.endswith("|1t") and cpu_signature().endswith("|2t") and one != cpu_signature()
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_built_library_is_kept_and_the_next_process_loads_it_without_compiling(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))  # the default cache root follows the home directory
+    source = 'extern "C" int answer() { return 42; }'
+
+    def bind(lib: ctypes.CDLL) -> None:
+        lib.answer.restype = ctypes.c_int
+
+    first = native.Native("probe", source, [], bind)
+    if first.library() is None:
+        pytest.skip(f"no C++ compiler: {first.error}")
+    assert first.library().answer() == 42
+    kept = sorted(p.name for p in (tmp_path / ".cache" / "spectune" / "native").iterdir())
+    assert len(kept) == 1 and kept[0].startswith(f"probe-{first.tag}-") and kept[0].endswith(".so")  # no .tmp left
+
+    def no_compiler(*a, **k):
+        raise FileNotFoundError("g++")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    again = native.Native("probe", source, [], bind)  # what a new process holds
+    assert again.library() is not None and again.library().answer() == 42
+    other = native.Native("probe", source, ["-DOTHER=1"], bind)  # other flags: another library, not the kept one
+    assert other.library() is None and "g++" in (other.error or "")
