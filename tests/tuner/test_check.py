@@ -1,10 +1,9 @@
-"""`tuner check`: a live `tuner serve` measured on a run's held-out prompts against its best.yaml;
-the same spec passes, a different one fails with one line per regressed figure."""
+"""`tuner check`: a live built-in server (what `tuner serve` runs, here in a thread of this process;
+the command itself is tested in tests/engine/test_server.py) measured on a run's held-out prompts
+against its best.yaml; the same spec passes, a different one fails with one line per regressed figure."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import free_port, wait_healthy
+from tests.helpers import engine_for, serving
 from tuner.cli import main
 from tuner.run.regression import Comparison, compare, measure_endpoint
 from tuner.schema.compose import load_config, save_config
@@ -35,16 +34,10 @@ def draft_dir() -> Path:
 
 @contextmanager
 def serve(spec: list[str]) -> Iterator[str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tuner.cli", "serve", "model=tiny-random", f"serve.port={port}",
-                             *spec], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, 180)
+    """The built-in server of tiny-random under `spec` on 127.0.0.1, for the block; its URL."""
+    cfg = load_config(["model=tiny-random", *spec])
+    with serving(cfg, engine_for(cfg)) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.communicate(timeout=30)
 
 
 def test_check_passes_on_the_tuned_spec_and_fails_on_another(draft_dir: Path, tmp_path: Path,

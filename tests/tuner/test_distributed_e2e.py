@@ -78,7 +78,7 @@ def _check_study(trials: list[optuna.trial.FrozenTrial], budget: int, killed: in
 
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_three_workers_share_a_postgres_study_and_survive_a_kill(tmp_path: Path) -> None:
-    budget = 8
+    budget = 6
     with pg.postgres_server() as server:
         env = {**os.environ, **server.env}
         os.environ["PGPASSWORD"] = pg.PASSWORD
