@@ -6,11 +6,8 @@ further drafted node adds.
 
 Each request starts from the batch's estimate over all requests, which itself starts from a fixed
 prior. An index a request does not verify in a step (it drafted fewer nodes, or none) drifts back
-towards the batch's estimate, and the batch's towards the prior conditional acceptance times the
-estimate of the index before it: without that, a request whose drafts stopped paying would never
-draft again to find out that they pay now. Chaining the prior on what was learnt keeps one index
-past an accepted run worth trying (indices 1-3 accepted nearly always put index 4 near PRIOR, not
-PRIOR ** 4, which no step could pay for)."""
+towards the batch's estimate, and the batch's towards the prior: without that, a request whose
+drafts stopped paying would never draft again to find out that they pay now."""
 
 from __future__ import annotations
 
@@ -42,9 +39,9 @@ class Acceptance:
 
     def drift(self, past: int, toward: list[float] | None = None) -> None:
         """The indices past `past` were not verified this step: each moves DRIFT of the way back
-        towards `toward` (None: PRIOR times the estimate of the index before it)."""
+        towards `toward` (None: the prior)."""
         for r in range(past + 1, len(self.p) + 1):
-            target = toward[r - 1] if toward is not None else PRIOR * (self.p[r - 2] if r > 1 else 1.0)
+            target = toward[r - 1] if toward is not None else PRIOR ** r
             self.p[r - 1] += DRIFT * (target - self.p[r - 1])
 
     def gains(self, nodes: int) -> list[float]:

@@ -116,20 +116,6 @@ def test_estimates_follow_the_verified_nodes_and_unverified_ones_drift_back() ->
     assert low.p == pytest.approx([PRIOR, PRIOR ** 2], abs=0.01)
 
 
-def test_an_unverified_index_drifts_towards_the_prior_chained_on_the_index_before_it() -> None:
-    batch = Acceptance(4, rate=0.05)
-    for _ in range(400):
-        batch.update(3, [0, 1, 2, 3])  # nodes 1-3 always accepted; node 4 is never drafted
-        batch.drift(3)
-    assert batch.p[2] > 0.95 and batch.p[3] == pytest.approx(PRIOR * batch.p[2], abs=0.02)
-    assert batch.p[3] > 2 * PRIOR ** 4  # not the fixed prior, which no step could pay for
-    cold = Acceptance(4, rate=0.05)
-    for _ in range(400):
-        cold.update(1, [0])  # node 1 always rejected; 2-4 never drafted
-        cold.drift(1)
-    assert cold.p[0] < 0.01 and max(cold.p[1:]) < 0.01  # a rejected root keeps its children cheap
-
-
 def test_a_request_starts_from_the_batch_estimate() -> None:
     batch = Acceptance(3, rate=0.05)
     assert batch.p == pytest.approx([PRIOR, PRIOR ** 2, PRIOR ** 3])
