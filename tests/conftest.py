@@ -9,8 +9,8 @@ import pytest
 
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist (`make test` runs two workers) each worker gets one intra-op thread: two
-    workers of two threads each on two cores oversubscribe them, and OpenMP threads waiting for a
-    descheduled peer cost more than the second thread saves. Subprocesses keep torch's default."""
+    workers of two threads each would put four busy threads on two cores, the oversubscription that
+    `one_torch_thread` below avoids for small tensor ops. Subprocesses keep torch's default."""
     import os
 
     if os.environ.get("PYTEST_XDIST_WORKER"):
