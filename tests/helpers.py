@@ -6,8 +6,12 @@ Imported as `helpers` (pytest puts tests/ on sys.path, as for tests/pg.py).
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,6 +28,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def sglang_wheel(cache: Path, version: str) -> Path:
+    """SGLang's wheel of `version` (pip download --no-deps, no install), kept in `cache` for the run.
+    Downloaded into a private directory and renamed into place: pytest-xdist workers that ask at
+    the same time never open a partly written file."""
+    found = sorted(cache.glob(f"sglang-{version}-*.whl"))
+    if found:
+        return found[0]
+    cache.mkdir(parents=True, exist_ok=True)
+    private = Path(tempfile.mkdtemp(prefix=".download-", dir=cache))
+    try:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"sglang=={version}", "-d",
+                        str(private)], check=True, timeout=300)
+        (wheel,) = private.glob(f"sglang-{version}-*.whl")
+        os.replace(wheel, cache / wheel.name)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+    return cache / wheel.name
 
 
 def wait_healthy(proc, url: str, timeout_s: float) -> None:

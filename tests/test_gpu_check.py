@@ -23,6 +23,7 @@ def test_without_cuda_it_is_one_line_and_exit_2() -> None:
         "error: make gpu-check needs a CUDA GPU (torch.cuda.is_available() is False here)"]
 
 
+@pytest.mark.slow  # a real vLLM server (the vllm-head step)
 def test_the_lossless_step_and_the_table_on_cpu() -> None:
     r = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--model", "tiny-random", "--prompts", "2",
                         "--tokens", "16", "--steps", "lossless,vllm-head", "--time-scale", "4",

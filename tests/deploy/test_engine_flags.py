@@ -7,12 +7,12 @@ from __future__ import annotations
 import ast
 import json
 import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 
+from helpers import sglang_wheel
 from tuner.schema.compose import load_config
 from tuner.schema.config import SpecConfig
 from tuner.schema.engine_command import PROGRAMS, Place, engine_command, pinned_version, server_settings
@@ -54,12 +54,7 @@ def _sglang_server_args(tmp_dir: Path, version: str | None = None,
     """A file of an SGLang wheel, server_args.py of the pinned one by default (pip download --no-deps,
     cached beside the tests' tmp)."""
     version = version or pinned_version(load_config(["deploy=sglang", "hardware=h200x1"]).deploy.image_tag)
-    wheels = list(tmp_dir.glob(f"sglang-{version}-*.whl"))
-    if not wheels:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"sglang=={version}", "-d",
-                        str(tmp_dir)], check=True, timeout=300)
-        wheels = list(tmp_dir.glob(f"sglang-{version}-*.whl"))
-    with zipfile.ZipFile(wheels[0]) as whl:
+    with zipfile.ZipFile(sglang_wheel(tmp_dir, version)) as whl:
         return whl.read(member).decode() if member in whl.namelist() else ""
 
 

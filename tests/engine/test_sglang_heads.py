@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import ast
 import json
-import subprocess
-import sys
 import zipfile
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import sglang_wheel
 from engine.models.eagle3_head import AUX_KEY, init_eagle3, save_eagle3
 from engine.models.eagle_head import random_head, save_head
 from engine.models.target import random_llama
@@ -25,14 +24,8 @@ from tuner.schema.engine_command import Place, engine_command, pinned_version, s
 def sglang_models(tmp_path_factory) -> dict[str, str]:
     """{architecture: module} of the pinned SGLang's Llama EAGLE drafts (EntryClass of its model files)."""
     version = pinned_version(load_config(["deploy=sglang", "hardware=h200x1"]).deploy.image_tag)
-    d = tmp_path_factory.getbasetemp().parent / "sglang-wheel"
-    wheels = list(d.glob(f"sglang-{version}-*.whl"))
-    if not wheels:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"sglang=={version}", "-d", str(d)],
-                       check=True, timeout=300)
-        wheels = list(d.glob(f"sglang-{version}-*.whl"))
     out = {}
-    with zipfile.ZipFile(wheels[0]) as whl:
+    with zipfile.ZipFile(sglang_wheel(tmp_path_factory.getbasetemp().parent / "sglang-wheel", version)) as whl:
         for module in ("llama_eagle", "llama_eagle3"):
             tree = ast.parse(whl.read(f"sglang/srt/models/{module}.py").decode())
             for node in ast.walk(tree):

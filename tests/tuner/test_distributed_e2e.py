@@ -31,6 +31,7 @@ from tuner.study.studies import WORKER
 SMALL = ["model=tiny-random", "+workload=code", "search=quick", "workload.num_prompts=2", "workload.num_heldout=1",
          "workload.max_new_tokens=16", "search.heartbeat_grace_s=10", "engine.builtin.threads=1"]
 TIMEOUT_S = 420
+pytestmark = pytest.mark.slow  # worker processes and a real PostgreSQL server: tens of seconds a test
 
 
 def _trials(url: str, name: str) -> list[optuna.trial.FrozenTrial]:
