@@ -44,12 +44,13 @@ def _trials(url: str, name: str) -> list[optuna.trial.FrozenTrial]:
 def _kill_mid_trial(url: str, name: str, victim: Callable[[int], bool], procs: list[subprocess.Popen]) -> int:
     """SIGKILL the first worker pid for which `victim` holds seen running a trial; the trial's number. The worker is frozen
     (SIGSTOP) and the trial read again before the kill: a trial that finished between the first
-    read and the kill would otherwise count as killed."""
+    read and the kill would otherwise count as killed. The baseline trial is spared: the checks
+    count it as run once, and a killed trial never records its spec."""
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
         for t in _trials(url, name):
             pid = int(str(t.user_attrs.get(WORKER, ":0")).rsplit(":", 1)[1])
-            if t.state == TrialState.RUNNING and pid and victim(pid):
+            if t.state == TrialState.RUNNING and pid and victim(pid) and t.user_attrs.get("role") != "baseline":
                 os.kill(pid, signal.SIGSTOP)
                 if next(u for u in _trials(url, name) if u.number == t.number).state == TrialState.RUNNING:
                     os.kill(pid, signal.SIGKILL)
