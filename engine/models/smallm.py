@@ -11,7 +11,8 @@ exactly these shapes.
 Layout: the weight w [N, K] is packed as [N / BW, K, BW] (BW output columns side by side, zero rows
 padding N up to a multiple of BW), so one block streams contiguously; for each k, one vector load
 of the block's columns and one broadcast of x[m, k] per row feed M * BW/VW fused multiply-adds
-into accumulators held in registers, and y [M, BW] is stored once: no horizontal sums. Blocks are
+into accumulators held in registers, and y [M, BW] is stored once: no horizontal sums. (An fp8
+block widened a k-row at once, on AVX-512 with VBMI, holds its columns interleaved: `e4m3_order`.) Blocks are
 split over the OpenMP threads of torch's own libgomp (the .so links the runtime the process has
 already loaded, so torch's thread count is the kernel's).
 """
