@@ -11,7 +11,8 @@ exactly these shapes.
 Layout: the weight w [N, K] is packed as [N / BW, K, BW] (BW output columns side by side, zero rows
 padding N up to a multiple of BW), so one block streams contiguously; for each k, one vector load
 of the block's columns and one broadcast of x[m, k] per row feed M * BW/VW fused multiply-adds
-into accumulators held in registers, and y [M, BW] is stored once: no horizontal sums. Blocks are
+into accumulators held in registers, and y [M, BW] is stored once: no horizontal sums. (An fp8
+block widened a k-row at once, on AVX-512 with VBMI, holds its columns interleaved: `e4m3_order`.) Blocks are
 split over the OpenMP threads of torch's own libgomp (the .so links the runtime the process has
 already loaded, so torch's thread count is the kernel's).
 """
@@ -71,6 +72,26 @@ static inline vf wload(const bf16_t* p) {
 }
 #endif
 
+/* AVX-512 with VBMI, blocks of 4 vectors: a k-row of an e4m3 block is one 64-byte line, widened whole by
+   two byte permutes (vpermi2b: the 128 magnitudes -> the low and the high byte of their bf16 bits),
+   the sign ORed into the high byte, two unpacks into bf16 words, and a shift or a mask per vector into
+   fp32: about half the integer operations per weight of the fp16 route below, which bound one core's
+   decode at fp8 (docs/results.md). The unpacks interleave, so a packed k-row holds the block's columns
+   in the order e4m3_interleaved() states (engine.models.smallm.e4m3_order). The values are the fp16
+   route's (2^-8 times the e4m3 value, exact) and the FMAs the same, so the results are bit-identical. */
+#if VW == 16 && NB == 4 && defined(__AVX512VBMI__)
+#define E4M3_LUT 1
+#endif
+
+/* 1: a packed e4m3 block's k-row holds column 16 j + d at byte 16 (d / 4) + 8 (j / 2) + 2 (d % 4) + j % 2 */
+extern "C" int e4m3_interleaved() {
+#ifdef E4M3_LUT
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 #ifdef HAS_E4M3_W
 /* e4m3 byte b -> fp16 bits: sign-extended to 16 bits and shifted left by 7, b's exponent and mantissa
    land in fp16's bits 13..7 and its sign in bit 15; the AND clears the sign's copy in bit 14. Three
@@ -84,6 +105,44 @@ static inline vf wload(const e4m3_t* p) {
   __m128i h = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)p));
   return (vf)_mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16((short)0xBFFF)));
 #endif
+}
+#endif
+
+/* one k-row of a block: its NB vectors of weights widened to fp32 */
+template <typename W>
+static inline void wrow(const W* p, vf* w) {
+  _Pragma("GCC unroll 4")
+  for (int j = 0; j < NB; ++j) w[j] = wload(p + j * VW);
+}
+
+#ifdef E4M3_LUT
+/* 2^-8 times the value of each e4m3 magnitude 0..127 (as the fp16 route), its bf16 bits' low and high bytes */
+struct E4m3Lut {
+  alignas(64) unsigned char lo[128], hi[128];
+  E4m3Lut() {
+    for (int c = 0; c < 128; ++c) {
+      int e = c >> 3, m = c & 7;
+      /* normal: (8 + m) 2^(e - 10); subnormal (e = 0): m 2^-9; then 2^-8 */
+      float v = e ? __builtin_ldexpf((float)(8 + m), e - 18) : __builtin_ldexpf((float)m, -17);
+      unsigned u = __builtin_bit_cast(unsigned, v) >> 16;
+      lo[c] = (unsigned char)u;
+      hi[c] = (unsigned char)(u >> 8);
+    }
+  }
+};
+static const E4m3Lut E4M3_TABLE;
+
+static inline void wrow(const e4m3_t* p, vf* w) {
+  const __m512i b = _mm512_loadu_si512(p);
+  const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(E4M3_TABLE.lo), b, _mm512_load_si512(E4M3_TABLE.lo + 64));
+  __m512i hi = _mm512_permutex2var_epi8(_mm512_load_si512(E4M3_TABLE.hi), b, _mm512_load_si512(E4M3_TABLE.hi + 64));
+  hi = _mm512_ternarylogic_epi32(hi, b, _mm512_set1_epi8((char)0x80), 0xF8);  /* hi | (b & 0x80): the sign */
+  const __m512i w0 = _mm512_unpacklo_epi8(lo, hi), w1 = _mm512_unpackhi_epi8(lo, hi);
+  const __m512i top = _mm512_set1_epi32((int)0xFFFF0000);
+  w[0] = (vf)_mm512_slli_epi32(w0, 16);
+  w[1] = (vf)_mm512_and_si512(w0, top);
+  w[2] = (vf)_mm512_slli_epi32(w1, 16);
+  w[3] = (vf)_mm512_and_si512(w1, top);
 }
 #endif
 
@@ -119,8 +178,7 @@ static inline void block(const float* x, long ldx, const W* wb, float* y, long l
         __builtin_prefetch(ahead);
       }
       vf w[NB];
-      _Pragma("GCC unroll 4")
-      for (int j = 0; j < NB; ++j) w[j] = wload(wb + (k + u) * BW + j * VW);
+      wrow(wb + (k + u) * BW, w);
       _Pragma("GCC unroll 8")
       for (int m = 0; m < M; ++m) {
         float xs = x[m * ldx + k + u];
@@ -129,11 +187,12 @@ static inline void block(const float* x, long ldx, const W* wb, float* y, long l
       }
     }
   }
-  for (; k < K; ++k)
-    for (int j = 0; j < NB; ++j) {
-      vf w = wload(wb + k * BW + j * VW);
-      for (int m = 0; m < M; ++m) acc[0][j][m] += x[m * ldx + k] * w;
-    }
+  for (; k < K; ++k) {
+    vf w[NB];
+    wrow(wb + k * BW, w);
+    for (int j = 0; j < NB; ++j)
+      for (int m = 0; m < M; ++m) acc[0][j][m] += x[m * ldx + k] * w[j];
+  }
   float f = wscale(wb, scale);
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < M; ++m) {
@@ -195,6 +254,7 @@ def _bind(lib: ctypes.CDLL) -> None:
                                                                                ctypes.c_int]
     lib.smallm_linear.restype = ctypes.c_int
     lib.weight_formats.restype = ctypes.c_int
+    lib.e4m3_interleaved.restype = ctypes.c_int
 
 
 _NATIVE = native.Native("smallm", _SOURCE, [f"-DVW={VW}", f"-DNB={NB}"], _bind)
@@ -204,6 +264,13 @@ TAG = _NATIVE.tag
 def library() -> ctypes.CDLL | None:
     """The built kernel, or None when this machine cannot build it (no g++, a failed compile: `error()` says why)."""
     return _NATIVE.library()
+
+
+def _built() -> ctypes.CDLL:
+    lib = _NATIVE.library()
+    if lib is None:
+        raise RuntimeError(f"smallm kernel unavailable: {_NATIVE.error}")
+    return lib
 
 
 def error() -> str | None:
@@ -223,11 +290,26 @@ FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
-def pack(w: torch.Tensor, weights: str = "fp32") -> tuple[torch.Tensor, float]:
+def e4m3_order(lib: ctypes.CDLL) -> torch.Tensor | None:
+    """Which of a block's columns each byte of a packed e4m3 k-row holds where `lib` (built from
+    BLOCK_SOURCE) widens a whole k-row at once (AVX-512 VBMI: E4M3_LUT), else None (columns in order).
+    Column 16 j + d of the block sits at byte 16 (d // 4) + 8 (j // 2) + 2 (d % 4) + j % 2: the order
+    in which the byte unpacks and the shift / mask into fp32 lanes hand them to vector j."""
+    if not lib.e4m3_interleaved():
+        return None
+    order = torch.empty(64, dtype=torch.long)
+    for j in range(4):
+        for d in range(16):
+            order[16 * (d // 4) + 8 * (j // 2) + 2 * (d % 4) + j % 2] = 16 * j + d
+    return order
+
+
+def pack(w: torch.Tensor, weights: str = "fp32", lib: ctypes.CDLL | None = None) -> tuple[torch.Tensor, float]:
     """w [N, K] fp32 as [ceil(N / BW), K, BW] in the `weights` format (fp32 | bf16 | fp8): each block
     of BW output columns contiguous, k-major; and the scale the kernel multiplies y by (fp8: vLLM's
     per-tensor scale, engine.models.fp8; else 1). w must hold values of that format already (the
-    engine rounds its weights once when it loads them), so the copy is exact."""
+    engine rounds its weights once when it loads them), so the copy is exact. An fp8 block holds its
+    columns in the `e4m3_order` of `lib`, the kernel that reads it (default: this process's)."""
     n, k = w.shape
     pad = -n % BW
     scale = 1.0
@@ -245,12 +327,20 @@ def pack(w: torch.Tensor, weights: str = "fp32") -> tuple[torch.Tensor, float]:
             w = w.view(torch.float8_e4m3fn)
     packed = w.detach().reshape(-1, BW, k).transpose(1, 2)
     if weights == "fp8":  # copies of float8 tensors go through their bytes
-        return packed.view(torch.uint8).contiguous().view(torch.float8_e4m3fn), scale
+        order = e4m3_order(lib or _built())
+        packed = packed.view(torch.uint8)
+        packed = packed.contiguous() if order is None else packed[:, :, order].contiguous()
+        return packed.view(torch.float8_e4m3fn), scale
     return packed.contiguous(), scale
 
 
-def unpack(packed: torch.Tensor, scale: float, n: int) -> torch.Tensor:
-    """The fp32 weight [n, K] a `pack`ed copy holds (what the kernel multiplies with)."""
+def unpack(packed: torch.Tensor, scale: float, n: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """The fp32 weight [n, K] a `pack`ed copy for `lib` (default: this process's kernel) holds: what
+    the kernel multiplies with."""
+    if packed.dtype == torch.float8_e4m3fn:
+        order = e4m3_order(lib or _built())
+        if order is not None:
+            packed = packed.view(torch.uint8)[:, :, torch.argsort(order)].view(torch.float8_e4m3fn)
     w = packed.float().transpose(1, 2).reshape(-1, packed.shape[1])[:n]
     return w * scale if packed.dtype == torch.float8_e4m3fn else w
 
@@ -259,9 +349,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
            scale: float = 1.0) -> torch.Tensor:
     """x [M, K] @ w.T (+ bias) for the weight `pack`ed into `packed` (n its output width, scale its
     `pack` scale), in passes of at most MAX_ROWS rows. Needs `library()`."""
-    lib = _NATIVE.library()
-    if lib is None:
-        raise RuntimeError(f"smallm kernel unavailable: {_NATIVE.error}")
+    lib = _built()
     x = x.contiguous()
     rows, k = x.shape
     width = packed.shape[0] * BW

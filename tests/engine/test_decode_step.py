@@ -183,21 +183,26 @@ def test_native_step_true_refuses_in_one_line() -> None:
 
 
 @pytest.mark.parametrize("weights", ["fp32", "bf16", "fp8"])
-@pytest.mark.parametrize("vw, nb", [(8, 1), (16, 4)])
-def test_few_row_block_every_row_count_and_layout(vw: int, nb: int, weights: str) -> None:
+@pytest.mark.parametrize("vw, nb, extra", [(8, 1, []), (16, 4, []), (16, 4, ["-mno-avx512vbmi"])])
+def test_few_row_block_every_row_count_and_layout(vw: int, nb: int, extra: list[str], weights: str) -> None:
     """The block both kernels share (engine.models.smallm.BLOCK_SOURCE), built for AVX2's layout (8
-    lanes, one vector a block) and AVX-512's (16 lanes, four), at each weight format: 1-8 rows over
-    an odd K (one row keeps two k-rows in flight, so K's last row takes the remainder path) equal
-    F.linear over the weights the packed copy holds. The fp8 weight spans e4m3's whole range (448
-    down to its subnormals, both signs), so a wrong exponent bias, a lost sign or subnormal, or a
-    missing scale is visible."""
+    lanes, one vector a block) and AVX-512's (16 lanes, four; e4m3 widened a k-row at once through
+    VBMI byte permutes, or without VBMI a vector at a time as on AVX2), at each weight format: 1-8
+    rows over an odd K (one row keeps two k-rows in flight, so K's last row takes the remainder path)
+    equal F.linear over the weights the packed copy holds. The fp8 weight spans e4m3's whole range
+    (448 down to its subnormals, both signs), so a wrong exponent bias, a lost sign or subnormal, a
+    missing scale or a wrong column order is visible."""
     from engine.models import native, smallm
     from engine.models.fp8 import dequantize_e4m3, quantize_e4m3
 
     if vw == 16 and not native.avx512():
         pytest.skip("16-lane vectors need AVX-512")
-    lib = native.Native("smallm", smallm._SOURCE, [f"-DVW={vw}", f"-DNB={nb}"], smallm._bind).library()
+    if extra and weights != "fp8":
+        pytest.skip("only the e4m3 widening depends on VBMI")
+    lib = native.Native("smallm", smallm._SOURCE, [f"-DVW={vw}", f"-DNB={nb}", *extra], smallm._bind).library()
     assert lib is not None
+    if weights == "fp8" and vw == 16:  # the layout follows the build: interleaved exactly where VBMI widens
+        assert lib.e4m3_interleaved() == (not extra and " avx512vbmi " in f" {native.cpu_id()} ")
     bw, k = vw * nb, 41
     g = torch.Generator().manual_seed(0)
     w = torch.randn(3 * bw, k, generator=g) * torch.logspace(-4, 0, k)  # columns from 1e-4 to 1: subnormals in e4m3
@@ -210,6 +215,9 @@ def test_few_row_block_every_row_count_and_layout(vw: int, nb: int, weights: str
         w = w.to(smallm.DTYPES[weights]).float()
         stored = w.to(smallm.DTYPES[weights])
     packed = stored.reshape(-1, bw, k).transpose(1, 2).contiguous()
+    order = smallm.e4m3_order(lib) if weights == "fp8" else None
+    if order is not None:  # AVX-512 VBMI widens a whole k-row: its columns interleaved
+        packed = packed[:, :, order].contiguous()
     for m in range(1, 9):
         x = torch.randn(m, k, generator=g)
         y = torch.empty(m, 3 * bw)
@@ -222,7 +230,8 @@ def test_few_row_block_every_row_count_and_layout(vw: int, nb: int, weights: str
 def test_pack_holds_the_rounded_weight(weights: str) -> None:
     """smallm.pack of a weight already rounded to the format (what the engine packs) is exact: unpacked
     it gives the same values (fp8: to fp32 rounding, the per-tensor scale derived again), with the
-    padding columns of the last block zero."""
+    padding columns of the last block zero, and the kernel reads it in its layout (AVX-512 VBMI: an
+    e4m3 block's columns interleaved) as F.linear reads the weight."""
     from engine.models import smallm
     from engine.models.fp8 import dequantize_e4m3, quantize_e4m3
 
@@ -232,7 +241,10 @@ def test_pack_holds_the_rounded_weight(weights: str) -> None:
     assert packed.dtype == smallm.DTYPES[weights] and packed.shape == (2, 37, smallm.BW)
     assert (scale != 1.0) == (weights == "fp8")
     torch.testing.assert_close(smallm.unpack(packed, scale, w.shape[0]), w, rtol=1e-6, atol=0)
-    assert not packed.float().transpose(1, 2).reshape(-1, 37)[w.shape[0]:].any()
+    assert not smallm.unpack(packed, scale, 2 * smallm.BW)[w.shape[0]:].any()
+    x = torch.randn(3, 37, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(smallm.linear(x, packed, w.shape[0], None, scale), torch.nn.functional.linear(x, w),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_a_row_is_the_same_in_any_step(pair) -> None:
