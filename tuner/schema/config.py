@@ -994,7 +994,7 @@ def weights_reason(cfg: "Config") -> str | None:
 
 
 # engine.builtin.weights in measured_weights' words
-WEIGHT_WORDS = {"bf16": "weights rounded to bf16",
+WEIGHT_WORDS = {"fp32": "fp32 weights", "bf16": "weights rounded to bf16",
                 "fp8": "fp8 e4m3 weights with per-tensor scales (vLLM's --quantization fp8; embeddings and lm_head bf16)"}
 
 
@@ -1008,13 +1008,14 @@ def measured_weights(cfg: "Config") -> str:
     elif m.local_path:
         what = f"local checkpoint {m.local_path}"
     elif m.gguf is not None:
-        what = f"{m.gguf.package.replace('_', '-')} {m.gguf.file} (dequantized to fp32)"
+        # dequantized once into a checkpoint; what the engine computes with is said below
+        what = f"{m.gguf.package.replace('_', '-')} {m.gguf.file} (dequantized)"
     else:
         what = f"hub {m.hf_id}"
     if kind == "builtin":
         b = cfg.engine.builtin
         w = builtin_weights(cfg)
-        run = ([f"run in {b.dtype}"] if b.dtype != "float32" else []) + ([WEIGHT_WORDS[w]] if w != "fp32" else [])
+        run = ([f"run in {b.dtype}"] if b.dtype != "float32" else []) + [WEIGHT_WORDS[w]]
     else:
         launched = getattr(cfg.engine, kind)
         gpu = cfg.hardware.accelerator == "cuda"

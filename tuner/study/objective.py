@@ -26,7 +26,7 @@ from engine.measure.stats import f95, geomean, log_interval, log_spread, tight
 from tuner.study.limits import TrialClock, TrialTimeout, active_clock, next_repeat_fits
 from tuner.schema.config import Level, Rate, SearchConfig, SpecConfig, WorkloadConfig, level_name
 from tuner.search.space import SearchSpace
-from tuner.study.studies import FAIL_REASON, FLOOR, NOISE, ROLE, ROSE, role
+from tuner.study.studies import FAIL_REASON, FLOOR, NOISE, REUSED, ROLE, ROSE, role
 
 OFF = SpecConfig(method="off")
 ENGINE_VERSION = "engine_version"  # trial user attr: the launched engine's release that measured it
@@ -99,6 +99,14 @@ class ServerMeasureFn(MeasureFn, Protocol):
         ...
 
 
+@runtime_checkable
+class SkipsRequests(Protocol):
+    """A MeasureFn that plays the user's own requests and skips those the engine refuses as such
+    (tuner.study.measurer.Measurer): their ids, counted in best.yaml's skipped_requests."""
+
+    skipped: set[str]
+
+
 def _mean_tok(samples: list[Sample]) -> float:
     """One pass's output tok/s: the mean over its levels."""
     return statistics.fmean(x.tok_s for x in samples)
@@ -148,6 +156,7 @@ class TrialOutcome:
     speedup: float | None = None
     reason: str | None = None
     note: str | None = None  # one line for the user: the measured noise changed how trials repeat
+    reused_from: int | None = None  # the earlier trial of the same point whose figures it took (not measured)
 
 
 class Objective:
@@ -266,7 +275,7 @@ class Objective:
         out: list[float] = []
         mine = trial.number if trial is not None else None
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
-            if t.number == mine or "reused_from" in t.user_attrs:
+            if t.number == mine or REUSED in t.user_attrs:
                 continue
             out += t.user_attrs.get("tok_s_samples", []) if role(t) == "baseline" else t.user_attrs.get(
                 "baseline_samples", [])
@@ -498,6 +507,10 @@ class Objective:
         """The release of the launched engine measuring (None in process)."""
         return self.measure.engine_version if isinstance(self.measure, ServerMeasureFn) else None
 
+    def skipped_requests(self) -> int:
+        """The user's requests the engine refused as such so far (0 for a MeasureFn that skips none)."""
+        return len(self.measure.skipped) if isinstance(self.measure, SkipsRequests) else 0
+
     def _record_version(self, trial: optuna.Trial) -> None:
         """The launched engine's release on the trial it measured: a shared study's finaliser, or a
         report made from the storage alone, reads it there (tuner.study.selection.measured_version)."""
@@ -511,24 +524,26 @@ class Objective:
         # the whole spec, not its key: points that differ only in their K per band are different
         want = spec.model_dump(mode="json")
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
-            if t.user_attrs.get("spec_json") == want and "reused_from" not in t.user_attrs:
+            if t.user_attrs.get("spec_json") == want and REUSED not in t.user_attrs:
                 return t
         return None
 
     def _reuse(self, trial: optuna.Trial, spec: SpecConfig, earlier: optuna.trial.FrozenTrial) -> TrialOutcome:
-        """Tell `trial` what `earlier` measured (its figures and state), marked reused_from."""
-        trial.set_user_attr("reused_from", earlier.number)
+        """Tell `trial` what `earlier` measured (its figures and state), marked reused_from: it is no
+        new evidence, and it does not count against search.n_trials (tuner.study.studies.counted)."""
+        trial.set_user_attr(REUSED, earlier.number)
         for k, v in earlier.user_attrs.items():
             if k not in ("spec", "spec_json", "role", "heartbeat") and not k.startswith("spec_"):
                 trial.set_user_attr(k, v)
         if earlier.state == TrialState.PRUNED:
             self.study.tell(trial, state=TrialState.PRUNED)
-            return TrialOutcome(trial.number, TrialState.PRUNED, spec, reason=f"same configuration as trial {earlier.number}")
+            return TrialOutcome(trial.number, TrialState.PRUNED, spec, reason=f"same configuration as trial {earlier.number}",
+                                reused_from=earlier.number)
         for name, c in earlier.constraints.items():
             trial.set_constraint(name, c)
         self.study.tell(trial, earlier.values if self.multi else earlier.value)
         return TrialOutcome(trial.number, TrialState.COMPLETE, spec, earlier.user_attrs.get("tok_s"),
-                            earlier.user_attrs.get("speedup"))
+                            earlier.user_attrs.get("speedup"), reused_from=earlier.number)
 
     def _slo(self, figures: dict[str, Any]) -> tuple[dict[str, float], dict[str, Any]]:
         """The workload's SLOs as Optuna constraints (<= 0 is feasible) and the user attrs that say
@@ -597,7 +612,7 @@ def baseline_rate_sizes(study: optuna.Study, poll_s: float = 1.0) -> dict[float,
         time.sleep(poll_s)
     out: dict[float, dict[int, int]] = {}
     for t in trials:
-        if t.state not in (TrialState.COMPLETE, TrialState.PRUNED) or "reused_from" in t.user_attrs:
+        if t.state not in (TrialState.COMPLETE, TrialState.PRUNED) or REUSED in t.user_attrs:
             continue
         key = "batch_sizes" if t is base else "baseline_batch_sizes"
         for lv in t.user_attrs.get("levels", []):

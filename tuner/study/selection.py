@@ -1,7 +1,8 @@
 """The winner of a study: trials pooled per configuration, the proven winner (or `off` and why),
 and best.yaml with the winner re-measured on the held-out prompts.
 
-Ties within noise go to the smaller draft budget; `off` wins when nothing beats the baseline beyond
+Ties go to the smaller draft budget (a tie: the intervals cannot tell two configurations apart and
+they read within 3%, the regret goal, of each other); `off` wins when nothing beats the baseline beyond
 noise (the slowdown trap), and best.yaml says whether acceptance or verification cost is to blame.
 """
 
@@ -25,11 +26,14 @@ from tuner.schema.engine_command import measured_server
 from tuner.schema.config import (ArmLevel, Arms, BestResult, Config, Figures, Level, PartResult, Provenance, Rate,
                                  SpecConfig, level_name, measured_weights, weights_reason)
 from tuner.study.storage import mask_url, storage_url
-from tuner.study.studies import role
+from tuner.study.studies import REUSED, role
 
 HELDOUT_PAIRS = 2  # spec/baseline pairs of the held-out check
 CONFIRM_TOP = 3  # the best configurations by pessimistic bound that the confirmation round measures
 CONFIRM_ROUNDS = 3  # head-to-head pairs per contender at most
+# A tie goes to the smaller budget, so a tie may cost the difference between the two: at most the
+# regret goal of issue 39 (the winner within 3% of the best configuration).
+TIE_MAX = 0.03
 
 # Below this many tokens per target forward, drafts are too rarely accepted to pay for drafting
 # and verification at all; above it, a slowdown means verifying costs more than it saves.
@@ -113,7 +117,7 @@ def candidates(trials: list[FrozenTrial]) -> list[Candidate]:
     for t in trials:
         spec = spec_of(t)
         if (t.state != TrialState.COMPLETE or role(t) == "baseline" or spec is None or spec.method == "off"
-                or "speedup" not in t.user_attrs or "reused_from" in t.user_attrs):  # a reuse is no new evidence
+                or "speedup" not in t.user_attrs or REUSED in t.user_attrs):  # a reuse is no new evidence
             continue
         key = spec.model_dump_json()
         groups.setdefault(key, []).append(t)
@@ -121,18 +125,58 @@ def candidates(trials: list[FrozenTrial]) -> list[Candidate]:
     return [Candidate.of(specs[k], ts) for k, ts in groups.items()]
 
 
+def tie_rel(noise_rel: float) -> float:
+    """How far below the best a configuration may read and still tie with it (when the intervals
+    cannot tell them apart): search.noise_rel, at most TIE_MAX, so a tie never costs more than the
+    regret goal."""
+    return min(noise_rel, TIE_MAX)
+
+
+def told_apart(a: list[float], b: list[float], noise_rel: float, head_to_head: bool = False) -> bool:
+    """Whether two configurations' ratios say which is faster: their one-sided 95% bounds do not
+    overlap. Head-to-head ratios (the confirmation round: measured adjacent in time) by their own
+    intervals on logs, at least two each; the trials' by ratio_bounds, never narrower than the
+    noise band."""
+    if head_to_head:
+        if len(a) < 2 or len(b) < 2:
+            return False
+        _, _, _, a_lo, a_hi = log_interval(a)
+        _, _, _, b_lo, b_hi = log_interval(b)
+        assert a_lo is not None and a_hi is not None and b_lo is not None and b_hi is not None
+    else:
+        a_lo, a_hi = ratio_bounds(a, noise_rel)
+        b_lo, b_hi = ratio_bounds(b, noise_rel)
+    return a_hi < b_lo or b_hi < a_lo
+
+
+def ties(a: list[float], b: list[float], noise_rel: float, head_to_head: bool = False) -> bool:
+    """Whether two configurations tie: the intervals cannot tell them apart (told_apart) and their
+    geometric means lie within tie_rel(noise_rel) of each other. A pair that reads further apart
+    without being told apart is no tie: the better reading is taken, which costs less than giving
+    the tie to the smaller budget could."""
+    ma, mb = geomean(a), geomean(b)
+    if ma <= 0 or mb <= 0:
+        return False
+    return (abs(math.log(ma / mb)) <= math.log(1 + tie_rel(noise_rel))
+            and not told_apart(a, b, noise_rel, head_to_head))
+
+
 def _cheapest_of_best(cands: list[Candidate], noise_rel: float) -> tuple[Candidate, int]:
-    """The best speedup, and among those within noise of it the smallest budget (then depth). When
-    the confirmation round measured candidates head to head, those figures rank them: they were
-    measured adjacent in time, interleaved with the baseline."""
+    """The best speedup, and among those tied with it (`ties`: not told apart by the intervals and
+    within tie_rel of it) the smallest budget (then depth). When the confirmation round measured
+    candidates head to head, those figures rank them: they were measured adjacent in time,
+    interleaved with the baseline."""
     confirmed = [c for c in cands if c.confirmed]
     pool = confirmed or cands
+
+    def ratios(c: Candidate) -> list[float]:
+        return c.confirmed if confirmed else (c.ratios or [c.speedup])
 
     def score(c: Candidate) -> float:
         return geomean(c.confirmed) if confirmed else c.speedup
 
-    top = max(score(c) for c in pool)
-    tied = [c for c in pool if score(c) >= top * (1 - noise_rel)]
+    best = max(pool, key=score)
+    tied = [c for c in pool if c is best or ties(ratios(c), ratios(best), noise_rel, bool(confirmed))]
     return min(tied, key=lambda c: (c.spec.budget, c.spec.depth, -score(c))), len(tied)
 
 
@@ -150,7 +194,7 @@ def contenders(trials: list[FrozenTrial], noise_rel: float) -> list[tuple[SpecCo
     taken = {spec.model_dump_json() for spec, _ in out} | {c.spec.model_dump_json() for c in known}
     for t in trials:
         spec, ratios = spec_of(t), t.user_attrs.get("ratios")
-        if (t.state != TrialState.PRUNED or spec is None or not ratios or "reused_from" in t.user_attrs
+        if (t.state != TrialState.PRUNED or spec is None or not ratios or REUSED in t.user_attrs
                 or t.user_attrs.get("implausible") or spec.model_dump_json() in taken):
             continue
         if ratios[0] >= known[0].speedup * (1 - noise_rel):
@@ -160,22 +204,20 @@ def contenders(trials: list[FrozenTrial], noise_rel: float) -> list[tuple[SpecCo
 
 
 def unresolved(others: list[tuple[SpecConfig, list[float]]], lead: list[float], noise_rel: float,
-               head_to_head: bool = False) -> list[int]:
+               head_to_head: bool = False, tie_noise: float | None = None) -> list[int]:
     """Which of `others` are neither separated from the leader (ratios `lead`) nor tied with it.
     Before any head-to-head pair, by the trials' bounds: an optimistic bound below the leader's
     pessimistic one is separated. Then by the head-to-head ratios alone (two pairs or more each):
-    one-sided 95% bounds that do not overlap separate; geometric means within noise_rel tie."""
+    one-sided 95% bounds that do not overlap separate (told_apart); `ties` (within
+    tie_rel(tie_noise, default noise_rel) and not told apart) tie."""
     out = []
     for i, (_, ratios) in enumerate(others):
         if not head_to_head:
             if ratio_bounds(ratios, noise_rel)[1] >= ratio_bounds(lead, noise_rel)[0]:
                 out.append(i)
             continue
-        m, _, _, lo, hi = log_interval(ratios)
-        lm, _, _, llo, lhi = log_interval(lead)
-        separated = hi is not None and llo is not None and (hi < llo or (lhi is not None and lo is not None and lhi < lo))
-        tied = abs(math.log(m / lm)) <= math.log(1 + noise_rel) if m > 0 and lm > 0 else False
-        if not separated and not tied:
+        if not told_apart(ratios, lead, noise_rel, True) and not ties(
+                ratios, lead, tie_noise if tie_noise is not None else noise_rel, True):
             out.append(i)
     return out
 
@@ -220,7 +262,7 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
             continue  # a head-to-head interval needs two pairs
         lead = head[lead_spec.model_dump_json()]
         mine = [(others[i][0], head[others[i][0].model_dump_json()]) for i in open_]
-        open_ = [open_[j] for j in unresolved(mine, lead, noise, head_to_head=True)]
+        open_ = [open_[j] for j in unresolved(mine, lead, noise, head_to_head=True, tie_noise=noise_rel)]
         if not open_:
             break
     left = (f"; not separated after {CONFIRM_ROUNDS} rounds, ranked by their head-to-head figures: "
@@ -274,7 +316,8 @@ def pick_winner(trials: list[FrozenTrial], noise_rel: float, concurrency: list[L
     if n > 1:
         reason += f", pooled over {n} trials"
     if n_tied > 1:
-        reason += f"; {n_tied} configurations were within noise ({noise_rel:.0%}) of the best: the smallest budget wins"
+        reason += (f"; {n_tied} configurations could not be told apart and read within {tie_rel(noise_rel):.0%} of "
+                   "the best: the smallest budget wins")
     return Winner(pick.spec, pick, reason, chain)
 
 
@@ -386,7 +429,7 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
     chain = win.chain.spec if win.chain is not None else None
     arms = compare_arms(trials, cfg.search.noise_rel, cfg.workload.levels, win)
     parts = part_results(cfg, win.spec, objective) if objective is not None else []
-    skipped = len(getattr(getattr(objective, "measure", None), "skipped", ()) or ())
+    skipped = objective.skipped_requests() if objective is not None else 0
     return BestResult(
         parts=parts, skipped_requests=skipped, arms=arms,
         spec=win.spec, chain_spec=chain, metrics=metrics, baseline=baseline, speedup=speedup,
