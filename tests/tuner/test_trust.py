@@ -344,3 +344,39 @@ def test_a_reused_point_does_not_consume_the_budget(tmp_path: Path) -> None:
     again = [o for o in outcomes if o.reused_from is not None]
     assert len(again) >= 1 and finished_count(study) == len(outcomes) - len(again)
     assert not Budget.of(cfg.search).spent(study.trials)  # 3 measured of 4: one more to measure
+
+
+def test_the_heldout_check_compares_as_many_tuning_prompts_interleaved_until_both_are_tight(tmp_path: Path) -> None:
+    """The winner's held-out check measures the held-out prompts and as many tuning prompts (6 and
+    6, where trials play 2), a pair per set per round, the sets and the order within each pair
+    alternating, until both speedup intervals are tight: two pairs each when the figures agree,
+    three (the most) when the held-out ones wander. The gap is held-out over tuning, with both
+    intervals."""
+    from tuner.projection.profiling import CHECK, check_prompt_count
+    from tuner.study.selection import describe_check, heldout_check
+
+    cfg = load_config([*CFG, "search.ci_rel_width=0.10"])
+    assert cfg.search.trial_prompts == 2 and check_prompt_count(cfg) == cfg.workload.num_heldout == 6
+    calls: list[tuple[str, str]] = []
+    wander = iter([13.0, 15.5, 12.0, 14.5])
+
+    def measure(spec: SpecConfig, split: str, level: int) -> Sample:
+        calls.append((spec.method, split))
+        if spec.method == "off":
+            return Sample(10.0, 1.0)
+        return Sample(14.0 if split == CHECK else next(wander) if noisy else 13.0, 2.0)
+
+    for noisy, pairs in ((False, 2), (True, 3)):
+        calls.clear()
+        study, objective = study_of(tmp_path, cfg, measure, [])
+        check, held = heldout_check(cfg, objective, ng(3))
+        assert check.pairs == pairs and check.tuning.prompts == check.heldout.prompts == 6
+        assert calls[:8] == [("ngram", CHECK), ("off", CHECK), ("off", "heldout"), ("ngram", "heldout"),
+                             ("off", CHECK), ("ngram", CHECK), ("ngram", "heldout"), ("off", "heldout")]
+        assert len(calls) == 4 * pairs
+        assert check.tuning.speedup == pytest.approx(1.4) and held["speedup"] == check.heldout.speedup
+        assert check.gap == pytest.approx(check.heldout.speedup / 1.4 - 1)
+    assert check.heldout.ci_low < check.heldout.speedup < check.heldout.ci_high
+    line = describe_check(check)
+    assert line.startswith("held-out check: held-out ") and "on 6 prompts against tuning 1.400x" in line
+    assert "(3 pairs each, interleaved)" in line

@@ -65,8 +65,8 @@ class Sample:
     batch_sizes: dict[int, int] | None = None  # open loop: requests per step -> steps (or gauge samples)
 
 
-# Which prompts a pass plays: "tune", "heldout", or one part of a mixed workload
-# (tuner.study.measurer.part_split)
+# Which prompts a pass plays: "tune", "heldout", the held-out check's tuning prompts
+# (tuner.projection.profiling.CHECK), or one part of a mixed workload (tuner.study.measurer.part_split)
 Split = str
 
 
@@ -224,15 +224,10 @@ class Objective:
                 b = s
                 ratio = 1.0
             else:
-                for attempt in range(PLAUSIBILITY_RETRIES + 1):
-                    s, b = self.measure_pair(spec, split, passes + flip)
-                    passes += 1
-                    ratio = geomean([self._score(x) / max(self._score(y), self._floor(y)) for x, y in zip(s, b)])
-                    still = self.implausible(s, b, history + [_mean_tok(x) for x in base_s])
-                    if still is None:
-                        break
-                    if attempt < PLAUSIBILITY_RETRIES:
-                        remeasured.append(f"repeat {r + 1}: {still}")
+                s, b, ratio, retried, still, used = self.plausible_pair(
+                    spec, split, passes + flip, history + [_mean_tok(x) for x in base_s])
+                passes += used
+                remeasured += [f"repeat {r + 1}: {why}" for why in retried]
                 if still is not None:  # kept after every retry: it never prunes another trial nor wins
                     kept.append(f"repeat {r + 1}: {still}")
             spec_s.append(s)
@@ -268,6 +263,56 @@ class Objective:
                         trial.set_user_attr("repeats_cut", f"search.trial_timeout_s={self.search.trial_timeout_s:g}")
                     break
         return figures
+
+    def plausible_pair(self, spec: SpecConfig, split: Split, order: int, history: list[float]
+                       ) -> tuple[list[Sample], list[Sample], float, list[str], str | None, int]:
+        """One pair (`order` even: spec first) measured again while it is implausible (`implausible`
+        against the baseline passes `history`), up to PLAUSIBILITY_RETRIES times: (spec samples,
+        baseline samples, its ratio, why each retry was measured, why the kept pair is still
+        implausible or None, pairs measured)."""
+        retried: list[str] = []
+        for attempt in range(PLAUSIBILITY_RETRIES + 1):
+            s, b = self.measure_pair(spec, split, order + attempt)
+            ratio = geomean([self._score(x) / max(self._score(y), self._floor(y)) for x, y in zip(s, b)])
+            still = self.implausible(s, b, history)
+            if still is None or attempt == PLAUSIBILITY_RETRIES:
+                return s, b, ratio, retried, still, attempt + 1
+            retried.append(still)
+        raise AssertionError("unreachable: the last attempt returns")
+
+    def check(self, spec: SpecConfig, splits: list[Split], pairs_max: int) -> dict[Split, dict[str, Any]]:
+        """The winner's held-out check: `spec` on each of `splits` (the held-out prompts, and as
+        many tuning prompts to compare with), a pair per split per round, the splits and the order
+        within each pair alternating (spec-off off-spec | off-spec spec-off ...), so drift cancels
+        and both figures are measured over the same minutes. Rounds go on until every split's
+        speedup interval is tight (search.ci_rel_width, as a trial's) after at least two pairs, at
+        most `pairs_max`. Plausibility holds as in a trial. Returns each split's figures
+        (Objective._figures, with `remeasured` / `implausible` when they apply)."""
+        got: dict[Split, tuple[list[list[Sample]], list[list[Sample]], list[float], list[str], list[str]]] = {
+            sp: ([], [], [], [], []) for sp in splits}
+        order = 0
+        for r in range(max(pairs_max, 1)):
+            for i, sp in enumerate(splits):
+                spec_s, base_s, ratios, retried, kept = got[sp]
+                s, b, ratio, again, still, used = self.plausible_pair(
+                    spec, sp, r + i + order, [_mean_tok(x) for x in base_s])
+                order += used - 1  # a retry shifts the order of what follows, as in a trial
+                spec_s.append(s)
+                base_s.append(b)
+                ratios.append(ratio)
+                retried += [f"pair {r + 1}: {why}" for why in again]
+                if still is not None:
+                    kept.append(f"pair {r + 1}: {still}")
+            if r + 1 >= 2 and all(self._tight(got[sp][2]) for sp in splits):
+                break
+        out: dict[Split, dict[str, Any]] = {}
+        for sp, (spec_s, base_s, ratios, retried, kept) in got.items():
+            out[sp] = self._figures(spec_s, base_s, ratios)
+            if retried:
+                out[sp]["remeasured"] = retried
+            if kept:
+                out[sp]["implausible"] = "; ".join(kept)
+        return out
 
     def baseline_history(self, trial: optuna.Trial | None = None) -> list[float]:
         """Every baseline tok/s measured on the tuning prompts so far (mean over the levels per

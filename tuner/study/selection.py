@@ -25,10 +25,13 @@ from tuner.study.objective import ENGINE_VERSION, OFF, Objective, spec_of
 from tuner.schema.engine_command import measured_server
 from tuner.schema.config import (ArmLevel, Arms, BestResult, Config, Figures, Level, PartResult, Provenance, Rate,
                                  SpecConfig, level_name, measured_weights, weights_reason)
+from tuner.schema.results import HeldoutCheck, SplitSpeedup
+from tuner.projection.profiling import CHECK, check_prompt_count
 from tuner.study.storage import mask_url, storage_url
 from tuner.study.studies import REUSED, role
 
-HELDOUT_PAIRS = 2  # spec/baseline pairs of the held-out check
+HELDOUT_PAIRS = 2  # spec/baseline pairs of a part's (mixed workload) or the baseline's held-out figures
+CHECK_PAIRS = 3  # pairs per set of prompts of the winner's held-out check at most (at least 2: an interval)
 CONFIRM_TOP = 3  # the best configurations by pessimistic bound that the confirmation round measures
 CONFIRM_ROUNDS = 3  # head-to-head pairs per contender at most
 # A tie goes to the smaller budget, so a tie may cost the difference between the two: at most the
@@ -415,11 +418,12 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
         metrics = figs(base_trial.user_attrs) if base_trial is not None else None
         baseline = metrics
         speedup = 1.0 if metrics is not None else None
-    heldout = heldout_baseline = heldout_speedup = None
+    heldout = heldout_baseline = heldout_speedup = check = None
     if cfg.workload.num_heldout > 0 and objective is not None:
-        # the check, not a search: two pairs (one alone read 0.98x for a winner that read 1.37x when run
-        # again on a drifting VM), fewer only when the user capped repeats lower
-        h = objective.evaluate(win.spec, "heldout", repeats_max=min(HELDOUT_PAIRS, cfg.search.repeats_max))
+        if win.spec.method == "off":  # nothing to compare: the baseline's own figures on the held-out prompts
+            h = objective.evaluate(win.spec, "heldout", repeats_max=min(HELDOUT_PAIRS, cfg.search.repeats_max))
+        else:
+            check, h = heldout_check(cfg, objective, win.spec)
         heldout = Figures(output_tokens_per_s=h["tok_s"], ci_low=h["tok_s_ci_low"], ci_high=h["tok_s_ci_high"],
                           tau=h["tau"], ttft_p99_ms=h["ttft_p99_ms"], tpot_p99_ms=h["tpot_p99_ms"],
                           itl_p50_ms=h.get("itl_p50_ms"), itl_p99_ms=h.get("itl_p99_ms"),
@@ -433,7 +437,8 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
     return BestResult(
         parts=parts, skipped_requests=skipped, arms=arms,
         spec=win.spec, chain_spec=chain, metrics=metrics, baseline=baseline, speedup=speedup,
-        heldout=heldout, heldout_baseline=heldout_baseline, heldout_speedup=heldout_speedup, reason=win.reason,
+        heldout=heldout, heldout_baseline=heldout_baseline, heldout_speedup=heldout_speedup, heldout_check=check,
+        reason=win.reason,
         k_schedule_note=(("K per batch-size band tuned (spec.k_per_batch_size; the bands follow the concurrency "
                           "levels and the batch sizes the baseline ran at each request rate)") if cfg.workload.request_rate
                          else "K per concurrency band tuned (spec.k_per_batch_size)") if win.spec.k_per_batch_size else None,
@@ -447,6 +452,36 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
             weights_reason=weights_reason(cfg),
             server=measured_server(cfg, measured_version(trials, c.trials if c is not None else [], objective))),
     )
+
+
+def heldout_check(cfg: Config, objective: Objective, spec: SpecConfig) -> tuple[HeldoutCheck, dict[str, Any]]:
+    """The winner on the held-out prompts against as many tuning prompts (check_prompt_count),
+    interleaved pair by pair until both speedup intervals are tight (Objective.check), at least
+    two pairs each, at most CHECK_PAIRS (or what the measured noise allows a trial, when more):
+    the check and the held-out split's figures."""
+    pairs_max = max(CHECK_PAIRS, objective.repeats_max)
+    got = objective.check(spec, [CHECK, "heldout"], pairs_max)
+
+    def side(split: str, n: int) -> SplitSpeedup:
+        f = got[split]
+        return SplitSpeedup(prompts=n, speedup=f["speedup"], ci_low=f["speedup_ci_low"], ci_high=f["speedup_ci_high"],
+                            tau=f["tau"])
+
+    tune, held = side(CHECK, check_prompt_count(cfg)), side("heldout", cfg.workload.num_heldout)
+    gap = held.speedup / tune.speedup - 1 if tune.speedup > 0 else 0.0
+    return HeldoutCheck(pairs=got["heldout"]["repeats"], tuning=tune, heldout=held, gap=gap), got["heldout"]
+
+
+def describe_check(c: HeldoutCheck) -> str:
+    """'held-out 1.30x [1.22, 1.39] on 6 prompts against tuning 1.35x [1.28, 1.42] on 6 (3 pairs each,
+    interleaved): 3.7% below'."""
+    def one(x: SplitSpeedup) -> str:
+        ci = f" [{x.ci_low:.2f}, {x.ci_high:.2f}]" if x.ci_low is not None and x.ci_high is not None else ""
+        return f"{x.speedup:.3f}x{ci}"
+
+    where = "below" if c.gap < 0 else "above"
+    return (f"held-out check: held-out {one(c.heldout)} on {c.heldout.prompts} prompts against tuning {one(c.tuning)} "
+            f"on {c.tuning.prompts} ({c.pairs} pairs each, interleaved): {abs(c.gap):.1%} {where}")
 
 
 def measured_version(trials: list[FrozenTrial], winners: list[FrozenTrial], objective: Objective | None) -> str | None:
@@ -496,10 +531,12 @@ def compute_best(cfg: Config, study: optuna.Study, run_dir: Path, objective: Obj
         cfg = cfg.model_copy(deep=True)
         cfg.workload.num_heldout = 0
     if cfg.workload.num_heldout > 0:
-        log("re-measuring the winner on the held-out prompts")
+        log("re-measuring the winner on the held-out prompts against as many tuning prompts, interleaved")
     if cfg.workload.mix and objective is not None:
         log(f"measuring the winner on each of the {len(cfg.workload.mix)} parts of the mix")
     best = best_result(cfg, study, run_dir, win, objective)
+    if best.heldout_check is not None:
+        log(describe_check(best.heldout_check))
     best.phases_s = {"confirmation": round(t1 - t0, 1), "held-out": round(time.monotonic() - t1, 1)}
     if best.arms is not None:
         log(describe_arms(best.arms))
