@@ -28,7 +28,7 @@ HTML_FILE = "report.html"
 CSV_ATTRS = ("spec", "spec_method", "spec_depth", "spec_topk", "spec_budget", "tok_s", "tok_s_ci_low",
              "tok_s_ci_high", "baseline_tok_s", "speedup", "speedup_ci_low", "speedup_ci_high", "speedup_lower", "tau",
              "ttft_p99_ms", "tpot_p99_ms", "itl_p50_ms", "itl_p99_ms", "draft_mb", "repeats", "feasible", "slo_violations", FAIL_REASON, "prune_reason", "implausible",
-             "duration_s")
+             "duration_s", "reused_from")
 
 
 def write_trials_csv(study: optuna.Study, path: Path) -> None:
