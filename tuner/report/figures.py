@@ -614,6 +614,10 @@ def write_html(study: optuna.Study, run_dir: Path, best: BestResult | None, skip
                     if best.heldout_baseline is not None else "")
             parts.append(f"<li>held-out prompts: {best.heldout.output_tokens_per_s:.2f} output tok/s{base}, speedup "
                          f"{_fmt(best.heldout_speedup)}x</li>")
+        if best.heldout_check is not None:
+            from tuner.study.selection import describe_check
+
+            parts.append(f"<li>{html.escape(describe_check(best.heldout_check))}</li>")
         if best.chain_spec is not None:
             parts.append(f"<li>best chain (for vLLM): {html.escape(best.chain_spec.key())}</li>")
         if best.capacity is not None:

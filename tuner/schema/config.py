@@ -416,7 +416,7 @@ class SearchConfig(_Strict):
     repeats_max: int = Field(ge=1)
     ci_rel_width: float = Field(gt=0)  # stop repeating when the CI half-width / mean is below this
     trial_timeout_s: float = Field(gt=0)
-    noise_rel: float = Field(ge=0)  # a speedup within this of 1.0 (or of the best) is a tie
+    noise_rel: float = Field(ge=0)  # a winner reads >= 1 + this; ties with the best within this (at most 3%)
     # when the confirmation round runs (tuner.study.selection.confirm): auto, when the noise rose above
     # the machine's floor; always, whenever the best few are not separated; "auto" for saved configs
     confirm: Literal["auto", "always"] = "auto"
