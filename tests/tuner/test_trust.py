@@ -349,9 +349,9 @@ def test_a_reused_point_does_not_consume_the_budget(tmp_path: Path) -> None:
 def test_the_heldout_check_compares_as_many_tuning_prompts_interleaved_until_both_are_tight(tmp_path: Path) -> None:
     """The winner's held-out check measures the held-out prompts and as many tuning prompts (6 and
     6, where trials play 2), a pair per set per round, the sets and the order within each pair
-    alternating, until both speedup intervals are tight: two pairs each when the figures agree,
-    three (the most) when the held-out ones wander. The gap is held-out over tuning, with both
-    intervals."""
+    alternating, until both speedup intervals are tight, at most as many pairs as a trial may take
+    now: two each when the figures agree, three when the held-out ones wander and the noise rose (a
+    trial may then take 3). The gap is held-out over tuning, with both intervals."""
     from tuner.projection.profiling import CHECK, check_prompt_count
     from tuner.study.selection import describe_check, heldout_check
 
@@ -369,6 +369,7 @@ def test_the_heldout_check_compares_as_many_tuning_prompts_interleaved_until_bot
     for noisy, pairs in ((False, 2), (True, 3)):
         calls.clear()
         study, objective = study_of(tmp_path, cfg, measure, [])
+        objective.repeats_max = pairs  # what track_noise sets when the noise rose (2 at the floor)
         check, held = heldout_check(cfg, objective, ng(3))
         assert check.pairs == pairs and check.tuning.prompts == check.heldout.prompts == 6
         assert calls[:8] == [("ngram", CHECK), ("off", CHECK), ("off", "heldout"), ("ngram", "heldout"),

@@ -31,7 +31,6 @@ from tuner.study.storage import mask_url, storage_url
 from tuner.study.studies import REUSED, role
 
 HELDOUT_PAIRS = 2  # spec/baseline pairs of a part's (mixed workload) or the baseline's held-out figures
-CHECK_PAIRS = 3  # pairs per set of prompts of the winner's held-out check at most (at least 2: an interval)
 CONFIRM_TOP = 3  # the best configurations by pessimistic bound that the confirmation round measures
 CONFIRM_ROUNDS = 3  # head-to-head pairs per contender at most
 # A tie goes to the smaller budget, so a tie may cost the difference between the two: at most the
@@ -456,11 +455,11 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
 
 def heldout_check(cfg: Config, objective: Objective, spec: SpecConfig) -> tuple[HeldoutCheck, dict[str, Any]]:
     """The winner on the held-out prompts against as many tuning prompts (check_prompt_count),
-    interleaved pair by pair until both speedup intervals are tight (Objective.check), at least
-    two pairs each, at most CHECK_PAIRS (or what the measured noise allows a trial, when more):
-    the check and the held-out split's figures."""
-    pairs_max = max(CHECK_PAIRS, objective.repeats_max)
-    got = objective.check(spec, [CHECK, "heldout"], pairs_max)
+    interleaved pair by pair until both speedup intervals are tight (Objective.check), as many
+    pairs each as a trial may take now (search.repeats_max, more when the measured noise rose),
+    at least two (an interval): the check and the held-out split's figures. A third pair each
+    made the main command 56 s longer on 2 cores (docs/results.md)."""
+    got = objective.check(spec, [CHECK, "heldout"], max(2, objective.repeats_max))
 
     def side(split: str, n: int) -> SplitSpeedup:
         f = got[split]
