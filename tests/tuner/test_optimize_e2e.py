@@ -214,7 +214,8 @@ def test_resume_after_kill_9_loses_at_most_the_running_trial(tmp_path: Path, eng
     run_dir = optimize(None, resume=tmp_path / "r", engine=engine, quiet=True)
     study = open_run_study(run_dir)
     finished = [t for t in study.trials if t.state in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
-                and t.user_attrs.get("role") != "confirm"]  # not the confirmation round's pairs
+                and t.user_attrs.get("role") != "confirm"  # not the confirmation round's pairs
+                and "reused_from" not in t.user_attrs]  # nor a re-proposed point: neither counts in the budget
     assert len(finished) == 6
     after = {t.number: t.value for t in study.trials if t.state == TrialState.COMPLETE}
     assert all(after[n] == v for n, v in before.items())  # nothing measured was lost
