@@ -12,8 +12,9 @@
    busy about 30% of the time in short bursts, and stops by itself after --load-s seconds (or when
    this script ends).
 3. Per run: the winner, its reference speedup, the regret (the reference's best minus the
-   winner's reference speedup, over the best), the held-out speedup against the tuning one, and
-   the wall time. Goals (issue 39): regret <= 0.03 and held-out within 5% of tuning in every run.
+   winner's reference speedup, over the best), the held-out check (best.yaml `heldout_check`: the
+   held-out prompts against as many tuning prompts, interleaved, each with its interval; the gap
+   is held-out over tuning), and the wall time. Goals (issue 39): regret <= 0.03 and held-out within 5% of tuning in every run.
 
 Prints one line per run; the last line printed is one JSON object with `max_regret`,
 `max_heldout_gap` and `runs`. Usage:
@@ -109,11 +110,17 @@ def one_run(args: argparse.Namespace, engine: object, seed: int, loaded: bool, r
     best = BestResult.model_validate(yaml.safe_load((out / "best.yaml").read_text()))
     top = max([1.0, *ref.values()])
     mine = 1.0 if best.spec.method == "off" else ref[best.spec.key()]  # the space is fixed: every winner is in it
-    gap = (abs(best.heldout_speedup - best.speedup) / best.speedup
-           if best.heldout_speedup is not None and best.speedup else None)
+    c = best.heldout_check  # the held-out prompts against as many tuning prompts, measured in the same minutes
+    gap = abs(c.gap) if c is not None else None
     return {"seed": seed, "loaded": loaded, "winner": best.spec.key(), "tuning": best.speedup,
             "heldout": best.heldout_speedup, "reference": mine, "regret": (top - mine) / top,
-            "heldout_gap": gap, "wall_s": round(wall, 1)}
+            "heldout_gap": gap, "check": c.model_dump(mode="json") if c is not None else None,
+            "phases_s": best.phases_s, "wall_s": round(wall, 1)}
+
+
+def _interval(x: dict[str, object]) -> str:
+    lo, hi = x.get("ci_low"), x.get("ci_high")
+    return f"{x['speedup']:.3f}x" + (f" [{lo:.2f}, {hi:.2f}]" if lo is not None and hi is not None else "")
 
 
 def main() -> None:
@@ -143,10 +150,12 @@ def main() -> None:
         for seed in range(args.runs):
             r = one_run(args, engine, seed, cond == "loaded", ref, run_dir)
             runs.append(r)
-            gap = f"{r['heldout_gap']:.1%}" if r["heldout_gap"] is not None else "-"
-            print(f"{cond:6s} seed {seed}: winner {r['winner']} (tuning {r['tuning']:.3f}x, held-out "
-                  f"{r['heldout'] or float('nan'):.3f}x, reference {r['reference']:.3f}x), regret {r['regret']:.1%}, "
-                  f"held-out gap {gap}, {r['wall_s']:.0f} s", flush=True)
+            c = r["check"]
+            check = (f"held-out {_interval(c['heldout'])} against tuning {_interval(c['tuning'])} on "
+                     f"{c['tuning']['prompts']} prompts ({c['pairs']} pairs each): gap {r['heldout_gap']:.1%}"
+                     if c is not None else "no held-out check")
+            print(f"{cond:6s} seed {seed}: winner {r['winner']} (trials {r['tuning']:.3f}x, reference "
+                  f"{r['reference']:.3f}x), regret {r['regret']:.1%}, {check}, {r['wall_s']:.0f} s", flush=True)
     gaps = [r["heldout_gap"] for r in runs if r["heldout_gap"] is not None]
     print(json.dumps({"max_regret": max(r["regret"] for r in runs), "max_heldout_gap": max(gaps) if gaps else None,
                       "runs": runs, "reference": ref, "load": {"busy_share": BUSY_SHARE, "burst_s": BURST_S},

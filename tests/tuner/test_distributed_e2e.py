@@ -63,8 +63,10 @@ def _kill_mid_trial(url: str, name: str, victim: Callable[[int], bool], procs: l
 
 
 def _check_study(trials: list[optuna.trial.FrozenTrial], budget: int, killed: int) -> None:
-    # the finaliser's confirmation round may add head-to-head pairs (role confirm) after the budget
-    started = [t for t in trials if t.state != TrialState.WAITING and t.user_attrs.get("role") != "confirm"]
+    # the finaliser's confirmation round may add head-to-head pairs (role confirm) after the budget;
+    # a point the sampler proposed again (reused_from) is not counted in it either
+    started = [t for t in trials if t.state != TrialState.WAITING and t.user_attrs.get("role") != "confirm"
+               and "reused_from" not in t.user_attrs]
     assert len(started) == budget
     assert not [t for t in trials if t.state == TrialState.RUNNING]
     by_number = {t.number: t for t in trials}

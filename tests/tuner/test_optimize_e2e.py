@@ -57,7 +57,8 @@ def test_quick_study_end_to_end(tmp_path: Path, engine, capsys) -> None:
     rows = _rows(run_dir)
     # on a busy machine the confirmation round may add head-to-head pairs (role confirm) after the trials
     confirms = [r for r in rows if r["role"] == "confirm"]
-    rows = [r for r in rows if r["role"] != "confirm"]
+    reused = [r for r in rows if r["reused_from"]]  # a point the sampler proposed again: not counted in the 6
+    rows = [r for r in rows if r["role"] != "confirm" and not r["reused_from"]]
     # a noisy machine can give a searched trial a second repeat, and then a bound can prune it
     assert len(rows) == 6 and rows[0]["state"] == "COMPLETE" and all(r["state"] == "COMPLETE" for r in confirms)
     assert all(r["state"] in ("COMPLETE", "PRUNED") for r in rows[1:]) and any(r["state"] == "COMPLETE" for r in rows[1:])
@@ -85,7 +86,7 @@ def test_quick_study_end_to_end(tmp_path: Path, engine, capsys) -> None:
     (run_dir / "report.html").unlink()
     (run_dir / "trials.csv").unlink()
     assert main(["report", str(run_dir)]) == 0
-    assert (run_dir / "report.html").is_file() and len(_rows(run_dir)) == 6 + len(confirms)
+    assert (run_dir / "report.html").is_file() and len(_rows(run_dir)) == 6 + len(confirms) + len(reused)
 
 
 def test_winner_is_off_when_speculation_cannot_help(tmp_path: Path, engine) -> None:
@@ -213,7 +214,8 @@ def test_resume_after_kill_9_loses_at_most_the_running_trial(tmp_path: Path, eng
     run_dir = optimize(None, resume=tmp_path / "r", engine=engine, quiet=True)
     study = open_run_study(run_dir)
     finished = [t for t in study.trials if t.state in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
-                and t.user_attrs.get("role") != "confirm"]  # not the confirmation round's pairs
+                and t.user_attrs.get("role") != "confirm"  # not the confirmation round's pairs
+                and "reused_from" not in t.user_attrs]  # nor a re-proposed point: neither counts in the budget
     assert len(finished) == 6
     after = {t.number: t.value for t in study.trials if t.state == TrialState.COMPLETE}
     assert all(after[n] == v for n, v in before.items())  # nothing measured was lost

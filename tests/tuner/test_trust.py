@@ -279,3 +279,105 @@ def test_search_confirm_always_runs_the_round_at_the_noise_floor_and_finds_the_b
     assert confirm(study, objective, cfg.search.noise_rel, lines.append) == 4
     assert "search.confirm=always" in lines[0]
     assert pick_winner(study.trials, cfg.search.noise_rel, [1]).spec == ng(4)
+
+
+def _confirm_trial(spec: SpecConfig, ratios: list[float]) -> optuna.trial.FrozenTrial:
+    t = _planted_trial(spec, ratios)
+    return create_trial(state=TrialState.COMPLETE, value=t.value, params={}, distributions={},
+                        user_attrs={**t.user_attrs, ROLE: "confirm"})
+
+
+def test_a_tie_is_only_what_the_intervals_cannot_tell_apart_within_the_regret_goal() -> None:
+    """Ties go to the smaller budget only when the intervals cannot tell the two apart and they read
+    within 3% (the regret goal) of each other, so a tie never costs more than the goal. Read 4.6%
+    apart, two trials are no tie even with their wide bounds (search.noise_rel is 5%: the old rule
+    gave it to ngram d2); head to head 2.8% apart over tight intervals, the better one wins; 1.5%
+    apart over intervals that overlap, the smaller budget does."""
+    from tuner.study.selection import ties
+
+    trials = [_planted_trial(ng(2), [1.44, 1.46]), _planted_trial(ng(5), [1.51, 1.53])]
+    assert pick_winner(trials, 0.05, [1]).spec == ng(5)
+    close = [_planted_trial(ng(2), [1.49, 1.51]), _planted_trial(ng(5), [1.51, 1.53])]
+    win = pick_winner(close, 0.05, [1])
+    assert win.spec == ng(2) and "could not be told apart and read within 3% of the best" in win.reason
+    assert pick_winner(close, 0.01, [1]).spec == ng(5)  # a user's tighter noise_rel ties less
+
+    tight = trials + [_confirm_trial(ng(2), [1.400, 1.401, 1.399]), _confirm_trial(ng(5), [1.440, 1.441, 1.439])]
+    assert not ties([1.400, 1.401, 1.399], [1.440, 1.441, 1.439], 0.05, head_to_head=True)
+    assert pick_winner(tight, 0.05, [1]).spec == ng(5)
+    loose = trials + [_confirm_trial(ng(2), [1.38, 1.46, 1.42]), _confirm_trial(ng(5), [1.40, 1.49, 1.43])]
+    assert ties([1.38, 1.46, 1.42], [1.40, 1.49, 1.43], 0.05, head_to_head=True)
+    assert pick_winner(loose, 0.05, [1]).spec == ng(2)
+
+
+def test_a_reused_point_does_not_consume_the_budget(tmp_path: Path) -> None:
+    """A sampler that proposes a measured point again (the last of 10 trials re-proposed the
+    enqueued adaptive point) gets its figures without a measurement, and that trial does not count
+    against search.n_trials: the budget's trials are all measured ones. A sampler that finds
+    nothing new ends the study once it has proposed measured points as often as the budget has
+    trials."""
+    from tuner.study.driver import run_trials
+    from tuner.study.studies import Budget, create_study, finished_count
+
+    cfg = load_config([*CFG, "search.depth.min=2", "search.depth.max=3", "search.n_trials=4", "search.repeats_min=1",
+                       "search.repeats_max=1", "search.adaptive=false"])
+    measure = Planted(lambda spec, n: (13.0, 2.0))
+    space = SearchSpace.from_config(cfg)
+    assert {p.key() for p in space.points()} == {"ngram d2 k1 b3", "ngram d3 k1 b4"}  # 2 points and off
+    study = create_study(cfg, space, tmp_path, "reuse")
+    study.enqueue_trial(space.params_of(ng(2)))  # proposed again right away
+    objective = Objective(study, space, measure, cfg.workload, cfg.search)
+    run_trials(study, objective, cfg.search)
+    measured = [t for t in study.trials if "reused_from" not in t.user_attrs]
+    reused = [t for t in study.trials if "reused_from" in t.user_attrs]
+    assert len(measured) == 3 and finished_count(study) == 3  # off and both points: fewer than 4 exist
+    assert len(reused) == 4 and Budget.of(cfg.search).spent(study.trials)  # the sampler found nothing new
+    assert sorted(measure.passes.values()) == [1, 1]  # each point measured once
+
+    study = create_study(cfg, space, tmp_path, "reuse-one")  # off, then the defaults
+    for _ in range(2):
+        study.enqueue_trial(space.params_of(ng(2)))
+    outcomes = []
+    objective = Objective(study, space, measure, cfg.workload, cfg.search)
+    while any(t.state == TrialState.WAITING for t in study.trials):
+        outcomes.append(objective.run_one())
+    again = [o for o in outcomes if o.reused_from is not None]
+    assert len(again) >= 1 and finished_count(study) == len(outcomes) - len(again)
+    assert not Budget.of(cfg.search).spent(study.trials)  # 3 measured of 4: one more to measure
+
+
+def test_the_heldout_check_compares_as_many_tuning_prompts_interleaved_until_both_are_tight(tmp_path: Path) -> None:
+    """The winner's held-out check measures the held-out prompts and as many tuning prompts (6 and
+    6, where trials play 2), a pair per set per round, the sets and the order within each pair
+    alternating, until both speedup intervals are tight, at most as many pairs as a trial may take
+    now: two each when the figures agree, three when the held-out ones wander and the noise rose (a
+    trial may then take 3). The gap is held-out over tuning, with both intervals."""
+    from tuner.projection.profiling import CHECK, check_prompt_count
+    from tuner.study.selection import describe_check, heldout_check
+
+    cfg = load_config([*CFG, "search.ci_rel_width=0.10"])
+    assert cfg.search.trial_prompts == 2 and check_prompt_count(cfg) == cfg.workload.num_heldout == 6
+    calls: list[tuple[str, str]] = []
+    wander = iter([13.0, 15.5, 12.0, 14.5])
+
+    def measure(spec: SpecConfig, split: str, level: int) -> Sample:
+        calls.append((spec.method, split))
+        if spec.method == "off":
+            return Sample(10.0, 1.0)
+        return Sample(14.0 if split == CHECK else next(wander) if noisy else 13.0, 2.0)
+
+    for noisy, pairs in ((False, 2), (True, 3)):
+        calls.clear()
+        study, objective = study_of(tmp_path, cfg, measure, [])
+        objective.repeats_max = pairs  # what track_noise sets when the noise rose (2 at the floor)
+        check, held = heldout_check(cfg, objective, ng(3))
+        assert check.pairs == pairs and check.tuning.prompts == check.heldout.prompts == 6
+        assert calls[:8] == [("ngram", CHECK), ("off", CHECK), ("off", "heldout"), ("ngram", "heldout"),
+                             ("off", CHECK), ("ngram", CHECK), ("ngram", "heldout"), ("off", "heldout")]
+        assert len(calls) == 4 * pairs
+        assert check.tuning.speedup == pytest.approx(1.4) and held["speedup"] == check.heldout.speedup
+        assert check.gap == pytest.approx(check.heldout.speedup / 1.4 - 1)
+    assert check.heldout.ci_low < check.heldout.speedup < check.heldout.ci_high
+    line = describe_check(check)
+    assert line.startswith("held-out check: held-out ") and "on 6 prompts against tuning 1.400x" in line
+    assert "(3 pairs each, interleaved)" in line

@@ -2,7 +2,8 @@
 the whole config, so the engine (engine.measure.profile) receives only explicit arguments.
 
 - The tuning prompts: the first `search.trial_prompts` prompts of a split (all when null). Trials,
-  acceptance profiles and guided search all play these.
+  acceptance profiles and guided search all play these. The winner's held-out check compares the
+  held-out prompts with as many tuning prompts (`check_prompt_count`).
 - The precision: FP8-rounded weights when the deployment serves FP8 or the built-in engine is set
   to emulate it, since acceptance changes with the weights' rounding.
 """
@@ -31,6 +32,19 @@ def tuning_prompts(cfg: Config, split: str = "tune", n: int | None = None, encod
         raise UserError("no workload given: add +workload=NAME (code, chat, math, json, creative, file, mix)")
     prompts = load_prompts(cfg.workload, split, encoder, cfg.model.max_context if encoder is not None else None)
     return prompts[: n if n is not None else cfg.search.trial_prompts]
+
+
+# The split of the tuning prompts the winner's held-out check compares with (study_prompts)
+CHECK = "tune-check"
+
+
+def check_prompt_count(cfg: Config) -> int:
+    """How many tuning prompts the held-out check measures the winner on: as many as there are
+    held-out prompts (the two figures then average over as many prompts: a speedup varies from
+    prompt to prompt with its tau), at least the trials' own, at most every tuning prompt."""
+    w = cfg.workload
+    trial = cfg.search.trial_prompts if cfg.search.trial_prompts is not None else w.num_prompts
+    return min(w.num_prompts, max(w.num_heldout, trial))
 
 
 def profile_config(cfg: Config, specs: Sequence[SpecConfig], split: str = "tune", n_prompts: int | None = None,

@@ -28,7 +28,7 @@ HTML_FILE = "report.html"
 CSV_ATTRS = ("spec", "spec_method", "spec_depth", "spec_topk", "spec_budget", "tok_s", "tok_s_ci_low",
              "tok_s_ci_high", "baseline_tok_s", "speedup", "speedup_ci_low", "speedup_ci_high", "speedup_lower", "tau",
              "ttft_p99_ms", "tpot_p99_ms", "itl_p50_ms", "itl_p99_ms", "draft_mb", "repeats", "feasible", "slo_violations", FAIL_REASON, "prune_reason", "implausible",
-             "duration_s")
+             "duration_s", "reused_from")
 
 
 def write_trials_csv(study: optuna.Study, path: Path) -> None:
@@ -614,6 +614,10 @@ def write_html(study: optuna.Study, run_dir: Path, best: BestResult | None, skip
                     if best.heldout_baseline is not None else "")
             parts.append(f"<li>held-out prompts: {best.heldout.output_tokens_per_s:.2f} output tok/s{base}, speedup "
                          f"{_fmt(best.heldout_speedup)}x</li>")
+        if best.heldout_check is not None:
+            from tuner.study.selection import describe_check
+
+            parts.append(f"<li>{html.escape(describe_check(best.heldout_check))}</li>")
         if best.chain_spec is not None:
             parts.append(f"<li>best chain (for vLLM): {html.escape(best.chain_spec.key())}</li>")
         if best.capacity is not None:

@@ -416,7 +416,7 @@ class SearchConfig(_Strict):
     repeats_max: int = Field(ge=1)
     ci_rel_width: float = Field(gt=0)  # stop repeating when the CI half-width / mean is below this
     trial_timeout_s: float = Field(gt=0)
-    noise_rel: float = Field(ge=0)  # a speedup within this of 1.0 (or of the best) is a tie
+    noise_rel: float = Field(ge=0)  # a winner reads >= 1 + this; ties with the best within this (at most 3%)
     # when the confirmation round runs (tuner.study.selection.confirm): auto, when the noise rose above
     # the machine's floor; always, whenever the best few are not separated; "auto" for saved configs
     confirm: Literal["auto", "always"] = "auto"
@@ -994,7 +994,7 @@ def weights_reason(cfg: "Config") -> str | None:
 
 
 # engine.builtin.weights in measured_weights' words
-WEIGHT_WORDS = {"bf16": "weights rounded to bf16",
+WEIGHT_WORDS = {"fp32": "fp32 weights", "bf16": "weights rounded to bf16",
                 "fp8": "fp8 e4m3 weights with per-tensor scales (vLLM's --quantization fp8; embeddings and lm_head bf16)"}
 
 
@@ -1008,13 +1008,14 @@ def measured_weights(cfg: "Config") -> str:
     elif m.local_path:
         what = f"local checkpoint {m.local_path}"
     elif m.gguf is not None:
-        what = f"{m.gguf.package.replace('_', '-')} {m.gguf.file} (dequantized to fp32)"
+        # dequantized once into a checkpoint; what the engine computes with is said below
+        what = f"{m.gguf.package.replace('_', '-')} {m.gguf.file} (dequantized)"
     else:
         what = f"hub {m.hf_id}"
     if kind == "builtin":
         b = cfg.engine.builtin
         w = builtin_weights(cfg)
-        run = ([f"run in {b.dtype}"] if b.dtype != "float32" else []) + ([WEIGHT_WORDS[w]] if w != "fp32" else [])
+        run = ([f"run in {b.dtype}"] if b.dtype != "float32" else []) + [WEIGHT_WORDS[w]]
     else:
         launched = getattr(cfg.engine, kind)
         gpu = cfg.hardware.accelerator == "cuda"

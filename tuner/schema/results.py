@@ -148,6 +148,28 @@ class Arms(_Strict):
     levels: list[ArmLevel] = []
 
 
+class SplitSpeedup(_Strict):
+    """The winner's speedup on one set of prompts in the held-out check: the geometric mean of its
+    pairs' ratios over the baseline measured beside each, with the two-sided 95% interval on logs."""
+
+    prompts: int
+    speedup: float
+    ci_low: float | None = None
+    ci_high: float | None = None
+    tau: float | None = None
+
+
+class HeldoutCheck(_Strict):
+    """Does the winner's speedup hold on prompts the study never tuned on? The held-out prompts
+    against as many tuning prompts, measured in the same minutes (interleaved pairs) until both
+    intervals are tight; `gap` = held-out / tuning - 1 (negative: slower held out)."""
+
+    pairs: int  # pairs per set of prompts
+    tuning: SplitSpeedup
+    heldout: SplitSpeedup
+    gap: float
+
+
 class BestResult(_Strict):
     """`best.yaml` in a run directory: written by `tuner optimize`, read by `tuner render --from`."""
 
@@ -160,6 +182,7 @@ class BestResult(_Strict):
     heldout: Figures | None = None  # the winner re-measured on the held-out prompts
     heldout_baseline: Figures | None = None  # speculation off on the held-out prompts, adjacent to `heldout`
     heldout_speedup: float | None = None
+    heldout_check: HeldoutCheck | None = None  # held-out against as many tuning prompts, with both intervals
     reason: str | None = None  # why the winner is what it is (e.g. the slowdown trap)
     provenance: Provenance
     projection: Projection | None = None  # set when the spec was projected, not measured (render --projected)

@@ -106,7 +106,9 @@ class Progress:
         n = finished_count(self.study)
         lead = leader(self.study.get_trials(deepcopy=False), self.noise_rel)
         self.best = describe(lead, self.noise_rel) if lead is not None else None
-        if o.state == TrialState.COMPLETE:
+        if o.reused_from is not None:  # a sampler proposed a measured point again: nothing measured, not counted
+            what = f"same configuration as trial {o.reused_from}: not measured again, not counted"
+        elif o.state == TrialState.COMPLETE:
             what = f"{o.tok_s:7.2f} tok/s {o.speedup:.3f}x"
         else:
             what = f"{o.state.name}: {o.reason}"

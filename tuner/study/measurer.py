@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tuner.projection.profiling import tuning_prompts
+from tuner.projection.profiling import CHECK, check_prompt_count, tuning_prompts
 from tuner.schema.compose import packaged_workloads
 from tuner.study.limits import startup_excluded
 from tuner.study.objective import Sample, Split
@@ -36,14 +36,16 @@ LAUNCHED = ("vllm", "sglang")
 
 def study_prompts(cfg: Config, engine: Engine | None = None) -> dict[str, list[Prompt]]:
     """The prompts a study measures: the tuning prompts for trials (tuner.projection.profiling),
-    every held-out prompt for the winner's re-measurement, and for a mix each part's own
+    every held-out prompt for the winner's re-measurement and as many tuning prompts to compare
+    them with (split CHECK), and for a mix each part's own
     (`part_split(label)`), on which the winner's tau and speedup per part are measured. The user's
     requests are tokenised here (`request_encoder`) for their budgets and the context check."""
     from engine.measure.workloads import load_prompts, mix_prompts, part_labels
 
     enc = request_encoder(cfg, engine)
     ctx = cfg.model.max_context if enc is not None else None
-    out = {"tune": tuning_prompts(cfg, encoder=enc), "heldout": load_prompts(cfg.workload, "heldout", enc, ctx)}
+    out = {"tune": tuning_prompts(cfg, encoder=enc), "heldout": load_prompts(cfg.workload, "heldout", enc, ctx),
+           CHECK: tuning_prompts(cfg, n=check_prompt_count(cfg), encoder=enc)}
     split = "heldout" if cfg.workload.num_heldout > 0 else "tune"
     for label in part_labels(cfg.workload):
         out[part_split(label)] = mix_prompts(cfg.workload, split, enc, ctx, only=label)

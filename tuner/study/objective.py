@@ -26,7 +26,7 @@ from engine.measure.stats import f95, geomean, log_interval, log_spread, tight
 from tuner.study.limits import TrialClock, TrialTimeout, active_clock, next_repeat_fits
 from tuner.schema.config import Level, Rate, SearchConfig, SpecConfig, WorkloadConfig, level_name
 from tuner.search.space import SearchSpace
-from tuner.study.studies import FAIL_REASON, FLOOR, NOISE, ROLE, ROSE, role
+from tuner.study.studies import FAIL_REASON, FLOOR, NOISE, REUSED, ROLE, ROSE, role
 
 OFF = SpecConfig(method="off")
 ENGINE_VERSION = "engine_version"  # trial user attr: the launched engine's release that measured it
@@ -65,8 +65,8 @@ class Sample:
     batch_sizes: dict[int, int] | None = None  # open loop: requests per step -> steps (or gauge samples)
 
 
-# Which prompts a pass plays: "tune", "heldout", or one part of a mixed workload
-# (tuner.study.measurer.part_split)
+# Which prompts a pass plays: "tune", "heldout", the held-out check's tuning prompts
+# (tuner.projection.profiling.CHECK), or one part of a mixed workload (tuner.study.measurer.part_split)
 Split = str
 
 
@@ -97,6 +97,14 @@ class ServerMeasureFn(MeasureFn, Protocol):
     def startups(self) -> tuple[int, float]:
         """Server start-ups so far and their seconds, cumulative."""
         ...
+
+
+@runtime_checkable
+class SkipsRequests(Protocol):
+    """A MeasureFn that plays the user's own requests and skips those the engine refuses as such
+    (tuner.study.measurer.Measurer): their ids, counted in best.yaml's skipped_requests."""
+
+    skipped: set[str]
 
 
 def _mean_tok(samples: list[Sample]) -> float:
@@ -148,6 +156,7 @@ class TrialOutcome:
     speedup: float | None = None
     reason: str | None = None
     note: str | None = None  # one line for the user: the measured noise changed how trials repeat
+    reused_from: int | None = None  # the earlier trial of the same point whose figures it took (not measured)
 
 
 class Objective:
@@ -215,15 +224,10 @@ class Objective:
                 b = s
                 ratio = 1.0
             else:
-                for attempt in range(PLAUSIBILITY_RETRIES + 1):
-                    s, b = self.measure_pair(spec, split, passes + flip)
-                    passes += 1
-                    ratio = geomean([self._score(x) / max(self._score(y), self._floor(y)) for x, y in zip(s, b)])
-                    still = self.implausible(s, b, history + [_mean_tok(x) for x in base_s])
-                    if still is None:
-                        break
-                    if attempt < PLAUSIBILITY_RETRIES:
-                        remeasured.append(f"repeat {r + 1}: {still}")
+                s, b, ratio, retried, still, used = self.plausible_pair(
+                    spec, split, passes + flip, history + [_mean_tok(x) for x in base_s])
+                passes += used
+                remeasured += [f"repeat {r + 1}: {why}" for why in retried]
                 if still is not None:  # kept after every retry: it never prunes another trial nor wins
                     kept.append(f"repeat {r + 1}: {still}")
             spec_s.append(s)
@@ -260,13 +264,63 @@ class Objective:
                     break
         return figures
 
+    def plausible_pair(self, spec: SpecConfig, split: Split, order: int, history: list[float]
+                       ) -> tuple[list[Sample], list[Sample], float, list[str], str | None, int]:
+        """One pair (`order` even: spec first) measured again while it is implausible (`implausible`
+        against the baseline passes `history`), up to PLAUSIBILITY_RETRIES times: (spec samples,
+        baseline samples, its ratio, why each retry was measured, why the kept pair is still
+        implausible or None, pairs measured)."""
+        retried: list[str] = []
+        for attempt in range(PLAUSIBILITY_RETRIES + 1):
+            s, b = self.measure_pair(spec, split, order + attempt)
+            ratio = geomean([self._score(x) / max(self._score(y), self._floor(y)) for x, y in zip(s, b)])
+            still = self.implausible(s, b, history)
+            if still is None or attempt == PLAUSIBILITY_RETRIES:
+                return s, b, ratio, retried, still, attempt + 1
+            retried.append(still)
+        raise AssertionError("unreachable: the last attempt returns")
+
+    def check(self, spec: SpecConfig, splits: list[Split], pairs_max: int) -> dict[Split, dict[str, Any]]:
+        """The winner's held-out check: `spec` on each of `splits` (the held-out prompts, and as
+        many tuning prompts to compare with), a pair per split per round, the splits and the order
+        within each pair alternating (spec-off off-spec | off-spec spec-off ...), so drift cancels
+        and both figures are measured over the same minutes. Rounds go on until every split's
+        speedup interval is tight (search.ci_rel_width, as a trial's) after at least two pairs, at
+        most `pairs_max`. Plausibility holds as in a trial. Returns each split's figures
+        (Objective._figures, with `remeasured` / `implausible` when they apply)."""
+        got: dict[Split, tuple[list[list[Sample]], list[list[Sample]], list[float], list[str], list[str]]] = {
+            sp: ([], [], [], [], []) for sp in splits}
+        order = 0
+        for r in range(max(pairs_max, 1)):
+            for i, sp in enumerate(splits):
+                spec_s, base_s, ratios, retried, kept = got[sp]
+                s, b, ratio, again, still, used = self.plausible_pair(
+                    spec, sp, r + i + order, [_mean_tok(x) for x in base_s])
+                order += used - 1  # a retry shifts the order of what follows, as in a trial
+                spec_s.append(s)
+                base_s.append(b)
+                ratios.append(ratio)
+                retried += [f"pair {r + 1}: {why}" for why in again]
+                if still is not None:
+                    kept.append(f"pair {r + 1}: {still}")
+            if r + 1 >= 2 and all(self._tight(got[sp][2]) for sp in splits):
+                break
+        out: dict[Split, dict[str, Any]] = {}
+        for sp, (spec_s, base_s, ratios, retried, kept) in got.items():
+            out[sp] = self._figures(spec_s, base_s, ratios)
+            if retried:
+                out[sp]["remeasured"] = retried
+            if kept:
+                out[sp]["implausible"] = "; ".join(kept)
+        return out
+
     def baseline_history(self, trial: optuna.Trial | None = None) -> list[float]:
         """Every baseline tok/s measured on the tuning prompts so far (mean over the levels per
         pass): trial 0's passes and each trial's paired baselines, `trial` itself left out."""
         out: list[float] = []
         mine = trial.number if trial is not None else None
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
-            if t.number == mine or "reused_from" in t.user_attrs:
+            if t.number == mine or REUSED in t.user_attrs:
                 continue
             out += t.user_attrs.get("tok_s_samples", []) if role(t) == "baseline" else t.user_attrs.get(
                 "baseline_samples", [])
@@ -498,6 +552,10 @@ class Objective:
         """The release of the launched engine measuring (None in process)."""
         return self.measure.engine_version if isinstance(self.measure, ServerMeasureFn) else None
 
+    def skipped_requests(self) -> int:
+        """The user's requests the engine refused as such so far (0 for a MeasureFn that skips none)."""
+        return len(self.measure.skipped) if isinstance(self.measure, SkipsRequests) else 0
+
     def _record_version(self, trial: optuna.Trial) -> None:
         """The launched engine's release on the trial it measured: a shared study's finaliser, or a
         report made from the storage alone, reads it there (tuner.study.selection.measured_version)."""
@@ -511,24 +569,26 @@ class Objective:
         # the whole spec, not its key: points that differ only in their K per band are different
         want = spec.model_dump(mode="json")
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
-            if t.user_attrs.get("spec_json") == want and "reused_from" not in t.user_attrs:
+            if t.user_attrs.get("spec_json") == want and REUSED not in t.user_attrs:
                 return t
         return None
 
     def _reuse(self, trial: optuna.Trial, spec: SpecConfig, earlier: optuna.trial.FrozenTrial) -> TrialOutcome:
-        """Tell `trial` what `earlier` measured (its figures and state), marked reused_from."""
-        trial.set_user_attr("reused_from", earlier.number)
+        """Tell `trial` what `earlier` measured (its figures and state), marked reused_from: it is no
+        new evidence, and it does not count against search.n_trials (tuner.study.studies.counted)."""
+        trial.set_user_attr(REUSED, earlier.number)
         for k, v in earlier.user_attrs.items():
             if k not in ("spec", "spec_json", "role", "heartbeat") and not k.startswith("spec_"):
                 trial.set_user_attr(k, v)
         if earlier.state == TrialState.PRUNED:
             self.study.tell(trial, state=TrialState.PRUNED)
-            return TrialOutcome(trial.number, TrialState.PRUNED, spec, reason=f"same configuration as trial {earlier.number}")
+            return TrialOutcome(trial.number, TrialState.PRUNED, spec, reason=f"same configuration as trial {earlier.number}",
+                                reused_from=earlier.number)
         for name, c in earlier.constraints.items():
             trial.set_constraint(name, c)
         self.study.tell(trial, earlier.values if self.multi else earlier.value)
         return TrialOutcome(trial.number, TrialState.COMPLETE, spec, earlier.user_attrs.get("tok_s"),
-                            earlier.user_attrs.get("speedup"))
+                            earlier.user_attrs.get("speedup"), reused_from=earlier.number)
 
     def _slo(self, figures: dict[str, Any]) -> tuple[dict[str, float], dict[str, Any]]:
         """The workload's SLOs as Optuna constraints (<= 0 is feasible) and the user attrs that say
@@ -597,7 +657,7 @@ def baseline_rate_sizes(study: optuna.Study, poll_s: float = 1.0) -> dict[float,
         time.sleep(poll_s)
     out: dict[float, dict[int, int]] = {}
     for t in trials:
-        if t.state not in (TrialState.COMPLETE, TrialState.PRUNED) or "reused_from" in t.user_attrs:
+        if t.state not in (TrialState.COMPLETE, TrialState.PRUNED) or REUSED in t.user_attrs:
             continue
         key = "batch_sizes" if t is base else "baseline_batch_sizes"
         for lv in t.user_attrs.get("levels", []):

@@ -29,6 +29,7 @@ NOISE_REL = "noise_rel"  # study user attr: search.noise_rel of the study
 NOISE = "noise_rel_measured"  # study user attr: the spread of its baseline passes, when above noise_rel
 FLOOR = "noise_floor"  # study user attr: the spread of its first baseline passes (the machine as the study found it)
 ROSE = "noise_rose"  # study user attr: the highest recent spread that rose above the floor beyond chance
+REUSED = "reused_from"  # trial user attr: the earlier trial of the same point whose figures it took (not measured)
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 METRICS = ["output_tok_s"]
 METRICS_MULTI = ["output_tok_s", "tpot_p99_ms"]
@@ -210,14 +211,18 @@ class Budget:
         return cls(search.n_trials, search.sampler in ("grid", "model"), count)
 
     def used(self, trials: list[FrozenTrial]) -> int:
-        # the confirmation round's pairs (role confirm) come after the budget: they never count in it
+        # the confirmation round's pairs (role confirm) come after the budget, and a trial that reused
+        # an earlier measurement of its point measured nothing: neither counts in it
         if self.count == "finished":
-            return sum(1 for t in trials if t.state in FINISHED and role(t) != "confirm")
-        return sum(1 for t in trials if t.state != TrialState.WAITING and role(t) != "confirm")
+            return sum(1 for t in trials if t.state in FINISHED and counted(t))
+        return sum(1 for t in trials if t.state != TrialState.WAITING and counted(t))
 
     def spent(self, trials: list[FrozenTrial]) -> bool:
+        """The budget is spent, no enqueued point is left (grid), or the sampler proposed measured
+        points as often as the budget has trials: it finds nothing new to measure."""
         waiting = sum(1 for t in trials if t.state == TrialState.WAITING)
-        return self.used(trials) >= self.n_trials or (self.grid and waiting == 0)
+        reused = sum(1 for t in trials if REUSED in t.user_attrs)
+        return self.used(trials) >= self.n_trials or reused >= self.n_trials or (self.grid and waiting == 0)
 
     def total(self, trials: list[FrozenTrial]) -> int:
         """The trials this study will have run when the budget is spent (the progress bar's end)."""
@@ -227,10 +232,16 @@ class Budget:
         return min(self.n_trials, self.used(trials) + waiting)
 
 
+def counted(trial: Any) -> bool:
+    """Whether a finished trial counts against `search.n_trials`: not a confirmation round's pair,
+    nor a trial that reused an earlier measurement of its point (REUSED)."""
+    return role(trial) != "confirm" and REUSED not in trial.user_attrs
+
+
 def finished_count(study: optuna.Study) -> int:
     """Trials that count against `search.n_trials` (complete, pruned or failed; not the
-    confirmation round's pairs)."""
-    return sum(1 for t in study.get_trials(deepcopy=False, states=FINISHED) if role(t) != "confirm")
+    confirmation round's pairs nor reused points: `counted`)."""
+    return sum(1 for t in study.get_trials(deepcopy=False, states=FINISHED) if counted(t))
 
 
 def role(trial: Any) -> str:
