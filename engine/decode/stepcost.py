@@ -118,11 +118,26 @@ class StepCost:
         w = (batch - b0) / (b1 - b0)
         return (1 - w) * self._at(b0, extra) + w * self._at(b1, extra)
 
+    def rows_s(self, batch: int, extra: float) -> float:
+        """The curve's seconds for `extra` rows beyond the step without them, at least the curve's
+        average per row up to the most it timed at this batch size. The staircase of a few-row
+        kernel is real at small batches, but a flat stretch that the lower envelope made of
+        noisy timings is not: at batch 32 it priced a few draft rows as free, where every row
+        costs about what a token yields, and the drafts cost more than they gained."""
+        c0 = self.curve_s(batch, 0)
+        return max(self.curve_s(batch, extra) - c0, self._slope(batch, c0) * extra)
+
+    def _slope(self, batch: int, c0: float) -> float:
+        """The curve's average seconds per extra row up to the most it timed at this batch size."""
+        lv = self.levels
+        top = self._xs[max([b for b in lv if b <= batch] or lv[:1])][-1]
+        return (self.curve_s(batch, top) - c0) / top if top > 0 else 0.0
+
     def step_s(self, batch: int, extra: float) -> float:
         """Expected seconds of a live step: the batch size's fit of its live steps on the curve
         (engine.decode.stepcost), the curve times the live level where that batch size has not run."""
         c0 = self.curve_s(batch, 0)
-        m = self.curve_s(batch, extra) / c0 - 1
+        m = self.rows_s(batch, extra) / c0
         live = self.live.get(batch)
         a, b = live.fit(self.level) if live is not None else (self.level, self.level)
         return c0 * max(a + b * m, 0.1)
@@ -134,8 +149,9 @@ class StepCost:
         c0 = self.curve_s(batch, 0)
         live = self.live.get(batch)
         a, b = live.fit(self.level) if live is not None else (self.level, self.level)
-        over = self.overhead_s(batch)
-        return [over + c0 * max(a + b * (self.curve_s(batch, extra + n) / c0 - 1), 0.1) for n in range(count + 1)]
+        over, slope = self.overhead_s(batch), self._slope(batch, c0)
+        return [over + c0 * max(a + b * max(self.curve_s(batch, extra + n) - c0, slope * (extra + n)) / c0, 0.1)
+                for n in range(count + 1)]
 
     def overhead_s(self, batch: int) -> float:
         """A step's seconds outside the forward and the drafting at this batch size (the nearest
@@ -158,10 +174,10 @@ class StepCost:
     def observe_step(self, batch: int, extra: int, seconds: float) -> None:
         """A live step's time (taken as within [CLIP_LOW, CLIP_HIGH] x the curve: a step stalled by
         another process says little)."""
-        c = self.curve_s(batch, extra)
+        c0 = self.curve_s(batch, 0)
+        c = c0 + self.rows_s(batch, extra)
         t = min(max(seconds, CLIP_LOW * c), CLIP_HIGH * c)
         self.level += FOLLOW * (t / c - self.level)
-        c0 = self.curve_s(batch, 0)
         self.live.setdefault(batch, _Live()).add(c / c0 - 1, t / c0)
 
     def observe_draft(self, seconds: float, nodes: int) -> None:

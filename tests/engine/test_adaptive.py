@@ -189,6 +189,24 @@ def test_the_table_prices_every_total_as_step_s_does() -> None:
         assert c.table(batch, 2, 70) == pytest.approx([c.step_s(batch, 2 + n) for n in range(71)], rel=1e-12)
 
 
+def test_flat_stretches_of_the_curve_are_priced_at_its_average_row() -> None:
+    """The bf16 curve timed at batch 32 on the 2-core EPYC: 1 and 2 extra rows as fast as none and
+    5-9 as fast as 5 (the lower envelope of noisy timings), 1.9 ms a row on average over 224 rows,
+    against 2 ms a token. Priced at the flat stretch, 0.9 acceptance looked free at 1-2 rows; each
+    row is priced at the average at least, so nothing pays there, while at batch 1 (12 ms a
+    token, 0.8 ms a row) the same drafts still do."""
+    ms = {32: [(0, 64.8), (1, 64.8), (2, 64.8), (3, 69.0), (4, 73.8), (5, 77.4), (9, 77.4), (224, 496.3)],
+          1: [(0, 11.95), (2, 11.95), (4, 13.6), (8, 18.5)]}
+    c = StepCost({b: [(x, v / 1e3) for x, v in pts] for b, pts in ms.items()}, max_rows=9)
+    slope = (0.4963 - 0.0648) / 224
+    assert c.step_s(32, 1) == pytest.approx(0.0648 + slope)
+    assert c.step_s(32, 224) == pytest.approx(0.4963)  # where the curve is above the average: the curve
+    assert c.table(32, 0, 4) == pytest.approx([c.step_s(32, n) for n in range(5)])
+    gains = [[0.9, 0.8]] * 2 + [[0.2]] * 30
+    assert choose(gains, 32, c.table(32, 0, 34).__getitem__, margin=MARGIN) == [0] * 32
+    assert choose([[0.9, 0.8]], 1, c.table(1, 0, 2).__getitem__, margin=MARGIN) == [2]
+
+
 def test_the_step_overhead_makes_drafts_pay_that_the_forward_alone_would_not() -> None:
     """A served step spends as long again outside the forward (verifying, streaming, the loop): a
     row costs 1.7 ms on a 19 ms forward at batch 8, so 0.6 acceptance does not pay on the forward
