@@ -1,26 +1,35 @@
 """Adaptive speculation against the best static spec and off, per workload and concurrency, over HTTP.
 
     .venv/bin/python benchmarks/adaptive.py                                   # code and chat, c = 1..32
-    .venv/bin/python benchmarks/adaptive.py --levels 1,4 --prompts 2 --max-new-tokens 16 --depths 2  # a smoke run
-    .venv/bin/python benchmarks/adaptive.py --prompts 12 --max-new-tokens 128 --depths 1,2,3,4,6,8 --rounds 4
+    .venv/bin/python benchmarks/adaptive.py --levels 1,4 --prompts 2 --max-new-tokens 16 --depths 2 --rounds 2  # a smoke run
+    .venv/bin/python benchmarks/adaptive.py --prompts 12 --max-new-tokens 128 --depths 1,2,3,4,6,8 --rounds 6
 
-Each configuration runs as `tuner serve` in a process of its own (max_batch = the highest level;
-benchmarks/concurrency.py starts it, with the same SpecConfig-to-`tuner serve` mapping the manifests
-use), and the one load generator plays HumanEval (code) and MT-bench (chat) prompts at every level:
-speculation off, a small grid of static n-gram chains (`--depths`; the best of them at each level is
-that level's "best static") and the adaptive engine bounded by the grid's deepest chain
-(`spec.adaptive=true`). A level of N plays max(prompts, N) requests with N clients in flight, T=0.
-Every round after the first measures the configurations again in the reverse order; a cell is the
-mean over the rounds (two, by default, cancel linear drift). The last line is one JSON object with `min_adaptive_vs_best_static` and
-`min_adaptive_vs_off`, the minima over every level of both workloads.
+Every configuration runs as `tuner serve` in a process of its own, all of them up together
+(max_batch = the highest level; benchmarks/concurrency.py starts each, with the same
+SpecConfig-to-`tuner serve` mapping the manifests use): speculation off, a small grid of static
+n-gram chains (`--depths`; the best of them at each level is that level's "best static") and the
+adaptive engine bounded by the grid's deepest chain (`spec.adaptive=true`). The one load generator
+plays HumanEval (code) and MT-bench (chat) prompts; a level of N plays max(prompts, N) requests with
+N clients in flight, T=0.
+
+Noise on a shared machine comes in bursts of seconds to minutes, so each cell (workload, level) is
+measured in short interleaved rounds: every configuration once per round, in the order A B C ...
+then ... C B A, so that the configurations of a cell are measured within seconds of each other and
+linear drift cancels over each pair of rounds. Before its first round each configuration plays one
+wave of the level (not measured: the adaptive engine's estimates and step cost settle at each
+batch size as a server's would). A cell's tok/s is the geometric mean over rounds; its ratios are
+geometric means of the per-round ratios (adaptive against off, against the best static, both
+measured in the same round), with a 95% t-interval on their logs. The last line is one JSON object
+with `min_adaptive_vs_best_static` and `min_adaptive_vs_off`, the minima over every level of both
+workloads, each with the interval of the cell where it falls.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -29,9 +38,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from concurrency import _levels_run, _tuner_serve  # noqa: E402
+from concurrency import _tuner_serve  # noqa: E402
 
-from engine.measure.runner import HttpTarget  # noqa: E402
+from engine.measure.runner import HttpTarget, measure  # noqa: E402
+from engine.measure.stats import log_interval  # noqa: E402
 from engine.measure.workloads import load_prompts, sampling_params  # noqa: E402
 from tuner.schema.compose import load_config  # noqa: E402
 from tuner.schema.config import SpecConfig  # noqa: E402
@@ -48,8 +58,8 @@ def specs(method: str, depths: list[int]) -> list[SpecConfig]:
 
 def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], prompts: int, max_new_tokens: int,
         rounds: int) -> list[dict[str, Any]]:
-    """Rows (workload, config, level, tok/s, tau) of every round: each configuration's server started
-    once per round, both workloads played against it."""
+    """Rows (workload, config, level, round, tok/s, tau): every configuration's server up at once,
+    each cell measured in `rounds` interleaved rounds (see the module's docstring)."""
     over = [f"engine.builtin.max_batch={max(levels)}", f"serve.queue_size={4 * max(levels)}"]
     loads = {}
     for w in workloads:
@@ -58,54 +68,72 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
     model = load_config([]).model.name
     log_dir = tempfile.mkdtemp(prefix="spectune-adaptive-")
     rows = []
-    for r in range(rounds):
-        for spec in (specs_ if r % 2 == 0 else specs_[::-1]):
-            with _tuner_serve(over, model, spec, log_dir) as url:
-                for w, (ps, params, chat) in loads.items():
-                    got = _levels_run(HttpTarget(url, model, chat), ps, params, levels, repeats=1)
-                    for c, s in got.items():
-                        rows.append({"workload": w, "config": spec.key(), "concurrency": c, "round": r,
+    with contextlib.ExitStack() as stack:
+        urls = {s.key(): stack.enter_context(_tuner_serve(over, model, s, log_dir)) for s in specs_}
+        keys = list(urls)
+        for w, (ps, params, chat) in loads.items():
+            targets = {k: HttpTarget(u, model, chat) for k, u in urls.items()}
+            for c in levels:
+                wave = [ps[i % len(ps)] for i in range(max(len(ps), c))]
+                for k in keys:  # one wave at this level first, not measured
+                    measure(targets[k], wave[:c], params, c, warmup=0, repeats=1)
+                for r in range(rounds):
+                    for k in (keys if r % 2 == 0 else keys[::-1]):
+                        s = measure(targets[k], wave, params, c, warmup=0, repeats=1)
+                        if s.errors:
+                            raise RuntimeError(f"{k}, {w} at concurrency {c}: {s.errors[0]}")
+                        rows.append({"workload": w, "config": k, "concurrency": c, "round": r,
                                      "tok_s": s.output_tokens_per_s, "tau": s.tau})
-                        print(f"  {w:<5} {spec.key():<24} c={c:<3} {s.output_tokens_per_s:7.1f} tok/s  tau "
+                        print(f"  {w:<5} {k:<24} c={c:<3} r{r} {s.output_tokens_per_s:7.1f} tok/s  tau "
                               f"{s.tau or 0:.2f}", file=sys.stderr)
     return rows
 
 
-def cells(rows: list[dict[str, Any]]) -> dict[tuple[str, str, int], float]:
-    """(workload, config, level) -> tok/s, the mean over the rounds."""
-    out: dict[tuple[str, str, int], list[float]] = {}
-    for r in rows:
-        out.setdefault((r["workload"], r["config"], r["concurrency"]), []).append(r["tok_s"])
-    return {k: statistics.fmean(v) for k, v in out.items()}
+def _by_round(rows: list[dict[str, Any]], w: str, k: str, c: int) -> dict[int, float]:
+    return {r["round"]: r["tok_s"] for r in rows if (r["workload"], r["config"], r["concurrency"]) == (w, k, c)}
+
+
+def _ratio(num: dict[int, float], den: dict[int, float]) -> tuple[float, float | None, float | None]:
+    """The geometric mean of the per-round ratios num/den, with its 95% interval (None: one round)."""
+    center, lo, hi, _, _ = log_interval([num[r] / den[r] for r in sorted(num) if r in den])
+    return center, lo, hi
 
 
 def compare(rows: list[dict[str, Any]], specs_: list[SpecConfig], workloads: list[str],
             levels: list[int]) -> list[dict[str, Any]]:
-    """Per workload and level: off, the best static configuration and adaptive (tok/s), and the two
-    ratios of adaptive."""
-    tok = cells(rows)
+    """Per workload and level: off, the best static configuration (the highest geometric mean over
+    the rounds) and adaptive (tok/s), and the two ratios of adaptive with their intervals."""
     static = [s.key() for s in specs_ if s.method != "off" and not s.adaptive]
     adaptive = next(s.key() for s in specs_ if s.adaptive)
     out = []
     for w in workloads:
         for c in levels:
-            best = max(static, key=lambda k: tok[(w, k, c)])
-            off, top, ad = tok[(w, "off", c)], tok[(w, best, c)], tok[(w, adaptive, c)]
-            out.append({"workload": w, "concurrency": c, "off": round(off, 2), "best_static": best,
-                        "best_static_tok_s": round(top, 2), "adaptive_tok_s": round(ad, 2),
-                        "adaptive_vs_best_static": round(ad / top, 3), "adaptive_vs_off": round(ad / off, 3)})
+            tok = {k: _by_round(rows, w, k, c) for k in ["off", *static, adaptive]}
+            mean = {k: log_interval(list(v.values()))[0] for k, v in tok.items()}
+            best = max(static, key=lambda k: mean[k])
+            vs_best, vs_off = _ratio(tok[adaptive], tok[best]), _ratio(tok[adaptive], tok["off"])
+            out.append({"workload": w, "concurrency": c, "off": round(mean["off"], 2), "best_static": best,
+                        "best_static_tok_s": round(mean[best], 2), "adaptive_tok_s": round(mean[adaptive], 2),
+                        "adaptive_vs_best_static": round(vs_best[0], 3),
+                        "adaptive_vs_best_static_ci": [None if x is None else round(x, 3) for x in vs_best[1:]],
+                        "adaptive_vs_off": round(vs_off[0], 3),
+                        "adaptive_vs_off_ci": [None if x is None else round(x, 3) for x in vs_off[1:]]})
     return out
+
+
+def _ci(lo_hi: list[float | None]) -> str:
+    return "" if lo_hi[0] is None else f" [{lo_hi[0]:.2f}, {lo_hi[1]:.2f}]"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--levels", default="1,2,4,8,16,32")
     ap.add_argument("--prompts", type=int, default=6, help="prompts per workload (a level plays max(prompts, N))")
-    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--depths", default="2,4,8", help="the static grid's chain depths; the deepest bounds adaptive")
     ap.add_argument("--method", default="ngram", choices=["ngram", "suffix"], help="a drafter that needs no head")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
-    ap.add_argument("--rounds", type=int, default=2, help="passes over the configurations, alternating their order")
+    ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds per cell, alternating the order")
     args = ap.parse_args(argv)
     try:
         levels = sorted({int(x) for x in args.levels.split(",") if x})
@@ -131,17 +159,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nload average {load:.1f} at the start; {args.prompts} prompts per workload, {args.max_new_tokens} new "
           f"tokens, T=0, {args.rounds} round(s); adaptive = {grid[-1].key()}")
     print(f"{'workload':<8} {'c':>3} {'off':>8} {'best static':>24} {'tok/s':>8} {'adaptive':>9} "
-          f"{'vs static':>10} {'vs off':>7}")
+          f"{'vs static [95%]':>22} {'vs off [95%]':>22}")
     for t in table:
         print(f"{t['workload']:<8} {t['concurrency']:>3} {t['off']:8.1f} {t['best_static']:>24} "
-              f"{t['best_static_tok_s']:8.1f} {t['adaptive_tok_s']:9.1f} {t['adaptive_vs_best_static']:9.3f}x "
-              f"{t['adaptive_vs_off']:6.3f}x")
-    print("(output tok/s over all requests; best static: the fastest chain of the grid at that level)")
+              f"{t['best_static_tok_s']:8.1f} {t['adaptive_tok_s']:9.1f} "
+              f"{t['adaptive_vs_best_static']:6.3f}x{_ci(t['adaptive_vs_best_static_ci']):<15} "
+              f"{t['adaptive_vs_off']:6.3f}x{_ci(t['adaptive_vs_off_ci']):<15}")
+    print("(output tok/s over all requests, geometric means over the rounds; best static: the fastest chain "
+          "of the grid at that level; ratios: per-round ratios' geometric mean and 95% interval)")
+    worst_static = min(table, key=lambda t: t["adaptive_vs_best_static"])
+    worst_off = min(table, key=lambda t: t["adaptive_vs_off"])
     out = {"levels": levels, "workloads": workloads, "depths": depths, "method": args.method, "rounds": args.rounds,
+           "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
            "load_average": round(load, 2), "table": table,
            "rows": rows,
-           "min_adaptive_vs_best_static": min(t["adaptive_vs_best_static"] for t in table),
-           "min_adaptive_vs_off": min(t["adaptive_vs_off"] for t in table)}
+           "min_adaptive_vs_best_static": worst_static["adaptive_vs_best_static"],
+           "min_adaptive_vs_best_static_ci": worst_static["adaptive_vs_best_static_ci"],
+           "min_adaptive_vs_off": worst_off["adaptive_vs_off"],
+           "min_adaptive_vs_off_ci": worst_off["adaptive_vs_off_ci"]}
     print(json.dumps(out))
     return 0
 

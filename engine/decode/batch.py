@@ -151,6 +151,10 @@ class BatchEngine:
         adaptive = [s for _, _, s in self.schedule if s.adaptive and s.method != "off"]
         self.cost = engine.step_costs(max_batch, self.room) if adaptive else None
         self.accept = {s.key(): Acceptance(s.budget - 1, rate=BATCH_RATE) for s in adaptive}
+        # the step overhead the step cost learns (adaptive only): the last step's start, its decode
+        # batch and its seconds in forwards and drafting, while the next step follows at once
+        self._last: tuple[float, int, float] | None = None
+        self._busy, self._decoded = 0.0, 0
         # one slot per batch place, its capacity grown to the longest request admitted so far; made
         # at the first admission, inside inference mode like every other cache the compiled step sees
         # (a tensor made outside it has other dispatch keys, and the compiled layer would recompile)
@@ -195,6 +199,11 @@ class BatchEngine:
     @torch.inference_mode()
     def step(self) -> None:
         """Admit what fits, run one forward over every active request, verify, commit, retire."""
+        start = time.perf_counter()
+        if self._last is not None and self.cost is not None:
+            was, batch, busy = self._last
+            self.cost.observe_overhead(batch, start - was - busy)
+        self._last, self._busy, self._decoded = None, 0.0, 0
         self._retire_cancelled()
         fresh = self._admit()
         if self.prefill == "separate" and fresh:
@@ -207,6 +216,8 @@ class BatchEngine:
             self._forward(list(self.active), spec_for(self.schedule, len(self.active)))
         self.steps += 1
         self._retire_finished()
+        if self._decoded and self.active:  # a step follows at once (a loop waits only when idle)
+            self._last = (start, self._decoded, self._busy)
 
     def _admit(self) -> list[Request]:
         fresh = []
@@ -319,8 +330,11 @@ class BatchEngine:
             for req, _, _, _ in plans:
                 req.fail(exc)
             return
+        forward_s = time.perf_counter() - t
+        self._busy += forward_s
         if self.cost is not None and all(tree is not None for _, tree, _, _ in plans):  # decode rows only
-            self.cost.observe_step(len(plans), sum(len(toks) - 1 for _, _, toks, _ in plans), time.perf_counter() - t)
+            self.cost.observe_step(len(plans), sum(len(toks) - 1 for _, _, toks, _ in plans), forward_s)
+            self._decoded = len(plans)
         pc = self.engine.prefix_cache
         for (req, tree, _, _), (hidden, logits, aux) in zip(plans, outs):
             try:
@@ -355,13 +369,15 @@ class BatchEngine:
         # rows beyond one per sequence that the step runs anyway: the prompts joining it
         extra = sum(len(r.state.ids) - r.state.reused - 1 for r in reqs if not r.state.prefilled)
         cost = self.cost
-
-        def step_s(n: int) -> float:
-            return cost.step_s(batch, extra + n)
-
         est = [self._estimate(r, spec) for r in live]
         nodes = spec.budget - 1
-        limits = choose([e.gains(nodes) for e in est], batch, step_s, cost.draft_s, MARGIN)
+        gains = [e.gains(nodes) for e in est]
+        # every total of draft rows the controller weighs, priced once (a call per total costs a
+        # few ms a step at batch 32, more than the rows it saves)
+        step_s = cost.table(batch, extra, sum(map(len, gains))).__getitem__
+        limits = choose(gains, batch, step_s, cost.draft_s, MARGIN)
+        if not any(limits):  # nothing pays: the step is off's, no drafter call, no cut
+            return {id(r): (Tree.chain(r.state.ids[-1], []), 0.0) for r in live}
         drafting = [(r, n) for r, n in zip(live, limits) if n > 0]
         full = {id(r): r.state.drafter.spec for r, _ in drafting}
         for r, n in drafting:
@@ -381,7 +397,9 @@ class BatchEngine:
             for r, _ in drafting:
                 r.state.drafter.spec = full[id(r)]
         sizes = [out[id(r)][0].size - 1 if id(r) in out and isinstance(out[id(r)][0], Tree) else 0 for r in live]
-        cost.observe_draft(time.perf_counter() - t, sum(sizes))
+        drafting_s = time.perf_counter() - t
+        self._busy += drafting_s  # priced per node (draft_s), not as the step's overhead
+        cost.observe_draft(drafting_s, sum(sizes))
         keep = choose([e.gains(s) for e, s in zip(est, sizes)], batch, step_s, margin=MARGIN)
         for r, k, size in zip(live, keep, sizes):
             if id(r) not in out:  # the controller chose no draft

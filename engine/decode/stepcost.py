@@ -84,15 +84,19 @@ class StepCost:
 
     def __init__(self, curves: dict[int, list[tuple[int, float]]], max_rows: int) -> None:
         self.curves = {b: _envelope(sorted(pts)) for b, pts in curves.items()}
+        self._xs = {b: [x for x, _ in pts] for b, pts in self.curves.items()}  # each level's row counts
         self.levels = sorted(self.curves)
         self.max_rows = max_rows  # rows per sequence the curve was timed up to
         self.draft_s = 0.0
         self.level = 1.0  # live steps over the curve, all batch sizes together, followed online
         self.live: dict[int, _Live] = {}
+        # per batch size, the seconds of a step outside the forward and the drafting (verifying,
+        # committing, streaming, the server's loop): what every step costs whatever its rows
+        self.overhead: dict[int, float] = {}
 
     def _at(self, batch: int, extra: float) -> float:
         pts = self.curves[batch]
-        xs = [x for x, _ in pts]
+        xs = self._xs[batch]
         i = bisect.bisect_right(xs, extra) - 1
         if len(pts) == 1:
             return pts[0][1]
@@ -114,22 +118,66 @@ class StepCost:
         w = (batch - b0) / (b1 - b0)
         return (1 - w) * self._at(b0, extra) + w * self._at(b1, extra)
 
+    def rows_s(self, batch: int, extra: float) -> float:
+        """The curve's seconds for `extra` rows beyond the step without them, at least the curve's
+        average per row up to the most it timed at this batch size. The staircase of a few-row
+        kernel is real at small batches, but a flat stretch that the lower envelope made of
+        noisy timings is not: at batch 32 it priced a few draft rows as free, where every row
+        costs about what a token yields, and the drafts cost more than they gained."""
+        c0 = self.curve_s(batch, 0)
+        return max(self.curve_s(batch, extra) - c0, self._slope(batch, c0) * extra)
+
+    def _slope(self, batch: int, c0: float) -> float:
+        """The curve's average seconds per extra row up to the most it timed at this batch size."""
+        lv = self.levels
+        top = self._xs[max([b for b in lv if b <= batch] or lv[:1])][-1]
+        return (self.curve_s(batch, top) - c0) / top if top > 0 else 0.0
+
     def step_s(self, batch: int, extra: float) -> float:
         """Expected seconds of a live step: the batch size's fit of its live steps on the curve
         (engine.decode.stepcost), the curve times the live level where that batch size has not run."""
         c0 = self.curve_s(batch, 0)
-        m = self.curve_s(batch, extra) / c0 - 1
+        m = self.rows_s(batch, extra) / c0
         live = self.live.get(batch)
         a, b = live.fit(self.level) if live is not None else (self.level, self.level)
         return c0 * max(a + b * m, 0.1)
 
+    def table(self, batch: int, extra: float, count: int) -> list[float]:
+        """Seconds of a whole step with n = 0..count draft rows: `step_s(batch, extra + n)` (the fit
+        computed once) plus the step's overhead beyond the forward (`overhead_s`). What the
+        controller reads for every total of rows it weighs (a few hundred per step at batch 32)."""
+        c0 = self.curve_s(batch, 0)
+        live = self.live.get(batch)
+        a, b = live.fit(self.level) if live is not None else (self.level, self.level)
+        over, slope = self.overhead_s(batch), self._slope(batch, c0)
+        return [over + c0 * max(a + b * max(self.curve_s(batch, extra + n) - c0, slope * (extra + n)) / c0, 0.1)
+                for n in range(count + 1)]
+
+    def overhead_s(self, batch: int) -> float:
+        """A step's seconds outside the forward and the drafting at this batch size (the nearest
+        batch size observed where this one was not; 0 before any step was)."""
+        if batch in self.overhead:
+            return self.overhead[batch]
+        if not self.overhead:
+            return 0.0
+        return self.overhead[min(self.overhead, key=lambda b: (abs(b - batch), b))]
+
+    def observe_overhead(self, batch: int, seconds: float) -> None:
+        """A step's wall seconds, start to the next step's start, less its forward and drafting:
+        taken as at most CLIP_HIGH x the curve's step and the overhead known so far at this batch
+        size (a stall says little; a small model's overhead may be several forwards, learnt in a
+        few steps)."""
+        old = self.overhead.get(batch)
+        s = min(max(seconds, 0.0), CLIP_HIGH * (self.curve_s(batch, 0) + (old or 0.0)))
+        self.overhead[batch] = s if old is None else old + FOLLOW * (s - old)
+
     def observe_step(self, batch: int, extra: int, seconds: float) -> None:
         """A live step's time (taken as within [CLIP_LOW, CLIP_HIGH] x the curve: a step stalled by
         another process says little)."""
-        c = self.curve_s(batch, extra)
+        c0 = self.curve_s(batch, 0)
+        c = c0 + self.rows_s(batch, extra)
         t = min(max(seconds, CLIP_LOW * c), CLIP_HIGH * c)
         self.level += FOLLOW * (t / c - self.level)
-        c0 = self.curve_s(batch, 0)
         self.live.setdefault(batch, _Live()).add(c / c0 - 1, t / c0)
 
     def observe_draft(self, seconds: float, nodes: int) -> None:

@@ -178,6 +178,52 @@ def test_rows_dearer_than_the_curve_are_learnt_from_the_steps_that_drafted() -> 
     assert choose(gains, 8, lambda n: c.step_s(8, n), margin=MARGIN) == [0] * 8
 
 
+def test_the_table_prices_every_total_as_step_s_does() -> None:
+    """The controller reads one table per step (a call per total of rows cost ms at batch 32):
+    each entry is what step_s says for that many draft rows, after live steps too."""
+    c = StepCost(TIMED, max_rows=9)
+    assert c.table(8, 3, 20) == pytest.approx([c.step_s(8, 3 + n) for n in range(21)], rel=1e-12)
+    _run(c, 8, 300, lambda x: 0.040 + 0.0025 * x)
+    _run(c, 3, 50, lambda x: 0.030 + 0.0005 * x)
+    for batch in (1, 3, 8, 12):
+        assert c.table(batch, 2, 70) == pytest.approx([c.step_s(batch, 2 + n) for n in range(71)], rel=1e-12)
+
+
+def test_flat_stretches_of_the_curve_are_priced_at_its_average_row() -> None:
+    """The bf16 curve timed at batch 32 on the 2-core EPYC: 1 and 2 extra rows as fast as none and
+    5-9 as fast as 5 (the lower envelope of noisy timings), 1.9 ms a row on average over 224 rows,
+    against 2 ms a token. Priced at the flat stretch, 0.9 acceptance looked free at 1-2 rows; each
+    row is priced at the average at least, so nothing pays there, while at batch 1 (12 ms a
+    token, 0.8 ms a row) the same drafts still do."""
+    ms = {32: [(0, 64.8), (1, 64.8), (2, 64.8), (3, 69.0), (4, 73.8), (5, 77.4), (9, 77.4), (224, 496.3)],
+          1: [(0, 11.95), (2, 11.95), (4, 13.6), (8, 18.5)]}
+    c = StepCost({b: [(x, v / 1e3) for x, v in pts] for b, pts in ms.items()}, max_rows=9)
+    slope = (0.4963 - 0.0648) / 224
+    assert c.step_s(32, 1) == pytest.approx(0.0648 + slope)
+    assert c.step_s(32, 224) == pytest.approx(0.4963)  # where the curve is above the average: the curve
+    assert c.table(32, 0, 4) == pytest.approx([c.step_s(32, n) for n in range(5)])
+    gains = [[0.9, 0.8]] * 2 + [[0.2]] * 30
+    assert choose(gains, 32, c.table(32, 0, 34).__getitem__, margin=MARGIN) == [0] * 32
+    assert choose([[0.9, 0.8]], 1, c.table(1, 0, 2).__getitem__, margin=MARGIN) == [2]
+
+
+def test_the_step_overhead_makes_drafts_pay_that_the_forward_alone_would_not() -> None:
+    """A served step spends as long again outside the forward (verifying, streaming, the loop): a
+    row costs 1.7 ms on a 19 ms forward at batch 8, so 0.6 acceptance does not pay on the forward
+    alone, and does once every step's 19 ms of overhead is counted; the overhead is priced in
+    every entry of the table, and a batch size never observed takes the nearest one's."""
+    c = StepCost({8: [(0, 0.0193), (64, 0.0193 + 64 * 0.0017)], 16: [(0, 0.03), (64, 0.1)]}, max_rows=9)
+    gains = [[0.6]] * 8
+    assert choose(gains, 8, c.table(8, 0, 8).__getitem__, margin=MARGIN) == [0] * 8
+    for _ in range(100):
+        c.observe_overhead(8, 0.019)
+    assert c.overhead_s(8) == pytest.approx(0.019) and c.overhead_s(12) == pytest.approx(0.019)
+    assert c.table(8, 0, 8) == pytest.approx([0.019 + c.step_s(8, n) for n in range(9)])
+    assert choose(gains, 8, c.table(8, 0, 8).__getitem__, margin=MARGIN) == [1] * 8
+    c.observe_overhead(8, 1e9)  # a stall moves it a bounded amount
+    assert c.overhead_s(8) < 0.019 + stepcost.FOLLOW * stepcost.CLIP_HIGH * (0.0193 + 0.019)
+
+
 def test_a_stalled_step_moves_the_estimate_by_a_bounded_amount() -> None:
     c = StepCost(TIMED, max_rows=9)
     _run(c, 8, 100, lambda x: 0.040 + 0.001 * x)
@@ -291,6 +337,7 @@ def test_greedy_with_adaptive_control_equals_off(engine: Engine, off, spec: Spec
     monkeypatch.setattr(engine, "step_costs", lambda *a: planted)
     monkeypatch.setattr(StepCost, "observe_step", lambda *a: None)  # the planted curve stays as planted
     monkeypatch.setattr(StepCost, "observe_draft", lambda *a: None)  # and drafting stays free (no wall-clock)
+    monkeypatch.setattr(StepCost, "observe_overhead", lambda *a: None)  # and so does the rest of a step
     adaptive = spec.model_copy(update={"adaptive": True})
     sizes, cuts = [], []
     real_first = Tree.first
@@ -319,6 +366,7 @@ def test_drafts_stop_when_the_step_is_costly_and_go_full_when_cheap(engine: Engi
     prompts, ref = off
     _the_target_drafts(engine, monkeypatch)
     monkeypatch.setattr(StepCost, "observe_step", lambda *a: None)
+    monkeypatch.setattr(StepCost, "observe_overhead", lambda *a: None)
     spec = SpecConfig(method="draft_model", depth=4, draft_model="the target", adaptive=True)
     drafted = {}
     for name, per_row in (("costly", 1.0), ("cheap", 0.001)):
@@ -330,3 +378,35 @@ def test_drafts_stop_when_the_step_is_costly_and_go_full_when_cheap(engine: Engi
         drafted[name] = [(r.result.stats.drafted_tokens, r.result.stats.draft_steps) for r in reqs]
     assert all(d == 0 for d, _ in drafted["costly"])
     assert all(d == 4 * s and s > 0 for d, s in drafted["cheap"])  # the whole depth at every step
+
+
+def test_a_step_where_nothing_pays_calls_no_drafter(engine: Engine, off, monkeypatch) -> None:
+    """Rows as dear as a whole step: the controller drafts nothing, and the drafter is never
+    called (a step where no draft pays costs what off's step does); the tokens are off's."""
+    prompts, ref = off
+    planted = StepCost({1: [(0, 1.0), (16, 17.0)], 4: [(0, 1.0), (64, 65.0)]}, max_rows=5)
+    monkeypatch.setattr(engine, "step_costs", lambda *a: planted)
+    monkeypatch.setattr(StepCost, "observe_step", lambda *a: None)
+    calls = []
+    real_lockstep = BatchEngine._draft_in_lockstep
+    monkeypatch.setattr(BatchEngine, "_draft_in_lockstep", lambda self, reqs: calls.append(len(reqs)) or real_lockstep(self, reqs))
+    spec = SpecConfig(method="ngram", depth=3, ngram_min=1, ngram_max=3, adaptive=True)
+    be = BatchEngine(engine, max_batch=4, schedule=schedule_of(spec, 4))
+    reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=4)
+    assert [r.result.tokens for r in reqs] == ref
+    assert calls == [] and all(r.result.stats.drafted_tokens == 0 for r in reqs)
+
+
+def test_the_engine_learns_the_time_its_steps_spend_outside_the_forward(engine: Engine, off, monkeypatch) -> None:
+    """10 ms of every step spent after the forward (as a server's streaming would; several of the
+    tiny model's forwards): the step cost's overhead at that batch size follows it."""
+    import time
+
+    prompts, ref = off
+    spec = SpecConfig(method="ngram", depth=3, ngram_min=1, ngram_max=3, adaptive=True)
+    be = BatchEngine(engine, max_batch=2, schedule=schedule_of(spec, 2))
+    real = BatchEngine._retire_finished
+    monkeypatch.setattr(BatchEngine, "_retire_finished", lambda self: time.sleep(0.01) or real(self))
+    reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=2)
+    assert [r.result.tokens for r in reqs] == ref
+    assert 0.007 <= be.cost.overhead_s(2) < 0.05
