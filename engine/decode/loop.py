@@ -22,7 +22,7 @@ from engine.models.hf_forward import HFCache, HFForward
 from engine.models.kvpool import KVCache
 from engine.models.target import ChatTokenizer, Target, load_target, resolve_device
 from engine.trees.tree import Tree
-from engine.trees.verify import process_logits, verify
+from engine.trees.verify import argmax_token, process_logits, verify
 from tuner.schema.config import BuiltinEngineConfig, ModelConfig, SpecConfig, UserError
 
 
@@ -199,7 +199,7 @@ class Engine:
 
     def _pick(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
         if params.temperature <= 0:
-            return int(logits.argmax())
+            return argmax_token(logits)
         return int(torch.multinomial(process_logits(logits, params), 1, generator=gen))
 
     def start(self, prompt_ids: list[int], params: SamplingParams, on_tokens: TokenCallback | None,

@@ -32,7 +32,7 @@ from engine.drafters import Drafter, make_drafter
 from engine.drafters.suffix import restore_caches, snapshot_caches
 from engine.models.target import Target
 from engine.trees.tree import Tree
-from engine.trees.verify import process_logits
+from engine.trees.verify import argmax_token, process_logits
 from engine.measure.workloads import Prompt, encode, sampling_params
 from engine.measure.profile_file import KIND, PROFILE_FILE, Profile, load_profile  # noqa: F401 (re-exported)
 from tuner.schema.config import BuiltinEngineConfig, ModelConfig, SpecConfig, UserError, WorkloadConfig
@@ -119,7 +119,7 @@ def reference_pass(target: Target, prompt: list[int], params: SamplingParams, eo
             probs.append(r)
             tok = int(torch.multinomial(r, 1, generator=gen))
         else:
-            tok = int(logits.argmax())
+            tok = argmax_token(logits)
         tokens.append(tok)
         if end is None:
             if tok in eos:

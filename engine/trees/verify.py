@@ -61,9 +61,24 @@ def accept_sampled(r: torch.Tensor, x: int, q: torch.Tensor, q_j: torch.Tensor, 
     return False, _normalise((r - q_j).clamp_min(0.0), r)
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """The index of each row's largest logit ([N, V] -> N ints), the first of equal ones, as
+    `torch.argmax`. On CPU fp32 through numpy's vectorised argmax: torch's runs element by element,
+    about 75 us over a 49k vocabulary on the EPYC-512 against 4.5 us (8 rows: 284 against 34 us),
+    paid on every token decoded and every verified row."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.detach().numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
+def argmax_token(logits: torch.Tensor) -> int:
+    """The greedy token of one row of logits [V] (`argmax_rows`)."""
+    return argmax_rows(logits[None])[0]
+
+
 def verify_greedy(tree: Tree, logits: torch.Tensor) -> tuple[list[int], int]:
     """logits [N, V] of the tree's nodes -> (accepted node path starting at the root, bonus token)."""
-    best = logits.argmax(dim=-1).tolist()
+    best = argmax_rows(logits)
     path = [0]
     while True:
         child = tree.children(path[-1]).get(best[path[-1]])

@@ -10,6 +10,7 @@ from engine.models.cache import GrowingLayer, commit, new_cache
 from engine.drafters.ngram import NgramDrafter
 from engine.models.target import random_llama
 from engine.trees.tree import Tree, build_dynamic_tree
+from engine.trees.verify import argmax_rows, argmax_token
 from tuner.schema.compose import load_config
 from tuner.schema.config import SpecConfig
 
@@ -164,3 +165,21 @@ def test_growing_cache_equals_dynamic_cache_across_growth_crops_and_commits(mode
         for a, b in zip(grow.layers, ref.layers):
             torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_argmax_is_torchs_first_maximum_in_every_layout() -> None:
+    """The greedy pick (numpy's argmax on CPU fp32) must be torch.argmax's: the first of equal
+    maxima (a tie taken from the other end would change greedy output), NaN as the maximum, strided
+    views (a row of a step's logits), and the torch path for other dtypes."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 4096, generator=g)
+    x[1, 10] = x[1, 4000] = x[1, 2000] = 99.0  # a three-way tie
+    x[2] = 0.0  # all equal
+    x[3, 3000] = float("nan")
+    x[4, 4095] = 99.0  # the last column
+    with torch.inference_mode():
+        for t in (x, x[:, ::3], x.t().contiguous().t(), x.bfloat16(), x.double()):
+            assert argmax_rows(t) == t.argmax(dim=-1).tolist()
+            assert [argmax_token(row) for row in t] == t.argmax(dim=-1).tolist()
+    assert argmax_rows(x)[:5] == [int(x[0].argmax()), 10, 0, 3000, 4095]
+    assert isinstance(argmax_token(x[0]), int)
