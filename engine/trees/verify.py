@@ -64,8 +64,8 @@ def accept_sampled(r: torch.Tensor, x: int, q: torch.Tensor, q_j: torch.Tensor, 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     """The index of each row's largest logit ([N, V] -> N ints), the first of equal ones, as
     `torch.argmax`. On CPU fp32 through numpy's vectorised argmax: torch's runs element by element,
-    about 75 us over a 49k vocabulary on the EPYC-512 against 4.5 us (8 rows: 284 against 34 us),
-    paid on every token decoded and every verified row."""
+    an order of magnitude slower over a 49k vocabulary (docs/results.md), and it is paid on every
+    token decoded and every verified row."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return logits.detach().numpy().argmax(axis=-1).tolist()
     return logits.argmax(dim=-1).tolist()

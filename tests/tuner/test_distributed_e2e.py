@@ -129,7 +129,10 @@ def test_local_workers_over_a_journal_file_survive_a_kill(tmp_path: Path) -> Non
     url = f"journal:{tmp_path / 'study.journal'}"
     # Six grid points (n-gram chains of depth 1..6): enough work that the spawned workers, which
     # start after this process, surely get some of it.
-    grid = [*SMALL, "workload.concurrency=[1]", f"search.storage={url}", "search.workers=3", "search.sampler=grid",
+    # Longer generations than SMALL's: its trials took 0.1-0.3 s, so the parent ran 6 of 7 before the
+    # spawned workers had started, and no worker's trial was seen running to be killed.
+    small = [o for o in SMALL if not o.startswith("workload.max_new_tokens=")]
+    grid = [*small, "workload.max_new_tokens=192", "workload.concurrency=[1]", f"search.storage={url}", "search.workers=3", "search.sampler=grid",
             "search.depth.max=6",
             "search.budget_max=7", "search.n_trials=20"]
     n_points = len(SearchSpace.from_config(load_config(grid)).points())

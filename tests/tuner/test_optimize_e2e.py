@@ -60,7 +60,10 @@ def test_quick_study_end_to_end(tmp_path: Path, engine, capsys) -> None:
     reused = [r for r in rows if r["reused_from"]]  # a point the sampler proposed again: not counted in the 6
     rows = [r for r in rows if r["role"] != "confirm" and not r["reused_from"]]
     # a noisy machine can give a searched trial a second repeat, and then a bound can prune it
-    assert len(rows) == 6 and rows[0]["state"] == "COMPLETE" and all(r["state"] == "COMPLETE" for r in confirms)
+    # the budget of 6 measured trials, or fewer when the sampler had proposed measured points 6 times
+    # (a tiny space: the study ends rather than loop)
+    assert (len(rows) == 6 or (len(rows) < 6 and len(reused) >= 6)), (len(rows), len(reused))
+    assert rows[0]["state"] == "COMPLETE" and all(r["state"] == "COMPLETE" for r in confirms)
     assert all(r["state"] in ("COMPLETE", "PRUNED") for r in rows[1:]) and any(r["state"] == "COMPLETE" for r in rows[1:])
     assert {r["spec"] for r in confirms} <= {r["spec"] for r in rows[1:]}
     assert rows[0]["role"] == "baseline" and rows[0]["spec"] == "off"
