@@ -249,6 +249,10 @@ class Objective:
             done = len(ratios) >= self.search.repeats_min and (
                 is_off and self._tight([_mean_tok(s_) for s_ in spec_s])
                 or not is_off and self._tight(ratios))
+            if clock is not None:
+                # threads without SIGALRM: a repeat that ran past the limit fails the trial, the last one
+                # too, as the alarm would have in the main thread
+                clock.check()
             if done or r + 1 == repeats_max:
                 break
             # Pruning is single-objective only in Optuna; the study's pruner is BoundPruner.
@@ -256,7 +260,6 @@ class Objective:
                 raise optuna.TrialPruned(f"hopeless after {r + 1} repeat(s): speedup {ratios[-1]:.3f}, its optimistic "
                                          "bound below the best trial's pessimistic one")
             if clock is not None:
-                clock.check()  # threads without SIGALRM
                 # Size the repeats to the limit: stop (complete) when one more would not fit.
                 if not next_repeat_fits(clock.elapsed() - repeat_t0):
                     if trial is not None:
