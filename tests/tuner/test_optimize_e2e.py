@@ -90,7 +90,7 @@ def test_quick_study_end_to_end(tmp_path: Path, engine, capsys) -> None:
     (run_dir / "report.html").unlink()
     (run_dir / "trials.csv").unlink()
     assert main(["report", str(run_dir)]) == 0
-    assert (run_dir / "report.html").is_file() and len(_rows(run_dir)) == 6 + len(confirms) + len(reused)
+    assert (run_dir / "report.html").is_file() and len(_rows(run_dir)) == len(rows) + len(confirms) + len(reused)
 
 
 def test_winner_is_off_when_speculation_cannot_help(tmp_path: Path, engine) -> None:
