@@ -136,22 +136,23 @@ class StepCost:
     def step_s(self, batch: int, extra: float) -> float:
         """Expected seconds of a live step: the batch size's fit of its live steps on the curve
         (engine.decode.stepcost), the curve times the live level where that batch size has not run."""
+        return self._forward_s(batch, extra, 0)[0]
+
+    def _forward_s(self, batch: int, extra: float, count: int) -> list[float]:
+        """`step_s(batch, extra + n)` for n = 0..count, the fit computed once."""
         c0 = self.curve_s(batch, 0)
-        m = self.rows_s(batch, extra) / c0
         live = self.live.get(batch)
         a, b = live.fit(self.level) if live is not None else (self.level, self.level)
-        return c0 * max(a + b * m, 0.1)
+        slope = self._slope(batch, c0)
+        return [c0 * max(a + b * max(self.curve_s(batch, extra + n) - c0, slope * (extra + n)) / c0, 0.1)
+                for n in range(count + 1)]
 
     def table(self, batch: int, extra: float, count: int) -> list[float]:
         """Seconds of a whole step with n = 0..count draft rows: `step_s(batch, extra + n)` (the fit
         computed once) plus the step's overhead beyond the forward (`overhead_s`). What the
         controller reads for every total of rows it weighs (a few hundred per step at batch 32)."""
-        c0 = self.curve_s(batch, 0)
-        live = self.live.get(batch)
-        a, b = live.fit(self.level) if live is not None else (self.level, self.level)
-        over, slope = self.overhead_s(batch), self._slope(batch, c0)
-        return [over + c0 * max(a + b * max(self.curve_s(batch, extra + n) - c0, slope * (extra + n)) / c0, 0.1)
-                for n in range(count + 1)]
+        over = self.overhead_s(batch)
+        return [over + t for t in self._forward_s(batch, extra, count)]
 
     def overhead_s(self, batch: int) -> float:
         """A step's seconds outside the forward and the drafting at this batch size (the nearest
