@@ -54,10 +54,16 @@ def test_check_passes_on_the_tuned_spec_and_fails_on_another(draft_dir: Path, tm
                           provenance=Provenance(study="s", date="2026-12-01T00:00:00+00:00", model="tiny-random",
                                                 hardware="cpu", engine="builtin", workload="code"))
         (run / "best.yaml").write_text(yaml.safe_dump(best.model_dump(mode="json")))
-        # timing figures on a shared machine move a lot between passes: a wide tolerance for them;
-        # tau stays within the default 5%
-        assert main(["check", "--url", url, "--against", str(run), "--repeats", "1", "--tolerance", "0.9"]) == 0
-        out = capsys.readouterr().out.splitlines()
+        # Timing figures of a 3 ms step move a lot between passes on a shared machine (one scheduler
+        # hiccup doubles a p99 of one pass; CI saw 3.3 -> 7.5 ms): a wide tolerance, and up to 3 passes
+        # for them. tau, which is what this test is about, holds within the default 5% in every pass.
+        for _ in range(3):
+            rc = main(["check", "--url", url, "--against", str(run), "--repeats", "1", "--tolerance", "0.9"])
+            out = capsys.readouterr().out.splitlines()
+            assert not any(ln.startswith("tau: ") and "below the tuned" in ln for ln in out), out
+            if rc == 0:
+                break
+        assert rc == 0, out
         assert out[0].startswith("tau: ") and "within noise of the tuned" in out[0]
         assert out[-1].startswith(f"{url} performs as tuned in {run} (spec 'draft_model d3 k1 b4'")
     with serve(["spec.method=off"]) as url:

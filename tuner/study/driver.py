@@ -52,7 +52,12 @@ def run_trials(study: optuna.Study, objective: Objective, search: SearchConfig,
             try:
                 outcome = objective.run_one()
             except BudgetSpent:
-                break
+                # Running trials hold their share of the budget, but one that turns out to re-propose a
+                # measured point gives it back (not counted): wait for them, then ask again if it did.
+                study.wait_done()
+                if budget.spent(study.get_trials(deepcopy=False)):
+                    break
+                continue
         n += 1
         if on_trial is not None:
             on_trial(outcome)
