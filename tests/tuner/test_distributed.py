@@ -101,6 +101,48 @@ def test_budget_holds_across_workers_and_enqueued_trials_run_once(server, tmp_pa
     assert len(_study(server.url, "budget").get_trials()) == len(trials)
 
 
+def test_a_worker_refused_by_a_running_trial_asks_again_when_it_reused_a_measured_point() -> None:
+    """A running trial holds its share of the budget; when it turns out to re-propose a measured
+    point it gives the share back. A worker refused meanwhile waits for it, then measures the last
+    trial itself (CI once ended a 14-trial study at 12 measured: the refused workers had left)."""
+    from tuner.study.studies import REUSED, Budget
+    from tuner.study.workers import BudgetSpent, WorkerStudy
+
+    def trial(state: TrialState, **attrs) -> optuna.trial.FrozenTrial:
+        t = optuna.trial.create_trial(state=TrialState.COMPLETE, value=1.0, user_attrs=attrs)
+        t.state = state
+        return t
+
+    class Study(WorkerStudy):
+        def __init__(self) -> None:  # no storage: the driver reads trials, waits, and asks
+            self.budget = Budget(2, count="started")
+            self.heartbeat = type("Beat", (), {"stop": lambda self: None})()
+            self.held = [trial(TrialState.COMPLETE), trial(TrialState.RUNNING)]  # the other worker's
+            self.waited = 0
+
+        def get_trials(self, deepcopy: bool = False, states=None):
+            return list(self.held)
+
+        def wait_done(self, *args, **kwargs) -> None:  # the other worker's trial reused trial 0
+            self.waited += 1
+            self.held[1] = trial(TrialState.COMPLETE, **{REUSED: 0})
+
+    class Ask:
+        def __init__(self, study: Study) -> None:
+            self.study = study
+
+        def run_one(self) -> str:
+            if study.budget.spent(study.held):
+                raise BudgetSpent
+            study.held.append(trial(TrialState.COMPLETE))
+            return "measured"
+
+    study = Study()
+    cfg = load_config(BASE)
+    assert run_trials(study, Ask(study), cfg.search) == 1  # without the wait it ran none
+    assert study.waited == 2 and sum(1 for t in study.held if REUSED not in t.user_attrs) == 2
+
+
 def test_grid_points_each_run_once_over_a_journal_file(tmp_path: Path) -> None:
     url = f"journal:{tmp_path / 'study.journal'}"
     cfg = load_config([*BASE, f"search.storage={url}", "search.study_name=grid", "search.sampler=grid",
