@@ -31,6 +31,7 @@ def test_who_is_bounded() -> None:
     assert probed_methods(load_config([*BASE, "search.methods=[eagle]"])) == [], "heads alone: the user asked for them"
     assert probed_methods(load_config([*BASE, "spec.method=eagle"])) == [], "pinned by spec.method"
     assert probed_methods(load_config([*BASE, "search.storage=journal:/tmp/x.log"])) == [], "a shared study: one space"
+    assert probed_methods(load_config([*BASE, "search.head_bound=false"])) == [], "turned off"
     assert chain_depths(load_config(BASE), 5.41) == [1, 5]
     assert chain_depths(load_config([*BASE, "search.depth.max=3"]), 5.41) == [1, 3], "within the space's depths"
 

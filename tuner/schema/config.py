@@ -438,6 +438,10 @@ class SearchConfig(_Strict):
     # compared with the best static schedule and off per level (best.yaml `arms`); False for saved
     # configs from before the key existed
     adaptive: bool = False
+    # the built-in engine: a head that would be trained for the study is first bounded on this
+    # machine (tuner.study.headbound) and left out of the search when it cannot beat speculation off;
+    # False trains it regardless (and for saved configs from before the key existed)
+    head_bound: bool = False
 
     @field_validator("storage")
     @classmethod

@@ -17,8 +17,8 @@ the study leaves the method out, prints one line with the figures and records th
 (a resumed study too) search the same space without measuring again.
 
 Never for a head the user gave or pinned (spec.head_path, spec.method, a search of head methods
-alone), nor for a study other machines share (search.storage set: every worker must search one
-space): those train as before.
+alone, search.head_bound=false), nor for a study other machines share (search.storage set: every
+worker must search one space): those train as before.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ BOUND_FILE = "bound.json"
 def probed_methods(cfg: Config) -> list[str]:
     """The head methods whose bound is measured before training: searched beside a training-free
     method, not pinned by the user, in a study that lives on this machine."""
-    if cfg.search.storage is not None:
+    if not cfg.search.head_bound or cfg.search.storage is not None:
         return []
     methods = [m for m in cfg.search.methods if m != "off"]
     if not any(method_info(m).training_free for m in methods):
