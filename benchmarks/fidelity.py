@@ -15,7 +15,8 @@
    winner's reference speedup, over the best), the held-out check (best.yaml `heldout_check`: the
    held-out prompts against as many tuning prompts, interleaved, each with its interval; the gap
    is held-out over tuning; `tau_gap` the same for the two sets' tau, a property of the prompts, and
-   `gap_at_equal_tau` the gap with it taken out, the timing's own error), and the wall time. Goals (issue 39): regret <= 0.03 and held-out within 5% of tuning in every run.
+   `gap_at_equal_tau` the gap with it taken out: the timing's error and what tau does not carry,
+   such as the prefill's share), and the wall time. Goals (issue 39): regret <= 0.03 and held-out within 5% of tuning in every run.
 
 Prints one line per run; the last line printed is one JSON object with `max_regret`,
 `max_heldout_gap`, `max_heldout_gap_at_equal_tau` and `runs`. Usage:
