@@ -32,7 +32,8 @@ def test_who_is_bounded() -> None:
     assert probed_methods(load_config([*BASE, "spec.method=eagle"])) == [], "pinned by spec.method"
     assert probed_methods(load_config([*BASE, "search.storage=journal:/tmp/x.log"])) == [], "a shared study: one space"
     assert probed_methods(load_config([*BASE, "search.head_bound=false"])) == [], "turned off"
-    assert chain_depths(load_config(BASE), 5.41) == [1, 5]
+    assert chain_depths(load_config(BASE), 5.41) == [1, 4, 5]
+    assert chain_depths(load_config(BASE), 4.0) == [1, 3], "an integer tau: one depth reaches it"
     assert chain_depths(load_config([*BASE, "search.depth.max=3"]), 5.41) == [1, 3], "within the space's depths"
 
 

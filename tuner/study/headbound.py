@@ -64,12 +64,13 @@ def bound_path(head_dir: Path) -> Path:
 
 
 def chain_depths(cfg: Config, tau: float) -> list[int]:
-    """The chain depths whose bound is measured: the shallowest of the space (the best bound when a
-    head step costs about a target step or more) and the shallowest at which tau caps the tokens a
-    step commits (the best when it costs less); both within search.depth and budget_max."""
+    """The chain depths whose bound is measured, within search.depth and budget_max. With a step that
+    grows by a head step per depth, min(d + 1, tau) / step(d) peaks at one of three: the shallowest
+    depth (a head step costing about a target step or more), the deepest whose d + 1 stays within
+    tau, or the next, where tau caps it (which of the two depends on the head step's cost)."""
     top = min(cfg.search.depth.max, cfg.search.budget_max - 1)
     lo = cfg.search.depth.min
-    return sorted({lo, max(lo, min(top, math.ceil(tau) - 1))})
+    return sorted({lo, *(max(lo, min(top, d)) for d in (math.floor(tau) - 1, math.ceil(tau) - 1))})
 
 
 def measure_bound(cfg: Config, engine: Engine, method: str) -> HeadBound:
