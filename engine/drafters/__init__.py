@@ -19,7 +19,7 @@ from tuner.schema.config import SpecConfig, UserError
 from tuner.schema.methods import engine_methods
 
 __all__ = ["Drafter", "ModelDrafter", "NgramDrafter", "NgramTrieDrafter", "SuffixDrafter", "RecycleDrafter", "DraftModelDrafter", "EagleDrafter", "Eagle3Drafter",
-           "MedusaDrafter", "make_drafter", "load_draft_model"]
+           "MedusaDrafter", "make_drafter", "load_draft_model", "untrained_drafter"]
 
 _LOCK = threading.Lock()
 _MODELS: dict[tuple, torch.nn.Module] = {}
@@ -139,3 +139,26 @@ def make_drafter(spec: SpecConfig, target, seed: int = 0) -> Drafter | None:
     if spec.method == "eagle3":
         return Eagle3Drafter(spec, load_eagle3_head(spec, target, seed), target.model)
     return EagleDrafter(spec, load_eagle_head(spec, target, seed), target.model)
+
+
+def untrained_drafter(spec: SpecConfig, target, draft_vocab: int, seed: int = 0) -> Drafter:
+    """A drafter of `spec` (eagle or eagle3) with a seeded random head of the shape training gives
+    it: a draft vocabulary of `draft_vocab` target tokens (train.draft_vocab; 0: the whole vocabulary),
+    in the format it is served in. A draft step costs what the trained head's costs, and its drafts
+    are rejected, so it times a head's steps before any head is trained; verification keeps the
+    output exact. Never cached: nothing else drafts with it."""
+    from engine.models.eagle3_head import init_eagle3
+    from engine.models.eagle_head import random_head
+
+    model = target.model
+    vocab = model.config.vocab_size
+    ids = torch.arange(min(draft_vocab, vocab) if draft_vocab > 0 else vocab)
+    if spec.method == "eagle3":
+        head = _at_target_weights(init_eagle3(model, ids, None, seed).to(device=target.device, dtype=target.dtype).eval(),
+                                  model)
+        return Eagle3Drafter(spec, head, model)
+    if spec.method != "eagle":
+        raise UserError(f"spec.method={spec.method}: an untrained head is built for eagle and eagle3 only")
+    head = random_head(model.config, seed)
+    head.draft_ids = ids if draft_vocab > 0 else None
+    return EagleDrafter(spec, _at_target_weights(head.to(device=target.device, dtype=target.dtype).eval(), model), model)

@@ -353,7 +353,7 @@ def test_the_heldout_check_compares_as_many_tuning_prompts_interleaved_until_bot
     now: two each when the figures agree, three when the held-out ones wander and the noise rose (a
     trial may then take 3). The gap is held-out over tuning, with both intervals."""
     from tuner.projection.profiling import CHECK, check_prompt_count
-    from tuner.study.selection import describe_check, heldout_check
+    from tuner.study.selection import describe_check, gap_at_equal_tau, heldout_check, tau_gap
 
     cfg = load_config([*CFG, "search.ci_rel_width=0.10"])
     assert cfg.search.trial_prompts == 2 and check_prompt_count(cfg) == cfg.workload.num_heldout == 6
@@ -381,3 +381,9 @@ def test_the_heldout_check_compares_as_many_tuning_prompts_interleaved_until_bot
     line = describe_check(check)
     assert line.startswith("held-out check: held-out ") and "on 6 prompts against tuning 1.400x" in line
     assert "(3 pairs each, interleaved)" in line
+    # the prompts' own tau taken out: held-out tau 2.0 as the tuning prompts' -> the gap is all timing
+    assert tau_gap(check) == pytest.approx(0.0) and gap_at_equal_tau(check) == pytest.approx(check.gap)
+    lower = check.model_copy(update={"heldout": check.heldout.model_copy(update={"tau": 1.6})})
+    assert tau_gap(lower) == pytest.approx(-0.2)
+    assert gap_at_equal_tau(lower) == pytest.approx((1 + check.gap) / 0.8 - 1)
+    assert "tau 1.60 against 2.00 (20.0% below)" in describe_check(lower)

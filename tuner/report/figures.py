@@ -618,6 +618,10 @@ def write_html(study: optuna.Study, run_dir: Path, best: BestResult | None, skip
             from tuner.study.selection import describe_check
 
             parts.append(f"<li>{html.escape(describe_check(best.heldout_check))}</li>")
+        if best.head_bounds:
+            from tuner.study.headbound import describe as describe_bound
+
+            parts += [f"<li>{html.escape(describe_bound(b))}</li>" for b in best.head_bounds]
         if best.chain_spec is not None:
             parts.append(f"<li>best chain (for vLLM): {html.escape(best.chain_spec.key())}</li>")
         if best.capacity is not None:

@@ -17,8 +17,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from tuner.schema.results import (ArmLevel, Arms, BestResult, Capacity, CapacityProbe, Figures, PartResult,
-                                  ProjectedPoint, Projection, Provenance)
+from tuner.schema.results import (ArmLevel, Arms, BestResult, Capacity, CapacityProbe, Figures, HeadBound,
+                                  PartResult, ProjectedPoint, Projection, Provenance)
 from tuner.schema.methods import SpecMethod, engine_refusal, head_methods, search_refusal
 from tuner.schema.precision import auto_weights
 from tuner.schema.spec import SpecConfig, UserError
@@ -438,6 +438,10 @@ class SearchConfig(_Strict):
     # compared with the best static schedule and off per level (best.yaml `arms`); False for saved
     # configs from before the key existed
     adaptive: bool = False
+    # the built-in engine: a head that would be trained for the study is first bounded on this
+    # machine (tuner.study.headbound) and left out of the search when it cannot beat speculation off;
+    # False trains it regardless (and for saved configs from before the key existed)
+    head_bound: bool = False
 
     @field_validator("storage")
     @classmethod

@@ -170,6 +170,20 @@ class HeldoutCheck(_Strict):
     gap: float
 
 
+class HeadBound(_Strict):
+    """The best speedup a head of `method` could reach on this machine, measured before its answers
+    and training (tuner.study.headbound): an untrained head of the trained head's shape timed against
+    speculation off, its chains assumed to commit min(depth + 1, tau) tokens a step."""
+
+    method: str
+    tau: float  # the generous acceptance assumed: the highest published for the head family
+    off_step_ms: float  # one decode step, speculation off
+    step_ms: dict[str, float]  # spec key of each measured chain -> one step with the untrained head
+    bounds: dict[str, float]  # spec key -> min(depth + 1, tau) x off step / its step
+    bound: float  # the best of them
+    trained: bool  # bound >= 1.0: the head is trained and searched; else the method is left out
+
+
 class BestResult(_Strict):
     """`best.yaml` in a run directory: written by `tuner optimize`, read by `tuner render --from`."""
 
@@ -193,3 +207,4 @@ class BestResult(_Strict):
     # wall seconds of each phase of the run that wrote it, in order (engine load, a draft's answers
     # and training when made in that run, trials, confirmation round, held-out check)
     phases_s: dict[str, float] = {}
+    head_bounds: list[HeadBound] = []  # a head's bound measured before training it (tuner.study.headbound)

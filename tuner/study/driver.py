@@ -19,10 +19,11 @@ from optuna.trial import TrialState
 
 from engine.heartbeat import INTERVAL_S, Heartbeat
 from tuner.study.limits import check_trial_fits
-from tuner.study.measurer import LAUNCHED, get_drafts, needs_head, open_engine, study_measure, study_prompts
+from tuner.study.measurer import (LAUNCHED, get_drafts, needs_head, open_engine, study_measure, study_prompts,
+                                  without_methods)
 from tuner.study.objective import MeasureFn, Objective, TrialOutcome
 from tuner.study.selection import describe, leader
-from tuner.schema.config import BestResult, Config, SearchConfig
+from tuner.schema.config import BestResult, Config, HeadBound, SearchConfig
 from tuner.schema.fit import check_study_fits
 from tuner.search.space import SearchSpace
 from tuner.study.studies import Budget, finished_count
@@ -150,7 +151,10 @@ def drive(cfg: Config, run_dir: Path, open_study: Callable[[SearchSpace], optuna
     if engine is None and measure is None and cfg.engine.kind not in LAUNCHED:
         engine = open_engine(cfg)
         phases["engine load"] = round(time.monotonic() - t0, 1)
-    space = SearchSpace.from_config(cfg, head_paths=get_drafts(cfg, engine, quiet, phases))
+    bounds: list[HeadBound] = []  # heads bounded before training; one that cannot win here is left out
+    drafts = get_drafts(cfg, engine, quiet, phases, bounds)
+    cfg = without_methods(cfg, bounds)
+    space = SearchSpace.from_config(cfg, head_paths=drafts)
     if before_work is not None and head_first:
         before_work()
     study = open_study(space)
@@ -182,6 +186,7 @@ def drive(cfg: Config, run_dir: Path, open_study: Callable[[SearchSpace], optuna
             best = finish(study, objective, ran, progress.log)
             if best is not None:
                 best.phases_s = {**phases, **best.phases_s}
+                best.head_bounds = bounds
                 progress.log(f"winner: {best.spec.key()} — {best.reason}")
                 progress.log("time: " + ", ".join(f"{k} {v:.0f} s" for k, v in best.phases_s.items()))
     return study, best

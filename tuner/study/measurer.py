@@ -10,6 +10,7 @@ tuner.study.limits).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,7 +20,7 @@ from tuner.projection.profiling import CHECK, check_prompt_count, tuning_prompts
 from tuner.schema.compose import packaged_workloads
 from tuner.study.limits import startup_excluded
 from tuner.study.objective import Sample, Split
-from tuner.schema.config import Config, Level, Rate, SpecConfig, UserError
+from tuner.schema.config import Config, HeadBound, Level, Rate, SpecConfig, UserError
 from tuner.schema.methods import head_methods
 
 if TYPE_CHECKING:  # the engine's heavy modules (torch) load only where a study runs
@@ -353,32 +354,57 @@ def existing_draft(cfg: Config, method: str) -> str | None:
 
 
 def get_drafts(cfg: Config, engine: Engine | None, quiet: bool = False,
-               phases: dict[str, float] | None = None) -> dict[str, str]:
+               phases: dict[str, float] | None = None, bounds: list[HeadBound] | None = None) -> dict[str, str]:
     """The trained drafts the searched methods need, by method: n-gram needs none. For each head
     method, in order: `spec.head_path` when spec.method is that method, the model's published head
     on an external engine (`model.draft_sources`), else the cached head of this target and workload
     or a newly trained one (engine.heads.drafts: the trainer of each method). A draft trained now
-    adds its wall seconds to `phases`: "<method> answers" (its data) and "<method> training"."""
+    adds its wall seconds to `phases`: "<method> answers" (its data) and "<method> training".
+
+    With the built-in `engine` and `bounds` (a list to fill), a head that would be trained now is
+    first bounded (tuner.study.headbound); one that cannot beat speculation off here is not trained
+    and is absent from the result: the caller leaves it out of the search (`without_methods`)."""
     from rich.console import Console
 
     from engine.heads.drafts import ensure_draft
-    from engine.heads.pipeline import read_meta
+    from engine.heads.pipeline import head_dir, read_meta
+    from tuner.study.headbound import describe, head_bound, probed_methods
     from tuner.study.progress import head_progress
 
     console = Console(stderr=True, quiet=quiet)
     out: dict[str, str] = {}
+    probed = probed_methods(cfg) if engine is not None and bounds is not None else []
     for m in (m for m in cfg.search.methods if m in head_methods()):
         if (found := existing_draft(cfg, m)) is not None:
             out[m] = found
-        else:
-            console.print(f"training the {m} draft for {cfg.model.name} on workload {cfg.workload.name} "
-                          "(once: cached for later studies)", highlight=False)
-            # The other packaged workloads add diversity and, above all, their held-out prompts are excluded.
-            with head_progress(quiet) as report:
-                out[m] = str(ensure_draft(train_job(cfg), m, engine, workloads=packaged_workloads(cfg),
-                                          report=report))
+            continue
+        if m in probed and bounds is not None:
+            t0 = time.monotonic()
+            b = head_bound(cfg, engine, m, head_dir(train_job(cfg), m))
+            bounds.append(b)
             if phases is not None:
-                meta = read_meta(out[m])
-                phases[f"{m} answers"] = meta["data_seconds"]
-                phases[f"{m} training"] = round(meta["total_seconds"] - meta["data_seconds"], 1)
+                phases[f"{m} bound"] = round(time.monotonic() - t0, 1)
+            console.print(describe(b), highlight=False)
+            if not b.trained:
+                continue
+        console.print(f"training the {m} draft for {cfg.model.name} on workload {cfg.workload.name} "
+                      "(once: cached for later studies)", highlight=False)
+        # The other packaged workloads add diversity and, above all, their held-out prompts are excluded.
+        with head_progress(quiet) as report:
+            out[m] = str(ensure_draft(train_job(cfg), m, engine, workloads=packaged_workloads(cfg),
+                                      report=report))
+        if phases is not None:
+            meta = read_meta(out[m])
+            phases[f"{m} answers"] = meta["data_seconds"]
+            phases[f"{m} training"] = round(meta["total_seconds"] - meta["data_seconds"], 1)
     return out
+
+
+def without_methods(cfg: Config, bounds: list[HeadBound]) -> Config:
+    """cfg searching without the head methods whose bound left them out (a copy; cfg itself when none)."""
+    out = {b.method for b in bounds if not b.trained}
+    if not out:
+        return cfg
+    cfg = cfg.model_copy(deep=True)
+    cfg.search.methods = [m for m in cfg.search.methods if m not in out]
+    return cfg
