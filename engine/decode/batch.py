@@ -38,7 +38,7 @@ import torch
 
 from engine.api import GenResult, SamplingParams, TokenCallback
 from engine.decode.acceptance import BATCH_RATE, Acceptance
-from engine.decode.control import MARGIN, choose
+from engine.decode.control import MARGIN, PROBE_EVERY, choose, probe
 from engine.drafters import Drafter, make_drafter
 from engine.drafters.lockstep import draft_together, lockstep_groups
 from engine.trees.tree import Tree
@@ -372,10 +372,22 @@ class BatchEngine:
         est = [self._estimate(r, spec) for r in live]
         nodes = spec.budget - 1
         gains = [e.gains(nodes) for e in est]
+        fills = [e.rows for e in est]
         # every total of draft rows the controller weighs, priced once (a call per total costs a
-        # few ms a step at batch 32, more than the rows it saves)
-        step_s = cost.table(batch, extra, sum(map(len, gains))).__getitem__
-        limits = choose(gains, batch, step_s, cost.draft_s, MARGIN)
+        # few ms a step at batch 32, more than the rows it saves); between totals (the expected
+        # rows of drafters that do not always fill their nodes) linearly
+        table = cost.table(batch, extra, sum(map(len, gains)))
+
+        def step_s(n: float) -> float:
+            i = min(int(n), len(table) - 2) if len(table) > 1 else 0
+            return table[i] if len(table) == 1 else table[i] + (table[i + 1] - table[i]) * (n - i)
+
+        limits = choose(gains, batch, step_s, cost.draft_s, MARGIN, fills)
+        probed = None
+        if self.steps % PROBE_EVERY == 0:  # one node beyond the choice, for what the estimates learn
+            probed = probe(limits, gains, [e.age for e in est], batch, step_s, cost.draft_s, MARGIN, fills)
+            if probed is not None:
+                limits[probed] += 1
         if not any(limits):  # nothing pays: the step is off's, no drafter call, no cut
             return {id(r): (Tree.chain(r.state.ids[-1], []), 0.0) for r in live}
         drafting = [(r, n) for r, n in zip(live, limits) if n > 0]
@@ -400,7 +412,13 @@ class BatchEngine:
         drafting_s = time.perf_counter() - t
         self._busy += drafting_s  # priced per node (draft_s), not as the step's overhead
         cost.observe_draft(drafting_s, sum(sizes))
+        batch_est = self.accept[spec.key()]
+        for e, n, size in zip(est, limits, sizes):
+            e.observe_fill(n, size)
+            batch_est.observe_fill(n, size)
         keep = choose([e.gains(s) for e, s in zip(est, sizes)], batch, step_s, margin=MARGIN)
+        if probed is not None:  # the probe is verified whatever the cut says
+            keep[probed] = max(keep[probed], min(limits[probed], sizes[probed]))
         for r, k, size in zip(live, keep, sizes):
             if id(r) not in out:  # the controller chose no draft
                 out[id(r)] = (Tree.chain(r.state.ids[-1], []), 0.0)
