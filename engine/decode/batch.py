@@ -22,7 +22,8 @@ A band whose spec is adaptive (`spec.adaptive`) sizes each request's draft every
 spec's depth and budget (engine.decode.control): before drafting from the requests' acceptance
 estimates (engine.decode.acceptance) and the step-cost curve (engine.decode.stepcost), drafters
 drafting at most that many nodes or not at all; after drafting from the drafts' real sizes, each
-draft cut to the nodes that pay. Every verify step then updates the estimates.
+draft cut to the nodes that pay. Every PROBE_EVERY steps one request may draft one node more
+(`control.probe`), verified whatever the cut. Every verify step then updates the estimates.
 """
 
 from __future__ import annotations
