@@ -15,7 +15,14 @@ prior's ratio per level, so what the probes learn at shallow indices carries to 
 Besides acceptance, each estimate follows its drafter's fill: the nodes a draft call yields over
 the nodes it was allowed. A lookup drafter (n-gram, suffix) finds nothing on most steps of some
 prompts; the controller counts a request's allowed nodes as that share of a row each before
-drafting, and prices the real drafts after."""
+drafting, and prices the real drafts after.
+
+A drafter that states a confidence in its draft (`Tree.conf`: an n-gram or suffix lookup's share
+of the matched context's occurrences that its first token followed) is calibrated online: per
+confidence band, the batch's acceptance of the drafts in that band (`Calibration`). A draft's
+expected gains are then its request's estimate times its band's acceptance over the batch's: a
+continuation seen every time the context occurred counts for more than one seen once in five.
+A band nothing was observed in yet starts from the batch's estimate (a factor of 1)."""
 
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ REQUEST_RATE = 0.3  # a request's own estimate follows its last few verify steps
 BATCH_RATE = 0.05  # the batch's estimate averages over many requests' steps
 DRIFT = 1 / 32  # per step, an unverified index moves this share of the way back
 LOW_FILL = 0.05  # a drafter's fill is taken as at least this (a request's allowed nodes are never free)
+BANDS = (0.5, 0.8, 1.0)  # confidence bands: below 0.5, below 0.8, below 1, exactly 1 (always followed)
 
 
 class Acceptance:
@@ -81,3 +89,33 @@ class Acceptance:
             low = min(low, max(v, 0.0))
             out.append(low)
         return out
+
+
+class Calibration:
+    """The batch's acceptance per confidence band (BANDS), each started from the batch's estimate
+    when first seen and followed at the batch's rate."""
+
+    def __init__(self) -> None:
+        self.bands: dict[int, Acceptance] = {}
+
+    @staticmethod
+    def band(conf: float) -> int:
+        return sum(conf >= b for b in BANDS)
+
+    def gains(self, est: Acceptance, batch: Acceptance, conf: float | None, nodes: int) -> list[float]:
+        """A draft's expected gains per node: `est`'s times its band's acceptance over `batch`'s
+        (`est`'s own where `conf` is None or the band is new), non-increasing, at most 1."""
+        cal = self.bands.get(self.band(conf)) if conf is not None else None
+        if cal is None:
+            return est.gains(nodes)
+        scaled = Acceptance(len(est.p), [min(max(p * c / max(b, 1e-3), 0.0), 1.0)
+                                         for p, c, b in zip(est.p, cal.p, batch.p)])
+        return scaled.gains(nodes)
+
+    def update(self, batch: Acceptance, conf: float | None, drafted: int, path: list[int]) -> None:
+        """A verified draft of confidence `conf` (nothing learnt without one)."""
+        if conf is None or drafted <= 0:
+            return
+        cal = self.bands.setdefault(self.band(conf), Acceptance(len(batch.p), batch.p, batch.rate))
+        cal.update(drafted, path)
+        cal.drift(drafted)

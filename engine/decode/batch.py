@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from engine.api import GenResult, SamplingParams, TokenCallback
-from engine.decode.acceptance import BATCH_RATE, Acceptance
+from engine.decode.acceptance import BATCH_RATE, Acceptance, Calibration
 from engine.decode.control import MARGIN, PROBE_EVERY, choose, probe
 from engine.drafters import Drafter, make_drafter
 from engine.drafters.lockstep import draft_together, lockstep_groups
@@ -152,6 +152,7 @@ class BatchEngine:
         adaptive = [s for _, _, s in self.schedule if s.adaptive and s.method != "off"]
         self.cost = engine.step_costs(max_batch, self.room) if adaptive else None
         self.accept = {s.key(): Acceptance(s.budget - 1, rate=BATCH_RATE) for s in adaptive}
+        self.calib = {s.key(): Calibration() for s in adaptive}  # per spec: its drafters' confidence bands
         # the step overhead the step cost learns (adaptive only): the last step's start, its decode
         # batch and its seconds in forwards and drafting, while the next step follows at once
         self._last: tuple[float, int, float] | None = None
@@ -417,7 +418,9 @@ class BatchEngine:
         for e, n, size in zip(est, limits, sizes):
             e.observe_fill(n, size)
             batch_est.observe_fill(n, size)
-        keep = choose([e.gains(s) for e, s in zip(est, sizes)], batch, step_s, margin=MARGIN)
+        cal = self.calib[spec.key()]
+        real = [cal.gains(e, batch_est, out[id(r)][0].conf if s > 0 else None, s) for r, e, s in zip(live, est, sizes)]
+        keep = choose(real, batch, step_s, margin=MARGIN)
         if probed is not None:  # the probe is verified whatever the cut says
             keep[probed] = max(keep[probed], min(limits[probed], sizes[probed]))
         for r, k, size in zip(live, keep, sizes):
@@ -431,7 +434,7 @@ class BatchEngine:
     def _learn(self, spec: SpecConfig, verified: list[tuple[Request, Tree]]) -> None:
         """Update the acceptance estimates from a step's verifications: each request's own, and
         the batch's from every request's; indices nobody verified drift back (engine.decode.acceptance)."""
-        batch = self.accept[spec.key()]
+        batch, cal = self.accept[spec.key()], self.calib[spec.key()]
         most = 0
         for req, tree in verified:
             if req.state.drafter is None:
@@ -440,6 +443,7 @@ class BatchEngine:
             drafted = tree.size - 1
             est.update(drafted, req.state.path)
             est.drift(drafted, batch.p)
+            cal.update(batch, tree.conf, drafted, req.state.path)
             batch.update(drafted, req.state.path)
             most = max(most, drafted)
         batch.drift(most)

@@ -482,3 +482,41 @@ def test_probes_learn_that_drafts_pay_where_the_prior_said_they_would_not(engine
     assert drafted["no probes"] == 0 and drafted["costly"] == 0
     # more than the probes' own nodes: at most one every PROBE_EVERY steps, of at most one a token
     assert drafted["probes"] > len(prompts) * N_NEW // PROBE_EVERY
+
+
+def test_an_ngram_draft_states_how_often_its_continuation_followed_the_match() -> None:
+    from engine.drafters.ngram import NgramDrafter
+
+    d = NgramDrafter(SpecConfig(method="ngram", depth=2, ngram_min=1, ngram_max=1))
+    # "7" was followed by 1, 2, 1, 1: the latest occurrence's continuation (1) in 3 of 4
+    tree = d.draft([7, 1, 7, 2, 7, 1, 7, 1, 7], SamplingParams())
+    assert tree.tokens == [7, 1, 7] and tree.conf == pytest.approx(0.75)
+    assert tree.first(2).conf == tree.conf
+    assert d.draft([5, 6], SamplingParams()).conf is None  # nothing matched: no confidence
+    from engine.drafters.ngram import NgramTrieDrafter
+
+    t = NgramTrieDrafter(SpecConfig(method="ngram", depth=1, topk=2, budget=3, ngram_min=1, ngram_max=1))
+    assert t.draft([7, 1, 7, 2, 7, 1, 7, 1, 7], SamplingParams()).conf == pytest.approx(0.75)
+
+
+def test_confident_drafts_are_calibrated_above_doubtful_ones() -> None:
+    """Drafts of confidence 1 accepted 90% of the time and of confidence 0.3 10%: once learnt,
+    the same request's gains for a confident draft are the higher, and the controller keeps a
+    confident draft where it cuts a doubtful one."""
+    from engine.decode.acceptance import Calibration
+
+    batch, cal = Acceptance(2, rate=0.05), Calibration()
+    est = batch.fork()
+    assert cal.gains(est, batch, 1.0, 2) == est.gains(2)  # nothing learnt: the request's own
+    rnd = random.Random(0)
+    for _ in range(400):
+        for conf, p in ((1.0, 0.9), (0.3, 0.1)):
+            ok = rnd.random() < p
+            path = [0, 1, 2] if ok and rnd.random() < p else [0, 1] if ok else [0]
+            cal.update(batch, conf, 2, path)
+            batch.update(2, path)
+    sure, doubt = cal.gains(est, batch, 1.0, 2), cal.gains(est, batch, 0.3, 2)
+    assert sure[0] > 0.8 and doubt[0] < 0.3 and sure[1] > doubt[1]
+    assert cal.gains(est, batch, None, 2) == est.gains(2)
+    step = linear_cost(2.0, 0.5)
+    assert choose([sure, doubt], 2, step) == [2, 0]
