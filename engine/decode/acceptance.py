@@ -6,29 +6,50 @@ further drafted node adds.
 
 Each request starts from the batch's estimate over all requests, which itself starts from a fixed
 prior. An index a request does not verify in a step (it drafted fewer nodes, or none) drifts back
-towards the batch's estimate, and the batch's towards the prior: without that, a request whose
-drafts stopped paying would never draft again to find out that they pay now."""
+towards the batch's estimate: without that, a request whose drafts stopped paying would never
+draft again to find out that they pay now. The batch's estimate holds while nobody drafts (the
+engine's probes, engine.decode.batch, keep measuring it); on a step where someone drafted, the
+indices deeper than anyone verified drift towards the deepest verified one's estimate times the
+prior's ratio per level, so what the probes learn at shallow indices carries to the deeper ones.
+
+Besides acceptance, each estimate follows its drafter's fill: the nodes a draft call yields over
+the nodes it was allowed. A lookup drafter (n-gram, suffix) finds nothing on most steps of some
+prompts; the controller counts a request's allowed nodes as that share of a row each before
+drafting, and prices the real drafts after.
+
+A drafter that states a confidence in its draft (`Tree.conf`: an n-gram or suffix lookup's share
+of the matched context's occurrences that its first token followed) is calibrated online: per
+confidence band, the batch's acceptance of the drafts in that band (`Calibration`). A draft's
+expected gains are then its request's estimate times its band's acceptance over the batch's: a
+continuation seen every time the context occurred counts for more than one seen once in five.
+A band nothing was observed in yet starts from the batch's estimate (a factor of 1)."""
 
 from __future__ import annotations
 
 # a conditional acceptance of 0.7 per level before anything is observed: optimistic enough that a
-# fresh request tries its drafts, and what the drift returns an unverified index to
+# fresh request tries its drafts, and the ratio per level that unverified deeper indices drift to
 PRIOR = 0.7
 REQUEST_RATE = 0.3  # a request's own estimate follows its last few verify steps (acceptance comes in runs)
 BATCH_RATE = 0.05  # the batch's estimate averages over many requests' steps
 DRIFT = 1 / 32  # per step, an unverified index moves this share of the way back
+LOW_FILL = 0.05  # a drafter's fill is taken as at least this (a request's allowed nodes are never free)
+BANDS = (0.5, 0.8, 1.0)  # confidence bands: below 0.5, below 0.8, below 1, exactly 1 (always followed)
 
 
 class Acceptance:
-    """p[r-1]: the estimated probability that draft node r (tree order: parents first) is accepted."""
+    """p[r-1]: the estimated probability that draft node r (tree order: parents first) is accepted;
+    age[r-1]: the steps since index r was last verified; fill: the drafter's nodes per node allowed."""
 
-    def __init__(self, nodes: int, start: list[float] | None = None, rate: float = REQUEST_RATE) -> None:
+    def __init__(self, nodes: int, start: list[float] | None = None, rate: float = REQUEST_RATE,
+                 fill: float = 1.0) -> None:
         self.p = list(start) if start is not None else [PRIOR ** r for r in range(1, nodes + 1)]
         self.rate = rate
+        self.age = [0] * len(self.p)
+        self.fill = fill  # 1 before anything is observed: every allowed node is a row
 
     def fork(self) -> "Acceptance":
         """A new request's estimate: this (the batch's) estimate, followed at the request's rate."""
-        return Acceptance(len(self.p), self.p, REQUEST_RATE)
+        return Acceptance(len(self.p), self.p, REQUEST_RATE, self.fill)
 
     def update(self, drafted: int, path: list[int]) -> None:
         """One verify step: nodes 1..`drafted` were verified and `path` (node indices, root first)
@@ -36,13 +57,28 @@ class Acceptance:
         on_path = set(path)
         for r in range(1, min(drafted, len(self.p)) + 1):
             self.p[r - 1] += self.rate * ((1.0 if r in on_path else 0.0) - self.p[r - 1])
+            self.age[r - 1] = 0
 
     def drift(self, past: int, toward: list[float] | None = None) -> None:
         """The indices past `past` were not verified this step: each moves DRIFT of the way back
-        towards `toward` (None: the prior)."""
+        towards `toward` (None: the estimate at `past` times PRIOR per level beyond it, the
+        batch's way; nothing moves when `past` is 0, nothing having been verified)."""
+        if toward is None and past == 0:
+            return
         for r in range(past + 1, len(self.p) + 1):
-            target = toward[r - 1] if toward is not None else PRIOR ** r
+            target = toward[r - 1] if toward is not None else self.p[past - 1] * PRIOR ** (r - past)
             self.p[r - 1] += DRIFT * (target - self.p[r - 1])
+            self.age[r - 1] += 1
+
+    def observe_fill(self, allowed: int, drafted: int) -> None:
+        """A draft call allowed `allowed` nodes and yielded `drafted`."""
+        if allowed > 0:
+            self.fill += self.rate * (min(drafted / allowed, 1.0) - self.fill)
+
+    @property
+    def rows(self) -> float:
+        """The rows each allowed node is expected to add (the fill, at least LOW_FILL)."""
+        return max(self.fill, LOW_FILL)
 
     def gains(self, nodes: int) -> list[float]:
         """Expected accepted tokens added by each of the first `nodes` draft nodes, made
@@ -53,3 +89,33 @@ class Acceptance:
             low = min(low, max(v, 0.0))
             out.append(low)
         return out
+
+
+class Calibration:
+    """The batch's acceptance per confidence band (BANDS), each started from the batch's estimate
+    when first seen and followed at the batch's rate."""
+
+    def __init__(self) -> None:
+        self.bands: dict[int, Acceptance] = {}
+
+    @staticmethod
+    def band(conf: float) -> int:
+        return sum(conf >= b for b in BANDS)
+
+    def gains(self, est: Acceptance, batch: Acceptance, conf: float | None, nodes: int) -> list[float]:
+        """A draft's expected gains per node: `est`'s times its band's acceptance over `batch`'s
+        (`est`'s own where `conf` is None or the band is new), non-increasing, at most 1."""
+        cal = self.bands.get(self.band(conf)) if conf is not None else None
+        if cal is None:
+            return est.gains(nodes)
+        scaled = Acceptance(len(est.p), [min(max(p * c / max(b, 1e-3), 0.0), 1.0)
+                                         for p, c, b in zip(est.p, cal.p, batch.p)])
+        return scaled.gains(nodes)
+
+    def update(self, batch: Acceptance, conf: float | None, drafted: int, path: list[int]) -> None:
+        """A verified draft of confidence `conf` (nothing learnt without one)."""
+        if conf is None or drafted <= 0:
+            return
+        cal = self.bands.setdefault(self.band(conf), Acceptance(len(batch.p), batch.p, batch.rate))
+        cal.update(drafted, path)
+        cal.drift(drafted)

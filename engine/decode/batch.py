@@ -22,7 +22,8 @@ A band whose spec is adaptive (`spec.adaptive`) sizes each request's draft every
 spec's depth and budget (engine.decode.control): before drafting from the requests' acceptance
 estimates (engine.decode.acceptance) and the step-cost curve (engine.decode.stepcost), drafters
 drafting at most that many nodes or not at all; after drafting from the drafts' real sizes, each
-draft cut to the nodes that pay. Every verify step then updates the estimates.
+draft cut to the nodes that pay. Every PROBE_EVERY steps one request may draft one node more
+(`control.probe`), verified whatever the cut. Every verify step then updates the estimates.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from typing import Any
 import torch
 
 from engine.api import GenResult, SamplingParams, TokenCallback
-from engine.decode.acceptance import BATCH_RATE, Acceptance
-from engine.decode.control import MARGIN, choose
+from engine.decode.acceptance import BATCH_RATE, Acceptance, Calibration
+from engine.decode.control import MARGIN, PROBE_EVERY, choose, probe
 from engine.drafters import Drafter, make_drafter
 from engine.drafters.lockstep import draft_together, lockstep_groups
 from engine.trees.tree import Tree
@@ -151,6 +152,7 @@ class BatchEngine:
         adaptive = [s for _, _, s in self.schedule if s.adaptive and s.method != "off"]
         self.cost = engine.step_costs(max_batch, self.room) if adaptive else None
         self.accept = {s.key(): Acceptance(s.budget - 1, rate=BATCH_RATE) for s in adaptive}
+        self.calib = {s.key(): Calibration() for s in adaptive}  # per spec: its drafters' confidence bands
         # the step overhead the step cost learns (adaptive only): the last step's start, its decode
         # batch and its seconds in forwards and drafting, while the next step follows at once
         self._last: tuple[float, int, float] | None = None
@@ -372,10 +374,22 @@ class BatchEngine:
         est = [self._estimate(r, spec) for r in live]
         nodes = spec.budget - 1
         gains = [e.gains(nodes) for e in est]
+        fills = [e.rows for e in est]
         # every total of draft rows the controller weighs, priced once (a call per total costs a
-        # few ms a step at batch 32, more than the rows it saves)
-        step_s = cost.table(batch, extra, sum(map(len, gains))).__getitem__
-        limits = choose(gains, batch, step_s, cost.draft_s, MARGIN)
+        # few ms a step at batch 32, more than the rows it saves); between totals (the expected
+        # rows of drafters that do not always fill their nodes) linearly
+        table = cost.table(batch, extra, sum(map(len, gains)))
+
+        def step_s(n: float) -> float:
+            i = min(int(n), len(table) - 2) if len(table) > 1 else 0
+            return table[i] if len(table) == 1 else table[i] + (table[i + 1] - table[i]) * (n - i)
+
+        limits = choose(gains, batch, step_s, cost.draft_s, MARGIN, fills)
+        probed = None
+        if self.steps % PROBE_EVERY == 0:  # one node beyond the choice, for what the estimates learn
+            probed = probe(limits, gains, [e.age for e in est], batch, step_s, cost.draft_s, MARGIN, fills)
+            if probed is not None:
+                limits[probed] += 1
         if not any(limits):  # nothing pays: the step is off's, no drafter call, no cut
             return {id(r): (Tree.chain(r.state.ids[-1], []), 0.0) for r in live}
         drafting = [(r, n) for r, n in zip(live, limits) if n > 0]
@@ -400,7 +414,15 @@ class BatchEngine:
         drafting_s = time.perf_counter() - t
         self._busy += drafting_s  # priced per node (draft_s), not as the step's overhead
         cost.observe_draft(drafting_s, sum(sizes))
-        keep = choose([e.gains(s) for e, s in zip(est, sizes)], batch, step_s, margin=MARGIN)
+        batch_est = self.accept[spec.key()]
+        for e, n, size in zip(est, limits, sizes):
+            e.observe_fill(n, size)
+            batch_est.observe_fill(n, size)
+        cal = self.calib[spec.key()]
+        real = [cal.gains(e, batch_est, out[id(r)][0].conf if s > 0 else None, s) for r, e, s in zip(live, est, sizes)]
+        keep = choose(real, batch, step_s, margin=MARGIN)
+        if probed is not None:  # the probe is verified whatever the cut says
+            keep[probed] = max(keep[probed], min(limits[probed], sizes[probed]))
         for r, k, size in zip(live, keep, sizes):
             if id(r) not in out:  # the controller chose no draft
                 out[id(r)] = (Tree.chain(r.state.ids[-1], []), 0.0)
@@ -412,7 +434,7 @@ class BatchEngine:
     def _learn(self, spec: SpecConfig, verified: list[tuple[Request, Tree]]) -> None:
         """Update the acceptance estimates from a step's verifications: each request's own, and
         the batch's from every request's; indices nobody verified drift back (engine.decode.acceptance)."""
-        batch = self.accept[spec.key()]
+        batch, cal = self.accept[spec.key()], self.calib[spec.key()]
         most = 0
         for req, tree in verified:
             if req.state.drafter is None:
@@ -421,6 +443,7 @@ class BatchEngine:
             drafted = tree.size - 1
             est.update(drafted, req.state.path)
             est.drift(drafted, batch.p)
+            cal.update(batch, tree.conf, drafted, req.state.path)
             batch.update(drafted, req.state.path)
             most = max(most, drafted)
         batch.drift(most)

@@ -7,9 +7,19 @@ nodes), and costs the target forward over all its rows (engine.decode.stepcost) 
 of the nodes. The forward's cost depends only on how many rows the step has, so for each total of
 n draft nodes the best choice is the n nodes of highest gain across the batch; the controller
 tries every n from 0 (no speculation: always a candidate) to all of them and keeps the best
-ratio. Every cost beyond the step without drafts is priced MARGIN above its estimate, so that
-the errors of the estimates (acceptance, step cost) favour drafting less: a draft must be expected to
-pay by that margin, and at a batch size where rows cost about what they yield, off wins.
+ratio. Before drafting, a request's node counts as the rows its drafter is expected to yield per
+node allowed (a lookup drafter that finds nothing adds no row), so the nodes allowed are an upper
+bound that the real drafts are then cut to. Every cost beyond the step without drafts is priced
+MARGIN above its estimate, so that the errors of the estimates (acceptance, step cost) favour
+drafting less: a draft must be expected to pay by that margin, and at a batch size where rows
+cost about what they yield, off wins.
+
+Estimates learn only from what is drafted, so every PROBE_EVERY steps one request drafts one node
+beyond the choice (`probe`): the one whose next index went unverified longest, and only where that
+node would pay if it were certainly accepted (where a row costs what a token yields, nothing is
+probed and off's steps stay off's). The probes bound what a stale estimate costs: a batch whose
+prior acceptance was too low to draft learns that its drafts pay.
+
 Verification is untouched: any subset of a draft is verified losslessly, and the choice
 depends on past steps and draft sizes, never on the drafted tokens' values."""
 
@@ -18,27 +28,58 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 MARGIN = 0.15  # the engine's pessimism on the cost of drafts (forward rows and drafting)
+PROBE_EVERY = 4  # a probe at most every this many steps: at most a quarter of a row per step
 
 
-def choose(gains: Sequence[Sequence[float]], tokens: float, step_s: Callable[[int], float],
-           draft_s: float = 0.0, margin: float = 0.0) -> list[int]:
+def _rate(got: float, rows: float, base: float, step_s: Callable[[float], float], draft_s: float,
+          margin: float) -> float:
+    return got / (base + (1 + margin) * (step_s(rows) - base + draft_s * rows))
+
+
+def choose(gains: Sequence[Sequence[float]], tokens: float, step_s: Callable[[float], float],
+           draft_s: float = 0.0, margin: float = 0.0, rows: Sequence[float] | None = None) -> list[int]:
     """Draft nodes per request. `gains[i]`: request i's expected accepted tokens per further node
     (non-increasing, as long as its draft may be); `tokens`: the tokens the step yields without
     drafts; `step_s(n)`: seconds of the forward with n draft rows besides its own (a row per
     sequence, a prompt's rows); `draft_s`: seconds per drafted node; `margin`: what the drafts'
-    costs are priced above their estimates (the engine passes MARGIN). Ties go to fewer nodes."""
+    costs are priced above their estimates (the engine passes MARGIN); `rows[i]`: the rows each of
+    request i's nodes is expected to add (its drafter's fill; 1 each by default), its gains the
+    expected tokens of a node it does draft. Ties go to fewer nodes."""
     ranked = sorted(((g, i) for i, gs in enumerate(gains) for g in gs), key=lambda gi: -gi[0])
     base = step_s(0)
     best_n, best_rate = 0, tokens / base
-    got = tokens
-    for n, (g, _) in enumerate(ranked, start=1):
+    got, n_rows = tokens, 0  # whole rows stay ints: a table's index
+    for n, (g, i) in enumerate(ranked, start=1):
         if g <= 0:
             break
-        got += g
-        rate = got / (base + (1 + margin) * (step_s(n) - base + draft_s * n))
+        w = 1 if rows is None else rows[i]
+        got += g * w
+        n_rows += w
+        rate = _rate(got, n_rows, base, step_s, draft_s, margin)
         if rate > best_rate * (1 + 1e-9):
             best_n, best_rate = n, rate
     out = [0] * len(gains)
     for _, i in ranked[:best_n]:
         out[i] += 1
     return out
+
+
+def probe(chosen: Sequence[int], gains: Sequence[Sequence[float]], ages: Sequence[Sequence[int]], tokens: float,
+          step_s: Callable[[float], float], draft_s: float = 0.0, margin: float = 0.0,
+          rows: Sequence[float] | None = None) -> int | None:
+    """The request to draft one node beyond `chosen` (its nodes from `choose` on the same
+    arguments) this step, or None: among the requests that may draft deeper, the one whose next
+    index went unverified longest (`ages[i][r]`: steps since request i's index r + 1 was verified),
+    if that node would pay were it certainly accepted."""
+    w = [1] * len(gains) if rows is None else list(rows)
+    n_rows = sum(k * wi for k, wi in zip(chosen, w))
+    got = tokens + sum(sum(g[:k]) * wi for g, k, wi in zip(gains, chosen, w))
+    base = step_s(0)
+    now = _rate(got, n_rows, base, step_s, draft_s, margin)
+    best, best_age = None, -1
+    for i, (k, g) in enumerate(zip(chosen, gains)):
+        if k < len(g) and ages[i][k] > best_age:
+            best, best_age = i, ages[i][k]
+    if best is None or _rate(got + w[best], n_rows + w[best], base, step_s, draft_s, margin) <= now:
+        return None
+    return best

@@ -20,10 +20,17 @@ class NgramDrafter(Drafter):
     def __init__(self, spec: SpecConfig) -> None:
         super().__init__(spec)
         self._index: dict[tuple[int, ...], int] = {}
+        # occurrences of each n-gram with a continuation, and of each (n-gram, next token): the
+        # frequency of the drafted continuation, the draft's confidence
+        self._seen: dict[tuple[int, ...], int] = {}
+        self._next: dict[tuple[tuple[int, ...], int], int] = {}
         self._indexed = 0  # positions whose preceding n-grams are indexed
+        self.last_conf: float | None = None  # the last lookup's confidence (None: nothing found)
 
     def reset(self, prompt_ids: list[int]) -> None:
         self._index.clear()
+        self._seen.clear()
+        self._next.clear()
         self._indexed = 0
 
     def _update(self, ids: list[int]) -> None:
@@ -31,20 +38,31 @@ class NgramDrafter(Drafter):
         lo, hi = self.spec.ngram_min, self.spec.ngram_max
         for j in range(max(self._indexed, 1), len(ids)):
             for n in range(lo, min(hi, j) + 1):
-                self._index[tuple(ids[j - n:j])] = j
+                key = tuple(ids[j - n:j])
+                self._index[key] = j
+                self._seen[key] = self._seen.get(key, 0) + 1
+                self._next[(key, ids[j])] = self._next.get((key, ids[j]), 0) + 1
         self._indexed = len(ids)
 
     def lookup(self, ids: list[int]) -> list[int]:
-        """Up to `depth` tokens predicted to follow ids."""
+        """Up to `depth` tokens predicted to follow ids (the latest occurrence's continuation of
+        the longest match); `last_conf`: the share of the match's occurrences followed by the first."""
         self._update(ids)
+        self.last_conf = None
         for n in range(min(self.spec.ngram_max, len(ids)), self.spec.ngram_min - 1, -1):
-            j = self._index.get(tuple(ids[-n:]))
+            key = tuple(ids[-n:])
+            j = self._index.get(key)
             if j is not None:
-                return ids[j:j + self.spec.depth]
+                out = ids[j:j + self.spec.depth]
+                if out:
+                    self.last_conf = self._next[(key, out[0])] / self._seen[key]
+                return out
         return []
 
     def draft(self, ids: list[int], params: SamplingParams, generator: torch.Generator | None = None) -> Tree:
-        return Tree.chain(ids[-1], self.lookup(ids))
+        tree = Tree.chain(ids[-1], self.lookup(ids))
+        tree.conf = self.last_conf
+        return tree
 
 
 class NgramTrieDrafter(Drafter):

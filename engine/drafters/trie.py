@@ -93,7 +93,15 @@ def bfs_tree(root_token: int, node: Node, depth: int, breadth: int, budget: int)
         frontier = nxt
         if not frontier or len(tokens) >= budget:
             break
-    return Tree(tokens=tokens, parents=parents, depths=depths)
+    return Tree(tokens=tokens, parents=parents, depths=depths, conf=first_share(node) if len(tokens) > 1 else None)
+
+
+def first_share(node: Node) -> float | None:
+    """The share of a node's continuations that its most frequent one takes (a draft's confidence
+    in its first node; None: no continuation)."""
+    ranked = node.ranked()
+    total = sum(c.count for c in node.children.values())
+    return ranked[0][1].count / total if ranked and total > 0 else None
 
 
 def best_first_tree(root_token: int, node: Node, depth: int, breadth: int, budget: int,
@@ -124,4 +132,4 @@ def best_first_tree(root_token: int, node: Node, depth: int, breadth: int, budge
         tokens.append(tok); parents.append(parent); depths.append(depths[parent] + 1)
         score -= neg
         push(len(tokens) - 1, child, -neg, depths[-1] + 1)
-    return Tree(tokens=tokens, parents=parents, depths=depths), score
+    return Tree(tokens=tokens, parents=parents, depths=depths, conf=first_share(node) if len(tokens) > 1 else None), score

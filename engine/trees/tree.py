@@ -26,6 +26,9 @@ class Tree:
     depths: list[int]
     q: dict[int, torch.Tensor] = field(default_factory=dict)
     sampled: dict[int, list[int]] = field(default_factory=dict)
+    # the drafter's confidence in its first node, in [0, 1], where it has one (an n-gram lookup:
+    # how often the matched context was followed by that token); adaptive control calibrates it
+    conf: float | None = None
     _children: list[dict[int, int]] | None = None
 
     @classmethod
@@ -44,7 +47,7 @@ class Tree:
             return self
         return Tree(tokens=self.tokens[:n], parents=self.parents[:n], depths=self.depths[:n],
                     q={p: v for p, v in self.q.items() if p < n},
-                    sampled={p: v for p, v in self.sampled.items() if p < n})
+                    sampled={p: v for p, v in self.sampled.items() if p < n}, conf=self.conf)
 
     @property
     def is_chain(self) -> bool:

@@ -18,7 +18,7 @@ from engine.decode import batch as B
 from engine.decode import stepcost
 from engine.decode.acceptance import PRIOR, Acceptance
 from engine.decode.batch import BatchEngine, bounded, schedule_of
-from engine.decode.control import MARGIN, choose
+from engine.decode.control import MARGIN, PROBE_EVERY, choose, probe
 from engine.decode.loop import Engine
 from engine.decode.stepcost import StepCost
 from engine.drafters.draft_model import DraftModelDrafter
@@ -97,6 +97,21 @@ def test_the_choice_is_the_best_of_every_choice(seed: int) -> None:
     assert rate == pytest.approx(_best_by_enumeration(gains, tokens, step_s, draft_s), rel=1e-9)
 
 
+def test_a_probe_goes_one_node_deeper_for_the_stalest_request_and_only_where_it_could_pay() -> None:
+    gains = [[0.3, 0.2], [0.3, 0.2], [0.9, 0.8]]
+    step = linear_cost(3.0, 0.5)  # a token: one unit; a row: half of one
+    chosen = choose(gains, 3, step)
+    assert chosen == [0, 0, 2]
+    # request 2 drafts its whole bound; of the others, request 1's first index is the stalest
+    assert probe(chosen, gains, [[3, 0], [9, 0], [0, 0]], 3, step) == 1
+    assert probe(chosen, gains, [[9, 0], [3, 0], [0, 0]], 3, step) == 0
+    assert probe([1, 2], [[0.9], [0.9, 0.8]], [[5], [5, 5]], 2, step) is None  # nothing deeper to draft
+    # a row costs a token or more: a node certainly accepted would not pay, nothing is probed
+    assert probe([0, 0], [[0.5], [0.5]], [[50], [50]], 2, linear_cost(2.0, 1.0)) is None
+    assert probe([0, 0], [[0.5], [0.5]], [[50], [50]], 2, linear_cost(2.0, 0.9), margin=MARGIN) is None
+    assert probe([0, 0], [[0.5], [0.5]], [[50], [51]], 2, linear_cost(2.0, 0.8), margin=MARGIN) == 1
+
+
 # ---- the estimates ------------------------------------------------------------------------------
 
 def test_estimates_follow_the_verified_nodes_and_unverified_ones_drift_back() -> None:
@@ -112,8 +127,41 @@ def test_estimates_follow_the_verified_nodes_and_unverified_ones_drift_back() ->
     assert tree.gains(2) == [0.25, 0.25]
     low = Acceptance(2, [0.0, 0.0])
     for _ in range(200):
-        low.drift(0)  # nothing drafted for a long time: it returns to the prior and will try again
-    assert low.p == pytest.approx([PRIOR, PRIOR ** 2], abs=0.01)
+        low.drift(0, [0.6, 0.3])  # a request that drafted nothing for a long time: back to the batch's
+    assert low.p == pytest.approx([0.6, 0.3], abs=0.01) and low.age == [200, 200]
+
+
+def test_the_batch_holds_while_nobody_drafts_and_deeper_indices_follow_the_deepest_verified() -> None:
+    batch = Acceptance(4, [0.9, 0.2, 0.1, 0.05], rate=0.05)
+    for _ in range(100):
+        batch.drift(0)  # nobody drafted: nothing is learnt, nothing moves (the probes measure it)
+    assert batch.p == [0.9, 0.2, 0.1, 0.05]
+    for _ in range(300):
+        batch.update(1, [0, 1])  # only node 1 is verified (a probe), always accepted
+        batch.drift(1)
+    # indices 2-4 follow node 1's estimate times the prior's ratio per level, not the prior itself
+    assert batch.p == pytest.approx([1.0, PRIOR, PRIOR ** 2, PRIOR ** 3], abs=0.01)
+    assert batch.age == [0, 300, 300, 300]
+
+
+def test_a_drafters_fill_counts_its_allowed_nodes_as_fractions_of_a_row() -> None:
+    """An n-gram drafter that finds a continuation on a quarter of its calls: before drafting, the
+    controller allows each request's nodes as if each added a quarter of a row (the rows that four
+    requests' full drafts would take are not all going to be there), and prices real drafts whole."""
+    est = Acceptance(3, [0.5, 0.45, 0.4])
+    for i in range(40):
+        est.observe_fill(3, 3 if i % 4 == 0 else 0)
+    assert 0.1 < est.rows < 0.45
+    gains = [est.gains(3)] * 4
+    # three rows are cheap (a kernel's pass), each further one dear: whole rows, three nodes pay
+    step = lambda n: 4.0 + 0.3 * min(n, 3) + 2.0 * max(n - 3, 0)  # noqa: E731
+    assert choose(gains, 4, step) == [1, 1, 1, 0]
+    # a quarter of a row each: all twelve nodes are allowed (about three rows expected), then
+    # the real drafts are priced whole
+    assert choose(gains, 4, step, rows=[est.rows] * 4) == [3, 3, 3, 3]
+    assert choose([est.gains(3), [], [], []], 4, step) == [3, 0, 0, 0]  # the one that drafted, whole
+    never = Acceptance(2, fill=0.0)
+    assert never.rows > 0  # a drafter that never yields is still not free to allow
 
 
 def test_a_request_starts_from_the_batch_estimate() -> None:
@@ -410,3 +458,65 @@ def test_the_engine_learns_the_time_its_steps_spend_outside_the_forward(engine: 
     reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=2)
     assert [r.result.tokens for r in reqs] == ref
     assert 0.007 <= be.cost.overhead_s(2) < 0.05
+
+
+def test_probes_learn_that_drafts_pay_where_the_prior_said_they_would_not(engine: Engine, off, monkeypatch) -> None:
+    """A row costs 0.7 of a step: at the prior's 0.7 acceptance no node pays (with the margin), so
+    without probes nothing is ever drafted and nothing learnt; the probes find the target drafting
+    itself accepted and the requests draft. Where a row costs a whole step nothing is probed."""
+    prompts, ref = off
+    _the_target_drafts(engine, monkeypatch)
+    monkeypatch.setattr(StepCost, "observe_step", lambda *a: None)
+    monkeypatch.setattr(StepCost, "observe_draft", lambda *a: None)
+    monkeypatch.setattr(StepCost, "observe_overhead", lambda *a: None)
+    spec = SpecConfig(method="draft_model", depth=3, draft_model="the target", adaptive=True)
+    drafted = {}
+    for name, per_row, every in (("no probes", 0.7, 10 ** 9), ("probes", 0.7, PROBE_EVERY), ("costly", 1.0, PROBE_EVERY)):
+        planted = StepCost({1: [(0, 1.0), (16, 1 + 16 * per_row)]}, max_rows=4)
+        monkeypatch.setattr(engine, "step_costs", lambda *a, planted=planted: planted)
+        monkeypatch.setattr(B, "PROBE_EVERY", every)
+        be = BatchEngine(engine, max_batch=1, schedule=schedule_of(spec, 1))
+        reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=1)
+        assert [r.result.tokens for r in reqs] == ref
+        drafted[name] = sum(r.result.stats.drafted_tokens for r in reqs)
+    assert drafted["no probes"] == 0 and drafted["costly"] == 0
+    # more than the probes' own nodes: at most one every PROBE_EVERY steps, of at most one a token
+    assert drafted["probes"] > len(prompts) * N_NEW // PROBE_EVERY
+
+
+def test_an_ngram_draft_states_how_often_its_continuation_followed_the_match() -> None:
+    from engine.drafters.ngram import NgramDrafter
+
+    d = NgramDrafter(SpecConfig(method="ngram", depth=2, ngram_min=1, ngram_max=1))
+    # "7" was followed by 1, 2, 1, 1: the latest occurrence's continuation (1) in 3 of 4
+    tree = d.draft([7, 1, 7, 2, 7, 1, 7, 1, 7], SamplingParams())
+    assert tree.tokens == [7, 1, 7] and tree.conf == pytest.approx(0.75)
+    assert tree.first(2).conf == tree.conf
+    assert d.draft([5, 6], SamplingParams()).conf is None  # nothing matched: no confidence
+    from engine.drafters.ngram import NgramTrieDrafter
+
+    t = NgramTrieDrafter(SpecConfig(method="ngram", depth=1, topk=2, budget=3, ngram_min=1, ngram_max=1))
+    assert t.draft([7, 1, 7, 2, 7, 1, 7, 1, 7], SamplingParams()).conf == pytest.approx(0.75)
+
+
+def test_confident_drafts_are_calibrated_above_doubtful_ones() -> None:
+    """Drafts of confidence 1 accepted 90% of the time and of confidence 0.3 10%: once learnt,
+    the same request's gains for a confident draft are the higher, and the controller keeps a
+    confident draft where it cuts a doubtful one."""
+    from engine.decode.acceptance import Calibration
+
+    batch, cal = Acceptance(2, rate=0.05), Calibration()
+    est = batch.fork()
+    assert cal.gains(est, batch, 1.0, 2) == est.gains(2)  # nothing learnt: the request's own
+    rnd = random.Random(0)
+    for _ in range(400):
+        for conf, p in ((1.0, 0.9), (0.3, 0.1)):
+            ok = rnd.random() < p
+            path = [0, 1, 2] if ok and rnd.random() < p else [0, 1] if ok else [0]
+            cal.update(batch, conf, 2, path)
+            batch.update(2, path)
+    sure, doubt = cal.gains(est, batch, 1.0, 2), cal.gains(est, batch, 0.3, 2)
+    assert sure[0] > 0.8 and doubt[0] < 0.3 and sure[1] > doubt[1]
+    assert cal.gains(est, batch, None, 2) == est.gains(2)
+    step = linear_cost(2.0, 0.5)
+    assert choose([sure, doubt], 2, step) == [2, 0]
