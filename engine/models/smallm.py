@@ -113,6 +113,9 @@ extern "C" int weight_layout(int fmt) {
   return 0;
 }
 
+/* the lanes of a vector and the vectors of a block this library was built for */
+extern "C" int block_shape() { return VW * 100 + NB; }
+
 /* elements between a packed block and the next, of K k-rows */
 template <typename W>
 static inline long block_elems(long K) { return (Dot<W>::value ? (K + 1) / 2 * 2 : K) * BW; }
@@ -256,7 +259,9 @@ static inline float wscale(const bf16_t*, float) { return 1.f; }
 static inline float wscale(const e4m3_t*, float s) { return s * 256.f; }
 
 /* bytes the prefetch runs ahead of the loads: 32 fp32 k-rows of a block */
+#ifndef AHEAD
 #define AHEAD (32 * BW * 4)
+#endif
 
 /* One block of BW output columns for M rows: y[m, :BW] = x[m] . wb (* the weight's scale), wb one
    packed block [K, BW] of weights of type W, x fp32 (rounded to bf16 for bf16 and e4m3 weights). */
@@ -310,49 +315,34 @@ static inline void block(const float* x, long ldx, const W* wb, float* y, long l
 
 #ifdef BF16_DOT
 /* block() for a linear that multiplies bf16 pairs: xp [M, ldp] the activations' pairs, wb the block's
-   (K + 1) / 2 k-pairs. One vdpbf16ps per 32 products (two k-rows of 16 columns). */
+   (K + 1) / 2 k-pairs. One vdpbf16ps per 32 products (two k-rows of 16 columns). Every row count sums
+   in the same order (one chain per vector, k-pairs in order; 4 chains keep one row's step near the
+   read bandwidth): a row's result does not depend on the rows beside it (batch invariance, which
+   block() gives past one row only). */
 template <int M, typename W>
 static inline void block_dot(const unsigned* xp, long ldp, const W* wb, float* y, long ldy, long K, float scale) {
-  constexpr int KU = M == 1 ? 2 : 1;  /* as block(): one row keeps two k-pairs in flight */
   constexpr int PAIR = 2 * BW * sizeof(W);  /* bytes of one k-pair of the block */
   const long P = (K + 1) / 2;
-  __m512 acc[KU][NB][M];
-  for (int u = 0; u < KU; ++u)
-    for (int j = 0; j < NB; ++j)
-      for (int m = 0; m < M; ++m) acc[u][j][m] = _mm512_setzero_ps();
+  __m512 acc[NB][M];
+  for (int j = 0; j < NB; ++j)
+    for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
   const char* wc = (const char*)wb;
-  long p = 0;
-  for (; p + KU <= P; p += KU) {
-    _Pragma("GCC unroll 2")
-    for (int u = 0; u < KU; ++u) {
-      const char* ahead = wc + (p + u) * PAIR + AHEAD;
-      _Pragma("GCC unroll 4")
-      for (int off = 0; off < PAIR; off += 64) __builtin_prefetch(ahead + off);
-      __m512i w[NB];
-      wpair(wb + (p + u) * 2 * BW, w);
-      _Pragma("GCC unroll 8")
-      for (int m = 0; m < M; ++m) {
-        const __m512bh xs = (__m512bh)_mm512_set1_epi32((int)xp[m * ldp + p + u]);
-        _Pragma("GCC unroll 4")
-        for (int j = 0; j < NB; ++j) acc[u][j][m] = _mm512_dpbf16_ps(acc[u][j][m], (__m512bh)w[j], xs);
-      }
-    }
-  }
-  for (; p < P; ++p) {
+  for (long p = 0; p < P; ++p) {
+    const char* ahead = wc + p * PAIR + AHEAD;
+    _Pragma("GCC unroll 4")
+    for (int off = 0; off < PAIR; off += 64) __builtin_prefetch(ahead + off);
     __m512i w[NB];
     wpair(wb + p * 2 * BW, w);
+    _Pragma("GCC unroll 8")
     for (int m = 0; m < M; ++m) {
       const __m512bh xs = (__m512bh)_mm512_set1_epi32((int)xp[m * ldp + p]);
-      for (int j = 0; j < NB; ++j) acc[0][j][m] = _mm512_dpbf16_ps(acc[0][j][m], (__m512bh)w[j], xs);
+      _Pragma("GCC unroll 4")
+      for (int j = 0; j < NB; ++j) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], (__m512bh)w[j], xs);
     }
   }
   const __m512 f = _mm512_set1_ps(wscale(wb, scale));
   for (int j = 0; j < NB; ++j)
-    for (int m = 0; m < M; ++m) {
-      __m512 a = acc[0][j][m];
-      for (int u = 1; u < KU; ++u) a = _mm512_add_ps(a, acc[u][j][m]);
-      _mm512_storeu_ps(y + m * ldy + j * VW, _mm512_mul_ps(a, f));
-    }
+    for (int m = 0; m < M; ++m) _mm512_storeu_ps(y + m * ldy + j * VW, _mm512_mul_ps(acc[j][m], f));
 }
 #endif
 
@@ -433,6 +423,9 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.smallm_linear.restype = ctypes.c_int
     lib.weight_formats.restype = ctypes.c_int
     lib.e4m3_interleaved.restype = ctypes.c_int
+    lib.weight_layout.argtypes = [ctypes.c_int]
+    lib.weight_layout.restype = ctypes.c_int
+    lib.block_shape.restype = ctypes.c_int
 
 
 _NATIVE = native.Native("smallm", _SOURCE, [f"-DVW={VW}", f"-DNB={NB}"], _bind)
@@ -483,20 +476,21 @@ def e4m3_order(lib: ctypes.CDLL) -> torch.Tensor | None:
     return order
 
 
-def pair_order(fmt: str) -> torch.Tensor:
+def pair_order(fmt: str, vw: int = 16, nb: int = 4) -> torch.Tensor:
     """Where a block packed in k-pairs (a kernel with bf16 dot products: `layout` 2 and 3) keeps each
     value of a pair of k-rows: position q of the pair's 2 BW values holds value e BW + c of the two
     rows [2, BW] (row e, column c). bf16: c's two values side by side (words 2c, 2c + 1), one 32-bit
     lane of a `vdpbf16ps` operand. fp8: column 16 j + i of row e at byte 64 (j // 2) + 16 ((2i + e) // 8)
     + 8 (j % 2) + (2i + e) % 8, the order in which the table lookups' byte unpacks hand vector j its
-    bf16 pairs."""
-    order = torch.empty(2 * BW, dtype=torch.long)
-    for j in range(NB):
-        for i in range(VW):
+    bf16 pairs. (Built where the vectors have 16 lanes, 4 a block: `vw`, `nb`.)"""
+    bw = vw * nb
+    order = torch.empty(2 * bw, dtype=torch.long)
+    for j in range(nb):
+        for i in range(vw):
             for e in range(2):
                 w = 2 * i + e
-                q = w + 32 * j if fmt == "bf16" else 64 * (j // 2) + 16 * (w // 8) + 8 * (j % 2) + w % 8
-                order[q] = e * BW + VW * j + i
+                q = w + 2 * vw * j if fmt == "bf16" else 64 * (j // 2) + 16 * (w // 8) + 8 * (j % 2) + w % 8
+                order[q] = e * bw + vw * j + i
     return order
 
 
@@ -513,6 +507,9 @@ def pack(w: torch.Tensor, weights: str = "fp32", lib: ctypes.CDLL | None = None)
     engine rounds its weights once when it loads them), so the copy is exact. The block's layout is
     the one `lib`, the kernel that reads it (default: this process's), states (`layout`): in k-pairs
     (K padded to even with zeros) where it multiplies bf16 pairs."""
+    lib = lib or _built()
+    vw, nb = divmod(lib.block_shape(), 100)
+    bw = vw * nb
     n, k = w.shape
     scale = 1.0
     if weights == "fp8":
@@ -522,15 +519,15 @@ def pack(w: torch.Tensor, weights: str = "fp32", lib: ctypes.CDLL | None = None)
         stored, scale = w8.view(torch.uint8), float(s)  # copies of float8 tensors go through their bytes
     else:
         stored = w.detach().to(DTYPES[weights])
-    how = layout(lib or _built(), weights) if weights != "fp32" else 0
+    how = layout(lib, weights)
     kp = k + k % 2 if how >= 2 else k
     stored = torch.nn.functional.pad(stored.view(torch.int16) if weights == "bf16" else stored,
-                                     (0, kp - k, 0, -n % BW))
-    packed = stored.reshape(-1, BW, kp).transpose(1, 2)  # [blocks, K, BW]
+                                     (0, kp - k, 0, -n % bw))
+    packed = stored.reshape(-1, bw, kp).transpose(1, 2)  # [blocks, K, BW]
     if how == 1:
-        packed = packed[:, :, e4m3_order(lib or _built())]
+        packed = packed[:, :, e4m3_order(lib)]
     elif how >= 2:
-        packed = packed.reshape(-1, kp // 2, 2 * BW)[:, :, pair_order(weights)].reshape(-1, kp, BW)
+        packed = packed.reshape(-1, kp // 2, 2 * bw)[:, :, pair_order(weights, vw, nb)].reshape(-1, kp, bw)
     packed = packed.contiguous()
     return packed.view(DTYPES[weights]), scale
 
@@ -539,14 +536,16 @@ def unpack(packed: torch.Tensor, scale: float, n: int, k: int | None = None,
            lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """The fp32 weight [n, k] (k: default the packed K, padding included) a `pack`ed copy for `lib`
     (default: this process's kernel) holds: what the kernel multiplies with."""
+    lib = lib or _built()
+    vw, nb = divmod(lib.block_shape(), 100)
     weights = {v: name for name, v in DTYPES.items()}[packed.dtype]
-    how = layout(lib or _built(), weights) if weights != "fp32" else 0
-    blocks, kp, _ = packed.shape
+    how = layout(lib, weights)
+    blocks, kp, bw = packed.shape
     raw = packed.view(torch.uint8) if weights == "fp8" else packed.view(torch.int16) if weights == "bf16" else packed
     if how == 1:
-        raw = raw[:, :, torch.argsort(e4m3_order(lib or _built()))]
+        raw = raw[:, :, torch.argsort(e4m3_order(lib))]
     elif how >= 2:
-        raw = raw.reshape(blocks, kp // 2, 2 * BW)[:, :, torch.argsort(pair_order(weights))].reshape(blocks, kp, BW)
+        raw = raw.reshape(blocks, kp // 2, 2 * bw)[:, :, torch.argsort(pair_order(weights, vw, nb))].reshape(blocks, kp, bw)
     w = raw.contiguous().view(packed.dtype).float().transpose(1, 2).reshape(-1, kp)[:n, :k]
     return w * scale if weights == "fp8" else w
 
