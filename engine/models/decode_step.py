@@ -42,14 +42,16 @@ _SOURCE = native.VECTORS + smallm.BLOCK_SOURCE + attention.TASK_SOURCE + r"""
    this core's cache. Past one pass the block is compute-bound, and 8 rows' accumulators and weights
    do not fit the registers (measured: 8 five-row chains 80 -> 72 ms in passes of 7). */
 template <typename W>
-static void linear_rows(long R, const float* x, long ldx, const W* wp, float* y, long ldy, long N, long K, float scale) {
+static void linear_rows(long R, const float* x, long ldx, const W* wp, float* y, long ldy, long N, long K, float scale,
+                        std::vector<float>& buf) {
   long blocks = (N + BW - 1) / BW;
-  long passes = R <= 8 ? 1 : (R + PASS_ROWS - 1) / PASS_ROWS, per = (R + passes - 1) / passes;
+  long passes = R <= 8 ? 1 : (R + PASS_ROWS - 1) / PASS_ROWS, per = (R + passes - 1) / passes, ld;
+  const void* xa = activations<W>(R, x, ldx, K, buf, ld);  /* this thread's copy: no barrier */
 #pragma omp for schedule(static)
   for (long b = 0; b < blocks; ++b) {
-    const W* wb = wp + b * K * BW;
+    const W* wb = wp + b * block_elems<W>(K);
     for (long r0 = 0; r0 < R; r0 += per)
-      block_m(R - r0 < per ? R - r0 : per, x + r0 * ldx, ldx, wb, y + r0 * ldy + b * BW, ldy, K, scale);
+      block_m(R - r0 < per ? R - r0 : per, act_row<W>(xa, ld, r0), ld, wb, y + r0 * ldy + b * BW, ldy, K, scale);
   }
 }
 
@@ -96,7 +98,7 @@ static void forward(const float* emb, long R, long S, const long* meta, float* c
   float scale = 1.f / sqrtf((float)D);
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> sc;
+    std::vector<float> sc, xbuf;
     for (long l = 0; l < L; ++l) {
       const void* const* lw = w + 7 * l;
       const float *ln1 = (const float*)lw[0], *bqkv = (const float*)lw[2], *ln2 = (const float*)lw[4];
@@ -107,7 +109,7 @@ static void forward(const float* emb, long R, long S, const long* meta, float* c
         if (aux) memcpy(aux + (l * R + r) * h, x.data() + r * h, h * sizeof(float));
         rms_norm(x.data() + r * h, ln1, hn.data() + r * h, h, eps);
       }
-      linear_rows(R, hn.data(), h, wqkv, qkv.data(), ldq, nq, h, s[0]);
+      linear_rows(R, hn.data(), h, wqkv, qkv.data(), ldq, nq, h, s[0], xbuf);
       /* bias, rotation of q and k heads, this step's keys and values into each sequence's cache */
 #pragma omp for schedule(static)
       for (long u = 0; u < R * (H + 2 * KV); ++u) {
@@ -131,7 +133,7 @@ static void forward(const float* emb, long R, long S, const long* meta, float* c
         attend_one<D>(qkv.data(), ldq, kp[s] + off, vp[s] + off, att.data(), H * D, m[0], m[1], m[2] + m[1],
                       m[3] < 0 ? nullptr : vis + m[3], j, g, scale, sc);
       }
-      linear_rows(R, att.data(), H * D, wo, tmp.data(), ldh, h, H * D, s[1]);
+      linear_rows(R, att.data(), H * D, wo, tmp.data(), ldh, h, H * D, s[1], xbuf);
 #pragma omp for schedule(static)
       for (long r = 0; r < R; ++r) {
         float* xr = x.data() + r * h;
@@ -139,14 +141,14 @@ static void forward(const float* emb, long R, long S, const long* meta, float* c
         for (long i = 0; i < h; ++i) xr[i] += t[i];
         rms_norm(xr, ln2, hn.data() + r * h, h, eps);
       }
-      linear_rows(R, hn.data(), h, w13, gu.data(), ld13, 2 * I, h, s[2]);
+      linear_rows(R, hn.data(), h, w13, gu.data(), ld13, 2 * I, h, s[2], xbuf);
 #pragma omp for schedule(static)
       for (long u = 0; u < R * I; ++u) {
         long r = u / I, i = u % I;
         float a = gu[r * ld13 + i], b = gu[r * ld13 + I + i];
         act[u] = a / (1.f + expf(-a)) * b;
       }
-      linear_rows(R, act.data(), I, w2, tmp.data(), ldh, h, I, s[3]);
+      linear_rows(R, act.data(), I, w2, tmp.data(), ldh, h, I, s[3], xbuf);
 #pragma omp for schedule(static)
       for (long u = 0; u < R * h; ++u) x[u] += tmp[(u / h) * ldh + u % h];
     }
@@ -154,7 +156,7 @@ static void forward(const float* emb, long R, long S, const long* meta, float* c
     for (long r = 0; r < R; ++r) rms_norm(x.data() + r * h, norm, hidden + r * h, h, eps);
 #pragma omp for schedule(static)
     for (long i = 0; i < P; ++i) memcpy(hp.data() + i * h, hidden + pick[i] * h, h * sizeof(float));
-    linear_rows(P, hp.data(), h, lm, logits, ldl, V, h, lms);
+    linear_rows(P, hp.data(), h, lm, logits, ldl, V, h, lms, xbuf);
   }
 }
 

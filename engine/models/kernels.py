@@ -118,9 +118,12 @@ def pack_weights(weights: list[torch.Tensor], formats: list[str] | None = None) 
     quarter of physical memory. The weights must not change afterwards (the engine never does).
     Where the few-row kernel builds, each weight also gets its layout (`_smallm_packed`, with its
     `_smallm_scale`) in its entry of `formats` (fp32 | bf16 | fp8; default fp32), within the same
-    memory bound."""
+    memory bound. A CPU fp32 weight of format bf16 or fp8 is marked (`_bf16_inputs`): `linear` rounds
+    its input to bf16, as the few-row kernel does (engine.models.smallm)."""
     if not (_ONEDNN and weights and weights[0].device.type == "cpu" and weights[0].dtype == torch.float32):
         return False
+    for w, fmt in zip(weights, formats or ["fp32"] * len(weights)):
+        w._bf16_inputs = fmt != "fp32"
     total = sum(w.numel() * w.element_size() for w in weights)
     memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     onednn, few = packed_copies(total, memory)
@@ -169,7 +172,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     """x @ w.T (+ b). CPU fp32 outside a compiled graph: `_cpu_linear`. Inside one (on CPU only the
     one-row step is compiled) a single row is written as the plan says: by default a product and a
     sum, which inductor fuses into one pass over the weight (on the AVX2 machine faster than oneDNN's
-    GEMV)."""
+    GEMV). A weight of format bf16 or fp8 (`pack_weights`) takes its input rounded to bf16, as in
+    the served bf16 model: every form computes what the few-row kernel and the native step do."""
+    if x.dtype == torch.float32 and getattr(w, "_bf16_inputs", False):
+        x = x.bfloat16().float()
     if _ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32:
         if not torch.compiler.is_compiling():
             return _cpu_linear(x, w, b)

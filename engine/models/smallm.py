@@ -31,6 +31,8 @@ MAX_ROWS = 8  # rows per pass; more rows run in passes of 8 (the plan measures w
 # with the native decode step (engine.models.decode_step), which runs it inside its own parallel region.
 BLOCK_SOURCE = r"""
 #include <immintrin.h>
+#include <type_traits>
+#include <vector>
 #define BW (VW * NB)
 
 /* Weight element types: fp32; bf16 (the top half of an fp32: widened by a shift); e4m3 (vLLM's fp8,
@@ -60,6 +62,99 @@ extern "C" int weight_formats() {
   return f;
 }
 
+/* Activations of a bf16 or e4m3 linear are rounded to bf16 (to nearest even, as torch's .bfloat16()),
+   as in the served bf16 model; the torch forward rounds the same way (engine.models.kernels.linear).
+   Where the CPU has bf16 dot products (AVX-512 BF16, blocks of 4 vectors) such a linear multiplies
+   bf16 pairs with `vdpbf16ps`: its packed block holds k-pairs (BF16_DOT below); elsewhere the rounded
+   activations meet weights widened to fp32 by FMAs (the products are exact either way). */
+#if VW == 16 && NB == 4 && defined(__AVX512BF16__)
+#define BF16_DOT 1
+#endif
+/* AVX-512 with VBMI, blocks of 4 vectors: e4m3 is widened by two byte permutes (vpermi2b: the 128
+   magnitudes -> the low and the high byte of their bf16 bits), the sign ORed into the high byte and
+   two byte unpacks into bf16 words: about half the integer operations per weight of the fp16 route
+   below, which bound one core's decode at fp8 (docs/results.md). With bf16 dot products the words
+   feed them as they are (E4M3_DOT: a block's k-pair interleaved in the order e4m3_pairs_order()
+   states); without, a shift or a mask per vector makes fp32 lanes (E4M3_LUT: a k-row's columns
+   interleaved as e4m3_interleaved() states; the values are the fp16 route's, 2^-8 times the e4m3
+   value, exact, and the FMAs the same, so the results are bit-identical). */
+#if VW == 16 && NB == 4 && defined(__AVX512VBMI__)
+#ifdef BF16_DOT
+#define E4M3_DOT 1
+#else
+#define E4M3_LUT 1
+#endif
+#endif
+
+/* whether a linear of weight type W multiplies bf16 pairs (its block packed as k-pairs) */
+template <typename W> struct Dot : std::false_type {};
+#ifdef BF16_DOT
+template <> struct Dot<bf16_t> : std::true_type {};
+#endif
+#ifdef E4M3_DOT
+template <> struct Dot<e4m3_t> : std::true_type {};
+#endif
+
+/* The k-layout of a packed block of format fmt (0 fp32, 1 bf16, 2 e4m3): 0 k-rows of the columns in
+   order; 1 k-rows of an e4m3 block with column 16 j + d at byte 16 (d / 4) + 8 (j / 2) + 2 (d % 4) + j % 2
+   (E4M3_LUT); 2 k-pairs (K padded to even): bf16 column c of k-rows 2p, 2p + 1 at words 2 c, 2 c + 1;
+   3 k-pairs of e4m3: column 16 j + i of k-row 2p + e at byte 64 (j / 2) + 16 ((2i + e) / 8) + 8 (j % 2)
+   + (2i + e) % 8 (E4M3_DOT). engine.models.smallm.pack lays blocks out so. */
+extern "C" int weight_layout(int fmt) {
+#ifdef BF16_DOT
+  if (fmt == 1) return 2;
+#endif
+#ifdef E4M3_DOT
+  if (fmt == 2) return 3;
+#endif
+#ifdef E4M3_LUT
+  if (fmt == 2) return 1;
+#endif
+  return 0;
+}
+
+/* the lanes of a vector and the vectors of a block this library was built for */
+extern "C" int block_shape() { return VW * 100 + NB; }
+
+/* elements between a packed block and the next, of K k-rows */
+template <typename W>
+static inline long block_elems(long K) { return (Dot<W>::value ? (K + 1) / 2 * 2 : K) * BW; }
+
+/* fp32 -> bf16 bits, to nearest even (NaN: 0x7FC0), as torch; branch-free so the loops vectorise */
+static inline bf16_t to_bf16(float f) {
+  unsigned u = __builtin_bit_cast(unsigned, f);
+  unsigned r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (bf16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : r);
+}
+
+/* The activations a linear of W weights reads, R rows of K at stride ldx: x itself for fp32 weights;
+   else rounded to bf16, as pairs (k even in the low half; K odd: a zero pads) where the linear
+   multiplies pairs, as fp32 values elsewhere, into buf (this thread's: no barrier). Its stride out. */
+template <typename W>
+static inline const void* activations(long R, const float* x, long ldx, long K, std::vector<float>& buf, long& ld) {
+  if constexpr (std::is_same_v<W, float>) {
+    ld = ldx;
+    return x;
+  } else if constexpr (Dot<W>::value) {
+    ld = (K + 1) / 2;
+    buf.resize(R * ld);
+    bf16_t* p = (bf16_t*)buf.data();  /* little-endian: the pair's k even is its low half */
+    for (long r = 0; r < R; ++r) {
+      bf16_t* pr = p + r * 2 * ld;
+      const float* xr = x + r * ldx;
+      for (long k = 0; k < K; ++k) pr[k] = to_bf16(xr[k]);
+      if (K % 2) pr[K] = 0;
+    }
+    return p;
+  } else {
+    ld = K;
+    buf.resize(R * K);
+    for (long r = 0; r < R; ++r)
+      for (long k = 0; k < K; ++k) buf[r * K + k] = __builtin_bit_cast(float, (unsigned)to_bf16(x[r * ldx + k]) << 16);
+    return buf.data();
+  }
+}
+
 static inline vf wload(const float* p) { return *(const vfu*)p; }
 
 #ifdef HAS_BF16_W
@@ -70,17 +165,6 @@ static inline vf wload(const bf16_t* p) {
   return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
 #endif
 }
-#endif
-
-/* AVX-512 with VBMI, blocks of 4 vectors: a k-row of an e4m3 block is one 64-byte line, widened whole by
-   two byte permutes (vpermi2b: the 128 magnitudes -> the low and the high byte of their bf16 bits),
-   the sign ORed into the high byte, two unpacks into bf16 words, and a shift or a mask per vector into
-   fp32: about half the integer operations per weight of the fp16 route below, which bound one core's
-   decode at fp8 (docs/results.md). The unpacks interleave, so a packed k-row holds the block's columns
-   in the order e4m3_interleaved() states (engine.models.smallm.e4m3_order). The values are the fp16
-   route's (2^-8 times the e4m3 value, exact) and the FMAs the same, so the results are bit-identical. */
-#if VW == 16 && NB == 4 && defined(__AVX512VBMI__)
-#define E4M3_LUT 1
 #endif
 
 /* 1: a packed e4m3 block's k-row holds column 16 j + d at byte 16 (d / 4) + 8 (j / 2) + 2 (d % 4) + j % 2 */
@@ -115,7 +199,7 @@ static inline void wrow(const W* p, vf* w) {
   for (int j = 0; j < NB; ++j) w[j] = wload(p + j * VW);
 }
 
-#ifdef E4M3_LUT
+#if defined(E4M3_LUT) || defined(E4M3_DOT)
 /* 2^-8 times the value of each e4m3 magnitude 0..127 (as the fp16 route), its bf16 bits' low and high bytes */
 struct E4m3Lut {
   alignas(64) unsigned char lo[128], hi[128];
@@ -132,12 +216,21 @@ struct E4m3Lut {
 };
 static const E4m3Lut E4M3_TABLE;
 
-static inline void wrow(const e4m3_t* p, vf* w) {
+/* the 64 e4m3 bytes at p as bf16 words: w0 from the low 8 bytes of each 128-bit lane, w1 the high */
+static inline void e4m3_words(const e4m3_t* p, __m512i& w0, __m512i& w1) {
   const __m512i b = _mm512_loadu_si512(p);
   const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(E4M3_TABLE.lo), b, _mm512_load_si512(E4M3_TABLE.lo + 64));
   __m512i hi = _mm512_permutex2var_epi8(_mm512_load_si512(E4M3_TABLE.hi), b, _mm512_load_si512(E4M3_TABLE.hi + 64));
   hi = _mm512_ternarylogic_epi32(hi, b, _mm512_set1_epi8((char)0x80), 0xF8);  /* hi | (b & 0x80): the sign */
-  const __m512i w0 = _mm512_unpacklo_epi8(lo, hi), w1 = _mm512_unpackhi_epi8(lo, hi);
+  w0 = _mm512_unpacklo_epi8(lo, hi);
+  w1 = _mm512_unpackhi_epi8(lo, hi);
+}
+#endif
+
+#ifdef E4M3_LUT
+static inline void wrow(const e4m3_t* p, vf* w) {
+  __m512i w0, w1;
+  e4m3_words(p, w0, w1);
   const __m512i top = _mm512_set1_epi32((int)0xFFFF0000);
   w[0] = (vf)_mm512_slli_epi32(w0, 16);
   w[1] = (vf)_mm512_and_si512(w0, top);
@@ -146,13 +239,32 @@ static inline void wrow(const e4m3_t* p, vf* w) {
 }
 #endif
 
+#ifdef BF16_DOT
+/* one k-pair of a block (layouts 2 and 3 of weight_layout) as NB vectors of bf16 pairs */
+static inline void wpair(const bf16_t* p, __m512i* w) {
+  _Pragma("GCC unroll 4")
+  for (int j = 0; j < NB; ++j) w[j] = _mm512_loadu_si512(p + j * 32);
+}
+#ifdef E4M3_DOT
+static inline void wpair(const e4m3_t* p, __m512i* w) {
+  e4m3_words(p, w[0], w[1]);
+  e4m3_words(p + 64, w[2], w[3]);
+}
+#endif
+#endif
+
 /* what y is multiplied by for a tensor of per-tensor scale s */
 static inline float wscale(const float*, float) { return 1.f; }
 static inline float wscale(const bf16_t*, float) { return 1.f; }
 static inline float wscale(const e4m3_t*, float s) { return s * 256.f; }
 
+/* bytes the prefetch runs ahead of the loads: 32 fp32 k-rows of a block */
+#ifndef AHEAD
+#define AHEAD (32 * BW * 4)
+#endif
+
 /* One block of BW output columns for M rows: y[m, :BW] = x[m] . wb (* the weight's scale), wb one
-   packed block [K, BW] of weights of type W. */
+   packed block [K, BW] of weights of type W, x fp32 (rounded to bf16 for bf16 and e4m3 weights). */
 template <int M, typename W>
 static inline void block(const float* x, long ldx, const W* wb, float* y, long ldy, long K, float scale) {
   /* one row has a single accumulator chain per vector: two k-rows in flight hide the FMA latency */
@@ -167,10 +279,9 @@ static inline void block(const float* x, long ldx, const W* wb, float* y, long l
   for (; k + KU <= K; k += KU) {
     _Pragma("GCC unroll 2")
     for (int u = 0; u < KU; ++u) {
-      /* the stream as many bytes ahead of the loads as 32 fp32 k-rows: every 64-byte line of a k-row
-         (a row of 64 floats is 4 lines; prefetching only 2 of them cost a third of the speed,
-         docs/design.md) */
-      const char* ahead = wc + (k + u) * ROW + 32 * BW * 4;
+      /* every 64-byte line of a k-row (a row of 64 floats is 4 lines; prefetching only 2 of them cost
+         a third of the speed, docs/design.md) */
+      const char* ahead = wc + (k + u) * ROW + AHEAD;
       if (ROW >= 64) {
         _Pragma("GCC unroll 4")
         for (int off = 0; off < ROW; off += 64) __builtin_prefetch(ahead + off);
@@ -202,27 +313,84 @@ static inline void block(const float* x, long ldx, const W* wb, float* y, long l
     }
 }
 
-/* block<M> for a row count m known at run time (1-8) */
-template <typename W>
-static inline void block_m(long m, const float* x, long ldx, const W* wb, float* y, long ldy, long K, float scale) {
-  switch (m) {
-    case 1: block<1>(x, ldx, wb, y, ldy, K, scale); break;
-    case 2: block<2>(x, ldx, wb, y, ldy, K, scale); break;
-    case 3: block<3>(x, ldx, wb, y, ldy, K, scale); break;
-    case 4: block<4>(x, ldx, wb, y, ldy, K, scale); break;
-    case 5: block<5>(x, ldx, wb, y, ldy, K, scale); break;
-    case 6: block<6>(x, ldx, wb, y, ldy, K, scale); break;
-    case 7: block<7>(x, ldx, wb, y, ldy, K, scale); break;
-    default: block<8>(x, ldx, wb, y, ldy, K, scale); break;
+#ifdef BF16_DOT
+/* block() for a linear that multiplies bf16 pairs: xp [M, ldp] the activations' pairs, wb the block's
+   (K + 1) / 2 k-pairs. One vdpbf16ps per 32 products (two k-rows of 16 columns). Every row count sums
+   in the same order (one chain per vector, k-pairs in order; 4 chains keep one row's step near the
+   read bandwidth): a row's result does not depend on the rows beside it (batch invariance, which
+   block() gives past one row only). */
+template <int M, typename W>
+static inline void block_dot(const unsigned* xp, long ldp, const W* wb, float* y, long ldy, long K, float scale) {
+  constexpr int PAIR = 2 * BW * sizeof(W);  /* bytes of one k-pair of the block */
+  const long P = (K + 1) / 2;
+  __m512 acc[NB][M];
+  for (int j = 0; j < NB; ++j)
+    for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
+  const char* wc = (const char*)wb;
+  for (long p = 0; p < P; ++p) {
+    const char* ahead = wc + p * PAIR + AHEAD;
+    _Pragma("GCC unroll 4")
+    for (int off = 0; off < PAIR; off += 64) __builtin_prefetch(ahead + off);
+    __m512i w[NB];
+    wpair(wb + p * 2 * BW, w);
+    _Pragma("GCC unroll 8")
+    for (int m = 0; m < M; ++m) {
+      const __m512bh xs = (__m512bh)_mm512_set1_epi32((int)xp[m * ldp + p]);
+      _Pragma("GCC unroll 4")
+      for (int j = 0; j < NB; ++j) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], (__m512bh)w[j], xs);
+    }
   }
+  const __m512 f = _mm512_set1_ps(wscale(wb, scale));
+  for (int j = 0; j < NB; ++j)
+    for (int m = 0; m < M; ++m) _mm512_storeu_ps(y + m * ldy + j * VW, _mm512_mul_ps(acc[j][m], f));
+}
+#endif
+
+template <int M, typename W>
+static inline void block_any(const void* x, long ldx, const W* wb, float* y, long ldy, long K, float scale) {
+#ifdef BF16_DOT
+  if constexpr (Dot<W>::value) {
+    block_dot<M>((const unsigned*)x, ldx, wb, y, ldy, K, scale);
+    return;
+  }
+#endif
+  if constexpr (!Dot<W>::value) block<M>((const float*)x, ldx, wb, y, ldy, K, scale);
+}
+
+/* block<M> for a row count m known at run time (1-8), x as `activations` gave it (row r at x + r * ldx
+   of its element type) */
+template <typename W>
+static inline void block_m(long m, const void* x, long ldx, const W* wb, float* y, long ldy, long K, float scale) {
+  switch (m) {
+    case 1: block_any<1>(x, ldx, wb, y, ldy, K, scale); break;
+    case 2: block_any<2>(x, ldx, wb, y, ldy, K, scale); break;
+    case 3: block_any<3>(x, ldx, wb, y, ldy, K, scale); break;
+    case 4: block_any<4>(x, ldx, wb, y, ldy, K, scale); break;
+    case 5: block_any<5>(x, ldx, wb, y, ldy, K, scale); break;
+    case 6: block_any<6>(x, ldx, wb, y, ldy, K, scale); break;
+    case 7: block_any<7>(x, ldx, wb, y, ldy, K, scale); break;
+    default: block_any<8>(x, ldx, wb, y, ldy, K, scale); break;
+  }
+}
+
+/* x's row r, x as `activations` gave it for W */
+template <typename W>
+static inline const void* act_row(const void* x, long ld, long r) {
+  return (const char*)x + r * ld * (Dot<W>::value ? sizeof(unsigned) : sizeof(float));
 }
 """
 
 _SOURCE = native.VECTORS + BLOCK_SOURCE + r"""
 template <typename W>
 static void run(const float* x, const W* wp, float* y, long M, long N, long K, float scale, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (long b = 0; b < N / BW; ++b) block_m(M, x, K, wp + b * K * BW, y + b * BW, N, K, scale);
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> buf;
+    long ld;
+    const void* xa = activations<W>(M, x, K, K, buf, ld);
+#pragma omp for schedule(static)
+    for (long b = 0; b < N / BW; ++b) block_m(M, xa, ld, wp + b * block_elems<W>(K), y + b * BW, N, K, scale);
+  }
 }
 
 /* fmt: 0 fp32, 1 bf16, 2 e4m3 with per-tensor scale */
@@ -255,6 +423,9 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.smallm_linear.restype = ctypes.c_int
     lib.weight_formats.restype = ctypes.c_int
     lib.e4m3_interleaved.restype = ctypes.c_int
+    lib.weight_layout.argtypes = [ctypes.c_int]
+    lib.weight_layout.restype = ctypes.c_int
+    lib.block_shape.restype = ctypes.c_int
 
 
 _NATIVE = native.Native("smallm", _SOURCE, [f"-DVW={VW}", f"-DNB={NB}"], _bind)
@@ -292,9 +463,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m
 
 def e4m3_order(lib: ctypes.CDLL) -> torch.Tensor | None:
     """Which of a block's columns each byte of a packed e4m3 k-row holds where `lib` (built from
-    BLOCK_SOURCE) widens a whole k-row at once (AVX-512 VBMI: E4M3_LUT), else None (columns in order).
-    Column 16 j + d of the block sits at byte 16 (d // 4) + 8 (j // 2) + 2 (d % 4) + j % 2: the order
-    in which the byte unpacks and the shift / mask into fp32 lanes hand them to vector j."""
+    BLOCK_SOURCE) widens a whole k-row at once into fp32 (AVX-512 VBMI without bf16 dot products:
+    E4M3_LUT), else None. Column 16 j + d of the block sits at byte 16 (d // 4) + 8 (j // 2) + 2 (d % 4)
+    + j % 2: the order in which the byte unpacks and the shift / mask into fp32 lanes hand them to
+    vector j."""
     if not lib.e4m3_interleaved():
         return None
     order = torch.empty(64, dtype=torch.long)
@@ -304,51 +476,85 @@ def e4m3_order(lib: ctypes.CDLL) -> torch.Tensor | None:
     return order
 
 
+def pair_order(fmt: str, vw: int = 16, nb: int = 4) -> torch.Tensor:
+    """Where a block packed in k-pairs (a kernel with bf16 dot products: `layout` 2 and 3) keeps each
+    value of a pair of k-rows: position q of the pair's 2 BW values holds value e BW + c of the two
+    rows [2, BW] (row e, column c). bf16: c's two values side by side (words 2c, 2c + 1), one 32-bit
+    lane of a `vdpbf16ps` operand. fp8: column 16 j + i of row e at byte 64 (j // 2) + 16 ((2i + e) // 8)
+    + 8 (j % 2) + (2i + e) % 8, the order in which the table lookups' byte unpacks hand vector j its
+    bf16 pairs. (Built where the vectors have 16 lanes, 4 a block: `vw`, `nb`.)"""
+    bw = vw * nb
+    order = torch.empty(2 * bw, dtype=torch.long)
+    for j in range(nb):
+        for i in range(vw):
+            for e in range(2):
+                w = 2 * i + e
+                q = w + 2 * vw * j if fmt == "bf16" else 64 * (j // 2) + 16 * (w // 8) + 8 * (j % 2) + w % 8
+                order[q] = e * bw + vw * j + i
+    return order
+
+
+def layout(lib: ctypes.CDLL, weights: str) -> int:
+    """How `lib` reads a packed block of `weights` (BLOCK_SOURCE's weight_layout): 0 k-rows of the columns
+    in order, 1 k-rows in `e4m3_order`, 2 and 3 k-pairs in `pair_order` (bf16, fp8)."""
+    return lib.weight_layout(FORMATS[DTYPES[weights]])
+
+
 def pack(w: torch.Tensor, weights: str = "fp32", lib: ctypes.CDLL | None = None) -> tuple[torch.Tensor, float]:
     """w [N, K] fp32 as [ceil(N / BW), K, BW] in the `weights` format (fp32 | bf16 | fp8): each block
     of BW output columns contiguous, k-major; and the scale the kernel multiplies y by (fp8: vLLM's
     per-tensor scale, engine.models.fp8; else 1). w must hold values of that format already (the
-    engine rounds its weights once when it loads them), so the copy is exact. An fp8 block holds its
-    columns in the `e4m3_order` of `lib`, the kernel that reads it (default: this process's)."""
+    engine rounds its weights once when it loads them), so the copy is exact. The block's layout is
+    the one `lib`, the kernel that reads it (default: this process's), states (`layout`): in k-pairs
+    (K padded to even with zeros) where it multiplies bf16 pairs."""
+    lib = lib or _built()
+    vw, nb = divmod(lib.block_shape(), 100)
+    bw = vw * nb
     n, k = w.shape
-    pad = -n % BW
     scale = 1.0
     if weights == "fp8":
         from engine.models.fp8 import quantize_e4m3
 
-        w, s = quantize_e4m3(w)
-        scale = float(s)
+        w8, s = quantize_e4m3(w)
+        stored, scale = w8.view(torch.uint8), float(s)  # copies of float8 tensors go through their bytes
     else:
-        w = w.to(DTYPES[weights])
-    if pad:
-        w = torch.cat([w.view(torch.uint8) if weights == "fp8" else w,
-                       torch.zeros(pad, k, dtype=torch.uint8 if weights == "fp8" else w.dtype)])
-        if weights == "fp8":
-            w = w.view(torch.float8_e4m3fn)
-    packed = w.detach().reshape(-1, BW, k).transpose(1, 2)
-    if weights == "fp8":  # copies of float8 tensors go through their bytes
-        order = e4m3_order(lib or _built())
-        packed = packed.view(torch.uint8)
-        packed = packed.contiguous() if order is None else packed[:, :, order].contiguous()
-        return packed.view(torch.float8_e4m3fn), scale
-    return packed.contiguous(), scale
+        stored = w.detach().to(DTYPES[weights])
+    how = layout(lib, weights)
+    kp = k + k % 2 if how >= 2 else k
+    stored = torch.nn.functional.pad(stored.view(torch.int16) if weights == "bf16" else stored,
+                                     (0, kp - k, 0, -n % bw))
+    packed = stored.reshape(-1, bw, kp).transpose(1, 2)  # [blocks, K, BW]
+    if how == 1:
+        packed = packed[:, :, e4m3_order(lib)]
+    elif how >= 2:
+        packed = packed.reshape(-1, kp // 2, 2 * bw)[:, :, pair_order(weights, vw, nb)].reshape(-1, kp, bw)
+    packed = packed.contiguous()
+    return packed.view(DTYPES[weights]), scale
 
 
-def unpack(packed: torch.Tensor, scale: float, n: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """The fp32 weight [n, K] a `pack`ed copy for `lib` (default: this process's kernel) holds: what
-    the kernel multiplies with."""
-    if packed.dtype == torch.float8_e4m3fn:
-        order = e4m3_order(lib or _built())
-        if order is not None:
-            packed = packed.view(torch.uint8)[:, :, torch.argsort(order)].view(torch.float8_e4m3fn)
-    w = packed.float().transpose(1, 2).reshape(-1, packed.shape[1])[:n]
-    return w * scale if packed.dtype == torch.float8_e4m3fn else w
+def unpack(packed: torch.Tensor, scale: float, n: int, k: int | None = None,
+           lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """The fp32 weight [n, k] (k: default the packed K, padding included) a `pack`ed copy for `lib`
+    (default: this process's kernel) holds: what the kernel multiplies with."""
+    lib = lib or _built()
+    vw, nb = divmod(lib.block_shape(), 100)
+    weights = {v: name for name, v in DTYPES.items()}[packed.dtype]
+    how = layout(lib, weights)
+    blocks, kp, bw = packed.shape
+    raw = packed.view(torch.uint8) if weights == "fp8" else packed.view(torch.int16) if weights == "bf16" else packed
+    if how == 1:
+        raw = raw[:, :, torch.argsort(e4m3_order(lib))]
+    elif how >= 2:
+        raw = raw.reshape(blocks, kp // 2, 2 * bw)[:, :, torch.argsort(pair_order(weights, vw, nb))].reshape(blocks, kp, bw)
+    w = raw.contiguous().view(packed.dtype).float().transpose(1, 2).reshape(-1, kp)[:n, :k]
+    return w * scale if weights == "fp8" else w
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
            scale: float = 1.0) -> torch.Tensor:
     """x [M, K] @ w.T (+ bias) for the weight `pack`ed into `packed` (n its output width, scale its
-    `pack` scale), in passes of at most MAX_ROWS rows. Needs `library()`."""
+    `pack` scale), in passes of at most MAX_ROWS rows; at bf16 and fp8 x is rounded to bf16 first (in the
+    kernel). Needs `library()`."""
     lib = _built()
     x = x.contiguous()
     rows, k = x.shape

@@ -99,7 +99,8 @@ def test_the_eagle_head_runs_at_the_served_precision(at) -> None:
     """Beside a bf16 or fp8 target the EAGLE head holds bf16 values (the dtype it is served in: vLLM
     quantizes only the target under fp8), its linears have the few-row kernel's bf16 copies, and its
     draft logits read the target's packed lm_head itself (no second copy) and equal F.linear over its
-    values; beside fp32 the head keeps its fp32 values, packed in fp32."""
+    values from features rounded to bf16 (every bf16 / fp8 linear's input); beside fp32 the head keeps
+    its fp32 values, packed in fp32."""
     weights, engine, prompts = at
     engine.set_spec(SpecConfig(method="eagle", depth=2, topk=1, budget=3))
     drafter = engine.drafter
@@ -112,6 +113,7 @@ def test_the_eagle_head_runs_at_the_served_precision(at) -> None:
                                                         lean.block.w2))
     assert drafter._lm_rows is engine.lean.model.lm_head and drafter._lm_rows._smallm_packed.dtype == fmt
     feat = torch.randn(3, drafter._lm_rows.shape[1])
+    inputs = feat if weights == "fp32" else feat.bfloat16().float()
     with torch.inference_mode():
-        torch.testing.assert_close(drafter._logits(feat), torch.nn.functional.linear(feat, drafter._lm_rows),
+        torch.testing.assert_close(drafter._logits(feat), torch.nn.functional.linear(inputs, drafter._lm_rows),
                                    rtol=1e-4, atol=1e-4)
