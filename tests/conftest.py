@@ -17,6 +17,25 @@ def pytest_configure(config: pytest.Config) -> None:
         import torch
 
         torch.set_num_threads(1)
+    elif getattr(config.option, "numprocesses", None):
+        _build_first_use_caches()
+
+
+def _build_first_use_caches() -> None:
+    """What the engine builds at first use and keeps in ~/.cache/spectune (the SmolLM2 tokenizer
+    extracted from the GGUF, ~12 s of CPU; the three C++ kernels, ~13 s), built once by the xdist
+    controller before its workers start, through the engine's own functions. On an empty cache
+    (CI, a fresh clone) both workers and the subprocesses their first tests start would each build
+    them at once (the loser of each race discards its copy). The tests of the building itself
+    (tests/engine/test_native.py, test_engine_model.py) use their own cache directories."""
+    from engine.models import attention, decode_step, smallm
+    from engine.models.forward import prebuild_kernels
+    from engine.models.target import smollm2_tokenizer_dir
+
+    prebuild_kernels()  # g++ on background threads while the tokenizer is extracted here, as the engine does
+    smollm2_tokenizer_dir()
+    for mod in (smallm, attention, decode_step):
+        mod._NATIVE.library()  # waits for its build (None without a compiler: the engine reports that itself)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

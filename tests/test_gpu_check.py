@@ -27,8 +27,11 @@ def test_without_cuda_it_is_one_line_and_exit_2() -> None:
 def test_the_lossless_step_and_the_table_on_cpu() -> None:
     r = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--model", "tiny-random", "--prompts", "2",
                         "--tokens", "16", "--steps", "lossless,vllm-head", "--time-scale", "4",
-                        # the head only has to load into vLLM and draft: a short training (cached once)
-                        "--train-steps", "20",
+                        # the head only has to load into vLLM and draft: a short training on little data
+                        # (the default 160 answers of 128 tokens and 8 x 256-token steps took ~90 s of CPU
+                        # for a head nobody measures; the head's layout, draft vocabulary included, is kept)
+                        "--train-steps", "20", "--override", "train.prompts=16", "--override", "train.max_new_tokens=32",
+                        "--override", "train.batch=2", "--override", "train.seq_len=64",
                         # vLLM's CPU attention has no head size 16 (tiny-random's): 32 is its smallest
                         "--override", "model.head_dim=32", "--override", "model.hidden_size=128"], cwd=ROOT,
                        capture_output=True, text=True, timeout=900,

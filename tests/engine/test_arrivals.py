@@ -117,12 +117,21 @@ def test_the_batch_sizes_the_engine_ran_in_process(batched) -> None:
 
 def test_open_loop_over_http_samples_the_servers_batch(batched) -> None:
     cfg, eng = batched
+    seen = []
     with serving(cfg, eng) as url:
-        m = run_http(url, cfg.model.name, _prompts(6), SamplingParams(max_new_tokens=24),
-                     arrivals_s=arrival_times(6, 200.0, "constant"), rate=200.0)
-    assert m.n_requests == 6 and not m.errors and m.rate == 200.0
-    assert m.batch_sizes and max(m.batch_sizes) >= 2 and max(m.batch_sizes) <= 4
-    assert m.ttft_p50_ms is not None and m.tpot_p99_ms is not None
+        # The gauges are sampled every 100 ms: on a loaded machine a pass may catch only its single-request
+        # tail (a full run saw {1: 1}), so the timing part -- a batch of two or more caught -- gets up to
+        # three passes, while every pass must hold the rest.
+        for _ in range(3):
+            m = run_http(url, cfg.model.name, _prompts(6), SamplingParams(max_new_tokens=24),
+                         arrivals_s=arrival_times(6, 200.0, "constant"), rate=200.0)
+            assert m.n_requests == 6 and not m.errors and m.rate == 200.0
+            assert m.batch_sizes and max(m.batch_sizes) <= 4
+            assert m.ttft_p50_ms is not None and m.tpot_p99_ms is not None
+            seen.append(max(m.batch_sizes))
+            if seen[-1] >= 2:
+                break
+    assert max(seen) >= 2, seen
 
 
 def test_rates_are_levels_of_a_study(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from optuna.trial import TrialState
 
 from tuner.schema.compose import load_config
 from tuner.search.guided import (PREDICTED, RANK, SURFACE_FILE, Widener, enqueue_predicted, measured_speedups, plot_surface,
-                          predicted_surface, read_prediction)
+                          point_id, predicted_surface, read_prediction)
 from tuner.study.objective import TrialOutcome
 from tuner.run.session import optimize
 from tuner.schema.config import SpecConfig
@@ -85,8 +85,18 @@ def test_the_report_draws_the_predicted_surface_of_the_prediction(model_run: Pat
     live = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
             if t.user_attrs.get(RANK) is not None]
     assert live and {(t.params["depth"], t.params["depth"] + 1) for t in live} == set(panel.measured)
-    for t in live:
-        assert panel.measured[(t.params["depth"], t.params["depth"] + 1)] == pytest.approx(t.user_attrs["speedup"])
+    # A cell draws its highest prediction and marks that point's measurement. The two live points may
+    # share a cell (one depth, two K schedules at concurrency 2: which ones rank first depends on this
+    # machine's measured step costs), so each mark is checked against the live trial of the drawn point.
+    drawn: dict[tuple[int, int], dict] = {}
+    for p in ranked:
+        cell = (p["spec"]["depth"], p["spec"]["budget"])
+        if cell not in drawn or p[PREDICTED] > drawn[cell][PREDICTED]:
+            drawn[cell] = p
+    by_key = {t.user_attrs["spec"]: t for t in live}
+    assert all(drawn[cell]["key"] in by_key for cell in panel.measured)  # the top-ranked live point of its cell
+    for cell, mark in panel.measured.items():
+        assert mark == pytest.approx(by_key[drawn[cell]["key"]].user_attrs["speedup"])
 
 
 def test_surface_of_a_tree_space_one_panel_per_method_and_topk(tmp_path: Path) -> None:
@@ -96,7 +106,8 @@ def test_surface_of_a_tree_space_one_panel_per_method_and_topk(tmp_path: Path) -
 
     ranked = [entry("eagle", 3, 4, 8, 2.1), entry("eagle", 3, 4, 12, 2.3), entry("eagle", 5, 4, 8, 2.2),
               entry("eagle", 2, 1, 3, 1.6), entry("eagle", 4, 1, 5, 1.9), entry("ngram", 3, 1, 4, 0.9)]
-    panels = predicted_surface(ranked, {"eagle d3 k4 b12": 2.05, "ngram d3 k1 b4": 0.95, "off": 1.0})
+    by_key = {p["key"]: point_id(p["spec"]) for p in ranked}
+    panels = predicted_surface(ranked, {by_key["eagle d3 k4 b12"]: 2.05, by_key["ngram d3 k1 b4"]: 0.95})
     assert [(p.method, p.topk) for p in panels] == [("eagle", 1), ("eagle", 4), ("ngram", 1)]
     tree = panels[1]
     assert tree.depths == [3, 5] and tree.budgets == [8, 12]
@@ -104,6 +115,23 @@ def test_surface_of_a_tree_space_one_panel_per_method_and_topk(tmp_path: Path) -
     assert panels[2].measured == {(3, 4): 0.95} and panels[0].measured == {}
     plot_surface(panels, tmp_path / "s.png")
     assert (tmp_path / "s.png").stat().st_size > 5000
+
+
+def test_a_cell_marks_the_measurement_of_the_point_it_draws() -> None:
+    """Two K schedules of one chain share a cell and a key ('ngram d3 k1 b4'): the cell draws the
+    higher prediction and marks that schedule's measurement, not the mean of both schedules'."""
+    from optuna.trial import create_trial
+
+    a = SpecConfig(method="ngram", depth=3, budget=4, k_per_batch_size=[(1, 1, 3), (2, 2, 1)])
+    b = SpecConfig(method="ngram", depth=3, budget=4, k_per_batch_size=[(1, 1, 3), (2, 2, 0)])
+    assert a.key() == b.key()
+    study = optuna.create_study(direction="maximize")
+    for spec, sp in ((a, 1.2), (b, 0.8), (a, 1.4)):
+        study.add_trial(create_trial(state=TrialState.COMPLETE, value=sp, user_attrs={
+            "spec": spec.key(), "spec_json": spec.model_dump(mode="json"), "speedup": sp}))
+    ranked = [{"key": s.key(), "spec": s.model_dump(mode="json"), PREDICTED: p} for s, p in ((a, 1.5), (b, 1.4))]
+    (panel,) = predicted_surface(ranked, measured_speedups(study))
+    assert panel.at(3, 4) == 1.5 and panel.measured == {(3, 4): pytest.approx(1.3)}  # a's two trials, b's left out
 
 
 def _study_with(space: SearchSpace, ranked: list[dict]) -> optuna.Study:

@@ -197,20 +197,28 @@ class SurfacePanel:
         return self.speedup[self.budgets.index(budget)][self.depths.index(depth)]
 
 
+def point_id(spec: dict) -> str:
+    """The identity of a point of the space: its whole spec (JSON), not its key, which two points that
+    differ only in their K per band share."""
+    return json.dumps(spec, sort_keys=True)
+
+
 def measured_speedups(study: optuna.Study) -> dict[str, float]:
-    """The measured speedup of every configuration with a complete trial (mean over its trials), by key."""
+    """The measured speedup of every configuration with a complete trial (mean over its trials), by
+    `point_id`."""
     seen: dict[str, list[float]] = {}
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-        key, sp = t.user_attrs.get("spec"), t.user_attrs.get("speedup")
-        if key and key != "off" and sp is not None:
-            seen.setdefault(key, []).append(float(sp))
+        spec, sp = t.user_attrs.get("spec_json"), t.user_attrs.get("speedup")
+        if spec and spec.get("method") != "off" and sp is not None:
+            seen.setdefault(point_id(spec), []).append(float(sp))
     return {k: sum(v) / len(v) for k, v in seen.items()}
 
 
 def predicted_surface(ranked: list[dict], measured: dict[str, float] | None = None) -> list[SurfacePanel]:
     """The prediction of a `search.sampler=model` study as one depth x budget grid per (method, top-k),
-    in the order method, top-k. Two points of one cell (n-gram lookups of other lengths) keep the
-    higher prediction."""
+    in the order method, top-k. Two points of one cell (n-gram lookups of other lengths, K schedules)
+    keep the higher prediction, and the cell's mark is that point's measurement (`measured`: by
+    `point_id`, as measured_speedups gives)."""
     cells: dict[tuple[str, int], dict[tuple[int, int], float]] = {}
     keys: dict[tuple[str, int], dict[tuple[int, int], str]] = {}
     for p in ranked:
@@ -219,7 +227,7 @@ def predicted_surface(ranked: list[dict], measured: dict[str, float] | None = No
         grid = cells.setdefault(panel, {})
         if cell not in grid or p[PREDICTED] > grid[cell]:
             grid[cell] = p[PREDICTED]
-            keys.setdefault(panel, {})[cell] = p["key"]
+            keys.setdefault(panel, {})[cell] = point_id(p["spec"])
     out = []
     for (method, topk), grid in sorted(cells.items()):
         depths = sorted({d for d, _ in grid})
