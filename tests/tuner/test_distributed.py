@@ -87,7 +87,12 @@ def test_budget_holds_across_workers_and_enqueued_trials_run_once(server, tmp_pa
     ran = _workers(cfg, server.url, 4)
     trials = _study(server.url, "budget").get_trials()
     measured = [t for t in trials if "reused_from" not in t.user_attrs]  # a re-proposed point is not counted
-    assert len(measured) == 14 and sum(ran) == len(trials)  # exactly the budget, although 4 workers raced for it
+    # Exactly the budget, although 4 workers raced for it -- unless the sampler found nothing new first:
+    # the quick space has 14 points, and a study ends when measured points were re-proposed n_trials
+    # times (CI ended one at 12 measured, 14 re-proposed). Never more than the budget.
+    reused = len(trials) - len(measured)
+    assert len(measured) == 14 or (len(measured) < 14 and reused >= 14), (len(measured), reused)
+    assert sum(ran) == len(trials)
     assert all(t.state == TrialState.COMPLETE for t in trials)
     roles = Counter(t.user_attrs.get("role", "search") for t in trials)
     assert roles["baseline"] == 1 and roles["default"] == 1
