@@ -136,9 +136,11 @@ def server_fixtures(overrides: list[str]) -> tuple[Callable, Callable, Callable]
 
 
 # The largest top-2 logit margin a change of blocking (rows per forward, batch layout) can flip, by
-# engine.builtin.weights: at every format activations and accumulation are fp32 (the weights only
-# change values), so two blockings differ by fp32 summation order, ~1e-5 on these logits.
-TIE_MARGIN = {"fp32": 1e-3, "bf16": 1e-3, "fp8": 1e-3}
+# engine.builtin.weights. fp32: two blockings differ by summation order, ~1e-5 on these logits. bf16 /
+# fp8: the linears round their input to bf16, so where two blockings sum in different orders (CPUs
+# without AVX-512 BF16: the fp32 route) a 1e-7 difference can flip an activation's bf16 rounding, one
+# bf16 step (2^-8 of it): up to ~3e-2 on these logits (measured between the torch and native forms).
+TIE_MARGIN = {"fp32": 1e-3, "bf16": 3e-2, "fp8": 3e-2}
 
 
 def assert_same_or_near_tie(engine, prompt: list[int], a: list[int], b: list[int], weights: str) -> int | None:
