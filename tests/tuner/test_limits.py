@@ -31,8 +31,22 @@ def test_a_paused_startup_is_not_measuring_time() -> None:
         with startup_excluded():
             time.sleep(0.6)  # past the limit, but paused: no alarm
         assert clock.elapsed() < 0.2
-        with pytest.raises(TrialTimeout, match="search.trial_timeout_s=0.3"):
+        with pytest.raises(TrialTimeout, match="search.trial_timeout_s=0.3"), clock.measuring():
             time.sleep(1.0)  # measuring time: the alarm fires
+
+
+def test_the_alarm_never_cuts_a_storage_call_and_fails_the_next_measurement() -> None:
+    """Fired outside a measurement (the trial's storage calls: an exception there cut a SQLite
+    transaction and left the file locked, on CI) the alarm is held; the next measurement or check
+    raises it."""
+    with TrialClock(0.05) as clock:
+        time.sleep(0.2)  # a slow storage call past the limit: not interrupted
+        with pytest.raises(TrialTimeout), clock.measuring():
+            pytest.fail("the held alarm must fail the measurement before it starts")
+    with TrialClock(0.05) as clock:
+        time.sleep(0.2)
+        with pytest.raises(TrialTimeout):
+            clock.check()
 
 
 def test_the_clock_is_checked_between_repeats_off_the_main_thread() -> None:

@@ -40,6 +40,9 @@ class TrialClock:
     """A trial's measuring clock: elapsed time minus paused start-ups, enforced by SIGALRM.
 
     Outside the main thread no signal can be armed; there the limit is checked between repeats.
+    The alarm interrupts only a measurement (`measuring`): fired elsewhere (the trial's storage
+    calls, whose transaction an exception would cut, leaving a SQLite file locked) it is held until
+    the next measurement starts or the next `check`.
     """
 
     def __init__(self, limit_s: float) -> None:
@@ -47,6 +50,8 @@ class TrialClock:
         self.t0 = time.monotonic()
         self.paused_s = 0.0
         self._armed = False
+        self._measuring = 0
+        self._pending = False
 
     def __enter__(self) -> "TrialClock":
         self.t0 = time.monotonic()
@@ -66,6 +71,9 @@ class TrialClock:
             self._armed = False
 
     def _fire(self, signum: int, frame: Any) -> None:
+        if signum and not self._measuring:  # the alarm outside a measurement: held (see the class)
+            self._pending = True
+            return
         raise TrialTimeout(f"exceeded {LIMIT_KEY}={self.limit_s:g} (measuring time; server start-ups excluded)")
 
     def elapsed(self) -> float:
@@ -84,9 +92,21 @@ class TrialClock:
             if self._armed:  # an alarm of 0 would disarm it: re-arm with at least a moment left
                 signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3))
 
+    @contextmanager
+    def measuring(self) -> Iterator[None]:
+        """A measurement: the block the alarm may interrupt (at once, if it fired already)."""
+        if self._pending:
+            self._fire(0, None)
+        self._measuring += 1
+        try:
+            yield
+        finally:
+            self._measuring -= 1
+
     def check(self) -> None:
-        """Raise TrialTimeout when the measuring time is spent (for threads without SIGALRM)."""
-        if self.elapsed() > self.limit_s:
+        """Raise TrialTimeout when the measuring time is spent (threads without SIGALRM), or when
+        the alarm fired outside a measurement."""
+        if self._pending or self.elapsed() > self.limit_s:
             self._fire(0, None)
 
 

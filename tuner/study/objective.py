@@ -12,6 +12,8 @@ reason in the `fail_reason` user attr.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import math
 import statistics
 import time
@@ -219,13 +221,15 @@ class Objective:
         for r in range(repeats_max):
             clock = active_clock()  # the trial's measuring clock (none for the held-out check)
             repeat_t0 = clock.elapsed() if clock is not None else 0.0
-            if is_off:  # the baseline itself: one measurement per repeat, speedup 1 by definition
-                s = self._at_levels(OFF, split)
-                b = s
-                ratio = 1.0
-            else:
-                s, b, ratio, retried, still, used = self.plausible_pair(
-                    spec, split, passes + flip, history + [_mean_tok(x) for x in base_s])
+            with clock.measuring() if clock is not None else nullcontext():
+                if is_off:  # the baseline itself: one measurement per repeat, speedup 1 by definition
+                    s = self._at_levels(OFF, split)
+                    b = s
+                    ratio = 1.0
+                else:
+                    s, b, ratio, retried, still, used = self.plausible_pair(
+                        spec, split, passes + flip, history + [_mean_tok(x) for x in base_s])
+            if not is_off:
                 passes += used
                 remeasured += [f"repeat {r + 1}: {why}" for why in retried]
                 if still is not None:  # kept after every retry: it never prunes another trial nor wins
