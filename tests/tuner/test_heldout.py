@@ -66,6 +66,11 @@ def test_the_gap_interval_holds_the_prompts_spread_and_shrinks_with_more_prompts
 def test_no_interval_without_per_prompt_figures() -> None:
     assert gap_interval([[(None, None)]], side([1.5, 1.5]), 0.0) is None
     assert gap_interval(side([1.5]), side([1.5]), 0.0) is None  # one prompt a side: nothing to resample
+    # a request refused as such (no seconds) leaves its prompt out, not the interval
+    refused = side([1.5, 1.5, 1.5])
+    refused[0][0] = (refused[0][0][0][:2] + [(0, 0.0)], refused[0][0][1])
+    assert gap_interval(side([1.5] * 3), refused, 0.0) == pytest.approx((0.0, 0.0))
+    assert gap_interval(side([1.5] * 3), [[([(0, 0.0)] * 2 + [(1, 1.0)], [(1, 1.0)] * 3)]], 0.0) is None
     assert verdict(None, None, 1.5) is None
 
 
@@ -122,24 +127,44 @@ class _Run:
         return _measurement([], 1.0, concurrency, None, [])
 
 
+class _Drafter:
+    def __init__(self, aux_layers: tuple[int, ...] | None) -> None:
+        self.aux_layers = aux_layers
+
+
 class _Engine:
+    """What the Measurer reads of the built-in engine: its prefix cache and the drafter set_spec made."""
+
     def __init__(self, cached: bool) -> None:
         self.prefix_cache = object() if cached else None
+        self.drafter: _Drafter | None = None
+
+    def target_for(self, target: _Run):
+        def set_spec(spec: SpecConfig) -> _Run:
+            self.drafter = None if spec.method == "off" else _Drafter((2, 5) if spec.method == "eagle3" else None)
+            return target
+        return set_spec
 
 
-def test_each_split_is_warmed_once_per_spec_before_its_first_timed_pass() -> None:
+def test_each_split_is_warmed_once_before_its_first_timed_pass() -> None:
     cfg = load_config(CFG)
     prompts = {"tune": [Prompt("t0", "a", "x"), Prompt("t1", "b", "x")], "heldout": [Prompt("h0", "c", "x")]}
-    target = _Run()
-    m = Measurer(lambda spec: target, cfg, prompts, engine=_Engine(cached=True))  # type: ignore[arg-type]
+    target, engine = _Run(), _Engine(cached=True)
+    m = Measurer(engine.target_for(target), cfg, prompts, engine=engine)  # type: ignore[arg-type]
     m(D3, "tune", 2)
     # the warm pass: every prompt once, one new token each; then the timed pass (2 in flight)
     assert target.runs == [(["t0", "t1"], [1, 1]), (["t0", "t1"], [None, None])]
     m(D3, "tune", 2)
-    assert len(target.runs) == 3  # warmed already
-    m(SpecConfig(method="off"), "tune", 1)
+    m(SpecConfig(method="off"), "tune", 1)  # off and the n-gram drafter share the cache entries
+    assert len(target.runs) == 4  # warmed already: only timed passes
     m(D3, "heldout", 1)
-    assert [r[1] for r in target.runs[3:]] == [[1, 1], [None, None], [1], [None]]
+    assert [r[1] for r in target.runs[4:]] == [[1], [None]]
+    # a drafter that reads inner target layers (EAGLE-3) has entries of its own: its first pass warms them
+    eagle3 = SpecConfig(method="eagle3", depth=3, topk=1, budget=4, head_path="h")
+    m(eagle3, "tune", 1)
+    m(eagle3, "tune", 1)
+    assert [r[1] for r in target.runs[6:]] == [[1, 1], [None, None], [None, None]]
     bare = _Run()  # no prefix cache (or a launched server: empty at every start): nothing to warm
-    Measurer(lambda spec: bare, cfg, prompts, engine=_Engine(cached=False))(D3, "tune", 1)  # type: ignore[arg-type]
+    plain = _Engine(cached=False)
+    Measurer(plain.target_for(bare), cfg, prompts, engine=plain)(D3, "tune", 1)  # type: ignore[arg-type]
     assert len(bare.runs) == 1

@@ -179,7 +179,8 @@ class Measurer:
         self.engine = engine  # the built-in engine, whose suffix caches every run starts from the same state
         self._suffix: dict[Split, dict[int, tuple[tuple[int, ...], ...]]] = {}  # split -> the suffix-cache state its runs start from
         self.skipped: set[str] = set()  # ids of the user's requests the engine refused (counted, reported)
-        self._warm: set[tuple[str, Split]] = set()  # (spec, split) whose prompts' prefill the prefix cache holds
+        # (the target features a drafter reads, split): whose prompts' prefill the prefix cache holds
+        self._warm: set[tuple[str, Split]] = set()
 
     def serving(self, spec: SpecConfig) -> bool:
         """Whether the launched server up now serves `spec` (always False in process)."""
@@ -241,22 +242,28 @@ class Measurer:
                       per_prompt=per_prompt(m.requests, len(prompts)))
 
     def _warm_prefix(self, target: LoadTarget, spec: SpecConfig, split: Split) -> None:
-        """Before the first timed pass of `spec` on `split`, an untimed pass of one new token per
-        prompt, so that the built-in engine's prefix cache holds every prompt's prefill (under the
-        spec's own drafter: an EAGLE-3 head's entries carry its features) before any pass is timed.
+        """Before the first timed pass on `split`, an untimed pass of one new token per prompt under
+        `spec` (target_for has set it), so that the built-in engine's prefix cache holds every
+        prompt's prefill before any pass is timed; once per split and per set of target features
+        the drafter reads (an EAGLE-3 head's cache entries carry them, so its first pass warms its
+        own), so trials after the first warm nothing.
 
         Without it the first pass over a set of prompts runs their whole prefill and every later
-        pass copies it: on HumanEval with SmolLM2 a prompt's first TTFT read 126-588 ms, later ones
-        51-90 ms (docs/results.md). Whichever side of a pair came first paid for it, so the held-out
-        check's first round read the held-out side's speedup up to 14% high and the tuning side's
-        low (the pair orders alternate between the sides). A launched server starts empty for every
-        spec, so both sides of a pair pay there alike: only the built-in engine is warmed."""
+        pass copies it: on HumanEval with SmolLM2 a prompt's first TTFT read 2-7 times its later
+        ones (docs/results.md, benchmarks/heldout_sides.py). Whichever side of a pair came first
+        paid for it, so the held-out check's first round read the held-out side's speedup high and
+        the tuning side's low (the pair orders alternate between the sides). A launched server
+        starts empty for every spec, so both sides of a pair pay there alike: only the built-in
+        engine is warmed."""
         from dataclasses import replace
 
         from engine.measure.workloads import params_of
 
-        key = (spec.model_dump_json(), split)
-        if self.engine is None or self.engine.prefix_cache is None or key in self._warm:
+        if self.engine is None or self.engine.prefix_cache is None:
+            return
+        drafter = self.engine.drafter
+        key = (repr(drafter.aux_layers if drafter is not None else None), split)
+        if key in self._warm:
             return
         self._warm.add(key)
         if spec.remembers_requests:  # the cache state every suffix run starts from is taken before any pass

@@ -297,7 +297,8 @@ class Objective:
         and both figures are measured over the same minutes. Rounds go on until every split's
         speedup interval is tight (search.ci_rel_width, as a trial's) after at least two pairs, at
         most `pairs_max`. Plausibility holds as in a trial. Returns each split's figures
-        (Objective._figures, with `remeasured` / `implausible` when they apply)."""
+        (Objective._figures, with `remeasured` / `implausible` when they apply, and `per_prompt`:
+        per pair and level, the spec's and the baseline's Sample.per_prompt)."""
         got: dict[Split, tuple[list[list[Sample]], list[list[Sample]], list[float], list[str], list[str]]] = {
             sp: ([], [], [], [], []) for sp in splits}
         order = 0

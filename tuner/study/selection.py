@@ -481,7 +481,8 @@ def gap_interval(tuning: SidePasses, heldout: SidePasses, gap: float, seed: int 
     and which pairs it measured: each draw resamples, independently per side, its prompts and its
     pairs with replacement, and recomputes both speedups from the per-prompt figures; the interval
     is the measured `gap` moved by the draws' 2.5th and 97.5th percentiles around the full sample's
-    (on logs). None when a pass recorded no per-prompt figures or a side holds fewer than two prompts.
+    (on logs). None when a pass recorded no per-prompt figures or a side holds fewer than two prompts
+    that every pass played to the end.
 
     The gap's sampling error is mostly the prompts': one HumanEval prompt's tau under an n-gram
     chain ranges 1.1-4.7, so two sets of 6 read about 15% apart on average (benchmarks/split_gap.py)
@@ -490,18 +491,21 @@ def gap_interval(tuning: SidePasses, heldout: SidePasses, gap: float, seed: int 
     sides = (tuning, heldout)
     if any(not side or any(x is None or y is None for pair in side for x, y in pair) for side in sides):
         return None
-    n = [len(side[0][0][0]) for side in sides]  # type: ignore[arg-type]
-    if min(n) < 2 or any(s[1] <= 0 for side in sides for pair in side for x, y in pair
-                         for s in (*x, *y)):  # type: ignore[misc]
+    # the prompts every pass of a side played to the end (a request the engine refused as such, from
+    # the user's own file, has no seconds)
+    kept = [[i for i in range(len(side[0][0][0]))  # type: ignore[arg-type]
+             if all(x[i][1] > 0 and y[i][1] > 0 for pair in side for x, y in pair)]  # type: ignore[index]
+            for side in sides]
+    if min(len(k) for k in kept) < 2:
         return None
     rng = random.Random(seed)
-    full = [_side_log_speedup(side, list(range(k)), list(range(len(side)))) for side, k in zip(sides, n)]
+    full = [_side_log_speedup(side, k, list(range(len(side)))) for side, k in zip(sides, kept)]
     shifts = []
     for _ in range(draws):
         d = []
-        for side, k in zip(sides, n):
-            prompts = [rng.randrange(k) for _ in range(k)]
-            pairs = [rng.randrange(len(side)) for _ in range(len(side))]
+        for side, k in zip(sides, kept):
+            prompts = [k[rng.randrange(len(k))] for _ in k]
+            pairs = [rng.randrange(len(side)) for _ in side]
             d.append(_side_log_speedup(side, prompts, pairs))
         shifts.append((d[1] - d[0]) - (full[1] - full[0]))
     shifts.sort()
@@ -571,9 +575,9 @@ def gap_at_equal_tau(c: HeldoutCheck) -> float | None:
     error. A speculative step costs more on a longer context and when it carries a draft (an n-gram
     drafter proposes nothing where it finds no match, and that step costs what off's does), so the
     prompts that reach a high tau (long, repetitive) also pay more per step: on HumanEval with ngram
-    d4 one step cost 11.7-17.3 ms across prompts against off's 10.8-12.2 ms, and speedup / tau read
+    d4 a step's cost varied by up to 48% across prompts, off's by 13%, and speedup / tau read
     0.79 on the check's tuning prompts (tau 2.01) against 0.91 on the held-out ones (tau 1.61),
-    with every prefill cached (docs/results.md)."""
+    with every prefill cached (docs/results.md, benchmarks/heldout_sides.py)."""
     g = tau_gap(c)
     return (1 + c.gap) / (1 + g) - 1 if g is not None else None
 
