@@ -489,13 +489,15 @@ def gap_interval(tuning: SidePasses, heldout: SidePasses, gap: float, seed: int 
     however long they are timed. A t-interval over two pairs knows nothing of it (and with t = 12.7
     it knows little else)."""
     sides = (tuning, heldout)
-    if any(not side or any(x is None or y is None for pair in side for x, y in pair) for side in sides):
-        return None
-    # the prompts every pass of a side played to the end (a request the engine refused as such, from
-    # the user's own file, has no seconds)
-    kept = [[i for i in range(len(side[0][0][0]))  # type: ignore[arg-type]
-             if all(x[i][1] > 0 and y[i][1] > 0 for pair in side for x, y in pair)]  # type: ignore[index]
-            for side in sides]
+    kept: list[list[int]] = []
+    for side in sides:
+        passes = [pp for pair in side for level in pair for pp in level]
+        if not passes or any(pp is None for pp in passes):
+            return None
+        # the prompts every pass of the side played to the end with tokens (a request the engine
+        # refused as such, from the user's own file, has none)
+        n = min(len(pp) for pp in passes if pp is not None)
+        kept.append([i for i in range(n) if all(pp[i][0] > 0 and pp[i][1] > 0 for pp in passes if pp is not None)])
     if min(len(k) for k in kept) < 2:
         return None
     rng = random.Random(seed)
