@@ -21,17 +21,18 @@
    every run.
 
 Prints one line per run; the last line printed is one JSON object with `max_regret`,
-`max_heldout_gap`, `max_heldout_gap_point`, `max_heldout_gap_width`, `max_heldout_gap_at_equal_tau`,
-`heldout_verdicts` and `runs`.
+`max_heldout_gap`, `max_heldout_gap_beyond_interval`, `max_heldout_gap_width`,
+`max_heldout_gap_at_equal_tau`, `heldout_verdicts` and `runs`.
 
-`max_heldout_gap` is the largest distance, over the runs, between 0 and the gap's interval (0 when
-the interval holds 0): how far held-out lies from tuning beyond what the choice of prompts and the
-timing explain (tuner.study.selection.heldout_excess). The check's two sides are two fixed sets of 6
-HumanEval prompts whose tau differs by 20% under ngram d4 (greedy, so in every run alike) and two
-random sets of 6 differ by 15% on average (benchmarks/split_gap.py): the raw gap measures which
-prompts the split dealt, however long they are timed. `max_heldout_gap_point` is that raw figure,
-|held-out / tuning - 1| (what `max_heldout_gap` was until 2026-12-03), and `max_heldout_gap_width`
-the widest interval (what the check could resolve). Usage:
+`max_heldout_gap` is the issue's figure: the largest |held-out / tuning - 1| over the runs (goal
+0.05). `max_heldout_gap_beyond_interval` is the largest distance between 0 and a run's gap interval
+(0 when the interval holds 0): how far held-out lies from tuning beyond what the choice of prompts
+and the timing explain (tuner.study.selection.heldout_excess). It is no substitute for the goal:
+with 6 prompts a side the interval is 40-70% wide, so it reads 0 unless the gap is gross. The
+check's two sides are two fixed sets of 6 HumanEval prompts whose tau differs by 20% under ngram d4
+(greedy, so in every run alike) and two random sets of 6 differ by 15% on average
+(benchmarks/split_gap.py): the raw gap mostly measures which prompts the split dealt, however long
+they are timed. `max_heldout_gap_width` is the widest interval (what the check could resolve). Usage:
 
     python benchmarks/fidelity.py                       # SmolLM2, 3 seeds, quiet and loaded
     python benchmarks/fidelity.py --search default --depth-max 6 --ref-rounds 8   # larger, longer
@@ -131,7 +132,7 @@ def one_run(args: argparse.Namespace, engine: object, seed: int, loaded: bool, r
     width = (c.gap_ci_high - c.gap_ci_low) if c is not None and c.gap_ci_low is not None and c.gap_ci_high is not None else None
     return {"seed": seed, "loaded": loaded, "winner": best.spec.key(), "tuning": best.speedup,
             "heldout": best.heldout_speedup, "reference": mine, "regret": (top - mine) / top,
-            "heldout_gap": heldout_excess(c) if c is not None else None, "heldout_gap_point": gap,
+            "heldout_gap": gap, "heldout_gap_beyond": heldout_excess(c) if c is not None else None,
             "heldout_gap_width": width, "verdict": c.verdict if c is not None else None,
             "tau_gap": tg, "gap_at_equal_tau": abs(eq) if eq is not None else None,
             "check": c.model_dump(mode="json") if c is not None else None,
@@ -172,7 +173,7 @@ def main() -> None:
             runs.append(r)
             c = r["check"]
             ci = (f" [{c['gap_ci_low']:+.1%}, {c['gap_ci_high']:+.1%}] over prompts and pairs: {c['verdict']}, "
-                  f"beyond it {r['heldout_gap']:.1%}" if c is not None and c.get("gap_ci_low") is not None else "")
+                  f"beyond it {r['heldout_gap_beyond']:.1%}" if c is not None and c.get("gap_ci_low") is not None else "")
             check = (f"held-out {_interval(c['heldout'])} against tuning {_interval(c['tuning'])} on "
                      f"{c['tuning']['prompts']} prompts ({c['pairs']} pairs each): gap {c['gap']:+.1%}{ci}"
                      + (f" (tau {c['heldout']['tau']:.2f} / {c['tuning']['tau']:.2f}: {r['tau_gap']:+.1%}; at equal tau "
@@ -186,7 +187,7 @@ def main() -> None:
         return max(vals) if vals else None
 
     print(json.dumps({"max_regret": max(r["regret"] for r in runs), "max_heldout_gap": most("heldout_gap"),
-                      "max_heldout_gap_point": most("heldout_gap_point"), "max_heldout_gap_width": most("heldout_gap_width"),
+                      "max_heldout_gap_beyond_interval": most("heldout_gap_beyond"), "max_heldout_gap_width": most("heldout_gap_width"),
                       "max_heldout_gap_at_equal_tau": most("gap_at_equal_tau"),
                       "heldout_verdicts": [r["verdict"] for r in runs],
                       "runs": runs, "reference": ref, "load": {"busy_share": BUSY_SHARE, "burst_s": BURST_S},
