@@ -166,6 +166,10 @@ class BatchEngine:
         self.active: list[Request] = []
         self._lock = threading.Lock()  # submit runs on other threads than step
         self.steps = 0
+        # adaptive bands: called with one record per step the controller sized (what it weighed and
+        # chose, and the forward's seconds), for benchmarks/adaptive_engine.py --trace
+        self.trace: Callable[[dict[str, Any]], None] | None = engine.trace
+        self._record: dict[str, Any] | None = None
 
     # ---- submission (any thread) --------------------------------------------------------------
 
@@ -337,6 +341,12 @@ class BatchEngine:
         if self.cost is not None and all(tree is not None for _, tree, _, _ in plans):  # decode rows only
             self.cost.observe_step(len(plans), sum(len(toks) - 1 for _, _, toks, _ in plans), forward_s)
             self._decoded = len(plans)
+        if self._record is not None:
+            rec, self._record = self._record, None
+            if self.trace is not None:
+                rec.update(forward_s=forward_s, rows=sum(len(toks) - 1 for _, _, toks, _ in plans),
+                           prefill=any(tree is None for _, tree, _, _ in plans))
+                self.trace(rec)
         pc = self.engine.prefix_cache
         for (req, tree, _, _), (hidden, logits, aux) in zip(plans, outs):
             try:
@@ -390,6 +400,10 @@ class BatchEngine:
             probed = probe(limits, gains, [e.age for e in est], batch, step_s, cost.draft_s, MARGIN, fills)
             if probed is not None:
                 limits[probed] += 1
+        if self.trace is not None:
+            self._record = {"batch": batch, "extra": extra, "table": table[:9], "overhead": cost.overhead_s(batch),
+                            "draft_s": cost.draft_s, "gains": [g[:3] for g in gains], "fills": fills,
+                            "allowed": list(limits), "probe": probed is not None, "kept": [0] * len(live)}
         if not any(limits):  # nothing pays: the step is off's, no drafter call, no cut
             return {id(r): (Tree.chain(r.state.ids[-1], []), 0.0) for r in live}
         drafting = [(r, n) for r, n in zip(live, limits) if n > 0]
@@ -423,6 +437,8 @@ class BatchEngine:
         keep = choose(real, batch, step_s, margin=MARGIN)
         if probed is not None:  # the probe is verified whatever the cut says
             keep[probed] = max(keep[probed], min(limits[probed], sizes[probed]))
+        if self._record is not None:
+            self._record.update(sizes=sizes, kept=[min(k, s) for k, s in zip(keep, sizes)])
         for r, k, size in zip(live, keep, sizes):
             if id(r) not in out:  # the controller chose no draft
                 out[id(r)] = (Tree.chain(r.state.ids[-1], []), 0.0)
