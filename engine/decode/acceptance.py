@@ -112,6 +112,17 @@ class Calibration:
                                          for p, c, b in zip(est.p, cal.p, batch.p)])
         return scaled.gains(nodes)
 
+    def upper(self, est: Acceptance, batch: Acceptance, nodes: int) -> list[float]:
+        """Expected gains per node of `est`'s draft were it of its most accepted band so far (`est`'s
+        own where that is higher, or no band was observed): what a draft could be worth before its
+        confidence is known."""
+        out = est.gains(nodes)
+        for b in self.bands.values():
+            scaled = Acceptance(len(est.p), [min(max(p * c / max(q, 1e-3), 0.0), 1.0)
+                                             for p, c, q in zip(est.p, b.p, batch.p)])
+            out = [max(x, y) for x, y in zip(out, scaled.gains(nodes))]
+        return out
+
     def update(self, batch: Acceptance, conf: float | None, drafted: int, path: list[int]) -> None:
         """A verified draft of confidence `conf` (nothing learnt without one)."""
         if conf is None or drafted <= 0:

@@ -96,6 +96,17 @@ def check_schedule(schedule: Sequence[Band], max_batch: int) -> None:
                         "needs every size up to it covered")
 
 
+def _interpolated(table: Sequence[float]) -> Callable[[float], float]:
+    """A price table's seconds at a total of rows, linear between whole totals (the expected rows of
+    drafters that do not always fill their nodes)."""
+    def step_s(n: float) -> float:
+        if len(table) == 1:
+            return table[0]
+        i = min(int(n), len(table) - 2)
+        return table[i] + (table[i + 1] - table[i]) * (n - i)
+    return step_s
+
+
 @dataclass
 class Request:
     """A submitted generation and, once admitted, its decoding state."""
@@ -383,21 +394,25 @@ class BatchEngine:
         cost = self.cost
         est = [self._estimate(r, spec) for r in live]
         nodes = spec.budget - 1
-        gains = [e.gains(nodes) for e in est]
+        batch_est, cal = self.accept[spec.key()], self.calib[spec.key()]
+        # before drafting, each request's gains as its most confident drafts' (Calibration.upper):
+        # the cut after drafting keeps only the nodes whose real confidence pays, so a node allowed
+        # costs its drafting alone when it is cut, and a draft the average would refuse may pay
+        gains = [cal.upper(e, batch_est, nodes) for e in est]
         fills = [e.rows for e in est]
         # every total of draft rows the controller weighs, priced once (a call per total costs a
         # few ms a step at batch 32, more than the rows it saves); between totals (the expected
         # rows of drafters that do not always fill their nodes) linearly
         table = cost.table(batch, extra, sum(map(len, gains)))
-
-        def step_s(n: float) -> float:
-            i = min(int(n), len(table) - 2) if len(table) > 1 else 0
-            return table[i] if len(table) == 1 else table[i] + (table[i + 1] - table[i]) * (n - i)
-
+        step_s = _interpolated(table)
         limits = choose(gains, batch, step_s, cost.draft_s, MARGIN, fills)
         probed = None
         if self.steps % PROBE_EVERY == 0:  # one node beyond the choice, for what the estimates learn
-            probed = probe(limits, gains, [e.age for e in est], batch, step_s, cost.draft_s, MARGIN, fills)
+            # rows priced at no more than the average row: a count of rows never run is measured
+            # where it could pay at that price (the live table, engine.decode.stepcost, learns it)
+            cheap = cost.table(batch, extra, sum(map(len, gains)), optimistic=True)
+            probed = probe(limits, gains, [e.age for e in est], batch, _interpolated(cheap), cost.draft_s,
+                           MARGIN, fills)
             if probed is not None:
                 limits[probed] += 1
         if self.trace is not None:
@@ -428,11 +443,9 @@ class BatchEngine:
         drafting_s = time.perf_counter() - t
         self._busy += drafting_s  # priced per node (draft_s), not as the step's overhead
         cost.observe_draft(drafting_s, sum(sizes))
-        batch_est = self.accept[spec.key()]
         for e, n, size in zip(est, limits, sizes):
             e.observe_fill(n, size)
             batch_est.observe_fill(n, size)
-        cal = self.calib[spec.key()]
         real = [cal.gains(e, batch_est, out[id(r)][0].conf if s > 0 else None, s) for r, e, s in zip(live, est, sizes)]
         keep = choose(real, batch, step_s, margin=MARGIN)
         if probed is not None:  # the probe is verified whatever the cut says

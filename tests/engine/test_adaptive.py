@@ -294,6 +294,44 @@ def test_at_batch_8_rows_priced_as_measured_draft_nothing_for_low_acceptance() -
     assert choose([[0.72]] * 8, 8, step) == [1] * 8 and choose([[0.72]] * 8, 8, step, margin=MARGIN) == [0] * 8
 
 
+def test_the_first_rows_are_priced_as_the_live_steps_ran_them() -> None:
+    """At batch 16 the curve's average row is 1.44 ms (the price floor), but the live forward's first
+    4 rows cost 0.3 ms each: once steps ran with 0-4 rows, those totals are priced as they ran, and
+    0.5 acceptance pays there (it does not at the floor); a total never run keeps the fit's price,
+    and a total that turns dear is followed."""
+    curve = {16: [(0, 0.042), (32, 0.042 + 32 * 0.00144)]}
+    c = StepCost(curve, max_rows=9)
+    fresh = StepCost(curve, max_rows=9)
+    gains = [[0.5]] * 16
+    assert choose(gains, 16, fresh.table(16, 0, 16).__getitem__, margin=MARGIN) == [0] * 16
+    _run(c, 16, 1000, lambda x: 0.042 + 0.0003 * x, rows=[0, 1, 2, 3, 4])
+    table = c.table(16, 0, 16)
+    for x in range(1, 5):
+        assert table[x] - table[0] == pytest.approx(0.0003 * x, abs=0.0003)  # the table's, moved from the fit's
+    unseen = StepCost(curve, max_rows=9)
+    unseen.live, unseen.level = c.live, c.level  # the same fit, no table
+    assert table[6] == pytest.approx(unseen.table(16, 0, 16)[6])
+    assert table[6] - table[0] > 5 * (table[4] - table[0]) / 4  # dearer than the rows that ran
+    assert sum(choose(gains, 16, table.__getitem__, margin=MARGIN)) >= 4
+    _run(c, 16, 200, lambda x: 0.042 + 0.003 * x, rows=[0, 2])  # 2 rows now cost 6 ms
+    assert c.table(16, 0, 2)[2] - c.table(16, 0, 2)[0] == pytest.approx(0.006, rel=0.1)
+
+
+def test_probes_weigh_rows_at_no_more_than_the_average_row() -> None:
+    """The bf16 curve at batch 8 jumps 3.45 ms at its first row, 1.75 ms a row on average: priced at
+    the jump even a certainly accepted node does not pay, so nothing would be probed and the jump
+    never checked; the probes weigh the average row and go."""
+    ms = [(0, 20.3), (1, 23.75), (2, 26.42), (4, 26.99), (8, 35.14), (16, 47.16), (32, 73.94), (33, 77.94)]
+    c = StepCost({8: [(x, v / 1e3) for x, v in ms]}, max_rows=9)
+    gains, ages = [[0.7, 0.49]] * 8, [[5, 5]] * 8
+    real, cheap = c.table(8, 0, 16), c.table(8, 0, 16, optimistic=True)
+    assert cheap[1] - cheap[0] == pytest.approx((0.07794 - 0.0203) / 33)
+    assert all(a <= b for a, b in zip(cheap, real))
+    assert choose(gains, 8, real.__getitem__, margin=MARGIN) == [0] * 8
+    assert probe([0] * 8, gains, ages, 8, real.__getitem__, margin=MARGIN) is None
+    assert probe([0] * 8, gains, ages, 8, cheap.__getitem__, margin=MARGIN) == 0
+
+
 def test_the_curve_is_timed_once_and_cached(engine: Engine, tmp_path, monkeypatch) -> None:
     cost = stepcost.step_cost(engine.lean, 3, 4, "tiny test", tmp_path)
     assert sorted(cost.curves) == [1, 2, 3]
@@ -520,3 +558,8 @@ def test_confident_drafts_are_calibrated_above_doubtful_ones() -> None:
     assert cal.gains(est, batch, None, 2) == est.gains(2)
     step = linear_cost(2.0, 0.5)
     assert choose([sure, doubt], 2, step) == [2, 0]
+    # before drafting a request is allowed what its most confident drafts would pay (the cut after
+    # drafting keeps what its real confidence pays): above its average, at the confident band's
+    upper = cal.upper(est, batch, 2)
+    assert upper == pytest.approx(sure) and upper[0] > est.gains(2)[0]
+    assert Calibration().upper(est, batch, 2) == est.gains(2)
