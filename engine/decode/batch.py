@@ -385,6 +385,7 @@ class BatchEngine:
         """`_draft_in_lockstep` under the controller (engine.decode.control): each request drafts at
         most the nodes expected to pay (none: no draft call), then each draft is cut to the nodes
         that pay given every draft's real size."""
+        began = time.perf_counter()
         live = [r for r in reqs if r.state.will_draft]
         if not live:
             return {}
@@ -398,7 +399,7 @@ class BatchEngine:
         # before drafting, each request's gains as its most confident drafts' (Calibration.upper):
         # the cut after drafting keeps only the nodes whose real confidence pays, so a node allowed
         # costs its drafting alone when it is cut, and a draft the average would refuse may pay
-        gains = [cal.upper(e, batch_est, nodes) for e in est]
+        gains = cal.upper(est, batch_est, nodes)
         fills = [e.rows for e in est]
         # every total of draft rows the controller weighs, priced once (a call per total costs a
         # few ms a step at batch 32, more than the rows it saves); between totals (the expected
@@ -418,7 +419,8 @@ class BatchEngine:
         if self.trace is not None:
             self._record = {"batch": batch, "extra": extra, "table": table[:9], "overhead": cost.overhead_s(batch),
                             "draft_s": cost.draft_s, "gains": [g[:3] for g in gains], "fills": fills,
-                            "allowed": list(limits), "probe": probed is not None, "kept": [0] * len(live)}
+                            "allowed": list(limits), "probe": probed is not None, "kept": [0] * len(live),
+                            "control_s": time.perf_counter() - began, "drafting_s": 0.0}
         if not any(limits):  # nothing pays: the step is off's, no drafter call, no cut
             return {id(r): (Tree.chain(r.state.ids[-1], []), 0.0) for r in live}
         drafting = [(r, n) for r, n in zip(live, limits) if n > 0]
@@ -451,7 +453,8 @@ class BatchEngine:
         if probed is not None:  # the probe is verified whatever the cut says
             keep[probed] = max(keep[probed], min(limits[probed], sizes[probed]))
         if self._record is not None:
-            self._record.update(sizes=sizes, kept=[min(k, s) for k, s in zip(keep, sizes)])
+            self._record.update(sizes=sizes, kept=[min(k, s) for k, s in zip(keep, sizes)], drafting_s=drafting_s,
+                                control_s=time.perf_counter() - began - drafting_s)
         for r, k, size in zip(live, keep, sizes):
             if id(r) not in out:  # the controller chose no draft
                 out[id(r)] = (Tree.chain(r.state.ids[-1], []), 0.0)

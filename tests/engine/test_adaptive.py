@@ -560,6 +560,6 @@ def test_confident_drafts_are_calibrated_above_doubtful_ones() -> None:
     assert choose([sure, doubt], 2, step) == [2, 0]
     # before drafting a request is allowed what its most confident drafts would pay (the cut after
     # drafting keeps what its real confidence pays): above its average, at the confident band's
-    upper = cal.upper(est, batch, 2)
-    assert upper == pytest.approx(sure) and upper[0] > est.gains(2)[0]
-    assert Calibration().upper(est, batch, 2) == est.gains(2)
+    upper = cal.upper([est, batch], batch, 2)
+    assert upper[0] == pytest.approx(sure) and upper[0][0] > est.gains(2)[0]
+    assert Calibration().upper([est], batch, 2) == [est.gains(2)]
