@@ -21,9 +21,11 @@ there from ever running. So each batch size also keeps a live table of the forwa
 count of draft rows (up to ROWS_LIVE), filled by the steps that ran with that many rows (the
 controller's choices and its probes, engine.decode.control): where a count was seen, the price of
 its rows over the step without rows moves from the fit's towards the table's, by the weight of
-its observations (ROWS_SEEN observations weigh as much as the fit). A count never run keeps the
-fit's price; `table(..., optimistic=True)` prices rows at no more than the average row, what the
-probes weigh to decide whether a row could pay and so be measured."""
+its observations (ROWS_SEEN observations weigh as much as the fit), and so does the price of the
+step without rows. A count never run keeps the
+fit's price; `table(..., optimistic=True)` prices rows at no more than the curve's average row at
+the batch size's live level, what the probes weigh to decide whether a row could pay and so be
+measured."""
 
 from __future__ import annotations
 
@@ -43,9 +45,11 @@ ROUNDS = 3  # the fastest of this many timings of each point, taken in passes ov
 FOLLOW = 0.05  # the share of each live observation in the online figures (about the last 20 steps)
 CLIP_LOW, CLIP_HIGH = 0.25, 4.0  # a live step counts as taking between these multiples of the curve
 # the ridge towards the prior slope: live steps whose m / c0 vary this much (variance) weigh as much
-# as the prior (a batch size whose steps all have the same rows leaves the slope at the prior)
-PRIOR_VAR = 0.003
+# as the prior (a batch size whose steps all have the same rows leaves the slope at the prior; at
+# 0.003 one stalled 11-row step among steps without rows set the slope to 3.5x the curve's)
+PRIOR_VAR = 0.01
 LOW_SLOPE = 0.5  # the slope never falls below this share of the prior (a few lucky steps are noise)
+STEP_CLIP = (0.5, 2.0)  # a live step counts as taking between these multiples of what was expected of it
 ROWS_LIVE = 32  # draft-row counts up to this have a live table entry per batch size
 ROWS_SEEN = 8  # a live entry of this many observations weighs as much as the fit's price of its rows
 VERSION = 4  # in the cache key: a change of what is timed measures again
@@ -103,6 +107,12 @@ class _Rows:
         if 0 <= rows <= ROWS_LIVE:
             self.n[rows] += 1
             self.t[rows] += max(1 / self.n[rows], FOLLOW) * (seconds - self.t[rows])
+
+    def base(self, fit: float) -> float:
+        """The seconds of a step without draft rows: `fit` moved towards the table's by the weight of
+        its observations."""
+        w = self.n[0] / (self.n[0] + ROWS_SEEN)
+        return (1 - w) * fit + w * self.t[0]
 
     def price(self, rows: int, fit: float) -> float:
         """The seconds of `rows` draft rows over a step without any: `fit` (the fit's) moved towards
@@ -185,14 +195,16 @@ class StepCost:
         slope = self._slope(batch, c0)
         base = c0 * max(a, 0.1)
         table = self.rows.get(batch)
+        if table is not None:
+            base = table.base(base)
         out = []
         for n in range(count + 1):
             x = extra + n
             rows = c0 * max(a + b * max(self.curve_s(batch, x) - c0, slope * x) / c0, 0.1) - base
             if table is not None and x == int(x):  # only whole counts of rows ran
                 rows = table.price(int(x), rows)
-            if optimistic:
-                rows = min(rows, b * slope * x)
+            if optimistic:  # at this batch size's live level: the fit's slope may be one stall's
+                rows = min(rows, max(a, 0.1) * slope * x)
             out.append(base + max(rows, 0.0))
         return out
 
@@ -223,11 +235,13 @@ class StepCost:
         self.overhead[batch] = s if old is None else old + FOLLOW * (s - old)
 
     def observe_step(self, batch: int, extra: int, seconds: float) -> None:
-        """A live step's time (taken as within [CLIP_LOW, CLIP_HIGH] x the curve: a step stalled by
-        another process says little)."""
+        """A live step's time (taken as within [CLIP_LOW, CLIP_HIGH] x the curve and within
+        STEP_CLIP of what the live figures expected: a step stalled by another process says little,
+        and one stalled step of many rows would otherwise set the fit's slope for dozens of steps)."""
         c0 = self.curve_s(batch, 0)
         c = c0 + self.rows_s(batch, extra)
-        t = min(max(seconds, CLIP_LOW * c), CLIP_HIGH * c)
+        expected = self._forward_s(batch, extra, 0)[0]
+        t = min(max(seconds, CLIP_LOW * c, STEP_CLIP[0] * expected), CLIP_HIGH * c, STEP_CLIP[1] * expected)
         self.level += FOLLOW * (t / c - self.level)
         self.live.setdefault(batch, _Live()).add(c / c0 - 1, t / c0)
         self.rows.setdefault(batch, _Rows()).add(extra, t)

@@ -218,7 +218,7 @@ def test_rows_dearer_than_the_curve_are_learnt_from_the_steps_that_drafted() -> 
     _run(c, 8, 300, lambda x: 0.040 + 0.0025 * x)
     _run(c, 1, 300, lambda x: 0.020 + 0.0005 * x)
     for x in (0, 4, 16):
-        assert c.step_s(8, x) == pytest.approx(0.040 + 0.0025 * x, rel=0.06)  # the ridge pulls a little
+        assert c.step_s(8, x) == pytest.approx(0.040 + 0.0025 * x, rel=0.08)  # the ridge pulls a little
         assert c.step_s(1, x) == pytest.approx(0.020 + 0.0005 * x, rel=0.03)
     gains = [[0.45, 0.3, 0.2]] * 8
     curve = StepCost(TIMED, max_rows=9)
@@ -315,6 +315,26 @@ def test_the_first_rows_are_priced_as_the_live_steps_ran_them() -> None:
     assert sum(choose(gains, 16, table.__getitem__, margin=MARGIN)) >= 4
     _run(c, 16, 200, lambda x: 0.042 + 0.003 * x, rows=[0, 2])  # 2 rows now cost 6 ms
     assert c.table(16, 0, 2)[2] - c.table(16, 0, 2)[0] == pytest.approx(0.006, rel=0.1)
+
+
+def test_one_stalled_step_of_many_rows_does_not_price_rows_out() -> None:
+    """A batch that runs off (steps without rows) and one 11-row step stalled tenfold, as measured
+    at batch 16 on the shared 2-core machine: it once set the fit's slope to five times the curve's
+    for dozens of steps, pricing every row out and stopping the probes that would measure them;
+    the step counts as at most twice what was expected, the slope's prior weighs more, and the
+    probes weigh the live level."""
+    curve = {16: [(0, 0.042), (32, 0.042 + 32 * 0.00144)]}
+    c = StepCost(curve, max_rows=9)
+    _run(c, 16, 100, lambda x: 0.042, rows=[0])
+    before = c.table(16, 0, 4)
+    c.observe_step(16, 11, 10 * c.step_s(16, 11))
+    after = c.table(16, 0, 4)
+    assert after[4] - after[0] < 3 * (before[4] - before[0])  # 8.6x before the step counted at most 2x
+    _run(c, 16, 40, lambda x: 0.042, rows=[0])
+    after = c.table(16, 0, 4)
+    assert after[4] - after[0] < 1.5 * (before[4] - before[0])
+    cheap = c.table(16, 0, 4, optimistic=True)
+    assert cheap[1] - cheap[0] == pytest.approx(0.00144, rel=0.05)
 
 
 def test_probes_weigh_rows_at_no_more_than_the_average_row() -> None:
