@@ -138,6 +138,7 @@ class StepCost:
         self.level = 1.0  # live steps over the curve, all batch sizes together, followed online
         self.live: dict[int, _Live] = {}
         self.rows: dict[int, _Rows] = {}  # per batch size: the forward's seconds per count of draft rows
+        self._rows_memo: dict[int, dict[float, float]] = {}  # per batch size: rows_s per count of rows
         # per batch size, the seconds of a step outside the forward and the drafting (verifying,
         # committing, streaming, the server's loop): what every step costs whatever its rows
         self.overhead: dict[int, float] = {}
@@ -193,14 +194,17 @@ class StepCost:
         live = self.live.get(batch)
         a, b = live.fit(self.level) if live is not None else (self.level, self.level)
         slope = self._slope(batch, c0)
-        base = c0 * max(a, 0.1)
+        fit_base = c0 * max(a, 0.1)
         table = self.rows.get(batch)
-        if table is not None:
-            base = table.base(base)
+        base = table.base(fit_base) if table is not None else fit_base
+        curve = self._rows_memo.setdefault(batch, {})  # the curve's rows (rows_s) never change
         out = []
         for n in range(count + 1):
             x = extra + n
-            rows = c0 * max(a + b * max(self.curve_s(batch, x) - c0, slope * x) / c0, 0.1) - base
+            m = curve.get(x)
+            if m is None:
+                m = curve[x] = max(self.curve_s(batch, x) - c0, slope * x)
+            rows = c0 * max(a + b * m / c0, 0.1) - fit_base
             if table is not None and x == int(x):  # only whole counts of rows ran
                 rows = table.price(int(x), rows)
             if optimistic:  # at this batch size's live level: the fit's slope may be one stall's
