@@ -543,6 +543,22 @@ def test_probes_learn_that_drafts_pay_where_the_prior_said_they_would_not(engine
     assert drafted["probes"] > len(prompts) * N_NEW // PROBE_EVERY
 
 
+def test_the_trace_reports_what_the_controller_chose_and_the_rows_that_ran(engine: Engine, off, monkeypatch) -> None:
+    """`Engine.trace` (benchmarks/adaptive_engine.py --trace) gets one record per adaptive step: the
+    nodes kept per request add up to the draft rows the forward ran, and the tokens are off's."""
+    prompts, ref = off
+    recs: list[dict] = []
+    monkeypatch.setattr(engine, "trace", recs.append)
+    spec = SpecConfig(method="ngram", depth=3, ngram_min=1, ngram_max=3, adaptive=True)
+    be = BatchEngine(engine, max_batch=2, schedule=schedule_of(spec, 2))
+    reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=2)
+    assert [r.result.tokens for r in reqs] == ref
+    decode = [r for r in recs if not r["prefill"]]
+    assert decode and all(r["batch"] in (1, 2) and len(r["allowed"]) == len(r["kept"]) for r in recs)
+    assert all(r["rows"] == sum(r["kept"]) and r["forward_s"] > 0 for r in decode)
+    assert sum(r["rows"] for r in decode) > 0  # the repetitive prompts' drafts ran
+
+
 def test_an_ngram_draft_states_how_often_its_continuation_followed_the_match() -> None:
     from engine.drafters.ngram import NgramDrafter
 
