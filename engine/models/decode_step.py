@@ -36,23 +36,19 @@ _SOURCE = native.VECTORS + smallm.BLOCK_SOURCE + attention.TASK_SOURCE + r"""
 #define PASS_ROWS 7
 #endif
 
-/* y[r, :N] = x[r] . W^T for R rows over the blocks of the packed W [Npad / BW, K, BW], the blocks split
-   over the team (the omp for's barrier ends it). Each block is read from memory once: up to 8 rows in
-   one pass; more rows in passes of at most PASS_ROWS (balanced) over the block while it is still in
-   this core's cache. Past one pass the block is compute-bound, and 8 rows' accumulators and weights
-   do not fit the registers (measured: 8 five-row chains 80 -> 72 ms in passes of 7). */
+/* y[r, :N] = x[r] . W^T for R rows over the blocks of the packed W [Npad / BW, K, BW], split over the
+   team by bytes (blocks_share); a barrier ends it. Each block is read from memory once: up to 8 rows in one
+   pass; more rows in passes of at most PASS_ROWS (balanced) over the block while it is still in this
+   core's cache. Past one pass the block is compute-bound, and 8 rows' accumulators and weights do not
+   fit the registers (measured: 8 five-row chains 80 -> 72 ms in passes of 7). */
 template <typename W>
 static void linear_rows(long R, const float* x, long ldx, const W* wp, float* y, long ldy, long N, long K, float scale,
                         std::vector<float>& buf) {
   long blocks = (N + BW - 1) / BW;
   long passes = R <= 8 ? 1 : (R + PASS_ROWS - 1) / PASS_ROWS, per = (R + passes - 1) / passes, ld;
   const void* xa = activations<W>(R, x, ldx, K, buf, ld);  /* this thread's copy: no barrier */
-#pragma omp for schedule(static)
-  for (long b = 0; b < blocks; ++b) {
-    const W* wb = wp + b * block_elems<W>(K);
-    for (long r0 = 0; r0 < R; r0 += per)
-      block_m(R - r0 < per ? R - r0 : per, act_row<W>(xa, ld, r0), ld, wb, y + r0 * ldy + b * BW, ldy, K, scale);
-  }
+  blocks_share(R, per, xa, ld, wp, y, ldy, blocks, K, scale);
+#pragma omp barrier
 }
 
 /* F.rms_norm: x * rsqrt(mean(x^2) + eps) * w */
@@ -75,13 +71,122 @@ static inline void rotate(float* x, const float* cos, const float* sin, long d) 
 
 static inline long up(long n) { return (n + BW - 1) / BW * BW; }
 
+/* Positions per attention chunk of a sequence of n rows: a (sequence, kv head) splits its positions so
+   that the team shares a few kv heads evenly (3 over 2 threads left one idle for a third of the
+   attention); more rows, longer chunks (the merge costs rows x chunks). A multiple of VW. Depends on
+   the sequence alone, so a row's attention does not depend on the rows beside it. */
+static inline long chunk_len(long n) { return 32 * ((n + 1) / 2); }
+
+/* One attention chunk: sequence s, kv head j, positions [c0, c1) of its L; its unnormalised output
+   [Q, D], row maxima and sums [Q] (Q = n g query rows) at offsets o / ms of the step's partials. */
+struct Chunk { long s, j, c0, c1, o, ms; };
+
+/* the chunk's part of attention for the n x g query rows of sequence s over kv head j: the queries
+   (with bias, rotated) into qr; the last chunk (c1 = L) first writes this step's keys and values of
+   the head (with bias; keys rotated) into the cache. Scores over [c0, c1), the tree part (the last n
+   positions) along vis (null: causal), e^(score - row max), their sums, and the values so weighted. */
+template <int D>
+static void attend_chunk(const Chunk& c, const long* m, const float* qkv, long ldq, const float* bqkv, long H,
+                         long KV, long g, float* kc, float* vc, const float* cos, const float* sin,
+                         const unsigned char* vis, float scale, float* po, float* pm, float* ps,
+                         std::vector<float>& qr, std::vector<float>& sc) {
+  long start = m[0], n = m[1], p = m[2], L = p + n, Q = n * g, j = c.j;
+  qr.resize(Q * D);
+  for (long r = 0; r < n; ++r) {
+    const float* row = qkv + (start + r) * ldq;
+    for (long e = 0; e < g; ++e) {
+      long head = j * g + e;
+      float* qv = qr.data() + (r * g + e) * D;
+      for (long i = 0; i < D; ++i) qv[i] = row[head * D + i] + (bqkv ? bqkv[head * D + i] : 0.f);
+      rotate(qv, cos + (start + r) * D, sin + (start + r) * D, D);
+    }
+    if (c.c1 == L) {
+      float* kt = kc + (p + r) * D;
+      float* vt = vc + (p + r) * D;
+      long ko = (H + j) * D, vo = (H + KV + j) * D;
+      for (long i = 0; i < D; ++i) {
+        kt[i] = row[ko + i] + (bqkv ? bqkv[ko + i] : 0.f);
+        vt[i] = row[vo + i] + (bqkv ? bqkv[vo + i] : 0.f);
+      }
+      rotate(kt, cos + (start + r) * D, sin + (start + r) * D, D);
+    }
+  }
+  long len = c.c1 - c.c0, Lp = (len + VW - 1) / VW * VW;  /* scores padded to whole vectors with -inf */
+  long Qp = (Q + QB - 1) / QB * QB;
+  sc.resize(Qp * Lp);
+  for (long i = Q * Lp; i < Qp * Lp; ++i) sc[i] = 0.f;
+  for (long t0 = 0; t0 < len; t0 += VW) {
+    const float* kb = kc + (c.c0 + t0) * D;
+    for (long qi = 0; qi < Q; ++qi) {
+      const float* qv = qr.data() + qi * D;
+      vf a[VW];
+      _Pragma("GCC unroll 16")
+      for (int l = 0; l < VW; ++l) {
+        vf x = {};
+        for (int i = 0; i < D; i += VW) x += *(const vfu*)(qv + i) * *(const vfu*)(kb + l * D + i);
+        a[BITREV[l]] = x;
+      }
+      *(vfu*)(sc.data() + qi * Lp + t0) = lane_sums(a) * scale;
+    }
+  }
+  for (long r = 0; r < n; ++r)
+    for (long e = 0; e < g; ++e) {
+      long qi = r * g + e;
+      float* row = sc.data() + qi * Lp;
+      for (long t = len; t < Lp; ++t) row[t] = -__builtin_inff();
+      if (c.c1 == L)
+        for (long u = 0; u < n; ++u) {  /* the tree part: only what this row sees */
+          bool seen = vis == nullptr ? u <= r : vis[r * n + u] != 0;
+          if (!seen) row[p - c.c0 + u] = -__builtin_inff();
+        }
+      vf vm = splat(-__builtin_inff());
+      for (long t = 0; t < Lp; t += VW) {
+        vf x = *(vfu*)(row + t);
+        vm = x > vm ? x : vm;
+      }
+      float mx = hmax(vm);
+      float base = mx == -__builtin_inff() ? 0.f : mx;  /* a row that sees nothing here: weights 0, sum 0 */
+      vf vs = {};
+      for (long t = 0; t < Lp; t += VW) {
+        vf ev = exp_le0(*(vfu*)(row + t) - base);
+        *(vfu*)(row + t) = ev;
+        vs += ev;
+      }
+      pm[c.ms + qi] = mx;
+      ps[c.ms + qi] = hsum(vs);
+    }
+  /* the weighted values, QB query rows at a time: their accumulators stay in registers while each
+     value row is loaded once per block (rows past Q carry zero weights) */
+  for (long q0 = 0; q0 < Q; q0 += QB) {
+    vf acc[QB][D / VW] = {};
+    for (long t = 0; t < len; ++t) {
+      const float* vt = vc + (c.c0 + t) * D;
+      vf vv[D / VW];
+      for (int i = 0; i < D / VW; ++i) vv[i] = *(const vfu*)(vt + i * VW);
+      _Pragma("GCC unroll 4")
+      for (int b = 0; b < QB; ++b) {
+        float w = sc[(q0 + b) * Lp + t];
+        for (int i = 0; i < D / VW; ++i) acc[b][i] += w * vv[i];
+      }
+    }
+    for (int b = 0; b < QB && q0 + b < Q; ++b)
+      for (int i = 0; i < D / VW; ++i) *(vfu*)(po + c.o + (q0 + b) * D + i * VW) = acc[b][i];
+  }
+}
+
 /* R rows of S sequences. meta per sequence (6 longs): first row, rows n, committed prefix p,
    offset of its n x n visibility bytes in vis (-1: causal), the cache's layer and head strides;
    its cache entry (layer l, kv head j, position t) at kp / vp[s] + l * lstride + j * hstride + t * D.
    w per layer: ln1, wqkv (packed), bqkv (or null), wo (packed), ln2, w13 (packed), w2 (packed); the
    packed ones of element type W with scales ws per layer (wqkv, wo, w13, w2), the lm_head of LW.
    cos / sin [R, D] at the rows' rotary positions. Out: hidden [R, h] (final normed), logits
-   [P, ldl] of the rows `pick`, aux [L, R, h] each layer's input (or null). */
+   [P, ldl] of the rows `pick`, aux [L, R, h] each layer's input (or null).
+
+   Barriers per layer: after each linear (4) and after the attention (the chunks' partials). Each thread
+   keeps its own copy of the residual stream and computes the norms, residual adds, the merge of the
+   attention chunks and (up to 8 rows) the activation for every row itself, the same operations in the
+   same order on every thread, so the copies stay identical: that work is a few thousand operations a
+   row, less than the barrier it replaces. */
 template <int D, typename W, typename LW>
 static void forward(const float* emb, long R, long S, const long* meta, float* const* kp, float* const* vp,
                     const void* const* w, const float* ws, long L, long h, long H, long KV, long I, const float* cos,
@@ -90,51 +195,66 @@ static void forward(const float* emb, long R, long S, const long* meta, float* c
                     int threads) {
   const LW* lm = (const LW*)lmv;
   long g = H / KV, nq = (H + 2 * KV) * D, ldq = up(nq), ldh = up(h), ld13 = up(2 * I);
-  std::vector<float> x(emb, emb + R * h), hn(R * h), qkv(R * ldq), att(R * H * D), tmp(R * ldh), gu(R * ld13),
-      act(R * I), hp(P * h);
-  std::vector<long> seq_of(R);
-  for (long s = 0; s < S; ++s)
-    for (long r = 0; r < meta[6 * s + 1]; ++r) seq_of[meta[6 * s] + r] = s;
+  bool own_act = R <= 8;  /* the activation on every thread (more rows: split, then a barrier) */
+  std::vector<float> qkv(R * ldq), tmp(R * ldh), gu(R * ld13), act(own_act ? 0 : R * I);
+  std::vector<Chunk> chunks;
+  long po_n = 0, pm_n = 0;
+  for (long s = 0; s < S; ++s) {
+    const long* m = meta + 6 * s;
+    long n = m[1], p = m[2], cl = chunk_len(n), nc = p / cl + 1;
+    for (long j = 0; j < KV; ++j)
+      for (long c = 0; c < nc; ++c) {
+        chunks.push_back({s, j, c * cl, c + 1 == nc ? p + n : (c + 1) * cl, po_n, pm_n});
+        po_n += n * g * D;
+        pm_n += n * g;
+      }
+  }
+  std::vector<float> po(po_n), pm(pm_n), ps(pm_n);
   float scale = 1.f / sqrtf((float)D);
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> sc, xbuf;
+    std::vector<float> sc, qr, xbuf, x(emb, emb + R * h), hn(R * h), att(R * H * D), own(own_act ? R * I : 0),
+        hp(P * h);
+    bool first = omp_get_thread_num() == 0;
     for (long l = 0; l < L; ++l) {
       const void* const* lw = w + 7 * l;
       const float *ln1 = (const float*)lw[0], *bqkv = (const float*)lw[2], *ln2 = (const float*)lw[4];
       const W *wqkv = (const W*)lw[1], *wo = (const W*)lw[3], *w13 = (const W*)lw[5], *w2 = (const W*)lw[6];
       const float* s = ws + 4 * l;
-#pragma omp for schedule(static)
-      for (long r = 0; r < R; ++r) {
-        if (aux) memcpy(aux + (l * R + r) * h, x.data() + r * h, h * sizeof(float));
-        rms_norm(x.data() + r * h, ln1, hn.data() + r * h, h, eps);
-      }
+      if (aux && first) memcpy(aux + l * R * h, x.data(), R * h * sizeof(float));
+      for (long r = 0; r < R; ++r) rms_norm(x.data() + r * h, ln1, hn.data() + r * h, h, eps);
       linear_rows(R, hn.data(), h, wqkv, qkv.data(), ldq, nq, h, s[0], xbuf);
-      /* bias, rotation of q and k heads, this step's keys and values into each sequence's cache */
-#pragma omp for schedule(static)
-      for (long u = 0; u < R * (H + 2 * KV); ++u) {
-        long r = u / (H + 2 * KV), c = u % (H + 2 * KV);
-        float* seg = qkv.data() + r * ldq + c * D;
-        if (bqkv)
-          for (long i = 0; i < D; ++i) seg[i] += bqkv[c * D + i];
-        if (c < H + KV) rotate(seg, cos + r * D, sin + r * D, D);
-        if (c >= H) {
-          const long* m = meta + 6 * seq_of[r];
-          bool is_v = c >= H + KV;
-          float* base = (is_v ? vp : kp)[seq_of[r]] + l * m[4] + (c - H - (is_v ? KV : 0)) * m[5];
-          memcpy(base + (m[2] + r - m[0]) * D, seg, D * sizeof(float));
-        }
-      }
 #pragma omp for schedule(dynamic, 1)
-      for (long task = 0; task < S * KV; ++task) {
-        long s = task / KV, j = task % KV;
-        const long* m = meta + 6 * s;
-        long off = l * m[4] + j * m[5];
-        attend_one<D>(qkv.data(), ldq, kp[s] + off, vp[s] + off, att.data(), H * D, m[0], m[1], m[2] + m[1],
-                      m[3] < 0 ? nullptr : vis + m[3], j, g, scale, sc);
+      for (size_t i = 0; i < chunks.size(); ++i) {
+        const Chunk& c = chunks[i];
+        const long* m = meta + 6 * c.s;
+        long off = l * m[4] + c.j * m[5];
+        attend_chunk<D>(c, m, qkv.data(), ldq, bqkv, H, KV, g, kp[c.s] + off, vp[c.s] + off, cos, sin,
+                        m[3] < 0 ? nullptr : vis + m[3], scale, po.data(), pm.data(), ps.data(), qr, sc);
+      }
+      /* the chunks merged, in order: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) s_c */
+      for (size_t i = 0; i < chunks.size();) {
+        const Chunk& c0 = chunks[i];
+        const long* m = meta + 6 * c0.s;
+        long n = m[1], Q = n * g, e = i;
+        while (e < (long)chunks.size() && chunks[e].s == c0.s && chunks[e].j == c0.j) ++e;
+        for (long qi = 0; qi < Q; ++qi) {
+          float M = -__builtin_inff(), den = 0.f;
+          for (long k = i; k < e; ++k) M = pm[chunks[k].ms + qi] > M ? pm[chunks[k].ms + qi] : M;
+          float* out = att.data() + (m[0] + qi / g) * H * D + (c0.j * g + qi % g) * D;
+          for (long d = 0; d < D; ++d) out[d] = 0.f;
+          for (long k = i; k < e; ++k) {
+            float f = expf(pm[chunks[k].ms + qi] - M);
+            den += f * ps[chunks[k].ms + qi];
+            const float* o = po.data() + chunks[k].o + qi * D;
+            for (long d = 0; d < D; ++d) out[d] += f * o[d];
+          }
+          float inv = 1.f / den;
+          for (long d = 0; d < D; ++d) out[d] *= inv;
+        }
+        i = e;
       }
       linear_rows(R, att.data(), H * D, wo, tmp.data(), ldh, h, H * D, s[1], xbuf);
-#pragma omp for schedule(static)
       for (long r = 0; r < R; ++r) {
         float* xr = x.data() + r * h;
         const float* t = tmp.data() + r * ldh;
@@ -142,20 +262,25 @@ static void forward(const float* emb, long R, long S, const long* meta, float* c
         rms_norm(xr, ln2, hn.data() + r * h, h, eps);
       }
       linear_rows(R, hn.data(), h, w13, gu.data(), ld13, 2 * I, h, s[2], xbuf);
+      float* a = own_act ? own.data() : act.data();
+      if (own_act) {
+        for (long u = 0; u < R * I; ++u) {
+          float v = gu[(u / I) * ld13 + u % I], b = gu[(u / I) * ld13 + I + u % I];
+          a[u] = v / (1.f + expf(-v)) * b;
+        }
+      } else {
 #pragma omp for schedule(static)
-      for (long u = 0; u < R * I; ++u) {
-        long r = u / I, i = u % I;
-        float a = gu[r * ld13 + i], b = gu[r * ld13 + I + i];
-        act[u] = a / (1.f + expf(-a)) * b;
+        for (long u = 0; u < R * I; ++u) {
+          float v = gu[(u / I) * ld13 + u % I], b = gu[(u / I) * ld13 + I + u % I];
+          a[u] = v / (1.f + expf(-v)) * b;
+        }
       }
-      linear_rows(R, act.data(), I, w2, tmp.data(), ldh, h, I, s[3], xbuf);
-#pragma omp for schedule(static)
+      linear_rows(R, a, I, w2, tmp.data(), ldh, h, I, s[3], xbuf);
       for (long u = 0; u < R * h; ++u) x[u] += tmp[(u / h) * ldh + u % h];
     }
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (long r = 0; r < R; ++r) rms_norm(x.data() + r * h, norm, hidden + r * h, h, eps);
-#pragma omp for schedule(static)
-    for (long i = 0; i < P; ++i) memcpy(hp.data() + i * h, hidden + pick[i] * h, h * sizeof(float));
+    for (long i = 0; i < P; ++i) rms_norm(x.data() + pick[i] * h, norm, hp.data() + i * h, h, eps);
     linear_rows(P, hp.data(), h, lm, logits, ldl, V, h, lms, xbuf);
   }
 }
