@@ -71,11 +71,32 @@ static inline void rotate(float* x, const float* cos, const float* sin, long d) 
 
 static inline long up(long n) { return (n + BW - 1) / BW * BW; }
 
-/* Positions per attention chunk of a sequence of n rows: a (sequence, kv head) splits its positions so
-   that the team shares a few kv heads evenly (3 over 2 threads left one idle for a third of the
-   attention); more rows, longer chunks (the merge costs rows x chunks). A multiple of VW. Depends on
-   the sequence alone, so a row's attention does not depend on the rows beside it. */
-static inline long chunk_len(long n) { return 32 * ((n + 1) / 2); }
+/* Positions per attention chunk of a sequence of n rows after a prefix of p: its (sequence, kv head)
+   tasks split in two where the positions are many and the rows few, so that a few kv heads share the
+   team evenly (3 over 2 threads left one idle for a third of the attention). More chunks measured
+   slower (every chunk repeats the queries' rotation and adds a task, a merge); long trees and prompts
+   keep one chunk (the merge costs rows x chunks). A multiple of VW that leaves the last chunk starting
+   at or before p, so that it holds every row just written. Depends on the sequence alone: a row's
+   attention does not depend on the rows beside it. */
+static inline long chunk_len(long n, long p) {
+  long L = p + n;
+  if (n > 16 || L < 128) return L + VW;
+  return ((L + 1) / 2 + VW - 1) / VW * VW;
+}
+
+/* out[i] = silu(a[i]) b[i]: a sigmoid(a) with e^-|a| (exp_le0), VW at a time (a scalar expf a row cost
+   more than the barrier it saves) */
+static inline void silu_mul(const float* a, const float* b, float* out, long n) {
+  long i = 0;
+  for (; i + VW <= n; i += VW) {
+    vf x = *(const vfu*)(a + i), ax = x < 0 ? -x : x, t = exp_le0(-ax);
+    *(vfu*)(out + i) = x * ((x >= 0 ? splat(1.f) : t) / (1.f + t)) * *(const vfu*)(b + i);
+  }
+  for (; i < n; ++i) {
+    float x = a[i], t = exp_le0(splat(x < 0 ? x : -x))[0];
+    out[i] = x * ((x >= 0 ? 1.f : t) / (1.f + t)) * b[i];
+  }
+}
 
 /* One attention chunk: sequence s, kv head j, positions [c0, c1) of its L; its unnormalised output
    [Q, D], row maxima and sums [Q] (Q = n g query rows) at offsets o / ms of the step's partials. */
@@ -201,7 +222,7 @@ static void forward(const float* emb, long R, long S, const long* meta, float* c
   long po_n = 0, pm_n = 0;
   for (long s = 0; s < S; ++s) {
     const long* m = meta + 6 * s;
-    long n = m[1], p = m[2], cl = chunk_len(n), nc = p / cl + 1;
+    long n = m[1], p = m[2], cl = chunk_len(n, p), nc = p / cl + 1;
     for (long j = 0; j < KV; ++j)
       for (long c = 0; c < nc; ++c) {
         chunks.push_back({s, j, c * cl, c + 1 == nc ? p + n : (c + 1) * cl, po_n, pm_n});
@@ -264,16 +285,10 @@ static void forward(const float* emb, long R, long S, const long* meta, float* c
       linear_rows(R, hn.data(), h, w13, gu.data(), ld13, 2 * I, h, s[2], xbuf);
       float* a = own_act ? own.data() : act.data();
       if (own_act) {
-        for (long u = 0; u < R * I; ++u) {
-          float v = gu[(u / I) * ld13 + u % I], b = gu[(u / I) * ld13 + I + u % I];
-          a[u] = v / (1.f + expf(-v)) * b;
-        }
+        for (long r = 0; r < R; ++r) silu_mul(gu.data() + r * ld13, gu.data() + r * ld13 + I, a + r * I, I);
       } else {
 #pragma omp for schedule(static)
-        for (long u = 0; u < R * I; ++u) {
-          float v = gu[(u / I) * ld13 + u % I], b = gu[(u / I) * ld13 + I + u % I];
-          a[u] = v / (1.f + expf(-v)) * b;
-        }
+        for (long r = 0; r < R; ++r) silu_mul(gu.data() + r * ld13, gu.data() + r * ld13 + I, a + r * I, I);
       }
       linear_rows(R, a, I, w2, tmp.data(), ldh, h, I, s[3], xbuf);
       for (long u = 0; u < R * h; ++u) x[u] += tmp[(u / h) * ldh + u % h];

@@ -90,6 +90,37 @@ def test_rows_equal_torch_path_and_cache(pair) -> None:
                 c.crop(len(prompt))
 
 
+def test_long_context_in_chunks_and_any_thread_count(pair) -> None:
+    """After a context long enough that each kv head's attention splits into two chunks of positions
+    (the rows just written in the last one), one row, a chain and a branching tree equal the torch
+    path; and the step at 2 threads (the tiny model's 64-column linears then split by half blocks,
+    the chunks go to either thread) is bit-identical to the step at 1, cache entries included: a
+    lost chunk, a wrong merge or a half block computed twice or not at all would differ."""
+    rng = random.Random(4)
+    prompt = [rng.randrange(49152) for _ in range(150)]
+    tree = _tree(rng, 7)
+    cases = [([5], None, None), ([7, 8, 9, 10, 11], None, None), (tree.tokens, tree.depths, tree.ancestors())]
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        caches = [fw.new_cache(192) for fw in pair]
+        _both(pair, caches, prompt)
+        for tokens, depths, anc in cases:
+            (xa, la, _), (xb, lb, _) = _both(pair, caches, tokens, depths, anc)
+            assert torch.allclose(la, lb, atol=_tol(pair)) and torch.allclose(xa, xb, atol=_tol(pair))
+            k1 = caches[1].k[:, :, :caches[1].length].clone()
+            caches[1].crop(len(prompt))
+            caches[1].k[:, :, len(prompt):].zero_()
+            torch.set_num_threads(2)
+            try:
+                x2, l2, _ = pair[1].step(caches[1], tokens, depths, anc)
+            finally:
+                torch.set_num_threads(threads)
+            assert torch.equal(l2, lb) and torch.equal(x2, xb), len(tokens)
+            assert torch.equal(caches[1].k[:, :, :caches[1].length], k1)
+            for c in caches:
+                c.crop(len(prompt))
+
+
 def test_batched_rows_equal_torch_path(pair) -> None:
     """Several sequences in pool slots, one native call: a decode row, a chain, a branching tree and
     a chain past 8 rows (further passes over each weight block), some wanting only their last row's
