@@ -6,10 +6,11 @@ Why: a one-row step of SmolLM2 is bound by reading its weights, and the compiled
 step took well over that read time on the AMX Xeon (docs/results.md, "Figures behind the code"), the
 rest being 30 compiled-graph calls and their guards, each linear's own OpenMP region, SDPA and the
 rotations between them. Here one OpenMP region spans the step: the linears are the few-row kernel's
-blocks (engine.models.smallm) split over the threads, the attention is the decode attention kernel's
-task (engine.models.attention) per kv head, and the norms, rotations and activations run between
-barriers of the same threads. Past 8 rows each weight block is read from memory once and the further
-rows pass over it while it is still in the core's cache.
+blocks (engine.models.smallm) split over the threads by bytes, the attention is the decode attention
+kernel's range of positions (engine.models.attention) per kv head, in two chunks where a few kv heads
+would leave a thread idle, and each thread computes the norms, residual adds and (up to 8 rows) the
+activation itself, so a layer has 5 barriers (it had 10). Past 8 rows each weight block is read from
+memory once and the further rows pass over it while it is still in the core's cache.
 
 The weights are the few-row kernel's packed copies (`_smallm_packed`, made by kernels.pack_weights
 where memory allows); the KV cache is the lean forward's `KVCache` (a lone cache or a pool slot).
@@ -102,13 +103,12 @@ static inline void silu_mul(const float* a, const float* b, float* out, long n) 
    [Q, D], row maxima and sums [Q] (Q = n g query rows) at offsets o / ms of the step's partials. */
 struct Chunk { long s, j, c0, c1, o, ms; };
 
-/* the chunk's part of attention for the n x g query rows of sequence s over kv head j: the queries
-   (with bias, rotated) into qr; the last chunk (c1 = L) first writes this step's keys and values of
-   the head (with bias; keys rotated) into the cache. Scores over [c0, c1), the tree part (the last n
-   positions) along vis (null: causal), e^(score - row max), their sums, and the values so weighted. */
+/* the chunk's part of attention for the n x g query rows of sequence s over kv head j (attend_range):
+   the queries (with bias, rotated) into qr; the last chunk (c1 = L) first writes this step's keys and
+   values of the head (with bias; keys rotated) into the cache. */
 template <int D>
 static void attend_chunk(const Chunk& c, const long* m, const float* qkv, long ldq, const float* bqkv, long H,
-                         long KV, long g, float* kc, float* vc, const float* cos, const float* sin,
+                         long KV, long g, float* kc, float* vc, const long* posi, const float* cos, const float* sin,
                          const unsigned char* vis, float scale, float* po, float* pm, float* ps,
                          std::vector<float>& qr, std::vector<float>& sc) {
   long start = m[0], n = m[1], p = m[2], L = p + n, Q = n * g, j = c.j;
@@ -119,7 +119,7 @@ static void attend_chunk(const Chunk& c, const long* m, const float* qkv, long l
       long head = j * g + e;
       float* qv = qr.data() + (r * g + e) * D;
       for (long i = 0; i < D; ++i) qv[i] = row[head * D + i] + (bqkv ? bqkv[head * D + i] : 0.f);
-      rotate(qv, cos + (start + r) * D, sin + (start + r) * D, D);
+      rotate(qv, cos + posi[start + r] * D, sin + posi[start + r] * D, D);
     }
     if (c.c1 == L) {
       float* kt = kc + (p + r) * D;
@@ -129,70 +129,10 @@ static void attend_chunk(const Chunk& c, const long* m, const float* qkv, long l
         kt[i] = row[ko + i] + (bqkv ? bqkv[ko + i] : 0.f);
         vt[i] = row[vo + i] + (bqkv ? bqkv[vo + i] : 0.f);
       }
-      rotate(kt, cos + (start + r) * D, sin + (start + r) * D, D);
+      rotate(kt, cos + posi[start + r] * D, sin + posi[start + r] * D, D);
     }
   }
-  long len = c.c1 - c.c0, Lp = (len + VW - 1) / VW * VW;  /* scores padded to whole vectors with -inf */
-  long Qp = (Q + QB - 1) / QB * QB;
-  sc.resize(Qp * Lp);
-  for (long i = Q * Lp; i < Qp * Lp; ++i) sc[i] = 0.f;
-  for (long t0 = 0; t0 < len; t0 += VW) {
-    const float* kb = kc + (c.c0 + t0) * D;
-    for (long qi = 0; qi < Q; ++qi) {
-      const float* qv = qr.data() + qi * D;
-      vf a[VW];
-      _Pragma("GCC unroll 16")
-      for (int l = 0; l < VW; ++l) {
-        vf x = {};
-        for (int i = 0; i < D; i += VW) x += *(const vfu*)(qv + i) * *(const vfu*)(kb + l * D + i);
-        a[BITREV[l]] = x;
-      }
-      *(vfu*)(sc.data() + qi * Lp + t0) = lane_sums(a) * scale;
-    }
-  }
-  for (long r = 0; r < n; ++r)
-    for (long e = 0; e < g; ++e) {
-      long qi = r * g + e;
-      float* row = sc.data() + qi * Lp;
-      for (long t = len; t < Lp; ++t) row[t] = -__builtin_inff();
-      if (c.c1 == L)
-        for (long u = 0; u < n; ++u) {  /* the tree part: only what this row sees */
-          bool seen = vis == nullptr ? u <= r : vis[r * n + u] != 0;
-          if (!seen) row[p - c.c0 + u] = -__builtin_inff();
-        }
-      vf vm = splat(-__builtin_inff());
-      for (long t = 0; t < Lp; t += VW) {
-        vf x = *(vfu*)(row + t);
-        vm = x > vm ? x : vm;
-      }
-      float mx = hmax(vm);
-      float base = mx == -__builtin_inff() ? 0.f : mx;  /* a row that sees nothing here: weights 0, sum 0 */
-      vf vs = {};
-      for (long t = 0; t < Lp; t += VW) {
-        vf ev = exp_le0(*(vfu*)(row + t) - base);
-        *(vfu*)(row + t) = ev;
-        vs += ev;
-      }
-      pm[c.ms + qi] = mx;
-      ps[c.ms + qi] = hsum(vs);
-    }
-  /* the weighted values, QB query rows at a time: their accumulators stay in registers while each
-     value row is loaded once per block (rows past Q carry zero weights) */
-  for (long q0 = 0; q0 < Q; q0 += QB) {
-    vf acc[QB][D / VW] = {};
-    for (long t = 0; t < len; ++t) {
-      const float* vt = vc + (c.c0 + t) * D;
-      vf vv[D / VW];
-      for (int i = 0; i < D / VW; ++i) vv[i] = *(const vfu*)(vt + i * VW);
-      _Pragma("GCC unroll 4")
-      for (int b = 0; b < QB; ++b) {
-        float w = sc[(q0 + b) * Lp + t];
-        for (int i = 0; i < D / VW; ++i) acc[b][i] += w * vv[i];
-      }
-    }
-    for (int b = 0; b < QB && q0 + b < Q; ++b)
-      for (int i = 0; i < D / VW; ++i) *(vfu*)(po + c.o + (q0 + b) * D + i * VW) = acc[b][i];
-  }
+  attend_range<D>(qr.data(), g * D, 0, 0, g, kc, vc, n, L, c.c0, c.c1, vis, scale, po + c.o, pm + c.ms, ps + c.ms, sc);
 }
 
 /* R rows of S sequences. meta per sequence (6 longs): first row, rows n, committed prefix p,
@@ -200,7 +140,8 @@ static void attend_chunk(const Chunk& c, const long* m, const float* qkv, long l
    its cache entry (layer l, kv head j, position t) at kp / vp[s] + l * lstride + j * hstride + t * D.
    w per layer: ln1, wqkv (packed), bqkv (or null), wo (packed), ln2, w13 (packed), w2 (packed); the
    packed ones of element type W with scales ws per layer (wqkv, wo, w13, w2), the lm_head of LW.
-   cos / sin [R, D] at the rows' rotary positions. Out: hidden [R, h] (final normed), logits
+   Row r is token tok[r] (its embedding row of `embed`) at rotary position posi[r] (its row of the
+   cos / sin tables [>= positions, D]). Out: hidden [R, h] (final normed), logits
    [P, ldl] of the rows `pick`, aux [L, R, h] each layer's input (or null).
 
    Barriers per layer: after each linear (4) and after the attention (the chunks' partials). Each thread
@@ -209,8 +150,8 @@ static void attend_chunk(const Chunk& c, const long* m, const float* qkv, long l
    same order on every thread, so the copies stay identical: that work is a few thousand operations a
    row, less than the barrier it replaces. */
 template <int D, typename W, typename LW>
-static void forward(const float* emb, long R, long S, const long* meta, float* const* kp, float* const* vp,
-                    const void* const* w, const float* ws, long L, long h, long H, long KV, long I, const float* cos,
+static void forward(const float* embed, const long* tok, const long* posi, long R, long S, const long* meta,
+                    float* const* kp, float* const* vp, const void* const* w, const float* ws, long L, long h, long H, long KV, long I, const float* cos,
                     const float* sin, const unsigned char* vis, float eps, const float* norm, const void* lmv,
                     float lms, long V, const long* pick, long P, float* hidden, float* logits, long ldl, float* aux,
                     int threads) {
@@ -234,9 +175,10 @@ static void forward(const float* emb, long R, long S, const long* meta, float* c
   float scale = 1.f / sqrtf((float)D);
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> sc, qr, xbuf, x(emb, emb + R * h), hn(R * h), att(R * H * D), own(own_act ? R * I : 0),
+    std::vector<float> sc, qr, xbuf, x(R * h), hn(R * h), att(R * H * D), own(own_act ? R * I : 0),
         hp(P * h);
     bool first = omp_get_thread_num() == 0;
+    for (long r = 0; r < R; ++r) memcpy(x.data() + r * h, embed + tok[r] * h, h * sizeof(float));
     for (long l = 0; l < L; ++l) {
       const void* const* lw = w + 7 * l;
       const float *ln1 = (const float*)lw[0], *bqkv = (const float*)lw[2], *ln2 = (const float*)lw[4];
@@ -250,7 +192,7 @@ static void forward(const float* emb, long R, long S, const long* meta, float* c
         const Chunk& c = chunks[i];
         const long* m = meta + 6 * c.s;
         long off = l * m[4] + c.j * m[5];
-        attend_chunk<D>(c, m, qkv.data(), ldq, bqkv, H, KV, g, kp[c.s] + off, vp[c.s] + off, cos, sin,
+        attend_chunk<D>(c, m, qkv.data(), ldq, bqkv, H, KV, g, kp[c.s] + off, vp[c.s] + off, posi, cos, sin,
                         m[3] < 0 ? nullptr : vis + m[3], scale, po.data(), pm.data(), ps.data(), qr, sc);
       }
       /* the chunks merged, in order: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) s_c */
@@ -301,13 +243,14 @@ static void forward(const float* emb, long R, long S, const long* meta, float* c
 }
 
 /* fmt: the decoder weights' format and the lm_head's: 0 fp32 and fp32, 1 bf16 and bf16, 2 e4m3 and bf16 */
-extern "C" int decode_forward(const float* emb, long R, long S, const long* meta, float* const* kp, float* const* vp,
+extern "C" int decode_forward(const float* embed, const long* tok, const long* posi, long R, long S, const long* meta,
+                              float* const* kp, float* const* vp,
                               const void* const* w, const float* ws, int fmt, long L, long h, long H, long KV, long D,
                               long I, const float* cos, const float* sin, const unsigned char* vis, float eps,
                               const float* norm, const void* lm, float lms, long V, const long* pick, long P,
                               float* hidden, float* logits, long ldl, float* aux, int threads) {
   if (R < 1 || S < 1 || P < 1) return 2;
-#define HEAD(DD, W, LW) case DD: forward<DD, W, LW>(emb, R, S, meta, kp, vp, w, ws, L, h, H, KV, I, cos, sin, vis, eps, \
+#define HEAD(DD, W, LW) case DD: forward<DD, W, LW>(embed, tok, posi, R, S, meta, kp, vp, w, ws, L, h, H, KV, I, cos, sin, vis, eps, \
                                                     norm, lm, lms, V, pick, P, hidden, logits, ldl, aux, threads); return 0;
 #define HEADS(W, LW) switch (D) { HEAD(16, W, LW) HEAD(32, W, LW) HEAD(64, W, LW) HEAD(128, W, LW) } return 1;
   switch (fmt) {
@@ -326,7 +269,7 @@ extern "C" int decode_forward(const float* emb, long R, long S, const long* meta
 
 def _bind(lib: ctypes.CDLL) -> None:
     p, n = ctypes.c_void_p, ctypes.c_long
-    lib.decode_forward.argtypes = [p, n, n, p, p, p, p, p, ctypes.c_int, n, n, n, n, n, n, p, p, p, ctypes.c_float,
+    lib.decode_forward.argtypes = [p, p, p, n, n, p, p, p, p, p, ctypes.c_int, n, n, n, n, n, n, p, p, p, ctypes.c_float,
                                    p, p, ctypes.c_float, n, p, n, p, p, n, p, ctypes.c_int]
     lib.decode_forward.restype = ctypes.c_int
     lib.weight_formats.restype = ctypes.c_int
@@ -388,6 +331,7 @@ class NativeStep:
             raise ValueError(f"native decode step: lm_head packed as {self.lm.dtype} beside decoder weights "
                              f"of format {self.fmt}")
         self.vocab = model.lm_head.shape[0]
+        self.embed = model.embed.contiguous()  # rows read by token id in the step
         self.intermediate = model.blocks[0].w2.shape[1]
 
     @classmethod
@@ -403,19 +347,22 @@ class NativeStep:
             return None
         return cls(model) if library() is not None else None
 
-    def __call__(self, caches: list, ids: list[list[int]], pos: list[torch.Tensor],
+    def __call__(self, caches: list, ids: list[list[int]], depths: list[list[int] | None],
                  ancestors: list[torch.Tensor | None], last_only: list[bool], aux_layers: tuple[int, ...] | None
                  ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-        """One forward over the rows of several sequences: sequence i runs tokens ids[i] at rotary
-        positions pos[i] after caches[i]'s committed prefix, attention causal or along ancestors[i]
-        [n, n] bool, and gets logits of every row or, when last_only[i], of its last. Writes their keys
-        and values after each prefix and sets each cache's length. Returns per sequence (final normed
-        hidden [n, h], logits [n or 1, V], the inputs of `aux_layers` concatenated [n, len*h] or None)."""
+        """One forward over the rows of several sequences: sequence i runs tokens ids[i] after caches[i]'s
+        committed prefix p, at rotary positions p + depths[i] (p, p + 1, ... where None: a prompt or a
+        chain), attention causal or along ancestors[i] [n, n] bool, and gets logits of every row or,
+        when last_only[i], of its last. Writes their keys and values after each prefix and sets each
+        cache's length. Returns per sequence (final normed hidden [n, h], logits [n or 1, V], the
+        inputs of `aux_layers` concatenated [n, len*h] or None). The rows' tokens, positions and the
+        sequences' layout go to the C++ step as plain integer arrays (a decode row's step is a few
+        milliseconds: tensors built and indexed per call were a few percent of it)."""
         m = self.model
         d = m.head_dim
-        meta, kp, vp, vis, pick = [], [], [], [], []
+        meta, kp, vp, vis, pick, posi = [], [], [], [], [], []
         at = off = 0
-        for cache, toks, anc, last in zip(caches, ids, ancestors, last_only):
+        for cache, toks, dep, anc, last in zip(caches, ids, depths, ancestors, last_only):
             n, p = len(toks), cache.length
             if p + n > cache.capacity:
                 raise ValueError(f"KV cache full: {p}+{n} > {cache.capacity}")
@@ -429,25 +376,24 @@ class NativeStep:
             kp.append(k.data_ptr())
             vp.append(v.data_ptr())
             pick.extend([at + n - 1] if last else range(at, at + n))
+            posi.extend(range(p, p + n) if dep is None else (p + t for t in dep))
             at += n
-        posv = torch.cat(pos)
-        cos_t, sin_t = m.rope(int(posv.max()) + 1)
-        cos, sin = cos_t[posv].contiguous(), sin_t[posv].contiguous()
-        cpu = torch.device("cpu")  # the step runs on CPU only (NativeStep.of)
-        emb = m.embed[torch.tensor([t for toks in ids for t in toks], device=cpu)].contiguous()
-        meta_t = torch.tensor(meta, dtype=torch.long, device=cpu)
-        pick_t = torch.tensor(pick, dtype=torch.long, device=cpu)
-        vis_t = torch.cat(vis) if vis else torch.zeros(1, dtype=torch.uint8, device=cpu)
+        tok = [t for toks in ids for t in toks]
+        cos_t, sin_t = m.rope(max(posi) + 1)
+        vis_t = torch.cat(vis) if vis else None
+        emb = self.embed
         h = emb.shape[1]
         hidden = emb.new_empty(at, h)
         width = self.lm.shape[0] * smallm.BW
         logits = emb.new_empty(len(pick), width)
         aux = emb.new_empty(len(m.blocks), at, h) if aux_layers else None
+        longs = ctypes.c_long
         rc = library().decode_forward(
-            emb.data_ptr(), at, len(caches), meta_t.data_ptr(), (ctypes.c_void_p * len(kp))(*kp),
-            (ctypes.c_void_p * len(vp))(*vp), self._ptrs, self._scales, self.fmt, len(m.blocks), h, m.n_heads, m.n_kv, d,
-            self.intermediate, cos.data_ptr(), sin.data_ptr(), vis_t.data_ptr(), m.eps, m.norm.data_ptr(),
-            self.lm.data_ptr(), self.lm_scale, self.vocab, pick_t.data_ptr(), len(pick), hidden.data_ptr(), logits.data_ptr(), width,
+            emb.data_ptr(), (longs * at)(*tok), (longs * at)(*posi), at, len(caches), (longs * len(meta))(*meta),
+            (ctypes.c_void_p * len(kp))(*kp), (ctypes.c_void_p * len(vp))(*vp), self._ptrs, self._scales, self.fmt,
+            len(m.blocks), h, m.n_heads, m.n_kv, d, self.intermediate, cos_t.data_ptr(), sin_t.data_ptr(),
+            None if vis_t is None else vis_t.data_ptr(), m.eps, m.norm.data_ptr(), self.lm.data_ptr(), self.lm_scale,
+            self.vocab, (longs * len(pick))(*pick), len(pick), hidden.data_ptr(), logits.data_ptr(), width,
             None if aux is None else aux.data_ptr(), torch.get_num_threads())
         if rc:
             raise ValueError(f"native decode step: head size {d} not built (code {rc})")
