@@ -109,8 +109,8 @@ static inline vf exp_le0(vf x) {
 /* Attention of the n x g query rows of one sequence over one kv head, positions [c0, c1) of its L: query
    qi (row qi / g, head h g + qi % g) at q + (start + qi / g) * q_row + (h g + qi % g) * D; K / V this kv
    head's [capacity, D] (capacity a multiple of VW: the last block of scores reads up to VW - 1
-   positions past c1, masked); the tree part (the last n positions, all within [c0, c1) when c1 = L)
-   along vis [n, n] (null: causal). Out, unnormalised: po [Q, D] the values weighted by e^(score - pm),
+   positions past c1, masked; c0 a multiple of VW); the tree part (the last n positions, those of it
+   within [c0, c1)) along vis [n, n] (null: causal). Out, unnormalised: po [Q, D] the values weighted by e^(score - pm),
    pm [Q] each row's largest score here (-inf where it sees nothing here: weights 0), ps [Q] the sum of
    its weights. `sc` is the caller's scratch. Split over positions, the parts merge as
    sum_c e^(pm_c - M) po_c / sum_c e^(pm_c - M) ps_c (M the largest pm_c). */
@@ -144,11 +144,10 @@ static void attend_range(const float* q, long q_row, long start, long h, long g,
       long qi = r * g + j;
       float* row = sc.data() + qi * Lp;
       for (long t = len; t < Lp; ++t) row[t] = -__builtin_inff();
-      if (c1 == L)
-        for (long c = 0; c < n; ++c) {  /* the tree part: only what this row sees */
-          bool seen = vis == nullptr ? c <= r : vis[r * n + c] != 0;
-          if (!seen) row[p - c0 + c] = -__builtin_inff();
-        }
+      for (long c = p > c0 ? 0 : c0 - p; c < n && p + c < c1; ++c) {  /* the tree part here: only what this row sees */
+        bool seen = vis == nullptr ? c <= r : vis[r * n + c] != 0;
+        if (!seen) row[p - c0 + c] = -__builtin_inff();
+      }
       vf vm = splat(-__builtin_inff());
       for (long t = 0; t < Lp; t += VW) {
         vf x = *(vfu*)(row + t);

@@ -7,8 +7,8 @@ step took well over that read time on the AMX Xeon (docs/results.md, "Figures be
 rest being 30 compiled-graph calls and their guards, each linear's own OpenMP region, SDPA and the
 rotations between them. Here one OpenMP region spans the step: the linears are the few-row kernel's
 blocks (engine.models.smallm) split over the threads by bytes, the attention is the decode attention
-kernel's range of positions (engine.models.attention) per kv head, in two chunks where a few kv heads
-would leave a thread idle, and each thread computes the norms, residual adds and (up to 8 rows) the
+kernel's range of positions (engine.models.attention) per kv head, in chunks of 128 positions merged
+afterwards (a few kv heads would leave a thread idle), and each thread computes the norms, residual adds and (up to 8 rows) the
 activation itself, so a layer has 5 barriers (it had 10). Past 8 rows each weight block is read from
 memory once and the further rows pass over it while it is still in the core's cache.
 
@@ -72,18 +72,16 @@ static inline void rotate(float* x, const float* cos, const float* sin, long d) 
 
 static inline long up(long n) { return (n + BW - 1) / BW * BW; }
 
-/* Positions per attention chunk of a sequence of n rows after a prefix of p: its (sequence, kv head)
-   tasks split in two where the positions are many and the rows few, so that a few kv heads share the
-   team evenly (3 over 2 threads left one idle for a third of the attention). More chunks measured
-   slower (every chunk repeats the queries' rotation and adds a task, a merge); long trees and prompts
-   keep one chunk (the merge costs rows x chunks). A multiple of VW that leaves the last chunk starting
-   at or before p, so that it holds every row just written. Depends on the sequence alone: a row's
-   attention does not depend on the rows beside it. */
-static inline long chunk_len(long n, long p) {
-  long L = p + n;
-  if (n > 16 || L < 128) return L + VW;
-  return ((L + 1) / 2 + VW - 1) / VW * VW;
-}
+/* Positions per attention chunk: a (sequence, kv head) splits its positions at fixed multiples of
+   CHUNK, so that a few kv heads share the team (3 over 2 threads left one idle for a third of the
+   attention). Fixed positions, not a share of the step's: a row's chunks then hold the same
+   positions whatever else the step runs (a decode row alone, the same row in a verified chain, beside
+   other sequences; positions it does not see weigh exactly 0), and its attention is bit-identical
+   in every one of them (chunks sized by the step's rows made greedy n-gram output differ from AR at
+   fp8). */
+#ifndef CHUNK
+#define CHUNK 128
+#endif
 
 /* out[i] = silu(a[i]) b[i]: a sigmoid(a) with e^-|a| (exp_le0), VW at a time (a scalar expf a row cost
    more than the barrier it saves) */
@@ -104,8 +102,8 @@ static inline void silu_mul(const float* a, const float* b, float* out, long n) 
 struct Chunk { long s, j, c0, c1, o, ms; };
 
 /* the chunk's part of attention for the n x g query rows of sequence s over kv head j (attend_range):
-   the queries (with bias, rotated) into qr; the last chunk (c1 = L) first writes this step's keys and
-   values of the head (with bias; keys rotated) into the cache. */
+   the queries (with bias, rotated) into qr; the keys and values of this step's rows whose positions
+   fall in the chunk (with bias; keys rotated) first into the cache: no other task reads them. */
 template <int D>
 static void attend_chunk(const Chunk& c, const long* m, const float* qkv, long ldq, const float* bqkv, long H,
                          long KV, long g, float* kc, float* vc, const long* posi, const float* cos, const float* sin,
@@ -121,7 +119,7 @@ static void attend_chunk(const Chunk& c, const long* m, const float* qkv, long l
       for (long i = 0; i < D; ++i) qv[i] = row[head * D + i] + (bqkv ? bqkv[head * D + i] : 0.f);
       rotate(qv, cos + posi[start + r] * D, sin + posi[start + r] * D, D);
     }
-    if (c.c1 == L) {
+    if (p + r >= c.c0 && p + r < c.c1) {  /* this row's key and value fall in this chunk */
       float* kt = kc + (p + r) * D;
       float* vt = vc + (p + r) * D;
       long ko = (H + j) * D, vo = (H + KV + j) * D;
@@ -163,10 +161,10 @@ static void forward(const float* embed, const long* tok, const long* posi, long 
   long po_n = 0, pm_n = 0;
   for (long s = 0; s < S; ++s) {
     const long* m = meta + 6 * s;
-    long n = m[1], p = m[2], cl = chunk_len(n, p), nc = p / cl + 1;
+    long n = m[1], L = m[2] + n, nc = (L + CHUNK - 1) / CHUNK;
     for (long j = 0; j < KV; ++j)
       for (long c = 0; c < nc; ++c) {
-        chunks.push_back({s, j, c * cl, c + 1 == nc ? p + n : (c + 1) * cl, po_n, pm_n});
+        chunks.push_back({s, j, c * CHUNK, c + 1 == nc ? L : (c + 1) * CHUNK, po_n, pm_n});
         po_n += n * g * D;
         pm_n += n * g;
       }

@@ -572,7 +572,9 @@ def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
     nbytes = t.numel() * t.element_size()
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return t
-    buf = mmap.mmap(-1, nbytes + HUGE_PAGE)  # anonymous, page-aligned; kept alive by the tensor below
+    # private anonymous memory (Python's default for -1 is shared, shmem, which THP's madvise mode leaves
+    # on 4 KB pages), page-aligned; kept alive by the tensor below
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     off = -ctypes.addressof(ctypes.c_char.from_buffer(buf)) % HUGE_PAGE
     buf.madvise(mmap.MADV_HUGEPAGE, off, nbytes - nbytes % mmap.PAGESIZE)
     out = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=off)

@@ -121,6 +121,38 @@ def test_long_context_in_chunks_and_any_thread_count(pair) -> None:
                 c.crop(len(prompt))
 
 
+def test_a_verified_chain_is_its_rows_in_any_steps(pair) -> None:
+    """Speculation's exactness at the step: a 5-row chain after 126 positions (its rows straddle the
+    attention's chunk boundary at 128) gives each row the logits it gets in steps of 2 and 3 rows
+    (bit-identical: the linears sum every row count from 2 in one order, the attention's chunks sit
+    at fixed positions), and in steps of one row each, one decode step after another: bit-identical
+    where the linears sum every row count in one order (bf16 pairs), else within fp32 rounding. Chunks
+    placed by the step's own rows would move a row's attention between them (at fp32 visible in the
+    logits; at fp8 greedy n-gram output then left AR's)."""
+    from engine.models import smallm
+
+    fw = pair[1]
+    weights = fw.model.weights
+    dot = weights != "fp32" and smallm.layout(smallm.library(), weights) >= 2
+    rng = random.Random(6)
+    prompt = [rng.randrange(49152) for _ in range(126)]
+    chain = [rng.randrange(49152) for _ in range(5)]
+    with torch.inference_mode():
+        cache = fw.new_cache(192)
+        fw.step(cache, prompt)
+        _, together, _ = fw.step(cache, chain)
+        cache.crop(len(prompt))
+        pieces = torch.cat([fw.step(cache, chain[:2])[1], fw.step(cache, chain[2:])[1]])
+        cache.crop(len(prompt))
+        alone = torch.cat([fw.step(cache, [t])[1] for t in chain])
+    if weights == "fp32" or dot:
+        assert torch.equal(together, pieces)
+    if dot:
+        assert torch.equal(together, alone)
+    else:
+        assert torch.allclose(together, alone, atol=_tol(pair))
+
+
 def test_batched_rows_equal_torch_path(pair) -> None:
     """Several sequences in pool slots, one native call: a decode row, a chain, a branching tree and
     a chain past 8 rows (further passes over each weight block), some wanting only their last row's
