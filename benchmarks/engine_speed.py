@@ -13,9 +13,12 @@ with --weights, n-gram and EAGLE rows at each format.
 The lean rows follow the machine's calibrated linear plan (engine.builtin.linear_plan); --compare-plans adds
 the compiled AR and deepest n-gram rows, and a curve column, under the default (AVX2-tuned) plan.
 
-Next to tok/s: achieved bandwidth (weight bytes read per target forward x forwards/s) and its share
-of the machine's copy bandwidth (measured once, cached under the spectune cache dir), and what that
-bandwidth allows (the AR limit). Then the verification curve: the cost of one target forward over
+Next to tok/s: achieved bandwidth (bytes read per target forward x forwards/s) and its share of the
+machine's copy bandwidth (measured once, cached under the spectune cache dir), and what that bandwidth
+allows (the AR limit). The bytes a forward reads: every weight as the step reads it (its packed copy:
+4, 2 or 1 bytes a weight at fp32, bf16, fp8; the lm_head stays bf16 at fp8, as in vLLM's fp8 scheme)
+and the KV cache of the context it attends over (fp32 at every weight format; one forward of a
+generation of T tokens after a prompt of P attends over P + T/2 positions on average, the count used). Then the verification curve: the cost of one target forward over
 a tree of n tokens, relative to a one-token (AR) step, for n = 1..64, per forward. Compile time is
 reported apart and never counted in tok/s. Prints tables; the last line is one JSON object.
 With --weights, the native step also runs at each further weight format (engine.builtin.weights:
@@ -215,7 +218,6 @@ def main(argv: list[str] | None = None) -> int:
     lean = lean_forward(hf_fwd.target, linear_plan=args.linear_plan)  # the same plan as the rows
     weight_bytes = lean.model.weight_bytes()
     bw = copy_bandwidth(hf_fwd.device, remeasure=args.remeasure_bandwidth)
-    limit = bw * 1e9 / weight_bytes  # AR tokens/s if every step only streamed the weights at copy speed
     # the native step at each further weight format: what it reads per token and the limit that sets
     at_weights = {}
     for w in formats:
@@ -230,6 +232,13 @@ def main(argv: list[str] | None = None) -> int:
                  for name, eng in engines.items()}
     if "bfloat16" in hf_ar_rows and args.dtype == "float32":
         row_bytes["generate bfloat16"] = weight_bytes // 2  # the same tensors at 2 bytes
+
+    # KV bytes a forward reads per position attended: keys and values of every layer's kv heads, in
+    # the cache's dtype (the engine's: the model dtype at every weight format; HF bf16: 2 bytes)
+    kv_position = 2 * len(lean.model.blocks) * lean.model.n_kv * lean.model.head_dim
+
+    def kv_bytes(row: str) -> int:
+        return kv_position * (2 if "generate bfloat16" in row or args.dtype == "bfloat16" else 4)
 
     prompts = code_prompts(plain, args.prompts)
     m = args.max_new_tokens
@@ -265,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
                     lambda p, n, spec=spec, eng=engines[fwd]: builtin_generate(eng, p, n, spec)
     for fn in runs.values():  # warm-up: first calls allocate and pick kernels
         fn(prompts[0], 8)
-    acc = {name: {"tokens": 0, "seconds": 0.0, "forwards": 0, "outputs": [], "ttft": 0.0} for name in runs}
+    acc = {name: {"tokens": 0, "seconds": 0.0, "forwards": 0, "outputs": [], "ttft": 0.0, "kv_positions": 0.0}
+           for name in runs}
     # prompts outer, engines inner: load drifting on a shared machine hits every row alike
     for p in prompts:
         for name, fn in runs.items():
@@ -274,28 +284,34 @@ def main(argv: list[str] | None = None) -> int:
             a["tokens"] += len(toks); a["seconds"] += secs; a["outputs"].append(toks)
             a["ttft"] = None if ttft is None or a["ttft"] is None else a["ttft"] + ttft
             a["forwards"] = None if fwd is None or a["forwards"] is None else a["forwards"] + fwd
+            a["kv_positions"] += 0 if fwd is None else fwd * (len(p) + len(toks) / 2)  # attended, on average
     # decode: after the first token (the prompt's forward, compute-bound, is what TTFT measures)
     rows = [(name, {**a, "tok_s": a["tokens"] / a["seconds"],
                     "decode_tok_s": None if a["ttft"] is None else
                     (a["tokens"] - len(prompts)) / (a["seconds"] - a["ttft"]),
                     "gb_s": None if a["forwards"] is None else
-                    _bytes_of(name, row_bytes, weight_bytes) * a["forwards"] / a["seconds"] / 1e9,
+                    (_bytes_of(name, row_bytes, weight_bytes) * a["forwards"] + a["kv_positions"] * kv_bytes(name))
+                    / a["seconds"] / 1e9,
+                    "kv_per_forward": None if not a["forwards"] else a["kv_positions"] * kv_bytes(name) / a["forwards"],
                     "tau": None if a["forwards"] is None else a["tokens"] / a["forwards"]}) for name, a in acc.items()]
     by = dict(rows)
+    ar_kv = by[f"built-in {best_fwd}, autoregressive"]["kv_per_forward"]
+    limit = bw * 1e9 / (weight_bytes + ar_kv)  # AR tokens/s if every step only streamed what it reads at copy speed
     hf_ar_dtype = max(hf_ar_rows, key=lambda d: by[hf_ar_rows[d]]["tok_s"])
     hf_ar = by[hf_ar_rows[hf_ar_dtype]]["tok_s"]  # HF at its faster dtype here
     ref = by["HF generate, autoregressive"]["outputs"]
     own_ar = {w: by[f"built-in lean native {w}, autoregressive"]["outputs"] for w in formats if w != "fp32"}
     table = Table(title=f"{args.model} {args.dtype} on {args.device}, {len(prompts)} HumanEval prompts, T=0, "
                         f"max {args.max_new_tokens} new tokens, batch 1, {torch.get_num_threads()} threads; "
-                        f"weights {weight_bytes / 1e6:.0f} MB, copy bandwidth {bw:.1f} GB/s -> AR limit {limit:.1f} tok/s; "
+                        f"weights {weight_bytes / 1e6:.0f} MB + KV {ar_kv / 1e6:.1f} MB a forward, copy bandwidth "
+                        f"{bw:.1f} GB/s -> AR limit {limit:.1f} tok/s; "
                         f"vs HF AR: HF in {hf_ar_dtype}")
     for col in ("engine", "tokens", "tok/s", "vs HF AR", "tau", "GB/s", "of copy bw", "decode tok/s",
                 "same as HF AR (bf16/fp8: as its own AR)"):
         table.add_column(col, justify="left" if col == "engine" else "right")
     summary = {"model": args.model, "dtype": args.dtype, "device": args.device, "prompts": len(prompts),
                "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
-               "weight_bytes": weight_bytes, "copy_gb_s": bw, "ar_limit_tok_s": round(limit, 2),
+               "weight_bytes": weight_bytes, "kv_bytes_per_forward": round(ar_kv), "copy_gb_s": bw, "ar_limit_tok_s": round(limit, 2),
                "compile_s": compile_s, "hf_ar_dtype": hf_ar_dtype,
                "hf_ar_tok_s": {d: round(by[n]["tok_s"], 2) for d, n in hf_ar_rows.items()}, "linear_plan": {"source": args.linear_plan, **asdict(linear_plan())},
                "rows": []}
@@ -334,26 +350,28 @@ def main(argv: list[str] | None = None) -> int:
     summary["builtin_ar_of_limit"] = round(ar["tok_s"] / limit, 3)
     summary["builtin_ar_decode_of_limit"] = round(ar["decode_tok_s"] / limit, 3)
     summary["best_spec_vs_hf_ar"] = round(best["tok_s"] / hf_ar, 3)
-    per = Table(title="per weight format (native step): bytes read per token, the copy-bandwidth limit, AR and best n-gram")
-    for col in ("weights", "MB per token", "AR limit tok/s", "AR tok/s", "of limit", "AR decode of limit",
+    per = Table(title="per weight format (native step): bytes read per token (weights + KV), the copy-bandwidth limit, "
+                      "AR and best n-gram")
+    for col in ("weights", "MB per token", "of it KV", "AR limit tok/s", "AR tok/s", "of limit", "AR decode of limit",
                 "best n-gram tok/s", "its tau", "vs own AR", "best EAGLE tok/s", "its tau", "vs own AR"):
         per.add_column(col, justify="right")
     summary["weights"] = {}
     for w in formats:
         fwd = best_fwd if w == "fp32" else f"lean native {w}"
-        nbytes = row_bytes.get(fwd, weight_bytes)
-        lim = bw * 1e9 / nbytes
         ar_w = by[f"built-in {fwd}, autoregressive"]
+        nbytes = row_bytes.get(fwd, weight_bytes) + ar_w["kv_per_forward"]
+        lim = bw * 1e9 / nbytes
         ng = max((r for n, r in rows if n.startswith(f"built-in {fwd}, n-gram")), key=lambda r: r["tok_s"], default=None)
         eg = max((r for n, r in rows if n.startswith(f"built-in {fwd}, EAGLE")), key=lambda r: r["tok_s"], default=None)
-        summary["weights"][w] = {"weight_bytes": nbytes, "ar_limit_tok_s": round(lim, 2), "ar_tok_s": round(ar_w["tok_s"], 2),
+        summary["weights"][w] = {"weight_bytes": row_bytes.get(fwd, weight_bytes),
+                                 "kv_bytes_per_forward": round(ar_w["kv_per_forward"]), "ar_limit_tok_s": round(lim, 2), "ar_tok_s": round(ar_w["tok_s"], 2),
                                  "ar_of_limit": round(ar_w["tok_s"] / lim, 3),
                                  "ar_decode_of_limit": round(ar_w["decode_tok_s"] / lim, 3),
                                  "best_ngram_tok_s": None if ng is None else round(ng["tok_s"], 2),
                                  "best_ngram_tau": None if ng is None else round(ng["tau"], 3),
                                  "best_eagle_tok_s": None if eg is None else round(eg["tok_s"], 2),
                                  "best_eagle_tau": None if eg is None else round(eg["tau"], 3)}
-        per.add_row(w, f"{nbytes / 1e6:.0f}", f"{lim:.1f}", f"{ar_w['tok_s']:.1f}", f"{ar_w['tok_s'] / lim:.0%}",
+        per.add_row(w, f"{nbytes / 1e6:.0f}", f"{ar_w['kv_per_forward'] / 1e6:.1f}", f"{lim:.1f}", f"{ar_w['tok_s']:.1f}", f"{ar_w['tok_s'] / lim:.0%}",
                     f"{ar_w['decode_tok_s'] / lim:.0%}", "-" if ng is None else f"{ng['tok_s']:.1f}",
                     "-" if ng is None else f"{ng['tau']:.2f}", "-" if ng is None else f"{ng['tok_s'] / ar_w['tok_s']:.2f}",
                     "-" if eg is None else f"{eg['tok_s']:.1f}", "-" if eg is None else f"{eg['tau']:.2f}",

@@ -106,24 +106,27 @@ static inline vf exp_le0(vf x) {
   return x < splat(-87.f) ? splat(0.f) : r;
 }
 
-/* one (sequence, kv head) task: the n x g query rows of the sequence's rows start..start+n-1 (row r's
-   head h * g + j at q + (start + r) * q_row + (h * g + j) * D) over its L positions of K / V (this kv
-   head's [capacity, D], capacity a multiple of VW: the last block of scores reads up to VW - 1
-   positions past L, masked), the tree part (the last n positions) along vis [n, n] (null: causal);
-   outputs at the same places in o (row stride o_row). `sc` is the caller's scratch. */
+/* Attention of the n x g query rows of one sequence over one kv head, positions [c0, c1) of its L: query
+   qi (row qi / g, head h g + qi % g) at q + (start + qi / g) * q_row + (h g + qi % g) * D; K / V this kv
+   head's [capacity, D] (capacity a multiple of VW: the last block of scores reads up to VW - 1
+   positions past c1, masked; c0 a multiple of VW); the tree part (the last n positions, those of it
+   within [c0, c1)) along vis [n, n] (null: causal). Out, unnormalised: po [Q, D] the values weighted by e^(score - pm),
+   pm [Q] each row's largest score here (-inf where it sees nothing here: weights 0), ps [Q] the sum of
+   its weights. `sc` is the caller's scratch. Split over positions, the parts merge as
+   sum_c e^(pm_c - M) po_c / sum_c e^(pm_c - M) ps_c (M the largest pm_c). */
 template <int D>
-static void attend_one(const float* q, long q_row, const float* K, const float* V, float* o, long o_row,
-                       long start, long n, long L, const unsigned char* vis, long h, long g, float scale,
-                       std::vector<float>& sc) {
+static void attend_range(const float* q, long q_row, long start, long h, long g, const float* K, const float* V,
+                         long n, long L, long c0, long c1, const unsigned char* vis, float scale, float* po,
+                         float* pm, float* ps, std::vector<float>& sc) {
   long p = L - n, Q = n * g;
-  long Lp = (L + VW - 1) / VW * VW;  /* rows of scores padded to whole vectors with -inf */
+  long len = c1 - c0, Lp = (len + VW - 1) / VW * VW;  /* rows of scores padded to whole vectors with -inf */
   long Qp = (Q + QB - 1) / QB * QB;
   sc.resize(Qp * Lp);
   for (long i = Q * Lp; i < Qp * Lp; ++i) sc[i] = 0.f;
   /* scores, VW positions at a time: each position's dot product stays a vector of partial sums
      (D / VW fused multiply-adds), and one transposing reduction sums VW of them at once */
-  for (long t0 = 0; t0 < L; t0 += VW) {
-    const float* kb = K + t0 * D;
+  for (long t0 = 0; t0 < len; t0 += VW) {
+    const float* kb = K + (c0 + t0) * D;
     for (long qi = 0; qi < Q; ++qi) {
       const float* qv = q + (start + qi / g) * q_row + (h * g + qi % g) * D;
       vf a[VW];
@@ -138,33 +141,35 @@ static void attend_one(const float* q, long q_row, const float* K, const float* 
   }
   for (long r = 0; r < n; ++r) {
     for (long j = 0; j < g; ++j) {
-      float* row = sc.data() + (r * g + j) * Lp;
-      for (long t = L; t < Lp; ++t) row[t] = -__builtin_inff();
-      for (long c = 0; c < n; ++c) {  /* the tree part: only what this row sees */
+      long qi = r * g + j;
+      float* row = sc.data() + qi * Lp;
+      for (long t = len; t < Lp; ++t) row[t] = -__builtin_inff();
+      for (long c = p > c0 ? 0 : c0 - p; c < n && p + c < c1; ++c) {  /* the tree part here: only what this row sees */
         bool seen = vis == nullptr ? c <= r : vis[r * n + c] != 0;
-        if (!seen) row[p + c] = -__builtin_inff();
+        if (!seen) row[p - c0 + c] = -__builtin_inff();
       }
       vf vm = splat(-__builtin_inff());
       for (long t = 0; t < Lp; t += VW) {
         vf x = *(vfu*)(row + t);
         vm = x > vm ? x : vm;
       }
-      vf mx = splat(hmax(vm)), vs = {};
+      float mx = hmax(vm), base = mx == -__builtin_inff() ? 0.f : mx;
+      vf vs = {};
       for (long t = 0; t < Lp; t += VW) {
-        vf e = exp_le0(*(vfu*)(row + t) - mx);
+        vf e = exp_le0(*(vfu*)(row + t) - base);
         *(vfu*)(row + t) = e;
         vs += e;
       }
-      vf inv = splat(1.f / hsum(vs));
-      for (long t = 0; t < Lp; t += VW) *(vfu*)(row + t) *= inv;
+      pm[qi] = mx;
+      ps[qi] = hsum(vs);
     }
   }
-  /* outputs, QB query rows at a time: their accumulators stay in registers while each value
-     row is loaded once per block (rows past Q carry zero weights) */
+  /* the weighted values, QB query rows at a time: their accumulators stay in registers while each
+     value row is loaded once per block (rows past Q carry zero weights) */
   for (long q0 = 0; q0 < Q; q0 += QB) {
     vf acc[QB][D / VW] = {};
-    for (long t = 0; t < L; ++t) {
-      const float* vt = V + t * D;
+    for (long t = 0; t < len; ++t) {
+      const float* vt = V + (c0 + t) * D;
       vf vv[D / VW];
       for (int i = 0; i < D / VW; ++i) vv[i] = *(const vfu*)(vt + i * VW);
       _Pragma("GCC unroll 4")
@@ -173,10 +178,27 @@ static void attend_one(const float* q, long q_row, const float* K, const float* 
         for (int i = 0; i < D / VW; ++i) acc[b][i] += w * vv[i];
       }
     }
-    for (int b = 0; b < QB && q0 + b < Q; ++b) {
-      float* out = o + (start + (q0 + b) / g) * o_row + (h * g + (q0 + b) % g) * D;
-      for (int i = 0; i < D / VW; ++i) *(vfu*)(out + i * VW) = acc[b][i];
-    }
+    for (int b = 0; b < QB && q0 + b < Q; ++b)
+      for (int i = 0; i < D / VW; ++i) *(vfu*)(po + (q0 + b) * D + i * VW) = acc[b][i];
+  }
+}
+
+/* one (sequence, kv head) task: the n x g query rows of the sequence's rows start..start+n-1 (row r's
+   head h * g + j at q + (start + r) * q_row + (h * g + j) * D) over its L positions of K / V
+   (attend_range over all of them), the tree part along vis [n, n] (null: causal); outputs at the same
+   places in o (row stride o_row). `sc` and `part` are the caller's scratch. */
+template <int D>
+static void attend_one(const float* q, long q_row, const float* K, const float* V, float* o, long o_row,
+                       long start, long n, long L, const unsigned char* vis, long h, long g, float scale,
+                       std::vector<float>& sc, std::vector<float>& part) {
+  long Q = n * g;
+  part.resize(Q * (D + 2));
+  float *po = part.data(), *pm = po + Q * D, *ps = pm + Q;
+  attend_range<D>(q, q_row, start, h, g, K, V, n, L, 0, L, vis, scale, po, pm, ps, sc);
+  for (long qi = 0; qi < Q; ++qi) {
+    float inv = 1.f / ps[qi];
+    float* out = o + (start + qi / g) * o_row + (h * g + qi % g) * D;
+    for (long i = 0; i < D; ++i) out[i] = po[qi * D + i] * inv;
   }
 }
 """
@@ -191,14 +213,14 @@ static void run(const float* q, long q_row, const float* kc, const float* vc, fl
   long tasks = nseq * n_kv;
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> sc;
+    std::vector<float> sc, part;
 #pragma omp for schedule(dynamic, 1)
     for (long task = 0; task < tasks; ++task) {
       long s = task / n_kv, h = task % n_kv;
       const long* m = meta + 5 * s;
       long slot = m[0], voff = m[4];
       attend_one<D>(q, q_row, kc + (slot * n_kv + h) * cap * D, vc + (slot * n_kv + h) * cap * D, o, o_row,
-                    m[1], m[2], m[3], voff < 0 ? nullptr : vis + voff, h, g, scale, sc);
+                    m[1], m[2], m[3], voff < 0 ? nullptr : vis + voff, h, g, scale, sc, part);
     }
   }
 }

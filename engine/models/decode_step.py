@@ -6,10 +6,11 @@ Why: a one-row step of SmolLM2 is bound by reading its weights, and the compiled
 step took well over that read time on the AMX Xeon (docs/results.md, "Figures behind the code"), the
 rest being 30 compiled-graph calls and their guards, each linear's own OpenMP region, SDPA and the
 rotations between them. Here one OpenMP region spans the step: the linears are the few-row kernel's
-blocks (engine.models.smallm) split over the threads, the attention is the decode attention kernel's
-task (engine.models.attention) per kv head, and the norms, rotations and activations run between
-barriers of the same threads. Past 8 rows each weight block is read from memory once and the further
-rows pass over it while it is still in the core's cache.
+blocks (engine.models.smallm) split over the threads by bytes, the attention is the decode attention
+kernel's range of positions (engine.models.attention) per kv head, in chunks of 128 positions merged
+afterwards (a few kv heads would leave a thread idle), and each thread computes the norms, residual adds and (up to 8 rows) the
+activation itself, so a layer has 5 barriers (it had 10). Past 8 rows each weight block is read from
+memory once and the further rows pass over it while it is still in the core's cache.
 
 The weights are the few-row kernel's packed copies (`_smallm_packed`, made by kernels.pack_weights
 where memory allows); the KV cache is the lean forward's `KVCache` (a lone cache or a pool slot).
@@ -36,23 +37,19 @@ _SOURCE = native.VECTORS + smallm.BLOCK_SOURCE + attention.TASK_SOURCE + r"""
 #define PASS_ROWS 7
 #endif
 
-/* y[r, :N] = x[r] . W^T for R rows over the blocks of the packed W [Npad / BW, K, BW], the blocks split
-   over the team (the omp for's barrier ends it). Each block is read from memory once: up to 8 rows in
-   one pass; more rows in passes of at most PASS_ROWS (balanced) over the block while it is still in
-   this core's cache. Past one pass the block is compute-bound, and 8 rows' accumulators and weights
-   do not fit the registers (measured: 8 five-row chains 80 -> 72 ms in passes of 7). */
+/* y[r, :N] = x[r] . W^T for R rows over the blocks of the packed W [Npad / BW, K, BW], split over the
+   team by bytes (blocks_share); a barrier ends it. Each block is read from memory once: up to 8 rows in one
+   pass; more rows in passes of at most PASS_ROWS (balanced) over the block while it is still in this
+   core's cache. Past one pass the block is compute-bound, and 8 rows' accumulators and weights do not
+   fit the registers (measured: 8 five-row chains 80 -> 72 ms in passes of 7). */
 template <typename W>
 static void linear_rows(long R, const float* x, long ldx, const W* wp, float* y, long ldy, long N, long K, float scale,
                         std::vector<float>& buf) {
   long blocks = (N + BW - 1) / BW;
   long passes = R <= 8 ? 1 : (R + PASS_ROWS - 1) / PASS_ROWS, per = (R + passes - 1) / passes, ld;
   const void* xa = activations<W>(R, x, ldx, K, buf, ld);  /* this thread's copy: no barrier */
-#pragma omp for schedule(static)
-  for (long b = 0; b < blocks; ++b) {
-    const W* wb = wp + b * block_elems<W>(K);
-    for (long r0 = 0; r0 < R; r0 += per)
-      block_m(R - r0 < per ? R - r0 : per, act_row<W>(xa, ld, r0), ld, wb, y + r0 * ldy + b * BW, ldy, K, scale);
-  }
+  blocks_share(R, per, xa, ld, wp, y, ldy, blocks, K, scale);
+#pragma omp barrier
 }
 
 /* F.rms_norm: x * rsqrt(mean(x^2) + eps) * w */
@@ -75,66 +72,150 @@ static inline void rotate(float* x, const float* cos, const float* sin, long d) 
 
 static inline long up(long n) { return (n + BW - 1) / BW * BW; }
 
+/* Positions per attention chunk: a (sequence, kv head) splits its positions at fixed multiples of
+   CHUNK, so that a few kv heads share the team (3 over 2 threads left one idle for a third of the
+   attention). Fixed positions, not a share of the step's: a row's chunks then hold the same
+   positions whatever else the step runs (a decode row alone, the same row in a verified chain, beside
+   other sequences; positions it does not see weigh exactly 0), and its attention is bit-identical
+   in every one of them (chunks sized by the step's rows made greedy n-gram output differ from AR at
+   fp8). */
+#ifndef CHUNK
+#define CHUNK 128
+#endif
+
+/* out[i] = silu(a[i]) b[i]: a sigmoid(a) with e^-|a| (exp_le0), VW at a time (a scalar expf a row cost
+   more than the barrier it saves) */
+static inline void silu_mul(const float* a, const float* b, float* out, long n) {
+  long i = 0;
+  for (; i + VW <= n; i += VW) {
+    vf x = *(const vfu*)(a + i), ax = x < 0 ? -x : x, t = exp_le0(-ax);
+    *(vfu*)(out + i) = x * ((x >= 0 ? splat(1.f) : t) / (1.f + t)) * *(const vfu*)(b + i);
+  }
+  for (; i < n; ++i) {
+    float x = a[i], t = exp_le0(splat(x < 0 ? x : -x))[0];
+    out[i] = x * ((x >= 0 ? 1.f : t) / (1.f + t)) * b[i];
+  }
+}
+
+/* One attention chunk: sequence s, kv head j, positions [c0, c1) of its L; its unnormalised output
+   [Q, D], row maxima and sums [Q] (Q = n g query rows) at offsets o / ms of the step's partials. */
+struct Chunk { long s, j, c0, c1, o, ms; };
+
+/* the chunk's part of attention for the n x g query rows of sequence s over kv head j (attend_range):
+   the queries (with bias, rotated) into qr; the keys and values of this step's rows whose positions
+   fall in the chunk (with bias; keys rotated) first into the cache: no other task reads them. */
+template <int D>
+static void attend_chunk(const Chunk& c, const long* m, const float* qkv, long ldq, const float* bqkv, long H,
+                         long KV, long g, float* kc, float* vc, const long* posi, const float* cos, const float* sin,
+                         const unsigned char* vis, float scale, float* po, float* pm, float* ps,
+                         std::vector<float>& qr, std::vector<float>& sc) {
+  long start = m[0], n = m[1], p = m[2], L = p + n, Q = n * g, j = c.j;
+  qr.resize(Q * D);
+  for (long r = 0; r < n; ++r) {
+    const float* row = qkv + (start + r) * ldq;
+    for (long e = 0; e < g; ++e) {
+      long head = j * g + e;
+      float* qv = qr.data() + (r * g + e) * D;
+      for (long i = 0; i < D; ++i) qv[i] = row[head * D + i] + (bqkv ? bqkv[head * D + i] : 0.f);
+      rotate(qv, cos + posi[start + r] * D, sin + posi[start + r] * D, D);
+    }
+    if (p + r >= c.c0 && p + r < c.c1) {  /* this row's key and value fall in this chunk */
+      float* kt = kc + (p + r) * D;
+      float* vt = vc + (p + r) * D;
+      long ko = (H + j) * D, vo = (H + KV + j) * D;
+      for (long i = 0; i < D; ++i) {
+        kt[i] = row[ko + i] + (bqkv ? bqkv[ko + i] : 0.f);
+        vt[i] = row[vo + i] + (bqkv ? bqkv[vo + i] : 0.f);
+      }
+      rotate(kt, cos + posi[start + r] * D, sin + posi[start + r] * D, D);
+    }
+  }
+  attend_range<D>(qr.data(), g * D, 0, 0, g, kc, vc, n, L, c.c0, c.c1, vis, scale, po + c.o, pm + c.ms, ps + c.ms, sc);
+}
+
 /* R rows of S sequences. meta per sequence (6 longs): first row, rows n, committed prefix p,
    offset of its n x n visibility bytes in vis (-1: causal), the cache's layer and head strides;
    its cache entry (layer l, kv head j, position t) at kp / vp[s] + l * lstride + j * hstride + t * D.
    w per layer: ln1, wqkv (packed), bqkv (or null), wo (packed), ln2, w13 (packed), w2 (packed); the
    packed ones of element type W with scales ws per layer (wqkv, wo, w13, w2), the lm_head of LW.
-   cos / sin [R, D] at the rows' rotary positions. Out: hidden [R, h] (final normed), logits
-   [P, ldl] of the rows `pick`, aux [L, R, h] each layer's input (or null). */
+   Row r is token tok[r] (its embedding row of `embed`) at rotary position posi[r] (its row of the
+   cos / sin tables [>= positions, D]). Out: hidden [R, h] (final normed), logits
+   [P, ldl] of the rows `pick`, aux [L, R, h] each layer's input (or null).
+
+   Barriers per layer: after each linear (4) and after the attention (the chunks' partials). Each thread
+   keeps its own copy of the residual stream and computes the norms, residual adds, the merge of the
+   attention chunks and (up to 8 rows) the activation for every row itself, the same operations in the
+   same order on every thread, so the copies stay identical: that work is a few thousand operations a
+   row, less than the barrier it replaces. */
 template <int D, typename W, typename LW>
-static void forward(const float* emb, long R, long S, const long* meta, float* const* kp, float* const* vp,
-                    const void* const* w, const float* ws, long L, long h, long H, long KV, long I, const float* cos,
+static void forward(const float* embed, const long* tok, const long* posi, long R, long S, const long* meta,
+                    float* const* kp, float* const* vp, const void* const* w, const float* ws, long L, long h, long H, long KV, long I, const float* cos,
                     const float* sin, const unsigned char* vis, float eps, const float* norm, const void* lmv,
                     float lms, long V, const long* pick, long P, float* hidden, float* logits, long ldl, float* aux,
                     int threads) {
   const LW* lm = (const LW*)lmv;
   long g = H / KV, nq = (H + 2 * KV) * D, ldq = up(nq), ldh = up(h), ld13 = up(2 * I);
-  std::vector<float> x(emb, emb + R * h), hn(R * h), qkv(R * ldq), att(R * H * D), tmp(R * ldh), gu(R * ld13),
-      act(R * I), hp(P * h);
-  std::vector<long> seq_of(R);
-  for (long s = 0; s < S; ++s)
-    for (long r = 0; r < meta[6 * s + 1]; ++r) seq_of[meta[6 * s] + r] = s;
+  bool own_act = R <= 8;  /* the activation on every thread (more rows: split, then a barrier) */
+  std::vector<float> qkv(R * ldq), tmp(R * ldh), gu(R * ld13), act(own_act ? 0 : R * I);
+  std::vector<Chunk> chunks;
+  long po_n = 0, pm_n = 0;
+  for (long s = 0; s < S; ++s) {
+    const long* m = meta + 6 * s;
+    long n = m[1], L = m[2] + n, nc = (L + CHUNK - 1) / CHUNK;
+    for (long j = 0; j < KV; ++j)
+      for (long c = 0; c < nc; ++c) {
+        chunks.push_back({s, j, c * CHUNK, c + 1 == nc ? L : (c + 1) * CHUNK, po_n, pm_n});
+        po_n += n * g * D;
+        pm_n += n * g;
+      }
+  }
+  std::vector<float> po(po_n), pm(pm_n), ps(pm_n);
   float scale = 1.f / sqrtf((float)D);
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> sc, xbuf;
+    std::vector<float> sc, qr, xbuf, x(R * h), hn(R * h), att(R * H * D), own(own_act ? R * I : 0),
+        hp(P * h);
+    bool first = omp_get_thread_num() == 0;
+    for (long r = 0; r < R; ++r) memcpy(x.data() + r * h, embed + tok[r] * h, h * sizeof(float));
     for (long l = 0; l < L; ++l) {
       const void* const* lw = w + 7 * l;
       const float *ln1 = (const float*)lw[0], *bqkv = (const float*)lw[2], *ln2 = (const float*)lw[4];
       const W *wqkv = (const W*)lw[1], *wo = (const W*)lw[3], *w13 = (const W*)lw[5], *w2 = (const W*)lw[6];
       const float* s = ws + 4 * l;
-#pragma omp for schedule(static)
-      for (long r = 0; r < R; ++r) {
-        if (aux) memcpy(aux + (l * R + r) * h, x.data() + r * h, h * sizeof(float));
-        rms_norm(x.data() + r * h, ln1, hn.data() + r * h, h, eps);
-      }
+      if (aux && first) memcpy(aux + l * R * h, x.data(), R * h * sizeof(float));
+      for (long r = 0; r < R; ++r) rms_norm(x.data() + r * h, ln1, hn.data() + r * h, h, eps);
       linear_rows(R, hn.data(), h, wqkv, qkv.data(), ldq, nq, h, s[0], xbuf);
-      /* bias, rotation of q and k heads, this step's keys and values into each sequence's cache */
-#pragma omp for schedule(static)
-      for (long u = 0; u < R * (H + 2 * KV); ++u) {
-        long r = u / (H + 2 * KV), c = u % (H + 2 * KV);
-        float* seg = qkv.data() + r * ldq + c * D;
-        if (bqkv)
-          for (long i = 0; i < D; ++i) seg[i] += bqkv[c * D + i];
-        if (c < H + KV) rotate(seg, cos + r * D, sin + r * D, D);
-        if (c >= H) {
-          const long* m = meta + 6 * seq_of[r];
-          bool is_v = c >= H + KV;
-          float* base = (is_v ? vp : kp)[seq_of[r]] + l * m[4] + (c - H - (is_v ? KV : 0)) * m[5];
-          memcpy(base + (m[2] + r - m[0]) * D, seg, D * sizeof(float));
-        }
-      }
 #pragma omp for schedule(dynamic, 1)
-      for (long task = 0; task < S * KV; ++task) {
-        long s = task / KV, j = task % KV;
-        const long* m = meta + 6 * s;
-        long off = l * m[4] + j * m[5];
-        attend_one<D>(qkv.data(), ldq, kp[s] + off, vp[s] + off, att.data(), H * D, m[0], m[1], m[2] + m[1],
-                      m[3] < 0 ? nullptr : vis + m[3], j, g, scale, sc);
+      for (size_t i = 0; i < chunks.size(); ++i) {
+        const Chunk& c = chunks[i];
+        const long* m = meta + 6 * c.s;
+        long off = l * m[4] + c.j * m[5];
+        attend_chunk<D>(c, m, qkv.data(), ldq, bqkv, H, KV, g, kp[c.s] + off, vp[c.s] + off, posi, cos, sin,
+                        m[3] < 0 ? nullptr : vis + m[3], scale, po.data(), pm.data(), ps.data(), qr, sc);
+      }
+      /* the chunks merged, in order: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) s_c */
+      for (size_t i = 0; i < chunks.size();) {
+        const Chunk& c0 = chunks[i];
+        const long* m = meta + 6 * c0.s;
+        long n = m[1], Q = n * g, e = i;
+        while (e < (long)chunks.size() && chunks[e].s == c0.s && chunks[e].j == c0.j) ++e;
+        for (long qi = 0; qi < Q; ++qi) {
+          float M = -__builtin_inff(), den = 0.f;
+          for (long k = i; k < e; ++k) M = pm[chunks[k].ms + qi] > M ? pm[chunks[k].ms + qi] : M;
+          float* out = att.data() + (m[0] + qi / g) * H * D + (c0.j * g + qi % g) * D;
+          for (long d = 0; d < D; ++d) out[d] = 0.f;
+          for (long k = i; k < e; ++k) {
+            float f = expf(pm[chunks[k].ms + qi] - M);
+            den += f * ps[chunks[k].ms + qi];
+            const float* o = po.data() + chunks[k].o + qi * D;
+            for (long d = 0; d < D; ++d) out[d] += f * o[d];
+          }
+          float inv = 1.f / den;
+          for (long d = 0; d < D; ++d) out[d] *= inv;
+        }
+        i = e;
       }
       linear_rows(R, att.data(), H * D, wo, tmp.data(), ldh, h, H * D, s[1], xbuf);
-#pragma omp for schedule(static)
       for (long r = 0; r < R; ++r) {
         float* xr = x.data() + r * h;
         const float* t = tmp.data() + r * ldh;
@@ -142,32 +223,32 @@ static void forward(const float* emb, long R, long S, const long* meta, float* c
         rms_norm(xr, ln2, hn.data() + r * h, h, eps);
       }
       linear_rows(R, hn.data(), h, w13, gu.data(), ld13, 2 * I, h, s[2], xbuf);
+      float* a = own_act ? own.data() : act.data();
+      if (own_act) {
+        for (long r = 0; r < R; ++r) silu_mul(gu.data() + r * ld13, gu.data() + r * ld13 + I, a + r * I, I);
+      } else {
 #pragma omp for schedule(static)
-      for (long u = 0; u < R * I; ++u) {
-        long r = u / I, i = u % I;
-        float a = gu[r * ld13 + i], b = gu[r * ld13 + I + i];
-        act[u] = a / (1.f + expf(-a)) * b;
+        for (long r = 0; r < R; ++r) silu_mul(gu.data() + r * ld13, gu.data() + r * ld13 + I, a + r * I, I);
       }
-      linear_rows(R, act.data(), I, w2, tmp.data(), ldh, h, I, s[3], xbuf);
-#pragma omp for schedule(static)
+      linear_rows(R, a, I, w2, tmp.data(), ldh, h, I, s[3], xbuf);
       for (long u = 0; u < R * h; ++u) x[u] += tmp[(u / h) * ldh + u % h];
     }
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (long r = 0; r < R; ++r) rms_norm(x.data() + r * h, norm, hidden + r * h, h, eps);
-#pragma omp for schedule(static)
-    for (long i = 0; i < P; ++i) memcpy(hp.data() + i * h, hidden + pick[i] * h, h * sizeof(float));
+    for (long i = 0; i < P; ++i) rms_norm(x.data() + pick[i] * h, norm, hp.data() + i * h, h, eps);
     linear_rows(P, hp.data(), h, lm, logits, ldl, V, h, lms, xbuf);
   }
 }
 
 /* fmt: the decoder weights' format and the lm_head's: 0 fp32 and fp32, 1 bf16 and bf16, 2 e4m3 and bf16 */
-extern "C" int decode_forward(const float* emb, long R, long S, const long* meta, float* const* kp, float* const* vp,
+extern "C" int decode_forward(const float* embed, const long* tok, const long* posi, long R, long S, const long* meta,
+                              float* const* kp, float* const* vp,
                               const void* const* w, const float* ws, int fmt, long L, long h, long H, long KV, long D,
                               long I, const float* cos, const float* sin, const unsigned char* vis, float eps,
                               const float* norm, const void* lm, float lms, long V, const long* pick, long P,
                               float* hidden, float* logits, long ldl, float* aux, int threads) {
   if (R < 1 || S < 1 || P < 1) return 2;
-#define HEAD(DD, W, LW) case DD: forward<DD, W, LW>(emb, R, S, meta, kp, vp, w, ws, L, h, H, KV, I, cos, sin, vis, eps, \
+#define HEAD(DD, W, LW) case DD: forward<DD, W, LW>(embed, tok, posi, R, S, meta, kp, vp, w, ws, L, h, H, KV, I, cos, sin, vis, eps, \
                                                     norm, lm, lms, V, pick, P, hidden, logits, ldl, aux, threads); return 0;
 #define HEADS(W, LW) switch (D) { HEAD(16, W, LW) HEAD(32, W, LW) HEAD(64, W, LW) HEAD(128, W, LW) } return 1;
   switch (fmt) {
@@ -186,7 +267,7 @@ extern "C" int decode_forward(const float* emb, long R, long S, const long* meta
 
 def _bind(lib: ctypes.CDLL) -> None:
     p, n = ctypes.c_void_p, ctypes.c_long
-    lib.decode_forward.argtypes = [p, n, n, p, p, p, p, p, ctypes.c_int, n, n, n, n, n, n, p, p, p, ctypes.c_float,
+    lib.decode_forward.argtypes = [p, p, p, n, n, p, p, p, p, p, ctypes.c_int, n, n, n, n, n, n, p, p, p, ctypes.c_float,
                                    p, p, ctypes.c_float, n, p, n, p, p, n, p, ctypes.c_int]
     lib.decode_forward.restype = ctypes.c_int
     lib.weight_formats.restype = ctypes.c_int
@@ -248,6 +329,7 @@ class NativeStep:
             raise ValueError(f"native decode step: lm_head packed as {self.lm.dtype} beside decoder weights "
                              f"of format {self.fmt}")
         self.vocab = model.lm_head.shape[0]
+        self.embed = model.embed.contiguous()  # rows read by token id in the step
         self.intermediate = model.blocks[0].w2.shape[1]
 
     @classmethod
@@ -263,19 +345,22 @@ class NativeStep:
             return None
         return cls(model) if library() is not None else None
 
-    def __call__(self, caches: list, ids: list[list[int]], pos: list[torch.Tensor],
+    def __call__(self, caches: list, ids: list[list[int]], depths: list[list[int] | None],
                  ancestors: list[torch.Tensor | None], last_only: list[bool], aux_layers: tuple[int, ...] | None
                  ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-        """One forward over the rows of several sequences: sequence i runs tokens ids[i] at rotary
-        positions pos[i] after caches[i]'s committed prefix, attention causal or along ancestors[i]
-        [n, n] bool, and gets logits of every row or, when last_only[i], of its last. Writes their keys
-        and values after each prefix and sets each cache's length. Returns per sequence (final normed
-        hidden [n, h], logits [n or 1, V], the inputs of `aux_layers` concatenated [n, len*h] or None)."""
+        """One forward over the rows of several sequences: sequence i runs tokens ids[i] after caches[i]'s
+        committed prefix p, at rotary positions p + depths[i] (p, p + 1, ... where None: a prompt or a
+        chain), attention causal or along ancestors[i] [n, n] bool, and gets logits of every row or,
+        when last_only[i], of its last. Writes their keys and values after each prefix and sets each
+        cache's length. Returns per sequence (final normed hidden [n, h], logits [n or 1, V], the
+        inputs of `aux_layers` concatenated [n, len*h] or None). The rows' tokens, positions and the
+        sequences' layout go to the C++ step as plain integer arrays (a decode row's step is a few
+        milliseconds: tensors built and indexed per call were a few percent of it)."""
         m = self.model
         d = m.head_dim
-        meta, kp, vp, vis, pick = [], [], [], [], []
+        meta, kp, vp, vis, pick, posi = [], [], [], [], [], []
         at = off = 0
-        for cache, toks, anc, last in zip(caches, ids, ancestors, last_only):
+        for cache, toks, dep, anc, last in zip(caches, ids, depths, ancestors, last_only):
             n, p = len(toks), cache.length
             if p + n > cache.capacity:
                 raise ValueError(f"KV cache full: {p}+{n} > {cache.capacity}")
@@ -289,25 +374,24 @@ class NativeStep:
             kp.append(k.data_ptr())
             vp.append(v.data_ptr())
             pick.extend([at + n - 1] if last else range(at, at + n))
+            posi.extend(range(p, p + n) if dep is None else (p + t for t in dep))
             at += n
-        posv = torch.cat(pos)
-        cos_t, sin_t = m.rope(int(posv.max()) + 1)
-        cos, sin = cos_t[posv].contiguous(), sin_t[posv].contiguous()
-        cpu = torch.device("cpu")  # the step runs on CPU only (NativeStep.of)
-        emb = m.embed[torch.tensor([t for toks in ids for t in toks], device=cpu)].contiguous()
-        meta_t = torch.tensor(meta, dtype=torch.long, device=cpu)
-        pick_t = torch.tensor(pick, dtype=torch.long, device=cpu)
-        vis_t = torch.cat(vis) if vis else torch.zeros(1, dtype=torch.uint8, device=cpu)
+        tok = [t for toks in ids for t in toks]
+        cos_t, sin_t = m.rope(max(posi) + 1)
+        vis_t = torch.cat(vis) if vis else None
+        emb = self.embed
         h = emb.shape[1]
         hidden = emb.new_empty(at, h)
         width = self.lm.shape[0] * smallm.BW
         logits = emb.new_empty(len(pick), width)
         aux = emb.new_empty(len(m.blocks), at, h) if aux_layers else None
+        longs = ctypes.c_long
         rc = library().decode_forward(
-            emb.data_ptr(), at, len(caches), meta_t.data_ptr(), (ctypes.c_void_p * len(kp))(*kp),
-            (ctypes.c_void_p * len(vp))(*vp), self._ptrs, self._scales, self.fmt, len(m.blocks), h, m.n_heads, m.n_kv, d,
-            self.intermediate, cos.data_ptr(), sin.data_ptr(), vis_t.data_ptr(), m.eps, m.norm.data_ptr(),
-            self.lm.data_ptr(), self.lm_scale, self.vocab, pick_t.data_ptr(), len(pick), hidden.data_ptr(), logits.data_ptr(), width,
+            emb.data_ptr(), (longs * at)(*tok), (longs * at)(*posi), at, len(caches), (longs * len(meta))(*meta),
+            (ctypes.c_void_p * len(kp))(*kp), (ctypes.c_void_p * len(vp))(*vp), self._ptrs, self._scales, self.fmt,
+            len(m.blocks), h, m.n_heads, m.n_kv, d, self.intermediate, cos_t.data_ptr(), sin_t.data_ptr(),
+            None if vis_t is None else vis_t.data_ptr(), m.eps, m.norm.data_ptr(), self.lm.data_ptr(), self.lm_scale,
+            self.vocab, (longs * len(pick))(*pick), len(pick), hidden.data_ptr(), logits.data_ptr(), width,
             None if aux is None else aux.data_ptr(), torch.get_num_threads())
         if rc:
             raise ValueError(f"native decode step: head size {d} not built (code {rc})")

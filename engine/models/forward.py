@@ -126,9 +126,9 @@ class LeanForward:
         rows = self.rows_for(n)
         if p + rows > cache.capacity:
             raise ValueError(f"KV cache full: {p}+{rows} > {cache.capacity}")
-        pos = torch.arange(p, p + n, device=dev) if depths is None else torch.tensor(depths, device=dev) + p
         if self.native is not None and n <= decode_step.MAX_ROWS:
-            return self.native([cache], [tokens], [pos], [ancestors], [last_only], aux_layers)[0]
+            return self.native([cache], [tokens], [depths], [ancestors], [last_only], aux_layers)[0]
+        pos = torch.arange(p, p + n, device=dev) if depths is None else torch.tensor(depths, device=dev) + p
         ids = torch.tensor(tokens, device=dev)
         if rows > n:  # padding rows: token 0 at the first free position, written past the tree
             pos = torch.cat([pos, torch.full((rows - n,), p, device=dev, dtype=pos.dtype)])
@@ -163,10 +163,7 @@ class LeanForward:
         if len(caches) == 1:
             return [self.step(caches[0], tokens[0], depths[0], ancestors[0], last_only[0], aux_layers)]
         if self.native is not None and sum(map(len, tokens)) <= decode_step.MAX_ROWS:
-            dev = self.model.device
-            pos = [torch.arange(c.length, c.length + len(t), device=dev) if d is None
-                   else torch.tensor(d, device=dev) + c.length for c, t, d in zip(caches, tokens, depths)]
-            return self.native(caches, tokens, pos, ancestors, last_only, aux_layers)
+            return self.native(caches, tokens, depths, ancestors, last_only, aux_layers)
         m = self.model
         dev = m.device
         seqs, pos, ids, pick = [], [], [], []

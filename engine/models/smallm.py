@@ -20,6 +20,7 @@ already loaded, so torch's thread count is the kernel's).
 from __future__ import annotations
 
 import ctypes
+import mmap
 
 import torch
 
@@ -31,6 +32,7 @@ MAX_ROWS = 8  # rows per pass; more rows run in passes of 8 (the plan measures w
 # with the native decode step (engine.models.decode_step), which runs it inside its own parallel region.
 BLOCK_SOURCE = r"""
 #include <immintrin.h>
+#include <omp.h>
 #include <type_traits>
 #include <vector>
 #define BW (VW * NB)
@@ -192,11 +194,18 @@ static inline vf wload(const e4m3_t* p) {
 }
 #endif
 
-/* one k-row of a block: its NB vectors of weights widened to fp32 */
-template <typename W>
+/* The vectors of a block a pass covers, by H: 0 all NB, 1 the first half, 2 the second (a linear whose
+   blocks do not split evenly over the threads gives one thread's last block's halves to two threads:
+   each column sums in the same order either way) */
+template <int H> struct Part {
+  static constexpr int J0 = H == 2 ? NB / 2 : 0, NJ = H == 0 ? NB : NB / 2;
+};
+
+/* vectors J0..J0+NJ of one k-row of a block, widened to fp32 */
+template <int H, typename W>
 static inline void wrow(const W* p, vf* w) {
   _Pragma("GCC unroll 4")
-  for (int j = 0; j < NB; ++j) w[j] = wload(p + j * VW);
+  for (int j = Part<H>::J0; j < Part<H>::J0 + Part<H>::NJ; ++j) w[j] = wload(p + j * VW);
 }
 
 #if defined(E4M3_LUT) || defined(E4M3_DOT)
@@ -228,27 +237,35 @@ static inline void e4m3_words(const e4m3_t* p, __m512i& w0, __m512i& w1) {
 #endif
 
 #ifdef E4M3_LUT
+/* (a half reads the whole 64-byte k-row: its columns are interleaved over all of it) */
+template <int H>
 static inline void wrow(const e4m3_t* p, vf* w) {
   __m512i w0, w1;
   e4m3_words(p, w0, w1);
   const __m512i top = _mm512_set1_epi32((int)0xFFFF0000);
-  w[0] = (vf)_mm512_slli_epi32(w0, 16);
-  w[1] = (vf)_mm512_and_si512(w0, top);
-  w[2] = (vf)_mm512_slli_epi32(w1, 16);
-  w[3] = (vf)_mm512_and_si512(w1, top);
+  if (H != 2) {
+    w[0] = (vf)_mm512_slli_epi32(w0, 16);
+    w[1] = (vf)_mm512_and_si512(w0, top);
+  }
+  if (H != 1) {
+    w[2] = (vf)_mm512_slli_epi32(w1, 16);
+    w[3] = (vf)_mm512_and_si512(w1, top);
+  }
 }
 #endif
 
 #ifdef BF16_DOT
-/* one k-pair of a block (layouts 2 and 3 of weight_layout) as NB vectors of bf16 pairs */
+/* vectors J0..J0+NJ of one k-pair of a block (layouts 2 and 3 of weight_layout) as bf16 pairs */
+template <int H>
 static inline void wpair(const bf16_t* p, __m512i* w) {
   _Pragma("GCC unroll 4")
-  for (int j = 0; j < NB; ++j) w[j] = _mm512_loadu_si512(p + j * 32);
+  for (int j = Part<H>::J0; j < Part<H>::J0 + Part<H>::NJ; ++j) w[j] = _mm512_loadu_si512(p + j * 32);
 }
 #ifdef E4M3_DOT
+template <int H>
 static inline void wpair(const e4m3_t* p, __m512i* w) {
-  e4m3_words(p, w[0], w[1]);
-  e4m3_words(p + 64, w[2], w[3]);
+  if (H != 2) e4m3_words(p, w[0], w[1]);
+  if (H != 1) e4m3_words(p + 64, w[2], w[3]);
 }
 #endif
 #endif
@@ -263,16 +280,25 @@ static inline float wscale(const e4m3_t*, float s) { return s * 256.f; }
 #define AHEAD (32 * BW * 4)
 #endif
 
+/* the 64-byte lines of a k-row (or k-pair) of `row` bytes that vectors J0..J0+NJ of H read, as
+   offsets: [first, end) stepping 64 */
+template <int H, int ROW>
+struct Lines {
+  static constexpr int first = Part<H>::J0 * ROW / NB / 64 * 64, end = (Part<H>::J0 + Part<H>::NJ) * ROW / NB;
+};
+
 /* One block of BW output columns for M rows: y[m, :BW] = x[m] . wb (* the weight's scale), wb one
-   packed block [K, BW] of weights of type W, x fp32 (rounded to bf16 for bf16 and e4m3 weights). */
-template <int M, typename W>
+   packed block [K, BW] of weights of type W, x fp32 (rounded to bf16 for bf16 and e4m3 weights);
+   of its vectors only those of H (Part). */
+template <int M, int H, typename W>
 static inline void block(const float* x, long ldx, const W* wb, float* y, long ldy, long K, float scale) {
   /* one row has a single accumulator chain per vector: two k-rows in flight hide the FMA latency */
   constexpr int KU = M == 1 ? 2 : 1;
   constexpr int ROW = BW * sizeof(W);  /* bytes of one k-row of the block */
+  constexpr int J0 = Part<H>::J0, J1 = J0 + Part<H>::NJ;
   vf acc[KU][NB][M];
   for (int u = 0; u < KU; ++u)
-    for (int j = 0; j < NB; ++j)
+    for (int j = J0; j < J1; ++j)
       for (int m = 0; m < M; ++m) acc[u][j][m] = (vf){};
   const char* wc = (const char*)wb;
   long k = 0;
@@ -284,28 +310,28 @@ static inline void block(const float* x, long ldx, const W* wb, float* y, long l
       const char* ahead = wc + (k + u) * ROW + AHEAD;
       if (ROW >= 64) {
         _Pragma("GCC unroll 4")
-        for (int off = 0; off < ROW; off += 64) __builtin_prefetch(ahead + off);
+        for (int off = Lines<H, ROW>::first; off < Lines<H, ROW>::end; off += 64) __builtin_prefetch(ahead + off);
       } else if (((k + u) * ROW) % 64 == 0) {
         __builtin_prefetch(ahead);
       }
       vf w[NB];
-      wrow(wb + (k + u) * BW, w);
+      wrow<H>(wb + (k + u) * BW, w);
       _Pragma("GCC unroll 8")
       for (int m = 0; m < M; ++m) {
         float xs = x[m * ldx + k + u];
         _Pragma("GCC unroll 4")
-        for (int j = 0; j < NB; ++j) acc[u][j][m] += xs * w[j];
+        for (int j = J0; j < J1; ++j) acc[u][j][m] += xs * w[j];
       }
     }
   }
   for (; k < K; ++k) {
     vf w[NB];
-    wrow(wb + k * BW, w);
-    for (int j = 0; j < NB; ++j)
+    wrow<H>(wb + k * BW, w);
+    for (int j = J0; j < J1; ++j)
       for (int m = 0; m < M; ++m) acc[0][j][m] += x[m * ldx + k] * w[j];
   }
   float f = wscale(wb, scale);
-  for (int j = 0; j < NB; ++j)
+  for (int j = J0; j < J1; ++j)
     for (int m = 0; m < M; ++m) {
       vf a = acc[0][j][m];
       for (int u = 1; u < KU; ++u) a += acc[u][j][m];
@@ -319,64 +345,99 @@ static inline void block(const float* x, long ldx, const W* wb, float* y, long l
    in the same order (one chain per vector, k-pairs in order; 4 chains keep one row's step near the
    read bandwidth): a row's result does not depend on the rows beside it (batch invariance, which
    block() gives past one row only). */
-template <int M, typename W>
+template <int M, int H, typename W>
 static inline void block_dot(const unsigned* xp, long ldp, const W* wb, float* y, long ldy, long K, float scale) {
   constexpr int PAIR = 2 * BW * sizeof(W);  /* bytes of one k-pair of the block */
+  constexpr int J0 = Part<H>::J0, J1 = J0 + Part<H>::NJ;
   const long P = (K + 1) / 2;
   __m512 acc[NB][M];
-  for (int j = 0; j < NB; ++j)
+  for (int j = J0; j < J1; ++j)
     for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
   const char* wc = (const char*)wb;
   for (long p = 0; p < P; ++p) {
     const char* ahead = wc + p * PAIR + AHEAD;
     _Pragma("GCC unroll 4")
-    for (int off = 0; off < PAIR; off += 64) __builtin_prefetch(ahead + off);
+    for (int off = Lines<H, PAIR>::first; off < Lines<H, PAIR>::end; off += 64) __builtin_prefetch(ahead + off);
     __m512i w[NB];
-    wpair(wb + p * 2 * BW, w);
+    wpair<H>(wb + p * 2 * BW, w);
     _Pragma("GCC unroll 8")
     for (int m = 0; m < M; ++m) {
       const __m512bh xs = (__m512bh)_mm512_set1_epi32((int)xp[m * ldp + p]);
       _Pragma("GCC unroll 4")
-      for (int j = 0; j < NB; ++j) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], (__m512bh)w[j], xs);
+      for (int j = J0; j < J1; ++j) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], (__m512bh)w[j], xs);
     }
   }
   const __m512 f = _mm512_set1_ps(wscale(wb, scale));
-  for (int j = 0; j < NB; ++j)
+  for (int j = J0; j < J1; ++j)
     for (int m = 0; m < M; ++m) _mm512_storeu_ps(y + m * ldy + j * VW, _mm512_mul_ps(acc[j][m], f));
 }
 #endif
 
-template <int M, typename W>
+template <int M, int H, typename W>
 static inline void block_any(const void* x, long ldx, const W* wb, float* y, long ldy, long K, float scale) {
 #ifdef BF16_DOT
   if constexpr (Dot<W>::value) {
-    block_dot<M>((const unsigned*)x, ldx, wb, y, ldy, K, scale);
+    block_dot<M, H>((const unsigned*)x, ldx, wb, y, ldy, K, scale);
     return;
   }
 #endif
-  if constexpr (!Dot<W>::value) block<M>((const float*)x, ldx, wb, y, ldy, K, scale);
+  if constexpr (!Dot<W>::value) block<M, H>((const float*)x, ldx, wb, y, ldy, K, scale);
 }
 
-/* block<M> for a row count m known at run time (1-8), x as `activations` gave it (row r at x + r * ldx
+/* block<M, H> for a row count m known at run time (1-8), x as `activations` gave it (row r at x + r * ldx
    of its element type) */
+template <int H, typename W>
+static inline void block_mh(long m, const void* x, long ldx, const W* wb, float* y, long ldy, long K, float scale) {
+  switch (m) {
+    case 1: block_any<1, H>(x, ldx, wb, y, ldy, K, scale); break;
+    case 2: block_any<2, H>(x, ldx, wb, y, ldy, K, scale); break;
+    case 3: block_any<3, H>(x, ldx, wb, y, ldy, K, scale); break;
+    case 4: block_any<4, H>(x, ldx, wb, y, ldy, K, scale); break;
+    case 5: block_any<5, H>(x, ldx, wb, y, ldy, K, scale); break;
+    case 6: block_any<6, H>(x, ldx, wb, y, ldy, K, scale); break;
+    case 7: block_any<7, H>(x, ldx, wb, y, ldy, K, scale); break;
+    default: block_any<8, H>(x, ldx, wb, y, ldy, K, scale); break;
+  }
+}
+
+/* a whole block (every vector) for m rows */
 template <typename W>
 static inline void block_m(long m, const void* x, long ldx, const W* wb, float* y, long ldy, long K, float scale) {
-  switch (m) {
-    case 1: block_any<1>(x, ldx, wb, y, ldy, K, scale); break;
-    case 2: block_any<2>(x, ldx, wb, y, ldy, K, scale); break;
-    case 3: block_any<3>(x, ldx, wb, y, ldy, K, scale); break;
-    case 4: block_any<4>(x, ldx, wb, y, ldy, K, scale); break;
-    case 5: block_any<5>(x, ldx, wb, y, ldy, K, scale); break;
-    case 6: block_any<6>(x, ldx, wb, y, ldy, K, scale); break;
-    case 7: block_any<7>(x, ldx, wb, y, ldy, K, scale); break;
-    default: block_any<8>(x, ldx, wb, y, ldy, K, scale); break;
-  }
+  block_mh<0>(m, x, ldx, wb, y, ldy, K, scale);
 }
 
 /* x's row r, x as `activations` gave it for W */
 template <typename W>
 static inline const void* act_row(const void* x, long ld, long r) {
   return (const char*)x + r * ld * (Dot<W>::value ? sizeof(unsigned) : sizeof(float));
+}
+
+/* This thread's share of y[r, b BW ..] = x[r] . block b for R rows (in passes of `per` rows, at most 8)
+   over the `blocks` packed blocks of wp, x as `activations` gave it: the team splits the blocks by
+   bytes, and where they do not divide evenly the block at a boundary between two threads goes half to
+   each (Part; 9 blocks of 64 columns over 2 threads were 5 and 4, one thread idle for a ninth of the
+   read). Every column sums in the same order whoever computes it. No barrier. */
+template <typename W>
+static inline void blocks_share(long R, long per, const void* xa, long ld, const W* wp, float* y, long ldy, long blocks,
+                                long K, float scale) {
+  constexpr long HALVES = NB % 2 == 0 ? 2 : 1;  /* the units a block splits into */
+  long units = blocks * HALVES, T = omp_get_num_threads(), t = omp_get_thread_num();
+  for (long u = units * t / T, end = units * (t + 1) / T; u < end;) {
+    long b = u / HALVES;
+    int h = HALVES == 1 || (u % 2 == 0 && u + 1 < end) ? 0 : 1 + (int)(u % 2);  /* whole, first or second half */
+    u += h ? 1 : HALVES;
+    const W* wb = wp + b * block_elems<W>(K);
+    for (long r0 = 0; r0 < R; r0 += per) {
+      long m = R - r0 < per ? R - r0 : per;
+      const void* xr = act_row<W>(xa, ld, r0);
+      float* yr = y + r0 * ldy + b * BW;
+      if constexpr (HALVES == 2) {
+        if (h == 1) { block_mh<1>(m, xr, ld, wb, yr, ldy, K, scale); continue; }
+        if (h == 2) { block_mh<2>(m, xr, ld, wb, yr, ldy, K, scale); continue; }
+      }
+      block_m(m, xr, ld, wb, yr, ldy, K, scale);
+    }
+  }
 }
 """
 
@@ -388,8 +449,7 @@ static void run(const float* x, const W* wp, float* y, long M, long N, long K, f
     std::vector<float> buf;
     long ld;
     const void* xa = activations<W>(M, x, K, K, buf, ld);
-#pragma omp for schedule(static)
-    for (long b = 0; b < N / BW; ++b) block_m(M, xa, ld, wp + b * block_elems<W>(K), y + b * BW, N, K, scale);
+    blocks_share(M, M, xa, ld, wp, y, N, N / BW, K, scale);
   }
 }
 
@@ -500,6 +560,28 @@ def layout(lib: ctypes.CDLL, weights: str) -> int:
     return lib.weight_layout(FORMATS[DTYPES[weights]])
 
 
+HUGE_PAGE = 2 << 20
+
+
+def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """t's values in memory the kernel is asked to back with 2 MB pages (transparent huge pages,
+    madvise), where t spans at least one such page and the platform offers it; else t. A decode step
+    streams every packed weight once: on 4 KB pages that is a TLB miss every 4 KB of the read
+    (40,000 a step at fp8), on 2 MB pages one every 2 MB. Where the kernel keeps THP off the advice is
+    ignored and the pages stay 4 KB (the values are the same)."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return t
+    # private anonymous memory (Python's default for -1 is shared, shmem, which THP's madvise mode leaves
+    # on 4 KB pages), page-aligned; kept alive by the tensor below
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    off = -ctypes.addressof(ctypes.c_char.from_buffer(buf)) % HUGE_PAGE
+    buf.madvise(mmap.MADV_HUGEPAGE, off, nbytes - nbytes % mmap.PAGESIZE)
+    out = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=off)
+    out.copy_(t.reshape(-1).view(torch.uint8))
+    return out.view(t.dtype).view(t.shape)
+
+
 def pack(w: torch.Tensor, weights: str = "fp32", lib: ctypes.CDLL | None = None) -> tuple[torch.Tensor, float]:
     """w [N, K] fp32 as [ceil(N / BW), K, BW] in the `weights` format (fp32 | bf16 | fp8): each block
     of BW output columns contiguous, k-major; and the scale the kernel multiplies y by (fp8: vLLM's
@@ -528,7 +610,7 @@ def pack(w: torch.Tensor, weights: str = "fp32", lib: ctypes.CDLL | None = None)
         packed = packed[:, :, e4m3_order(lib)]
     elif how >= 2:
         packed = packed.reshape(-1, kp // 2, 2 * bw)[:, :, pair_order(weights, vw, nb)].reshape(-1, kp, bw)
-    packed = packed.contiguous()
+    packed = on_huge_pages(packed.contiguous())
     return packed.view(DTYPES[weights]), scale
 
 

@@ -90,6 +90,69 @@ def test_rows_equal_torch_path_and_cache(pair) -> None:
                 c.crop(len(prompt))
 
 
+def test_long_context_in_chunks_and_any_thread_count(pair) -> None:
+    """After a context long enough that each kv head's attention splits into two chunks of positions
+    (the rows just written in the last one), one row, a chain and a branching tree equal the torch
+    path; and the step at 2 threads (the tiny model's 64-column linears then split by half blocks,
+    the chunks go to either thread) is bit-identical to the step at 1, cache entries included: a
+    lost chunk, a wrong merge or a half block computed twice or not at all would differ."""
+    rng = random.Random(4)
+    prompt = [rng.randrange(49152) for _ in range(150)]
+    tree = _tree(rng, 7)
+    cases = [([5], None, None), ([7, 8, 9, 10, 11], None, None), (tree.tokens, tree.depths, tree.ancestors())]
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        caches = [fw.new_cache(192) for fw in pair]
+        _both(pair, caches, prompt)
+        for tokens, depths, anc in cases:
+            (xa, la, _), (xb, lb, _) = _both(pair, caches, tokens, depths, anc)
+            assert torch.allclose(la, lb, atol=_tol(pair)) and torch.allclose(xa, xb, atol=_tol(pair))
+            k1 = caches[1].k[:, :, :caches[1].length].clone()
+            caches[1].crop(len(prompt))
+            caches[1].k[:, :, len(prompt):].zero_()
+            torch.set_num_threads(2)
+            try:
+                x2, l2, _ = pair[1].step(caches[1], tokens, depths, anc)
+            finally:
+                torch.set_num_threads(threads)
+            assert torch.equal(l2, lb) and torch.equal(x2, xb), len(tokens)
+            assert torch.equal(caches[1].k[:, :, :caches[1].length], k1)
+            for c in caches:
+                c.crop(len(prompt))
+
+
+def test_a_verified_chain_is_its_rows_in_any_steps(pair) -> None:
+    """Speculation's exactness at the step: a 5-row chain after 126 positions (its rows straddle the
+    attention's chunk boundary at 128) gives each row the logits it gets in steps of 2 and 3 rows
+    (bit-identical: the linears sum every row count from 2 in one order, the attention's chunks sit
+    at fixed positions), and in steps of one row each, one decode step after another: bit-identical
+    where the linears sum every row count in one order (bf16 pairs), else within fp32 rounding. Chunks
+    placed by the step's own rows would move a row's attention between them (at fp32 visible in the
+    logits; at fp8 greedy n-gram output then left AR's)."""
+    from engine.models import smallm
+
+    fw = pair[1]
+    weights = fw.model.weights
+    dot = weights != "fp32" and smallm.layout(smallm.library(), weights) >= 2
+    rng = random.Random(6)
+    prompt = [rng.randrange(49152) for _ in range(126)]
+    chain = [rng.randrange(49152) for _ in range(5)]
+    with torch.inference_mode():
+        cache = fw.new_cache(192)
+        fw.step(cache, prompt)
+        _, together, _ = fw.step(cache, chain)
+        cache.crop(len(prompt))
+        pieces = torch.cat([fw.step(cache, chain[:2])[1], fw.step(cache, chain[2:])[1]])
+        cache.crop(len(prompt))
+        alone = torch.cat([fw.step(cache, [t])[1] for t in chain])
+    if weights == "fp32" or dot:
+        assert torch.equal(together, pieces)
+    if dot:
+        assert torch.equal(together, alone)
+    else:
+        assert torch.allclose(together, alone, atol=_tol(pair))
+
+
 def test_batched_rows_equal_torch_path(pair) -> None:
     """Several sequences in pool slots, one native call: a decode row, a chain, a branching tree and
     a chain past 8 rows (further passes over each weight block), some wanting only their last row's
