@@ -15,8 +15,8 @@ cost more than the curve said learns it from the steps that drafted.
 
 The fit prices every row alike, at no less than the curve's average row (the lower envelope of
 noisy timings has flat stretches that are not the machine's). The first few rows of a step often
-cost less than that average (at batch 4 the bf16 forward's first rows took 0.2-1 ms live against
-an average row of 1.6 ms), and a price above their real cost keeps the drafts that would pay
+cost well under that average at small batches (docs/results.md, adaptive speculation), and a
+price above their real cost keeps the drafts that would pay
 there from ever running. So each batch size also keeps a live table of the forward's seconds per
 count of draft rows (up to ROWS_LIVE), filled by the steps that ran with that many rows (the
 controller's choices and its probes, engine.decode.control): where a count was seen, the price of
