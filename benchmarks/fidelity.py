@@ -50,6 +50,8 @@ from tuner.search.space import SearchSpace
 from tuner.study.measurer import make_measure, open_engine, study_prompts
 from tuner.study.objective import OFF, Objective
 from tuner.study.selection import gap_at_equal_tau, tau_gap
+from tuner.study.storage import DB_FILE
+from tuner.study.studies import role
 
 BUSY_SHARE = 0.30  # of one core, in bursts
 BURST_S = 0.05  # one burst: short enough that every pass of a trial meets several
@@ -111,6 +113,9 @@ def one_run(args: argparse.Namespace, engine: object, seed: int, loaded: bool, r
             load.join()
     wall = time.monotonic() - t0
     best = BestResult.model_validate(yaml.safe_load((out / "best.yaml").read_text()))
+    study = optuna.load_study(study_name=f"fidelity-{'loaded' if loaded else 'quiet'}-{seed}",
+                              storage=f"sqlite:///{out / DB_FILE}")
+    confirms = [t for t in study.get_trials(deepcopy=False) if role(t) == "confirm"]
     top = max([1.0, *ref.values()])
     mine = 1.0 if best.spec.method == "off" else ref[best.spec.key()]  # the space is fixed: every winner is in it
     c = best.heldout_check  # the held-out prompts against as many tuning prompts, measured in the same minutes
@@ -120,7 +125,8 @@ def one_run(args: argparse.Namespace, engine: object, seed: int, loaded: bool, r
             "heldout": best.heldout_speedup, "reference": mine, "regret": (top - mine) / top,
             "heldout_gap": gap, "tau_gap": tg, "gap_at_equal_tau": abs(eq) if eq is not None else None,
             "check": c.model_dump(mode="json") if c is not None else None,
-            "phases_s": best.phases_s, "wall_s": round(wall, 1)}
+            "confirm_pairs": len(confirms), "reason": best.reason, "phases_s": best.phases_s,
+            "wall_s": round(wall, 1)}
 
 
 def _interval(x: dict[str, object]) -> str:
@@ -162,7 +168,8 @@ def main() -> None:
                         f"{r['gap_at_equal_tau']:.1%})" if r["tau_gap"] is not None else "")
                      if c is not None else "no held-out check")
             print(f"{cond:6s} seed {seed}: winner {r['winner']} (trials {r['tuning']:.3f}x, reference "
-                  f"{r['reference']:.3f}x), regret {r['regret']:.1%}, {check}, {r['wall_s']:.0f} s", flush=True)
+                  f"{r['reference']:.3f}x), regret {r['regret']:.1%}, {check}, confirmation "
+                  f"{r['confirm_pairs']} pairs, {r['wall_s']:.0f} s", flush=True)
     gaps = [r["heldout_gap"] for r in runs if r["heldout_gap"] is not None]
     equal = [r["gap_at_equal_tau"] for r in runs if r["gap_at_equal_tau"] is not None]
     print(json.dumps({"max_regret": max(r["regret"] for r in runs), "max_heldout_gap": max(gaps) if gaps else None,
