@@ -383,19 +383,22 @@ def test_a_pruned_trial_that_read_above_the_winner_is_confirmed_at_the_noise_flo
     assert win.spec == ng(3) and "head to head in the confirmation round 1.300x over 2 pairs" in win.reason
 
 
-def test_the_confirmation_round_stops_at_its_share_of_the_trials_time(tmp_path: Path) -> None:
-    """Two configurations that stay neither told apart nor tied (their pairs wander) are measured
-    until CONFIRM_PAIRS_MAX rounds when the trials took long enough, but for two rounds only when
-    the round has already taken CONFIRM_SHARE of the trials' time; either way the better reading
-    wins, and the log says why the round stopped."""
+def test_the_confirmation_round_stops_at_its_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two configurations that stay neither told apart nor tied (their pairs wander) are measured for
+    CONFIRM_PAIRS_MAX rounds while the round has taken less than the trials' time or
+    CONFIRM_MIN_S; for two rounds only once it has taken that long (here: a bound of 0 s). Either
+    way the better reading wins, not the smaller budget, and the log says why the round stopped."""
+    from tuner.study import selection
     from tuner.study.selection import CONFIRM_PAIRS_MAX
 
     cfg = load_config(CFG)
     wander = {2: [1.30, 1.50] * 8, 4: [1.50, 1.32] * 8}
-    for seconds, rounds, why in ((30.0, CONFIRM_PAIRS_MAX, f"{CONFIRM_PAIRS_MAX} rounds"), (0.0, 2, "stopped at")):
+    for bound, rounds, why in ((None, CONFIRM_PAIRS_MAX, f"{CONFIRM_PAIRS_MAX} rounds"), (0.0, 2, "stopped after 0 s")):
+        if bound is not None:
+            monkeypatch.setattr(selection, "CONFIRM_MIN_S", bound)
         measure = Planted(lambda spec, n: (10 * wander[spec.depth][n], 3.0))
-        study, objective = _noisy_study(tmp_path / str(seconds), cfg, measure,
-                                        [(ng(2), [1.45, 1.40]), (ng(4), [1.35, 1.40])], NOISY, seconds=seconds)
+        study, objective = _noisy_study(tmp_path / str(bound), cfg, measure,
+                                        [(ng(2), [1.45, 1.40]), (ng(4), [1.35, 1.40])], NOISY)
         lines: list[str] = []
         assert confirm(study, objective, cfg.search.noise_rel, lines.append) == 2 * rounds
         assert why in lines[-1] and "the best reading wins" in lines[-1]

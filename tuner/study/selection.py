@@ -35,9 +35,11 @@ HELDOUT_PAIRS = 2  # spec/baseline pairs of a part's (mixed workload) or the bas
 CONFIRM_TOP = 3  # the best configurations by pessimistic bound that the confirmation round measures
 CONFIRM_PAIRS_MAX = 6  # head-to-head pairs per contender at most (rounds; 2 at the noise floor: CONFIRM_FLOOR)
 CONFIRM_FLOOR = 2  # rounds when only pruned trials brought the round on at the floor: a head-to-head interval
-# The confirmation round adds rounds past the second only while it has taken less than this share of
-# the trials' own measuring time (a bound on what noise may cost).
+# The confirmation round adds rounds past the second only while it has taken less than the trials'
+# own time (CONFIRM_SHARE of it) or CONFIRM_MIN_S, whichever is longer: a bound on what noise may
+# cost. The quick search's trials take ~30 s on 2 cores, a pair of SmolLM2 at one level ~6.5 s.
 CONFIRM_SHARE = 1.0
+CONFIRM_MIN_S = 90.0
 # A tie goes to the smaller budget, so a tie may cost the difference between the two: at most the
 # regret goal of issue 39 (the winner within 3% of the best configuration).
 TIE_MAX = 0.03
@@ -203,14 +205,16 @@ def verdict(a: dict[int, float], b: dict[int, float], noise_rel: float) -> str:
 
 def _cheapest_of_best(cands: list[Candidate], noise_rel: float) -> tuple[Candidate, int]:
     """The best speedup, and among those tied with it the smallest budget (then depth). When the
-    confirmation round measured candidates head to head, those figures rank them (they were
-    measured in the same rounds, interleaved with the baseline), and a tie is what `verdict` calls
-    one; otherwise the trials' figures, and a tie is what `ties` calls one."""
+    confirmation round measured candidates head to head, only those compete, each by the geometric
+    mean of all its pairs (trials' and round's: under noise every pair counts, and in simulation
+    at the loaded machine's spread pooling halves the wrong picks of the round's pairs alone), and a
+    tie is what `verdict` calls one; otherwise the trials' figures, and a tie is what `ties` calls
+    one."""
     confirmed = [c for c in cands if c.confirmed]
-    if confirmed:
-        best = max(confirmed, key=lambda c: geomean(c.confirmed))
+    if confirmed:  # ranked by every pair's ratio, the trials' and the round's (`speedup`: all pooled)
+        best = max(confirmed, key=lambda c: c.speedup)
         tied = [c for c in confirmed if c is best or verdict(c.head(), best.head(), noise_rel) == "tie"]
-        return min(tied, key=lambda c: (c.spec.budget, c.spec.depth, -geomean(c.confirmed))), len(tied)
+        return min(tied, key=lambda c: (c.spec.budget, c.spec.depth, -c.speedup)), len(tied)
     best = max(cands, key=lambda c: c.speedup)
     tied = [c for c in cands if c is best or ties(c.ratios or [c.speedup], best.ratios or [best.speedup], noise_rel)]
     return min(tied, key=lambda c: (c.spec.budget, c.spec.depth, -c.speedup)), len(tied)
@@ -269,9 +273,10 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
     """The confirmation round before the winner is named: the contenders (see `contenders`) are
     measured head to head, one pair each per round in alternating order with the baseline; each
     pair is a COMPLETE trial with role `confirm` that records its round. After two rounds, every
-    round measures the best so far (by head-to-head geometric mean) and those whose `verdict`
-    against it is still open: neither told apart from it nor tied with it. It stops when none is
-    open, at CONFIRM_PAIRS_MAX rounds, or once it has taken CONFIRM_SHARE of the trials' own time.
+    round measures the best so far (by the geometric mean of all its pairs, as pick_winner ranks)
+    and those whose `verdict` against it is still open: neither told apart from it nor tied with
+    it. It stops when none is open, at CONFIRM_PAIRS_MAX rounds, or once it has taken as long as
+    the trials did (at least CONFIRM_MIN_S).
 
     It runs when the machine's noise rose above its floor during the study (Objective.noise_rose),
     with search.confirm=always (two pairs that agree by chance can lead by lower bound at the floor
@@ -307,9 +312,15 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
         return 0
     log(f"confirmation round: {why}; {lead_spec.key()} head to head with "
         f"{', '.join(s.key() for s in specs[1:])}")
-    budget_s = CONFIRM_SHARE * trials_seconds(trials)
+    budget_s = max(CONFIRM_SHARE * trials_seconds(trials), CONFIRM_MIN_S)
     first = 1 + max((t.user_attrs.get(CONFIRM_ROUND, -1) for t in trials if role(t) == "confirm"), default=-1)
     head: dict[str, dict[int, float]] = {s.model_dump_json(): {} for s in specs}
+    # what pick_winner ranks by: all of a configuration's complete pairs (a pruned first repeat is not among them)
+    known = {c.spec.model_dump_json(): c.ratios for c in candidates(trials)}
+
+    def score(spec: SpecConfig) -> float:
+        return geomean(known.get(spec.model_dump_json(), []) + list(head[spec.model_dump_json()].values()))
+
     live, pairs, left = list(specs), 0, ""
     for r in range(rounds_max):
         for spec in live:
@@ -318,15 +329,14 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
             pairs += 1
         if r == 0:
             continue  # a head-to-head interval needs two rounds
-        best = max(specs, key=lambda s: geomean(list(head[s.model_dump_json()].values())))
+        best = max(specs, key=score)
         hb = head[best.model_dump_json()]
         open_ = [s for s in specs if s is not best and verdict(head[s.model_dump_json()], hb, noise_rel) == "open"]
         live = [best] + open_
         if not open_:
             break
         if r + 1 < rounds_max and time.monotonic() - t0 >= budget_s:
-            left = (f"; stopped at {CONFIRM_SHARE:.0%} of the trials' {budget_s / CONFIRM_SHARE:.0f} s "
-                    f"({time.monotonic() - t0:.0f} s)")
+            left = f"; stopped after {budget_s:.0f} s (the trials' time, at least {CONFIRM_MIN_S:.0f} s)"
             break
     else:
         left = f"; {rounds_max} rounds"
