@@ -322,6 +322,7 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
         return geomean(known.get(spec.model_dump_json(), []) + list(head[spec.model_dump_json()].values()))
 
     live, pairs, left = list(specs), 0, ""
+    best, hb = lead_spec, head[lead_spec.model_dump_json()]  # set from the second round on
     for r in range(rounds_max):
         for spec in live:
             t = objective.confirm(spec, pairs, first + r)
