@@ -4,7 +4,9 @@
    measured long and interleaved: --ref-rounds rounds, each a (configuration, baseline) pair per
    configuration in alternating order, on the study's own tuning prompts and load generator
    (tuner.study.objective.Objective.measure_pair). A configuration's reference speedup is the
-   geometric mean of its pairs' ratios; `off` is 1.0 by definition.
+   geometric mean of its pairs' ratios; `off` is 1.0 by definition. The reference line gives each
+   point's distance below the best with the one-sided 95% bounds of that ratio, round by round
+   (tuner.study.selection.head_to_head): a regret within them is the reference's noise too.
 2. The study (`tuner optimize search=--search` over the same space: `quick` by default, so that
    the whole benchmark stays within minutes on 2 cores (docs/results.md); `--search default` for the default
    study's repeats and interval) runs --runs times (default 3), each with another search.seed,
@@ -49,7 +51,7 @@ from tuner.schema.config import BestResult
 from tuner.search.space import SearchSpace
 from tuner.study.measurer import make_measure, open_engine, study_prompts
 from tuner.study.objective import OFF, Objective
-from tuner.study.selection import gap_at_equal_tau, tau_gap
+from tuner.study.selection import gap_at_equal_tau, head_to_head, tau_gap
 from tuner.study.storage import DB_FILE
 from tuner.study.studies import role
 
@@ -78,8 +80,9 @@ def space_overrides(args: argparse.Namespace) -> list[str]:
             f"engine.builtin.threads={args.threads}", *args.set]
 
 
-def reference(args: argparse.Namespace, engine: object) -> dict[str, float]:
-    """Every point's reference speedup (its key -> geometric mean of --ref-rounds interleaved pairs)."""
+def reference(args: argparse.Namespace, engine: object) -> dict[str, list[float]]:
+    """Every point's reference pairs (its key -> the ratio of each of --ref-rounds interleaved
+    rounds, every point once per round); its reference speedup is their geometric mean."""
     cfg = load_config(space_overrides(args))
     space = SearchSpace.from_config(cfg)
     objective = Objective(optuna.create_study(direction="maximize"), space,
@@ -91,7 +94,7 @@ def reference(args: argparse.Namespace, engine: object) -> dict[str, float]:
             s, b = objective.measure_pair(spec, "tune", n)
             n += 1
             ratios[spec.key()].append(geomean([x.tok_s / y.tok_s for x, y in zip(s, b)]))
-    return {key: geomean(rs) for key, rs in ratios.items()}
+    return ratios
 
 
 def one_run(args: argparse.Namespace, engine: object, seed: int, loaded: bool, ref: dict[str, float],
@@ -153,9 +156,16 @@ def main() -> None:
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="fidelity-"))
     engine = open_engine(load_config(space_overrides(args)))
     t0 = time.monotonic()
-    ref = reference(args, engine)
+    pairs = reference(args, engine)
+    ref = {key: geomean(rs) for key, rs in pairs.items()}
+    top = max(ref, key=lambda k: ref[k])
+    # how far each point lies below the best, with the interval of that ratio round by round: a regret
+    # smaller than the reference can tell apart is the reference's noise as much as the study's
+    apart = {k: head_to_head(dict(enumerate(pairs[k])), dict(enumerate(pairs[top]))) for k in pairs if k != top}
     print(f"reference ({args.ref_rounds} interleaved pairs per point, {time.monotonic() - t0:.0f} s): "
-          + ", ".join(f"{k} {v:.3f}x" for k, v in sorted(ref.items(), key=lambda kv: -kv[1])), flush=True)
+          + ", ".join(f"{k} {ref[k]:.3f}x" + (f" ({h[0] - 1:+.1%} [{h[1] - 1:+.1%}, {h[2] - 1:+.1%}] against {top})"
+                                            if (h := apart.get(k)) is not None else "")
+                      for k in sorted(ref, key=lambda k: -ref[k])), flush=True)
     runs = []
     for cond in args.conditions.split(","):
         for seed in range(args.runs):
@@ -174,7 +184,7 @@ def main() -> None:
     equal = [r["gap_at_equal_tau"] for r in runs if r["gap_at_equal_tau"] is not None]
     print(json.dumps({"max_regret": max(r["regret"] for r in runs), "max_heldout_gap": max(gaps) if gaps else None,
                       "max_heldout_gap_at_equal_tau": max(equal) if equal else None,
-                      "runs": runs, "reference": ref, "load": {"busy_share": BUSY_SHARE, "burst_s": BURST_S},
+                      "runs": runs, "reference": ref, "reference_pairs": pairs, "load": {"busy_share": BUSY_SHARE, "burst_s": BURST_S},
                       "settings": {k: v for k, v in vars(args).items() if k != "run_dir"},
                       "run_dir": str(run_dir)}))
 
