@@ -12,7 +12,11 @@ within each round, their order rotating from round to round, so drift on a share
 all of them. A level of N plays max(prompts, N) requests with N clients in flight. Prints tok/s
 and tau per level; `greedy_identical` says whether every row's
 texts equal speculation off's; the last line is one JSON object with adaptive/off and
-adaptive/static per level. Over HTTP at levels 1-32, with a grid of static specs, is the study arm's
+adaptive/static per level. `--trace N` prints, every N steps of the adaptive row, per batch size
+what the controller weighed and chose (engine.decode.batch.BatchEngine.trace): the nodes allowed,
+drafted and kept per request, the probes, the price of the first rows and the step (with its
+overhead) it read, the forward's measured seconds per count of rows (the real marginal cost of a
+row at that batch), the controller's own and the drafting's seconds per step, and the mean estimates at draft positions 1-3. Over HTTP at levels 1-32, with a grid of static specs, is the study arm's
 benchmark (issue 36).
 """
 
@@ -41,6 +45,48 @@ def _spec(text: str, adaptive: bool = False) -> SpecConfig:
     return SpecConfig(method=method, depth=d, topk=1, budget=d + 1, adaptive=adaptive)
 
 
+class Trace:
+    """The adaptive row's step records, summarised per batch size every `every` steps."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.recs: list[dict] = []
+
+    def __call__(self, rec: dict) -> None:
+        self.recs.append(rec)
+        if len(self.recs) >= self.every:
+            self.flush()
+
+    def flush(self) -> None:
+        by: dict[int, list[dict]] = {}
+        for r in self.recs:
+            by.setdefault(r["batch"], []).append(r)
+        self.recs = []
+        for b, rs in sorted(by.items()):
+            n = sum(len(r["allowed"]) for r in rs)
+            mean = lambda key: sum(sum(r.get(key, [])) for r in rs) / max(n, 1)  # noqa: E731
+            price = [statistics.mean(r["table"][k] - r["table"][0] for r in rs if len(r["table"]) > k) * 1e3
+                     if any(len(r["table"]) > k for r in rs) else float("nan") for k in (1, 2, 4)]
+            decode = [r for r in rs if not r["prefill"]]
+            fwd: dict[int, list[float]] = {}
+            for r in decode:
+                fwd.setdefault(r["rows"] - r["extra"], []).append(r["forward_s"])
+            f0 = statistics.median(fwd[0]) if 0 in fwd else None
+            marg = " ".join(f"{x}:{(statistics.median(v) - f0) * 1e3 / x:+.2f}({len(v)})"
+                            for x, v in sorted(fwd.items())[:6] if x and f0 is not None)
+            est = [statistics.mean(g[k] for r in rs for g in r["gains"] if len(g) > k) for k in range(3)
+                   if any(len(g) > k for r in rs for g in r["gains"])]
+            print(f"  trace b={b:<3} steps {len(rs):>4} probes {sum(r['probe'] for r in rs):>3}  per request: "
+                  f"allowed {mean('allowed'):.2f} drafted {mean('sizes'):.2f} kept {mean('kept'):.2f}  "
+                  f"price ms row1 {price[0]:.2f} rows2 {price[1]:.2f} rows4 {price[2]:.2f} "
+                  f"step {statistics.mean(r['table'][0] for r in rs) * 1e3:.1f} (overhead "
+                  f"{statistics.mean(r['overhead'] for r in rs) * 1e3:.1f})  forward ms rows0 "
+                  f"{'-' if f0 is None else f'{f0 * 1e3:.1f}'}({len(fwd.get(0, []))}) per row [{marg}]  "
+                  f"control {statistics.mean(r['control_s'] for r in rs) * 1e3:.2f} ms drafting "
+                  f"{statistics.mean(r['drafting_s'] for r in rs) * 1e3:.2f} ms  "
+                  f"est {' '.join(f'{e:.2f}' for e in est)}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -51,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--static", default="ngram:4", help="the static row, METHOD:DEPTH (a chain)")
     ap.add_argument("--adaptive", default="ngram:8", help="the adaptive row, METHOD:MAX_DEPTH")
+    ap.add_argument("--trace", type=int, default=0, metavar="N",
+                    help="print what the controller weighed and chose every N steps of the adaptive row (0: never)")
     args = ap.parse_args(argv)
     levels = [int(x) for x in args.levels.split(",")]
     rows = {"off": SpecConfig(method="off"), f"static {args.static}": _spec(args.static),
@@ -75,9 +123,15 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 engine.set_spec(rows[name])
+                trace = Trace(args.trace) if args.trace > 0 and rows[name].adaptive else None
+                engine.trace = trace
+                if trace is not None:
+                    print(f"adaptive at concurrency {c}, round {r}:", flush=True)
                 s = measure(target, ps, params, c, warmup=1, repeats=1)
                 if s.errors:
                     raise SystemExit(f"{name} at concurrency {c}: {s.errors[0]}")
+                if trace is not None:
+                    trace.flush()
                 m = s.runs[0]
                 tps.setdefault((name, c), []).append(m.output_tokens_per_s)
                 tau.setdefault((name, c), []).append(m.tau or 1.0)

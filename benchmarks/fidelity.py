@@ -15,13 +15,26 @@
    this script ends).
 3. Per run: the winner, its reference speedup, the regret (the reference's best minus the
    winner's reference speedup, over the best), the held-out check (best.yaml `heldout_check`: the
-   held-out prompts against as many tuning prompts, interleaved, each with its interval; the gap
-   is held-out over tuning; `tau_gap` the same for the two sets' tau, a property of the prompts, and
-   `gap_at_equal_tau` the gap with it taken out: the timing's error and what tau does not carry,
-   such as the prefill's share), and the wall time. Goals (issue 39): regret <= 0.03 and held-out within 5% of tuning in every run.
+   held-out prompts against as many tuning prompts, interleaved; the gap is held-out over tuning,
+   with its 95% interval over which prompts each side holds and which pairs it measured, and the
+   check's verdict; `tau_gap` the same for the two sets' tau, a property of the prompts;
+   `gap_at_equal_tau` the gap over the tau gap, descriptive only: a speedup is not proportional to
+   tau), and the wall time. Goals (issue 39): regret <= 0.03 and held-out within 5% of tuning in
+   every run.
 
 Prints one line per run; the last line printed is one JSON object with `max_regret`,
-`max_heldout_gap`, `max_heldout_gap_at_equal_tau` and `runs`. Usage:
+`max_heldout_gap`, `max_heldout_gap_beyond_interval`, `max_heldout_gap_width`,
+`max_heldout_gap_at_equal_tau`, `heldout_verdicts` and `runs`.
+
+`max_heldout_gap` is the issue's figure: the largest |held-out / tuning - 1| over the runs (goal
+0.05). `max_heldout_gap_beyond_interval` is the largest distance between 0 and a run's gap interval
+(0 when the interval holds 0): how far held-out lies from tuning beyond what the choice of prompts
+and the timing explain (tuner.study.selection.heldout_excess). It is no substitute for the goal:
+with 6 prompts a side the interval is 40-70% wide, so it reads 0 unless the gap is gross. The
+check's two sides are two fixed sets of 6 HumanEval prompts whose tau differs by 20% under ngram d4
+(greedy, so in every run alike) and two random sets of 6 differ by 15% on average
+(benchmarks/split_gap.py): the raw gap mostly measures which prompts the split dealt, however long
+they are timed. `max_heldout_gap_width` is the widest interval (what the check could resolve). Usage:
 
     python benchmarks/fidelity.py                       # SmolLM2, 3 seeds, quiet and loaded
     python benchmarks/fidelity.py --search default --depth-max 6 --ref-rounds 8   # larger, longer
@@ -51,7 +64,7 @@ from tuner.schema.config import BestResult
 from tuner.search.space import SearchSpace
 from tuner.study.measurer import make_measure, open_engine, study_prompts
 from tuner.study.objective import OFF, Objective
-from tuner.study.selection import gap_at_equal_tau, head_to_head, tau_gap
+from tuner.study.selection import gap_at_equal_tau, head_to_head, heldout_excess, tau_gap
 from tuner.study.storage import DB_FILE
 from tuner.study.studies import role
 
@@ -124,9 +137,12 @@ def one_run(args: argparse.Namespace, engine: object, seed: int, loaded: bool, r
     c = best.heldout_check  # the held-out prompts against as many tuning prompts, measured in the same minutes
     gap = abs(c.gap) if c is not None else None
     tg, eq = (tau_gap(c), gap_at_equal_tau(c)) if c is not None else (None, None)
+    width = (c.gap_ci_high - c.gap_ci_low) if c is not None and c.gap_ci_low is not None and c.gap_ci_high is not None else None
     return {"seed": seed, "loaded": loaded, "winner": best.spec.key(), "tuning": best.speedup,
             "heldout": best.heldout_speedup, "reference": mine, "regret": (top - mine) / top,
-            "heldout_gap": gap, "tau_gap": tg, "gap_at_equal_tau": abs(eq) if eq is not None else None,
+            "heldout_gap": gap, "heldout_gap_beyond": heldout_excess(c) if c is not None else None,
+            "heldout_gap_width": width, "verdict": c.verdict if c is not None else None,
+            "tau_gap": tg, "gap_at_equal_tau": abs(eq) if eq is not None else None,
             "check": c.model_dump(mode="json") if c is not None else None,
             "confirm_pairs": len(confirms), "reason": best.reason, "phases_s": best.phases_s,
             "wall_s": round(wall, 1)}
@@ -172,19 +188,27 @@ def main() -> None:
             r = one_run(args, engine, seed, cond == "loaded", ref, run_dir)
             runs.append(r)
             c = r["check"]
+            ci = (f" [{c['gap_ci_low']:+.1%}, {c['gap_ci_high']:+.1%}] over prompts and pairs: {c['verdict']}, "
+                  f"beyond it {r['heldout_gap_beyond']:.1%}" if c is not None and c.get("gap_ci_low") is not None else "")
             check = (f"held-out {_interval(c['heldout'])} against tuning {_interval(c['tuning'])} on "
-                     f"{c['tuning']['prompts']} prompts ({c['pairs']} pairs each): gap {r['heldout_gap']:.1%}"
+                     f"{c['tuning']['prompts']} prompts ({c['pairs']} pairs each): gap {c['gap']:+.1%}{ci}"
                      + (f" (tau {c['heldout']['tau']:.2f} / {c['tuning']['tau']:.2f}: {r['tau_gap']:+.1%}; at equal tau "
                         f"{r['gap_at_equal_tau']:.1%})" if r["tau_gap"] is not None else "")
                      if c is not None else "no held-out check")
             print(f"{cond:6s} seed {seed}: winner {r['winner']} (trials {r['tuning']:.3f}x, reference "
                   f"{r['reference']:.3f}x), regret {r['regret']:.1%}, {check}, confirmation "
                   f"{r['confirm_pairs']} pairs, {r['wall_s']:.0f} s", flush=True)
-    gaps = [r["heldout_gap"] for r in runs if r["heldout_gap"] is not None]
-    equal = [r["gap_at_equal_tau"] for r in runs if r["gap_at_equal_tau"] is not None]
-    print(json.dumps({"max_regret": max(r["regret"] for r in runs), "max_heldout_gap": max(gaps) if gaps else None,
-                      "max_heldout_gap_at_equal_tau": max(equal) if equal else None,
-                      "runs": runs, "reference": ref, "reference_pairs": pairs, "load": {"busy_share": BUSY_SHARE, "burst_s": BURST_S},
+
+    def most(key: str) -> float | None:
+        vals = [r[key] for r in runs if r[key] is not None]
+        return max(vals) if vals else None
+
+    print(json.dumps({"max_regret": max(r["regret"] for r in runs), "max_heldout_gap": most("heldout_gap"),
+                      "max_heldout_gap_beyond_interval": most("heldout_gap_beyond"), "max_heldout_gap_width": most("heldout_gap_width"),
+                      "max_heldout_gap_at_equal_tau": most("gap_at_equal_tau"),
+                      "heldout_verdicts": [r["verdict"] for r in runs],
+                      "runs": runs, "reference": ref, "reference_pairs": pairs,
+                      "load": {"busy_share": BUSY_SHARE, "burst_s": BURST_S},
                       "settings": {k: v for k, v in vars(args).items() if k != "run_dir"},
                       "run_dir": str(run_dir)}))
 

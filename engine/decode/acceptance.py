@@ -112,6 +112,23 @@ class Calibration:
                                          for p, c, b in zip(est.p, cal.p, batch.p)])
         return scaled.gains(nodes)
 
+    def upper(self, ests: list[Acceptance], batch: Acceptance, nodes: int) -> list[list[float]]:
+        """Each estimate's expected gains per node were each index at its most accepted band's ratio
+        to the batch (1 where no band is above the batch, or none was observed): at least what any
+        band's draft would be worth, before the draft's confidence is known. One ratio per index
+        for all the requests (the controller calls it every step)."""
+        if not self.bands:
+            return [e.gains(nodes) for e in ests]
+        ratio = [max(1.0, *(b.p[r] / max(batch.p[r], 1e-3) for b in self.bands.values())) for r in range(nodes)]
+        out = []
+        for e in ests:
+            gains, low = [], 1.0
+            for p, f in zip(e.p[:nodes], ratio):
+                low = min(low, max(min(p * f, 1.0), 0.0))
+                gains.append(low)
+            out.append(gains)
+        return out
+
     def update(self, batch: Acceptance, conf: float | None, drafted: int, path: list[int]) -> None:
         """A verified draft of confidence `conf` (nothing learnt without one)."""
         if conf is None or drafted <= 0:

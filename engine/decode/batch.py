@@ -96,6 +96,17 @@ def check_schedule(schedule: Sequence[Band], max_batch: int) -> None:
                         "needs every size up to it covered")
 
 
+def _interpolated(table: Sequence[float]) -> Callable[[float], float]:
+    """A price table's seconds at a total of rows, linear between whole totals (the expected rows of
+    drafters that do not always fill their nodes)."""
+    def step_s(n: float) -> float:
+        if len(table) == 1:
+            return table[0]
+        i = min(int(n), len(table) - 2)
+        return table[i] + (table[i + 1] - table[i]) * (n - i)
+    return step_s
+
+
 @dataclass
 class Request:
     """A submitted generation and, once admitted, its decoding state."""
@@ -166,6 +177,10 @@ class BatchEngine:
         self.active: list[Request] = []
         self._lock = threading.Lock()  # submit runs on other threads than step
         self.steps = 0
+        # adaptive bands: called with one record per step the controller sized (what it weighed and
+        # chose, and the forward's seconds), for benchmarks/adaptive_engine.py --trace
+        self.trace: Callable[[dict[str, Any]], None] | None = engine.trace
+        self._record: dict[str, Any] | None = None
 
     # ---- submission (any thread) --------------------------------------------------------------
 
@@ -337,6 +352,12 @@ class BatchEngine:
         if self.cost is not None and all(tree is not None for _, tree, _, _ in plans):  # decode rows only
             self.cost.observe_step(len(plans), sum(len(toks) - 1 for _, _, toks, _ in plans), forward_s)
             self._decoded = len(plans)
+        if self._record is not None:
+            rec, self._record = self._record, None
+            if self.trace is not None:
+                rec.update(forward_s=forward_s, rows=sum(len(toks) - 1 for _, _, toks, _ in plans),
+                           prefill=any(tree is None for _, tree, _, _ in plans))
+                self.trace(rec)
         pc = self.engine.prefix_cache
         for (req, tree, _, _), (hidden, logits, aux) in zip(plans, outs):
             try:
@@ -364,6 +385,7 @@ class BatchEngine:
         """`_draft_in_lockstep` under the controller (engine.decode.control): each request drafts at
         most the nodes expected to pay (none: no draft call), then each draft is cut to the nodes
         that pay given every draft's real size."""
+        began = time.perf_counter()
         live = [r for r in reqs if r.state.will_draft]
         if not live:
             return {}
@@ -373,23 +395,32 @@ class BatchEngine:
         cost = self.cost
         est = [self._estimate(r, spec) for r in live]
         nodes = spec.budget - 1
-        gains = [e.gains(nodes) for e in est]
+        batch_est, cal = self.accept[spec.key()], self.calib[spec.key()]
+        # before drafting, each request's gains as its most confident drafts' (Calibration.upper):
+        # the cut after drafting keeps only the nodes whose real confidence pays, so a node allowed
+        # costs its drafting alone when it is cut, and a draft the average would refuse may pay
+        gains = cal.upper(est, batch_est, nodes)
         fills = [e.rows for e in est]
         # every total of draft rows the controller weighs, priced once (a call per total costs a
         # few ms a step at batch 32, more than the rows it saves); between totals (the expected
         # rows of drafters that do not always fill their nodes) linearly
         table = cost.table(batch, extra, sum(map(len, gains)))
-
-        def step_s(n: float) -> float:
-            i = min(int(n), len(table) - 2) if len(table) > 1 else 0
-            return table[i] if len(table) == 1 else table[i] + (table[i + 1] - table[i]) * (n - i)
-
+        step_s = _interpolated(table)
         limits = choose(gains, batch, step_s, cost.draft_s, MARGIN, fills)
         probed = None
         if self.steps % PROBE_EVERY == 0:  # one node beyond the choice, for what the estimates learn
-            probed = probe(limits, gains, [e.age for e in est], batch, step_s, cost.draft_s, MARGIN, fills)
+            # rows priced at no more than the average row: a count of rows never run is measured
+            # where it could pay at that price (the live table, engine.decode.stepcost, learns it)
+            cheap = cost.table(batch, extra, sum(map(len, gains)), optimistic=True)
+            probed = probe(limits, gains, [e.age for e in est], batch, _interpolated(cheap), cost.draft_s,
+                           MARGIN, fills)
             if probed is not None:
                 limits[probed] += 1
+        if self.trace is not None:
+            self._record = {"batch": batch, "extra": extra, "table": table[:9], "overhead": cost.overhead_s(batch),
+                            "draft_s": cost.draft_s, "gains": [g[:3] for g in gains], "fills": fills,
+                            "allowed": list(limits), "probe": probed is not None, "kept": [0] * len(live),
+                            "control_s": time.perf_counter() - began, "drafting_s": 0.0}
         if not any(limits):  # nothing pays: the step is off's, no drafter call, no cut
             return {id(r): (Tree.chain(r.state.ids[-1], []), 0.0) for r in live}
         drafting = [(r, n) for r, n in zip(live, limits) if n > 0]
@@ -414,15 +445,16 @@ class BatchEngine:
         drafting_s = time.perf_counter() - t
         self._busy += drafting_s  # priced per node (draft_s), not as the step's overhead
         cost.observe_draft(drafting_s, sum(sizes))
-        batch_est = self.accept[spec.key()]
         for e, n, size in zip(est, limits, sizes):
             e.observe_fill(n, size)
             batch_est.observe_fill(n, size)
-        cal = self.calib[spec.key()]
         real = [cal.gains(e, batch_est, out[id(r)][0].conf if s > 0 else None, s) for r, e, s in zip(live, est, sizes)]
         keep = choose(real, batch, step_s, margin=MARGIN)
         if probed is not None:  # the probe is verified whatever the cut says
             keep[probed] = max(keep[probed], min(limits[probed], sizes[probed]))
+        if self._record is not None:
+            self._record.update(sizes=sizes, kept=[min(k, s) for k, s in zip(keep, sizes)], drafting_s=drafting_s,
+                                control_s=time.perf_counter() - began - drafting_s)
         for r, k, size in zip(live, keep, sizes):
             if id(r) not in out:  # the controller chose no draft
                 out[id(r)] = (Tree.chain(r.state.ids[-1], []), 0.0)

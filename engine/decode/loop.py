@@ -8,7 +8,8 @@ those steps is engine.decode.batch: a single request (`Engine.generate`) is a ba
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -122,6 +123,8 @@ class Engine:
         self._given = False  # whether the drafter was handed in (set_drafter), not made from the spec
         self.cache_dir: str | None = None  # where measured facts are cached (engine.models.machine)
         self._costs: dict[tuple[int, int], dict] = {}  # step-cost curves timed: (max_batch, rows) -> curve
+        # every scheduler's adaptive steps are reported to this, when set (engine.decode.batch.BatchEngine.trace)
+        self.trace: Callable[[dict[str, Any]], None] | None = None
         if spec is not None:
             self.set_spec(spec)
 

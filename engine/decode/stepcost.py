@@ -11,7 +11,21 @@ curve's step without extra rows, m: the curve's cost of the extra rows over c0),
 towards the live level of all steps (a curve timed under a load that has since gone is uniformly
 too slow; rows cost what the curve says, times that level) until the steps run spread their rows
 enough to say otherwise. A batch size that never drafts keeps that prior, a batch size whose drafts
-cost more than the curve said learns it from the steps that drafted."""
+cost more than the curve said learns it from the steps that drafted.
+
+The fit prices every row alike, at no less than the curve's average row (the lower envelope of
+noisy timings has flat stretches that are not the machine's). The first few rows of a step often
+cost less than that average (at batch 4 the bf16 forward's first rows took 0.2-1 ms live against
+an average row of 1.6 ms), and a price above their real cost keeps the drafts that would pay
+there from ever running. So each batch size also keeps a live table of the forward's seconds per
+count of draft rows (up to ROWS_LIVE), filled by the steps that ran with that many rows (the
+controller's choices and its probes, engine.decode.control): where a count was seen, the price of
+its rows over the step without rows moves from the fit's towards the table's, by the weight of
+its observations (ROWS_SEEN observations weigh as much as the fit), and so does the price of the
+step without rows. A count never run keeps the
+fit's price; `table(..., optimistic=True)` prices rows at no more than the curve's average row at
+the batch size's live level, what the probes weigh to decide whether a row could pay and so be
+measured."""
 
 from __future__ import annotations
 
@@ -31,9 +45,13 @@ ROUNDS = 3  # the fastest of this many timings of each point, taken in passes ov
 FOLLOW = 0.05  # the share of each live observation in the online figures (about the last 20 steps)
 CLIP_LOW, CLIP_HIGH = 0.25, 4.0  # a live step counts as taking between these multiples of the curve
 # the ridge towards the prior slope: live steps whose m / c0 vary this much (variance) weigh as much
-# as the prior (a batch size whose steps all have the same rows leaves the slope at the prior)
-PRIOR_VAR = 0.003
+# as the prior (a batch size whose steps all have the same rows leaves the slope at the prior; at
+# 0.003 one stalled 11-row step among steps without rows set the slope to 3.5x the curve's)
+PRIOR_VAR = 0.01
 LOW_SLOPE = 0.5  # the slope never falls below this share of the prior (a few lucky steps are noise)
+STEP_CLIP = (0.5, 2.0)  # a live step counts as taking between these multiples of what was expected of it
+ROWS_LIVE = 32  # draft-row counts up to this have a live table entry per batch size
+ROWS_SEEN = 8  # a live entry of this many observations weighs as much as the fit's price of its rows
 VERSION = 4  # in the cache key: a change of what is timed measures again
 
 
@@ -77,6 +95,35 @@ class _Live:
         return mean_t - b * mean_m, b
 
 
+class _Rows:
+    """One batch size's live forward seconds per count of draft rows (0..ROWS_LIVE): each count's
+    mean over its own steps (the last 1 / FOLLOW of them once it has that many) and its count."""
+
+    def __init__(self) -> None:
+        self.t = [0.0] * (ROWS_LIVE + 1)
+        self.n = [0] * (ROWS_LIVE + 1)
+
+    def add(self, rows: int, seconds: float) -> None:
+        if 0 <= rows <= ROWS_LIVE:
+            self.n[rows] += 1
+            self.t[rows] += max(1 / self.n[rows], FOLLOW) * (seconds - self.t[rows])
+
+    def base(self, fit: float) -> float:
+        """The seconds of a step without draft rows: `fit` moved towards the table's by the weight of
+        its observations."""
+        w = self.n[0] / (self.n[0] + ROWS_SEEN)
+        return (1 - w) * fit + w * self.t[0]
+
+    def price(self, rows: int, fit: float) -> float:
+        """The seconds of `rows` draft rows over a step without any: `fit` (the fit's) moved towards
+        the table's difference by the weight of the fewer observations of the two counts."""
+        if rows > ROWS_LIVE or not self.n[rows] or not self.n[0]:
+            return fit
+        seen = min(self.n[rows], self.n[0])
+        w = seen / (seen + ROWS_SEEN)
+        return (1 - w) * fit + w * max(self.t[rows] - self.t[0], 0.0)
+
+
 class StepCost:
     """`step_s(batch, extra)`: seconds of a target step over `batch` sequences with `extra` rows
     beyond one each, as the live steps say (the curve where none ran yet); `draft_s`: seconds per
@@ -90,6 +137,8 @@ class StepCost:
         self.draft_s = 0.0
         self.level = 1.0  # live steps over the curve, all batch sizes together, followed online
         self.live: dict[int, _Live] = {}
+        self.rows: dict[int, _Rows] = {}  # per batch size: the forward's seconds per count of draft rows
+        self._rows_memo: dict[int, dict[float, float]] = {}  # per batch size: rows_s per count of rows
         # per batch size, the seconds of a step outside the forward and the drafting (verifying,
         # committing, streaming, the server's loop): what every step costs whatever its rows
         self.overhead: dict[int, float] = {}
@@ -138,21 +187,38 @@ class StepCost:
         (engine.decode.stepcost), the curve times the live level where that batch size has not run."""
         return self._forward_s(batch, extra, 0)[0]
 
-    def _forward_s(self, batch: int, extra: float, count: int) -> list[float]:
-        """`step_s(batch, extra + n)` for n = 0..count, the fit computed once."""
+    def _forward_s(self, batch: int, extra: float, count: int, optimistic: bool = False) -> list[float]:
+        """`step_s(batch, extra + n)` for n = 0..count, the fit computed once (`optimistic`: each
+        total's rows priced at no more than the average row)."""
         c0 = self.curve_s(batch, 0)
         live = self.live.get(batch)
         a, b = live.fit(self.level) if live is not None else (self.level, self.level)
         slope = self._slope(batch, c0)
-        return [c0 * max(a + b * max(self.curve_s(batch, extra + n) - c0, slope * (extra + n)) / c0, 0.1)
-                for n in range(count + 1)]
+        fit_base = c0 * max(a, 0.1)
+        table = self.rows.get(batch)
+        base = table.base(fit_base) if table is not None else fit_base
+        curve = self._rows_memo.setdefault(batch, {})  # the curve's rows (rows_s) never change
+        out = []
+        for n in range(count + 1):
+            x = extra + n
+            m = curve.get(x)
+            if m is None:
+                m = curve[x] = max(self.curve_s(batch, x) - c0, slope * x)
+            rows = c0 * max(a + b * m / c0, 0.1) - fit_base
+            if table is not None and x == int(x):  # only whole counts of rows ran
+                rows = table.price(int(x), rows)
+            if optimistic:  # at this batch size's live level: the fit's slope may be one stall's
+                rows = min(rows, max(a, 0.1) * slope * x)
+            out.append(base + max(rows, 0.0))
+        return out
 
-    def table(self, batch: int, extra: float, count: int) -> list[float]:
+    def table(self, batch: int, extra: float, count: int, optimistic: bool = False) -> list[float]:
         """Seconds of a whole step with n = 0..count draft rows: `step_s(batch, extra + n)` (the fit
         computed once) plus the step's overhead beyond the forward (`overhead_s`). What the
-        controller reads for every total of rows it weighs (a few hundred per step at batch 32)."""
+        controller reads for every total of rows it weighs (a few hundred per step at batch 32).
+        `optimistic`: no total's rows priced above the average row (what the probes weigh)."""
         over = self.overhead_s(batch)
-        return [over + t for t in self._forward_s(batch, extra, count)]
+        return [over + t for t in self._forward_s(batch, extra, count, optimistic)]
 
     def overhead_s(self, batch: int) -> float:
         """A step's seconds outside the forward and the drafting at this batch size (the nearest
@@ -173,13 +239,16 @@ class StepCost:
         self.overhead[batch] = s if old is None else old + FOLLOW * (s - old)
 
     def observe_step(self, batch: int, extra: int, seconds: float) -> None:
-        """A live step's time (taken as within [CLIP_LOW, CLIP_HIGH] x the curve: a step stalled by
-        another process says little)."""
+        """A live step's time (taken as within [CLIP_LOW, CLIP_HIGH] x the curve and within
+        STEP_CLIP of what the live figures expected: a step stalled by another process says little,
+        and one stalled step of many rows would otherwise set the fit's slope for dozens of steps)."""
         c0 = self.curve_s(batch, 0)
         c = c0 + self.rows_s(batch, extra)
-        t = min(max(seconds, CLIP_LOW * c), CLIP_HIGH * c)
+        expected = self._forward_s(batch, extra, 0)[0]
+        t = min(max(seconds, CLIP_LOW * c, STEP_CLIP[0] * expected), CLIP_HIGH * c, STEP_CLIP[1] * expected)
         self.level += FOLLOW * (t / c - self.level)
         self.live.setdefault(batch, _Live()).add(c / c0 - 1, t / c0)
+        self.rows.setdefault(batch, _Rows()).add(extra, t)
 
     def observe_draft(self, seconds: float, nodes: int) -> None:
         """A step's drafting time over the nodes it drafted."""

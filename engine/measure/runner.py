@@ -97,12 +97,16 @@ class Measurement:
     queue_p99_ms: float | None = None
     waiting_mean: float | None = None  # requests waiting for a slot, averaged over steps (or scrapes)
     batch_sizes: dict[int, int] = field(default_factory=dict)  # requests in a step -> steps (or scrapes)
+    # (output tokens, end-to-end seconds) of each request in prompt order, (0, 0.0) for a failed one:
+    # what a per-prompt figure (the held-out check's interval over prompts) is drawn from
+    requests: list[tuple[int, float]] = field(default_factory=list)
 
     def to_dict(self, texts: bool = False) -> dict[str, Any]:
         d = asdict(self)
         if not texts:
             d.pop("texts")
         d.pop("latencies")
+        d.pop("requests")
         return d
 
     def goodput(self, ttft_ms: float | None, tpot_ms: float | None) -> float:
@@ -138,6 +142,7 @@ def _measurement(records: list[RequestRecord], wall_s: float, concurrency: int, 
         wall_s=wall_s, concurrency=concurrency, texts=[r.text for r in records],
         errors=[f"{r.prompt_id}: {r.error}" for r in records if r.error is not None],
         latencies=[(None if r.ttft_s is None else r.ttft_s * 1e3, None if (t := r.tpot_s) is None else t * 1e3) for r in ok],
+        requests=[(r.output_tokens, r.e2e_s or 0.0) if r.error is None else (0, 0.0) for r in records],
         **extra)
 
 

@@ -218,7 +218,7 @@ def test_rows_dearer_than_the_curve_are_learnt_from_the_steps_that_drafted() -> 
     _run(c, 8, 300, lambda x: 0.040 + 0.0025 * x)
     _run(c, 1, 300, lambda x: 0.020 + 0.0005 * x)
     for x in (0, 4, 16):
-        assert c.step_s(8, x) == pytest.approx(0.040 + 0.0025 * x, rel=0.06)  # the ridge pulls a little
+        assert c.step_s(8, x) == pytest.approx(0.040 + 0.0025 * x, rel=0.08)  # the ridge pulls a little
         assert c.step_s(1, x) == pytest.approx(0.020 + 0.0005 * x, rel=0.03)
     gains = [[0.45, 0.3, 0.2]] * 8
     curve = StepCost(TIMED, max_rows=9)
@@ -292,6 +292,65 @@ def test_at_batch_8_rows_priced_as_measured_draft_nothing_for_low_acceptance() -
     got = choose(high, 8, step, margin=MARGIN)
     assert got[0] > 0 and got[1:] == [0] * 7
     assert choose([[0.72]] * 8, 8, step) == [1] * 8 and choose([[0.72]] * 8, 8, step, margin=MARGIN) == [0] * 8
+
+
+def test_the_first_rows_are_priced_as_the_live_steps_ran_them() -> None:
+    """At batch 16 the curve's average row is 1.44 ms (the price floor), but the live forward's first
+    4 rows cost 0.3 ms each: once steps ran with 0-4 rows, those totals are priced as they ran, and
+    0.5 acceptance pays there (it does not at the floor); a total never run keeps the fit's price,
+    and a total that turns dear is followed."""
+    curve = {16: [(0, 0.042), (32, 0.042 + 32 * 0.00144)]}
+    c = StepCost(curve, max_rows=9)
+    fresh = StepCost(curve, max_rows=9)
+    gains = [[0.5]] * 16
+    assert choose(gains, 16, fresh.table(16, 0, 16).__getitem__, margin=MARGIN) == [0] * 16
+    _run(c, 16, 1000, lambda x: 0.042 + 0.0003 * x, rows=[0, 1, 2, 3, 4])
+    table = c.table(16, 0, 16)
+    for x in range(1, 5):
+        assert table[x] - table[0] == pytest.approx(0.0003 * x, abs=0.0003)  # the table's, moved from the fit's
+    unseen = StepCost(curve, max_rows=9)
+    unseen.live, unseen.level = c.live, c.level  # the same fit, no table
+    fit = unseen.table(16, 0, 16)
+    assert table[6] - table[0] == pytest.approx(fit[6] - fit[0])  # 6 rows never ran: the fit's price
+    assert table[6] - table[0] > 5 * (table[4] - table[0]) / 4  # dearer than the rows that ran
+    assert sum(choose(gains, 16, table.__getitem__, margin=MARGIN)) >= 4
+    _run(c, 16, 200, lambda x: 0.042 + 0.003 * x, rows=[0, 2])  # 2 rows now cost 6 ms
+    assert c.table(16, 0, 2)[2] - c.table(16, 0, 2)[0] == pytest.approx(0.006, rel=0.1)
+
+
+def test_one_stalled_step_of_many_rows_does_not_price_rows_out() -> None:
+    """A batch that runs off (steps without rows) and one 11-row step stalled tenfold, as measured
+    at batch 16 on the shared 2-core machine: it once set the fit's slope to five times the curve's
+    for dozens of steps, pricing every row out and stopping the probes that would measure them;
+    the step counts as at most twice what was expected, the slope's prior weighs more, and the
+    probes weigh the live level."""
+    curve = {16: [(0, 0.042), (32, 0.042 + 32 * 0.00144)]}
+    c = StepCost(curve, max_rows=9)
+    _run(c, 16, 100, lambda x: 0.042, rows=[0])
+    before = c.table(16, 0, 4)
+    c.observe_step(16, 11, 10 * c.step_s(16, 11))
+    after = c.table(16, 0, 4)
+    assert after[4] - after[0] < 3 * (before[4] - before[0])  # 8.6x before the step counted at most 2x
+    _run(c, 16, 40, lambda x: 0.042, rows=[0])
+    after = c.table(16, 0, 4)
+    assert after[4] - after[0] < 1.5 * (before[4] - before[0])
+    cheap = c.table(16, 0, 4, optimistic=True)
+    assert cheap[1] - cheap[0] == pytest.approx(0.00144, rel=0.05)
+
+
+def test_probes_weigh_rows_at_no_more_than_the_average_row() -> None:
+    """The bf16 curve at batch 8 jumps 3.45 ms at its first row, 1.75 ms a row on average: priced at
+    the jump even a certainly accepted node does not pay, so nothing would be probed and the jump
+    never checked; the probes weigh the average row and go."""
+    ms = [(0, 20.3), (1, 23.75), (2, 26.42), (4, 26.99), (8, 35.14), (16, 47.16), (32, 73.94), (33, 77.94)]
+    c = StepCost({8: [(x, v / 1e3) for x, v in ms]}, max_rows=9)
+    gains, ages = [[0.7, 0.49]] * 8, [[5, 5]] * 8
+    real, cheap = c.table(8, 0, 16), c.table(8, 0, 16, optimistic=True)
+    assert cheap[1] - cheap[0] == pytest.approx((0.07794 - 0.0203) / 33)
+    assert all(a <= b for a, b in zip(cheap, real))
+    assert choose(gains, 8, real.__getitem__, margin=MARGIN) == [0] * 8
+    assert probe([0] * 8, gains, ages, 8, real.__getitem__, margin=MARGIN) is None
+    assert probe([0] * 8, gains, ages, 8, cheap.__getitem__, margin=MARGIN) == 0
 
 
 def test_the_curve_is_timed_once_and_cached(engine: Engine, tmp_path, monkeypatch) -> None:
@@ -484,6 +543,22 @@ def test_probes_learn_that_drafts_pay_where_the_prior_said_they_would_not(engine
     assert drafted["probes"] > len(prompts) * N_NEW // PROBE_EVERY
 
 
+def test_the_trace_reports_what_the_controller_chose_and_the_rows_that_ran(engine: Engine, off, monkeypatch) -> None:
+    """`Engine.trace` (benchmarks/adaptive_engine.py --trace) gets one record per adaptive step: the
+    nodes kept per request add up to the draft rows the forward ran, and the tokens are off's."""
+    prompts, ref = off
+    recs: list[dict] = []
+    monkeypatch.setattr(engine, "trace", recs.append)
+    spec = SpecConfig(method="ngram", depth=3, ngram_min=1, ngram_max=3, adaptive=True)
+    be = BatchEngine(engine, max_batch=2, schedule=schedule_of(spec, 2))
+    reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=2)
+    assert [r.result.tokens for r in reqs] == ref
+    decode = [r for r in recs if not r["prefill"]]
+    assert decode and all(r["batch"] in (1, 2) and len(r["allowed"]) == len(r["kept"]) for r in recs)
+    assert all(r["rows"] == sum(r["kept"]) and r["forward_s"] > 0 for r in decode)
+    assert sum(r["rows"] for r in decode) > 0  # the repetitive prompts' drafts ran
+
+
 def test_an_ngram_draft_states_how_often_its_continuation_followed_the_match() -> None:
     from engine.drafters.ngram import NgramDrafter
 
@@ -520,3 +595,8 @@ def test_confident_drafts_are_calibrated_above_doubtful_ones() -> None:
     assert cal.gains(est, batch, None, 2) == est.gains(2)
     step = linear_cost(2.0, 0.5)
     assert choose([sure, doubt], 2, step) == [2, 0]
+    # before drafting a request is allowed what its most confident drafts would pay (the cut after
+    # drafting keeps what its real confidence pays): above its average, at the confident band's
+    upper = cal.upper([est, batch], batch, 2)
+    assert upper[0] == pytest.approx(sure) and upper[0][0] > est.gains(2)[0]
+    assert Calibration().upper([est], batch, 2) == [est.gains(2)]

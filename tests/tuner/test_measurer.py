@@ -58,7 +58,36 @@ def test_a_level_plays_at_least_that_many_requests(setup) -> None:
 
     m.target_for = spy
     m(SpecConfig(method="off"), "tune", 4)
-    assert played == [4]
+    assert played == [2, 4]  # the untimed pass that caches the 2 prompts' prefill, then the level's 4 requests
+
+
+def test_the_first_timed_pass_copies_every_prompts_prefill(setup) -> None:
+    """The prefix cache holds each prompt of a split before its first timed pass (Measurer._warm_prefix),
+    so the first pass does not run prefills that every later pass copies."""
+    cfg, engine, prompts = setup
+    m = make_measure(engine, cfg, prompts)
+    pc = engine.prefix_cache
+    real = m.target_for
+    hits: list[tuple[int, int]] = []
+
+    def spy(spec):
+        t = real(spec)
+        run = t.run
+
+        def timed(ps, params, c, **kw):
+            q0, h0 = pc.queries, pc.hits
+            out = run(ps, params, c, **kw)
+            hits.append((pc.queries - q0, pc.hits - h0))
+            return out
+
+        t.run = timed
+        return t
+
+    m.target_for = spy
+    pc.entries.clear()
+    m(SpecConfig(method="ngram", depth=2, topk=1, budget=3), "heldout", 1)
+    (warm_q, warm_h), (q, h) = hits
+    assert warm_h == 0 and q > 0 and h == q - len(prompts["heldout"])  # all but each prompt's last token copied
 
 
 def test_a_level_above_max_batch_is_allowed_with_a_line_saying_requests_queue() -> None:

@@ -168,6 +168,13 @@ class HeldoutCheck(_Strict):
     tuning: SplitSpeedup
     heldout: SplitSpeedup
     gap: float
+    # the gap's 95% interval, resampling each side's prompts and pairs (tuner.study.selection.gap_interval):
+    # how far two sets of this many prompts read apart by which prompts they hold and by the timing
+    gap_ci_low: float | None = None
+    gap_ci_high: float | None = None
+    # holds: the interval holds 0 and excludes a held-out speedup of 1.0 (speculation still pays);
+    # below / above: the interval lies on one side of 0; inconclusive: it holds 0 and 1.0x alike
+    verdict: Literal["holds", "below", "above", "inconclusive"] | None = None
 
 
 class HeadBound(_Strict):

@@ -65,6 +65,9 @@ class Sample:
     queue_p99_ms: float | None = None
     waiting_mean: float | None = None  # open loop: requests waiting for a slot, on average
     batch_sizes: dict[int, int] | None = None  # open loop: requests per step -> steps (or gauge samples)
+    # per prompt of the split, in its order: (output tokens, end-to-end seconds) summed over the
+    # requests that played it; what the held-out check's interval over prompts resamples
+    per_prompt: list[tuple[int, float]] | None = None
 
 
 # Which prompts a pass plays: "tune", "heldout", the held-out check's tuning prompts
@@ -294,7 +297,8 @@ class Objective:
         and both figures are measured over the same minutes. Rounds go on until every split's
         speedup interval is tight (search.ci_rel_width, as a trial's) after at least two pairs, at
         most `pairs_max`. Plausibility holds as in a trial. Returns each split's figures
-        (Objective._figures, with `remeasured` / `implausible` when they apply)."""
+        (Objective._figures, with `remeasured` / `implausible` when they apply, and `per_prompt`:
+        per pair and level, the spec's and the baseline's Sample.per_prompt)."""
         got: dict[Split, tuple[list[list[Sample]], list[list[Sample]], list[float], list[str], list[str]]] = {
             sp: ([], [], [], [], []) for sp in splits}
         order = 0
@@ -315,6 +319,9 @@ class Objective:
         out: dict[Split, dict[str, Any]] = {}
         for sp, (spec_s, base_s, ratios, retried, kept) in got.items():
             out[sp] = self._figures(spec_s, base_s, ratios)
+            # per pair, per level: the spec's and the baseline's per-prompt (tokens, seconds), for the
+            # check's interval over prompts (tuner.study.selection.gap_interval); kept in memory only
+            out[sp]["per_prompt"] = [[(x.per_prompt, y.per_prompt) for x, y in zip(s, b)] for s, b in zip(spec_s, base_s)]
             if retried:
                 out[sp]["remeasured"] = retried
             if kept:

@@ -1,0 +1,170 @@
+"""The held-out check's accounting and rule, with planted per-prompt figures: both sides' speedups are
+ratios of sums over their prompts (as the load generator's tok/s is), the gap's interval resamples
+each side's prompts and pairs, the verdict follows the interval; and every split's prompts have their
+prefill cached before a timed pass (the first pass over a set of prompts used to run their whole
+prefill, and whichever side of a pair came first paid for it)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import optuna
+import pytest
+
+from engine.measure.workloads import Prompt
+from tuner.projection.profiling import CHECK
+from tuner.schema.compose import load_config
+from tuner.schema.config import SpecConfig
+from tuner.search.space import SearchSpace
+from tuner.study.measurer import Measurer, per_prompt
+from tuner.study.objective import Objective, Sample
+from tuner.study.selection import (_side_log_speedup, describe_check, gap_interval, heldout_check, heldout_excess,
+                                   verdict)
+
+CFG = ["model=tiny-random", "+workload=code", "workload.concurrency=[1]", "search=quick"]
+D3 = SpecConfig(method="ngram", depth=3, topk=1, budget=4)
+
+
+def side(speedups: list[float], pairs: int = 2, seconds: list[float] | None = None, jitter: float = 0.0):
+    """One side's passes: per pair one level, each prompt 100 tokens, off taking `seconds` (1 s
+    each by default) and the spec that over its speedup; pair j's spec `jitter` x j slower."""
+    seconds = seconds or [1.0] * len(speedups)
+    return [[([(100, s / x * (1 + jitter * j)) for x, s in zip(speedups, seconds)], [(100, s) for s in seconds])]
+            for j in range(pairs)]
+
+
+def test_a_side_is_a_ratio_of_sums_over_its_prompts() -> None:
+    # a prompt twice as long in time weighs twice: (3 s off) / (1 s + 1 s spec), not the mean of 2x and 1x
+    s = side([2.0, 1.0], pairs=1, seconds=[2.0, 1.0])
+    assert math.exp(_side_log_speedup(s, [0, 1], [0])) == pytest.approx(3.0 / 2.0)
+    assert math.exp(_side_log_speedup(s, [0, 0], [0])) == pytest.approx(2.0)  # a draw may repeat a prompt
+    # tokens count: a spec that wrote fewer tokens in the same time is slower
+    short = [[([(50, 1.0)], [(100, 1.0)])]]
+    assert math.exp(_side_log_speedup(short, [0], [0])) == pytest.approx(0.5)
+
+
+def test_the_gap_interval_holds_the_prompts_spread_and_shrinks_with_more_prompts() -> None:
+    spread = [1.1, 2.9, 1.5, 2.2, 0.9, 1.8]
+    tune, held = side(spread), side(spread[::-1])
+    lo, hi = gap_interval(tune, held, 0.0)
+    assert lo < -0.15 and hi > 0.15  # 6 prompts of tau 1-3 a side: two such sets read far apart
+    lo12, hi12 = gap_interval(side(spread * 4), side(spread[::-1] * 4), 0.0)
+    assert lo < lo12 < 0 < hi12 < hi  # 4x the prompts: about half as wide
+    # every prompt alike and the pairs agreeing: nothing to resample, the interval is the gap itself
+    flat_lo, flat_hi = gap_interval(side([1.5] * 6), side([1.2] * 6), 1.2 / 1.5 - 1)
+    assert flat_lo == pytest.approx(-0.2) and flat_hi == pytest.approx(-0.2)
+    # the pairs' disagreement widens it too
+    j_lo, j_hi = gap_interval(side([1.5] * 6), side([1.2] * 6, jitter=0.2), -0.2)
+    assert j_hi - j_lo > 0.05
+    # centred on the measured gap, whatever the per-prompt statistic read
+    a = gap_interval(tune, held, 0.0, seed=1)
+    b = gap_interval(tune, held, 0.1, seed=1)
+    assert (1 + b[0]) / (1 + a[0]) == pytest.approx(1.1) and (1 + b[1]) / (1 + a[1]) == pytest.approx(1.1)
+
+
+def test_no_interval_without_per_prompt_figures() -> None:
+    assert gap_interval([[(None, None)]], side([1.5, 1.5]), 0.0) is None
+    assert gap_interval(side([1.5]), side([1.5]), 0.0) is None  # one prompt a side: nothing to resample
+    # a request refused as such (no seconds) leaves its prompt out, not the interval
+    refused = side([1.5, 1.5, 1.5])
+    refused[0][0] = (refused[0][0][0][:2] + [(0, 0.0)], refused[0][0][1])
+    assert gap_interval(side([1.5] * 3), refused, 0.0) == pytest.approx((0.0, 0.0))
+    assert gap_interval(side([1.5] * 3), [[([(0, 0.0)] * 2 + [(1, 1.0)], [(1, 1.0)] * 3)]], 0.0) is None
+    assert verdict(None, None, 1.5) is None
+
+
+def test_the_verdict_follows_the_interval() -> None:
+    assert verdict(-0.10, 0.12, 1.5) == "holds"
+    assert verdict(-0.30, -0.02, 1.5) == "below"  # held-out slower beyond the prompts' spread
+    assert verdict(0.01, 0.30, 1.5) == "above"
+    # holds 0 but also a held-out speedup of 1.0 (1 / 1.5 - 1 = -33%): too wide to say it still pays
+    assert verdict(-0.40, 0.30, 1.5) == "inconclusive"
+    assert verdict(-0.01, 0.01, 0.95) == "inconclusive"  # a tuning side that does not beat off
+    check = heldout_check_of([1.5] * 6, [1.2] * 6)
+    assert check.verdict == "below" and heldout_excess(check) == pytest.approx(0.2)
+    assert heldout_excess(heldout_check_of([1.1, 2.9, 1.5, 2.2, 0.9, 1.8], [1.5, 1.8, 2.0, 1.2, 2.5, 1.4])) == 0.0
+
+
+def heldout_check_of(tune: list[float], held: list[float]):
+    """The check run end to end through Objective.check over planted per-prompt figures."""
+    cfg = load_config(CFG)
+    n = cfg.workload.num_heldout
+
+    def measure(spec: SpecConfig, split: str, level: int) -> Sample:
+        xs = tune if split == CHECK else held
+        assert len(xs) == n
+        pp = [(100, 1.0 / (x if spec.method != "off" else 1.0)) for x in xs]
+        return Sample(100 * n / sum(s for _, s in pp), 2.0, per_prompt=pp)
+
+    study = optuna.create_study(direction="maximize")
+    objective = Objective(study, SearchSpace.from_config(cfg), measure, cfg.workload, cfg.search)
+    check, _ = heldout_check(cfg, objective, D3)
+    return check
+
+
+def test_the_check_reports_its_interval_and_verdict() -> None:
+    check = heldout_check_of([1.5] * 6, [1.5] * 6)
+    assert check.gap == pytest.approx(0.0) and check.gap_ci_low == pytest.approx(0.0)
+    assert check.verdict == "holds"
+    line = describe_check(check)
+    assert "0.0% above [+0.0%, +0.0%] over prompts and pairs: holds" in line
+
+
+def test_per_prompt_sums_the_requests_that_played_each_prompt() -> None:
+    assert per_prompt([(10, 1.0), (20, 2.0), (30, 3.0)], 2) == [(40, 4.0), (20, 2.0)]
+    assert per_prompt([], 3) is None
+
+
+class _Run:
+    def __init__(self) -> None:
+        self.runs: list[tuple[list[str], list[int | None]]] = []
+
+    def run(self, prompts, params, concurrency, arrivals_s=None, rate=None):
+        from engine.measure.runner import _measurement
+
+        self.runs.append(([p.id for p in prompts], [p.params.max_new_tokens if p.params else None for p in prompts]))
+        return _measurement([], 1.0, concurrency, None, [])
+
+
+class _Drafter:
+    def __init__(self, aux_layers: tuple[int, ...] | None) -> None:
+        self.aux_layers = aux_layers
+
+
+class _Engine:
+    """What the Measurer reads of the built-in engine: its prefix cache and the drafter set_spec made."""
+
+    def __init__(self, cached: bool) -> None:
+        self.prefix_cache = object() if cached else None
+        self.drafter: _Drafter | None = None
+
+    def target_for(self, target: _Run):
+        def set_spec(spec: SpecConfig) -> _Run:
+            self.drafter = None if spec.method == "off" else _Drafter((2, 5) if spec.method == "eagle3" else None)
+            return target
+        return set_spec
+
+
+def test_each_split_is_warmed_once_before_its_first_timed_pass() -> None:
+    cfg = load_config(CFG)
+    prompts = {"tune": [Prompt("t0", "a", "x"), Prompt("t1", "b", "x")], "heldout": [Prompt("h0", "c", "x")]}
+    target, engine = _Run(), _Engine(cached=True)
+    m = Measurer(engine.target_for(target), cfg, prompts, engine=engine)  # type: ignore[arg-type]
+    m(D3, "tune", 2)
+    # the warm pass: every prompt once, one new token each; then the timed pass (2 in flight)
+    assert target.runs == [(["t0", "t1"], [1, 1]), (["t0", "t1"], [None, None])]
+    m(D3, "tune", 2)
+    m(SpecConfig(method="off"), "tune", 1)  # off and the n-gram drafter share the cache entries
+    assert len(target.runs) == 4  # warmed already: only timed passes
+    m(D3, "heldout", 1)
+    assert [r[1] for r in target.runs[4:]] == [[1], [None]]
+    # a drafter that reads inner target layers (EAGLE-3) has entries of its own: its first pass warms them
+    eagle3 = SpecConfig(method="eagle3", depth=3, topk=1, budget=4, head_path="h")
+    m(eagle3, "tune", 1)
+    m(eagle3, "tune", 1)
+    assert [r[1] for r in target.runs[6:]] == [[1, 1], [None, None], [None, None]]
+    bare = _Run()  # no prefix cache (or a launched server: empty at every start): nothing to warm
+    plain = _Engine(cached=False)
+    Measurer(plain.target_for(bare), cfg, prompts, engine=plain)(D3, "tune", 1)  # type: ignore[arg-type]
+    assert len(bare.runs) == 1
