@@ -303,7 +303,7 @@ def test_a_tie_is_only_what_the_intervals_cannot_tell_apart_within_the_regret_go
     rule gave it to ngram d2). Head to head a tie is an equivalence: the interval of the ratio
     between the two, round by round, lies within +-3%. 2.8% apart round after round, they are told
     apart and the better one wins; 0.6% apart with rounds that agree, a tie: the smaller budget."""
-    from tuner.study.selection import verdict
+    from tuner.study.selection import head_verdict
 
     trials = [_planted_trial(ng(2), [1.44, 1.46]), _planted_trial(ng(5), [1.51, 1.53])]
     assert pick_winner(trials, 0.05, [1]).spec == ng(5)
@@ -313,10 +313,10 @@ def test_a_tie_is_only_what_the_intervals_cannot_tell_apart_within_the_regret_go
     assert pick_winner(close, 0.01, [1]).spec == ng(5)  # a user's tighter noise_rel ties less
 
     apart = trials + _rounds(ng(2), [1.400, 1.430, 1.380]) + _rounds(ng(5), [1.440, 1.470, 1.420])
-    assert verdict({0: 1.400, 1: 1.430, 2: 1.380}, {0: 1.440, 1: 1.470, 2: 1.420}, 0.05) == "apart"
+    assert head_verdict({0: 1.400, 1: 1.430, 2: 1.380}, {0: 1.440, 1: 1.470, 2: 1.420}, 0.05) == "apart"
     assert pick_winner(apart, 0.05, [1]).spec == ng(5)
     tie = trials + _rounds(ng(2), [1.40, 1.46, 1.42]) + _rounds(ng(5), [1.41, 1.47, 1.42])
-    assert verdict({0: 1.40, 1: 1.46, 2: 1.42}, {0: 1.41, 1: 1.47, 2: 1.42}, 0.05) == "tie"
+    assert head_verdict({0: 1.40, 1: 1.46, 2: 1.42}, {0: 1.41, 1: 1.47, 2: 1.42}, 0.05) == "tie"
     win = pick_winner(tie, 0.05, [1])
     assert win.spec == ng(2) and "smallest budget" in win.reason
 
@@ -334,7 +334,7 @@ def test_three_pairs_under_load_that_read_alike_are_no_tie_and_more_pairs_separa
     three rounds spans far more than +-3%, so it is no tie: the round goes on (up to
     CONFIRM_PAIRS_MAX rounds) while d2 is neither told apart nor tied, and the better reading, d3
     or d4, wins."""
-    from tuner.study.selection import CONFIRM_PAIRS_MAX, verdict
+    from tuner.study.selection import CONFIRM_PAIRS_MAX, head_verdict
 
     cfg = load_config(CFG)
     script = {d: LOADED[d] + LATER[d] for d in LOADED}
@@ -343,7 +343,7 @@ def test_three_pairs_under_load_that_read_alike_are_no_tie_and_more_pairs_separa
                                                              (ng(3), [1.43, 1.47])], NOISY, seconds=30.0)
     study.set_user_attr(ROSE, 0.2)  # what the study recorded when its noise rose (the load came mid-study)
     by_round = {d: dict(enumerate(r)) for d, r in LOADED.items()}
-    assert verdict(by_round[2], by_round[4], cfg.search.noise_rel) == "open"  # not a tie, as it was
+    assert head_verdict(by_round[2], by_round[4], cfg.search.noise_rel) == "open"  # not a tie, as it was
     lines: list[str] = []
     pairs = confirm(study, objective, cfg.search.noise_rel, lines.append)
     assert 9 < pairs <= 3 * CONFIRM_PAIRS_MAX

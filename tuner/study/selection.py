@@ -188,7 +188,7 @@ def head_to_head(a: dict[int, float], b: dict[int, float]) -> tuple[float, float
     return math.exp(m), math.exp(m - half), math.exp(m + half), len(d)
 
 
-def verdict(a: dict[int, float], b: dict[int, float], noise_rel: float) -> str:
+def head_verdict(a: dict[int, float], b: dict[int, float], noise_rel: float) -> str:
     """Head to head (`head_to_head`): "apart" when the one-sided 95% bounds of the ratio between
     them exclude 1 (one is faster), "tie" when both lie within +-tie_rel(noise_rel) (at most
     TIE_MAX: an equivalence test at 5% each side, so a tie costs at most the regret goal), else
@@ -209,12 +209,12 @@ def _cheapest_of_best(cands: list[Candidate], noise_rel: float) -> tuple[Candida
     confirmation round measured candidates head to head, only those compete, each by the geometric
     mean of all its pairs (trials' and round's: under noise every pair counts, and in simulation
     at the loaded machine's spread pooling halves the wrong picks of the round's pairs alone), and a
-    tie is what `verdict` calls one; otherwise the trials' figures, and a tie is what `ties` calls
+    tie is what `head_verdict` calls one; otherwise the trials' figures, and a tie is what `ties` calls
     one."""
     confirmed = [c for c in cands if c.confirmed]
     if confirmed:  # ranked by every pair's ratio, the trials' and the round's (`speedup`: all pooled)
         best = max(confirmed, key=lambda c: c.speedup)
-        tied = [c for c in confirmed if c is best or verdict(c.head(), best.head(), noise_rel) == "tie"]
+        tied = [c for c in confirmed if c is best or head_verdict(c.head(), best.head(), noise_rel) == "tie"]
         return min(tied, key=lambda c: (c.spec.budget, c.spec.depth, -c.speedup)), len(tied)
     best = max(cands, key=lambda c: c.speedup)
     tied = [c for c in cands if c is best or ties(c.ratios or [c.speedup], best.ratios or [best.speedup], noise_rel)]
@@ -275,7 +275,7 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
     measured head to head, one pair each per round in alternating order with the baseline; each
     pair is a COMPLETE trial with role `confirm` that records its round. After two rounds, every
     round measures the best so far (by the geometric mean of all its pairs, as pick_winner ranks)
-    and those whose `verdict` against it is still open: neither told apart from it nor tied with
+    and those whose `head_verdict` against it is still open: neither told apart from it nor tied with
     it. It stops when none is open, at CONFIRM_PAIRS_MAX rounds, or once it has taken as long as
     the trials did (at least CONFIRM_MIN_S).
 
@@ -333,7 +333,7 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
             continue  # a head-to-head interval needs two rounds
         best = max(specs, key=score)
         hb = head[best.model_dump_json()]
-        open_ = [s for s in specs if s is not best and verdict(head[s.model_dump_json()], hb, noise_rel) == "open"]
+        open_ = [s for s in specs if s is not best and head_verdict(head[s.model_dump_json()], hb, noise_rel) == "open"]
         live = [best] + open_
         if not open_:
             break
@@ -342,7 +342,7 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
             break
     else:
         left = f"; {rounds_max} rounds"
-    undecided = [s for s in specs if s is not best and verdict(head[s.model_dump_json()], hb, noise_rel) == "open"]
+    undecided = [s for s in specs if s is not best and head_verdict(head[s.model_dump_json()], hb, noise_rel) == "open"]
     if undecided:
         left += (f", {best.key()} read best, not told apart from {', '.join(s.key() for s in undecided)} "
                  f"nor within {tie_rel(noise_rel):.0%} of it: the best reading wins")
