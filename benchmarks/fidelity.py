@@ -4,7 +4,9 @@
    measured long and interleaved: --ref-rounds rounds, each a (configuration, baseline) pair per
    configuration in alternating order, on the study's own tuning prompts and load generator
    (tuner.study.objective.Objective.measure_pair). A configuration's reference speedup is the
-   geometric mean of its pairs' ratios; `off` is 1.0 by definition.
+   geometric mean of its pairs' ratios; `off` is 1.0 by definition. The reference line gives each
+   point's distance below the best with the one-sided 95% bounds of that ratio, round by round
+   (tuner.study.selection.head_to_head): a regret within them is the reference's noise too.
 2. The study (`tuner optimize search=--search` over the same space: `quick` by default, so that
    the whole benchmark stays within minutes on 2 cores (docs/results.md); `--search default` for the default
    study's repeats and interval) runs --runs times (default 3), each with another search.seed,
@@ -62,7 +64,9 @@ from tuner.schema.config import BestResult
 from tuner.search.space import SearchSpace
 from tuner.study.measurer import make_measure, open_engine, study_prompts
 from tuner.study.objective import OFF, Objective
-from tuner.study.selection import gap_at_equal_tau, heldout_excess, tau_gap
+from tuner.study.selection import gap_at_equal_tau, head_to_head, heldout_excess, tau_gap
+from tuner.study.storage import DB_FILE
+from tuner.study.studies import role
 
 BUSY_SHARE = 0.30  # of one core, in bursts
 BURST_S = 0.05  # one burst: short enough that every pass of a trial meets several
@@ -89,8 +93,9 @@ def space_overrides(args: argparse.Namespace) -> list[str]:
             f"engine.builtin.threads={args.threads}", *args.set]
 
 
-def reference(args: argparse.Namespace, engine: object) -> dict[str, float]:
-    """Every point's reference speedup (its key -> geometric mean of --ref-rounds interleaved pairs)."""
+def reference(args: argparse.Namespace, engine: object) -> dict[str, list[float]]:
+    """Every point's reference pairs (its key -> the ratio of each of --ref-rounds interleaved
+    rounds, every point once per round); its reference speedup is their geometric mean."""
     cfg = load_config(space_overrides(args))
     space = SearchSpace.from_config(cfg)
     objective = Objective(optuna.create_study(direction="maximize"), space,
@@ -102,7 +107,7 @@ def reference(args: argparse.Namespace, engine: object) -> dict[str, float]:
             s, b = objective.measure_pair(spec, "tune", n)
             n += 1
             ratios[spec.key()].append(geomean([x.tok_s / y.tok_s for x, y in zip(s, b)]))
-    return {key: geomean(rs) for key, rs in ratios.items()}
+    return ratios
 
 
 def one_run(args: argparse.Namespace, engine: object, seed: int, loaded: bool, ref: dict[str, float],
@@ -124,6 +129,9 @@ def one_run(args: argparse.Namespace, engine: object, seed: int, loaded: bool, r
             load.join()
     wall = time.monotonic() - t0
     best = BestResult.model_validate(yaml.safe_load((out / "best.yaml").read_text()))
+    study = optuna.load_study(study_name=f"fidelity-{'loaded' if loaded else 'quiet'}-{seed}",
+                              storage=f"sqlite:///{out / DB_FILE}")
+    confirms = [t for t in study.get_trials(deepcopy=False) if role(t) == "confirm"]
     top = max([1.0, *ref.values()])
     mine = 1.0 if best.spec.method == "off" else ref[best.spec.key()]  # the space is fixed: every winner is in it
     c = best.heldout_check  # the held-out prompts against as many tuning prompts, measured in the same minutes
@@ -136,7 +144,8 @@ def one_run(args: argparse.Namespace, engine: object, seed: int, loaded: bool, r
             "heldout_gap_width": width, "verdict": c.verdict if c is not None else None,
             "tau_gap": tg, "gap_at_equal_tau": abs(eq) if eq is not None else None,
             "check": c.model_dump(mode="json") if c is not None else None,
-            "phases_s": best.phases_s, "wall_s": round(wall, 1)}
+            "confirm_pairs": len(confirms), "reason": best.reason, "phases_s": best.phases_s,
+            "wall_s": round(wall, 1)}
 
 
 def _interval(x: dict[str, object]) -> str:
@@ -163,9 +172,16 @@ def main() -> None:
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="fidelity-"))
     engine = open_engine(load_config(space_overrides(args)))
     t0 = time.monotonic()
-    ref = reference(args, engine)
+    pairs = reference(args, engine)
+    ref = {key: geomean(rs) for key, rs in pairs.items()}
+    top = max(ref, key=lambda k: ref[k])
+    # how far each point lies below the best, with the interval of that ratio round by round: a regret
+    # smaller than the reference can tell apart is the reference's noise as much as the study's
+    apart = {k: head_to_head(dict(enumerate(pairs[k])), dict(enumerate(pairs[top]))) for k in pairs if k != top}
     print(f"reference ({args.ref_rounds} interleaved pairs per point, {time.monotonic() - t0:.0f} s): "
-          + ", ".join(f"{k} {v:.3f}x" for k, v in sorted(ref.items(), key=lambda kv: -kv[1])), flush=True)
+          + ", ".join(f"{k} {ref[k]:.3f}x" + (f" ({h[0] - 1:+.1%} [{h[1] - 1:+.1%}, {h[2] - 1:+.1%}] against {top})"
+                                            if (h := apart.get(k)) is not None else "")
+                      for k in sorted(ref, key=lambda k: -ref[k])), flush=True)
     runs = []
     for cond in args.conditions.split(","):
         for seed in range(args.runs):
@@ -180,7 +196,8 @@ def main() -> None:
                         f"{r['gap_at_equal_tau']:.1%})" if r["tau_gap"] is not None else "")
                      if c is not None else "no held-out check")
             print(f"{cond:6s} seed {seed}: winner {r['winner']} (trials {r['tuning']:.3f}x, reference "
-                  f"{r['reference']:.3f}x), regret {r['regret']:.1%}, {check}, {r['wall_s']:.0f} s", flush=True)
+                  f"{r['reference']:.3f}x), regret {r['regret']:.1%}, {check}, confirmation "
+                  f"{r['confirm_pairs']} pairs, {r['wall_s']:.0f} s", flush=True)
 
     def most(key: str) -> float | None:
         vals = [r[key] for r in runs if r[key] is not None]
@@ -190,7 +207,8 @@ def main() -> None:
                       "max_heldout_gap_beyond_interval": most("heldout_gap_beyond"), "max_heldout_gap_width": most("heldout_gap_width"),
                       "max_heldout_gap_at_equal_tau": most("gap_at_equal_tau"),
                       "heldout_verdicts": [r["verdict"] for r in runs],
-                      "runs": runs, "reference": ref, "load": {"busy_share": BUSY_SHARE, "burst_s": BURST_S},
+                      "runs": runs, "reference": ref, "reference_pairs": pairs,
+                      "load": {"busy_share": BUSY_SHARE, "burst_s": BURST_S},
                       "settings": {k: v for k, v in vars(args).items() if k != "run_dir"},
                       "run_dir": str(run_dir)}))
 

@@ -418,7 +418,8 @@ class SearchConfig(_Strict):
     trial_timeout_s: float = Field(gt=0)
     noise_rel: float = Field(ge=0)  # a winner reads >= 1 + this; ties with the best within this (at most 3%)
     # when the confirmation round runs (tuner.study.selection.confirm): auto, when the noise rose above
-    # the machine's floor; always, whenever the best few are not separated; "auto" for saved configs
+    # the machine's floor (at the floor: the trials' winner and a pruned trial whose one repeat read
+    # near it); always, whenever the best few are not separated; "auto" for saved configs
     confirm: Literal["auto", "always"] = "auto"
     model_live: int = Field(ge=1)  # sampler=model: predicted points measured live (and per widening)
     # Tuning prompts each trial plays (the first N of the workload's tuning split; None: all). The

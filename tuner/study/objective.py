@@ -28,7 +28,7 @@ from engine.measure.stats import f95, geomean, log_interval, log_spread, tight
 from tuner.study.limits import TrialClock, TrialTimeout, active_clock, next_repeat_fits
 from tuner.schema.config import Level, Rate, SearchConfig, SpecConfig, WorkloadConfig, level_name
 from tuner.search.space import SearchSpace
-from tuner.study.studies import FAIL_REASON, FLOOR, NOISE, REUSED, ROLE, ROSE, role
+from tuner.study.studies import CONFIRM_ROUND, FAIL_REASON, FLOOR, NOISE, REUSED, ROLE, ROSE, role
 
 OFF = SpecConfig(method="off")
 ENGINE_VERSION = "engine_version"  # trial user attr: the launched engine's release that measured it
@@ -630,9 +630,10 @@ class Objective:
         for key, v in attrs.items():
             trial.set_user_attr(key, v)
 
-    def confirm(self, spec: SpecConfig, order: int) -> FrozenTrial:
+    def confirm(self, spec: SpecConfig, order: int, round_: int) -> FrozenTrial:
         """One head-to-head pair of the confirmation round (tuner.study.selection.confirm), in the
-        order `order` (even: spec first), recorded as a COMPLETE trial with role `confirm`: added
+        order `order` (even: spec first), of its round `round_` (what pairs it with the other
+        contenders' pairs), recorded as a COMPLETE trial with role `confirm`: added
         to the study, never asked of the sampler nor counted in search.n_trials. Plausibility holds
         as in any trial."""
         t0 = time.monotonic()
@@ -643,7 +644,7 @@ class Objective:
         frozen = create_trial(
             state=TrialState.COMPLETE, values=[value, tpot if tpot is not None else float("inf")] if self.multi
             else [value], params={}, distributions={},
-            user_attrs={**figures, **attrs, **spec_attrs(spec), ROLE: "confirm",
+            user_attrs={**figures, **attrs, **spec_attrs(spec), ROLE: "confirm", CONFIRM_ROUND: round_,
                         **({ENGINE_VERSION: v} if (v := self.engine_version()) else {}),
                         "duration_s": round(time.monotonic() - t0, 3)},
             system_attrs={f"{_CONSTRAINT_PREFIX}{k}": c for k, c in constraints.items()})

@@ -1,9 +1,10 @@
 """The winner of a study: trials pooled per configuration, the proven winner (or `off` and why),
 and best.yaml with the winner re-measured on the held-out prompts.
 
-Ties go to the smaller draft budget (a tie: the intervals cannot tell two configurations apart and
-they read within 3%, the regret goal, of each other); `off` wins when nothing beats the baseline beyond
-noise (the slowdown trap), and best.yaml says whether acceptance or verification cost is to blame.
+Ties go to the smaller draft budget (a tie: the trials' intervals cannot tell two configurations
+apart and they read within 3%, the regret goal, of each other; head to head, the interval of the
+ratio between them lies within +-3%); `off` wins when nothing beats the baseline beyond noise (the
+slowdown trap), and best.yaml says whether acceptance or verification cost is to blame.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from engine.measure.stats import geomean, log_interval, ratio_bounds
+from engine.measure.stats import geomean, log_interval, ratio_bounds, t95_one_sided
 from tuner.study.objective import ENGINE_VERSION, OFF, Objective, spec_of
 from tuner.schema.engine_command import measured_server
 from tuner.schema.config import (ArmLevel, Arms, BestResult, Config, Figures, Level, PartResult, Provenance, Rate,
@@ -29,11 +30,17 @@ from tuner.schema.config import (ArmLevel, Arms, BestResult, Config, Figures, Le
 from tuner.schema.results import HeldoutCheck, SplitSpeedup
 from tuner.projection.profiling import CHECK, check_prompt_count
 from tuner.study.storage import mask_url, storage_url
-from tuner.study.studies import REUSED, role
+from tuner.study.studies import CONFIRM_ROUND, REUSED, counted, role
 
 HELDOUT_PAIRS = 2  # spec/baseline pairs of a part's (mixed workload) or the baseline's held-out figures
 CONFIRM_TOP = 3  # the best configurations by pessimistic bound that the confirmation round measures
-CONFIRM_ROUNDS = 3  # head-to-head pairs per contender at most
+CONFIRM_PAIRS_MAX = 6  # head-to-head pairs per contender at most (rounds; 2 at the noise floor: CONFIRM_FLOOR)
+CONFIRM_FLOOR = 2  # rounds when only pruned trials brought the round on at the floor: a head-to-head interval
+# The confirmation round adds rounds past the second only while it has taken less than the trials'
+# own time (CONFIRM_SHARE of it) or CONFIRM_MIN_S, whichever is longer: a bound on what noise may
+# cost. The quick search's trials take ~30 s on 2 cores, a pair of SmolLM2 at one level ~6.5 s.
+CONFIRM_SHARE = 1.0
+CONFIRM_MIN_S = 90.0
 # A tie goes to the smaller budget, so a tie may cost the difference between the two: at most the
 # regret goal of issue 39 (the winner within 3% of the best configuration).
 TIE_MAX = 0.03
@@ -57,6 +64,7 @@ class Candidate:
     lower: float | None = None  # one-sided 95% lower bound of the speedup, from the repeats' ratios
     ratios: list[float] = field(default_factory=list)  # every repeat's ratio, pooled
     confirmed: list[float] = field(default_factory=list)  # the confirmation round's ratios (head to head)
+    rounds: list[int] = field(default_factory=list)  # the confirmation round each of `confirmed` was measured in
     implausible: str | None = None  # why a figure stayed implausible after its re-measurements
 
     @classmethod
@@ -68,9 +76,20 @@ class Candidate:
             sp, lo, hi = a["speedup"], a.get("speedup_ci_low"), a.get("speedup_ci_high")
         taus = [t.user_attrs["tau"] for t in trials if t.user_attrs.get("tau") is not None]
         confirmed = [r for t in trials if role(t) == "confirm" for r in t.user_attrs.get("ratios", [])]
+        # a pair's round pairs it with the other contenders' pairs of that round (measured minutes apart
+        # at most); a study from before rounds were recorded numbers them in order
+        rounds = [t.user_attrs.get(CONFIRM_ROUND, -1) for t in trials if role(t) == "confirm"
+                  for _ in t.user_attrs.get("ratios", [])]
+        if any(r < 0 for r in rounds):
+            rounds = list(range(len(confirmed)))
         why = "; ".join(t.user_attrs["implausible"] for t in trials if t.user_attrs.get("implausible")) or None
         return cls(spec, trials, sp, lo, hi, statistics.fmean(taus) if taus else None,
-                   all(all(c <= 0 for c in t.constraints.values()) for t in trials), lower, ratios, confirmed, why)
+                   all(all(c <= 0 for c in t.constraints.values()) for t in trials), lower, ratios, confirmed,
+                   rounds, why)
+
+    def head(self) -> dict[int, float]:
+        """The confirmation round's ratios by round."""
+        return dict(zip(self.rounds, self.confirmed))
 
     def mean(self, key: str) -> float | None:
         vals = [t.user_attrs[key] for t in self.trials if t.user_attrs.get(key) is not None]
@@ -135,142 +154,199 @@ def tie_rel(noise_rel: float) -> float:
     return min(noise_rel, TIE_MAX)
 
 
-def told_apart(a: list[float], b: list[float], noise_rel: float, head_to_head: bool = False) -> bool:
-    """Whether two configurations' ratios say which is faster: their one-sided 95% bounds do not
-    overlap. Head-to-head ratios (the confirmation round: measured adjacent in time) by their own
-    intervals on logs, at least two each; the trials' by ratio_bounds, never narrower than the
-    noise band."""
-    if head_to_head:
-        if len(a) < 2 or len(b) < 2:
-            return False
-        _, _, _, a_lo, a_hi = log_interval(a)
-        _, _, _, b_lo, b_hi = log_interval(b)
-        assert a_lo is not None and a_hi is not None and b_lo is not None and b_hi is not None
-    else:
-        a_lo, a_hi = ratio_bounds(a, noise_rel)
-        b_lo, b_hi = ratio_bounds(b, noise_rel)
+def told_apart(a: list[float], b: list[float], noise_rel: float) -> bool:
+    """Whether two configurations' trial ratios say which is faster: their one-sided 95% bounds
+    (ratio_bounds, never narrower than the noise band) do not overlap."""
+    a_lo, a_hi = ratio_bounds(a, noise_rel)
+    b_lo, b_hi = ratio_bounds(b, noise_rel)
     return a_hi < b_lo or b_hi < a_lo
 
 
-def ties(a: list[float], b: list[float], noise_rel: float, head_to_head: bool = False) -> bool:
-    """Whether two configurations tie: the intervals cannot tell them apart (told_apart) and their
-    geometric means lie within tie_rel(noise_rel) of each other. A pair that reads further apart
-    without being told apart is no tie: the better reading is taken, which costs less than giving
-    the tie to the smaller budget could."""
+def ties(a: list[float], b: list[float], noise_rel: float) -> bool:
+    """Whether two configurations' trials tie: their intervals cannot tell them apart (told_apart)
+    and their geometric means lie within tie_rel(noise_rel) of each other. A pair that reads further
+    apart without being told apart is no tie: the better reading is taken, which costs less than
+    giving the tie to the smaller budget could."""
     ma, mb = geomean(a), geomean(b)
     if ma <= 0 or mb <= 0:
         return False
-    return (abs(math.log(ma / mb)) <= math.log(1 + tie_rel(noise_rel))
-            and not told_apart(a, b, noise_rel, head_to_head))
+    return abs(math.log(ma / mb)) <= math.log(1 + tie_rel(noise_rel)) and not told_apart(a, b, noise_rel)
+
+
+def head_to_head(a: dict[int, float], b: dict[int, float]) -> tuple[float, float, float, int] | None:
+    """How much faster `a` is than `b` head to head: from the confirmation rounds both were measured
+    in (ratios by round), the geometric mean of a's ratio over b's and its one-sided 95% bounds
+    (lower, upper), on the logs of the per-round quotients: (ratio, lower, upper, rounds). None
+    with fewer than two common rounds. Per round, because the two pairs of a round were measured
+    minutes apart at most: a load that comes and goes between rounds cancels."""
+    common = sorted(a.keys() & b.keys())
+    if len(common) < 2 or any(a[r] <= 0 or b[r] <= 0 for r in common):
+        return None
+    d = [math.log(a[r] / b[r]) for r in common]
+    m = statistics.fmean(d)
+    half = t95_one_sided(len(d)) * statistics.stdev(d) / math.sqrt(len(d))
+    return math.exp(m), math.exp(m - half), math.exp(m + half), len(d)
+
+
+def head_verdict(a: dict[int, float], b: dict[int, float], noise_rel: float) -> str:
+    """Head to head (`head_to_head`): "apart" when the one-sided 95% bounds of the ratio between
+    them exclude 1 (one is faster), "tie" when both lie within +-tie_rel(noise_rel) (at most
+    TIE_MAX: an equivalence test at 5% each side, so a tie costs at most the regret goal), else
+    "open": more pairs are needed. Not told apart is no tie: three pairs that read within 0.4% of
+    each other under load prove nothing about a 6% difference."""
+    h = head_to_head(a, b)
+    if h is None:
+        return "open"
+    _, lo, hi, _ = h
+    if lo > 1.0 or hi < 1.0:
+        return "apart"
+    band = math.log(1 + tie_rel(noise_rel))
+    return "tie" if abs(math.log(lo)) <= band and abs(math.log(hi)) <= band else "open"
 
 
 def _cheapest_of_best(cands: list[Candidate], noise_rel: float) -> tuple[Candidate, int]:
-    """The best speedup, and among those tied with it (`ties`: not told apart by the intervals and
-    within tie_rel of it) the smallest budget (then depth). When the confirmation round measured
-    candidates head to head, those figures rank them: they were measured adjacent in time,
-    interleaved with the baseline."""
+    """The best speedup, and among those tied with it the smallest budget (then depth). When the
+    confirmation round measured candidates head to head, only those compete, each by the geometric
+    mean of all its pairs (trials' and round's: under noise every pair counts, and in simulation
+    at the loaded machine's spread pooling halves the wrong picks of the round's pairs alone), and a
+    tie is what `head_verdict` calls one; otherwise the trials' figures, and a tie is what `ties` calls
+    one."""
     confirmed = [c for c in cands if c.confirmed]
-    pool = confirmed or cands
-
-    def ratios(c: Candidate) -> list[float]:
-        return c.confirmed if confirmed else (c.ratios or [c.speedup])
-
-    def score(c: Candidate) -> float:
-        return geomean(c.confirmed) if confirmed else c.speedup
-
-    best = max(pool, key=score)
-    tied = [c for c in pool if c is best or ties(ratios(c), ratios(best), noise_rel, bool(confirmed))]
-    return min(tied, key=lambda c: (c.spec.budget, c.spec.depth, -score(c))), len(tied)
+    if confirmed:  # ranked by every pair's ratio, the trials' and the round's (`speedup`: all pooled)
+        best = max(confirmed, key=lambda c: c.speedup)
+        tied = [c for c in confirmed if c is best or head_verdict(c.head(), best.head(), noise_rel) == "tie"]
+        return min(tied, key=lambda c: (c.spec.budget, c.spec.depth, -c.speedup)), len(tied)
+    best = max(cands, key=lambda c: c.speedup)
+    tied = [c for c in cands if c is best or ties(c.ratios or [c.speedup], best.ratios or [best.speedup], noise_rel)]
+    return min(tied, key=lambda c: (c.spec.budget, c.spec.depth, -c.speedup)), len(tied)
 
 
-def contenders(trials: list[FrozenTrial], noise_rel: float) -> list[tuple[SpecConfig, list[float]]]:
-    """What the confirmation round measures, with the ratios known so far: the CONFIRM_TOP best
-    configurations by pessimistic bound (among those whose optimistic bound reaches 1.0), and
-    every pruned configuration whose first repeat was within the noise of the leader's speedup
-    (a glitch may have pruned it)."""
-    # one that cannot reach 1.0 even optimistically is no contender: off beats it
-    known = sorted((c for c in candidates(trials) if c.feasible and c.implausible is None
-                    and c.bounds(noise_rel)[1] >= 1.0), key=lambda c: -c.bounds(noise_rel)[0])
-    out = [(c.spec, c.ratios) for c in known[:CONFIRM_TOP]]
-    if not known:
-        return out
-    taken = {spec.model_dump_json() for spec, _ in out} | {c.spec.model_dump_json() for c in known}
+def _near(trials: list[FrozenTrial], lead: Candidate, noise_rel: float, taken: set[str]
+          ) -> list[tuple[SpecConfig, list[float]]]:
+    """Pruned configurations whose first repeat read within the noise of `lead`'s speedup or above
+    it (one repeat can have been the unlucky one), the CONFIRM_TOP best of them by that repeat."""
+    near: list[tuple[SpecConfig, list[float]]] = []
     for t in trials:
         spec, ratios = spec_of(t), t.user_attrs.get("ratios")
         if (t.state != TrialState.PRUNED or spec is None or not ratios or REUSED in t.user_attrs
                 or t.user_attrs.get("implausible") or spec.model_dump_json() in taken):
             continue
-        if ratios[0] >= known[0].speedup * (1 - noise_rel):
-            out.append((spec, ratios[:1]))
+        if ratios[0] >= lead.speedup * (1 - noise_rel):
+            near.append((spec, ratios[:1]))
             taken.add(spec.model_dump_json())
-    return out
+    return sorted(near, key=lambda x: -x[1][0])[:CONFIRM_TOP]
 
 
-def unresolved(others: list[tuple[SpecConfig, list[float]]], lead: list[float], noise_rel: float,
-               head_to_head: bool = False, tie_noise: float | None = None) -> list[int]:
-    """Which of `others` are neither separated from the leader (ratios `lead`) nor tied with it.
-    Before any head-to-head pair, by the trials' bounds: an optimistic bound below the leader's
-    pessimistic one is separated. Then by the head-to-head ratios alone (two pairs or more each):
-    one-sided 95% bounds that do not overlap separate (told_apart); `ties` (within
-    tie_rel(tie_noise, default noise_rel) and not told apart) tie."""
-    out = []
-    for i, (_, ratios) in enumerate(others):
-        if not head_to_head:
-            if ratio_bounds(ratios, noise_rel)[1] >= ratio_bounds(lead, noise_rel)[0]:
-                out.append(i)
-            continue
-        if not told_apart(ratios, lead, noise_rel, True) and not ties(
-                ratios, lead, tie_noise if tie_noise is not None else noise_rel, True):
-            out.append(i)
-    return out
+def contenders(trials: list[FrozenTrial], noise_rel: float, lead: Candidate | None = None
+               ) -> list[tuple[SpecConfig, list[float]]]:
+    """What the confirmation round measures, with the ratios known so far, the leader first: the
+    CONFIRM_TOP best configurations by pessimistic bound (among those whose optimistic bound reaches
+    1.0), and the pruned configurations whose first repeat was within the noise of the leader's
+    speedup (`_near`: a glitch may have pruned them). With `lead` (the noise at its floor: the
+    trials' figures stand), that candidate and the pruned one whose first repeat read best only."""
+    if lead is not None:  # the one whose first repeat read best: two rounds of 2 pairs (~36 s of the main command)
+        return [(lead.spec, lead.ratios)] + _near(trials, lead, noise_rel, {lead.spec.model_dump_json()})[:1]
+    # one that cannot reach 1.0 even optimistically is no contender: off beats it
+    known = sorted((c for c in candidates(trials) if c.feasible and c.implausible is None
+                    and c.bounds(noise_rel)[1] >= 1.0), key=lambda c: -c.bounds(noise_rel)[0])
+    if not known:
+        return []
+    out = [(c.spec, c.ratios) for c in known[:CONFIRM_TOP]]
+    return out + _near(trials, known[0], noise_rel, {c.spec.model_dump_json() for c in known})
+
+
+def unresolved(others: list[tuple[SpecConfig, list[float]]], lead: list[float], noise_rel: float) -> list[int]:
+    """Which of `others` the trials' bounds do not separate from the leader (ratios `lead`): an
+    optimistic bound at or above the leader's pessimistic one."""
+    lead_lo = ratio_bounds(lead, noise_rel)[0]
+    return [i for i, (_, ratios) in enumerate(others) if ratio_bounds(ratios, noise_rel)[1] >= lead_lo]
+
+
+def trials_seconds(trials: list[FrozenTrial]) -> float:
+    """The wall seconds the study's counted trials took (start to finish, summed)."""
+    return sum((t.datetime_complete - t.datetime_start).total_seconds() for t in trials
+               if t.state in (TrialState.COMPLETE, TrialState.PRUNED) and counted(t)
+               and t.datetime_start is not None and t.datetime_complete is not None)
 
 
 def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
             log: Callable[[str], None] = lambda s: None) -> int:
     """The confirmation round before the winner is named: the contenders (see `contenders`) are
-    measured head to head, one pair each per round in alternating order with the baseline,
-    until every one is separated from the leader or tied with it (`unresolved`), at most
-    CONFIRM_ROUNDS rounds; each pair is a COMPLETE trial with role `confirm`. It runs only when
-    the machine's noise rose above its floor during the study (Objective.noise_rose: at the floor
-    the trials' own figures stand, and the study takes no longer), or always with
-    search.confirm=always (two pairs that agree by chance can lead by lower bound at the floor too),
-    and some contender reads at least 1 + noise_rel. Returns the pairs measured."""
+    measured head to head, one pair each per round in alternating order with the baseline; each
+    pair is a COMPLETE trial with role `confirm` that records its round. After two rounds, every
+    round measures the best so far (by the geometric mean of all its pairs, as pick_winner ranks)
+    and those whose `head_verdict` against it is still open: neither told apart from it nor tied with
+    it. It stops when none is open, at CONFIRM_PAIRS_MAX rounds, or once it has taken as long as
+    the trials did (at least CONFIRM_MIN_S).
+
+    It runs when the machine's noise rose above its floor during the study (Objective.noise_rose),
+    with search.confirm=always (two pairs that agree by chance can lead by lower bound at the floor
+    too), or at the floor when a pruned trial's first repeat read within the noise of the winner
+    the trials name (one unlucky repeat must not lose the answer): then that winner and the pruned
+    configuration whose first repeat read best only, for CONFIRM_FLOOR rounds (on a quiet machine
+    the trials' figures stand, and the round costs 4 pairs).
+    Nothing runs unless some contender reads at least 1 + noise_rel. Returns the pairs measured."""
+    t0 = time.monotonic()
     trials = study.get_trials(deepcopy=False)
     rose = objective.noise_rose()
-    if rose is None and objective.search.confirm == "auto":
-        return 0
+    auto = objective.search.confirm == "auto"
     noise = max(noise_rel, rose or 0.0)
-    field_ = contenders(trials, noise)
+    rounds_max = CONFIRM_PAIRS_MAX
+    if rose is None and auto:  # at the floor: only pruned configurations near the trials' winner
+        win = pick_winner(trials, noise_rel, objective.levels)
+        if win.candidate is None:
+            return 0
+        field_ = contenders(trials, noise, win.candidate)
+        rounds_max = CONFIRM_FLOOR
+        why = "a pruned trial's one repeat read within the noise of the trials' winner"
+    else:
+        field_ = contenders(trials, noise)
+        why = (f"the baseline passes spread {rose:.1%}, above the machine's floor" if rose is not None
+               else "search.confirm=always")
     # nothing to confirm when no contender even reads what the winner rule asks (1 + noise_rel):
     # the slowdown trap needs no head-to-head
     if len(field_) < 2 or max(geomean(r) for _, r in field_) < 1 + noise_rel:
         return 0
     lead_spec, lead_known = field_[0]
-    others = field_[1:]
-    open_ = unresolved(others, lead_known, noise)
-    if not open_:
+    specs = [lead_spec] + [field_[1:][i][0] for i in unresolved(field_[1:], lead_known, noise)]
+    if len(specs) < 2:
         return 0
-    why = (f"the baseline passes spread {rose:.1%}, above the machine's floor" if rose is not None
-           else "search.confirm=always")
     log(f"confirmation round: {why}; {lead_spec.key()} head to head with "
-        f"{', '.join(others[i][0].key() for i in open_)}")
-    head: dict[str, list[float]] = {}
-    pairs = 0
-    for r in range(CONFIRM_ROUNDS):
-        for spec in [lead_spec] + [others[i][0] for i in open_]:
-            t = objective.confirm(spec, pairs)
-            head.setdefault(spec.model_dump_json(), []).extend(t.user_attrs["ratios"])
+        f"{', '.join(s.key() for s in specs[1:])}")
+    budget_s = max(CONFIRM_SHARE * trials_seconds(trials), CONFIRM_MIN_S)
+    first = 1 + max((t.user_attrs.get(CONFIRM_ROUND, -1) for t in trials if role(t) == "confirm"), default=-1)
+    head: dict[str, dict[int, float]] = {s.model_dump_json(): {} for s in specs}
+    # what pick_winner ranks by: all of a configuration's complete pairs (a pruned first repeat is not among them)
+    known = {c.spec.model_dump_json(): c.ratios for c in candidates(trials)}
+
+    def score(spec: SpecConfig) -> float:
+        return geomean(known.get(spec.model_dump_json(), []) + list(head[spec.model_dump_json()].values()))
+
+    live, pairs, left = list(specs), 0, ""
+    best, hb = lead_spec, head[lead_spec.model_dump_json()]  # set from the second round on
+    for r in range(rounds_max):
+        for spec in live:
+            t = objective.confirm(spec, pairs, first + r)
+            head[spec.model_dump_json()][first + r] = t.user_attrs["ratios"][0]
             pairs += 1
         if r == 0:
-            continue  # a head-to-head interval needs two pairs
-        lead = head[lead_spec.model_dump_json()]
-        mine = [(others[i][0], head[others[i][0].model_dump_json()]) for i in open_]
-        open_ = [open_[j] for j in unresolved(mine, lead, noise, head_to_head=True, tie_noise=noise_rel)]
+            continue  # a head-to-head interval needs two rounds
+        best = max(specs, key=score)
+        hb = head[best.model_dump_json()]
+        open_ = [s for s in specs if s is not best and head_verdict(head[s.model_dump_json()], hb, noise_rel) == "open"]
+        live = [best] + open_
         if not open_:
             break
-    left = (f"; not separated after {CONFIRM_ROUNDS} rounds, ranked by their head-to-head figures: "
-            f"{', '.join(others[i][0].key() for i in open_)}" if open_ else "")
-    log(f"confirmation round: {pairs} pairs{left}")
+        if r + 1 < rounds_max and time.monotonic() - t0 >= budget_s:
+            left = f"; stopped after {budget_s:.0f} s (the trials' time, at least {CONFIRM_MIN_S:.0f} s)"
+            break
+    else:
+        left = f"; {rounds_max} rounds"
+    undecided = [s for s in specs if s is not best and head_verdict(head[s.model_dump_json()], hb, noise_rel) == "open"]
+    if undecided:
+        left += (f", {best.key()} read best, not told apart from {', '.join(s.key() for s in undecided)} "
+                 f"nor within {tie_rel(noise_rel):.0%} of it: the best reading wins")
+    log(f"confirmation round: {pairs} pairs in {time.monotonic() - t0:.0f} s{left}")
     return pairs
 
 
