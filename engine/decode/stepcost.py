@@ -45,8 +45,8 @@ ROUNDS = 3  # the fastest of this many timings of each point, taken in passes ov
 FOLLOW = 0.05  # the share of each live observation in the online figures (about the last 20 steps)
 CLIP_LOW, CLIP_HIGH = 0.25, 4.0  # a live step counts as taking between these multiples of the curve
 # the ridge towards the prior slope: live steps whose m / c0 vary this much (variance) weigh as much
-# as the prior (a batch size whose steps all have the same rows leaves the slope at the prior; at
-# 0.003 one stalled 11-row step among steps without rows set the slope to 3.5x the curve's)
+# as the prior (a batch size whose steps all have the same rows leaves the slope at the prior; a
+# weaker prior let one stalled step among steps without rows set the slope several times the curve's)
 PRIOR_VAR = 0.01
 LOW_SLOPE = 0.5  # the slope never falls below this share of the prior (a few lucky steps are noise)
 STEP_CLIP = (0.5, 2.0)  # a live step counts as taking between these multiples of what was expected of it

@@ -567,7 +567,7 @@ def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
     """t's values in memory the kernel is asked to back with 2 MB pages (transparent huge pages,
     madvise), where t spans at least one such page and the platform offers it; else t. A decode step
     streams every packed weight once: on 4 KB pages that is a TLB miss every 4 KB of the read
-    (40,000 a step at fp8), on 2 MB pages one every 2 MB. Where the kernel keeps THP off the advice is
+    on 2 MB pages one every 2 MB. Where the kernel keeps THP off the advice is
     ignored and the pages stay 4 KB (the values are the same)."""
     nbytes = t.numel() * t.element_size()
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):

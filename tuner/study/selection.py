@@ -38,7 +38,7 @@ CONFIRM_PAIRS_MAX = 6  # head-to-head pairs per contender at most (rounds; 2 at 
 CONFIRM_FLOOR = 2  # rounds when only pruned trials brought the round on at the floor: a head-to-head interval
 # The confirmation round adds rounds past the second only while it has taken less than the trials'
 # own time (CONFIRM_SHARE of it) or CONFIRM_MIN_S, whichever is longer: a bound on what noise may
-# cost. The quick search's trials take ~30 s on 2 cores, a pair of SmolLM2 at one level ~6.5 s.
+# cost; the floor keeps a short study's round from stopping after two rounds.
 CONFIRM_SHARE = 1.0
 CONFIRM_MIN_S = 90.0
 # A tie goes to the smaller budget, so a tie may cost the difference between the two: at most the
@@ -244,7 +244,7 @@ def contenders(trials: list[FrozenTrial], noise_rel: float, lead: Candidate | No
     1.0), and the pruned configurations whose first repeat was within the noise of the leader's
     speedup (`_near`: a glitch may have pruned them). With `lead` (the noise at its floor: the
     trials' figures stand), that candidate and the pruned one whose first repeat read best only."""
-    if lead is not None:  # the one whose first repeat read best: two rounds of 2 pairs (~36 s of the main command)
+    if lead is not None:  # the one whose first repeat read best: two rounds of 2 pairs
         return [(lead.spec, lead.ratios)] + _near(trials, lead, noise_rel, {lead.spec.model_dump_json()})[:1]
     # one that cannot reach 1.0 even optimistically is no contender: off beats it
     known = sorted((c for c in candidates(trials) if c.feasible and c.implausible is None
@@ -534,7 +534,7 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
 # baseline's per-prompt (output tokens, seconds) (tuner.study.objective.Sample.per_prompt)
 PerPrompt = list[tuple[int, float]]
 SidePasses = list[list[tuple[PerPrompt | None, PerPrompt | None]]]
-GAP_DRAWS = 2000  # bootstrap draws of the gap's interval (about 0.1 s)
+GAP_DRAWS = 2000  # bootstrap draws of the gap's interval
 
 
 def _side_log_speedup(side: SidePasses, prompts: list[int], pairs: list[int]) -> float:
@@ -560,10 +560,9 @@ def gap_interval(tuning: SidePasses, heldout: SidePasses, gap: float, seed: int 
     (on logs). None when a pass recorded no per-prompt figures or a side holds fewer than two prompts
     that every pass played to the end.
 
-    The gap's sampling error is mostly the prompts': one HumanEval prompt's tau under an n-gram
-    chain ranges 1.1-4.7, so two sets of 6 read about 15% apart on average (benchmarks/split_gap.py)
-    however long they are timed. A t-interval over two pairs knows nothing of it (and with t = 12.7
-    it knows little else)."""
+    The gap's sampling error is mostly the prompts': one prompt's tau under an n-gram chain differs
+    widely from another's, so two small sets differ however long they are timed
+    (benchmarks/split_gap.py). A t-interval over two pairs knows nothing of it."""
     sides = (tuning, heldout)
     kept: list[list[int]] = []
     for side in sides:
@@ -612,8 +611,8 @@ def heldout_check(cfg: Config, objective: Objective, spec: SpecConfig) -> tuple[
     interleaved pair by pair until both speedup intervals are tight (Objective.check), as many
     pairs each as a trial may take now (search.repeats_max, more when the measured noise rose),
     at least two (an interval): the check (the gap, its interval over prompts and pairs,
-    `gap_interval`, and its `verdict`) and the held-out split's figures. A third pair each made the
-    main command 56 s longer on 2 cores (docs/results.md)."""
+    `gap_interval`, and its `verdict`) and the held-out split's figures. Two pairs, not three: the
+    main command's time (docs/results.md)."""
     got = objective.check(spec, [CHECK, "heldout"], max(2, objective.repeats_max))
 
     def side(split: str, n: int) -> SplitSpeedup:
@@ -641,8 +640,8 @@ def heldout_excess(c: HeldoutCheck) -> float | None:
 def tau_gap(c: HeldoutCheck) -> float | None:
     """How far the held-out prompts' tau lies from the tuning prompts' (held-out / tuning - 1) in the
     check: a property of the prompts (how much of each greedy answer repeats what came before), not
-    of the measurement. On HumanEval one prompt's tau ranges 1.1-4.7, and 6 prompts against 6 differ
-    by 15% on average however they are split (benchmarks/split_gap.py)."""
+    of the measurement: one prompt's tau differs widely from another's, so small sets differ however
+    they are split (benchmarks/split_gap.py)."""
     t, h = c.tuning.tau, c.heldout.tau
     return h / t - 1 if t and h else None
 
@@ -653,9 +652,8 @@ def gap_at_equal_tau(c: HeldoutCheck) -> float | None:
     error nor a property of the configuration. A speculative step costs more on a longer context and
     when it carries a draft (an n-gram drafter proposes nothing where it finds no match, and that
     step costs what off's does), so speedup / tau is higher where tau is lower, as on this workload's
-    held-out prompts, and it moves from pass to pass: with every prefill cached, two runs of
-    benchmarks/heldout_sides.py read the held-out side's 15% above the tuning side's and 23% below
-    it (docs/results.md). In benchmarks/fidelity.py it reads above zero in every run, before and
+    held-out prompts, and it moves from pass to pass, either side of zero (benchmarks/heldout_sides.py,
+    docs/results.md). In benchmarks/fidelity.py it reads above zero in every run, before and
     after the first pass's prefill was taken out of the check (Measurer._warm_prefix)."""
     g = tau_gap(c)
     return (1 + c.gap) / (1 + g) - 1 if g is not None else None
