@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -249,15 +250,12 @@ class Measurer:
         own), so trials after the first warm nothing.
 
         Without it the first pass over a set of prompts runs their whole prefill and every later
-        pass copies it: on HumanEval with SmolLM2 a prompt's first TTFT read 2-7 times its later
-        ones (docs/results.md, benchmarks/heldout_sides.py). Whichever side of a pair came first
+        pass copies it (docs/results.md, benchmarks/heldout_sides.py). Whichever side of a pair came first
         paid for it, so the held-out check's first round read the held-out side's speedup high and
         the tuning side's low (the pair orders alternate between the sides). A launched server
         starts empty for every spec, so both sides of a pair pay there alike: only the built-in
         engine is warmed."""
-        from dataclasses import replace
-
-        from engine.measure.workloads import params_of
+        from engine.measure.workloads import params_of  # the engine's modules load with the engine
 
         if self.engine is None or self.engine.prefix_cache is None:
             return
