@@ -275,26 +275,9 @@ static inline float wscale(const float*, float) { return 1.f; }
 static inline float wscale(const bf16_t*, float) { return 1.f; }
 static inline float wscale(const e4m3_t*, float s) { return s * 256.f; }
 
-/* The k-rows of a block are summed in SEGS chains, chain c over the contiguous k-rows [c K / SEGS,
-   (c + 1) K / SEGS) in order, and y = (s_0 + s_1) (+ s_2) (+ s_3), added left to right: the same order
-   at every row count, so a row's result does not depend on the rows beside it (a decode row alone
-   equals the same row in a verified chain: greedy speculation stays token-identical to AR). One row
-   needs independent chains to hide the FMA latency; several rows hold SEGS chains each only while the
-   accumulators fit the registers (Pass), else they sum fewer segments per pass over the block, the
-   partial sum kept in y. */
-#ifndef SEGS
-#define SEGS 2
-#endif
-
-/* segments summed in one pass for M rows over NJ vectors: SEGS M NJ accumulators at most ACC */
-template <int M, int NJ> struct Pass {
-  static constexpr int ACC = VW == 16 ? 28 : 8;
-  static constexpr int S = SEGS * M * NJ <= ACC ? SEGS : (SEGS / 2) * M * NJ <= ACC && SEGS % 2 == 0 ? SEGS / 2 : 1;
-};
-
-/* bytes the prefetch runs ahead of each chain's loads */
+/* bytes the prefetch runs ahead of the loads: 32 fp32 k-rows of a block */
 #ifndef AHEAD
-#define AHEAD 8192
+#define AHEAD (32 * BW * 4)
 #endif
 
 /* the 64-byte lines of a k-row (or k-pair) of `row` bytes that vectors J0..J0+NJ of H read, as
@@ -304,98 +287,64 @@ struct Lines {
   static constexpr int first = Part<H>::J0 * ROW / NB / 64 * 64, end = (Part<H>::J0 + Part<H>::NJ) * ROW / NB;
 };
 
-/* prefetch the lines k-row k of a block of `ROW`-byte k-rows will need AHEAD bytes on (every line of
-   a wide k-row: prefetching only 2 of a 4-line row cost a third of the speed, docs/design.md) */
-template <int H, int ROW>
-static inline void prefetch_row(const char* wc, long k) {
-  const char* ahead = wc + k * ROW + AHEAD;
-  if (ROW >= 64) {
-    _Pragma("GCC unroll 4")
-    for (int off = Lines<H, ROW>::first; off < Lines<H, ROW>::end; off += 64) __builtin_prefetch(ahead + off);
-  } else if ((k * ROW) % 64 == 0) {
-    __builtin_prefetch(ahead);
-  }
-}
-
-/* c + a b, fused by an explicit instruction: left to the compiler's contraction, one row's loop was
-   compiled to a multiply and an add and several rows' to FMAs, another rounding (not batch-invariant) */
-static inline vf fmadd(float a, vf b, vf c) {
-#if VW == 16
-  return (vf)_mm512_fmadd_ps(_mm512_set1_ps(a), (__m512)b, (__m512)c);
-#elif defined(__FMA__)
-  return (vf)_mm256_fmadd_ps(_mm256_set1_ps(a), (__m256)b, (__m256)c);
-#else
-  return c + a * b;  /* no FMA instruction: nothing to contract either */
-#endif
-}
-
-/* Segments C0..C0+S-1 of one block for M rows (see SEGS): y[m, :BW] = its partial sum (added to the one
-   y holds unless C0 is 0), times f once the last segment is in. */
-template <int M, int H, int S, int C0, typename W>
-static inline void block_pass(const float* x, long ldx, const W* wb, float* y, long ldy, long K, float f) {
-  constexpr int ROW = BW * sizeof(W);  /* bytes of one k-row of the block */
-  constexpr int J0 = Part<H>::J0, J1 = J0 + Part<H>::NJ;
-  vf acc[S][NB][M];
-  long lo[S], n[S], common = K;
-  for (int c = 0; c < S; ++c) {
-    lo[c] = (C0 + c) * K / SEGS;
-    n[c] = (C0 + c + 1) * K / SEGS - lo[c];
-    common = n[c] < common ? n[c] : common;
-    for (int j = J0; j < J1; ++j)
-      for (int m = 0; m < M; ++m) acc[c][j][m] = (vf){};
-  }
-  const char* wc = (const char*)wb;
-  for (long i = 0; i < common; ++i) {
-    _Pragma("GCC unroll 4")
-    for (int c = 0; c < S; ++c) {
-      long k = lo[c] + i;
-      prefetch_row<H, ROW>(wc, k);
-      vf w[NB];
-      wrow<H>(wb + k * BW, w);
-      _Pragma("GCC unroll 8")
-      for (int m = 0; m < M; ++m) {
-        float xs = x[m * ldx + k];
-        _Pragma("GCC unroll 4")
-        for (int j = J0; j < J1; ++j) acc[c][j][m] = fmadd(xs, w[j], acc[c][j][m]);
-      }
-    }
-  }
-  for (int c = 0; c < S; ++c)  /* the longer segments' last k-row */
-    for (long k = lo[c] + common; k < lo[c] + n[c]; ++k) {
-      vf w[NB];
-      wrow<H>(wb + k * BW, w);
-      for (int m = 0; m < M; ++m)
-        for (int j = J0; j < J1; ++j) acc[c][j][m] = fmadd(x[m * ldx + k], w[j], acc[c][j][m]);
-    }
-  for (int j = J0; j < J1; ++j)
-    for (int m = 0; m < M; ++m) {
-      vfu* out = (vfu*)(y + m * ldy + j * VW);
-      vf a = C0 == 0 ? acc[0][j][m] : *out + acc[0][j][m];
-      for (int c = 1; c < S; ++c) a += acc[c][j][m];
-      *out = C0 + S == SEGS ? a * f : a;  /* exact where f is 1 */
-    }
-}
-
 /* One block of BW output columns for M rows: y[m, :BW] = x[m] . wb (* the weight's scale), wb one
    packed block [K, BW] of weights of type W, x fp32 (rounded to bf16 for bf16 and e4m3 weights);
    of its vectors only those of H (Part). */
 template <int M, int H, typename W>
 static inline void block(const float* x, long ldx, const W* wb, float* y, long ldy, long K, float scale) {
-  constexpr int S = Pass<M, Part<H>::NJ>::S;
-  static_assert(SEGS % S == 0 && SEGS <= 4 * S, "the passes below cover SEGS segments");
+  /* one row has a single accumulator chain per vector: two k-rows in flight hide the FMA latency */
+  constexpr int KU = M == 1 ? 2 : 1;
+  constexpr int ROW = BW * sizeof(W);  /* bytes of one k-row of the block */
+  constexpr int J0 = Part<H>::J0, J1 = J0 + Part<H>::NJ;
+  vf acc[KU][NB][M];
+  for (int u = 0; u < KU; ++u)
+    for (int j = J0; j < J1; ++j)
+      for (int m = 0; m < M; ++m) acc[u][j][m] = (vf){};
+  const char* wc = (const char*)wb;
+  long k = 0;
+  for (; k + KU <= K; k += KU) {
+    _Pragma("GCC unroll 2")
+    for (int u = 0; u < KU; ++u) {
+      /* every 64-byte line of a k-row (a row of 64 floats is 4 lines; prefetching only 2 of them cost
+         a third of the speed, docs/design.md) */
+      const char* ahead = wc + (k + u) * ROW + AHEAD;
+      if (ROW >= 64) {
+        _Pragma("GCC unroll 4")
+        for (int off = Lines<H, ROW>::first; off < Lines<H, ROW>::end; off += 64) __builtin_prefetch(ahead + off);
+      } else if (((k + u) * ROW) % 64 == 0) {
+        __builtin_prefetch(ahead);
+      }
+      vf w[NB];
+      wrow<H>(wb + (k + u) * BW, w);
+      _Pragma("GCC unroll 8")
+      for (int m = 0; m < M; ++m) {
+        float xs = x[m * ldx + k + u];
+        _Pragma("GCC unroll 4")
+        for (int j = J0; j < J1; ++j) acc[u][j][m] += xs * w[j];
+      }
+    }
+  }
+  for (; k < K; ++k) {
+    vf w[NB];
+    wrow<H>(wb + k * BW, w);
+    for (int j = J0; j < J1; ++j)
+      for (int m = 0; m < M; ++m) acc[0][j][m] += x[m * ldx + k] * w[j];
+  }
   float f = wscale(wb, scale);
-  block_pass<M, H, S, 0>(x, ldx, wb, y, ldy, K, f);
-  if constexpr (S < SEGS) block_pass<M, H, S, S % SEGS>(x, ldx, wb, y, ldy, K, f);
-  if constexpr (2 * S < SEGS) block_pass<M, H, S, (2 * S) % SEGS>(x, ldx, wb, y, ldy, K, f);
-  if constexpr (3 * S < SEGS) block_pass<M, H, S, (3 * S) % SEGS>(x, ldx, wb, y, ldy, K, f);
+  for (int j = J0; j < J1; ++j)
+    for (int m = 0; m < M; ++m) {
+      vf a = acc[0][j][m];
+      for (int u = 1; u < KU; ++u) a += acc[u][j][m];
+      *(vfu*)(y + m * ldy + j * VW) = a * f;  /* exact where f is 1 */
+    }
 }
 
 #ifdef BF16_DOT
 /* block() for a linear that multiplies bf16 pairs: xp [M, ldp] the activations' pairs, wb the block's
    (K + 1) / 2 k-pairs. One vdpbf16ps per 32 products (two k-rows of 16 columns). Every row count sums
    in the same order (one chain per vector, k-pairs in order; 4 chains keep one row's step near the
-   read bandwidth): a row's result does not depend on the rows beside it (batch invariance, as in
-   block()). */
+   read bandwidth): a row's result does not depend on the rows beside it (batch invariance, which
+   block() gives past one row only). */
 template <int M, int H, typename W>
 static inline void block_dot(const unsigned* xp, long ldp, const W* wb, float* y, long ldy, long K, float scale) {
   constexpr int PAIR = 2 * BW * sizeof(W);  /* bytes of one k-pair of the block */
