@@ -371,7 +371,7 @@ class BatchEngine:
                     req.result = st.result()
             except Exception as exc:  # noqa: BLE001
                 req.fail(exc)
-        if spec is not None and spec.key() in self.accept:
+        if spec is not None and self.accept and spec.key() in self.accept:  # key() only where a spec adapts
             self._learn(spec, [(req, tree) for req, tree, _, _ in plans if tree is not None and req.error is None])
 
     def _estimate(self, req: Request, spec: SpecConfig) -> Acceptance:

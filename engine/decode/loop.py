@@ -395,6 +395,8 @@ class Decoding:
                 d.observe_logits(tokens, logits)
 
     def _observe(self, hidden: torch.Tensor, aux: torch.Tensor | None, rows: list[int] | None) -> None:
+        if not self.observers:  # AR without a drafter: no rows to gather, every token
+            return
         if rows is not None:
             hidden = hidden[rows]
             aux = None if aux is None else aux[rows]
