@@ -482,3 +482,52 @@ def test_the_heldout_check_compares_as_many_tuning_prompts_interleaved_until_bot
     assert tau_gap(lower) == pytest.approx(-0.2)
     assert gap_at_equal_tau(lower) == pytest.approx((1 + check.gap) / 0.8 - 1)
     assert "tau 1.60 against 2.00 (20.0% below)" in describe_check(lower)
+
+
+def _false_separations(verdict: Callable[[dict[int, float], dict[int, float]], str], n: int = 400) -> float:
+    """Share of n seeded confirmation rounds between two equal configurations (log sd 0.1 a pair)
+    that end "apart": one look after every round from the second, as `confirm` asks, stopping at
+    the first verdict that is not "open"."""
+    import math
+    import random
+
+    from tuner.study.selection import CONFIRM_PAIRS_MAX
+
+    rng, apart = random.Random(0), 0
+    for _ in range(n):
+        a: dict[int, float] = {}
+        b: dict[int, float] = {}
+        for r in range(CONFIRM_PAIRS_MAX):
+            a[r], b[r] = 1.4 * math.exp(rng.gauss(0, 0.1)), 1.4 * math.exp(rng.gauss(0, 0.1))
+            v = verdict(a, b) if r > 0 else "open"
+            if v != "open":
+                apart += v == "apart"
+                break
+    return apart / n
+
+
+def test_told_apart_over_several_looks_keeps_false_separations_near_five_percent() -> None:
+    """The round asks "told apart?" after each of up to CONFIRM_PAIRS_MAX - 1 rounds. At one-sided
+    95% per look (the old rule, planted here) two equal configurations were told apart in far more
+    than 5% of rounds; the per-look bound (`head_alpha`) keeps it at about 5%. A difference that is
+    real still separates."""
+    import math
+
+    from tuner.study.selection import head_to_head, head_verdict
+
+    def old(a: dict[int, float], b: dict[int, float]) -> str:
+        h = head_to_head(a, b, 0.05)
+        assert h is not None
+        _, lo, hi, _ = h
+        if lo > 1.0 or hi < 1.0:
+            return "apart"
+        band = math.log(1.03)
+        return "tie" if abs(math.log(lo)) <= band and abs(math.log(hi)) <= band else "open"
+
+    assert _false_separations(old) > 0.15
+    assert _false_separations(lambda a, b: head_verdict(a, b, 0.05)) <= 0.07
+    # ratios 1.02-1.08 apart round after round: 95% at one look, not at the per-look bound yet
+    a, b = {0: 1.50, 1: 1.46, 2: 1.52}, {0: 1.43, 1: 1.43, 2: 1.41}
+    assert old(a, b) == "apart" and head_verdict(a, b, 0.05) == "open"
+    a[3], b[3], a[4], b[4] = 1.49, 1.40, 1.51, 1.42
+    assert head_verdict(a, b, 0.05) == "apart"

@@ -22,7 +22,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from engine.measure.stats import geomean, log_interval, ratio_bounds, t95_one_sided
+from engine.measure.stats import geomean, log_interval, ratio_bounds, t_one_sided
 from tuner.study.objective import ENGINE_VERSION, OFF, Objective, spec_of
 from tuner.schema.engine_command import measured_server
 from tuner.schema.config import (ArmLevel, Arms, BestResult, Config, Figures, Level, PartResult, Provenance, Rate,
@@ -44,6 +44,17 @@ CONFIRM_MIN_S = 90.0
 # A tie goes to the smaller budget, so a tie may cost the difference between the two: at most the
 # regret goal of issue 39 (the winner within 3% of the best configuration).
 TIE_MAX = 0.03
+# The head-to-head test is repeated after every round from the second on: one look per round, up to
+# CONFIRM_PAIRS_MAX - 1 looks, each asking whether either configuration is faster (two sides). At
+# one-sided 5% per look two equal configurations would be told apart far more often than 5% over the
+# looks; a Bonferroni split of HEAD_ALPHA over the looks and the two sides keeps it at HEAD_ALPHA at most.
+HEAD_ALPHA = 0.05
+HEAD_LOOKS = CONFIRM_PAIRS_MAX - 1
+
+
+def head_alpha() -> float:
+    """The one-sided level of each bound a head-to-head look uses (see HEAD_ALPHA)."""
+    return HEAD_ALPHA / (2 * HEAD_LOOKS)
 
 # Below this many tokens per target forward, drafts are too rarely accepted to pay for drafting
 # and verification at all; above it, a slowdown means verifying costs more than it saves.
@@ -173,28 +184,32 @@ def ties(a: list[float], b: list[float], noise_rel: float) -> bool:
     return abs(math.log(ma / mb)) <= math.log(1 + tie_rel(noise_rel)) and not told_apart(a, b, noise_rel)
 
 
-def head_to_head(a: dict[int, float], b: dict[int, float]) -> tuple[float, float, float, int] | None:
+def head_to_head(a: dict[int, float], b: dict[int, float], alpha: float = HEAD_ALPHA
+                 ) -> tuple[float, float, float, int] | None:
     """How much faster `a` is than `b` head to head: from the confirmation rounds both were measured
-    in (ratios by round), the geometric mean of a's ratio over b's and its one-sided 95% bounds
-    (lower, upper), on the logs of the per-round quotients: (ratio, lower, upper, rounds). None
-    with fewer than two common rounds. Per round, because the two pairs of a round were measured
-    minutes apart at most: a load that comes and goes between rounds cancels."""
+    in (ratios by round), the geometric mean of a's ratio over b's and its one-sided (1 - alpha)
+    bounds (lower, upper; 95% by default: one look), on the logs of the per-round quotients:
+    (ratio, lower, upper, rounds). None with fewer than two common rounds. Per round, because the
+    two pairs of a round were measured minutes apart at most: a load that comes and goes between
+    rounds cancels."""
     common = sorted(a.keys() & b.keys())
     if len(common) < 2 or any(a[r] <= 0 or b[r] <= 0 for r in common):
         return None
     d = [math.log(a[r] / b[r]) for r in common]
     m = statistics.fmean(d)
-    half = t95_one_sided(len(d)) * statistics.stdev(d) / math.sqrt(len(d))
+    half = t_one_sided(len(d), alpha) * statistics.stdev(d) / math.sqrt(len(d))
     return math.exp(m), math.exp(m - half), math.exp(m + half), len(d)
 
 
 def head_verdict(a: dict[int, float], b: dict[int, float], noise_rel: float) -> str:
-    """Head to head (`head_to_head`): "apart" when the one-sided 95% bounds of the ratio between
-    them exclude 1 (one is faster), "tie" when both lie within +-tie_rel(noise_rel) (at most
-    TIE_MAX: an equivalence test at 5% each side, so a tie costs at most the regret goal), else
-    "open": more pairs are needed. Not told apart is no tie: three pairs that read within 0.4% of
-    each other under load prove nothing about a 6% difference."""
-    h = head_to_head(a, b)
+    """Head to head (`head_to_head`): "apart" when the one-sided bounds of the ratio between them
+    exclude 1 (one is faster), "tie" when both lie within +-tie_rel(noise_rel) (at most TIE_MAX: an
+    equivalence test, so a tie costs at most the regret goal), else "open": more pairs are needed.
+    The bounds are one-sided at `head_alpha()`, since the confirmation round asks again after every
+    round: over all its looks two equal configurations are told apart at most HEAD_ALPHA of the
+    time, and two that differ by more than the band are tied less often still. Not told apart is no tie:
+    three pairs that read within 0.4% of each other under load prove nothing about a 6% difference."""
+    h = head_to_head(a, b, head_alpha())
     if h is None:
         return "open"
     _, lo, hi, _ = h
