@@ -531,3 +531,30 @@ def test_told_apart_over_several_looks_keeps_false_separations_near_five_percent
     assert old(a, b) == "apart" and head_verdict(a, b, 0.05) == "open"
     a[3], b[3], a[4], b[4] = 1.49, 1.40, 1.51, 1.42
     assert head_verdict(a, b, 0.05) == "apart"
+
+
+def test_auto_at_the_floor_measures_the_best_by_lower_bound_against_the_winner_when_time_allows(tmp_path: Path) -> None:
+    """Session 20's main command, planted: at the noise floor the trials' winner (ngram d5, the best
+    reading, 1.28x over three wide pairs) was not the progress line's best by lower bound (ngram d2,
+    1.205x over two pairs that agree), the trials' bounds did not tell them apart, and auto ran no
+    round. The reason now says why they differ; with the trials' pairs to spare (FLOOR_SHARE of them
+    fits CONFIRM_FLOOR rounds of two contenders) auto measures both head to head and the truly faster
+    d2 (1.3x against 1.2x) wins; without them (the study is too short) no round runs."""
+    cfg = load_config(CFG)
+    planted = [(ng(5), [1.42, 1.14, 1.30]), (ng(2), [1.20, 1.21])]
+    fillers = [(ng(d), [1.02, 1.00]) for d in (1, 3, 4, 6, 7)]
+    for extra, pairs in ((fillers, 4), ([], 0)):
+        measure = Planted(lambda spec, n: ({5: 12.0, 2: 13.0}[spec.depth], 3.0))
+        study, objective = _noisy_study(tmp_path / str(pairs), cfg, measure, planted + extra, [10.0, 10.1, 9.9])
+        assert objective.noise_rose() is None and cfg.search.confirm == "auto"
+        win = pick_winner(study.trials, cfg.search.noise_rel, [1])
+        assert win.spec == ng(5) and leader(study.trials, cfg.search.noise_rel).spec == ng(2)
+        assert "; the best by lower bound, ngram d2 k1 b3 1.205x" in win.reason
+        assert "best reading wins (no confirmation round measured both head to head)" in win.reason
+        lines: list[str] = []
+        assert confirm(study, objective, cfg.search.noise_rel, lines.append) == pairs
+        if pairs:
+            assert measure.passes == {"ngram d5 k1 b6": 2, "ngram d2 k1 b3": 2}
+            assert "the trials' bounds do not tell the top configurations apart" in lines[0]
+            win = pick_winner(study.trials, cfg.search.noise_rel, [1])
+            assert win.spec == ng(2) and "best by lower bound" not in win.reason

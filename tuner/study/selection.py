@@ -41,6 +41,10 @@ CONFIRM_FLOOR = 2  # rounds when only pruned trials brought the round on at the 
 # cost; the floor keeps a short study's round from stopping after two rounds.
 CONFIRM_SHARE = 1.0
 CONFIRM_MIN_S = 90.0
+# At the noise floor under search.confirm=auto, the round's share of the trials' time: it measures as
+# many contenders (the trials' winner among them) as CONFIRM_FLOOR rounds of pairs fit in that share
+# at the trials' own cost per pair, so the main command keeps to its time (docs/results.md).
+FLOOR_SHARE = 0.25
 # A tie goes to the smaller budget, so a tie may cost the difference between the two: at most the
 # regret goal of issue 39 (the winner within 3% of the best configuration).
 TIE_MAX = 0.03
@@ -252,18 +256,42 @@ def _near(trials: list[FrozenTrial], lead: Candidate, noise_rel: float, taken: s
     return sorted(near, key=lambda x: -x[1][0])[:CONFIRM_TOP]
 
 
+def _by_bound(trials: list[FrozenTrial], noise_rel: float) -> list[Candidate]:
+    """Feasible, plausible candidates whose optimistic bound reaches 1.0 (one that cannot even
+    optimistically is no contender: off beats it), best pessimistic bound first."""
+    return sorted((c for c in candidates(trials) if c.feasible and c.implausible is None
+                   and c.bounds(noise_rel)[1] >= 1.0), key=lambda c: -c.bounds(noise_rel)[0])
+
+
+def floor_field(trials: list[FrozenTrial]) -> int:
+    """How many contenders a round at the noise floor may measure: CONFIRM_FLOOR rounds of one pair
+    each must fit in FLOOR_SHARE of the trials' time at the trials' own seconds per pair, i.e. in
+    FLOOR_SHARE of the pairs the counted trials measured."""
+    pairs = sum(len(t.user_attrs.get("ratios") or []) for t in trials
+                if t.state in (TrialState.COMPLETE, TrialState.PRUNED) and counted(t) and REUSED not in t.user_attrs)
+    return int(FLOOR_SHARE * pairs / CONFIRM_FLOOR)
+
+
 def contenders(trials: list[FrozenTrial], noise_rel: float, lead: Candidate | None = None
                ) -> list[tuple[SpecConfig, list[float]]]:
     """What the confirmation round measures, with the ratios known so far, the leader first: the
     CONFIRM_TOP best configurations by pessimistic bound (among those whose optimistic bound reaches
     1.0), and the pruned configurations whose first repeat was within the noise of the leader's
-    speedup (`_near`: a glitch may have pruned them). With `lead` (the noise at its floor: the
-    trials' figures stand), that candidate and the pruned one whose first repeat read best only."""
-    if lead is not None:  # the one whose first repeat read best: two rounds of 2 pairs
-        return [(lead.spec, lead.ratios)] + _near(trials, lead, noise_rel, {lead.spec.model_dump_json()})[:1]
-    # one that cannot reach 1.0 even optimistically is no contender: off beats it
-    known = sorted((c for c in candidates(trials) if c.feasible and c.implausible is None
-                    and c.bounds(noise_rel)[1] >= 1.0), key=lambda c: -c.bounds(noise_rel)[0])
+    speedup (`_near`: a glitch may have pruned them). With `lead` (the trials' winner, the noise at
+    its floor), that candidate first, then in this order as many as `floor_field` allows (at least
+    one when a pruned trial is near): the best by pessimistic bound when it is not the winner (what
+    the progress line showed), the pruned one whose first repeat read best, and the next best by
+    pessimistic bound; `confirm` keeps those the trials' bounds do not separate from the winner."""
+    if lead is not None:
+        taken = {lead.spec.model_dump_json()}
+        near = _near(trials, lead, noise_rel, set(taken))[:1]
+        lead_lo = lead.bounds(noise_rel)[0]
+        top = [c for c in _by_bound(trials, noise_rel) if c.spec.model_dump_json() not in taken][:CONFIRM_TOP - 1]
+        first = [(c.spec, c.ratios) for c in top[:1] if c.bounds(noise_rel)[0] > lead_lo]
+        rest = [(c.spec, c.ratios) for c in top if not first or c.spec != first[0][0]]
+        others = (first + near + rest)[:max(len(near), floor_field(trials) - 1)]
+        return [(lead.spec, lead.ratios)] + others
+    known = _by_bound(trials, noise_rel)
     if not known:
         return []
     out = [(c.spec, c.ratios) for c in known[:CONFIRM_TOP]]
@@ -296,10 +324,11 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
 
     It runs when the machine's noise rose above its floor during the study (Objective.noise_rose),
     with search.confirm=always (two pairs that agree by chance can lead by lower bound at the floor
-    too), or at the floor when a pruned trial's first repeat read within the noise of the winner
-    the trials name (one unlucky repeat must not lose the answer): then that winner and the pruned
-    configuration whose first repeat read best only, for CONFIRM_FLOOR rounds (on a quiet machine
-    the trials' figures stand, and the round costs 4 pairs).
+    too), or at the floor under search.confirm=auto when the trials' bounds do not tell the winner
+    the trials name from the best by pessimistic bound or the next best, or a pruned trial's first
+    repeat read within the noise of that winner (one unlucky repeat must not lose the answer): then
+    that winner and as many of those as FLOOR_SHARE of the trials' time holds (`floor_field`; the
+    pruned one always), for CONFIRM_FLOOR rounds.
     Nothing runs unless some contender reads at least 1 + noise_rel. Returns the pairs measured."""
     t0 = time.monotonic()
     trials = study.get_trials(deepcopy=False)
@@ -307,13 +336,16 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
     auto = objective.search.confirm == "auto"
     noise = max(noise_rel, rose or 0.0)
     rounds_max = CONFIRM_PAIRS_MAX
-    if rose is None and auto:  # at the floor: only pruned configurations near the trials' winner
+    if rose is None and auto:  # at the floor: the trials' winner and what its time share allows
         win = pick_winner(trials, noise_rel, objective.levels)
         if win.candidate is None:
             return 0
         field_ = contenders(trials, noise, win.candidate)
         rounds_max = CONFIRM_FLOOR
-        why = "a pruned trial's one repeat read within the noise of the trials' winner"
+        near = {s.model_dump_json() for s, _ in _near(trials, win.candidate, noise, {win.spec.model_dump_json()})}
+        why = ("a pruned trial's one repeat read within the noise of the trials' winner"
+               if any(s.model_dump_json() in near for s, _ in field_[1:])
+               else "the trials' bounds do not tell the top configurations apart")
     else:
         field_ = contenders(trials, noise)
         why = (f"the baseline passes spread {rose:.1%}, above the machine's floor" if rose is not None
@@ -412,7 +444,25 @@ def pick_winner(trials: list[FrozenTrial], noise_rel: float, concurrency: list[L
     if n_tied > 1:
         reason += (f"; {n_tied} configurations could not be told apart and read within {tie_rel(noise_rel):.0%} of "
                    "the best: the smallest budget wins")
-    return Winner(pick.spec, pick, reason, chain)
+    return Winner(pick.spec, pick, reason + _unlike_leader(trials, pick, noise_rel, n_tied), chain)
+
+
+def _unlike_leader(trials: list[FrozenTrial], pick: Candidate, noise_rel: float, n_tied: int) -> str:
+    """Why the winner is not the best by pessimistic bound (`leader`: what the progress line,
+    history.png and the report's trials show), or '' when it is."""
+    lead = leader(trials, noise_rel)
+    if lead is None or lead.spec == pick.spec:
+        return ""
+    head = f"; the best by lower bound, {describe(lead, noise_rel)}, "
+    if pick.confirmed and lead.confirmed:
+        return head + f"read {lead.speedup:.3f}x over all its pairs, head to head included: the best reading wins"
+    if n_tied > 1 and lead.spec.budget > pick.spec.budget and ties(lead.ratios or [lead.speedup],
+                                                                   pick.ratios or [pick.speedup], noise_rel):
+        return head + "ties with it"
+    if not lead.beats_baseline(noise_rel):
+        return head + "does not beat the baseline beyond noise by the winner's rule (its own one-sided bound)"
+    return head + (f"reads {lead.speedup:.3f}x: among the configurations that beat the baseline beyond noise the "
+                   "best reading wins (no confirmation round measured both head to head)")
 
 
 def _level_key(level: Level) -> str:
