@@ -19,6 +19,8 @@ line is one JSON object. Designs (N tuning prompts, H held-out, P the pool's pro
 - trial prompts: the trials' own tuning figure (P[0:2], search.trial_prompts) against held-out;
 - whole tuning split: P[0:12] (what trials rotating through the split would cover) against held-out;
 - 12 a side: P[0:12] against P[12:24] (num_heldout 12);
+- check side nearest (length / repeats): the splits as today, the check's 6 tuning prompts those of
+  P[0:12] nearest to each held-out prompt by the statistic;
 - matched halves (length / repeats): P[0:18] or P[0:24] sorted by a statistic known before any
   measurement (the prompt's token length, the share of its token 2-grams that repeat), cut into
   strata, one prompt of each stratum to each side (benchmarks/split_gap.py's `stratified`, seeded
@@ -67,6 +69,17 @@ def matched(idx: list[int], stat: dict[int, float], n_tune: int, n_held: int, se
     recs = [{"i": i, "s": stat[i]} for i in idx]
     tune, held = stratified(recs, n_tune, n_held, lambda r: r["s"], random.Random(seed))  # type: ignore[arg-type,return-value]
     return [r["i"] for r in tune][:n_held], [r["i"] for r in held]  # type: ignore[misc]
+
+
+def nearest(held: list[int], tune: list[int], stat: dict[int, float]) -> list[int]:
+    """The splits kept as they are, the check's tuning side chosen among the tuning prompts: for each
+    held-out prompt (shortest first by `stat`) the unused tuning prompt nearest to it by `stat`."""
+    free, out = list(tune), []
+    for h in sorted(held, key=lambda i: (stat[i], i)):
+        j = min(free, key=lambda i: (abs(stat[i] - stat[h]), i))
+        free.remove(j)
+        out.append(j)
+    return out
 
 
 def main() -> None:
@@ -123,6 +136,8 @@ def main() -> None:
     if args.pool >= 2 * n_tune:
         designs["12 a side"] = (list(range(n_tune)), list(range(n_tune, 2 * n_tune)))
     for name, stat in (("length", length), ("repeats", repeats)):
+        held = list(range(n_tune, n_tune + n_held))
+        designs[f"check side nearest by {name}, 6 of 12 / 6"] = (nearest(held, list(range(n_tune)), stat), held)
         designs[f"matched by {name}, 6 / 6 of 18"] = matched(list(range(n_tune + n_held)), stat, n_tune, n_held, w.seed)
         if args.pool >= 2 * n_tune:
             t, h = matched(list(range(2 * n_tune)), stat, n_tune, n_tune, w.seed)
