@@ -6,7 +6,8 @@
    (tuner.study.objective.Objective.measure_pair). A configuration's reference speedup is the
    geometric mean of its pairs' ratios; `off` is 1.0 by definition. The reference line gives each
    point's distance below the best with the one-sided 95% bounds of that ratio, round by round
-   (tuner.study.selection.head_to_head): a regret within them is the reference's noise too.
+   (tuner.study.selection.head_to_head): a regret within them is the reference's noise too. One
+   pair is played and discarded before the rounds (the engine's first passes pay one-time costs).
 2. The study (`tuner optimize search=--search` over the same space: `quick` by default, so that
    the whole benchmark stays within minutes on 2 cores (docs/results.md); `--search default` for the default
    study's repeats and interval) runs --runs times (default 3), each with another search.seed,
@@ -101,6 +102,9 @@ def reference(args: argparse.Namespace, engine: object) -> dict[str, list[float]
     objective = Objective(optuna.create_study(direction="maximize"), space,
                           make_measure(engine, cfg, study_prompts(cfg)), cfg.workload, cfg.search)
     ratios: dict[str, list[float]] = {p.key(): [] for p in space.points()}
+    # one pair played and discarded first: the engine's first passes pay one-time costs, which put
+    # a whole point first in one run (docs/results.md)
+    objective.measure_pair(space.points()[0], "tune", 0)
     n = 0
     for _ in range(args.ref_rounds):
         for spec in space.points():

@@ -9,6 +9,7 @@ Used by the load generator (engine.measure.runner: repeats of one configuration)
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 
@@ -42,9 +43,16 @@ def lower95(xs: list[float]) -> float | None:
 
 def t95_one_sided(n: int) -> float:
     """One-sided 95% Student-t quantile for a mean of n samples (n >= 2)."""
+    return t_one_sided(n, 0.05)
+
+
+@functools.lru_cache(maxsize=256)
+def t_one_sided(n: int, alpha: float) -> float:
+    """One-sided (1 - alpha) Student-t quantile for a mean of n samples (n >= 2); cached: the
+    confirmation round asks for the same few quantiles again and again."""
     from scipy.stats import t
 
-    return float(t.ppf(0.95, n - 1))
+    return float(t.ppf(1 - alpha, n - 1))
 
 
 def log_interval(xs: list[float]) -> tuple[float, float | None, float | None, float | None, float | None]:

@@ -279,16 +279,34 @@ class Objective:
         """One pair (`order` even: spec first) measured again while it is implausible (`implausible`
         against the baseline passes `history`), up to PLAUSIBILITY_RETRIES times: (spec samples,
         baseline samples, its ratio, why each retry was measured, why the kept pair is still
-        implausible or None, pairs measured)."""
+        implausible or None, pairs measured). None too when the baseline moved and stayed
+        (`_moved`): a load that ended or began shifts every later baseline, and a pair measured back
+        to back still measures the configuration."""
         retried: list[str] = []
+        bases: list[float] = []
         for attempt in range(PLAUSIBILITY_RETRIES + 1):
             s, b = self.measure_pair(spec, split, order + attempt)
             ratio = geomean([self._score(x) / max(self._score(y), self._floor(y)) for x, y in zip(s, b)])
             still = self.implausible(s, b, history)
+            bases.append(_mean_tok(b))
+            if still is not None and attempt == PLAUSIBILITY_RETRIES and self._moved(bases, s, b, history):
+                # every retry's baseline read the same away from the history: the machine's state
+                # changed (a load ended or began) and stayed; the pair, measured back to back, holds
+                retried.append(f"{still}; every retry's baseline read alike: the machine changed, the pair counts")
+                return s, b, ratio, retried, None, attempt + 1
             if still is None or attempt == PLAUSIBILITY_RETRIES:
                 return s, b, ratio, retried, still, attempt + 1
             retried.append(still)
         raise AssertionError("unreachable: the last attempt returns")
+
+    def _moved(self, bases: list[float], s: list[Sample], b: list[Sample], history: list[float]) -> bool:
+        """Whether the baseline moved and stayed rather than glitched: the last pair's only fault is
+        its baseline against the history (no ratio above tau), and every attempt's baseline lies
+        within one noise band (on logs) of the others."""
+        noise = self.noise(history)
+        no_history = self.implausible(s, b, [])  # the tau rule alone
+        return (no_history is None and len(bases) > 1 and min(bases) > 0
+                and math.log(max(bases) / min(bases)) <= noise)
 
     def check(self, spec: SpecConfig, splits: list[Split], pairs_max: int) -> dict[Split, dict[str, Any]]:
         """The winner's held-out check: `spec` on each of `splits` (the held-out prompts, and as

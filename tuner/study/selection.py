@@ -22,7 +22,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from engine.measure.stats import geomean, log_interval, ratio_bounds, t95_one_sided
+from engine.measure.stats import geomean, log_interval, ratio_bounds, t_one_sided
 from tuner.study.objective import ENGINE_VERSION, OFF, Objective, spec_of
 from tuner.schema.engine_command import measured_server
 from tuner.schema.config import (ArmLevel, Arms, BestResult, Config, Figures, Level, PartResult, Provenance, Rate,
@@ -41,9 +41,24 @@ CONFIRM_FLOOR = 2  # rounds when only pruned trials brought the round on at the 
 # cost; the floor keeps a short study's round from stopping after two rounds.
 CONFIRM_SHARE = 1.0
 CONFIRM_MIN_S = 90.0
+# At the noise floor under search.confirm=auto, the round's share of the trials' time: it measures as
+# many contenders (the trials' winner among them) as CONFIRM_FLOOR rounds of pairs fit in that share
+# at the trials' own cost per pair, so the main command keeps to its time (docs/results.md).
+FLOOR_SHARE = 0.25
 # A tie goes to the smaller budget, so a tie may cost the difference between the two: at most the
 # regret goal of issue 39 (the winner within 3% of the best configuration).
 TIE_MAX = 0.03
+# The head-to-head test is repeated after every round from the second on: one look per round, up to
+# CONFIRM_PAIRS_MAX - 1 looks, each asking whether either configuration is faster (two sides). At
+# one-sided 5% per look two equal configurations would be told apart far more often than 5% over the
+# looks; a Bonferroni split of HEAD_ALPHA over the looks and the two sides keeps it at HEAD_ALPHA at most.
+HEAD_ALPHA = 0.05
+HEAD_LOOKS = CONFIRM_PAIRS_MAX - 1
+
+
+def head_alpha() -> float:
+    """The one-sided level of each bound a head-to-head look uses (see HEAD_ALPHA)."""
+    return HEAD_ALPHA / (2 * HEAD_LOOKS)
 
 # Below this many tokens per target forward, drafts are too rarely accepted to pay for drafting
 # and verification at all; above it, a slowdown means verifying costs more than it saves.
@@ -173,28 +188,32 @@ def ties(a: list[float], b: list[float], noise_rel: float) -> bool:
     return abs(math.log(ma / mb)) <= math.log(1 + tie_rel(noise_rel)) and not told_apart(a, b, noise_rel)
 
 
-def head_to_head(a: dict[int, float], b: dict[int, float]) -> tuple[float, float, float, int] | None:
+def head_to_head(a: dict[int, float], b: dict[int, float], alpha: float = HEAD_ALPHA
+                 ) -> tuple[float, float, float, int] | None:
     """How much faster `a` is than `b` head to head: from the confirmation rounds both were measured
-    in (ratios by round), the geometric mean of a's ratio over b's and its one-sided 95% bounds
-    (lower, upper), on the logs of the per-round quotients: (ratio, lower, upper, rounds). None
-    with fewer than two common rounds. Per round, because the two pairs of a round were measured
-    minutes apart at most: a load that comes and goes between rounds cancels."""
+    in (ratios by round), the geometric mean of a's ratio over b's and its one-sided (1 - alpha)
+    bounds (lower, upper; 95% by default: one look), on the logs of the per-round quotients:
+    (ratio, lower, upper, rounds). None with fewer than two common rounds. Per round, because the
+    two pairs of a round were measured minutes apart at most: a load that comes and goes between
+    rounds cancels."""
     common = sorted(a.keys() & b.keys())
     if len(common) < 2 or any(a[r] <= 0 or b[r] <= 0 for r in common):
         return None
     d = [math.log(a[r] / b[r]) for r in common]
     m = statistics.fmean(d)
-    half = t95_one_sided(len(d)) * statistics.stdev(d) / math.sqrt(len(d))
+    half = t_one_sided(len(d), alpha) * statistics.stdev(d) / math.sqrt(len(d))
     return math.exp(m), math.exp(m - half), math.exp(m + half), len(d)
 
 
 def head_verdict(a: dict[int, float], b: dict[int, float], noise_rel: float) -> str:
-    """Head to head (`head_to_head`): "apart" when the one-sided 95% bounds of the ratio between
-    them exclude 1 (one is faster), "tie" when both lie within +-tie_rel(noise_rel) (at most
-    TIE_MAX: an equivalence test at 5% each side, so a tie costs at most the regret goal), else
-    "open": more pairs are needed. Not told apart is no tie: three pairs that read within 0.4% of
-    each other under load prove nothing about a 6% difference."""
-    h = head_to_head(a, b)
+    """Head to head (`head_to_head`): "apart" when the one-sided bounds of the ratio between them
+    exclude 1 (one is faster), "tie" when both lie within +-tie_rel(noise_rel) (at most TIE_MAX: an
+    equivalence test, so a tie costs at most the regret goal), else "open": more pairs are needed.
+    The bounds are one-sided at `head_alpha()`, since the confirmation round asks again after every
+    round: over all its looks two equal configurations are told apart at most HEAD_ALPHA of the
+    time, and two that differ by more than the band are tied less often still. Not told apart is no tie:
+    three pairs that read within 0.4% of each other under load prove nothing about a 6% difference."""
+    h = head_to_head(a, b, head_alpha())
     if h is None:
         return "open"
     _, lo, hi, _ = h
@@ -237,18 +256,42 @@ def _near(trials: list[FrozenTrial], lead: Candidate, noise_rel: float, taken: s
     return sorted(near, key=lambda x: -x[1][0])[:CONFIRM_TOP]
 
 
+def _by_bound(trials: list[FrozenTrial], noise_rel: float) -> list[Candidate]:
+    """Feasible, plausible candidates whose optimistic bound reaches 1.0 (one that cannot even
+    optimistically is no contender: off beats it), best pessimistic bound first."""
+    return sorted((c for c in candidates(trials) if c.feasible and c.implausible is None
+                   and c.bounds(noise_rel)[1] >= 1.0), key=lambda c: -c.bounds(noise_rel)[0])
+
+
+def floor_field(trials: list[FrozenTrial]) -> int:
+    """How many contenders a round at the noise floor may measure: CONFIRM_FLOOR rounds of one pair
+    each must fit in FLOOR_SHARE of the trials' time at the trials' own seconds per pair, i.e. in
+    FLOOR_SHARE of the pairs the counted trials measured."""
+    pairs = sum(len(t.user_attrs.get("ratios") or []) for t in trials
+                if t.state in (TrialState.COMPLETE, TrialState.PRUNED) and counted(t) and REUSED not in t.user_attrs)
+    return int(FLOOR_SHARE * pairs / CONFIRM_FLOOR)
+
+
 def contenders(trials: list[FrozenTrial], noise_rel: float, lead: Candidate | None = None
                ) -> list[tuple[SpecConfig, list[float]]]:
     """What the confirmation round measures, with the ratios known so far, the leader first: the
     CONFIRM_TOP best configurations by pessimistic bound (among those whose optimistic bound reaches
     1.0), and the pruned configurations whose first repeat was within the noise of the leader's
-    speedup (`_near`: a glitch may have pruned them). With `lead` (the noise at its floor: the
-    trials' figures stand), that candidate and the pruned one whose first repeat read best only."""
-    if lead is not None:  # the one whose first repeat read best: two rounds of 2 pairs
-        return [(lead.spec, lead.ratios)] + _near(trials, lead, noise_rel, {lead.spec.model_dump_json()})[:1]
-    # one that cannot reach 1.0 even optimistically is no contender: off beats it
-    known = sorted((c for c in candidates(trials) if c.feasible and c.implausible is None
-                    and c.bounds(noise_rel)[1] >= 1.0), key=lambda c: -c.bounds(noise_rel)[0])
+    speedup (`_near`: a glitch may have pruned them). With `lead` (the trials' winner, the noise at
+    its floor), that candidate first, then in this order as many as `floor_field` allows (at least
+    one when a pruned trial is near): the best by pessimistic bound when it is not the winner (what
+    the progress line showed), the pruned one whose first repeat read best, and the next best by
+    pessimistic bound; `confirm` keeps those the trials' bounds do not separate from the winner."""
+    if lead is not None:
+        taken = {lead.spec.model_dump_json()}
+        near = _near(trials, lead, noise_rel, set(taken))[:1]
+        lead_lo = lead.bounds(noise_rel)[0]
+        top = [c for c in _by_bound(trials, noise_rel) if c.spec.model_dump_json() not in taken][:CONFIRM_TOP - 1]
+        first = [(c.spec, c.ratios) for c in top[:1] if c.bounds(noise_rel)[0] > lead_lo]
+        rest = [(c.spec, c.ratios) for c in top if not first or c.spec != first[0][0]]
+        others = (first + near + rest)[:max(len(near), floor_field(trials) - 1)]
+        return [(lead.spec, lead.ratios)] + others
+    known = _by_bound(trials, noise_rel)
     if not known:
         return []
     out = [(c.spec, c.ratios) for c in known[:CONFIRM_TOP]]
@@ -281,10 +324,11 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
 
     It runs when the machine's noise rose above its floor during the study (Objective.noise_rose),
     with search.confirm=always (two pairs that agree by chance can lead by lower bound at the floor
-    too), or at the floor when a pruned trial's first repeat read within the noise of the winner
-    the trials name (one unlucky repeat must not lose the answer): then that winner and the pruned
-    configuration whose first repeat read best only, for CONFIRM_FLOOR rounds (on a quiet machine
-    the trials' figures stand, and the round costs 4 pairs).
+    too), or at the floor under search.confirm=auto when the trials' bounds do not tell the winner
+    the trials name from the best by pessimistic bound or the next best, or a pruned trial's first
+    repeat read within the noise of that winner (one unlucky repeat must not lose the answer): then
+    that winner and as many of those as FLOOR_SHARE of the trials' time holds (`floor_field`; the
+    pruned one always), for CONFIRM_FLOOR rounds.
     Nothing runs unless some contender reads at least 1 + noise_rel. Returns the pairs measured."""
     t0 = time.monotonic()
     trials = study.get_trials(deepcopy=False)
@@ -292,13 +336,16 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
     auto = objective.search.confirm == "auto"
     noise = max(noise_rel, rose or 0.0)
     rounds_max = CONFIRM_PAIRS_MAX
-    if rose is None and auto:  # at the floor: only pruned configurations near the trials' winner
+    if rose is None and auto:  # at the floor: the trials' winner and what its time share allows
         win = pick_winner(trials, noise_rel, objective.levels)
         if win.candidate is None:
             return 0
         field_ = contenders(trials, noise, win.candidate)
         rounds_max = CONFIRM_FLOOR
-        why = "a pruned trial's one repeat read within the noise of the trials' winner"
+        near = {s.model_dump_json() for s, _ in _near(trials, win.candidate, noise, {win.spec.model_dump_json()})}
+        why = ("a pruned trial's one repeat read within the noise of the trials' winner"
+               if any(s.model_dump_json() in near for s, _ in field_[1:])
+               else "the trials' bounds do not tell the top configurations apart")
     else:
         field_ = contenders(trials, noise)
         why = (f"the baseline passes spread {rose:.1%}, above the machine's floor" if rose is not None
@@ -397,7 +444,25 @@ def pick_winner(trials: list[FrozenTrial], noise_rel: float, concurrency: list[L
     if n_tied > 1:
         reason += (f"; {n_tied} configurations could not be told apart and read within {tie_rel(noise_rel):.0%} of "
                    "the best: the smallest budget wins")
-    return Winner(pick.spec, pick, reason, chain)
+    return Winner(pick.spec, pick, reason + _unlike_leader(trials, pick, noise_rel, n_tied), chain)
+
+
+def _unlike_leader(trials: list[FrozenTrial], pick: Candidate, noise_rel: float, n_tied: int) -> str:
+    """Why the winner is not the best by pessimistic bound (`leader`: what the progress line,
+    history.png and the report's trials show), or '' when it is."""
+    lead = leader(trials, noise_rel)
+    if lead is None or lead.spec == pick.spec:
+        return ""
+    head = f"; the best by lower bound, {describe(lead, noise_rel)}, "
+    if pick.confirmed and lead.confirmed:
+        return head + f"read {lead.speedup:.3f}x over all its pairs, head to head included: the best reading wins"
+    if n_tied > 1 and lead.spec.budget > pick.spec.budget and ties(lead.ratios or [lead.speedup],
+                                                                   pick.ratios or [pick.speedup], noise_rel):
+        return head + "ties with it"
+    if not lead.beats_baseline(noise_rel):
+        return head + "does not beat the baseline beyond noise by the winner's rule (its own one-sided bound)"
+    return head + (f"reads {lead.speedup:.3f}x: among the configurations that beat the baseline beyond noise the "
+                   "best reading wins (no confirmation round measured both head to head)")
 
 
 def _level_key(level: Level) -> str:
