@@ -13,7 +13,7 @@ def pytest_configure(config: pytest.Config) -> None:
     `one_torch_thread` below avoids for small tensor ops. The processes its tests start (tuner
     commands, the built-in server, vLLM's engine core and its n-gram proposer's numba pool) inherit
     one thread too: with two OpenMP threads, while the other worker holds a core, every parallel op
-    waits for the preempted thread (docs/results.md, test time)."""
+    waits for the preempted thread (docs/results.md, the test-suite rows)."""
     import os
 
     if os.environ.get("PYTEST_XDIST_WORKER"):

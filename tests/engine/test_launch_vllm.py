@@ -33,7 +33,7 @@ def _lean_vllm_processes(monkeypatch) -> None:
     one core, which the suite's other worker may hold. OMP_NUM_THREADS=1 and NUMBA_NUM_THREADS=1: the
     engine core otherwise runs two OpenMP threads and the n-gram proposer a numba pool of two; while the
     other worker holds a core, every parallel op waits for the preempted thread, and decoding slows
-    several-fold (docs/results.md, test time). What these tests check (flags, restarts, the process
+    several-fold (docs/results.md, the test-suite rows). What these tests check (flags, restarts, the process
     group, counters, greedy output) depends on none of them."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
