@@ -10,10 +10,15 @@ import pytest
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist (`make test` runs two workers) each worker gets one intra-op thread: two
     workers of two threads each would put four busy threads on two cores, the oversubscription that
-    `one_torch_thread` below avoids for small tensor ops. Subprocesses keep torch's default."""
+    `one_torch_thread` below avoids for small tensor ops. The processes its tests start (tuner
+    commands, the built-in server, vLLM's engine core and its n-gram proposer's numba pool) inherit
+    one thread too: with two OpenMP threads, while the other worker holds a core, every parallel op
+    waits for the preempted thread (docs/results.md, the test-suite rows)."""
     import os
 
     if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"  # read by each subprocess's torch (and OpenMP) at start
+        os.environ["NUMBA_NUM_THREADS"] = "1"
         import torch
 
         torch.set_num_threads(1)

@@ -35,8 +35,13 @@ def test_the_lossless_step_and_the_table_on_cpu() -> None:
                         # vLLM's CPU attention has no head size 16 (tiny-random's): 32 is its smallest
                         "--override", "model.head_dim=32", "--override", "model.hidden_size=128"], cwd=ROOT,
                        capture_output=True, text=True, timeout=900,
-                       # vLLM's engine core in its API server's process: one process fewer to start (~11 s)
-                       env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+                       # vLLM's model in its engine core's process: one process fewer to start. One unpinned
+                       # compute thread in every step's process (vLLM's engine core included), as under
+                       # tests/conftest.py's xdist workers, also when this file runs alone: with two OpenMP
+                       # threads, while another process holds a core, each parallel op waits for the
+                       # preempted thread.
+                       env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1",
+                            "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "spectune gpu-check (cpu, model tiny-random)" in r.stdout
     row = next(line for line in r.stdout.splitlines() if "lossless" in line)

@@ -15,6 +15,7 @@ processes never see half a checkpoint. Loaded targets are cached per process by
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -90,30 +91,35 @@ def file_digest(path: Path, root: Path) -> str:
 
 
 def _publish(final: Path, build) -> Path:
-    """Run build(tmp) in a temp dir beside `final` and rename it into place (the loser of a race
-    between processes discards its copy)."""
+    """Run build(tmp) in a temp dir beside `final` and rename it into place. One process builds
+    while the others that need the same entry wait for it on a lock file: processes starting
+    together (test workers, a study's local workers) would otherwise each convert the GGUF."""
     if (final / ".complete").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
-        build(tmp)
-        (tmp / ".complete").write_text("ok\n")
+    lock_path = final.parent / f".{final.name}.lock"
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when this process dies
+        if (final / ".complete").is_file():  # built by the process that held the lock
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
         try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / ".complete").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+            build(tmp)
+            (tmp / ".complete").write_text("ok\n")
+            try:
+                os.rename(tmp, final)
+            except OSError:  # another process renamed its copy first (it built without the lock file)
+                if not (final / ".complete").is_file():
+                    raise
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+            lock_path.unlink(missing_ok=True)  # the waiters hold it open; a later process sees .complete
     return final
 
 
-def smollm2_tokenizer_dir(cache_dir: str | None = None) -> Path:
-    """The packaged SmolLM2 tokenizer, extracted once from the GGUF (~17 s) into the cache."""
-    src = gguf_path(*SMOLLM2_GGUF)
-    root = cache_root(cache_dir)
+def gguf_tokenizer_dir(src: Path, root: Path) -> Path:
+    """The tokenizer of the GGUF file `src`, extracted once into `root/tokenizers/`."""
 
     def build(tmp: Path) -> None:
         from transformers import AutoTokenizer
@@ -123,6 +129,11 @@ def smollm2_tokenizer_dir(cache_dir: str | None = None) -> Path:
 
     with _LOCK:
         return _publish(root / "tokenizers" / file_digest(src, root), build)
+
+
+def smollm2_tokenizer_dir(cache_dir: str | None = None) -> Path:
+    """The packaged SmolLM2 tokenizer, extracted once from the GGUF (~17 s) into the cache."""
+    return gguf_tokenizer_dir(gguf_path(*SMOLLM2_GGUF), cache_root(cache_dir))
 
 
 def random_llama(model_cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
@@ -173,8 +184,9 @@ def hf_checkpoint_dir(model_cfg: ModelConfig, cache_dir: str | None = None, seed
         src = gguf_path(model_cfg.gguf.package, model_cfg.gguf.file)
 
         def build_gguf(tmp: Path) -> None:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
+            from transformers import AutoModelForCausalLM
 
+            tok_dir = gguf_tokenizer_dir(src, root)  # extracted once, shared with the random test models
             with still_working(f"converting {src.name} into an fp32 checkpoint (once)"):
                 model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
                 # A GGUF load marks the model as quantized; clear that so the copy is a plain fp32 checkpoint.
@@ -183,7 +195,9 @@ def hf_checkpoint_dir(model_cfg: ModelConfig, cache_dir: str | None = None, seed
                     del model.config.quantization_config
                 model.is_quantized = False
                 model.save_pretrained(str(tmp))
-                AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name).save_pretrained(str(tmp))
+            for f in tok_dir.iterdir():
+                if f.is_file() and f.name != ".complete":
+                    shutil.copy(f, tmp / f.name)
 
         with _LOCK:
             return _publish(root / "models" / file_digest(src, root), build_gguf)

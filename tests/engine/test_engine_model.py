@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,3 +79,31 @@ def test_matching_dimensions_pass_and_a_shorter_context_is_allowed(tmp_path) -> 
     M.check_dimensions(cfg, tmp_path)  # no error: model.max_context may serve less than the weights allow
     _checkpoint_config(tmp_path, cfg, head_dim=None)  # no head_dim: hidden_size / heads
     M.check_dimensions(cfg, tmp_path)
+
+
+def _publish_in_child(final: str, record: str) -> None:
+    def build(tmp) -> None:
+        with open(record, "a") as f:
+            f.write("built\n")
+        time.sleep(0.5)  # long enough that the other process asks while this one builds
+        (tmp / "weights").write_text("w")
+
+    M._publish(Path(final), build)
+
+
+def test_processes_that_need_one_entry_at_once_build_it_once(tmp_path) -> None:
+    """Two processes asking for the same cache entry together: one builds, the other waits for its
+    copy (without the lock file both would convert the GGUF); no lock or temp file is left."""
+    import multiprocessing
+
+    final, record = tmp_path / "models" / "m", tmp_path / "record"
+    ctx = multiprocessing.get_context("fork")  # _publish uses no torch: forking the test process is safe
+    procs = [ctx.Process(target=_publish_in_child, args=(str(final), str(record))) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert record.read_text() == "built\n"
+    assert (final / "weights").read_text() == "w" and (final / ".complete").is_file()
+    assert sorted(p.name for p in final.parent.iterdir()) == ["m"]

