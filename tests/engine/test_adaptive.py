@@ -600,3 +600,30 @@ def test_confident_drafts_are_calibrated_above_doubtful_ones() -> None:
     upper = cal.upper([est, batch], batch, 2)
     assert upper[0] == pytest.approx(sure) and upper[0][0] > est.gains(2)[0]
     assert Calibration().upper([est], batch, 2) == [est.gains(2)]
+
+
+def test_the_engines_schedulers_of_one_schedule_go_on_from_what_control_learnt(engine: Engine, off) -> None:
+    """A study's passes alternate the spec and off, each a new scheduler (`Engine.batcher`): the
+    adaptive spec's next scheduler starts from what the last one of its schedule learnt (the batch's
+    estimate, the step cost's live figures), as a server's one scheduler would; another spec starts
+    from the prior. (Without it every pass measured a cold controller.)"""
+    prompts, ref = off
+    spec = SpecConfig(method="ngram", depth=3, ngram_min=1, ngram_max=3, adaptive=True)
+    engine.set_spec(spec)
+    first = engine.batcher()
+    assert first.accept[spec.key()].p == [PRIOR ** r for r in range(1, 4)]
+    reqs = first.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=2)
+    assert [r.result.tokens for r in reqs] == ref
+    learnt, level = list(first.accept[spec.key()].p), first.cost.level
+    assert learnt != [PRIOR ** r for r in range(1, 4)] and first.cost.live  # it verified drafts and timed steps
+    engine.set_spec(SpecConfig(method="off"))
+    assert engine.batcher().cost is None  # off's pass between
+    engine.set_spec(spec)
+    second = engine.batcher()
+    assert second is not first and second.accept[spec.key()].p == learnt and second.cost.level == level
+    reqs = second.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=2)
+    assert [r.result.tokens for r in reqs] == ref
+    other = spec.model_copy(update={"depth": 2, "budget": 3})
+    engine.set_spec(other)
+    assert engine.batcher().accept[other.key()].p == [PRIOR ** r for r in range(1, 3)]
+    engine.set_spec(SpecConfig(method="off"))
