@@ -31,6 +31,7 @@ so a study's passes measure a controller as warm as a server's.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -103,11 +104,16 @@ def check_schedule(schedule: Sequence[Band], max_batch: int) -> None:
 def _interpolated(table: Sequence[float]) -> Callable[[float], float]:
     """A price table's seconds at a total of rows, linear between whole totals (the expected rows of
     drafters that do not always fill their nodes)."""
-    def step_s(n: float) -> float:
-        if len(table) == 1:
-            return table[0]
-        i = min(int(n), len(table) - 2)
-        return table[i] + (table[i + 1] - table[i]) * (n - i)
+    if len(table) == 1:
+        return lambda n: table[0]
+    last = len(table) - 2
+
+    def step_s(n: float) -> float:  # called a few hundred times a step: no builtins
+        i = int(n)
+        if i > last:
+            i = last
+        lo = table[i]
+        return lo + (table[i + 1] - lo) * (n - i)
     return step_s
 
 
@@ -426,15 +432,17 @@ class BatchEngine:
         fills = [e.rows for e in est]
         # every total of draft rows the controller weighs, priced once (a call per total costs a
         # few ms a step at batch 32, more than the rows it saves); between totals (the expected
-        # rows of drafters that do not always fill their nodes) linearly
-        table = cost.table(batch, extra, sum(map(len, gains)))
+        # rows of drafters that do not always fill their nodes) linearly. The totals go up to the
+        # expected rows of every node allowed (a lookup drafter's fill is often a fraction of a row)
+        top = math.ceil(sum(len(g) * f for g, f in zip(gains, fills))) + 1
+        table = cost.table(batch, extra, top)
         step_s = _interpolated(table)
         limits = choose(gains, batch, step_s, cost.draft_s, MARGIN, fills)
         probed = None
         if self.steps % PROBE_EVERY == 0:  # one node beyond the choice, for what the estimates learn
             # rows priced at no more than the average row: a count of rows never run is measured
             # where it could pay at that price (the live table, engine.decode.stepcost, learns it)
-            cheap = cost.table(batch, extra, sum(map(len, gains)), optimistic=True)
+            cheap = cost.table(batch, extra, top, optimistic=True)
             probed = probe(limits, gains, [e.age for e in est], batch, _interpolated(cheap), cost.draft_s,
                            MARGIN, fills)
             if probed is not None:
@@ -472,6 +480,8 @@ class BatchEngine:
             e.observe_fill(n, size)
             batch_est.observe_fill(n, size)
         real = [cal.gains(e, batch_est, out[id(r)][0].conf if s > 0 else None, s) for r, e, s in zip(live, est, sizes)]
+        if sum(sizes) >= len(table):  # the real drafts hold more rows than the fills expected
+            step_s = _interpolated(cost.table(batch, extra, sum(sizes)))
         keep = choose(real, batch, step_s, margin=MARGIN)
         if probed is not None:  # the probe is verified whatever the cut says
             keep[probed] = max(keep[probed], min(limits[probed], sizes[probed]))
