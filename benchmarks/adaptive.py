@@ -21,7 +21,9 @@ batch size as a server's would). A cell's tok/s is the geometric mean over round
 geometric means of the per-round ratios (adaptive against off, against the best static, both
 measured in the same round), with a 95% t-interval on their logs. The last line is one JSON object
 with `min_adaptive_vs_best_static` and `min_adaptive_vs_off`, the minima over every level of both
-workloads, each with the interval of the cell where it falls.
+workloads, each with the interval of the cell where it falls, and `greedy_identical`: whether every
+pass answered as speculation off did in the same cell and round (`greedy_differences` lists the
+passes that did not, with how many requests differ).
 """
 
 from __future__ import annotations
@@ -57,9 +59,10 @@ def specs(method: str, depths: list[int]) -> list[SpecConfig]:
 
 
 def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], prompts: int, max_new_tokens: int,
-        rounds: int) -> list[dict[str, Any]]:
+        rounds: int, texts: dict[tuple[str, str, int, int], list[str]] | None = None) -> list[dict[str, Any]]:
     """Rows (workload, config, level, round, tok/s, tau): every configuration's server up at once,
-    each cell measured in `rounds` interleaved rounds (see the module's docstring)."""
+    each cell measured in `rounds` interleaved rounds (see the module's docstring). `texts`, when
+    given, receives each pass's answers by (workload, config, level, round), to compare, never to print."""
     over = [f"engine.builtin.max_batch={max(levels)}", f"serve.queue_size={4 * max(levels)}"]
     loads = {}
     for w in workloads:
@@ -84,6 +87,8 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
                             raise RuntimeError(f"{k}, {w} at concurrency {c}: {s.errors[0]}")
                         rows.append({"workload": w, "config": k, "concurrency": c, "round": r,
                                      "tok_s": s.output_tokens_per_s, "tau": s.tau})
+                        if texts is not None:
+                            texts[(w, k, c, r)] = s.runs[0].texts
                         print(f"  {w:<5} {k:<24} c={c:<3} r{r} {s.output_tokens_per_s:7.1f} tok/s  tau "
                               f"{s.tau or 0:.2f}", file=sys.stderr)
     return rows
@@ -121,6 +126,21 @@ def compare(rows: list[dict[str, Any]], specs_: list[SpecConfig], workloads: lis
     return out
 
 
+def greedy_differences(texts: dict[tuple[str, str, int, int], list[str]]) -> list[dict[str, Any]]:
+    """Every pass whose answers differ from speculation off's in the same cell and round (T=0: a
+    lossless engine answers as off does): workload, config, level, round and how many requests
+    differ; never the texts (users' traffic stays private, and so do its answers)."""
+    out = []
+    for (w, k, c, r), got in sorted(texts.items()):
+        ref = texts.get((w, "off", c, r))
+        if k == "off" or ref is None:
+            continue
+        n = sum(a != b for a, b in zip(got, ref))
+        if n:
+            out.append({"workload": w, "config": k, "concurrency": c, "round": r, "requests": n, "of": len(ref)})
+    return out
+
+
 def _ci(lo_hi: list[float | None]) -> str:
     return "" if lo_hi[0] is None else f" [{lo_hi[0]:.2f}, {lo_hi[1]:.2f}]"
 
@@ -153,8 +173,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     load = os.getloadavg()[0]
     grid = specs(args.method, depths)
-    rows = run(grid, workloads, levels, args.prompts, args.max_new_tokens, args.rounds)
+    texts: dict[tuple[str, str, int, int], list[str]] = {}
+    rows = run(grid, workloads, levels, args.prompts, args.max_new_tokens, args.rounds, texts)
     table = compare(rows, grid, workloads, levels)
+    differ = greedy_differences(texts)
 
     print(f"\nload average {load:.1f} at the start; {args.prompts} prompts per workload, {args.max_new_tokens} new "
           f"tokens, T=0, {args.rounds} round(s); adaptive = {grid[-1].key()}")
@@ -167,11 +189,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{t['adaptive_vs_off']:6.3f}x{_ci(t['adaptive_vs_off_ci']):<15}")
     print("(output tok/s over all requests, geometric means over the rounds; best static: the fastest chain "
           "of the grid at that level; ratios: per-round ratios' geometric mean and 95% interval)")
+    print(f"greedy_identical: {not differ}" + "".join(
+        f"\n  differs: {d['workload']} {d['config']} c={d['concurrency']} r{d['round']}: {d['requests']} of {d['of']}"
+        for d in differ))
     worst_static = min(table, key=lambda t: t["adaptive_vs_best_static"])
     worst_off = min(table, key=lambda t: t["adaptive_vs_off"])
     out = {"levels": levels, "workloads": workloads, "depths": depths, "method": args.method, "rounds": args.rounds,
            "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
            "load_average": round(load, 2), "table": table,
+           "greedy_identical": not differ, "greedy_differences": differ,
            "rows": rows,
            "min_adaptive_vs_best_static": worst_static["adaptive_vs_best_static"],
            "min_adaptive_vs_best_static_ci": worst_static["adaptive_vs_best_static_ci"],

@@ -85,8 +85,9 @@ class Acceptance:
         non-increasing (a running minimum) so that the best n nodes are always the first n."""
         out: list[float] = []
         low = 1.0
-        for v in self.p[:nodes]:
-            low = min(low, max(v, 0.0))
+        for v in self.p[:nodes]:  # min(low, max(v, 0)) without the calls
+            if v < low:
+                low = v if v > 0.0 else 0.0
             out.append(low)
         return out
 
@@ -108,9 +109,12 @@ class Calibration:
         cal = self.bands.get(self.band(conf)) if conf is not None else None
         if cal is None:
             return est.gains(nodes)
-        scaled = Acceptance(len(est.p), [min(max(p * c / max(b, 1e-3), 0.0), 1.0)
-                                         for p, c, b in zip(est.p, cal.p, batch.p)])
-        return scaled.gains(nodes)
+        out: list[float] = []
+        low = 1.0
+        for p, c, b in zip(est.p[:nodes], cal.p, batch.p):
+            low = min(low, max(min(p * c / max(b, 1e-3), 1.0), 0.0))
+            out.append(low)
+        return out
 
     def upper(self, ests: list[Acceptance], batch: Acceptance, nodes: int) -> list[list[float]]:
         """Each estimate's expected gains per node were each index at its most accepted band's ratio
@@ -123,8 +127,10 @@ class Calibration:
         out = []
         for e in ests:
             gains, low = [], 1.0
-            for p, f in zip(e.p[:nodes], ratio):
-                low = min(low, max(min(p * f, 1.0), 0.0))
+            for p, f in zip(e.p[:nodes], ratio):  # min(low, max(min(p f, 1), 0)) without the calls (low <= 1)
+                v = p * f
+                if v < low:
+                    low = v if v > 0.0 else 0.0
                 gains.append(low)
             out.append(gains)
         return out
@@ -133,6 +139,9 @@ class Calibration:
         """A verified draft of confidence `conf` (nothing learnt without one)."""
         if conf is None or drafted <= 0:
             return
-        cal = self.bands.setdefault(self.band(conf), Acceptance(len(batch.p), batch.p, batch.rate))
+        band = self.band(conf)
+        cal = self.bands.get(band)
+        if cal is None:
+            cal = self.bands[band] = Acceptance(len(batch.p), batch.p, batch.rate)
         cal.update(drafted, path)
         cal.drift(drafted)

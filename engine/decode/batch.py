@@ -23,11 +23,15 @@ spec's depth and budget (engine.decode.control): before drafting from the reques
 estimates (engine.decode.acceptance) and the step-cost curve (engine.decode.stepcost), drafters
 drafting at most that many nodes or not at all; after drafting from the drafts' real sizes, each
 draft cut to the nodes that pay. Every PROBE_EVERY steps one request may draft one node more
-(`control.probe`), verified whatever the cut. Every verify step then updates the estimates.
+(`control.probe`), verified whatever the cut. Every verify step then updates the estimates. What
+the controller learns (`Control`) outlives a scheduler: a server runs one scheduler for its life,
+and the engine hands the same `Control` to every scheduler of the same schedule (`Engine.batcher`),
+so a study's passes measure a controller as warm as a server's.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -40,6 +44,7 @@ import torch
 from engine.api import GenResult, SamplingParams, TokenCallback
 from engine.decode.acceptance import BATCH_RATE, Acceptance, Calibration
 from engine.decode.control import MARGIN, PROBE_EVERY, choose, probe
+from engine.decode.stepcost import StepCost
 from engine.drafters import Drafter, make_drafter
 from engine.drafters.lockstep import draft_together, lockstep_groups
 from engine.trees.tree import Tree
@@ -99,12 +104,36 @@ def check_schedule(schedule: Sequence[Band], max_batch: int) -> None:
 def _interpolated(table: Sequence[float]) -> Callable[[float], float]:
     """A price table's seconds at a total of rows, linear between whole totals (the expected rows of
     drafters that do not always fill their nodes)."""
-    def step_s(n: float) -> float:
-        if len(table) == 1:
-            return table[0]
-        i = min(int(n), len(table) - 2)
-        return table[i] + (table[i + 1] - table[i]) * (n - i)
+    if len(table) == 1:
+        return lambda n: table[0]
+    last = len(table) - 2
+
+    def step_s(n: float) -> float:  # called a few hundred times a step: no builtins
+        i = int(n)
+        if i > last:
+            i = last
+        lo = table[i]
+        return lo + (table[i + 1] - lo) * (n - i)
     return step_s
+
+
+@dataclass
+class Control:
+    """What adaptive control learns while it runs: the step cost with its live figures
+    (engine.decode.stepcost), and per adaptive spec the batch's acceptance estimate (each new
+    request's starting point) and its drafters' confidence bands (engine.decode.acceptance)."""
+
+    cost: StepCost | None
+    accept: dict[str, Acceptance]
+    calib: dict[str, Calibration]
+
+    @classmethod
+    def fresh(cls, engine: Any, schedule: Sequence[Band], max_batch: int, room: int) -> "Control":
+        """Nothing learnt yet: the step-cost curve as timed (once per machine and forward), the prior."""
+        adaptive = [s for _, _, s in schedule if s.adaptive and s.method != "off"]
+        return cls(engine.step_costs(max_batch, room) if adaptive else None,
+                   {s.key(): Acceptance(s.budget - 1, rate=BATCH_RATE) for s in adaptive},
+                   {s.key(): Calibration() for s in adaptive})
 
 
 @dataclass
@@ -138,10 +167,12 @@ class Request:
 class BatchEngine:
     """The scheduler over one engine (engine.decode.loop.Engine): `submit` from any thread, `step`
     from one thread to decode. `drafter`: one drafter every request uses instead of drafters of its
-    own (a batch of one place: `Engine.generate` with the engine's drafter)."""
+    own (a batch of one place: `Engine.generate` with the engine's drafter). `control`: what an
+    earlier scheduler of the same schedule and max_batch learnt (None: a fresh one)."""
 
     def __init__(self, engine: Any, max_batch: int = 8, schedule: Sequence[Band] | None = None,
-                 prefill: str = "mixed", kv_tokens: int | None = None, drafter: Drafter | None = None) -> None:
+                 prefill: str = "mixed", kv_tokens: int | None = None, drafter: Drafter | None = None,
+                 control: Control | None = None) -> None:
         if engine.lean is None and max_batch > 1:
             raise UserError("batching needs engine.builtin.forward=lean (the hf forward decodes one request at a time)")
         if drafter is not None and max_batch > 1:
@@ -158,12 +189,10 @@ class BatchEngine:
         self.prefill = prefill
         self.kv_tokens = kv_tokens
         self.room = max(engine.cache_room(s) for _, _, s in self.schedule)
-        # adaptive bands: the step-cost curve (timed once per machine and forward) and the batch's
-        # acceptance estimate per spec, each request's starting point
-        adaptive = [s for _, _, s in self.schedule if s.adaptive and s.method != "off"]
-        self.cost = engine.step_costs(max_batch, self.room) if adaptive else None
-        self.accept = {s.key(): Acceptance(s.budget - 1, rate=BATCH_RATE) for s in adaptive}
-        self.calib = {s.key(): Calibration() for s in adaptive}  # per spec: its drafters' confidence bands
+        # adaptive bands: the step-cost curve (timed once per machine and forward), the batch's
+        # acceptance estimate per spec (each request's starting point) and its confidence bands
+        self.control = control if control is not None else Control.fresh(engine, self.schedule, max_batch, self.room)
+        self.cost, self.accept, self.calib = self.control.cost, self.control.accept, self.control.calib
         # the step overhead the step cost learns (adaptive only): the last step's start, its decode
         # batch and its seconds in forwards and drafting, while the next step follows at once
         self._last: tuple[float, int, float] | None = None
@@ -403,15 +432,17 @@ class BatchEngine:
         fills = [e.rows for e in est]
         # every total of draft rows the controller weighs, priced once (a call per total costs a
         # few ms a step at batch 32, more than the rows it saves); between totals (the expected
-        # rows of drafters that do not always fill their nodes) linearly
-        table = cost.table(batch, extra, sum(map(len, gains)))
+        # rows of drafters that do not always fill their nodes) linearly. The totals go up to the
+        # expected rows of every node allowed (a lookup drafter's fill is often a fraction of a row)
+        top = math.ceil(sum(len(g) * f for g, f in zip(gains, fills))) + 1
+        table = cost.table(batch, extra, top)
         step_s = _interpolated(table)
         limits = choose(gains, batch, step_s, cost.draft_s, MARGIN, fills)
         probed = None
         if self.steps % PROBE_EVERY == 0:  # one node beyond the choice, for what the estimates learn
             # rows priced at no more than the average row: a count of rows never run is measured
             # where it could pay at that price (the live table, engine.decode.stepcost, learns it)
-            cheap = cost.table(batch, extra, sum(map(len, gains)), optimistic=True)
+            cheap = cost.table(batch, extra, top, optimistic=True)
             probed = probe(limits, gains, [e.age for e in est], batch, _interpolated(cheap), cost.draft_s,
                            MARGIN, fills)
             if probed is not None:
@@ -449,6 +480,8 @@ class BatchEngine:
             e.observe_fill(n, size)
             batch_est.observe_fill(n, size)
         real = [cal.gains(e, batch_est, out[id(r)][0].conf if s > 0 else None, s) for r, e, s in zip(live, est, sizes)]
+        if sum(sizes) >= len(table):  # the real drafts hold more rows than the fills expected
+            step_s = _interpolated(cost.table(batch, extra, sum(sizes)))
         keep = choose(real, batch, step_s, margin=MARGIN)
         if probed is not None:  # the probe is verified whatever the cut says
             keep[probed] = max(keep[probed], min(limits[probed], sizes[probed]))

@@ -26,6 +26,7 @@ depends on past steps and draft sizes, never on the drafted tokens' values."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from operator import itemgetter
 
 MARGIN = 0.15  # the engine's pessimism on the cost of drafts (forward rows and drafting)
 PROBE_EVERY = 4  # a probe at most every this many steps: at most a quarter of a row per step
@@ -45,17 +46,17 @@ def choose(gains: Sequence[Sequence[float]], tokens: float, step_s: Callable[[fl
     costs are priced above their estimates (the engine passes MARGIN); `rows[i]`: the rows each of
     request i's nodes is expected to add (its drafter's fill; 1 each by default), its gains the
     expected tokens of a node it does draft. Ties go to fewer nodes."""
-    ranked = sorted(((g, i) for i, gs in enumerate(gains) for g in gs), key=lambda gi: -gi[0])
+    # highest gain first, ties in request order (a stable sort, reversed stably)
+    ranked = sorted(((g, i) for i, gs in enumerate(gains) for g in gs if g > 0), key=itemgetter(0), reverse=True)
     base = step_s(0)
     best_n, best_rate = 0, tokens / base
     got, n_rows = tokens, 0  # whole rows stay ints: a table's index
-    for n, (g, i) in enumerate(ranked, start=1):
-        if g <= 0:
-            break
+    k, per_row = 1 + margin, (1 + margin) * draft_s
+    for n, (g, i) in enumerate(ranked, start=1):  # _rate inlined: this loop runs a few hundred times a step
         w = 1 if rows is None else rows[i]
         got += g * w
         n_rows += w
-        rate = _rate(got, n_rows, base, step_s, draft_s, margin)
+        rate = got / (base + k * (step_s(n_rows) - base) + per_row * n_rows)
         if rate > best_rate * (1 + 1e-9):
             best_n, best_rate = n, rate
     out = [0] * len(gains)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from engine.api import GenResult, GenStats, SamplingParams, TokenCallback
-from engine.decode.batch import BatchEngine, schedule_of
+from engine.decode.batch import BatchEngine, Control, schedule_of
 from engine.decode.prefix import PrefixCache
 from engine.decode.stepcost import StepCost, step_cost
 from engine.drafters import Drafter, make_drafter
@@ -123,6 +123,9 @@ class Engine:
         self._given = False  # whether the drafter was handed in (set_drafter), not made from the spec
         self.cache_dir: str | None = None  # where measured facts are cached (engine.models.machine)
         self._costs: dict[tuple[int, int], dict] = {}  # step-cost curves timed: (max_batch, rows) -> curve
+        # what adaptive control learnt, per (max_batch, schedule): every scheduler `batcher` makes
+        # for a schedule goes on from where the last one left off, as one server's scheduler would
+        self._controls: dict[tuple[int, tuple[tuple[int, int, str], ...]], Control] = {}
         # every scheduler's adaptive steps are reported to this, when set (engine.decode.batch.BatchEngine.trace)
         self.trace: Callable[[dict[str, Any]], None] | None = None
         if spec is not None:
@@ -250,11 +253,18 @@ class Engine:
         """A scheduler of this engine's requests (engine.decode.batch): up to engine.builtin.max_batch
         decode together (the hf forward: one at a time), each with drafters of its own, under the
         spec's bands; a drafter handed in by `set_drafter` is one object, so with it requests run
-        one at a time, all drafted by it."""
+        one at a time, all drafted by it. Under an adaptive spec it starts from what the last
+        scheduler of the same schedule learnt (`Control`): a study's passes alternate specs, each pass
+        a new scheduler, and each would otherwise measure a cold controller where a server keeps one."""
         if self._given:
             return self._batch_of_one()
-        return BatchEngine(self, self.max_batch, schedule_of(self.spec, self.max_batch), self.prefill,
-                           self.kv_tokens)
+        schedule = schedule_of(self.spec, self.max_batch)
+        key = (self.max_batch, tuple((lo, hi, s.key()) for lo, hi, s in schedule))
+        batch = BatchEngine(self, self.max_batch, schedule, self.prefill, self.kv_tokens,
+                            control=self._controls.get(key))
+        if batch.control.cost is not None:
+            self._controls[key] = batch.control
+        return batch
 
 
 class Decoding:

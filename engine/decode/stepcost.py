@@ -13,8 +13,12 @@ too slow; rows cost what the curve says, times that level) until the steps run s
 enough to say otherwise. A batch size that never drafts keeps that prior, a batch size whose drafts
 cost more than the curve said learns it from the steps that drafted.
 
-The fit prices every row alike, at no less than the curve's average row (the lower envelope of
-noisy timings has flat stretches that are not the machine's). The first few rows of a step often
+The fit prices every row alike, at no less than the curve's average row over a window of at least
+DENSE rows (the lower envelope of noisy timings has flat stretches that are not the machine's): the
+average from no rows to the first count timed at or beyond the priced one and DENSE. Not the
+average over every count timed: at a large batch the forward turns compute-bound within the timed
+range, its rows dearer there, and a few rows priced at the whole range's average cost more than
+the curve measured them at. The first few rows of a step often
 cost well under that average at small batches (docs/results.md, adaptive speculation), and a
 price above their real cost keeps the drafts that would pay
 there from ever running. So each batch size also keeps a live table of the forward's seconds per
@@ -169,17 +173,20 @@ class StepCost:
 
     def rows_s(self, batch: int, extra: float) -> float:
         """The curve's seconds for `extra` rows beyond the step without them, at least the curve's
-        average per row up to the most it timed at this batch size. The staircase of a few-row
+        average per row over the window that holds them (`_slope`). The staircase of a few-row
         kernel is real at small batches, but a flat stretch that the lower envelope made of
         noisy timings is not: at batch 32 it priced a few draft rows as free, where every row
         costs about what a token yields, and the drafts cost more than they gained."""
         c0 = self.curve_s(batch, 0)
-        return max(self.curve_s(batch, extra) - c0, self._slope(batch, c0) * extra)
+        return max(self.curve_s(batch, extra) - c0, self._slope(batch, c0, extra) * extra)
 
-    def _slope(self, batch: int, c0: float) -> float:
-        """The curve's average seconds per extra row up to the most it timed at this batch size."""
+    def _slope(self, batch: int, c0: float, extra: float) -> float:
+        """The curve's average seconds per extra row from none to the first count it timed at this
+        batch size (its level's, the level below where it was not timed) at or beyond both `extra`
+        and DENSE (the last count timed where none is)."""
         lv = self.levels
-        top = self._xs[max([b for b in lv if b <= batch] or lv[:1])][-1]
+        xs = self._xs[max([b for b in lv if b <= batch] or lv[:1])]
+        top = xs[min(bisect.bisect_left(xs, max(extra, DENSE)), len(xs) - 1)]
         return (self.curve_s(batch, top) - c0) / top if top > 0 else 0.0
 
     def step_s(self, batch: int, extra: float) -> float:
@@ -193,22 +200,23 @@ class StepCost:
         c0 = self.curve_s(batch, 0)
         live = self.live.get(batch)
         a, b = live.fit(self.level) if live is not None else (self.level, self.level)
-        slope = self._slope(batch, c0)
         fit_base = c0 * max(a, 0.1)
         table = self.rows.get(batch)
         base = table.base(fit_base) if table is not None else fit_base
-        curve = self._rows_memo.setdefault(batch, {})  # the curve's rows (rows_s) never change
+        curve = self._rows_memo.setdefault(batch, {})  # the curve's rows (rows_s) and average rows never change
         out = []
         for n in range(count + 1):
             x = extra + n
-            m = curve.get(x)
-            if m is None:
-                m = curve[x] = max(self.curve_s(batch, x) - c0, slope * x)
+            got = curve.get(x)
+            if got is None:
+                avg = self._slope(batch, c0, x) * x
+                got = curve[x] = (max(self.curve_s(batch, x) - c0, avg), avg)
+            m, avg = got
             rows = c0 * max(a + b * m / c0, 0.1) - fit_base
             if table is not None and x == int(x):  # only whole counts of rows ran
                 rows = table.price(int(x), rows)
             if optimistic:  # at this batch size's live level: the fit's slope may be one stall's
-                rows = min(rows, max(a, 0.1) * slope * x)
+                rows = min(rows, max(a, 0.1) * avg)
             out.append(base + max(rows, 0.0))
         return out
 
