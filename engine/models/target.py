@@ -132,7 +132,7 @@ def gguf_tokenizer_dir(src: Path, root: Path) -> Path:
 
 
 def smollm2_tokenizer_dir(cache_dir: str | None = None) -> Path:
-    """The packaged SmolLM2 tokenizer, extracted once from the GGUF (~17 s) into the cache."""
+    """The packaged SmolLM2 tokenizer, extracted once from the GGUF into the cache (the extraction is slow)."""
     return gguf_tokenizer_dir(gguf_path(*SMOLLM2_GGUF), cache_root(cache_dir))
 
 
