@@ -192,7 +192,6 @@ class BatchEngine:
         # adaptive bands: the step-cost curve (timed once per machine and forward), the batch's
         # acceptance estimate per spec (each request's starting point) and its confidence bands
         self.control = control if control is not None else Control.fresh(engine, self.schedule, max_batch, self.room)
-        self.cost, self.accept, self.calib = self.control.cost, self.control.accept, self.control.calib
         # the step overhead the step cost learns (adaptive only): the last step's start, its decode
         # batch and its seconds in forwards and drafting, while the next step follows at once
         self._last: tuple[float, int, float] | None = None
@@ -402,6 +401,21 @@ class BatchEngine:
                 req.fail(exc)
         if spec is not None and self.accept and spec.key() in self.accept:  # key() only where a spec adapts
             self._learn(spec, [(req, tree) for req, tree, _, _ in plans if tree is not None and req.error is None])
+
+    @property
+    def cost(self) -> StepCost | None:
+        """The step cost adaptive control prices rows with (its `Control`'s)."""
+        return self.control.cost
+
+    @property
+    def accept(self) -> dict[str, Acceptance]:
+        """Per adaptive spec, the batch's acceptance estimate (its `Control`'s)."""
+        return self.control.accept
+
+    @property
+    def calib(self) -> dict[str, Calibration]:
+        """Per adaptive spec, its drafters' confidence bands (its `Control`'s)."""
+        return self.control.calib
 
     def _estimate(self, req: Request, spec: SpecConfig) -> Acceptance:
         """The request's acceptance estimate under an adaptive spec (the batch's, when it starts)."""
