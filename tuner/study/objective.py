@@ -38,6 +38,8 @@ _CONSTRAINT_PREFIX = "constraints:"  # where Optuna keeps a trial's constraint v
 # Re-measurements of an implausible pair before its figure is kept (flagged) as it is.
 PLAUSIBILITY_RETRIES = 2
 OUTLIER_HISTORY = 3  # baseline passes before one can be called an outlier (two say little of the spread)
+OWN_HISTORY = 2  # a configuration's own passes before one of its passes can be an outlier: the band is the
+# baseline history's spread, so two passes need only place the centre
 # The machine's noise floor: the spread of the study's first baseline passes (trial 0's and the
 # first trials' paired baselines: its first minute or so). The recent spread, over the last
 # NOISE_WINDOW passes (a drift over the study is not in it: pairs cancel drift), costs repeats only
@@ -219,6 +221,7 @@ class Objective:
         flip = int(not is_off and server is not None and server.serving(OFF) and not server.serving(spec))
         starts0, startup0 = server.startups() if server is not None else (0, 0.0)
         history = self.baseline_history(trial) if split == "tune" and not is_off else []
+        own = self.spec_history(spec, trial) if split == "tune" and not is_off else []
         passes = first  # pairs measured, re-measurements included: the order alternates over all of them
         figures: dict[str, Any] = {}
         for r in range(repeats_max):
@@ -231,7 +234,8 @@ class Objective:
                     ratio = 1.0
                 else:
                     s, b, ratio, retried, still, used = self.plausible_pair(
-                        spec, split, passes + flip, history + [_mean_tok(x) for x in base_s])
+                        spec, split, passes + flip, history + [_mean_tok(x) for x in base_s],
+                        own + [_mean_tok(x) for x in spec_s])
             if not is_off:
                 passes += used
                 remeasured += [f"repeat {r + 1}: {why}" for why in retried]
@@ -274,21 +278,27 @@ class Objective:
                     break
         return figures
 
-    def plausible_pair(self, spec: SpecConfig, split: Split, order: int, history: list[float]
+    def plausible_pair(self, spec: SpecConfig, split: Split, order: int, history: list[float],
+                       own: list[float] | None = None
                        ) -> tuple[list[Sample], list[Sample], float, list[str], str | None, int]:
         """One pair (`order` even: spec first) measured again while it is implausible (`implausible`
-        against the baseline passes `history`), up to PLAUSIBILITY_RETRIES times: (spec samples,
-        baseline samples, its ratio, why each retry was measured, why the kept pair is still
-        implausible or None, pairs measured). None too when the baseline moved and stayed
-        (`_moved`): a load that ended or began shifts every later baseline, and a pair measured back
-        to back still measures the configuration."""
+        against the baseline passes `history` and the spec's own earlier passes `own`), up to
+        PLAUSIBILITY_RETRIES times: (spec samples, baseline samples, its ratio, why each retry was
+        measured, why the kept pair is still implausible or None, pairs measured). None too when
+        the baseline moved and stayed (`_moved`): a load that ended or began shifts every later
+        baseline, and a pair measured back to back still measures the configuration; and when the
+        spec's own passes are the only fault left: a configuration that reads off its earlier
+        passes every time is measured again, never barred from winning."""
         retried: list[str] = []
         bases: list[float] = []
         for attempt in range(PLAUSIBILITY_RETRIES + 1):
             s, b = self.measure_pair(spec, split, order + attempt)
             ratio = geomean([self._score(x) / max(self._score(y), self._floor(y)) for x, y in zip(s, b)])
-            still = self.implausible(s, b, history)
+            still = self.implausible(s, b, history, own)
             bases.append(_mean_tok(b))
+            if still is not None and attempt == PLAUSIBILITY_RETRIES and self.implausible(s, b, history) is None:
+                retried.append(f"{still}; so after every retry: the pair counts")
+                return s, b, ratio, retried, None, attempt + 1
             if still is not None and attempt == PLAUSIBILITY_RETRIES and self._moved(bases, s, b, history):
                 # every retry's baseline read the same away from the history: the machine's state
                 # changed (a load ended or began) and stayed; the pair, measured back to back, holds
@@ -324,7 +334,7 @@ class Objective:
             for i, sp in enumerate(splits):
                 spec_s, base_s, ratios, retried, kept = got[sp]
                 s, b, ratio, again, still, used = self.plausible_pair(
-                    spec, sp, r + i + order, [_mean_tok(x) for x in base_s])
+                    spec, sp, r + i + order, [_mean_tok(x) for x in base_s], [_mean_tok(x) for x in spec_s])
                 order += used - 1  # a retry shifts the order of what follows, as in a trial
                 spec_s.append(s)
                 base_s.append(b)
@@ -358,19 +368,35 @@ class Objective:
                 "baseline_samples", [])
         return out
 
+    def spec_history(self, spec: SpecConfig, trial: optuna.Trial | None = None) -> list[float]:
+        """Every pass of `spec` measured on the tuning prompts so far (tok/s, mean over the levels per
+        pass) by other trials of the same configuration (a confirmation round's, a repeated
+        sample's), `trial` itself and reused trials left out."""
+        out: list[float] = []
+        mine = trial.number if trial is not None else None
+        want = spec.model_dump(mode="json")
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
+            if t.number != mine and REUSED not in t.user_attrs and t.user_attrs.get("spec_json") == want:
+                out += t.user_attrs.get("tok_s_samples", [])
+        return out
+
     def noise(self, history: list[float]) -> float:
         """The relative noise the plausibility rules allow: search.noise_rel, or the spread of the
         study's baseline passes when it is larger (a busy machine)."""
         return max(self.search.noise_rel, log_spread(history) or 0.0)
 
-    def implausible(self, s: list[Sample], b: list[Sample], history: list[float]) -> str | None:
+    def implausible(self, s: list[Sample], b: list[Sample], history: list[float],
+                    own: list[float] | None = None) -> str | None:
         """Why one pair (spec samples `s`, baseline samples `b`, per level) cannot be believed, or None.
 
         A speedup of output tok/s can never exceed tau (tokens per target forward: a speculative
         step costs at least one forward), so a level's ratio above tau x (1 + noise) is a baseline
         that dipped or a glitch. A paired baseline more than 3 noise bands (on logs) from the
         median of the study's baseline passes (`history`, OUTLIER_HISTORY or more) is an outlier:
-        its ratio measures the machine's load, not the configuration.
+        its ratio measures the machine's load, not the configuration. So is a spec pass as far from
+        the median of the same configuration's earlier passes (`own`, OWN_HISTORY or more; the band
+        is the baseline's, a property of the machine): a spec pass that dipped deflates the ratio
+        as a dipped baseline inflates it, and would cost the configuration its rank.
         """
         noise = self.noise(history)
         if self.search.objective == "speed":  # a goodput ratio may exceed tau (requests meeting SLOs)
@@ -384,6 +410,11 @@ class Objective:
             if mid > 0 and now > 0 and abs(math.log(now / mid)) > 3 * noise:
                 return (f"paired baseline {now:.1f} tok/s is an outlier against the study's baseline history "
                         f"(median {mid:.1f} tok/s over {len(history)} passes, noise {noise:.2f})")
+        if own is not None and len(own) >= OWN_HISTORY:
+            mid, now = statistics.median(own), _mean_tok(s)
+            if mid > 0 and now > 0 and abs(math.log(now / mid)) > 3 * noise:
+                return (f"spec pass {now:.1f} tok/s is an outlier against this configuration's own passes "
+                        f"(median {mid:.1f} tok/s over {len(own)} passes, noise {noise:.2f})")
         return None
 
     def _score(self, x: Sample) -> float:
