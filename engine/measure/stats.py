@@ -96,6 +96,20 @@ def log_spread(xs: list[float]) -> float | None:
     return statistics.stdev([math.log(x) for x in xs])
 
 
+def robust_log_spread(xs: list[float]) -> float | None:
+    """The relative spread of one sample of a positive figure that a few glitches do not inflate:
+    1.4826 x the median absolute deviation of its logs (the standard deviation for normal logs);
+    log_spread below three samples, where a median says nothing of the spread. What an outlier is
+    judged against: a standard deviation that counts the outlier hides it."""
+    if len(xs) < 3:
+        return log_spread(xs)
+    if any(x <= 0 for x in xs):
+        return None
+    logs = [math.log(x) for x in xs]
+    mid = statistics.median(logs)
+    return 1.4826 * statistics.median(abs(v - mid) for v in logs)
+
+
 def f95(d1: int, d2: int) -> float:
     """The one-sided 95% quantile of the F distribution with (d1, d2) degrees of freedom: how far
     the ratio of two sample variances from one unchanged source can reach by chance."""

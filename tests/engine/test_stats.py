@@ -47,3 +47,19 @@ def test_ratio_bounds_are_never_narrower_than_the_noise_band() -> None:
     wide = [0.9, 2.6]
     _, _, _, lower, upper = log_interval(wide)
     assert ratio_bounds(wide, 0.05) == pytest.approx((lower, upper))
+
+
+def test_a_robust_spread_is_not_inflated_by_the_glitch_it_must_reveal() -> None:
+    from engine.measure.stats import log_spread, robust_log_spread
+
+    ordinary = [47.0, 48.5, 46.0, 49.0, 47.5, 48.0]
+    glitched = [16.5, *ordinary]  # one pass at a third of the others: a process started beside it
+    assert log_spread(glitched) > 0.3  # the standard deviation: a 3-band outlier test would be blind
+    assert robust_log_spread(glitched) == pytest.approx(robust_log_spread(glitched[::-1]))
+    assert robust_log_spread(glitched) < 0.05 and robust_log_spread(ordinary) < 0.05
+    # normal logs: the robust spread estimates the same sd as the standard deviation
+    rng = __import__("random").Random(0)
+    xs = [math.exp(rng.gauss(0.0, 0.1)) for _ in range(2000)]
+    assert robust_log_spread(xs) == pytest.approx(0.1, rel=0.08) and log_spread(xs) == pytest.approx(0.1, rel=0.08)
+    assert robust_log_spread([10.0, 11.0]) == log_spread([10.0, 11.0])  # below 3 samples: no median to lean on
+    assert robust_log_spread([10.0, 0.0, 11.0]) is None

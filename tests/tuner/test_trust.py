@@ -611,3 +611,24 @@ def test_a_spec_pass_that_dipped_is_measured_again_and_cannot_cost_the_best_its_
                           "(median 13.2 tok/s over 2 passes")
     assert all(r == 1.5 for t in confirms for r in t.user_attrs["ratios"])
     assert pick_winner(study.trials, cfg.search.noise_rel, [1]).spec == ng(4)
+
+
+def test_one_glitched_baseline_does_not_blind_the_outlier_rule(tmp_path: Path) -> None:
+    """benchmarks/fidelity.py's quiet seed 1 at 00647e4, planted: the study's first baseline pass
+    read a third of the others (a process started beside it). Judged by the standard deviation of
+    the baseline passes, which that pass alone made wide, no later dip was an outlier; a robust
+    spread keeps the band at the machine's ordinary noise, and a later dipped baseline (39 against
+    a median of 47) is measured again."""
+    cfg = load_config(CFG)
+    measure = Planted(lambda spec, n: (66.0, 2.0), base=47.0,
+                      base_script=[16.5, 47.0, 48.5, 46.0, 47.0, 48.0, 38.9, 47.2])
+    study, objective = study_of(tmp_path, cfg, measure, [ng(3), ng(4), ng(2)])
+    for _ in range(4):
+        objective.run_one()
+    history = objective.baseline_history()
+    assert history[0] == 16.5 and objective.noise(history) < 0.08
+    t2 = study.trials[3]  # the ngram d2 trial: its first paired baseline dipped to 38.9
+    (why,) = t2.user_attrs["remeasured"]
+    assert "paired baseline 38.9 tok/s is an outlier" in why
+    assert t2.user_attrs["baseline_samples"] == [47.2, 47.0]
+    assert t2.user_attrs["baseline_passes"] == [38.9, 47.2, 47.0]  # the next trials' history: every pass

@@ -24,7 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 import optuna
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
-from engine.measure.stats import f95, geomean, log_interval, log_spread, tight
+from engine.measure.stats import f95, geomean, log_interval, log_spread, robust_log_spread, tight
 from tuner.study.limits import TrialClock, TrialTimeout, active_clock, next_repeat_fits
 from tuner.schema.config import Level, Rate, SearchConfig, SpecConfig, WorkloadConfig, level_name
 from tuner.search.space import SearchSpace
@@ -38,6 +38,7 @@ _CONSTRAINT_PREFIX = "constraints:"  # where Optuna keeps a trial's constraint v
 # Re-measurements of an implausible pair before its figure is kept (flagged) as it is.
 PLAUSIBILITY_RETRIES = 2
 OUTLIER_HISTORY = 3  # baseline passes before one can be called an outlier (two say little of the spread)
+OUTLIER_WINDOW = 5  # the recent baseline passes an outlier is judged against: a glitch is one or two passes
 OWN_HISTORY = 2  # a configuration's own passes before one of its passes can be an outlier: the band is the
 # baseline history's spread, so two passes need only place the centre
 # The machine's noise floor: the spread of the study's first baseline passes (trial 0's and the
@@ -211,6 +212,7 @@ class Objective:
         spec_s: list[list[Sample]] = []
         base_s: list[list[Sample]] = []
         remeasured: list[str] = []  # why a pair was measured again
+        passes_b: list[float] = []  # every baseline pass measured, retries too: the machine's recent state
         kept: list[str] = []  # pairs still implausible after every retry
         still: str | None = None
         is_off = spec.method == "off"
@@ -234,8 +236,8 @@ class Objective:
                     ratio = 1.0
                 else:
                     s, b, ratio, retried, still, used = self.plausible_pair(
-                        spec, split, passes + flip, history + [_mean_tok(x) for x in base_s],
-                        own + [_mean_tok(x) for x in spec_s])
+                        spec, split, passes + flip, history + passes_b, own + [_mean_tok(x) for x in spec_s],
+                        passes_b)
             if not is_off:
                 passes += used
                 remeasured += [f"repeat {r + 1}: {why}" for why in retried]
@@ -247,6 +249,7 @@ class Objective:
             figures = self._figures(spec_s, base_s, ratios)
             if remeasured:
                 figures["remeasured"] = remeasured
+                figures["baseline_passes"] = passes_b
             if kept:
                 figures["implausible"] = "; ".join(kept)
             if server is not None:  # server start-ups are never inside a measurement; recorded apart
@@ -279,7 +282,7 @@ class Objective:
         return figures
 
     def plausible_pair(self, spec: SpecConfig, split: Split, order: int, history: list[float],
-                       own: list[float] | None = None
+                       own: list[float] | None = None, seen: list[float] | None = None
                        ) -> tuple[list[Sample], list[Sample], float, list[str], str | None, int]:
         """One pair (`order` even: spec first) measured again while it is implausible (`implausible`
         against the baseline passes `history` and the spec's own earlier passes `own`), up to
@@ -288,15 +291,21 @@ class Objective:
         the baseline moved and stayed (`_moved`): a load that ended or began shifts every later
         baseline, and a pair measured back to back still measures the configuration; and when the
         spec's own passes are the only fault left: a configuration that reads off its earlier
-        passes every time is measured again, never barred from winning."""
+        passes every time is measured again, never barred from winning. Every attempt's baseline
+        pass is appended to `seen` (retries too: they measure the machine's state as well as the
+        kept one does), and a retry is judged against `history` plus the attempts before it, so a
+        machine that moved is recognised from its recent passes."""
         retried: list[str] = []
         bases: list[float] = []
         for attempt in range(PLAUSIBILITY_RETRIES + 1):
             s, b = self.measure_pair(spec, split, order + attempt)
             ratio = geomean([self._score(x) / max(self._score(y), self._floor(y)) for x, y in zip(s, b)])
-            still = self.implausible(s, b, history, own)
+            still = self.implausible(s, b, history + bases, own)
             bases.append(_mean_tok(b))
-            if still is not None and attempt == PLAUSIBILITY_RETRIES and self.implausible(s, b, history) is None:
+            if seen is not None:
+                seen.append(bases[-1])
+            if (still is not None and attempt == PLAUSIBILITY_RETRIES
+                    and self.implausible(s, b, history + bases[:-1]) is None):
                 retried.append(f"{still}; so after every retry: the pair counts")
                 return s, b, ratio, retried, None, attempt + 1
             if still is not None and attempt == PLAUSIBILITY_RETRIES and self._moved(bases, s, b, history):
@@ -358,14 +367,15 @@ class Objective:
 
     def baseline_history(self, trial: optuna.Trial | None = None) -> list[float]:
         """Every baseline tok/s measured on the tuning prompts so far (mean over the levels per
-        pass): trial 0's passes and each trial's paired baselines, `trial` itself left out."""
+        pass), in the order measured: trial 0's passes and each trial's paired baselines (those of
+        pairs measured again too), `trial` itself left out."""
         out: list[float] = []
         mine = trial.number if trial is not None else None
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
             if t.number == mine or REUSED in t.user_attrs:
                 continue
             out += t.user_attrs.get("tok_s_samples", []) if role(t) == "baseline" else t.user_attrs.get(
-                "baseline_samples", [])
+                "baseline_passes", t.user_attrs.get("baseline_samples", []))
         return out
 
     def spec_history(self, spec: SpecConfig, trial: optuna.Trial | None = None) -> list[float]:
@@ -382,8 +392,10 @@ class Objective:
 
     def noise(self, history: list[float]) -> float:
         """The relative noise the plausibility rules allow: search.noise_rel, or the spread of the
-        study's baseline passes when it is larger (a busy machine)."""
-        return max(self.search.noise_rel, log_spread(history) or 0.0)
+        study's baseline passes when it is larger (a busy machine), robust to the glitches these rules
+        look for: one baseline pass at a third of the others (a process that started beside it) made
+        the standard deviation so wide that no later glitch was an outlier."""
+        return max(self.search.noise_rel, robust_log_spread(history) or 0.0)
 
     def implausible(self, s: list[Sample], b: list[Sample], history: list[float],
                     own: list[float] | None = None) -> str | None:
@@ -392,7 +404,8 @@ class Objective:
         A speedup of output tok/s can never exceed tau (tokens per target forward: a speculative
         step costs at least one forward), so a level's ratio above tau x (1 + noise) is a baseline
         that dipped or a glitch. A paired baseline more than 3 noise bands (on logs) from the
-        median of the study's baseline passes (`history`, OUTLIER_HISTORY or more) is an outlier:
+        median of the study's last OUTLIER_WINDOW baseline passes (`history`, OUTLIER_HISTORY or
+        more; the recent ones, so that a load that began or ended becomes the norm) is an outlier:
         its ratio measures the machine's load, not the configuration. So is a spec pass as far from
         the median of the same configuration's earlier passes (`own`, OWN_HISTORY or more; the band
         is the baseline's, a property of the machine): a spec pass that dipped deflates the ratio
@@ -406,10 +419,11 @@ class Objective:
                     return (f"speedup {ratio:.3f}x at {level_name(c)} exceeds tau {x.tau:.2f} x (1 + noise "
                             f"{noise:.2f}): a speedup cannot exceed tau")
         if len(history) >= OUTLIER_HISTORY:
-            mid, now = statistics.median(history), _mean_tok(b)
+            recent = history[-OUTLIER_WINDOW:]
+            mid, now = statistics.median(recent), _mean_tok(b)
             if mid > 0 and now > 0 and abs(math.log(now / mid)) > 3 * noise:
                 return (f"paired baseline {now:.1f} tok/s is an outlier against the study's baseline history "
-                        f"(median {mid:.1f} tok/s over {len(history)} passes, noise {noise:.2f})")
+                        f"(median {mid:.1f} tok/s over the last {len(recent)} passes, noise {noise:.2f})")
         if own is not None and len(own) >= OWN_HISTORY:
             mid, now = statistics.median(own), _mean_tok(s)
             if mid > 0 and now > 0 and abs(math.log(now / mid)) > 3 * noise:
