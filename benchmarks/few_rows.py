@@ -6,7 +6,8 @@ the widening per weight, apart from the other core's share of the read).
     .venv/bin/python benchmarks/few_rows.py --formats fp32,bf16,fp8 --rows 1,2,5,8
 
 Each figure is the best of `--repeats` timings of a loop of calls run inside C (no Python between the
-calls). A copy of this file in another checkout's benchmarks/ times that checkout's kernel with the
+calls), in this thread's CPU time (the kernel runs on the calling thread: time another process takes
+the core from it is not counted; what it does to the caches and the memory bus is). A copy of this file in another checkout's benchmarks/ times that checkout's kernel with the
 same loop. A table, then one JSON object.
 """
 
@@ -65,12 +66,12 @@ def measure(formats: list[str], rows: list[int], repeats: int, seconds: float, d
                 y = torch.empty(m, width)
 
                 def run(calls: int) -> float:
-                    t = time.perf_counter()
+                    t = time.thread_time()
                     rc = lib.linear_loop(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, width, K, fmt, scale, 1,
                                          calls)
                     if rc:
                         raise SystemExit(f"few_rows: smallm_linear returned {rc}")
-                    return time.perf_counter() - t
+                    return time.thread_time() - t
 
                 calls = max(1, int(seconds / max(run(1), 1e-7)))
                 best = min(run(calls) / calls for _ in range(repeats))

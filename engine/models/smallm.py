@@ -351,9 +351,10 @@ static inline void block(const float* x, long ldx, const W* wb, float* y, long l
     for (int m = 0; m < M; ++m) *(vfu*)(y + m * ldy + j * VW) = acc[j][m] * f;  /* exact where f is 1 */
 }
 
-/* whole blocks a lone row runs side by side in block_one */
+/* whole blocks a lone row runs side by side in block_one: 8 chains in flight at either layout (AVX2's
+   16 registers hold 8 one-vector accumulators, the broadcast and the widening's temporaries) */
 #ifndef ONE_ROW_BLOCKS
-#define ONE_ROW_BLOCKS (NB == 1 ? 4 : 2)
+#define ONE_ROW_BLOCKS (NB == 1 ? 8 : 2)
 #endif
 
 /* One row over G whole blocks side by side (wb, wb + stride, ...; y, y + BW, ...), each column summed
