@@ -351,10 +351,11 @@ static inline void block(const float* x, long ldx, const W* wb, float* y, long l
     for (int m = 0; m < M; ++m) *(vfu*)(y + m * ldy + j * VW) = acc[j][m] * f;  /* exact where f is 1 */
 }
 
-/* whole blocks a lone row runs side by side in block_one: 8 chains in flight at either layout (AVX2's
-   16 registers hold 8 one-vector accumulators, the broadcast and the widening's temporaries) */
+/* whole blocks a lone row runs side by side in block_one (AVX2: 4 one-vector blocks, as fast as 8 in
+   cache and faster streamed, docs/results.md; AVX-512: 2 four-vector blocks, the 8 chains a lone row
+   kept before) */
 #ifndef ONE_ROW_BLOCKS
-#define ONE_ROW_BLOCKS (NB == 1 ? 8 : 2)
+#define ONE_ROW_BLOCKS (NB == 1 ? 4 : 2)
 #endif
 
 /* One row over G whole blocks side by side (wb, wb + stride, ...; y, y + BW, ...), each column summed
