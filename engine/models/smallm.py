@@ -287,56 +287,111 @@ struct Lines {
   static constexpr int first = Part<H>::J0 * ROW / NB / 64 * 64, end = (Part<H>::J0 + Part<H>::NJ) * ROW / NB;
 };
 
+/* c + a b rounded once (a fused multiply-add where the CPU has one), written out rather than left to
+   the compiler's contraction: every row count's loop below then rounds each product-sum the same way */
+static inline vf fmadd(vf a, vf b, vf c) {
+#if VW == 16
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;  /* no FMA: never contracted, the same two roundings everywhere */
+#endif
+}
+
+/* x in every lane */
+static inline vf bcast(float x) {
+#if VW == 16
+  return (vf)_mm512_set1_ps(x);
+#else
+  return (vf)_mm256_set1_ps(x);
+#endif
+}
+
+/* prefetch the k-row at p (of ROW bytes, vectors J0..J0+NJ of H) AHEAD bytes ahead: every 64-byte line
+   of a k-row (a row of 64 floats is 4 lines; prefetching only 2 of them cost a third of the speed,
+   docs/design.md), or the line a short k-row starts */
+template <int H, int ROW>
+static inline void ahead_row(const char* p, long k) {
+  if (ROW >= 64) {
+    _Pragma("GCC unroll 4")
+    for (int off = Lines<H, ROW>::first; off < Lines<H, ROW>::end; off += 64) __builtin_prefetch(p + AHEAD + off);
+  } else if ((k * ROW) % 64 == 0) {
+    __builtin_prefetch(p + AHEAD);
+  }
+}
+
 /* One block of BW output columns for M rows: y[m, :BW] = x[m] . wb (* the weight's scale), wb one
    packed block [K, BW] of weights of type W, x fp32 (rounded to bf16 for bf16 and e4m3 weights);
-   of its vectors only those of H (Part). */
+   of its vectors only those of H (Part). Each column of each row is one chain of fused multiply-adds
+   over k in order, scaled at the end: the same operations at every row count and in block_one, so a
+   row's result does not depend on the rows beside it (batch invariance; a verified chain's rows are
+   its decode rows bit for bit). */
 template <int M, int H, typename W>
 static inline void block(const float* x, long ldx, const W* wb, float* y, long ldy, long K, float scale) {
-  /* one row has a single accumulator chain per vector: two k-rows in flight hide the FMA latency */
-  constexpr int KU = M == 1 ? 2 : 1;
   constexpr int ROW = BW * sizeof(W);  /* bytes of one k-row of the block */
   constexpr int J0 = Part<H>::J0, J1 = J0 + Part<H>::NJ;
-  vf acc[KU][NB][M];
-  for (int u = 0; u < KU; ++u)
-    for (int j = J0; j < J1; ++j)
-      for (int m = 0; m < M; ++m) acc[u][j][m] = (vf){};
+  vf acc[NB][M];
+  for (int j = J0; j < J1; ++j)
+    for (int m = 0; m < M; ++m) acc[j][m] = (vf){};
   const char* wc = (const char*)wb;
-  long k = 0;
-  for (; k + KU <= K; k += KU) {
-    _Pragma("GCC unroll 2")
-    for (int u = 0; u < KU; ++u) {
-      /* every 64-byte line of a k-row (a row of 64 floats is 4 lines; prefetching only 2 of them cost
-         a third of the speed, docs/design.md) */
-      const char* ahead = wc + (k + u) * ROW + AHEAD;
-      if (ROW >= 64) {
-        _Pragma("GCC unroll 4")
-        for (int off = Lines<H, ROW>::first; off < Lines<H, ROW>::end; off += 64) __builtin_prefetch(ahead + off);
-      } else if (((k + u) * ROW) % 64 == 0) {
-        __builtin_prefetch(ahead);
-      }
-      vf w[NB];
-      wrow<H>(wb + (k + u) * BW, w);
-      _Pragma("GCC unroll 8")
-      for (int m = 0; m < M; ++m) {
-        float xs = x[m * ldx + k + u];
-        _Pragma("GCC unroll 4")
-        for (int j = J0; j < J1; ++j) acc[u][j][m] += xs * w[j];
-      }
-    }
-  }
-  for (; k < K; ++k) {
+  for (long k = 0; k < K; ++k) {
+    ahead_row<H, ROW>(wc + k * ROW, k);
     vf w[NB];
     wrow<H>(wb + k * BW, w);
-    for (int j = J0; j < J1; ++j)
-      for (int m = 0; m < M; ++m) acc[0][j][m] += x[m * ldx + k] * w[j];
+    _Pragma("GCC unroll 8")
+    for (int m = 0; m < M; ++m) {
+      const vf xs = bcast(x[m * ldx + k]);
+      _Pragma("GCC unroll 4")
+      for (int j = J0; j < J1; ++j) acc[j][m] = fmadd(xs, w[j], acc[j][m]);
+    }
   }
   float f = wscale(wb, scale);
   for (int j = J0; j < J1; ++j)
-    for (int m = 0; m < M; ++m) {
-      vf a = acc[0][j][m];
-      for (int u = 1; u < KU; ++u) a += acc[u][j][m];
-      *(vfu*)(y + m * ldy + j * VW) = a * f;  /* exact where f is 1 */
+    for (int m = 0; m < M; ++m) *(vfu*)(y + m * ldy + j * VW) = acc[j][m] * f;  /* exact where f is 1 */
+}
+
+/* whole blocks a lone row runs side by side in block_one (AVX2: 4 one-vector blocks, as fast as 8 in
+   cache and faster streamed, docs/results.md; AVX-512: 2 four-vector blocks, the 8 chains a lone row
+   kept before) */
+#ifndef ONE_ROW_BLOCKS
+#define ONE_ROW_BLOCKS (NB == 1 ? 4 : 2)
+#endif
+
+/* One row over G whole blocks side by side (wb, wb + stride, ...; y, y + BW, ...), each column summed
+   exactly as block<M, 0> sums it. A lone row's single chain per vector would wait on the FMA latency at
+   every k; the G blocks' chains are independent and keep G NB in flight (a row split into chains of
+   alternate k-rows would sum in another order than the rows of a chain). */
+template <int G, typename W>
+static inline void block_one(const float* x, const W* wb, long stride, float* y, long K, float scale) {
+  constexpr int ROW = BW * sizeof(W);
+  vf acc[G][NB];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NB; ++j) acc[g][j] = (vf){};
+  for (long k = 0; k < K; ++k) {
+    const vf xs = bcast(x[k]);
+    _Pragma("GCC unroll 8")
+    for (int g = 0; g < G; ++g) {
+      const W* p = wb + g * stride + k * BW;
+      ahead_row<0, ROW>((const char*)p, k);
+      vf w[NB];
+      wrow<0>(p, w);
+      _Pragma("GCC unroll 4")
+      for (int j = 0; j < NB; ++j) acc[g][j] = fmadd(xs, w[j], acc[g][j]);
     }
+  }
+  float f = wscale(wb, scale);
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NB; ++j) *(vfu*)(y + g * BW + j * VW) = acc[g][j] * f;
+}
+
+/* block_one over n consecutive whole blocks: G at a time, then the rest side by side */
+template <int G, typename W>
+static inline void blocks_one(long n, const float* x, const W* wb, long stride, float* y, long K, float scale) {
+  if constexpr (G > 0) {
+    for (; n >= G; n -= G, wb += G * stride, y += G * BW) block_one<G>(x, wb, stride, y, K, scale);
+    if (n) blocks_one<G - 1>(n, x, wb, stride, y, K, scale);
+  }
 }
 
 #ifdef BF16_DOT
@@ -422,10 +477,18 @@ static inline void blocks_share(long R, long per, const void* xa, long ld, const
                                 long K, float scale) {
   constexpr long HALVES = NB % 2 == 0 ? 2 : 1;  /* the units a block splits into */
   long units = blocks * HALVES, T = omp_get_num_threads(), t = omp_get_thread_num();
+  long run0 = 0, run = 0;  /* a lone row's whole blocks not yet computed: run0 .. run0 + run - 1 */
   for (long u = units * t / T, end = units * (t + 1) / T; u < end;) {
     long b = u / HALVES;
     int h = HALVES == 1 || (u % 2 == 0 && u + 1 < end) ? 0 : 1 + (int)(u % 2);  /* whole, first or second half */
     u += h ? 1 : HALVES;
+    if constexpr (!Dot<W>::value) {
+      if (R == 1 && h == 0) {  /* gathered (consecutive: a thread's whole blocks are), then side by side */
+        if (run == 0) run0 = b;
+        ++run;
+        continue;
+      }
+    }
     const W* wb = wp + b * block_elems<W>(K);
     for (long r0 = 0; r0 < R; r0 += per) {
       long m = R - r0 < per ? R - r0 : per;
@@ -438,6 +501,9 @@ static inline void blocks_share(long R, long per, const void* xa, long ld, const
       block_m(m, xr, ld, wb, yr, ldy, K, scale);
     }
   }
+  if constexpr (!Dot<W>::value)
+    if (run) blocks_one<ONE_ROW_BLOCKS>(run, (const float*)xa, wp + run0 * block_elems<W>(K), block_elems<W>(K),
+                                        y + run0 * BW, K, scale);
 }
 """
 
