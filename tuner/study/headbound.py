@@ -71,7 +71,8 @@ if TYPE_CHECKING:
 # EAGLE-2 on HumanEval with Vicuna-13B 5.41; EAGLE-3 on HumanEval with Vicuna-13B 7.54).
 PUBLISHED_TAU = {"eagle": 5.41, "eagle3": 7.54}
 STEPS = 16  # generated tokens per timed run: every step of an untrained head commits one
-ROUNDS = 3  # (off, drafts...) rounds; each configuration's fastest step counts
+ROUNDS = 2  # (off, drafts...) rounds; each configuration's fastest step counts
+EVAL_DEPTH = 5  # the depths the pilot's acceptance is measured at (engine.heads.evaluate.EVAL_DEPTH)
 REFERENCE_ROUNDS = 2  # (off, reference) rounds on the trials' prompts; the lowest ratio counts
 PILOT_SHARE = 0.25  # of train.prompts answered for the pilot
 PILOT_EVAL = 0.25  # of the pilot's prompts held back: its acceptance is measured on their answers
@@ -104,6 +105,14 @@ def searched_depths(cfg: Config) -> list[int]:
     return list(range(cfg.search.depth.min, top + 1))
 
 
+def timed_depths(cfg: Config) -> list[int]:
+    """The chain depths whose steps are timed: the searched ones up to EVAL_DEPTH (where the pilot's
+    acceptance is measured), and the deepest; a depth between takes the step of the deepest timed
+    chain within it (a deeper chain never costs less)."""
+    depths = searched_depths(cfg)
+    return [d for d in depths if d <= EVAL_DEPTH] + [d for d in depths[-1:] if d > EVAL_DEPTH]
+
+
 def wide_trees(cfg: Config, method: str) -> list[SpecConfig]:
     """Untrained trees timed for what verifying many tokens costs (the chains cover budgets up to the
     deepest chain's): the widest searched top-k at budgets from a few above the chains' to the
@@ -112,7 +121,7 @@ def wide_trees(cfg: Config, method: str) -> list[SpecConfig]:
     if k == 1:
         return []
     out = []
-    for budget in sorted({min(cfg.search.budget_max, b) for b in (top + 4, 2 * top, 3 * top, cfg.search.budget_max)}):
+    for budget in sorted({min(cfg.search.budget_max, top + 4), cfg.search.budget_max}):
         depth = max(cfg.search.depth.min, math.ceil((budget - 1) / k))
         if budget > top + 1 and depth <= cfg.search.depth.max:
             out.append(SpecConfig(method=method, depth=depth, topk=k, budget=budget))
@@ -132,7 +141,7 @@ def measure_bound(cfg: Config, engine: Engine, method: str) -> HeadBound:
     ids = encode(engine, prompt, cfg.workload.chat_template)
     params = replace(sampling_params(cfg.workload, seed=cfg.seed), max_new_tokens=STEPS, temperature=0.0)
     off = SpecConfig(method="off")
-    chains = [SpecConfig(method=method, depth=d, topk=1, budget=d + 1) for d in searched_depths(cfg)]
+    chains = [SpecConfig(method=method, depth=d, topk=1, budget=d + 1) for d in timed_depths(cfg)]
     drafts = [*chains, *wide_trees(cfg, method)]
     drafters = {c.key(): untrained_drafter(c, engine.target, cfg.train.draft_vocab, cfg.seed) for c in drafts}
 
@@ -267,7 +276,8 @@ def pilot_bounds(cfg: Config, bound: HeadBound, acceptance: list[float],
     that chain's drafting plus the verification of the most tokens measured within b (a tree drafts
     at least what the chain drafts, and verifying more tokens never costs less)."""
     shapes = {k: _shape(k) for k in bound.step_ms}
-    chain = {d: k for k, (d, t, _) in shapes.items() if t == 1}
+    timed = {d: k for k, (d, t, _) in shapes.items() if t == 1}
+    chain = {d: timed[max([t for t in timed if t <= d], default=min(timed))] for d in searched_depths(cfg)}
     taus, points = {}, {}
     for d in searched_depths(cfg):
         acc = [acceptance[min(j, len(acceptance) - 1)] for j in range(d)] if acceptance else [0.0] * d
