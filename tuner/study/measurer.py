@@ -427,7 +427,8 @@ def get_drafts(cfg: Config, engine: Engine | None, quiet: bool = False,
         if m in probed and bounds is not None:
             t0 = time.monotonic()
             with head_progress(quiet) as report:
-                b = head_bound(cfg, engine, m, train_job(cfg), report, lambda line: console.print(line, highlight=False))
+                b = head_bound(cfg, engine, m, train_job(cfg), report,
+                               lambda line: console.print(line, highlight=False, markup=False))
             bounds.append(b)
             if phases is not None:
                 spent = round(time.monotonic() - t0, 1)
@@ -435,7 +436,7 @@ def get_drafts(cfg: Config, engine: Engine | None, quiet: bool = False,
                 phases[f"{m} bound"] = round(spent - pilot, 1)
                 if pilot:
                     phases[f"{m} pilot"] = pilot
-            console.print(describe(b), highlight=False)
+            console.print(describe(b), highlight=False, markup=False)
             if not b.trained:
                 continue
         console.print(f"training the {m} draft for {cfg.model.name} on workload {cfg.workload.name} "
