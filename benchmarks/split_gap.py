@@ -21,11 +21,13 @@ line is one JSON object. Usage:
 
     python benchmarks/split_gap.py                     # code workload, 80 prompts, 2000 draws
     python benchmarks/split_gap.py --workload chat --pool 60
+    python benchmarks/split_gap.py --max-new-tokens 32 --sides 6/6,24/24   # more prompts at fewer tokens
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -41,13 +43,16 @@ from tuner.study.measurer import open_engine
 Record = dict[str, object]
 
 
-def per_prompt_tau(workload: str, n: int, depths: tuple[int, ...]) -> list[Record]:
-    """Each of the pool's first n prompts (the workload's seeded order) with its greedy tau per chain depth."""
+def per_prompt_tau(workload: str, n: int, depths: tuple[int, ...], max_new_tokens: int | None = None) -> list[Record]:
+    """Each of the pool's first n prompts (the workload's seeded order) with its greedy tau per chain
+    depth, over the workload's max_new_tokens or `max_new_tokens`."""
     cfg = load_config([f"+workload={workload}", "engine.builtin.threads=1"])
     eng = open_engine(cfg)
     pool = _pool(cfg.workload)
     random.Random(cfg.workload.seed).shuffle(pool)
     params = sampling_params(cfg.workload, seed=cfg.seed)
+    if max_new_tokens is not None:
+        params = dataclasses.replace(params, max_new_tokens=max_new_tokens)
     out: list[Record] = []
     for p in pool[:n]:
         ids = encode(eng, p, cfg.workload.chat_template)
@@ -142,8 +147,10 @@ def main() -> None:
     ap.add_argument("--draws", type=int, default=2000)
     ap.add_argument("--depth", type=int, default=4, help="the n-gram chain whose tau is compared")
     ap.add_argument("--sides", default="12/6,12/12,24/24", help="tuning/held-out prompts per draw")
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help="tokens generated per prompt (default: the workload's); fewer tokens, more prompts a side")
     args = ap.parse_args()
-    recs = per_prompt_tau(args.workload, args.pool, (args.depth,))
+    recs = per_prompt_tau(args.workload, args.pool, (args.depth,), args.max_new_tokens)
     key = f"d{args.depth}"
     taus = [r[key][0] / r[key][1] for r in recs]  # type: ignore[index]
     print(f"{args.workload}: {len(recs)} prompts, greedy tau of ngram d{args.depth}: {min(taus):.2f}-{max(taus):.2f}, "
@@ -163,7 +170,8 @@ def main() -> None:
             if f is None or name == best or side == args.sides.split(",")[0]:
                 print(f"{nt:3d} tuning / {nh:2d} held-out, {rows[-1]['split']:40s} |tau gap| mean {g['mean']:.3f} "
                       f"median {g['median']:.3f} p90 {g['p90']:.3f}, within 5% in {g['within_5pct']:.0%} of draws")
-    print(json.dumps({"workload": args.workload, "prompts": len(recs), "tau_sd": statistics.pstdev(taus),
+    print(json.dumps({"workload": args.workload, "prompts": len(recs), "max_new_tokens": args.max_new_tokens,
+                      "tau_sd": statistics.pstdev(taus),
                       "correlation": corr, "rows": rows}))
 
 

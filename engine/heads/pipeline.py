@@ -259,28 +259,40 @@ def ensure_head(job: TrainJob, engine=None, retrain: bool = False, workloads: Se
     work = out.parent / f".{out.name}.work"  # checkpoints of a run in progress
     tc = job.train
 
-    def aux_layers(engine) -> Sequence[int] | None:
-        return default_aux_layers(engine.model.config.num_hidden_layers) if method == "eagle3" else None
-
     def train(engine, data: DistillData):
-        vocab_size = engine.model.get_output_embeddings().weight.shape[0]
-        vocab = build_vocab(data, tc.draft_vocab, vocab_size, always_kept(engine.tokenizer, vocab_size, sorted(engine.eos)))
-        head, summary = train_head(data, engine.model, tc, vocab, work, report, method)
-        _, val = split_prompts(data, tc.eval_fraction, tc.seed)
-        summary.update(evaluate_head(head, engine.model, vocab, data, val, tc.seq_len))
-        summary.update(draft_vocab=0 if vocab is None else len(vocab.ids),
-                       draft_vocab_coverage=1.0 if vocab is None else round(vocab.coverage(data.response_labels()), 4))
+        head, summary = train_eagle_head(engine, data, tc, method, work, report)
         if method == "eagle3":
             from engine.models.eagle3_head import save_eagle3
 
             return (lambda out: save_eagle3(head, out)), summary
         return (lambda out: save_head(head, out)), summary
 
-    return ensure_trained(job, method, train, engine, retrain, workloads, report, aux_layers, work)
+    return ensure_trained(job, method, train, engine, retrain, workloads, report,
+                          lambda e: head_aux_layers(e, method), work)
+
+
+def head_aux_layers(engine, method: str) -> Sequence[int] | None:
+    """The target layers whose states a head of `method` reads besides the last (EAGLE-3), else None."""
+    return default_aux_layers(engine.model.config.num_hidden_layers) if method == "eagle3" else None
+
+
+def train_eagle_head(engine, data: DistillData, tc: TrainConfig, method: str, work: Path,
+                     report: Report | None = None, topk: int = 1, max_nodes: int = 64) -> tuple[torch.nn.Module, dict]:
+    """Stages 3-5 on `data`: the draft vocabulary, an EAGLE-1 / EAGLE-3 head trained under `tc`
+    (checkpoints in `work`) and its offline acceptance on the validation prompts (with `topk` > 1
+    also a tree's of that top-k: engine.heads.evaluate); (head, summary)."""
+    vocab_size = engine.model.get_output_embeddings().weight.shape[0]
+    vocab = build_vocab(data, tc.draft_vocab, vocab_size, always_kept(engine.tokenizer, vocab_size, sorted(engine.eos)))
+    head, summary = train_head(data, engine.model, tc, vocab, work, report, method)
+    _, val = split_prompts(data, tc.eval_fraction, tc.seed)
+    summary.update(evaluate_head(head, engine.model, vocab, data, val, tc.seq_len, topk, max_nodes))
+    summary.update(draft_vocab=0 if vocab is None else len(vocab.ids),
+                   draft_vocab_coverage=1.0 if vocab is None else round(vocab.coverage(data.response_labels()), 4))
+    return head, summary
 
 
 def evaluate_head(head: torch.nn.Module, target: torch.nn.Module, vocab, data: DistillData, seqs: Sequence[int],
-                  seq_len: int) -> dict:
+                  seq_len: int, topk: int = 1, max_nodes: int = 64) -> dict:
     """Offline T=0 chain acceptance of a trained EAGLE-1 or EAGLE-3 head on `seqs` (stage 5)."""
     from engine.models.eagle_head import EagleHead
     from engine.heads.trainer import Eagle1Net, Eagle3Net
@@ -292,7 +304,7 @@ def evaluate_head(head: torch.nn.Module, target: torch.nn.Module, vocab, data: D
         net = Eagle1Net(head, lm if ids is None else lm[ids.to(lm.device)])
     else:
         net, ids = Eagle3Net(head), head.target_ids()
-    return chain_acceptance(net, embed, ids, data, seqs, seq_len)
+    return chain_acceptance(net, embed, ids, data, seqs, seq_len, topk=topk, max_nodes=max_nodes)
 
 
 def read_meta(path: str | Path) -> dict:

@@ -211,6 +211,15 @@ def test_training_lowers_validation_loss_and_beats_random_head(data: DistillData
     base = chain_acceptance(T.Eagle1Net(rand, lm), embed, vocab.ids, data, seqs, tc.seq_len)
     assert got["acceptance_per_depth"][0] > base["acceptance_per_depth"][0] + 0.3
     assert got["acceptance_per_depth"][1] > base["acceptance_per_depth"][1] + 0.1  # unrolled steps learnt too
+    # a tree's most: the target's path within the head's top-k at every level, never below the chain's
+    wide = chain_acceptance(T.Eagle1Net(head, lm), embed, vocab.ids, data, seqs, tc.seq_len, topk=2)
+    widest = chain_acceptance(T.Eagle1Net(head, lm), embed, vocab.ids, data, seqs, tc.seq_len, topk=256)
+    assert wide["acceptance_per_depth"] == got["acceptance_per_depth"] and "acceptance_topk_per_depth" not in got
+    for chain, k2, k256 in zip(got["acceptance_per_depth"], wide["acceptance_topk_per_depth"],
+                               widest["acceptance_topk_per_depth"]):
+        assert chain <= k2 <= k256
+    assert widest["acceptance_topk_per_depth"] == sorted(widest["acceptance_topk_per_depth"], reverse=True)
+    assert sum(widest["acceptance_topk_per_depth"]) > sum(got["acceptance_per_depth"]), "top-k read, not the argmax"
     tok, _, _, start = data.sequence(0)
     prompt = tok[:start].tolist()
     params = SamplingParams(max_new_tokens=20)

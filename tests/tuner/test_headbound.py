@@ -1,5 +1,6 @@
 """A head's bound before its training (tuner.study.headbound): a head that cannot beat speculation
-off even at the published tau is not trained and leaves the search; one that can is trained; a
+off even at the published tau is not trained and leaves the search; one that can gets a pilot, and
+the pilot's acceptance decides (a head that could win is trained, one that cannot is skipped); a
 pinned head and a shared study are never bounded; the decision is kept with the cache."""
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from tuner.schema.compose import load_config
 from tuner.schema.config import HeadBound, SpecConfig
 from tuner.search.space import SearchSpace
 from tuner.study import headbound, measurer
-from tuner.study.headbound import PUBLISHED_TAU, chain_depths, measure_bound, probed_methods
+from tuner.study.headbound import (GROWTH, PUBLISHED_TAU, bounded_acceptance, measure_bound, node_shares,
+                                   probed_methods, searched_depths, tree_tau, upper, with_pilot)
 from tuner.study.measurer import get_drafts, without_methods
 
 BASE = ["model=tiny-random", "+workload=code", "search.methods=[ngram,eagle]"]
@@ -32,18 +34,101 @@ def test_who_is_bounded() -> None:
     assert probed_methods(load_config([*BASE, "spec.method=eagle"])) == [], "pinned by spec.method"
     assert probed_methods(load_config([*BASE, "search.storage=journal:/tmp/x.log"])) == [], "a shared study: one space"
     assert probed_methods(load_config([*BASE, "search.head_bound=false"])) == [], "turned off"
-    assert chain_depths(load_config(BASE), 5.41) == [1, 4, 5]
-    assert chain_depths(load_config(BASE), 4.0) == [1, 3], "an integer tau: one depth reaches it"
-    assert chain_depths(load_config([*BASE, "search.depth.max=3"]), 5.41) == [1, 3], "within the space's depths"
+    assert searched_depths(load_config(BASE)) == list(range(1, 9))
+    assert searched_depths(load_config([*BASE, "search.depth.max=3"])) == [1, 2, 3], "within the space's depths"
+    assert searched_depths(load_config([*BASE, "search.budget_max=4"])) == [1, 2, 3], "within budget_max"
 
 
-@pytest.mark.parametrize("trained", [False, True])
-def test_bound_decides_training(tmp_path: Path, monkeypatch, trained: bool) -> None:
-    """Below 1.0: no answers, no training, the method out of the space, the line printed and kept;
-    at or above: trained as before. A second run with the same cache measures nothing again."""
-    cfg = load_config([*BASE, f"cache_dir={tmp_path}"])
-    measured, trainings = [], []
-    monkeypatch.setattr(headbound, "measure_bound", lambda c, e, m: measured.append(m) or planted(trained))
+def steps_of(off: float, depths: int, trees: tuple[int, ...] = ()) -> HeadBound:
+    """A published-tau bound with planted steps: verifying b tokens costs off + (b - 1) / 2 ms, a
+    head step 8 ms at depth 1 and 1 ms more per level; chains d1..`depths`, trees of those budgets."""
+    shapes = [(d, 1, d + 1) for d in range(1, depths + 1)] + [(depths, 4, b) for b in trees]
+    keys = {f"eagle d{d} k{k} b{b}": (d, b) for d, k, b in shapes}
+    verify = {key: off + (b - 1) / 2 for key, (d, b) in keys.items()}
+    draft = {key: 8.0 + (d - 1) for key, (d, b) in keys.items()}
+    step = {key: verify[key] + draft[key] for key in keys}
+    points = {key: min(d + 1, 5.41) * off / step[key] for key, (d, b) in keys.items() if b == d + 1}
+    return HeadBound(method="eagle", tau=5.41, off_step_ms=off, step_ms=step, draft_ms=draft, verify_ms=verify,
+                     bounds=points, bound=max(points.values()), trained=True)
+
+
+def pilot_summary(chain: list[float], nodes: list[list[int]], positions: int = 2000) -> dict:
+    tree = [sum(c for d, c in nodes if d == j) / positions for j in range(1, 6)]
+    return {"acceptance_per_depth": chain, "acceptance_topk_per_depth": tree, "tree_nodes": nodes,
+            "eval_positions": positions, "steps": 30, "prompts": 40, "seconds": 50.0}
+
+
+WEAK = pilot_summary([0.1, 0.03, 0.01, 0.0, 0.0], [[1, 200], [1, 60], [2, 60], [1, 30], [2, 20], [3, 10]])
+STRONG_TREES = pilot_summary([0.1, 0.03, 0.01, 0.0, 0.0], [[1, 200], [1, 180], [1, 160], [2, 150], [2, 140],
+                                                            [2, 130], [3, 120], [3, 110]])
+TREES = ["search.depth.max=5", "search.budget_max=12", "search.topk=[1,2,4]"]
+
+
+def test_pilot_decides() -> None:
+    """Planted: a pilot whose chains and trees, grown by GROWTH, cannot pay is skipped; one whose
+    trees could pay is trained (the trees' acceptance counts, not only the chain's), unless trees
+    are not searched; a head that beats off but not the training-free reference is skipped."""
+    cfg = load_config([*BASE, *TREES])
+    b = steps_of(20.0, 5, trees=(12,))
+    weak = with_pilot(cfg, b, WEAK)
+    assert weak.pilot is not None and not weak.trained and weak.pilot.bound < 1.0 and weak.pilot.beat == 1.0
+    # chains: d1 at most 1 + GROWTH x upper(0.1) over its step
+    assert weak.pilot.tau["d1"] == pytest.approx(1 + GROWTH * upper(0.1, 2000), abs=1e-3)
+    assert weak.pilot.bounds["d1"] == pytest.approx(weak.pilot.tau["d1"] * 20 / b.step_ms["eagle d1 k1 b2"], abs=1e-3)
+    assert any(" b" in k for k in weak.pilot.bounds), "the best tree of each depth is bounded too"
+    strong = with_pilot(cfg, b, STRONG_TREES)
+    assert strong.trained and strong.pilot.bound >= 1.0, "its trees could pay: trained"
+    assert max(strong.pilot.bounds, key=strong.pilot.bounds.get).count(" b") == 1, "a tree gives the best bound"
+    chains_only = with_pilot(load_config([*BASE, *TREES[:2], "search.topk=[1]"]), steps_of(20.0, 5), STRONG_TREES)
+    assert not chains_only.trained, "no trees searched: the chains' acceptance decides"
+    assert all(" b" not in k for k in chains_only.pilot.bounds)
+    beaten = with_pilot(cfg, b, STRONG_TREES, reference=strong.pilot.bound + 0.01)
+    assert not beaten.trained and beaten.pilot.beat == pytest.approx(strong.pilot.bound + 0.01)
+    assert beaten.reference == "ngram d4 k1 b5"
+    assert with_pilot(cfg, b, STRONG_TREES, reference=0.8).pilot.beat == 1.0, "off is always to beat"
+
+
+def test_pilot_bound_is_an_upper_bound() -> None:
+    """GROWTH times the upper confidence bound, capped at 1, never rising with depth; a tree of b
+    nodes takes the b - 1 largest node shares within its depth (never more than b), and its step at
+    least its depth's chain's drafting plus the verification of the most tokens measured within b."""
+    assert upper(0.2, 1000) > 0.2 and upper(0.2, 100) > upper(0.2, 1000) and upper(0.0, 50) > 0
+    assert upper(1.0, 10) == 1.0
+    got = bounded_acceptance([0.6, 0.1, 0.2], 10_000, 2.0)
+    assert got[0] == 1.0 and got[1] == pytest.approx(2 * upper(0.1, 10_000), abs=1e-4) and got[2] == got[1]
+    shares = node_shares([[1, 500], [2, 300], [1, 100]], 1000, 1.0, 6, 4, 64)
+    assert sorted(x for d, x in shares if d == 1)[-1] == pytest.approx(upper(0.5, 1000))
+    assert [d for d, _ in shares].count(1) == 2 + 5, "never-seen nodes: as many as a tree holds, at every depth"
+    assert [round(x, 6) for d, x in shares if d in (3, 4)] == [round(upper(0.3, 1000), 6)] * 2, "deeper: once per level"
+    assert tree_tau(shares, 1, 3) == pytest.approx(1 + upper(0.5, 1000) + upper(0.1, 1000))
+    assert tree_tau(shares, 2, 3) == pytest.approx(1 + upper(0.5, 1000) + upper(0.3, 1000))
+    assert tree_tau([(1, 1.0)] * 8, 1, 4) == 4.0, "never more than the tree's nodes"
+    cfg = load_config([*BASE, "search.depth.max=7", "search.budget_max=16", "search.topk=[1,8]"])
+    b = steps_of(10.0, 7, trees=(16,))
+    p = with_pilot(cfg, b, pilot_summary([0.2] * 5, [[1, 100]], 10**6)).pilot
+    assert p is not None and [k for k in p.tau if " b" not in k] == [f"d{d}" for d in range(1, 8)]
+    acc = GROWTH * upper(0.2, 10**6)
+    assert p.tau["d7"] == pytest.approx(1 + 7 * acc, abs=1e-3), "beyond depth 5: the deepest acceptance again"
+    key = next(k for k in p.bounds if k.startswith("d1 b"))
+    budget = int(key.split(" b")[1])
+    verify = max(v for k, v in b.verify_ms.items() if int(k.split(" b")[1]) <= budget)
+    step = max(b.step_ms["eagle d1 k1 b2"], b.draft_ms["eagle d1 k1 b2"] + verify)
+    assert p.bounds[key] == pytest.approx(p.tau[key] * 10 / step, abs=1e-3)
+
+
+@pytest.mark.parametrize("case", ["published", "pilot", "trained"])
+def test_bound_decides_training(tmp_path: Path, monkeypatch, case: str) -> None:
+    """Below 1.0 at the published tau: no pilot, no answers, no training, the method out of the space;
+    above it a pilot runs, and its bound decides: below 1.0 the same, at or above trained as before.
+    The line is printed and kept: a second run with the same cache measures nothing again."""
+    cfg = load_config([*BASE, f"cache_dir={tmp_path}", *TREES])
+    trained = case == "trained"
+    measured, pilots, trainings = [], [], []
+    published = planted(False) if case == "published" else steps_of(20.0, 5, trees=(12,))
+    monkeypatch.setattr(headbound, "measure_bound", lambda c, e, m: measured.append(m) or published)
+    monkeypatch.setattr(headbound, "measure_pilot",
+                        lambda c, e, m, job, report=None: pilots.append(m) or (STRONG_TREES if trained else WEAK))
+    monkeypatch.setattr(headbound, "measure_reference", lambda c, e: 0.9)
 
     def fake_train(job, method, engine, **kw):
         trainings.append(method)
@@ -58,10 +143,12 @@ def test_bound_decides_training(tmp_path: Path, monkeypatch, trained: bool) -> N
         phases: dict[str, float] = {}
         drafts = get_drafts(cfg, object(), quiet=True, phases=phases, bounds=bounds)
         assert [b.trained for b in bounds] == [trained]
+        assert [b.pilot is not None for b in bounds] == [case != "published"]
         assert ("eagle" in drafts) == trained and ("eagle answers" in phases) == trained
         space = SearchSpace.from_config(without_methods(cfg, bounds), head_paths=drafts)
         assert ("eagle" in space.methods) == trained and "ngram" in space.methods
     assert measured == ["eagle"], "the kept decision is read back, not measured again"
+    assert pilots == ([] if case == "published" else ["eagle"])
     assert trainings == (["eagle", "eagle"] if trained else [])
 
 
@@ -79,8 +166,8 @@ def test_measured_bound_on_the_engine(engine, one_torch_thread) -> None:
     the untrained head has the trained head's draft vocabulary; its output is the target's."""
     cfg = load_config([*BASE, "train.draft_vocab=512", "search.depth.max=3"])
     b = measure_bound(cfg, engine, "eagle")
-    assert set(b.bounds) == {"eagle d1 k1 b2", "eagle d3 k1 b4"} and b.off_step_ms > 0
-    for key, d in (("eagle d1 k1 b2", 1), ("eagle d3 k1 b4", 3)):
+    assert set(b.bounds) == {"eagle d1 k1 b2", "eagle d2 k1 b3", "eagle d3 k1 b4"} and b.off_step_ms > 0
+    for key, d in (("eagle d1 k1 b2", 1), ("eagle d2 k1 b3", 2), ("eagle d3 k1 b4", 3)):
         assert b.bounds[key] == pytest.approx(min(d + 1, PUBLISHED_TAU["eagle"]) * b.off_step_ms / b.step_ms[key],
                                               rel=1e-2)
     assert b.bound == max(b.bounds.values()) and b.trained == (b.bound >= 1.0)

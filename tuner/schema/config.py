@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from tuner.schema.results import (ArmLevel, Arms, BestResult, Capacity, CapacityProbe, Figures, HeadBound,
+from tuner.schema.results import (ArmLevel, Arms, BestResult, Capacity, CapacityProbe, Figures, HeadBound, HeadPilot,
                                   PartResult, ProjectedPoint, Projection, Provenance)
 from tuner.schema.methods import SpecMethod, engine_refusal, head_methods, search_refusal
 from tuner.schema.precision import auto_weights

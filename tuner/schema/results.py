@@ -177,6 +177,27 @@ class HeldoutCheck(_Strict):
     verdict: Literal["holds", "below", "above", "inconclusive"] | None = None
 
 
+class HeadPilot(_Strict):
+    """A head trained on a share of the full budget's answers (tuner.study.headbound), its acceptance
+    measured on answers it did not see, and the bound that follows for the full budget's head."""
+
+    prompts: int  # prompts answered for the pilot (a share of them held back for the measurement)
+    steps: int  # its training steps (the full recipe's epochs over its share)
+    positions: int  # held-back answer positions its acceptance was measured on
+    acceptance: list[float]  # chains: P(the first d drafts accepted), d = 1, 2, ...
+    topk: int  # the widest top-k searched (1: chains only)
+    tree_acceptance: list[float]  # P(the first d target tokens each among the head's topk best): a tree's most
+    tree_nodes: list[float] = []  # the most often accepted nodes of its top-k tree: their shares, largest first
+    growth: float  # the full budget's acceptance at a depth is taken to be at most this times the pilot's
+    # "d<depth>" (chains) and "d<depth> b<budget>" (the best tree of that depth) -> the tau assumed there,
+    # and that tau x off step / the least such a draft's step can cost (tuner.study.headbound)
+    tau: dict[str, float]
+    bounds: dict[str, float]
+    bound: float  # the best of them
+    beat: float  # what it had to reach: 1.0, or the training-free reference's figure when higher
+    seconds: float  # its answers, training and measurement
+
+
 class HeadBound(_Strict):
     """The best speedup a head of `method` could reach on this machine, measured before its answers
     and training (tuner.study.headbound): an untrained head of the trained head's shape timed against
@@ -188,7 +209,16 @@ class HeadBound(_Strict):
     step_ms: dict[str, float]  # spec key of each measured chain -> one step with the untrained head
     bounds: dict[str, float]  # spec key -> min(depth + 1, tau) x off step / its step
     bound: float  # the best of them
-    trained: bool  # bound >= 1.0: the head is trained and searched; else the method is left out
+    # the draft and the verification (target forward, acceptance) seconds of a decode step, per spec key:
+    # a tree's step costs at least its depth's chain's drafting and the verification of as many tokens
+    draft_ms: dict[str, float] = {}
+    verify_ms: dict[str, float] = {}
+    # a training-free chain the study always measures, timed against off on the trials' prompts (when
+    # a pilot ran): its lowest per-round speedup, the figure a head must beat to win
+    reference: str | None = None
+    reference_speedup: float | None = None
+    trained: bool  # bound >= 1.0, and with a pilot its bound >= max(1.0, reference): trained and searched
+    pilot: HeadPilot | None = None  # run when the published tau's bound clears 1.0
 
 
 class BestResult(_Strict):

@@ -1,20 +1,46 @@
-"""Whether a trained head could win on this machine, measured before its answers and training.
+"""Whether a trained head could win on this machine, decided before its full answers and training.
 
-A head's answers and training take minutes (207 s of the main command on 2 cores). Before they
-start, one cheap measurement bounds the best speedup any head of that shape could reach here: the
-built-in engine runs a few steps with an untrained head of the trained head's shape
-(engine.drafters.untrained_drafter: its drafts are rejected, and a step costs what the trained
-head's costs), interleaved with steps of speculation off, on the first tuning prompt, one request
-alone (where speculation gains most), in rounds until the bound is clear (`CLEAR`) or `ROUNDS` ran. A chain of depth d commits at most min(d + 1, tau) tokens a
-step for a head whose acceptance is the generous published one (`PUBLISHED_TAU`), and a tree of the
-same depth costs at least what the chain costs, so
+A head's answers and training take minutes. Cheaper measurements come first.
 
-    bound = max over the measured depths d of  min(d + 1, tau) x (step off) / (step of the chain d)
+1. The step (seconds): the built-in engine runs a few steps with an untrained head of the trained
+   head's shape (engine.drafters.untrained_drafter: its drafts are rejected, and a step costs what
+   the trained head's costs) as chains of every searched depth and two wide trees, interleaved with
+   steps of speculation off, on the first tuning prompt, one request alone (where speculation gains
+   most), in `ROUNDS` rounds; each configuration's fastest step counts, and its drafting and its
+   verification apart. A chain of depth d commits at most min(d + 1, tau) tokens a step for a head
+   whose acceptance is the generous published one (`PUBLISHED_TAU`), and a tree of the same depth
+   costs at least what the chain costs, so
 
-When even that bound is below 1.0, no head of that shape can be faster than speculation off here:
-the study leaves the method out, prints one line with the figures and records them (best.yaml
-`head_bounds`). The decision is kept beside the head's cache entry, so later runs with that cache
-(a resumed study too) search the same space without measuring again.
+       bound = max over depths d of  min(d + 1, tau) x (step off) / (step of the chain d)
+
+   When even that is below 1.0, no head of that shape can beat speculation off here.
+
+2. The pilot, when that bound clears 1.0 (the published tau is far above what a head trained on
+   this budget reaches): a head trained by the same recipe (train.epochs over its data) on
+   `PILOT_SHARE` of the prompts, its acceptance measured on answers it did not see (`PILOT_EVAL` of
+   its prompts; engine.heads.evaluate): per depth, a chain's, and how often each node of its top-k
+   tree (the widest searched top-k) holds the target's token. The full budget's head is taken to
+   reach at most `GROWTH` times the pilot's figure (on its one-sided upper confidence bound) at
+   every depth and node. That bounds each shape's tau: a chain of depth d, 1 + the bounded
+   acceptances of depths 1..d; a tree of b nodes, 1 + the b - 1 largest bounded node shares within
+   its depth (never more than b). A draft's step costs at least its depth's chain step, and a tree's
+   at least that chain's drafting plus the verification of the most tokens measured within b:
+
+       bound = max over chains and trees of  tau x (step off) / (least step)
+
+   `GROWTH` is set well above the ratio of the full head's acceptance to the pilot's measured in
+   docs/results.md (benchmarks/head_pilot.py), so a head that would have won is not dropped.
+
+3. The rival: a head wins only by beating what the study measures without it, so the n-gram chain
+   every study measures (tuner.search.space.NGRAM_CHAIN_DEFAULT) is timed against off on the trials'
+   prompts in `REFERENCE_ROUNDS` interleaved rounds, and its lowest round's speedup, when above 1.0,
+   is what the pilot's bound must reach.
+
+When the last bound falls short the study leaves the method out, prints one line with the figures
+and records them (best.yaml `head_bounds`); at or above it, the head is trained as before (the
+pilot's answers and steps are then the price of the decision). The decision is kept beside the
+head's cache entry, so later runs with that cache (a resumed study too) search the same space
+without measuring again.
 
 Never for a head the user gave or pinned (spec.head_path, spec.method, a search of head methods
 alone, search.head_bound=false), nor for a study other machines share (search.storage set: every
@@ -25,25 +51,35 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tuner.schema.config import Config, HeadBound, SpecConfig
+from tuner.schema.config import Config, HeadBound, HeadPilot, SpecConfig
 from tuner.schema.methods import method as method_info
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from engine.api import SamplingParams
     from engine.decode.loop import Engine
+    from engine.heads.pipeline import TrainJob
+    from engine.heads.schedule import Report
 
 # The highest published mean accepted length of each head family, greedy (EAGLE-3 paper, Table 1:
-# EAGLE-2 on HumanEval with Vicuna-13B 5.41; EAGLE-3 on HumanEval with Vicuna-13B 7.54): far above
-# what a head trained here in minutes reaches (tau 2.12 at d4 k4 b16, docs/results.md).
+# EAGLE-2 on HumanEval with Vicuna-13B 5.41; EAGLE-3 on HumanEval with Vicuna-13B 7.54).
 PUBLISHED_TAU = {"eagle": 5.41, "eagle3": 7.54}
 STEPS = 16  # generated tokens per timed run: every step of an untrained head commits one
-ROUNDS = 3  # (off, chains...) rounds at most; each configuration's fastest step counts
-CLEAR = 1.5  # a bound this far above 1.0 after a round decides at once: the step times of one round
-# on a loaded 2-core machine differ by up to ~30% (docs/results.md), less than this margin
+ROUNDS = 2  # (off, drafts...) rounds; each configuration's fastest step counts
+EVAL_DEPTH = 5  # the depths the pilot's acceptance is measured at (engine.heads.evaluate.EVAL_DEPTH)
+REFERENCE_ROUNDS = 2  # (off, reference) rounds on the trials' prompts; the lowest ratio counts
+PILOT_SHARE = 0.25  # of train.prompts answered for the pilot
+PILOT_EVAL = 0.25  # of the pilot's prompts held back: its acceptance is measured on their answers
+PILOT_MIN_PROMPTS = 8  # a pilot of fewer would measure its acceptance on one or two answers
+GROWTH = 2.0  # the full budget's acceptance at any depth is at most this times the pilot's (docs/results.md)
+Z = 2.0  # the one-sided upper confidence bound on a pilot's acceptance: mean + Z standard errors (Wilson)
+NODES = 64  # the pilot's most often accepted tree nodes kept (engine.heads.evaluate.chain_acceptance)
 BOUND_FILE = "bound.json"
 
 
@@ -63,18 +99,39 @@ def bound_path(head_dir: Path) -> Path:
     return head_dir.parent / f"{head_dir.name}.{BOUND_FILE}"
 
 
-def chain_depths(cfg: Config, tau: float) -> list[int]:
-    """The chain depths whose bound is measured, within search.depth and budget_max. With a step that
-    grows by a head step per depth, min(d + 1, tau) / step(d) peaks at one of three: the shallowest
-    depth (a head step costing about a target step or more), the deepest whose d + 1 stays within
-    tau, or the next, where tau caps it (which of the two depends on the head step's cost)."""
-    top = min(cfg.search.depth.max, cfg.search.budget_max - 1)
-    lo = cfg.search.depth.min
-    return sorted({lo, *(max(lo, min(top, d)) for d in (math.floor(tau) - 1, math.ceil(tau) - 1))})
+def searched_depths(cfg: Config) -> list[int]:
+    """Every chain depth the space holds (search.depth within budget_max): each one's step is timed."""
+    top = max(cfg.search.depth.min, min(cfg.search.depth.max, cfg.search.budget_max - 1))
+    return list(range(cfg.search.depth.min, top + 1))
+
+
+def timed_depths(cfg: Config) -> list[int]:
+    """The chain depths whose steps are timed: the searched ones up to EVAL_DEPTH (where the pilot's
+    acceptance is measured), and the deepest; a depth between takes the step of the deepest timed
+    chain within it (a deeper chain never costs less)."""
+    depths = searched_depths(cfg)
+    return [d for d in depths if d <= EVAL_DEPTH] + [d for d in depths[-1:] if d > EVAL_DEPTH]
+
+
+def wide_trees(cfg: Config, method: str) -> list[SpecConfig]:
+    """Untrained trees timed for what verifying many tokens costs (the chains cover budgets up to the
+    deepest chain's): the widest searched top-k at budgets from a few above the chains' to the
+    largest, each at the shallowest depth that holds it within search.depth."""
+    k, top = max(cfg.search.topk), searched_depths(cfg)[-1]
+    if k == 1:
+        return []
+    out = []
+    for budget in sorted({min(cfg.search.budget_max, top + 4), cfg.search.budget_max}):
+        depth = max(cfg.search.depth.min, math.ceil((budget - 1) / k))
+        if budget > top + 1 and depth <= cfg.search.depth.max:
+            out.append(SpecConfig(method=method, depth=depth, topk=k, budget=budget))
+    return out
 
 
 def measure_bound(cfg: Config, engine: Engine, method: str) -> HeadBound:
-    """Time speculation off and chains of an untrained `method` head, interleaved; the bound."""
+    """Time speculation off, chains of an untrained `method` head at every searched depth and two
+    wide trees, interleaved, with each step's drafting and verification apart; the bound at the
+    published tau."""
     from engine.drafters import untrained_drafter
     from engine.measure.workloads import encode, sampling_params
     from tuner.projection.profiling import tuning_prompts
@@ -84,52 +141,257 @@ def measure_bound(cfg: Config, engine: Engine, method: str) -> HeadBound:
     ids = encode(engine, prompt, cfg.workload.chat_template)
     params = replace(sampling_params(cfg.workload, seed=cfg.seed), max_new_tokens=STEPS, temperature=0.0)
     off = SpecConfig(method="off")
-    chains = [SpecConfig(method=method, depth=d, topk=1, budget=d + 1) for d in chain_depths(cfg, tau)]
-    drafters = {c.depth: untrained_drafter(c, engine.target, cfg.train.draft_vocab, cfg.seed) for c in chains}
+    chains = [SpecConfig(method=method, depth=d, topk=1, budget=d + 1) for d in timed_depths(cfg)]
+    drafts = [*chains, *wide_trees(cfg, method)]
+    drafters = {c.key(): untrained_drafter(c, engine.target, cfg.train.draft_vocab, cfg.seed) for c in drafts}
 
-    def step_s(spec: SpecConfig, run: SamplingParams) -> float:
+    def step_s(spec: SpecConfig, run: SamplingParams) -> tuple[float, float, float]:
+        """(step, its drafting, its verification) in seconds, decode steps only (the prefill excluded)."""
         if spec.method == "off":
             engine.set_spec(spec)
         else:
-            engine.set_drafter(drafters[spec.depth], spec)
+            engine.set_drafter(drafters[spec.key()], spec)
         s = engine.generate(ids, run).stats
-        return (s.total_s - s.ttft_s) / max(s.target_forwards - 1, 1)  # decode steps: the prefill excluded
+        n = max(s.target_forwards - 1, 1)
+        return (s.total_s - s.ttft_s) / n, s.draft_s / n, max(s.verify_s - s.ttft_s, 0.0) / n
 
-    def bounds() -> dict[str, float]:
-        return {c.key(): round(min(c.depth + 1, tau) * best[off.key()] / best[c.key()], 3) for c in chains}
-
-    best: dict[str, float] = {}
+    best: dict[str, tuple[float, float, float]] = {}
     warm = replace(params, max_new_tokens=4)
-    for spec in [off, *chains]:  # a short warm-up each: the head's first steps build its buffers
+    for spec in [off, *drafts]:  # a short warm-up each: the head's first steps build its buffers
         step_s(spec, warm)
     for _ in range(ROUNDS):
-        for spec in [off, *chains]:
-            best[spec.key()] = min(best.get(spec.key(), math.inf), step_s(spec, params))
-        if max(bounds().values()) >= CLEAR:
-            break
+        for spec in [off, *drafts]:
+            got = step_s(spec, params)
+            old = best.get(spec.key(), (math.inf,) * 3)
+            best[spec.key()] = (min(old[0], got[0]), min(old[1], got[1]), min(old[2], got[2]))
     engine.set_spec(off)
-    points = bounds()
-    return HeadBound(method=method, tau=tau, off_step_ms=round(best[off.key()] * 1e3, 2),
-                     step_ms={c.key(): round(best[c.key()] * 1e3, 2) for c in chains},
+    off_s = best[off.key()][0]
+    points = {c.key(): round(min(c.depth + 1, tau) * off_s / best[c.key()][0], 3) for c in chains}
+    ms = {c.key(): tuple(round(x * 1e3, 2) for x in best[c.key()]) for c in drafts}
+    return HeadBound(method=method, tau=tau, off_step_ms=round(off_s * 1e3, 2),
+                     step_ms={k: v[0] for k, v in ms.items()}, draft_ms={k: v[1] for k, v in ms.items()},
+                     verify_ms={k: v[2] for k, v in ms.items()},
                      bounds=points, bound=max(points.values()), trained=max(points.values()) >= 1.0)
+
+
+def reference_spec(cfg: Config) -> SpecConfig | None:
+    """The training-free chain every study of cfg measures (tuner.search.space.NGRAM_CHAIN_DEFAULT,
+    within the searched depths), or None when n-gram is not searched."""
+    from tuner.search.space import NGRAM_CHAIN_DEFAULT
+
+    if "ngram" not in cfg.search.methods:
+        return None
+    d = min(max(NGRAM_CHAIN_DEFAULT[0], searched_depths(cfg)[0]), searched_depths(cfg)[-1])
+    return SpecConfig(method="ngram", depth=d, topk=1, budget=d + 1)
+
+
+def measure_reference(cfg: Config, engine: Engine) -> float | None:
+    """The reference chain's speedup over off on the trials' prompts, one request at a time,
+    interleaved for REFERENCE_ROUNDS rounds: the lowest round's (what a head must beat, read low)."""
+    from engine.measure.workloads import encode, sampling_params
+    from tuner.projection.profiling import tuning_prompts
+
+    ref = reference_spec(cfg)
+    if ref is None:
+        return None
+    prompts = [encode(engine, p, cfg.workload.chat_template) for p in tuning_prompts(cfg)]
+    params = replace(sampling_params(cfg.workload, seed=cfg.seed), temperature=0.0)
+
+    def per_token(spec: SpecConfig, run: SamplingParams = params) -> float:
+        """Decode seconds per generated token over the prompts (each prompt's prefill excluded)."""
+        engine.set_spec(spec)
+        runs = [engine.generate(ids, run).stats for ids in prompts]
+        return sum(s.total_s - s.ttft_s for s in runs) / max(sum(s.new_tokens - 1 for s in runs), 1)
+
+    off = SpecConfig(method="off")
+    for spec in (off, ref):  # a short untimed pass each: the first steps' one-time costs
+        per_token(spec, replace(params, max_new_tokens=4))
+    ratios = [per_token(off) / per_token(ref) for _ in range(REFERENCE_ROUNDS)]
+    engine.set_spec(off)
+    return round(min(ratios), 3)
+
+
+def upper(p: float, n: int, z: float = Z) -> float:
+    """The one-sided upper confidence bound (Wilson score) on a proportion `p` measured on `n` trials."""
+    if n <= 0:
+        return 1.0
+    centre = p + z * z / (2 * n)
+    spread = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return min(1.0, (centre + spread) / (1 + z * z / n))
+
+
+def bounded_acceptance(measured: list[float], positions: int, growth: float) -> list[float]:
+    """The full budget's acceptance per depth at most: `growth` x the upper confidence bound of the
+    pilot's, at most 1 and never above the shallower depth's (a deeper draft is accepted only after
+    every shallower one)."""
+    out, last = [], 1.0
+    for p in measured:
+        last = min(last, growth * upper(p, positions))
+        out.append(round(last, 4))
+    return out
+
+
+def _shape(key: str) -> tuple[int, int, int]:
+    """(depth, topk, budget) of a spec key ("eagle d4 k1 b5")."""
+    got = re.search(r" d(\d+) k(\d+) b(\d+)", key)
+    if got is None:
+        raise ValueError(f"not a draft's spec key: {key}")
+    d, k, b = (int(x) for x in got.groups())
+    return d, k, b
+
+
+def node_shares(nodes: list[list[int]], positions: int, growth: float, budget_max: int, depth_max: int,
+                listed_max: int) -> list[tuple[int, float]]:
+    """(depth, bounded share) of the tree nodes a full-budget head could accept: each listed node's
+    share of the pilot's positions at most `growth` x its upper confidence bound; as many nodes
+    never seen (or beyond the listed ones) as a tree can hold, at the bound of the least listed
+    share, eligible at every depth; beyond the measured depth, each deepest node once more per
+    level (the shares of a node's children sum to at most its own)."""
+    def bounded(count: float) -> float:
+        return min(1.0, growth * upper(count / positions, positions))
+
+    out = [(d, bounded(c)) for d, c in nodes]
+    floor = min((c for _, c in nodes), default=0) if len(nodes) >= listed_max else 0
+    out += [(1, bounded(floor))] * (budget_max - 1)
+    deepest = max((d for d, _ in nodes), default=0)
+    out += [(deepest + k, bounded(c)) for k in range(1, depth_max - deepest + 1) for d, c in nodes if d == deepest]
+    return out
+
+
+def tree_tau(shares: list[tuple[int, float]], depth: int, budget: int) -> float:
+    """The most a tree of `budget` nodes (root included) no deeper than `depth` accepts a step: 1 + the
+    budget - 1 largest shares of nodes within that depth, and at most `budget`."""
+    within = sorted((x for d, x in shares if d <= depth), reverse=True)[:budget - 1]
+    return min(float(budget), 1 + sum(within))
+
+
+def pilot_bounds(cfg: Config, bound: HeadBound, acceptance: list[float],
+                 shares: list[tuple[int, float]] | None) -> tuple[dict[str, float], dict[str, float]]:
+    """(tau, bound) of chains per searched depth ("d<depth>") and, with `shares` (trees searched), of
+    the best tree per depth ("d<depth> b<budget>").
+
+    A chain of depth d: tau 1 + the bounded acceptance of depths 1..d (beyond the measured depths the
+    deepest one's again: it never rises with depth), over its measured step. A tree of depth d and
+    budget b: tree_tau over the least its step can cost, the larger of its depth's chain step and
+    that chain's drafting plus the verification of the most tokens measured within b (a tree drafts
+    at least what the chain drafts, and verifying more tokens never costs less)."""
+    shapes = {k: _shape(k) for k in bound.step_ms}
+    timed = {d: k for k, (d, t, _) in shapes.items() if t == 1}
+    chain = {d: timed[max([t for t in timed if t <= d], default=min(timed))] for d in searched_depths(cfg)}
+    taus, points = {}, {}
+    for d in searched_depths(cfg):
+        acc = [acceptance[min(j, len(acceptance) - 1)] for j in range(d)] if acceptance else [0.0] * d
+        tau = 1 + sum(acc)
+        taus[f"d{d}"] = round(tau, 3)
+        points[f"d{d}"] = round(tau * bound.off_step_ms / bound.step_ms[chain[d]], 3)
+        if shares is None:
+            continue
+        best: tuple[float, int, float] | None = None
+        for b in range(d + 1, min(cfg.search.budget_max, 1 + d * max(cfg.search.topk)) + 1):
+            verify = max((bound.verify_ms.get(k, 0.0) for k, (_, _, kb) in shapes.items() if kb <= b), default=0.0)
+            step = max(bound.step_ms[chain[d]], bound.draft_ms.get(chain[d], 0.0) + verify)
+            t = tree_tau(shares, d, b)
+            x = t * bound.off_step_ms / step
+            if best is None or x > best[0]:
+                best = (x, b, t)
+        if best is not None:
+            taus[f"d{d} b{best[1]}"] = round(best[2], 3)
+            points[f"d{d} b{best[1]}"] = round(best[0], 3)
+    return taus, points
+
+
+def pilot_job(job: TrainJob) -> TrainJob:
+    """The full training job on PILOT_SHARE of its prompts, PILOT_EVAL of them held back."""
+    n = max(PILOT_MIN_PROMPTS, round(job.train.prompts * PILOT_SHARE))
+    return replace(job, train=job.train.model_copy(update={"prompts": n, "eval_fraction": PILOT_EVAL}))
+
+
+def measure_pilot(cfg: Config, engine: Engine, method: str, job: TrainJob, report: Report | None = None) -> dict:
+    """Train the pilot head of `method` for the full training `job` and measure its acceptance on its
+    held-back answers: the trainer's summary (engine.heads.pipeline.train_eagle_head) with `seconds`
+    and `prompts` added."""
+    import shutil
+    import time
+
+    from engine.heads.pipeline import build_data, head_aux_layers, head_dir, train_eagle_head
+    from tuner.schema.compose import packaged_workloads
+
+    t0 = time.monotonic()
+    pilot = pilot_job(job)
+    full = head_dir(job, method)
+    work = full.parent / f".{full.name}.pilot"  # its checkpoints, removed once measured
+    data = build_data(pilot, engine, packaged_workloads(cfg), report, head_aux_layers(engine, method))
+    _, summary = train_eagle_head(engine, data, pilot.train, method, work, report, max(cfg.search.topk), NODES)
+    shutil.rmtree(work, ignore_errors=True)
+    return {**summary, "prompts": pilot.train.prompts, "seconds": round(time.monotonic() - t0, 1)}
+
+
+def with_pilot(cfg: Config, bound: HeadBound, summary: dict, reference: float | None = None) -> HeadBound:
+    """`bound` with the pilot's figures (`summary`: measure_pilot's) and the decision they give: the
+    head is trained when its best bound reaches 1.0 and the training-free `reference` figure."""
+    topk = max(cfg.search.topk)
+    chain = list(summary["acceptance_per_depth"])
+    tree = list(summary.get("acceptance_topk_per_depth", chain)) if topk > 1 else chain
+    n = int(summary["eval_positions"])
+    nodes = [list(x) for x in summary.get("tree_nodes", [])]
+    shares = (node_shares(nodes, n, GROWTH, cfg.search.budget_max, searched_depths(cfg)[-1], NODES)
+              if topk > 1 else None)
+    taus, points = pilot_bounds(cfg, bound, bounded_acceptance(chain, n, GROWTH), shares)
+    beat = max(1.0, reference or 0.0)
+    pilot = HeadPilot(prompts=int(summary["prompts"]), steps=int(summary["steps"]), positions=n, acceptance=chain,
+                      topk=topk, tree_acceptance=tree,
+                      tree_nodes=[round(c / max(n, 1), 4) for _, c in nodes[:8]], growth=GROWTH, tau=taus,
+                      bounds=points, bound=max(points.values()), beat=beat, seconds=float(summary["seconds"]))
+    return bound.model_copy(update={"pilot": pilot, "trained": pilot.bound >= beat,
+                                    "reference_speedup": reference,
+                                    "reference": None if reference is None else reference_key(cfg)})
+
+
+def reference_key(cfg: Config) -> str | None:
+    """The reference chain's spec key, or None."""
+    ref = reference_spec(cfg)
+    return None if ref is None else ref.key()
 
 
 def describe(b: HeadBound) -> str:
     """One line: what was measured and what follows from it."""
-    pts = ", ".join(f"{k} {b.step_ms[k]:.0f} ms a step -> {v:.2f}x" for k, v in b.bounds.items())
+    pts = ", ".join(f"{k.split(' k')[0].split(' ')[1]} {b.step_ms[k]:.0f} ms -> {v:.2f}x" for k, v in b.bounds.items())
+    head = (f"{b.method} head bound: speculation off {b.off_step_ms:.0f} ms a step; an untrained head's chains at "
+            f"tau <= {b.tau:g} (published): {pts}; best {b.bound:.2f}x")
+    if b.pilot is not None:
+        p = b.pilot
+        top = sorted(p.bounds.items(), key=lambda kv: -kv[1])[:3]
+        ref = (f"; {b.reference} read {b.reference_speedup:.2f}x (lowest round)" if b.reference_speedup is not None
+               else "")
+        head += (f"; a pilot head ({p.prompts} prompts, {p.steps} steps, {p.seconds:.0f} s) accepted "
+                 f"{p.acceptance[0]:.2f} at depth 1 ({p.tree_acceptance[0]:.2f} within its top {p.topk}) over "
+                 f"{p.positions} unseen positions; a full head at most {p.growth:g}x that: best "
+                 + ", ".join(f"{k} tau {p.tau[k]:.2f} -> {v:.2f}x" for k, v in top) + ref)
+    beat = b.pilot.beat if b.pilot is not None else 1.0
+    rival = "speculation off" if beat <= 1.0 else f"{b.reference} ({beat:.2f}x)"
     verdict = ("trained: a head could win" if b.trained else
-               f"{b.method} left out of the search: no head of this shape can beat speculation off here "
-               f"(pin it with search.methods=[{b.method}] to train it anyway)")
-    return (f"{b.method} head bound: speculation off {b.off_step_ms:.0f} ms a step; an untrained head of the trained "
-            f"shape at tau <= {b.tau:g} (published): {pts}; best {b.bound:.2f}x — {verdict}")
+               f"{b.method} left out of the search: no head of this shape trained on this budget can beat "
+               f"{rival} here (search.head_bound=false or search.methods=[{b.method}] trains it anyway)")
+    return f"{head} — {verdict}"
 
 
-def head_bound(cfg: Config, engine: Engine, method: str, head_dir: Path) -> HeadBound:
-    """The bound of `method`'s head: kept from an earlier run with this cache, else measured now and kept."""
-    path = bound_path(head_dir)
+def head_bound(cfg: Config, engine: Engine, method: str, job: TrainJob, report: Report | None = None,
+               say: Callable[[str], None] | None = None) -> HeadBound:
+    """The bound of `method`'s head for the training `job`: kept from an earlier run with this cache,
+    else measured now (the pilot too when the published bound clears 1.0; `say` gets a line before it
+    starts) and kept."""
+    from engine.heads.pipeline import head_dir
+
+    path = bound_path(head_dir(job, method))
     if path.is_file():
         return HeadBound.model_validate(json.loads(path.read_text()))
     got = measure_bound(cfg, engine, method)
+    if got.trained:
+        if say is not None:
+            say(f"{method} head bound at the published tau {got.bound:.2f}x: training a pilot head on "
+                f"{pilot_job(job).train.prompts} prompts to bound what this training budget reaches")
+        reference = measure_reference(cfg, engine)
+        got = with_pilot(cfg, got, measure_pilot(cfg, engine, method, job, report), reference)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(got.model_dump(mode="json"), indent=1) + "\n")
     return got

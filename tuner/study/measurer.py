@@ -413,7 +413,7 @@ def get_drafts(cfg: Config, engine: Engine | None, quiet: bool = False,
     from rich.console import Console
 
     from engine.heads.drafts import ensure_draft
-    from engine.heads.pipeline import head_dir, read_meta
+    from engine.heads.pipeline import read_meta
     from tuner.study.headbound import describe, head_bound, probed_methods
     from tuner.study.progress import head_progress
 
@@ -426,11 +426,17 @@ def get_drafts(cfg: Config, engine: Engine | None, quiet: bool = False,
             continue
         if m in probed and bounds is not None:
             t0 = time.monotonic()
-            b = head_bound(cfg, engine, m, head_dir(train_job(cfg), m))
+            with head_progress(quiet) as report:
+                b = head_bound(cfg, engine, m, train_job(cfg), report,
+                               lambda line: console.print(line, highlight=False, markup=False))
             bounds.append(b)
             if phases is not None:
-                phases[f"{m} bound"] = round(time.monotonic() - t0, 1)
-            console.print(describe(b), highlight=False)
+                spent = round(time.monotonic() - t0, 1)
+                pilot = b.pilot.seconds if b.pilot is not None and b.pilot.seconds <= spent else 0.0  # 0: read back
+                phases[f"{m} bound"] = round(spent - pilot, 1)
+                if pilot:
+                    phases[f"{m} pilot"] = pilot
+            console.print(describe(b), highlight=False, markup=False)
             if not b.trained:
                 continue
         console.print(f"training the {m} draft for {cfg.model.name} on workload {cfg.workload.name} "
