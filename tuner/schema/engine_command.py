@@ -118,8 +118,9 @@ def server_settings(cfg: Config, kind: Kind) -> ServerSettings:
 
 
 def launched_env(kind: str, ecfg: LaunchedEngineConfig, gpu: bool,
-                 extra_args: tuple[str, ...] = ()) -> tuple[tuple[str, str], ...]:
-    """The variables a vLLM / SGLang server gets besides its Place's (engine.<kind>.env wins)."""
+                 extra_args: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """The variables a vLLM / SGLang server gets besides its Place's (engine.<kind>.env wins);
+    `extra_args` are the server's extra arguments."""
     env = {"DO_NOT_TRACK": "1"}
     if kind == "vllm":
         env["VLLM_NO_USAGE_STATS"] = "1"
