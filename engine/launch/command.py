@@ -68,7 +68,7 @@ def settings_for(
                           memory_fraction=gpu_memory_utilization,
                           served_names=(served_model_name,) if served_model_name else (),
                           enforce_eager=ecfg.enforce_eager, extra_args=tuple(ecfg.extra_args),
-                          env=launched_env(kind, ecfg, accelerator == "cuda"))
+                          env=launched_env(kind, ecfg, accelerator == "cuda", tuple(ecfg.extra_args)))
 
 
 def local_command(kind: Kind, ecfg: LaunchedEngineConfig, settings: ServerSettings, model_ref: str,

