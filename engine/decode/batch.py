@@ -479,7 +479,8 @@ class BatchEngine:
             probed = probe(limits, gains, [e.age for e in est], batch, _interpolated(cheap), cost.draft_s,
                            MARGIN, fills)
             # paid for at the prices the choice weighed: what it is expected to lose comes out of the budget
-            if probed is not None and budget.spend(probe_loss(limits, gains, batch, step_s, probed, cost.draft_s, fills)):
+            loss = probe_loss(limits, gains, batch, step_s, probed, cost.draft_s, fills) if probed is not None else 0.0
+            if probed is not None and budget.spend(loss):
                 limits[probed] += 1
             else:
                 probed = None
