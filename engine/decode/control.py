@@ -155,6 +155,7 @@ class Refill:
 
     @property
     def share(self) -> float:
+        """The share of departures replaced (at most 1)."""
         return min(self.arrived / self.departed, 1.0) if self.departed else 1.0
 
 
