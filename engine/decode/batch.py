@@ -23,7 +23,8 @@ spec's depth and budget (engine.decode.control): before drafting from the reques
 estimates (engine.decode.acceptance) and the step-cost curve (engine.decode.stepcost), drafters
 drafting at most that many nodes or not at all; after drafting from the drafts' real sizes, each
 draft cut to the nodes that pay. Every PROBE_EVERY steps one request may draft one node more
-(`control.probe`), verified whatever the cut. Every verify step then updates the estimates. What
+(`control.probe`), verified whatever the cut, where the probes' budget pays for what it is expected
+to lose (`control.ProbeBudget`). Every verify step then updates the estimates. What
 the controller learns (`Control`) outlives a scheduler: a server runs one scheduler for its life,
 and the engine hands the same `Control` to every scheduler of the same schedule (`Engine.batcher`),
 so a study's passes measure a controller as warm as a server's.
@@ -43,7 +44,7 @@ import torch
 
 from engine.api import GenResult, SamplingParams, TokenCallback
 from engine.decode.acceptance import BATCH_RATE, Acceptance, Calibration
-from engine.decode.control import MARGIN, PROBE_EVERY, choose, probe
+from engine.decode.control import MARGIN, PROBE_EVERY, ProbeBudget, Refill, choose, probe, probe_loss, worth
 from engine.decode.stepcost import StepCost
 from engine.drafters import Drafter, make_drafter
 from engine.drafters.lockstep import draft_together, lockstep_groups
@@ -120,12 +121,15 @@ def _interpolated(table: Sequence[float]) -> Callable[[float], float]:
 @dataclass
 class Control:
     """What adaptive control learns while it runs: the step cost with its live figures
-    (engine.decode.stepcost), and per adaptive spec the batch's acceptance estimate (each new
-    request's starting point) and its drafters' confidence bands (engine.decode.acceptance)."""
+    (engine.decode.stepcost), per adaptive spec the batch's acceptance estimate (each new
+    request's starting point) and its drafters' confidence bands (engine.decode.acceptance), what
+    the probes may still spend and how often departures are replaced (engine.decode.control)."""
 
     cost: StepCost | None
     accept: dict[str, Acceptance]
     calib: dict[str, Calibration]
+    probes: ProbeBudget = field(default_factory=ProbeBudget)
+    refill: Refill = field(default_factory=Refill)
 
     @classmethod
     def fresh(cls, engine: Any, schedule: Sequence[Band], max_batch: int, room: int) -> "Control":
@@ -196,6 +200,7 @@ class BatchEngine:
         # batch and its seconds in forwards and drafting, while the next step follows at once
         self._last: tuple[float, int, float] | None = None
         self._busy, self._decoded = 0.0, 0
+        self._left = 0  # requests that left while others stayed, since the batch was last empty
         # one slot per batch place, its capacity grown to the longest request admitted so far; made
         # at the first admission, inside inference mode like every other cache the compiled step sees
         # (a tensor made outside it has other dispatch keys, and the compiled layer would recompile)
@@ -279,6 +284,8 @@ class BatchEngine:
                 used += req.need
                 self.active.append(req)
                 fresh.append(req)
+        if fresh and self._left:  # replacements: the batch has lost requests since it was last empty
+            self.control.refill.arrive(len(fresh))
         if fresh and self.pool is None:
             self.pool = self.engine.forward.pool(self.max_batch, max(r.need for r in fresh))
         for req in fresh:
@@ -444,6 +451,16 @@ class BatchEngine:
         # costs its drafting alone when it is cut, and a draft the average would refuse may pay
         gains = cal.upper(est, batch_est, nodes)
         fills = [e.rows for e in est]
+        # each request's tokens' worth: below the step's average for a request ahead of the others
+        # while the batch drains (engine.decode.control, `worth`)
+        refill = self.control.refill.share
+        ws = [1.0] * len(live)
+        if refill < 1.0 and batch > 1:
+            left = {id(r): r.params.max_new_tokens - len(r.state.stop.tokens) for r in reqs}
+            w_all = worth(list(left.values()), cost.table(batch, 0, 0)[0], cost.table(batch - 1, 0, 0)[0], refill)
+            by = dict(zip(left, w_all))
+            ws = [by[id(r)] for r in live]
+            gains = [[g * w for g in gs] if w < 1.0 else gs for gs, w in zip(gains, ws)]
         # every total of draft rows the controller weighs, priced once (a call per total costs a
         # few ms a step at batch 32, more than the rows it saves); between totals (the expected
         # rows of drafters that do not always fill their nodes) linearly. The totals go up to the
@@ -453,18 +470,25 @@ class BatchEngine:
         step_s = _interpolated(table)
         limits = choose(gains, batch, step_s, cost.draft_s, MARGIN, fills)
         probed = None
+        budget = self.control.probes
+        budget.earn(table[0])
         if self.steps % PROBE_EVERY == 0:  # one node beyond the choice, for what the estimates learn
             # rows priced at no more than the average row: a count of rows never run is measured
             # where it could pay at that price (the live table, engine.decode.stepcost, learns it)
             cheap = cost.table(batch, extra, top, optimistic=True)
             probed = probe(limits, gains, [e.age for e in est], batch, _interpolated(cheap), cost.draft_s,
                            MARGIN, fills)
-            if probed is not None:
+            # paid for at the prices the choice weighed: what it is expected to lose comes out of the budget
+            loss = probe_loss(limits, gains, batch, step_s, probed, cost.draft_s, fills) if probed is not None else 0.0
+            if probed is not None and budget.spend(loss):
                 limits[probed] += 1
+            else:
+                probed = None
         if self.trace is not None:
             self._record = {"batch": batch, "extra": extra, "table": table[:9], "overhead": cost.overhead_s(batch),
                             "draft_s": cost.draft_s, "gains": [g[:3] for g in gains], "fills": fills,
                             "allowed": list(limits), "probe": probed is not None, "kept": [0] * len(live),
+                            "worth": ws, "refill": refill,
                             "control_s": time.perf_counter() - began, "drafting_s": 0.0}
         if not any(limits):  # nothing pays: the step is off's, no drafter call, no cut
             return {id(r): (Tree.chain(r.state.ids[-1], []), 0.0) for r in live}
@@ -494,6 +518,7 @@ class BatchEngine:
             e.observe_fill(n, size)
             batch_est.observe_fill(n, size)
         real = [cal.gains(e, batch_est, out[id(r)][0].conf if s > 0 else None, s) for r, e, s in zip(live, est, sizes)]
+        real = [[g * w for g in gs] if w < 1.0 else gs for gs, w in zip(real, ws)]
         if sum(sizes) >= len(table):  # the real drafts hold more rows than the fills expected
             step_s = _interpolated(cost.table(batch, extra, sum(sizes)))
         keep = choose(real, batch, step_s, margin=MARGIN)
@@ -553,6 +578,12 @@ class BatchEngine:
         with self._lock:
             done = [r for r in self.active if r.finished]
             self.active = [r for r in self.active if not r.finished]
+        if not self.active:  # the last ones out: nothing to replace them for
+            self._left = 0
+        elif done:
+            self._left += len(done)
+            for _ in done:
+                self.control.refill.depart()
         for r in done:
             self._free(r)
             if r.on_done is not None:
