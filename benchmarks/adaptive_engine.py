@@ -16,9 +16,8 @@ adaptive/static per level. `--trace N` prints, every N steps of the adaptive row
 what the controller weighed and chose (engine.decode.batch.BatchEngine.trace): the nodes allowed,
 drafted and kept per request, the probes, the price of the first rows and the step (with its
 overhead) it read, the forward's measured seconds per count of rows (the real marginal cost of a
-row at that batch), the controller's own and the drafting's seconds per step, the mean estimates
-at draft positions 1-3, and the mean worth of a request's tokens with the share of departures
-replaced (engine.decode.control). Over HTTP at levels 1-32, with a grid of static specs, is the
+row at that batch), the controller's own and the drafting's seconds per step, and the mean
+estimates at draft positions 1-3. Over HTTP at levels 1-32, with a grid of static specs, is the
 study arm's benchmark (issue 36).
 """
 
@@ -86,8 +85,7 @@ class Trace:
                   f"{'-' if f0 is None else f'{f0 * 1e3:.1f}'}({len(fwd.get(0, []))}) per row [{marg}]  "
                   f"control {statistics.mean(r['control_s'] for r in rs) * 1e3:.2f} ms drafting "
                   f"{statistics.mean(r['drafting_s'] for r in rs) * 1e3:.2f} ms  "
-                  f"est {' '.join(f'{e:.2f}' for e in est)}  worth {mean('worth'):.2f} "
-                  f"(refill {rs[-1].get('refill', 1.0):.2f})", flush=True)
+                  f"est {' '.join(f'{e:.2f}' for e in est)}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,7 +44,7 @@ import torch
 
 from engine.api import GenResult, SamplingParams, TokenCallback
 from engine.decode.acceptance import BATCH_RATE, Acceptance, Calibration
-from engine.decode.control import MARGIN, PROBE_EVERY, ProbeBudget, Refill, choose, probe, probe_loss, worth
+from engine.decode.control import MARGIN, PROBE_EVERY, ProbeBudget, choose, probe, probe_loss
 from engine.decode.stepcost import StepCost
 from engine.drafters import Drafter, make_drafter
 from engine.drafters.lockstep import draft_together, lockstep_groups
@@ -122,14 +122,13 @@ def _interpolated(table: Sequence[float]) -> Callable[[float], float]:
 class Control:
     """What adaptive control learns while it runs: the step cost with its live figures
     (engine.decode.stepcost), per adaptive spec the batch's acceptance estimate (each new
-    request's starting point) and its drafters' confidence bands (engine.decode.acceptance), what
-    the probes may still spend and how often departures are replaced (engine.decode.control)."""
+    request's starting point) and its drafters' confidence bands (engine.decode.acceptance), and
+    what the probes may still spend (engine.decode.control)."""
 
     cost: StepCost | None
     accept: dict[str, Acceptance]
     calib: dict[str, Calibration]
     probes: ProbeBudget = field(default_factory=ProbeBudget)
-    refill: Refill = field(default_factory=Refill)
 
     @classmethod
     def fresh(cls, engine: Any, schedule: Sequence[Band], max_batch: int, room: int) -> "Control":
@@ -200,7 +199,6 @@ class BatchEngine:
         # batch and its seconds in forwards and drafting, while the next step follows at once
         self._last: tuple[float, int, float] | None = None
         self._busy, self._decoded = 0.0, 0
-        self._left = 0  # requests that left while others stayed, since the batch was last empty
         # one slot per batch place, its capacity grown to the longest request admitted so far; made
         # at the first admission, inside inference mode like every other cache the compiled step sees
         # (a tensor made outside it has other dispatch keys, and the compiled layer would recompile)
@@ -284,8 +282,6 @@ class BatchEngine:
                 used += req.need
                 self.active.append(req)
                 fresh.append(req)
-        if fresh and self._left:  # replacements: the batch has lost requests since it was last empty
-            self.control.refill.arrive(len(fresh))
         if fresh and self.pool is None:
             self.pool = self.engine.forward.pool(self.max_batch, max(r.need for r in fresh))
         for req in fresh:
@@ -451,16 +447,6 @@ class BatchEngine:
         # costs its drafting alone when it is cut, and a draft the average would refuse may pay
         gains = cal.upper(est, batch_est, nodes)
         fills = [e.rows for e in est]
-        # each request's tokens' worth: below the step's average for a request ahead of the others
-        # while the batch drains (engine.decode.control, `worth`)
-        refill = self.control.refill.share
-        ws = [1.0] * len(live)
-        if refill < 1.0 and batch > 1:
-            left = {id(r): r.params.max_new_tokens - len(r.state.stop.tokens) for r in reqs}
-            w_all = worth(list(left.values()), cost.table(batch, 0, 0)[0], cost.table(batch - 1, 0, 0)[0], refill)
-            by = dict(zip(left, w_all))
-            ws = [by[id(r)] for r in live]
-            gains = [[g * w for g in gs] if w < 1.0 else gs for gs, w in zip(gains, ws)]
         # every total of draft rows the controller weighs, priced once (a call per total costs a
         # few ms a step at batch 32, more than the rows it saves); between totals (the expected
         # rows of drafters that do not always fill their nodes) linearly. The totals go up to the
@@ -488,7 +474,6 @@ class BatchEngine:
             self._record = {"batch": batch, "extra": extra, "table": table[:9], "overhead": cost.overhead_s(batch),
                             "draft_s": cost.draft_s, "gains": [g[:3] for g in gains], "fills": fills,
                             "allowed": list(limits), "probe": probed is not None, "kept": [0] * len(live),
-                            "worth": ws, "refill": refill,
                             "control_s": time.perf_counter() - began, "drafting_s": 0.0}
         if not any(limits):  # nothing pays: the step is off's, no drafter call, no cut
             return {id(r): (Tree.chain(r.state.ids[-1], []), 0.0) for r in live}
@@ -518,7 +503,6 @@ class BatchEngine:
             e.observe_fill(n, size)
             batch_est.observe_fill(n, size)
         real = [cal.gains(e, batch_est, out[id(r)][0].conf if s > 0 else None, s) for r, e, s in zip(live, est, sizes)]
-        real = [[g * w for g in gs] if w < 1.0 else gs for gs, w in zip(real, ws)]
         if sum(sizes) >= len(table):  # the real drafts hold more rows than the fills expected
             step_s = _interpolated(cost.table(batch, extra, sum(sizes)))
         keep = choose(real, batch, step_s, margin=MARGIN)
@@ -578,12 +562,6 @@ class BatchEngine:
         with self._lock:
             done = [r for r in self.active if r.finished]
             self.active = [r for r in self.active if not r.finished]
-        if not self.active:  # the last ones out: nothing to replace them for
-            self._left = 0
-        elif done:
-            self._left += len(done)
-            for _ in done:
-                self.control.refill.depart()
         for r in done:
             self._free(r)
             if r.on_done is not None:

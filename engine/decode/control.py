@@ -25,16 +25,6 @@ nearly free a probe costs nothing and runs every PROBE_EVERY steps; where a row 
 token yields, probes run only as often as that share of the time pays for, so exploring costs less
 than the noise of any measurement of the engine.
 
-A token is worth what it saves. While the requests that leave the batch are replaced (a server
-whose arrivals keep up with its departures, or a queue), a request that finishes sooner makes room
-for the next and every token is worth the step's average (the rate above). While the batch drains
-(nothing arrives to take a finished request's place: a batch of requests sent together and waited
-for), the batch's end is the last request's: a token of a request ahead of the others' remaining
-tokens saves only its own row in the steps it leaves early, the step's marginal cost of one
-sequence, not a share of the whole step. `worth` weighs each request's gains by that, mixed by how
-often departures were replaced (`Refill`): the requests furthest from their end keep the full
-worth, so a draining batch drafts to keep its requests level, not to send some ahead.
-
 Verification is untouched: any subset of a draft is verified losslessly, and the choice
 depends on past steps and draft sizes, never on the drafted tokens' values."""
 
@@ -46,7 +36,6 @@ from operator import itemgetter
 MARGIN = 0.15  # the engine's pessimism on the cost of drafts (forward rows and drafting)
 PROBE_EVERY = 4  # a probe at most every this many steps: at most a quarter of a row per step
 PROBE_SHARE = 0.005  # the share of the steps' seconds that the probes may be expected to lose
-REFILL_RATE = 0.3  # the refill estimate follows about the last few departures
 
 
 def _rate(got: float, rows: float, base: float, step_s: Callable[[float], float], draft_s: float,
@@ -134,41 +123,3 @@ class ProbeBudget:
         self.credit -= loss
         return True
 
-
-class Refill:
-    """How often a request that left a batch others were still in was replaced: arrivals after a
-    departure over departures, both counted within a busy stretch (a batch's requests arriving
-    together before any left are no replacements) and followed over the last few departures.
-    1 before anything is seen: every token at the step's average, as in a steady server."""
-
-    def __init__(self) -> None:
-        self.arrived = self.departed = 0.0
-
-    def depart(self) -> None:
-        """A request left and others stay in the batch."""
-        self.arrived *= 1 - REFILL_RATE
-        self.departed = self.departed * (1 - REFILL_RATE) + 1
-
-    def arrive(self, n: int = 1) -> None:
-        """n requests joined a busy stretch that had seen a departure."""
-        self.arrived += n
-
-    @property
-    def share(self) -> float:
-        """The share of departures replaced (at most 1)."""
-        return min(self.arrived / self.departed, 1.0) if self.departed else 1.0
-
-
-def worth(remaining: Sequence[int], batch_s: float, fewer_s: float, refill: float) -> list[float]:
-    """Each request's tokens' worth as a share of the step's average token: 1 for the requests with
-    the most tokens still to go (within one), for the others `refill` x 1 + (1 - refill) x the
-    marginal share, the seconds one sequence adds to the step (`batch_s` with this batch, `fewer_s`
-    with one request fewer) over its average share of the step. `remaining[i]`: request i's tokens
-    still allowed."""
-    batch = len(remaining)
-    if batch <= 1 or refill >= 1.0:
-        return [1.0] * batch
-    marginal = min(max(batch * (batch_s - fewer_s) / batch_s, 0.0), 1.0)
-    ahead = refill + (1 - refill) * marginal
-    last = max(remaining)
-    return [1.0 if r >= last - 1 else ahead for r in remaining]

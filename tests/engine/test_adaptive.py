@@ -18,8 +18,7 @@ from engine.decode import batch as B
 from engine.decode import stepcost
 from engine.decode.acceptance import PRIOR, Acceptance
 from engine.decode.batch import BatchEngine, bounded, schedule_of
-from engine.decode.control import (MARGIN, PROBE_EVERY, PROBE_SHARE, ProbeBudget, Refill, choose, probe, probe_loss,
-                                   worth)
+from engine.decode.control import MARGIN, PROBE_EVERY, PROBE_SHARE, ProbeBudget, choose, probe, probe_loss
 from engine.decode.loop import Engine
 from engine.decode.stepcost import StepCost
 from engine.drafters.draft_model import DraftModelDrafter
@@ -130,49 +129,6 @@ def test_a_probe_is_paid_for_from_a_share_of_the_steps_seconds() -> None:
             if n % PROBE_EVERY == 0:
                 paid += budget.spend(probe_loss([0], [[gain]], 1, step, 0))
         assert want - 1 <= paid <= want + 1
-
-
-def test_a_draining_batch_prices_the_tokens_of_requests_ahead_at_one_sequences_cost() -> None:
-    """Nothing replaces the requests that leave: a token of a request ahead of the others' remaining
-    tokens saves its sequence's share of later steps (3 of a 40 s step of 4: 0.3 of an average
-    token), not an average token; the requests furthest from their end keep the full worth, and
-    a request ahead drafts no node that pays only at the full worth."""
-    assert worth([32, 32, 30, 31], 40.0, 37.0, 0.0) == pytest.approx([1.0, 1.0, 0.3, 1.0])
-    assert worth([32, 32, 30, 31], 40.0, 37.0, 0.5) == pytest.approx([1.0, 1.0, 0.65, 1.0])
-    assert worth([32, 20], 40.0, 37.0, 1.0) == [1.0, 1.0]  # departures replaced: the average
-    assert worth([5], 40.0, 0.0, 0.0) == [1.0]  # a batch of one: its token saves the whole step
-    step = linear_cost(2.0, 0.5)  # a token: one unit (a step of 2 yields 2); a row: half of one
-    gains = [[0.8], [0.8]]
-    assert choose(gains, 2, step) == [1, 1]
-    w = worth([10, 32], 2.0, 1.7, 0.0)  # one sequence adds 0.3 of the step's 2
-    assert w == pytest.approx([0.3, 1.0])
-    assert choose([[g * wi for g in gs] for gs, wi in zip(gains, w)], 2, step) == [0, 1]
-
-
-def test_refill_counts_replacements_of_departures_not_a_batch_arriving_together() -> None:
-    r = Refill()
-    assert r.share == 1.0  # nothing seen: a steady server's worth
-    for _ in range(3):  # a closed loop: each departure replaced
-        r.depart()
-        r.arrive()
-    assert r.share == 1.0
-    for _ in range(8):  # a batch draining
-        r.depart()
-    assert r.share < 0.1
-
-
-def test_the_scheduler_sees_a_batch_drain_and_a_closed_loop_refill(engine: Engine, off) -> None:
-    """Four requests of 2, 5, 8 and 11 tokens sent together: three leave while others stay and
-    nothing replaces them; two clients over the same four: the first two departures are
-    replaced."""
-    prompts, _ = off
-    spec = SpecConfig(method="ngram", depth=3, ngram_min=1, ngram_max=3, adaptive=True)
-    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (2, 5, 8, 11)]
-    for clients, low, high in ((4, 0.0, 0.0), (2, 0.5, 1.0)):
-        be = BatchEngine(engine, max_batch=4, schedule=schedule_of(spec, 4))
-        reqs = be.closed_loop(prompts, params, concurrency=clients)
-        assert [len(r.result.tokens) for r in reqs] == [2, 5, 8, 11]
-        assert low <= be.control.refill.share <= high and be.control.refill.departed > 0
 
 
 # ---- the estimates ------------------------------------------------------------------------------
