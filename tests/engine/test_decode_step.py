@@ -244,6 +244,20 @@ def test_native_step_true_refuses_in_one_line() -> None:
     assert why is not None and "head size 24" in why and "\n" not in why
 
 
+def _kernel(vw: int, nb: int, extra: list[str], weights: str) -> object:
+    """The few-row kernel built at `vw` lanes and `nb` blocks with `extra` flags (skips what this CPU
+    or format cannot run)."""
+    from engine.models import native, smallm
+
+    if vw == 16 and not native.avx512():
+        pytest.skip("16-lane vectors need AVX-512")
+    if extra and weights == "fp32":
+        pytest.skip("fp32 uses neither VBMI nor BF16")
+    lib = native.Native("smallm", smallm._SOURCE, [f"-DVW={vw}", f"-DNB={nb}", *extra], smallm._bind).library()
+    assert lib is not None
+    return lib
+
+
 @pytest.mark.parametrize("weights", ["fp32", "bf16", "fp8"])
 @pytest.mark.parametrize("vw, nb, extra", [(8, 1, []), (16, 4, []), (16, 4, ["-mno-avx512vbmi"]),
                                            (16, 4, ["-mno-avx512bf16"])])
@@ -260,12 +274,7 @@ def test_few_row_block_every_row_count_and_layout(vw: int, nb: int, extra: list[
     from engine.models import native, smallm
     from engine.models.fp8 import dequantize_e4m3, quantize_e4m3
 
-    if vw == 16 and not native.avx512():
-        pytest.skip("16-lane vectors need AVX-512")
-    if extra and weights == "fp32":
-        pytest.skip("fp32 uses neither VBMI nor BF16")
-    lib = native.Native("smallm", smallm._SOURCE, [f"-DVW={vw}", f"-DNB={nb}", *extra], smallm._bind).library()
-    assert lib is not None
+    lib = _kernel(vw, nb, extra, weights)
     cpu = f" {native.cpu_id()} "
     bf16_dot = vw == 16 and " avx512_bf16 " in cpu and "-mno-avx512bf16" not in extra
     vbmi = vw == 16 and " avx512vbmi " in cpu and "-mno-avx512vbmi" not in extra
@@ -361,12 +370,7 @@ def test_a_row_alone_is_the_row_among_others(vw: int, nb: int, extra: list[str],
     contraction) differs in the last bits."""
     from engine.models import native, smallm
 
-    if vw == 16 and not native.avx512():
-        pytest.skip("16-lane vectors need AVX-512")
-    if extra and weights == "fp32":
-        pytest.skip("fp32 uses neither VBMI nor BF16")
-    lib = native.Native("smallm", smallm._SOURCE, [f"-DVW={vw}", f"-DNB={nb}", *extra], smallm._bind).library()
-    assert lib is not None
+    lib = _kernel(vw, nb, extra, weights)
     g = torch.Generator().manual_seed(7)
     n = 11 * vw * nb
     fmt = smallm.FORMATS[smallm.DTYPES[weights]]
