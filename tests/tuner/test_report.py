@@ -146,6 +146,24 @@ def test_write_figures_skips_for_missing_data_only(tmp_path: Path, monkeypatch: 
         figures.write_figures(study, tmp_path, _best())
 
 
+def test_report_figures_false_draws_none_and_names_each(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """report.figures=false: no PNG (an earlier report's removed, as no longer true), none drawn, and
+    report.html names each figure the data allows as not drawn, with the key that turned it off."""
+    study, best = _study(), _best()
+    (tmp_path / "history.png").write_bytes(b"\x89PNG an earlier report's")
+
+    def drawing(*_: object) -> None:
+        raise AssertionError("a figure was drawn with report.figures=false")
+
+    for name in ("plot_history", "plot_heatmap", "plot_importances", "plot_bars", "plot_concurrency", "plot_rates"):
+        monkeypatch.setattr(figures, name, drawing)
+    figures.write_report(study, tmp_path, best, load_config(["+workload=code", "search=quick", "report.figures=false"]))
+    assert not list(tmp_path.glob("*.png"))
+    page = (tmp_path / "report.html").read_text()
+    for name in ("history.png", "heatmap.png", "importances.png", "bars.png"):  # what this study's data allows
+        assert f"{name}: not drawn (report.figures=false)" in page, name
+
+
 def test_report_html_has_the_run_units_links_next_command_and_reuse(tmp_path: Path) -> None:
     cfg = load_config(["+workload=code", "search=quick"])
     study = _study()

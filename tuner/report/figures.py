@@ -443,14 +443,15 @@ def plot_rates(study: optuna.Study, best: BestResult | None, path: Path) -> None
     _save(fig, path)
 
 
+FIGURES_OFF = "report.figures=false"  # why every figure is left out of a run that asked for none
+
+
 def write_figures(study: optuna.Study, run_dir: Path, best: BestResult | None,
-                  objective: str = "speed") -> dict[str, str]:
+                  objective: str = "speed", draw_figures: bool = True) -> dict[str, str]:
     """Render every figure that the study's data allows; returns {file: why} for those its data
     does not allow (nothing measured yet, one concurrency level...). A figure that fails to draw
-    for another reason raises: a report never hides a broken plot."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    for another reason raises: a report never hides a broken plot. `draw_figures=False`
+    (report.figures=false) draws none: each is named with that reason, and matplotlib is not loaded."""
     jobs: list[tuple[str, Any, Any]] = [
         ("history.png", lambda: history_skip(study), lambda p: plot_history(study, p, objective)),
         ("heatmap.png", lambda: heatmap_skip(study), lambda p: plot_heatmap(study, p)),
@@ -470,6 +471,14 @@ def write_figures(study: optuna.Study, run_dir: Path, best: BestResult | None,
         jobs.append(("pareto.png", lambda: None if complete(study) else "no complete trial yet",
                      lambda p: plot_pareto(study, p)))
     skipped: dict[str, str] = {}
+    if not draw_figures:
+        for name, _, _ in jobs:
+            skipped[name] = FIGURES_OFF
+            (run_dir / name).unlink(missing_ok=True)  # a figure of an earlier report is no longer true
+        return skipped
+    import matplotlib
+
+    matplotlib.use("Agg")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # optuna's matplotlib plots
         # "Some regimes ... less than 2 trials": the importances' title carries the caveat instead
@@ -721,5 +730,6 @@ def write_report(study: optuna.Study, run_dir: Path, best: BestResult | None = N
         write_best(best, run_dir / BEST_FILE)
     else:
         best = read_best(run_dir / BEST_FILE)
-    skipped = write_figures(study, run_dir, best, cfg.search.objective if cfg is not None else "speed")
+    skipped = write_figures(study, run_dir, best, cfg.search.objective if cfg is not None else "speed",
+                            cfg is None or cfg.report.figures)
     write_html(study, run_dir, best, skipped, cfg, source)

@@ -829,6 +829,14 @@ class TrainConfig(_Strict):
     seed: int
 
 
+class ReportConfig(_Strict):
+    """What a run writes beside report.html (tuner.report.figures)."""
+
+    # the PNGs; false draws none (the report names each as not drawn): a CI job that reads best.yaml
+    # and trials.csv skips matplotlib's import and drawing; defaults here for configs saved before the key
+    figures: bool = True
+
+
 class Config(_Strict):
     """The whole composed configuration."""
 
@@ -843,6 +851,7 @@ class Config(_Strict):
     bench: BenchConfig
     train: TrainConfig
     distributed: DistributedConfig
+    report: ReportConfig = Field(default_factory=ReportConfig)
     run_dir: str = "runs"
     cache_dir: str | None = None  # None: ~/.cache/spectune (converted models, trained heads)
     seed: int = 0
