@@ -114,6 +114,7 @@ def test_target_rate_without_a_capacity_is_refused(tmp_path: Path) -> None:
     from tuner.run.session import optimize
 
     run = optimize(["+workload=code", "search=quick", "search.methods=[ngram]", "search.n_trials=2",
-                    "workload.num_heldout=0", f"run_dir={tmp_path / 'run'}"], quiet=True, measure=planted())
+                    "workload.num_heldout=0", "report.figures=false", f"run_dir={tmp_path / 'run'}"], quiet=True,
+                   measure=planted())
     with pytest.raises(UserError, match="search.capacity=true"):
         render_run(run, ["deploy=builtin", "deploy.target_rate=5"], tmp_path / "k8s")

@@ -31,7 +31,9 @@ from tuner.search.space import SearchSpace
 from tuner.study.storage import open_storage, storage_url
 from tuner.study.studies import HEARTBEAT, WORKER, sweep_stale
 
-BASE = ["model=tiny-random", "+workload=code", "search=quick", "workload.num_heldout=0"]
+# report.figures=false: no test here checks the PNGs (tests/tuner/test_report.py does); each finished
+# worker's report would draw them
+BASE = ["model=tiny-random", "+workload=code", "search=quick", "workload.num_heldout=0", "report.figures=false"]
 
 
 @pytest.fixture(scope="module")

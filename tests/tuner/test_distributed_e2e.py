@@ -27,9 +27,10 @@ from tuner.schema.config import BestResult
 from tuner.search.space import SearchSpace
 from tuner.study.studies import WORKER
 
-# Small: a trial is a few seconds; one intra-op thread per worker so three share two cores fairly.
+# Small: a trial is a few seconds; one intra-op thread per worker so three share two cores fairly. No
+# PNGs (report.figures=false): these tests check the study, best.yaml, report.html and the manifests.
 SMALL = ["model=tiny-random", "+workload=code", "search=quick", "workload.num_prompts=2", "workload.num_heldout=1",
-         "workload.max_new_tokens=16", "search.heartbeat_grace_s=10", "engine.builtin.threads=1"]
+         "workload.max_new_tokens=16", "search.heartbeat_grace_s=10", "engine.builtin.threads=1", "report.figures=false"]
 TIMEOUT_S = 420
 pytestmark = pytest.mark.slow  # worker processes and a real PostgreSQL server: tens of seconds a test
 

@@ -23,7 +23,7 @@ from tuner.schema.config import SpecConfig, UserError
 from tuner.search.space import SearchSpace
 
 TINY = ["model=tiny-random", "+workload=code", "search=quick", "workload.num_prompts=3", "workload.num_heldout=1",
-        "workload.max_new_tokens=16", "engine.builtin.threads=1"]
+        "workload.max_new_tokens=16", "engine.builtin.threads=1", "report.figures=false"]  # no test here checks a PNG
 
 
 def test_a_paused_startup_is_not_measuring_time() -> None:

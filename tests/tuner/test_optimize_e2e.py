@@ -38,9 +38,10 @@ def engine():
     return open_engine(load_config(SMALL))
 
 
-def _run(tmp_path: Path, engine, *extra: str, name: str = "s", measure=None) -> Path:
-    return optimize([*SMALL, f"run_dir={tmp_path}", f"search.study_name={name}", *extra], engine=engine,
-                    quiet=True, measure=measure)
+def _run(tmp_path: Path, engine, *extra: str, name: str = "s", measure=None, figures: bool = False) -> Path:
+    # the PNGs only where a test checks them (report.figures): drawing them is a second of CPU a report
+    return optimize([*SMALL, f"run_dir={tmp_path}", f"search.study_name={name}", f"report.figures={str(figures).lower()}",
+                     *extra], engine=engine, quiet=True, measure=measure)
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -49,7 +50,7 @@ def _rows(run_dir: Path) -> list[dict]:
 
 
 def test_quick_study_end_to_end(tmp_path: Path, engine, capsys) -> None:
-    run_dir = _run(tmp_path, engine)
+    run_dir = _run(tmp_path, engine, figures=True)
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(run_dir)  # the last line is the run dir
     assert run_dir == tmp_path / "s"
     for f in ("config.yaml", "study.db", "trials.csv", "best.yaml", "report.html", "history.png", "heatmap.png",
@@ -195,7 +196,7 @@ def test_an_slo_no_config_can_meet_makes_every_trial_infeasible(tmp_path: Path, 
 
 def test_multi_objective_journal_storage_and_pareto(tmp_path: Path, engine) -> None:
     run_dir = _run(tmp_path, engine, "search.multi_objective=true", "search.n_trials=4",
-                   "search.storage=journal:study.log")
+                   "search.storage=journal:study.log", figures=True)
     assert (run_dir / "study.log").is_file() and not (run_dir / "study.db").exists()
     study = open_run_study(run_dir)
     assert len(study.directions) == 2
@@ -218,7 +219,7 @@ def _complete_in_db(db: Path) -> dict[int, float]:
 def test_resume_after_kill_9_loses_at_most_the_running_trial(tmp_path: Path, engine) -> None:
     over = [o.replace("workload.max_new_tokens=24", "workload.max_new_tokens=48") for o in SMALL]
     args = [sys.executable, "-m", "tuner.cli", "optimize", *over, f"run_dir={tmp_path}", "search.study_name=r",
-            "search.n_trials=6", "--quiet"]
+            "search.n_trials=6", "report.figures=false", "--quiet"]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     db = tmp_path / "r" / "study.db"
     deadline = time.monotonic() + 240
