@@ -19,7 +19,6 @@ from engine.decode.prefix import PrefixCache
 from engine.decode.stepcost import StepCost, step_cost
 from engine.drafters import Drafter, make_drafter
 from engine.models.forward import LeanForward, lean_forward, prebuild_kernels
-from engine.models.kernels import ensure_calibrated
 from engine.models.hf_forward import HFCache, HFForward
 from engine.models.kvpool import KVCache
 from engine.models.target import ChatTokenizer, Target, load_target, resolve_device
@@ -169,8 +168,6 @@ class Engine:
     def set_spec(self, spec: SpecConfig) -> None:
         """Switch the speculative configuration; the target is never reloaded, draft models and heads
         are loaded once per process."""
-        if _weighted(spec):
-            ensure_calibrated()  # its packed linears follow the plan
         drafter = make_drafter(spec, self.target, self.seed)
         if spec.adaptive:  # at start-up, outside any timed run
             self.step_costs(self.max_batch, self.cache_room(spec))
@@ -195,8 +192,6 @@ class Engine:
 
     def set_drafter(self, drafter: Drafter | None, spec: SpecConfig) -> None:
         """Use a drafter built elsewhere (tests: an oracle that drafts with the target)."""
-        if drafter is not None and _weighted(spec):
-            ensure_calibrated()
         self.drafter, self.spec = drafter, spec
         self._one, self._given = None, drafter is not None
 
@@ -435,10 +430,3 @@ def _observe(drafter: Drafter, hidden: torch.Tensor, aux: torch.Tensor | None, r
         drafter.observe(hidden)
     else:
         drafter.observe(hidden, aux)
-
-
-def _weighted(spec: SpecConfig) -> bool:
-    """Whether `spec` drafts with weights (a head, a draft model), whose packed linears follow the plan."""
-    from tuner.schema.methods import method
-
-    return spec.method != "off" and not method(spec.method).training_free

@@ -24,8 +24,7 @@ import torch.nn.functional as F
 
 from engine.models import attention, batchplan, decode_step, smallm
 from engine.models.eagle3_head import aux_features
-from engine.models.kernels import (CALIBRATE_MIN_BYTES, LinearPlan, calibrate_linears, defer_calibration, linear,
-                                   set_linear_plan)
+from engine.models.kernels import CALIBRATE_MIN_BYTES, LinearPlan, set_linear_plan, linear, calibrate_linears
 from engine.models.kvpool import BUCKETS, KVCache, KVPool, padded_capacity
 from engine.models.llama import LeanLlama, layer_forward, rms_norm
 from engine.models.batchplan import BatchRows, batch_layer_forward
@@ -292,12 +291,8 @@ def lean_forward(target, compile: bool = False, cache_dir: str | None = None,
         set_linear_plan(LinearPlan())
     elif m.packed and sum(w.numel() * w.element_size() for b in m.blocks for w in (b.wqkv, b.wo, b.w13, b.w2)) \
             >= CALIBRATE_MIN_BYTES:
-        if fw.native is not None:
-            # every target step of the planned row counts runs native: only a drafter's packed linears
-            # consult the plan, so it is timed when one is first set (Engine.set_spec), not at load
-            defer_calibration(m, cache_dir)
-        else:  # the compiled one-row form is timed only where a compiled graph will run it
-            calibrate_linears(m, cache_dir, compiled=compile)
+        # the compiled one-row form is timed only where a compiled graph will run it (not under the native step)
+        calibrate_linears(m, cache_dir, compiled=compile and fw.native is None)
     return fw
 
 

@@ -111,27 +111,6 @@ def set_linear_plan(plan: LinearPlan) -> None:
     _PLAN = plan
 
 
-# (model, cache dir) of a calibration put off until something that follows the plan runs: where the
-# native step runs every target step of the planned row counts, only a draft head's or a draft model's
-# packed linears consult it (engine.models.forward.lean_forward, engine.decode.loop.Engine.set_spec)
-_DEFERRED: tuple[Any, str | os.PathLike | None] | None = None
-
-
-def defer_calibration(model: Any, cache_dir: str | os.PathLike | None = None) -> None:
-    """Calibrate `model`'s plan (calibrate_linears) when `ensure_calibrated` first asks, not now."""
-    global _DEFERRED
-    _DEFERRED = (model, cache_dir)
-
-
-def ensure_calibrated() -> None:
-    """Run a deferred calibration now: before a drafter with packed linears is timed or measured."""
-    global _DEFERRED
-    if _DEFERRED is not None:
-        model, cache_dir = _DEFERRED
-        _DEFERRED = None
-        calibrate_linears(model, cache_dir)
-
-
 def pack_weights(weights: list[torch.Tensor], formats: list[str] | None = None) -> bool:
     """Give each CPU fp32 weight a copy in oneDNN's blocked layout (attribute `_onednn_packed`), which
     `linear` uses outside compiled graphs. oneDNN otherwise re-lays a plain weight out on every call,

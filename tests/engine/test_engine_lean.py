@@ -387,24 +387,6 @@ def test_calibration_keeps_the_fastest_form_per_row_count_and_caches_it(tmp_path
     assert calibrate_linears(model, tmp_path, compiled=True) == compiled
 
 
-def test_under_the_native_step_the_plan_is_timed_when_a_drafter_with_weights_is_first_set(monkeypatch) -> None:
-    """The native step runs every target step of the planned row counts, so only a drafter's packed
-    linears (a head, a draft model) consult the plan: its calibration waits for the first such drafter,
-    never runs for n-gram, and runs once."""
-    engine = open_engine(load_config(["model=tiny-random", "spec.method=off"]))
-    calls = []
-    monkeypatch.setattr(kernels, "calibrate_linears", lambda model, cache_dir=None, compiled=False: calls.append(model))
-    monkeypatch.setattr(kernels, "_DEFERRED", None)
-    kernels.defer_calibration("the target", None)
-    engine.set_spec(SpecConfig(method="ngram", depth=2, topk=1, budget=3))
-    engine.set_drafter(None, SpecConfig(method="off"))
-    assert calls == []
-    head = SpecConfig(method="eagle", depth=2, topk=1, budget=3)
-    engine.set_drafter(object(), head)
-    engine.set_drafter(object(), head)
-    assert calls == ["the target"]
-
-
 def test_small_targets_keep_the_default_plan(engines, tmp_path, restore_plan) -> None:
     set_linear_plan(LinearPlan())
     lean_forward(engines[1].target, cache_dir=str(tmp_path))
