@@ -168,3 +168,59 @@ def test_each_split_is_warmed_once_before_its_first_timed_pass() -> None:
     plain = _Engine(cached=False)
     Measurer(plain.target_for(bare), cfg, prompts, engine=plain)(D3, "tune", 1)  # type: ignore[arg-type]
     assert len(bare.runs) == 1
+
+
+def _trial(spec: SpecConfig, ratios: list[float]) -> optuna.trial.FrozenTrial:
+    from tuner.study.objective import spec_attrs
+
+    return optuna.trial.create_trial(value=1.0, user_attrs={**spec_attrs(spec), "ratios": ratios,
+                                                            "speedup": math.prod(ratios) ** (1 / len(ratios))})
+
+
+def test_at_the_floor_the_check_measures_one_pair_a_side_widened_by_the_trials_pair_noise() -> None:
+    """The trials measured how far one pair's ratio strays (pooled per configuration): with that
+    known and the noise at its floor the check measures one pair a side instead of two, and its
+    intervals carry that noise; when the noise rose, or the trials measured too few pairs, it
+    measures as many pairs as before."""
+    from tuner.study.selection import pair_noise
+
+    cfg = load_config(CFG)
+    n = cfg.workload.num_heldout
+    calls: list[str] = []
+
+    def measure(spec: SpecConfig, split: str, level: int) -> Sample:
+        calls.append(split)
+        xs = [1.5, 1.2, 1.8, 1.4, 1.6, 1.3] if split == CHECK else [1.4, 1.5, 1.3, 1.6, 1.2, 1.5]
+        pp = [(100, 1.0 / (x if spec.method != "off" else 1.0)) for x in xs]
+        return Sample(100 * n / sum(s for _, s in pp), 2.0, per_prompt=pp)
+
+    spread = 0.05  # each configuration's two pairs read exp(+-0.05) about its centre
+    pairs = [(D3, [1.3 * math.exp(spread), 1.3 * math.exp(-spread)]),
+             (SpecConfig(method="ngram", depth=5, topk=1, budget=6), [1.1 * math.exp(spread), 1.1 * math.exp(-spread)])]
+
+    def run(trials: int, repeats_max: int):
+        calls.clear()
+        study = optuna.create_study(direction="maximize")
+        for spec, ratios in pairs * trials:
+            study.add_trial(_trial(spec, ratios))
+        objective = Objective(study, SearchSpace.from_config(cfg), measure, cfg.workload, cfg.search)
+        objective.repeats_max = repeats_max
+        return heldout_check(cfg, objective, D3)[0], study
+
+    check, study = run(trials=3, repeats_max=cfg.search.repeats_max)
+    noise, df = pair_noise(study.trials)
+    # pooled per configuration: 6 ratios each at +-0.05 about its own centre, 5 degrees of freedom each
+    assert df == 10 and noise == pytest.approx(math.sqrt(12 * spread ** 2 / 10), rel=1e-6)
+    assert check.pairs == 1 and len(calls) == 4 and check.pair_noise == pytest.approx(noise, abs=1e-4)
+    assert check.tuning.ci_low < check.tuning.speedup < check.tuning.ci_high  # one pair, yet an interval
+    # the interval over prompts alone is narrower: the pairs' noise is added to it
+    per_side = [[[([(100, 1.0 / x) for x in xs], [(100, 1.0)] * n)]] for xs in
+                ([1.5, 1.2, 1.8, 1.4, 1.6, 1.3], [1.4, 1.5, 1.3, 1.6, 1.2, 1.5])]
+    lo, hi = gap_interval(per_side[0], per_side[1], check.gap, seed=cfg.seed)
+    assert check.gap_ci_low < lo < check.gap < hi < check.gap_ci_high
+    assert "(1 pair each, interleaved, the trials' pair noise 5.5%)" in describe_check(check)
+    # too few pairs measured to know their noise, or the noise rose: two pairs (or more) as before
+    # (the planted figures agree: tight after two)
+    for trials, repeats_max in ((1, cfg.search.repeats_max), (3, cfg.search.repeats_max + 1)):
+        check = run(trials=trials, repeats_max=repeats_max)[0]
+        assert check.pairs == 2 and len(calls) == 8 and check.pair_noise is None

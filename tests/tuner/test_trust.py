@@ -57,15 +57,16 @@ class Planted:
 
 
 def study_of(tmp_path: Path, cfg: Config, measure: Planted, specs: list[SpecConfig],
-             in_memory: bool = True) -> tuple[optuna.Study, Objective]:
-    """A study with the baseline and `specs` enqueued in that order, the study's own pruner."""
+             in_memory: bool = True, share: bool = True) -> tuple[optuna.Study, Objective]:
+    """A study with the baseline and `specs` enqueued in that order, the study's own pruner;
+    `share=False`: every pair measures its own baseline (the pass order those scripts were planted for)."""
     space = SearchSpace.from_config(cfg)
     study = optuna.create_study(storage=None if in_memory else f"sqlite:///{tmp_path}/s.db", direction="maximize",
                                 pruner=make_pruner(cfg.search))
     study.enqueue_trial({}, user_attrs={ROLE: "baseline"})
     for spec in specs:
         study.enqueue_trial(space.params_of(spec), user_attrs={ROLE: "grid"})
-    return study, Objective(study, space, measure, cfg.workload, cfg.search)
+    return study, Objective(study, space, measure, cfg.workload, cfg.search, share_baseline=share)
 
 
 def test_a_glitch_cannot_prune_a_better_trial_nor_win(tmp_path: Path) -> None:
@@ -103,8 +104,10 @@ def test_an_implausible_ratio_is_measured_again_and_the_trial_says_why(tmp_path:
     outlier, measured again too. Both trials record why; their kept ratios are the re-measured ones."""
     cfg = load_config(CFG)
     first = {"ngram d3 k1 b4": 27.0, "ngram d5 k1 b6": 7.0}
+    # off passes: trial 0's two (its last is d3's first baseline, shared), d3's retry's, d3's second
+    # pair's, d5's first (its first pair runs baseline first after d3 ended on a spec pass)
     measure = Planted(lambda spec, n: (first.get(spec.key(), 14.0) if n == 0 else 14.0, 1.7),
-                      base_script=[10.0, 10.2, 10.0, 10.0, 10.0, 5.0])
+                      base_script=[10.0, 10.0, 10.0, 10.0, 5.0])
     study, objective = study_of(tmp_path, cfg, measure, [ng(3), ng(5)])
     for _ in range(3):
         objective.run_one()
@@ -176,9 +179,10 @@ def test_the_confirmation_round_picks_the_truly_better_of_two(tmp_path: Path) ->
     assert pairs == 4 and measure.passes == {"ngram d2 k1 b3": 2, "ngram d4 k1 b5": 2}  # separated after 2 rounds
     confirms = [t for t in study.trials if t.user_attrs.get(ROLE) == "confirm"]
     assert len(confirms) == 4 and all(t.state == TrialState.COMPLETE for t in confirms)
-    # interleaved: every pair has its baseline adjacent, the order alternating from pair to pair
-    tail = measure.calls[-8:]
-    assert tail == ["ngram d2 k1 b3", "off", "off", "ngram d4 k1 b5", "ngram d2 k1 b3", "off", "off", "ngram d4 k1 b5"]
+    # interleaved: every pair has its baseline adjacent, the order alternating from pair to pair; a pair
+    # baseline first shares the baseline pass of the pair before it
+    tail = measure.calls[-6:]
+    assert tail == ["ngram d2 k1 b3", "off", "ngram d4 k1 b5", "ngram d2 k1 b3", "off", "ngram d4 k1 b5"]
     assert "confirmation round" in lines[0]
     win = pick_winner(study.trials, cfg.search.noise_rel, [1])
     assert win.spec == ng(4) and "head to head in the confirmation round 1.500x over 2 pairs" in win.reason
@@ -210,7 +214,7 @@ def test_noise_costs_repeats_only_when_it_rises_above_the_machines_floor(tmp_pat
     cfg = load_config(CFG)
     quiet6 = [10.0, 10.1, 9.95, 10.05, 10.0, 9.9]
     busy = Planted(lambda spec, n: (13.0, 2.0), base_script=quiet6 + [12.5, 8.0, 13.0, 7.5] + [12.0, 8.5] * 8)
-    study, objective = study_of(tmp_path, cfg, busy, [ng(2), ng(3), ng(4), ng(5)])
+    study, objective = study_of(tmp_path, cfg, busy, [ng(2), ng(3), ng(4), ng(5)], share=False)
     outcomes = [objective.run_one() for _ in range(5)]
     notes = [o.note for o in outcomes if o.note]
     assert [t.user_attrs["repeats"] for t in study.trials[1:]] == [2, 2, 2, 4]
@@ -573,7 +577,7 @@ def test_a_baseline_that_moved_and_stayed_is_no_outlier(tmp_path: Path) -> None:
     cfg = load_config(CFG)
     measure = Planted(lambda spec, n: (16.0 if spec.depth == 2 else 12.0, 2.0),
                       base_script=[10.0, 10.1, 9.9, 10.05] + [12.5] * 8)
-    study, objective = study_of(tmp_path, cfg, measure, [ng(3), ng(2)])
+    study, objective = study_of(tmp_path, cfg, measure, [ng(3), ng(2)], share=False)
     for _ in range(3):
         objective.run_one()
     t2 = study.trials[2]
@@ -622,7 +626,7 @@ def test_one_glitched_baseline_does_not_blind_the_outlier_rule(tmp_path: Path) -
     cfg = load_config(CFG)
     measure = Planted(lambda spec, n: (66.0, 2.0), base=47.0,
                       base_script=[16.5, 47.0, 48.5, 46.0, 47.0, 48.0, 38.9, 47.2])
-    study, objective = study_of(tmp_path, cfg, measure, [ng(3), ng(4), ng(2)])
+    study, objective = study_of(tmp_path, cfg, measure, [ng(3), ng(4), ng(2)], share=False)
     for _ in range(4):
         objective.run_one()
     history = objective.baseline_history()
@@ -632,3 +636,31 @@ def test_one_glitched_baseline_does_not_blind_the_outlier_rule(tmp_path: Path) -
     assert "paired baseline 38.9 tok/s is an outlier" in why
     assert t2.user_attrs["baseline_samples"] == [47.2, 47.0]
     assert t2.user_attrs["baseline_passes"] == [38.9, 47.2, 47.0]  # the next trials' history: every pass
+
+
+def test_a_trial_shares_the_baseline_pass_that_ended_the_trial_before(tmp_path: Path) -> None:
+    """Trials run baseline first (off-spec spec-off): the first pair takes the baseline pass that
+    ended the trial before, measured just before it, instead of a second one back to back, so a
+    trial costs three passes, not four. Each pair still has its own baseline, the shared pass counts
+    once in the study's baseline history, and one that ended too long ago is measured afresh."""
+    from tuner.study.objective import SHARE_WITHIN_S
+
+    cfg = load_config(CFG)
+    measure = Planted(lambda spec, n: (13.0, 2.0), base_script=[10.0, 10.2, 9.8, 10.1, 9.9])
+    study, objective = study_of(tmp_path, cfg, measure, [ng(2), ng(4), ng(3)])
+    for _ in range(3):
+        objective.run_one()
+    off = "off"
+    assert measure.calls == [off, off, "ngram d2 k1 b3", "ngram d2 k1 b3", off, "ngram d4 k1 b5", "ngram d4 k1 b5", off]
+    trials = study.get_trials()[:3]
+    assert [t.user_attrs.get("baseline_shared") for t in trials] == [None, True, True]
+    # ngram d2's pairs: (trial 0's last pass, its first), (its second, its own baseline)
+    assert trials[1].user_attrs["ratios"] == pytest.approx([13.0 / 10.2, 13.0 / 9.8])
+    assert objective.baseline_history() == [10.0, 10.2, 9.8, 10.1]  # each pass once
+    # the pass that ended the trial before is too old to share: a fresh one is measured first
+    split, samples, ended = objective._tail
+    objective._tail = (split, samples, ended - SHARE_WITHIN_S - 1)
+    measure.calls.clear()
+    objective.run_one()
+    assert measure.calls == [off, "ngram d3 k1 b4", "ngram d3 k1 b4", off]
+    assert study.get_trials()[3].user_attrs.get("baseline_shared") is None

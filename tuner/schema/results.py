@@ -172,6 +172,9 @@ class HeldoutCheck(_Strict):
     # how far two sets of this many prompts read apart by which prompts they hold and by the timing
     gap_ci_low: float | None = None
     gap_ci_high: float | None = None
+    # with one pair a side: the spread of one pair's log ratio that the study's trials measured
+    # (tuner.study.selection.pair_noise), which widens both sides' intervals and the gap's
+    pair_noise: float | None = None
     # holds: the interval holds 0 and excludes a held-out speedup of 1.0 (speculation still pays);
     # below / above: the interval lies on one side of 0; inconclusive: it holds 0 and 1.0x alike
     verdict: Literal["holds", "below", "above", "inconclusive"] | None = None

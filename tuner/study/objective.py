@@ -47,6 +47,10 @@ OWN_HISTORY = 2  # a configuration's own passes before one of its passes can be 
 # when it rises above that floor beyond chance.
 FLOOR_PASSES = 6
 NOISE_WINDOW = 6
+# A trial's first pair shares the baseline pass that ended the trial before only when it starts this
+# soon after it (the sampler's ask between them); anything that ran longer between them (a guided
+# sampler's profiling, say) leaves the pass too far from the pair: a fresh one is measured.
+SHARE_WITHIN_S = 5.0
 
 
 @dataclass
@@ -171,7 +175,7 @@ class Objective:
     """Runs trials of one study with a MeasureFn (ask, measure, set constraints, tell)."""
 
     def __init__(self, study: optuna.Study, space: SearchSpace, measure: MeasureFn, workload: WorkloadConfig,
-                 search: SearchConfig) -> None:
+                 search: SearchConfig, share_baseline: bool = True) -> None:
         self.study = study
         self.space = space
         self.measure = measure
@@ -180,10 +184,23 @@ class Objective:
         self.levels: list[Level] = workload.levels  # concurrency levels and request rates alike
         self.multi = search.multi_objective
         self.repeats_max = search.repeats_max  # sized by the measured noise (track_noise)
+        # the last pass measured, (its split, its samples, when it ended), while it is the baseline's:
+        # the next trial's first pair, baseline first, takes it as its baseline (`evaluate`, shared)
+        self._tail: tuple[Split, list[Sample], float] | None = None
+        # False: every pair measures its own baseline, spec first (what planted tests of other rules script)
+        self.share_baseline = share_baseline
 
     # ---- measuring -------------------------------------------------------------------------
     def _at_levels(self, spec: SpecConfig, split: Split) -> list[Sample]:
-        return [self.measure(spec, split, c) for c in self.levels]
+        self._tail = None  # a pass that fails leaves nothing to share
+        got = [self.measure(spec, split, c) for c in self.levels]
+        self._tail = (split, got, time.monotonic()) if spec.method == "off" else None
+        return got
+
+    def _shareable(self, split: Split) -> list[Sample] | None:
+        """The last pass measured when it was the baseline's on `split` and ended within SHARE_WITHIN_S."""
+        t = self._tail
+        return t[1] if t is not None and t[0] == split and time.monotonic() - t[2] <= SHARE_WITHIN_S else None
 
     def measure_pair(self, spec: SpecConfig, split: Split, repeat: int) -> tuple[list[Sample], list[Sample]]:
         """One repeat: the spec and the baseline back to back, order alternating to cancel drift."""
@@ -196,10 +213,19 @@ class Objective:
         return s, b
 
     def evaluate(self, spec: SpecConfig, split: Split = "tune", trial: optuna.Trial | None = None,
-                 started: float | None = None, repeats_max: int | None = None, first: int = 0) -> dict[str, Any]:
+                 started: float | None = None, repeats_max: int | None = None, first: int = 0,
+                 shared: bool = False) -> dict[str, Any]:
         """Measure `spec` with adjacent baselines until the speedup CI is tight (or repeats_max,
         by default what the measured noise allows: repeats_for); `first`: the order of the first
         pair (even: spec first).
+
+        `shared`: when the first pair runs baseline first (`first` odd: a trial's off-spec spec-off,
+        every other pair of the confirmation round) and the last pass measured was the baseline's on
+        this split (the end of the trial or pair before, SHARE_WITHIN_S ago at most), that pass is
+        this pair's baseline instead of another measured back to back: as adjacent in time as a
+        measured one, while each pair of a trial keeps a baseline of its own, so a trial costs three
+        passes instead of four. The shared pass counts once in the study's baseline history (attr
+        `baseline_passes` holds this measurement's new ones, `baseline_shared` says one was shared).
 
         A repeat that is implausible (see `implausible`) is measured again, up to
         PLAUSIBILITY_RETRIES times, before it counts: before it can prune, rank or win. Reports
@@ -221,6 +247,10 @@ class Objective:
         # The order still alternates between repeats; a launched server that already serves the
         # baseline is measured first, so a trial of 2 repeats restarts it twice instead of three times.
         flip = int(not is_off and server is not None and server.serving(OFF) and not server.serving(spec))
+        if shared and not is_off:
+            flip = 0  # the caller's order: a pair baseline first may share the pass before it
+        before = self._shareable(split) if shared else None
+        reused = False  # whether the first pair took that pass as its baseline
         starts0, startup0 = server.startups() if server is not None else (0, 0.0)
         history = self.baseline_history(trial) if split == "tune" and not is_off else []
         own = self.spec_history(spec, trial) if split == "tune" and not is_off else []
@@ -237,7 +267,8 @@ class Objective:
                 else:
                     s, b, ratio, retried, still, used = self.plausible_pair(
                         spec, split, passes + flip, history + passes_b, own + [_mean_tok(x) for x in spec_s],
-                        passes_b)
+                        passes_b, shared=shared and r == 0)
+                    reused = reused or (before is not None and b is before)
             if not is_off:
                 passes += used
                 remeasured += [f"repeat {r + 1}: {why}" for why in retried]
@@ -249,7 +280,10 @@ class Objective:
             figures = self._figures(spec_s, base_s, ratios)
             if remeasured:
                 figures["remeasured"] = remeasured
+            if remeasured or reused:
                 figures["baseline_passes"] = passes_b
+            if reused:
+                figures["baseline_shared"] = True
             if kept:
                 figures["implausible"] = "; ".join(kept)
             if server is not None:  # server start-ups are never inside a measurement; recorded apart
@@ -282,7 +316,7 @@ class Objective:
         return figures
 
     def plausible_pair(self, spec: SpecConfig, split: Split, order: int, history: list[float],
-                       own: list[float] | None = None, seen: list[float] | None = None
+                       own: list[float] | None = None, seen: list[float] | None = None, shared: bool = False
                        ) -> tuple[list[Sample], list[Sample], float, list[str], str | None, int]:
         """One pair (`order` even: spec first) measured again while it is implausible (`implausible`
         against the baseline passes `history` and the spec's own earlier passes `own`), up to
@@ -294,15 +328,21 @@ class Objective:
         passes every time is measured again, never barred from winning. Every attempt's baseline
         pass is appended to `seen` (retries too: they measure the machine's state as well as the
         kept one does), and a retry is judged against `history` plus the attempts before it, so a
-        machine that moved is recognised from its recent passes."""
+        machine that moved is recognised from its recent passes. `shared`: a first attempt baseline
+        first takes the last pass measured as its baseline when that was the baseline's on `split`
+        (Objective.evaluate); it is not appended to `seen` (it was seen when it was measured)."""
         retried: list[str] = []
         bases: list[float] = []
         for attempt in range(PLAUSIBILITY_RETRIES + 1):
-            s, b = self.measure_pair(spec, split, order + attempt)
+            tail = self._shareable(split) if shared and attempt == 0 and order % 2 == 1 else None
+            if tail is not None:
+                b, s = tail, self._at_levels(spec, split)
+            else:
+                s, b = self.measure_pair(spec, split, order + attempt)
             ratio = geomean([self._score(x) / max(self._score(y), self._floor(y)) for x, y in zip(s, b)])
             still = self.implausible(s, b, history + bases, own)
             bases.append(_mean_tok(b))
-            if seen is not None:
+            if seen is not None and tail is None:
                 seen.append(bases[-1])
             if (still is not None and attempt == PLAUSIBILITY_RETRIES
                     and self.implausible(s, b, history + bases[:-1]) is None):
@@ -333,7 +373,7 @@ class Objective:
         within each pair alternating (spec-off off-spec | off-spec spec-off ...), so drift cancels
         and both figures are measured over the same minutes. Rounds go on until every split's
         speedup interval is tight (search.ci_rel_width, as a trial's) after at least two pairs, at
-        most `pairs_max`. Plausibility holds as in a trial. Returns each split's figures
+        most `pairs_max` (one round when it is 1). Plausibility holds as in a trial. Returns each split's figures
         (Objective._figures, with `remeasured` / `implausible` when they apply, and `per_prompt`:
         per pair and level, the spec's and the baseline's Sample.per_prompt)."""
         got: dict[Split, tuple[list[list[Sample]], list[list[Sample]], list[float], list[str], list[str]]] = {
@@ -582,7 +622,8 @@ class Objective:
                 earlier = self._measured(spec)
                 if earlier is not None:
                     return self._reuse(trial, spec, earlier)
-                figures = self.evaluate(spec, "tune", trial, started)
+                figures = self.evaluate(spec, "tune", trial, started, first=int(self.share_baseline),
+                                        shared=self.share_baseline)
         except optuna.TrialPruned as exc:
             self._record_version(trial)
             trial.set_user_attr("prune_reason", str(exc))
@@ -698,9 +739,11 @@ class Objective:
         order `order` (even: spec first), of its round `round_` (what pairs it with the other
         contenders' pairs), recorded as a COMPLETE trial with role `confirm`: added
         to the study, never asked of the sampler nor counted in search.n_trials. Plausibility holds
-        as in any trial."""
+        as in any trial; a pair baseline first shares the baseline pass of the pair before it
+        (`evaluate`, shared): within a round, two contenders then divide by one baseline pass, and
+        their head-to-head quotient is their passes' own."""
         t0 = time.monotonic()
-        figures = self.evaluate(spec, "tune", repeats_max=1, first=order)
+        figures = self.evaluate(spec, "tune", repeats_max=1, first=order, shared=self.share_baseline)
         constraints, attrs = self._slo(figures)
         tpot = figures["tpot_p99_ms"]
         value = self._value(figures)

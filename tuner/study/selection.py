@@ -22,7 +22,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from engine.measure.stats import geomean, log_interval, ratio_bounds, t_one_sided
+from engine.measure.stats import geomean, log_interval, ratio_bounds, t95, t_one_sided
 from tuner.study.objective import ENGINE_VERSION, OFF, Objective, spec_of
 from tuner.schema.engine_command import measured_server
 from tuner.schema.config import (ArmLevel, Arms, BestResult, Config, Figures, Level, PartResult, Provenance, Rate,
@@ -33,6 +33,12 @@ from tuner.study.storage import mask_url, storage_url
 from tuner.study.studies import CONFIRM_ROUND, REUSED, counted, role
 
 HELDOUT_PAIRS = 2  # spec/baseline pairs of a part's (mixed workload) or the baseline's held-out figures
+# The held-out check at the noise floor measures one pair a side. Its gap's interval is mostly which
+# prompts each side holds (gap_interval resamples them); a second pair re-measures the same prompts
+# and adds only the pairs' own noise, which the study's trials have already measured over many pairs
+# (pair_noise) far better than a bootstrap over two pairs does (two resampled pairs show half their
+# variance). That noise widens the one pair's intervals; the second pair cost as long as the first.
+PAIR_NOISE_MIN_DF = 4  # pooled degrees of freedom of pair_noise before one pair a side stands on it
 CONFIRM_TOP = 3  # the best configurations by pessimistic bound that the confirmation round measures
 CONFIRM_PAIRS_MAX = 6  # head-to-head pairs per contender at most (rounds; 2 at the noise floor: CONFIRM_FLOOR)
 CONFIRM_FLOOR = 2  # rounds when only pruned trials brought the round on at the floor: a head-to-head interval
@@ -671,26 +677,62 @@ def verdict(low: float | None, high: float | None, tuning: float) -> str | None:
     return "holds" if tuning > 1 and low > 1 / tuning - 1 else "inconclusive"
 
 
+def pair_noise(trials: list[FrozenTrial]) -> tuple[float, int] | None:
+    """How far one (configuration, baseline) pair's ratio strays at a fixed configuration: the
+    standard deviation of the logs of the ratios about each configuration's own mean, pooled over
+    the study's configurations measured in two pairs or more (trials and confirmation round alike;
+    a figure that stayed implausible left out), and its degrees of freedom. None without any."""
+    ss, df = 0.0, 0
+    for c in candidates(trials):
+        if c.implausible is not None or len(c.ratios) < 2 or any(r <= 0 for r in c.ratios):
+            continue
+        logs = [math.log(r) for r in c.ratios]
+        m = statistics.fmean(logs)
+        ss += sum((v - m) ** 2 for v in logs)
+        df += len(logs) - 1
+    return (math.sqrt(ss / df), df) if df else None
+
+
+def widen(low: float, high: float, gap: float, noise: float, df: int, pairs: int = 1) -> tuple[float, float]:
+    """The gap's 95% interval [low, high] over prompts, widened by the pairs' noise: each side's log
+    speedup carries noise^2 / pairs of it (a pair's log ratio strays by `noise`, estimated on `df`
+    degrees of freedom), the gap twice that; added to each half-width in quadrature, on logs."""
+    g = math.log1p(gap)
+    extra = t95(df + 1) * noise * math.sqrt(2 / pairs)
+    return (math.expm1(g - math.hypot(g - math.log1p(low), extra)),
+            math.expm1(g + math.hypot(math.log1p(high) - g, extra)))
+
+
 def heldout_check(cfg: Config, objective: Objective, spec: SpecConfig) -> tuple[HeldoutCheck, dict[str, Any]]:
     """The winner on the held-out prompts against as many tuning prompts (check_prompt_count),
-    interleaved pair by pair until both speedup intervals are tight (Objective.check), as many
-    pairs each as a trial may take now (search.repeats_max, more when the measured noise rose),
-    at least two (an interval): the check (the gap, its interval over prompts and pairs,
-    `gap_interval`, and its `verdict`) and the held-out split's figures. Two pairs, not three: the
-    main command's time (docs/results.md)."""
-    got = objective.check(spec, [CHECK, "heldout"], max(2, objective.repeats_max))
+    interleaved pair by pair (Objective.check): the check (the gap, its interval over prompts and
+    pairs, `gap_interval`, and its `verdict`) and the held-out split's figures.
+
+    While the noise stays at its floor and the study's trials measured the pairs' noise
+    (`pair_noise`, PAIR_NOISE_MIN_DF or more), one pair a side, whose speedups' intervals and the
+    gap's are that noise (`widen`); else, as a trial may take now (more pairs when the noise rose,
+    at least two: an interval of their own), until both speedup intervals are tight."""
+    noise = pair_noise(objective.study.get_trials(deepcopy=False))
+    one = noise is not None and noise[1] >= PAIR_NOISE_MIN_DF and objective.repeats_max <= cfg.search.repeats_max
+    got = objective.check(spec, [CHECK, "heldout"], 1 if one else max(2, objective.repeats_max))
 
     def side(split: str, n: int) -> SplitSpeedup:
         f = got[split]
-        return SplitSpeedup(prompts=n, speedup=f["speedup"], ci_low=f["speedup_ci_low"], ci_high=f["speedup_ci_high"],
-                            tau=f["tau"])
+        lo, hi = f["speedup_ci_low"], f["speedup_ci_high"]
+        if one and noise is not None:  # one pair: no interval of its own
+            half = t95(noise[1] + 1) * noise[0]
+            lo, hi = f["speedup"] * math.exp(-half), f["speedup"] * math.exp(half)
+        return SplitSpeedup(prompts=n, speedup=f["speedup"], ci_low=lo, ci_high=hi, tau=f["tau"])
 
     tune, held = side(CHECK, check_prompt_count(cfg)), side("heldout", cfg.workload.num_heldout)
     gap = held.speedup / tune.speedup - 1 if tune.speedup > 0 else 0.0
     ci = gap_interval(got[CHECK].pop("per_prompt"), got["heldout"].pop("per_prompt"), gap, seed=cfg.seed)
+    if ci is not None and one and noise is not None:
+        ci = widen(ci[0], ci[1], gap, noise[0], noise[1])
     lo, hi = ci if ci is not None else (None, None)
     return HeldoutCheck(pairs=got["heldout"]["repeats"], tuning=tune, heldout=held, gap=gap, gap_ci_low=lo,
-                        gap_ci_high=hi, verdict=verdict(lo, hi, tune.speedup)), got["heldout"]
+                        gap_ci_high=hi, verdict=verdict(lo, hi, tune.speedup),
+                        pair_noise=round(noise[0], 4) if one and noise is not None else None), got["heldout"]
 
 
 def heldout_excess(c: HeldoutCheck) -> float | None:
@@ -735,8 +777,10 @@ def describe_check(c: HeldoutCheck) -> str:
     def rel(g: float) -> str:
         return f"{abs(g):.1%} {'below' if g < 0 else 'above'}"
 
+    pairs = (f"1 pair each, interleaved, the trials' pair noise {c.pair_noise:.1%}" if c.pair_noise is not None
+             else f"{c.pairs} pairs each, interleaved")
     line = (f"held-out check: held-out {one(c.heldout)} on {c.heldout.prompts} prompts against tuning {one(c.tuning)} "
-            f"on {c.tuning.prompts} ({c.pairs} pairs each, interleaved): {rel(c.gap)}")
+            f"on {c.tuning.prompts} ({pairs}): {rel(c.gap)}")
     if c.gap_ci_low is not None and c.gap_ci_high is not None:
         line += f" [{c.gap_ci_low:+.1%}, {c.gap_ci_high:+.1%}] over prompts and pairs: {c.verdict}"
     g = tau_gap(c)
