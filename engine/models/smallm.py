@@ -37,19 +37,26 @@ BLOCK_SOURCE = r"""
 #include <vector>
 #define BW (VW * NB)
 
-/* Weight element types: fp32; bf16 (the top half of an fp32: widened by a shift); e4m3 (vLLM's fp8,
-   sign-magnitude moved into fp16 bits, which the CPU widens exactly, subnormals included; the 2^8
-   between the formats' exponent biases and the tensor's scale apply to y once). */
+/* Weight element types: fp32; bf16 (the top half of an fp32: widened by a shift); e4m3 (vLLM's fp8:
+   at 8 lanes its bits moved into an fp32's (E4M3_BITS below), at 16 into fp16 bits the CPU widens, or
+   through a byte permute; each exact, subnormals included, the exponent bias between the formats and
+   the tensor's scale applied to y once). */
 typedef unsigned short bf16_t;
 typedef unsigned char e4m3_t;
 
-/* The widenings need AVX2 (bf16, e4m3) and F16C (e4m3) at 8 lanes, AVX-512F at 16 (which implies
-   both). A CPU without them still builds the fp32 kernel; weight_formats() says which formats were built. */
+/* The widenings need AVX2 at 8 lanes, AVX-512F at 16. A CPU without them still builds the fp32
+   kernel; weight_formats() says which formats were built. */
 #if VW == 16 || defined(__AVX2__)
 #define HAS_BF16_W 1
-#endif
-#if VW == 16 || (defined(__AVX2__) && defined(__F16C__))
 #define HAS_E4M3_W 1
+#endif
+/* 8 lanes: an e4m3 byte's sign, exponent and mantissa moved into an fp32's sign, low exponent bits and
+   top mantissa bits by integer operations (E4M3_BITS): the fp32 is the e4m3 value times 2^-120, an fp32
+   subnormal where the e4m3 is one, so the activations are scaled by 2^E4M3_X first (exact: a power of
+   two) and each product x w is the fp16 route's; y is scaled back once (wscale). */
+#if VW == 8 && defined(HAS_E4M3_W)
+#define E4M3_BITS 1
+#define E4M3_X 96
 #endif
 
 /* bit f set: format f (0 fp32, 1 bf16, 2 e4m3) was built for this CPU */
@@ -151,8 +158,14 @@ static inline const void* activations(long R, const float* x, long ldx, long K, 
   } else {
     ld = K;
     buf.resize(R * K);
+#ifdef E4M3_BITS
+    const float up = std::is_same_v<W, e4m3_t> ? __builtin_ldexpf(1.f, E4M3_X) : 1.f;
+#else
+    const float up = 1.f;
+#endif
     for (long r = 0; r < R; ++r)
-      for (long k = 0; k < K; ++k) buf[r * K + k] = __builtin_bit_cast(float, (unsigned)to_bf16(x[r * ldx + k]) << 16);
+      for (long k = 0; k < K; ++k)
+        buf[r * K + k] = __builtin_bit_cast(float, (unsigned)to_bf16(x[r * ldx + k]) << 16) * up;
     return buf.data();
   }
 }
@@ -178,19 +191,23 @@ extern "C" int e4m3_interleaved() {
 #endif
 }
 
-#ifdef HAS_E4M3_W
+#ifdef E4M3_BITS
+/* e4m3 byte b -> fp32 bits: sign-extended to 32 bits (fused with the load) and shifted left by 20, b's
+   exponent and mantissa land in bits 26..20 and its sign in bit 31; the AND clears the sign's copies
+   in bits 30..27. Two integer operations besides the load, against the fp16 route's three and a
+   conversion. The NaN bytes 0x7F / 0xFF (never written by the quantizer) read as +-480, as there. */
+static inline vf wload(const e4m3_t* p) {
+  __m256i s = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  return (vf)_mm256_and_si256(_mm256_slli_epi32(s, 20), _mm256_set1_epi32((int)0x87F00000));
+}
+#elif defined(HAS_E4M3_W)
 /* e4m3 byte b -> fp16 bits: sign-extended to 16 bits and shifted left by 7, b's exponent and mantissa
    land in fp16's bits 13..7 and its sign in bit 15; the AND clears the sign's copy in bit 14. Three
    integer operations per vector (measured faster than masking and shifting sign and magnitude apart,
    and than an AVX-512 VBMI byte permute). */
 static inline vf wload(const e4m3_t* p) {
-#if VW == 16
   __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p));
   return (vf)_mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xBFFF)));
-#else
-  __m128i h = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)p));
-  return (vf)_mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16((short)0xBFFF)));
-#endif
 }
 #endif
 
@@ -273,7 +290,11 @@ static inline void wpair(const e4m3_t* p, __m512i* w) {
 /* what y is multiplied by for a tensor of per-tensor scale s */
 static inline float wscale(const float*, float) { return 1.f; }
 static inline float wscale(const bf16_t*, float) { return 1.f; }
+#ifdef E4M3_BITS
+static inline float wscale(const e4m3_t*, float s) { return s * __builtin_ldexpf(1.f, 120 - E4M3_X); }
+#else
 static inline float wscale(const e4m3_t*, float s) { return s * 256.f; }
+#endif
 
 /* bytes the prefetch runs ahead of the loads: 32 fp32 k-rows of a block */
 #ifndef AHEAD
@@ -467,6 +488,21 @@ static inline const void* act_row(const void* x, long ld, long r) {
   return (const char*)x + r * ld * (Dot<W>::value ? sizeof(unsigned) : sizeof(float));
 }
 
+#ifdef E4M3_BITS
+/* Denormals read as themselves on this thread while it lives (MXCSR's DAZ bit cleared, then restored):
+   E4M3_BITS's weights of e4m3 subnormals are fp32 subnormals, which DAZ (torch.set_flush_denormal) would
+   read as zero. FTZ is left alone: the products and sums stay normal. */
+struct Denormals {
+  unsigned csr;
+  explicit Denormals(bool on) : csr(on ? _mm_getcsr() : 0) {
+    if (csr & 0x40) _mm_setcsr(csr & ~0x40u);
+  }
+  ~Denormals() {
+    if (csr & 0x40) _mm_setcsr(csr);
+  }
+};
+#endif
+
 /* This thread's share of y[r, b BW ..] = x[r] . block b for R rows (in passes of `per` rows, at most 8)
    over the `blocks` packed blocks of wp, x as `activations` gave it: the team splits the blocks by
    bytes, and where they do not divide evenly the block at a boundary between two threads goes half to
@@ -475,6 +511,9 @@ static inline const void* act_row(const void* x, long ld, long r) {
 template <typename W>
 static inline void blocks_share(long R, long per, const void* xa, long ld, const W* wp, float* y, long ldy, long blocks,
                                 long K, float scale) {
+#ifdef E4M3_BITS
+  Denormals keep(std::is_same_v<W, e4m3_t>);
+#endif
   constexpr long HALVES = NB % 2 == 0 ? 2 : 1;  /* the units a block splits into */
   long units = blocks * HALVES, T = omp_get_num_threads(), t = omp_get_thread_num();
   long run0 = 0, run = 0;  /* a lone row's whole blocks not yet computed: run0 .. run0 + run - 1 */
