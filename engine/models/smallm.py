@@ -372,46 +372,79 @@ static inline void block(const float* x, long ldx, const W* wb, float* y, long l
     for (int m = 0; m < M; ++m) *(vfu*)(y + m * ldy + j * VW) = acc[j][m] * f;  /* exact where f is 1 */
 }
 
-/* whole blocks a lone row runs side by side in block_one (AVX2: 4 one-vector blocks, as fast as 8 in
+/* whole blocks a lone row runs side by side in block_g (AVX2: 4 one-vector blocks, as fast as 8 in
    cache and faster streamed, docs/results.md; AVX-512: 2 four-vector blocks, the 8 chains a lone row
    kept before) */
 #ifndef ONE_ROW_BLOCKS
 #define ONE_ROW_BLOCKS (NB == 1 ? 4 : 2)
 #endif
 
-/* One row over G whole blocks side by side (wb, wb + stride, ...; y, y + BW, ...), each column summed
-   exactly as block<M, 0> sums it. A lone row's single chain per vector would wait on the FMA latency at
-   every k; the G blocks' chains are independent and keep G NB in flight (a row split into chains of
-   alternate k-rows would sum in another order than the rows of a chain). */
-template <int G, typename W>
-static inline void block_one(const float* x, const W* wb, long stride, float* y, long K, float scale) {
+/* whole blocks M rows run side by side in block_g: enough chains (M G NB) to hide the FMA latency
+   behind two FMAs a cycle, their accumulators and the G blocks' weights in the 16 (AVX2) or 32
+   (AVX-512) vector registers. On AVX2 M rows of one one-vector block kept only M chains: 2-5 rows a
+   step waited on the latency (docs/results.md). */
+template <int M>
+struct Group {
+  static constexpr int G = M == 1 ? ONE_ROW_BLOCKS : NB > 1 ? 1 : M <= 2 ? 4 : M == 3 ? 3 : M <= 6 ? 2 : 1;
+};
+
+/* M rows over G whole blocks side by side (wb, wb + stride, ...; y, y + BW, ...), each column of each
+   row summed exactly as block<M, 0> sums it: the blocks' chains are independent columns (a row split
+   into chains of alternate k-rows would sum in another order than the rows of a chain). */
+template <int M, int G, typename W>
+static inline void block_g(const float* x, long ldx, const W* wb, long stride, float* y, long ldy, long K,
+                           float scale) {
   constexpr int ROW = BW * sizeof(W);
-  vf acc[G][NB];
+  vf acc[G][NB][M];
   for (int g = 0; g < G; ++g)
-    for (int j = 0; j < NB; ++j) acc[g][j] = (vf){};
+    for (int j = 0; j < NB; ++j)
+      for (int m = 0; m < M; ++m) acc[g][j][m] = (vf){};
   for (long k = 0; k < K; ++k) {
-    const vf xs = bcast(x[k]);
+    vf w[G][NB];
     _Pragma("GCC unroll 8")
     for (int g = 0; g < G; ++g) {
       const W* p = wb + g * stride + k * BW;
       ahead_row<0, ROW>((const char*)p, k);
-      vf w[NB];
-      wrow<0>(p, w);
-      _Pragma("GCC unroll 4")
-      for (int j = 0; j < NB; ++j) acc[g][j] = fmadd(xs, w[j], acc[g][j]);
+      wrow<0>(p, w[g]);
+    }
+    _Pragma("GCC unroll 8")
+    for (int m = 0; m < M; ++m) {
+      const vf xs = bcast(x[m * ldx + k]);
+      _Pragma("GCC unroll 8")
+      for (int g = 0; g < G; ++g)
+        _Pragma("GCC unroll 4")
+        for (int j = 0; j < NB; ++j) acc[g][j][m] = fmadd(xs, w[g][j], acc[g][j][m]);
     }
   }
   float f = wscale(wb, scale);
   for (int g = 0; g < G; ++g)
-    for (int j = 0; j < NB; ++j) *(vfu*)(y + g * BW + j * VW) = acc[g][j] * f;
+    for (int j = 0; j < NB; ++j)
+      for (int m = 0; m < M; ++m) *(vfu*)(y + m * ldy + g * BW + j * VW) = acc[g][j][m] * f;
 }
 
-/* block_one over n consecutive whole blocks: G at a time, then the rest side by side */
-template <int G, typename W>
-static inline void blocks_one(long n, const float* x, const W* wb, long stride, float* y, long K, float scale) {
+/* block_g over n consecutive whole blocks: G at a time, then the rest side by side */
+template <int M, int G, typename W>
+static inline void blocks_g(long n, const float* x, long ldx, const W* wb, long stride, float* y, long ldy, long K,
+                            float scale) {
   if constexpr (G > 0) {
-    for (; n >= G; n -= G, wb += G * stride, y += G * BW) block_one<G>(x, wb, stride, y, K, scale);
-    if (n) blocks_one<G - 1>(n, x, wb, stride, y, K, scale);
+    for (; n >= G; n -= G, wb += G * stride, y += G * BW) block_g<M, G>(x, ldx, wb, stride, y, ldy, K, scale);
+    if (n) blocks_g<M, G - 1>(n, x, ldx, wb, stride, y, ldy, K, scale);
+  }
+}
+
+/* blocks_g for a row count m known at run time (1-8) */
+template <typename W>
+static inline void blocks_m(long m, long n, const float* x, long ldx, const W* wb, long stride, float* y, long ldy,
+                            long K, float scale) {
+  switch (m) {
+    case 1: blocks_g<1, Group<1>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
+    case 2: blocks_g<2, Group<2>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
+    case 3: blocks_g<3, Group<3>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
+    case 4: blocks_g<4, Group<4>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
+    case 5: blocks_g<5, Group<5>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
+    case 6: blocks_g<6, Group<6>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
+    case 7: blocks_g<7, Group<7>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
+    default: blocks_g<8, Group<8>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
   }
 }
 
@@ -516,13 +549,13 @@ static inline void blocks_share(long R, long per, const void* xa, long ld, const
 #endif
   constexpr long HALVES = NB % 2 == 0 ? 2 : 1;  /* the units a block splits into */
   long units = blocks * HALVES, T = omp_get_num_threads(), t = omp_get_thread_num();
-  long run0 = 0, run = 0;  /* a lone row's whole blocks not yet computed: run0 .. run0 + run - 1 */
+  long run0 = 0, run = 0;  /* whole blocks not yet computed: run0 .. run0 + run - 1 */
   for (long u = units * t / T, end = units * (t + 1) / T; u < end;) {
     long b = u / HALVES;
     int h = HALVES == 1 || (u % 2 == 0 && u + 1 < end) ? 0 : 1 + (int)(u % 2);  /* whole, first or second half */
     u += h ? 1 : HALVES;
     if constexpr (!Dot<W>::value) {
-      if (R == 1 && h == 0) {  /* gathered (consecutive: a thread's whole blocks are), then side by side */
+      if (h == 0) {  /* gathered (consecutive: a thread's whole blocks are), then side by side */
         if (run == 0) run0 = b;
         ++run;
         continue;
@@ -540,9 +573,17 @@ static inline void blocks_share(long R, long per, const void* xa, long ld, const
       block_m(m, xr, ld, wb, yr, ldy, K, scale);
     }
   }
+  /* the gathered blocks CHUNK at a time, every pass of rows over a chunk before the next: a pass after
+     the first reads the chunk from the core's cache, not from memory (12: whole groups of 4, 3 and 2) */
+  constexpr long CHUNK = 12;
+  const long elems = block_elems<W>(K);
   if constexpr (!Dot<W>::value)
-    if (run) blocks_one<ONE_ROW_BLOCKS>(run, (const float*)xa, wp + run0 * block_elems<W>(K), block_elems<W>(K),
-                                        y + run0 * BW, K, scale);
+    for (long c = 0; c < run; c += CHUNK)
+      for (long r0 = 0; r0 < R; r0 += per) {
+        long m = R - r0 < per ? R - r0 : per, n = run - c < CHUNK ? run - c : CHUNK;
+        blocks_m(m, n, (const float*)act_row<W>(xa, ld, r0), ld, wp + (run0 + c) * elems, elems,
+                 y + r0 * ldy + (run0 + c) * BW, ldy, K, scale);
+      }
 }
 """
 

@@ -393,8 +393,8 @@ def test_a_row_is_the_same_in_any_step(pair) -> None:
 def test_a_row_alone_is_the_row_among_others(vw: int, nb: int, extra: list[str], weights: str) -> None:
     """Batch invariance of the block both kernels share, at AVX2's layout (8 lanes) and AVX-512's, at
     each format: each of k rows (k = 1..8, one pass) is bit-identical to the same row computed alone,
-    at 1 and 2 threads, over an odd and an even K. 11 blocks make a lone row's side-by-side blocks
-    (block_one) end in a shorter group, and at 2 threads split a 4-vector block into halves. A lone
+    at 1 and 2 threads, over an odd and an even K. 11 blocks make the side-by-side blocks of 1-6 rows
+    (block_g) end in a shorter group, and at 2 threads split a 4-vector block into halves. A lone
     row summed in another order than the rows of a chain (two chains of alternate k-rows, another
     contraction) differs in the last bits."""
     from engine.models import native, smallm
