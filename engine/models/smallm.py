@@ -399,14 +399,10 @@ static inline void block_g(const float* x, long ldx, const W* wb, long stride, f
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < NB; ++j)
       for (int m = 0; m < M; ++m) acc[g][j][m] = (vf){};
-  for (long k = 0; k < K; ++k) {
+  auto step = [&](long k) __attribute__((always_inline)) {
     vf w[G][NB];
     _Pragma("GCC unroll 8")
-    for (int g = 0; g < G; ++g) {
-      const W* p = wb + g * stride + k * BW;
-      ahead_row<0, ROW>((const char*)p, k);
-      wrow<0>(p, w[g]);
-    }
+    for (int g = 0; g < G; ++g) wrow<0>(wb + g * stride + k * BW, w[g]);
     _Pragma("GCC unroll 8")
     for (int m = 0; m < M; ++m) {
       const vf xs = bcast(x[m * ldx + k]);
@@ -415,7 +411,18 @@ static inline void block_g(const float* x, long ldx, const W* wb, long stride, f
         _Pragma("GCC unroll 4")
         for (int j = 0; j < NB; ++j) acc[g][j][m] = fmadd(xs, w[g][j], acc[g][j][m]);
     }
+  };
+  /* k-rows shorter than a line in runs of one line's worth, unrolled: the prefetches (one a line, as
+     ahead_row) and the loop's own work once a line, not at every k-row */
+  constexpr int U = ROW >= 64 ? 1 : 64 / ROW;
+  long k = 0;
+  for (; k + U <= K; k += U) {
+    _Pragma("GCC unroll 8")
+    for (int g = 0; g < G; ++g) ahead_row<0, ROW>((const char*)(wb + g * stride + k * BW), 0);
+    _Pragma("GCC unroll 8")
+    for (int u = 0; u < U; ++u) step(k + u);
   }
+  for (; k < K; ++k) step(k);
   float f = wscale(wb, scale);
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < NB; ++j)
