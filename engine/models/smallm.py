@@ -194,8 +194,8 @@ extern "C" int e4m3_interleaved() {
 #ifdef E4M3_BITS
 /* e4m3 byte b -> fp32 bits: sign-extended to 32 bits (fused with the load) and shifted left by 20, b's
    exponent and mantissa land in bits 26..20 and its sign in bit 31; the AND clears the sign's copies
-   in bits 30..27. Two integer operations besides the load, against the fp16 route's three and a
-   conversion. The NaN bytes 0x7F / 0xFF (never written by the quantizer) read as +-480, as there. */
+   in bits 30..27: the fp16 route's integer work without its conversion (docs/results.md). The NaN
+   bytes 0x7F / 0xFF (never written by the quantizer) read as +-480, as on the fp16 route. */
 static inline vf wload(const e4m3_t* p) {
   __m256i s = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p));
   return (vf)_mm256_and_si256(_mm256_slli_epi32(s, 20), _mm256_set1_epi32((int)0x87F00000));
