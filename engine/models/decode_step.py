@@ -306,7 +306,7 @@ def weights_refusal(weights: str, device: torch.device, dtype: torch.dtype) -> s
 
 
 # the instructions the native step's widening of a format needs (engine.models.smallm: HAS_BF16_W, HAS_E4M3_W)
-FORMAT_NEEDS = {"bf16": "AVX2 (or AVX-512F)", "fp8": "AVX2 and F16C (or AVX-512F)"}
+FORMAT_NEEDS = {"bf16": "AVX2 (or AVX-512F)", "fp8": "AVX2 (or AVX-512F)"}
 
 
 class NativeStep:

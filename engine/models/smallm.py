@@ -37,19 +37,26 @@ BLOCK_SOURCE = r"""
 #include <vector>
 #define BW (VW * NB)
 
-/* Weight element types: fp32; bf16 (the top half of an fp32: widened by a shift); e4m3 (vLLM's fp8,
-   sign-magnitude moved into fp16 bits, which the CPU widens exactly, subnormals included; the 2^8
-   between the formats' exponent biases and the tensor's scale apply to y once). */
+/* Weight element types: fp32; bf16 (the top half of an fp32: widened by a shift); e4m3 (vLLM's fp8:
+   at 8 lanes its bits moved into an fp32's (E4M3_BITS below), at 16 into fp16 bits the CPU widens, or
+   through a byte permute; each exact, subnormals included, the exponent bias between the formats and
+   the tensor's scale applied to y once). */
 typedef unsigned short bf16_t;
 typedef unsigned char e4m3_t;
 
-/* The widenings need AVX2 (bf16, e4m3) and F16C (e4m3) at 8 lanes, AVX-512F at 16 (which implies
-   both). A CPU without them still builds the fp32 kernel; weight_formats() says which formats were built. */
+/* The widenings need AVX2 at 8 lanes, AVX-512F at 16. A CPU without them still builds the fp32
+   kernel; weight_formats() says which formats were built. */
 #if VW == 16 || defined(__AVX2__)
 #define HAS_BF16_W 1
-#endif
-#if VW == 16 || (defined(__AVX2__) && defined(__F16C__))
 #define HAS_E4M3_W 1
+#endif
+/* 8 lanes: an e4m3 byte's sign, exponent and mantissa moved into an fp32's sign, low exponent bits and
+   top mantissa bits by integer operations (E4M3_BITS): the fp32 is the e4m3 value times 2^-120, an fp32
+   subnormal where the e4m3 is one, so the activations are scaled by 2^E4M3_X first (exact: a power of
+   two) and each product x w is the fp16 route's; y is scaled back once (wscale). */
+#if VW == 8 && defined(HAS_E4M3_W)
+#define E4M3_BITS 1
+#define E4M3_X 96
 #endif
 
 /* bit f set: format f (0 fp32, 1 bf16, 2 e4m3) was built for this CPU */
@@ -151,8 +158,14 @@ static inline const void* activations(long R, const float* x, long ldx, long K, 
   } else {
     ld = K;
     buf.resize(R * K);
+#ifdef E4M3_BITS
+    const float up = std::is_same_v<W, e4m3_t> ? __builtin_ldexpf(1.f, E4M3_X) : 1.f;
+#else
+    const float up = 1.f;
+#endif
     for (long r = 0; r < R; ++r)
-      for (long k = 0; k < K; ++k) buf[r * K + k] = __builtin_bit_cast(float, (unsigned)to_bf16(x[r * ldx + k]) << 16);
+      for (long k = 0; k < K; ++k)
+        buf[r * K + k] = __builtin_bit_cast(float, (unsigned)to_bf16(x[r * ldx + k]) << 16) * up;
     return buf.data();
   }
 }
@@ -178,19 +191,23 @@ extern "C" int e4m3_interleaved() {
 #endif
 }
 
-#ifdef HAS_E4M3_W
+#ifdef E4M3_BITS
+/* e4m3 byte b -> fp32 bits: sign-extended to 32 bits (fused with the load) and shifted left by 20, b's
+   exponent and mantissa land in bits 26..20 and its sign in bit 31; the AND clears the sign's copies
+   in bits 30..27: the fp16 route's integer work without its conversion (docs/results.md). The NaN
+   bytes 0x7F / 0xFF (never written by the quantizer) read as +-480, as on the fp16 route. */
+static inline vf wload(const e4m3_t* p) {
+  __m256i s = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  return (vf)_mm256_and_si256(_mm256_slli_epi32(s, 20), _mm256_set1_epi32((int)0x87F00000));
+}
+#elif defined(HAS_E4M3_W)
 /* e4m3 byte b -> fp16 bits: sign-extended to 16 bits and shifted left by 7, b's exponent and mantissa
    land in fp16's bits 13..7 and its sign in bit 15; the AND clears the sign's copy in bit 14. Three
    integer operations per vector (measured faster than masking and shifting sign and magnitude apart,
    and than an AVX-512 VBMI byte permute). */
 static inline vf wload(const e4m3_t* p) {
-#if VW == 16
   __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p));
   return (vf)_mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xBFFF)));
-#else
-  __m128i h = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)p));
-  return (vf)_mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16((short)0xBFFF)));
-#endif
 }
 #endif
 
@@ -273,7 +290,11 @@ static inline void wpair(const e4m3_t* p, __m512i* w) {
 /* what y is multiplied by for a tensor of per-tensor scale s */
 static inline float wscale(const float*, float) { return 1.f; }
 static inline float wscale(const bf16_t*, float) { return 1.f; }
+#ifdef E4M3_BITS
+static inline float wscale(const e4m3_t*, float s) { return s * __builtin_ldexpf(1.f, 120 - E4M3_X); }
+#else
 static inline float wscale(const e4m3_t*, float s) { return s * 256.f; }
+#endif
 
 /* bytes the prefetch runs ahead of the loads: 32 fp32 k-rows of a block */
 #ifndef AHEAD
@@ -351,46 +372,86 @@ static inline void block(const float* x, long ldx, const W* wb, float* y, long l
     for (int m = 0; m < M; ++m) *(vfu*)(y + m * ldy + j * VW) = acc[j][m] * f;  /* exact where f is 1 */
 }
 
-/* whole blocks a lone row runs side by side in block_one (AVX2: 4 one-vector blocks, as fast as 8 in
+/* whole blocks a lone row runs side by side in block_g (AVX2: 4 one-vector blocks, as fast as 8 in
    cache and faster streamed, docs/results.md; AVX-512: 2 four-vector blocks, the 8 chains a lone row
    kept before) */
 #ifndef ONE_ROW_BLOCKS
 #define ONE_ROW_BLOCKS (NB == 1 ? 4 : 2)
 #endif
 
-/* One row over G whole blocks side by side (wb, wb + stride, ...; y, y + BW, ...), each column summed
-   exactly as block<M, 0> sums it. A lone row's single chain per vector would wait on the FMA latency at
-   every k; the G blocks' chains are independent and keep G NB in flight (a row split into chains of
-   alternate k-rows would sum in another order than the rows of a chain). */
-template <int G, typename W>
-static inline void block_one(const float* x, const W* wb, long stride, float* y, long K, float scale) {
+/* whole blocks M rows run side by side in block_g: enough chains (M G NB) to hide the FMA latency
+   behind two FMAs a cycle, their accumulators and the G blocks' weights in the 16 (AVX2) or 32
+   (AVX-512) vector registers. On AVX2 M rows of one one-vector block kept only M chains: 2-5 rows a
+   step waited on the latency (docs/results.md). */
+template <int M>
+struct Group {
+  static constexpr int G = M == 1 ? ONE_ROW_BLOCKS : NB > 1 ? 1 : M <= 2 ? 4 : M == 3 ? 3 : M <= 6 ? 2 : 1;
+};
+
+/* M rows over G whole blocks side by side (wb, wb + stride, ...; y, y + BW, ...), each column of each
+   row summed exactly as block<M, 0> sums it: the blocks' chains are independent columns (a row split
+   into chains of alternate k-rows would sum in another order than the rows of a chain). */
+template <int M, int G, typename W>
+static inline void block_g(const float* x, long ldx, const W* wb, long stride, float* y, long ldy, long K,
+                           float scale) {
   constexpr int ROW = BW * sizeof(W);
-  vf acc[G][NB];
+  vf acc[G][NB][M];
   for (int g = 0; g < G; ++g)
-    for (int j = 0; j < NB; ++j) acc[g][j] = (vf){};
-  for (long k = 0; k < K; ++k) {
-    const vf xs = bcast(x[k]);
+    for (int j = 0; j < NB; ++j)
+      for (int m = 0; m < M; ++m) acc[g][j][m] = (vf){};
+  auto step = [&](long k) __attribute__((always_inline)) {
+    vf w[G][NB];
     _Pragma("GCC unroll 8")
-    for (int g = 0; g < G; ++g) {
-      const W* p = wb + g * stride + k * BW;
-      ahead_row<0, ROW>((const char*)p, k);
-      vf w[NB];
-      wrow<0>(p, w);
-      _Pragma("GCC unroll 4")
-      for (int j = 0; j < NB; ++j) acc[g][j] = fmadd(xs, w[j], acc[g][j]);
+    for (int g = 0; g < G; ++g) wrow<0>(wb + g * stride + k * BW, w[g]);
+    _Pragma("GCC unroll 8")
+    for (int m = 0; m < M; ++m) {
+      const vf xs = bcast(x[m * ldx + k]);
+      _Pragma("GCC unroll 8")
+      for (int g = 0; g < G; ++g)
+        _Pragma("GCC unroll 4")
+        for (int j = 0; j < NB; ++j) acc[g][j][m] = fmadd(xs, w[g][j], acc[g][j][m]);
     }
+  };
+  /* k-rows shorter than a line in runs of one line's worth, unrolled: the prefetches (one a line, as
+     ahead_row) and the loop's own work once a line, not at every k-row */
+  constexpr int U = ROW >= 64 ? 1 : 64 / ROW;
+  long k = 0;
+  for (; k + U <= K; k += U) {
+    _Pragma("GCC unroll 8")
+    for (int g = 0; g < G; ++g) ahead_row<0, ROW>((const char*)(wb + g * stride + k * BW), 0);
+    _Pragma("GCC unroll 8")
+    for (int u = 0; u < U; ++u) step(k + u);
   }
+  for (; k < K; ++k) step(k);
   float f = wscale(wb, scale);
   for (int g = 0; g < G; ++g)
-    for (int j = 0; j < NB; ++j) *(vfu*)(y + g * BW + j * VW) = acc[g][j] * f;
+    for (int j = 0; j < NB; ++j)
+      for (int m = 0; m < M; ++m) *(vfu*)(y + m * ldy + g * BW + j * VW) = acc[g][j][m] * f;
 }
 
-/* block_one over n consecutive whole blocks: G at a time, then the rest side by side */
-template <int G, typename W>
-static inline void blocks_one(long n, const float* x, const W* wb, long stride, float* y, long K, float scale) {
+/* block_g over n consecutive whole blocks: G at a time, then the rest side by side */
+template <int M, int G, typename W>
+static inline void blocks_g(long n, const float* x, long ldx, const W* wb, long stride, float* y, long ldy, long K,
+                            float scale) {
   if constexpr (G > 0) {
-    for (; n >= G; n -= G, wb += G * stride, y += G * BW) block_one<G>(x, wb, stride, y, K, scale);
-    if (n) blocks_one<G - 1>(n, x, wb, stride, y, K, scale);
+    for (; n >= G; n -= G, wb += G * stride, y += G * BW) block_g<M, G>(x, ldx, wb, stride, y, ldy, K, scale);
+    if (n) blocks_g<M, G - 1>(n, x, ldx, wb, stride, y, ldy, K, scale);
+  }
+}
+
+/* blocks_g for a row count m known at run time (1-8) */
+template <typename W>
+static inline void blocks_m(long m, long n, const float* x, long ldx, const W* wb, long stride, float* y, long ldy,
+                            long K, float scale) {
+  switch (m) {
+    case 1: blocks_g<1, Group<1>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
+    case 2: blocks_g<2, Group<2>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
+    case 3: blocks_g<3, Group<3>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
+    case 4: blocks_g<4, Group<4>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
+    case 5: blocks_g<5, Group<5>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
+    case 6: blocks_g<6, Group<6>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
+    case 7: blocks_g<7, Group<7>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
+    default: blocks_g<8, Group<8>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
   }
 }
 
@@ -467,6 +528,21 @@ static inline const void* act_row(const void* x, long ld, long r) {
   return (const char*)x + r * ld * (Dot<W>::value ? sizeof(unsigned) : sizeof(float));
 }
 
+#ifdef E4M3_BITS
+/* Denormals read as themselves on this thread while it lives (MXCSR's DAZ bit cleared, then restored):
+   E4M3_BITS's weights of e4m3 subnormals are fp32 subnormals, which DAZ (torch.set_flush_denormal) would
+   read as zero. FTZ is left alone: the products and sums stay normal. */
+struct Denormals {
+  unsigned csr;
+  explicit Denormals(bool on) : csr(on ? _mm_getcsr() : 0) {
+    if (csr & 0x40) _mm_setcsr(csr & ~0x40u);
+  }
+  ~Denormals() {
+    if (csr & 0x40) _mm_setcsr(csr);
+  }
+};
+#endif
+
 /* This thread's share of y[r, b BW ..] = x[r] . block b for R rows (in passes of `per` rows, at most 8)
    over the `blocks` packed blocks of wp, x as `activations` gave it: the team splits the blocks by
    bytes, and where they do not divide evenly the block at a boundary between two threads goes half to
@@ -475,15 +551,18 @@ static inline const void* act_row(const void* x, long ld, long r) {
 template <typename W>
 static inline void blocks_share(long R, long per, const void* xa, long ld, const W* wp, float* y, long ldy, long blocks,
                                 long K, float scale) {
+#ifdef E4M3_BITS
+  Denormals keep(std::is_same_v<W, e4m3_t>);
+#endif
   constexpr long HALVES = NB % 2 == 0 ? 2 : 1;  /* the units a block splits into */
   long units = blocks * HALVES, T = omp_get_num_threads(), t = omp_get_thread_num();
-  long run0 = 0, run = 0;  /* a lone row's whole blocks not yet computed: run0 .. run0 + run - 1 */
+  long run0 = 0, run = 0;  /* whole blocks not yet computed: run0 .. run0 + run - 1 */
   for (long u = units * t / T, end = units * (t + 1) / T; u < end;) {
     long b = u / HALVES;
     int h = HALVES == 1 || (u % 2 == 0 && u + 1 < end) ? 0 : 1 + (int)(u % 2);  /* whole, first or second half */
     u += h ? 1 : HALVES;
     if constexpr (!Dot<W>::value) {
-      if (R == 1 && h == 0) {  /* gathered (consecutive: a thread's whole blocks are), then side by side */
+      if (h == 0) {  /* gathered (consecutive: a thread's whole blocks are), then side by side */
         if (run == 0) run0 = b;
         ++run;
         continue;
@@ -501,9 +580,17 @@ static inline void blocks_share(long R, long per, const void* xa, long ld, const
       block_m(m, xr, ld, wb, yr, ldy, K, scale);
     }
   }
+  /* the gathered blocks CHUNK at a time, every pass of rows over a chunk before the next: a pass after
+     the first reads the chunk from the core's cache, not from memory (12: whole groups of 4, 3 and 2) */
+  constexpr long CHUNK = 12;
+  const long elems = block_elems<W>(K);
   if constexpr (!Dot<W>::value)
-    if (run) blocks_one<ONE_ROW_BLOCKS>(run, (const float*)xa, wp + run0 * block_elems<W>(K), block_elems<W>(K),
-                                        y + run0 * BW, K, scale);
+    for (long c = 0; c < run; c += CHUNK)
+      for (long r0 = 0; r0 < R; r0 += per) {
+        long m = R - r0 < per ? R - r0 : per, n = run - c < CHUNK ? run - c : CHUNK;
+        blocks_m(m, n, (const float*)act_row<W>(xa, ld, r0), ld, wp + (run0 + c) * elems, elems,
+                 y + r0 * ldy + (run0 + c) * BW, ldy, K, scale);
+      }
 }
 """
 

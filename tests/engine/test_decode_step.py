@@ -305,6 +305,35 @@ def test_few_row_block_every_row_count_and_layout(vw: int, nb: int, extra: list[
                 assert not torch.allclose(torch.nn.functional.linear(x, w), want_y, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("vw, nb", [(8, 1), (16, 4)])
+def test_fp8_subnormals_survive_flush_denormal(vw: int, nb: int) -> None:
+    """At 8 lanes an e4m3 subnormal is widened to an fp32 subnormal: with the thread's DAZ bit set
+    (torch.set_flush_denormal) the kernel still reads it, so its rows equal those with DAZ off, and
+    F.linear's (a kernel that left DAZ alone read those weights as zero and differed)."""
+    from engine.models import smallm
+    from engine.models.fp8 import dequantize_e4m3, quantize_e4m3
+
+    lib = _kernel(vw, nb, [], "fp8")
+    g = torch.Generator().manual_seed(4)
+    k, n = 41, 2 * vw * nb
+    w8, s = quantize_e4m3(torch.randn(n, k, generator=g) * torch.logspace(-5, 0, k))
+    assert (w8.float() != 0).logical_and(w8.float().abs() < 2 ** -6).float().mean() > 0.1
+    w = dequantize_e4m3(w8, s)
+    packed, scale = smallm.pack(w, "fp8", lib)
+    x = torch.randn(3, k, generator=g)
+    ys = []
+    try:
+        for daz in (False, True):
+            assert torch.set_flush_denormal(daz)
+            ys.append(torch.empty(3, n))
+            assert lib.smallm_linear(x.data_ptr(), packed.data_ptr(), ys[-1].data_ptr(), 3, n, k, 2, scale, 1) == 0
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.equal(ys[0], ys[1])
+    want = torch.nn.functional.linear(x.bfloat16().double(), w.double()).float()
+    torch.testing.assert_close(ys[1], want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("weights", ["bf16", "fp8"])
 def test_pack_holds_the_rounded_weight(weights: str) -> None:
     """smallm.pack of a weight already rounded to the format (what the engine packs) is exact: unpacked
@@ -364,8 +393,8 @@ def test_a_row_is_the_same_in_any_step(pair) -> None:
 def test_a_row_alone_is_the_row_among_others(vw: int, nb: int, extra: list[str], weights: str) -> None:
     """Batch invariance of the block both kernels share, at AVX2's layout (8 lanes) and AVX-512's, at
     each format: each of k rows (k = 1..8, one pass) is bit-identical to the same row computed alone,
-    at 1 and 2 threads, over an odd and an even K. 11 blocks make a lone row's side-by-side blocks
-    (block_one) end in a shorter group, and at 2 threads split a 4-vector block into halves. A lone
+    at 1 and 2 threads, over an odd and an even K. 11 blocks make the side-by-side blocks of 1-6 rows
+    (block_g) end in a shorter group, and at 2 threads split a 4-vector block into halves. A lone
     row summed in another order than the rows of a chain (two chains of alternate k-rows, another
     contraction) differs in the last bits."""
     from engine.models import native, smallm

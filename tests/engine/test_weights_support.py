@@ -34,12 +34,13 @@ def _formats_only(extra: list[str]) -> native.Native:
 
 
 @pytest.mark.parametrize("extra, formats", [([], {"fp32", "bf16", "fp8"}),
-                                            (["-mno-f16c"], {"fp32", "bf16"}),
+                                            (["-mno-f16c"], {"fp32", "bf16", "fp8"}),
                                             (["-mno-avx2", "-mno-f16c"], {"fp32"})])
 def test_kernel_builds_the_formats_the_cpu_has(extra: list[str], formats: set[str]) -> None:
-    """Built as for an AVX2 CPU without F16C, or without AVX2 at all, the few-row kernel still builds and
-    computes fp32 exactly; it reports only the formats it built and refuses the others' fmt codes
-    (a CPU lacking the instructions lost the fp32 kernel too when the widenings were unconditional)."""
+    """Built as for an AVX2 CPU without F16C (8 lanes widen e4m3 by integer operations alone), or without
+    AVX2 at all, the few-row kernel still builds and computes fp32 exactly; it reports only the formats
+    it built and refuses the others' fmt codes (a CPU lacking the instructions lost the fp32 kernel too
+    when the widenings were unconditional)."""
     lib = native.Native("smallm", smallm._SOURCE, ["-DVW=8", "-DNB=1", *extra], smallm._bind).library()
     assert lib is not None
     assert smallm.built_formats(lib) == formats
@@ -55,19 +56,19 @@ def test_kernel_builds_the_formats_the_cpu_has(extra: list[str], formats: set[st
         assert (rc == 0) == (name in formats)
 
 
-def test_a_cpu_without_f16c_refuses_fp8_and_runs_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the native step built as on an AVX2 CPU without F16C, fp8 is refused in one line naming the
-    key, the missing instructions and what is allowed; bf16 is not refused."""
+def test_a_cpu_without_avx2_refuses_fp8_and_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the native step built as on a CPU without AVX2, fp8 and bf16 are refused in one line naming
+    the key, the missing instructions and what is allowed; fp32 is not refused."""
     from engine.models.decode_step import weights_refusal
 
-    monkeypatch.setattr(decode_step, "_NATIVE", _formats_only(["-mno-f16c"]))
-    with pytest.raises(UserError) as e:
-        open_engine(load_config([*TINY, "engine.builtin.weights=fp8"]))
-    msg = str(e.value)
-    assert msg.startswith("engine.builtin.weights=fp8") and "\n" not in msg
-    assert "F16C" in msg and msg.endswith("allowed here: fp32, bf16"), msg
-    cpu = torch.device("cpu")
-    assert weights_refusal("bf16", cpu, torch.float32) is None and weights_refusal("fp32", cpu, torch.float32) is None
+    monkeypatch.setattr(decode_step, "_NATIVE", _formats_only(["-mno-avx2", "-mno-f16c"]))
+    for weights in ("fp8", "bf16"):
+        with pytest.raises(UserError) as e:
+            open_engine(load_config([*TINY, f"engine.builtin.weights={weights}"]))
+        msg = str(e.value)
+        assert msg.startswith(f"engine.builtin.weights={weights}") and "\n" not in msg
+        assert "AVX2" in msg and msg.endswith("allowed here: fp32"), msg
+    assert weights_refusal("fp32", torch.device("cpu"), torch.float32) is None
 
 
 def test_fp8_where_the_step_cannot_run_for_the_model() -> None:
