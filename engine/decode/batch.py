@@ -189,6 +189,7 @@ class BatchEngine:
         self.given = drafter
         self.schedule: list[Band] = list(schedule) if schedule else [(1, max(max_batch, 1), engine.spec)]
         check_schedule(self.schedule, max_batch)
+        self._keys = {id(s): s.key() for _, _, s in self.schedule}  # key() per request and step adds up
         self.prefill = prefill
         self.kv_tokens = kv_tokens
         self.room = max(engine.cache_room(s) for _, _, s in self.schedule)
@@ -311,7 +312,7 @@ class BatchEngine:
         """This request's drafter for `spec` (made at admission, fed every committed feature)."""
         if spec.method == "off":
             return None
-        key = spec.key()
+        key = self._key(spec)
         if key not in req.drafters:
             d = make_drafter(spec, self.engine.target, self.engine.seed)
             if d is not None:
@@ -402,7 +403,7 @@ class BatchEngine:
                     req.result = st.result()
             except Exception as exc:  # noqa: BLE001
                 req.fail(exc)
-        if spec is not None and self.accept and spec.key() in self.accept:  # key() only where a spec adapts
+        if spec is not None and self.accept and self._key(spec) in self.accept:
             self._learn(spec, [(req, tree) for req, tree, _, _ in plans if tree is not None and req.error is None])
 
     @property
@@ -420,9 +421,14 @@ class BatchEngine:
         """Per adaptive spec, its drafters' confidence bands (its `Control`'s)."""
         return self.control.calib
 
+    def _key(self, spec: SpecConfig) -> str:
+        """`spec.key()`, once per schedule's spec."""
+        key = self._keys.get(id(spec))
+        return key if key is not None else spec.key()
+
     def _estimate(self, req: Request, spec: SpecConfig) -> Acceptance:
         """The request's acceptance estimate under an adaptive spec (the batch's, when it starts)."""
-        key = spec.key()
+        key = self._key(spec)
         if key not in req.accept:
             req.accept[key] = self.accept[key].fork()
         return req.accept[key]
@@ -441,7 +447,7 @@ class BatchEngine:
         cost = self.cost
         est = [self._estimate(r, spec) for r in live]
         nodes = spec.budget - 1
-        batch_est, cal = self.accept[spec.key()], self.calib[spec.key()]
+        batch_est, cal = self.accept[self._key(spec)], self.calib[self._key(spec)]
         # before drafting, each request's gains as its most confident drafts' (Calibration.upper):
         # the cut after drafting keeps only the nodes whose real confidence pays, so a node allowed
         # costs its drafting alone when it is cut, and a draft the average would refuse may pay
@@ -522,7 +528,7 @@ class BatchEngine:
     def _learn(self, spec: SpecConfig, verified: list[tuple[Request, Tree]]) -> None:
         """Update the acceptance estimates from a step's verifications: each request's own, and
         the batch's from every request's; indices nobody verified drift back (engine.decode.acceptance)."""
-        batch, cal = self.accept[spec.key()], self.calib[spec.key()]
+        batch, cal = self.accept[self._key(spec)], self.calib[self._key(spec)]
         most = 0
         for req, tree in verified:
             if req.state.drafter is None:

@@ -509,6 +509,18 @@ def test_greedy_with_adaptive_control_equals_off(engine: Engine, off, spec: Spec
         assert any(n < size for size, n in cuts)
 
 
+def test_only_drafters_that_read_features_are_fed_them(engine: Engine, off) -> None:
+    """A lookup drafter reads no target features: a request drafted by it gathers no feature rows
+    per step (`Decoding.feeds` empty, as with speculation off), an EAGLE head's request does."""
+    prompts, _ = off
+    ngram = B.make_drafter(SpecConfig(method="ngram", depth=3, ngram_min=1, ngram_max=3), engine.target, 0)
+    eagle = B.make_drafter(SpecConfig(method="eagle", depth=3, topk=2, budget=6), engine.target, 0)
+    st = engine.start(prompts[0], SamplingParams(max_new_tokens=N_NEW), None, ngram, None)
+    assert st.observers == [ngram] and st.feeds == []
+    st.add_observer(eagle)
+    assert st.feeds == [eagle]
+
+
 def test_drafts_stop_when_the_step_is_costly_and_go_full_when_cheap(engine: Engine, off, monkeypatch) -> None:
     prompts, ref = off
     _the_target_drafts(engine, monkeypatch)
