@@ -14,7 +14,8 @@ and tau per level; `greedy_identical` says whether every row's
 texts equal speculation off's; the last line is one JSON object with adaptive/off and
 adaptive/static per level. `--trace N` prints, every N steps of the adaptive row, per batch size
 what the controller weighed and chose (engine.decode.batch.BatchEngine.trace): the nodes allowed,
-drafted and kept per request, the probes, the price of the first rows and the step (with its
+drafted and kept per request, the probes, the steps screened out below the pay floor without
+pricing (engine.decode.control.pay_floor), the price of the first rows and the step (with its
 overhead) it read, the forward's measured seconds per count of rows (the real marginal cost of a
 row at that batch), the controller's own and the drafting's seconds per step, and the mean
 estimates at draft positions 1-3. Over HTTP at levels 1-32, with a grid of static specs, is the
@@ -90,7 +91,8 @@ class Trace:
                             for x, v in sorted(fwd.items())[:6] if x and f0 is not None)
             est = [statistics.mean(g[k] for r in rs for g in r["gains"] if len(g) > k) for k in range(3)
                    if any(len(g) > k for r in rs for g in r["gains"])]
-            print(f"  trace b={b:<3} steps {len(rs):>4} probes {sum(r['probe'] for r in rs):>3}  per request: "
+            print(f"  trace b={b:<3} steps {len(rs):>4} probes {sum(r['probe'] for r in rs):>3} "
+                  f"screened {sum(r.get('screened', False) for r in rs):>3}  per request: "
                   f"allowed {mean('allowed'):.2f} drafted {mean('sizes'):.2f} kept {mean('kept'):.2f}  "
                   f"price ms row1 {price[0]:.2f} rows2 {price[1]:.2f} rows4 {price[2]:.2f} "
                   f"step {statistics.mean(r['table'][0] for r in rs) * 1e3:.1f} (overhead "

@@ -24,7 +24,9 @@ estimates (engine.decode.acceptance) and the step-cost curve (engine.decode.step
 drafting at most that many nodes or not at all; after drafting from the drafts' real sizes, each
 draft cut to the nodes that pay. Every PROBE_EVERY steps one request may draft one node more
 (`control.probe`), verified whatever the cut, where the probes' budget pays for what it is expected
-to lose (`control.ProbeBudget`). Every verify step then updates the estimates. What
+to lose (`control.ProbeBudget`); between probe steps a batch whose best first node is below the
+last full choice's pay floor drafts nothing without pricing (`control.pay_floor`). Every verify
+step then updates the estimates. What
 the controller learns (`Control`) outlives a scheduler: a server runs one scheduler for its life,
 and the engine hands the same `Control` to every scheduler of the same schedule (`Engine.batcher`),
 so a study's passes measure a controller as warm as a server's.
@@ -44,7 +46,7 @@ import torch
 
 from engine.api import GenResult, SamplingParams, TokenCallback
 from engine.decode.acceptance import BATCH_RATE, Acceptance, Calibration
-from engine.decode.control import MARGIN, PROBE_EVERY, ProbeBudget, choose, probe, probe_loss
+from engine.decode.control import MARGIN, PROBE_EVERY, SLACK, ProbeBudget, choose, pay_floor, probe, probe_loss
 from engine.decode.stepcost import StepCost
 from engine.drafters import Drafter, make_drafter
 from engine.drafters.lockstep import draft_together, lockstep_groups
@@ -213,6 +215,8 @@ class BatchEngine:
         # chose, and the forward's seconds), for benchmarks/adaptive_engine.py --trace
         self.trace: Callable[[dict[str, Any]], None] | None = engine.trace
         self._record: dict[str, Any] | None = None
+        # per batch size, the last full choice's pay floor and step seconds (engine.decode.control.pay_floor)
+        self._floors: dict[int, tuple[float, float]] = {}
 
     # ---- submission (any thread) --------------------------------------------------------------
 
@@ -453,18 +457,32 @@ class BatchEngine:
         # costs its drafting alone when it is cut, and a draft the average would refuse may pay
         gains = cal.upper(est, batch_est, nodes)
         fills = [e.rows for e in est]
+        budget = self.control.probes
+        probing = self.steps % PROBE_EVERY == 0
+        # decide before pricing: below the last full choice's pay floor at this batch size nothing
+        # pays (engine.decode.control.pay_floor); a probe step or a prompt's rows price everything
+        floor = self._floors.get(batch) if extra == 0 and not probing else None
+        if floor is not None and max((g[0] for g in gains if g), default=0.0) < floor[0] * (1 - SLACK):
+            budget.earn(floor[1])
+            if self.trace is not None:
+                self._record = {"batch": batch, "extra": extra, "table": [floor[1]], "overhead": cost.overhead_s(batch),
+                                "draft_s": cost.draft_s, "gains": [g[:3] for g in gains], "fills": fills,
+                                "allowed": [0] * len(live), "probe": False, "kept": [0] * len(live), "screened": True,
+                                "control_s": time.perf_counter() - began, "drafting_s": 0.0}
+            return {id(r): (Tree.chain(r.state.ids[-1], []), 0.0) for r in live}
         # every total of draft rows the controller weighs, priced once (a call per total costs a
         # few ms a step at batch 32, more than the rows it saves); between totals (the expected
         # rows of drafters that do not always fill their nodes) linearly. The totals go up to the
         # expected rows of every node allowed (a lookup drafter's fill is often a fraction of a row)
         top = math.ceil(sum(len(g) * f for g, f in zip(gains, fills))) + 1
         table = cost.table(batch, extra, top)
+        if extra == 0:
+            self._floors[batch] = (pay_floor(batch, table, cost.draft_s, MARGIN), table[0])
         step_s = _interpolated(table)
         limits = choose(gains, batch, step_s, cost.draft_s, MARGIN, fills)
         probed = None
-        budget = self.control.probes
         budget.earn(table[0])
-        if self.steps % PROBE_EVERY == 0:  # one node beyond the choice, for what the estimates learn
+        if probing:  # one node beyond the choice, for what the estimates learn
             # rows priced at no more than the average row: a count of rows never run is measured
             # where it could pay at that price (the live table, engine.decode.stepcost, learns it)
             cheap = cost.table(batch, extra, top, optimistic=True)
@@ -479,7 +497,7 @@ class BatchEngine:
         if self.trace is not None:
             self._record = {"batch": batch, "extra": extra, "table": table[:9], "overhead": cost.overhead_s(batch),
                             "draft_s": cost.draft_s, "gains": [g[:3] for g in gains], "fills": fills,
-                            "allowed": list(limits), "probe": probed is not None, "kept": [0] * len(live),
+                            "allowed": list(limits), "probe": probed is not None, "kept": [0] * len(live), "screened": False,
                             "control_s": time.perf_counter() - began, "drafting_s": 0.0}
         if not any(limits):  # nothing pays: the step is off's, no drafter call, no cut
             return {id(r): (Tree.chain(r.state.ids[-1], []), 0.0) for r in live}
