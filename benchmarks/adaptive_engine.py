@@ -29,7 +29,8 @@ that both meet the same load; per decode step it reads the wall seconds, the for
 drafting's, and prints per level the median seconds of a step outside the forward for off and for
 adaptive's steps that drafted nothing (what adaptive control costs when it drafts nothing), and
 for adaptive's steps that drafted. `--profile` adds cProfile's costliest calls over each
-scheduler's steps.
+scheduler's steps; `--nothing-pays` prices every row at a whole step, so that adaptive never
+drafts and its steps' own time is all the controller costs where nothing pays.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.decode.stepcost import StepCost, batch_levels  # noqa: E402
 from engine.measure.runner import InProcessTarget, measure  # noqa: E402
 from engine.measure.workloads import encode, load_prompts, sampling_params  # noqa: E402
 from tuner.schema.compose import load_config  # noqa: E402
@@ -104,11 +106,16 @@ class Trace:
 
 
 def side_by_side(engine, encoded: list[list[int]], params, level: int, spec: SpecConfig, steps: int,
-                 profile: bool = False) -> dict:
+                 profile: bool = False, nothing_pays: bool = False) -> dict:
     """Off and `spec` (adaptive) each in a scheduler of `level` places kept full (a finished request
     replaced by the next prompt at once), stepped in turn for `steps` steps each after a warm-up of
     a quarter as many; per scheduler and decode step (no prompt in it): wall, forward and drafting
-    seconds and the drafted rows. Returns the medians (ms) by kind of step."""
+    seconds and the drafted rows. Returns the medians (ms) by kind of step. `nothing_pays`: the
+    adaptive scheduler prices every row at a whole step (its curve's step without rows), so every
+    one of its steps drafts nothing: what adaptive control costs a step where nothing pays."""
+    if nothing_pays:  # (the live figures rescale the curve; a row still costs what the step does)
+        dear = StepCost({b: [(0, 1.0), (64, 65.0)] for b in batch_levels(engine.max_batch)}, spec.budget)
+        real_costs, engine.step_costs = engine.step_costs, lambda *a: dear
     forward = engine.forward
     inner = forward.step_batch
     last: dict = {}
@@ -133,6 +140,8 @@ def side_by_side(engine, encoded: list[list[int]], params, level: int, spec: Spe
         for _ in range(level):
             refill(None)
         scheds[name] = b
+    if nothing_pays:
+        engine.step_costs = real_costs
     prof = {n: cProfile.Profile() for n in scheds} if profile else {}
     got: dict[str, list[tuple[float, float, float, int]]] = {n: [] for n in scheds}
     forward.step_batch = timed
@@ -182,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="off and the adaptive row stepped in turn at each level, their steps' own time compared")
     ap.add_argument("--steps", type=int, default=120, help="--side-by-side: measured steps per scheduler and level")
     ap.add_argument("--profile", action="store_true", help="--side-by-side: cProfile's costliest calls per scheduler")
+    ap.add_argument("--nothing-pays", action="store_true",
+                    help="--side-by-side: adaptive prices every row at a whole step, so it never drafts")
     args = ap.parse_args(argv)
     if args.side_by_side:
         return _side_by_side_main(args)
@@ -254,7 +265,7 @@ def _side_by_side_main(args: argparse.Namespace) -> int:
     params = sampling_params(cfg.workload)
     spec = _spec(args.adaptive, adaptive=True)
     for c in levels:
-        got = side_by_side(engine, encoded, params, c, spec, args.steps, args.profile)
+        got = side_by_side(engine, encoded, params, c, spec, args.steps, args.profile, args.nothing_pays)
         for k, v in got.items():
             if k.startswith("profile"):
                 print(f"--- {k} at {c}\n{v}")
