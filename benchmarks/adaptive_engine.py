@@ -147,7 +147,7 @@ def side_by_side(engine, encoded: list[list[int]], params, level: int, spec: Spe
     forward.step_batch = timed
     try:
         for i in range(steps + steps // 4):
-            for n, b in scheds.items():
+            for n, b in (list(scheds.items()) if i % 2 == 0 else list(scheds.items())[::-1]):  # each goes first by turns
                 last.clear()
                 t = time.perf_counter()
                 if n in prof:
