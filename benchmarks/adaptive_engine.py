@@ -170,7 +170,7 @@ def side_by_side(engine, encoded: list[list[int]], params, level: int, spec: Spe
                   "rows": round(statistics.mean([r for *_, r in rows]), 2) if rows else None}
     for n, p in prof.items():
         buf = io.StringIO()
-        pstats.Stats(p, stream=buf).sort_stats("tottime").print_stats(18)
+        pstats.Stats(p, stream=buf).sort_stats("tottime").print_stats(24)
         out[f"profile {n}"] = buf.getvalue()
     return out
 

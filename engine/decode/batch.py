@@ -465,10 +465,7 @@ class BatchEngine:
         if floor is not None and max((g[0] for g in gains if g), default=0.0) < floor[0] * (1 - SLACK):
             budget.earn(floor[1])
             if self.trace is not None:
-                self._record = {"batch": batch, "extra": extra, "table": [floor[1]], "overhead": cost.overhead_s(batch),
-                                "draft_s": cost.draft_s, "gains": [g[:3] for g in gains], "fills": fills,
-                                "allowed": [0] * len(live), "probe": False, "kept": [0] * len(live), "screened": True,
-                                "control_s": time.perf_counter() - began, "drafting_s": 0.0}
+                self._record = self._note(batch, extra, [floor[1]], gains, fills, [0] * len(live), False, True, began)
             return {id(r): (Tree.chain(r.state.ids[-1], []), 0.0) for r in live}
         # every total of draft rows the controller weighs, priced once (a call per total costs a
         # few ms a step at batch 32, more than the rows it saves); between totals (the expected
@@ -495,10 +492,8 @@ class BatchEngine:
             else:
                 probed = None
         if self.trace is not None:
-            self._record = {"batch": batch, "extra": extra, "table": table[:9], "overhead": cost.overhead_s(batch),
-                            "draft_s": cost.draft_s, "gains": [g[:3] for g in gains], "fills": fills,
-                            "allowed": list(limits), "probe": probed is not None, "kept": [0] * len(live), "screened": False,
-                            "control_s": time.perf_counter() - began, "drafting_s": 0.0}
+            self._record = self._note(batch, extra, table[:9], gains, fills, list(limits), probed is not None, False,
+                                      began)
         if not any(limits):  # nothing pays: the step is off's, no drafter call, no cut
             return {id(r): (Tree.chain(r.state.ids[-1], []), 0.0) for r in live}
         drafting = [(r, n) for r, n in zip(live, limits) if n > 0]
@@ -542,6 +537,15 @@ class BatchEngine:
                 tree, dt = out[id(r)]
                 out[id(r)] = (tree.first(k + 1), dt)
         return out
+
+    def _note(self, batch: int, extra: int, table: list[float], gains: list[list[float]], fills: list[float],
+              allowed: list[int], probed: bool, screened: bool, began: float) -> dict[str, Any]:
+        """A step's trace record as the controller left it (benchmarks/adaptive_engine.py --trace)."""
+        cost = self.cost
+        return {"batch": batch, "extra": extra, "table": table, "overhead": cost.overhead_s(batch),
+                "draft_s": cost.draft_s, "gains": [g[:3] for g in gains], "fills": fills, "allowed": allowed,
+                "probe": probed, "kept": [0] * len(allowed), "screened": screened,
+                "control_s": time.perf_counter() - began, "drafting_s": 0.0}
 
     def _learn(self, spec: SpecConfig, verified: list[tuple[Request, Tree]]) -> None:
         """Update the acceptance estimates from a step's verifications: each request's own, and
