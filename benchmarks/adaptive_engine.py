@@ -14,17 +14,32 @@ and tau per level; `greedy_identical` says whether every row's
 texts equal speculation off's; the last line is one JSON object with adaptive/off and
 adaptive/static per level. `--trace N` prints, every N steps of the adaptive row, per batch size
 what the controller weighed and chose (engine.decode.batch.BatchEngine.trace): the nodes allowed,
-drafted and kept per request, the probes, the price of the first rows and the step (with its
+drafted and kept per request, the probes, the steps screened out below the pay floor without
+pricing (engine.decode.control.pay_floor), the price of the first rows and the step (with its
 overhead) it read, the forward's measured seconds per count of rows (the real marginal cost of a
 row at that batch), the controller's own and the drafting's seconds per step, and the mean
 estimates at draft positions 1-3. Over HTTP at levels 1-32, with a grid of static specs, is the
 study arm's benchmark (issue 36).
+
+    python benchmarks/adaptive_engine.py --workload chat --side-by-side 8,32 --steps 120 [--profile]
+
+`--side-by-side` instead keeps two schedulers of the one engine full at each level (off and the
+adaptive row; a finished request is replaced at once) and steps them in turn, one step each, so
+that both meet the same load; per decode step it reads the wall seconds, the forward's and the
+drafting's, and prints per level the median seconds of a step outside the forward for off and for
+adaptive's steps that drafted nothing (what adaptive control costs when it drafts nothing), and
+for adaptive's steps that drafted. `--profile` adds cProfile's costliest calls over each
+scheduler's steps; `--nothing-pays` prices every row at a whole step, so that adaptive never
+drafts and its steps' own time is all the controller costs where nothing pays.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -32,8 +47,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.decode.stepcost import StepCost, batch_levels  # noqa: E402
 from engine.measure.runner import InProcessTarget, measure  # noqa: E402
-from engine.measure.workloads import load_prompts, sampling_params  # noqa: E402
+from engine.measure.workloads import encode, load_prompts, sampling_params  # noqa: E402
 from tuner.schema.compose import load_config  # noqa: E402
 from tuner.schema.config import SpecConfig  # noqa: E402
 from tuner.study.measurer import open_engine  # noqa: E402
@@ -77,7 +93,8 @@ class Trace:
                             for x, v in sorted(fwd.items())[:6] if x and f0 is not None)
             est = [statistics.mean(g[k] for r in rs for g in r["gains"] if len(g) > k) for k in range(3)
                    if any(len(g) > k for r in rs for g in r["gains"])]
-            print(f"  trace b={b:<3} steps {len(rs):>4} probes {sum(r['probe'] for r in rs):>3}  per request: "
+            print(f"  trace b={b:<3} steps {len(rs):>4} probes {sum(r['probe'] for r in rs):>3} "
+                  f"screened {sum(r.get('screened', False) for r in rs):>3}  per request: "
                   f"allowed {mean('allowed'):.2f} drafted {mean('sizes'):.2f} kept {mean('kept'):.2f}  "
                   f"price ms row1 {price[0]:.2f} rows2 {price[1]:.2f} rows4 {price[2]:.2f} "
                   f"step {statistics.mean(r['table'][0] for r in rs) * 1e3:.1f} (overhead "
@@ -86,6 +103,76 @@ class Trace:
                   f"control {statistics.mean(r['control_s'] for r in rs) * 1e3:.2f} ms drafting "
                   f"{statistics.mean(r['drafting_s'] for r in rs) * 1e3:.2f} ms  "
                   f"est {' '.join(f'{e:.2f}' for e in est)}", flush=True)
+
+
+def side_by_side(engine, encoded: list[list[int]], params, level: int, spec: SpecConfig, steps: int,
+                 profile: bool = False, nothing_pays: bool = False) -> dict:
+    """Off and `spec` (adaptive) each in a scheduler of `level` places kept full (a finished request
+    replaced by the next prompt at once), stepped in turn for `steps` steps each after a warm-up of
+    a quarter as many; per scheduler and decode step (no prompt in it): wall, forward and drafting
+    seconds and the drafted rows. Returns the medians (ms) by kind of step. `nothing_pays`: the
+    adaptive scheduler prices every row at a whole step (its curve's step without rows), so every
+    one of its steps drafts nothing: what adaptive control costs a step where nothing pays."""
+    if nothing_pays:  # (the live figures rescale the curve; a row still costs what the step does)
+        dear = StepCost({b: [(0, 1.0), (64, 65.0)] for b in batch_levels(engine.max_batch)}, spec.budget)
+        real_costs, engine.step_costs = engine.step_costs, lambda *a: dear
+    forward = engine.forward
+    inner = forward.step_batch
+    last: dict = {}
+
+    def timed(caches, tokens, depths, ancestors, last_only, aux):  # the step's forward, as it ran
+        t = time.perf_counter()
+        out = inner(caches, tokens, depths, ancestors, last_only, aux)
+        last.update(s=time.perf_counter() - t, rows=sum(len(x) for x in tokens) - len(tokens),
+                    prefill=any(last_only))
+        return out
+
+    scheds = {}
+    for name, s in (("off", SpecConfig(method="off")), ("adaptive", spec)):
+        engine.set_spec(s)
+        b = engine.batcher()
+        nxt = [0]
+
+        def refill(_r, b=b, nxt=nxt) -> None:
+            b.submit(encoded[nxt[0] % len(encoded)], params, None, refill)
+            nxt[0] += 1
+
+        for _ in range(level):
+            refill(None)
+        scheds[name] = b
+    if nothing_pays:
+        engine.step_costs = real_costs
+    prof = {n: cProfile.Profile() for n in scheds} if profile else {}
+    got: dict[str, list[tuple[float, float, float, int]]] = {n: [] for n in scheds}
+    forward.step_batch = timed
+    try:
+        for i in range(steps + steps // 4):
+            for n, b in (list(scheds.items()) if i % 2 == 0 else list(scheds.items())[::-1]):  # each goes first by turns
+                last.clear()
+                t = time.perf_counter()
+                if n in prof:
+                    prof[n].enable()
+                b.step()
+                if n in prof:
+                    prof[n].disable()
+                wall = time.perf_counter() - t
+                if i >= steps // 4 and last and not last["prefill"]:
+                    got[n].append((wall, last["s"], b._busy - last["s"], last["rows"]))
+    finally:
+        forward.step_batch = inner
+    ms = lambda xs: round(statistics.median(xs) * 1e3, 3) if xs else None  # noqa: E731
+    out = {"level": level, "steps": steps}
+    kinds = {"off": got["off"], "adaptive, nothing drafted": [g for g in got["adaptive"] if g[3] == 0],
+             "adaptive, drafted": [g for g in got["adaptive"] if g[3] > 0]}
+    for k, rows in kinds.items():
+        out[k] = {"steps": len(rows), "wall_ms": ms([w for w, *_ in rows]), "forward_ms": ms([f for _, f, _, _ in rows]),
+                  "outside_forward_ms": ms([w - f - d for w, f, d, _ in rows]), "drafting_ms": ms([d for *_, d, _ in rows]),
+                  "rows": round(statistics.mean([r for *_, r in rows]), 2) if rows else None}
+    for n, p in prof.items():
+        buf = io.StringIO()
+        pstats.Stats(p, stream=buf).sort_stats("tottime").print_stats(24)
+        out[f"profile {n}"] = buf.getvalue()
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,7 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--adaptive", default="ngram:8", help="the adaptive row, METHOD:MAX_DEPTH")
     ap.add_argument("--trace", type=int, default=0, metavar="N",
                     help="print what the controller weighed and chose every N steps of the adaptive row (0: never)")
+    ap.add_argument("--side-by-side", default="", metavar="LEVELS",
+                    help="off and the adaptive row stepped in turn at each level, their steps' own time compared")
+    ap.add_argument("--steps", type=int, default=120, help="--side-by-side: measured steps per scheduler and level")
+    ap.add_argument("--profile", action="store_true", help="--side-by-side: cProfile's costliest calls per scheduler")
+    ap.add_argument("--nothing-pays", action="store_true",
+                    help="--side-by-side: adaptive prices every row at a whole step, so it never drafts")
     args = ap.parse_args(argv)
+    if args.side_by_side:
+        return _side_by_side_main(args)
     levels = [int(x) for x in args.levels.split(",")]
     rows = {"off": SpecConfig(method="off"), f"static {args.static}": _spec(args.static),
             f"adaptive {args.adaptive}": _spec(args.adaptive, adaptive=True)}
@@ -158,6 +253,23 @@ def main(argv: list[str] | None = None) -> int:
     out["min_adaptive_vs_static"] = min(v["adaptive_vs_static"] for v in out["levels"].values())
     print(f"greedy_identical: {identical}")
     print(json.dumps(out))
+    return 0
+
+
+def _side_by_side_main(args: argparse.Namespace) -> int:
+    levels = [int(x) for x in args.side_by_side.split(",")]
+    cfg = load_config([f"model={args.model}", "spec.method=off", f"+workload={args.workload}",
+                       f"workload.max_new_tokens={args.max_new_tokens}", f"engine.builtin.max_batch={max(levels)}"])
+    engine = open_engine(cfg)
+    encoded = [encode(engine, p, cfg.workload.chat_template) for p in load_prompts(cfg.workload)[:args.prompts]]
+    params = sampling_params(cfg.workload)
+    spec = _spec(args.adaptive, adaptive=True)
+    for c in levels:
+        got = side_by_side(engine, encoded, params, c, spec, args.steps, args.profile, args.nothing_pays)
+        for k, v in got.items():
+            if k.startswith("profile"):
+                print(f"--- {k} at {c}\n{v}")
+        print(json.dumps({k: v for k, v in got.items() if not k.startswith("profile")}), flush=True)
     return 0
 
 

@@ -24,7 +24,9 @@ estimates (engine.decode.acceptance) and the step-cost curve (engine.decode.step
 drafting at most that many nodes or not at all; after drafting from the drafts' real sizes, each
 draft cut to the nodes that pay. Every PROBE_EVERY steps one request may draft one node more
 (`control.probe`), verified whatever the cut, where the probes' budget pays for what it is expected
-to lose (`control.ProbeBudget`). Every verify step then updates the estimates. What
+to lose (`control.ProbeBudget`); between probe steps a batch whose best first node is below the
+last full choice's pay floor drafts nothing without pricing (`control.pay_floor`). Every verify
+step then updates the estimates. What
 the controller learns (`Control`) outlives a scheduler: a server runs one scheduler for its life,
 and the engine hands the same `Control` to every scheduler of the same schedule (`Engine.batcher`),
 so a study's passes measure a controller as warm as a server's.
@@ -44,7 +46,7 @@ import torch
 
 from engine.api import GenResult, SamplingParams, TokenCallback
 from engine.decode.acceptance import BATCH_RATE, Acceptance, Calibration
-from engine.decode.control import MARGIN, PROBE_EVERY, ProbeBudget, choose, probe, probe_loss
+from engine.decode.control import MARGIN, PROBE_EVERY, SLACK, ProbeBudget, choose, pay_floor, probe, probe_loss
 from engine.decode.stepcost import StepCost
 from engine.drafters import Drafter, make_drafter
 from engine.drafters.lockstep import draft_together, lockstep_groups
@@ -189,6 +191,7 @@ class BatchEngine:
         self.given = drafter
         self.schedule: list[Band] = list(schedule) if schedule else [(1, max(max_batch, 1), engine.spec)]
         check_schedule(self.schedule, max_batch)
+        self._keys = {id(s): s.key() for _, _, s in self.schedule}  # key() per request and step adds up
         self.prefill = prefill
         self.kv_tokens = kv_tokens
         self.room = max(engine.cache_room(s) for _, _, s in self.schedule)
@@ -212,6 +215,8 @@ class BatchEngine:
         # chose, and the forward's seconds), for benchmarks/adaptive_engine.py --trace
         self.trace: Callable[[dict[str, Any]], None] | None = engine.trace
         self._record: dict[str, Any] | None = None
+        # per batch size, the last full choice's pay floor and step seconds (engine.decode.control.pay_floor)
+        self._floors: dict[int, tuple[float, float]] = {}
 
     # ---- submission (any thread) --------------------------------------------------------------
 
@@ -311,7 +316,7 @@ class BatchEngine:
         """This request's drafter for `spec` (made at admission, fed every committed feature)."""
         if spec.method == "off":
             return None
-        key = spec.key()
+        key = self._key(spec)
         if key not in req.drafters:
             d = make_drafter(spec, self.engine.target, self.engine.seed)
             if d is not None:
@@ -402,7 +407,7 @@ class BatchEngine:
                     req.result = st.result()
             except Exception as exc:  # noqa: BLE001
                 req.fail(exc)
-        if spec is not None and self.accept and spec.key() in self.accept:  # key() only where a spec adapts
+        if spec is not None and self.accept and self._key(spec) in self.accept:
             self._learn(spec, [(req, tree) for req, tree, _, _ in plans if tree is not None and req.error is None])
 
     @property
@@ -420,9 +425,14 @@ class BatchEngine:
         """Per adaptive spec, its drafters' confidence bands (its `Control`'s)."""
         return self.control.calib
 
+    def _key(self, spec: SpecConfig) -> str:
+        """`spec.key()`, once per schedule's spec."""
+        key = self._keys.get(id(spec))
+        return key if key is not None else spec.key()
+
     def _estimate(self, req: Request, spec: SpecConfig) -> Acceptance:
         """The request's acceptance estimate under an adaptive spec (the batch's, when it starts)."""
-        key = spec.key()
+        key = self._key(spec)
         if key not in req.accept:
             req.accept[key] = self.accept[key].fork()
         return req.accept[key]
@@ -441,24 +451,35 @@ class BatchEngine:
         cost = self.cost
         est = [self._estimate(r, spec) for r in live]
         nodes = spec.budget - 1
-        batch_est, cal = self.accept[spec.key()], self.calib[spec.key()]
+        batch_est, cal = self.accept[self._key(spec)], self.calib[self._key(spec)]
         # before drafting, each request's gains as its most confident drafts' (Calibration.upper):
         # the cut after drafting keeps only the nodes whose real confidence pays, so a node allowed
         # costs its drafting alone when it is cut, and a draft the average would refuse may pay
         gains = cal.upper(est, batch_est, nodes)
         fills = [e.rows for e in est]
+        budget = self.control.probes
+        probing = self.steps % PROBE_EVERY == 0
+        # decide before pricing: below the last full choice's pay floor at this batch size nothing
+        # pays (engine.decode.control.pay_floor); a probe step or a prompt's rows price everything
+        floor = self._floors.get(batch) if extra == 0 and not probing else None
+        if floor is not None and max((g[0] for g in gains if g), default=0.0) < floor[0] * (1 - SLACK):
+            budget.earn(floor[1])
+            if self.trace is not None:
+                self._record = self._note(batch, extra, [floor[1]], gains, fills, [0] * len(live), False, True, began)
+            return {id(r): (Tree.chain(r.state.ids[-1], []), 0.0) for r in live}
         # every total of draft rows the controller weighs, priced once (a call per total costs a
         # few ms a step at batch 32, more than the rows it saves); between totals (the expected
         # rows of drafters that do not always fill their nodes) linearly. The totals go up to the
         # expected rows of every node allowed (a lookup drafter's fill is often a fraction of a row)
         top = math.ceil(sum(len(g) * f for g, f in zip(gains, fills))) + 1
         table = cost.table(batch, extra, top)
+        if extra == 0:
+            self._floors[batch] = (pay_floor(batch, table, cost.draft_s, MARGIN), table[0])
         step_s = _interpolated(table)
         limits = choose(gains, batch, step_s, cost.draft_s, MARGIN, fills)
         probed = None
-        budget = self.control.probes
         budget.earn(table[0])
-        if self.steps % PROBE_EVERY == 0:  # one node beyond the choice, for what the estimates learn
+        if probing:  # one node beyond the choice, for what the estimates learn
             # rows priced at no more than the average row: a count of rows never run is measured
             # where it could pay at that price (the live table, engine.decode.stepcost, learns it)
             cheap = cost.table(batch, extra, top, optimistic=True)
@@ -471,10 +492,8 @@ class BatchEngine:
             else:
                 probed = None
         if self.trace is not None:
-            self._record = {"batch": batch, "extra": extra, "table": table[:9], "overhead": cost.overhead_s(batch),
-                            "draft_s": cost.draft_s, "gains": [g[:3] for g in gains], "fills": fills,
-                            "allowed": list(limits), "probe": probed is not None, "kept": [0] * len(live),
-                            "control_s": time.perf_counter() - began, "drafting_s": 0.0}
+            self._record = self._note(batch, extra, table[:9], gains, fills, list(limits), probed is not None, False,
+                                      began)
         if not any(limits):  # nothing pays: the step is off's, no drafter call, no cut
             return {id(r): (Tree.chain(r.state.ids[-1], []), 0.0) for r in live}
         drafting = [(r, n) for r, n in zip(live, limits) if n > 0]
@@ -519,10 +538,19 @@ class BatchEngine:
                 out[id(r)] = (tree.first(k + 1), dt)
         return out
 
+    def _note(self, batch: int, extra: int, table: list[float], gains: list[list[float]], fills: list[float],
+              allowed: list[int], probed: bool, screened: bool, began: float) -> dict[str, Any]:
+        """A step's trace record as the controller left it (benchmarks/adaptive_engine.py --trace)."""
+        cost = self.cost
+        return {"batch": batch, "extra": extra, "table": table, "overhead": cost.overhead_s(batch),
+                "draft_s": cost.draft_s, "gains": [g[:3] for g in gains], "fills": fills, "allowed": allowed,
+                "probe": probed, "kept": [0] * len(allowed), "screened": screened,
+                "control_s": time.perf_counter() - began, "drafting_s": 0.0}
+
     def _learn(self, spec: SpecConfig, verified: list[tuple[Request, Tree]]) -> None:
         """Update the acceptance estimates from a step's verifications: each request's own, and
         the batch's from every request's; indices nobody verified drift back (engine.decode.acceptance)."""
-        batch, cal = self.accept[spec.key()], self.calib[spec.key()]
+        batch, cal = self.accept[self._key(spec)], self.calib[self._key(spec)]
         most = 0
         for req, tree in verified:
             if req.state.drafter is None:

@@ -25,17 +25,26 @@ nearly free a probe costs nothing and runs every PROBE_EVERY steps; where a row 
 token yields, probes run only as often as that share of the time pays for, so exploring costs less
 than the noise of any measurement of the engine.
 
+Most steps at a batch size where drafts do not pay draft nothing, and pricing every total of rows
+to find that out costs more than anything else the controller does. So each full choice also
+yields the least gain per row at which any total of rows could pay (`pay_floor`: no node gains
+more than its request's first, so below it `choose` drafts nothing); for the next steps at that
+batch size, until the next probe step prices everything again, a batch whose best first node is
+below that floor (less SLACK, for what the prices move meanwhile) drafts nothing without pricing.
+
 Verification is untouched: any subset of a draft is verified losslessly, and the choice
 depends on past steps and draft sizes, never on the drafted tokens' values."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from operator import itemgetter
 
 MARGIN = 0.15  # the engine's pessimism on the cost of drafts (forward rows and drafting)
 PROBE_EVERY = 4  # a probe at most every this many steps: at most a quarter of a row per step
 PROBE_SHARE = 0.005  # the share of the steps' seconds that the probes may be expected to lose
+SLACK = 0.1  # a batch is screened out below this much less than the last pay floor (prices move between steps)
 
 
 def _rate(got: float, rows: float, base: float, step_s: Callable[[float], float], draft_s: float,
@@ -69,6 +78,18 @@ def choose(gains: Sequence[Sequence[float]], tokens: float, step_s: Callable[[fl
     for _, i in ranked[:best_n]:
         out[i] += 1
     return out
+
+
+def pay_floor(tokens: float, table: Sequence[float], draft_s: float = 0.0, margin: float = 0.0) -> float:
+    """The least gain per row at which some total of draft rows priced by `table` (a step's seconds
+    with n = 0, 1, ... rows, linear between) raises the step's tokens per second on `choose`'s
+    terms: with every gain at most g per row, n rows yield at most g n tokens more, which pays only
+    if g exceeds tokens / table[0] times the least cost per row over the totals (on each segment
+    between whole totals the cost per row is monotone, so the whole totals bound it)."""
+    base = table[0]
+    k, per_row = 1 + margin, (1 + margin) * draft_s
+    cheapest = min(((k * (t - base) + per_row * n) / n for n, t in enumerate(table) if n), default=math.inf)
+    return tokens / base * cheapest
 
 
 def probe(chosen: Sequence[int], gains: Sequence[Sequence[float]], ages: Sequence[Sequence[int]], tokens: float,

@@ -18,6 +18,7 @@ from engine.decode.batch import BatchEngine, Control, schedule_of
 from engine.decode.prefix import PrefixCache
 from engine.decode.stepcost import StepCost, step_cost
 from engine.drafters import Drafter, make_drafter
+from engine.models import attention, decode_step, smallm
 from engine.models.forward import LeanForward, lean_forward, prebuild_kernels
 from engine.models.hf_forward import HFCache, HFForward
 from engine.models.kvpool import KVCache
@@ -184,8 +185,10 @@ class Engine:
         got = next((c for (b, r), c in self._costs.items() if b >= max_batch and r >= rows), None)
         if got is None:
             m = self.lean.model
+            # the native kernels' versions too: a curve timed with an older kernel is timed again
             signature = (f"{self.model_name}|{m.weights}|{m.dtype}|{m.device}|{len(m.blocks)} layers|"
-                         f"native {self.lean.native is not None}|compiled {self.lean.compiled}")
+                         f"native {self.lean.native is not None}|compiled {self.lean.compiled}|"
+                         f"kernels {decode_step.TAG} {smallm.TAG} {attention.TAG}")
             got = self._costs[(max_batch, rows)] = step_cost(self.lean, max_batch, rows, signature,
                                                              self.cache_dir).to_json()
         return StepCost.from_json(got)
@@ -287,8 +290,10 @@ class Decoding:
         self.cache = cache
         if drafter is not None:
             drafter.reset(prompt_ids)
-        # every drafter fed the committed features (a batch may switch drafters between steps)
+        # every drafter fed the committed tokens (a batch may switch drafters between steps); `feeds`:
+        # those that read the target's features (a lookup drafter does not: no rows gathered for it)
         self.observers: list[Drafter] = [drafter] if drafter is not None else []
+        self.feeds: list[Drafter] = [d for d in self.observers if _reads_features(d)]
         self.prompt_ids = list(prompt_ids)
         self.ids = list(prompt_ids)
         self.prefilled = False
@@ -397,6 +402,8 @@ class Decoding:
             raise ValueError("a drafter joins a generation before its prompt runs")
         drafter.reset(self.prompt_ids)
         self.observers.append(drafter)
+        if _reads_features(drafter):
+            self.feeds.append(drafter)
 
     def _observe_logits(self, tokens: list[int], logits: torch.Tensor) -> None:
         """The committed positions' target logits, for drafters that learn from them (Token Recycling)."""
@@ -405,12 +412,12 @@ class Decoding:
                 d.observe_logits(tokens, logits)
 
     def _observe(self, hidden: torch.Tensor, aux: torch.Tensor | None, rows: list[int] | None) -> None:
-        if not self.observers:  # AR without a drafter: no rows to gather, every token
+        if not self.feeds:  # AR, or drafters that read no features: no rows to gather, every token
             return
         if rows is not None:
             hidden = hidden[rows]
             aux = None if aux is None else aux[rows]
-        for d in self.observers:
+        for d in self.feeds:
             _observe(d, hidden, aux if d.aux_layers else None, None)
 
     def result(self) -> GenResult:
@@ -419,6 +426,11 @@ class Decoding:
         stats.total_s = time.perf_counter() - self.t_start
         return GenResult(tokens=list(stop.tokens), text=stop.text(), finish_reason=stop.finish or "length",
                          stats=stats)
+
+
+def _reads_features(drafter: Drafter) -> bool:
+    """Whether a drafter reads the target's features (its class has an `observe` of its own)."""
+    return type(drafter).observe is not Drafter.observe
 
 
 def _observe(drafter: Drafter, hidden: torch.Tensor, aux: torch.Tensor | None, rows: list[int] | None) -> None:

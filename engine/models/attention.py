@@ -246,6 +246,7 @@ def _bind(lib: ctypes.CDLL) -> None:
 
 
 _NATIVE = native.Native("attention", _SOURCE, [f"-DVW={16 if native.avx512() else 8}"], _bind)
+TAG = _NATIVE.tag
 
 
 def library() -> ctypes.CDLL | None:

@@ -18,7 +18,7 @@ from engine.decode import batch as B
 from engine.decode import stepcost
 from engine.decode.acceptance import PRIOR, Acceptance
 from engine.decode.batch import BatchEngine, bounded, schedule_of
-from engine.decode.control import MARGIN, PROBE_EVERY, PROBE_SHARE, ProbeBudget, choose, probe, probe_loss
+from engine.decode.control import MARGIN, PROBE_EVERY, PROBE_SHARE, ProbeBudget, choose, pay_floor, probe, probe_loss
 from engine.decode.loop import Engine
 from engine.decode.stepcost import StepCost
 from engine.drafters.draft_model import DraftModelDrafter
@@ -509,6 +509,18 @@ def test_greedy_with_adaptive_control_equals_off(engine: Engine, off, spec: Spec
         assert any(n < size for size, n in cuts)
 
 
+def test_only_drafters_that_read_features_are_fed_them(engine: Engine, off) -> None:
+    """A lookup drafter reads no target features: a request drafted by it gathers no feature rows
+    per step (`Decoding.feeds` empty, as with speculation off), an EAGLE head's request does."""
+    prompts, _ = off
+    ngram = B.make_drafter(SpecConfig(method="ngram", depth=3, ngram_min=1, ngram_max=3), engine.target, 0)
+    eagle = B.make_drafter(SpecConfig(method="eagle", depth=3, topk=2, budget=6), engine.target, 0)
+    st = engine.start(prompts[0], SamplingParams(max_new_tokens=N_NEW), None, ngram, None)
+    assert st.observers == [ngram] and st.feeds == []
+    st.add_observer(eagle)
+    assert st.feeds == [eagle]
+
+
 def test_drafts_stop_when_the_step_is_costly_and_go_full_when_cheap(engine: Engine, off, monkeypatch) -> None:
     prompts, ref = off
     _the_target_drafts(engine, monkeypatch)
@@ -529,19 +541,39 @@ def test_drafts_stop_when_the_step_is_costly_and_go_full_when_cheap(engine: Engi
 
 def test_a_step_where_nothing_pays_calls_no_drafter(engine: Engine, off, monkeypatch) -> None:
     """Rows as dear as a whole step: the controller drafts nothing, and the drafter is never
-    called (a step where no draft pays costs what off's step does); the tokens are off's."""
+    called (a step where no draft pays costs what off's step does); the tokens are off's. Below the
+    pay floor nothing is priced either, except on probe steps and steps with a prompt's rows."""
     prompts, ref = off
     planted = StepCost({1: [(0, 1.0), (16, 17.0)], 4: [(0, 1.0), (64, 65.0)]}, max_rows=5)
     monkeypatch.setattr(engine, "step_costs", lambda *a: planted)
     monkeypatch.setattr(StepCost, "observe_step", lambda *a: None)
-    calls = []
-    real_lockstep = BatchEngine._draft_in_lockstep
+    calls, tables = [], []
+    real_lockstep, real_table = BatchEngine._draft_in_lockstep, StepCost.table
     monkeypatch.setattr(BatchEngine, "_draft_in_lockstep", lambda self, reqs: calls.append(len(reqs)) or real_lockstep(self, reqs))
+    monkeypatch.setattr(StepCost, "table", lambda self, *a, **k: tables.append(a) or real_table(self, *a, **k))
     spec = SpecConfig(method="ngram", depth=3, ngram_min=1, ngram_max=3, adaptive=True)
     be = BatchEngine(engine, max_batch=4, schedule=schedule_of(spec, 4))
     reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=4)
     assert [r.result.tokens for r in reqs] == ref
     assert calls == [] and all(r.result.stats.drafted_tokens == 0 for r in reqs)
+    # priced: the probe steps (a table and the probes' own), the first step at each batch size
+    assert sum(extra == 0 for _, extra, _ in tables) <= 2 * (be.steps // PROBE_EVERY + 1) + 4
+    assert be.steps > 3 * PROBE_EVERY  # (enough steps that pricing every one would fail the bound)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_below_the_pay_floor_nothing_pays_and_just_above_it_something_does(seed: int) -> None:
+    """On a random staircase of step prices (flat stretches and jumps): gains a hair below the pay
+    floor draft nothing whatever their count, a little above it they draft."""
+    rnd = random.Random(seed)
+    table = [rnd.uniform(0.5, 2.0)]
+    for _ in range(rnd.randint(1, 12)):
+        table.append(table[-1] + rnd.choice([0.0, rnd.uniform(0.0, 0.5), rnd.uniform(0.0, 0.05)]))
+    tokens, draft_s = rnd.randint(1, 8), rnd.choice([0.0, rnd.uniform(0.0, 0.05)])
+    floor = pay_floor(tokens, table, draft_s, MARGIN)
+    n, step = len(table) - 1, B._interpolated(table)
+    assert choose([[floor * 0.999] * n], tokens, step, draft_s, MARGIN) == [0]
+    assert choose([[floor * 1.01 + 0.01] * n], tokens, step, draft_s, MARGIN)[0] > 0
 
 
 def test_the_engine_learns_the_time_its_steps_spend_outside_the_forward(engine: Engine, off, monkeypatch) -> None:
