@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+_CONVERTER = pytest.StashKey["subprocess.Popen | None"]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -14,8 +20,6 @@ def pytest_configure(config: pytest.Config) -> None:
     commands, the built-in server, vLLM's engine core and its n-gram proposer's numba pool) inherit
     one thread too: with two OpenMP threads, while the other worker holds a core, every parallel op
     waits for the preempted thread (docs/results.md, the test-suite rows)."""
-    import os
-
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["OMP_NUM_THREADS"] = "1"  # read by each subprocess's torch (and OpenMP) at start
         os.environ["NUMBA_NUM_THREADS"] = "1"
@@ -24,6 +28,15 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(1)
     elif getattr(config.option, "numprocesses", None):
         _build_first_use_caches()
+        config.stash[_CONVERTER] = _convert_smollm2_in_background()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The controller waits for its background conversion (a short selection of tests may end first):
+    killed mid-way, it would leave its half-built copy in the cache."""
+    converter = config.stash.get(_CONVERTER, None)
+    if converter is not None:
+        converter.wait()
 
 
 def _build_first_use_caches() -> None:
@@ -41,6 +54,25 @@ def _build_first_use_caches() -> None:
     smollm2_tokenizer_dir()
     for mod in (smallm, attention, decode_step):
         mod._NATIVE.library()  # waits for its build (None without a compiler: the engine reports that itself)
+
+
+def _convert_smollm2_in_background() -> subprocess.Popen | None:
+    """On an empty cache, the controller starts the SmolLM2 GGUF -> fp32 checkpoint conversion (the
+    engine's own hf_checkpoint_dir, the slowest first-use build) in a process of its own while the workers
+    run their first files. Built by the first worker test that needs it, the other worker's first such
+    test waited on the cache's lock with one core idle; now a worker that waits leaves both cores to
+    the conversion and the other worker. A failed conversion is reported by the tests themselves:
+    each builds the checkpoint again through the same function."""
+    from engine.models.target import SMOLLM2_GGUF, cache_root, file_digest, gguf_path
+
+    root = cache_root(None)
+    if (root / "models" / file_digest(gguf_path(*SMOLLM2_GGUF), root) / ".complete").is_file():
+        return None  # hf_checkpoint_dir's layout: converted by an earlier run
+    code = "from tuner.schema.compose import load_config; from engine.models.target import hf_checkpoint_dir; " \
+           "hf_checkpoint_dir(load_config([]).model)"
+    return subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
