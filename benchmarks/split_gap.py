@@ -10,18 +10,26 @@ num_prompts + num_heldout prompts from them and reports the gap between the held
 the first num_heldout tuning prompts' tau (the check's two sides) for ways to split:
 
 - random: as the workloads split today (a seeded shuffle);
-- stratified by a cheap per-prompt predictor (prompt length, n-gram repeat share of the prompt, ...):
-  the prompts sorted by it, cut into num_heldout strata, one held-out prompt and its tuning partner
-  drawn from each stratum;
-- more prompts on each side (--sides).
+- stratified by a statistic of the prompt alone (FEATURES: its length, the share of its own token
+  or word n-grams that repeat, ...; never a measurement of it): the prompts sorted by it, cut into
+  num_heldout strata, one held-out prompt and its tuning partner drawn from each stratum;
+- alternating by such a statistic: the same strata, the held-out prompt and its partner the
+  stratum's two lowest, which of them is held out alternating from stratum to stratum
+  (deterministic);
+- more prompts on each side (--sides), at fewer tokens each (--max-new-tokens) for the same cost.
 
-It prints each predictor's rank correlation with the prompts' tau, then per split the mean, median
-and 90th percentile of |held-out tau / tuning tau - 1| and the share of draws within 5%; the last
-line is one JSON object. Usage:
+It prints each statistic's rank correlation with the prompts' tau, then per split the mean, median,
+95th percentile and maximum of |held-out tau / tuning tau - 1| over the draws, the share of draws
+within 5%, and the gap of the workload's own seeded split (the first num_prompts + num_heldout
+prompts of its order, as every study of the workload sees them). Then, for what would reach 5%, a
+bootstrap of random splits of more prompts a side than the pool holds (--needed, drawn with
+replacement). The last line is one JSON object. --save / --load keep the per-prompt figures (the
+statistics and counts, no prompt text) so the analysis reruns without generating. Usage:
 
     python benchmarks/split_gap.py                     # code workload, 80 prompts, 2000 draws
     python benchmarks/split_gap.py --workload chat --pool 60
     python benchmarks/split_gap.py --max-new-tokens 32 --sides 6/6,24/24   # more prompts at fewer tokens
+    python benchmarks/split_gap.py --load figures.json --sides 12/6     # the analysis alone
 """
 
 from __future__ import annotations
@@ -43,28 +51,6 @@ from tuner.study.measurer import open_engine
 Record = dict[str, object]
 
 
-def per_prompt_tau(workload: str, n: int, depths: tuple[int, ...], max_new_tokens: int | None = None) -> list[Record]:
-    """Each of the pool's first n prompts (the workload's seeded order) with its greedy tau per chain
-    depth, over the workload's max_new_tokens or `max_new_tokens`."""
-    cfg = load_config([f"+workload={workload}", "engine.builtin.threads=1"])
-    eng = open_engine(cfg)
-    pool = _pool(cfg.workload)
-    random.Random(cfg.workload.seed).shuffle(pool)
-    params = sampling_params(cfg.workload, seed=cfg.seed)
-    if max_new_tokens is not None:
-        params = dataclasses.replace(params, max_new_tokens=max_new_tokens)
-    out: list[Record] = []
-    for p in pool[:n]:
-        ids = encode(eng, p, cfg.workload.chat_template)
-        rec: Record = {"id": p.id, "text": p.text, "prompt_ids": ids}
-        for d in depths:
-            eng.set_spec(SpecConfig(method="ngram", depth=d, topk=1, budget=d + 1))
-            s = eng.generate(ids, params).stats
-            rec[f"d{d}"] = (s.new_tokens, s.target_forwards)
-        out.append(rec)
-    return out
-
-
 def repeat_share(seq: list, n: int) -> float:
     """Share of positions whose preceding n items were last followed by the same item (what an
     n-gram drafter would have guessed right within the prompt itself)."""
@@ -81,14 +67,47 @@ def _words(text: str) -> list[str]:
     return re.findall(r"\w+|[^\w\s]", text)
 
 
-PREDICTORS: dict[str, Callable[[Record], float]] = {
-    "length (characters)": lambda r: len(str(r["text"])),
-    "length (tokens)": lambda r: len(r["prompt_ids"]),  # type: ignore[arg-type]
-    "token 2-gram repeat share": lambda r: repeat_share(r["prompt_ids"], 2),  # type: ignore[arg-type]
-    "word 2-gram repeat share": lambda r: repeat_share(_words(str(r["text"])), 2),
-    "distinct word share": lambda r: len(set(_words(str(r["text"])))) / max(1, len(_words(str(r["text"])))),
-    "doctest examples": lambda r: str(r["text"]).count(">>>"),
+# Statistics of the prompt alone (its text and its token ids), known before anything is measured:
+# what a split may be stratified or matched by without reading the held-out side's acceptance.
+FEATURES: dict[str, Callable[[str, list[int]], float]] = {
+    "length (characters)": lambda text, ids: len(text),
+    "length (tokens)": lambda text, ids: len(ids),
+    "token 2-gram repeat share": lambda text, ids: repeat_share(ids, 2),
+    "token 3-gram repeat share": lambda text, ids: repeat_share(ids, 3),
+    "token 4-gram repeat share": lambda text, ids: repeat_share(ids, 4),
+    "word 2-gram repeat share": lambda text, ids: repeat_share(_words(text), 2),
+    "distinct word share": lambda text, ids: len(set(_words(text))) / max(1, len(_words(text))),
+    "doctest examples": lambda text, ids: text.count(">>>"),
+    "code lines": lambda text, ids: sum(1 for ln in text.splitlines() if ln.strip()
+                                        and not ln.strip().startswith(("#", '"', "'", ">>>"))),
 }
+
+
+def per_prompt_tau(workload: str, n: int, depths: tuple[int, ...], max_new_tokens: int | None = None) -> list[Record]:
+    """Each of the pool's first n prompts (the workload's seeded order: the tuning split first, then
+    the held-out one) with its FEATURES and its greedy (new tokens, target forwards) per chain depth,
+    over the workload's max_new_tokens or `max_new_tokens`. No prompt text is kept."""
+    cfg = load_config([f"+workload={workload}", "engine.builtin.threads=1"])
+    eng = open_engine(cfg)
+    pool = _pool(cfg.workload)
+    random.Random(cfg.workload.seed).shuffle(pool)
+    params = sampling_params(cfg.workload, seed=cfg.seed)
+    if max_new_tokens is not None:
+        params = dataclasses.replace(params, max_new_tokens=max_new_tokens)
+    out: list[Record] = []
+    for p in pool[:n]:
+        ids = encode(eng, p, cfg.workload.chat_template)
+        rec: Record = {"id": p.id, "features": {k: f(p.text, ids) for k, f in FEATURES.items()}}
+        for d in depths:
+            eng.set_spec(SpecConfig(method="ngram", depth=d, topk=1, budget=d + 1))
+            s = eng.generate(ids, params).stats
+            rec[f"d{d}"] = (s.new_tokens, s.target_forwards)
+        out.append(rec)
+    return out
+
+
+def feature(name: str) -> Callable[[Record], float]:
+    return lambda r: r["features"][name]  # type: ignore[index]
 
 
 def tau(recs: list[Record], key: str) -> float:
@@ -109,6 +128,9 @@ def spearman(x: list[float], y: list[float]) -> float:
     return num / math.sqrt(sum((p - ma) ** 2 for p in a) * sum((q - mb) ** 2 for q in b))
 
 
+Design = Callable[[list[Record], int, int, random.Random], tuple[list[Record], list[Record]]]
+
+
 def stratified(recs: list[Record], n_tune: int, n_held: int, key: Callable[[Record], float],
                rng: random.Random) -> tuple[list[Record], list[Record]]:
     """Sorted by `key`, cut into min(n_tune, n_held) strata; from each a held-out prompt and its
@@ -127,17 +149,63 @@ def stratified(recs: list[Record], n_tune: int, n_held: int, key: Callable[[Reco
     return [recs[i] for i in tune], [recs[i] for i in held]
 
 
-def gaps(recs: list[Record], n_tune: int, n_held: int, draws: int, key: Callable[[Record], float] | None,
-         tau_key: str) -> dict[str, float]:
+def alternating(recs: list[Record], n_tune: int, n_held: int, key: Callable[[Record], float],
+                rng: random.Random) -> tuple[list[Record], list[Record]]:
+    """Sorted by `key`, cut into min(n_tune, n_held) strata of neighbours; in stratum j the held-out
+    prompt and its tuning partner (the check's) are its two lowest, which of them is held out
+    alternating from stratum to stratum (so neither side is always the lower one); the rest to the
+    larger side. Deterministic: `rng` is not read."""
+    order = sorted(range(len(recs)), key=lambda i: (key(recs[i]), i))
+    k = min(n_tune, n_held)
+    cuts = [round(j * len(order) / k) for j in range(k + 1)]
+    tune, held, extra = [], [], []
+    for j in range(k):
+        s = order[cuts[j]:cuts[j + 1]]
+        a, b = (s[0], s[1]) if j % 2 == 0 else (s[1], s[0])
+        tune.append(a)
+        held.append(b)
+        extra += s[2:]
+    (held if n_held > n_tune else tune).extend(extra)
+    return [recs[i] for i in tune], [recs[i] for i in held]
+
+
+def design_of(kind: str, name: str | None) -> Design:
+    """'random' (the workloads' seeded shuffle: the first n_tune tuning, the next n_held held out) or
+    `stratified` / `alternating` by FEATURES[name]."""
+    if kind == "random":
+        return lambda sub, nt, nh, rng: (sub[:nt], sub[nt:nt + nh])
+    f = feature(str(name))
+    fn = stratified if kind == "stratified" else alternating
+    return lambda sub, nt, nh, rng: fn(sub, nt, nh, f, rng)
+
+
+def gap(tune: list[Record], held: list[Record], n_held: int, tau_key: str) -> float:
+    """|held-out tau / tau of the check's tuning side - 1| (the check's tuning side: the first
+    n_held tuning prompts)."""
+    return abs(tau(held, tau_key) / tau(tune[:n_held], tau_key) - 1)
+
+
+def gaps(recs: list[Record], n_tune: int, n_held: int, draws: int, design: Design, tau_key: str,
+         replace: bool = False) -> dict[str, float]:
+    """The |tau gap| of `design` over `draws` random draws of n_tune + n_held prompts from `recs`
+    (with replacement when `replace`: sides larger than the pool, a bootstrap of the prompts)."""
     rng = random.Random(0)
     out = []
     for _ in range(draws):
-        sub = rng.sample(recs, n_tune + n_held)
-        tune, held = (sub[:n_tune], sub[n_tune:]) if key is None else stratified(sub, n_tune, n_held, key, rng)
-        out.append(abs(tau(held, tau_key) / tau(tune[:n_held], tau_key) - 1))
+        n = n_tune + n_held
+        sub = [rng.choice(recs) for _ in range(n)] if replace else rng.sample(recs, n)
+        tune, held = design(sub, n_tune, n_held, rng)
+        out.append(gap(tune, held, n_held, tau_key))
     out.sort()
     return {"mean": statistics.fmean(out), "median": out[len(out) // 2], "p90": out[int(0.9 * len(out))],
-            "within_5pct": sum(g <= 0.05 for g in out) / len(out)}
+            "p95": out[int(0.95 * len(out))], "max": out[-1], "within_5pct": sum(g <= 0.05 for g in out) / len(out)}
+
+
+def default_gap(recs: list[Record], n_tune: int, n_held: int, design: Design, tau_key: str, seed: int) -> float:
+    """The |tau gap| `design` gives on the workload's own seeded first n_tune + n_held prompts (what
+    every study of the workload sees: the split is fixed by workload.seed)."""
+    tune, held = design(recs[:n_tune + n_held], n_tune, n_held, random.Random(seed))
+    return gap(tune, held, n_held, tau_key)
 
 
 def main() -> None:
@@ -149,30 +217,51 @@ def main() -> None:
     ap.add_argument("--sides", default="12/6,12/12,24/24", help="tuning/held-out prompts per draw")
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help="tokens generated per prompt (default: the workload's); fewer tokens, more prompts a side")
+    ap.add_argument("--save", default=None, help="write the per-prompt figures (features and counts, no text) here")
+    ap.add_argument("--load", default=None, help="read the per-prompt figures from a --save file instead of generating")
+    ap.add_argument("--needed", default="6,12,24,48,96,192,384",
+                    help="prompts a side for the bootstrap of what would reach 5% (random split, with replacement)")
     args = ap.parse_args()
-    recs = per_prompt_tau(args.workload, args.pool, (args.depth,), args.max_new_tokens)
+    if args.load:
+        with open(args.load) as f:
+            recs = json.load(f)
+    else:
+        recs = per_prompt_tau(args.workload, args.pool, (args.depth,), args.max_new_tokens)
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(recs, f)
     key = f"d{args.depth}"
+    seed = load_config([f"+workload={args.workload}"]).workload.seed
     taus = [r[key][0] / r[key][1] for r in recs]  # type: ignore[index]
     print(f"{args.workload}: {len(recs)} prompts, greedy tau of ngram d{args.depth}: {min(taus):.2f}-{max(taus):.2f}, "
           f"mean {statistics.fmean(taus):.2f}, sd {statistics.pstdev(taus):.2f}")
-    corr = {name: spearman([f(r) for r in recs], taus) for name, f in PREDICTORS.items()}
+    corr = {name: spearman([feature(name)(r) for r in recs], taus) for name in FEATURES}
     for name, c in corr.items():
         print(f"  rank correlation with tau: {name:28s} {c:+.2f}")
-    best = max(corr, key=lambda n: abs(corr[n]))
+    designs = [("random", None)] + [(kind, n) for n in FEATURES for kind in ("stratified", "alternating")]
     rows = []
     for side in args.sides.split(","):
         nt, nh = (int(x) for x in side.split("/"))
         if nt + nh > len(recs):
             continue
-        for name, f in [("random", None), *((n, PREDICTORS[n]) for n in PREDICTORS)]:
-            g = gaps(recs, nt, nh, args.draws, f, key)
-            rows.append({"tune": nt, "heldout": nh, "split": name if f is None else f"stratified by {name}", **g})
-            if f is None or name == best or side == args.sides.split(",")[0]:
-                print(f"{nt:3d} tuning / {nh:2d} held-out, {rows[-1]['split']:40s} |tau gap| mean {g['mean']:.3f} "
-                      f"median {g['median']:.3f} p90 {g['p90']:.3f}, within 5% in {g['within_5pct']:.0%} of draws")
+        for kind, name in designs:
+            d = design_of(kind, name)
+            g = gaps(recs, nt, nh, args.draws, d, key)
+            label = kind if name is None else f"{kind} by {name}"
+            rows.append({"tune": nt, "heldout": nh, "split": label, **g,
+                         "default_split": default_gap(recs, nt, nh, d, key, seed)})
+            print(f"{nt:3d} tuning / {nh:2d} held-out, {label:42s} |tau gap| mean {g['mean']:.3f} "
+                  f"median {g['median']:.3f} p95 {g['p95']:.3f} max {g['max']:.3f}, within 5% in "
+                  f"{g['within_5pct']:.0%} of draws; the seeded split {rows[-1]['default_split']:.3f}")
+    # what would reach 5%: random halves of n a side drawn with replacement from the measured prompts
+    needed = []
+    for n in (int(x) for x in args.needed.split(",")):
+        g = gaps(recs, n, n, args.draws, design_of("random", None), key, replace=True)
+        needed.append({"per_side": n, **g})
+        print(f"bootstrap {n:3d} a side (random): |tau gap| mean {g['mean']:.3f} p95 {g['p95']:.3f}, "
+              f"within 5% in {g['within_5pct']:.0%} of draws")
     print(json.dumps({"workload": args.workload, "prompts": len(recs), "max_new_tokens": args.max_new_tokens,
-                      "tau_sd": statistics.pstdev(taus),
-                      "correlation": corr, "rows": rows}))
+                      "tau_sd": statistics.pstdev(taus), "correlation": corr, "rows": rows, "needed": needed}))
 
 
 if __name__ == "__main__":

@@ -224,3 +224,38 @@ def test_at_the_floor_the_check_measures_one_pair_a_side_widened_by_the_trials_p
     for trials, repeats_max in ((1, cfg.search.repeats_max), (3, cfg.search.repeats_max + 1)):
         check = run(trials=trials, repeats_max=repeats_max)[0]
         assert check.pairs == 2 and len(calls) == 8 and check.pair_noise is None
+
+
+def test_a_load_spike_in_the_checks_single_pair_is_measured_again() -> None:
+    """At the floor the check measures one pair a side, so one baseline pass that dipped (a load
+    spike beside it) would decide its gap. The pass is judged against the study's recent baseline
+    passes, as a trial's is, and measured again: the check reads the planted gap (none), and says
+    why it measured again. On the old rule (the check's own passes only: none before its first
+    pair) the spike made the held-out side read far faster than the tuning side."""
+    from tuner.study.studies import ROLE
+
+    cfg = load_config(CFG)
+    n = cfg.workload.num_heldout
+    offs = {CHECK: 0, "heldout": 0}
+
+    def measure(spec: SpecConfig, split: str, level: int) -> Sample:
+        slow = 1.0
+        if spec.method == "off":
+            offs[split] += 1
+            slow = 1 / 0.6 if split == "heldout" and offs[split] == 1 else 1.0  # the spike: 0.6x the norm
+        pp = [(100, 2.5 * slow / (1.5 if spec.method != "off" else 1.0))] * n
+        return Sample(100 * n / sum(s for _, s in pp), 3.0, per_prompt=pp)
+
+    study = optuna.create_study(direction="maximize")
+    study.add_trial(optuna.trial.create_trial(value=40.0, user_attrs={ROLE: "baseline", "tok_s_samples": [40.0] * 3}))
+    spread = 0.05
+    for _ in range(3):
+        for spec, centre in ((D3, 1.5), (SpecConfig(method="ngram", depth=5, topk=1, budget=6), 1.2)):
+            study.add_trial(_trial(spec, [centre * math.exp(spread), centre * math.exp(-spread)]))
+    objective = Objective(study, SearchSpace.from_config(cfg), measure, cfg.workload, cfg.search)
+    check, _ = heldout_check(cfg, objective, D3)
+    assert check.pairs == 1 and check.pair_noise is not None  # the one-pair check
+    assert offs == {CHECK: 1, "heldout": 2}  # the dipped pass measured again, nothing else
+    assert check.gap == pytest.approx(0.0, abs=1e-9) and check.heldout.speedup == pytest.approx(1.5)
+    assert check.remeasured and check.remeasured[0].startswith("held-out: pair 1: paired baseline 24.0 tok/s")
+    assert "a pair measured again as implausible" in describe_check(check)

@@ -175,6 +175,9 @@ class HeldoutCheck(_Strict):
     # with one pair a side: the spread of one pair's log ratio that the study's trials measured
     # (tuner.study.selection.pair_noise), which widens both sides' intervals and the gap's
     pair_noise: float | None = None
+    # why a pair of the check was measured again (a baseline pass that was an outlier against the
+    # study's recent baseline passes, a ratio above tau), per side: the check counts the re-measured pair
+    remeasured: list[str] | None = None
     # holds: the interval holds 0 and excludes a held-out speedup of 1.0 (speculation still pays);
     # below / above: the interval lies on one side of 0; inconclusive: it holds 0 and 1.0x alike
     verdict: Literal["holds", "below", "above", "inconclusive"] | None = None

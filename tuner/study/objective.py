@@ -373,17 +373,25 @@ class Objective:
         within each pair alternating (spec-off off-spec | off-spec spec-off ...), so drift cancels
         and both figures are measured over the same minutes. Rounds go on until every split's
         speedup interval is tight (search.ci_rel_width, as a trial's) after at least two pairs, at
-        most `pairs_max` (one round when it is 1). Plausibility holds as in a trial. Returns each split's figures
+        most `pairs_max` (one round when it is 1). Plausibility holds as in a trial: each pair's
+        baseline is judged against the study's baseline history followed by the check's own baseline
+        passes, so that a load spike in the check's single pair is measured again, as a trial's
+        would be, instead of deciding the check. Returns each split's figures
         (Objective._figures, with `remeasured` / `implausible` when they apply, and `per_prompt`:
         per pair and level, the spec's and the baseline's Sample.per_prompt)."""
         got: dict[Split, tuple[list[list[Sample]], list[list[Sample]], list[float], list[str], list[str]]] = {
             sp: ([], [], [], [], []) for sp in splits}
+        # The trials' baselines played other prompts than the check's sides; an off pass's tok/s
+        # differs little between sets of prompts of one workload (no drafts: no tau in it), far less
+        # than the outlier band (3 noise bands), so the study's recent passes are the machine's norm.
+        history = self.baseline_history()
+        seen: list[float] = []  # the check's own baseline passes, retries too, in the order measured
         order = 0
         for r in range(max(pairs_max, 1)):
             for i, sp in enumerate(splits):
                 spec_s, base_s, ratios, retried, kept = got[sp]
                 s, b, ratio, again, still, used = self.plausible_pair(
-                    spec, sp, r + i + order, [_mean_tok(x) for x in base_s], [_mean_tok(x) for x in spec_s])
+                    spec, sp, r + i + order, history + seen, [_mean_tok(x) for x in spec_s], seen)
                 order += used - 1  # a retry shifts the order of what follows, as in a trial
                 spec_s.append(s)
                 base_s.append(b)

@@ -730,9 +730,12 @@ def heldout_check(cfg: Config, objective: Objective, spec: SpecConfig) -> tuple[
     if ci is not None and one and noise is not None:
         ci = widen(ci[0], ci[1], gap, noise[0], noise[1])
     lo, hi = ci if ci is not None else (None, None)
+    again = [f"{name}: {why}" for name, sp in (("tuning", CHECK), ("held-out", "heldout"))
+             for why in got[sp].get("remeasured", [])]
     return HeldoutCheck(pairs=got["heldout"]["repeats"], tuning=tune, heldout=held, gap=gap, gap_ci_low=lo,
                         gap_ci_high=hi, verdict=verdict(lo, hi, tune.speedup),
-                        pair_noise=round(noise[0], 4) if one and noise is not None else None), got["heldout"]
+                        pair_noise=round(noise[0], 4) if one and noise is not None else None,
+                        remeasured=again or None), got["heldout"]
 
 
 def heldout_excess(c: HeldoutCheck) -> float | None:
@@ -786,6 +789,8 @@ def describe_check(c: HeldoutCheck) -> str:
     g = tau_gap(c)
     if g is not None:
         line += f"; tau {c.heldout.tau:.2f} against {c.tuning.tau:.2f} ({rel(g)})"
+    if c.remeasured:
+        line += "; a pair measured again as implausible (best.yaml heldout_check.remeasured says why)"
     return line
 
 
