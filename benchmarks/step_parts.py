@@ -100,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--define", action="append", default=[], help="a -D flag for the step's build (repeatable)")
     args = ap.parse_args(argv)
+    if bad := [w for w in args.weights.split(",") if w not in ("fp32", "bf16", "fp8")]:
+        print(f"--weights {bad[0]}: allowed fp32, bf16, fp8 (comma-separated)", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
