@@ -37,6 +37,36 @@ _SOURCE = native.VECTORS + smallm.BLOCK_SOURCE + attention.TASK_SOURCE + r"""
 #define PASS_ROWS 7
 #endif
 
+/* STEP_PARTS (benchmarks/step_parts.py only): each thread's CPU time (ns) per part of the step, summed
+   over calls (CPU time: on a shared machine the time others take the core is not counted); the step as
+   served is built without it. */
+#ifdef STEP_PARTS
+#include <time.h>
+static inline unsigned long long part_now() {
+  timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return t.tv_sec * 1000000000ull + t.tv_nsec;
+}
+enum { P_NORM, P_QKV, P_ATTN, P_MERGE, P_O, P_W13, P_SILU, P_W2, P_LM, P_BARRIER, P_PARTS };
+static unsigned long long step_parts_t[64][P_PARTS];
+static thread_local unsigned long long part_t0;
+static thread_local long part_lin, part_lins;  /* linears run in this step so far, of part_lins */
+static inline void part_add(int i) {
+  unsigned long long now = part_now();
+  step_parts_t[omp_get_thread_num() & 63][i] += now - part_t0;
+  part_t0 = now;
+}
+#define PART(i) part_add(i)
+#define PART_LINEAR() part_add(part_lin == part_lins ? P_LM : (int[]){P_QKV, P_O, P_W13, P_W2}[part_lin % 4]), ++part_lin
+extern "C" void step_parts(unsigned long long* out, int threads) {
+  for (int t = 0; t < threads; ++t)
+    for (int i = 0; i < P_PARTS; ++i) out[t * P_PARTS + i] = step_parts_t[t][i];
+}
+#else
+#define PART(i)
+#define PART_LINEAR()
+#endif
+
 /* y[r, :N] = x[r] . W^T for R rows over the blocks of the packed W [Npad / BW, K, BW], split over the
    team by bytes (blocks_share); a barrier ends it. Each block is read from memory once: up to 8 rows in one
    pass; more rows in passes of at most PASS_ROWS (balanced) over the block while it is still in this
@@ -49,7 +79,9 @@ static void linear_rows(long R, const float* x, long ldx, const W* wp, float* y,
   long passes = R <= 8 ? 1 : (R + PASS_ROWS - 1) / PASS_ROWS, per = (R + passes - 1) / passes, ld;
   const void* xa = activations<W>(R, x, ldx, K, buf, ld);  /* this thread's copy: no barrier */
   blocks_share(R, per, xa, ld, wp, y, ldy, blocks, K, scale);
+  PART_LINEAR();
 #pragma omp barrier
+  PART(P_BARRIER);
 }
 
 /* F.rms_norm: x * rsqrt(mean(x^2) + eps) * w */
@@ -176,6 +208,11 @@ static void forward(const float* embed, const long* tok, const long* posi, long 
     std::vector<float> sc, qr, xbuf, x(R * h), hn(R * h), att(R * H * D), own(own_act ? R * I : 0),
         hp(P * h);
     bool first = omp_get_thread_num() == 0;
+#ifdef STEP_PARTS
+    part_t0 = part_now();
+    part_lin = 0;
+    part_lins = 4 * L;
+#endif
     for (long r = 0; r < R; ++r) memcpy(x.data() + r * h, embed + tok[r] * h, h * sizeof(float));
     for (long l = 0; l < L; ++l) {
       const void* const* lw = w + 7 * l;
@@ -184,8 +221,9 @@ static void forward(const float* embed, const long* tok, const long* posi, long 
       const float* s = ws + 4 * l;
       if (aux && first) memcpy(aux + l * R * h, x.data(), R * h * sizeof(float));
       for (long r = 0; r < R; ++r) rms_norm(x.data() + r * h, ln1, hn.data() + r * h, h, eps);
+      PART(P_NORM);
       linear_rows(R, hn.data(), h, wqkv, qkv.data(), ldq, nq, h, s[0], xbuf);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
       for (size_t i = 0; i < chunks.size(); ++i) {
         const Chunk& c = chunks[i];
         const long* m = meta + 6 * c.s;
@@ -193,6 +231,9 @@ static void forward(const float* embed, const long* tok, const long* posi, long 
         attend_chunk<D>(c, m, qkv.data(), ldq, bqkv, H, KV, g, kp[c.s] + off, vp[c.s] + off, posi, cos, sin,
                         m[3] < 0 ? nullptr : vis + m[3], scale, po.data(), pm.data(), ps.data(), qr, sc);
       }
+      PART(P_ATTN);
+#pragma omp barrier
+      PART(P_BARRIER);
       /* the chunks merged, in order: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) s_c */
       for (size_t i = 0; i < chunks.size();) {
         const Chunk& c0 = chunks[i];
@@ -215,6 +256,7 @@ static void forward(const float* embed, const long* tok, const long* posi, long 
         }
         i = e;
       }
+      PART(P_MERGE);
       linear_rows(R, att.data(), H * D, wo, tmp.data(), ldh, h, H * D, s[1], xbuf);
       for (long r = 0; r < R; ++r) {
         float* xr = x.data() + r * h;
@@ -222,6 +264,7 @@ static void forward(const float* embed, const long* tok, const long* posi, long 
         for (long i = 0; i < h; ++i) xr[i] += t[i];
         rms_norm(xr, ln2, hn.data() + r * h, h, eps);
       }
+      PART(P_NORM);
       linear_rows(R, hn.data(), h, w13, gu.data(), ld13, 2 * I, h, s[2], xbuf);
       float* a = own_act ? own.data() : act.data();
       if (own_act) {
@@ -230,12 +273,15 @@ static void forward(const float* embed, const long* tok, const long* posi, long 
 #pragma omp for schedule(static)
         for (long r = 0; r < R; ++r) silu_mul(gu.data() + r * ld13, gu.data() + r * ld13 + I, a + r * I, I);
       }
+      PART(P_SILU);
       linear_rows(R, a, I, w2, tmp.data(), ldh, h, I, s[3], xbuf);
       for (long u = 0; u < R * h; ++u) x[u] += tmp[(u / h) * ldh + u % h];
+      PART(P_NORM);
     }
 #pragma omp for schedule(static) nowait
     for (long r = 0; r < R; ++r) rms_norm(x.data() + r * h, norm, hidden + r * h, h, eps);
     for (long i = 0; i < P; ++i) rms_norm(x.data() + pick[i] * h, norm, hp.data() + i * h, h, eps);
+    PART(P_NORM);
     linear_rows(P, hp.data(), h, lm, logits, ldl, V, h, lms, xbuf);
   }
 }

@@ -417,8 +417,13 @@ static inline void block_g(const float* x, long ldx, const W* wb, long stride, f
   constexpr int U = ROW >= 64 ? 1 : 64 / ROW;
   long k = 0;
   for (; k + U <= K; k += U) {
+    /* near the end of its block a block's prefetch moves on to the block read G blocks later (the next
+       group's, where the thread has one), not to the next block here, which another chain is reading:
+       each group then starts with its blocks' first lines on the way, not only its first block's (at
+       fp8 the streamed read per core was well below the in-cache rate without it, docs/results.md) */
+    const long jump = k * ROW + AHEAD >= stride * (long)sizeof(W) ? (G - 1) * stride : 0;
     _Pragma("GCC unroll 8")
-    for (int g = 0; g < G; ++g) ahead_row<0, ROW>((const char*)(wb + g * stride + k * BW), 0);
+    for (int g = 0; g < G; ++g) ahead_row<0, ROW>((const char*)(wb + g * stride + jump + k * BW), 0);
     _Pragma("GCC unroll 8")
     for (int u = 0; u < U; ++u) step(k + u);
   }
