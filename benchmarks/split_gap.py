@@ -131,22 +131,33 @@ def spearman(x: list[float], y: list[float]) -> float:
 Design = Callable[[list[Record], int, int, random.Random], tuple[list[Record], list[Record]]]
 
 
-def stratified(recs: list[Record], n_tune: int, n_held: int, key: Callable[[Record], float],
-               rng: random.Random) -> tuple[list[Record], list[Record]]:
-    """Sorted by `key`, cut into min(n_tune, n_held) strata; from each a held-out prompt and its
-    tuning partner (the check's first tuning prompts), the rest to the larger side."""
+def _by_strata(recs: list[Record], n_tune: int, n_held: int, key: Callable[[Record], float],
+               pair: Callable[[int, list[int]], list[int]]) -> tuple[list[Record], list[Record]]:
+    """Sorted by `key`, cut into min(n_tune, n_held) strata of neighbours; `pair(j, stratum)` orders
+    stratum j: its tuning prompt (the check's partner), its held-out prompt, then the rest, which go
+    to the larger side."""
     order = sorted(range(len(recs)), key=lambda i: (key(recs[i]), i))
     k = min(n_tune, n_held)
     cuts = [round(j * len(order) / k) for j in range(k + 1)]
     tune, held, extra = [], [], []
     for j in range(k):
         s = order[cuts[j]:cuts[j + 1]]
-        rng.shuffle(s)
-        tune.append(s[0])
-        held.append(s[1])
-        extra += s[2:]
+        a, b, *rest = pair(j, s)
+        tune.append(a)
+        held.append(b)
+        extra += rest
     (held if n_held > n_tune else tune).extend(extra)
     return [recs[i] for i in tune], [recs[i] for i in held]
+
+
+def stratified(recs: list[Record], n_tune: int, n_held: int, key: Callable[[Record], float],
+               rng: random.Random) -> tuple[list[Record], list[Record]]:
+    """Sorted by `key`, cut into min(n_tune, n_held) strata; from each a held-out prompt and its
+    tuning partner (the check's first tuning prompts) drawn at random, the rest to the larger side."""
+    def pair(j: int, s: list[int]) -> list[int]:
+        rng.shuffle(s)
+        return s
+    return _by_strata(recs, n_tune, n_held, key, pair)
 
 
 def alternating(recs: list[Record], n_tune: int, n_held: int, key: Callable[[Record], float],
@@ -155,18 +166,7 @@ def alternating(recs: list[Record], n_tune: int, n_held: int, key: Callable[[Rec
     prompt and its tuning partner (the check's) are its two lowest, which of them is held out
     alternating from stratum to stratum (so neither side is always the lower one); the rest to the
     larger side. Deterministic: `rng` is not read."""
-    order = sorted(range(len(recs)), key=lambda i: (key(recs[i]), i))
-    k = min(n_tune, n_held)
-    cuts = [round(j * len(order) / k) for j in range(k + 1)]
-    tune, held, extra = [], [], []
-    for j in range(k):
-        s = order[cuts[j]:cuts[j + 1]]
-        a, b = (s[0], s[1]) if j % 2 == 0 else (s[1], s[0])
-        tune.append(a)
-        held.append(b)
-        extra += s[2:]
-    (held if n_held > n_tune else tune).extend(extra)
-    return [recs[i] for i in tune], [recs[i] for i in held]
+    return _by_strata(recs, n_tune, n_held, key, lambda j, s: s if j % 2 == 0 else [s[1], s[0], *s[2:]])
 
 
 def design_of(kind: str, name: str | None) -> Design:
