@@ -220,7 +220,7 @@ def main() -> None:
     ap.add_argument("--save", default=None, help="write the per-prompt figures (features and counts, no text) here")
     ap.add_argument("--load", default=None, help="read the per-prompt figures from a --save file instead of generating")
     ap.add_argument("--needed", default="6,12,24,48,96,192,384",
-                    help="prompts a side for the bootstrap of what would reach 5% (random split, with replacement)")
+                    help="prompts a side for the bootstrap of what would reach 5%% (random split, with replacement)")
     args = ap.parse_args()
     if args.load:
         with open(args.load) as f:
