@@ -16,7 +16,7 @@ import pytest
 from engine.api import SamplingParams
 from engine.decode import batch as B
 from engine.decode import stepcost
-from engine.decode.acceptance import PRIOR, Acceptance
+from engine.decode.acceptance import PRIOR, Acceptance, Calibration
 from engine.decode.batch import BatchEngine, bounded, schedule_of
 from engine.decode.control import MARGIN, PROBE_EVERY, PROBE_SHARE, ProbeBudget, choose, pay_floor, probe, probe_loss
 from engine.decode.loop import Engine
@@ -148,6 +148,28 @@ def test_estimates_follow_the_verified_nodes_and_unverified_ones_drift_back() ->
     for _ in range(200):
         low.drift(0, [0.6, 0.3])  # a request that drafted nothing for a long time: back to the batch's
     assert low.p == pytest.approx([0.6, 0.3], abs=0.01) and low.age == [200, 200]
+
+
+def test_steps_where_nobody_drafted_are_counted_and_their_drift_applied_at_once() -> None:
+    """A run of steps in which nothing was verified moves each index as that many drift steps towards
+    the same target would, ages included; `first` reads index 1 as settling would leave it."""
+    toward = [0.6, 0.3, 0.2]
+    stepped, counted = Acceptance(3, [0.1, 0.9, 0.0]), Acceptance(3, [0.1, 0.9, 0.0])
+    stepped.age = [2, 0, 5]
+    counted.age = [2, 0, 5]
+    for _ in range(37):
+        stepped.drift(0, toward)
+        counted.idle += 1
+    assert counted.p == [0.1, 0.9, 0.0] and counted.first(toward[0]) == pytest.approx(stepped.p[0], rel=1e-12)
+    counted.settle(toward)
+    assert counted.p == pytest.approx(stepped.p, rel=1e-12) and counted.age == stepped.age == [39, 37, 42]
+    assert counted.idle == 0
+    counted.settle([0.0, 0.0, 0.0])  # nothing pending: nothing moves
+    assert counted.p == pytest.approx(stepped.p, rel=1e-12)
+    batch, cal = Acceptance(3, [0.4, 0.2, 0.1]), Calibration()
+    assert cal.first_ratio(batch) == 1.0
+    cal.update(batch, 1.0, 1, [0, 1])  # a confident band accepted above the batch
+    assert cal.upper([Acceptance(3, [0.3, 0.2, 0.1])], batch, 3)[0][0] == pytest.approx(0.3 * cal.first_ratio(batch))
 
 
 def test_the_batch_holds_while_nobody_drafts_and_deeper_indices_follow_the_deepest_verified() -> None:
