@@ -24,8 +24,8 @@ static chains' steps) said. Not the average over every count timed: at a large b
 turns compute-bound within the timed range, its rows dearer there, and a few rows priced at the
 whole range's average cost more than the curve measured them at. The first few rows of a step
 often cost well under that average at small batches (docs/results.md, adaptive speculation), and
-a price above their real cost keeps the drafts that would pay there from ever running. So each batch size also keeps a live table of the forward's seconds per
-count of draft rows (up to ROWS_LIVE), filled by the steps that ran with that many rows (the
+a price above their real cost keeps the drafts that would pay there from ever running. So each
+batch size also keeps a live table of the forward's seconds per count of draft rows (up to ROWS_LIVE), filled by the steps that ran with that many rows (the
 controller's choices and its probes, engine.decode.control): where a count was seen, the price of
 its rows over the step without rows moves from the fit's towards the table's, by the weight of
 its observations (ROWS_SEEN observations weigh as much as the fit), and so does the price of the
