@@ -1,7 +1,7 @@
 """Adaptive speculation against the best static spec and off, per workload and concurrency, over HTTP.
 
     .venv/bin/python benchmarks/adaptive.py                                   # code and chat, c = 1..32
-    .venv/bin/python benchmarks/adaptive.py --levels 1,4 --prompts 2 --max-new-tokens 16 --depths 2 --rounds 2  # a smoke run
+    .venv/bin/python benchmarks/adaptive.py --levels 1,4 --prompts 2 --max-new-tokens 16 --depths 2 --rounds 2 --waves 1  # a smoke run
     .venv/bin/python benchmarks/adaptive.py --prompts 12 --max-new-tokens 128 --depths 1,2,3,4,6,8 --rounds 6
 
 Every configuration runs as `tuner serve` in a process of its own, all of them up together
@@ -9,17 +9,22 @@ Every configuration runs as `tuner serve` in a process of its own, all of them u
 SpecConfig-to-`tuner serve` mapping the manifests use): speculation off, a small grid of static
 n-gram chains (`--depths`; the best of them at each level is that level's "best static") and the
 adaptive engine bounded by the grid's deepest chain (`spec.adaptive=true`). The one load generator
-plays HumanEval (code) and MT-bench (chat) prompts; a level of N plays max(prompts, N) requests with
-N clients in flight, T=0.
+plays HumanEval (code) and MT-bench (chat) prompts, T=0: a level of N plays max(prompts, waves x N)
+requests through N closed-loop clients, each sending its next request when its last one finished,
+so N stay in flight until the last wave drains (a pass of only N requests sent together would
+measure mostly its own drain: fewer than N in flight once the first finished). Every configuration
+of a cell plays the same requests in the same order.
 
 Noise on a shared machine comes in bursts of seconds to minutes, so each cell (workload, level) is
 measured in short interleaved rounds: every configuration once per round, in the order A B C ...
 then ... C B A, so that the configurations of a cell are measured within seconds of each other and
 linear drift cancels over each pair of rounds. Before its first round each configuration plays one
 wave of the level (not measured: the adaptive engine's estimates and step cost settle at each
-batch size as a server's would). A cell's tok/s is the geometric mean over rounds; its ratios are
-geometric means of the per-round ratios (adaptive against off, against the best static, both
-measured in the same round), with a 95% t-interval on their logs. The last line is one JSON object
+batch size as a server's would). Each pass also reports its mean requests in flight over N (the
+requests' seconds over the pass's, Little's law): how much of the pass ran at the level. A cell's
+tok/s is the geometric mean over rounds; its ratios are geometric means of the per-round ratios
+(adaptive against off, against the best static, both measured in the same round), with a 95%
+t-interval on their logs. The last line is one JSON object
 with `min_adaptive_vs_best_static` and `min_adaptive_vs_off`, the minima over every level of both
 workloads, each with the interval of the cell where it falls, and `greedy_identical`: whether every
 pass answered as speculation off did in the same cell and round (`greedy_differences` lists the
@@ -32,8 +37,10 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from concurrency import _tuner_serve  # noqa: E402
 
-from engine.measure.runner import HttpTarget, measure  # noqa: E402
+from engine.measure.runner import HttpTarget, Measurement, measure  # noqa: E402
 from engine.measure.stats import log_interval  # noqa: E402
 from engine.measure.workloads import load_prompts, sampling_params  # noqa: E402
 from tuner.schema.compose import load_config  # noqa: E402
@@ -58,11 +65,24 @@ def specs(method: str, depths: list[int]) -> list[SpecConfig]:
             + [SpecConfig(method=method, depth=bound, topk=1, budget=bound + 1, adaptive=True)])
 
 
+def requests_at(prompts: int, waves: int, level: int) -> int:
+    """Requests a pass plays at `level` in flight: at least `waves` waves of the level."""
+    return max(prompts, waves * level)
+
+
+def in_flight(m: Measurement, level: int) -> float:
+    """A pass's mean requests in flight over `level` (Little's law: the requests' end-to-end seconds
+    over the pass's wall seconds): 1.0 when every client always had a request in flight."""
+    return sum(s for _, s in m.requests) / (level * m.wall_s) if m.wall_s > 0 else 0.0
+
+
 def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], prompts: int, max_new_tokens: int,
-        rounds: int, texts: dict[tuple[str, str, int, int], list[str]] | None = None) -> list[dict[str, Any]]:
-    """Rows (workload, config, level, round, tok/s, tau): every configuration's server up at once,
-    each cell measured in `rounds` interleaved rounds (see the module's docstring). `texts`, when
-    given, receives each pass's answers by (workload, config, level, round), to compare, never to print."""
+        rounds: int, waves: int = 2, texts: dict[tuple[str, str, int, int], list[str]] | None = None
+        ) -> list[dict[str, Any]]:
+    """Rows (workload, config, level, round, tok/s, tau, requests, in flight): every configuration's
+    server up at once, each cell measured in `rounds` interleaved rounds of `requests_at` requests
+    (see the module's docstring). `texts`, when given, receives each pass's answers by (workload,
+    config, level, round), to compare, never to print."""
     over = [f"engine.builtin.max_batch={max(levels)}", f"serve.queue_size={4 * max(levels)}"]
     loads = {}
     for w in workloads:
@@ -77,7 +97,7 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
         for w, (ps, params, chat) in loads.items():
             targets = {k: HttpTarget(u, model, chat) for k, u in urls.items()}
             for c in levels:
-                wave = [ps[i % len(ps)] for i in range(max(len(ps), c))]
+                wave = [ps[i % len(ps)] for i in range(requests_at(len(ps), waves, c))]
                 for k in keys:  # one wave at this level first, not measured
                     measure(targets[k], wave[:c], params, c, warmup=0, repeats=1)
                 for r in range(rounds):
@@ -85,17 +105,20 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
                         s = measure(targets[k], wave, params, c, warmup=0, repeats=1)
                         if s.errors:
                             raise RuntimeError(f"{k}, {w} at concurrency {c}: {s.errors[0]}")
+                        occupied = in_flight(s.runs[0], c)
                         rows.append({"workload": w, "config": k, "concurrency": c, "round": r,
-                                     "tok_s": s.output_tokens_per_s, "tau": s.tau})
+                                     "tok_s": s.output_tokens_per_s, "tau": s.tau, "requests": len(wave),
+                                     "wall_s": round(s.runs[0].wall_s, 2), "in_flight": round(occupied, 3)})
                         if texts is not None:
                             texts[(w, k, c, r)] = s.runs[0].texts
                         print(f"  {w:<5} {k:<24} c={c:<3} r{r} {s.output_tokens_per_s:7.1f} tok/s  tau "
-                              f"{s.tau or 0:.2f}", file=sys.stderr)
+                              f"{s.tau or 0:.2f}  {len(wave)} requests, {s.runs[0].wall_s:.1f} s, in flight "
+                              f"{occupied:.2f}", file=sys.stderr)
     return rows
 
 
-def _by_round(rows: list[dict[str, Any]], w: str, k: str, c: int) -> dict[int, float]:
-    return {r["round"]: r["tok_s"] for r in rows if (r["workload"], r["config"], r["concurrency"]) == (w, k, c)}
+def _by_round(rows: list[dict[str, Any]], w: str, k: str, c: int, field: str = "tok_s") -> dict[int, float]:
+    return {r["round"]: r[field] for r in rows if (r["workload"], r["config"], r["concurrency"]) == (w, k, c)}
 
 
 def _ratio(num: dict[int, float], den: dict[int, float]) -> tuple[float, float | None, float | None]:
@@ -107,7 +130,8 @@ def _ratio(num: dict[int, float], den: dict[int, float]) -> tuple[float, float |
 def compare(rows: list[dict[str, Any]], specs_: list[SpecConfig], workloads: list[str],
             levels: list[int]) -> list[dict[str, Any]]:
     """Per workload and level: off, the best static configuration (the highest geometric mean over
-    the rounds) and adaptive (tok/s), and the two ratios of adaptive with their intervals."""
+    the rounds) and adaptive (tok/s), the two ratios of adaptive with their intervals, and the three's
+    mean requests in flight over the level."""
     static = [s.key() for s in specs_ if s.method != "off" and not s.adaptive]
     adaptive = next(s.key() for s in specs_ if s.adaptive)
     out = []
@@ -122,7 +146,9 @@ def compare(rows: list[dict[str, Any]], specs_: list[SpecConfig], workloads: lis
                         "adaptive_vs_best_static": round(vs_best[0], 3),
                         "adaptive_vs_best_static_ci": [None if x is None else round(x, 3) for x in vs_best[1:]],
                         "adaptive_vs_off": round(vs_off[0], 3),
-                        "adaptive_vs_off_ci": [None if x is None else round(x, 3) for x in vs_off[1:]]})
+                        "adaptive_vs_off_ci": [None if x is None else round(x, 3) for x in vs_off[1:]],
+                        "in_flight": {name: round(statistics.fmean(_by_round(rows, w, k, c, "in_flight").values()), 3)
+                                      for name, k in (("off", "off"), ("best_static", best), ("adaptive", adaptive))}})
     return out
 
 
@@ -153,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depths", default="2,4,8", help="the static grid's chain depths; the deepest bounds adaptive")
     ap.add_argument("--method", default="ngram", choices=["ngram", "suffix"], help="a drafter that needs no head")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
-    ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds per cell, alternating the order")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell, alternating the order")
+    ap.add_argument("--waves", type=int, default=2,
+                    help="a level of N plays max(prompts, waves x N) requests, N in flight until the last wave")
     args = ap.parse_args(argv)
     try:
         levels = sorted({int(x) for x in args.levels.split(",") if x})
@@ -168,34 +196,40 @@ def main(argv: list[str] | None = None) -> int:
     if bad := [w for w in workloads if w not in WORKLOADS]:
         print(f"--workloads: {bad[0]} is not allowed (allowed: {', '.join(WORKLOADS)})", file=sys.stderr)
         return 2
-    if args.prompts < 1 or args.max_new_tokens < 1 or args.rounds < 1:
-        print("--prompts, --max-new-tokens and --rounds must be >= 1", file=sys.stderr)
+    if args.prompts < 1 or args.max_new_tokens < 1 or args.rounds < 1 or args.waves < 1:
+        print("--prompts, --max-new-tokens, --rounds and --waves must be >= 1", file=sys.stderr)
         return 2
     load = os.getloadavg()[0]
     grid = specs(args.method, depths)
     texts: dict[tuple[str, str, int, int], list[str]] = {}
-    rows = run(grid, workloads, levels, args.prompts, args.max_new_tokens, args.rounds, texts)
+    began = time.monotonic()
+    rows = run(grid, workloads, levels, args.prompts, args.max_new_tokens, args.rounds, args.waves, texts)
+    wall = time.monotonic() - began
     table = compare(rows, grid, workloads, levels)
     differ = greedy_differences(texts)
 
     print(f"\nload average {load:.1f} at the start; {args.prompts} prompts per workload, {args.max_new_tokens} new "
-          f"tokens, T=0, {args.rounds} round(s); adaptive = {grid[-1].key()}")
+          f"tokens, T=0, {args.rounds} round(s) of max(prompts, {args.waves} x level) requests; adaptive = "
+          f"{grid[-1].key()}; {wall:.0f} s")
     print(f"{'workload':<8} {'c':>3} {'off':>8} {'best static':>24} {'tok/s':>8} {'adaptive':>9} "
-          f"{'vs static [95%]':>22} {'vs off [95%]':>22}")
+          f"{'vs static [95%]':>22} {'vs off [95%]':>22} {'in flight':>16}")
     for t in table:
+        f = t["in_flight"]
         print(f"{t['workload']:<8} {t['concurrency']:>3} {t['off']:8.1f} {t['best_static']:>24} "
               f"{t['best_static_tok_s']:8.1f} {t['adaptive_tok_s']:9.1f} "
               f"{t['adaptive_vs_best_static']:6.3f}x{_ci(t['adaptive_vs_best_static_ci']):<15} "
-              f"{t['adaptive_vs_off']:6.3f}x{_ci(t['adaptive_vs_off_ci']):<15}")
+              f"{t['adaptive_vs_off']:6.3f}x{_ci(t['adaptive_vs_off_ci']):<15} "
+              f"{f['off']:.2f}/{f['best_static']:.2f}/{f['adaptive']:.2f}")
     print("(output tok/s over all requests, geometric means over the rounds; best static: the fastest chain "
-          "of the grid at that level; ratios: per-round ratios' geometric mean and 95% interval)")
+          "of the grid at that level; ratios: per-round ratios' geometric mean and 95% interval; in flight: "
+          "mean requests in flight over the level, off/best static/adaptive)")
     print(f"greedy_identical: {not differ}" + "".join(
         f"\n  differs: {d['workload']} {d['config']} c={d['concurrency']} r{d['round']}: {d['requests']} of {d['of']}"
         for d in differ))
     worst_static = min(table, key=lambda t: t["adaptive_vs_best_static"])
     worst_off = min(table, key=lambda t: t["adaptive_vs_off"])
     out = {"levels": levels, "workloads": workloads, "depths": depths, "method": args.method, "rounds": args.rounds,
-           "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
+           "waves": args.waves, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "wall_s": round(wall),
            "load_average": round(load, 2), "table": table,
            "greedy_identical": not differ, "greedy_differences": differ,
            "rows": rows,
