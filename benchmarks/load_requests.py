@@ -4,8 +4,8 @@ its peak Python heap (tracemalloc, a second pass). Run: python benchmarks/load_r
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import tempfile
 import time
 import tracemalloc
@@ -27,8 +27,11 @@ def write(path: Path, n: int) -> None:
 
 
 def main() -> None:
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 100_000
-    d = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(tempfile.mkdtemp())
+    ap = argparse.ArgumentParser(description="Load and split a file of N OpenAI request bodies: wall time and peak heap.")
+    ap.add_argument("n", type=int, nargs="?", default=100_000, help="request bodies in the file (default 100000)")
+    ap.add_argument("dir", type=Path, nargs="?", help="where the file is written or read (default: a new temporary folder)")
+    args = ap.parse_args()
+    n, d = args.n, args.dir or Path(tempfile.mkdtemp())
     path = d / f"requests_{n}.jsonl"
     if not path.is_file():
         write(path, n)

@@ -9,8 +9,8 @@ tokens. Run: python benchmarks/traffic_files.py DIR [N per file]. Then, for exam
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 from engine.measure.workloads import gsm_prompts, humaneval_prompts, mtbench_prompts
@@ -30,8 +30,11 @@ def write(path: Path, texts: list[str]) -> None:
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
-    n = int(sys.argv[2]) if len(sys.argv) > 2 else 60
+    ap = argparse.ArgumentParser(description="Write code.jsonl, chat.jsonl and math.jsonl request files into DIR.")
+    ap.add_argument("dir", type=Path, help="the folder to write the three files into (made if missing)")
+    ap.add_argument("n", type=int, nargs="?", default=60, help="requests per file (default 60)")
+    args = ap.parse_args()
+    out, n = args.dir, args.n
     out.mkdir(parents=True, exist_ok=True)
     write(out / "code.jsonl", [p.text for p in humaneval_prompts()[:n]])
     write(out / "chat.jsonl", [p.text for p in mtbench_prompts()[:n]])
