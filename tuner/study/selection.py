@@ -693,12 +693,18 @@ def pair_noise(trials: list[FrozenTrial]) -> tuple[float, int] | None:
     return (math.sqrt(ss / df), df) if df else None
 
 
+def pair_half_width(noise: float, df: int) -> float:
+    """The half-width, on logs, of one pair's 95% interval when a pair's log ratio strays by `noise`
+    (estimated on `df` degrees of freedom)."""
+    return t95(df + 1) * noise
+
+
 def widen(low: float, high: float, gap: float, noise: float, df: int, pairs: int = 1) -> tuple[float, float]:
     """The gap's 95% interval [low, high] over prompts, widened by the pairs' noise: each side's log
     speedup carries noise^2 / pairs of it (a pair's log ratio strays by `noise`, estimated on `df`
     degrees of freedom), the gap twice that; added to each half-width in quadrature, on logs."""
     g = math.log1p(gap)
-    extra = t95(df + 1) * noise * math.sqrt(2 / pairs)
+    extra = pair_half_width(noise, df) * math.sqrt(2 / pairs)
     return (math.expm1(g - math.hypot(g - math.log1p(low), extra)),
             math.expm1(g + math.hypot(math.log1p(high) - g, extra)))
 
@@ -720,7 +726,7 @@ def heldout_check(cfg: Config, objective: Objective, spec: SpecConfig) -> tuple[
         f = got[split]
         lo, hi = f["speedup_ci_low"], f["speedup_ci_high"]
         if one and noise is not None:  # one pair: no interval of its own
-            half = t95(noise[1] + 1) * noise[0]
+            half = pair_half_width(*noise)
             lo, hi = f["speedup"] * math.exp(-half), f["speedup"] * math.exp(half)
         return SplitSpeedup(prompts=n, speedup=f["speedup"], ci_low=lo, ci_high=hi, tau=f["tau"])
 
