@@ -286,6 +286,21 @@ def test_no_confirmation_round_when_nothing_reads_like_a_winner(tmp_path: Path) 
     assert confirm(study, objective, cfg.search.noise_rel) == 0 and measure.calls == []
 
 
+def test_no_round_at_the_floor_for_a_lead_whose_drafts_are_not_accepted(tmp_path: Path) -> None:
+    """The trials name off; the best by lower bound reads 1.3x with tau 1.0 (no draft accepted: a
+    glitch, however often measured): the floor's round, which may take the best by lower bound when
+    the trials name off, has no lead and measures nothing."""
+    cfg = load_config(CFG)
+    measure = Planted(lambda spec, n: (13.0, 1.0))
+    study, objective = _noisy_study(tmp_path, cfg, measure, [], [10.0, 10.1, 9.9])
+    for spec, ratios in ((ng(2), [1.30, 1.32]), (ng(5), [1.25, 1.35])):
+        t = _planted_trial(spec, ratios)
+        study.add_trial(create_trial(state=TrialState.COMPLETE, value=t.value, params={}, distributions={},
+                                     user_attrs={**t.user_attrs, "tau": 1.0}))
+    assert pick_winner(study.trials, cfg.search.noise_rel, [1]).spec.method == "off"
+    assert confirm(study, objective, cfg.search.noise_rel) == 0 and measure.calls == []
+
+
 def test_search_confirm_always_runs_the_round_at_the_noise_floor_and_finds_the_better(tmp_path: Path) -> None:
     """At the floor, two pairs that agree by chance lead by lower bound (ngram d2: 1.45x, 1.40x; truly
     1.3x) over a truly better one (ngram d4: 1.35x, 1.30x; truly 1.5x). search.confirm=always measures

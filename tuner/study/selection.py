@@ -356,10 +356,11 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
     noise = max(noise_rel, rose or 0.0, spread or 0.0)
     rounds_max = CONFIRM_PAIRS_MAX
     if rose is None and auto:  # at the floor: the trials' winner and what its time share allows
-        # the trials' winner; when they name off, the best by pessimistic bound (a noisy machine's two
-        # pairs rarely clear the one-sided bound; the nothing-reads-a-winner check below still holds)
+        # the trials' winner; when they name off, the best by pessimistic bound whose drafts are
+        # accepted (a noisy machine's two pairs rarely clear the one-sided bound; without accepted
+        # drafts no pair can make it win; the nothing-reads-a-winner check below still holds)
         named = pick_winner(trials, noise_rel, objective.levels).candidate
-        lead = named or leader(trials, noise)
+        lead = named or next((c for c in _by_bound(trials, noise) if c.tau is None or c.tau >= 1 + noise_rel), None)
         if lead is None:
             return 0
         field_ = contenders(trials, noise, lead)
