@@ -49,9 +49,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import multiprocessing
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -78,12 +80,20 @@ BURST_S = 0.05  # one burst: short enough that every pass of a trial meets sever
 def background_load(seconds: float, parent: int) -> None:
     """Keep one core busy BUSY_SHARE of the time in bursts of BURST_S, for `seconds` at most or
     until the parent process is gone."""
+    with contextlib.suppress(OSError, AttributeError):  # a name of its own in ps (comm), not the parent's "python"
+        ctypes.CDLL(None).prctl(15, b"fidelity-load", 0, 0, 0)  # PR_SET_NAME
     end = time.monotonic() + seconds
     while time.monotonic() < end and os.getppid() == parent:
         t0 = time.monotonic()
         while time.monotonic() - t0 < BURST_S:
             pass
         time.sleep(BURST_S * (1 - BUSY_SHARE) / BUSY_SHARE)
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's ended and waited-for children (the background load, once joined)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def space_overrides(args: argparse.Namespace) -> list[str]:
@@ -120,6 +130,7 @@ def one_run(args: argparse.Namespace, engine: object, seed: int, loaded: bool, r
             run_dir: Path) -> dict[str, object]:
     """One study; its winner judged against the reference."""
     load = None
+    cpu0 = _children_cpu_s()
     if loaded:
         load = multiprocessing.Process(target=background_load, args=(args.load_s, os.getpid()), daemon=True)
         load.start()
@@ -132,8 +143,13 @@ def one_run(args: argparse.Namespace, engine: object, seed: int, loaded: bool, r
     finally:
         if load is not None:
             load.terminate()
-            load.join()
+            load.join(5.0)
+            if load.is_alive():  # a stopped process keeps SIGTERM pending (a join without end)
+                load.kill()
+                load.join()
     wall = time.monotonic() - t0
+    # what the load took of a core over the run (0 quiet): a load that was stopped shows here
+    load_share = (_children_cpu_s() - cpu0) / wall if loaded else 0.0
     best = BestResult.model_validate(yaml.safe_load((out / "best.yaml").read_text()))
     study = optuna.load_study(study_name=f"fidelity-{'loaded' if loaded else 'quiet'}-{seed}",
                               storage=f"sqlite:///{out / DB_FILE}")
@@ -151,6 +167,7 @@ def one_run(args: argparse.Namespace, engine: object, seed: int, loaded: bool, r
             "tau_gap": tg, "gap_at_equal_tau": abs(eq) if eq is not None else None,
             "check": c.model_dump(mode="json") if c is not None else None,
             "confirm_pairs": len(confirms), "reason": best.reason, "phases_s": best.phases_s,
+            "load_core_share": round(load_share, 3),
             "wall_s": round(wall, 1)}
 
 
@@ -213,7 +230,7 @@ def main() -> None:
                      if c is not None else "no held-out check")
             print(f"{cond:6s} seed {seed}: winner {r['winner']} (trials {r['tuning']:.3f}x, reference "
                   f"{r['reference']:.3f}x), regret {r['regret']:.1%}, {check}, confirmation "
-                  f"{r['confirm_pairs']} pairs, {r['wall_s']:.0f} s ("
+                  f"{r['confirm_pairs']} pairs, load {r['load_core_share']:.0%} of a core, {r['wall_s']:.0f} s ("
                   + " / ".join(f"{k} {v:.0f}" for k, v in (r["phases_s"] or {}).items()) + " s)", flush=True)
 
     if skipped:
