@@ -23,7 +23,9 @@
    tau), and the wall time. Goals (issue 39): regret <= 0.03 and held-out within 5% of tuning in
    every run.
 
-Prints one line per run; the last line printed is one JSON object with `max_regret`,
+Runs go seed by seed, each condition in turn; --time-limit-s starts no run that the longest so far
+would carry past the limit. Prints one line per run (with its phases: trials, confirmation,
+held-out); the last line printed is one JSON object with `max_regret`,
 `max_heldout_gap`, `max_heldout_gap_beyond_interval`, `max_heldout_gap_width`,
 `max_heldout_gap_at_equal_tau`, `heldout_verdicts` and `runs`.
 
@@ -47,9 +49,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import multiprocessing
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -76,12 +80,20 @@ BURST_S = 0.05  # one burst: short enough that every pass of a trial meets sever
 def background_load(seconds: float, parent: int) -> None:
     """Keep one core busy BUSY_SHARE of the time in bursts of BURST_S, for `seconds` at most or
     until the parent process is gone."""
+    with contextlib.suppress(OSError, AttributeError):  # a name of its own in ps (comm), not the parent's "python"
+        ctypes.CDLL(None).prctl(15, b"fidelity-load", 0, 0, 0)  # PR_SET_NAME
     end = time.monotonic() + seconds
     while time.monotonic() < end and os.getppid() == parent:
         t0 = time.monotonic()
         while time.monotonic() - t0 < BURST_S:
             pass
         time.sleep(BURST_S * (1 - BUSY_SHARE) / BUSY_SHARE)
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's ended and waited-for children (the background load, once joined)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def space_overrides(args: argparse.Namespace) -> list[str]:
@@ -118,6 +130,7 @@ def one_run(args: argparse.Namespace, engine: object, seed: int, loaded: bool, r
             run_dir: Path) -> dict[str, object]:
     """One study; its winner judged against the reference."""
     load = None
+    cpu0 = _children_cpu_s()
     if loaded:
         load = multiprocessing.Process(target=background_load, args=(args.load_s, os.getpid()), daemon=True)
         load.start()
@@ -130,8 +143,13 @@ def one_run(args: argparse.Namespace, engine: object, seed: int, loaded: bool, r
     finally:
         if load is not None:
             load.terminate()
-            load.join()
+            load.join(5.0)
+            if load.is_alive():  # a stopped process keeps SIGTERM pending (a join without end)
+                load.kill()
+                load.join()
     wall = time.monotonic() - t0
+    # what the load took of a core over the run (0 quiet): a load that was stopped shows here
+    load_share = (_children_cpu_s() - cpu0) / wall if loaded else 0.0
     best = BestResult.model_validate(yaml.safe_load((out / "best.yaml").read_text()))
     study = optuna.load_study(study_name=f"fidelity-{'loaded' if loaded else 'quiet'}-{seed}",
                               storage=f"sqlite:///{out / DB_FILE}")
@@ -149,6 +167,7 @@ def one_run(args: argparse.Namespace, engine: object, seed: int, loaded: bool, r
             "tau_gap": tg, "gap_at_equal_tau": abs(eq) if eq is not None else None,
             "check": c.model_dump(mode="json") if c is not None else None,
             "confirm_pairs": len(confirms), "reason": best.reason, "phases_s": best.phases_s,
+            "load_core_share": round(load_share, 3),
             "wall_s": round(wall, 1)}
 
 
@@ -171,6 +190,9 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for the reference and every study (e.g. search.confirm=always)")
     ap.add_argument("--run-dir", type=Path, default=None)
+    ap.add_argument("--time-limit-s", type=float, default=None,
+                    help="start no run that the longest run so far would carry past this many seconds "
+                         "from the start (the runs left are listed in the last line's `skipped`)")
     args = ap.parse_args()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="fidelity-"))
@@ -186,9 +208,16 @@ def main() -> None:
           + ", ".join(f"{k} {ref[k]:.3f}x" + (f" ({h[0] - 1:+.1%} [{h[1] - 1:+.1%}, {h[2] - 1:+.1%}] against {top})"
                                             if (h := apart.get(k)) is not None else "")
                       for k in sorted(ref, key=lambda k: -ref[k])), flush=True)
-    runs = []
-    for cond in args.conditions.split(","):
-        for seed in range(args.runs):
+    runs: list[dict] = []
+    skipped: list[str] = []
+    # seed by seed, each condition in turn: a time limit then cuts the same seeds from every condition,
+    # and a drift of the machine over the benchmark falls on both conditions alike
+    for seed in range(args.runs):
+        for cond in args.conditions.split(","):
+            longest = max((float(x["wall_s"]) for x in runs), default=0.0)
+            if args.time_limit_s is not None and time.monotonic() - t0 + longest > args.time_limit_s:
+                skipped.append(f"{cond} seed {seed}")
+                continue
             r = one_run(args, engine, seed, cond == "loaded", ref, run_dir)
             runs.append(r)
             c = r["check"]
@@ -201,17 +230,21 @@ def main() -> None:
                      if c is not None else "no held-out check")
             print(f"{cond:6s} seed {seed}: winner {r['winner']} (trials {r['tuning']:.3f}x, reference "
                   f"{r['reference']:.3f}x), regret {r['regret']:.1%}, {check}, confirmation "
-                  f"{r['confirm_pairs']} pairs, {r['wall_s']:.0f} s", flush=True)
+                  f"{r['confirm_pairs']} pairs, load {r['load_core_share']:.0%} of a core, {r['wall_s']:.0f} s ("
+                  + " / ".join(f"{k} {v:.0f}" for k, v in (r["phases_s"] or {}).items()) + " s)", flush=True)
+
+    if skipped:
+        print(f"skipped (--time-limit-s {args.time_limit_s:g}): {', '.join(skipped)}", flush=True)
 
     def most(key: str) -> float | None:
         vals = [r[key] for r in runs if r[key] is not None]
         return max(vals) if vals else None
 
-    print(json.dumps({"max_regret": max(r["regret"] for r in runs), "max_heldout_gap": most("heldout_gap"),
+    print(json.dumps({"max_regret": most("regret"), "max_heldout_gap": most("heldout_gap"),
                       "max_heldout_gap_beyond_interval": most("heldout_gap_beyond"), "max_heldout_gap_width": most("heldout_gap_width"),
                       "max_heldout_gap_at_equal_tau": most("gap_at_equal_tau"),
                       "heldout_verdicts": [r["verdict"] for r in runs],
-                      "runs": runs, "reference": ref, "reference_pairs": pairs,
+                      "runs": runs, "skipped": skipped, "reference": ref, "reference_pairs": pairs,
                       "load": {"busy_share": BUSY_SHARE, "burst_s": BURST_S},
                       "settings": {k: v for k, v in vars(args).items() if k != "run_dir"},
                       "run_dir": str(run_dir)}))

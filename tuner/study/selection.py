@@ -30,7 +30,7 @@ from tuner.schema.config import (ArmLevel, Arms, BestResult, Config, Figures, Le
 from tuner.schema.results import HeldoutCheck, SplitSpeedup
 from tuner.projection.profiling import CHECK, check_prompt_count
 from tuner.study.storage import mask_url, storage_url
-from tuner.study.studies import CONFIRM_ROUND, REUSED, counted, role
+from tuner.study.studies import CONFIRM_ROUND, NOISE, REUSED, counted, role
 
 HELDOUT_PAIRS = 2  # spec/baseline pairs of a part's (mixed workload) or the baseline's held-out figures
 # The held-out check at the noise floor measures one pair a side. Its gap's interval is mostly which
@@ -49,7 +49,9 @@ CONFIRM_SHARE = 1.0
 CONFIRM_MIN_S = 90.0
 # At the noise floor under search.confirm=auto, the round's share of the trials' time: it measures as
 # many contenders (the trials' winner among them) as CONFIRM_FLOOR rounds of pairs fit in that share
-# at the trials' own cost per pair, so the main command keeps to its time (docs/results.md).
+# at the trials' own cost per pair, so the main command keeps to its time (docs/results.md); the
+# winner and one contender at least, when the trials' bounds do not tell them apart (4 pairs: more
+# than the share in a study of a few single-pair trials, search=quick's).
 FLOOR_SHARE = 0.25
 # A tie goes to the smaller budget, so a tie may cost the difference between the two: at most the
 # regret goal of issue 39 (the winner within 3% of the best configuration).
@@ -284,10 +286,12 @@ def contenders(trials: list[FrozenTrial], noise_rel: float, lead: Candidate | No
     CONFIRM_TOP best configurations by pessimistic bound (among those whose optimistic bound reaches
     1.0), and the pruned configurations whose first repeat was within the noise of the leader's
     speedup (`_near`: a glitch may have pruned them). With `lead` (the trials' winner, the noise at
-    its floor), that candidate first, then in this order as many as `floor_field` allows (at least
-    one when a pruned trial is near): the best by pessimistic bound when it is not the winner (what
-    the progress line showed), the pruned one whose first repeat read best, and the next best by
-    pessimistic bound; `confirm` keeps those the trials' bounds do not separate from the winner."""
+    its floor), that candidate first, then, of those the trials' bounds do not separate from it
+    (`unresolved`), in this order as many as `floor_field` allows and at least one: the best by
+    pessimistic bound when it is not the winner (what the progress line showed), the pruned one
+    whose first repeat read best, and the next best by pessimistic bound. At least one, however
+    short the study: a study of single pairs under a load there from its start named the reading
+    4% below the best without a round (docs/results.md)."""
     if lead is not None:
         taken = {lead.spec.model_dump_json()}
         near = _near(trials, lead, noise_rel, set(taken))[:1]
@@ -295,8 +299,11 @@ def contenders(trials: list[FrozenTrial], noise_rel: float, lead: Candidate | No
         top = [c for c in _by_bound(trials, noise_rel) if c.spec.model_dump_json() not in taken][:CONFIRM_TOP - 1]
         first = [(c.spec, c.ratios) for c in top[:1] if c.bounds(noise_rel)[0] > lead_lo]
         rest = [(c.spec, c.ratios) for c in top if not first or c.spec != first[0][0]]
-        others = (first + near + rest)[:max(len(near), floor_field(trials) - 1)]
-        return [(lead.spec, lead.ratios)] + others
+        ordered = first + near + rest
+        # those the trials' bounds tell apart from the winner left out before the cut to the field
+        # (cutting first let one told apart take the place of one that is not)
+        open_ = [ordered[i] for i in unresolved(ordered, lead.ratios, noise_rel)]
+        return [(lead.spec, lead.ratios)] + open_[:max(len(near), 1, floor_field(trials) - 1)]
     known = _by_bound(trials, noise_rel)
     if not known:
         return []
@@ -330,28 +337,42 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
 
     It runs when the machine's noise rose above its floor during the study (Objective.noise_rose),
     with search.confirm=always (two pairs that agree by chance can lead by lower bound at the floor
-    too), or at the floor under search.confirm=auto when the trials' bounds do not tell the winner
-    the trials name from the best by pessimistic bound or the next best, or a pruned trial's first
-    repeat read within the noise of that winner (one unlucky repeat must not lose the answer): then
-    that winner and as many of those as FLOOR_SHARE of the trials' time holds (`floor_field`; the
-    pruned one always), for CONFIRM_FLOOR rounds.
+    too), or at the floor under search.confirm=auto whenever the trials' bounds do not tell the
+    winner the trials name from the best by pessimistic bound or the next best, or a pruned trial's
+    first repeat read within the noise of that winner (one unlucky repeat must not lose the answer):
+    then that winner (the best by pessimistic bound when the trials name off) and as many of those
+    as FLOOR_SHARE of the trials' time holds, at least one (`contenders`), for CONFIRM_FLOOR
+    rounds. The bounds are the pruner's: their band is the study's measured spread when above
+    search.noise_rel, so a machine as loaded at the study's start as at its end (its noise never
+    rose) still gets its round.
     Nothing runs unless some contender reads at least 1 + noise_rel. Returns the pairs measured."""
     t0 = time.monotonic()
     trials = study.get_trials(deepcopy=False)
     rose = objective.noise_rose()
     auto = objective.search.confirm == "auto"
-    noise = max(noise_rel, rose or 0.0)
+    # the bounds' band: the pruner's (the study's measured spread when above search.noise_rel, also
+    # when it was that high from the study's start and so never rose), or the spread that rose
+    spread = study.user_attrs.get(NOISE)
+    noise = max(noise_rel, rose or 0.0, spread or 0.0)
     rounds_max = CONFIRM_PAIRS_MAX
     if rose is None and auto:  # at the floor: the trials' winner and what its time share allows
-        win = pick_winner(trials, noise_rel, objective.levels)
-        if win.candidate is None:
+        # the trials' winner; when they name off, the best by pessimistic bound whose drafts are
+        # accepted (a noisy machine's two pairs rarely clear the one-sided bound; without accepted
+        # drafts no pair can make it win; the nothing-reads-a-winner check below still holds)
+        named = pick_winner(trials, noise_rel, objective.levels).candidate
+        lead = named or next((c for c in _by_bound(trials, noise) if c.tau is None or c.tau >= 1 + noise_rel), None)
+        if lead is None:
             return 0
-        field_ = contenders(trials, noise, win.candidate)
+        field_ = contenders(trials, noise, lead)
         rounds_max = CONFIRM_FLOOR
-        near = {s.model_dump_json() for s, _ in _near(trials, win.candidate, noise, {win.spec.model_dump_json()})}
+        near = {s.model_dump_json() for s, _ in _near(trials, lead, noise, {lead.spec.model_dump_json()})}
         why = ("a pruned trial's one repeat read within the noise of the trials' winner"
                if any(s.model_dump_json() in near for s, _ in field_[1:])
                else "the trials' bounds do not tell the top configurations apart")
+        if named is None:
+            why += " and none of them clears the baseline by the winner's rule yet"
+        if spread is not None and spread > noise_rel:
+            why += f" (their band: the study's baseline passes spread {spread:.1%}; it never rose above its floor)"
     else:
         field_ = contenders(trials, noise)
         why = (f"the baseline passes spread {rose:.1%}, above the machine's floor" if rose is not None
