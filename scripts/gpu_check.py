@@ -90,9 +90,12 @@ def step_cuda_tests(a: argparse.Namespace) -> tuple[str, str]:
 
 
 def speed_result(s: dict) -> tuple[str, str]:
-    """Status and one line from engine_speed.py's JSON summary: every row must produce the
-    autoregressive reference's tokens on every prompt."""
-    same = [r.get("same_as_hf_ar", r.get("same_as_builtin_ar")) for r in s["rows"]]
+    """Status and one line from engine_speed.py's JSON summary: every fp32 row must produce the fp32
+    autoregressive reference's tokens on every prompt, and a row at another weight format its own
+    AR row's. HF's bf16 row is a speed reference only: bf16 rounding may change a greedy token, so
+    its differing from fp32 is no fault of the engine."""
+    same = [r.get("same_as_own_ar", r.get("same_as_hf_ar", r.get("same_as_builtin_ar"))) for r in s["rows"]
+            if "same_as_own_ar" in r or r.get("weights", "fp32") == "fp32"]
     best = s.get("best_spec_vs_hf_ar", s.get("best_ngram_vs_hf_ar"))
     ok = all(x == s["prompts"] for x in same)
     return ("ok" if ok else "FAIL"), (f"built-in AR {s['builtin_ar_vs_hf_ar']:.2f}x HF AR, best speculative "

@@ -67,6 +67,14 @@ def test_helpers_read_the_tools_output() -> None:
     assert status == "FAIL" and "2/3" in line and "1.90x" in line  # one row differs from AR on one prompt
     summary["rows"][2]["same_as_hf_ar"] = 4
     assert gpu_check.speed_result(summary)[0] == "ok"
+    # engine_speed's HF bf16 reference row compares with the fp32 AR and may differ by rounding: not
+    # a losslessness row; a native bf16 row is held to its own AR row
+    summary["rows"] += [{"same_as_hf_ar": 0, "weights": "bf16"}, {"same_as_own_ar": 4, "weights": "bf16"}]
+    status, line = gpu_check.speed_result(summary)
+    assert status == "ok" and "4/4" in line
+    summary["rows"][-1]["same_as_own_ar"] = 2
+    status, line = gpu_check.speed_result(summary)
+    assert status == "FAIL" and "3/4" in line
 
 
 def test_log_keeps_each_commands_whole_output(tmp_path: Path) -> None:
