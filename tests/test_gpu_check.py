@@ -67,3 +67,39 @@ def test_helpers_read_the_tools_output() -> None:
     assert status == "FAIL" and "2/3" in line and "1.90x" in line  # one row differs from AR on one prompt
     summary["rows"][2]["same_as_hf_ar"] = 4
     assert gpu_check.speed_result(summary)[0] == "ok"
+    # engine_speed's HF bf16 reference row compares with the fp32 AR and may differ by rounding: not
+    # a losslessness row; a native bf16 row is held to its own AR row
+    summary["rows"] += [{"same_as_hf_ar": 0, "weights": "bf16"}, {"same_as_own_ar": 4, "weights": "bf16"}]
+    status, line = gpu_check.speed_result(summary)
+    assert status == "ok" and "4/4" in line
+    summary["rows"][-1]["same_as_own_ar"] = 2
+    status, line = gpu_check.speed_result(summary)
+    assert status == "FAIL" and "3/4" in line
+
+
+def test_log_keeps_each_commands_whole_output(tmp_path: Path) -> None:
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    log = tmp_path / "steps.log"
+    gpu_check.LOG[:] = [log]
+    try:
+        fail = [sys.executable, "-c", "import sys; print('first'); print('why it failed', file=sys.stderr); sys.exit(3)"]
+        assert gpu_check.run(fail, 60) == (3, "first\n", "why it failed\n")
+        assert gpu_check.run([sys.executable, "-c", "print('second')"], 60)[0] == 0
+    finally:
+        gpu_check.LOG.clear()
+    text = log.read_text()
+    # both commands appended in order, each with its status, stdout and stderr
+    assert (text.index("# rc 3,") < text.index("# stdout\nfirst\n") < text.index("# stderr\nwhy it failed\n")
+            < text.index("# rc 0,") < text.index("# stdout\nsecond\n"))
+    assert gpu_check.run([sys.executable, "-c", "print('third')"], 60)[1] == "third\n" and "third" not in log.read_text()
+    gpu_check.LOG[:] = [log]
+    try:  # a step stopped at its limit: what it had written so far, for where it hung
+        stuck = [sys.executable, "-c", "import sys, time; print('loading', file=sys.stderr, flush=True); time.sleep(30)"]
+        rc, _, err = gpu_check.run(stuck, 3)
+    finally:
+        gpu_check.LOG.clear()
+    assert rc == 124 and err == "timed out after 3 s" and "# stderr\nloading\ntimed out after 3 s\n" in log.read_text()
