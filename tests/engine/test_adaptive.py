@@ -23,6 +23,7 @@ from engine.decode.loop import Engine
 from engine.decode.stepcost import StepCost
 from engine.drafters.draft_model import DraftModelDrafter
 from engine.trees.tree import Tree
+from helpers import PlantedCost
 from tuner.schema.compose import load_config
 from tuner.schema.config import SpecConfig, UserError
 
@@ -479,12 +480,10 @@ def test_greedy_with_adaptive_control_equals_off(engine: Engine, off, spec: Spec
     Token Recycling drafts its whole template whatever the limit, so its drafts are cut after."""
     prompts, ref = off
     _the_target_drafts(engine, monkeypatch)
-    planted = StepCost({1: [(0, 1e-3), (16, 1e-3 * (1 + 16 * 0.15))],
-                        4: [(0, 4e-3), (64, 4e-3 * (1 + 16 * 0.15))]}, max_rows=17)
+    # the planted curve stays as planted, drafting and the rest of a step free (no wall-clock)
+    planted = PlantedCost({1: [(0, 1e-3), (16, 1e-3 * (1 + 16 * 0.15))],
+                           4: [(0, 4e-3), (64, 4e-3 * (1 + 16 * 0.15))]}, max_rows=17)
     monkeypatch.setattr(engine, "step_costs", lambda *a: planted)
-    monkeypatch.setattr(StepCost, "observe_step", lambda *a: None)  # the planted curve stays as planted
-    monkeypatch.setattr(StepCost, "observe_draft", lambda *a: None)  # and drafting stays free (no wall-clock)
-    monkeypatch.setattr(StepCost, "observe_overhead", lambda *a: None)  # and so does the rest of a step
     adaptive = spec.model_copy(update={"adaptive": True})
     sizes, cuts = [], []
     real_first = Tree.first
@@ -524,12 +523,10 @@ def test_only_drafters_that_read_features_are_fed_them(engine: Engine, off) -> N
 def test_drafts_stop_when_the_step_is_costly_and_go_full_when_cheap(engine: Engine, off, monkeypatch) -> None:
     prompts, ref = off
     _the_target_drafts(engine, monkeypatch)
-    monkeypatch.setattr(StepCost, "observe_step", lambda *a: None)
-    monkeypatch.setattr(StepCost, "observe_overhead", lambda *a: None)
     spec = SpecConfig(method="draft_model", depth=4, draft_model="the target", adaptive=True)
     drafted = {}
     for name, per_row in (("costly", 1.0), ("cheap", 0.001)):
-        planted = StepCost({1: [(0, 1.0), (16, 1 + 16 * per_row)]}, max_rows=5)  # drafting is cheap beside it
+        planted = PlantedCost({1: [(0, 1.0), (16, 1 + 16 * per_row)]}, max_rows=5)
         monkeypatch.setattr(engine, "step_costs", lambda *a, planted=planted: planted)
         be = BatchEngine(engine, max_batch=1, schedule=schedule_of(spec, 1))
         reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=1)
@@ -544,9 +541,8 @@ def test_a_step_where_nothing_pays_calls_no_drafter(engine: Engine, off, monkeyp
     called (a step where no draft pays costs what off's step does); the tokens are off's. Below the
     pay floor nothing is priced either, except on probe steps and steps with a prompt's rows."""
     prompts, ref = off
-    planted = StepCost({1: [(0, 1.0), (16, 17.0)], 4: [(0, 1.0), (64, 65.0)]}, max_rows=5)
+    planted = PlantedCost({1: [(0, 1.0), (16, 17.0)], 4: [(0, 1.0), (64, 65.0)]}, max_rows=5)
     monkeypatch.setattr(engine, "step_costs", lambda *a: planted)
-    monkeypatch.setattr(StepCost, "observe_step", lambda *a: None)
     calls, tables = [], []
     real_lockstep, real_table = BatchEngine._draft_in_lockstep, StepCost.table
     monkeypatch.setattr(BatchEngine, "_draft_in_lockstep", lambda self, reqs: calls.append(len(reqs)) or real_lockstep(self, reqs))
@@ -597,13 +593,10 @@ def test_probes_learn_that_drafts_pay_where_the_prior_said_they_would_not(engine
     itself accepted and the requests draft. Where a row costs a whole step nothing is probed."""
     prompts, ref = off
     _the_target_drafts(engine, monkeypatch)
-    monkeypatch.setattr(StepCost, "observe_step", lambda *a: None)
-    monkeypatch.setattr(StepCost, "observe_draft", lambda *a: None)
-    monkeypatch.setattr(StepCost, "observe_overhead", lambda *a: None)
     spec = SpecConfig(method="draft_model", depth=3, draft_model="the target", adaptive=True)
     drafted = {}
     for name, per_row, every in (("no probes", 0.7, 10 ** 9), ("probes", 0.7, PROBE_EVERY), ("costly", 1.0, PROBE_EVERY)):
-        planted = StepCost({1: [(0, 1.0), (16, 1 + 16 * per_row)]}, max_rows=4)
+        planted = PlantedCost({1: [(0, 1.0), (16, 1 + 16 * per_row)]}, max_rows=4)
         monkeypatch.setattr(engine, "step_costs", lambda *a, planted=planted: planted)
         monkeypatch.setattr(B, "PROBE_EVERY", every)
         be = BatchEngine(engine, max_batch=1, schedule=schedule_of(spec, 1))
@@ -621,6 +614,9 @@ def test_the_trace_reports_what_the_controller_chose_and_the_rows_that_ran(engin
     prompts, ref = off
     recs: list[dict] = []
     monkeypatch.setattr(engine, "trace", recs.append)
+    # rows a twentieth of a step, as planted: the repetitive prompts' drafts pay under any load
+    planted = PlantedCost({1: [(0, 1.0), (16, 1.8)], 2: [(0, 2.0), (32, 3.6)]}, max_rows=4)
+    monkeypatch.setattr(engine, "step_costs", lambda *a: planted)
     spec = SpecConfig(method="ngram", depth=3, ngram_min=1, ngram_max=3, adaptive=True)
     be = BatchEngine(engine, max_batch=2, schedule=schedule_of(spec, 2))
     reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=2)
