@@ -388,12 +388,10 @@ class BatchEngine:
         if self.cost is not None and all(tree is not None for _, tree, _, _ in plans):  # decode rows only
             self.cost.observe_step(len(plans), sum(len(toks) - 1 for _, _, toks, _ in plans), forward_s)
             self._decoded = len(plans)
-        if self._record is not None:
-            rec, self._record = self._record, None
-            if self.trace is not None:
-                rec.update(forward_s=forward_s, rows=sum(len(toks) - 1 for _, _, toks, _ in plans),
-                           prefill=any(tree is None for _, tree, _, _ in plans))
-                self.trace(rec)
+        rec, self._record = self._record, None
+        if rec is not None:
+            rec.update(forward_s=forward_s, rows=sum(len(toks) - 1 for _, _, toks, _ in plans),
+                       prefill=any(tree is None for _, tree, _, _ in plans))
         pc = self.engine.prefix_cache
         for (req, tree, _, _), (hidden, logits, aux) in zip(plans, outs):
             try:
@@ -407,6 +405,9 @@ class BatchEngine:
                     req.result = st.result()
             except Exception as exc:  # noqa: BLE001
                 req.fail(exc)
+        if rec is not None and self.trace is not None:  # the draft tokens the verify steps accepted
+            rec["accepted"] = sum(len(r.state.path) - 1 for r, tree, _, _ in plans if tree is not None and r.error is None)
+            self.trace(rec)
         if spec is not None and self.accept and self._key(spec) in self.accept:
             self._learn(spec, [(req, tree) for req, tree, _, _ in plans if tree is not None and req.error is None])
 
@@ -528,7 +529,9 @@ class BatchEngine:
         if probed is not None:  # the probe is verified whatever the cut says
             keep[probed] = max(keep[probed], min(limits[probed], sizes[probed]))
         if self._record is not None:
-            self._record.update(sizes=sizes, kept=[min(k, s) for k, s in zip(keep, sizes)], drafting_s=drafting_s,
+            kept = [min(k, s) for k, s in zip(keep, sizes)]
+            self._record.update(sizes=sizes, kept=kept, drafting_s=drafting_s,
+                                expected=sum(sum(g[:k]) for g, k in zip(real, kept)),
                                 control_s=time.perf_counter() - began - drafting_s)
         for r, k, size in zip(live, keep, sizes):
             if id(r) not in out:  # the controller chose no draft
