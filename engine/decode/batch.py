@@ -456,18 +456,28 @@ class BatchEngine:
         # before drafting, each request's gains as its most confident drafts' (Calibration.upper):
         # the cut after drafting keeps only the nodes whose real confidence pays, so a node allowed
         # costs its drafting alone when it is cut, and a draft the average would refuse may pay
-        gains = cal.upper(est, batch_est, nodes)
         fills = [e.rows for e in est]
         budget = self.control.probes
         probing = self.steps % PROBE_EVERY == 0
         # decide before pricing: below the last full choice's pay floor at this batch size nothing
-        # pays (engine.decode.control.pay_floor); a probe step or a prompt's rows price everything
+        # pays (engine.decode.control.pay_floor); a probe step or a prompt's rows price everything.
+        # The screen reads each request's first index only, its pending drift unapplied (`first`):
+        # `upper`'s first gain is that times the band ratio, within [0, 1]
         floor = self._floors.get(batch) if extra == 0 and not probing else None
-        if floor is not None and max((g[0] for g in gains if g), default=0.0) < floor[0] * (1 - SLACK):
-            budget.earn(floor[1])
-            if self.trace is not None:
-                self._record = self._note(batch, extra, [floor[1]], gains, fills, [0] * len(live), False, True, began)
-            return {id(r): (Tree.chain(r.state.ids[-1], []), 0.0) for r in live}
+        if floor is not None:
+            t0 = batch_est.p[0] if nodes else 0.0
+            first = max(e.first(t0) for e in est) * cal.first_ratio(batch_est) if nodes else 0.0
+            if min(max(first, 0.0), 1.0) < floor[0] * (1 - SLACK):
+                budget.earn(floor[1])
+                if self.trace is not None:
+                    for e in est:
+                        e.settle(batch_est.p)
+                    self._record = self._note(batch, extra, [floor[1]], cal.upper(est, batch_est, nodes), fills,
+                                              [0] * len(live), False, True, began)
+                return {id(r): (Tree.chain(r.state.ids[-1], []), 0.0) for r in live}
+        for e in est:
+            e.settle(batch_est.p)
+        gains = cal.upper(est, batch_est, nodes)
         # every total of draft rows the controller weighs, priced once (a call per total costs a
         # few ms a step at batch 32, more than the rows it saves); between totals (the expected
         # rows of drafters that do not always fill their nodes) linearly. The totals go up to the
@@ -553,7 +563,19 @@ class BatchEngine:
     def _learn(self, spec: SpecConfig, verified: list[tuple[Request, Tree]]) -> None:
         """Update the acceptance estimates from a step's verifications: each request's own, and
         the batch's from every request's; indices nobody verified drift back (engine.decode.acceptance)."""
-        batch, cal = self.accept[self._key(spec)], self.calib[self._key(spec)]
+        key = self._key(spec)
+        batch, cal = self.accept[key], self.calib[key]
+        if all(tree.size == 1 for _, tree in verified):
+            # nobody drafted: the batch's estimate holds, so each request's drift towards it is only
+            # counted (Acceptance.settle applies it when it is next read in full)
+            for req, _ in verified:
+                if req.state.drafter is not None:
+                    self._estimate(req, spec).idle += 1
+            return
+        for req in self.active:  # the batch's estimate is about to move: the counted drift first
+            pending = req.accept.get(key)
+            if pending is not None:
+                pending.settle(batch.p)
         most = 0
         for req, tree in verified:
             if req.state.drafter is None:
