@@ -736,3 +736,39 @@ def test_the_engines_schedulers_of_one_schedule_go_on_from_what_control_learnt(e
     engine.set_spec(other)
     assert engine.batcher().accept[other.key()].p == [PRIOR ** r for r in range(1, 3)]
     engine.set_spec(SpecConfig(method="off"))
+
+
+def test_a_server_scrape_shows_what_the_controller_prices(engine: Engine, off) -> None:
+    """/metrics (engine.serving.metrics) reads adaptive control's state at the scrape: per batch size
+    stepped, the controller's price of a step with 0-16 draft rows as `StepCost.table` says, the
+    live forwards per count of rows that ran, the level and the batch's estimate; nothing for a
+    scheduler without an adaptive band."""
+    from prometheus_client import generate_latest
+
+    from engine.serving.metrics import Metrics
+
+    prompts, ref = off
+    spec = SpecConfig(method="ngram", depth=3, ngram_min=1, ngram_max=3, adaptive=True)
+    be = BatchEngine(engine, max_batch=2, schedule=schedule_of(spec, 2))
+    reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=2)
+    assert [r.result.tokens for r in reqs] == ref
+    metrics = Metrics("m")
+    metrics.adaptive(be)
+    got = {}
+    for line in generate_latest(metrics.registry).decode().splitlines():
+        if line.startswith("spectune:adaptive_"):
+            name, value = line.rsplit(" ", 1)
+            got[name] = float(value)
+    price = be.cost.table(2, 0, 16)
+    for n in (0, 1, 4, 16):
+        assert got[f'spectune:adaptive_price_seconds{{batch="2",model_name="m",rows="{n}"}}'] == pytest.approx(price[n])
+    steps = {int(k.split('rows="')[1].rstrip('"}')): v for k, v in got.items()
+             if k.startswith('spectune:adaptive_forward_steps{batch="2"')}
+    assert steps and steps == {n: be.cost.rows[2].n[n] for n in steps}
+    assert got['spectune:adaptive_level{model_name="m"}'] == pytest.approx(be.cost.level)
+    key = spec.key()
+    assert got[f'spectune:adaptive_acceptance{{model_name="m",position="1",spec="{key}"}}'] == \
+        pytest.approx(be.accept[key].p[0])
+    plain = Metrics("m")
+    plain.adaptive(BatchEngine(engine, max_batch=2, schedule=schedule_of(SpecConfig(method="off"), 2)))
+    assert "spectune:adaptive" not in generate_latest(plain.registry).decode()
