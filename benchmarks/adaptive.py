@@ -155,7 +155,11 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
                               f"{occupied:.2f}", file=sys.stderr)
                 if states is not None:
                     adaptive = next(x.key() for x in specs_ if x.adaptive)
-                    states[(w, c)] = got = controller_state(urls[adaptive], c)
+                    try:
+                        got = controller_state(urls[adaptive], c)
+                    except (OSError, ValueError) as exc:  # a diagnostic: the measured rows stand without it
+                        got = {"error": f"{type(exc).__name__}: {exc}"}
+                    states[(w, c)] = got
                     print(f"  {w:<5} controller at batch {c}: {json.dumps(got)}", file=sys.stderr)
     return rows
 
