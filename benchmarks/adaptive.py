@@ -28,7 +28,11 @@ t-interval on their logs. The last line is one JSON object
 with `min_adaptive_vs_best_static` and `min_adaptive_vs_off`, the minima over every level of both
 workloads, each with the interval of the cell where it falls, and `greedy_identical`: whether every
 pass answered as speculation off did in the same cell and round (`greedy_differences` lists the
-passes that did not, with how many requests differ).
+passes that did not, with how many requests differ). After each cell's rounds the adaptive
+server's /metrics gives its controller's state at that batch size (`controller`: a step's ms as
+the curve timed it, as the controller prices it and as the live forwards ran, per count of draft
+rows; the overhead, the live level, the acceptance estimate), printed as it goes and kept in the
+JSON: what tells a mispriced row from a misestimated node in the served run itself.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -76,13 +81,47 @@ def in_flight(m: Measurement, level: int) -> float:
     return sum(s for _, s in m.requests) / (level * m.wall_s) if m.wall_s > 0 else 0.0
 
 
+def controller_state(url: str, batch: int) -> dict[str, Any]:
+    """The adaptive server's controller as its /metrics shows it (engine.serving.metrics,
+    spectune:adaptive_*) at one batch size: ms of a step with n draft rows as the curve timed it,
+    as the controller prices it (overhead included) and as the live forwards ran (with their
+    counts), the overhead, the live level, the drafting's ms per node and the acceptance estimate."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=60) as resp:
+        text = resp.read().decode()
+    out: dict[str, Any] = {"curve_ms": {}, "price_ms": {}, "forward_ms": {}, "forward_steps": {}, "acceptance": {}}
+    for line in text.splitlines():
+        if not line.startswith("spectune:adaptive_"):
+            continue
+        head, value = line.rsplit(" ", 1)
+        name, _, labels = head[len("spectune:adaptive_"):].partition("{")
+        lab = dict(kv.split("=", 1) for kv in labels.rstrip("}").split(",") if kv)
+        lab = {k: v.strip('"') for k, v in lab.items()}
+        v = float(value)
+        if name == "level":
+            out["level"] = round(v, 3)
+        elif name == "draft_seconds_per_node":
+            out["draft_ms_per_node"] = round(v * 1e3, 3)
+        elif name == "acceptance":
+            out["acceptance"][lab["position"]] = round(v, 3)
+        elif lab.get("batch") != str(batch):
+            continue
+        elif name == "overhead_seconds":
+            out["overhead_ms"] = round(v * 1e3, 2)
+        elif name == "forward_steps":
+            out["forward_steps"][lab["rows"]] = int(v)
+        elif name in ("curve_seconds", "price_seconds", "forward_seconds"):
+            out[name.replace("_seconds", "_ms")][lab["rows"]] = round(v * 1e3, 2)
+    return out
+
+
 def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], prompts: int, max_new_tokens: int,
-        rounds: int, waves: int = 2, texts: dict[tuple[str, str, int, int], list[str]] | None = None
-        ) -> list[dict[str, Any]]:
+        rounds: int, waves: int = 2, texts: dict[tuple[str, str, int, int], list[str]] | None = None,
+        states: dict[tuple[str, int], dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Rows (workload, config, level, round, tok/s, tau, requests, in flight): every configuration's
     server up at once, each cell measured in `rounds` interleaved rounds of `requests_at` requests
     (see the module's docstring). `texts`, when given, receives each pass's answers by (workload,
-    config, level, round), to compare, never to print."""
+    config, level, round), to compare, never to print; `states` the adaptive server's controller
+    after each cell's rounds (`controller_state`), by (workload, level)."""
     over = [f"engine.builtin.max_batch={max(levels)}", f"serve.queue_size={4 * max(levels)}"]
     loads = {}
     for w in workloads:
@@ -114,6 +153,14 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
                         print(f"  {w:<5} {k:<24} c={c:<3} r{r} {s.output_tokens_per_s:7.1f} tok/s  tau "
                               f"{s.tau or 0:.2f}  {len(wave)} requests, {s.runs[0].wall_s:.1f} s, in flight "
                               f"{occupied:.2f}", file=sys.stderr)
+                if states is not None:
+                    adaptive = next(x.key() for x in specs_ if x.adaptive)
+                    try:
+                        got = controller_state(urls[adaptive], c)
+                    except (OSError, ValueError) as exc:  # a diagnostic: the measured rows stand without it
+                        got = {"error": f"{type(exc).__name__}: {exc}"}
+                    states[(w, c)] = got
+                    print(f"  {w:<5} controller at batch {c}: {json.dumps(got)}", file=sys.stderr)
     return rows
 
 
@@ -203,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     grid = specs(args.method, depths)
     texts: dict[tuple[str, str, int, int], list[str]] = {}
     began = time.monotonic()
-    rows = run(grid, workloads, levels, args.prompts, args.max_new_tokens, args.rounds, args.waves, texts)
+    states: dict[tuple[str, int], dict[str, Any]] = {}
+    rows = run(grid, workloads, levels, args.prompts, args.max_new_tokens, args.rounds, args.waves, texts, states)
     wall = time.monotonic() - began
     table = compare(rows, grid, workloads, levels)
     differ = greedy_differences(texts)
@@ -233,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
            "load_average": round(load, 2), "table": table,
            "greedy_identical": not differ, "greedy_differences": differ,
            "rows": rows,
+           "controller": [{"workload": w, "concurrency": c, **st} for (w, c), st in states.items()],
            "min_adaptive_vs_best_static": worst_static["adaptive_vs_best_static"],
            "min_adaptive_vs_best_static_ci": worst_static["adaptive_vs_best_static_ci"],
            "min_adaptive_vs_off": worst_off["adaptive_vs_off"],

@@ -93,9 +93,12 @@ class Trace:
                             for x, v in sorted(fwd.items())[:6] if x and f0 is not None)
             est = [statistics.mean(g[k] for r in rs for g in r["gains"] if len(g) > k) for k in range(3)
                    if any(len(g) > k for r in rs for g in r["gains"])]
+            # the kept nodes' expected accepted tokens (the controller's gains) against the accepted
+            expected, accepted = sum(r.get("expected", 0.0) for r in rs), sum(r.get("accepted", 0) for r in rs)
             print(f"  trace b={b:<3} steps {len(rs):>4} probes {sum(r['probe'] for r in rs):>3} "
                   f"screened {sum(r.get('screened', False) for r in rs):>3}  per request: "
-                  f"allowed {mean('allowed'):.2f} drafted {mean('sizes'):.2f} kept {mean('kept'):.2f}  "
+                  f"allowed {mean('allowed'):.2f} drafted {mean('sizes'):.2f} kept {mean('kept'):.2f} "
+                  f"(expected {expected / max(n, 1):.2f} accepted {accepted / max(n, 1):.2f})  "
                   f"price ms row1 {price[0]:.2f} rows2 {price[1]:.2f} rows4 {price[2]:.2f} "
                   f"step {statistics.mean(r['table'][0] for r in rs) * 1e3:.1f} (overhead "
                   f"{statistics.mean(r['overhead'] for r in rs) * 1e3:.1f})  forward ms rows0 "

@@ -17,10 +17,26 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from engine.decode.stepcost import StepCost
 from tuner.study.objective import Sample
 from tuner.schema.config import SpecConfig
 
 FAKE_SERVER = Path(__file__).with_name("fake_engine_server.py")
+
+
+class PlantedCost(StepCost):
+    """A step cost that stays as planted: no live step, drafting time or step overhead moves it, so
+    adaptive control chooses from the planted prices and the drafts it verifies alone, the same
+    choices under any load (a test's power must not depend on how busy the machine is)."""
+
+    def observe_step(self, batch: int, extra: int, seconds: float) -> None:
+        pass
+
+    def observe_draft(self, seconds: float, nodes: int) -> None:
+        pass
+
+    def observe_overhead(self, batch: int, seconds: float) -> None:
+        pass
 
 
 def free_port() -> int:

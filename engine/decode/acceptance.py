@@ -7,7 +7,10 @@ further drafted node adds.
 Each request starts from the batch's estimate over all requests, which itself starts from a fixed
 prior. An index a request does not verify in a step (it drafted fewer nodes, or none) drifts back
 towards the batch's estimate: without that, a request whose drafts stopped paying would never
-draft again to find out that they pay now. The batch's estimate holds while nobody drafts (the
+draft again to find out that they pay now. On a step where nobody drafted, that target held, so
+the step is only counted (`idle`) and the drift of a run of such steps applied at once when the
+estimate is next read in full or the batch's estimate is about to move (`settle`): most steps at a
+batch size where nothing pays move no estimate. The batch's estimate holds while nobody drafts (the
 engine's probes, engine.decode.batch, keep measuring it); on a step where someone drafted, the
 indices deeper than anyone verified drift towards the deepest verified one's estimate times the
 prior's ratio per level, so what the probes learn at shallow indices carries to the deeper ones.
@@ -46,6 +49,7 @@ class Acceptance:
         self.rate = rate
         self.age = [0] * len(self.p)
         self.fill = fill  # 1 before anything is observed: every allowed node is a row
+        self.idle = 0  # steps not yet applied in which nothing was verified and the drift's target held
 
     def fork(self) -> "Acceptance":
         """A new request's estimate: this (the batch's) estimate, followed at the request's rate."""
@@ -69,6 +73,22 @@ class Acceptance:
             target = toward[r - 1] if toward is not None else self.p[past - 1] * PRIOR ** (r - past)
             self.p[r - 1] += DRIFT * (target - self.p[r - 1])
             self.age[r - 1] += 1
+
+    def settle(self, toward: list[float]) -> None:
+        """Apply the `idle` steps' drift at once: each was `drift(0, toward)` with the same target,
+        which over k steps leaves each index (1 - DRIFT)^k of its way from the target."""
+        k = self.idle
+        if not k:
+            return
+        keep = (1 - DRIFT) ** k
+        self.p = [t + (v - t) * keep for v, t in zip(self.p, toward)]
+        self.age = [a + k for a in self.age]
+        self.idle = 0
+
+    def first(self, toward: float) -> float:
+        """The estimate at index 1 as `settle` would leave it (`toward`: the target's index 1), without
+        settling: what the controller's screen reads every step."""
+        return self.p[0] if not self.idle else toward + (self.p[0] - toward) * (1 - DRIFT) ** self.idle
 
     def observe_fill(self, allowed: int, drafted: int) -> None:
         """A draft call allowed `allowed` nodes and yielded `drafted`."""
@@ -115,6 +135,12 @@ class Calibration:
             low = min(low, max(min(p * c / max(b, 1e-3), 1.0), 0.0))
             out.append(low)
         return out
+
+    def first_ratio(self, batch: Acceptance) -> float:
+        """`upper`'s ratio at index 1: its most accepted band's over the batch's (at least 1)."""
+        if not self.bands:
+            return 1.0
+        return max(1.0, *(b.p[0] / max(batch.p[0], 1e-3) for b in self.bands.values()))
 
     def upper(self, ests: list[Acceptance], batch: Acceptance, nodes: int) -> list[list[float]]:
         """Each estimate's expected gains per node were each index at its most accepted band's ratio

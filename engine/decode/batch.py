@@ -388,12 +388,10 @@ class BatchEngine:
         if self.cost is not None and all(tree is not None for _, tree, _, _ in plans):  # decode rows only
             self.cost.observe_step(len(plans), sum(len(toks) - 1 for _, _, toks, _ in plans), forward_s)
             self._decoded = len(plans)
-        if self._record is not None:
-            rec, self._record = self._record, None
-            if self.trace is not None:
-                rec.update(forward_s=forward_s, rows=sum(len(toks) - 1 for _, _, toks, _ in plans),
-                           prefill=any(tree is None for _, tree, _, _ in plans))
-                self.trace(rec)
+        rec, self._record = self._record, None
+        if rec is not None:
+            rec.update(forward_s=forward_s, rows=sum(len(toks) - 1 for _, _, toks, _ in plans),
+                       prefill=any(tree is None for _, tree, _, _ in plans))
         pc = self.engine.prefix_cache
         for (req, tree, _, _), (hidden, logits, aux) in zip(plans, outs):
             try:
@@ -407,6 +405,9 @@ class BatchEngine:
                     req.result = st.result()
             except Exception as exc:  # noqa: BLE001
                 req.fail(exc)
+        if rec is not None and self.trace is not None:  # the draft tokens the verify steps accepted
+            rec["accepted"] = sum(len(r.state.path) - 1 for r, tree, _, _ in plans if tree is not None and r.error is None)
+            self.trace(rec)
         if spec is not None and self.accept and self._key(spec) in self.accept:
             self._learn(spec, [(req, tree) for req, tree, _, _ in plans if tree is not None and req.error is None])
 
@@ -455,18 +456,28 @@ class BatchEngine:
         # before drafting, each request's gains as its most confident drafts' (Calibration.upper):
         # the cut after drafting keeps only the nodes whose real confidence pays, so a node allowed
         # costs its drafting alone when it is cut, and a draft the average would refuse may pay
-        gains = cal.upper(est, batch_est, nodes)
         fills = [e.rows for e in est]
         budget = self.control.probes
         probing = self.steps % PROBE_EVERY == 0
         # decide before pricing: below the last full choice's pay floor at this batch size nothing
-        # pays (engine.decode.control.pay_floor); a probe step or a prompt's rows price everything
+        # pays (engine.decode.control.pay_floor); a probe step or a prompt's rows price everything.
+        # The screen reads each request's first index only, its pending drift unapplied (`first`):
+        # `upper`'s first gain is that times the band ratio, within [0, 1]
         floor = self._floors.get(batch) if extra == 0 and not probing else None
-        if floor is not None and max((g[0] for g in gains if g), default=0.0) < floor[0] * (1 - SLACK):
-            budget.earn(floor[1])
-            if self.trace is not None:
-                self._record = self._note(batch, extra, [floor[1]], gains, fills, [0] * len(live), False, True, began)
-            return {id(r): (Tree.chain(r.state.ids[-1], []), 0.0) for r in live}
+        if floor is not None:
+            t0 = batch_est.p[0] if nodes else 0.0
+            first = max(e.first(t0) for e in est) * cal.first_ratio(batch_est) if nodes else 0.0
+            if min(max(first, 0.0), 1.0) < floor[0] * (1 - SLACK):
+                budget.earn(floor[1])
+                if self.trace is not None:
+                    for e in est:
+                        e.settle(batch_est.p)
+                    self._record = self._note(batch, extra, [floor[1]], cal.upper(est, batch_est, nodes), fills,
+                                              [0] * len(live), False, True, began)
+                return {id(r): (Tree.chain(r.state.ids[-1], []), 0.0) for r in live}
+        for e in est:
+            e.settle(batch_est.p)
+        gains = cal.upper(est, batch_est, nodes)
         # every total of draft rows the controller weighs, priced once (a call per total costs a
         # few ms a step at batch 32, more than the rows it saves); between totals (the expected
         # rows of drafters that do not always fill their nodes) linearly. The totals go up to the
@@ -528,7 +539,9 @@ class BatchEngine:
         if probed is not None:  # the probe is verified whatever the cut says
             keep[probed] = max(keep[probed], min(limits[probed], sizes[probed]))
         if self._record is not None:
-            self._record.update(sizes=sizes, kept=[min(k, s) for k, s in zip(keep, sizes)], drafting_s=drafting_s,
+            kept = [min(k, s) for k, s in zip(keep, sizes)]
+            self._record.update(sizes=sizes, kept=kept, drafting_s=drafting_s,
+                                expected=sum(sum(g[:k]) for g, k in zip(real, kept)),
                                 control_s=time.perf_counter() - began - drafting_s)
         for r, k, size in zip(live, keep, sizes):
             if id(r) not in out:  # the controller chose no draft
@@ -550,7 +563,19 @@ class BatchEngine:
     def _learn(self, spec: SpecConfig, verified: list[tuple[Request, Tree]]) -> None:
         """Update the acceptance estimates from a step's verifications: each request's own, and
         the batch's from every request's; indices nobody verified drift back (engine.decode.acceptance)."""
-        batch, cal = self.accept[self._key(spec)], self.calib[self._key(spec)]
+        key = self._key(spec)
+        batch, cal = self.accept[key], self.calib[key]
+        if all(tree.size == 1 for _, tree in verified):
+            # nobody drafted: the batch's estimate holds, so each request's drift towards it is only
+            # counted (Acceptance.settle applies it when it is next read in full)
+            for req, _ in verified:
+                if req.state.drafter is not None:
+                    self._estimate(req, spec).idle += 1
+            return
+        for req in self.active:  # the batch's estimate is about to move: the counted drift first
+            pending = req.accept.get(key)
+            if pending is not None:
+                pending.settle(batch.p)
         most = 0
         for req, tree in verified:
             if req.state.drafter is None:

@@ -14,15 +14,18 @@ enough to say otherwise. A batch size that never drafts keeps that prior, a batc
 cost more than the curve said learns it from the steps that drafted.
 
 The fit prices every row alike, at no less than the curve's average row over a window of at least
-DENSE rows (the lower envelope of noisy timings has flat stretches that are not the machine's): the
-average from no rows to the first count timed at or beyond the priced one and DENSE. Not the
-average over every count timed: at a large batch the forward turns compute-bound within the timed
-range, its rows dearer there, and a few rows priced at the whole range's average cost more than
-the curve measured them at. The first few rows of a step often
-cost well under that average at small batches (docs/results.md, adaptive speculation), and a
-price above their real cost keeps the drafts that would pay
-there from ever running. So each batch size also keeps a live table of the forward's seconds per
-count of draft rows (up to ROWS_LIVE), filled by the steps that ran with that many rows (the
+as many rows as the batch has sequences (the lower envelope has flat stretches that are not the
+machine's: at the largest batch it timed a stretch of rows as nearly free, while the static chains'
+steps there cost about the curve's average row over as many rows as sequences): the average from
+no rows to the first count timed at or beyond the priced one and the batch. Not a fixed window:
+at a batch of one or two the few-row kernel's staircase is real, its first rows nearly free, and
+a window of DENSE rows priced a request's few-node draft well above what the curve (and the
+static chains' steps) said. Not the average over every count timed: at a large batch the forward
+turns compute-bound within the timed range, its rows dearer there, and a few rows priced at the
+whole range's average cost more than the curve measured them at. The first few rows of a step
+often cost well under that average at small batches (docs/results.md, adaptive speculation), and
+a price above their real cost keeps the drafts that would pay there from ever running. So each
+batch size also keeps a live table of the forward's seconds per count of draft rows (up to ROWS_LIVE), filled by the steps that ran with that many rows (the
 controller's choices and its probes, engine.decode.control): where a count was seen, the price of
 its rows over the step without rows moves from the fit's towards the table's, by the weight of
 its observations (ROWS_SEEN observations weigh as much as the fit), and so does the price of the
@@ -183,10 +186,10 @@ class StepCost:
     def _slope(self, batch: int, c0: float, extra: float) -> float:
         """The curve's average seconds per extra row from none to the first count it timed at this
         batch size (its level's, the level below where it was not timed) at or beyond both `extra`
-        and DENSE (the last count timed where none is)."""
+        and `batch` (the last count timed where none is)."""
         lv = self.levels
         xs = self._xs[max([b for b in lv if b <= batch] or lv[:1])]
-        top = xs[min(bisect.bisect_left(xs, max(extra, DENSE)), len(xs) - 1)]
+        top = xs[min(bisect.bisect_left(xs, max(extra, batch)), len(xs) - 1)]
         return (self.curve_s(batch, top) - c0) / top if top > 0 else 0.0
 
     def step_s(self, batch: int, extra: float) -> float:

@@ -4,7 +4,10 @@ dashboard serve every engine (a registry per app, so tests can run several serve
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from engine.api import GenResult
 
@@ -43,6 +46,10 @@ class Metrics:
                   self.generation_tokens, self.prefix_queries, self.prefix_hits):
             m.labels(model_name=model_name)  # expose zeros before the first request
 
+    def adaptive(self, batch: Any) -> None:
+        """Expose adaptive control's state (`spec.adaptive`) of the scheduler `batch` at each scrape."""
+        self.registry.register(_Controller(self.model, batch))
+
     def prefix_cache(self, queries: int, hits: int) -> None:
         """Bring the prefix-cache counters up to the cache's running totals."""
         q0, h0 = self._prefix_seen
@@ -64,3 +71,50 @@ class Metrics:
         self.ttft.labels(m).observe(ttft_s)
         if st.new_tokens > 1:
             self.tpot.labels(m).observe((e2e_s - ttft_s) / (st.new_tokens - 1))
+
+
+ROWS_SHOWN = (0, 1, 2, 4, 8, 16)  # the draft-row counts whose prices a scrape shows
+
+
+class _Controller:
+    """Adaptive control's state, read when /metrics is scraped (nothing per step), under
+    spectune:adaptive_*: per batch size the engine has stepped at, the price of a step with 0-16
+    draft rows (the step-cost curve as timed, the controller's price with the live figures and the
+    step's overhead, and the forward's live mean per count of rows that ran, with how many steps
+    ran it); the live level over the curve, the drafting's seconds per node and the batch's
+    acceptance estimate at draft positions 1-3. What tells a mispriced row from a misestimated
+    node in a served run (benchmarks/adaptive.py reads it per cell)."""
+
+    def __init__(self, model: str, batch: Any) -> None:
+        self.model, self.batch = model, batch
+
+    def collect(self) -> Any:
+        cost = self.batch.cost
+        if cost is None:  # no adaptive band
+            return
+        m = self.model
+        g = {name: GaugeMetricFamily(f"spectune:adaptive_{name}", doc, labels=labels) for name, doc, labels in (
+            ("level", "Live steps' seconds over the step-cost curve's", ["model_name"]),
+            ("draft_seconds_per_node", "Drafting seconds per drafted node", ["model_name"]),
+            ("overhead_seconds", "A step's seconds outside the forward and drafting", ["model_name", "batch"]),
+            ("curve_seconds", "The timed curve's forward seconds with this many draft rows", ["model_name", "batch", "rows"]),
+            ("price_seconds", "The controller's price of a step with this many draft rows", ["model_name", "batch", "rows"]),
+            ("forward_seconds", "Live forwards' mean seconds with this many draft rows", ["model_name", "batch", "rows"]),
+            ("forward_steps", "Live forwards run with this many draft rows", ["model_name", "batch", "rows"]),
+            ("acceptance", "The batch's acceptance estimate at a draft position", ["model_name", "spec", "position"]))}
+        g["level"].add_metric([m], cost.level)
+        g["draft_seconds_per_node"].add_metric([m], cost.draft_s)
+        for b in sorted(set(cost.live) | set(cost.overhead)):  # (read while the engine thread steps: copies)
+            g["overhead_seconds"].add_metric([m, str(b)], cost.overhead_s(b))
+            price = cost.table(b, 0, ROWS_SHOWN[-1])
+            live = cost.rows.get(b)
+            for n in ROWS_SHOWN:
+                g["curve_seconds"].add_metric([m, str(b), str(n)], cost.curve_s(b, n))
+                g["price_seconds"].add_metric([m, str(b), str(n)], price[n])
+                if live is not None and live.n[n]:
+                    g["forward_seconds"].add_metric([m, str(b), str(n)], live.t[n])
+                    g["forward_steps"].add_metric([m, str(b), str(n)], live.n[n])
+        for key, est in list(self.batch.accept.items()):
+            for r, p in enumerate(est.p[:3], start=1):
+                g["acceptance"].add_metric([m, key, str(r)], p)
+        yield from g.values()

@@ -16,13 +16,14 @@ import pytest
 from engine.api import SamplingParams
 from engine.decode import batch as B
 from engine.decode import stepcost
-from engine.decode.acceptance import PRIOR, Acceptance
+from engine.decode.acceptance import PRIOR, Acceptance, Calibration
 from engine.decode.batch import BatchEngine, bounded, schedule_of
 from engine.decode.control import MARGIN, PROBE_EVERY, PROBE_SHARE, ProbeBudget, choose, pay_floor, probe, probe_loss
 from engine.decode.loop import Engine
 from engine.decode.stepcost import StepCost
 from engine.drafters.draft_model import DraftModelDrafter
 from engine.trees.tree import Tree
+from helpers import PlantedCost
 from tuner.schema.compose import load_config
 from tuner.schema.config import SpecConfig, UserError
 
@@ -148,6 +149,28 @@ def test_estimates_follow_the_verified_nodes_and_unverified_ones_drift_back() ->
     for _ in range(200):
         low.drift(0, [0.6, 0.3])  # a request that drafted nothing for a long time: back to the batch's
     assert low.p == pytest.approx([0.6, 0.3], abs=0.01) and low.age == [200, 200]
+
+
+def test_steps_where_nobody_drafted_are_counted_and_their_drift_applied_at_once() -> None:
+    """A run of steps in which nothing was verified moves each index as that many drift steps towards
+    the same target would, ages included; `first` reads index 1 as settling would leave it."""
+    toward = [0.6, 0.3, 0.2]
+    stepped, counted = Acceptance(3, [0.1, 0.9, 0.0]), Acceptance(3, [0.1, 0.9, 0.0])
+    stepped.age = [2, 0, 5]
+    counted.age = [2, 0, 5]
+    for _ in range(37):
+        stepped.drift(0, toward)
+        counted.idle += 1
+    assert counted.p == [0.1, 0.9, 0.0] and counted.first(toward[0]) == pytest.approx(stepped.p[0], rel=1e-12)
+    counted.settle(toward)
+    assert counted.p == pytest.approx(stepped.p, rel=1e-12) and counted.age == stepped.age == [39, 37, 42]
+    assert counted.idle == 0
+    counted.settle([0.0, 0.0, 0.0])  # nothing pending: nothing moves
+    assert counted.p == pytest.approx(stepped.p, rel=1e-12)
+    batch, cal = Acceptance(3, [0.4, 0.2, 0.1]), Calibration()
+    assert cal.first_ratio(batch) == 1.0
+    cal.update(batch, 1.0, 1, [0, 1])  # a confident band accepted above the batch
+    assert cal.upper([Acceptance(3, [0.3, 0.2, 0.1])], batch, 3)[0][0] == pytest.approx(0.3 * cal.first_ratio(batch))
 
 
 def test_the_batch_holds_while_nobody_drafts_and_deeper_indices_follow_the_deepest_verified() -> None:
@@ -295,6 +318,25 @@ def test_a_few_rows_are_priced_at_the_few_rows_average_not_the_whole_curves() ->
     assert choose(gains, 16, flat, margin=MARGIN) == [0] * 16
 
 
+def test_the_price_floor_spans_the_batchs_own_rows() -> None:
+    """The fp32 curve timed at batch 1, 2 and 32 on the 2-core AVX2 EPYC (quiet, kernels of 7103bb0):
+    at 32 the envelope made 1-16 extra rows cost 3.7 ms in all and 17 cost 37 more, while the static
+    chains' steps in the full benchmark there cost 1.4-2.3 ms a row; at 1 and 2 the staircase is
+    real (4 rows 5.8 ms at batch 1, 1.1 ms a row in d4's steps). A window of 16 rows priced 4 rows
+    at batch 32 at 0.9 ms and at batch 1 at 11.8 ms; the batch's own rows price them at the
+    curve's average over 32 rows, and at the curve."""
+    ms = {1: [(0, 14.7), (1, 19.2), (2, 19.7), (3, 20.5), (4, 20.5), (5, 24.6), (8, 38.3)],
+          2: [(0, 18.2), (1, 19.8), (2, 21.0), (4, 21.8), (8, 36.1), (16, 77.5)],
+          32: [(0, 128.8), (1, 132.5), (16, 132.5), (17, 166.2), (32, 180.7), (33, 180.7), (64, 330.0)]}
+    c = StepCost({b: [(x, v / 1e3) for x, v in pts] for b, pts in ms.items()}, max_rows=9)
+    rows = lambda b, n: c.step_s(b, n) - c.step_s(b, 0)  # noqa: E731
+    assert rows(32, 4) == pytest.approx(4 * (0.1807 - 0.1288) / 32)
+    assert rows(1, 4) == pytest.approx(0.0058) and rows(2, 8) == pytest.approx(0.0179)
+    chat = [[0.35 ** r for r in range(1, 9)]] * 32  # a token is worth about 4 ms at batch 32
+    assert choose(chat, 32, c.table(32, 0, 256).__getitem__, margin=MARGIN) == [0] * 32
+    assert choose([[0.5 ** r for r in range(1, 9)]], 1, c.table(1, 0, 8).__getitem__, margin=MARGIN) == [4]
+
+
 def test_the_step_overhead_makes_drafts_pay_that_the_forward_alone_would_not() -> None:
     """A served step spends as long again outside the forward (verifying, streaming, the loop): a
     row costs 1.7 ms on a 19 ms forward at batch 8, so 0.6 acceptance does not pay on the forward
@@ -386,7 +428,7 @@ def test_probes_weigh_rows_at_no_more_than_the_average_row() -> None:
     c = StepCost({8: [(x, v / 1e3) for x, v in ms]}, max_rows=9)
     gains, ages = [[0.7, 0.49]] * 8, [[5, 5]] * 8
     real, cheap = c.table(8, 0, 16), c.table(8, 0, 16, optimistic=True)
-    assert cheap[1] - cheap[0] == pytest.approx((0.04716 - 0.0203) / 16)
+    assert cheap[1] - cheap[0] == pytest.approx((0.03514 - 0.0203) / 8)  # the average over the batch's own rows
     assert all(a <= b for a, b in zip(cheap, real))
     assert choose(gains, 8, real.__getitem__, margin=MARGIN) == [0] * 8
     assert probe([0] * 8, gains, ages, 8, real.__getitem__, margin=MARGIN) is None
@@ -479,12 +521,10 @@ def test_greedy_with_adaptive_control_equals_off(engine: Engine, off, spec: Spec
     Token Recycling drafts its whole template whatever the limit, so its drafts are cut after."""
     prompts, ref = off
     _the_target_drafts(engine, monkeypatch)
-    planted = StepCost({1: [(0, 1e-3), (16, 1e-3 * (1 + 16 * 0.15))],
-                        4: [(0, 4e-3), (64, 4e-3 * (1 + 16 * 0.15))]}, max_rows=17)
+    # the planted curve stays as planted, drafting and the rest of a step free (no wall-clock)
+    planted = PlantedCost({1: [(0, 1e-3), (16, 1e-3 * (1 + 16 * 0.15))],
+                           4: [(0, 4e-3), (64, 4e-3 * (1 + 16 * 0.15))]}, max_rows=17)
     monkeypatch.setattr(engine, "step_costs", lambda *a: planted)
-    monkeypatch.setattr(StepCost, "observe_step", lambda *a: None)  # the planted curve stays as planted
-    monkeypatch.setattr(StepCost, "observe_draft", lambda *a: None)  # and drafting stays free (no wall-clock)
-    monkeypatch.setattr(StepCost, "observe_overhead", lambda *a: None)  # and so does the rest of a step
     adaptive = spec.model_copy(update={"adaptive": True})
     sizes, cuts = [], []
     real_first = Tree.first
@@ -524,12 +564,10 @@ def test_only_drafters_that_read_features_are_fed_them(engine: Engine, off) -> N
 def test_drafts_stop_when_the_step_is_costly_and_go_full_when_cheap(engine: Engine, off, monkeypatch) -> None:
     prompts, ref = off
     _the_target_drafts(engine, monkeypatch)
-    monkeypatch.setattr(StepCost, "observe_step", lambda *a: None)
-    monkeypatch.setattr(StepCost, "observe_overhead", lambda *a: None)
     spec = SpecConfig(method="draft_model", depth=4, draft_model="the target", adaptive=True)
     drafted = {}
     for name, per_row in (("costly", 1.0), ("cheap", 0.001)):
-        planted = StepCost({1: [(0, 1.0), (16, 1 + 16 * per_row)]}, max_rows=5)  # drafting is cheap beside it
+        planted = PlantedCost({1: [(0, 1.0), (16, 1 + 16 * per_row)]}, max_rows=5)
         monkeypatch.setattr(engine, "step_costs", lambda *a, planted=planted: planted)
         be = BatchEngine(engine, max_batch=1, schedule=schedule_of(spec, 1))
         reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=1)
@@ -544,9 +582,8 @@ def test_a_step_where_nothing_pays_calls_no_drafter(engine: Engine, off, monkeyp
     called (a step where no draft pays costs what off's step does); the tokens are off's. Below the
     pay floor nothing is priced either, except on probe steps and steps with a prompt's rows."""
     prompts, ref = off
-    planted = StepCost({1: [(0, 1.0), (16, 17.0)], 4: [(0, 1.0), (64, 65.0)]}, max_rows=5)
+    planted = PlantedCost({1: [(0, 1.0), (16, 17.0)], 4: [(0, 1.0), (64, 65.0)]}, max_rows=5)
     monkeypatch.setattr(engine, "step_costs", lambda *a: planted)
-    monkeypatch.setattr(StepCost, "observe_step", lambda *a: None)
     calls, tables = [], []
     real_lockstep, real_table = BatchEngine._draft_in_lockstep, StepCost.table
     monkeypatch.setattr(BatchEngine, "_draft_in_lockstep", lambda self, reqs: calls.append(len(reqs)) or real_lockstep(self, reqs))
@@ -597,13 +634,10 @@ def test_probes_learn_that_drafts_pay_where_the_prior_said_they_would_not(engine
     itself accepted and the requests draft. Where a row costs a whole step nothing is probed."""
     prompts, ref = off
     _the_target_drafts(engine, monkeypatch)
-    monkeypatch.setattr(StepCost, "observe_step", lambda *a: None)
-    monkeypatch.setattr(StepCost, "observe_draft", lambda *a: None)
-    monkeypatch.setattr(StepCost, "observe_overhead", lambda *a: None)
     spec = SpecConfig(method="draft_model", depth=3, draft_model="the target", adaptive=True)
     drafted = {}
     for name, per_row, every in (("no probes", 0.7, 10 ** 9), ("probes", 0.7, PROBE_EVERY), ("costly", 1.0, PROBE_EVERY)):
-        planted = StepCost({1: [(0, 1.0), (16, 1 + 16 * per_row)]}, max_rows=4)
+        planted = PlantedCost({1: [(0, 1.0), (16, 1 + 16 * per_row)]}, max_rows=4)
         monkeypatch.setattr(engine, "step_costs", lambda *a, planted=planted: planted)
         monkeypatch.setattr(B, "PROBE_EVERY", every)
         be = BatchEngine(engine, max_batch=1, schedule=schedule_of(spec, 1))
@@ -621,6 +655,9 @@ def test_the_trace_reports_what_the_controller_chose_and_the_rows_that_ran(engin
     prompts, ref = off
     recs: list[dict] = []
     monkeypatch.setattr(engine, "trace", recs.append)
+    # rows a twentieth of a step, as planted: the repetitive prompts' drafts pay under any load
+    planted = PlantedCost({1: [(0, 1.0), (16, 1.8)], 2: [(0, 2.0), (32, 3.6)]}, max_rows=4)
+    monkeypatch.setattr(engine, "step_costs", lambda *a: planted)
     spec = SpecConfig(method="ngram", depth=3, ngram_min=1, ngram_max=3, adaptive=True)
     be = BatchEngine(engine, max_batch=2, schedule=schedule_of(spec, 2))
     reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=2)
@@ -699,3 +736,39 @@ def test_the_engines_schedulers_of_one_schedule_go_on_from_what_control_learnt(e
     engine.set_spec(other)
     assert engine.batcher().accept[other.key()].p == [PRIOR ** r for r in range(1, 3)]
     engine.set_spec(SpecConfig(method="off"))
+
+
+def test_a_server_scrape_shows_what_the_controller_prices(engine: Engine, off) -> None:
+    """/metrics (engine.serving.metrics) reads adaptive control's state at the scrape: per batch size
+    stepped, the controller's price of a step with 0-16 draft rows as `StepCost.table` says, the
+    live forwards per count of rows that ran, the level and the batch's estimate; nothing for a
+    scheduler without an adaptive band."""
+    from prometheus_client import generate_latest
+
+    from engine.serving.metrics import Metrics
+
+    prompts, ref = off
+    spec = SpecConfig(method="ngram", depth=3, ngram_min=1, ngram_max=3, adaptive=True)
+    be = BatchEngine(engine, max_batch=2, schedule=schedule_of(spec, 2))
+    reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=2)
+    assert [r.result.tokens for r in reqs] == ref
+    metrics = Metrics("m")
+    metrics.adaptive(be)
+    got = {}
+    for line in generate_latest(metrics.registry).decode().splitlines():
+        if line.startswith("spectune:adaptive_"):
+            name, value = line.rsplit(" ", 1)
+            got[name] = float(value)
+    price = be.cost.table(2, 0, 16)
+    for n in (0, 1, 4, 16):
+        assert got[f'spectune:adaptive_price_seconds{{batch="2",model_name="m",rows="{n}"}}'] == pytest.approx(price[n])
+    steps = {int(k.split('rows="')[1].rstrip('"}')): v for k, v in got.items()
+             if k.startswith('spectune:adaptive_forward_steps{batch="2"')}
+    assert steps and steps == {n: be.cost.rows[2].n[n] for n in steps}
+    assert got['spectune:adaptive_level{model_name="m"}'] == pytest.approx(be.cost.level)
+    key = spec.key()
+    assert got[f'spectune:adaptive_acceptance{{model_name="m",position="1",spec="{key}"}}'] == \
+        pytest.approx(be.accept[key].p[0])
+    plain = Metrics("m")
+    plain.adaptive(BatchEngine(engine, max_batch=2, schedule=schedule_of(SpecConfig(method="off"), 2)))
+    assert "spectune:adaptive" not in generate_latest(plain.registry).decode()
