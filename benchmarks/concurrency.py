@@ -98,7 +98,7 @@ def run_builtin(overrides: list[str], specs: list[SpecConfig], levels: list[int]
         for c, s in got.items():
             rows.append(_row(_builtin(weights), spec, c, s, weights))
             print(f"  {_builtin(weights)} {spec.key():<16} c={c:<3} {s.output_tokens_per_s:7.1f} tok/s  tpot p50 "
-                  f"{s.tpot_p50_ms or 0:6.1f} ms", file=sys.stderr)
+                  f"{s.tpot_p50_ms or 0:6.1f} ms", file=sys.stderr, flush=True)
     return rows
 
 
@@ -125,7 +125,9 @@ def run_vllm(overrides: list[str], specs: list[SpecConfig], levels: list[int], r
             got = _levels_run(HttpTarget(url, launcher.model, cfg.workload.chat_template), prompts, params, levels, repeats)
             for c, s in got.items():
                 rows.append(_row("vllm", spec, c, s, dtype))
-                print(f"  vllm {dtype} {spec.key():<16} c={c:<3} {s.output_tokens_per_s:7.1f} tok/s", file=sys.stderr)
+                # as each row lands, with its TPOT: a run cut short by a time limit keeps what it measured
+                print(f"  vllm {dtype} {spec.key():<16} c={c:<3} {s.output_tokens_per_s:7.1f} tok/s  tpot p50 "
+                      f"{s.tpot_p50_ms or 0:6.1f} ms", file=sys.stderr, flush=True)
     return rows
 
 
