@@ -441,17 +441,22 @@ def test_progress_lines_when_not_a_terminal() -> None:
 
 
 def test_training_prompts_are_the_same_in_another_process() -> None:
-    """The data cache key hashes the prompt texts: they must not depend on the process (e.g. a
-    default value printed with its memory address)."""
+    """The data cache key hashes the prompt texts: they must not depend on the process (a default
+    value printed with its memory address, or with the process's environment: `cgi.parse`'s
+    `environ=os.environ` once wrote every variable, secrets included, into a prompt)."""
+    import os
     import subprocess
     import sys
 
     code = ("from tuner.schema.compose import load_config; from engine.heads.prompts import collect_prompts; import hashlib;"
-            "w=load_config(['+workload=code']).workload;"
-            "print(hashlib.sha256('\\n'.join(p.text for p in collect_prompts(w, [], 2000, 0)).encode()).hexdigest())")
-    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300).stdout.strip()
-            for _ in range(2)}
-    assert len(runs) == 1 and len(next(iter(runs))) == 64
+            "w=load_config(['+workload=code']).workload; t='\\n'.join(p.text for p in collect_prompts(w, [], 2000, 0));"
+            "print(hashlib.sha256(t.encode()).hexdigest(), 'leaked' if 'not-for-prompts' in t else 'clean')")
+    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "SPECTUNE_TEST_SECRET": f"not-for-prompts-{i}"}).stdout.strip()
+            for i in range(2)}
+    assert len(runs) == 1, runs
+    digest, leak = next(iter(runs)).split()
+    assert len(digest) == 64 and leak == "clean"
 
 
 def test_training_precision_is_bf16_only_where_the_hardware_multiplies_it(monkeypatch, data: DistillData,
