@@ -31,6 +31,7 @@ if _is_cli_process():
     _signal.signal(_signal.SIGINT, _interrupted_before_main)
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import signal  # noqa: E402
 import threading  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
@@ -76,6 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     for register in _extensions():
         register(sub)
     return p
+
+
+@functools.cache
+def _parser() -> argparse.ArgumentParser:
+    """build_parser's tree, built once per process: parsing leaves it unchanged (each parse makes its own
+    Namespace), and a process that calls main() again (the tests, hundreds of times) skips rebuilding
+    its 17 subcommands and their help."""
+    return build_parser()
 
 
 # Modules that define more subcommands, each with `register(subparsers)`. One line per issue's
@@ -191,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             from tuner.schema.spec import UserError
 
             try:
-                parser = build_parser()
+                parser = _parser()
                 rc = (args := parse(parser, argv)).func(args)
             except UserError as exc:
                 print(f"error: {exc}", file=sys.stderr)
