@@ -11,6 +11,7 @@ memory beside the model), the fastest of ROUNDS steps counting (another process'
 from __future__ import annotations
 
 import copy
+import json
 import os
 import time
 from collections.abc import Callable
@@ -59,16 +60,23 @@ def time_format(hf_model: torch.nn.Module, weights: str, max_batch: int) -> dict
     return out
 
 
-def timed_formats(load: Callable[[], torch.nn.Module], shape: str, formats: tuple[str, ...], max_batch: int,
-                  cache_dir: str | os.PathLike | None = None, remeasure: bool = False) -> dict[str, dict[str, float]]:
+def timed_formats(load: Callable[[], torch.nn.Module] | None, shape: str, formats: tuple[str, ...], max_batch: int,
+                  cache_dir: str | os.PathLike | None = None, remeasure: bool = False
+                  ) -> dict[str, dict[str, float]] | None:
     """{format: {point: ms}} for each of `formats`, timed once per (CPU, threads, torch, the step's
     build, the model's `shape`, max_batch) and cached; `load()` gives the fp32 model, called only
-    when timing."""
+    when timing. `load` None: the cached figures only (None when none were timed here)."""
     key = "|".join([cpu_signature(), f"torch {torch.__version__}", f"step {decode_step.TAG}", shape,
                     f"b{max_batch}", ",".join(formats), f"v{VERSION}"])
+    path = cache_root(cache_dir) / "weights_auto.json"
+    if load is None:
+        try:
+            return json.loads(path.read_text()).get(key)
+        except (OSError, ValueError):
+            return None
 
     def measure(_old: object) -> dict[str, dict[str, float]]:
         model = load()
         return {f: time_format(model, f, max_batch) for f in formats}
 
-    return measured_once(cache_root(cache_dir) / "weights_auto.json", key, measure, remeasure)
+    return measured_once(path, key, measure, remeasure)

@@ -340,11 +340,12 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def auto_choice(engine_cfg: BuiltinEngineConfig, model_cfg: ModelConfig, device: torch.device,
-                cache_dir: str | None = None, seed: int = 0) -> tuple[str, str]:
+                cache_dir: str | None = None, seed: int = 0, time_here: bool = True) -> tuple[str, str] | None:
     """(format, reason in one line) that engine.builtin.weights=auto takes for this model here (a
     Config has already made it fp8 where the deployment serves FP8): a rule's format
     (tuner.schema.precision), else the candidate a timed decode step measures fastest
-    (engine.models.autoweights: once per machine and model, cached, the figures in the reason)."""
+    (engine.models.autoweights: once per machine and model, cached, the figures in the reason).
+    `time_here` False: what the cache holds, None where the engine never timed them here."""
     formats, why = auto_candidates(quantization=None, device=device.type, accelerator=device.type,
                                    dtype=engine_cfg.dtype, forward=engine_cfg.forward,
                                    native_step=engine_cfg.native_step, params_b=model_cfg.params_b,
@@ -362,8 +363,9 @@ def auto_choice(engine_cfg: BuiltinEngineConfig, model_cfg: ModelConfig, device:
     m = model_cfg
     shape = (f"{m.name} {m.num_layers}x{m.hidden_size} heads {m.num_attention_heads}/{m.num_kv_heads}x{m.head_dim} "
              f"vocab {m.vocab_size}")
-    ms = timed_formats(lambda: _fp32_model(model_cfg, cache_dir, seed)[0], shape, runs, engine_cfg.max_batch, cache_dir)
-    return timed_choice(ms)
+    load = (lambda: _fp32_model(model_cfg, cache_dir, seed)[0]) if time_here else None
+    ms = timed_formats(load, shape, runs, engine_cfg.max_batch, cache_dir)
+    return None if ms is None else timed_choice(ms)
 
 
 def resolve_weights(engine_cfg: BuiltinEngineConfig, model_cfg: ModelConfig, device: torch.device,
@@ -371,7 +373,9 @@ def resolve_weights(engine_cfg: BuiltinEngineConfig, model_cfg: ModelConfig, dev
     """engine.builtin.weights with auto resolved for this machine (`auto_choice`)."""
     if engine_cfg.weights != "auto":
         return engine_cfg.weights
-    return auto_choice(engine_cfg, model_cfg, device, cache_dir, seed)[0]
+    got = auto_choice(engine_cfg, model_cfg, device, cache_dir, seed)
+    assert got is not None  # timed here where the cache has no figures
+    return got[0]
 
 
 def _fp32_model(model_cfg: ModelConfig, cache_dir: str | None, seed: int) -> tuple[torch.nn.Module, object]:

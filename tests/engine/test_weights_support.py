@@ -163,7 +163,8 @@ def test_auto_weights_resolve_where_the_engine_loads(monkeypatch: pytest.MonkeyP
     """engine.builtin.weights=auto stays in the config (a manifest's pod resolves it on its node) and
     the engine resolves it on the machine it loads on: where the native step runs a model of at least
     0.1B parameters, fp32 and bf16 are each timed through the native step (real timings here, then
-    cached: a second resolution times nothing) and the engine loads the faster; planted timings move
+    cached: a second resolution times nothing, and best.yaml reads the same choice back) and the
+    engine loads the faster; planted timings move
     the choice both ways; CUDA and the tiny test model keep fp32 by rule, without a timing."""
     from engine.models import autoweights
     from engine.models.target import auto_choice, resolve_weights
@@ -176,6 +177,7 @@ def test_auto_weights_resolve_where_the_engine_loads(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(autoweights, "cache_root", lambda _dir: tmp_path)  # <cache>/weights_auto.json
     assert cfg.engine.builtin.weights == "auto"
     cpu = torch.device("cpu")
+    assert auto_weights_timed(cfg) is None  # best.yaml's reading times nothing: no engine timed it here yet
     fmt, why = auto_choice(cfg.engine.builtin, cfg.model, cpu, cfg.cache_dir)
     timed = json.loads((tmp_path / "weights_auto.json").read_text())
     (ms,) = timed.values()

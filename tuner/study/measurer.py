@@ -113,9 +113,11 @@ def open_engine(cfg: Config) -> Engine:
 
 
 def auto_weights_timed(cfg: Config) -> tuple[str, str] | None:
-    """(format, reason) engine.builtin.weights=auto takes for cfg's built-in engine here where a timed
-    decode step decides it (engine.models.target.auto_choice: timed once per machine and model, then
-    read from the cache); None where the config or a rule decides (tuner.schema.config.weights_reason)."""
+    """(format, reason) engine.builtin.weights=auto took for cfg's built-in engine here where a timed
+    decode step decides it: what the engine's timing left in the cache when it loaded
+    (engine.models.target.auto_choice; never timed here: best.yaml records what the trials ran at);
+    None where the config or a rule decides (tuner.schema.config.weights_reason), or where no engine
+    timed it on this machine (the reason then says the choice was not recorded here)."""
     from tuner.schema.config import auto_weights_of
 
     b = cfg.engine.builtin
@@ -123,7 +125,7 @@ def auto_weights_timed(cfg: Config) -> tuple[str, str] | None:
         return None
     from engine.models.target import auto_choice, resolve_device
 
-    return auto_choice(b, cfg.model, resolve_device(b.device), cfg.cache_dir, cfg.seed)
+    return auto_choice(b, cfg.model, resolve_device(b.device), cfg.cache_dir, cfg.seed, time_here=False)
 
 
 def open_launcher(cfg: Config, *, log_dir: str | Path | None = None) -> Launcher:
