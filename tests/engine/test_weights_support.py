@@ -169,7 +169,8 @@ def test_auto_weights_resolve_where_the_engine_loads(monkeypatch: pytest.MonkeyP
     from engine.models import autoweights
     from engine.models.target import auto_choice, resolve_weights
     from tuner.schema.precision import timed_choice
-    from tuner.study.measurer import auto_weights_timed
+    from engine.heads.pipeline import target_hash
+    from tuner.study.measurer import auto_weights_timed, train_job
 
     # the tiny random Llama said to be 0.2B: its steps are timed (quickly) like the packaged model's
     over = [*TINY, "model.params_b=0.2", "engine.builtin.max_batch=3"]
@@ -199,6 +200,9 @@ def test_auto_weights_resolve_where_the_engine_loads(monkeypatch: pytest.MonkeyP
         assert resolve_weights(c.engine.builtin, c.model, cpu, c.cache_dir) == want
         assert open_engine(c).lean.model.weights == want
         assert auto_weights_timed(c)[1].startswith("a timed decode step measured it fastest here")
+        # a head's answers are keyed by the format the target computes in, auto resolved
+        pinned = load_config([*over, "+workload=code", f"engine.builtin.weights={want}"])
+        assert target_hash(train_job(load_config([*over, "+workload=code"]))) == target_hash(train_job(pinned))
     assert resolve_weights(cfg.engine.builtin, cfg.model, torch.device("cuda")) == "fp32"
     tiny = open_engine(load_config(TINY))
     assert tiny.lean.model.weights == "fp32"
