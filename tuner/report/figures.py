@@ -510,7 +510,8 @@ def run_summary(study: optuna.Study, best: BestResult | None, cfg: Config | None
     attrs = study.user_attrs
     rows: list[tuple[str, str]] = []
     if cfg is not None:
-        rows.append(("model", f"{cfg.model.name} ({cfg.model.hf_id}; measured: {measured_weights(cfg)})"))
+        measured = pv.measured_weights if pv is not None and pv.measured_weights else measured_weights(cfg)
+        rows.append(("model", f"{cfg.model.name} ({cfg.model.hf_id}; measured: {measured})"))
         why = pv.weights_reason if pv is not None and pv.weights_reason else weights_reason(cfg)
         if why:
             rows.append(("weights", why))

@@ -20,7 +20,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from tuner.schema.results import (ArmLevel, Arms, BestResult, Capacity, CapacityProbe, Figures, HeadBound, HeadPilot,
                                   PartResult, ProjectedPoint, Projection, Provenance)
 from tuner.schema.methods import SpecMethod, engine_refusal, head_methods, search_refusal
-from tuner.schema.precision import auto_weights
+from tuner.schema.precision import auto_candidates
 from tuner.schema.spec import SpecConfig, UserError
 from tuner.schema.spec import Strict as _Strict
 
@@ -294,8 +294,9 @@ class BuiltinEngineConfig(_Strict):
     # native step reads them at that size (2 or 1 bytes a weight); activations, norms, attention and
     # the KV cache stay in `dtype`. auto: fp8 where the deployment serves FP8 (deploy.quantization=fp8,
     # resolved when the config loads), so trials measure the acceptance of the served weights; else
-    # per machine, where the engine loads (tuner.schema.precision): bf16 where the native step runs on
-    # a CPU with native bf16 (avx512_bf16, AMX) for a model of at least 0.1B parameters, else fp32
+    # per machine, where the engine loads (tuner.schema.precision): where the native step runs a model
+    # of at least 0.1B parameters, fp32 or bf16, whichever a short timed decode step of each measures
+    # faster (once per machine and model, cached; the figures in best.yaml's weights_reason), else fp32
     weights: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
     threads: int | None = Field(None, ge=1)
     onednn_linears: bool = True  # CPU fp32: linears through oneDNN (engine/models/kernels.py); false: plain nn.Linear
@@ -981,26 +982,38 @@ def trained_drafts(cfg: "Config") -> tuple[str, ...]:
     return tuple(out)
 
 
-def auto_weights_of(cfg: "Config") -> tuple[str, str]:
-    """(format, reason in one line) that engine.builtin.weights=auto takes for cfg on this machine."""
+def auto_weights_of(cfg: "Config") -> tuple[tuple[str, ...], str]:
+    """(the formats engine.builtin.weights=auto chooses among for cfg on this machine, why in one
+    line): one where a rule decides, else the formats a timed decode step decides between where the
+    engine loads (tuner.schema.precision)."""
     b, m = cfg.engine.builtin, cfg.model
-    return auto_weights(quantization=cfg.deploy.quantization, device=b.device, accelerator=cfg.hardware.accelerator,
-                        dtype=b.dtype, forward=b.forward, native_step=b.native_step, params_b=m.params_b,
-                        head_dim=m.head_dim)
+    return auto_candidates(quantization=cfg.deploy.quantization, device=b.device, accelerator=cfg.hardware.accelerator,
+                           dtype=b.dtype, forward=b.forward, native_step=b.native_step, params_b=m.params_b,
+                           head_dim=m.head_dim)
 
 
-def builtin_weights(cfg: "Config") -> str:
-    """The format the built-in engine of cfg computes with on this machine (auto resolved)."""
+# `timed`, below: what auto took where the engine loaded and why, (format, reason), when a timing decided
+# it (engine.models.target.auto_choice; the tuner passes it); without it such a format is unresolved
+Timed = tuple[str, str] | None
+
+
+def builtin_weights(cfg: "Config", timed: Timed = None) -> str:
+    """The format the built-in engine of cfg computes with on this machine (auto resolved; "auto"
+    where a timing decides it and `timed` is not given)."""
     w = cfg.engine.builtin.weights
-    return auto_weights_of(cfg)[0] if w == "auto" else w
+    if w != "auto":
+        return w
+    formats, _ = auto_weights_of(cfg)
+    return formats[0] if len(formats) == 1 else timed[0] if timed else "auto"
 
 
-def weights_reason(cfg: "Config") -> str | None:
+def weights_reason(cfg: "Config", timed: Timed = None) -> str | None:
     """Why the built-in engine of cfg measures at its weights on this machine, in one line (best.yaml's
     provenance.weights_reason and the report); None for a launched engine."""
     if cfg.engine.kind != "builtin":
         return None
-    auto, why = auto_weights_of(cfg)
+    formats, why = auto_weights_of(cfg)
+    auto, why = (formats[0], why) if len(formats) == 1 else timed if timed else (" or ".join(formats), why)
     w = cfg.engine.builtin.weights
     if w in ("auto", auto):
         return f"{auto}: {why}"
@@ -1009,10 +1022,11 @@ def weights_reason(cfg: "Config") -> str | None:
 
 # engine.builtin.weights in measured_weights' words
 WEIGHT_WORDS = {"fp32": "fp32 weights", "bf16": "weights rounded to bf16",
-                "fp8": "fp8 e4m3 weights with per-tensor scales (vLLM's --quantization fp8; embeddings and lm_head bf16)"}
+                "fp8": "fp8 e4m3 weights with per-tensor scales (vLLM's --quantization fp8; embeddings and lm_head bf16)",
+                "auto": "fp32 or bf16 weights, whichever a timed decode step measures faster where the engine runs"}
 
 
-def measured_weights(cfg: "Config") -> str:
+def measured_weights(cfg: "Config", timed: Timed = None) -> str:
     """Which weights the engine of cfg measures, in words (best.yaml's provenance.measured_weights;
     the manifests serve model.hf_id). The same order of sources as engine.models.target.hf_checkpoint_dir
     and the launcher: local_path, random_init, gguf, else the hub."""
@@ -1028,7 +1042,7 @@ def measured_weights(cfg: "Config") -> str:
         what = f"hub {m.hf_id}"
     if kind == "builtin":
         b = cfg.engine.builtin
-        w = builtin_weights(cfg)
+        w = builtin_weights(cfg, timed)
         run = ([f"run in {b.dtype}"] if b.dtype != "float32" else []) + [WEIGHT_WORDS[w]]
     else:
         launched = getattr(cfg.engine, kind)

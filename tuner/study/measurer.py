@@ -112,6 +112,22 @@ def open_engine(cfg: Config) -> Engine:
     return Engine.from_config(cfg.model, cfg.engine.builtin, cfg.spec, cache_dir=cfg.cache_dir, seed=cfg.seed)
 
 
+def auto_weights_timed(cfg: Config) -> tuple[str, str] | None:
+    """(format, reason) engine.builtin.weights=auto took for cfg's built-in engine here where a timed
+    decode step decides it: what the engine's timing left in the cache when it loaded
+    (engine.models.target.auto_choice; never timed here: best.yaml records what the trials ran at);
+    None where the config or a rule decides (tuner.schema.config.weights_reason), or where no engine
+    timed it on this machine (the reason then says the choice was not recorded here)."""
+    from tuner.schema.config import auto_weights_of
+
+    b = cfg.engine.builtin
+    if cfg.engine.kind != "builtin" or b.weights != "auto" or len(auto_weights_of(cfg)[0]) == 1:
+        return None
+    from engine.models.target import auto_choice, resolve_device
+
+    return auto_choice(b, cfg.model, resolve_device(b.device), cfg.cache_dir, cfg.seed, time_here=False)
+
+
 def open_launcher(cfg: Config, *, log_dir: str | Path | None = None) -> Launcher:
     """A launcher (engine.launch.launcher.Launcher) for cfg.engine (vllm / sglang) serving cfg.model
     with the command the manifests carry (tuner.schema.engine_command.server_settings): on GPUs the

@@ -602,6 +602,9 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
     arms = compare_arms(trials, cfg.search.noise_rel, cfg.workload.levels, win)
     parts = part_results(cfg, win.spec, objective) if objective is not None else []
     skipped = objective.skipped_requests() if objective is not None else 0
+    from tuner.study.measurer import auto_weights_timed
+
+    timed = auto_weights_timed(cfg)  # read from the cache the engine's timing wrote when it loaded
     return BestResult(
         parts=parts, skipped_requests=skipped, arms=arms,
         spec=win.spec, chain_spec=chain, metrics=metrics, baseline=baseline, speedup=speedup,
@@ -616,8 +619,8 @@ def best_result(cfg: Config, study: optuna.Study, run_dir: Path, win: Winner, ob
             storage=mask_url(storage_url(cfg.search, run_dir)),  # no password in best.yaml
             date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             model=cfg.model.name, hardware=cfg.hardware.name, engine=cfg.engine.kind, workload=cfg.workload.name,
-            measured_weights=measured_weights(cfg), served_weights=cfg.model.hf_id,
-            weights_reason=weights_reason(cfg),
+            measured_weights=measured_weights(cfg, timed), served_weights=cfg.model.hf_id,
+            weights_reason=weights_reason(cfg, timed),
             server=measured_server(cfg, measured_version(trials, c.trials if c is not None else [], objective))),
     )
 
