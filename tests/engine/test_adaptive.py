@@ -436,6 +436,7 @@ def test_probes_weigh_rows_at_no_more_than_the_average_row() -> None:
 
 
 def test_the_curve_is_timed_once_and_cached(engine: Engine, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(stepcost, "others_share", lambda mark: 0.0)  # timed on a quiet machine
     cost = stepcost.step_cost(engine.lean, 3, 4, "tiny test", tmp_path)
     assert sorted(cost.curves) == [1, 2, 3]
     for b, pts in cost.curves.items():
@@ -450,6 +451,20 @@ def test_the_curve_is_timed_once_and_cached(engine: Engine, tmp_path, monkeypatc
 
     monkeypatch.setattr(stepcost, "time_steps", timed_again)
     assert stepcost.step_cost(engine.lean, 3, 4, "tiny test", tmp_path).curves == cost.curves
+
+
+def test_a_curve_timed_while_others_kept_the_cpus_busy_is_used_but_not_cached(engine: Engine, tmp_path,
+                                                                              monkeypatch, capsys) -> None:
+    """Other processes kept half the CPUs busy while the curve was timed: the engine prices with it,
+    the cache keeps none (a later quiet run times its own); timed quietly, it is cached."""
+    monkeypatch.setattr(stepcost, "others_share", lambda mark: 0.5)
+    loaded = stepcost.step_cost(engine.lean, 2, 3, "tiny test", tmp_path)
+    assert sorted(loaded.curves) == [1, 2] and not (tmp_path / "step_cost.json").exists()
+    assert "50% of the CPUs busy" in capsys.readouterr().err
+    monkeypatch.setattr(stepcost, "others_share", lambda mark: stepcost.LOADED)
+    stepcost.step_cost(engine.lean, 2, 3, "tiny test", tmp_path)
+    (got,) = json.loads((tmp_path / "step_cost.json").read_text()).values()
+    assert got["others"] == stepcost.LOADED and capsys.readouterr().err == ""
 
 
 def test_adaptive_needs_the_lean_forward(engine: Engine, monkeypatch) -> None:
