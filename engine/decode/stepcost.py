@@ -9,10 +9,15 @@ step without drafts and each further row really cost against the curve.
 The curve was timed once, at other contexts, perhaps under another load: the live figures, not the
 curve, price a step. Per batch size the live steps fit t = c0 (a + b m) by least squares (c0: the
 curve's step without extra rows, m: the curve's cost of the extra rows over c0), the slope b held
-towards the live level of all steps (a curve timed under a load that has since gone is uniformly
-too slow; rows cost what the curve says, times that level) until the steps run spread their rows
-enough to say otherwise. A batch size that never drafts keeps that prior, a batch size whose drafts
-cost more than the curve said learns it from the steps that drafted.
+towards 1 until the steps run spread their rows enough to say otherwise: a served step runs slower
+than the curve by a share of the step, not of its rows (the server's threads share the cores with
+the forward: over HTTP on the 2-core AVX2 EPYC steps without rows ran 1.1-1.4x the curve, while 4
+draft rows, the count run most often, cost 0.67-1.08x the curve's 4 rows over the live step
+without rows at batch 1 and 4 (138, 90 and 22 steps), below that level times them;
+docs/results.md, adaptive speculation). A batch size that has not run takes the live level of
+all steps (each step's seconds less the curve's rows, over c0) for its step and the curve for its
+rows; a batch size whose drafts cost more than the curve said learns it from the steps that
+drafted.
 
 The fit prices every row alike, at no less than the curve's average row over a window of at least
 as many rows as the batch has sequences (the lower envelope has flat stretches that are not the
@@ -31,8 +36,8 @@ controller's choices and its probes, engine.decode.control): where a count was s
 its rows over the step without rows moves from the fit's towards the table's, by the weight of
 its observations (ROWS_SEEN observations weigh as much as the fit), and so does the price of the
 step without rows. A count never run keeps the
-fit's price; `table(..., optimistic=True)` prices rows at no more than the curve's average row at
-the batch size's live level, what the probes weigh to decide whether a row could pay and so be
+fit's price; `table(..., optimistic=True)` prices rows at no more than the curve's average row,
+what the probes weigh to decide whether a row could pay and so be
 measured."""
 
 from __future__ import annotations
@@ -145,7 +150,7 @@ class StepCost:
         self.levels = sorted(self.curves)
         self.max_rows = max_rows  # rows per sequence the curve was timed up to
         self.draft_s = 0.0
-        self.level = 1.0  # live steps over the curve, all batch sizes together, followed online
+        self.level = 1.0  # live steps less the curve's rows over the curve's step, all batch sizes, followed online
         self.live: dict[int, _Live] = {}
         self.rows: dict[int, _Rows] = {}  # per batch size: the forward's seconds per count of draft rows
         self._rows_memo: dict[int, dict[float, float]] = {}  # per batch size: rows_s per count of rows
@@ -197,7 +202,8 @@ class StepCost:
 
     def step_s(self, batch: int, extra: float) -> float:
         """Expected seconds of a live step: the batch size's fit of its live steps on the curve
-        (engine.decode.stepcost), the curve times the live level where that batch size has not run."""
+        (engine.decode.stepcost); where that batch size has not run, the curve's step without rows
+        times the live level, plus the curve's rows."""
         return self._forward_s(batch, extra, 0)[0]
 
     def _forward_s(self, batch: int, extra: float, count: int, optimistic: bool = False) -> list[float]:
@@ -205,7 +211,7 @@ class StepCost:
         total's rows priced at no more than the average row)."""
         c0 = self.curve_s(batch, 0)
         live = self.live.get(batch)
-        a, b = live.fit(self.level) if live is not None else (self.level, self.level)
+        a, b = live.fit(1.0) if live is not None else (self.level, 1.0)
         fit_base = c0 * max(a, 0.1)
         table = self.rows.get(batch)
         base = table.base(fit_base) if table is not None else fit_base
@@ -221,8 +227,8 @@ class StepCost:
             rows = c0 * max(a + b * m / c0, 0.1) - fit_base
             if table is not None and x == int(x):  # only whole counts of rows ran
                 rows = table.price(int(x), rows)
-            if optimistic:  # at this batch size's live level: the fit's slope may be one stall's
-                rows = min(rows, max(a, 0.1) * avg)
+            if optimistic:  # the curve's average row: the fit's slope may be one stall's
+                rows = min(rows, avg)
             out.append(base + max(rows, 0.0))
         return out
 
@@ -260,7 +266,7 @@ class StepCost:
         c = c0 + self.rows_s(batch, extra)
         expected = self._forward_s(batch, extra, 0)[0]
         t = min(max(seconds, CLIP_LOW * c, STEP_CLIP[0] * expected), CLIP_HIGH * c, STEP_CLIP[1] * expected)
-        self.level += FOLLOW * (t / c - self.level)
+        self.level += FOLLOW * (max(t - (c - c0), CLIP_LOW * c0) / c0 - self.level)  # the step's, not its rows
         self.live.setdefault(batch, _Live()).add(c / c0 - 1, t / c0)
         self.rows.setdefault(batch, _Rows()).add(extra, t)
 

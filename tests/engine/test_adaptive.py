@@ -241,15 +241,19 @@ def _run(cost: StepCost, batch: int, steps: int, seconds, rows=range(17)) -> Non
         cost.observe_step(batch, x, seconds(x))
 
 
-def test_live_steps_without_drafts_rescale_the_whole_curve() -> None:
-    """The curve was timed under twice today's load: steps at batch 8 with no draft rows take half
-    of it, and the rows (never run at batch 8) are priced at half too; a batch size that never ran
-    follows the level of all live steps."""
+def test_live_steps_without_drafts_rescale_the_step_not_its_rows() -> None:
+    """Steps at batch 8 with no draft rows take half the curve's step: the step without rows is
+    priced at half, its rows (never run at batch 8) at the curve's (a served step's slowdown is the
+    step's, not its rows'); a batch size that never ran takes the live level for its step and the
+    curve for its rows."""
     c = StepCost(TIMED, max_rows=9)
     _run(c, 8, 200, lambda x: 0.020, rows=[0])
     assert c.step_s(8, 0) == pytest.approx(0.020, rel=0.01)
-    assert c.step_s(8, 16) == pytest.approx(0.5 * 0.056, rel=0.02)
-    assert c.step_s(1, 8) == pytest.approx(0.5 * 0.024, rel=0.02)
+    assert c.step_s(8, 16) == pytest.approx(0.020 + 0.016, rel=0.02)
+    assert c.level == pytest.approx(0.5, rel=0.01)
+    assert c.step_s(1, 8) == pytest.approx(0.5 * 0.020 + 0.004, rel=0.02)
+    _run(c, 8, 200, lambda x: 0.020 + 0.001 * x, rows=[16])  # rows as the curve says: the level holds
+    assert c.level == pytest.approx(0.5, rel=0.01)
 
 
 def test_rows_dearer_than_the_curve_are_learnt_from_the_steps_that_drafted() -> None:
