@@ -11,10 +11,9 @@ curve, price a step. Per batch size the live steps fit t = c0 (a + b m) by least
 curve's step without extra rows, m: the curve's cost of the extra rows over c0), the slope b held
 towards 1 until the steps run spread their rows enough to say otherwise: a served step runs slower
 than the curve by a share of the step, not of its rows (the server's threads share the cores with
-the forward: over HTTP on the 2-core AVX2 EPYC steps without rows ran 1.1-1.4x the curve, while 4
-draft rows, the count run most often, cost 0.67-1.08x the curve's 4 rows over the live step
-without rows at batch 1 and 4 (138, 90 and 22 steps), below that level times them;
-docs/results.md, adaptive speculation). A batch size that has not run takes the live level of
+the forward: served over HTTP, steps without rows ran well over the curve while the draft rows
+run most often cost about the curve's rows over them, not that level times them; docs/results.md,
+adaptive speculation). A batch size that has not run takes the live level of
 all steps (each step's seconds less the curve's rows, over c0) for its step and the curve for its
 rows; a batch size whose drafts cost more than the curve said learns it from the steps that
 drafted.
@@ -347,6 +346,6 @@ def step_cost(forward: Any, max_batch: int, max_rows: int, signature: str,
 def quiet_enough(curve: dict[str, Any]) -> bool:
     """Whether a timed curve may be cached: other processes kept at most LOADED of the CPUs busy while it
     was timed (or that could not be told). A curve timed under load is uniformly slow and has flat
-    stretches (a run at load 6 timed 852 ms a step at batch 32 where a quiet one times ~90, flat over
-    0-13 rows); cached, every later run on the machine, quiet ones too, would price steps with it."""
+    stretches (docs/results.md, adaptive speculation: several times a quiet curve at the largest
+    batch); cached, every later run on the machine, quiet ones too, would price steps with it."""
     return curve.get("others") is None or curve["others"] <= LOADED
