@@ -471,6 +471,25 @@ def test_a_curve_timed_while_others_kept_the_cpus_busy_is_used_but_not_cached(en
     assert got["others"] == stepcost.LOADED and capsys.readouterr().err == ""
 
 
+def test_the_benchmarks_steady_figure_leaves_out_the_drain() -> None:
+    """benchmarks/adaptive.py: two clients, three requests of 10 tokens; the first streams a chunk
+    every 0.1 s, the second every 0.3 s, the third is sent when the first ends (1.0 s). Until then
+    13 tokens streamed (10 and 3): 13 tok/s steady, where the whole pass, drain and all, reads 10;
+    a pass whose requests were all sent at its start has no steady span."""
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "adaptive.py"
+    spec = importlib.util.spec_from_file_location("adaptive_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    timeline = [(0.0, 10, [k / 10 for k in range(1, 11)]), (0.0, 10, [3 * k / 10 for k in range(1, 11)]),
+                (1.0, 10, [1 + k / 10 for k in range(1, 11)])]
+    assert bench.steady_tok_s(SimpleNamespace(timeline=timeline)) == pytest.approx(13.0)
+    assert bench.steady_tok_s(SimpleNamespace(timeline=timeline[:2])) is None
+
+
 def test_adaptive_needs_the_lean_forward(engine: Engine, monkeypatch) -> None:
     monkeypatch.setattr(engine, "lean", None)  # the config refuses forward=hf first (tests/tuner/test_config.py)
     with pytest.raises(UserError, match="spec.adaptive=true needs engine.builtin.forward=lean"):
