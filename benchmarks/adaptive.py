@@ -45,6 +45,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -132,12 +133,14 @@ def controller_state(url: str, batch: int) -> dict[str, Any]:
 
 def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], prompts: int, max_new_tokens: int,
         rounds: int, waves: int = 2, texts: dict[tuple[str, str, int, int], list[str]] | None = None,
-        states: dict[tuple[str, int], dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+        states: dict[tuple[str, int], dict[str, Any]] | None = None,
+        rows: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Rows (workload, config, level, round, tok/s, tau, requests, in flight): every configuration's
     server up at once, each cell measured in `rounds` interleaved rounds of `requests_at` requests
     (see the module's docstring). `texts`, when given, receives each pass's answers by (workload,
     config, level, round), to compare, never to print; `states` the adaptive server's controller
-    after each cell's rounds (`controller_state`), by (workload, level)."""
+    after each cell's rounds (`controller_state`), by (workload, level); `rows`, when given, receives
+    each row as it is measured (a run stopped early keeps them)."""
     over = [f"engine.builtin.max_batch={max(levels)}", f"serve.queue_size={4 * max(levels)}"]
     loads = {}
     for w in workloads:
@@ -145,7 +148,7 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
         loads[w] = (load_prompts(cfg.workload), sampling_params(cfg.workload), cfg.workload.chat_template)
     model = load_config([]).model.name
     log_dir = tempfile.mkdtemp(prefix="spectune-adaptive-")
-    rows = []
+    rows = [] if rows is None else rows
     with contextlib.ExitStack() as stack:
         urls = {s.key(): stack.enter_context(_tuner_serve(over, model, s, log_dir)) for s in specs_}
         keys = list(urls)
@@ -222,13 +225,19 @@ def compare(rows: list[dict[str, Any]], specs_: list[SpecConfig], workloads: lis
     out = []
     for w in workloads:
         for c in levels:
-            cell = _cell(rows, w, c, static, adaptive, "tok_s")
+            # only the rounds every configuration finished (a run stopped early may end mid-round)
+            done = set.intersection(*({r["round"] for r in rows if (r["workload"], r["config"], r["concurrency"]) ==
+                                       (w, k, c)} for k in ["off", *static, adaptive]))
+            if not done:
+                continue
+            cell = _cell([r for r in rows if r["round"] in done], w, c, static, adaptive, "tok_s")
             assert cell is not None  # every pass has its tok/s
             best = cell["best_static"]
-            out.append({"workload": w, "concurrency": c, **cell,
+            out.append({"workload": w, "concurrency": c, "rounds": len(done), **cell,
                         "in_flight": {name: round(statistics.fmean(_by_round(rows, w, k, c, "in_flight").values()), 3)
                                       for name, k in (("off", "off"), ("best_static", best), ("adaptive", adaptive))},
-                        "steady": _cell(rows, w, c, static, adaptive, "steady_tok_s")})
+                        "steady": _cell([r for r in rows if r["round"] in done], w, c, static, adaptive,
+                                        "steady_tok_s")})
     return out
 
 
@@ -249,6 +258,10 @@ def greedy_differences(texts: dict[tuple[str, str, int, int], list[str]]) -> lis
 
 def _ci(lo_hi: list[float | None]) -> str:
     return "" if lo_hi[0] is None else f" [{lo_hi[0]:.2f}, {lo_hi[1]:.2f}]"
+
+
+def _interrupted(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,9 +297,20 @@ def main(argv: list[str] | None = None) -> int:
     texts: dict[tuple[str, str, int, int], list[str]] = {}
     began = time.monotonic()
     states: dict[tuple[str, int], dict[str, Any]] = {}
-    rows = run(grid, workloads, levels, args.prompts, args.max_new_tokens, args.rounds, args.waves, texts, states)
+    rows: list[dict[str, Any]] = []
+    # a time limit's SIGTERM (or Ctrl-C) stops the measuring and the servers, and the table and JSON
+    # hold the cells whose rounds every configuration finished, not nothing
+    signal.signal(signal.SIGTERM, _interrupted)
+    try:
+        run(grid, workloads, levels, args.prompts, args.max_new_tokens, args.rounds, args.waves, texts, states, rows)
+    except KeyboardInterrupt:
+        print(f"\nstopped early: {len(rows)} passes measured; the table and JSON hold the finished rounds",
+              file=sys.stderr)
     wall = time.monotonic() - began
     table = compare(rows, grid, workloads, levels)
+    if not table:
+        print("no cell finished a round", file=sys.stderr)
+        return 1
     differ = greedy_differences(texts)
 
     print(f"\nload average {load:.1f} at the start; {args.prompts} prompts per workload, {args.max_new_tokens} new "
@@ -300,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{t['best_static_tok_s']:8.1f} {t['adaptive_tok_s']:9.1f} "
               f"{t['adaptive_vs_best_static']:6.3f}x{_ci(t['adaptive_vs_best_static_ci']):<15} "
               f"{t['adaptive_vs_off']:6.3f}x{_ci(t['adaptive_vs_off_ci']):<15} "
-              f"{f['off']:.2f}/{f['best_static']:.2f}/{f['adaptive']:.2f}")
+              f"{f['off']:.2f}/{f['best_static']:.2f}/{f['adaptive']:.2f}"
+              + (f"  ({t['rounds']} of {args.rounds} rounds)" if t["rounds"] < args.rounds else ""))
     print("(output tok/s over all requests, geometric means over the rounds; best static: the fastest chain "
           "of the grid at that level; ratios: per-round ratios' geometric mean and 95% interval; in flight: "
           "mean requests in flight over the level, off/best static/adaptive)")
