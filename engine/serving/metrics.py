@@ -98,7 +98,8 @@ class _Controller:
             return
         m = self.model
         g = {name: GaugeMetricFamily(f"spectune:adaptive_{name}", doc, labels=labels) for name, doc, labels in (
-            ("level", "Live steps' seconds over the step-cost curve's", ["model_name"]),
+            ("level", "Live steps' seconds less the curve's draft rows, over the curve's step without them",
+             ["model_name"]),
             ("draft_seconds_per_node", "Drafting seconds per drafted node", ["model_name"]),
             ("overhead_seconds", "A step's seconds outside the forward and drafting", ["model_name", "batch"]),
             ("curve_seconds", "The timed curve's forward seconds with this many draft rows", ["model_name", "batch", "rows"]),
