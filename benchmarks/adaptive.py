@@ -21,12 +21,16 @@ then ... C B A, so that the configurations of a cell are measured within seconds
 linear drift cancels over each pair of rounds. Before its first round each configuration plays one
 wave of the level (not measured: the adaptive engine's estimates and step cost settle at each
 batch size as a server's would). Each pass also reports its mean requests in flight over N (the
-requests' seconds over the pass's, Little's law): how much of the pass ran at the level. A cell's
+requests' seconds over the pass's, Little's law): how much of the pass ran at the level, and its
+steady tok/s: the tokens streamed until its last request was sent, over that span (the pass without
+its drain; a speculative pass's requests end at different steps, off's equal-length ones together,
+so only the speculative passes drain for long). A cell's
 tok/s is the geometric mean over rounds; its ratios are geometric means of the per-round ratios
 (adaptive against off, against the best static, both measured in the same round), with a 95%
 t-interval on their logs. The last line is one JSON object
 with `min_adaptive_vs_best_static` and `min_adaptive_vs_off`, the minima over every level of both
-workloads, each with the interval of the cell where it falls, and `greedy_identical`: whether every
+workloads, each with the interval of the cell where it falls (`min_steady_...`: the same on the steady
+tok/s), and `greedy_identical`: whether every
 pass answered as speculation off did in the same cell and round (`greedy_differences` lists the
 passes that did not, with how many requests differ). After each cell's rounds the adaptive
 server's /metrics gives its controller's state at that batch size (`controller`: a step's ms as
@@ -41,6 +45,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -81,6 +86,18 @@ def in_flight(m: Measurement, level: int) -> float:
     return sum(s for _, s in m.requests) / (level * m.wall_s) if m.wall_s > 0 else 0.0
 
 
+def steady_tok_s(m: Measurement) -> float | None:
+    """Output tok/s while every client held a request: the tokens streamed from the pass's start until
+    its last request was sent (after it the clients run dry one by one: the drain), over that span.
+    A request's tokens count by the share of its streamed chunks within the span. None where the
+    pass has no such span (every request sent at its start)."""
+    end = max((sent for sent, _, _ in m.timeline), default=0.0)
+    if end <= 0:
+        return None
+    got = sum(tokens * sum(t <= end for t in chunks) / len(chunks) for _, tokens, chunks in m.timeline if chunks)
+    return got / end
+
+
 def controller_state(url: str, batch: int) -> dict[str, Any]:
     """The adaptive server's controller as its /metrics shows it (engine.serving.metrics,
     spectune:adaptive_*) at one batch size: ms of a step with n draft rows as the curve timed it,
@@ -116,12 +133,14 @@ def controller_state(url: str, batch: int) -> dict[str, Any]:
 
 def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], prompts: int, max_new_tokens: int,
         rounds: int, waves: int = 2, texts: dict[tuple[str, str, int, int], list[str]] | None = None,
-        states: dict[tuple[str, int], dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+        states: dict[tuple[str, int], dict[str, Any]] | None = None,
+        rows: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Rows (workload, config, level, round, tok/s, tau, requests, in flight): every configuration's
     server up at once, each cell measured in `rounds` interleaved rounds of `requests_at` requests
     (see the module's docstring). `texts`, when given, receives each pass's answers by (workload,
     config, level, round), to compare, never to print; `states` the adaptive server's controller
-    after each cell's rounds (`controller_state`), by (workload, level)."""
+    after each cell's rounds (`controller_state`), by (workload, level); `rows`, when given, receives
+    each row as it is measured (a run stopped early keeps them)."""
     over = [f"engine.builtin.max_batch={max(levels)}", f"serve.queue_size={4 * max(levels)}"]
     loads = {}
     for w in workloads:
@@ -129,7 +148,7 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
         loads[w] = (load_prompts(cfg.workload), sampling_params(cfg.workload), cfg.workload.chat_template)
     model = load_config([]).model.name
     log_dir = tempfile.mkdtemp(prefix="spectune-adaptive-")
-    rows = []
+    rows = [] if rows is None else rows
     with contextlib.ExitStack() as stack:
         urls = {s.key(): stack.enter_context(_tuner_serve(over, model, s, log_dir)) for s in specs_}
         keys = list(urls)
@@ -145,14 +164,16 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
                         if s.errors:
                             raise RuntimeError(f"{k}, {w} at concurrency {c}: {s.errors[0]}")
                         occupied = in_flight(s.runs[0], c)
+                        steady = steady_tok_s(s.runs[0])
                         rows.append({"workload": w, "config": k, "concurrency": c, "round": r,
-                                     "tok_s": s.output_tokens_per_s, "tau": s.tau, "requests": len(wave),
+                                     "tok_s": s.output_tokens_per_s, "steady_tok_s": steady, "tau": s.tau,
+                                     "requests": len(wave),
                                      "wall_s": round(s.runs[0].wall_s, 2), "in_flight": round(occupied, 3)})
                         if texts is not None:
                             texts[(w, k, c, r)] = s.runs[0].texts
                         print(f"  {w:<5} {k:<24} c={c:<3} r{r} {s.output_tokens_per_s:7.1f} tok/s  tau "
                               f"{s.tau or 0:.2f}  {len(wave)} requests, {s.runs[0].wall_s:.1f} s, in flight "
-                              f"{occupied:.2f}", file=sys.stderr)
+                              f"{occupied:.2f}, steady {steady or 0:.1f} tok/s", file=sys.stderr)
                 if states is not None:
                     adaptive = next(x.key() for x in specs_ if x.adaptive)
                     try:
@@ -164,7 +185,7 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
     return rows
 
 
-def _by_round(rows: list[dict[str, Any]], w: str, k: str, c: int, field: str = "tok_s") -> dict[int, float]:
+def _by_round(rows: list[dict[str, Any]], w: str, k: str, c: int, field: str = "tok_s") -> dict[int, float | None]:
     return {r["round"]: r[field] for r in rows if (r["workload"], r["config"], r["concurrency"]) == (w, k, c)}
 
 
@@ -174,28 +195,49 @@ def _ratio(num: dict[int, float], den: dict[int, float]) -> tuple[float, float |
     return center, lo, hi
 
 
+def _cell(rows: list[dict[str, Any]], w: str, c: int, static: list[str], adaptive: str,
+          field: str) -> dict[str, Any] | None:
+    """One cell's figures on `field` (tok/s or steady tok/s): off, the best static configuration (the
+    highest geometric mean over the rounds), adaptive, and adaptive's two ratios with their intervals;
+    None where a round has no figure."""
+    tok = {k: _by_round(rows, w, k, c, field) for k in ["off", *static, adaptive]}
+    if any(v is None for got in tok.values() for v in got.values()):
+        return None
+    mean = {k: log_interval(list(v.values()))[0] for k, v in tok.items()}
+    best = max(static, key=lambda k: mean[k])
+    vs_best, vs_off = _ratio(tok[adaptive], tok[best]), _ratio(tok[adaptive], tok["off"])
+    return {"off": round(mean["off"], 2), "best_static": best,
+            "best_static_tok_s": round(mean[best], 2), "adaptive_tok_s": round(mean[adaptive], 2),
+            "adaptive_vs_best_static": round(vs_best[0], 3),
+            "adaptive_vs_best_static_ci": [None if x is None else round(x, 3) for x in vs_best[1:]],
+            "adaptive_vs_off": round(vs_off[0], 3),
+            "adaptive_vs_off_ci": [None if x is None else round(x, 3) for x in vs_off[1:]]}
+
+
 def compare(rows: list[dict[str, Any]], specs_: list[SpecConfig], workloads: list[str],
             levels: list[int]) -> list[dict[str, Any]]:
     """Per workload and level: off, the best static configuration (the highest geometric mean over
-    the rounds) and adaptive (tok/s), the two ratios of adaptive with their intervals, and the three's
-    mean requests in flight over the level."""
+    the rounds) and adaptive (tok/s over the whole pass), the two ratios of adaptive with their
+    intervals, and the three's mean requests in flight over the level; `steady`: the same on the
+    tok/s while every client held a request (`steady_tok_s`: the pass without its drain)."""
     static = [s.key() for s in specs_ if s.method != "off" and not s.adaptive]
     adaptive = next(s.key() for s in specs_ if s.adaptive)
     out = []
     for w in workloads:
         for c in levels:
-            tok = {k: _by_round(rows, w, k, c) for k in ["off", *static, adaptive]}
-            mean = {k: log_interval(list(v.values()))[0] for k, v in tok.items()}
-            best = max(static, key=lambda k: mean[k])
-            vs_best, vs_off = _ratio(tok[adaptive], tok[best]), _ratio(tok[adaptive], tok["off"])
-            out.append({"workload": w, "concurrency": c, "off": round(mean["off"], 2), "best_static": best,
-                        "best_static_tok_s": round(mean[best], 2), "adaptive_tok_s": round(mean[adaptive], 2),
-                        "adaptive_vs_best_static": round(vs_best[0], 3),
-                        "adaptive_vs_best_static_ci": [None if x is None else round(x, 3) for x in vs_best[1:]],
-                        "adaptive_vs_off": round(vs_off[0], 3),
-                        "adaptive_vs_off_ci": [None if x is None else round(x, 3) for x in vs_off[1:]],
+            # only the rounds every configuration finished (a run stopped early may end mid-round)
+            done = set.intersection(*({r["round"] for r in rows if (r["workload"], r["config"], r["concurrency"]) ==
+                                       (w, k, c)} for k in ["off", *static, adaptive]))
+            if not done:
+                continue
+            cell = _cell([r for r in rows if r["round"] in done], w, c, static, adaptive, "tok_s")
+            assert cell is not None  # every pass has its tok/s
+            best = cell["best_static"]
+            out.append({"workload": w, "concurrency": c, "rounds": len(done), **cell,
                         "in_flight": {name: round(statistics.fmean(_by_round(rows, w, k, c, "in_flight").values()), 3)
-                                      for name, k in (("off", "off"), ("best_static", best), ("adaptive", adaptive))}})
+                                      for name, k in (("off", "off"), ("best_static", best), ("adaptive", adaptive))},
+                        "steady": _cell([r for r in rows if r["round"] in done], w, c, static, adaptive,
+                                        "steady_tok_s")})
     return out
 
 
@@ -216,6 +258,10 @@ def greedy_differences(texts: dict[tuple[str, str, int, int], list[str]]) -> lis
 
 def _ci(lo_hi: list[float | None]) -> str:
     return "" if lo_hi[0] is None else f" [{lo_hi[0]:.2f}, {lo_hi[1]:.2f}]"
+
+
+def _interrupted(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,9 +297,20 @@ def main(argv: list[str] | None = None) -> int:
     texts: dict[tuple[str, str, int, int], list[str]] = {}
     began = time.monotonic()
     states: dict[tuple[str, int], dict[str, Any]] = {}
-    rows = run(grid, workloads, levels, args.prompts, args.max_new_tokens, args.rounds, args.waves, texts, states)
+    rows: list[dict[str, Any]] = []
+    # a time limit's SIGTERM (or Ctrl-C) stops the measuring and the servers, and the table and JSON
+    # hold the cells whose rounds every configuration finished, not nothing
+    signal.signal(signal.SIGTERM, _interrupted)
+    try:
+        run(grid, workloads, levels, args.prompts, args.max_new_tokens, args.rounds, args.waves, texts, states, rows)
+    except KeyboardInterrupt:
+        print(f"\nstopped early: {len(rows)} passes measured; the table and JSON hold the finished rounds",
+              file=sys.stderr)
     wall = time.monotonic() - began
     table = compare(rows, grid, workloads, levels)
+    if not table:
+        print("no cell finished a round", file=sys.stderr)
+        return 1
     differ = greedy_differences(texts)
 
     print(f"\nload average {load:.1f} at the start; {args.prompts} prompts per workload, {args.max_new_tokens} new "
@@ -267,15 +324,25 @@ def main(argv: list[str] | None = None) -> int:
               f"{t['best_static_tok_s']:8.1f} {t['adaptive_tok_s']:9.1f} "
               f"{t['adaptive_vs_best_static']:6.3f}x{_ci(t['adaptive_vs_best_static_ci']):<15} "
               f"{t['adaptive_vs_off']:6.3f}x{_ci(t['adaptive_vs_off_ci']):<15} "
-              f"{f['off']:.2f}/{f['best_static']:.2f}/{f['adaptive']:.2f}")
+              f"{f['off']:.2f}/{f['best_static']:.2f}/{f['adaptive']:.2f}"
+              + (f"  ({t['rounds']} of {args.rounds} rounds)" if t["rounds"] < args.rounds else ""))
     print("(output tok/s over all requests, geometric means over the rounds; best static: the fastest chain "
           "of the grid at that level; ratios: per-round ratios' geometric mean and 95% interval; in flight: "
           "mean requests in flight over the level, off/best static/adaptive)")
     print(f"greedy_identical: {not differ}" + "".join(
         f"\n  differs: {d['workload']} {d['config']} c={d['concurrency']} r{d['round']}: {d['requests']} of {d['of']}"
         for d in differ))
+    steady = [(t["workload"], t["concurrency"], t["steady"]) for t in table if t["steady"] is not None]
+    print("\nwithout the drain: tok/s while every client held a request (from the pass's start until its last "
+          "request was sent)")
+    for w, c, t in steady:
+        print(f"{w:<8} {c:>3} {t['off']:8.1f} {t['best_static']:>24} {t['best_static_tok_s']:8.1f} "
+              f"{t['adaptive_tok_s']:9.1f} {t['adaptive_vs_best_static']:6.3f}x{_ci(t['adaptive_vs_best_static_ci']):<15} "
+              f"{t['adaptive_vs_off']:6.3f}x{_ci(t['adaptive_vs_off_ci']):<15}")
     worst_static = min(table, key=lambda t: t["adaptive_vs_best_static"])
     worst_off = min(table, key=lambda t: t["adaptive_vs_off"])
+    steady_static = min((t for _, _, t in steady), key=lambda t: t["adaptive_vs_best_static"], default=None)
+    steady_off = min((t for _, _, t in steady), key=lambda t: t["adaptive_vs_off"], default=None)
     out = {"levels": levels, "workloads": workloads, "depths": depths, "method": args.method, "rounds": args.rounds,
            "waves": args.waves, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "wall_s": round(wall),
            "load_average": round(load, 2), "table": table,
@@ -285,7 +352,12 @@ def main(argv: list[str] | None = None) -> int:
            "min_adaptive_vs_best_static": worst_static["adaptive_vs_best_static"],
            "min_adaptive_vs_best_static_ci": worst_static["adaptive_vs_best_static_ci"],
            "min_adaptive_vs_off": worst_off["adaptive_vs_off"],
-           "min_adaptive_vs_off_ci": worst_off["adaptive_vs_off_ci"]}
+           "min_adaptive_vs_off_ci": worst_off["adaptive_vs_off_ci"],
+           # the same without each pass's drain, over the cells that have a steady span
+           "min_steady_adaptive_vs_best_static": steady_static and steady_static["adaptive_vs_best_static"],
+           "min_steady_adaptive_vs_best_static_ci": steady_static and steady_static["adaptive_vs_best_static_ci"],
+           "min_steady_adaptive_vs_off": steady_off and steady_off["adaptive_vs_off"],
+           "min_steady_adaptive_vs_off_ci": steady_off and steady_off["adaptive_vs_off_ci"]}
     print(json.dumps(out))
     return 0
 

@@ -39,6 +39,36 @@ class PlantedCost(StepCost):
         pass
 
 
+class PlantedClock:
+    """The clock of the batch scheduler (engine.decode.batch) as planted: each target forward takes
+    `forward(batch, extra)` seconds (its sequences and the rows beyond one each), `advance` adds
+    what a test says a step spends elsewhere, and nothing else takes any time. What the engine
+    learns from its steps' timings is then the same under any load. `plant` installs it."""
+
+    def __init__(self, forward: Callable[[int, int], float]) -> None:
+        self.now, self.forward = 0.0, forward
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def plant(self, monkeypatch, engine) -> None:
+        """Time `engine`'s batch scheduler by this clock (monkeypatch undoes it)."""
+        from engine.decode import batch
+
+        monkeypatch.setattr(batch, "time", self)
+        real = engine.forward.step_batch
+
+        def step_batch(caches, rows, *args, **kwargs):
+            out = real(caches, rows, *args, **kwargs)
+            self.now += self.forward(len(caches), sum(len(r) - 1 for r in rows))
+            return out
+
+        monkeypatch.setattr(engine.forward, "step_batch", step_batch)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as s:

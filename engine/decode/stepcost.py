@@ -1,17 +1,22 @@
 """The step-cost curve adaptive speculation weighs drafts against (`spec.adaptive`): the seconds of
 one target forward as a function of the sequences in it and the rows beyond one per sequence,
 timed on this machine over the engine's own forward at start-up and cached like the linear plan
-(engine.models.machine.measured_once, <cache>/step_cost.json); plus what the live engine learns
+(engine.models.machine.measured_once, <cache>/step_cost.json; never a curve timed while other
+processes kept the CPUs busy, `quiet_enough`); plus what the live engine learns
 from the steps it actually runs: the drafter's seconds per drafted node and, per batch size, what a
 step without drafts and each further row really cost against the curve.
 
 The curve was timed once, at other contexts, perhaps under another load: the live figures, not the
 curve, price a step. Per batch size the live steps fit t = c0 (a + b m) by least squares (c0: the
 curve's step without extra rows, m: the curve's cost of the extra rows over c0), the slope b held
-towards the live level of all steps (a curve timed under a load that has since gone is uniformly
-too slow; rows cost what the curve says, times that level) until the steps run spread their rows
-enough to say otherwise. A batch size that never drafts keeps that prior, a batch size whose drafts
-cost more than the curve said learns it from the steps that drafted.
+towards 1 until the steps run spread their rows enough to say otherwise: a served step runs slower
+than the curve by a share of the step, not of its rows (the server's threads share the cores with
+the forward: served over HTTP, steps without rows ran well over the curve while the draft rows
+run most often cost about the curve's rows over them, not that level times them; docs/results.md,
+adaptive speculation). A batch size that has not run takes the live level of
+all steps (each step's seconds less the curve's rows, over c0) for its step and the curve for its
+rows; a batch size whose drafts cost more than the curve said learns it from the steps that
+drafted.
 
 The fit prices every row alike, at no less than the curve's average row over a window of at least
 as many rows as the batch has sequences (the lower envelope has flat stretches that are not the
@@ -30,20 +35,21 @@ controller's choices and its probes, engine.decode.control): where a count was s
 its rows over the step without rows moves from the fit's towards the table's, by the weight of
 its observations (ROWS_SEEN observations weigh as much as the fit), and so does the price of the
 step without rows. A count never run keeps the
-fit's price; `table(..., optimistic=True)` prices rows at no more than the curve's average row at
-the batch size's live level, what the probes weigh to decide whether a row could pay and so be
+fit's price; `table(..., optimistic=True)` prices rows at no more than the curve's average row,
+what the probes weigh to decide whether a row could pay and so be
 measured."""
 
 from __future__ import annotations
 
 import bisect
 import os
+import sys
 import time
 from typing import Any
 
 import torch
 
-from engine.models.machine import cache_root, cpu_signature, measured_once
+from engine.models.machine import busy_mark, cache_root, cpu_signature, measured_once, others_share
 
 CONTEXT = 256  # committed positions of each timed sequence
 DENSE = 16  # every extra row count up to this one is timed
@@ -59,6 +65,7 @@ LOW_SLOPE = 0.5  # the slope never falls below this share of the prior (a few lu
 STEP_CLIP = (0.5, 2.0)  # a live step counts as taking between these multiples of what was expected of it
 ROWS_LIVE = 32  # draft-row counts up to this have a live table entry per batch size
 ROWS_SEEN = 8  # a live entry of this many observations weighs as much as the fit's price of its rows
+LOADED = 0.05  # a curve timed while others kept more of the CPUs busy is not cached (a tenth of a core on two)
 VERSION = 4  # in the cache key: a change of what is timed measures again
 
 
@@ -142,7 +149,7 @@ class StepCost:
         self.levels = sorted(self.curves)
         self.max_rows = max_rows  # rows per sequence the curve was timed up to
         self.draft_s = 0.0
-        self.level = 1.0  # live steps over the curve, all batch sizes together, followed online
+        self.level = 1.0  # live steps less the curve's rows over the curve's step, all batch sizes, followed online
         self.live: dict[int, _Live] = {}
         self.rows: dict[int, _Rows] = {}  # per batch size: the forward's seconds per count of draft rows
         self._rows_memo: dict[int, dict[float, float]] = {}  # per batch size: rows_s per count of rows
@@ -194,7 +201,8 @@ class StepCost:
 
     def step_s(self, batch: int, extra: float) -> float:
         """Expected seconds of a live step: the batch size's fit of its live steps on the curve
-        (engine.decode.stepcost), the curve times the live level where that batch size has not run."""
+        (engine.decode.stepcost); where that batch size has not run, the curve's step without rows
+        times the live level, plus the curve's rows."""
         return self._forward_s(batch, extra, 0)[0]
 
     def _forward_s(self, batch: int, extra: float, count: int, optimistic: bool = False) -> list[float]:
@@ -202,7 +210,7 @@ class StepCost:
         total's rows priced at no more than the average row)."""
         c0 = self.curve_s(batch, 0)
         live = self.live.get(batch)
-        a, b = live.fit(self.level) if live is not None else (self.level, self.level)
+        a, b = live.fit(1.0) if live is not None else (self.level, 1.0)
         fit_base = c0 * max(a, 0.1)
         table = self.rows.get(batch)
         base = table.base(fit_base) if table is not None else fit_base
@@ -218,8 +226,8 @@ class StepCost:
             rows = c0 * max(a + b * m / c0, 0.1) - fit_base
             if table is not None and x == int(x):  # only whole counts of rows ran
                 rows = table.price(int(x), rows)
-            if optimistic:  # at this batch size's live level: the fit's slope may be one stall's
-                rows = min(rows, max(a, 0.1) * avg)
+            if optimistic:  # the curve's average row: the fit's slope may be one stall's
+                rows = min(rows, avg)
             out.append(base + max(rows, 0.0))
         return out
 
@@ -257,7 +265,7 @@ class StepCost:
         c = c0 + self.rows_s(batch, extra)
         expected = self._forward_s(batch, extra, 0)[0]
         t = min(max(seconds, CLIP_LOW * c, STEP_CLIP[0] * expected), CLIP_HIGH * c, STEP_CLIP[1] * expected)
-        self.level += FOLLOW * (t / c - self.level)
+        self.level += FOLLOW * (max(t - (c - c0), CLIP_LOW * c0) / c0 - self.level)  # the step's, not its rows
         self.live.setdefault(batch, _Live()).add(c / c0 - 1, t / c0)
         self.rows.setdefault(batch, _Rows()).add(extra, t)
 
@@ -320,6 +328,24 @@ def step_cost(forward: Any, max_batch: int, max_rows: int, signature: str,
     """This machine's step-cost curve for a forward (`signature`: the model, its weights and the
     forward's form), timed once and cached in <cache>/step_cost.json (a few seconds on a small model)."""
     key = f"{cpu_signature()}|torch {torch.__version__}|{signature}|b{max_batch}|r{max_rows}|ctx {CONTEXT}|v{VERSION}"
-    got = measured_once(cache_root(cache_dir) / "step_cost.json", key,
-                        lambda old: time_steps(forward, max_batch, max_rows).to_json())
+
+    def timed(_old: Any) -> dict[str, Any]:
+        mark = busy_mark()
+        got = time_steps(forward, max_batch, max_rows).to_json()
+        got["others"] = others_share(mark)
+        if not quiet_enough(got):
+            print(f"spectune: the step-cost curve was timed while other processes kept {got['others']:.0%} of the "
+                  f"CPUs busy (at most {LOADED:.0%} is cached): this process prices steps with it, the cache "
+                  "keeps none", file=sys.stderr)
+        return got
+
+    got = measured_once(cache_root(cache_dir) / "step_cost.json", key, timed, keep=quiet_enough)
     return StepCost.from_json(got)
+
+
+def quiet_enough(curve: dict[str, Any]) -> bool:
+    """Whether a timed curve may be cached: other processes kept at most LOADED of the CPUs busy while it
+    was timed (or that could not be told). A curve timed under load is uniformly slow and has flat
+    stretches (docs/results.md, adaptive speculation: several times a quiet curve at the largest
+    batch); cached, every later run on the machine, quiet ones too, would price steps with it."""
+    return curve.get("others") is None or curve["others"] <= LOADED

@@ -32,6 +32,7 @@ import json
 import statistics
 import time
 from collections.abc import Sequence
+from itertools import accumulate
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -57,6 +58,7 @@ class RequestRecord:
     text: str = ""
     error: str | None = None
     queue_s: float | None = None  # arrival to admission (in process)
+    sent_s: float | None = None  # arrival, seconds from the pass's start
 
     @property
     def tpot_s(self) -> float | None:
@@ -100,6 +102,9 @@ class Measurement:
     # (output tokens, end-to-end seconds) of each request in prompt order, (0, 0.0) for a failed one:
     # what a per-prompt figure (the held-out check's interval over prompts) is drawn from
     requests: list[tuple[int, float]] = field(default_factory=list)
+    # (sent at, output tokens, each streamed chunk's time) of each finished request, seconds from the
+    # pass's start: how many were in flight when, and what they delivered meanwhile
+    timeline: list[tuple[float, int, list[float]]] = field(default_factory=list)
 
     def to_dict(self, texts: bool = False) -> dict[str, Any]:
         d = asdict(self)
@@ -107,6 +112,7 @@ class Measurement:
             d.pop("texts")
         d.pop("latencies")
         d.pop("requests")
+        d.pop("timeline")
         return d
 
     def goodput(self, ttft_ms: float | None, tpot_ms: float | None) -> float:
@@ -143,6 +149,8 @@ def _measurement(records: list[RequestRecord], wall_s: float, concurrency: int, 
         errors=[f"{r.prompt_id}: {r.error}" for r in records if r.error is not None],
         latencies=[(None if r.ttft_s is None else r.ttft_s * 1e3, None if (t := r.tpot_s) is None else t * 1e3) for r in ok],
         requests=[(r.output_tokens, r.e2e_s or 0.0) if r.error is None else (0, 0.0) for r in records],
+        timeline=[(r.sent_s, r.output_tokens, list(accumulate([r.sent_s + r.ttft_s, *r.itl_s])))
+                  for r in ok if r.sent_s is not None and r.ttft_s is not None],
         **extra)
 
 
@@ -231,6 +239,7 @@ def run_inprocess(engine: TextEngine, prompts: Sequence[Prompt], params: Samplin
         rec.e2e_s = ends[i] - arrivals[i]
         rec.ttft_s = (stamps[i][0] if stamps[i] else ends[i]) - arrivals[i]
         rec.itl_s = [b - a for a, b in zip(stamps[i], stamps[i][1:])]
+        rec.sent_s = arrivals[i] - t0
         new_tokens += st.new_tokens
         forwards += st.target_forwards
         draft_steps += st.draft_steps
@@ -416,6 +425,7 @@ async def run_http_async(base_url: str, model: str, prompts: Sequence[Prompt], p
         before = await _scrape(client)
         next_idx = 0
         ends: list[float] = []
+        sent = [0.0] * len(prompts)
 
         async def client_loop() -> None:  # one of N closed-loop clients
             nonlocal next_idx
@@ -423,12 +433,15 @@ async def run_http_async(base_url: str, model: str, prompts: Sequence[Prompt], p
                 i = next_idx
                 next_idx += 1
                 path, body = request_body(model, prompts[i], params, chat_template)
-                await _one_request(client, path, body, records[i], time.perf_counter())
+                sent[i] = time.perf_counter()
+                await _one_request(client, path, body, records[i], sent[i])
                 ends.append(time.perf_counter())
 
         t0 = time.perf_counter()
         await asyncio.gather(*(client_loop() for _ in range(min(concurrency, max(1, len(prompts))))))
         wall = (max(ends) - t0) if ends else 0.0
+        for rec, at in zip(records, sent):
+            rec.sent_s = at - t0
         after = await _scrape(client)
     tau, per_pos = None, []
     if before is not None and after is not None:
@@ -461,6 +474,7 @@ async def _open_loop_http(base_url: str, model: str, prompts: Sequence[Prompt], 
             at = t0 + arrivals_s[i]
             await asyncio.sleep(max(0.0, at - time.perf_counter()))
             path, body = request_body(model, prompts[i], params, chat_template)
+            records[i].sent_s = arrivals_s[i]
             await _one_request(client, path, body, records[i], at)
             ends.append(time.perf_counter())
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,20 +34,44 @@ def cpu_signature() -> str:
     return f"{name}|{flags}|{torch.get_num_threads()}t"
 
 
-def measured_once(path: Path, key: str, measure: Callable[[Any], Any], remeasure: bool = False) -> Any:
+def measured_once(path: Path, key: str, measure: Callable[[Any], Any], remeasure: bool = False,
+                  keep: Callable[[Any], bool] | None = None) -> Any:
     """The value stored under `key` in the JSON file `path`. When it is missing (or `remeasure`),
     `measure(old value or None)` gives it and the file is rewritten whole (workers may measure at
-    once: the last complete write wins, never a torn file)."""
+    once: the last complete write wins, never a torn file), unless `keep(value)` says the fresh
+    value must not outlive this call (a timing taken while the machine was busy with others)."""
     try:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
         known = {}
     old = known.get(key)
     new = measure(old) if remeasure or old is None else old
-    if new is not old:
+    if new is not old and (keep is None or keep(new)):
         known[key] = new
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(known, indent=1))
         os.replace(tmp, path)
     return new
+
+
+def busy_mark() -> tuple[float, float, float] | None:
+    """Now on three clocks: wall seconds, the seconds the machine's CPUs have been busy (all of them,
+    /proc/stat) and this process's CPU seconds; None where /proc/stat cannot be read."""
+    try:
+        ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    idle = ticks[3] + ticks[4]  # idle and iowait
+    own = os.times()
+    return time.monotonic(), (sum(ticks) - idle) / os.sysconf("SC_CLK_TCK"), own.user + own.system
+
+
+def others_share(mark: tuple[float, float, float] | None) -> float | None:
+    """The share of the machine's CPUs (0: none, 1: all of them) that other processes kept busy since
+    `mark` (`busy_mark`); None where it cannot be told."""
+    now = busy_mark()
+    if mark is None or now is None or now[0] <= mark[0]:
+        return None
+    others = (now[1] - mark[1]) - (now[2] - mark[2])
+    return min(max(others / ((now[0] - mark[0]) * (os.cpu_count() or 1)), 0.0), 1.0)

@@ -4,12 +4,16 @@ dashboard serve every engine (a registry per app, so tests can run several serve
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from engine.api import GenResult
+
+if TYPE_CHECKING:  # the type only: a scrape reads the scheduler's state, the server owns it
+    from engine.decode.batch import BatchEngine
 
 
 class Metrics:
@@ -46,7 +50,7 @@ class Metrics:
                   self.generation_tokens, self.prefix_queries, self.prefix_hits):
             m.labels(model_name=model_name)  # expose zeros before the first request
 
-    def adaptive(self, batch: Any) -> None:
+    def adaptive(self, batch: BatchEngine) -> None:
         """Expose adaptive control's state (`spec.adaptive`) of the scheduler `batch` at each scrape."""
         self.registry.register(_Controller(self.model, batch))
 
@@ -85,16 +89,17 @@ class _Controller:
     acceptance estimate at draft positions 1-3. What tells a mispriced row from a misestimated
     node in a served run (benchmarks/adaptive.py reads it per cell)."""
 
-    def __init__(self, model: str, batch: Any) -> None:
+    def __init__(self, model: str, batch: BatchEngine) -> None:
         self.model, self.batch = model, batch
 
-    def collect(self) -> Any:
+    def collect(self) -> Iterator[GaugeMetricFamily]:
         cost = self.batch.cost
         if cost is None:  # no adaptive band
             return
         m = self.model
         g = {name: GaugeMetricFamily(f"spectune:adaptive_{name}", doc, labels=labels) for name, doc, labels in (
-            ("level", "Live steps' seconds over the step-cost curve's", ["model_name"]),
+            ("level", "Live steps' seconds less the curve's draft rows, over the curve's step without them",
+             ["model_name"]),
             ("draft_seconds_per_node", "Drafting seconds per drafted node", ["model_name"]),
             ("overhead_seconds", "A step's seconds outside the forward and drafting", ["model_name", "batch"]),
             ("curve_seconds", "The timed curve's forward seconds with this many draft rows", ["model_name", "batch", "rows"]),

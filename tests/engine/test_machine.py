@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from engine.models.machine import cpu_signature, measured_once
+from engine.models.machine import busy_mark, cpu_signature, measured_once
 
 
 def test_a_measurement_is_taken_once_per_key_and_again_only_on_request(tmp_path) -> None:
@@ -25,6 +25,27 @@ def test_a_measurement_is_taken_once_per_key_and_again_only_on_request(tmp_path)
     assert measured_once(path, "a", measure, remeasure=True) == {"n": 3} and calls[-1] == {"n": 1}
     assert json.loads(path.read_text()) == {"a": {"n": 3}, "b": {"n": 2}}
     assert [p.name for p in path.parent.iterdir()] == ["facts.json"]  # no temporary file left behind
+
+
+def test_a_measurement_keep_refuses_is_returned_but_not_stored(tmp_path) -> None:
+    path = tmp_path / "facts.json"
+    assert measured_once(path, "a", lambda old: {"busy": 0.5}, keep=lambda v: v["busy"] < 0.1) == {"busy": 0.5}
+    assert not path.exists()
+    assert measured_once(path, "a", lambda old: {"busy": 0.0}, keep=lambda v: v["busy"] < 0.1) == {"busy": 0.0}
+    assert json.loads(path.read_text()) == {"a": {"busy": 0.0}}
+
+
+def test_the_others_share_is_the_machines_busy_time_less_this_processs(monkeypatch) -> None:
+    """Over 2 s on 4 CPUs the machine was busy 5 CPU-seconds, this process 2 of them: others 3 / 8."""
+    from engine.models import machine
+
+    real = busy_mark()
+    assert real is not None and real[1] > 0 and real[2] > 0  # this is Linux: /proc/stat and our times
+    monkeypatch.setattr(machine.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(machine, "busy_mark", lambda: (10.0, 105.0, 52.0))
+    assert machine.others_share((8.0, 100.0, 50.0)) == pytest.approx(3 / 8)
+    assert machine.others_share((8.0, 104.0, 50.0)) == 0.0  # this process's time is never the others'
+    assert machine.others_share(None) is None and machine.others_share((10.0, 100.0, 50.0)) is None
 
 
 def test_a_torn_cache_file_is_measured_again(tmp_path) -> None:

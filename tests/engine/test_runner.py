@@ -270,6 +270,15 @@ def test_http_against_the_builtin_server_measures_what_inprocess_does(cfg, engin
     for v in (m.ttft_p50_ms, m.ttft_p99_ms, m.tpot_p50_ms, m.itl_p50_ms):
         assert v is not None and v > 0
     assert m.ttft_p50_ms <= m.ttft_p99_ms and m.output_tokens_per_s > 0 and m.wall_s > 0
+    # the timeline: when each request was sent and its chunks streamed, from the pass's start; a
+    # closed loop of N clients never has more than N in flight, and its first N go at once
+    assert len(m.timeline) == len(prompts) and sum(n for _, n, _ in m.timeline) == m.output_tokens
+    assert all(0 <= sent <= chunks[0] and chunks == sorted(chunks) for sent, _, chunks in m.timeline)
+    assert max(chunks[-1] for _, _, chunks in m.timeline) <= m.wall_s + 1e-6
+    for sent, _, _ in m.timeline:
+        assert sum(s <= sent < chunks[-1] for s, _, chunks in m.timeline) <= concurrency
+    assert sorted(sent for sent, _, _ in m.timeline)[min(concurrency, len(prompts)) - 1] < \
+        min(chunks[0] for _, _, chunks in m.timeline)
 
 
 def test_http_records_failed_requests(cfg, server) -> None:
