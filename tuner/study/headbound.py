@@ -410,8 +410,8 @@ def describe(b: HeadBound) -> str:
     pts = ", ".join(f"{k.split(' k')[0].split(' ')[1]} {b.step_ms[k]:.0f} ms -> {v:.2f}x" for k, v in b.bounds.items())
     head = (f"{b.method} head bound: speculation off {b.off_step_ms:.0f} ms a step; an untrained head's chains at "
             f"tau <= {b.tau:g} (published): {pts}; best {b.bound:.2f}x")
-    ref = (f"; {b.reference} read {b.reference_speedup:.2f}x (lowest confirmed round of "
-           f"{len(b.reference_rounds) or 'its'} rounds)" if b.reference_speedup is not None else "")
+    rounds = f"rounds {', '.join(f'{r:.2f}' for r in b.reference_rounds)}" if b.reference_rounds else "lowest round"
+    ref = f"; {b.reference} read {b.reference_speedup:.2f}x ({rounds})" if b.reference_speedup is not None else ""
     if b.pilot is None:
         head += ref
     else:
