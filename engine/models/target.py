@@ -118,13 +118,61 @@ def _publish(final: Path, build) -> Path:
     return final
 
 
+class _ReadOnce:
+    """Within its scope, every `gguf.GGUFReader` of one file (path, size, mtime) is the first one built.
+
+    transformers parses the whole GGUF file again for each of its reads (the tokenizer's config, the
+    model's config, the tensors): three parses, each walking the 49,152-token vocabulary and its
+    merges element by element in Python, 15-17 s each on the loaded 2-core AVX2 EPYC (docs/results.md),
+    the largest part of an empty cache's model conversion. A reader only maps the file read-only and
+    describes it, so one serves them all. The scope nests and restores gguf's own class on leaving."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.original: Any = None
+        self.readers: dict[tuple, Any] = {}
+
+    def __enter__(self) -> "_ReadOnce":
+        import gguf
+
+        with _LOCK:
+            if self.depth == 0:
+                self.original = gguf.GGUFReader
+                original, readers = self.original, self.readers
+
+                def reader(path: Any, mode: str = "r") -> Any:
+                    if mode != "r":
+                        return original(path, mode)
+                    st = os.stat(path)
+                    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+                    if key not in readers:
+                        readers[key] = original(path, mode)
+                    return readers[key]
+
+                gguf.GGUFReader = reader
+            self.depth += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import gguf
+
+        with _LOCK:
+            self.depth -= 1
+            if self.depth == 0:
+                gguf.GGUFReader = self.original
+                self.readers.clear()
+
+
+_read_once = _ReadOnce()
+
+
 def gguf_tokenizer_dir(src: Path, root: Path) -> Path:
     """The tokenizer of the GGUF file `src`, extracted once into `root/tokenizers/`."""
 
     def build(tmp: Path) -> None:
         from transformers import AutoTokenizer
 
-        with still_working(f"extracting the tokenizer of {src.name}"):
+        with still_working(f"extracting the tokenizer of {src.name}"), _read_once:
             AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name).save_pretrained(str(tmp))
 
     with _LOCK:
@@ -186,15 +234,17 @@ def hf_checkpoint_dir(model_cfg: ModelConfig, cache_dir: str | None = None, seed
         def build_gguf(tmp: Path) -> None:
             from transformers import AutoModelForCausalLM
 
-            tok_dir = gguf_tokenizer_dir(src, root)  # extracted once, shared with the random test models
-            with still_working(f"converting {src.name} into an fp32 checkpoint (once)"):
-                model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
-                # A GGUF load marks the model as quantized; clear that so the copy is a plain fp32 checkpoint.
-                model.hf_quantizer = None
-                if hasattr(model.config, "quantization_config"):
-                    del model.config.quantization_config
-                model.is_quantized = False
-                model.save_pretrained(str(tmp))
+            with _read_once:  # the file parsed once for the tokenizer, the config and the tensors
+                tok_dir = gguf_tokenizer_dir(src, root)  # extracted once, shared with the random test models
+                with still_working(f"converting {src.name} into an fp32 checkpoint (once)"):
+                    model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
+                                                                 dtype=torch.float32)
+                    # A GGUF load marks the model as quantized; clear that so the copy is a plain fp32 checkpoint.
+                    model.hf_quantizer = None
+                    if hasattr(model.config, "quantization_config"):
+                        del model.config.quantization_config
+                    model.is_quantized = False
+                    model.save_pretrained(str(tmp))
             for f in tok_dir.iterdir():
                 if f.is_file() and f.name != ".complete":
                     shutil.copy(f, tmp / f.name)

@@ -107,3 +107,38 @@ def test_processes_that_need_one_entry_at_once_build_it_once(tmp_path) -> None:
     assert record.read_text() == "built\n"
     assert (final / "weights").read_text() == "w" and (final / ".complete").is_file()
     assert sorted(p.name for p in final.parent.iterdir()) == ["m"]
+
+
+def test_a_gguf_file_is_parsed_once_within_the_conversion(tmp_path, monkeypatch) -> None:
+    """transformers parses the GGUF again for the tokenizer, the config and the tensors (three parses
+    of ~15 s on a loaded 2-core machine): within the conversion's scope one reader per file serves
+    them all; a changed file, another file and a writer are built anew; leaving restores gguf's class."""
+    import os
+
+    import gguf
+
+    from engine.models.target import _read_once
+
+    built: list[str] = []
+
+    class Fake:
+        def __init__(self, path: str, mode: str = "r") -> None:
+            built.append(f"{os.path.basename(path)} {mode}")
+
+    monkeypatch.setattr(gguf, "GGUFReader", Fake)
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    a.write_bytes(b"x")
+    b.write_bytes(b"y")
+    with _read_once:
+        first = gguf.GGUFReader(str(a))
+        with _read_once:  # nested (the tokenizer's extraction inside the conversion)
+            assert gguf.GGUFReader(str(a)) is first
+        assert gguf.GGUFReader(str(a)) is first, "the inner scope's end keeps the outer one's readers"
+        assert gguf.GGUFReader(str(b)) is not first
+        gguf.GGUFReader(str(a), "r+")
+        a.write_bytes(b"xx")  # another size: read again
+        assert gguf.GGUFReader(str(a)) is not first
+    assert built == ["a.gguf r", "b.gguf r", "a.gguf r+", "a.gguf r"]
+    assert gguf.GGUFReader is Fake, "gguf's own class again after the scope"
+    gguf.GGUFReader(str(a))
+    assert len(built) == 5, "outside the scope every read parses"
