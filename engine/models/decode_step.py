@@ -438,9 +438,11 @@ class NativeStep:
             at += n
         cos_t, sin_t = m.rope(max(posi) + 1)
         vis_t = torch.cat(vis) if vis else None
-        hidden = torch.empty(at, self.hidden_size)
-        logits = torch.empty(len(pick), self.width)
-        aux = torch.empty(len(m.blocks), at, self.hidden_size) if aux_layers else None
+        # the embedding's dtype and device, never the default device (tests/engine/test_device.py)
+        emb = self.embed
+        hidden = emb.new_empty(at, self.hidden_size)
+        logits = emb.new_empty(len(pick), self.width)
+        aux = emb.new_empty(len(m.blocks), at, self.hidden_size) if aux_layers else None
         longs, ptrs = ctypes.c_long * at, ctypes.c_void_p * len(kp)
         rc = self._fn(*self._weights, longs(*tok), longs(*posi), at, len(caches), (ctypes.c_long * len(meta))(*meta),
                       ptrs(*kp), ptrs(*vp), *self._layers, cos_t.data_ptr(), sin_t.data_ptr(),
