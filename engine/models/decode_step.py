@@ -453,10 +453,6 @@ class NativeStep:
             raise ValueError(f"native decode step: head size {d} not built (code {rc})")
         if self.width != self.vocab:
             logits = logits[:, :self.vocab]
-        if len(caches) == 1:  # a single sequence (every step of a request decoding alone): no slicing
-            n = len(ids[0])
-            caches[0].length += n
-            return [(hidden, logits, aux_features(aux, aux_layers))]
         out, start, li = [], 0, 0
         for cache, toks, last in zip(caches, ids, last_only):
             n, nl = len(toks), 1 if last else len(toks)
