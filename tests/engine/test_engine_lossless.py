@@ -25,7 +25,12 @@ from engine.trees.tree import Tree, build_dynamic_tree
 from tuner.schema.config import SpecConfig
 
 VOCAB, LENGTH, START = 6, 2, 0
-N_SAMPLES = 3000
+# Sample sizes follow each test's power against its negative control: the control's chi-square
+# noncentrality per sample, measured at the earlier sizes (docs/results.md, "The test suite within 12
+# minutes"), gives the size at which the control reaches p < 1e-6 with probability >= 0.999, and the
+# positive test runs at its control's size. The sampled-sibling residual bug is the weakest (0.044 a
+# sample over 31 cells: ~2900); the top-k ratio bug is strong (1.1 a sample: ~140).
+N_SAMPLES = {"sampled": 3000, "topk": 500}
 PARAMS = SamplingParams(temperature=1.0)
 
 
@@ -75,7 +80,7 @@ def _empirical(kind: str, seed: int = 0, keep: tuple[int, ...] = (0, 1, 2)) -> t
     logp = torch.log(p)
     g = torch.Generator().manual_seed(seed)
     counts = torch.zeros(VOCAB ** LENGTH)
-    for _ in range(N_SAMPLES):
+    for _ in range(N_SAMPLES[kind]):
         out: list[int] = []
         last = START
         while len(out) < LENGTH:
@@ -201,7 +206,7 @@ def _draft_model_drafter(spec):
     return d, lambda seq, gen: d.draft(seq, PARAMS, gen)
 
 
-def _drafter_empirical(make, spec, seed: int = 0, n: int = 800) -> torch.Tensor:
+def _drafter_empirical(make, spec, n: int, seed: int = 0) -> torch.Tensor:
     p, _ = _tables()
     logp = torch.log(p)
     d, tree_of = make(spec)
@@ -221,16 +226,21 @@ def _drafter_empirical(make, spec, seed: int = 0, n: int = 800) -> torch.Tensor:
     return counts
 
 
+# A sampled chain's control (a wrong q, below) is weak: 0.06 a sample over 23 cells, so it and the
+# sampled chain it checks run 1800 samples (at 800 the control reached p < 1e-6 with probability ~0.5)
+CHAIN_SAMPLES = 1800
+
 # trees (deterministic top-k siblings) of both, and a sampled draft-model chain (the q_j rule)
-DRAFTER_SPECS = [("medusa", SpecConfig(method="medusa", depth=2, topk=2, budget=5)),
-                 ("draft_model", SpecConfig(method="draft_model", depth=2, topk=2, budget=5, draft_model="x")),
-                 ("draft_model", SpecConfig(method="draft_model", depth=2, topk=1, budget=3, draft_model="x"))]
+DRAFTER_SPECS = [("medusa", SpecConfig(method="medusa", depth=2, topk=2, budget=5), 800),
+                 ("draft_model", SpecConfig(method="draft_model", depth=2, topk=2, budget=5, draft_model="x"), 800),
+                 ("draft_model", SpecConfig(method="draft_model", depth=2, topk=1, budget=3, draft_model="x"),
+                  CHAIN_SAMPLES)]
 
 
-@pytest.mark.parametrize("kind,spec", DRAFTER_SPECS, ids=lambda x: x if isinstance(x, str) else x.key())
-def test_medusa_and_draft_model_trees_are_lossless(kind: str, spec: SpecConfig) -> None:
+@pytest.mark.parametrize("kind,spec,n", DRAFTER_SPECS, ids=lambda x: x.key() if isinstance(x, SpecConfig) else str(x))
+def test_medusa_and_draft_model_trees_are_lossless(kind: str, spec: SpecConfig, n: int) -> None:
     make = _medusa_drafter if kind == "medusa" else _draft_model_drafter
-    assert _pvalue(_drafter_empirical(make, spec)) > 1e-3
+    assert _pvalue(_drafter_empirical(make, spec, n=n)) > 1e-3
 
 
 def test_drafter_with_a_wrong_q_is_detected(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -248,13 +258,14 @@ def test_drafter_with_a_wrong_q_is_detected(monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.setattr(B, "grow_dynamic_tree", wrong)
     spec = SpecConfig(method="draft_model", depth=1, topk=1, budget=2, draft_model="x")
-    assert _pvalue(_drafter_empirical(_draft_model_drafter, spec)) < 1e-6
+    assert _pvalue(_drafter_empirical(_draft_model_drafter, spec, n=CHAIN_SAMPLES)) < 1e-6
 
 
 # A drafter over a draft-vocabulary subset (EAGLE-3's d2t idea): it scores only 4 of the 6 tokens,
 # builds its tree in draft ids and maps it to target ids once (engine.drafters.base.to_target_vocab).
 # Verification is against the full target distribution, so the output must stay exactly p.
 SUBSET = torch.tensor([0, 2, 3, 5])
+SUBSET_SAMPLES = 200  # the control (wrong ids) is strong: 7 a sample, p < 1e-6 from ~20 samples
 
 
 def _subset_drafter(spec):
@@ -289,7 +300,7 @@ def test_subset_drafter_is_lossless(spec: SpecConfig) -> None:
     d, tree_of = _subset_drafter(spec)
     tree = tree_of([START], torch.Generator().manual_seed(0))
     assert set(tree.tokens[1:]) <= set(SUBSET.tolist())  # it never proposes a token outside the subset
-    assert _pvalue(_drafter_empirical(_subset_drafter, spec)) > 1e-3
+    assert _pvalue(_drafter_empirical(_subset_drafter, spec, n=SUBSET_SAMPLES)) > 1e-3
 
 
 def test_subset_mapped_to_the_wrong_ids_is_detected(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -307,7 +318,7 @@ def test_subset_mapped_to_the_wrong_ids_is_detected(monkeypatch: pytest.MonkeyPa
         return out
 
     monkeypatch.setattr(B, "to_target_vocab", wrong)
-    assert _pvalue(_drafter_empirical(_subset_drafter, SUBSET_SPECS[1])) < 1e-6
+    assert _pvalue(_drafter_empirical(_subset_drafter, SUBSET_SPECS[1], n=SUBSET_SAMPLES)) < 1e-6
 
 
 # ---- training-free trees (issue 23): n-gram trie, SuffixDecoding, Token Recycling -------------
@@ -335,7 +346,7 @@ def _free_drafter(spec):
     return d, logp
 
 
-def _free_empirical(spec, seed: int = 0, n: int = 1200) -> torch.Tensor:
+def _free_empirical(spec, n: int, seed: int = 0) -> torch.Tensor:
     d, logp = _free_drafter(spec)
     g = torch.Generator().manual_seed(seed)
     counts = torch.zeros(VOCAB ** LENGTH)
@@ -358,20 +369,23 @@ def _free_empirical(spec, seed: int = 0, n: int = 1200) -> torch.Tensor:
     return counts
 
 
-FREE_SPECS = [SpecConfig(method="ngram", depth=2, topk=2, budget=5, ngram_min=1, ngram_max=2),
-              SpecConfig(method="ngram", depth=2, topk=3, budget=6, ngram_min=1, ngram_max=2, ngram_match="prob"),
-              SpecConfig(method="suffix", depth=2, topk=3, budget=6, suffix_tree_depth=4, suffix_spec_factor=4.0,
-                         suffix_min_prob=0.0),
-              SpecConfig(method="recycle", depth=2, topk=2, budget=5)]
+# (spec, samples): each size where its control (below) reaches p < 1e-6 with probability >= 0.999
+# (noncentrality measured per sample: 0.22, 0.15, 0.14, 0.34)
+FREE_SPECS = [(SpecConfig(method="ngram", depth=2, topk=2, budget=5, ngram_min=1, ngram_max=2), 600),
+              (SpecConfig(method="ngram", depth=2, topk=3, budget=6, ngram_min=1, ngram_max=2, ngram_match="prob"), 900),
+              (SpecConfig(method="suffix", depth=2, topk=3, budget=6, suffix_tree_depth=4, suffix_spec_factor=4.0,
+                          suffix_min_prob=0.0), 900),
+              (SpecConfig(method="recycle", depth=2, topk=2, budget=5), 450)]
 
 
-@pytest.mark.parametrize("spec", FREE_SPECS, ids=lambda s: s.key())
-def test_training_free_trees_are_lossless(spec: SpecConfig) -> None:
-    assert _pvalue(_free_empirical(spec)) > 1e-3
+@pytest.mark.parametrize("spec,n", FREE_SPECS, ids=lambda x: x.key() if isinstance(x, SpecConfig) else str(x))
+def test_training_free_trees_are_lossless(spec: SpecConfig, n: int) -> None:
+    assert _pvalue(_free_empirical(spec, n=n)) > 1e-3
 
 
-@pytest.mark.parametrize("spec", FREE_SPECS, ids=lambda s: s.key())
-def test_training_free_trees_with_a_wrong_rule_are_detected(spec: SpecConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("spec,n", FREE_SPECS, ids=lambda x: x.key() if isinstance(x, SpecConfig) else str(x))
+def test_training_free_trees_with_a_wrong_rule_are_detected(spec: SpecConfig, n: int,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative controls: a rejected deterministic sibling left in r (not removed and renormalised)
     over-samples the rejected drafts; the same harness must see it."""
 
@@ -379,7 +393,7 @@ def test_training_free_trees_with_a_wrong_rule_are_detected(spec: SpecConfig, mo
         return (True, r) if u < float(r[x]) else (False, r)
 
     monkeypatch.setattr(V, "accept_topk", kept_in_r)
-    assert _pvalue(_free_empirical(spec)) < 1e-6
+    assert _pvalue(_free_empirical(spec, n=n)) < 1e-6
 
 
 # ---- sampling through the batch scheduler (engine.decode.batch) on the tiny random Llama ----------
@@ -388,6 +402,10 @@ def test_training_free_trees_with_a_wrong_rule_are_detected(spec: SpecConfig, mo
 # sibling rule decides). The counts over the 27 sequences must match the target's exact product.
 
 BATCH_PARAMS = SamplingParams(temperature=1.5, top_k=3, max_new_tokens=3)
+# requests per test: the controls' noncentrality measured 0.28 (fp32, adaptive, planted cost) and 0.30
+# (bf16) a sample over 27 cells, so at 400 each reaches p < 1e-6 with probability 0.9993 / 0.9998
+# (median p ~1e-17); at 600 it was 1e-27
+BATCH_REQUESTS = 400
 
 
 def _batch_counts(engine, n: int, adaptive: bool = False, planted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -472,8 +490,8 @@ def engine_bf16():
 
 @pytest.mark.parametrize("weights,adaptive", [("fp32", False), ("bf16", False), ("fp32", True)])
 def test_sampling_in_a_batch_is_lossless(weights: str, adaptive: bool, request: pytest.FixtureRequest) -> None:
-    counts, exact = _batch_counts(request.getfixturevalue("engine" if weights == "fp32" else "engine_bf16"), 600,
-                                  adaptive)
+    counts, exact = _batch_counts(request.getfixturevalue("engine" if weights == "fp32" else "engine_bf16"),
+                                  BATCH_REQUESTS, adaptive)
     assert float(chisquare(counts.numpy(), (exact / exact.sum() * counts.sum()).numpy()).pvalue) > 1e-3
 
 
@@ -489,7 +507,7 @@ def test_sampling_in_a_batch_with_a_wrong_rule_is_detected(weights: str, adaptiv
 
     engine = request.getfixturevalue("engine" if weights == "fp32" else "engine_bf16")
     monkeypatch.setattr(V, "accept_topk", kept_in_r)
-    counts, exact = _batch_counts(engine, 600, adaptive, planted=adaptive)
+    counts, exact = _batch_counts(engine, BATCH_REQUESTS, adaptive, planted=adaptive)
     assert float(chisquare(counts.numpy(), (exact / exact.sum() * counts.sum()).numpy()).pvalue) < 1e-6
 
 
