@@ -12,6 +12,7 @@ load generator: each request's tokens follow the target at its own temperature.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -31,6 +32,11 @@ VOCAB, LENGTH, START = 6, 2, 0
 # positive test runs at its control's size. The sampled-sibling residual bug is the weakest (0.044 a
 # sample over 31 cells: ~2900); the top-k ratio bug is strong (1.1 a sample: ~140).
 N_SAMPLES = {"sampled": 3000, "topk": 500}
+# A negative control stops at the first of LOOKS equally spaced looks at its counts where p < 1e-6 (a
+# sequential test): a harness that cannot see the bias would still pass some look by chance with
+# probability <= LOOKS * 1e-6. The positive tests always run every sample.
+LOOKS = 4
+DETECTED = 1e-6
 PARAMS = SamplingParams(temperature=1.0)
 
 
@@ -75,12 +81,25 @@ def _topk_tree(root: int, q: torch.Tensor, depth: int, topk: int, budget: int) -
     return tree
 
 
-def _empirical(kind: str, seed: int = 0, keep: tuple[int, ...] = (0, 1, 2)) -> torch.Tensor:
+def _looks(n: int, stop: Callable[..., bool] | None) -> set[int]:
+    """The sample counts after which `stop` is asked (none without one; never after the last)."""
+    return set() if stop is None else {n * k // LOOKS for k in range(1, LOOKS)}
+
+
+def _detected(counts: torch.Tensor) -> bool:
+    return _pvalue(counts) < DETECTED
+
+
+def _empirical(kind: str, seed: int = 0, keep: tuple[int, ...] = (0, 1, 2),
+               stop: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor:
     p, q = _tables()
     logp = torch.log(p)
     g = torch.Generator().manual_seed(seed)
     counts = torch.zeros(VOCAB ** LENGTH)
-    for _ in range(N_SAMPLES[kind]):
+    looks = _looks(N_SAMPLES[kind], stop)
+    for k in range(N_SAMPLES[kind]):
+        if k in looks and stop(counts):
+            break
         out: list[int] = []
         last = START
         while len(out) < LENGTH:
@@ -151,7 +170,7 @@ def test_biased_rules_are_detected(kind: str, bug: str, monkeypatch: pytest.Monk
         monkeypatch.setattr(V, "accept_sampled", _biased_sampled)
     else:
         monkeypatch.setattr(V, "accept_topk", _biased_topk)
-    assert _pvalue(_empirical(kind)) < 1e-6
+    assert _pvalue(_empirical(kind, stop=_detected)) < DETECTED
 
 
 def test_processed_distribution_top_k_top_p() -> None:
@@ -206,13 +225,17 @@ def _draft_model_drafter(spec):
     return d, lambda seq, gen: d.draft(seq, PARAMS, gen)
 
 
-def _drafter_empirical(make, spec, n: int, seed: int = 0) -> torch.Tensor:
+def _drafter_empirical(make, spec, n: int, seed: int = 0,
+                       stop: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor:
     p, _ = _tables()
     logp = torch.log(p)
     d, tree_of = make(spec)
     g = torch.Generator().manual_seed(seed)
     counts = torch.zeros(VOCAB ** LENGTH)
-    for _ in range(n):
+    looks = _looks(n, stop)
+    for k in range(n):
+        if k in looks and stop(counts):
+            break
         seq = [START]
         d.reset(seq)
         while len(seq) - 1 < LENGTH:
@@ -258,7 +281,7 @@ def test_drafter_with_a_wrong_q_is_detected(monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.setattr(B, "grow_dynamic_tree", wrong)
     spec = SpecConfig(method="draft_model", depth=1, topk=1, budget=2, draft_model="x")
-    assert _pvalue(_drafter_empirical(_draft_model_drafter, spec, n=CHAIN_SAMPLES)) < 1e-6
+    assert _pvalue(_drafter_empirical(_draft_model_drafter, spec, n=CHAIN_SAMPLES, stop=_detected)) < DETECTED
 
 
 # A drafter over a draft-vocabulary subset (EAGLE-3's d2t idea): it scores only 4 of the 6 tokens,
@@ -318,7 +341,7 @@ def test_subset_mapped_to_the_wrong_ids_is_detected(monkeypatch: pytest.MonkeyPa
         return out
 
     monkeypatch.setattr(B, "to_target_vocab", wrong)
-    assert _pvalue(_drafter_empirical(_subset_drafter, SUBSET_SPECS[1], n=SUBSET_SAMPLES)) < 1e-6
+    assert _pvalue(_drafter_empirical(_subset_drafter, SUBSET_SPECS[1], n=SUBSET_SAMPLES, stop=_detected)) < DETECTED
 
 
 # ---- training-free trees (issue 23): n-gram trie, SuffixDecoding, Token Recycling -------------
@@ -346,12 +369,16 @@ def _free_drafter(spec):
     return d, logp
 
 
-def _free_empirical(spec, n: int, seed: int = 0) -> torch.Tensor:
+def _free_empirical(spec, n: int, seed: int = 0, stop: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor:
     d, logp = _free_drafter(spec)
     g = torch.Generator().manual_seed(seed)
     counts = torch.zeros(VOCAB ** LENGTH)
     branched = 0
-    for _ in range(n):
+    looks = _looks(n, stop)
+    for k in range(n):
+        if k in looks and stop(counts):
+            n = k  # samples drawn, for the branching check
+            break
         seq = list(HISTORY)
         d.reset(seq)
         d.observe_logits(seq[-1:], logp[seq[-1:]])  # what the engine hands after the prompt
@@ -393,7 +420,7 @@ def test_training_free_trees_with_a_wrong_rule_are_detected(spec: SpecConfig, n:
         return (True, r) if u < float(r[x]) else (False, r)
 
     monkeypatch.setattr(V, "accept_topk", kept_in_r)
-    assert _pvalue(_free_empirical(spec, n=n)) < 1e-6
+    assert _pvalue(_free_empirical(spec, n=n, stop=_detected)) < DETECTED
 
 
 # ---- sampling through the batch scheduler (engine.decode.batch) on the tiny random Llama ----------
@@ -408,11 +435,14 @@ BATCH_PARAMS = SamplingParams(temperature=1.5, top_k=3, max_new_tokens=3)
 BATCH_REQUESTS = 400
 
 
-def _batch_counts(engine, n: int, adaptive: bool = False, planted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch_counts(engine, n: int, adaptive: bool = False, planted: bool = False,
+                  stop: Callable[[torch.Tensor, torch.Tensor], bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`adaptive`: the same tree under adaptive control (spec.adaptive), each verified row costing
     0.15 of a step: the controller drafts 0 to 4 nodes as its estimates move, its step cost
     following the live steps' timings. `planted`: the step cost stays as planted (PlantedCost), so
-    what the controller drafts depends on the verified drafts alone, not on the machine's load."""
+    what the controller drafts depends on the verified drafts alone, not on the machine's load.
+    `stop` (a control's sequential test): the requests are played in LOOKS rounds, and it is asked
+    after each round but the last whether the counts so far suffice."""
     import dataclasses
 
     from engine.decode import batch as B
@@ -427,9 +457,13 @@ def _batch_counts(engine, n: int, adaptive: bool = False, planted: bool = False)
     engine.step_costs = lambda *a: cost({1: [(0, 1.0), (16, 3.4)], 4: [(0, 4.0), (64, 13.6)]}, max_rows=5)
     try:
         be = B.BatchEngine(engine, max_batch=4, schedule=[(1, 4, spec)])
-        reqs = [be.submit(prompt, dataclasses.replace(BATCH_PARAMS, seed=i)) for i in range(n)]
-        while be.waiting or be.active:
-            be.step()
+        reqs: list = []
+        for upto in sorted(_looks(n, stop)) + [n]:
+            reqs += [be.submit(prompt, dataclasses.replace(BATCH_PARAMS, seed=i)) for i in range(len(reqs), upto)]
+            while be.waiting or be.active:
+                be.step()
+            if upto < n and stop(*_counts(engine, prompt, BATCH_PARAMS, [q.result.tokens for q in reqs])):
+                break
     finally:
         B.make_drafter = real
         del engine.step_costs
@@ -440,7 +474,7 @@ def _batch_counts(engine, n: int, adaptive: bool = False, planted: bool = False)
         if planted:  # more than a node a step: the trees' siblings, where the sibling rule decides, are verified
             assert drafted > steps
     assert all(r.error is None for r in reqs)
-    assert sum(q.result.stats.accepted_tokens for q in reqs) > n // 2  # the drafts really are verified
+    assert sum(q.result.stats.accepted_tokens for q in reqs) > len(reqs) // 2  # the drafts really are verified
     return _counts(engine, prompt, BATCH_PARAMS, [q.result.tokens for q in reqs])
 
 
@@ -507,8 +541,12 @@ def test_sampling_in_a_batch_with_a_wrong_rule_is_detected(weights: str, adaptiv
 
     engine = request.getfixturevalue("engine" if weights == "fp32" else "engine_bf16")
     monkeypatch.setattr(V, "accept_topk", kept_in_r)
-    counts, exact = _batch_counts(engine, BATCH_REQUESTS, adaptive, planted=adaptive)
-    assert float(chisquare(counts.numpy(), (exact / exact.sum() * counts.sum()).numpy()).pvalue) < 1e-6
+    counts, exact = _batch_counts(engine, BATCH_REQUESTS, adaptive, planted=adaptive, stop=_batch_detected)
+    assert _batch_detected(counts, exact)
+
+
+def _batch_detected(counts: torch.Tensor, exact: torch.Tensor) -> bool:
+    return _pooled_pvalue(counts, exact) < DETECTED  # pooled: an early look has few counts a cell
 
 
 # ---- a workload file of mixed temperatures through the one load generator ----------------------
