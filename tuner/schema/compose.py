@@ -319,8 +319,9 @@ def _hydra_composed(config_dir: str, overrides: tuple[str, ...]) -> dict[str, An
         else:
             # Hydra's own rule (hydra._internal.defaults_list.Overrides): an existing group given a
             # name (not a mapping) is a group choice; everything else overrides a key
-            groups = [o for o in parsed if (Path(config_dir) / o.key_or_group).is_dir() and not isinstance(o.value(), dict)]
-            keys = [o for o in parsed if o not in groups]
+            chosen = [(Path(config_dir) / o.key_or_group).is_dir() and not isinstance(o.value(), dict) for o in parsed]
+            groups = [o for o, group in zip(parsed, chosen) if group]
+            keys = [o for o, group in zip(parsed, chosen) if not group]
             cfg = copy.deepcopy(_hydra_groups(config_dir, tuple(o.input_line for o in groups)))
             if keys:
                 from hydra._internal.config_loader_impl import ConfigLoaderImpl
