@@ -17,7 +17,7 @@ stopping. One copy, so the three trainers read train.* the same way.
   the rule engine.builtin.weights=auto follows (tuner.schema.precision.timed_choice). Not the
   engine's weights either: decoding is bound by reading the weights, so bf16 weights decode faster
   even where bf16 arithmetic is emulated, while a training step's matmuls are bound by that arithmetic
-  (on the 2-core AVX2 EPYC bf16 autocast made them ~30x slower, docs/results.md, issue 40).
+  (on the 2-core AVX2 EPYC bf16 autocast made them 9-30x slower, docs/results.md, issue 40).
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ class EarlyStop:
 
 
 # the timed training step: a decoder MLP's two matmuls (SmolLM2's widths), forward and backward, over
-# TIMED_ROWS tokens (a training batch holds thousands; fewer keep an emulated bf16 step to ~2 s here)
+# TIMED_ROWS tokens (a training batch holds thousands; fewer keep an emulated bf16 step under a second here)
 TIMED_ROWS, TIMED_WIDTHS = 128, (576, 1536)
 TIMED_ROUNDS = 3  # steps of each precision, alternating; the fastest counts (another process only adds time)
 TIMED_VERSION = 1  # in the cache key: a change of what is timed measures again
@@ -135,7 +135,13 @@ _CHOSEN: dict[str, tuple[str, str]] = {}  # this process's resolved choices by c
 def time_train_steps(rounds: int = TIMED_ROUNDS) -> dict[str, dict[str, float]]:
     """Milliseconds of the timed training step per precision ({"fp32": {"128 rows": ms}, "bf16": ...}):
     the fastest of `rounds`, the precisions alternating after a warm-up of each. A precision whose step
-    took over 3x the other's fastest stops early: at such a gap more steps cannot change the choice."""
+    took over 3x the other's fastest stops early (only a step 3x faster than its others could change the
+    choice). Runs with autograd on wherever it is called from."""
+    with torch.inference_mode(False), torch.enable_grad():
+        return _time_train_steps(rounds)
+
+
+def _time_train_steps(rounds: int) -> dict[str, dict[str, float]]:
     g = torch.Generator().manual_seed(0)
     h, f = TIMED_WIDTHS
     w1 = (torch.randn(f, h, generator=g) * h ** -0.5).requires_grad_()
@@ -152,7 +158,7 @@ def time_train_steps(rounds: int = TIMED_ROUNDS) -> dict[str, dict[str, float]]:
         return (time.perf_counter() - t) * 1e3
 
     best = {p: step(p) for p in ("fp32", "bf16")}  # warm-up; counts only where it stops early below
-    done = set()
+    done: set[str] = set()
     for _ in range(rounds):
         for p, other in (("fp32", "bf16"), ("bf16", "fp32")):
             if p not in done:

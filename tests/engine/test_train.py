@@ -487,11 +487,15 @@ def test_training_precision_auto_takes_the_precision_timed_fastest(monkeypatch, 
     S._CHOSEN.clear()  # another process on this machine: the cached timing, not a new one
     assert S.timed_train_precision(tmp_path / "b", planted(10.0, 30.0))[0] == "bf16" and len(timed) == 3
     monkeypatch.setattr(S, "timed_train_precision", lambda *a, **k: ("bf16", "planted"))
-    assert S.train_precision(tc := cfg_of().train) == "bf16" and isinstance(S.step_precision(tc), torch.autocast)
+    tc = cfg_of().train
+    assert S.train_precision(tc) == "bf16" and isinstance(S.step_precision(tc), torch.autocast)
     assert S.train_precision(tc, "cpu") == "bf16"
     monkeypatch.setattr(S, "timed_train_precision", lambda *a, **k: ("fp32", "planted"))
     assert S.train_precision(tc) == "fp32" and not isinstance(S.step_precision(tc), torch.autocast)
     assert S.train_precision(tc.model_copy(update={"precision": "bf16"})) == "bf16"  # an explicit setting stands
+    with torch.inference_mode():  # the real timing, from wherever it is first asked (an engine's inference mode)
+        ms = S.time_train_steps(rounds=1)
+    assert set(ms) == {"fp32", "bf16"} and all(t[f"{S.TIMED_ROWS} rows"] > 0 for t in ms.values())
     bf16 = tc.model_copy(update={"precision": "bf16", "steps": 3, "eval_every": 3})
     assert S.train_precision(bf16) == "bf16"
     head, summary = T.train_head(data, engine.model, bf16, None, tmp_path / "w")
