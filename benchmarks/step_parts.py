@@ -51,7 +51,7 @@ def measure(weights: str, steps: int, prefix: int, threads: int) -> dict:
     buf = (ctypes.c_ulonglong * (64 * n))()
     per: list[list[list[float]]] = [[[] for _ in range(n)] for _ in range(threads)]
     c_ms, step_ms = [], []
-    real = lib.decode_forward
+    real = step._fn  # the C++ entry the step bound when it was built
 
     def timed(*a):
         t = time.perf_counter()
@@ -62,7 +62,7 @@ def measure(weights: str, steps: int, prefix: int, threads: int) -> dict:
     with torch.inference_mode():
         cache = fw.new_cache(prefix + 2)
         fw.step_batch([cache], [list(range(1000, 1000 + prefix))], [None], [None], [True])
-        lib.decode_forward = timed
+        step._fn = timed
         try:
             for i in range(steps + 5):
                 cache.crop(prefix)
@@ -77,7 +77,7 @@ def measure(weights: str, steps: int, prefix: int, threads: int) -> dict:
                         for p in range(n):
                             per[th][p].append((buf[th * n + p] - before[th * n + p]) / 1e6)
         finally:
-            lib.decode_forward = real
+            step._fn = real
     c_ms, step_ms = c_ms[5:], step_ms[5:]
     model = step.model
     nbytes = {}

@@ -12,14 +12,20 @@ stopping. One copy, so the three trainers read train.* the same way.
 - Early stop: the validation loss every `train.eval_every` steps (and at the last); the best
   weights are kept; training stops after `train.patience` validations without improvement.
 - Precision: a training step's matmuls run in bfloat16 (autocast; fp32 weights, optimizer and
-  validation) where the hardware multiplies bf16 natively (`train.precision=auto`: a GPU, or a CPU
-  with avx512_bf16 or AMX), else in fp32: emulated bf16 is slower than fp32.
+  validation) or fp32. `train.precision=auto`: bf16 on a GPU; on a CPU the faster of the two by a
+  short timed training step (`timed_train_precision`: once per machine, cached), not by CPU flags,
+  the rule engine.builtin.weights=auto follows (tuner.schema.precision.timed_choice). Not the
+  engine's weights either: decoding is bound by reading the weights, so bf16 weights decode faster
+  even where bf16 arithmetic is emulated, while a training step's matmuls are bound by that arithmetic
+  (on the 2-core AVX2 EPYC bf16 autocast made them 9-30x slower, docs/results.md, issue 40).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +33,7 @@ import torch
 
 from engine.heads.data import FIXED_TEXT, DistillData
 from tuner.schema.config import TrainConfig
+from tuner.schema.precision import timed_choice
 
 Report = Callable[[str, int, int, dict], None]  # report(phase, done, total, info), e.g. ("train", step, steps, {"loss"})
 MIN_GAIN = 1e-4  # a validation loss must fall by more than this to count as an improvement
@@ -117,16 +124,79 @@ class EarlyStop:
             model.load_state_dict(self.state["best"])
 
 
+# the timed training step: a decoder MLP's two matmuls (SmolLM2's widths), forward and backward, over
+# TIMED_ROWS tokens (a training batch holds thousands; fewer keep an emulated bf16 step under a second here)
+TIMED_ROWS, TIMED_WIDTHS = 128, (576, 1536)
+TIMED_ROUNDS = 3  # steps of each precision, alternating; the fastest counts (another process only adds time)
+TIMED_VERSION = 1  # in the cache key: a change of what is timed measures again
+_CHOSEN: dict[str, tuple[str, str]] = {}  # this process's resolved choices by cache key
+
+
+def time_train_steps(rounds: int = TIMED_ROUNDS) -> dict[str, dict[str, float]]:
+    """Milliseconds of the timed training step per precision ({"fp32": {"128 rows": ms}, "bf16": ...}):
+    the fastest of `rounds`, the precisions alternating after a warm-up of each. A precision whose step
+    took over 3x the other's fastest stops early (only a step 3x faster than its others could change the
+    choice). Runs with autograd on wherever it is called from."""
+    with torch.inference_mode(False), torch.enable_grad():
+        return _time_train_steps(rounds)
+
+
+def _time_train_steps(rounds: int) -> dict[str, dict[str, float]]:
+    g = torch.Generator().manual_seed(0)
+    h, f = TIMED_WIDTHS
+    w1 = (torch.randn(f, h, generator=g) * h ** -0.5).requires_grad_()
+    w2 = (torch.randn(h, f, generator=g) * f ** -0.5).requires_grad_()
+    x = torch.randn(TIMED_ROWS, h, generator=g)
+
+    def step(precision: str) -> float:
+        t = time.perf_counter()
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+        with ctx:
+            y = torch.nn.functional.linear(torch.nn.functional.silu(torch.nn.functional.linear(x, w1)), w2)
+        y.float().square().mean().backward()
+        w1.grad = w2.grad = None
+        return (time.perf_counter() - t) * 1e3
+
+    best = {p: step(p) for p in ("fp32", "bf16")}  # warm-up; counts only where it stops early below
+    done: set[str] = set()
+    for _ in range(rounds):
+        for p, other in (("fp32", "bf16"), ("bf16", "fp32")):
+            if p not in done:
+                best[p] = min(best[p], step(p))
+                if best[p] > 3 * best[other]:
+                    done.add(p)
+    return {p: {f"{TIMED_ROWS} rows": round(ms, 3)} for p, ms in best.items()}
+
+
+def timed_train_precision(cache_dir: str | os.PathLike | None = None,
+                          measure: Callable[[], dict[str, dict[str, float]]] = time_train_steps) -> tuple[str, str]:
+    """(precision, reason in one line) that train.precision=auto takes on this CPU: the faster of fp32
+    and bf16 autocast by `measure` (a timed training step), fp32 unless bf16 is at least AUTO_MARGIN
+    faster (tuner.schema.precision.timed_choice). Timed once per machine (CPU, threads, torch) and kept
+    in <cache>/train_precision.json (a head's key holds the choice: it must not move between runs);
+    without a writable cache, once per process."""
+    from engine.models.machine import cache_root, cpu_signature, measured_once
+
+    key = "|".join([cpu_signature(), f"torch {torch.__version__}", f"v{TIMED_VERSION}"])
+    path = cache_root(cache_dir) / "train_precision.json"
+    memo = f"{path}|{key}"
+    if memo not in _CHOSEN:
+        try:
+            ms = measured_once(path, key, lambda _old: measure())
+        except OSError:
+            ms = measure()
+        _CHOSEN[memo] = timed_choice(ms, "training step")
+    return _CHOSEN[memo]
+
+
 def train_precision(tc: TrainConfig, device: torch.device | str = "cpu") -> str:
-    """What train.precision means on `device`: "bf16" or "fp32" (auto: bf16 where it is native)."""
+    """What train.precision means on `device`: "bf16" or "fp32" (auto: bf16 on a GPU, on a CPU the
+    faster by a timed training step, `timed_train_precision`)."""
     if tc.precision != "auto":
         return tc.precision
     if torch.device(device).type == "cuda":
         return "bf16"
-    from engine.models.machine import cpu_signature
-
-    flags = cpu_signature().split("|")[-2].split(",")  # "model|flags|threads"
-    return "bf16" if "avx512_bf16" in flags or "amx_bf16" in flags else "fp32"
+    return timed_train_precision()[0]
 
 
 def step_precision(tc: TrainConfig, device: torch.device | str = "cpu") -> contextlib.AbstractContextManager:

@@ -104,13 +104,30 @@ template <> struct Dot<bf16_t> : std::true_type {};
 template <> struct Dot<e4m3_t> : std::true_type {};
 #endif
 
+/* 8 lanes: a bf16 block is packed in k-pairs too (layout 2: column c of k-rows 2p, 2p + 1 in one 32-bit
+   lane, k-row 2p in the low half), though the products stay fp32 FMAs: one 32-byte load holds two k-rows
+   of the block, and a shift (k-row 2p) and a mask (2p + 1) make their fp32 vectors. Widening a k-row
+   alone took a zero-extension and a shift, each two operations at 256 bits where a vector is split in
+   two halves (Zen 1, docs/results.md); now one shift and one AND per two k-rows. Each column still sums
+   k in order, one FMA at a time: the results are the k-row kernel's, bit for bit (BF16_KROWS builds that
+   kernel, for the test that checks it). */
+#if VW == 8 && defined(HAS_BF16_W) && !defined(BF16_KROWS)
+#define BF16_PAIRS 1
+#endif
+
+/* whether a block of W is packed in k-pairs (K padded to even with zeros) */
+template <typename W> struct Paired : Dot<W> {};
+#ifdef BF16_PAIRS
+template <> struct Paired<bf16_t> : std::true_type {};
+#endif
+
 /* The k-layout of a packed block of format fmt (0 fp32, 1 bf16, 2 e4m3): 0 k-rows of the columns in
    order; 1 k-rows of an e4m3 block with column 16 j + d at byte 16 (d / 4) + 8 (j / 2) + 2 (d % 4) + j % 2
    (E4M3_LUT); 2 k-pairs (K padded to even): bf16 column c of k-rows 2p, 2p + 1 at words 2 c, 2 c + 1;
    3 k-pairs of e4m3: column 16 j + i of k-row 2p + e at byte 64 (j / 2) + 16 ((2i + e) / 8) + 8 (j % 2)
    + (2i + e) % 8 (E4M3_DOT). engine.models.smallm.pack lays blocks out so. */
 extern "C" int weight_layout(int fmt) {
-#ifdef BF16_DOT
+#if defined(BF16_DOT) || defined(BF16_PAIRS)
   if (fmt == 1) return 2;
 #endif
 #ifdef E4M3_DOT
@@ -127,7 +144,7 @@ extern "C" int block_shape() { return VW * 100 + NB; }
 
 /* elements between a packed block and the next, of K k-rows */
 template <typename W>
-static inline long block_elems(long K) { return (Dot<W>::value ? (K + 1) / 2 * 2 : K) * BW; }
+static inline long block_elems(long K) { return (Paired<W>::value ? (K + 1) / 2 * 2 : K) * BW; }
 
 /* fp32 -> bf16 bits, to nearest even (NaN: 0x7FC0), as torch; branch-free so the loops vectorise */
 static inline bf16_t to_bf16(float f) {
@@ -224,6 +241,16 @@ static inline void wrow(const W* p, vf* w) {
   _Pragma("GCC unroll 4")
   for (int j = Part<H>::J0; j < Part<H>::J0 + Part<H>::NJ; ++j) w[j] = wload(p + j * VW);
 }
+
+#ifdef BF16_PAIRS
+/* the two k-rows of a k-pair of a one-vector bf16 block (BF16_PAIRS) as fp32: w0 k-row 2p (the lanes'
+   low halves moved up), w1 k-row 2p + 1 (the high halves, the low cleared) */
+static inline void wpair8(const bf16_t* p, vf& w0, vf& w1) {
+  const __m256i v = _mm256_loadu_si256((const __m256i*)p);
+  w0 = (vf)_mm256_slli_epi32(v, 16);
+  w1 = (vf)_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000));
+}
+#endif
 
 #if defined(E4M3_LUT) || defined(E4M3_DOT)
 /* 2^-8 times the value of each e4m3 magnitude 0..127 (as the fp16 route), its bf16 bits' low and high bytes */
@@ -356,6 +383,21 @@ static inline void block(const float* x, long ldx, const W* wb, float* y, long l
   for (int j = J0; j < J1; ++j)
     for (int m = 0; m < M; ++m) acc[j][m] = (vf){};
   const char* wc = (const char*)wb;
+#ifdef BF16_PAIRS
+  if constexpr (Paired<W>::value) {  /* one-vector blocks in k-pairs: each column k after k as below */
+    static_assert(NB == 1, "BF16_PAIRS packs one-vector blocks");
+    for (long k = 0; k < K; k += 2) {
+      ahead_row<H, ROW>(wc + k * ROW, k);
+      vf w0, w1;
+      wpair8(wb + k * BW, w0, w1);
+      _Pragma("GCC unroll 8")
+      for (int m = 0; m < M; ++m) {
+        acc[0][m] = fmadd(bcast(x[m * ldx + k]), w0, acc[0][m]);
+        if (k + 1 < K) acc[0][m] = fmadd(bcast(x[m * ldx + k + 1]), w1, acc[0][m]);  /* K odd: the pad is left out */
+      }
+    }
+  } else
+#endif
   for (long k = 0; k < K; ++k) {
     ahead_row<H, ROW>(wc + k * ROW, k);
     vf w[NB];
@@ -412,6 +454,23 @@ static inline void block_g(const float* x, long ldx, const W* wb, long stride, f
         for (int j = 0; j < NB; ++j) acc[g][j][m] = fmadd(xs, w[g][j], acc[g][j][m]);
     }
   };
+#ifdef BF16_PAIRS
+  /* a k-pair of one-vector blocks (BF16_PAIRS): both k-rows' weights of the G blocks, then k-row 2p's
+     products, then 2p + 1's (`two` false: K odd, only 2p, the pad left out) */
+  auto pair = [&](long k, bool two) __attribute__((always_inline)) {
+    vf w[G][2];
+    _Pragma("GCC unroll 8")
+    for (int g = 0; g < G; ++g) wpair8((const bf16_t*)(wb + g * stride + k * BW), w[g][0], w[g][1]);
+    _Pragma("GCC unroll 2")
+    for (int e = 0; e < 1 + two; ++e)
+      _Pragma("GCC unroll 8")
+      for (int m = 0; m < M; ++m) {
+        const vf xs = bcast(x[m * ldx + k + e]);
+        _Pragma("GCC unroll 8")
+        for (int g = 0; g < G; ++g) acc[g][0][m] = fmadd(xs, w[g][e], acc[g][0][m]);
+      }
+  };
+#endif
   /* k-rows shorter than a line in runs of one line's worth, unrolled: the prefetches (one a line, as
      ahead_row) and the loop's own work once a line, not at every k-row */
   constexpr int U = ROW >= 64 ? 1 : 64 / ROW;
@@ -424,9 +483,22 @@ static inline void block_g(const float* x, long ldx, const W* wb, long stride, f
     const long jump = k * ROW + AHEAD >= stride * (long)sizeof(W) ? (G - 1) * stride : 0;
     _Pragma("GCC unroll 8")
     for (int g = 0; g < G; ++g) ahead_row<0, ROW>((const char*)(wb + g * stride + jump + k * BW), 0);
+#ifdef BF16_PAIRS
+    if constexpr (Paired<W>::value) {
+      static_assert(U % 2 == 0, "a line holds whole k-pairs");
+      _Pragma("GCC unroll 8")
+      for (int u = 0; u < U; u += 2) pair(k + u, true);
+      continue;
+    }
+#endif
     _Pragma("GCC unroll 8")
     for (int u = 0; u < U; ++u) step(k + u);
   }
+#ifdef BF16_PAIRS
+  if constexpr (Paired<W>::value) {
+    for (; k < K; k += 2) pair(k, k + 1 < K);
+  } else
+#endif
   for (; k < K; ++k) step(k);
   float f = wscale(wb, scale);
   for (int g = 0; g < G; ++g)

@@ -278,7 +278,7 @@ def test_few_row_block_every_row_count_and_layout(vw: int, nb: int, extra: list[
     cpu = f" {native.cpu_id()} "
     bf16_dot = vw == 16 and " avx512_bf16 " in cpu and "-mno-avx512bf16" not in extra
     vbmi = vw == 16 and " avx512vbmi " in cpu and "-mno-avx512vbmi" not in extra
-    want = {"fp32": 0, "bf16": 2 if bf16_dot else 0, "fp8": (3 if bf16_dot else 1) if vbmi else 0}[weights]
+    want = {"fp32": 0, "bf16": 2 if bf16_dot or vw == 8 else 0, "fp8": (3 if bf16_dot else 1) if vbmi else 0}[weights]
     assert smallm.layout(lib, weights) == want  # the layout follows the build
     g = torch.Generator().manual_seed(0)
     for k in (41, 40):
@@ -303,6 +303,31 @@ def test_few_row_block_every_row_count_and_layout(vw: int, nb: int, extra: list[
             torch.testing.assert_close(y[:, :w.shape[0]], want_y, rtol=1e-5, atol=1e-5, msg=f"{m} rows, K {k}")
             if weights != "fp32":  # the rounding matters at this tolerance
                 assert not torch.allclose(torch.nn.functional.linear(x, w), want_y, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_pairs_at_8_lanes_are_the_k_row_kernel_bit_for_bit() -> None:
+    """At 8 lanes a bf16 block is packed in k-pairs (two k-rows widened from one load by a shift and a
+    mask) and each column still sums k in order: every row count, at an odd and an even K, at 1 and 2
+    threads, gives exactly the k-row kernel's results (BF16_KROWS), so the format's outputs did not
+    move. A pair read in the wrong order, a lost odd k-row or a pad multiplied in would differ."""
+    pairs, krows = _kernel(8, 1, [], "bf16"), _kernel(8, 1, ["-DBF16_KROWS"], "bf16")
+    from engine.models import smallm
+
+    assert (smallm.layout(pairs, "bf16"), smallm.layout(krows, "bf16")) == (2, 0)
+    g = torch.Generator().manual_seed(1)
+    for k in (41, 576):
+        w = torch.randn(5 * 8 - 3, k, generator=g).bfloat16().float()
+        a, b = smallm.pack(w, "bf16", pairs), smallm.pack(w, "bf16", krows)
+        for m in range(1, 9):
+            x = torch.randn(m, k, generator=g) * 4
+            ys = []
+            for lib, (packed, scale) in ((pairs, a), (krows, b)):
+                for threads in (1, 2):
+                    y = torch.empty(m, packed.shape[0] * 8)
+                    assert lib.smallm_linear(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, y.shape[1], k,
+                                             smallm.FORMATS[packed.dtype], scale, threads) == 0
+                    ys.append(y[:, :w.shape[0]])
+            assert all(torch.equal(y, ys[0]) for y in ys[1:]), f"{m} rows, K {k}"
 
 
 @pytest.mark.parametrize("vw, nb", [(8, 1), (16, 4)])

@@ -459,17 +459,43 @@ def test_training_prompts_are_the_same_in_another_process() -> None:
     assert len(digest) == 64 and leak == "clean"
 
 
-def test_training_precision_is_bf16_only_where_the_hardware_multiplies_it(monkeypatch, data: DistillData,
-                                                                         engine: Engine, tmp_path) -> None:
-    """auto: bf16 autocast on a CPU with avx512_bf16 or AMX, fp32 on one that would emulate it; a
+def test_training_precision_auto_takes_the_precision_timed_fastest(monkeypatch, data: DistillData,
+                                                                  engine: Engine, tmp_path) -> None:
+    """auto on a CPU: the faster of fp32 and bf16 autocast by a timed training step (planted timings),
+    not the CPU's flags: a CPU with avx512_bf16 where bf16 timed slower keeps fp32, an AVX2 one where it
+    timed faster takes bf16 (fp32 unless bf16 is AUTO_MARGIN faster); timed once per machine (cached:
+    another process reads it, no second timing); train_precision and the step's autocast follow it; a
     bf16 step trains (fp32 weights) and says so in the summary."""
     from engine.models import machine
+    from tuner.schema.precision import AUTO_MARGIN
 
-    tc = cfg_of().train
+    timed: list[str] = []
+
+    def planted(fp32: float, bf16: float):
+        def measure() -> dict:
+            timed.append(f"{fp32}/{bf16}")
+            return {"fp32": {"128 rows": fp32}, "bf16": {"128 rows": bf16}}
+        return measure
+
+    monkeypatch.setattr(S, "_CHOSEN", {})
     monkeypatch.setattr(machine, "cpu_signature", lambda: "AMD EPYC|avx2,avx512f,avx512_bf16|2t")
-    assert S.train_precision(tc) == "bf16" and isinstance(S.step_precision(tc), torch.autocast)
+    assert S.timed_train_precision(tmp_path / "a", planted(10.0, 30.0))[0] == "fp32"
     monkeypatch.setattr(machine, "cpu_signature", lambda: "AMD EPYC|avx2|2t")
+    precision, why = S.timed_train_precision(tmp_path / "b", planted(30.0, 10.0))
+    assert precision == "bf16" and "timed training step" in why and "3.00x" in why and "\n" not in why
+    assert S.timed_train_precision(tmp_path / "c", planted(10.0, 10.0 * (1 - AUTO_MARGIN / 2)))[0] == "fp32"
+    S._CHOSEN.clear()  # another process on this machine: the cached timing, not a new one
+    assert S.timed_train_precision(tmp_path / "b", planted(10.0, 30.0))[0] == "bf16" and len(timed) == 3
+    monkeypatch.setattr(S, "timed_train_precision", lambda *a, **k: ("bf16", "planted"))
+    tc = cfg_of().train
+    assert S.train_precision(tc) == "bf16" and isinstance(S.step_precision(tc), torch.autocast)
+    assert S.train_precision(tc, "cpu") == "bf16"
+    monkeypatch.setattr(S, "timed_train_precision", lambda *a, **k: ("fp32", "planted"))
     assert S.train_precision(tc) == "fp32" and not isinstance(S.step_precision(tc), torch.autocast)
+    assert S.train_precision(tc.model_copy(update={"precision": "bf16"})) == "bf16"  # an explicit setting stands
+    with torch.inference_mode():  # the real timing, from wherever it is first asked (an engine's inference mode)
+        ms = S.time_train_steps(rounds=1)
+    assert set(ms) == {"fp32", "bf16"} and all(t[f"{S.TIMED_ROWS} rows"] > 0 for t in ms.values())
     bf16 = tc.model_copy(update={"precision": "bf16", "steps": 3, "eval_every": 3})
     assert S.train_precision(bf16) == "bf16"
     head, summary = T.train_head(data, engine.model, bf16, None, tmp_path / "w")

@@ -61,11 +61,11 @@ def auto_candidates(*, quantization: str | None, device: str, accelerator: str, 
     return TIMED_FORMATS, "fp32 and bf16 both run in the native step here: a timed decode step of each decides"
 
 
-def timed_choice(ms: Mapping[str, Mapping[str, float]]) -> tuple[str, str]:
-    """(format, reason in one line) from each candidate's timed decode steps (format -> {what was
-    timed, e.g. "1 seq": milliseconds}, the same keys for every format): the format of the lowest
-    geometric mean over them, fp32 unless another is at least AUTO_MARGIN faster. The reason
-    carries every figure."""
+def timed_choice(ms: Mapping[str, Mapping[str, float]], what: str = "decode step") -> tuple[str, str]:
+    """(format, reason in one line) from each candidate's timed steps (format -> {what was timed,
+    e.g. "1 seq": milliseconds}, the same keys for every format; `what` names the step: a decode step,
+    or a training step for train.precision): the format of the lowest geometric mean over them, fp32
+    unless another is at least AUTO_MARGIN faster. The reason carries every figure."""
     if not ms:
         raise ValueError("timed_choice: no format was timed")
     points = list(next(iter(ms.values())))
@@ -76,5 +76,5 @@ def timed_choice(ms: Mapping[str, Mapping[str, float]]) -> tuple[str, str]:
     figures = ", ".join(f"{f} " + " / ".join(f"{ms[f][p]:.2f}" for p in points) for f in ms)
     gain = "" if best == "fp32" else f", {mean['fp32'] / mean[best]:.2f}x fp32's" if "fp32" in mean else ""
     rule = "" if best != "fp32" or len(ms) == 1 else f" (another format must be {AUTO_MARGIN:.0%} faster)"
-    return best, (f"a timed decode step measured it fastest here{gain}{rule}: ms per step at "
+    return best, (f"a timed {what} measured it fastest here{gain}{rule}: ms per step at "
                   f"{' / '.join(points)}: {figures}")
