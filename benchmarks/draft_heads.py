@@ -107,20 +107,17 @@ def interleaved_rows(engine: Engine, prompts: list[list[int]], max_new: int,
 
 
 def rows_only(args: argparse.Namespace, con: Console) -> int:
-    """Step 3 alone for a head trained elsewhere: held-out code rows, interleaved; the last line is JSON."""
-    from engine.models.eagle_head import load_head
-    from engine.models.eagle3_head import load_eagle3
-
+    """Step 3 alone for a head trained elsewhere: held-out code rows, interleaved; the last line is JSON.
+    The engine loads the head itself (spec.head_path: on its device, in its weights' format)."""
     if not args.head:
         raise UserError("--rows-only measures a trained head: give --head DIR")
     cfg = load_config(["+workload=code", *args.overrides])
     engine = open_engine(cfg)
-    head = (load_eagle3 if args.method == "eagle3" else load_head)(args.head, engine.model.config)
     prompts = [engine.encode_prompt(p.text, True) for p in load_prompts(cfg.workload, "heldout")]
     configs: list[tuple[str, SpecConfig, object]] = [("AR", SpecConfig(method="off"), None)]
     configs += [(f"ngram d{d}", SpecConfig(method="ngram", depth=d, budget=d + 1), None)
                 for d in (int(x) for x in args.ngram_depths.split(","))]
-    configs += [(f"{args.method} d{t.depth} k{t.topk} b{t.budget}", t, head)
+    configs += [(f"{args.method} d{t.depth} k{t.topk} b{t.budget}", t.model_copy(update={"head_path": args.head}), None)
                 for t in (parse_tree(x, args.method) for x in args.trees.split(","))]
     t0 = time.perf_counter()
     rows = interleaved_rows(engine, prompts, args.max_new_tokens, configs)
@@ -202,11 +199,12 @@ def main() -> int:
         keep = [s for p in order[: max(1, int(round(frac * len(order))))] for s in by_prompt[p]]
         sub = data.subset(keep + val_seqs)
         if frac >= 1 and args.head:
-            from engine.models.eagle_head import load_head
-            from engine.models.eagle3_head import load_eagle3
+            from engine.drafters import load_eagle3_head, load_eagle_head
             from engine.heads.pipeline import read_meta
 
-            head = (load_eagle3 if args.method == "eagle3" else load_head)(args.head, engine.model.config)
+            # the engine's own loader: the head on the target's device, in its weights' format
+            head = (load_eagle3_head if args.method == "eagle3" else load_eagle_head)(
+                SpecConfig(method=args.method, head_path=args.head), engine.target)
             meta = read_meta(args.head)
             summ, train_s = {"steps": meta["steps"]}, meta["train_seconds"]
         else:
