@@ -1,4 +1,5 @@
-"""Stage 2 of the head pipeline: the target answers the training prompts, batched, greedily.
+"""Stage 2 of the head pipeline: the target answers the training prompts, batched, greedily (and, for
+more data per prompt, with answers sampled from the target: train.answers_per_prompt).
 
 The head must predict what *this* target says next, so its data is the target's own greedy answers
 (on-policy). Generation is the cost that bounds how much data a head sees, so it is batched through
@@ -26,7 +27,7 @@ Progress = Callable[[int, int, int, float], None]  # (prompts done, total, token
 def answer_batch(forward, prompts: Sequence[Sequence[int]], max_new: int, eos: set[int],
                  topk: int = 8, aux_layers: Sequence[int] | None = None,
                  temperatures: Sequence[float] | None = None, seed: int = 0) -> list[dict]:
-    """Greedy answers to `prompts` through the engine's own forward (`Engine.forward`: the lean or
+    """Greedy (or sampled, see below) answers to `prompts` through the engine's own forward (`Engine.forward`: the lean or
     native step, or transformers behind the same interface), the live rows of a step in one call.
 
     The prompts are prefilled together, then each step decodes one token for every row still
