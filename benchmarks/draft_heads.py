@@ -3,6 +3,12 @@ held-out speed against AR and n-gram, in one run.
 
     python benchmarks/draft_heads.py [--prompts 640] [--sizes 0.125,0.25,0.5,1] [--vocabs 4096,8192,16384,0]
                                      [--trees 4x4x16,5x4x16,6x2x12,3x4x12,6x8x16] [--heldout code,chat,math]
+                                     [--save-heads DIR]
+    python benchmarks/draft_heads.py --rows-only --head DIR [--trees 3x1x4,4x4x16] [--ngram-depths 4]
+
+With --rows-only (a head trained elsewhere, e.g. on a GPU: no data, no training): step 3 alone, AR,
+n-gram and EAGLE rows on the held-out code prompts, interleaved (prompts outer, rows inner, so a load
+drifting on a shared machine hits every row alike).
 
 1. Data: the target answers the training prompts with engine.heads (batched, on-policy, greedy); its
    tokens/s against the engine's batch-1 greedy rate measured in the same process.
@@ -75,7 +81,60 @@ def run_rows(engine: Engine, prompts: list[list[int]], max_new: int, spec: SpecC
     depth = max(spec.depth, 1) if spec.method != "off" else 1
     return {"tok_s": toks / secs, "tau": toks / max(fwd, 1), "draft_ms": 1000 * draft_s / steps,
             "draft_ms_per_depth": 1000 * draft_s / steps / depth, "verify_ms": 1000 * verify_s / max(fwd, 1),
-            "same": same, "n": len(prompts), "tokens": outs}
+            "same": same, "n": len(prompts), "tokens": outs,
+            "sums": {"tokens": toks, "seconds": secs, "forwards": fwd, "draft_s": draft_s, "verify_s": verify_s, "steps": steps}}
+
+
+def interleaved_rows(engine: Engine, prompts: list[list[int]], max_new: int,
+                     configs: list[tuple[str, SpecConfig, object]]) -> list[dict]:
+    """`run_rows` of every (name, spec, head) one prompt at a time, rows inner, after one untimed
+    warm-up generation each; every row's output compared with the first config's (AR)."""
+    for _, spec, head in configs:
+        run_rows(engine, prompts[:1], 8, spec, head)
+    acc: dict[str, list[dict]] = {name: [] for name, _, _ in configs}
+    for p in prompts:
+        for name, spec, head in configs:
+            acc[name].append(run_rows(engine, [p], max_new, spec, head))
+    ref = [r["tokens"][0] for r in acc[configs[0][0]]]
+    rows = []
+    for name, _, _ in configs:
+        t = {k: sum(r["sums"][k] for r in acc[name]) for k in acc[name][0]["sums"]}
+        rows.append({"config": name, "tok_s": t["tokens"] / t["seconds"], "tau": t["tokens"] / max(t["forwards"], 1),
+                     "draft_ms": 1000 * t["draft_s"] / t["steps"], "verify_ms": 1000 * t["verify_s"] / max(t["forwards"], 1),
+                     "same": sum(r["tokens"][0] == x for r, x in zip(acc[name], ref)), "n": len(prompts),
+                     "tokens": t["tokens"], "seconds": round(t["seconds"], 2)})
+    return rows
+
+
+def rows_only(args: argparse.Namespace, con: Console) -> int:
+    """Step 3 alone for a head trained elsewhere: held-out code rows, interleaved; the last line is JSON.
+    The engine loads the head itself (spec.head_path: on its device, in its weights' format)."""
+    if not args.head:
+        raise UserError("--rows-only measures a trained head: give --head DIR")
+    cfg = load_config(["+workload=code", *args.overrides])
+    engine = open_engine(cfg)
+    prompts = [engine.encode_prompt(p.text, True) for p in load_prompts(cfg.workload, "heldout")]
+    configs: list[tuple[str, SpecConfig, object]] = [("AR", SpecConfig(method="off"), None)]
+    configs += [(f"ngram d{d}", SpecConfig(method="ngram", depth=d, budget=d + 1), None)
+                for d in (int(x) for x in args.ngram_depths.split(","))]
+    configs += [(f"{args.method} d{t.depth} k{t.topk} b{t.budget}", t.model_copy(update={"head_path": args.head}), None)
+                for t in (parse_tree(x, args.method) for x in args.trees.split(","))]
+    t0 = time.perf_counter()
+    rows = interleaved_rows(engine, prompts, args.max_new_tokens, configs)
+    ar = rows[0]["tok_s"]
+    t = Table(title=f"held-out code ({len(prompts)} prompts, T=0, {args.max_new_tokens} tokens, batch 1, "
+                    f"{engine.device}, weights {cfg.engine.builtin.weights}, interleaved)")
+    for c in ("config", "tok/s", "tau", "vs AR", "draft ms/step", "verify ms/forward", "same as AR"):
+        t.add_column(c)
+    for r in rows:
+        r["speedup"] = r["tok_s"] / ar
+        t.add_row(r["config"], f"{r['tok_s']:.2f}", f"{r['tau']:.2f}", f"{r['speedup']:.2f}x", f"{r['draft_ms']:.1f}",
+                  f"{r['verify_ms']:.1f}", f"{r['same']}/{r['n']}")
+    Console().print(t)
+    con.print(f"measured in {time.perf_counter() - t0:.0f} s")
+    print(json.dumps({"head": args.head, "device": str(engine.device), "weights": cfg.engine.builtin.weights,
+                      "max_new_tokens": args.max_new_tokens, "rows": rows}))
+    return 0
 
 
 def main() -> int:
@@ -91,10 +150,15 @@ def main() -> int:
     ap.add_argument("--out", default="docs/figures/draft_heads.png")
     ap.add_argument("--head", default=None, help="a head trained on all the data (tuner train-draft): used for share 1 instead of training again")
     ap.add_argument("--method", default="eagle", choices=["eagle", "eagle3"], help="the head to train and measure")
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides (train.*)")
+    ap.add_argument("--save-heads", default=None, help="save each share's head there (share-<fraction>/, the public layout)")
+    ap.add_argument("--rows-only", action="store_true",
+                    help="only the held-out code rows of --head (trained elsewhere), interleaved: no data, no training")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides (train.*, engine.builtin.*)")
     args = ap.parse_args()
     con = Console(stderr=True)
     torch.set_num_threads(args.threads)
+    if args.rows_only:
+        return rows_only(args, con)
     over = ["+workload=code", *args.overrides] + ([f"train.prompts={args.prompts}"] if args.prompts else [])
     cfg = load_config(over)
     engine = open_engine(cfg)
@@ -135,11 +199,12 @@ def main() -> int:
         keep = [s for p in order[: max(1, int(round(frac * len(order))))] for s in by_prompt[p]]
         sub = data.subset(keep + val_seqs)
         if frac >= 1 and args.head:
-            from engine.models.eagle_head import load_head
-            from engine.models.eagle3_head import load_eagle3
+            from engine.drafters import load_eagle3_head, load_eagle_head
             from engine.heads.pipeline import read_meta
 
-            head = (load_eagle3 if args.method == "eagle3" else load_head)(args.head, engine.model.config)
+            # the engine's own loader: the head on the target's device, in its weights' format
+            head = (load_eagle3_head if args.method == "eagle3" else load_eagle_head)(
+                SpecConfig(method=args.method, head_path=args.head), engine.target)
             meta = read_meta(args.head)
             summ, train_s = {"steps": meta["steps"]}, meta["train_seconds"]
         else:
@@ -152,9 +217,17 @@ def main() -> int:
         train_total_s = max(train_total_s, train_s) if frac < 1 else train_s
         row = run_rows(engine, heldout["code"], args.max_new_tokens, trees[0], head, ref_code["tokens"])
         n_tok = int(sum(int(sub.offsets[i + 1] - sub.offsets[i]) for i in range(len(keep))))
-        sizes.append({"share": frac, "train_tokens": n_tok, "steps": summ["steps"], "train_s": round(train_s, 1),
+        n_ans = n_tok - int(sum(int(sub.starts[i]) for i in range(len(keep))))
+        sizes.append({"share": frac, "train_tokens": n_tok, "answer_tokens": n_ans, "sequences": len(keep),
+                      "steps": summ["steps"], "train_s": round(train_s, 1),
                       "tau": round(row["tau"], 3), "speedup": round(row["tok_s"] / ar, 3), "same": row["same"]})
         heads[frac] = head
+        if args.save_heads and not (frac >= 1 and args.head) and args.method == "eagle":
+            from engine.models.eagle_head import save_head
+
+            out_dir = Path(args.save_heads) / f"share-{frac:g}"
+            save_head(head, out_dir)
+            (out_dir / "size.json").write_text(json.dumps(sizes[-1]) + "\n")
         con.print(f"size {sizes[-1]}")
     head = heads[max(heads)]
 

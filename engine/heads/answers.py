@@ -1,4 +1,5 @@
-"""Stage 2 of the head pipeline: the target answers the training prompts, batched, greedily.
+"""Stage 2 of the head pipeline: the target answers the training prompts, batched, greedily (and, for
+more data per prompt, with answers sampled from the target: train.answers_per_prompt).
 
 The head must predict what *this* target says next, so its data is the target's own greedy answers
 (on-policy). Generation is the cost that bounds how much data a head sees, so it is batched through
@@ -24,8 +25,9 @@ Progress = Callable[[int, int, int, float], None]  # (prompts done, total, token
 
 @torch.inference_mode()
 def answer_batch(forward, prompts: Sequence[Sequence[int]], max_new: int, eos: set[int],
-                 topk: int = 8, aux_layers: Sequence[int] | None = None) -> list[dict]:
-    """Greedy answers to `prompts` through the engine's own forward (`Engine.forward`: the lean or
+                 topk: int = 8, aux_layers: Sequence[int] | None = None,
+                 temperatures: Sequence[float] | None = None, seed: int = 0) -> list[dict]:
+    """Greedy (or sampled, see below) answers to `prompts` through the engine's own forward (`Engine.forward`: the lean or
     native step, or transformers behind the same interface), the live rows of a step in one call.
 
     The prompts are prefilled together, then each step decodes one token for every row still
@@ -34,6 +36,12 @@ def answer_batch(forward, prompts: Sequence[Sequence[int]], max_new: int, eos: s
     (the last token's feature predicts nothing we keep), `topk_ids` / `topk_probs` [len(answer), k]:
     the target's distribution for each answer token, and with `aux_layers` (EAGLE-3) `aux` float16
     [same positions as features, len(aux_layers)*h]: the inputs of those target layers.
+
+    `temperatures` (one per prompt, 0: greedy) samples a row's answer from the target's distribution
+    at that temperature (seeded by `seed`): more answers per prompt. A sampled row also returns
+    `labels`, the target's greedy choice at each position (what a draft must hit at T=0), while its
+    top-k stays the target's own distribution, as for greedy rows. The labels and top-k of all live
+    rows are computed in one call per step, and the step's tokens read back once.
     """
     aux_t = tuple(aux_layers) if aux_layers else None
     b = len(prompts)
@@ -45,17 +53,30 @@ def answer_batch(forward, prompts: Sequence[Sequence[int]], max_new: int, eos: s
     tk_ids: list[list[torch.Tensor]] = [[] for _ in range(b)]
     tk_p: list[list[torch.Tensor]] = [[] for _ in range(b)]
     live = list(range(b))
+    temps = [0.0] * b if temperatures is None else [float(t) for t in temperatures]
+    sampling = any(t > 0 for t in temps)
+    gen: torch.Generator | None = None
     outs = forward.step_batch(caches, [list(p) for p in prompts], [None] * b, [None] * b, [True] * b, aux_t)
     for step in range(max_new):
-        nxt: list[int] = []
-        for i, (hidden, logits, aux) in zip(live, outs):
-            feats[i].append(hidden.to(torch.float16))
-            if aux_t:
-                auxs[i].append(aux.to(torch.float16))
-            probs, top = torch.softmax(logits[-1].float(), -1).topk(topk)
-            answers[i].append(int(top[0]))
-            tk_ids[i].append(top)
-            tk_p[i].append(probs)
+        last = torch.stack([logits[-1] for _, logits, _ in outs]).float()  # [live, vocab]
+        probs, top = torch.softmax(last, -1).topk(topk, dim=-1)
+        nxt = top[:, 0]
+        if sampling:
+            if gen is None:
+                gen = torch.Generator(device=last.device).manual_seed(seed)
+            t = torch.tensor([temps[i] for i in live], device=last.device)
+            drawn = torch.multinomial(torch.softmax(last / t.clamp_min(1e-6)[:, None], -1), 1, generator=gen)[:, 0]
+            nxt = torch.where(t > 0, drawn, nxt)
+        # the outputs may be views of buffers the next step reuses: copied here, in one call each
+        hid = torch.cat([hidden for hidden, _, _ in outs]).to(torch.float16).split([len(o[0]) for o in outs])
+        ax = torch.cat([aux for _, _, aux in outs]).to(torch.float16).split([len(o[2]) for o in outs]) if aux_t else None
+        for j, (i, tok) in enumerate(zip(live, nxt.tolist())):
+            feats[i].append(hid[j])
+            if ax is not None:
+                auxs[i].append(ax[j])
+            answers[i].append(int(tok))
+            tk_ids[i].append(top[j])
+            tk_p[i].append(probs[j])
         still = [i for i in live if answers[i][-1] not in eos and step < max_new - 1]
         for i in set(live) - set(still):
             pool.release(caches[i])
@@ -68,6 +89,8 @@ def answer_batch(forward, prompts: Sequence[Sequence[int]], max_new: int, eos: s
     for i in range(b):
         r = {"answer": answers[i], "features": torch.cat(feats[i]).cpu(),
              "topk_ids": torch.stack(tk_ids[i]).cpu(), "topk_probs": torch.stack(tk_p[i]).to(torch.float16).cpu()}
+        if temps[i] > 0:
+            r["labels"] = r["topk_ids"][:, 0].clone()
         if aux_t:
             r["aux"] = torch.cat(auxs[i]).cpu()
         res.append(r)
@@ -77,16 +100,20 @@ def answer_batch(forward, prompts: Sequence[Sequence[int]], max_new: int, eos: s
 def generate_answers(forward, prompts: Sequence[Sequence[int]], max_new: int, eos: set[int],
                      batch: int = 32, topk: int = 8, aux_layers: Sequence[int] | None = None,
                      prompt_idx: Sequence[int] | None = None,
-                     on_progress: Progress | None = None, meta: dict | None = None) -> DistillData:
+                     on_progress: Progress | None = None, meta: dict | None = None,
+                     temperatures: Sequence[float] | None = None, seed: int = 0) -> DistillData:
     """Answer every prompt through the engine's forward (batches of similar prompt length) and lay the
-    results out as DistillData."""
+    results out as DistillData. `temperatures` (one per prompt, 0: greedy) samples those answers
+    (answer_batch, seeded by `seed` and the batch); their sequences are marked `sampled`."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     results: list[dict | None] = [None] * len(prompts)
     t0 = time.perf_counter()
     done = tokens = 0
     for a in range(0, len(order), batch):
         idx = order[a:a + batch]
-        for i, r in zip(idx, answer_batch(forward, [prompts[i] for i in idx], max_new, eos, topk, aux_layers)):
+        temps = None if temperatures is None else [temperatures[i] for i in idx]
+        for i, r in zip(idx, answer_batch(forward, [prompts[i] for i in idx], max_new, eos, topk, aux_layers,
+                                          temps, seed * 1_000_003 + a)):
             results[i] = r
             tokens += len(r["answer"])
         done += len(idx)
@@ -96,7 +123,10 @@ def generate_answers(forward, prompts: Sequence[Sequence[int]], max_new: int, eo
     info = dict(meta or {})
     info.update(prompts=len(prompts), answer_tokens=tokens, aux_layers=list(aux_layers or []), generate_seconds=round(seconds, 1),
                 generate_tok_s=round(tokens / max(seconds, 1e-9), 1), gen_batch=batch)
-    return DistillData.from_answers(prompts, results, prompt_idx or list(range(len(prompts))), info)
+    data = DistillData.from_answers(prompts, results, prompt_idx or list(range(len(prompts))), info)
+    if temperatures is not None:
+        data.sampled[:] = (torch.tensor([float(t) for t in temperatures]) > 0).long()
+    return data
 
 
 @torch.inference_mode()

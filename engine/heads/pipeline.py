@@ -88,7 +88,10 @@ def data_key(thash: str, prompts: Sequence, chat_template: bool, tc: TrainConfig
              aux_layers: Sequence[int] | None = None) -> str:
     """Identity of a data set: target, prompt texts, chat template, the answer settings and the
     target layers whose states it keeps (EAGLE-3)."""
-    basis = [thash, [p.text for p in prompts], chat_template, {k: getattr(tc, k) for k in _DATA_SETTINGS}]
+    settings = {k: getattr(tc, k) for k in _DATA_SETTINGS}
+    if tc.answers_per_prompt > 1:  # greedy answers alone keep the key they had before sampled ones existed
+        settings.update(answers_per_prompt=tc.answers_per_prompt, answer_temperature=tc.answer_temperature)
+    basis = [thash, [p.text for p in prompts], chat_template, settings]
     if aux_layers:
         basis.append([int(k) for k in aux_layers])
     return _short(json.dumps(basis))
@@ -99,6 +102,8 @@ def head_key(job: TrainJob, method: str) -> str:
     on this machine (a fixed-text supplement that is off and fp32 training are left out, so heads
     trained before those settings existed keep their key)."""
     skip = {"checkpoint_every", "precision"} | ({"fixed_text_tokens"} if not job.train.fixed_text_tokens else set())
+    if job.train.answers_per_prompt == 1:  # no sampled answers: the key of heads trained before they existed
+        skip |= {"answers_per_prompt", "answer_temperature"}
     train = job.train.model_dump(mode="json", exclude=skip)
     precision = train_precision(job.train, "cuda" if job.builtin.device != "cpu" and torch.cuda.is_available() else "cpu")
     if precision != "fp32":
@@ -154,10 +159,15 @@ def _answer_data(job: TrainJob, engine, prompts: Sequence, key: str, thash: str,
             report("generate", done, total, {"tokens": tokens, "tok_s": tokens / max(seconds, 1e-9)})
 
     encoded = [encode(engine, p, chat) for p in prompts]  # a file's request: its own turns
-    data = generate_answers(engine.forward, encoded, tc.max_new_tokens, engine.eos, tc.gen_batch, tc.label_topk,
-                            aux_layers=aux_layers, on_progress=progress,
+    n = tc.answers_per_prompt  # the greedy answer of every prompt, then n - 1 sampled ones of each
+    data = generate_answers(engine.forward, encoded * n, tc.max_new_tokens, engine.eos, tc.gen_batch, tc.label_topk,
+                            aux_layers=aux_layers, prompt_idx=list(range(len(encoded))) * n, on_progress=progress,
                             meta={"key": key, "target": thash, "sources": _sources(prompts),
-                                  "workloads": [job.workload.name, *[w.name for w in workloads]]})
+                                  "workloads": [job.workload.name, *[w.name for w in workloads]],
+                                  "answers_per_prompt": n, "answer_temperature": tc.answer_temperature if n > 1 else 0.0},
+                            temperatures=None if n == 1 else [0.0] * len(encoded) + [tc.answer_temperature] * (len(encoded) * (n - 1)),
+                            seed=tc.seed)
+    data.meta["prompts"] = len(encoded)  # distinct prompts; `sequences` counts every answer
     data.save(path)
     return data
 

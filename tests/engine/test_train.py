@@ -120,6 +120,54 @@ def test_early_eos_rows_leave_the_batch(engine: Engine, prompts) -> None:
         assert len(r["features"]) == len(p) + len(r["answer"]) - 1
 
 
+def test_sampled_answers_keep_the_targets_greedy_labels_and_distribution(engine: Engine, prompts) -> None:
+    """A sampled row draws its tokens, but its labels are the target's greedy choice and its top-k the
+    target's own distribution at each position of that drawn context; greedy rows beside it are
+    untouched, and the draw is reproducible by seed."""
+    temps = [0.0, 1.0, 0.0, 1.0]
+    res = answer_batch(engine.forward, prompts[:4], 16, engine.eos, topk=4, temperatures=temps, seed=3)
+    greedy = answer_batch(engine.forward, prompts[:4], 16, engine.eos, topk=4)
+    assert [res[i]["answer"] for i in (0, 2)] == [greedy[i]["answer"] for i in (0, 2)]
+    assert "labels" not in res[0] and any(res[i]["answer"] != greedy[i]["answer"] for i in (1, 3))
+    for i in (1, 3):
+        p, r = prompts[i], res[i]
+        seq = torch.tensor([p + r["answer"]])
+        with torch.no_grad():
+            hidden = engine.model.model(input_ids=seq).last_hidden_state[0]
+            top = torch.softmax(engine.model.lm_head(hidden), -1).topk(4, dim=-1)
+        n, m = seq.shape[1], len(r["answer"])
+        assert torch.equal(r["topk_ids"], top.indices[n - 1 - m:n - 1])
+        assert torch.equal(r["labels"], top.indices[n - 1 - m:n - 1, 0])
+        assert torch.allclose(r["features"].float(), hidden[:n - 1], atol=2e-2, rtol=1e-2)
+    again = answer_batch(engine.forward, prompts[:4], 16, engine.eos, topk=4, temperatures=temps, seed=3)
+    other = answer_batch(engine.forward, prompts[:4], 16, engine.eos, topk=4, temperatures=temps, seed=4)
+    assert [r["answer"] for r in again] == [r["answer"] for r in res]
+    assert [r["answer"] for r in other] != [r["answer"] for r in res]
+
+
+def test_answers_per_prompt_lays_out_greedy_then_sampled_answers_per_prompt(engine: Engine, tmp_path) -> None:
+    """train.answers_per_prompt=3: every prompt's greedy answer and two sampled ones, under that
+    prompt's index (so the validation split keeps them together), the greedy ones as before; the
+    data and head keys change with it, and not at all while it is 1."""
+    one = train_job(cfg_of("train.prompts=3", tmp=tmp_path))
+    three = train_job(cfg_of("train.prompts=3", "train.answers_per_prompt=3", tmp=tmp_path))
+    d1, d3 = P.build_data(one, engine), P.build_data(three, engine)
+    assert d3.num_sequences == 9 and d3.prompt_idx.tolist() == [0, 1, 2] * 3
+    assert d3.sampled.tolist() == [0] * 3 + [1] * 6 and d3.meta["prompts"] == 3
+    for i in range(3):
+        assert torch.equal(d3.sequence(i)[0], d1.sequence(i)[0])  # the greedy answers unchanged
+    for i in range(3, 9):
+        tok, _, lab, start = d3.sequence(i)
+        a, b = int(d3.offsets[i]), int(d3.offsets[i + 1])
+        assert torch.equal(lab[start - 1:-1], d3.topk_ids[a + start - 1:b - 1, 0])  # greedy labels
+    assert len({tuple(d3.sequence(i)[0].tolist()) for i in range(9)}) > 3  # the draws differ
+    train, val = S.split_prompts(d3, 0.34, 0)
+    assert {int(d3.prompt_idx[i]) for i in train}.isdisjoint({int(d3.prompt_idx[i]) for i in val}) and val
+    hot = train_job(cfg_of("train.prompts=3", "train.answers_per_prompt=3", "train.answer_temperature=0.5", tmp=tmp_path))
+    assert len({P.head_dir(one), P.head_dir(three), P.head_dir(hot)}) == 3
+    assert P.head_dir(train_job(cfg_of("train.prompts=3", "train.answer_temperature=0.5", tmp=tmp_path))) == P.head_dir(one)
+
+
 def test_data_layout(data: DistillData, prompts) -> None:
     assert data.num_sequences == len(prompts)
     for i, p in enumerate(prompts):

@@ -808,6 +808,10 @@ class TrainConfig(_Strict):
     max_new_tokens: int = Field(ge=8, le=4096)  # per answer
     gen_batch: int = Field(ge=1)  # prompts answered together (one forward per step for all)
     label_topk: int = Field(ge=1, le=64)  # the target's top-k probabilities kept per answer token (soft labels)
+    # answers per prompt: the greedy one, then answers sampled at answer_temperature (more data than the
+    # packaged prompts give; defaults here for configs saved before the keys)
+    answers_per_prompt: int = Field(default=1, ge=1, le=64)
+    answer_temperature: float = Field(default=1.0, gt=0.0, le=4.0)
     fixed_text_tokens: int = Field(ge=0)  # teacher-forced stdlib source added to the answers (0: none)
     epochs: float = Field(gt=0.0)  # passes over the training sequences (capped by steps)
     steps: int = Field(ge=1)  # the most optimizer steps
