@@ -16,7 +16,8 @@ from tuner.schema.config import HeadBound, SpecConfig
 from tuner.search.space import SearchSpace
 from tuner.study import headbound, measurer
 from tuner.study.headbound import (GROWTH, PUBLISHED_TAU, REFERENCE_ROUNDS_MAX, bounded_acceptance, describe,
-                                   measure_bound, measure_reference, node_shares, probed_methods, published_ceiling,
+                                   measure_bound, measure_reference, node_shares, pilot_job, probed_methods,
+                                   published_ceiling,
                                    reference_figure, reference_of, searched_depths, to_beat, tree_tau, upper,
                                    with_pilot)
 from tuner.study.measurer import get_drafts, without_methods
@@ -275,3 +276,17 @@ def test_published_ceiling_covers_untimed_depths() -> None:
     assert published_ceiling(cfg, b) == pytest.approx(7.54 * 20.0 / b.step_ms["eagle d5 k1 b6"], abs=1e-3)
     assert published_ceiling(load_config([*BASE, "search.depth.max=3"]), steps_of(20.0, 3)) == pytest.approx(
         4 * 20.0 / steps_of(20.0, 3).step_ms["eagle d3 k1 b4"], abs=1e-3)
+
+
+def test_the_pilot_answers_in_one_batch_when_a_second_would_be_short() -> None:
+    """The default pilot (40 prompts at gen_batch 32) once answered 32 + 8, the 8 running as many
+    steps as the 32: one batch of 40 now; a pilot a quarter batch or more over stays in full batches."""
+    from engine.heads.pipeline import TrainJob
+
+    cfg = load_config(["model=tiny-random", "+workload=code"])
+    job = measurer.train_job(cfg)
+    assert isinstance(job, TrainJob)
+    for prompts, gen, want in ((160, 32, 40), (128, 32, 32), (200, 32, 32), (16, 32, 32)):
+        full = replace(job, train=job.train.model_copy(update={"prompts": prompts, "gen_batch": gen}))
+        pilot = pilot_job(full).train
+        assert (pilot.prompts, pilot.gen_batch) == (max(8, round(prompts / 4)), want)
