@@ -580,6 +580,10 @@ def test_the_floors_round_measures_every_close_contender_within_its_pair_budget(
     assert got == ["ngram d4 k1 b5", "ngram d2 k1 b3", "ngram d3 k1 b4"]
     more = [*trials, _planted_trial(ng(5), [1.50]), _planted_trial(ng(6), [1.48])]
     assert len(contenders(more, 0.05, lead)) == CONFIRM_TOP, "the pair budget: CONFIRM_TOP configurations"
+    # the main command at faa2076: the best reading (two pairs that disagree: the lowest pessimistic
+    # bound) overlaps the winner's interval and is measured before steadier, lower readings
+    wide = [*trials, _planted_trial(ng(8), [0.95, 2.3])]
+    assert [s.key() for s, _ in contenders(wide, 0.05, lead)][:2] == ["ngram d4 k1 b5", "ngram d8 k1 b9"]
 
 
 def test_auto_at_the_floor_measures_the_best_by_lower_bound_against_the_winner_when_time_allows(tmp_path: Path) -> None:
