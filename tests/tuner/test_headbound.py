@@ -110,6 +110,7 @@ def test_a_bound_within_the_rivals_noise_is_not_trained() -> None:
     assert to_beat(cfg, None) == 1.05 and to_beat(cfg, [0.36, 0.9, 2.5]) == 1.05, "off, by the noise"
     assert to_beat(cfg, [1.399, 1.488]) == pytest.approx(1.488 * 1.05, abs=1e-3)
     assert to_beat(cfg, [1.399, 1.488]) > 1.473, "the near call's bound is not trained"
+    assert "beat the highest of ngram d4 k1 b5's agreeing rounds by one noise band (" in describe(near)
 
 
 def test_pilot_bound_is_an_upper_bound() -> None:

@@ -446,11 +446,12 @@ def describe(b: HeadBound) -> str:
                  f"{p.acceptance[0]:.2f} at depth 1 ({p.tree_acceptance[0]:.2f} within its top {p.topk}) over "
                  f"{p.positions} unseen positions; a full head at most {p.growth:g}x that: best "
                  + ", ".join(f"{k} tau {p.tau[k]:.2f} -> {v:.2f}x" for k, v in top) + ref)
-    beat = b.pilot.beat if b.pilot is not None else max(1.0, b.reference_speedup or 0.0)
-    rival = ("speculation off" if b.reference is None or (b.reference_speedup or 0.0) <= 1.0
-             else f"{b.reference} ({beat:.2f}x)")
-    if b.pilot is not None:
-        rival += " by one noise band over its agreeing rounds"
+    off = b.reference is None or (b.reference_speedup or 0.0) <= 1.0
+    if b.pilot is None:
+        rival = "speculation off" if off else f"{b.reference} ({b.reference_speedup:.2f}x)"
+    else:  # to_beat's bar
+        bar = "speculation off" if off else f"the highest of {b.reference}'s agreeing rounds"
+        rival = f"{bar} by one noise band ({b.pilot.beat:.2f}x)"
     verdict = ("trained: a head could win" if b.trained else
                f"{b.method} left out of the search: no head of this shape trained on this budget can beat "
                f"{rival} here (search.head_bound=false or search.methods=[{b.method}] trains it anyway)")
