@@ -245,10 +245,11 @@ def test_an_idle_machine_at_its_floor_pays_no_extra_repeats(tmp_path: Path) -> N
     assert objective.noise_rose() is None
     # two pairs at 9% clear no one-sided bound: the trials alone name off, though all read 1.2-1.4x.
     # Not the busy machine's round (until told apart): the floor's, two rounds of the best by lower
-    # bound and one contender its bounds do not tell apart from it; 4 pairs each, one clears the bound
+    # bound and the (at least CONFIRM_TOP - 1) contenders its bounds do not tell apart from it, all
+    # reading alike here: 6 pairs, 4 each for the best, which clears the bound
     assert pick_winner(study.trials, cfg.search.noise_rel, [1]).spec.method == "off"
     lines: list[str] = []
-    assert confirm(study, objective, cfg.search.noise_rel, lines.append) == 4
+    assert confirm(study, objective, cfg.search.noise_rel, lines.append) == 6
     assert "none of them clears the baseline by the winner's rule yet" in lines[0]
     assert pick_winner(study.trials, cfg.search.noise_rel, [1]).spec.method == "ngram"
 
@@ -392,12 +393,12 @@ def test_a_pruned_trial_that_read_above_the_winner_is_confirmed_at_the_noise_flo
     best lower bound then was a lucky trial's); the trials' winner reads 1.19x. Under
     search.confirm=auto no round ran, and 1.19x won. Now a pruned trial whose first repeat reads
     within the noise of the trials' winner joins a confirmation round with that winner only (the
-    completed trials' figures stand at the floor), two rounds, and the truly faster d3 wins. On a
-    quiet machine the round stays at 4 pairs: of the pruned trials near the winner only the one
-    whose first repeat read best (d3, not d6 at 1.22x) is measured; a trial pruned far below and the
-    completed runner-up are not measured again."""
+    completed trials' figures stand at the floor), two rounds, and the truly faster d3 wins. Of the
+    pruned trials near the winner only the one whose first repeat read best (d3, not d6 at 1.22x) is
+    measured; a trial pruned far below is not; the completed runner-up d2 (1.11x), whose interval
+    overlaps the winner's, is (CONFIRM_TOP - 1 contenders at least): 6 pairs."""
     cfg = load_config(CFG)
-    measure = Planted(lambda spec, n: ({3: 13.0, 5: 11.9}[spec.depth], 3.0))
+    measure = Planted(lambda spec, n: ({3: 13.0, 5: 11.9, 2: 11.1}[spec.depth], 3.0))
     study, objective = _noisy_study(tmp_path, cfg, measure, [(ng(5), [1.19, 1.185]), (ng(2), [1.10, 1.12])],
                                     [10.0, 10.1, 9.9])
     for spec, ratio in ((ng(3), 1.27), (ng(6), 1.22), (ng(4), 0.95)):
@@ -406,8 +407,8 @@ def test_a_pruned_trial_that_read_above_the_winner_is_confirmed_at_the_noise_flo
     assert objective.noise_rose() is None and cfg.search.confirm == "auto"
     assert pick_winner(study.trials, cfg.search.noise_rel, [1]).spec == ng(5)
     lines: list[str] = []
-    assert confirm(study, objective, cfg.search.noise_rel, lines.append) == 4
-    assert measure.passes == {"ngram d5 k1 b6": 2, "ngram d3 k1 b4": 2}
+    assert confirm(study, objective, cfg.search.noise_rel, lines.append) == 6
+    assert measure.passes == {"ngram d5 k1 b6": 2, "ngram d3 k1 b4": 2, "ngram d2 k1 b3": 2}
     assert "pruned trial's one repeat read within the noise" in lines[0]
     win = pick_winner(study.trials, cfg.search.noise_rel, [1])
     assert win.spec == ng(3) and "head to head in the confirmation round 1.300x over 2 pairs" in win.reason
@@ -563,6 +564,28 @@ def test_told_apart_over_several_looks_keeps_false_separations_near_five_percent
     assert head_verdict(a, b, 0.05) == "apart"
 
 
+def test_the_floors_round_measures_every_close_contender_within_its_pair_budget() -> None:
+    """Session 26's loaded fidelity run, planted: a short study (5 pairs: a quarter of them holds no
+    contender), the trials' winner ngram d4 on one pair at 1.55x, d2 (two pairs, 1.46x) and d3 (one
+    pair, 1.392x) both with intervals that overlap d4's. The round measured d4 against d2 only and
+    never d3, the reference's best. Every contender whose interval overlaps the winner's is measured
+    now, up to CONFIRM_TOP configurations; d1 (1.05x), told apart, is not."""
+    from tuner.study.selection import CONFIRM_TOP, Candidate, contenders, floor_field
+
+    trials = [_planted_trial(ng(4), [1.55]), _planted_trial(ng(2), [1.45, 1.47]), _planted_trial(ng(3), [1.392]),
+              _planted_trial(ng(1), [1.05])]
+    assert floor_field(trials) == 0
+    lead = Candidate.of(ng(4), trials[:1])
+    got = [s.key() for s, _ in contenders(trials, 0.05, lead)]
+    assert got == ["ngram d4 k1 b5", "ngram d2 k1 b3", "ngram d3 k1 b4"]
+    more = [*trials, _planted_trial(ng(5), [1.50]), _planted_trial(ng(6), [1.48])]
+    assert len(contenders(more, 0.05, lead)) == CONFIRM_TOP, "the pair budget: CONFIRM_TOP configurations"
+    # the main command at faa2076: the best reading (two pairs that disagree: the lowest pessimistic
+    # bound) overlaps the winner's interval and is measured before steadier, lower readings
+    wide = [*trials, _planted_trial(ng(8), [0.95, 2.3])]
+    assert [s.key() for s, _ in contenders(wide, 0.05, lead)][:2] == ["ngram d4 k1 b5", "ngram d8 k1 b9"]
+
+
 def test_auto_at_the_floor_measures_the_best_by_lower_bound_against_the_winner_when_time_allows(tmp_path: Path) -> None:
     """Session 20's main command, planted: at the noise floor the trials' winner (ngram d5, the best
     reading, 1.28x over three wide pairs) was not the progress line's best by lower bound (ngram d2,
@@ -570,12 +593,14 @@ def test_auto_at_the_floor_measures_the_best_by_lower_bound_against_the_winner_w
     round. The reason now says why they differ; with the trials' pairs to spare (FLOOR_SHARE of them
     fits CONFIRM_FLOOR rounds of two contenders) auto measures both head to head and the truly faster
     d2 (1.3x against 1.2x) wins; without them (the study is too short for a quarter of its pairs to
-    hold two contenders) the round still measures the winner and that one."""
+    hold two contenders) the round still measures the winner and that one. A filler whose interval
+    overlaps the winner's (d1, 1.01x over two pairs, against d5's wide three) is a close contender
+    too (CONFIRM_TOP - 1 at least): 6 pairs with the fillers, 4 without."""
     cfg = load_config(CFG)
     planted = [(ng(5), [1.42, 1.14, 1.30]), (ng(2), [1.20, 1.21])]
     fillers = [(ng(d), [1.02, 1.00]) for d in (1, 3, 4, 6, 7)]
     for name, extra in (("fillers", fillers), ("short", [])):
-        measure = Planted(lambda spec, n: ({5: 12.0, 2: 13.0}[spec.depth], 3.0))
+        measure = Planted(lambda spec, n: ({5: 12.0, 2: 13.0, 1: 10.2}[spec.depth], 3.0))
         study, objective = _noisy_study(tmp_path / name, cfg, measure, planted + extra, [10.0, 10.1, 9.9])
         assert objective.noise_rose() is None and cfg.search.confirm == "auto"
         win = pick_winner(study.trials, cfg.search.noise_rel, [1])
@@ -583,8 +608,9 @@ def test_auto_at_the_floor_measures_the_best_by_lower_bound_against_the_winner_w
         assert "; the best by lower bound, ngram d2 k1 b3 1.205x" in win.reason
         assert "best reading wins (no confirmation round measured both head to head)" in win.reason
         lines: list[str] = []
-        assert confirm(study, objective, cfg.search.noise_rel, lines.append) == 4
-        assert measure.passes == {"ngram d5 k1 b6": 2, "ngram d2 k1 b3": 2}
+        filler = {"ngram d1 k1 b2": 2} if name == "fillers" else {}
+        assert confirm(study, objective, cfg.search.noise_rel, lines.append) == 4 + 2 * len(filler)
+        assert measure.passes == {"ngram d5 k1 b6": 2, "ngram d2 k1 b3": 2, **filler}
         assert "the trials' bounds do not tell the top configurations apart" in lines[0]
         win = pick_winner(study.trials, cfg.search.noise_rel, [1])
         assert win.spec == ng(2) and "best by lower bound" not in win.reason
@@ -598,20 +624,22 @@ def test_a_load_there_from_the_study_start_still_gets_its_round(tmp_path: Path) 
     ran and d3 won, 4% below d4 in the reference. Now the floor's round measures the winner and the
     best contender not told apart from it, whatever the floor: a spread of 8% from the start (above
     search.noise_rel: the bounds' band, as the pruner's) or 1%. Truly d4 runs at 1.5x and d3 at 1.4x:
-    pooled over its pairs d4 wins. A contender the bounds tell apart (d1, 1.05x) is not measured."""
+    pooled over its pairs d4 wins. A contender the bounds tell apart (d1, 1.05x) is not measured; d2
+    (1.39x on one pair), whose interval overlaps d3's, is (session 26's loaded run measured d4 against
+    d2 only, never the close d3: CONFIRM_TOP - 1 contenders at least now)."""
     cfg = load_config([*CFG, "search.repeats_min=1", "search.repeats_max=1"])
     planted = [(ng(1), [1.05]), (ng(3), [1.516]), (ng(2), [1.39]), (ng(4), [1.417])]
     wobble = [10.0, 11.0, 9.2, 10.6, 9.4, 11.1]
     for name, passes in (("loaded", wobble), ("flat", [10.0, 10.1, 9.9, 10.05, 10.0, 9.95])):
-        measure = Planted(lambda spec, n: (10 * {3: 1.4, 4: 1.5}[spec.depth], 3.0))
+        measure = Planted(lambda spec, n: (10 * {3: 1.4, 4: 1.5, 2: 1.3}[spec.depth], 3.0))
         study, objective = _noisy_study(tmp_path / name, cfg, measure, planted, passes)
         objective.track_noise()  # the study's spread and floor, as its trials left them
         assert objective.noise_rose() is None and cfg.search.confirm == "auto"
         assert (study.user_attrs.get("noise_rel_measured", 0.0) > cfg.search.noise_rel) == (name == "loaded")
         assert pick_winner(study.trials, cfg.search.noise_rel, [1]).spec == ng(3)  # the trials alone: d3
         lines: list[str] = []
-        assert confirm(study, objective, cfg.search.noise_rel, lines.append) == 4
-        assert measure.passes == {"ngram d3 k1 b4": 2, "ngram d4 k1 b5": 2}
+        assert confirm(study, objective, cfg.search.noise_rel, lines.append) == 6
+        assert measure.passes == {"ngram d3 k1 b4": 2, "ngram d4 k1 b5": 2, "ngram d2 k1 b3": 2}
         assert "the trials' bounds do not tell the top configurations apart" in lines[0]
         assert ("; it never rose above its floor)" in lines[0]) == (name == "loaded")
         win = pick_winner(study.trials, cfg.search.noise_rel, [1])

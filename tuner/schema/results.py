@@ -200,7 +200,7 @@ class HeadPilot(_Strict):
     tau: dict[str, float]
     bounds: dict[str, float]
     bound: float  # the best of them
-    beat: float  # what it had to reach: 1.0, or the training-free reference's figure when higher
+    beat: float  # what it had to reach: 1.0 or the reference's agreeing rounds' highest, grown by noise_rel (headbound.to_beat)
     seconds: float  # its answers, training and measurement
 
 

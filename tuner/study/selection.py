@@ -50,8 +50,9 @@ CONFIRM_MIN_S = 90.0
 # At the noise floor under search.confirm=auto, the round's share of the trials' time: it measures as
 # many contenders (the trials' winner among them) as CONFIRM_FLOOR rounds of pairs fit in that share
 # at the trials' own cost per pair, so the main command keeps to its time (docs/results.md); the
-# winner and one contender at least, when the trials' bounds do not tell them apart (4 pairs: more
-# than the share in a study of a few single-pair trials, search=quick's).
+# winner and CONFIRM_TOP - 1 contenders at least, those the trials' bounds do not tell apart from it
+# (6 pairs: more than the share in a study of a few single-pair trials, search=quick's; with one
+# contender at least, session 26's loaded fidelity run measured d4 against d2, never the close d3).
 FLOOR_SHARE = 0.25
 # A tie goes to the smaller budget, so a tie may cost the difference between the two: at most the
 # regret goal of issue 39 (the winner within 3% of the best configuration).
@@ -287,23 +288,26 @@ def contenders(trials: list[FrozenTrial], noise_rel: float, lead: Candidate | No
     1.0), and the pruned configurations whose first repeat was within the noise of the leader's
     speedup (`_near`: a glitch may have pruned them). With `lead` (the trials' winner, the noise at
     its floor), that candidate first, then, of those the trials' bounds do not separate from it
-    (`unresolved`), in this order as many as `floor_field` allows and at least one: the best by
+    (`unresolved`), in this order as many as `floor_field` allows and at least CONFIRM_TOP - 1: the best by
     pessimistic bound when it is not the winner (what the progress line showed), the pruned one
-    whose first repeat read best, and the next best by pessimistic bound. At least one, however
-    short the study: a study of single pairs under a load there from its start named the reading
-    4% below the best without a round (docs/results.md)."""
+    whose first repeat read best, then the others by their reading, best first (among those the
+    bounds cannot separate, the higher reading is the likelier better: the main command at faa2076
+    left out ngram d8 adaptive, the best reading at 1.32x over two pairs that disagreed, because its
+    pessimistic bound was the lowest). That many however short
+    the study: a study of single pairs under a load there from its start named the reading 4% below
+    the best without a round, and with one contender measured another 5.5% below it (docs/results.md)."""
     if lead is not None:
         taken = {lead.spec.model_dump_json()}
         near = _near(trials, lead, noise_rel, set(taken))[:1]
         lead_lo = lead.bounds(noise_rel)[0]
-        top = [c for c in _by_bound(trials, noise_rel) if c.spec.model_dump_json() not in taken][:CONFIRM_TOP - 1]
+        top = [c for c in _by_bound(trials, noise_rel) if c.spec.model_dump_json() not in taken]
         first = [(c.spec, c.ratios) for c in top[:1] if c.bounds(noise_rel)[0] > lead_lo]
-        rest = [(c.spec, c.ratios) for c in top if not first or c.spec != first[0][0]]
+        rest = [(c.spec, c.ratios) for c in sorted(top, key=lambda c: -c.speedup) if not first or c.spec != first[0][0]]
         ordered = first + near + rest
         # those the trials' bounds tell apart from the winner left out before the cut to the field
         # (cutting first let one told apart take the place of one that is not)
         open_ = [ordered[i] for i in unresolved(ordered, lead.ratios, noise_rel)]
-        return [(lead.spec, lead.ratios)] + open_[:max(len(near), 1, floor_field(trials) - 1)]
+        return [(lead.spec, lead.ratios)] + open_[:max(len(near), CONFIRM_TOP - 1, floor_field(trials) - 1)]
     known = _by_bound(trials, noise_rel)
     if not known:
         return []
@@ -341,7 +345,7 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
     winner the trials name from the best by pessimistic bound or the next best, or a pruned trial's
     first repeat read within the noise of that winner (one unlucky repeat must not lose the answer):
     then that winner (the best by pessimistic bound when the trials name off) and as many of those
-    as FLOOR_SHARE of the trials' time holds, at least one (`contenders`), for CONFIRM_FLOOR
+    as FLOOR_SHARE of the trials' time holds, at least CONFIRM_TOP - 1 (`contenders`), for CONFIRM_FLOOR
     rounds. The bounds are the pruner's: their band is the study's measured spread when above
     search.noise_rel, so a machine as loaded at the study's start as at its end (its noise never
     rose) still gets its round.
