@@ -16,6 +16,7 @@ import pytest
 from engine.api import SamplingParams
 from engine.decode import batch as B
 from engine.decode import stepcost
+from engine.models import machine
 from engine.decode.acceptance import PRIOR, Acceptance, Calibration
 from engine.decode.batch import BatchEngine, bounded, schedule_of
 from engine.decode.control import MARGIN, PROBE_EVERY, PROBE_SHARE, ProbeBudget, choose, pay_floor, probe, probe_loss
@@ -440,7 +441,7 @@ def test_probes_weigh_rows_at_no_more_than_the_average_row() -> None:
 
 
 def test_the_curve_is_timed_once_and_cached(engine: Engine, tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(stepcost, "others_share", lambda mark: 0.0)  # timed on a quiet machine
+    monkeypatch.setattr(machine, "others_share", lambda mark: 0.0)  # timed on a quiet machine
     cost = stepcost.step_cost(engine.lean, 3, 4, "tiny test", tmp_path)
     assert sorted(cost.curves) == [1, 2, 3]
     for b, pts in cost.curves.items():
@@ -460,15 +461,22 @@ def test_the_curve_is_timed_once_and_cached(engine: Engine, tmp_path, monkeypatc
 def test_a_curve_timed_while_others_kept_the_cpus_busy_is_used_but_not_cached(engine: Engine, tmp_path,
                                                                               monkeypatch, capsys) -> None:
     """Other processes kept half the CPUs busy while the curve was timed: the engine prices with it,
-    the cache keeps none (a later quiet run times its own); timed quietly, it is cached."""
-    monkeypatch.setattr(stepcost, "others_share", lambda mark: 0.5)
+    the cache keeps none, and this process does not time it again; the next process, timing it
+    quietly, caches it."""
+    monkeypatch.setattr(machine, "_LOADED_HERE", {})
+    monkeypatch.setattr(machine, "others_share", lambda mark: 0.5)
     loaded = stepcost.step_cost(engine.lean, 2, 3, "tiny test", tmp_path)
     assert sorted(loaded.curves) == [1, 2] and not (tmp_path / "step_cost.json").exists()
     assert "50% of the CPUs busy" in capsys.readouterr().err
-    monkeypatch.setattr(stepcost, "others_share", lambda mark: stepcost.LOADED)
+    real = stepcost.time_steps
+    monkeypatch.setattr(stepcost, "time_steps", lambda *a: pytest.fail("timed again in the process that had it"))
+    assert stepcost.step_cost(engine.lean, 2, 3, "tiny test", tmp_path).curves == loaded.curves
+    monkeypatch.setattr(machine, "_LOADED_HERE", {})  # another process
+    monkeypatch.setattr(stepcost, "time_steps", real)
+    monkeypatch.setattr(machine, "others_share", lambda mark: machine.LOADED)
     stepcost.step_cost(engine.lean, 2, 3, "tiny test", tmp_path)
     (got,) = json.loads((tmp_path / "step_cost.json").read_text()).values()
-    assert got["others"] == stepcost.LOADED and capsys.readouterr().err == ""
+    assert got["others"] == machine.LOADED and capsys.readouterr().err == ""
 
 
 def test_the_benchmarks_steady_figure_leaves_out_the_drain() -> None:
