@@ -6,7 +6,8 @@
 
 Every configuration runs as `tuner serve` in a process of its own, all of them up together
 (max_batch = the highest level; benchmarks/concurrency.py starts each, with the same
-SpecConfig-to-`tuner serve` mapping the manifests use): speculation off, a small grid of static
+SpecConfig-to-`tuner serve` mapping the manifests use; `--weights`, fp32 unless told: `auto` resolves
+per max_batch, so runs of other levels could serve other formats): speculation off, a small grid of static
 n-gram chains (`--depths`; the best of them at each level is that level's "best static") and the
 adaptive engine bounded by the grid's deepest chain (`spec.adaptive=true`). The one load generator
 plays HumanEval (code) and MT-bench (chat) prompts, T=0: a level of N plays max(prompts, waves x N)
@@ -134,14 +135,16 @@ def controller_state(url: str, batch: int) -> dict[str, Any]:
 def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], prompts: int, max_new_tokens: int,
         rounds: int, waves: int = 2, texts: dict[tuple[str, str, int, int], list[str]] | None = None,
         states: dict[tuple[str, int], dict[str, Any]] | None = None,
-        rows: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] | None = None, weights: str = "fp32") -> list[dict[str, Any]]:
     """Rows (workload, config, level, round, tok/s, tau, requests, in flight): every configuration's
     server up at once, each cell measured in `rounds` interleaved rounds of `requests_at` requests
     (see the module's docstring). `texts`, when given, receives each pass's answers by (workload,
     config, level, round), to compare, never to print; `states` the adaptive server's controller
     after each cell's rounds (`controller_state`), by (workload, level); `rows`, when given, receives
-    each row as it is measured (a run stopped early keeps them)."""
-    over = [f"engine.builtin.max_batch={max(levels)}", f"serve.queue_size={4 * max(levels)}"]
+    each row as it is measured (a run stopped early keeps them); `weights`: every server's
+    engine.builtin.weights."""
+    over = [f"engine.builtin.max_batch={max(levels)}", f"serve.queue_size={4 * max(levels)}",
+            f"engine.builtin.weights={weights}"]
     loads = {}
     for w in workloads:
         cfg = load_config([f"+workload={w}", f"workload.num_prompts={prompts}", f"workload.max_new_tokens={max_new_tokens}"])
@@ -273,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--method", default="ngram", choices=["ngram", "suffix"], help="a drafter that needs no head")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell, alternating the order")
+    ap.add_argument("--weights", default="fp32", choices=["fp32", "bf16", "auto"],
+                    help="every server's weights (auto resolves per max_batch: the levels would change the format)")
     ap.add_argument("--waves", type=int, default=2,
                     help="a level of N plays max(prompts, waves x N) requests, N in flight until the last wave")
     args = ap.parse_args(argv)
@@ -302,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     # hold the cells whose rounds every configuration finished, not nothing
     signal.signal(signal.SIGTERM, _interrupted)
     try:
-        run(grid, workloads, levels, args.prompts, args.max_new_tokens, args.rounds, args.waves, texts, states, rows)
+        run(grid, workloads, levels, args.prompts, args.max_new_tokens, args.rounds, args.waves, texts, states, rows,
+            args.weights)
     except KeyboardInterrupt:
         print(f"\nstopped early: {len(rows)} passes measured; the table and JSON hold the finished rounds",
               file=sys.stderr)
@@ -314,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     differ = greedy_differences(texts)
 
     print(f"\nload average {load:.1f} at the start; {args.prompts} prompts per workload, {args.max_new_tokens} new "
-          f"tokens, T=0, {args.rounds} round(s) of max(prompts, {args.waves} x level) requests; adaptive = "
+          f"tokens, {args.weights}, T=0, {args.rounds} round(s) of max(prompts, {args.waves} x level) requests; adaptive = "
           f"{grid[-1].key()}; {wall:.0f} s")
     print(f"{'workload':<8} {'c':>3} {'off':>8} {'best static':>24} {'tok/s':>8} {'adaptive':>9} "
           f"{'vs static [95%]':>22} {'vs off [95%]':>22} {'in flight':>16}")
@@ -344,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     steady_static = min((t for _, _, t in steady), key=lambda t: t["adaptive_vs_best_static"], default=None)
     steady_off = min((t for _, _, t in steady), key=lambda t: t["adaptive_vs_off"], default=None)
     out = {"levels": levels, "workloads": workloads, "depths": depths, "method": args.method, "rounds": args.rounds,
+           "weights": args.weights,
            "waves": args.waves, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "wall_s": round(wall),
            "load_average": round(load, 2), "table": table,
            "greedy_identical": not differ, "greedy_differences": differ,
