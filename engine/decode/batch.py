@@ -487,8 +487,8 @@ class BatchEngine:
         if extra == 0:
             self._floors[batch] = (pay_floor(batch, table, cost.draft_s, MARGIN), table[0])
         step_s = _interpolated(table)
-        limits = choose(gains, batch, step_s, cost.draft_s, MARGIN, fills, [e.spread(g) for e, g in zip(est, gains)],
-                        DOUBT)
+        spread = [e.spread(g) for e, g in zip(est, gains)]
+        limits = choose(gains, batch, step_s, cost.draft_s, MARGIN, fills, spread, DOUBT)
         probed = None
         budget.earn(table[0])
         if probing:  # one node beyond the choice, for what the estimates learn
@@ -498,7 +498,8 @@ class BatchEngine:
             probed = probe(limits, gains, [e.age for e in est], batch, _interpolated(cheap), cost.draft_s,
                            MARGIN, fills)
             # paid for at the prices the choice weighed: what it is expected to lose comes out of the budget
-            loss = probe_loss(limits, gains, batch, step_s, probed, cost.draft_s, fills) if probed is not None else 0.0
+            loss = (probe_loss(limits, gains, batch, step_s, probed, cost.draft_s, fills, MARGIN, spread, DOUBT)
+                    if probed is not None else 0.0)
             if probed is not None and budget.spend(loss):
                 limits[probed] += 1
             else:

@@ -23,7 +23,8 @@ beyond the choice (`probe`): the one whose next index went unverified longest, a
 node would pay if it were certainly accepted (where a row costs what a token yields, nothing is
 probed and off's steps stay off's). The probes bound what a stale estimate costs: a batch whose
 prior acceptance was too low to draft learns that its drafts pay. A probe has a price: the seconds
-its row and drafting add to the step less what its expected tokens are worth (`probe_loss`), paid
+its row and drafting add to the step less what its expected tokens are worth, at the prices the
+choice weighs (the margin on the row, the doubt on the tokens: `probe_loss`), paid
 from a budget that grows by PROBE_SHARE of every step's seconds (`ProbeBudget`). Where a row is
 nearly free a probe costs nothing and runs every PROBE_EVERY steps; where a row costs about what a
 token yields, probes run only as often as that share of the time pays for, so exploring costs less
@@ -128,16 +129,23 @@ def probe(chosen: Sequence[int], gains: Sequence[Sequence[float]], ages: Sequenc
 
 
 def probe_loss(chosen: Sequence[int], gains: Sequence[Sequence[float]], tokens: float, step_s: Callable[[float], float],
-               i: int, draft_s: float = 0.0, rows: Sequence[float] | None = None) -> float:
-    """The seconds a probe of request i's next node beyond `chosen` is expected to lose: what its
-    rows and drafting add to the step, less its expected accepted tokens at the step's seconds per
-    token (`step_s`: the controller's prices, without the margin); 0 where it is expected to pay."""
+               i: int, draft_s: float = 0.0, rows: Sequence[float] | None = None, margin: float = 0.0,
+               spread: Sequence[Sequence[float]] | None = None, doubt: float = 0.0) -> float:
+    """The seconds a probe of request i's next node beyond `chosen` is expected to lose at the prices
+    the choice weighed: what its rows and drafting add to the step (`margin` above `step_s`), less
+    its expected accepted tokens (`doubt` standard errors lower, `spread` as in `choose`) at the
+    step's seconds per token; 0 where it is expected to pay even so. Priced without the margin and
+    the doubt, a probe at a batch size where a node yields about what its row costs lost nothing
+    and ran every PROBE_EVERY steps: a quarter of the steps drafted where off was faster."""
     w = [1] * len(gains) if rows is None else list(rows)
     n_rows = sum(k * wi for k, wi in zip(chosen, w))
     got = tokens + sum(sum(g[:k]) * wi for g, k, wi in zip(gains, chosen, w))
     now = step_s(n_rows) + draft_s * n_rows
-    extra = step_s(n_rows + w[i]) + draft_s * (n_rows + w[i]) - now
-    return max(extra - gains[i][chosen[i]] * w[i] * now / got, 0.0)
+    extra = (1 + margin) * (step_s(n_rows + w[i]) + draft_s * (n_rows + w[i]) - now)
+    gain = gains[i][chosen[i]]
+    if spread is not None and doubt > 0:
+        gain -= doubt * math.sqrt(spread[i][chosen[i]])
+    return max(extra - gain * w[i] * now / got, 0.0)
 
 
 class ProbeBudget:

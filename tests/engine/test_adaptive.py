@@ -137,6 +137,10 @@ def test_a_probe_is_paid_for_from_a_share_of_the_steps_seconds() -> None:
     assert probe_loss([0], [[0.9]], 1, step, 0) == 0.0
     assert probe_loss([0], [[0.2]], 1, step, 0, draft_s=0.1) == pytest.approx(0.6 - 0.2)
     assert probe_loss([0, 0], [[0.2], [0.2]], 2, step, 1, rows=[1.0, 0.5]) == pytest.approx(0.25 - 0.05)
+    # at the choice's prices: the row's half token 15% dearer, a 0.6 node's worth one standard error
+    # (0.2: an estimate worth 6 samples) lower; free at the point estimates, it loses 0.175 of a token
+    assert probe_loss([0], [[0.6]], 1, step, 0) == 0.0
+    assert probe_loss([0], [[0.6]], 1, step, 0, margin=0.15, spread=[[0.04]], doubt=1.0) == pytest.approx(0.575 - 0.4)
     for gain, want in ((0.2, 1000 * PROBE_SHARE / 0.3), (0.9, 1000 / PROBE_EVERY)):
         budget, paid = ProbeBudget(), 0
         for n in range(1000):
@@ -710,14 +714,14 @@ def test_the_engine_learns_the_time_its_steps_spend_outside_the_forward(engine: 
 
 
 def test_probes_learn_that_drafts_pay_where_the_prior_said_they_would_not(engine: Engine, off, monkeypatch) -> None:
-    """A row costs half a step: at the prior's 0.7 acceptance, doubted as the prior's one sample's
+    """A row costs 0.3 of a step: at the prior's 0.7 acceptance, doubted as the prior's one sample's
     worth, no node pays (with the margin), so without probes nothing is ever drafted and nothing learnt; the probes find the target drafting
     itself accepted and the requests draft. Where a row costs a whole step nothing is probed."""
     prompts, ref = off
     _the_target_drafts(engine, monkeypatch)
     spec = SpecConfig(method="draft_model", depth=3, draft_model="the target", adaptive=True)
     drafted = {}
-    for name, per_row, every in (("no probes", 0.5, 10 ** 9), ("probes", 0.5, PROBE_EVERY), ("costly", 1.0, PROBE_EVERY)):
+    for name, per_row, every in (("no probes", 0.3, 10 ** 9), ("probes", 0.3, PROBE_EVERY), ("costly", 1.0, PROBE_EVERY)):
         planted = PlantedCost({1: [(0, 1.0), (16, 1 + 16 * per_row)]}, max_rows=4)
         monkeypatch.setattr(engine, "step_costs", lambda *a, planted=planted: planted)
         monkeypatch.setattr(B, "PROBE_EVERY", every)
