@@ -24,9 +24,10 @@ wave of the level, and every prompt at least once (not measured: the adaptive en
 and step cost settle at each batch size as a server's would, and every prompt's prefix is cached,
 as every later round finds it). Each pass also reports its mean requests in flight over N (the
 requests' seconds over the pass's, Little's law): how much of the pass ran at the level, and its
-steady tok/s: the tokens streamed until its last request was sent, over that span (the pass without
-its drain; a speculative pass's requests end at different steps, off's equal-length ones together,
-so only the speculative passes drain for long). A cell's
+steady tok/s: the tokens streamed until the first client had no request left to send, over that
+span (the pass at N in flight, without its drain; a speculative pass's requests end at different
+steps, off's equal-length ones together, so only the speculative passes drain for long, and off's
+span is its whole pass). A cell's
 tok/s is the geometric mean over rounds; its ratios are geometric means of the per-round ratios
 (adaptive against off, against the best static, both measured in the same round), with a 95%
 t-interval on their logs. The last line is one JSON object
@@ -88,14 +89,19 @@ def in_flight(m: Measurement, level: int) -> float:
     return sum(s for _, s in m.requests) / (level * m.wall_s) if m.wall_s > 0 else 0.0
 
 
-def steady_tok_s(m: Measurement) -> float | None:
-    """Output tok/s while every client held a request: the tokens streamed from the pass's start until
-    its last request was sent (after it the clients run dry one by one: the drain), over that span.
-    A request's tokens count by the share of its streamed chunks within the span. None where the
-    pass has no such span (every request sent at its start)."""
-    end = max((sent for sent, _, _ in m.timeline), default=0.0)
-    if end <= 0:
+def steady_tok_s(m: Measurement, level: int) -> float | None:
+    """Output tok/s while every one of the `level` clients held a request: the tokens streamed from the
+    pass's start until the first client had none left to send (of R requests, the R - level + 1-th to
+    end: each earlier end sent the next request; after it the clients run dry one by one, the drain),
+    over that span. A request's tokens count by the share of its streamed chunks within the span.
+    Until the last request was sent, as this span ended before, cut off the last wave of a pass
+    whose requests end together (off's): its span held the first waves alone, their prompts' prefill
+    a larger share. None where no request streamed."""
+    ends = sorted(chunks[-1] for _, _, chunks in m.timeline if chunks)
+    k = len(m.timeline) - level
+    if k < 0 or k >= len(ends) or ends[k] <= 0:
         return None
+    end = ends[k]
     got = sum(tokens * sum(t <= end for t in chunks) / len(chunks) for _, tokens, chunks in m.timeline if chunks)
     return got / end
 
@@ -172,7 +178,7 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
                         if s.errors:
                             raise RuntimeError(f"{k}, {w} at concurrency {c}: {s.errors[0]}")
                         occupied = in_flight(s.runs[0], c)
-                        steady = steady_tok_s(s.runs[0])
+                        steady = steady_tok_s(s.runs[0], c)
                         rows.append({"workload": w, "config": k, "concurrency": c, "round": r,
                                      "tok_s": s.output_tokens_per_s, "steady_tok_s": steady, "tau": s.tau,
                                      "requests": len(wave),
@@ -344,8 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         f"\n  differs: {d['workload']} {d['config']} c={d['concurrency']} r{d['round']}: {d['requests']} of {d['of']}"
         for d in differ))
     steady = [(t["workload"], t["concurrency"], t["steady"]) for t in table if t["steady"] is not None]
-    print("\nwithout the drain: tok/s while every client held a request (from the pass's start until its last "
-          "request was sent)")
+    print("\nwithout the drain: tok/s while every client held a request (from the pass's start until the first "
+          "client had none left to send)")
     for w, c, t in steady:
         print(f"{w:<8} {c:>3} {t['off']:8.1f} {t['best_static']:>24} {t['best_static_tok_s']:8.1f} "
               f"{t['adaptive_tok_s']:9.1f} {t['adaptive_vs_best_static']:6.3f}x{_ci(t['adaptive_vs_best_static_ci']):<15} "

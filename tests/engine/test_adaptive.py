@@ -516,9 +516,13 @@ def test_a_curve_timed_while_others_kept_the_cpus_busy_is_used_but_not_cached(en
 
 def test_the_benchmarks_steady_figure_leaves_out_the_drain() -> None:
     """benchmarks/adaptive.py: two clients, three requests of 10 tokens; the first streams a chunk
-    every 0.1 s, the second every 0.3 s, the third is sent when the first ends (1.0 s). Until then
-    13 tokens streamed (10 and 3): 13 tok/s steady, where the whole pass, drain and all, reads 10;
-    a pass whose requests were all sent at its start has no steady span."""
+    every 0.1 s, the second every 0.3 s, the third is sent when the first ends (1.0 s) and ends at
+    2.0 s, when the first client has nothing left to send. Until then 26 tokens streamed (10, 6 and
+    10): 13 tok/s steady, where the whole pass, drain and all, reads 10. Two clients whose requests
+    end together (off's) hold both until the pass ends: its steady figure is the whole pass's (the
+    span that ended when the last request was sent read the first wave alone, its prompts' prefill
+    uncached); a pass whose
+    requests were all sent at its start is steady until the first ends."""
     import importlib.util
     from pathlib import Path
     from types import SimpleNamespace
@@ -529,8 +533,14 @@ def test_the_benchmarks_steady_figure_leaves_out_the_drain() -> None:
     spec.loader.exec_module(bench)
     timeline = [(0.0, 10, [k / 10 for k in range(1, 11)]), (0.0, 10, [3 * k / 10 for k in range(1, 11)]),
                 (1.0, 10, [1 + k / 10 for k in range(1, 11)])]
-    assert bench.steady_tok_s(SimpleNamespace(timeline=timeline)) == pytest.approx(13.0)
-    assert bench.steady_tok_s(SimpleNamespace(timeline=timeline[:2])) is None
+    assert bench.steady_tok_s(SimpleNamespace(timeline=timeline), 2) == pytest.approx(13.0)
+    # off: 4 requests in two waves, 0.1 s a token after the first chunk: 0.5 s for the first wave's
+    # prompts, 0.1 s for the second's (their prefixes cached); the old span read 20 / 1.4
+    wave = [(t0, 10, [t0 + first + k / 10 for k in range(10)]) for t0, first in ((0.0, 0.5), (1.4, 0.1))
+            for _ in range(2)]
+    assert bench.steady_tok_s(SimpleNamespace(timeline=wave), 2) == pytest.approx(40 / 2.4)
+    assert bench.steady_tok_s(SimpleNamespace(timeline=timeline[:2]), 2) == pytest.approx(13.0)
+    assert bench.steady_tok_s(SimpleNamespace(timeline=[]), 2) is None
 
 
 def test_adaptive_needs_the_lean_forward(engine: Engine, monkeypatch) -> None:
