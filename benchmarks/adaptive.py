@@ -6,7 +6,8 @@
 
 Every configuration runs as `tuner serve` in a process of its own, all of them up together
 (max_batch = the highest level; benchmarks/concurrency.py starts each, with the same
-SpecConfig-to-`tuner serve` mapping the manifests use): speculation off, a small grid of static
+SpecConfig-to-`tuner serve` mapping the manifests use; `--weights`, fp32 unless told: `auto` resolves
+per max_batch, so runs of other levels could serve other formats): speculation off, a small grid of static
 n-gram chains (`--depths`; the best of them at each level is that level's "best static") and the
 adaptive engine bounded by the grid's deepest chain (`spec.adaptive=true`). The one load generator
 plays HumanEval (code) and MT-bench (chat) prompts, T=0: a level of N plays max(prompts, waves x N)
@@ -19,12 +20,14 @@ Noise on a shared machine comes in bursts of seconds to minutes, so each cell (w
 measured in short interleaved rounds: every configuration once per round, in the order A B C ...
 then ... C B A, so that the configurations of a cell are measured within seconds of each other and
 linear drift cancels over each pair of rounds. Before its first round each configuration plays one
-wave of the level (not measured: the adaptive engine's estimates and step cost settle at each
-batch size as a server's would). Each pass also reports its mean requests in flight over N (the
+wave of the level, and every prompt at least once (not measured: the adaptive engine's estimates
+and step cost settle at each batch size as a server's would, and every prompt's prefix is cached,
+as every later round finds it). Each pass also reports its mean requests in flight over N (the
 requests' seconds over the pass's, Little's law): how much of the pass ran at the level, and its
-steady tok/s: the tokens streamed until its last request was sent, over that span (the pass without
-its drain; a speculative pass's requests end at different steps, off's equal-length ones together,
-so only the speculative passes drain for long). A cell's
+steady tok/s: the tokens streamed until the first client had no request left to send, over that
+span (the pass at N in flight, without its drain; a speculative pass's requests end at different
+steps, off's equal-length ones together, so only the speculative passes drain for long, and off's
+span is its whole pass). A cell's
 tok/s is the geometric mean over rounds; its ratios are geometric means of the per-round ratios
 (adaptive against off, against the best static, both measured in the same round), with a 95%
 t-interval on their logs. The last line is one JSON object
@@ -86,14 +89,19 @@ def in_flight(m: Measurement, level: int) -> float:
     return sum(s for _, s in m.requests) / (level * m.wall_s) if m.wall_s > 0 else 0.0
 
 
-def steady_tok_s(m: Measurement) -> float | None:
-    """Output tok/s while every client held a request: the tokens streamed from the pass's start until
-    its last request was sent (after it the clients run dry one by one: the drain), over that span.
-    A request's tokens count by the share of its streamed chunks within the span. None where the
-    pass has no such span (every request sent at its start)."""
-    end = max((sent for sent, _, _ in m.timeline), default=0.0)
-    if end <= 0:
+def steady_tok_s(m: Measurement, level: int) -> float | None:
+    """Output tok/s while every one of the `level` clients held a request: the tokens streamed from the
+    pass's start until the first client had none left to send (of R requests, the R - level + 1-th to
+    end: each earlier end sent the next request; after it the clients run dry one by one, the drain),
+    over that span. A request's tokens count by the share of its streamed chunks within the span.
+    Until the last request was sent, as this span ended before, cut off the last wave of a pass
+    whose requests end together (off's): its span held the first waves alone, their prompts' prefill
+    a larger share. None where no request streamed."""
+    ends = sorted(chunks[-1] for _, _, chunks in m.timeline if chunks)
+    k = len(m.timeline) - level
+    if k < 0 or k >= len(ends) or ends[k] <= 0:
         return None
+    end = ends[k]
     got = sum(tokens * sum(t <= end for t in chunks) / len(chunks) for _, tokens, chunks in m.timeline if chunks)
     return got / end
 
@@ -134,14 +142,16 @@ def controller_state(url: str, batch: int) -> dict[str, Any]:
 def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], prompts: int, max_new_tokens: int,
         rounds: int, waves: int = 2, texts: dict[tuple[str, str, int, int], list[str]] | None = None,
         states: dict[tuple[str, int], dict[str, Any]] | None = None,
-        rows: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] | None = None, weights: str = "fp32") -> list[dict[str, Any]]:
     """Rows (workload, config, level, round, tok/s, tau, requests, in flight): every configuration's
     server up at once, each cell measured in `rounds` interleaved rounds of `requests_at` requests
     (see the module's docstring). `texts`, when given, receives each pass's answers by (workload,
     config, level, round), to compare, never to print; `states` the adaptive server's controller
     after each cell's rounds (`controller_state`), by (workload, level); `rows`, when given, receives
-    each row as it is measured (a run stopped early keeps them)."""
-    over = [f"engine.builtin.max_batch={max(levels)}", f"serve.queue_size={4 * max(levels)}"]
+    each row as it is measured (a run stopped early keeps them); `weights`: every server's
+    engine.builtin.weights."""
+    over = [f"engine.builtin.max_batch={max(levels)}", f"serve.queue_size={4 * max(levels)}",
+            f"engine.builtin.weights={weights}"]
     loads = {}
     for w in workloads:
         cfg = load_config([f"+workload={w}", f"workload.num_prompts={prompts}", f"workload.max_new_tokens={max_new_tokens}"])
@@ -156,15 +166,19 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
             targets = {k: HttpTarget(u, model, chat) for k, u in urls.items()}
             for c in levels:
                 wave = [ps[i % len(ps)] for i in range(requests_at(len(ps), waves, c))]
-                for k in keys:  # one wave at this level first, not measured
-                    measure(targets[k], wave[:c], params, c, warmup=0, repeats=1)
+                # one wave at this level first, not measured, and every prompt at least once: a prompt
+                # first met in the first round was prefilled there and cached for the later rounds,
+                # so the first round ran slower for every configuration (code at 2 in flight, the first
+                # level of the workload: 24.6-35.9 tok/s against 62.3-94.3 in the next rounds)
+                for k in keys:
+                    measure(targets[k], wave[:max(c, len(ps))], params, c, warmup=0, repeats=1)
                 for r in range(rounds):
                     for k in (keys if r % 2 == 0 else keys[::-1]):
                         s = measure(targets[k], wave, params, c, warmup=0, repeats=1)
                         if s.errors:
                             raise RuntimeError(f"{k}, {w} at concurrency {c}: {s.errors[0]}")
                         occupied = in_flight(s.runs[0], c)
-                        steady = steady_tok_s(s.runs[0])
+                        steady = steady_tok_s(s.runs[0], c)
                         rows.append({"workload": w, "config": k, "concurrency": c, "round": r,
                                      "tok_s": s.output_tokens_per_s, "steady_tok_s": steady, "tau": s.tau,
                                      "requests": len(wave),
@@ -273,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--method", default="ngram", choices=["ngram", "suffix"], help="a drafter that needs no head")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell, alternating the order")
+    ap.add_argument("--weights", default="fp32", choices=["fp32", "bf16", "auto"],
+                    help="every server's weights (auto resolves per max_batch: the levels would change the format)")
     ap.add_argument("--waves", type=int, default=2,
                     help="a level of N plays max(prompts, waves x N) requests, N in flight until the last wave")
     args = ap.parse_args(argv)
@@ -302,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     # hold the cells whose rounds every configuration finished, not nothing
     signal.signal(signal.SIGTERM, _interrupted)
     try:
-        run(grid, workloads, levels, args.prompts, args.max_new_tokens, args.rounds, args.waves, texts, states, rows)
+        run(grid, workloads, levels, args.prompts, args.max_new_tokens, args.rounds, args.waves, texts, states, rows,
+            args.weights)
     except KeyboardInterrupt:
         print(f"\nstopped early: {len(rows)} passes measured; the table and JSON hold the finished rounds",
               file=sys.stderr)
@@ -314,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     differ = greedy_differences(texts)
 
     print(f"\nload average {load:.1f} at the start; {args.prompts} prompts per workload, {args.max_new_tokens} new "
-          f"tokens, T=0, {args.rounds} round(s) of max(prompts, {args.waves} x level) requests; adaptive = "
+          f"tokens, {args.weights}, T=0, {args.rounds} round(s) of max(prompts, {args.waves} x level) requests; adaptive = "
           f"{grid[-1].key()}; {wall:.0f} s")
     print(f"{'workload':<8} {'c':>3} {'off':>8} {'best static':>24} {'tok/s':>8} {'adaptive':>9} "
           f"{'vs static [95%]':>22} {'vs off [95%]':>22} {'in flight':>16}")
@@ -333,8 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         f"\n  differs: {d['workload']} {d['config']} c={d['concurrency']} r{d['round']}: {d['requests']} of {d['of']}"
         for d in differ))
     steady = [(t["workload"], t["concurrency"], t["steady"]) for t in table if t["steady"] is not None]
-    print("\nwithout the drain: tok/s while every client held a request (from the pass's start until its last "
-          "request was sent)")
+    print("\nwithout the drain: tok/s while every client held a request (from the pass's start until the first "
+          "client had none left to send)")
     for w, c, t in steady:
         print(f"{w:<8} {c:>3} {t['off']:8.1f} {t['best_static']:>24} {t['best_static_tok_s']:8.1f} "
               f"{t['adaptive_tok_s']:9.1f} {t['adaptive_vs_best_static']:6.3f}x{_ci(t['adaptive_vs_best_static_ci']):<15} "
@@ -344,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     steady_static = min((t for _, _, t in steady), key=lambda t: t["adaptive_vs_best_static"], default=None)
     steady_off = min((t for _, _, t in steady), key=lambda t: t["adaptive_vs_off"], default=None)
     out = {"levels": levels, "workloads": workloads, "depths": depths, "method": args.method, "rounds": args.rounds,
+           "weights": args.weights,
            "waves": args.waves, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "wall_s": round(wall),
            "load_average": round(load, 2), "table": table,
            "greedy_identical": not differ, "greedy_differences": differ,

@@ -25,7 +25,14 @@ of the matched context's occurrences that its first token followed) is calibrate
 confidence band, the batch's acceptance of the drafts in that band (`Calibration`). A draft's
 expected gains are then its request's estimate times its band's acceptance over the batch's: a
 continuation seen every time the context occurred counts for more than one seen once in five.
-A band nothing was observed in yet starts from the batch's estimate (a factor of 1)."""
+A band nothing was observed in yet starts from the batch's estimate (a factor of 1).
+
+Each index also carries its estimate's variance in units of p (1 - p) (`v`: one over the samples it is
+worth): 1 for the prior (one sample's worth), shrinking with every verify step by the rate's
+exponential weights, to rate / (2 - rate) at most samples' worth (about 6 for a request's estimate, 39
+for the batch's). A fresh request takes the batch's. The controller (`spread`) doubts a draft's
+expected tokens by as many standard errors as engine.decode.control.DOUBT: a gain its estimate
+cannot tell from a loss is not drafted."""
 
 from __future__ import annotations
 
@@ -41,11 +48,13 @@ BANDS = (0.5, 0.8, 1.0)  # confidence bands: below 0.5, below 0.8, below 1, exac
 
 class Acceptance:
     """p[r-1]: the estimated probability that draft node r (tree order: parents first) is accepted;
-    age[r-1]: the steps since index r was last verified; fill: the drafter's nodes per node allowed."""
+    v[r-1]: its variance over p (1 - p), one over the samples it is worth; age[r-1]: the steps since
+    index r was last verified; fill: the drafter's nodes per node allowed."""
 
     def __init__(self, nodes: int, start: list[float] | None = None, rate: float = REQUEST_RATE,
-                 fill: float = 1.0) -> None:
+                 fill: float = 1.0, var: list[float] | None = None) -> None:
         self.p = list(start) if start is not None else [PRIOR ** r for r in range(1, nodes + 1)]
+        self.v = list(var) if var is not None else [1.0] * len(self.p)  # a prior is worth one sample
         self.rate = rate
         self.age = [0] * len(self.p)
         self.fill = fill  # 1 before anything is observed: every allowed node is a row
@@ -53,14 +62,16 @@ class Acceptance:
 
     def fork(self) -> "Acceptance":
         """A new request's estimate: this (the batch's) estimate, followed at the request's rate."""
-        return Acceptance(len(self.p), self.p, REQUEST_RATE, self.fill)
+        return Acceptance(len(self.p), self.p, REQUEST_RATE, self.fill, self.v)
 
     def update(self, drafted: int, path: list[int]) -> None:
         """One verify step: nodes 1..`drafted` were verified and `path` (node indices, root first)
         was accepted."""
         on_path = set(path)
+        keep = (1 - self.rate) ** 2
         for r in range(1, min(drafted, len(self.p)) + 1):
             self.p[r - 1] += self.rate * ((1.0 if r in on_path else 0.0) - self.p[r - 1])
+            self.v[r - 1] = keep * self.v[r - 1] + self.rate ** 2  # the new sample's weight squared
             self.age[r - 1] = 0
 
     def drift(self, past: int, toward: list[float] | None = None) -> None:
@@ -94,6 +105,11 @@ class Acceptance:
         """A draft call allowed `allowed` nodes and yielded `drafted`."""
         if allowed > 0:
             self.fill += self.rate * (min(drafted / allowed, 1.0) - self.fill)
+
+    def spread(self, gains: list[float]) -> list[float]:
+        """The variance of each of `gains` (this estimate's expected tokens per node, `gains` or a
+        band's): g (1 - g) over the samples its index is worth."""
+        return [g * (1 - g) * v for g, v in zip(gains, self.v)]
 
     @property
     def rows(self) -> float:
@@ -168,6 +184,6 @@ class Calibration:
         band = self.band(conf)
         cal = self.bands.get(band)
         if cal is None:
-            cal = self.bands[band] = Acceptance(len(batch.p), batch.p, batch.rate)
+            cal = self.bands[band] = Acceptance(len(batch.p), batch.p, batch.rate, var=batch.v)
         cal.update(drafted, path)
         cal.drift(drafted)

@@ -46,7 +46,7 @@ import torch
 
 from engine.api import GenResult, SamplingParams, TokenCallback
 from engine.decode.acceptance import BATCH_RATE, Acceptance, Calibration
-from engine.decode.control import MARGIN, PROBE_EVERY, SLACK, ProbeBudget, choose, pay_floor, probe, probe_loss
+from engine.decode.control import DOUBT, MARGIN, PROBE_EVERY, SLACK, ProbeBudget, choose, pay_floor, probe, probe_loss
 from engine.decode.stepcost import StepCost
 from engine.drafters import Drafter, make_drafter
 from engine.drafters.lockstep import draft_together, lockstep_groups
@@ -487,7 +487,8 @@ class BatchEngine:
         if extra == 0:
             self._floors[batch] = (pay_floor(batch, table, cost.draft_s, MARGIN), table[0])
         step_s = _interpolated(table)
-        limits = choose(gains, batch, step_s, cost.draft_s, MARGIN, fills)
+        spread = [e.spread(g) for e, g in zip(est, gains)]
+        limits = choose(gains, batch, step_s, cost.draft_s, MARGIN, fills, spread, DOUBT)
         probed = None
         budget.earn(table[0])
         if probing:  # one node beyond the choice, for what the estimates learn
@@ -497,7 +498,8 @@ class BatchEngine:
             probed = probe(limits, gains, [e.age for e in est], batch, _interpolated(cheap), cost.draft_s,
                            MARGIN, fills)
             # paid for at the prices the choice weighed: what it is expected to lose comes out of the budget
-            loss = probe_loss(limits, gains, batch, step_s, probed, cost.draft_s, fills) if probed is not None else 0.0
+            loss = (probe_loss(limits, gains, batch, step_s, probed, cost.draft_s, fills, MARGIN, spread, DOUBT)
+                    if probed is not None else 0.0)
             if probed is not None and budget.spend(loss):
                 limits[probed] += 1
             else:
@@ -535,7 +537,7 @@ class BatchEngine:
         real = [cal.gains(e, batch_est, out[id(r)][0].conf if s > 0 else None, s) for r, e, s in zip(live, est, sizes)]
         if sum(sizes) >= len(table):  # the real drafts hold more rows than the fills expected
             step_s = _interpolated(cost.table(batch, extra, sum(sizes)))
-        keep = choose(real, batch, step_s, margin=MARGIN)
+        keep = choose(real, batch, step_s, margin=MARGIN, spread=[e.spread(g) for e, g in zip(est, real)], doubt=DOUBT)
         if probed is not None:  # the probe is verified whatever the cut says
             keep[probed] = max(keep[probed], min(limits[probed], sizes[probed]))
         if self._record is not None:

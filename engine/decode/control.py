@@ -12,14 +12,19 @@ node allowed (a lookup drafter that finds nothing adds no row), so the nodes all
 bound that the real drafts are then cut to. Every cost beyond the step without drafts is priced
 MARGIN above its estimate, so that the errors of the estimates (acceptance, step cost) favour
 drafting less: a draft must be expected to pay by that margin, and at a batch size where rows
-cost about what they yield, off wins.
+cost about what they yield, off wins. The drafts' expected tokens are doubted too, by what their
+estimates do not know (`spread`: engine.decode.acceptance's variance of each node's gain): a total
+of nodes is weighed at its expected tokens less DOUBT standard errors of their sum, so a gain of a
+few percent that an estimate of a few samples cannot tell from a loss leaves the step off's (or the
+shallower draft's), while many nodes across a batch, whose errors average out, are doubted less each.
 
 Estimates learn only from what is drafted, so every PROBE_EVERY steps one request drafts one node
 beyond the choice (`probe`): the one whose next index went unverified longest, and only where that
 node would pay if it were certainly accepted (where a row costs what a token yields, nothing is
 probed and off's steps stay off's). The probes bound what a stale estimate costs: a batch whose
 prior acceptance was too low to draft learns that its drafts pay. A probe has a price: the seconds
-its row and drafting add to the step less what its expected tokens are worth (`probe_loss`), paid
+its row and drafting add to the step less what its expected tokens are worth, at the prices the
+choice weighs (the margin on the row, the doubt on the tokens: `probe_loss`), paid
 from a budget that grows by PROBE_SHARE of every step's seconds (`ProbeBudget`). Where a row is
 nearly free a probe costs nothing and runs every PROBE_EVERY steps; where a row costs about what a
 token yields, probes run only as often as that share of the time pays for, so exploring costs less
@@ -42,6 +47,7 @@ from collections.abc import Callable, Sequence
 from operator import itemgetter
 
 MARGIN = 0.15  # the engine's pessimism on the cost of drafts (forward rows and drafting)
+DOUBT = 1.0  # standard errors of the drafts' expected tokens that a total of nodes must still pay after
 PROBE_EVERY = 4  # a probe at most every this many steps: at most a quarter of a row per step
 PROBE_SHARE = 0.005  # the share of the steps' seconds that the probes may be expected to lose
 SLACK = 0.1  # a batch is screened out below this much less than the last pay floor (prices move between steps)
@@ -53,29 +59,38 @@ def _rate(got: float, rows: float, base: float, step_s: Callable[[float], float]
 
 
 def choose(gains: Sequence[Sequence[float]], tokens: float, step_s: Callable[[float], float],
-           draft_s: float = 0.0, margin: float = 0.0, rows: Sequence[float] | None = None) -> list[int]:
+           draft_s: float = 0.0, margin: float = 0.0, rows: Sequence[float] | None = None,
+           spread: Sequence[Sequence[float]] | None = None, doubt: float = 0.0) -> list[int]:
     """Draft nodes per request. `gains[i]`: request i's expected accepted tokens per further node
     (non-increasing, as long as its draft may be); `tokens`: the tokens the step yields without
     drafts; `step_s(n)`: seconds of the forward with n draft rows besides its own (a row per
     sequence, a prompt's rows); `draft_s`: seconds per drafted node; `margin`: what the drafts'
     costs are priced above their estimates (the engine passes MARGIN); `rows[i]`: the rows each of
     request i's nodes is expected to add (its drafter's fill; 1 each by default), its gains the
-    expected tokens of a node it does draft. Ties go to fewer nodes."""
+    expected tokens of a node it does draft; `spread[i][r]`: the variance of `gains[i][r]`
+    (Acceptance.spread), each total's expected tokens taken `doubt` standard errors of their sum
+    lower (the engine passes DOUBT). Ties go to fewer nodes."""
     # highest gain first, ties in request order (a stable sort, reversed stably)
-    ranked = sorted(((g, i) for i, gs in enumerate(gains) for g in gs if g > 0), key=itemgetter(0), reverse=True)
+    ranked = sorted(((g, i, r) for i, gs in enumerate(gains) for r, g in enumerate(gs) if g > 0), key=itemgetter(0),
+                    reverse=True)
     base = step_s(0)
     best_n, best_rate = 0, tokens / base
-    got, n_rows = tokens, 0  # whole rows stay ints: a table's index
+    got, n_rows, var = tokens, 0, 0.0  # whole rows stay ints: a table's index
     k, per_row = 1 + margin, (1 + margin) * draft_s
-    for n, (g, i) in enumerate(ranked, start=1):  # _rate inlined: this loop runs a few hundred times a step
+    doubted = spread is not None and doubt > 0
+    for n, (g, i, r) in enumerate(ranked, start=1):  # _rate inlined: this loop runs a few hundred times a step
         w = 1 if rows is None else rows[i]
         got += g * w
         n_rows += w
-        rate = got / (base + k * (step_s(n_rows) - base) + per_row * n_rows)
+        sure = got
+        if doubted:
+            var += spread[i][r] * w * w
+            sure -= doubt * math.sqrt(var)
+        rate = sure / (base + k * (step_s(n_rows) - base) + per_row * n_rows)
         if rate > best_rate * (1 + 1e-9):
             best_n, best_rate = n, rate
     out = [0] * len(gains)
-    for _, i in ranked[:best_n]:
+    for _, i, _ in ranked[:best_n]:
         out[i] += 1
     return out
 
@@ -114,16 +129,23 @@ def probe(chosen: Sequence[int], gains: Sequence[Sequence[float]], ages: Sequenc
 
 
 def probe_loss(chosen: Sequence[int], gains: Sequence[Sequence[float]], tokens: float, step_s: Callable[[float], float],
-               i: int, draft_s: float = 0.0, rows: Sequence[float] | None = None) -> float:
-    """The seconds a probe of request i's next node beyond `chosen` is expected to lose: what its
-    rows and drafting add to the step, less its expected accepted tokens at the step's seconds per
-    token (`step_s`: the controller's prices, without the margin); 0 where it is expected to pay."""
+               i: int, draft_s: float = 0.0, rows: Sequence[float] | None = None, margin: float = 0.0,
+               spread: Sequence[Sequence[float]] | None = None, doubt: float = 0.0) -> float:
+    """The seconds a probe of request i's next node beyond `chosen` is expected to lose at the prices
+    the choice weighed: what its rows and drafting add to the step (`margin` above `step_s`), less
+    its expected accepted tokens (`doubt` standard errors lower, `spread` as in `choose`) at the
+    step's seconds per token; 0 where it is expected to pay even so. Priced without the margin and
+    the doubt, a probe at a batch size where a node yields about what its row costs lost nothing
+    and ran every PROBE_EVERY steps: a quarter of the steps drafted where off was faster."""
     w = [1] * len(gains) if rows is None else list(rows)
     n_rows = sum(k * wi for k, wi in zip(chosen, w))
     got = tokens + sum(sum(g[:k]) * wi for g, k, wi in zip(gains, chosen, w))
     now = step_s(n_rows) + draft_s * n_rows
-    extra = step_s(n_rows + w[i]) + draft_s * (n_rows + w[i]) - now
-    return max(extra - gains[i][chosen[i]] * w[i] * now / got, 0.0)
+    extra = (1 + margin) * (step_s(n_rows + w[i]) + draft_s * (n_rows + w[i]) - now)
+    gain = gains[i][chosen[i]]
+    if spread is not None and doubt > 0:
+        gain -= doubt * math.sqrt(spread[i][chosen[i]])
+    return max(extra - gain * w[i] * now / got, 0.0)
 
 
 class ProbeBudget:

@@ -2,7 +2,7 @@
 one target forward as a function of the sequences in it and the rows beyond one per sequence,
 timed on this machine over the engine's own forward at start-up and cached like the linear plan
 (engine.models.machine.measured_once, <cache>/step_cost.json; never a curve timed while other
-processes kept the CPUs busy, `quiet_enough`); plus what the live engine learns
+processes kept the CPUs busy, `engine.models.machine.timed_once`); plus what the live engine learns
 from the steps it actually runs: the drafter's seconds per drafted node and, per batch size, what a
 step without drafts and each further row really cost against the curve.
 
@@ -43,13 +43,12 @@ from __future__ import annotations
 
 import bisect
 import os
-import sys
 import time
 from typing import Any
 
 import torch
 
-from engine.models.machine import busy_mark, cache_root, cpu_signature, measured_once, others_share
+from engine.models.machine import cache_root, cpu_signature, timed_once
 
 CONTEXT = 256  # committed positions of each timed sequence
 DENSE = 16  # every extra row count up to this one is timed
@@ -65,7 +64,6 @@ LOW_SLOPE = 0.5  # the slope never falls below this share of the prior (a few lu
 STEP_CLIP = (0.5, 2.0)  # a live step counts as taking between these multiples of what was expected of it
 ROWS_LIVE = 32  # draft-row counts up to this have a live table entry per batch size
 ROWS_SEEN = 8  # a live entry of this many observations weighs as much as the fit's price of its rows
-LOADED = 0.05  # a curve timed while others kept more of the CPUs busy is not cached (a tenth of a core on two)
 VERSION = 4  # in the cache key: a change of what is timed measures again
 
 
@@ -328,24 +326,7 @@ def step_cost(forward: Any, max_batch: int, max_rows: int, signature: str,
     """This machine's step-cost curve for a forward (`signature`: the model, its weights and the
     forward's form), timed once and cached in <cache>/step_cost.json (a few seconds on a small model)."""
     key = f"{cpu_signature()}|torch {torch.__version__}|{signature}|b{max_batch}|r{max_rows}|ctx {CONTEXT}|v{VERSION}"
-
-    def timed(_old: Any) -> dict[str, Any]:
-        mark = busy_mark()
-        got = time_steps(forward, max_batch, max_rows).to_json()
-        got["others"] = others_share(mark)
-        if not quiet_enough(got):
-            print(f"spectune: the step-cost curve was timed while other processes kept {got['others']:.0%} of the "
-                  f"CPUs busy (at most {LOADED:.0%} is cached): this process prices steps with it, the cache "
-                  "keeps none", file=sys.stderr)
-        return got
-
-    got = measured_once(cache_root(cache_dir) / "step_cost.json", key, timed, keep=quiet_enough)
+    got = timed_once(cache_root(cache_dir) / "step_cost.json", key,
+                     lambda _old: time_steps(forward, max_batch, max_rows).to_json(),
+                     "the step-cost curve")
     return StepCost.from_json(got)
-
-
-def quiet_enough(curve: dict[str, Any]) -> bool:
-    """Whether a timed curve may be cached: other processes kept at most LOADED of the CPUs busy while it
-    was timed (or that could not be told). A curve timed under load is uniformly slow and has flat
-    stretches (docs/results.md, adaptive speculation: several times a quiet curve at the largest
-    batch); cached, every later run on the machine, quiet ones too, would price steps with it."""
-    return curve.get("others") is None or curve["others"] <= LOADED

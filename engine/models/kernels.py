@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.models import smallm
-from engine.models.machine import cpu_signature, measured_once
+from engine.models.machine import cpu_signature, timed_once
 from tuner.schema.precision import packed_copies
 
 # The lm_head-sized layers (vocabulary rows) win on a single row too.
@@ -251,9 +251,9 @@ def calibrate_linears(model: Any, cache_dir: str | os.PathLike | None = None, co
         return got
 
     path = cache_root(cache_dir) / "linear_plan.json"
-    got = measured_once(path, key, measure)
+    got = timed_once(path, key, measure, "the linear plan")
     if compiled and "compiled_one_row" not in got:  # calibrated before for an eager forward only
-        got = measured_once(path, key, measure, remeasure=True)
+        got = timed_once(path, key, measure, "the linear plan", remeasure=True)
     plan = LinearPlan(tuple((int(n), str(f)) for n, f in got["eager"]),
                       got.get("compiled_one_row", _PLAN.compiled_one_row), got.get("ms", {}))
     set_linear_plan(plan)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -75,3 +76,41 @@ def others_share(mark: tuple[float, float, float] | None) -> float | None:
         return None
     others = (now[1] - mark[1]) - (now[2] - mark[2])
     return min(max(others / ((now[0] - mark[0]) * (os.cpu_count() or 1)), 0.0), 1.0)
+
+
+LOADED = 0.05  # a timing taken while others kept more of the CPUs busy is not cached (a tenth of a core on two)
+# timings this process took under load, by (file, key): used again here instead of timed again (a
+# process that opens several engines would otherwise pay the timing at each), never written
+_LOADED_HERE: dict[tuple[str, str], Any] = {}
+
+
+def quiet_enough(got: dict[str, Any]) -> bool:
+    """Whether a timing may be cached: other processes kept at most LOADED of the CPUs busy while it was
+    taken (or that could not be told). A timing under load is slow throughout and unevenly so; cached,
+    every later run on the machine, quiet ones too, would be planned or priced by it."""
+    return got.get("others") is None or got["others"] <= LOADED
+
+
+def timed_once(path: Path, key: str, measure: Callable[[Any], dict[str, Any]], what: str,
+               remeasure: bool = False) -> dict[str, Any]:
+    """`measured_once` for a timing of this machine (`what` names it in the warning): the share of the CPUs
+    other processes kept busy meanwhile is stored with it (`others`), and a timing taken while that was
+    over LOADED is used by this process (timed once here) but not cached, so the next quiet run times its own."""
+    here = (str(path), key)
+
+    def timed(old: Any) -> dict[str, Any]:
+        mine = _LOADED_HERE.get(here)
+        if mine is not None and not remeasure:
+            return mine
+        mark = busy_mark()
+        got = measure(mine if mine is not None else old)
+        share = others_share(mark)
+        # what a timing under load left in `mine` stays in the value: the value is loaded too
+        got["others"] = share if mine is None or share is None else max(share, mine["others"])
+        if not quiet_enough(got):
+            _LOADED_HERE[here] = got
+            print(f"spectune: {what} was timed while other processes kept {got['others']:.0%} of the CPUs busy "
+                  f"(at most {LOADED:.0%} is cached): this process uses it, the cache keeps none", file=sys.stderr)
+        return got
+
+    return measured_once(path, key, timed, remeasure, keep=quiet_enough)

@@ -16,9 +16,10 @@ import pytest
 from engine.api import SamplingParams
 from engine.decode import batch as B
 from engine.decode import stepcost
+from engine.models import machine
 from engine.decode.acceptance import PRIOR, Acceptance, Calibration
 from engine.decode.batch import BatchEngine, bounded, schedule_of
-from engine.decode.control import MARGIN, PROBE_EVERY, PROBE_SHARE, ProbeBudget, choose, pay_floor, probe, probe_loss
+from engine.decode.control import DOUBT, MARGIN, PROBE_EVERY, PROBE_SHARE, ProbeBudget, choose, pay_floor, probe, probe_loss
 from engine.decode.loop import Engine
 from engine.decode.stepcost import StepCost
 from engine.drafters.draft_model import DraftModelDrafter
@@ -55,6 +56,19 @@ def test_deeper_when_acceptance_is_high_and_verify_is_cheap() -> None:
     # 0.7^r per node, 0.15 of a step per row: 3 nodes (1.747 tokens per step-time; 2: 1.685, 4: 1.733)
     assert choose([mid], 1, linear_cost(1.0, 0.15)) == [3]
     assert choose([mid], 1, linear_cost(1.0, 0.01))[0] > 3
+
+
+def test_a_gain_its_estimate_cannot_tell_from_a_loss_is_not_drafted() -> None:
+    """Four requests, a node each at 0.6, a row at 0.13 of a 4-token step: drafting all four pays by 5%
+    at the point estimates (6.4 tokens in 1.52 steps' time against 4 in 1). Doubted by one standard
+    error of an estimate worth 6 samples (0.4 tokens over the four nodes) nothing pays; worth 100
+    samples (0.1 tokens), all four still do."""
+    gains, cost = [[0.6]] * 4, linear_cost(1.0, 0.13)
+    assert choose(gains, 4, cost) == [1, 1, 1, 1]
+    few, many = [[0.6 * 0.4 / 6]] * 4, [[0.6 * 0.4 / 100]] * 4
+    assert choose(gains, 4, cost, spread=few, doubt=DOUBT) == [0, 0, 0, 0]
+    assert choose(gains, 4, cost, spread=many, doubt=DOUBT) == [1, 1, 1, 1]
+    assert choose(gains, 4, cost, spread=few) == [1, 1, 1, 1]  # no doubt asked, none taken
 
 
 def test_the_batch_drafts_for_the_requests_that_pay() -> None:
@@ -123,6 +137,10 @@ def test_a_probe_is_paid_for_from_a_share_of_the_steps_seconds() -> None:
     assert probe_loss([0], [[0.9]], 1, step, 0) == 0.0
     assert probe_loss([0], [[0.2]], 1, step, 0, draft_s=0.1) == pytest.approx(0.6 - 0.2)
     assert probe_loss([0, 0], [[0.2], [0.2]], 2, step, 1, rows=[1.0, 0.5]) == pytest.approx(0.25 - 0.05)
+    # at the choice's prices: the row's half token 15% dearer, a 0.6 node's worth one standard error
+    # (0.2: an estimate worth 6 samples) lower; free at the point estimates, it loses 0.175 of a token
+    assert probe_loss([0], [[0.6]], 1, step, 0) == 0.0
+    assert probe_loss([0], [[0.6]], 1, step, 0, margin=0.15, spread=[[0.04]], doubt=1.0) == pytest.approx(0.575 - 0.4)
     for gain, want in ((0.2, 1000 * PROBE_SHARE / 0.3), (0.9, 1000 / PROBE_EVERY)):
         budget, paid = ProbeBudget(), 0
         for n in range(1000):
@@ -149,6 +167,24 @@ def test_estimates_follow_the_verified_nodes_and_unverified_ones_drift_back() ->
     for _ in range(200):
         low.drift(0, [0.6, 0.3])  # a request that drafted nothing for a long time: back to the batch's
     assert low.p == pytest.approx([0.6, 0.3], abs=0.01) and low.age == [200, 200]
+
+
+def test_an_estimate_is_worth_the_samples_it_followed() -> None:
+    """The prior is worth one sample; each verify step weighs the old estimate by (1 - rate) and the
+    new sample by rate, so the variance over p (1 - p) falls towards rate / (2 - rate) (about 6
+    samples' worth at a request's rate); an index not verified keeps its own; a request starts
+    from the batch's."""
+    a = Acceptance(2, [0.5, 0.5], rate=0.3)
+    assert a.v == [1.0, 1.0] and a.spread([0.5, 0.2]) == [0.25, pytest.approx(0.16)]
+    a.update(1, [0])
+    assert a.v == [pytest.approx(0.49 + 0.09), 1.0]
+    for _ in range(60):
+        a.update(1, [0])
+    assert a.v[0] == pytest.approx(0.3 / 1.7) and a.v[1] == 1.0
+    batch = Acceptance(2, rate=0.05)
+    for _ in range(200):
+        batch.update(2, [0, 1])
+    assert batch.v == pytest.approx([0.05 / 1.95] * 2) and batch.fork().v == batch.v
 
 
 def test_steps_where_nobody_drafted_are_counted_and_their_drift_applied_at_once() -> None:
@@ -440,7 +476,7 @@ def test_probes_weigh_rows_at_no_more_than_the_average_row() -> None:
 
 
 def test_the_curve_is_timed_once_and_cached(engine: Engine, tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(stepcost, "others_share", lambda mark: 0.0)  # timed on a quiet machine
+    monkeypatch.setattr(machine, "others_share", lambda mark: 0.0)  # timed on a quiet machine
     cost = stepcost.step_cost(engine.lean, 3, 4, "tiny test", tmp_path)
     assert sorted(cost.curves) == [1, 2, 3]
     for b, pts in cost.curves.items():
@@ -460,22 +496,33 @@ def test_the_curve_is_timed_once_and_cached(engine: Engine, tmp_path, monkeypatc
 def test_a_curve_timed_while_others_kept_the_cpus_busy_is_used_but_not_cached(engine: Engine, tmp_path,
                                                                               monkeypatch, capsys) -> None:
     """Other processes kept half the CPUs busy while the curve was timed: the engine prices with it,
-    the cache keeps none (a later quiet run times its own); timed quietly, it is cached."""
-    monkeypatch.setattr(stepcost, "others_share", lambda mark: 0.5)
+    the cache keeps none, and this process does not time it again; the next process, timing it
+    quietly, caches it."""
+    monkeypatch.setattr(machine, "_LOADED_HERE", {})
+    monkeypatch.setattr(machine, "others_share", lambda mark: 0.5)
     loaded = stepcost.step_cost(engine.lean, 2, 3, "tiny test", tmp_path)
     assert sorted(loaded.curves) == [1, 2] and not (tmp_path / "step_cost.json").exists()
     assert "50% of the CPUs busy" in capsys.readouterr().err
-    monkeypatch.setattr(stepcost, "others_share", lambda mark: stepcost.LOADED)
+    real = stepcost.time_steps
+    monkeypatch.setattr(stepcost, "time_steps", lambda *a: pytest.fail("timed again in the process that had it"))
+    assert stepcost.step_cost(engine.lean, 2, 3, "tiny test", tmp_path).curves == loaded.curves
+    monkeypatch.setattr(machine, "_LOADED_HERE", {})  # another process
+    monkeypatch.setattr(stepcost, "time_steps", real)
+    monkeypatch.setattr(machine, "others_share", lambda mark: machine.LOADED)
     stepcost.step_cost(engine.lean, 2, 3, "tiny test", tmp_path)
     (got,) = json.loads((tmp_path / "step_cost.json").read_text()).values()
-    assert got["others"] == stepcost.LOADED and capsys.readouterr().err == ""
+    assert got["others"] == machine.LOADED and capsys.readouterr().err == ""
 
 
 def test_the_benchmarks_steady_figure_leaves_out_the_drain() -> None:
     """benchmarks/adaptive.py: two clients, three requests of 10 tokens; the first streams a chunk
-    every 0.1 s, the second every 0.3 s, the third is sent when the first ends (1.0 s). Until then
-    13 tokens streamed (10 and 3): 13 tok/s steady, where the whole pass, drain and all, reads 10;
-    a pass whose requests were all sent at its start has no steady span."""
+    every 0.1 s, the second every 0.3 s, the third is sent when the first ends (1.0 s) and ends at
+    2.0 s, when the first client has nothing left to send. Until then 26 tokens streamed (10, 6 and
+    10): 13 tok/s steady, where the whole pass, drain and all, reads 10. Two clients whose requests
+    end together (off's) hold both until the pass ends: its steady figure is the whole pass's (the
+    span that ended when the last request was sent read the first wave alone, its prompts' prefill
+    uncached); a pass whose
+    requests were all sent at its start is steady until the first ends."""
     import importlib.util
     from pathlib import Path
     from types import SimpleNamespace
@@ -486,8 +533,14 @@ def test_the_benchmarks_steady_figure_leaves_out_the_drain() -> None:
     spec.loader.exec_module(bench)
     timeline = [(0.0, 10, [k / 10 for k in range(1, 11)]), (0.0, 10, [3 * k / 10 for k in range(1, 11)]),
                 (1.0, 10, [1 + k / 10 for k in range(1, 11)])]
-    assert bench.steady_tok_s(SimpleNamespace(timeline=timeline)) == pytest.approx(13.0)
-    assert bench.steady_tok_s(SimpleNamespace(timeline=timeline[:2])) is None
+    assert bench.steady_tok_s(SimpleNamespace(timeline=timeline), 2) == pytest.approx(13.0)
+    # off: 4 requests in two waves, 0.1 s a token after the first chunk: 0.5 s for the first wave's
+    # prompts, 0.1 s for the second's (their prefixes cached); the old span read 20 / 1.4
+    wave = [(t0, 10, [t0 + first + k / 10 for k in range(10)]) for t0, first in ((0.0, 0.5), (1.4, 0.1))
+            for _ in range(2)]
+    assert bench.steady_tok_s(SimpleNamespace(timeline=wave), 2) == pytest.approx(40 / 2.4)
+    assert bench.steady_tok_s(SimpleNamespace(timeline=timeline[:2]), 2) == pytest.approx(13.0)
+    assert bench.steady_tok_s(SimpleNamespace(timeline=[]), 2) is None
 
 
 def test_adaptive_needs_the_lean_forward(engine: Engine, monkeypatch) -> None:
@@ -579,8 +632,9 @@ def test_greedy_with_adaptive_control_equals_off(engine: Engine, off, spec: Spec
     reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=batch)
     assert [r.error for r in reqs] == [None] * len(prompts)
     assert [r.result.tokens for r in reqs] == ref
-    if spec.method == "draft_model":  # the target drafting itself: drafts pay, several nodes deep
-        assert sum(r.result.stats.accepted_tokens for r in reqs) > 0 and max(sizes) >= 3
+    if spec.method == "draft_model":  # the target drafting itself: drafts pay, more than a node (the root's
+        # second child, rejected whenever the first is accepted, caps the nodes that pay once the doubted prior is gone)
+        assert sum(r.result.stats.accepted_tokens for r in reqs) > 0 and max(sizes) >= 2
     if spec.method == "eagle":  # a random head: its drafts stop paying
         assert 0 in sizes
     if spec.method == "recycle" and batch == 1:  # (in a batch its drafts may all fit what pays)
@@ -670,14 +724,14 @@ def test_the_engine_learns_the_time_its_steps_spend_outside_the_forward(engine: 
 
 
 def test_probes_learn_that_drafts_pay_where_the_prior_said_they_would_not(engine: Engine, off, monkeypatch) -> None:
-    """A row costs 0.7 of a step: at the prior's 0.7 acceptance no node pays (with the margin), so
-    without probes nothing is ever drafted and nothing learnt; the probes find the target drafting
+    """A row costs 0.3 of a step: at the prior's 0.7 acceptance, doubted as the prior's one sample's
+    worth, no node pays (with the margin), so without probes nothing is ever drafted and nothing learnt; the probes find the target drafting
     itself accepted and the requests draft. Where a row costs a whole step nothing is probed."""
     prompts, ref = off
     _the_target_drafts(engine, monkeypatch)
     spec = SpecConfig(method="draft_model", depth=3, draft_model="the target", adaptive=True)
     drafted = {}
-    for name, per_row, every in (("no probes", 0.7, 10 ** 9), ("probes", 0.7, PROBE_EVERY), ("costly", 1.0, PROBE_EVERY)):
+    for name, per_row, every in (("no probes", 0.3, 10 ** 9), ("probes", 0.3, PROBE_EVERY), ("costly", 1.0, PROBE_EVERY)):
         planted = PlantedCost({1: [(0, 1.0), (16, 1 + 16 * per_row)]}, max_rows=4)
         monkeypatch.setattr(engine, "step_costs", lambda *a, planted=planted: planted)
         monkeypatch.setattr(B, "PROBE_EVERY", every)

@@ -4,6 +4,7 @@ greedy output is token-identical to autoregressive for every drafter, compiled e
 
 from __future__ import annotations
 
+import json
 import os
 import random
 
@@ -13,6 +14,7 @@ import torch
 from engine.api import SamplingParams
 from engine.drafters import DraftModelDrafter
 import engine.models.kernels as kernels
+import engine.models.machine as machine
 from engine.models.kernels import (FORMS, PLAN_ROWS, LinearPlan, calibrate_linears, linear, linear_plan, pack_weights,
                                    set_linear_plan)
 from engine.models.forward import LeanForward, additive_mask, lean_forward
@@ -372,6 +374,7 @@ def test_calibration_keeps_the_fastest_form_per_row_count_and_caches_it(tmp_path
         return 0.1 if form == fastest[rows] else 1.0 + (form == "mkl")  # MKL slower than the product-sum
 
     monkeypatch.setattr(kernels, "_time_form", fake)
+    monkeypatch.setattr(machine, "others_share", lambda mark: 0.0)  # timed on a quiet machine
     set_linear_plan(LinearPlan())  # an eager calibration keeps the compiled one-row form it finds
     plan = calibrate_linears(model, tmp_path)
     assert plan.eager == tuple((n, fastest[n]) for n in PLAN_ROWS) and plan.compiled_one_row == "prodsum"
@@ -385,6 +388,38 @@ def test_calibration_keeps_the_fastest_form_per_row_count_and_caches_it(tmp_path
     assert compiled.compiled_one_row == ("mkl" if fastest[1] == "mkl" else "prodsum")
     monkeypatch.setattr(kernels, "_time_form", lambda *a: pytest.fail("timed again instead of reading the cache"))
     assert calibrate_linears(model, tmp_path, compiled=True) == compiled
+
+
+def test_a_plan_timed_while_others_kept_the_cpus_busy_is_used_but_not_cached(tmp_path, monkeypatch, capsys,
+                                                                              restore_plan) -> None:
+    """Other processes kept 40% of the CPUs busy while the forms were timed: the plan is this
+    process's, the cache keeps none and this process does not time it again (adding the compiled
+    one-row form times that alone); the next process, timing quietly, caches its own."""
+    model = LeanLlama(open_engine(load_config(["model=tiny-random", "spec.method=off"])).model)
+    timed = []
+
+    def fake(weights, rows, form, repeats):
+        timed.append((rows, form))
+        return 0.1 if form == "mkl" else 1.0
+
+    monkeypatch.setattr(kernels, "_time_form", fake)
+    monkeypatch.setattr(machine, "_LOADED_HERE", {})
+    monkeypatch.setattr(machine, "others_share", lambda mark: 0.4)
+    plan = calibrate_linears(model, tmp_path)
+    assert linear_plan() == plan and plan.form(4) == "mkl" and not (tmp_path / "linear_plan.json").exists()
+    assert "the linear plan was timed while other processes kept 40% of the CPUs busy" in capsys.readouterr().err
+    timed.clear()
+    assert calibrate_linears(model, tmp_path) == plan and timed == []
+    compiled = calibrate_linears(model, tmp_path, compiled=True)
+    assert {r for r, _ in timed} == {1} and compiled.eager == plan.eager  # the compiled one-row form alone
+    assert not (tmp_path / "linear_plan.json").exists() and "40%" in capsys.readouterr().err  # loaded still
+    monkeypatch.setattr(machine, "_LOADED_HERE", {})  # another process
+    monkeypatch.setattr(machine, "others_share", lambda mark: 0.0)
+    timed.clear()
+    calibrate_linears(model, tmp_path)
+    assert {r for r, _ in timed} == set(PLAN_ROWS)
+    (got,) = json.loads((tmp_path / "linear_plan.json").read_text()).values()
+    assert got["others"] == 0.0 and capsys.readouterr().err == ""
 
 
 def test_small_targets_keep_the_default_plan(engines, tmp_path, restore_plan) -> None:
