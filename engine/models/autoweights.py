@@ -1,7 +1,8 @@
 """How `engine.builtin.weights: auto` is timed where no rule decides it (tuner.schema.precision): a
 short decode step of each candidate format through the native step, at one sequence and at the
 engine's max_batch sequences, on this machine, once per machine and model shape, cached in
-<cache>/weights_auto.json (engine.models.machine.measured_once), like the linear plan.
+<cache>/weights_auto.json (engine.models.machine.timed_once), like the linear plan: a timing taken
+while other processes kept the CPUs busy is used by the process that took it, never cached.
 
 Only the shapes matter to a step's time, not the values: each format is timed on a copy of the
 loaded fp32 model rounded to it (engine.models.fp8.apply_weights), one format at a time (one copy in
@@ -22,11 +23,11 @@ from engine.models import decode_step
 from engine.models.fp8 import apply_weights
 from engine.models.kvpool import KVPool
 from engine.models.llama import LeanLlama
-from engine.models.machine import cache_root, cpu_signature, measured_once
+from engine.models.machine import cache_root, cpu_signature, loaded_here, timed_once
 
 CONTEXT = 256  # committed positions of each timed sequence (as the step-cost curve's)
 ROUNDS = 12  # timed steps per point; the fastest counts
-VERSION = 1  # in the cache key: a change of what is timed measures again
+VERSION = 2  # in the cache key: a change of what is timed (or of the entry's layout) measures again
 
 
 def points(max_batch: int) -> list[int]:
@@ -64,19 +65,25 @@ def timed_formats(load: Callable[[], torch.nn.Module] | None, shape: str, format
                   cache_dir: str | os.PathLike | None = None, remeasure: bool = False
                   ) -> dict[str, dict[str, float]] | None:
     """{format: {point: ms}} for each of `formats`, timed once per (CPU, threads, torch, the step's
-    build, the model's `shape`, max_batch) and cached; `load()` gives the fp32 model, called only
-    when timing. `load` None: the cached figures only (None when none were timed here)."""
+    build, the model's `shape`, max_batch) and cached unless timed under load; `load()` gives the fp32
+    model, called only when timing. `load` None: the figures this process or the cache holds (None
+    when none were timed here)."""
     key = "|".join([cpu_signature(), f"torch {torch.__version__}", f"step {decode_step.TAG}", shape,
                     f"b{max_batch}", ",".join(formats), f"v{VERSION}"])
     path = cache_root(cache_dir) / "weights_auto.json"
-    if load is None:
-        try:
-            return json.loads(path.read_text()).get(key)
-        except (OSError, ValueError):
-            return None
+    if load is None:  # this process's own timing under load first: the cache never kept it
+        got = loaded_here(path, key)
+        if got is None:
+            try:
+                got = json.loads(path.read_text()).get(key)
+            except (OSError, ValueError):
+                return None
+        return None if got is None else got["ms"]
 
-    def measure(_old: object) -> dict[str, dict[str, float]]:
+    def measure(_old: object) -> dict[str, dict[str, dict[str, float]]]:
         model = load()
-        return {f: time_format(model, f, max_batch) for f in formats}
+        return {"ms": {f: time_format(model, f, max_batch) for f in formats}}
 
-    return measured_once(path, key, measure, remeasure)
+    # a step timed under load is slow unevenly (a loaded run once cached fp32 312 / bf16 1412 ms a step
+    # at max_batch 4): cached, it would choose the format for every later run on the machine
+    return timed_once(path, key, measure, "the weights' decode-step timing", remeasure)["ms"]

@@ -91,6 +91,12 @@ def quiet_enough(got: dict[str, Any]) -> bool:
     return got.get("others") is None or got["others"] <= LOADED
 
 
+def loaded_here(path: Path, key: str) -> Any:
+    """The timing this process took under load for `key` in `path` (timed_once), or None: a reader
+    that must not time (a finaliser reading back a choice) sees what this process measured."""
+    return _LOADED_HERE.get((str(path), key))
+
+
 def timed_once(path: Path, key: str, measure: Callable[[Any], dict[str, Any]], what: str,
                remeasure: bool = False) -> dict[str, Any]:
     """`measured_once` for a timing of this machine (`what` names it in the warning): the share of the CPUs

@@ -166,7 +166,7 @@ def test_auto_weights_resolve_where_the_engine_loads(monkeypatch: pytest.MonkeyP
     cached: a second resolution times nothing, and best.yaml reads the same choice back) and the
     engine loads the faster; planted timings move
     the choice both ways; CUDA and the tiny test model keep fp32 by rule, without a timing."""
-    from engine.models import autoweights
+    from engine.models import autoweights, machine
     from engine.models.target import auto_choice, resolve_weights
     from tuner.schema.precision import timed_choice
     from engine.heads.pipeline import target_hash
@@ -176,12 +176,15 @@ def test_auto_weights_resolve_where_the_engine_loads(monkeypatch: pytest.MonkeyP
     over = [*TINY, "model.params_b=0.2", "engine.builtin.max_batch=3"]
     cfg = load_config(over)
     monkeypatch.setattr(autoweights, "cache_root", lambda _dir: tmp_path)  # <cache>/weights_auto.json
+    monkeypatch.setattr(machine, "others_share", lambda mark: 0.0)  # timed on a quiet machine: cached
     assert cfg.engine.builtin.weights == "auto"
     cpu = torch.device("cpu")
     assert auto_weights_timed(cfg) is None  # best.yaml's reading times nothing: no engine timed it here yet
     fmt, why = auto_choice(cfg.engine.builtin, cfg.model, cpu, cfg.cache_dir)
     timed = json.loads((tmp_path / "weights_auto.json").read_text())
-    (ms,) = timed.values()
+    (entry,) = timed.values()
+    ms = entry["ms"]
+    assert entry["others"] == 0.0
     assert set(ms) == {"fp32", "bf16"} and all(set(t) == {"1 seq", "3 seqs"} and min(t.values()) > 0 for t in ms.values())
     assert (fmt, why) == timed_choice(ms) and "\n" not in why and auto_weights_timed(cfg) == (fmt, why)
 
@@ -206,3 +209,40 @@ def test_auto_weights_resolve_where_the_engine_loads(monkeypatch: pytest.MonkeyP
     assert resolve_weights(cfg.engine.builtin, cfg.model, torch.device("cuda")) == "fp32"
     tiny = open_engine(load_config(TINY))
     assert tiny.lean.model.weights == "fp32"
+
+
+def test_auto_weights_timed_under_load_choose_here_and_are_never_cached(monkeypatch: pytest.MonkeyPatch,
+                                                                        tmp_path: Path) -> None:
+    """A decode-step timing taken while other processes kept the CPUs busy (over machine.LOADED) chooses
+    for the process that took it, once (a second resolution times nothing), and best.yaml's reading in
+    that process sees it; the cache keeps none, so the next process times its own (a loaded run once
+    cached fp32 312 / bf16 1412 ms a step at max_batch 4, which would have chosen for every later run)."""
+    from engine.models import autoweights, machine
+    from engine.models.target import resolve_weights
+    from tuner.study.measurer import auto_weights_timed
+
+    cfg = load_config([*TINY, "model.params_b=0.2", "engine.builtin.max_batch=3"])
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(autoweights, "cache_root", lambda _dir: tmp_path)
+    monkeypatch.setattr(machine, "_LOADED_HERE", {})
+    timed: list[str] = []
+
+    def planted(model: torch.nn.Module, weights: str, max_batch: int) -> dict[str, float]:
+        timed.append(weights)
+        t = 30.0 if weights == "fp32" else 10.0
+        return {"1 seq": t, f"{max_batch} seqs": 2 * t}
+
+    monkeypatch.setattr(autoweights, "time_format", planted)
+    monkeypatch.setattr(machine, "others_share", lambda mark: 0.5)
+    assert resolve_weights(cfg.engine.builtin, cfg.model, cpu, cfg.cache_dir) == "bf16"
+    assert not (tmp_path / "weights_auto.json").exists()
+    assert resolve_weights(cfg.engine.builtin, cfg.model, cpu, cfg.cache_dir) == "bf16"
+    assert timed == ["fp32", "bf16"]  # used again, not timed again
+    assert auto_weights_timed(cfg)[0] == "bf16"
+    monkeypatch.setattr(machine, "_LOADED_HERE", {})  # the next process: nothing cached to read back
+    assert auto_weights_timed(cfg) is None
+    monkeypatch.setattr(machine, "others_share", lambda mark: 0.0)  # a quiet one times and caches
+    assert resolve_weights(cfg.engine.builtin, cfg.model, cpu, cfg.cache_dir) == "bf16"
+    assert timed == ["fp32", "bf16", "fp32", "bf16"]
+    (entry,) = json.loads((tmp_path / "weights_auto.json").read_text()).values()
+    assert entry["ms"]["bf16"]["1 seq"] == 10.0 and entry["others"] == 0.0
