@@ -128,7 +128,7 @@ class EarlyStop:
 # TIMED_ROWS tokens (a training batch holds thousands; fewer keep an emulated bf16 step under a second here)
 TIMED_ROWS, TIMED_WIDTHS = 128, (576, 1536)
 TIMED_ROUNDS = 3  # steps of each precision, alternating; the fastest counts (another process only adds time)
-TIMED_VERSION = 1  # in the cache key: a change of what is timed measures again
+TIMED_VERSION = 2  # in the cache key: a change of what is timed (or of the entry's layout) measures again
 _CHOSEN: dict[str, tuple[str, str]] = {}  # this process's resolved choices by cache key
 
 
@@ -173,16 +173,17 @@ def timed_train_precision(cache_dir: str | os.PathLike | None = None,
     """(precision, reason in one line) that train.precision=auto takes on this CPU: the faster of fp32
     and bf16 autocast by `measure` (a timed training step), fp32 unless bf16 is at least AUTO_MARGIN
     faster (tuner.schema.precision.timed_choice). Timed once per machine (CPU, threads, torch) and kept
-    in <cache>/train_precision.json (a head's key holds the choice: it must not move between runs);
-    without a writable cache, once per process."""
-    from engine.models.machine import cache_root, cpu_signature, measured_once
+    in <cache>/train_precision.json (a head's key holds the choice: it must not move between runs),
+    unless timed while other processes kept the CPUs busy (machine.timed_once: then this process's
+    alone); without a writable cache, once per process."""
+    from engine.models.machine import cache_root, cpu_signature, timed_once
 
     key = "|".join([cpu_signature(), f"torch {torch.__version__}", f"v{TIMED_VERSION}"])
     path = cache_root(cache_dir) / "train_precision.json"
     memo = f"{path}|{key}"
     if memo not in _CHOSEN:
         try:
-            ms = measured_once(path, key, lambda _old: measure())
+            ms = timed_once(path, key, lambda _old: {"ms": measure()}, "the training step's timing")["ms"]
         except OSError:
             ms = measure()
         _CHOSEN[memo] = timed_choice(ms, "training step")
