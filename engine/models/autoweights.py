@@ -84,6 +84,6 @@ def timed_formats(load: Callable[[], torch.nn.Module] | None, shape: str, format
         model = load()
         return {"ms": {f: time_format(model, f, max_batch) for f in formats}}
 
-    # a step timed under load is slow unevenly (a loaded run once cached fp32 312 / bf16 1412 ms a step
-    # at max_batch 4): cached, it would choose the format for every later run on the machine
+    # a step timed under load is slow unevenly (a loaded run once cached bf16 several times slower than
+    # fp32; docs/results.md): cached, it would choose the format for every later run on the machine
     return timed_once(path, key, measure, "the weights' decode-step timing", remeasure)["ms"]
