@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -514,6 +515,17 @@ def test_a_curve_timed_while_others_kept_the_cpus_busy_is_used_but_not_cached(en
     assert got["others"] == machine.LOADED and capsys.readouterr().err == ""
 
 
+def _adaptive_benchmark():  # benchmarks/ is no package: benchmarks/adaptive.py loaded by its path
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "adaptive.py"
+    spec = importlib.util.spec_from_file_location("adaptive_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
 def test_the_benchmarks_steady_figure_leaves_out_the_drain() -> None:
     """benchmarks/adaptive.py: two clients, three requests of 10 tokens; the first streams a chunk
     every 0.1 s, the second every 0.3 s, the third is sent when the first ends (1.0 s) and ends at
@@ -523,14 +535,7 @@ def test_the_benchmarks_steady_figure_leaves_out_the_drain() -> None:
     span that ended when the last request was sent read the first wave alone, its prompts' prefill
     uncached); a pass whose
     requests were all sent at its start is steady until the first ends."""
-    import importlib.util
-    from pathlib import Path
-    from types import SimpleNamespace
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "adaptive.py"
-    spec = importlib.util.spec_from_file_location("adaptive_benchmark", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _adaptive_benchmark()
     timeline = [(0.0, 10, [k / 10 for k in range(1, 11)]), (0.0, 10, [3 * k / 10 for k in range(1, 11)]),
                 (1.0, 10, [1 + k / 10 for k in range(1, 11)])]
     assert bench.steady_tok_s(SimpleNamespace(timeline=timeline), 2) == pytest.approx(13.0)
@@ -541,6 +546,67 @@ def test_the_benchmarks_steady_figure_leaves_out_the_drain() -> None:
     assert bench.steady_tok_s(SimpleNamespace(timeline=wave), 2) == pytest.approx(40 / 2.4)
     assert bench.steady_tok_s(SimpleNamespace(timeline=timeline[:2]), 2) == pytest.approx(13.0)
     assert bench.steady_tok_s(SimpleNamespace(timeline=[]), 2) is None
+
+
+def _closed_loop(lengths: list[int], clients: int) -> SimpleNamespace:
+    """A pass as the benchmark's closed loop plays it against a server that loses nothing: every
+    request in flight streams one token a second whatever else runs, request i has lengths[i]
+    tokens, and the next request goes to the first client free (the runner's shared queue)."""
+    import heapq
+
+    free = [(0.0, c) for c in range(clients)]
+    timeline = []
+    for n in lengths:
+        sent, c = heapq.heappop(free)
+        chunks = [sent + k for k in range(1, n + 1)]
+        timeline.append((sent, n, chunks))
+        heapq.heappush(free, (chunks[-1], c))
+    wall = max(chunks[-1] for _, _, chunks in timeline)
+    return SimpleNamespace(timeline=timeline, wall_s=wall,
+                           requests=[(sent, chunks[-1] - sent) for sent, _, chunks in timeline])
+
+
+def test_the_drain_is_the_pass_s_not_the_engine_s() -> None:
+    """benchmarks/adaptive.py's figures: 4 clients against a server that streams every request at
+    one token a second, so 4 tok/s at any moment the 4 hold a request. Requests of unequal lengths
+    (a speculative pass's: their acceptance differs) end apart, and the pass's last clients run dry
+    one by one: its whole tok/s and requests in flight fall below the level by about (N - 1) / 2R
+    though no step lost anything, by about half at twice the waves; the figure while the level was
+    held reads the server's 4 tok/s whatever the waves. Requests of one length (off's) end
+    together and never drain: whole pass and held figure agree."""
+    bench = _adaptive_benchmark()
+    lengths = [(7 * i) % 11 + 10 for i in range(32)]  # 10-20 tokens, staggered
+    for waves in (4, 8):
+        m = _closed_loop(lengths[:4 * waves], 4)
+        assert bench.steady_tok_s(m, 4) == pytest.approx(4.0)
+        whole = sum(n for _, n, _ in m.timeline) / m.wall_s
+        assert bench.in_flight(m, 4) == pytest.approx(whole / 4)
+        assert bench.in_flight(m, 4) == pytest.approx(1 - 3 / (8 * waves), abs=0.01)
+    lockstep = _closed_loop([15] * 16, 4)
+    assert bench.in_flight(lockstep, 4) == pytest.approx(1.0)
+    assert bench.steady_tok_s(lockstep, 4) == pytest.approx(4.0)
+
+
+def test_the_benchmarks_goals_are_read_while_the_level_is_held() -> None:
+    """compare and summary: a cell where adaptive drained (whole passes 0.90x off) but beat off and
+    the chains while the level was held (1.05x) reads 1.05x in the goals' figures and 0.90x in
+    `min_whole_pass_`; the best static is chosen on the held figures too (d4 held, d2 whole)."""
+    bench = _adaptive_benchmark()
+    grid = bench.specs("ngram", [2, 4])
+    keys = [s.key() for s in grid]  # off, d2, d4, adaptive
+    whole = dict(zip(keys, (100.0, 98.0, 95.0, 90.0)))
+    held = dict(zip(keys, (100.0, 99.0, 101.0, 105.0)))
+    rows = [{"workload": "chat", "config": k, "concurrency": 4, "round": r, "tok_s": whole[k] * (1 + r / 10),
+             "steady_tok_s": held[k] * (1 + r / 10), "in_flight": 1.0 if k == "off" else 0.9} for k in keys
+            for r in range(2)]
+    (cell,) = bench.compare(rows, grid, ["chat"], [4])
+    assert cell["best_static"] == keys[2] and cell["whole_pass"]["best_static"] == keys[1]
+    got = bench.summary([cell])
+    assert got["min_adaptive_vs_off"] == pytest.approx(1.05)
+    assert got["min_whole_pass_adaptive_vs_off"] == pytest.approx(0.9)
+    assert got["min_adaptive_vs_best_static"] == pytest.approx(105 / 101, abs=1e-3)
+    assert got["min_whole_pass_adaptive_vs_best_static"] == pytest.approx(90 / 98, abs=1e-3)
+    assert cell["in_flight"] == {"off": 1.0, "best_static": 0.9, "adaptive": 0.9}
 
 
 def test_adaptive_needs_the_lean_forward(engine: Engine, monkeypatch) -> None:
