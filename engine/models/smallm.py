@@ -480,8 +480,8 @@ struct Group {
   static constexpr int G = M == 1 ? ONE_ROW_BLOCKS : NB > 1 ? 1 : M <= 2 ? 4 : M == 3 ? 3 : M <= 6 ? 2 : 1;
 };
 /* k-quads widen four vectors a block at once, so as many blocks side by side as above spill registers:
-   at 2-6 rows these counts read 2-51% more weights a second (one thread, unquiet; docs/results.md).
-   QUAD_G(M) overrides them for a measurement. */
+   at 2-6 rows these smaller counts measured faster (docs/results.md). QUAD_G(M) overrides them for a
+   measurement. */
 #ifdef E4M3_QUADS
 #ifndef QUAD_G
 #define QUAD_G(M) (M == 1 ? ONE_ROW_BLOCKS : M == 2 ? 2 : 1)
@@ -622,6 +622,40 @@ static inline void blocks_m(long m, long n, const float* x, long ldx, const W* w
   }
 }
 
+/* A whole packed block of W (any layout but the dot products') widened into fp32 k-rows [K, BW] at out:
+   the values block() and block_g() multiply, so an fp32 pass over out sums exactly as a pass over the
+   packed block does (the weight's scale is still to apply: wscale). */
+template <typename W>
+static inline void widen_block(const W* wb, float* out, long K) {
+#ifdef BF16_PAIRS
+  if constexpr (Paired<W>::value) {
+    for (long k = 0; k < K; k += 2) {
+      vf w0, w1;
+      wpair8((const bf16_t*)(wb + k * BW), w0, w1);
+      *(vfu*)(out + k * BW) = w0;
+      if (k + 1 < K) *(vfu*)(out + (k + 1) * BW) = w1;
+    }
+    return;
+  }
+#endif
+#ifdef E4M3_QUADS
+  if constexpr (Quads<W>::value) {
+    for (long k = 0; k < K; k += 4) {
+      vf w[4];
+      wquad8((const e4m3_t*)(wb + k * BW), w);
+      for (int e = 0; e < 4 && k + e < K; ++e) *(vfu*)(out + (k + e) * BW) = w[e];
+    }
+    return;
+  }
+#endif
+  if constexpr (!Paired<W>::value && !Quads<W>::value)
+    for (long k = 0; k < K; ++k) {
+      vf w[NB];
+      wrow<0>(wb + k * BW, w);
+      for (int j = 0; j < NB; ++j) *(vfu*)(out + k * BW + j * VW) = w[j];
+    }
+}
+
 #ifdef BF16_DOT
 /* block() for a linear that multiplies bf16 pairs: xp [M, ldp] the activations' pairs, wb the block's
    (K + 1) / 2 k-pairs. One vdpbf16ps per 32 products (two k-rows of 16 columns). Every row count sums
@@ -748,16 +782,40 @@ static inline void blocks_share(long R, long per, const void* xa, long ld, const
     }
   }
   /* the gathered blocks CHUNK at a time, every pass of rows over a chunk before the next: a pass after
-     the first reads the chunk from the core's cache, not from memory (12: whole groups of 4, 3 and 2) */
+     the first reads the chunk from the core's cache, not from memory (12: whole groups of 4, 3 and 2).
+     bf16 and e4m3 chunks that more than one pass reads are widened into fp32 once (this thread's
+     buffer), and every pass multiplies the fp32 values, as fp32 weights do: widening each weight once a
+     pass made a prompt's forward measurably slower (docs/results.md). Each column sums as over the
+     packed chunk, and y gets the weight's scale once as before: the same results. */
   constexpr long CHUNK = 12;
   const long elems = block_elems<W>(K);
   if constexpr (!Dot<W>::value)
-    for (long c = 0; c < run; c += CHUNK)
+    for (long c = 0; c < run; c += CHUNK) {
+#ifndef WIDEN_PER_PASS
+      if constexpr (!std::is_same_v<W, float>) {
+        if (R > per) {
+          const long n = run - c < CHUNK ? run - c : CHUNK;
+          static thread_local std::vector<float> wide;
+          wide.resize(n * K * BW);
+          for (long b = 0; b < n; ++b) widen_block(wp + (run0 + c + b) * elems, wide.data() + b * K * BW, K);
+          for (long r0 = 0; r0 < R; r0 += per)
+            blocks_m(R - r0 < per ? R - r0 : per, n, (const float*)act_row<W>(xa, ld, r0), ld, wide.data(), K * BW,
+                     y + r0 * ldy + (run0 + c) * BW, ldy, K, 1.f);
+          const float f = wscale(wp, scale);
+          if (f != 1.f)
+            for (long r = 0; r < R; ++r)
+              for (float *yr = y + r * ldy + (run0 + c) * BW, *end = yr + n * BW; yr < end; yr += VW)
+                *(vfu*)yr = *(const vfu*)yr * f;
+          continue;
+        }
+      }
+#endif
       for (long r0 = 0; r0 < R; r0 += per) {
         long m = R - r0 < per ? R - r0 : per, n = run - c < CHUNK ? run - c : CHUNK;
         blocks_m(m, n, (const float*)act_row<W>(xa, ld, r0), ld, wp + (run0 + c) * elems, elems,
                  y + r0 * ldy + (run0 + c) * BW, ldy, K, scale);
       }
+    }
 }
 """
 
