@@ -123,8 +123,8 @@ template <> struct Paired<bf16_t> : std::true_type {};
 
 /* 8 lanes: an e4m3 block is packed in k-quads (layout 4: column c of k-rows 4q .. 4q + 3 in one 32-bit
    lane, k-row 4q + i in byte i). One 32-byte load holds four k-rows, and 16-bit shifts place two bytes of
-   every lane at once (wquad8): 9 integer operations per 32 weights, where the k-row kernel took a sign
-   extension, a shift and an AND per 8 (12): on Zen 1 the widening, not the read, bounds an fp8 step
+   every lane at once (wquad8): 9 integer operations per 32 weights, where the k-row
+   kernel took a sign extension, a shift and an AND per 8 (12): on Zen 1 the widening bounds an fp8 step
    (docs/results.md). The fp32 bits are E4M3_BITS's and each column still sums k in order, one FMA at a
    time: the results are the k-row kernel's, bit for bit (E4M3_KROWS builds that kernel, for the test). */
 #if defined(E4M3_BITS) && !defined(E4M3_KROWS)
@@ -278,12 +278,18 @@ static inline void wpair8(const bf16_t* p, vf& w0, vf& w1) {
 /* the four k-rows of a k-quad of a one-vector e4m3 block (E4M3_QUADS) as E4M3_BITS's fp32 bits (the sign
    in bit 31, exponent and mantissa in 26..20): an arithmetic 16-bit shift by 4 moves bytes 3 and 1 of
    each lane there within their 16-bit halves (the sign's copies above, cleared by the AND), bytes 2 and
-   0 after a 16-bit shift up by a byte; a 32-bit shift moves the low halves' up */
+   0 after a 16-bit shift up by a byte; the low halves' move up by a 32-bit shift, or (SHUFFLE) by a byte
+   shuffle: Zen 1 runs vector shifts on one of its four pipes, shuffles on two, and a lone row, which
+   widens the most per FMA, measured faster with the shuffle, two rows slower (docs/results.md) */
+template <bool SHUFFLE = false>
 static inline void wquad8(const e4m3_t* p, vf* w) {
   const __m256i v = _mm256_loadu_si256((const __m256i*)p), bits = _mm256_set1_epi32((int)0x87F00000);
+  const char z = (char)0x80;  /* a zero byte */
+  const __m256i up = _mm256_setr_epi8(z, z, 0, 1, z, z, 4, 5, z, z, 8, 9, z, z, 12, 13,
+                                      z, z, 0, 1, z, z, 4, 5, z, z, 8, 9, z, z, 12, 13);
   const __m256i odd = _mm256_srai_epi16(v, 4), even = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 4);
-  w[0] = (vf)_mm256_and_si256(_mm256_slli_epi32(even, 16), bits);
-  w[1] = (vf)_mm256_and_si256(_mm256_slli_epi32(odd, 16), bits);
+  w[0] = (vf)_mm256_and_si256(SHUFFLE ? _mm256_shuffle_epi8(even, up) : _mm256_slli_epi32(even, 16), bits);
+  w[1] = (vf)_mm256_and_si256(SHUFFLE ? _mm256_shuffle_epi8(odd, up) : _mm256_slli_epi32(odd, 16), bits);
   w[2] = (vf)_mm256_and_si256(even, bits);
   w[3] = (vf)_mm256_and_si256(odd, bits);
 }
@@ -540,7 +546,7 @@ static inline void block_g(const float* x, long ldx, const W* wb, long stride, f
     _Pragma("GCC unroll 8")
     for (int g = 0; g < G; ++g) {
       vf w[4];
-      wquad8((const e4m3_t*)(wb + g * stride + k * BW), w);
+      wquad8<M == 1>((const e4m3_t*)(wb + g * stride + k * BW), w);
       _Pragma("GCC unroll 4")
       for (int e = 0; e < n; ++e)
         _Pragma("GCC unroll 8")
