@@ -10,7 +10,8 @@ blocks (engine.models.smallm) split over the threads by bytes, the attention is 
 kernel's range of positions (engine.models.attention) per kv head, in chunks of 128 positions merged
 afterwards (a few kv heads would leave a thread idle), and each thread computes the norms, residual adds and (up to 8 rows) the
 activation itself, so a layer has 5 barriers (it had 10). Past 8 rows each weight block is read from
-memory once and the further rows pass over it while it is still in the core's cache.
+memory once and the further rows pass over it while it is still in the core's cache (a bf16 or fp8
+block widened once into fp32 for all of them).
 
 The weights are the few-row kernel's packed copies (`_smallm_packed`, made by kernels.pack_weights
 where memory allows); the KV cache is the lean forward's `KVCache` (a lone cache or a pool slot).
@@ -33,8 +34,11 @@ _SOURCE = native.VECTORS + smallm.BLOCK_SOURCE + attention.TASK_SOURCE + r"""
 #include <math.h>
 #include <string.h>
 #include <omp.h>
+/* rows a pass over a block takes at most: 6 at 8 lanes, where 6 rows run two blocks side by side
+   (smallm's Group: 12 accumulators) and 7 only one; steps of 40-150 rows measured faster in passes of
+   6 than of 7 (docs/results.md, issue 40) */
 #ifndef PASS_ROWS
-#define PASS_ROWS 7
+#define PASS_ROWS (VW == 8 ? 6 : 7)
 #endif
 
 /* STEP_PARTS (benchmarks/step_parts.py only): each thread's CPU time (ns) per part of the step, summed

@@ -121,12 +121,32 @@ template <typename W> struct Paired : Dot<W> {};
 template <> struct Paired<bf16_t> : std::true_type {};
 #endif
 
+/* 8 lanes: an e4m3 block is packed in k-quads (layout 4: column c of k-rows 4q .. 4q + 3 in one 32-bit
+   lane, k-row 4q + i in byte i). One 32-byte load holds four k-rows, and 16-bit shifts place two bytes of
+   every lane at once (wquad8): 9 integer operations per 32 weights, where the k-row
+   kernel took a sign extension, a shift and an AND per 8 (12): on Zen 1 the widening bounds an fp8 step
+   (docs/results.md). The fp32 bits are E4M3_BITS's and each column still sums k in order, one FMA at a
+   time: the results are the k-row kernel's, bit for bit (E4M3_KROWS builds that kernel, for the test). */
+#if defined(E4M3_BITS) && !defined(E4M3_KROWS)
+#define E4M3_QUADS 1
+#endif
+
+/* whether a block of W is packed in k-quads (K padded to a multiple of 4 with zeros) */
+template <typename W> struct Quads : std::false_type {};
+#ifdef E4M3_QUADS
+template <> struct Quads<e4m3_t> : std::true_type {};
+#endif
+
 /* The k-layout of a packed block of format fmt (0 fp32, 1 bf16, 2 e4m3): 0 k-rows of the columns in
    order; 1 k-rows of an e4m3 block with column 16 j + d at byte 16 (d / 4) + 8 (j / 2) + 2 (d % 4) + j % 2
    (E4M3_LUT); 2 k-pairs (K padded to even): bf16 column c of k-rows 2p, 2p + 1 at words 2 c, 2 c + 1;
    3 k-pairs of e4m3: column 16 j + i of k-row 2p + e at byte 64 (j / 2) + 16 ((2i + e) / 8) + 8 (j % 2)
-   + (2i + e) % 8 (E4M3_DOT). engine.models.smallm.pack lays blocks out so. */
+   + (2i + e) % 8 (E4M3_DOT); 4 k-quads of e4m3 (K padded to a multiple of 4): column c of k-rows 4q + i
+   at byte 4 c + i (E4M3_QUADS). engine.models.smallm.pack lays blocks out so. */
 extern "C" int weight_layout(int fmt) {
+#ifdef E4M3_QUADS
+  if (fmt == 2) return 4;
+#endif
 #if defined(BF16_DOT) || defined(BF16_PAIRS)
   if (fmt == 1) return 2;
 #endif
@@ -144,7 +164,9 @@ extern "C" int block_shape() { return VW * 100 + NB; }
 
 /* elements between a packed block and the next, of K k-rows */
 template <typename W>
-static inline long block_elems(long K) { return (Paired<W>::value ? (K + 1) / 2 * 2 : K) * BW; }
+static inline long block_elems(long K) {
+  return (Quads<W>::value ? (K + 3) / 4 * 4 : Paired<W>::value ? (K + 1) / 2 * 2 : K) * BW;
+}
 
 /* fp32 -> bf16 bits, to nearest even (NaN: 0x7FC0), as torch; branch-free so the loops vectorise */
 static inline bf16_t to_bf16(float f) {
@@ -249,6 +271,27 @@ static inline void wpair8(const bf16_t* p, vf& w0, vf& w1) {
   const __m256i v = _mm256_loadu_si256((const __m256i*)p);
   w0 = (vf)_mm256_slli_epi32(v, 16);
   w1 = (vf)_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000));
+}
+#endif
+
+#ifdef E4M3_QUADS
+/* the four k-rows of a k-quad of a one-vector e4m3 block (E4M3_QUADS) as E4M3_BITS's fp32 bits (the sign
+   in bit 31, exponent and mantissa in 26..20): an arithmetic 16-bit shift by 4 moves bytes 3 and 1 of
+   each lane there within their 16-bit halves (the sign's copies above, cleared by the AND), bytes 2 and
+   0 after a 16-bit shift up by a byte; the low halves' move up by a 32-bit shift, or (SHUFFLE) by a byte
+   shuffle: Zen 1 runs vector shifts on one of its four pipes, shuffles on two, and a lone row, which
+   widens the most per FMA, measured faster with the shuffle, two rows slower (docs/results.md) */
+template <bool SHUFFLE = false>
+static inline void wquad8(const e4m3_t* p, vf* w) {
+  const __m256i v = _mm256_loadu_si256((const __m256i*)p), bits = _mm256_set1_epi32((int)0x87F00000);
+  const char z = (char)0x80;  /* a zero byte */
+  const __m256i up = _mm256_setr_epi8(z, z, 0, 1, z, z, 4, 5, z, z, 8, 9, z, z, 12, 13,
+                                      z, z, 0, 1, z, z, 4, 5, z, z, 8, 9, z, z, 12, 13);
+  const __m256i odd = _mm256_srai_epi16(v, 4), even = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 4);
+  w[0] = (vf)_mm256_and_si256(SHUFFLE ? _mm256_shuffle_epi8(even, up) : _mm256_slli_epi32(even, 16), bits);
+  w[1] = (vf)_mm256_and_si256(SHUFFLE ? _mm256_shuffle_epi8(odd, up) : _mm256_slli_epi32(odd, 16), bits);
+  w[2] = (vf)_mm256_and_si256(even, bits);
+  w[3] = (vf)_mm256_and_si256(odd, bits);
 }
 #endif
 
@@ -398,6 +441,19 @@ static inline void block(const float* x, long ldx, const W* wb, float* y, long l
     }
   } else
 #endif
+#ifdef E4M3_QUADS
+  if constexpr (Quads<W>::value) {  /* one-vector blocks in k-quads: each column k after k, the pad left out */
+    static_assert(NB == 1, "E4M3_QUADS packs one-vector blocks");
+    for (long k = 0; k < K; k += 4) {
+      ahead_row<H, ROW>(wc + k * ROW, k);
+      vf w[4];
+      wquad8(wb + k * BW, w);
+      for (int e = 0; e < 4 && k + e < K; ++e)
+        _Pragma("GCC unroll 8")
+        for (int m = 0; m < M; ++m) acc[0][m] = fmadd(bcast(x[m * ldx + k + e]), w[e], acc[0][m]);
+    }
+  } else
+#endif
   for (long k = 0; k < K; ++k) {
     ahead_row<H, ROW>(wc + k * ROW, k);
     vf w[NB];
@@ -425,10 +481,22 @@ static inline void block(const float* x, long ldx, const W* wb, float* y, long l
    behind two FMAs a cycle, their accumulators and the G blocks' weights in the 16 (AVX2) or 32
    (AVX-512) vector registers. On AVX2 M rows of one one-vector block kept only M chains: 2-5 rows a
    step waited on the latency (docs/results.md). */
-template <int M>
+template <int M, typename W = float>
 struct Group {
   static constexpr int G = M == 1 ? ONE_ROW_BLOCKS : NB > 1 ? 1 : M <= 2 ? 4 : M == 3 ? 3 : M <= 6 ? 2 : 1;
 };
+/* k-quads widen four vectors a block at once, so as many blocks side by side as above spill registers:
+   at 2-6 rows these smaller counts measured faster (docs/results.md). QUAD_G(M) overrides them for a
+   measurement. */
+#ifdef E4M3_QUADS
+#ifndef QUAD_G
+#define QUAD_G(M) (M == 1 ? ONE_ROW_BLOCKS : M == 2 ? 2 : 1)
+#endif
+template <int M>
+struct Group<M, e4m3_t> {
+  static constexpr int G = QUAD_G(M);
+};
+#endif
 
 /* M rows over G whole blocks side by side (wb, wb + stride, ...; y, y + BW, ...), each column of each
    row summed exactly as block<M, 0> sums it: the blocks' chains are independent columns (a row split
@@ -471,6 +539,21 @@ static inline void block_g(const float* x, long ldx, const W* wb, long stride, f
       }
   };
 #endif
+#ifdef E4M3_QUADS
+  /* a k-quad of one-vector blocks (E4M3_QUADS), block by block: its four k-rows' products in order
+     (`n` < 4: K's last k-rows, the pad left out) */
+  auto quad = [&](long k, int n) __attribute__((always_inline)) {
+    _Pragma("GCC unroll 8")
+    for (int g = 0; g < G; ++g) {
+      vf w[4];
+      wquad8<M == 1>((const e4m3_t*)(wb + g * stride + k * BW), w);
+      _Pragma("GCC unroll 4")
+      for (int e = 0; e < n; ++e)
+        _Pragma("GCC unroll 8")
+        for (int m = 0; m < M; ++m) acc[g][0][m] = fmadd(bcast(x[m * ldx + k + e]), w[e], acc[g][0][m]);
+    }
+  };
+#endif
   /* k-rows shorter than a line in runs of one line's worth, unrolled: the prefetches (one a line, as
      ahead_row) and the loop's own work once a line, not at every k-row */
   constexpr int U = ROW >= 64 ? 1 : 64 / ROW;
@@ -491,12 +574,25 @@ static inline void block_g(const float* x, long ldx, const W* wb, long stride, f
       continue;
     }
 #endif
+#ifdef E4M3_QUADS
+    if constexpr (Quads<W>::value) {
+      static_assert(U % 4 == 0, "a line holds whole k-quads");
+      _Pragma("GCC unroll 8")
+      for (int u = 0; u < U; u += 4) quad(k + u, 4);
+      continue;
+    }
+#endif
     _Pragma("GCC unroll 8")
     for (int u = 0; u < U; ++u) step(k + u);
   }
 #ifdef BF16_PAIRS
   if constexpr (Paired<W>::value) {
     for (; k < K; k += 2) pair(k, k + 1 < K);
+  } else
+#endif
+#ifdef E4M3_QUADS
+  if constexpr (Quads<W>::value) {
+    for (; k < K; k += 4) quad(k, K - k < 4 ? (int)(K - k) : 4);
   } else
 #endif
   for (; k < K; ++k) step(k);
@@ -521,15 +617,49 @@ template <typename W>
 static inline void blocks_m(long m, long n, const float* x, long ldx, const W* wb, long stride, float* y, long ldy,
                             long K, float scale) {
   switch (m) {
-    case 1: blocks_g<1, Group<1>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
-    case 2: blocks_g<2, Group<2>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
-    case 3: blocks_g<3, Group<3>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
-    case 4: blocks_g<4, Group<4>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
-    case 5: blocks_g<5, Group<5>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
-    case 6: blocks_g<6, Group<6>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
-    case 7: blocks_g<7, Group<7>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
-    default: blocks_g<8, Group<8>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
+    case 1: blocks_g<1, Group<1, W>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
+    case 2: blocks_g<2, Group<2, W>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
+    case 3: blocks_g<3, Group<3, W>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
+    case 4: blocks_g<4, Group<4, W>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
+    case 5: blocks_g<5, Group<5, W>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
+    case 6: blocks_g<6, Group<6, W>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
+    case 7: blocks_g<7, Group<7, W>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
+    default: blocks_g<8, Group<8, W>::G>(n, x, ldx, wb, stride, y, ldy, K, scale); break;
   }
+}
+
+/* A whole packed block of W (any layout but the dot products') widened into fp32 k-rows [K, BW] at out:
+   the values block() and block_g() multiply, so an fp32 pass over out sums exactly as a pass over the
+   packed block does (the weight's scale is still to apply: wscale). */
+template <typename W>
+static inline void widen_block(const W* wb, float* out, long K) {
+#ifdef BF16_PAIRS
+  if constexpr (Paired<W>::value) {
+    for (long k = 0; k < K; k += 2) {
+      vf w0, w1;
+      wpair8((const bf16_t*)(wb + k * BW), w0, w1);
+      *(vfu*)(out + k * BW) = w0;
+      if (k + 1 < K) *(vfu*)(out + (k + 1) * BW) = w1;
+    }
+    return;
+  }
+#endif
+#ifdef E4M3_QUADS
+  if constexpr (Quads<W>::value) {
+    for (long k = 0; k < K; k += 4) {
+      vf w[4];
+      wquad8((const e4m3_t*)(wb + k * BW), w);
+      for (int e = 0; e < 4 && k + e < K; ++e) *(vfu*)(out + (k + e) * BW) = w[e];
+    }
+    return;
+  }
+#endif
+  if constexpr (!Paired<W>::value && !Quads<W>::value)
+    for (long k = 0; k < K; ++k) {
+      vf w[NB];
+      wrow<0>(wb + k * BW, w);
+      for (int j = 0; j < NB; ++j) *(vfu*)(out + k * BW + j * VW) = w[j];
+    }
 }
 
 #ifdef BF16_DOT
@@ -658,16 +788,40 @@ static inline void blocks_share(long R, long per, const void* xa, long ld, const
     }
   }
   /* the gathered blocks CHUNK at a time, every pass of rows over a chunk before the next: a pass after
-     the first reads the chunk from the core's cache, not from memory (12: whole groups of 4, 3 and 2) */
+     the first reads the chunk from the core's cache, not from memory (12: whole groups of 4, 3 and 2).
+     bf16 and e4m3 chunks that more than one pass reads are widened into fp32 once (this thread's
+     buffer), and every pass multiplies the fp32 values, as fp32 weights do: widening each weight once a
+     pass made a prompt's forward measurably slower (docs/results.md). Each column sums as over the
+     packed chunk, and y gets the weight's scale once as before: the same results. */
   constexpr long CHUNK = 12;
   const long elems = block_elems<W>(K);
   if constexpr (!Dot<W>::value)
-    for (long c = 0; c < run; c += CHUNK)
+    for (long c = 0; c < run; c += CHUNK) {
+#ifndef WIDEN_PER_PASS
+      if constexpr (!std::is_same_v<W, float>) {
+        if (R > per) {
+          const long n = run - c < CHUNK ? run - c : CHUNK;
+          static thread_local std::vector<float> wide;
+          wide.resize(n * K * BW);
+          for (long b = 0; b < n; ++b) widen_block(wp + (run0 + c + b) * elems, wide.data() + b * K * BW, K);
+          for (long r0 = 0; r0 < R; r0 += per)
+            blocks_m(R - r0 < per ? R - r0 : per, n, (const float*)act_row<W>(xa, ld, r0), ld, wide.data(), K * BW,
+                     y + r0 * ldy + (run0 + c) * BW, ldy, K, 1.f);
+          const float f = wscale(wp, scale);
+          if (f != 1.f)
+            for (long r = 0; r < R; ++r)
+              for (float *yr = y + r * ldy + (run0 + c) * BW, *end = yr + n * BW; yr < end; yr += VW)
+                *(vfu*)yr = *(const vfu*)yr * f;
+          continue;
+        }
+      }
+#endif
       for (long r0 = 0; r0 < R; r0 += per) {
         long m = R - r0 < per ? R - r0 : per, n = run - c < CHUNK ? run - c : CHUNK;
         blocks_m(m, n, (const float*)act_row<W>(xa, ld, r0), ld, wp + (run0 + c) * elems, elems,
                  y + r0 * ldy + (run0 + c) * BW, ldy, K, scale);
       }
+    }
 }
 """
 
@@ -784,10 +938,23 @@ def pair_order(fmt: str, vw: int = 16, nb: int = 4) -> torch.Tensor:
     return order
 
 
+def quad_order(bw: int) -> torch.Tensor:
+    """Where a block packed in k-quads (layout 4: fp8 at 8 lanes) keeps each value of four k-rows: position
+    q = 4 c + i of the quad's 4 BW bytes holds value i BW + c of the four rows [4, BW] (row i, column c):
+    column c's four k-rows in one 32-bit lane, k-row i in its byte i."""
+    return torch.arange(4 * bw).view(4, bw).t().reshape(-1)
+
+
 def layout(lib: ctypes.CDLL, weights: str) -> int:
     """How `lib` reads a packed block of `weights` (BLOCK_SOURCE's weight_layout): 0 k-rows of the columns
-    in order, 1 k-rows in `e4m3_order`, 2 and 3 k-pairs in `pair_order` (bf16, fp8)."""
+    in order, 1 k-rows in `e4m3_order`, 2 and 3 k-pairs in `pair_order` (bf16, fp8), 4 k-quads in
+    `quad_order` (fp8)."""
     return lib.weight_layout(FORMATS[DTYPES[weights]])
+
+
+def k_group(how: int) -> int:
+    """The k-rows a block of `layout` `how` interleaves (K is padded to a multiple of it)."""
+    return 4 if how == 4 else 2 if how >= 2 else 1
 
 
 HUGE_PAGE = 2 << 20
@@ -818,7 +985,8 @@ def pack(w: torch.Tensor, weights: str = "fp32", lib: ctypes.CDLL | None = None)
     per-tensor scale, engine.models.fp8; else 1). w must hold values of that format already (the
     engine rounds its weights once when it loads them), so the copy is exact. The block's layout is
     the one `lib`, the kernel that reads it (default: this process's), states (`layout`): in k-pairs
-    (K padded to even with zeros) where it multiplies bf16 pairs."""
+    (K padded to even with zeros) where it multiplies bf16 pairs or widens two bf16 k-rows from one load,
+    in k-quads (K padded to a multiple of 4) where it widens four e4m3 k-rows from one load."""
     lib = lib or _built()
     vw, nb = divmod(lib.block_shape(), 100)
     bw = vw * nb
@@ -832,12 +1000,14 @@ def pack(w: torch.Tensor, weights: str = "fp32", lib: ctypes.CDLL | None = None)
     else:
         stored = w.detach().to(DTYPES[weights])
     how = layout(lib, weights)
-    kp = k + k % 2 if how >= 2 else k
+    kp = k + -k % k_group(how)
     stored = torch.nn.functional.pad(stored.view(torch.int16) if weights == "bf16" else stored,
                                      (0, kp - k, 0, -n % bw))
     packed = stored.reshape(-1, bw, kp).transpose(1, 2)  # [blocks, K, BW]
     if how == 1:
         packed = packed[:, :, e4m3_order(lib)]
+    elif how == 4:
+        packed = packed.reshape(-1, kp // 4, 4 * bw)[:, :, quad_order(bw)].reshape(-1, kp, bw)
     elif how >= 2:
         packed = packed.reshape(-1, kp // 2, 2 * bw)[:, :, pair_order(weights, vw, nb)].reshape(-1, kp, bw)
     packed = on_huge_pages(packed.contiguous())
@@ -856,6 +1026,8 @@ def unpack(packed: torch.Tensor, scale: float, n: int, k: int | None = None,
     raw = packed.view(torch.uint8) if weights == "fp8" else packed.view(torch.int16) if weights == "bf16" else packed
     if how == 1:
         raw = raw[:, :, torch.argsort(e4m3_order(lib))]
+    elif how == 4:
+        raw = raw.reshape(blocks, kp // 4, 4 * bw)[:, :, torch.argsort(quad_order(bw))].reshape(blocks, kp, bw)
     elif how >= 2:
         raw = raw.reshape(blocks, kp // 2, 2 * bw)[:, :, torch.argsort(pair_order(weights, vw, nb))].reshape(blocks, kp, bw)
     w = raw.contiguous().view(packed.dtype).float().transpose(1, 2).reshape(-1, kp)[:n, :k]

@@ -278,10 +278,11 @@ def test_few_row_block_every_row_count_and_layout(vw: int, nb: int, extra: list[
     cpu = f" {native.cpu_id()} "
     bf16_dot = vw == 16 and " avx512_bf16 " in cpu and "-mno-avx512bf16" not in extra
     vbmi = vw == 16 and " avx512vbmi " in cpu and "-mno-avx512vbmi" not in extra
-    want = {"fp32": 0, "bf16": 2 if bf16_dot or vw == 8 else 0, "fp8": (3 if bf16_dot else 1) if vbmi else 0}[weights]
+    want = {"fp32": 0, "bf16": 2 if bf16_dot or vw == 8 else 0,
+            "fp8": 4 if vw == 8 else (3 if bf16_dot else 1) if vbmi else 0}[weights]
     assert smallm.layout(lib, weights) == want  # the layout follows the build
     g = torch.Generator().manual_seed(0)
-    for k in (41, 40):
+    for k in (41, 40, 43):
         bw = vw * nb
         w = torch.randn(3 * bw - 5, k, generator=g) * torch.logspace(-4, 0, k)  # columns from 1e-4 to 1: subnormals in e4m3
         if weights == "fp8":
@@ -291,7 +292,7 @@ def test_few_row_block_every_row_count_and_layout(vw: int, nb: int, extra: list[
         else:
             w = w.to(smallm.DTYPES[weights]).float()
         packed, scale = smallm.pack(w, weights, lib)
-        assert packed.shape == (3, k + (k % 2 if want >= 2 else 0), bw)
+        assert packed.shape == (3, k + -k % smallm.k_group(want), bw)
         torch.testing.assert_close(smallm.unpack(packed, scale, w.shape[0], k, lib), w, rtol=1e-6, atol=0)
         for m in range(1, 9):
             x = torch.randn(m, k, generator=g)
@@ -305,23 +306,35 @@ def test_few_row_block_every_row_count_and_layout(vw: int, nb: int, extra: list[
                 assert not torch.allclose(torch.nn.functional.linear(x, w), want_y, rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_pairs_at_8_lanes_are_the_k_row_kernel_bit_for_bit() -> None:
+@pytest.mark.parametrize("weights, krows_flag, layout, ks", [("bf16", "-DBF16_KROWS", 2, (41, 576)),
+                                                             ("fp8", "-DE4M3_KROWS", 4, (41, 42, 43, 576))])
+def test_grouped_k_rows_at_8_lanes_are_the_k_row_kernel_bit_for_bit(weights: str, krows_flag: str, layout: int,
+                                                                      ks: tuple[int, ...]) -> None:
     """At 8 lanes a bf16 block is packed in k-pairs (two k-rows widened from one load by a shift and a
-    mask) and each column still sums k in order: every row count, at an odd and an even K, at 1 and 2
-    threads, gives exactly the k-row kernel's results (BF16_KROWS), so the format's outputs did not
-    move. A pair read in the wrong order, a lost odd k-row or a pad multiplied in would differ."""
-    pairs, krows = _kernel(8, 1, [], "bf16"), _kernel(8, 1, ["-DBF16_KROWS"], "bf16")
+    mask), an fp8 block in k-quads (four k-rows from one load by 16-bit shifts), and each column still
+    sums k in order: every row count, at every K modulo the group (the pad left out), at 1 and 2
+    threads, gives exactly the k-row kernel's results (BF16_KROWS, E4M3_KROWS), so the format's outputs
+    did not move. A group's k-rows read in the wrong order, a lost last k-row, a lost sign or
+    subnormal (the fp8 weight spans e4m3's range, both signs) would differ."""
+    grouped, krows = _kernel(8, 1, [], weights), _kernel(8, 1, [krows_flag], weights)
     from engine.models import smallm
+    from engine.models.fp8 import dequantize_e4m3, quantize_e4m3
 
-    assert (smallm.layout(pairs, "bf16"), smallm.layout(krows, "bf16")) == (2, 0)
+    assert (smallm.layout(grouped, weights), smallm.layout(krows, weights)) == (layout, 0)
     g = torch.Generator().manual_seed(1)
-    for k in (41, 576):
-        w = torch.randn(5 * 8 - 3, k, generator=g).bfloat16().float()
-        a, b = smallm.pack(w, "bf16", pairs), smallm.pack(w, "bf16", krows)
+    for k in ks:
+        w = torch.randn(5 * 8 - 3, k, generator=g)
+        if weights == "fp8":
+            w8, s = quantize_e4m3(w * torch.logspace(-4, 0, k))
+            assert (w8.float() != 0).logical_and(w8.float().abs() < 2 ** -6).any() and (w8.float() < 0).any()
+            w = dequantize_e4m3(w8, s)
+        else:
+            w = w.bfloat16().float()
+        a, b = smallm.pack(w, weights, grouped), smallm.pack(w, weights, krows)
         for m in range(1, 9):
             x = torch.randn(m, k, generator=g) * 4
             ys = []
-            for lib, (packed, scale) in ((pairs, a), (krows, b)):
+            for lib, (packed, scale) in ((grouped, a), (krows, b)):
                 for threads in (1, 2):
                     y = torch.empty(m, packed.shape[0] * 8)
                     assert lib.smallm_linear(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, y.shape[1], k,
@@ -363,7 +376,7 @@ def test_fp8_subnormals_survive_flush_denormal(vw: int, nb: int) -> None:
 def test_pack_holds_the_rounded_weight(weights: str) -> None:
     """smallm.pack of a weight already rounded to the format (what the engine packs) is exact: unpacked
     it gives the same values (fp8: to fp32 rounding, the per-tensor scale derived again), with the
-    padding columns of the last block zero (and a k-pair layout's padding row), and the kernel reads
+    padding columns of the last block zero (and the padding k-rows of a k-pair or k-quad layout), and the kernel reads
     it in its layout as F.linear reads the weight from activations rounded to bf16; kernels.linear
     rounds them the same way on every other form."""
     from engine.models import kernels, smallm
@@ -372,8 +385,8 @@ def test_pack_holds_the_rounded_weight(weights: str) -> None:
     w = torch.randn(smallm.BW + 5, 37, generator=torch.Generator().manual_seed(1))
     w = dequantize_e4m3(*quantize_e4m3(w)) if weights == "fp8" else w.bfloat16().float()
     packed, scale = smallm.pack(w, weights)
-    pairs = smallm.layout(smallm.library(), weights) >= 2
-    assert packed.dtype == smallm.DTYPES[weights] and packed.shape == (2, 37 + pairs, smallm.BW)
+    pad = -37 % smallm.k_group(smallm.layout(smallm.library(), weights))
+    assert packed.dtype == smallm.DTYPES[weights] and packed.shape == (2, 37 + pad, smallm.BW)
     assert (scale != 1.0) == (weights == "fp8")
     torch.testing.assert_close(smallm.unpack(packed, scale, w.shape[0], 37), w, rtol=1e-6, atol=0)
     assert not smallm.unpack(packed, scale, 2 * smallm.BW)[w.shape[0]:].any()
