@@ -54,6 +54,7 @@ import json
 import multiprocessing
 import os
 import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -106,24 +107,38 @@ def space_overrides(args: argparse.Namespace) -> list[str]:
             f"engine.builtin.threads={args.threads}", *args.set]
 
 
-def reference(args: argparse.Namespace, engine: object) -> dict[str, list[float]]:
+def reference(args: argparse.Namespace, engine: object) -> tuple[dict[str, list[float]], dict[str, list[str]]]:
     """Every point's reference pairs (its key -> the ratio of each of --ref-rounds interleaved
-    rounds, every point once per round); its reference speedup is their geometric mean."""
+    rounds, every point once per round; its reference speedup is their geometric mean), and why
+    pairs were measured again or left out (key -> reasons). Each pair passes the study's own
+    plausibility rules (Objective.plausible_pair: a ratio above tau, a baseline that is an outlier
+    against the reference's baseline passes so far, a spec pass against the point's own): it is
+    measured again, and one still implausible after every retry is left out, not pooled (at aa7b89a
+    d4's five pairs read 1.27, 1.25, 1.28, 0.87, 0.96, unchecked)."""
     cfg = load_config(space_overrides(args))
     space = SearchSpace.from_config(cfg)
     objective = Objective(optuna.create_study(direction="maximize"), space,
                           make_measure(engine, cfg, study_prompts(cfg)), cfg.workload, cfg.search)
     ratios: dict[str, list[float]] = {p.key(): [] for p in space.points()}
+    why: dict[str, list[str]] = {}
+    own: dict[str, list[float]] = {p.key(): [] for p in space.points()}
+    seen: list[float] = []  # every baseline pass measured, retries too: the machine's recent state
     # one pair played and discarded first: the engine's first passes pay one-time costs, which put
     # a whole point first in one run (docs/results.md)
     objective.measure_pair(space.points()[0], "tune", 0)
     n = 0
-    for _ in range(args.ref_rounds):
+    for r in range(args.ref_rounds):
         for spec in space.points():
-            s, b = objective.measure_pair(spec, "tune", n)
-            n += 1
-            ratios[spec.key()].append(geomean([x.tok_s / y.tok_s for x, y in zip(s, b)]))
-    return ratios
+            k = spec.key()
+            s, b, ratio, retried, still, used = objective.plausible_pair(spec, "tune", n, list(seen), own[k], seen)
+            n += used
+            own[k].append(statistics.fmean(x.tok_s for x in s))
+            why.setdefault(k, []).extend(f"round {r + 1}: {w}" for w in retried)
+            if still is not None:
+                why[k].append(f"round {r + 1}: left out: {still}")
+                continue
+            ratios[k].append(ratio)
+    return ratios, {k: v for k, v in why.items() if v}
 
 
 def one_run(args: argparse.Namespace, engine: object, seed: int, loaded: bool, ref: dict[str, float],
@@ -198,7 +213,10 @@ def main() -> None:
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="fidelity-"))
     engine = open_engine(load_config(space_overrides(args)))
     t0 = time.monotonic()
-    pairs = reference(args, engine)
+    pairs, ref_why = reference(args, engine)
+    if empty := [k for k, rs in pairs.items() if not rs]:
+        raise SystemExit(f"reference: no plausible pair of {', '.join(empty)} in {args.ref_rounds} rounds: "
+                         f"{'; '.join(r for k in empty for r in ref_why[k])}")
     ref = {key: geomean(rs) for key, rs in pairs.items()}
     top = max(ref, key=lambda k: ref[k])
     # how far each point lies below the best, with the interval of that ratio round by round: a regret
@@ -208,6 +226,8 @@ def main() -> None:
           + ", ".join(f"{k} {ref[k]:.3f}x" + (f" ({h[0] - 1:+.1%} [{h[1] - 1:+.1%}, {h[2] - 1:+.1%}] against {top})"
                                             if (h := apart.get(k)) is not None else "")
                       for k in sorted(ref, key=lambda k: -ref[k])), flush=True)
+    for k, reasons in ref_why.items():
+        print(f"reference {k}: {len(reasons)} pair(s) measured again or left out: {'; '.join(reasons)}", flush=True)
     runs: list[dict] = []
     skipped: list[str] = []
     # seed by seed, each condition in turn: a time limit then cuts the same seeds from every condition,
@@ -245,6 +265,7 @@ def main() -> None:
                       "max_heldout_gap_at_equal_tau": most("gap_at_equal_tau"),
                       "heldout_verdicts": [r["verdict"] for r in runs],
                       "runs": runs, "skipped": skipped, "reference": ref, "reference_pairs": pairs,
+                      "reference_remeasured": ref_why,
                       "load": {"busy_share": BUSY_SHARE, "burst_s": BURST_S},
                       "settings": {k: v for k, v in vars(args).items() if k != "run_dir"},
                       "run_dir": str(run_dir)}))
