@@ -247,6 +247,8 @@ def main() -> None:
                      f"{c['tuning']['prompts']} prompts ({c['pairs']} pairs each): gap {c['gap']:+.1%}{ci}"
                      + (f" (tau {c['heldout']['tau']:.2f} / {c['tuning']['tau']:.2f}: {r['tau_gap']:+.1%}; at equal tau "
                         f"{r['gap_at_equal_tau']:.1%})" if r["tau_gap"] is not None else "")
+                     + (f" (off {c['heldout']['baseline_tok_s']:.1f} / {c['tuning']['baseline_tok_s']:.1f} tok/s)"
+                        if c["heldout"].get("baseline_tok_s") and c["tuning"].get("baseline_tok_s") else "")
                      if c is not None else "no held-out check")
             print(f"{cond:6s} seed {seed}: winner {r['winner']} (trials {r['tuning']:.3f}x, reference "
                   f"{r['reference']:.3f}x), regret {r['regret']:.1%}, {check}, confirmation "

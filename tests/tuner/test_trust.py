@@ -503,6 +503,9 @@ def test_the_heldout_check_compares_as_many_tuning_prompts_interleaved_until_bot
         assert len(calls) == 4 * pairs
         assert check.tuning.speedup == pytest.approx(1.4) and held["speedup"] == check.heldout.speedup
         assert check.gap == pytest.approx(check.heldout.speedup / 1.4 - 1)
+        # each side's tok/s, the winner's and off's, measured in the same minutes
+        assert check.tuning.tok_s == pytest.approx(14.0) and check.tuning.baseline_tok_s == pytest.approx(10.0)
+        assert check.heldout.baseline_tok_s == pytest.approx(10.0) and check.heldout.tok_s == pytest.approx(held["tok_s"])
     assert check.heldout.ci_low < check.heldout.speedup < check.heldout.ci_high
     line = describe_check(check)
     assert line.startswith("held-out check: held-out ") and "on 6 prompts against tuning 1.400x" in line

@@ -817,7 +817,8 @@ def heldout_check(cfg: Config, objective: Objective, spec: SpecConfig) -> tuple[
         if one and noise is not None:  # one pair: no interval of its own
             half = pair_half_width(*noise)
             lo, hi = f["speedup"] * math.exp(-half), f["speedup"] * math.exp(half)
-        return SplitSpeedup(prompts=n, speedup=f["speedup"], ci_low=lo, ci_high=hi, tau=f["tau"])
+        return SplitSpeedup(prompts=n, speedup=f["speedup"], ci_low=lo, ci_high=hi, tau=f["tau"],
+                            tok_s=f["tok_s"], baseline_tok_s=f["baseline_tok_s"])
 
     tune, held = side(CHECK, check_prompt_count(cfg)), side("heldout", cfg.workload.num_heldout)
     gap = held.speedup / tune.speedup - 1 if tune.speedup > 0 else 0.0
