@@ -293,26 +293,33 @@ def _cheapest_of_best(cands: list[Candidate], noise_rel: float) -> tuple[Candida
 
 
 def reading_bounds(ratios: list[float], noise: float) -> tuple[float, float]:
-    """(pessimistic, optimistic) bounds of what the confirmation round is to compare: ratio_bounds,
-    and for a single pair the band of a pair's ratio, sqrt(2) noise bands wide: `noise` is one pass's
-    spread (the baseline passes'), and a pair's ratio divides two passes. One pair of each is all a
-    quick study has: fidelity's loaded run at aa7b89a left d1 (one pair, 1.158x) out of the round
-    against d4's one lucky pair (1.447x, then 1.10-1.19x head to head) by a band of one pass's noise."""
-    return ratio_bounds(ratios, noise * (math.sqrt(2) if len(ratios) == 1 else 1.0))
+    """(pessimistic, optimistic) bounds of what the noisy machine's round compares: ratio_bounds, and
+    for a single pair the band of a pair's ratio, sqrt(2) times ratio_bounds' two noise bands (on
+    logs): `noise` is one pass's spread (the baseline passes'), and a pair's ratio divides two passes.
+    One pair of each is all a quick study has: fidelity's loaded run at aa7b89a left d1 (one pair,
+    1.158x) out of the round against d4's one lucky pair (1.447x, then 1.10-1.19x head to head) by
+    a band of one pass's noise."""
+    if len(ratios) != 1 or ratios[0] <= 0:
+        return ratio_bounds(ratios, noise)
+    half = 2 * math.sqrt(2) * noise
+    return ratios[0] * math.exp(-half), ratios[0] * math.exp(half)
 
 
-def _near(trials: list[FrozenTrial], lead: Candidate, noise_rel: float, taken: set[str]
+def _near(trials: list[FrozenTrial], lead: Candidate, noise_rel: float, taken: set[str], overlap: bool = False
           ) -> list[tuple[SpecConfig, list[float]]]:
-    """Pruned configurations whose first repeat the overlap rule cannot tell apart from `lead`: its
-    optimistic bound (one pair's, `reading_bounds`) at or above lead's pessimistic one (one repeat
-    can have been the unlucky one), the CONFIRM_TOP best of them by that repeat."""
+    """Pruned configurations whose first repeat read within the noise of `lead`'s speedup or above
+    it (one repeat can have been the unlucky one), the CONFIRM_TOP best of them by that repeat.
+    `overlap` (the noisy machine's round): whose first repeat's optimistic bound, a pair's
+    (`reading_bounds`), reaches lead's pessimistic one, the overlap rule of every contender."""
     near: list[tuple[SpecConfig, list[float]]] = []
     for t in trials:
         spec, ratios = spec_of(t), t.user_attrs.get("ratios")
         if (t.state != TrialState.PRUNED or spec is None or not ratios or REUSED in t.user_attrs
                 or t.user_attrs.get("implausible") or spec.model_dump_json() in taken):
             continue
-        if reading_bounds(ratios[:1], noise_rel)[1] >= reading_bounds(lead.ratios or [lead.speedup], noise_rel)[0]:
+        close = (reading_bounds(ratios[:1], noise_rel)[1] >= reading_bounds(lead.ratios or [lead.speedup], noise_rel)[0]
+                 if overlap else ratios[0] >= lead.speedup * (1 - noise_rel))
+        if close:
             near.append((spec, ratios[:1]))
             taken.add(spec.model_dump_json())
     return sorted(near, key=lambda x: -x[1][0])[:CONFIRM_TOP]
@@ -365,15 +372,17 @@ def contenders(trials: list[FrozenTrial], noise_rel: float, lead: Candidate | No
     if not known:
         return []
     out = [(c.spec, c.ratios) for c in known[:CONFIRM_TOP]]
-    return out + _near(trials, known[0], noise_rel, {c.spec.model_dump_json() for c in known})
+    return out + _near(trials, known[0], noise_rel, {c.spec.model_dump_json() for c in known}, overlap=True)
 
 
-def unresolved(others: list[tuple[SpecConfig, list[float]]], lead: list[float], noise_rel: float) -> list[int]:
+def unresolved(others: list[tuple[SpecConfig, list[float]]], lead: list[float], noise_rel: float,
+               pairs: bool = False) -> list[int]:
     """Which of `others` the trials' bounds do not separate from the leader (ratios `lead`): an
-    optimistic bound at or above the leader's pessimistic one (`reading_bounds`: a one-pair trial's
-    band is a pair's)."""
-    lead_lo = reading_bounds(lead, noise_rel)[0]
-    return [i for i, (_, ratios) in enumerate(others) if reading_bounds(ratios, noise_rel)[1] >= lead_lo]
+    optimistic bound at or above the leader's pessimistic one. `pairs` (the noisy machine's round):
+    a one-pair reading's band is a pair's (`reading_bounds`)."""
+    bounds = reading_bounds if pairs else ratio_bounds
+    lead_lo = bounds(lead, noise_rel)[0]
+    return [i for i, (_, ratios) in enumerate(others) if bounds(ratios, noise_rel)[1] >= lead_lo]
 
 
 def trials_seconds(trials: list[FrozenTrial]) -> float:
@@ -414,7 +423,8 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
     spread = study.user_attrs.get(NOISE)
     noise = max(noise_rel, rose or 0.0, spread or 0.0)
     rounds_max = CONFIRM_PAIRS_MAX
-    if rose is None and auto:  # at the floor: the trials' winner and what its time share allows
+    at_floor = rose is None and auto
+    if at_floor:  # at the floor: the trials' winner and what its time share allows
         # the trials' winner; when they name off, the best by pessimistic bound whose drafts are
         # accepted (a noisy machine's two pairs rarely clear the one-sided bound; without accepted
         # drafts no pair can make it win; the nothing-reads-a-winner check below still holds)
@@ -441,7 +451,8 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
     if len(field_) < 2 or max(geomean(r) for _, r in field_) < 1 + noise_rel:
         return 0
     lead_spec, lead_known = field_[0]
-    specs = [lead_spec] + [field_[1:][i][0] for i in unresolved(field_[1:], lead_known, noise)]
+    # the noisy machine's round gives one-pair readings a pair's band; the floor's keeps its cost
+    specs = [lead_spec] + [field_[1:][i][0] for i in unresolved(field_[1:], lead_known, noise, pairs=not at_floor)]
     if len(specs) < 2:
         return 0
     log(f"confirmation round: {why}; {lead_spec.key()} head to head with "
