@@ -793,3 +793,24 @@ def test_the_noisy_round_measures_one_pair_trials_within_a_pairs_noise_of_the_le
     assert confirm(study, objective, cfg.search.noise_rel) > 0
     assert set(measure.passes) == {"ngram d4 k1 b5", "ngram d3 k1 b4", "ngram d1 k1 b2", "ngram d5 k1 b6"}
     assert pick_winner(study.trials, cfg.search.noise_rel, [1]).spec == ng(3)
+
+
+def test_the_noisy_round_takes_in_a_trial_left_out_against_the_leaders_lucky_pair(tmp_path: Path) -> None:
+    """The same run: d2's one trial pair read 0.981x (reference 1.202x), told apart from d4's lucky
+    1.447x even with a pair's band, so it never got a second read. Once the round's pairs have placed
+    the best (d4 reads 1.11x head to head, d3 leads), d2's reading is no longer told apart from the
+    best's bounds: it is taken in and measured head to head. Truly d2 runs 1.26x, d3 1.22x: d2 wins,
+    and the log says it was taken in."""
+    cfg = load_config([*CFG, "search.repeats_min=1", "search.repeats_max=1"])
+    truth = {3: 1.22, 1: 1.20, 4: 1.11, 2: 1.26}
+    measure = Planted(lambda spec, n: (10 * truth[spec.depth], 3.0))
+    study, objective = _noisy_study(tmp_path, cfg, measure, [(ng(d), r) for d, r in AA7_TRIALS.items()], NOISY)
+    study.set_user_attr(ROSE, 0.052)
+    study.set_user_attr("noise_rel_measured", 0.052)
+    lines: list[str] = []
+    assert confirm(study, objective, cfg.search.noise_rel, lines.append) > 0
+    assert "head to head with ngram d3 k1 b4, ngram d1 k1 b2" in lines[0] and "ngram d2" not in lines[0]
+    assert measure.passes.get("ngram d2 k1 b3", 0) >= 2
+    assert "taken in once the round placed the best: ngram d2 k1 b3" in lines[-1]
+    win = pick_winner(study.trials, cfg.search.noise_rel, [1])
+    assert win.spec == ng(2), win.reason

@@ -461,12 +461,15 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
     first = 1 + max((t.user_attrs.get(CONFIRM_ROUND, -1) for t in trials if role(t) == "confirm"), default=-1)
     head: dict[str, dict[int, float]] = {s.model_dump_json(): {} for s in specs}
 
-    def scores() -> dict[str, float]:
+    def ranked() -> dict[str, Candidate]:
         # what pick_winner ranks by: the round's pairs and the trial pairs that agree with them (a
         # pruned first repeat is not among them)
-        return {c.spec.model_dump_json(): c.speedup for c in candidates(study.get_trials(deepcopy=False), noise_rel)}
+        return {c.spec.model_dump_json(): c for c in candidates(study.get_trials(deepcopy=False), noise_rel)}
 
-    live, pairs, left = list(specs), 0, ""
+    # the noisy machine's round takes in, once its pairs have placed the best, a configuration left
+    # out against the leader's trial reading whose own reading the best's bounds cannot tell apart
+    reserve = [] if at_floor else _reserve(trials, noise, {s.model_dump_json() for s in specs})
+    live, pairs, left, joined = list(specs), 0, "", []
     best, hb = lead_spec, head[lead_spec.model_dump_json()]  # set from the second round on
     for r in range(rounds_max):
         for spec in live:
@@ -475,24 +478,51 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
             pairs += 1
         if r == 0:
             continue  # a head-to-head interval needs two rounds
-        now = scores()
-        best = max(specs, key=lambda s: now.get(s.model_dump_json(), 0.0))
+        now = ranked()
+        measured = [s for s in specs if head[s.model_dump_json()] and s.model_dump_json() in now]
+        best = max(measured, key=lambda s: now[s.model_dump_json()].speedup)
         hb = head[best.model_dump_json()]
-        open_ = [s for s in specs if s is not best and head_verdict(head[s.model_dump_json()], hb, noise_rel) == "open"]
-        live = [best] + open_
-        if not open_:
+        open_ = [s for s in measured if s is not best and head_verdict(head[s.model_dump_json()], hb, noise_rel) == "open"]
+        over = r + 1 >= rounds_max or time.monotonic() - t0 >= budget_s
+        lo = reading_bounds(now[best.model_dump_json()].ratios, noise)[0]
+        new = [] if over else [spec for spec, ratios in reserve if reading_bounds(ratios, noise)[1] >= lo]
+        reserve = [(spec, ratios) for spec, ratios in reserve if spec not in new]
+        for spec in new:
+            head[spec.model_dump_json()] = {}
+        specs += new
+        joined += new
+        live = [best] + open_ + new
+        if not open_ and not new:
             break
         if r + 1 < rounds_max and time.monotonic() - t0 >= budget_s:
             left = f"; stopped after {budget_s:.0f} s (the trials' time, at least {CONFIRM_MIN_S:.0f} s)"
             break
     else:
         left = f"; {rounds_max} rounds"
-    undecided = [s for s in specs if s is not best and head_verdict(head[s.model_dump_json()], hb, noise_rel) == "open"]
+    undecided = [s for s in specs if s is not best and head[s.model_dump_json()]
+                 and head_verdict(head[s.model_dump_json()], hb, noise_rel) == "open"]
     if undecided:
         left += (f", {best.key()} read best, not told apart from {', '.join(s.key() for s in undecided)} "
                  f"nor within {tie_rel(noise_rel):.0%} of it: the best reading wins")
+    if joined:
+        left += (f"; taken in once the round placed the best: {', '.join(s.key() for s in joined)}")
     log(f"confirmation round: {pairs} pairs in {time.monotonic() - t0:.0f} s{left}")
     return pairs
+
+
+def _reserve(trials: list[FrozenTrial], noise_rel: float, taken: set[str]) -> list[tuple[SpecConfig, list[float]]]:
+    """What the noisy machine's round may still take in, with its trial ratios: the complete
+    configurations whose optimistic bound reaches 1.0, and the pruned ones by their first repeat
+    (figures that stayed implausible and reused points left out), none of `taken`."""
+    out = [(c.spec, c.ratios) for c in _by_bound(trials, noise_rel) if c.spec.model_dump_json() not in taken]
+    seen = set(taken) | {spec.model_dump_json() for spec, _ in out}
+    for t in trials:
+        spec, ratios = spec_of(t), t.user_attrs.get("ratios")
+        if (t.state == TrialState.PRUNED and spec is not None and ratios and REUSED not in t.user_attrs
+                and not t.user_attrs.get("implausible") and spec.model_dump_json() not in seen):
+            out.append((spec, ratios[:1]))
+            seen.add(spec.model_dump_json())
+    return out
 
 
 def pick_winner(trials: list[FrozenTrial], noise_rel: float, concurrency: list[Level]) -> Winner:
