@@ -485,7 +485,9 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
         open_ = [s for s in measured if s is not best and head_verdict(head[s.model_dump_json()], hb, noise_rel) == "open"]
         over = r + 1 >= rounds_max or time.monotonic() - t0 >= budget_s
         lo = reading_bounds(now[best.model_dump_json()].ratios, noise)[0]
-        new = [] if over else [spec for spec, ratios in reserve if reading_bounds(ratios, noise)[1] >= lo]
+        # at most CONFIRM_TOP a look, the best readings first: a round's cost stays that of its field
+        new = [] if over else [spec for spec, ratios in sorted(reserve, key=lambda x: -geomean(x[1]))
+                               if reading_bounds(ratios, noise)[1] >= lo][:CONFIRM_TOP]
         reserve = [(spec, ratios) for spec, ratios in reserve if spec not in new]
         for spec in new:
             head[spec.model_dump_json()] = {}
