@@ -13,7 +13,10 @@
    study's repeats and interval) runs --runs times (default 3), each with another search.seed,
    once quiet and once with a background load: a process of this script's own that keeps one core
    busy about 30% of the time in short bursts, and stops by itself after --load-s seconds (or when
-   this script ends).
+   this script ends). `--loaded-reference` measures the reference under that load too (its rounds
+   alternating with the quiet ones): whether the load changes which configuration is best, so that a
+   loaded study's regret against the quiet reference is the condition's, not the study's
+   (`regret_same_condition`: against the loaded reference).
 3. Per run: the winner, its reference speedup, the regret (the reference's best minus the
    winner's reference speedup, over the best), the held-out check (best.yaml `heldout_check`: the
    held-out prompts against as many tuning prompts, interleaved; the gap is held-out over tuning,
@@ -54,9 +57,11 @@ import json
 import multiprocessing
 import os
 import resource
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import optuna
@@ -96,6 +101,30 @@ def _children_cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
+@contextlib.contextmanager
+def machine(args: argparse.Namespace, loaded: bool) -> Iterator[dict[str, float]]:
+    """The machine as a condition: quiet, or with the background load running (started on entry,
+    ended on exit: terminated, killed when SIGTERM cannot end it, a stopped process keeps SIGTERM
+    pending). Yields a dict whose `core_share` is, on exit, the share of a core the load took (0 quiet):
+    a load that was stopped shows there."""
+    out = {"core_share": 0.0}
+    load = None
+    cpu0, t0 = _children_cpu_s(), time.monotonic()
+    if loaded:
+        load = multiprocessing.Process(target=background_load, args=(args.load_s, os.getpid()), daemon=True)
+        load.start()
+    try:
+        yield out
+    finally:
+        if load is not None:
+            load.terminate()
+            load.join(5.0)
+            if load.is_alive():
+                load.kill()
+                load.join()
+            out["core_share"] = (_children_cpu_s() - cpu0) / max(time.monotonic() - t0, 1e-9)
+
+
 def space_overrides(args: argparse.Namespace) -> list[str]:
     """The small fixed space (n-gram chains, one concurrency level: no K per band, so every point
     is one configuration), the workload and the engine: shared by the reference and every study."""
@@ -106,62 +135,74 @@ def space_overrides(args: argparse.Namespace) -> list[str]:
             f"engine.builtin.threads={args.threads}", *args.set]
 
 
-def reference(args: argparse.Namespace, engine: object) -> dict[str, list[float]]:
-    """Every point's reference pairs (its key -> the ratio of each of --ref-rounds interleaved
-    rounds, every point once per round); its reference speedup is their geometric mean."""
+def reference(args: argparse.Namespace, engine: object, conditions: list[str]
+              ) -> dict[str, tuple[dict[str, list[float]], dict[str, list[str]]]]:
+    """Per condition of `conditions` (quiet, loaded: the machine as the studies meet it), every
+    point's reference pairs (its key -> the ratio of each of --ref-rounds interleaved rounds, every
+    point once per round; its reference speedup is their geometric mean), and why pairs were
+    measured again or left out (key -> reasons). With two conditions the rounds alternate between
+    them, so a drift of the machine falls on both alike. Each pair passes the study's own
+    plausibility rules (Objective.plausible_pair: a ratio above tau, a baseline that is an outlier
+    against the reference's baseline passes so far, a spec pass against the point's own): it is
+    measured again, and one still implausible after every retry is left out, not pooled (at aa7b89a
+    d4's five pairs read 1.27, 1.25, 1.28, 0.87, 0.96, unchecked)."""
     cfg = load_config(space_overrides(args))
     space = SearchSpace.from_config(cfg)
     objective = Objective(optuna.create_study(direction="maximize"), space,
                           make_measure(engine, cfg, study_prompts(cfg)), cfg.workload, cfg.search)
-    ratios: dict[str, list[float]] = {p.key(): [] for p in space.points()}
+    ratios = {c: {p.key(): [] for p in space.points()} for c in conditions}
+    why: dict[str, dict[str, list[str]]] = {c: {} for c in conditions}
+    own = {c: {p.key(): [] for p in space.points()} for c in conditions}
+    seen: dict[str, list[float]] = {c: [] for c in conditions}  # baseline passes, retries too: the machine's state
     # one pair played and discarded first: the engine's first passes pay one-time costs, which put
     # a whole point first in one run (docs/results.md)
     objective.measure_pair(space.points()[0], "tune", 0)
     n = 0
-    for _ in range(args.ref_rounds):
-        for spec in space.points():
-            s, b = objective.measure_pair(spec, "tune", n)
-            n += 1
-            ratios[spec.key()].append(geomean([x.tok_s / y.tok_s for x, y in zip(s, b)]))
-    return ratios
+    for r in range(args.ref_rounds):
+        for c in conditions:
+            with machine(args, c == "loaded"):
+                for spec in space.points():
+                    k = spec.key()
+                    s, b, ratio, retried, still, used = objective.plausible_pair(
+                        spec, "tune", n, list(seen[c]), own[c][k], seen[c])
+                    n += used
+                    own[c][k].append(statistics.fmean(x.tok_s for x in s))
+                    why[c].setdefault(k, []).extend(f"round {r + 1}: {w}" for w in retried)
+                    if still is not None:
+                        why[c][k].append(f"round {r + 1}: left out: {still}")
+                        continue
+                    ratios[c][k].append(ratio)
+    return {c: (ratios[c], {k: v for k, v in why[c].items() if v}) for c in conditions}
 
 
-def one_run(args: argparse.Namespace, engine: object, seed: int, loaded: bool, ref: dict[str, float],
+def one_run(args: argparse.Namespace, engine: object, seed: int, loaded: bool, refs: dict[str, dict[str, float]],
             run_dir: Path) -> dict[str, object]:
-    """One study; its winner judged against the reference."""
-    load = None
-    cpu0 = _children_cpu_s()
-    if loaded:
-        load = multiprocessing.Process(target=background_load, args=(args.load_s, os.getpid()), daemon=True)
-        load.start()
+    """One study; its winner judged against the quiet reference (`regret`, the issue's) and, when one
+    was measured, against the reference of its own condition (`regret_same_condition`)."""
     t0 = time.monotonic()
-    try:
-        with contextlib.redirect_stdout(sys.stderr):  # optimize prints its run directory: stdout is the table's
-            out = optimize([*space_overrides(args), f"search.seed={seed}", f"run_dir={run_dir}",
-                            f"search.study_name=fidelity-{'loaded' if loaded else 'quiet'}-{seed}"],
-                           engine=engine, quiet=True)
-    finally:
-        if load is not None:
-            load.terminate()
-            load.join(5.0)
-            if load.is_alive():  # a stopped process keeps SIGTERM pending (a join without end)
-                load.kill()
-                load.join()
+    with machine(args, loaded) as m, contextlib.redirect_stdout(sys.stderr):  # stdout is the table's
+        out = optimize([*space_overrides(args), f"search.seed={seed}", f"run_dir={run_dir}",
+                        f"search.study_name=fidelity-{'loaded' if loaded else 'quiet'}-{seed}"],
+                       engine=engine, quiet=True)
     wall = time.monotonic() - t0
-    # what the load took of a core over the run (0 quiet): a load that was stopped shows here
-    load_share = (_children_cpu_s() - cpu0) / wall if loaded else 0.0
+    load_share = m["core_share"]
     best = BestResult.model_validate(yaml.safe_load((out / "best.yaml").read_text()))
     study = optuna.load_study(study_name=f"fidelity-{'loaded' if loaded else 'quiet'}-{seed}",
                               storage=f"sqlite:///{out / DB_FILE}")
     confirms = [t for t in study.get_trials(deepcopy=False) if role(t) == "confirm"]
+    ref = refs["quiet"]
     top = max([1.0, *ref.values()])
     mine = 1.0 if best.spec.method == "off" else ref[best.spec.key()]  # the space is fixed: every winner is in it
+    same = refs.get("loaded" if loaded else "quiet")
+    regret_same = ((max([1.0, *same.values()]) - (1.0 if best.spec.method == "off" else same[best.spec.key()]))
+                   / max([1.0, *same.values()])) if same is not None else None
     c = best.heldout_check  # the held-out prompts against as many tuning prompts, measured in the same minutes
     gap = abs(c.gap) if c is not None else None
     tg, eq = (tau_gap(c), gap_at_equal_tau(c)) if c is not None else (None, None)
     width = (c.gap_ci_high - c.gap_ci_low) if c is not None and c.gap_ci_low is not None and c.gap_ci_high is not None else None
     return {"seed": seed, "loaded": loaded, "winner": best.spec.key(), "tuning": best.speedup,
             "heldout": best.heldout_speedup, "reference": mine, "regret": (top - mine) / top,
+            "regret_same_condition": regret_same,
             "heldout_gap": gap, "heldout_gap_beyond": heldout_excess(c) if c is not None else None,
             "heldout_gap_width": width, "verdict": c.verdict if c is not None else None,
             "tau_gap": tg, "gap_at_equal_tau": abs(eq) if eq is not None else None,
@@ -187,6 +228,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--load-s", type=float, default=1800.0, help="the background load stops by itself after this")
     ap.add_argument("--conditions", default="quiet,loaded")
+    ap.add_argument("--loaded-reference", action="store_true",
+                    help="also measure the reference under the background load (rounds alternating with the "
+                         "quiet ones): does the load change which configuration is best?")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for the reference and every study (e.g. search.confirm=always)")
     ap.add_argument("--run-dir", type=Path, default=None)
@@ -194,20 +238,30 @@ def main() -> None:
                     help="start no run that the longest run so far would carry past this many seconds "
                          "from the start (the runs left are listed in the last line's `skipped`)")
     args = ap.parse_args()
+    started = time.monotonic()  # the time limit counts from here: the engine's load is part of the run
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="fidelity-"))
     engine = open_engine(load_config(space_overrides(args)))
     t0 = time.monotonic()
-    pairs = reference(args, engine)
-    ref = {key: geomean(rs) for key, rs in pairs.items()}
-    top = max(ref, key=lambda k: ref[k])
-    # how far each point lies below the best, with the interval of that ratio round by round: a regret
-    # smaller than the reference can tell apart is the reference's noise as much as the study's
-    apart = {k: head_to_head(dict(enumerate(pairs[k])), dict(enumerate(pairs[top]))) for k in pairs if k != top}
-    print(f"reference ({args.ref_rounds} interleaved pairs per point, {time.monotonic() - t0:.0f} s): "
-          + ", ".join(f"{k} {ref[k]:.3f}x" + (f" ({h[0] - 1:+.1%} [{h[1] - 1:+.1%}, {h[2] - 1:+.1%}] against {top})"
-                                            if (h := apart.get(k)) is not None else "")
-                      for k in sorted(ref, key=lambda k: -ref[k])), flush=True)
+    ref_conditions = ["quiet"] + (["loaded"] if args.loaded_reference else [])
+    measured = reference(args, engine, ref_conditions)
+    refs: dict[str, dict[str, float]] = {}
+    for cond, (pairs, ref_why) in measured.items():
+        if empty := [k for k, rs in pairs.items() if not rs]:
+            raise SystemExit(f"{cond} reference: no plausible pair of {', '.join(empty)} in {args.ref_rounds} rounds: "
+                             f"{'; '.join(r for k in empty for r in ref_why[k])}")
+        ref = refs[cond] = {key: geomean(rs) for key, rs in pairs.items()}
+        top = max(ref, key=lambda k: ref[k])
+        # how far each point lies below the best, with the interval of that ratio round by round: a regret
+        # smaller than the reference can tell apart is the reference's noise as much as the study's
+        apart = {k: head_to_head(dict(enumerate(pairs[k])), dict(enumerate(pairs[top]))) for k in pairs if k != top}
+        print(f"{cond} reference ({args.ref_rounds} interleaved pairs per point, {time.monotonic() - t0:.0f} s): "
+              + ", ".join(f"{k} {ref[k]:.3f}x" + (f" ({h[0] - 1:+.1%} [{h[1] - 1:+.1%}, {h[2] - 1:+.1%}] against {top})"
+                                                if (h := apart.get(k)) is not None else "")
+                          for k in sorted(ref, key=lambda k: -ref[k])), flush=True)
+        for k, reasons in ref_why.items():
+            print(f"{cond} reference {k}: {len(reasons)} pair(s) measured again or left out: {'; '.join(reasons)}",
+                  flush=True)
     runs: list[dict] = []
     skipped: list[str] = []
     # seed by seed, each condition in turn: a time limit then cuts the same seeds from every condition,
@@ -215,10 +269,10 @@ def main() -> None:
     for seed in range(args.runs):
         for cond in args.conditions.split(","):
             longest = max((float(x["wall_s"]) for x in runs), default=0.0)
-            if args.time_limit_s is not None and time.monotonic() - t0 + longest > args.time_limit_s:
+            if args.time_limit_s is not None and time.monotonic() - started + longest > args.time_limit_s:
                 skipped.append(f"{cond} seed {seed}")
                 continue
-            r = one_run(args, engine, seed, cond == "loaded", ref, run_dir)
+            r = one_run(args, engine, seed, cond == "loaded", refs, run_dir)
             runs.append(r)
             c = r["check"]
             ci = (f" [{c['gap_ci_low']:+.1%}, {c['gap_ci_high']:+.1%}] over prompts and pairs: {c['verdict']}, "
@@ -227,9 +281,14 @@ def main() -> None:
                      f"{c['tuning']['prompts']} prompts ({c['pairs']} pairs each): gap {c['gap']:+.1%}{ci}"
                      + (f" (tau {c['heldout']['tau']:.2f} / {c['tuning']['tau']:.2f}: {r['tau_gap']:+.1%}; at equal tau "
                         f"{r['gap_at_equal_tau']:.1%})" if r["tau_gap"] is not None else "")
+                     + (f" (off {c['heldout']['baseline_tok_s']:.1f} / {c['tuning']['baseline_tok_s']:.1f} tok/s)"
+                        if c["heldout"].get("baseline_tok_s") and c["tuning"].get("baseline_tok_s") else "")
                      if c is not None else "no held-out check")
             print(f"{cond:6s} seed {seed}: winner {r['winner']} (trials {r['tuning']:.3f}x, reference "
-                  f"{r['reference']:.3f}x), regret {r['regret']:.1%}, {check}, confirmation "
+                  f"{r['reference']:.3f}x), regret {r['regret']:.1%}"
+                  + (f" (against the {cond} reference {r['regret_same_condition']:.1%})"
+                     if cond == "loaded" and r["regret_same_condition"] is not None else "")
+                  + f", {check}, confirmation "
                   f"{r['confirm_pairs']} pairs, load {r['load_core_share']:.0%} of a core, {r['wall_s']:.0f} s ("
                   + " / ".join(f"{k} {v:.0f}" for k, v in (r["phases_s"] or {}).items()) + " s)", flush=True)
 
@@ -240,11 +299,15 @@ def main() -> None:
         vals = [r[key] for r in runs if r[key] is not None]
         return max(vals) if vals else None
 
-    print(json.dumps({"max_regret": most("regret"), "max_heldout_gap": most("heldout_gap"),
+    print(json.dumps({"max_regret": most("regret"), "max_regret_same_condition": most("regret_same_condition"),
+                      "max_heldout_gap": most("heldout_gap"),
                       "max_heldout_gap_beyond_interval": most("heldout_gap_beyond"), "max_heldout_gap_width": most("heldout_gap_width"),
                       "max_heldout_gap_at_equal_tau": most("gap_at_equal_tau"),
                       "heldout_verdicts": [r["verdict"] for r in runs],
-                      "runs": runs, "skipped": skipped, "reference": ref, "reference_pairs": pairs,
+                      "runs": runs, "skipped": skipped, "reference": refs["quiet"],
+                      "reference_pairs": measured["quiet"][0], "reference_remeasured": measured["quiet"][1],
+                      **({"loaded_reference": refs["loaded"], "loaded_reference_pairs": measured["loaded"][0],
+                          "loaded_reference_remeasured": measured["loaded"][1]} if "loaded" in refs else {}),
                       "load": {"busy_share": BUSY_SHARE, "burst_s": BURST_S},
                       "settings": {k: v for k, v in vars(args).items() if k != "run_dir"},
                       "run_dir": str(run_dir)}))

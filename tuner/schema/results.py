@@ -157,6 +157,10 @@ class SplitSpeedup(_Strict):
     ci_low: float | None = None
     ci_high: float | None = None
     tau: float | None = None
+    # the winner's and the baseline's output tok/s on these prompts (mean over the pairs): whether off
+    # itself runs faster on one set (shorter prompts and answers) than on the other in the same minutes
+    tok_s: float | None = None
+    baseline_tok_s: float | None = None
 
 
 class HeldoutCheck(_Strict):

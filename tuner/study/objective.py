@@ -39,6 +39,7 @@ _CONSTRAINT_PREFIX = "constraints:"  # where Optuna keeps a trial's constraint v
 PLAUSIBILITY_RETRIES = 2
 OUTLIER_HISTORY = 3  # baseline passes before one can be called an outlier (two say little of the spread)
 OUTLIER_WINDOW = 5  # the recent baseline passes an outlier is judged against: a glitch is one or two passes
+OUTLIER_BANDS = 3  # how many noise bands (on logs) from the median a pass, or a pair's ratio, is an outlier
 OWN_HISTORY = 2  # a configuration's own passes before one of its passes can be an outlier: the band is the
 # baseline history's spread, so two passes need only place the centre
 # The machine's noise floor: the spread of the study's first baseline passes (trial 0's and the
@@ -469,12 +470,12 @@ class Objective:
         if len(history) >= OUTLIER_HISTORY:
             recent = history[-OUTLIER_WINDOW:]
             mid, now = statistics.median(recent), _mean_tok(b)
-            if mid > 0 and now > 0 and abs(math.log(now / mid)) > 3 * noise:
+            if mid > 0 and now > 0 and abs(math.log(now / mid)) > OUTLIER_BANDS * noise:
                 return (f"paired baseline {now:.1f} tok/s is an outlier against the study's baseline history "
                         f"(median {mid:.1f} tok/s over the last {len(recent)} passes, noise {noise:.2f})")
         if own is not None and len(own) >= OWN_HISTORY:
             mid, now = statistics.median(own), _mean_tok(s)
-            if mid > 0 and now > 0 and abs(math.log(now / mid)) > 3 * noise:
+            if mid > 0 and now > 0 and abs(math.log(now / mid)) > OUTLIER_BANDS * noise:
                 return (f"spec pass {now:.1f} tok/s is an outlier against this configuration's own passes "
                         f"(median {mid:.1f} tok/s over {len(own)} passes, noise {noise:.2f})")
         return None

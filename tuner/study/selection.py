@@ -23,7 +23,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from engine.measure.stats import geomean, log_interval, ratio_bounds, t95, t_one_sided
-from tuner.study.objective import ENGINE_VERSION, OFF, Objective, spec_of
+from tuner.study.objective import ENGINE_VERSION, OFF, OUTLIER_BANDS, Objective, spec_of
 from tuner.schema.engine_command import measured_server
 from tuner.schema.config import (ArmLevel, Arms, BestResult, Config, Figures, Level, PartResult, Provenance, Rate,
                                  SpecConfig, level_name, measured_weights, weights_reason)
@@ -86,20 +86,29 @@ class Candidate:
     tau: float | None
     feasible: bool
     lower: float | None = None  # one-sided 95% lower bound of the speedup, from the repeats' ratios
-    ratios: list[float] = field(default_factory=list)  # every repeat's ratio, pooled
+    ratios: list[float] = field(default_factory=list)  # every repeat's ratio, pooled (`dropped` left out)
     confirmed: list[float] = field(default_factory=list)  # the confirmation round's ratios (head to head)
     rounds: list[int] = field(default_factory=list)  # the confirmation round each of `confirmed` was measured in
     implausible: str | None = None  # why a figure stayed implausible after its re-measurements
+    dropped: list[float] = field(default_factory=list)  # trial pairs left out: outliers against the round's pairs
 
     @classmethod
-    def of(cls, spec: SpecConfig, trials: list[FrozenTrial]) -> "Candidate":
-        ratios = [r for t in trials for r in t.user_attrs.get("ratios", [t.user_attrs["speedup"]])]
+    def of(cls, spec: SpecConfig, trials: list[FrozenTrial], band: float | None = None) -> "Candidate":
+        """The trials of `spec` pooled. `band` (on logs; `round_band`): a trial pair further than it from
+        the median of the configuration's confirmation-round pairs is left out of the pool (`dropped`):
+        the round measured it head to head, minutes apart from its rivals, and one lucky trial pair
+        measured under other conditions must not outweigh it (fidelity's loaded run at aa7b89a: d4's one
+        trial pair read 1.447x, its four round pairs 1.10-1.19x; pooled, it beat d3, ahead in 3 of 4 rounds)."""
+        confirmed = [r for t in trials if role(t) == "confirm" for r in t.user_attrs.get("ratios", [])]
+        trial_ratios = [r for t in trials if role(t) != "confirm"
+                        for r in t.user_attrs.get("ratios", [t.user_attrs["speedup"]])]
+        kept, dropped = against_round(trial_ratios, confirmed, band)
+        ratios = kept + confirmed
         sp, lo, hi, lower, _ = log_interval(ratios)  # ratios: intervals on logs
         if len(trials) == 1 and "ratios" not in trials[0].user_attrs:  # a bare figure: keep its own interval
             a = trials[0].user_attrs
             sp, lo, hi = a["speedup"], a.get("speedup_ci_low"), a.get("speedup_ci_high")
         taus = [t.user_attrs["tau"] for t in trials if t.user_attrs.get("tau") is not None]
-        confirmed = [r for t in trials if role(t) == "confirm" for r in t.user_attrs.get("ratios", [])]
         # a pair's round pairs it with the other contenders' pairs of that round (measured minutes apart
         # at most); a study from before rounds were recorded numbers them in order
         rounds = [t.user_attrs.get(CONFIRM_ROUND, -1) for t in trials if role(t) == "confirm"
@@ -109,7 +118,7 @@ class Candidate:
         why = "; ".join(t.user_attrs["implausible"] for t in trials if t.user_attrs.get("implausible")) or None
         return cls(spec, trials, sp, lo, hi, statistics.fmean(taus) if taus else None,
                    all(all(c <= 0 for c in t.constraints.values()) for t in trials), lower, ratios, confirmed,
-                   rounds, why)
+                   rounds, why, dropped)
 
     def head(self) -> dict[int, float]:
         """The confirmation round's ratios by round."""
@@ -137,7 +146,7 @@ class Candidate:
 def leader(trials: list[FrozenTrial], noise_rel: float) -> Candidate | None:
     """The best configuration by what is known: the highest pessimistic bound among feasible,
     plausible candidates (what the progress line, history.png and the report show)."""
-    known = [c for c in candidates(trials) if c.feasible and c.implausible is None]
+    known = [c for c in candidates(trials, noise_rel) if c.feasible and c.implausible is None]
     return max(known, key=lambda c: c.bounds(noise_rel)[0], default=None)
 
 
@@ -156,8 +165,10 @@ class Winner:
     chain: Candidate | None = None  # best chain (topk=1) beating the baseline, for vLLM targets
 
 
-def candidates(trials: list[FrozenTrial]) -> list[Candidate]:
-    """Complete speculative trials grouped by SpecConfig, in order of first appearance."""
+def candidates(trials: list[FrozenTrial], noise_rel: float | None = None) -> list[Candidate]:
+    """Complete speculative trials grouped by SpecConfig, in order of first appearance. With
+    `noise_rel`, a configuration measured in the confirmation round is ranked by its round pairs and
+    the trial pairs that agree with them (`Candidate.of`, the band `round_band`)."""
     groups: dict[str, list[FrozenTrial]] = {}
     specs: dict[str, SpecConfig] = {}
     for t in trials:
@@ -168,7 +179,38 @@ def candidates(trials: list[FrozenTrial]) -> list[Candidate]:
         key = spec.model_dump_json()
         groups.setdefault(key, []).append(t)
         specs[key] = spec
-    return [Candidate.of(specs[k], ts) for k, ts in groups.items()]
+    band = None
+    if noise_rel is not None:
+        band = round_band([[r for t in ts if role(t) == "confirm" for r in t.user_attrs.get("ratios", [])]
+                           for ts in groups.values()], noise_rel)
+    return [Candidate.of(specs[k], ts, band) for k, ts in groups.items()]
+
+
+def round_band(rounds: list[list[float]], noise_rel: float) -> float:
+    """How far (on logs) a trial pair may read from the median of its configuration's round pairs and
+    still be pooled with them: OUTLIER_BANDS noise bands, as a pass is judged in a trial (the noise:
+    search.noise_rel, or the spread of the round's own pairs about each configuration's mean when
+    larger: a loaded round's pairs wander more, and so may a trial pair)."""
+    ss, df = 0.0, 0
+    for rs in rounds:
+        if len(rs) < 2 or any(r <= 0 for r in rs):
+            continue
+        logs = [math.log(r) for r in rs]
+        m = statistics.fmean(logs)
+        ss += sum((v - m) ** 2 for v in logs)
+        df += len(logs) - 1
+    return OUTLIER_BANDS * max(noise_rel, math.sqrt(ss / df) if df else 0.0)
+
+
+def against_round(trial_ratios: list[float], round_ratios: list[float], band: float | None
+                  ) -> tuple[list[float], list[float]]:
+    """(kept, dropped) of a configuration's trial pairs: with round pairs and a `band`, those further
+    than `band` (on logs) from the round pairs' median are dropped; else all are kept."""
+    if band is None or not round_ratios or any(r <= 0 for r in round_ratios):
+        return list(trial_ratios), []
+    mid = statistics.median(math.log(r) for r in round_ratios)
+    kept = [r for r in trial_ratios if r > 0 and abs(math.log(r) - mid) <= band]
+    return kept, [r for r in trial_ratios if r not in kept]
 
 
 def tie_rel(noise_rel: float) -> float:
@@ -235,12 +277,13 @@ def head_verdict(a: dict[int, float], b: dict[int, float], noise_rel: float) -> 
 def _cheapest_of_best(cands: list[Candidate], noise_rel: float) -> tuple[Candidate, int]:
     """The best speedup, and among those tied with it the smallest budget (then depth). When the
     confirmation round measured candidates head to head, only those compete, each by the geometric
-    mean of all its pairs (trials' and round's: under noise every pair counts, and in simulation
-    at the loaded machine's spread pooling halves the wrong picks of the round's pairs alone), and a
-    tie is what `head_verdict` calls one; otherwise the trials' figures, and a tie is what `ties` calls
-    one."""
+    mean of its round pairs and the trial pairs that agree with them (under noise every pair counts,
+    and in simulation at the loaded machine's spread pooling halves the wrong picks of the round's
+    pairs alone; a trial pair that is an outlier against the round is left out: `Candidate.of`), and
+    a tie is what `head_verdict` calls one; otherwise the trials' figures, and a tie is what `ties`
+    calls one."""
     confirmed = [c for c in cands if c.confirmed]
-    if confirmed:  # ranked by every pair's ratio, the trials' and the round's (`speedup`: all pooled)
+    if confirmed:  # ranked by the round's pairs and the trial pairs that agree with them (`speedup`)
         best = max(confirmed, key=lambda c: c.speedup)
         tied = [c for c in confirmed if c is best or head_verdict(c.head(), best.head(), noise_rel) == "tie"]
         return min(tied, key=lambda c: (c.spec.budget, c.spec.depth, -c.speedup)), len(tied)
@@ -249,17 +292,34 @@ def _cheapest_of_best(cands: list[Candidate], noise_rel: float) -> tuple[Candida
     return min(tied, key=lambda c: (c.spec.budget, c.spec.depth, -c.speedup)), len(tied)
 
 
-def _near(trials: list[FrozenTrial], lead: Candidate, noise_rel: float, taken: set[str]
+def reading_bounds(ratios: list[float], noise: float) -> tuple[float, float]:
+    """(pessimistic, optimistic) bounds of what the noisy machine's round compares: ratio_bounds, and
+    for a single pair the band of a pair's ratio, sqrt(2) times ratio_bounds' two noise bands (on
+    logs): `noise` is one pass's spread (the baseline passes'), and a pair's ratio divides two passes.
+    One pair of each is all a quick study has: fidelity's loaded run at aa7b89a left d1 (one pair,
+    1.158x) out of the round against d4's one lucky pair (1.447x, then 1.10-1.19x head to head) by
+    a band of one pass's noise."""
+    if len(ratios) != 1 or ratios[0] <= 0:
+        return ratio_bounds(ratios, noise)
+    half = 2 * math.sqrt(2) * noise
+    return ratios[0] * math.exp(-half), ratios[0] * math.exp(half)
+
+
+def _near(trials: list[FrozenTrial], lead: Candidate, noise_rel: float, taken: set[str], overlap: bool = False
           ) -> list[tuple[SpecConfig, list[float]]]:
     """Pruned configurations whose first repeat read within the noise of `lead`'s speedup or above
-    it (one repeat can have been the unlucky one), the CONFIRM_TOP best of them by that repeat."""
+    it (one repeat can have been the unlucky one), the CONFIRM_TOP best of them by that repeat.
+    `overlap` (the noisy machine's round): whose first repeat's optimistic bound, a pair's
+    (`reading_bounds`), reaches lead's pessimistic one, the overlap rule of every contender."""
     near: list[tuple[SpecConfig, list[float]]] = []
     for t in trials:
         spec, ratios = spec_of(t), t.user_attrs.get("ratios")
         if (t.state != TrialState.PRUNED or spec is None or not ratios or REUSED in t.user_attrs
                 or t.user_attrs.get("implausible") or spec.model_dump_json() in taken):
             continue
-        if ratios[0] >= lead.speedup * (1 - noise_rel):
+        close = (reading_bounds(ratios[:1], noise_rel)[1] >= reading_bounds(lead.ratios or [lead.speedup], noise_rel)[0]
+                 if overlap else ratios[0] >= lead.speedup * (1 - noise_rel))
+        if close:
             near.append((spec, ratios[:1]))
             taken.add(spec.model_dump_json())
     return sorted(near, key=lambda x: -x[1][0])[:CONFIRM_TOP]
@@ -268,7 +328,7 @@ def _near(trials: list[FrozenTrial], lead: Candidate, noise_rel: float, taken: s
 def _by_bound(trials: list[FrozenTrial], noise_rel: float) -> list[Candidate]:
     """Feasible, plausible candidates whose optimistic bound reaches 1.0 (one that cannot even
     optimistically is no contender: off beats it), best pessimistic bound first."""
-    return sorted((c for c in candidates(trials) if c.feasible and c.implausible is None
+    return sorted((c for c in candidates(trials, noise_rel) if c.feasible and c.implausible is None
                    and c.bounds(noise_rel)[1] >= 1.0), key=lambda c: -c.bounds(noise_rel)[0])
 
 
@@ -312,14 +372,17 @@ def contenders(trials: list[FrozenTrial], noise_rel: float, lead: Candidate | No
     if not known:
         return []
     out = [(c.spec, c.ratios) for c in known[:CONFIRM_TOP]]
-    return out + _near(trials, known[0], noise_rel, {c.spec.model_dump_json() for c in known})
+    return out + _near(trials, known[0], noise_rel, {c.spec.model_dump_json() for c in known}, overlap=True)
 
 
-def unresolved(others: list[tuple[SpecConfig, list[float]]], lead: list[float], noise_rel: float) -> list[int]:
+def unresolved(others: list[tuple[SpecConfig, list[float]]], lead: list[float], noise_rel: float,
+               pairs: bool = False) -> list[int]:
     """Which of `others` the trials' bounds do not separate from the leader (ratios `lead`): an
-    optimistic bound at or above the leader's pessimistic one."""
-    lead_lo = ratio_bounds(lead, noise_rel)[0]
-    return [i for i, (_, ratios) in enumerate(others) if ratio_bounds(ratios, noise_rel)[1] >= lead_lo]
+    optimistic bound at or above the leader's pessimistic one. `pairs` (the noisy machine's round):
+    a one-pair reading's band is a pair's (`reading_bounds`)."""
+    bounds = reading_bounds if pairs else ratio_bounds
+    lead_lo = bounds(lead, noise_rel)[0]
+    return [i for i, (_, ratios) in enumerate(others) if bounds(ratios, noise_rel)[1] >= lead_lo]
 
 
 def trials_seconds(trials: list[FrozenTrial]) -> float:
@@ -334,7 +397,8 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
     """The confirmation round before the winner is named: the contenders (see `contenders`) are
     measured head to head, one pair each per round in alternating order with the baseline; each
     pair is a COMPLETE trial with role `confirm` that records its round. After two rounds, every
-    round measures the best so far (by the geometric mean of all its pairs, as pick_winner ranks)
+    round measures the best so far (by the geometric mean of its round pairs and the trial pairs
+    that agree with them, as pick_winner ranks)
     and those whose `head_verdict` against it is still open: neither told apart from it nor tied with
     it. It stops when none is open, at CONFIRM_PAIRS_MAX rounds, or once it has taken as long as
     the trials did (at least CONFIRM_MIN_S).
@@ -359,7 +423,8 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
     spread = study.user_attrs.get(NOISE)
     noise = max(noise_rel, rose or 0.0, spread or 0.0)
     rounds_max = CONFIRM_PAIRS_MAX
-    if rose is None and auto:  # at the floor: the trials' winner and what its time share allows
+    at_floor = rose is None and auto
+    if at_floor:  # at the floor: the trials' winner and what its time share allows
         # the trials' winner; when they name off, the best by pessimistic bound whose drafts are
         # accepted (a noisy machine's two pairs rarely clear the one-sided bound; without accepted
         # drafts no pair can make it win; the nothing-reads-a-winner check below still holds)
@@ -386,7 +451,8 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
     if len(field_) < 2 or max(geomean(r) for _, r in field_) < 1 + noise_rel:
         return 0
     lead_spec, lead_known = field_[0]
-    specs = [lead_spec] + [field_[1:][i][0] for i in unresolved(field_[1:], lead_known, noise)]
+    # the noisy machine's round gives one-pair readings a pair's band; the floor's keeps its cost
+    specs = [lead_spec] + [field_[1:][i][0] for i in unresolved(field_[1:], lead_known, noise, pairs=not at_floor)]
     if len(specs) < 2:
         return 0
     log(f"confirmation round: {why}; {lead_spec.key()} head to head with "
@@ -394,13 +460,16 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
     budget_s = max(CONFIRM_SHARE * trials_seconds(trials), CONFIRM_MIN_S)
     first = 1 + max((t.user_attrs.get(CONFIRM_ROUND, -1) for t in trials if role(t) == "confirm"), default=-1)
     head: dict[str, dict[int, float]] = {s.model_dump_json(): {} for s in specs}
-    # what pick_winner ranks by: all of a configuration's complete pairs (a pruned first repeat is not among them)
-    known = {c.spec.model_dump_json(): c.ratios for c in candidates(trials)}
 
-    def score(spec: SpecConfig) -> float:
-        return geomean(known.get(spec.model_dump_json(), []) + list(head[spec.model_dump_json()].values()))
+    def ranked() -> dict[str, Candidate]:
+        # what pick_winner ranks by: the round's pairs and the trial pairs that agree with them (a
+        # pruned first repeat is not among them)
+        return {c.spec.model_dump_json(): c for c in candidates(study.get_trials(deepcopy=False), noise_rel)}
 
-    live, pairs, left = list(specs), 0, ""
+    # the noisy machine's round takes in, once its pairs have placed the best, a configuration left
+    # out against the leader's trial reading whose own reading the best's bounds cannot tell apart
+    reserve = [] if at_floor else _reserve(trials, noise, {s.model_dump_json() for s in specs})
+    live, pairs, left, joined = list(specs), 0, "", []
     best, hb = lead_spec, head[lead_spec.model_dump_json()]  # set from the second round on
     for r in range(rounds_max):
         for spec in live:
@@ -409,28 +478,58 @@ def confirm(study: optuna.Study, objective: Objective, noise_rel: float,
             pairs += 1
         if r == 0:
             continue  # a head-to-head interval needs two rounds
-        best = max(specs, key=score)
+        now = ranked()
+        measured = [s for s in specs if head[s.model_dump_json()] and s.model_dump_json() in now]
+        best = max(measured, key=lambda s: now[s.model_dump_json()].speedup)
         hb = head[best.model_dump_json()]
-        open_ = [s for s in specs if s is not best and head_verdict(head[s.model_dump_json()], hb, noise_rel) == "open"]
-        live = [best] + open_
-        if not open_:
+        open_ = [s for s in measured if s is not best and head_verdict(head[s.model_dump_json()], hb, noise_rel) == "open"]
+        over = r + 1 >= rounds_max or time.monotonic() - t0 >= budget_s
+        lo = reading_bounds(now[best.model_dump_json()].ratios, noise)[0]
+        # at most CONFIRM_TOP a look, the best readings first: a round's cost stays that of its field
+        new = [] if over else [spec for spec, ratios in sorted(reserve, key=lambda x: -geomean(x[1]))
+                               if reading_bounds(ratios, noise)[1] >= lo][:CONFIRM_TOP]
+        reserve = [(spec, ratios) for spec, ratios in reserve if spec not in new]
+        for spec in new:
+            head[spec.model_dump_json()] = {}
+        specs += new
+        joined += new
+        live = [best] + open_ + new
+        if not open_ and not new:
             break
         if r + 1 < rounds_max and time.monotonic() - t0 >= budget_s:
             left = f"; stopped after {budget_s:.0f} s (the trials' time, at least {CONFIRM_MIN_S:.0f} s)"
             break
     else:
         left = f"; {rounds_max} rounds"
-    undecided = [s for s in specs if s is not best and head_verdict(head[s.model_dump_json()], hb, noise_rel) == "open"]
+    undecided = [s for s in specs if s is not best and head[s.model_dump_json()]
+                 and head_verdict(head[s.model_dump_json()], hb, noise_rel) == "open"]
     if undecided:
         left += (f", {best.key()} read best, not told apart from {', '.join(s.key() for s in undecided)} "
                  f"nor within {tie_rel(noise_rel):.0%} of it: the best reading wins")
+    if joined:
+        left += (f"; taken in once the round placed the best: {', '.join(s.key() for s in joined)}")
     log(f"confirmation round: {pairs} pairs in {time.monotonic() - t0:.0f} s{left}")
     return pairs
 
 
+def _reserve(trials: list[FrozenTrial], noise_rel: float, taken: set[str]) -> list[tuple[SpecConfig, list[float]]]:
+    """What the noisy machine's round may still take in, with its trial ratios: the complete
+    configurations whose optimistic bound reaches 1.0, and the pruned ones by their first repeat
+    (figures that stayed implausible and reused points left out), none of `taken`."""
+    out = [(c.spec, c.ratios) for c in _by_bound(trials, noise_rel) if c.spec.model_dump_json() not in taken]
+    seen = set(taken) | {spec.model_dump_json() for spec, _ in out}
+    for t in trials:
+        spec, ratios = spec_of(t), t.user_attrs.get("ratios")
+        if (t.state == TrialState.PRUNED and spec is not None and ratios and REUSED not in t.user_attrs
+                and not t.user_attrs.get("implausible") and spec.model_dump_json() not in seen):
+            out.append((spec, ratios[:1]))
+            seen.add(spec.model_dump_json())
+    return out
+
+
 def pick_winner(trials: list[FrozenTrial], noise_rel: float, concurrency: list[Level]) -> Winner:
     """The proven winner of a study, or `off` with the reason why speculation does not pay."""
-    done = candidates(trials)
+    done = candidates(trials, noise_rel)
     if not done:
         return Winner(OFF, None, "no speculative configuration completed a measurement: speculation stays off")
     feasible = [c for c in done if c.feasible]
@@ -472,6 +571,10 @@ def pick_winner(trials: list[FrozenTrial], noise_rel: float, concurrency: list[L
         reason += f"; head to head in the confirmation round {geomean(pick.confirmed):.3f}x over {len(pick.confirmed)} pairs"
     if n > 1:
         reason += f", pooled over {n} trials"
+    left_out = [(c, r) for c in winners if c.confirmed for r in c.dropped]
+    if left_out:
+        reason += ("; left out as outliers against the round's pairs: "
+                   + ", ".join(f"{c.spec.key()}'s trial pair {r:.3f}x" for c, r in left_out))
     if n_tied > 1:
         reason += (f"; {n_tied} configurations could not be told apart and read within {tie_rel(noise_rel):.0%} of "
                    "the best: the smallest budget wins")
@@ -486,7 +589,8 @@ def _unlike_leader(trials: list[FrozenTrial], pick: Candidate, noise_rel: float,
         return ""
     head = f"; the best by lower bound, {describe(lead, noise_rel)}, "
     if pick.confirmed and lead.confirmed:
-        return head + f"read {lead.speedup:.3f}x over all its pairs, head to head included: the best reading wins"
+        return head + (f"read {lead.speedup:.3f}x over its round pairs and the trial pairs that agree with them: "
+                       "the best reading wins")
     if n_tied > 1 and lead.spec.budget > pick.spec.budget and ties(lead.ratios or [lead.speedup],
                                                                    pick.ratios or [pick.speedup], noise_rel):
         return head + "ties with it"
@@ -517,7 +621,7 @@ def compare_arms(trials: list[FrozenTrial], noise_rel: float, levels: list[Level
     winner's rule (the fastest when none beats off), with its speedup over the baseline measured
     beside it per level, and that speedup x the baseline trial's tok/s at the level (as Optuna's
     values are)."""
-    done = [c for c in candidates(trials) if c.feasible]
+    done = [c for c in candidates(trials, noise_rel) if c.feasible]
     # an implausible figure never wins, but the arm is still shown from it when it is all there is
     adaptive = [c for c in done if c.spec.adaptive and c.implausible is None] or [c for c in done if c.spec.adaptive]
     if not adaptive:
@@ -756,7 +860,8 @@ def heldout_check(cfg: Config, objective: Objective, spec: SpecConfig) -> tuple[
         if one and noise is not None:  # one pair: no interval of its own
             half = pair_half_width(*noise)
             lo, hi = f["speedup"] * math.exp(-half), f["speedup"] * math.exp(half)
-        return SplitSpeedup(prompts=n, speedup=f["speedup"], ci_low=lo, ci_high=hi, tau=f["tau"])
+        return SplitSpeedup(prompts=n, speedup=f["speedup"], ci_low=lo, ci_high=hi, tau=f["tau"],
+                            tok_s=f["tok_s"], baseline_tok_s=f["baseline_tok_s"])
 
     tune, held = side(CHECK, check_prompt_count(cfg)), side("heldout", cfg.workload.num_heldout)
     gap = held.speedup / tune.speedup - 1 if tune.speedup > 0 else 0.0
