@@ -21,9 +21,10 @@ A head's answers and training take minutes. Cheaper measurements come first.
    this recipe against their answer tokens; `budget_tau` reads it at the tokens the config trains on
    at most (`budget_tokens`), grows its gain by `BUDGET_MARGIN`, and keeps the published tau where the
    table does not speak (another family, more tokens or epochs than it measured). The same ceiling at
-   that tau (`ceiling`) must clear the rival (item 4) for the pilot to run: on the 2-core AVX2 EPYC a
-   head's draft step costs 0.3-0.6 of a target step, so a budget's tau of at most 2.4 cannot pay
-   for it, and the pilot's ~200 s of answers and training would decide what these seconds do.
+   that tau (`ceiling`) must clear the rival (item 4) for the pilot to run: where a head's draft step
+   costs a large share of a target step (the 2-core AVX2 EPYC, docs/results.md), a default budget's
+   tau cannot pay for it, and the pilot's minutes of answers and training would decide what these
+   seconds do.
 
 3. The pilot, when that ceiling clears the rival: a head trained by the same recipe (train.epochs over its data) on
    `PILOT_SHARE` of the prompts, its acceptance measured on answers it did not see (`PILOT_EVAL` of
@@ -94,8 +95,8 @@ PUBLISHED_TAU = {"eagle": 5.41, "eagle3": 7.54}
 # training tokens (Scylla, arXiv 2505.07858), so between the rows tau is read on log tokens.
 TAU_BY_TOKENS = {"eagle": ((5_067, 1.45), (19_565, 1.70), (81_970, 2.12))}
 TABLE_EPOCHS = 7.0  # the table's heads' passes over their data: a config that trains longer is not bounded by it
-# A budget's head is taken to gain at most this times the table's tau - 1: more than the next 4x of data
-# gave (1.70 -> 2.12), for another target, the shape searched and the run-to-run spread of one measurement
+# A budget's head is taken to gain at most this times the table's tau - 1: more than the table's next
+# fourfold of data gave, for another target, the shape searched and the run-to-run spread of one measurement
 BUDGET_MARGIN = 2.0
 STEPS = 16  # generated tokens per timed run: every step of an untrained head commits one
 ROUNDS = 2  # (off, drafts...) rounds; each configuration's fastest step counts
