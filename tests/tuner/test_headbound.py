@@ -17,7 +17,8 @@ from tuner.schema.config import HeadBound, SpecConfig
 from tuner.search.space import SearchSpace
 from tuner.study import headbound, measurer
 from tuner.study.headbound import (BUDGET_MARGIN, GROWTH, PUBLISHED_TAU, REFERENCE_ROUNDS_MAX, TAU_BY_TOKENS,
-                                   bounded_acceptance, budget_tau, budget_tokens, ceiling, describe, head_bound,
+                                   bound_depths, bounded_acceptance, budget_tau, budget_tokens, ceiling, describe,
+                                   head_bound,
                                    measure_bound, measure_reference, node_shares, pilot_job, probed_methods,
                                    reference_figure, reference_of, searched_depths, to_beat, tree_tau, upper,
                                    with_pilot)
@@ -153,7 +154,7 @@ def test_bound_decides_training(tmp_path: Path, monkeypatch, case: str) -> None:
     measured, pilots, trainings, references = [], [], [], []
     published = planted(False) if case == "published" else steps_of(20.0, 5, trees=(12,))
     rival = [3.5, 3.6] if case == "rival" else [0.9, 0.9]  # the default budget's ceiling here: 1.62x
-    monkeypatch.setattr(headbound, "measure_bound", lambda c, e, m: measured.append(m) or published)
+    monkeypatch.setattr(headbound, "measure_bound", lambda c, e, m, tau=None: measured.append(m) or published)
     monkeypatch.setattr(headbound, "measure_pilot",
                         lambda c, e, m, job, report=None: pilots.append(m) or (STRONG_TREES if trained else WEAK))
     monkeypatch.setattr(headbound, "measure_reference", lambda c, e: references.append(1) or rival)
@@ -178,7 +179,8 @@ def test_bound_decides_training(tmp_path: Path, monkeypatch, case: str) -> None:
         assert ("eagle" in drafts) == trained and ("eagle answers" in phases) == trained
         space = SearchSpace.from_config(without_methods(cfg, bounds), head_paths=drafts)
         assert ("eagle" in space.methods) == trained and "ngram" in space.methods
-    assert measured == ["eagle"], "the kept decision is read back, not measured again"
+    # at the budget's tau, then (a pilot to run) every depth and the trees; the kept decision is read back
+    assert measured == ["eagle"] * (2 if case in ("pilot", "trained") else 1), "the kept decision is read back"
     assert pilots == (["eagle"] if case in ("pilot", "trained") else [])
     assert len(references) == (0 if case == "published" else 1), "the reference only when the budget's ceiling clears off"
     assert trainings == (["eagle", "eagle"] if trained else [])
@@ -204,6 +206,10 @@ def test_measured_bound_on_the_engine(engine, one_torch_thread) -> None:
                                               rel=1e-2)
     assert b.bound == max(b.bounds.values()) and b.trained == (b.bound >= 1.0)
     assert engine.spec.method == "off", "the engine is left as it was found"
+    quick = measure_bound(cfg, engine, "eagle", 2.4)
+    assert set(quick.step_ms) == {"eagle d1 k1 b2", "eagle d2 k1 b3"} and quick.tau == 2.4, "a budget's: d1, d2 alone"
+    assert quick.bounds["eagle d2 k1 b3"] == pytest.approx(2.4 * quick.off_step_ms / quick.step_ms["eagle d2 k1 b3"],
+                                                           rel=1e-2)
 
     from engine.drafters import untrained_drafter
 
@@ -281,6 +287,22 @@ def test_published_ceiling_covers_untimed_depths() -> None:
     assert ceiling(cfg, b, 2.0) == pytest.approx(2.0 * 20.0 / b.step_ms["eagle d1 k1 b2"], abs=1e-3), "at a tau given"
 
 
+def test_below_the_published_tau_only_the_chains_that_can_bound_are_timed() -> None:
+    """At a budget's tau a chain deeper than the first that commits it commits no more at a step that costs
+    no less: d1 and d2 at tau 2.43, d1 at 1.5; the published tau times every timed depth."""
+    cfg = load_config(BASE)
+    assert bound_depths(cfg, 2.43) == [1, 2] and bound_depths(cfg, 1.5) == [1] and bound_depths(cfg, 3.0) == [1, 2]
+    assert bound_depths(cfg, PUBLISHED_TAU["eagle3"]) == headbound.timed_depths(cfg)
+    assert bound_depths(load_config([*BASE, "search.depth.min=3"]), 2.43) == [3], "the shallowest searched at least"
+    b = steps_of(20.0, 5)
+    quick = b.model_copy(update={"step_ms": {k: v for k, v in b.step_ms.items() if _depth(k) <= 2}})
+    assert ceiling(cfg, quick, 2.43) == ceiling(cfg, b, 2.43), "the deeper chains never raise the ceiling"
+
+
+def _depth(key: str) -> int:
+    return int(key.split(" d")[1].split(" ")[0])
+
+
 def test_a_budgets_tau_comes_from_the_measured_table() -> None:
     """The default budget (160 answers of at most 128 tokens: 20,480) reads the table between its 19,565
     and 81,970 rows on log tokens, its gain grown by BUDGET_MARGIN; fewer tokens never more; where the
@@ -326,19 +348,21 @@ def test_the_pilot_runs_only_where_the_budgets_ceiling_clears_the_rival(tmp_path
     steps = {d: 20.0 + 0.5 * d for d in EPYC_STEPS} if case == "gpu" else EPYC_STEPS
     published = measured(17.81 if case != "gpu" else 20.0, steps)
     pilots: list[str] = []
-    monkeypatch.setattr(headbound, "measure_bound", lambda c, e, m: published)
+    taus: list[float | None] = []
+    monkeypatch.setattr(headbound, "measure_bound", lambda c, e, m, tau=None: taus.append(tau) or published)
     monkeypatch.setattr(headbound, "measure_reference", lambda c, e: [1.355, 1.181])
     monkeypatch.setattr(headbound, "measure_pilot", lambda c, e, m, job, report=None: pilots.append(m) or STRONG_TREES)
     assert ceiling(cfg, published) >= to_beat(cfg, [1.355, 1.181]), "the old rule: the pilot ran in every case"
     got = head_bound(cfg, None, "eagle", measurer.train_job(cfg))  # type: ignore[arg-type]
     assert got.budget_tokens == budget_tokens(cfg) and got.budget_tau == budget_tau(cfg, "eagle")
     assert got.ceiling == ceiling(cfg, published, got.budget_tau)
+    assert taus == ([budget_tau(cfg, "eagle")] + ([None] if case == "gpu" else [])), "the pilot's steps: every depth"
     if case == "epyc":
         assert pilots == [] and got.pilot is None and not got.trained
         assert got.ceiling == pytest.approx(got.budget_tau * 17.81 / 33.08, abs=1e-3) and got.ceiling < 1.423
         assert got.reference_rounds == [1.355, 1.181]
         line = describe(got)
-        assert f"trained on at most 20480 answer tokens a head reaches tau <= {got.budget_tau:g}" in line
+        assert f"trained on at most 20480 answer tokens reaches tau <= {got.budget_tau:g}" in line
         assert "eagle left out of the search" in line
     else:
         assert pilots == ["eagle"] and got.pilot is not None, "a head could win here: the pilot decides"
@@ -352,7 +376,7 @@ def test_no_rival_rounds_below_offs_bar(tmp_path: Path, monkeypatch) -> None:
     """A budget's ceiling below speculation off's bar needs no rival: its rounds are not measured."""
     cfg = load_config([*BASE, f"cache_dir={tmp_path}"])
     slow = measured(17.81, {d: 17.81 * 5.41 / 1.5 for d in EPYC_STEPS})  # published tau: 1.5x; at 2.43: 0.67x
-    monkeypatch.setattr(headbound, "measure_bound", lambda c, e, m: slow)
+    monkeypatch.setattr(headbound, "measure_bound", lambda c, e, m, tau=None: slow)
     monkeypatch.setattr(headbound, "measure_reference", lambda c, e: pytest.fail("the rival measured for nothing"))
     monkeypatch.setattr(headbound, "measure_pilot", lambda *a, **k: pytest.fail("a pilot for nothing"))
     got = head_bound(cfg, None, "eagle", measurer.train_job(cfg))  # type: ignore[arg-type]

@@ -8,20 +8,23 @@ A head's answers and training take minutes. Cheaper measurements come first.
    steps of speculation off, on the first tuning prompt, one request alone (where speculation gains
    most), in `ROUNDS` rounds; each configuration's fastest step counts, and its drafting and its
    verification apart. A chain of depth d commits at most min(d + 1, tau) tokens a step for a head
-   whose acceptance is the generous published one (`PUBLISHED_TAU`), and a tree of the same depth
-   costs at least what the chain costs, so
+   whose acceptance is at most tau (item 2), and a tree of the same depth costs at least what the
+   chain costs, so
 
        bound = max over depths d of  min(d + 1, tau) x (step off) / (step of the chain d)
 
-   When even that is below 1.0, no head of that shape can beat speculation off here.
+   When even that is below 1.0, no head of that shape can beat speculation off here. Below the
+   published tau only the chains up to depth ceil(tau - 1) are timed (`bound_depths`): a deeper one
+   commits no more and costs no less; the pilot, when it runs, has every depth and the trees timed.
 
-2. The budget (no measurement): the published tau comes from heads trained on far more data than a
-   config's training budget holds (published runs: hundreds of thousands of samples; the default here:
-   at most 160 answers of 128 tokens). `TAU_BY_TOKENS` holds the held-out tau measured for heads of
-   this recipe against their answer tokens; `budget_tau` reads it at the tokens the config trains on
-   at most (`budget_tokens`), grows its gain by `BUDGET_MARGIN`, and keeps the published tau where the
-   table does not speak (another family, more tokens or epochs than it measured). The same ceiling at
-   that tau (`ceiling`) must clear the rival (item 4) for the pilot to run: where a head's draft step
+2. The budget, before any step (no measurement): the generous published tau (`PUBLISHED_TAU`) comes
+   from heads trained on far more data than a config's training budget holds (published runs:
+   hundreds of thousands of samples; the default here: at most 160 answers of 128 tokens).
+   `TAU_BY_TOKENS` holds the held-out tau measured for heads of this recipe against their answer
+   tokens; `budget_tau` reads it at the tokens the config trains on at most (`budget_tokens`), grows
+   its gain by `BUDGET_MARGIN`, and keeps the published tau where the table does not speak (another
+   family, more tokens or epochs than it measured). The bound at that tau over every searched depth
+   (`ceiling`) must clear the rival (item 4) for the pilot to run: where a head's draft step
    costs a large share of a target step (the 2-core AVX2 EPYC, docs/results.md), a default budget's
    tau cannot pay for it, and the pilot's minutes of answers and training would decide what these
    seconds do.
@@ -158,21 +161,33 @@ def wide_trees(cfg: Config, method: str) -> list[SpecConfig]:
     return out
 
 
-def measure_bound(cfg: Config, engine: Engine, method: str) -> HeadBound:
-    """Time speculation off, chains of an untrained `method` head at every searched depth and two
-    wide trees, interleaved, with each step's drafting and verification apart; the bound at the
-    published tau."""
+def bound_depths(cfg: Config, tau: float) -> list[int]:
+    """The chain depths whose steps can bound a head at `tau`: every timed one (timed_depths) at the
+    published tau; below it those up to the first that commits tau (depth ceil(tau - 1)), since a
+    deeper chain commits no more and never costs less (the shallowest timed one at least)."""
+    depths = timed_depths(cfg)
+    return depths if tau >= max(PUBLISHED_TAU.values()) else ([d for d in depths if d <= math.ceil(tau - 1)]
+                                                              or depths[:1])
+
+
+def measure_bound(cfg: Config, engine: Engine, method: str, tau: float | None = None) -> HeadBound:
+    """Time speculation off and chains of an untrained `method` head, interleaved, with each step's
+    drafting and verification apart; the bound at `tau`. At the published tau (the default) the chains
+    of every timed depth and two wide trees, what the pilot's bounds read; below it the chains of
+    bound_depths alone (a budget's ceiling needs no more)."""
     from engine.drafters import untrained_drafter
     from engine.measure.workloads import encode, sampling_params
     from tuner.projection.profiling import tuning_prompts
 
-    tau = PUBLISHED_TAU[method]
+    tau = PUBLISHED_TAU[method] if tau is None else tau
+    full = tau >= PUBLISHED_TAU[method]
     prompt = tuning_prompts(cfg, n=1)[0]
     ids = encode(engine, prompt, cfg.workload.chat_template)
     params = replace(sampling_params(cfg.workload, seed=cfg.seed), max_new_tokens=STEPS, temperature=0.0)
     off = SpecConfig(method="off")
-    chains = [SpecConfig(method=method, depth=d, topk=1, budget=d + 1) for d in timed_depths(cfg)]
-    drafts = [*chains, *wide_trees(cfg, method)]
+    depths = timed_depths(cfg) if full else bound_depths(cfg, tau)
+    chains = [SpecConfig(method=method, depth=d, topk=1, budget=d + 1) for d in depths]
+    drafts = [*chains, *(wide_trees(cfg, method) if full else [])]
     drafters = {c.key(): untrained_drafter(c, engine.target, cfg.train.draft_vocab, cfg.seed) for c in drafts}
 
     def step_s(spec: SpecConfig, run: SamplingParams) -> tuple[float, float, float]:
@@ -477,11 +492,15 @@ def reference_key(cfg: Config) -> str | None:
 def describe(b: HeadBound) -> str:
     """One line: what was measured and what follows from it."""
     pts = ", ".join(f"{k.split(' k')[0].split(' ')[1]} {b.step_ms[k]:.0f} ms -> {v:.2f}x" for k, v in b.bounds.items())
+    def source(tau: float) -> str:
+        return ("published" if tau >= PUBLISHED_TAU.get(b.method, 0.0)
+                else f"this training budget's most: the measured table, {BUDGET_MARGIN:g}x its gain")
+
     head = (f"{b.method} head bound: speculation off {b.off_step_ms:.0f} ms a step; an untrained head's chains at "
-            f"tau <= {b.tau:g} (published): {pts}; best {b.bound:.2f}x")
+            f"tau <= {b.tau:g} ({source(b.tau)}): {pts}; best {b.bound:.2f}x")
     if b.ceiling is not None and b.budget_tau is not None:
-        head += (f"; trained on at most {b.budget_tokens} answer tokens a head reaches tau <= {b.budget_tau:g} "
-                 f"(measured table, {BUDGET_MARGIN:g}x its gain): best {b.ceiling:.2f}x")
+        head += (f"; a head trained on at most {b.budget_tokens} answer tokens reaches tau <= {b.budget_tau:g} "
+                 f"({source(b.budget_tau)}), so every searched draft at most {b.ceiling:.2f}x")
     rounds = f"rounds {', '.join(f'{r:.2f}' for r in b.reference_rounds)}" if b.reference_rounds else "lowest round"
     ref = f"; {b.reference} read {b.reference_speedup:.2f}x ({rounds})" if b.reference_speedup is not None else ""
     if b.pilot is None:
@@ -515,11 +534,12 @@ def head_bound(cfg: Config, engine: Engine, method: str, job: TrainJob, report: 
     path = bound_path(head_dir(job, method))
     if path.is_file():
         return HeadBound.model_validate(json.loads(path.read_text()))
-    got = measure_bound(cfg, engine, method)
+    tau = budget_tau(cfg, method)
+    got = measure_bound(cfg, engine, method, tau)
     if got.trained:
-        tau = budget_tau(cfg, method)
         top = ceiling(cfg, got, tau)
-        got = got.model_copy(update={"budget_tokens": budget_tokens(cfg), "budget_tau": tau, "ceiling": top})
+        budget = {"budget_tokens": budget_tokens(cfg), "budget_tau": tau, "ceiling": top}
+        got = got.model_copy(update=budget)
         # the rival's rounds only when the ceiling clears off: below it nothing they read could change the answer
         rounds = measure_reference(cfg, engine) if top >= to_beat(cfg, None) else None
         if top < to_beat(cfg, rounds):  # even this budget's most tau cannot beat the rival: no pilot
@@ -528,6 +548,8 @@ def head_bound(cfg: Config, engine: Engine, method: str, job: TrainJob, report: 
             if say is not None:
                 say(f"{method} head bound at tau {tau:g} (this training budget's most) {top:.2f}x: training a "
                     f"pilot head on {pilot_job(job).train.prompts} prompts to bound what this budget reaches")
+            if tau < PUBLISHED_TAU[method]:  # the pilot's bounds read every depth's chain and the wide trees
+                got = measure_bound(cfg, engine, method).model_copy(update=budget)
             got = with_pilot(cfg, got, measure_pilot(cfg, engine, method, job, report), rounds)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(got.model_dump(mode="json"), indent=1) + "\n")
