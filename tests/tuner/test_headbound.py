@@ -175,7 +175,8 @@ def test_bound_decides_training(tmp_path: Path, monkeypatch, case: str) -> None:
         assert [b.pilot is not None for b in bounds] == [case in ("pilot", "trained")]
         if case == "rival":
             assert bounds[0].reference_speedup == 3.5 and bounds[0].reference_rounds == [3.5, 3.6]
-            assert "can beat ngram d4 k1 b5 (3.50x)" in describe(bounds[0])
+            assert "can beat the highest of ngram d4 k1 b5's agreeing rounds by one noise band (3.78x)" in describe(
+                bounds[0]) and bounds[0].beat == pytest.approx(3.6 * 1.05, abs=1e-3)
         assert ("eagle" in drafts) == trained and ("eagle answers" in phases) == trained
         space = SearchSpace.from_config(without_methods(cfg, bounds), head_paths=drafts)
         assert ("eagle" in space.methods) == trained and "ngram" in space.methods
@@ -363,7 +364,7 @@ def test_the_pilot_runs_only_where_the_budgets_ceiling_clears_the_rival(tmp_path
         assert got.reference_rounds == [1.355, 1.181]
         line = describe(got)
         assert f"trained on at most 20480 answer tokens reaches tau <= {got.budget_tau:g}" in line
-        assert "eagle left out of the search" in line
+        assert "eagle left out of the search" in line and "by one noise band (1.42x)" in line
     else:
         assert pilots == ["eagle"] and got.pilot is not None, "a head could win here: the pilot decides"
     if case == "gpu":

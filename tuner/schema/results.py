@@ -230,6 +230,7 @@ class HeadBound(_Strict):
     budget_tokens: int | None = None
     budget_tau: float | None = None
     ceiling: float | None = None
+    beat: float | None = None  # what the ceiling had to reach when it decided without a pilot (headbound.to_beat)
     trained: bool  # bound >= 1.0, the budget's ceiling clears the rival and with a pilot its bound does too
     pilot: HeadPilot | None = None  # run when the budget's ceiling clears the rival (headbound.to_beat)
 

@@ -496,11 +496,14 @@ def describe(b: HeadBound) -> str:
         return ("published" if tau >= PUBLISHED_TAU.get(b.method, 0.0)
                 else f"this training budget's most: the measured table, {BUDGET_MARGIN:g}x its gain")
 
-    head = (f"{b.method} head bound: speculation off {b.off_step_ms:.0f} ms a step; an untrained head's chains at "
-            f"tau <= {b.tau:g} ({source(b.tau)}): {pts}; best {b.bound:.2f}x")
-    if b.ceiling is not None and b.budget_tau is not None:
+    head = f"{b.method} head bound: speculation off {b.off_step_ms:.0f} ms a step"
+    if b.budget_tau is not None:
         head += (f"; a head trained on at most {b.budget_tokens} answer tokens reaches tau <= {b.budget_tau:g} "
-                 f"({source(b.budget_tau)}), so every searched draft at most {b.ceiling:.2f}x")
+                 f"({source(b.budget_tau)})")
+    head += (f"; an untrained head's chains at " + ("that tau" if b.tau == b.budget_tau else f"tau <= {b.tau:g} "
+             f"({source(b.tau)})") + f": {pts}; best {b.bound:.2f}x")
+    if b.ceiling is not None:
+        head += f"; every searched draft at this budget's tau at most {b.ceiling:.2f}x"
     rounds = f"rounds {', '.join(f'{r:.2f}' for r in b.reference_rounds)}" if b.reference_rounds else "lowest round"
     ref = f"; {b.reference} read {b.reference_speedup:.2f}x ({rounds})" if b.reference_speedup is not None else ""
     if b.pilot is None:
@@ -513,7 +516,10 @@ def describe(b: HeadBound) -> str:
                  f"{p.positions} unseen positions; a full head at most {p.growth:g}x that: best "
                  + ", ".join(f"{k} tau {p.tau[k]:.2f} -> {v:.2f}x" for k, v in top) + ref)
     off = b.reference is None or (b.reference_speedup or 0.0) <= 1.0
-    if b.pilot is None:
+    if b.pilot is None and b.beat is not None:  # the budget's ceiling against to_beat's bar
+        bar = "speculation off" if off else f"the highest of {b.reference}'s agreeing rounds"
+        rival = f"{bar} by one noise band ({b.beat:.2f}x)"
+    elif b.pilot is None:
         rival = "speculation off" if off else f"{b.reference} ({b.reference_speedup:.2f}x)"
     else:  # to_beat's bar
         bar = "speculation off" if off else f"the highest of {b.reference}'s agreeing rounds"
@@ -543,7 +549,8 @@ def head_bound(cfg: Config, engine: Engine, method: str, job: TrainJob, report: 
         # the rival's rounds only when the ceiling clears off: below it nothing they read could change the answer
         rounds = measure_reference(cfg, engine) if top >= to_beat(cfg, None) else None
         if top < to_beat(cfg, rounds):  # even this budget's most tau cannot beat the rival: no pilot
-            got = got.model_copy(update={"trained": False, **with_reference(cfg, reference_of(cfg, rounds), rounds)})
+            got = got.model_copy(update={"trained": False, "beat": to_beat(cfg, rounds),
+                                         **with_reference(cfg, reference_of(cfg, rounds), rounds)})
         else:
             if say is not None:
                 say(f"{method} head bound at tau {tau:g} (this training budget's most) {top:.2f}x: training a "
