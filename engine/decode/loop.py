@@ -22,7 +22,7 @@ from engine.models import attention, decode_step, smallm
 from engine.models.forward import LeanForward, lean_forward, prebuild_kernels
 from engine.models.hf_forward import HFCache, HFForward
 from engine.models.kvpool import KVCache
-from engine.models.target import ChatTokenizer, Target, load_target, resolve_device
+from engine.models.target import ChatTokenizer, Target, hf_checkpoint_dir, load_target, resolve_device
 from engine.trees.tree import Tree
 from engine.trees.verify import argmax_token, process_logits, verify
 from tuner.schema.config import BuiltinEngineConfig, ModelConfig, SpecConfig, UserError
@@ -142,6 +142,11 @@ class Engine:
             torch.set_num_threads(builtin.threads)
         if builtin.forward == "lean" and builtin.native_step is not False and resolve_device(builtin.device).type == "cpu":
             prebuild_kernels()
+            if not model.random_init:
+                # convert the checkpoint (once) while the kernels build on their threads: weights: auto
+                # waits for the built kernels before its timing loads the model, which left the conversion
+                # to follow the build instead of overlapping it
+                hf_checkpoint_dir(model, cache_dir)
         target = load_target(model, builtin, cache_dir, seed)
         lean = (lean_forward(target, builtin.compile, cache_dir, builtin.linear_plan, builtin.native_step)
                 if builtin.forward == "lean" else None)

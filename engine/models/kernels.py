@@ -211,14 +211,23 @@ def _time_form(weights: list[torch.Tensor], rows: int, form: str, repeats: int) 
 
 
 CALIBRATE_ROUNDS = 5  # rounds in which every form is timed once (the best round counts)
+# After DROP_AFTER rounds a form whose best is over DROP_FACTOR times the leader's is timed no more: only
+# rounds that ran it more than that much faster could still make it win. On the 2-core AVX2 EPYC MKL ran
+# several times the few-row kernel's time from 2 rows on, and took the largest share of a cold plan's time.
+DROP_AFTER = 2
+DROP_FACTOR = 2.0
 
 
 def _time_forms(weights: list[torch.Tensor], rows: int, forms: tuple[str, ...], rounds: int) -> dict[str, float]:
     """Best seconds of each form over `rounds` rounds, the forms taking turns within a round, so a
-    load change on a shared machine hits every form alike instead of the one timed at that moment."""
+    load change on a shared machine hits every form alike instead of the one timed at that moment;
+    a form far behind the leader after DROP_AFTER rounds keeps its best so far."""
     best = {f: float("inf") for f in forms}
-    for _ in range(rounds):
-        for f in forms:
+    timed = list(forms)
+    for r in range(rounds):
+        if r == DROP_AFTER:
+            timed = [f for f in timed if best[f] <= DROP_FACTOR * min(best.values())]
+        for f in timed:
             best[f] = min(best[f], _time_form(weights, rows, f, 1))
     return best
 

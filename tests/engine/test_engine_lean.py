@@ -384,10 +384,28 @@ def test_calibration_keeps_the_fastest_form_per_row_count_and_caches_it(tmp_path
     assert plan.ms["2"] == {f: 100.0 if f == fastest[2] else 1000.0 + 1000.0 * (f == "mkl") for f in FORMS}
     timed.clear()
     compiled = calibrate_linears(model, tmp_path, compiled=True)
-    assert timed == [(1, "prodsum"), (1, "mkl")] * kernels.CALIBRATE_ROUNDS and compiled.eager == plan.eager
+    assert timed == [(1, "prodsum"), (1, "mkl")] * kernels.CALIBRATE_ROUNDS, "within DROP_FACTOR: both every round"
+    assert compiled.eager == plan.eager
     assert compiled.compiled_one_row == ("mkl" if fastest[1] == "mkl" else "prodsum")
     monkeypatch.setattr(kernels, "_time_form", lambda *a: pytest.fail("timed again instead of reading the cache"))
     assert calibrate_linears(model, tmp_path, compiled=True) == compiled
+
+
+def test_a_form_far_behind_the_leader_is_timed_no_more(monkeypatch) -> None:
+    """After DROP_AFTER rounds a form over DROP_FACTOR x the leader's best is dropped, keeping its best so
+    far; one within that factor is timed every round and can still win in a later round."""
+    times = {"a": [1.0] * 5, "b": [1.9, 1.9, 0.5, 1.9, 1.9], "c": [2.1] * 5}
+    calls: list[str] = []
+
+    def fake(weights, rows, form, repeats):
+        calls.append(form)
+        return times[form][calls.count(form) - 1]
+
+    monkeypatch.setattr(kernels, "_time_form", fake)
+    best = kernels._time_forms([], 1, ("a", "b", "c"), 5)
+    assert calls.count("c") == kernels.DROP_AFTER and best["c"] == 2.1, "2.1x the leader: dropped, its best kept"
+    assert calls.count("b") == 5 and best["b"] == 0.5, "within the factor: timed on, and wins in round 3"
+    assert min(best, key=best.__getitem__) == "b"
 
 
 def test_a_plan_timed_while_others_kept_the_cpus_busy_is_used_but_not_cached(tmp_path, monkeypatch, capsys,

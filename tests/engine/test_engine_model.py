@@ -142,3 +142,30 @@ def test_a_gguf_file_is_parsed_once_within_the_conversion(tmp_path, monkeypatch)
     assert gguf.GGUFReader is Fake, "gguf's own class again after the scope"
     gguf.GGUFReader(str(a))
     assert len(built) == 5, "outside the scope every read parses"
+
+
+def test_the_checkpoint_converts_while_the_kernels_build(tmp_path, monkeypatch) -> None:
+    """A cold engine load starts the native kernels' build on its threads and converts the GGUF while they
+    build; the target's load (whose weights: auto waits for the built kernels) comes after. Before, the
+    conversion waited behind the build. A random_init target has nothing to convert."""
+    from engine.decode import loop
+
+    order: list[str] = []
+
+    class Stop(Exception):
+        pass
+
+    def load(*a, **k):
+        order.append("load")
+        raise Stop
+
+    monkeypatch.setattr(loop, "prebuild_kernels", lambda: order.append("build"))
+    monkeypatch.setattr(loop, "hf_checkpoint_dir", lambda model, cache: order.append(f"convert {model.name}"))
+    monkeypatch.setattr(loop, "load_target", load)
+    for overrides, want in ((["model=smollm2-135m"], ["build", "convert smollm2-135m", "load"]),
+                            (["model=tiny-random"], ["build", "load"])):
+        order.clear()
+        cfg = load_config([*overrides, f"cache_dir={tmp_path}", "engine.builtin.device=cpu"])
+        with pytest.raises(Stop):
+            loop.Engine.from_config(cfg.model, cfg.engine.builtin, cache_dir=cfg.cache_dir)
+        assert order == want

@@ -228,8 +228,15 @@ class HeadBound(_Strict):
     reference: str | None = None
     reference_speedup: float | None = None  # its lowest round that another round confirms (headbound.reference_figure)
     reference_rounds: list[float] = []  # every round's speedup, in the order measured
-    trained: bool  # bound >= 1.0, the published tau's ceiling and with a pilot its bound >= max(1.0, reference)
-    pilot: HeadPilot | None = None  # run when the published tau's bound clears 1.0
+    # the training budget's ceiling (headbound.budget_tau): the answer tokens the config trains on at most,
+    # the most tau a head trained on them reaches (the published tau beyond the measured table), and the best
+    # any searched draft could reach at that tau (headbound.ceiling); the pilot runs only when it clears the rival
+    budget_tokens: int | None = None
+    budget_tau: float | None = None
+    ceiling: float | None = None
+    beat: float | None = None  # what the ceiling had to reach when it decided without a pilot (headbound.to_beat)
+    trained: bool  # bound >= 1.0, the budget's ceiling clears the rival and with a pilot its bound does too
+    pilot: HeadPilot | None = None  # run when the budget's ceiling clears the rival (headbound.to_beat)
 
 
 class BestResult(_Strict):

@@ -8,15 +8,28 @@ A head's answers and training take minutes. Cheaper measurements come first.
    steps of speculation off, on the first tuning prompt, one request alone (where speculation gains
    most), in `ROUNDS` rounds; each configuration's fastest step counts, and its drafting and its
    verification apart. A chain of depth d commits at most min(d + 1, tau) tokens a step for a head
-   whose acceptance is the generous published one (`PUBLISHED_TAU`), and a tree of the same depth
-   costs at least what the chain costs, so
+   whose acceptance is at most tau (item 2), and a tree of the same depth costs at least what the
+   chain costs, so
 
        bound = max over depths d of  min(d + 1, tau) x (step off) / (step of the chain d)
 
-   When even that is below 1.0, no head of that shape can beat speculation off here.
+   When even that is below 1.0, no head of that shape can beat speculation off here. Below the
+   published tau only the chains up to depth ceil(tau - 1) are timed (`bound_depths`): a deeper one
+   commits no more and costs no less; the pilot, when it runs, has every depth and the trees timed.
 
-2. The pilot, when that bound clears 1.0 (the published tau is far above what a head trained on
-   this budget reaches): a head trained by the same recipe (train.epochs over its data) on
+2. The budget, before any step (no measurement): the generous published tau (`PUBLISHED_TAU`) comes
+   from heads trained on far more data than a config's training budget holds (published runs:
+   hundreds of thousands of samples; the default here: at most 160 answers of 128 tokens).
+   `TAU_BY_TOKENS` holds the held-out tau measured for heads of this recipe against their answer
+   tokens; `budget_tau` reads it at the tokens the config trains on at most (`budget_tokens`), grows
+   its gain by `BUDGET_MARGIN`, and keeps the published tau where the table does not speak (another
+   family, more tokens or epochs than it measured). The bound at that tau over every searched depth
+   (`ceiling`) must clear the rival (item 4) for the pilot to run: where a head's draft step
+   costs a large share of a target step (the 2-core AVX2 EPYC, docs/results.md), a default budget's
+   tau cannot pay for it, and the pilot's minutes of answers and training would decide what these
+   seconds do.
+
+3. The pilot, when that ceiling clears the rival: a head trained by the same recipe (train.epochs over its data) on
    `PILOT_SHARE` of the prompts, its acceptance measured on answers it did not see (`PILOT_EVAL` of
    its prompts; engine.heads.evaluate): per depth, a chain's, and how often each node of its top-k
    tree (the widest searched top-k) holds the target's token. The full budget's head is taken to
@@ -31,7 +44,7 @@ A head's answers and training take minutes. Cheaper measurements come first.
    `GROWTH` is set well above the ratio of the full head's acceptance to the pilot's measured in
    docs/results.md (benchmarks/head_pilot.py), so a head that would have won is not dropped.
 
-3. The rival: a head wins only by beating what the study measures without it, so the n-gram chain
+4. The rival: a head wins only by beating what the study measures without it, so the n-gram chain
    every study measures (tuner.search.space.NGRAM_CHAIN_DEFAULT) is timed against off on the trials'
    prompts in `REFERENCE_ROUNDS` interleaved rounds, and its lowest round that another round confirms
    (`reference_figure`: within `REFERENCE_BANDS` noise bands; rounds are added, up to
@@ -42,8 +55,8 @@ A head's answers and training take minutes. Cheaper measurements come first.
    1.56x and 1.18x / 1.49x in three runs, while a full head measured 0.39-0.70x there). One
    round's load spike once read the chain at 0.36x against ~1.5x and had the full head trained
    (answers and training, ~7 minutes) on a machine where it could not win. The rival is measured
-   before the pilot: when even the published tau's ceiling (`published_ceiling`) cannot reach it,
-   the pilot's answers and training are not needed to decide.
+   before the pilot: when even the budget's ceiling cannot reach it, the pilot's answers and training
+   are not needed to decide (and when that ceiling is below off's bar, neither are the rival's rounds).
 
 When the last bound falls short the study leaves the method out, prints one line with the figures
 and records them (best.yaml `head_bounds`); at or above it, the head is trained as before (the
@@ -79,6 +92,15 @@ if TYPE_CHECKING:
 # The highest published mean accepted length of each head family, greedy (EAGLE-3 paper, Table 1:
 # EAGLE-2 on HumanEval with Vicuna-13B 5.41; EAGLE-3 on HumanEval with Vicuna-13B 7.54).
 PUBLISHED_TAU = {"eagle": 5.41, "eagle3": 7.54}
+# Held-out tau of EAGLE heads trained by this recipe (train.epochs 7) on this many answer tokens of the
+# packaged SmolLM2, at their best measured shape (a 16-node tree), greedy, on the code workload's held-out
+# prompts (docs/results.md, "Issue 39's head decision"); acceptance grows about log-linearly with the
+# training tokens (Scylla, arXiv 2505.07858), so between the rows tau is read on log tokens.
+TAU_BY_TOKENS = {"eagle": ((5_067, 1.45), (19_565, 1.70), (81_970, 2.12))}
+TABLE_EPOCHS = 7.0  # the table's heads' passes over their data: a config that trains longer is not bounded by it
+# A budget's head is taken to gain at most this times the table's tau - 1: more than the table's next
+# fourfold of data gave, for another target, the shape searched and the run-to-run spread of one measurement
+BUDGET_MARGIN = 2.0
 STEPS = 16  # generated tokens per timed run: every step of an untrained head commits one
 ROUNDS = 2  # (off, drafts...) rounds; each configuration's fastest step counts
 EVAL_DEPTH = 5  # the depths the pilot's acceptance is measured at (engine.heads.evaluate.EVAL_DEPTH)
@@ -139,21 +161,33 @@ def wide_trees(cfg: Config, method: str) -> list[SpecConfig]:
     return out
 
 
-def measure_bound(cfg: Config, engine: Engine, method: str) -> HeadBound:
-    """Time speculation off, chains of an untrained `method` head at every searched depth and two
-    wide trees, interleaved, with each step's drafting and verification apart; the bound at the
-    published tau."""
+def bound_depths(cfg: Config, tau: float) -> list[int]:
+    """The chain depths whose steps can bound a head at `tau`: every timed one (timed_depths) at the
+    published tau; below it those up to the first that commits tau (depth ceil(tau - 1)), since a
+    deeper chain commits no more and never costs less (the shallowest timed one at least)."""
+    depths = timed_depths(cfg)
+    return depths if tau >= max(PUBLISHED_TAU.values()) else ([d for d in depths if d <= math.ceil(tau - 1)]
+                                                              or depths[:1])
+
+
+def measure_bound(cfg: Config, engine: Engine, method: str, tau: float | None = None) -> HeadBound:
+    """Time speculation off and chains of an untrained `method` head, interleaved, with each step's
+    drafting and verification apart; the bound at `tau`. At the published tau (the default) the chains
+    of every timed depth and two wide trees, what the pilot's bounds read; below it the chains of
+    bound_depths alone (a budget's ceiling needs no more)."""
     from engine.drafters import untrained_drafter
     from engine.measure.workloads import encode, sampling_params
     from tuner.projection.profiling import tuning_prompts
 
-    tau = PUBLISHED_TAU[method]
+    tau = PUBLISHED_TAU[method] if tau is None else tau
+    full = tau >= PUBLISHED_TAU[method]
     prompt = tuning_prompts(cfg, n=1)[0]
     ids = encode(engine, prompt, cfg.workload.chat_template)
     params = replace(sampling_params(cfg.workload, seed=cfg.seed), max_new_tokens=STEPS, temperature=0.0)
     off = SpecConfig(method="off")
-    chains = [SpecConfig(method=method, depth=d, topk=1, budget=d + 1) for d in timed_depths(cfg)]
-    drafts = [*chains, *wide_trees(cfg, method)]
+    depths = timed_depths(cfg) if full else bound_depths(cfg, tau)
+    chains = [SpecConfig(method=method, depth=d, topk=1, budget=d + 1) for d in depths]
+    drafts = [*chains, *(wide_trees(cfg, method) if full else [])]
     drafters = {c.key(): untrained_drafter(c, engine.target, cfg.train.draft_vocab, cfg.seed) for c in drafts}
 
     def step_s(spec: SpecConfig, run: SamplingParams) -> tuple[float, float, float]:
@@ -251,7 +285,7 @@ def to_beat(cfg: Config, ratios: list[float] | None) -> float:
     """What a head's bound must reach to be trained: the highest of the reference's rounds that agree
     with its figure (reference_of; within REFERENCE_BANDS bands), or speculation off's 1.0 when higher,
     grown by one noise band (search.noise_rel): a bound within the rival's noise would at best tie a
-    chain that needs no training (the module's docstring, item 3)."""
+    chain that needs no training (the module's docstring, item 4)."""
     top = 1.0
     figure = reference_of(cfg, ratios)
     if ratios and figure is not None:
@@ -260,17 +294,42 @@ def to_beat(cfg: Config, ratios: list[float] | None) -> float:
     return round(top * (1 + cfg.search.noise_rel), 3)
 
 
-def published_ceiling(cfg: Config, bound: HeadBound) -> float:
-    """The most any searched draft of the head could reach at the published tau: a draft of depth d
-    commits at most min(d + 1, tau) tokens a step and costs at least the step of the deepest timed
-    chain within d (a tree at least its depth's chain), over every searched depth, not only the timed
-    ones (at eagle3's tau 7.54 an untimed depth 6 or 7 commits more than depth 5)."""
+def budget_tokens(cfg: Config) -> int:
+    """The answer tokens the config's head trains on at most: every answer at train.max_new_tokens, and
+    the fixed text (read before any answer exists, so the budget, not the data)."""
+    t = cfg.train
+    return t.prompts * t.answers_per_prompt * t.max_new_tokens + t.fixed_text_tokens
+
+
+def budget_tau(cfg: Config, method: str) -> float:
+    """The most tau a head of `method` trained on the config's budget reaches: 1 + BUDGET_MARGIN x (the
+    measured table's tau at budget_tokens - 1), read on log tokens between the rows (below the first, the
+    first's), never above the published tau. The published tau where the table does not speak: a family
+    it did not measure, a budget beyond its largest row (published runs train on far more), more epochs."""
+    table = TAU_BY_TOKENS.get(method)
+    tokens = budget_tokens(cfg)
+    published = PUBLISHED_TAU[method]
+    if table is None or tokens > table[-1][0] or cfg.train.epochs > TABLE_EPOCHS:
+        return published
+    tau = table[0][1]
+    for (n0, t0), (n1, t1) in zip(table, table[1:]):
+        if n0 < tokens <= n1:
+            tau = t0 + (t1 - t0) * math.log(tokens / n0) / math.log(n1 / n0)
+    return round(min(published, 1 + BUDGET_MARGIN * (tau - 1)), 3)
+
+
+def ceiling(cfg: Config, bound: HeadBound, tau: float | None = None) -> float:
+    """The most any searched draft of the head could reach at `tau` (the published tau by default): a
+    draft of depth d commits at most min(d + 1, tau) tokens a step and costs at least the step of the
+    deepest timed chain within d (a tree at least its depth's chain), over every searched depth, not only
+    the timed ones (at eagle3's tau 7.54 an untimed depth 6 or 7 commits more than depth 5)."""
+    tau = bound.tau if tau is None else tau
     timed = {_shape(k)[0]: ms for k, ms in bound.step_ms.items() if _shape(k)[1] == 1}
     best = 0.0
     for d in searched_depths(cfg):
         within = [t for t in timed if t <= d]
         step = timed[max(within)] if within else min(timed.values())
-        best = max(best, min(d + 1, bound.tau) * bound.off_step_ms / step)
+        best = max(best, min(d + 1, tau) * bound.off_step_ms / step)
     return round(best, 3)
 
 
@@ -433,8 +492,18 @@ def reference_key(cfg: Config) -> str | None:
 def describe(b: HeadBound) -> str:
     """One line: what was measured and what follows from it."""
     pts = ", ".join(f"{k.split(' k')[0].split(' ')[1]} {b.step_ms[k]:.0f} ms -> {v:.2f}x" for k, v in b.bounds.items())
-    head = (f"{b.method} head bound: speculation off {b.off_step_ms:.0f} ms a step; an untrained head's chains at "
-            f"tau <= {b.tau:g} (published): {pts}; best {b.bound:.2f}x")
+    def source(tau: float) -> str:
+        return ("published" if tau >= PUBLISHED_TAU.get(b.method, 0.0)
+                else f"this training budget's most: the measured table, {BUDGET_MARGIN:g}x its gain")
+
+    head = f"{b.method} head bound: speculation off {b.off_step_ms:.0f} ms a step"
+    if b.budget_tau is not None:
+        head += (f"; a head trained on at most {b.budget_tokens} answer tokens reaches tau <= {b.budget_tau:g} "
+                 f"({source(b.budget_tau)})")
+    head += (f"; an untrained head's chains at " + ("that tau" if b.tau == b.budget_tau else f"tau <= {b.tau:g} "
+             f"({source(b.tau)})") + f": {pts}; best {b.bound:.2f}x")
+    if b.ceiling is not None:
+        head += f"; every searched draft at this budget's tau at most {b.ceiling:.2f}x"
     rounds = f"rounds {', '.join(f'{r:.2f}' for r in b.reference_rounds)}" if b.reference_rounds else "lowest round"
     ref = f"; {b.reference} read {b.reference_speedup:.2f}x ({rounds})" if b.reference_speedup is not None else ""
     if b.pilot is None:
@@ -447,7 +516,10 @@ def describe(b: HeadBound) -> str:
                  f"{p.positions} unseen positions; a full head at most {p.growth:g}x that: best "
                  + ", ".join(f"{k} tau {p.tau[k]:.2f} -> {v:.2f}x" for k, v in top) + ref)
     off = b.reference is None or (b.reference_speedup or 0.0) <= 1.0
-    if b.pilot is None:
+    if b.pilot is None and b.beat is not None:  # the budget's ceiling against to_beat's bar
+        bar = "speculation off" if off else f"the highest of {b.reference}'s agreeing rounds"
+        rival = f"{bar} by one noise band ({b.beat:.2f}x)"
+    elif b.pilot is None:
         rival = "speculation off" if off else f"{b.reference} ({b.reference_speedup:.2f}x)"
     else:  # to_beat's bar
         bar = "speculation off" if off else f"the highest of {b.reference}'s agreeing rounds"
@@ -461,24 +533,30 @@ def describe(b: HeadBound) -> str:
 def head_bound(cfg: Config, engine: Engine, method: str, job: TrainJob, report: Report | None = None,
                say: Callable[[str], None] | None = None) -> HeadBound:
     """The bound of `method`'s head for the training `job`: kept from an earlier run with this cache,
-    else measured now (the pilot too when the published bound clears 1.0; `say` gets a line before it
-    starts) and kept."""
+    else measured now (the pilot too when the budget's ceiling clears the rival; `say` gets a line before
+    it starts) and kept."""
     from engine.heads.pipeline import head_dir
 
     path = bound_path(head_dir(job, method))
     if path.is_file():
         return HeadBound.model_validate(json.loads(path.read_text()))
-    got = measure_bound(cfg, engine, method)
+    tau = budget_tau(cfg, method)
+    got = measure_bound(cfg, engine, method, tau)
     if got.trained:
-        rounds = measure_reference(cfg, engine)
-        reference = reference_of(cfg, rounds)
-        ceiling = published_ceiling(cfg, got)
-        if ceiling < to_beat(cfg, rounds):  # even the published tau cannot beat the rival: no pilot
-            got = got.model_copy(update={"trained": False, **with_reference(cfg, reference, rounds)})
+        top = ceiling(cfg, got, tau)
+        budget = {"budget_tokens": budget_tokens(cfg), "budget_tau": tau, "ceiling": top}
+        got = got.model_copy(update=budget)
+        # the rival's rounds only when the ceiling clears off: below it nothing they read could change the answer
+        rounds = measure_reference(cfg, engine) if top >= to_beat(cfg, None) else None
+        if top < to_beat(cfg, rounds):  # even this budget's most tau cannot beat the rival: no pilot
+            got = got.model_copy(update={"trained": False, "beat": to_beat(cfg, rounds),
+                                         **with_reference(cfg, reference_of(cfg, rounds), rounds)})
         else:
             if say is not None:
-                say(f"{method} head bound at the published tau {got.bound:.2f}x: training a pilot head on "
-                    f"{pilot_job(job).train.prompts} prompts to bound what this training budget reaches")
+                say(f"{method} head bound at tau {tau:g} (this training budget's most) {top:.2f}x: training a "
+                    f"pilot head on {pilot_job(job).train.prompts} prompts to bound what this budget reaches")
+            if tau < PUBLISHED_TAU[method]:  # the pilot's bounds read every depth's chain and the wide trees
+                got = measure_bound(cfg, engine, method).model_copy(update=budget)
             got = with_pilot(cfg, got, measure_pilot(cfg, engine, method, job, report), rounds)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(got.model_dump(mode="json"), indent=1) + "\n")
