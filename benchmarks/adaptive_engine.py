@@ -16,8 +16,8 @@ adaptive/static per level. `--trace N` prints, every N steps of the adaptive row
 what the controller weighed and chose (engine.decode.batch.BatchEngine.trace): the nodes allowed,
 drafted and kept per request, the probes, the steps screened out below the pay floor without
 pricing (engine.decode.control.pay_floor), the price of the first rows and the step (with its
-overhead) it read, the forward's measured seconds per count of rows (the real marginal cost of a
-row at that batch), the controller's own and the drafting's seconds per step, and the mean
+overhead, and what drafting at all adds to a step: the setup) it read, the forward's measured
+seconds per count of rows (the real marginal cost of a row at that batch), the controller's own and the drafting's seconds per step, and the mean
 estimates at draft positions 1-3. Over HTTP at levels 1-32, with a grid of static specs, is the
 study arm's benchmark (issue 36).
 
@@ -101,7 +101,8 @@ class Trace:
                   f"(expected {expected / max(n, 1):.2f} accepted {accepted / max(n, 1):.2f})  "
                   f"price ms row1 {price[0]:.2f} rows2 {price[1]:.2f} rows4 {price[2]:.2f} "
                   f"step {statistics.mean(r['table'][0] for r in rs) * 1e3:.1f} (overhead "
-                  f"{statistics.mean(r['overhead'] for r in rs) * 1e3:.1f})  forward ms rows0 "
+                  f"{statistics.mean(r['overhead'] for r in rs) * 1e3:.1f}, setup "
+                  f"{statistics.mean(r['setup'] for r in rs) * 1e3:.1f})  forward ms rows0 "
                   f"{'-' if f0 is None else f'{f0 * 1e3:.1f}'}({len(fwd.get(0, []))}) per row [{marg}]  "
                   f"control {statistics.mean(r['control_s'] for r in rs) * 1e3:.2f} ms drafting "
                   f"{statistics.mean(r['drafting_s'] for r in rs) * 1e3:.2f} ms  "
