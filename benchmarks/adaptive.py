@@ -122,7 +122,8 @@ def controller_state(url: str, batch: int) -> dict[str, Any]:
     """The adaptive server's controller as its /metrics shows it (engine.serving.metrics,
     spectune:adaptive_*) at one batch size: ms of a step with n draft rows as the curve timed it,
     as the controller prices it (overhead included) and as the live forwards ran (with their
-    counts), the overhead, the live level, the drafting's ms per node and the acceptance estimate."""
+    counts), the overhead, what drafting at all adds to a step (setup), the live level, the
+    drafting's ms per node and the acceptance estimate."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=60) as resp:
         text = resp.read().decode()
     out: dict[str, Any] = {"curve_ms": {}, "price_ms": {}, "forward_ms": {}, "forward_steps": {}, "acceptance": {}}
@@ -144,6 +145,8 @@ def controller_state(url: str, batch: int) -> dict[str, Any]:
             continue
         elif name == "overhead_seconds":
             out["overhead_ms"] = round(v * 1e3, 2)
+        elif name == "setup_seconds":
+            out["setup_ms"] = round(v * 1e3, 2)
         elif name == "forward_steps":
             out["forward_steps"][lab["rows"]] = int(v)
         elif name in ("curve_seconds", "price_seconds", "forward_seconds"):

@@ -16,8 +16,8 @@ adaptive/static per level. `--trace N` prints, every N steps of the adaptive row
 what the controller weighed and chose (engine.decode.batch.BatchEngine.trace): the nodes allowed,
 drafted and kept per request, the probes, the steps screened out below the pay floor without
 pricing (engine.decode.control.pay_floor), the price of the first rows and the step (with its
-overhead) it read, the forward's measured seconds per count of rows (the real marginal cost of a
-row at that batch), the controller's own and the drafting's seconds per step, and the mean
+overhead, and what drafting at all adds to a step: the setup) it read, the forward's measured
+seconds per count of rows (the real marginal cost of a row at that batch), the controller's own and the drafting's seconds per step, and the mean
 estimates at draft positions 1-3. Over HTTP at levels 1-32, with a grid of static specs, is the
 study arm's benchmark (issue 36).
 
@@ -27,8 +27,11 @@ study arm's benchmark (issue 36).
 adaptive row; a finished request is replaced at once) and steps them in turn, one step each, so
 that both meet the same load; per decode step it reads the wall seconds, the forward's and the
 drafting's, and prints per level the median seconds of a step outside the forward for off and for
-adaptive's steps that drafted nothing (what adaptive control costs when it drafts nothing), and
-for adaptive's steps that drafted. `--profile` adds cProfile's costliest calls over each
+adaptive's steps that drafted nothing (what adaptive control costs when it drafts nothing), for
+adaptive's steps that drafted, and for each one's steps that admitted a prompt; over all steps,
+admissions included, each one's seconds per streamed token (with `--max-new-tokens` short enough
+that requests end within the steps, the staggered admissions of a drafting scheduler against off's
+all at once). `--profile` adds cProfile's costliest calls over each
 scheduler's steps; `--nothing-pays` prices every row at a whole step, so that adaptive never
 drafts and its steps' own time is all the controller costs where nothing pays.
 """
@@ -43,7 +46,9 @@ import pstats
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -101,7 +106,8 @@ class Trace:
                   f"(expected {expected / max(n, 1):.2f} accepted {accepted / max(n, 1):.2f})  "
                   f"price ms row1 {price[0]:.2f} rows2 {price[1]:.2f} rows4 {price[2]:.2f} "
                   f"step {statistics.mean(r['table'][0] for r in rs) * 1e3:.1f} (overhead "
-                  f"{statistics.mean(r['overhead'] for r in rs) * 1e3:.1f})  forward ms rows0 "
+                  f"{statistics.mean(r['overhead'] for r in rs) * 1e3:.1f}, setup "
+                  f"{statistics.mean(r['setup'] for r in rs) * 1e3:.1f})  forward ms rows0 "
                   f"{'-' if f0 is None else f'{f0 * 1e3:.1f}'}({len(fwd.get(0, []))}) per row [{marg}]  "
                   f"control {statistics.mean(r['control_s'] for r in rs) * 1e3:.2f} ms drafting "
                   f"{statistics.mean(r['drafting_s'] for r in rs) * 1e3:.2f} ms  "
@@ -112,8 +118,10 @@ def side_by_side(engine, encoded: list[list[int]], params, level: int, spec: Spe
                  profile: bool = False, nothing_pays: bool = False) -> dict:
     """Off and `spec` (adaptive) each in a scheduler of `level` places kept full (a finished request
     replaced by the next prompt at once), stepped in turn for `steps` steps each after a warm-up of
-    a quarter as many; per scheduler and decode step (no prompt in it): wall, forward and drafting
-    seconds and the drafted rows. Returns the medians (ms) by kind of step. `nothing_pays`: the
+    a quarter as many; per scheduler and step: wall, forward and drafting seconds, the drafted rows,
+    the prompts admitted and the tokens streamed. Returns the medians (ms) by kind of step (decode
+    steps, and steps that admitted a prompt), and per scheduler over every step its seconds per
+    token streamed and the share of its seconds in admitting steps. `nothing_pays`: the
     adaptive scheduler prices every row at a whole step (its curve's step without rows), so every
     one of its steps drafts nothing: what adaptive control costs a step where nothing pays."""
     if nothing_pays:  # (the live figures rescale the curve; a row still costs what the step does)
@@ -127,31 +135,44 @@ def side_by_side(engine, encoded: list[list[int]], params, level: int, spec: Spe
         t = time.perf_counter()
         out = inner(caches, tokens, depths, ancestors, last_only, aux)
         last.update(s=time.perf_counter() - t, rows=sum(len(x) for x in tokens) - len(tokens),
-                    prefill=any(last_only))
+                    admitted=sum(last_only))
         return out
 
+    def feeder(b, made: list[int]) -> Callable[[Any], None]:
+        """Submits the next prompt to scheduler `b` (and again when that one is done, to `b`): one
+        closure per scheduler (a refill defined in the loop below would resolve to the last one
+        defined, and send off's later requests to the adaptive scheduler)."""
+        nxt = [0]
+
+        def count(toks: list[int]) -> None:
+            made[0] += len(toks)
+
+        def refill(_r: Any) -> None:
+            b.submit(encoded[nxt[0] % len(encoded)], params, count, refill)
+            nxt[0] += 1
+        return refill
+
     scheds = {}
+    made: dict[str, list[int]] = {}  # per scheduler: tokens streamed in the step being stepped
     for name, s in (("off", SpecConfig(method="off")), ("adaptive", spec)):
         engine.set_spec(s)
         b = engine.batcher()
-        nxt = [0]
-
-        def refill(_r, b=b, nxt=nxt) -> None:
-            b.submit(encoded[nxt[0] % len(encoded)], params, None, refill)
-            nxt[0] += 1
-
+        made[name] = [0]
+        refill = feeder(b, made[name])
         for _ in range(level):
             refill(None)
         scheds[name] = b
     if nothing_pays:
         engine.step_costs = real_costs
     prof = {n: cProfile.Profile() for n in scheds} if profile else {}
-    got: dict[str, list[tuple[float, float, float, int]]] = {n: [] for n in scheds}
+    # per scheduler and step: wall, forward, drafting seconds, draft rows, prompts admitted, tokens
+    got: dict[str, list[tuple[float, float, float, int, int, int]]] = {n: [] for n in scheds}
     forward.step_batch = timed
     try:
         for i in range(steps + steps // 4):
             for n, b in (list(scheds.items()) if i % 2 == 0 else list(scheds.items())[::-1]):  # each goes first by turns
                 last.clear()
+                made[n][0] = 0
                 t = time.perf_counter()
                 if n in prof:
                     prof[n].enable()
@@ -159,18 +180,28 @@ def side_by_side(engine, encoded: list[list[int]], params, level: int, spec: Spe
                 if n in prof:
                     prof[n].disable()
                 wall = time.perf_counter() - t
-                if i >= steps // 4 and last and not last["prefill"]:
-                    got[n].append((wall, last["s"], b._busy - last["s"], last["rows"]))
+                if i >= steps // 4 and last:
+                    got[n].append((wall, last["s"], b._busy - last["s"], last["rows"], last["admitted"], made[n][0]))
     finally:
         forward.step_batch = inner
     ms = lambda xs: round(statistics.median(xs) * 1e3, 3) if xs else None  # noqa: E731
     out = {"level": level, "steps": steps}
-    kinds = {"off": got["off"], "adaptive, nothing drafted": [g for g in got["adaptive"] if g[3] == 0],
-             "adaptive, drafted": [g for g in got["adaptive"] if g[3] > 0]}
+    kinds = {"off": [g for g in got["off"] if not g[4]],
+             "adaptive, nothing drafted": [g for g in got["adaptive"] if g[3] == 0 and not g[4]],
+             "adaptive, drafted": [g for g in got["adaptive"] if g[3] > 0 and not g[4]],
+             "off, admitting": [g for g in got["off"] if g[4]], "adaptive, admitting": [g for g in got["adaptive"] if g[4]]}
     for k, rows in kinds.items():
-        out[k] = {"steps": len(rows), "wall_ms": ms([w for w, *_ in rows]), "forward_ms": ms([f for _, f, _, _ in rows]),
-                  "outside_forward_ms": ms([w - f - d for w, f, d, _ in rows]), "drafting_ms": ms([d for *_, d, _ in rows]),
-                  "rows": round(statistics.mean([r for *_, r in rows]), 2) if rows else None}
+        out[k] = {"steps": len(rows), "wall_ms": ms([g[0] for g in rows]), "forward_ms": ms([g[1] for g in rows]),
+                  "outside_forward_ms": ms([g[0] - g[1] - g[2] for g in rows]), "drafting_ms": ms([g[2] for g in rows]),
+                  "rows": round(statistics.mean([g[3] for g in rows]), 2) if rows else None,
+                  "admitted": round(statistics.mean([g[4] for g in rows]), 2) if rows else None}
+    # every step, admissions included: the seconds per token each scheduler streamed, and the share
+    # of its seconds in steps that admitted a prompt (what the decode-only medians above leave out)
+    for n, rows in got.items():
+        wall, toks = sum(g[0] for g in rows), sum(g[5] for g in rows)
+        out[f"{n}, all steps"] = {"steps": len(rows), "ms_per_token": round(wall / max(toks, 1) * 1e3, 3),
+                                  "admitting_share": round(sum(g[0] for g in rows if g[4]) / max(wall, 1e-9), 3),
+                                  "admitting_steps": sum(1 for g in rows if g[4])}
     for n, p in prof.items():
         buf = io.StringIO()
         pstats.Stats(p, stream=buf).sort_stats("tottime").print_stats(24)
@@ -182,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--workload", default="code")
+    ap.add_argument("--weights", default="fp32", help="engine.builtin.weights (fp32 as benchmarks/adaptive.py serves)")
     ap.add_argument("--levels", default="1,8")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -203,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = {"off": SpecConfig(method="off"), f"static {args.static}": _spec(args.static),
             f"adaptive {args.adaptive}": _spec(args.adaptive, adaptive=True)}
     cfg = load_config([f"model={args.model}", "spec.method=off", f"+workload={args.workload}",
-                       f"workload.max_new_tokens={args.max_new_tokens}", f"engine.builtin.max_batch={max(levels)}"])
+                       f"workload.max_new_tokens={args.max_new_tokens}", f"engine.builtin.max_batch={max(levels)}",
+                       f"engine.builtin.weights={args.weights}"])
     engine = open_engine(cfg)
     prompts = load_prompts(cfg.workload)[:args.prompts]
     params = sampling_params(cfg.workload)
@@ -262,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
 def _side_by_side_main(args: argparse.Namespace) -> int:
     levels = [int(x) for x in args.side_by_side.split(",")]
     cfg = load_config([f"model={args.model}", "spec.method=off", f"+workload={args.workload}",
-                       f"workload.max_new_tokens={args.max_new_tokens}", f"engine.builtin.max_batch={max(levels)}"])
+                       f"workload.max_new_tokens={args.max_new_tokens}", f"engine.builtin.max_batch={max(levels)}",
+                       f"engine.builtin.weights={args.weights}"])
     engine = open_engine(cfg)
     encoded = [encode(engine, p, cfg.workload.chat_template) for p in load_prompts(cfg.workload)[:args.prompts]]
     params = sampling_params(cfg.workload)

@@ -35,7 +35,7 @@ class PlantedCost(StepCost):
     def observe_draft(self, seconds: float, nodes: int) -> None:
         pass
 
-    def observe_overhead(self, batch: int, seconds: float) -> None:
+    def observe_overhead(self, batch: int, seconds: float, drafted: bool | None = None) -> None:
         pass
 
 

@@ -199,9 +199,12 @@ class BatchEngine:
         # acceptance estimate per spec (each request's starting point) and its confidence bands
         self.control = control if control is not None else Control.fresh(engine, self.schedule, max_batch, self.room)
         # the step overhead the step cost learns (adaptive only): the last step's start, its decode
-        # batch and its seconds in forwards and drafting, while the next step follows at once
-        self._last: tuple[float, int, float] | None = None
+        # batch, its seconds in forwards and drafting, and whether the controller priced it in full
+        # and it ran draft rows (None: not priced), while the next step follows at once
+        self._last: tuple[float, int, float, bool | None] | None = None
         self._busy, self._decoded = 0.0, 0
+        self._priced = False  # the step's controller priced its rows in full (not screened out)
+        self._drafted = False  # the step's decode forward ran draft rows
         # one slot per batch place, its capacity grown to the longest request admitted so far; made
         # at the first admission, inside inference mode like every other cache the compiled step sees
         # (a tensor made outside it has other dispatch keys, and the compiled layer would recompile)
@@ -254,9 +257,10 @@ class BatchEngine:
         """Admit what fits, run one forward over every active request, verify, commit, retire."""
         start = time.perf_counter()
         if self._last is not None and self.cost is not None:
-            was, batch, busy = self._last
-            self.cost.observe_overhead(batch, start - was - busy)
+            was, batch, busy, drafted = self._last
+            self.cost.observe_overhead(batch, start - was - busy, drafted)
         self._last, self._busy, self._decoded = None, 0.0, 0
+        self._priced = self._drafted = False
         self._retire_cancelled()
         fresh = self._admit()
         if self.prefill == "separate" and fresh:
@@ -270,7 +274,7 @@ class BatchEngine:
         self.steps += 1
         self._retire_finished()
         if self._decoded and self.active:  # a step follows at once (a loop waits only when idle)
-            self._last = (start, self._decoded, self._busy)
+            self._last = (start, self._decoded, self._busy, self._drafted if self._priced else None)
 
     def _admit(self) -> list[Request]:
         fresh = []
@@ -386,8 +390,9 @@ class BatchEngine:
         forward_s = time.perf_counter() - t
         self._busy += forward_s
         if self.cost is not None and all(tree is not None for _, tree, _, _ in plans):  # decode rows only
-            self.cost.observe_step(len(plans), sum(len(toks) - 1 for _, _, toks, _ in plans), forward_s)
-            self._decoded = len(plans)
+            rows = sum(len(toks) - 1 for _, _, toks, _ in plans)
+            self.cost.observe_step(len(plans), rows, forward_s)
+            self._decoded, self._drafted = len(plans), rows > 0
         rec, self._record = self._record, None
         if rec is not None:
             rec.update(forward_s=forward_s, rows=sum(len(toks) - 1 for _, _, toks, _ in plans),
@@ -475,6 +480,7 @@ class BatchEngine:
                     self._record = self._note(batch, extra, [floor[1]], cal.upper(est, batch_est, nodes), fills,
                                               [0] * len(live), False, True, began)
                 return {id(r): (Tree.chain(r.state.ids[-1], []), 0.0) for r in live}
+        self._priced = True
         for e in est:
             e.settle(batch_est.p)
         gains = cal.upper(est, batch_est, nodes)
@@ -558,6 +564,7 @@ class BatchEngine:
         """A step's trace record as the controller left it (benchmarks/adaptive_engine.py --trace)."""
         cost = self.cost
         return {"batch": batch, "extra": extra, "table": table, "overhead": cost.overhead_s(batch),
+                "setup": cost.setup_s(batch),
                 "draft_s": cost.draft_s, "gains": [g[:3] for g in gains], "fills": fills, "allowed": allowed,
                 "probe": probed, "kept": [0] * len(allowed), "screened": screened,
                 "control_s": time.perf_counter() - began, "drafting_s": 0.0}

@@ -9,10 +9,12 @@ n draft nodes the best choice is the n nodes of highest gain across the batch; t
 tries every n from 0 (no speculation: always a candidate) to all of them and keeps the best
 ratio. Before drafting, a request's node counts as the rows its drafter is expected to yield per
 node allowed (a lookup drafter that finds nothing adds no row), so the nodes allowed are an upper
-bound that the real drafts are then cut to. Every cost beyond the step without drafts is priced
-MARGIN above its estimate, so that the errors of the estimates (acceptance, step cost) favour
-drafting less: a draft must be expected to pay by that margin, and at a batch size where rows
-cost about what they yield, off wins. The drafts' expected tokens are doubted too, by what their
+bound that the real drafts are then cut to. A step's price with n >= 1 rows holds what drafting at
+all adds to it besides the rows (engine.decode.stepcost.setup_s: the cut, the trees' verification,
+the estimates' updates), so a few rows that yield about what they cost leave the step off's. Every
+cost beyond the step without drafts is priced MARGIN above its estimate, so that the errors of the
+estimates (acceptance, step cost) favour drafting less: a draft must be expected to pay by that
+margin, and at a batch size where rows cost about what they yield, off wins. The drafts' expected tokens are doubted too, by what their
 estimates do not know (`spread`: engine.decode.acceptance's variance of each node's gain): a total
 of nodes is weighed at its expected tokens less DOUBT standard errors of their sum, so a gain of a
 few percent that an estimate of a few samples cannot tell from a loss leaves the step off's (or the

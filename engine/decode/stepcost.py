@@ -4,7 +4,10 @@ timed on this machine over the engine's own forward at start-up and cached like 
 (engine.models.machine.measured_once, <cache>/step_cost.json; never a curve timed while other
 processes kept the CPUs busy, `engine.models.machine.timed_once`); plus what the live engine learns
 from the steps it actually runs: the drafter's seconds per drafted node and, per batch size, what a
-step without drafts and each further row really cost against the curve.
+step without drafts and each further row really cost against the curve, and what a step spends
+outside the forward and the drafting: every step (`overhead_s`), and apart, what one that ran draft
+rows spent there beyond one the controller priced and left without (`setup_s`: the cut, the trees'
+verification, the estimates' updates), a fixed cost of drafting at all that rows do not scale.
 
 The curve was timed once, at other contexts, perhaps under another load: the live figures, not the
 curve, price a step. Per batch size the live steps fit t = c0 (a + b m) by least squares (c0: the
@@ -154,6 +157,11 @@ class StepCost:
         # per batch size, the seconds of a step outside the forward and the drafting (verifying,
         # committing, streaming, the server's loop): what every step costs whatever its rows
         self.overhead: dict[int, float] = {}
+        # the same per batch size over the steps the controller priced in full, apart: those that ran
+        # no draft row (`plain`) and those that ran some (`drafting`: their drafts cut, verified as
+        # trees and learnt from). The difference is what drafting at all adds to a step (`setup_s`)
+        self.plain: dict[int, float] = {}
+        self.drafting: dict[int, float] = {}
 
     def _at(self, batch: int, extra: float) -> float:
         pts = self.curves[batch]
@@ -231,29 +239,51 @@ class StepCost:
 
     def table(self, batch: int, extra: float, count: int, optimistic: bool = False) -> list[float]:
         """Seconds of a whole step with n = 0..count draft rows: `step_s(batch, extra + n)` (the fit
-        computed once) plus the step's overhead beyond the forward (`overhead_s`). What the
-        controller reads for every total of rows it weighs (a few hundred per step at batch 32).
-        `optimistic`: no total's rows priced above the average row (what the probes weigh)."""
-        over = self.overhead_s(batch)
-        return [over + t for t in self._forward_s(batch, extra, count, optimistic)]
+        computed once) plus the step's overhead beyond the forward: a priced step's without draft
+        rows (`overhead_s` until one was seen), and for n >= 1 what drafting at all adds to it
+        (`setup_s`). What the controller reads for every total of rows it weighs (a few hundred per
+        step at batch 32). `optimistic`: no total's rows priced above the average row (what the
+        probes weigh)."""
+        plain = _nearest(self.plain, batch)
+        over = plain if plain is not None else self.overhead_s(batch)
+        setup = self.setup_s(batch)
+        forward = self._forward_s(batch, extra, count, optimistic)
+        return [over + t + (setup if n else 0.0) for n, t in enumerate(forward)]
 
     def overhead_s(self, batch: int) -> float:
         """A step's seconds outside the forward and the drafting at this batch size (the nearest
         batch size observed where this one was not; 0 before any step was)."""
-        if batch in self.overhead:
-            return self.overhead[batch]
-        if not self.overhead:
-            return 0.0
-        return self.overhead[min(self.overhead, key=lambda b: (abs(b - batch), b))]
+        got = _nearest(self.overhead, batch)
+        return 0.0 if got is None else got
 
-    def observe_overhead(self, batch: int, seconds: float) -> None:
+    def setup_s(self, batch: int) -> float:
+        """What a priced step that ran draft rows spent outside the forward and the drafting beyond
+        one that ran none, at this batch size (the nearest batch size where both kinds were seen; 0
+        before they were): cutting the drafts, verifying them as trees, learning from them. A fixed
+        cost of drafting at all, whatever the rows: at a batch size where a few rows yield about
+        what they cost, it is what decides that the step is off's."""
+        both = [b for b in self.plain if b in self.drafting]
+        if not both:
+            return 0.0
+        b = min(both, key=lambda b: (abs(b - batch), b))
+        return max(self.drafting[b] - self.plain[b], 0.0)
+
+    def observe_overhead(self, batch: int, seconds: float, drafted: bool | None = None) -> None:
         """A step's wall seconds, start to the next step's start, less its forward and drafting:
         taken as at most CLIP_HIGH x the curve's step and the overhead known so far at this batch
         size (a stall says little; a small model's overhead may be several forwards, learnt in a
-        few steps)."""
+        few steps). `drafted`: for a step the controller priced in full, whether it ran draft rows
+        (None: a step it did not price, or not adaptive's)."""
         old = self.overhead.get(batch)
         s = min(max(seconds, 0.0), CLIP_HIGH * (self.curve_s(batch, 0) + (old or 0.0)))
         self.overhead[batch] = s if old is None else old + FOLLOW * (s - old)
+        if drafted is not None:
+            # at most STEP_CLIP's high multiple of every step's: drafting steps stop where drafting
+            # does not pay, so one stall among them would otherwise keep drafting priced out there
+            s = min(s, STEP_CLIP[1] * self.overhead[batch])
+            kind = self.drafting if drafted else self.plain
+            old = kind.get(batch)
+            kind[batch] = s if old is None else old + FOLLOW * (s - old)
 
     def observe_step(self, batch: int, extra: int, seconds: float) -> None:
         """A live step's time (taken as within [CLIP_LOW, CLIP_HIGH] x the curve and within
@@ -279,6 +309,16 @@ class StepCost:
     @classmethod
     def from_json(cls, got: dict[str, Any]) -> "StepCost":
         return cls({int(b): [(int(x), ms / 1e3) for x, ms in pts] for b, pts in got["ms"].items()}, got["max_rows"])
+
+
+def _nearest(by_batch: dict[int, float], batch: int) -> float | None:
+    """The figure at `batch`, else at the nearest batch size that has one (the smaller on a tie);
+    None when there is none."""
+    if batch in by_batch:
+        return by_batch[batch]
+    if not by_batch:
+        return None
+    return by_batch[min(by_batch, key=lambda b: (abs(b - batch), b))]
 
 
 def extras_timed(batch: int, max_rows: int) -> list[int]:

@@ -395,6 +395,44 @@ def test_the_step_overhead_makes_drafts_pay_that_the_forward_alone_would_not() -
     assert c.overhead_s(8) < 0.019 + stepcost.FOLLOW * stepcost.CLIP_HIGH * (0.0193 + 0.019)
 
 
+def test_what_drafting_at_all_adds_to_a_step_is_priced_in_every_total_of_rows() -> None:
+    """Steps the controller priced and left without rows spend 5 ms outside the forward, steps that
+    ran rows 9 ms (the cut, the trees' verification, the estimates' updates): the 4 ms are priced in
+    every total of one row or more, never in the step without rows; steps it did not price (None)
+    move neither; a batch size without both kinds takes the nearest one's; one stall among the
+    drafting steps moves the figure a bounded amount."""
+    c = StepCost(TIMED, max_rows=9)
+    assert c.setup_s(8) == 0.0
+    for _ in range(200):
+        c.observe_overhead(8, 0.005, drafted=False)
+        c.observe_overhead(8, 0.009, drafted=True)
+        c.observe_overhead(8, 0.050, drafted=None)  # screened steps: in the overhead, not in the split
+    assert c.setup_s(8) == pytest.approx(0.004, rel=1e-3) and c.setup_s(4) == c.setup_s(8)
+    table = c.table(8, 0, 4)
+    assert table[0] == pytest.approx(0.005 + c.step_s(8, 0), rel=1e-3)
+    assert table[1:] == pytest.approx([0.009 + c.step_s(8, n) for n in range(1, 5)], rel=1e-3)
+    c.observe_overhead(8, 1e9, drafted=True)
+    assert c.setup_s(8) <= 0.004 + stepcost.FOLLOW * stepcost.STEP_CLIP[1] * c.overhead_s(8)
+
+
+def test_a_few_rows_that_yield_about_their_cost_do_not_pay_for_drafting_at_all() -> None:
+    """Batch 32, a 250 ms step whose rows cost 6 ms each: one confident node (0.95) per request pays
+    on its row alone (0.95 x 250 / 32 = 7.4 ms against 6 ms x MARGIN), so some requests draft; once
+    the steps that drafted are seen to spend 4 ms more outside the forward than those that did not,
+    the few nodes that pay cannot carry it and the step is off's. At batch 1, where a node is worth
+    a whole step, the same 4 ms changes nothing."""
+    c = StepCost({1: [(0, 0.030), (8, 0.032)], 32: [(0, 0.250), (64, 0.250 + 64 * 0.006)]}, max_rows=5)
+    gains = [[0.95, 0.4]] + [[0.3, 0.1]] * 31
+    assert sum(choose(gains, 32, c.table(32, 0, 64).__getitem__, margin=MARGIN)) > 0
+    assert choose([[0.95, 0.9]], 1, c.table(1, 0, 2).__getitem__, margin=MARGIN) == [2]
+    for b in (1, 32):
+        for _ in range(200):
+            c.observe_overhead(b, 0.005, drafted=False)
+            c.observe_overhead(b, 0.009, drafted=True)
+    assert choose(gains, 32, c.table(32, 0, 64).__getitem__, margin=MARGIN) == [0] * 32
+    assert choose([[0.95, 0.9]], 1, c.table(1, 0, 2).__getitem__, margin=MARGIN) == [2]
+
+
 def test_a_stalled_step_moves_the_estimate_by_a_bounded_amount() -> None:
     c = StepCost(TIMED, max_rows=9)
     _run(c, 8, 100, lambda x: 0.040 + 0.001 * x)
@@ -787,6 +825,34 @@ def test_the_engine_learns_the_time_its_steps_spend_outside_the_forward(engine: 
     reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=2)
     assert [r.result.tokens for r in reqs] == ref
     assert be.cost.overhead_s(2) == pytest.approx(0.01)
+
+
+def test_the_engine_learns_what_drafting_at_all_adds_to_a_step(engine: Engine, off, monkeypatch) -> None:
+    """On a planted clock every step spends 10 ms after the forward and a step whose verify ran
+    drafts 4 ms more learning from them: the step cost's setup at that batch size is the 4 ms (the
+    steps the controller priced and left without rows against those that ran rows), and greedy
+    output is still speculation off's."""
+    prompts, ref = off
+    spec = SpecConfig(method="ngram", depth=3, ngram_min=1, ngram_max=3, adaptive=True)
+    monkeypatch.setattr(engine, "step_costs", lambda *a: StepCost({1: [(0, 0.005), (16, 0.009)],
+                                                                   2: [(0, 0.005), (32, 0.013)]}, max_rows=4))
+    clock = PlantedClock(lambda batch, extra: 0.005)
+    clock.plant(monkeypatch, engine)
+    be = BatchEngine(engine, max_batch=2, schedule=schedule_of(spec, 2))
+    retire, learn = BatchEngine._retire_finished, BatchEngine._learn
+    monkeypatch.setattr(BatchEngine, "_retire_finished", lambda self: clock.advance(0.01) or retire(self))
+
+    def learning(self, spec, verified):
+        if any(tree.size > 1 for _, tree in verified):
+            clock.advance(0.004)
+        return learn(self, spec, verified)
+
+    monkeypatch.setattr(BatchEngine, "_learn", learning)
+    reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=2)
+    assert [r.result.tokens for r in reqs] == ref
+    assert 2 in be.cost.drafting and 2 in be.cost.plain  # both kinds of step ran at batch 2
+    assert be.cost.setup_s(2) == pytest.approx(0.004)
+    assert be.cost.plain[2] == pytest.approx(0.01)
 
 
 def test_probes_learn_that_drafts_pay_where_the_prior_said_they_would_not(engine: Engine, off, monkeypatch) -> None:
