@@ -278,18 +278,23 @@ static inline void wpair8(const bf16_t* p, vf& w0, vf& w1) {
 /* the four k-rows of a k-quad of a one-vector e4m3 block (E4M3_QUADS) as E4M3_BITS's fp32 bits (the sign
    in bit 31, exponent and mantissa in 26..20): an arithmetic 16-bit shift by 4 moves bytes 3 and 1 of
    each lane there within their 16-bit halves (the sign's copies above, cleared by the AND), bytes 2 and
-   0 after a 16-bit shift up by a byte; the low halves' move up by a 32-bit shift, or (SHUFFLE) by a byte
-   shuffle: Zen 1 runs vector shifts on one of its four pipes, shuffles on two, and a lone row, which
-   widens the most per FMA, measured faster with the shuffle, two rows slower (docs/results.md) */
-template <bool SHUFFLE = false>
+   0 after a 16-bit shift up by a byte; the low halves move up by a 32-bit shift. Zen 1 runs vector
+   shifts on one of its four pipes, shuffles on two, integer multiplies on another, and a lone row (LONE), which
+   widens the most per FMA, spreads its widening over them: bytes 2 and 0 by one vpmaddubsw (each 16-bit
+   half: byte 0 as a signed byte times 16, byte 1 times 0, the same bits as the two shifts) and one of
+   its two low halves up by a byte shuffle. A lone row measured faster so, two rows slower with the
+   multiply or with both low halves shuffled (docs/results.md). */
+template <bool LONE = false>
 static inline void wquad8(const e4m3_t* p, vf* w) {
   const __m256i v = _mm256_loadu_si256((const __m256i*)p), bits = _mm256_set1_epi32((int)0x87F00000);
   const char z = (char)0x80;  /* a zero byte */
   const __m256i up = _mm256_setr_epi8(z, z, 0, 1, z, z, 4, 5, z, z, 8, 9, z, z, 12, 13,
                                       z, z, 0, 1, z, z, 4, 5, z, z, 8, 9, z, z, 12, 13);
-  const __m256i odd = _mm256_srai_epi16(v, 4), even = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 4);
-  w[0] = (vf)_mm256_and_si256(SHUFFLE ? _mm256_shuffle_epi8(even, up) : _mm256_slli_epi32(even, 16), bits);
-  w[1] = (vf)_mm256_and_si256(SHUFFLE ? _mm256_shuffle_epi8(odd, up) : _mm256_slli_epi32(odd, 16), bits);
+  const __m256i odd = _mm256_srai_epi16(v, 4);
+  const __m256i even = LONE ? _mm256_maddubs_epi16(_mm256_set1_epi16(16), v)
+                            : _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 4);
+  w[0] = (vf)_mm256_and_si256(LONE ? _mm256_shuffle_epi8(even, up) : _mm256_slli_epi32(even, 16), bits);
+  w[1] = (vf)_mm256_and_si256(_mm256_slli_epi32(odd, 16), bits);
   w[2] = (vf)_mm256_and_si256(even, bits);
   w[3] = (vf)_mm256_and_si256(odd, bits);
 }
