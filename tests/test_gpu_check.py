@@ -77,7 +77,7 @@ def test_the_lossless_step_and_the_table_on_cpu(monkeypatch, capsys, one_torch_t
     rc = gpu_check.main(["--device", "cpu", "--model", "tiny-random", "--prompts", "2", "--tokens", "16",
                          "--steps", "lossless,vllm-head", "--time-scale", "4",
                          # the head only has to load into vLLM and draft: a short training on little data
-                         # (the default 160 answers of 128 tokens and 8 x 256-token steps took ~90 s of CPU
+                         # (the default 160 answers of 128 tokens and 8 x 256-token steps cost most of the CPU
                          # for a head nobody measures; the head's layout, draft vocabulary included, is kept)
                          "--train-steps", "20", "--override", "train.prompts=16", "--override", "train.max_new_tokens=32",
                          "--override", "train.batch=2", "--override", "train.seq_len=64",
