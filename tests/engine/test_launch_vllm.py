@@ -51,7 +51,7 @@ def _config(*extra: str) -> Config:
     return load_config(["engine=vllm", "+workload=code", f"engine.vllm.executable={VLLM}",
                         f"engine.vllm.port={free_port()}", "engine.vllm.enforce_eager=true",
                         "engine.vllm.dtype=float32", f"engine.vllm.extra_args=[--kv-cache-memory-bytes,{KV_CACHE}]",
-                        "workload.num_prompts=3", "workload.num_heldout=0", "workload.max_new_tokens=32", *extra])
+                        "workload.num_prompts=3", "workload.num_heldout=0", "workload.max_new_tokens=16", *extra])
 
 
 def _servers_on(port: int) -> str:

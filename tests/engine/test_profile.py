@@ -217,13 +217,13 @@ def test_smollm2_ngram_tau_equals_live() -> None:
     from tuner.projection.profiling import profile_config
     from engine.measure.workloads import load_prompts
 
-    over = ["+workload=code", "search.trial_prompts=2", "workload.max_new_tokens=40"]
+    over = ["+workload=code", "search.trial_prompts=2", "workload.max_new_tokens=24"]
     cfg = load_config(over)
     specs = [SpecConfig(method="ngram", depth=d, topk=1, budget=d + 1, ngram_min=m, ngram_max=4)
              for d, m in ((4, 2), (6, 1))]
     prof = profile_config(cfg, specs)
     eng = open_engine(load_config([*over, "spec.method=off"]))
-    params = SamplingParams(max_new_tokens=40, seed=0)
+    params = SamplingParams(max_new_tokens=24, seed=0)
     prompts = [eng.encode_prompt(p.text, True) for p in load_prompts(cfg.workload, "tune")[:2]]
     taus = []
     for spec in specs:

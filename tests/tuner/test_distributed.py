@@ -358,7 +358,8 @@ def test_two_vllm_workers_share_a_postgres_study_each_with_its_own_server(server
     storage = [f"search.storage={server.url}", "search.study_name=v2"]
     assert main(["optimize", "--create-only", *BASE, *storage, "engine=vllm",
                  f"engine.vllm.executable={fake_engine_exe(tmp_path)}", "search.n_trials=4",
-                 "workload.max_new_tokens=16"]) == 0
+                 # one concurrency level: what is shared (budget, ports, logs) does not depend on how many
+                 "workload.max_new_tokens=16", "workload.concurrency=[1]"]) == 0
     cmd = [sys.executable, "-m", "tuner.cli", "optimize", "--worker", *storage, "--quiet"]
     ports = [free_port(), free_port()]
     procs = [subprocess.Popen([*cmd, f"engine.vllm.port={port}", f"run_dir={tmp_path / f'w{i}'}"], env=env,
