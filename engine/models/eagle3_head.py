@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from engine.models.cache import KVBuffer
+from engine.models.eagle_head import hf_llama
 from tuner.schema.config import UserError
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -81,7 +81,7 @@ class Eagle3Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q, k = hf_llama().apply_rotary_pos_emb(q, k, cos, sin)
         past = 0 if cache is None else cache.length
         if cache is not None:
             k, v = cache.append(k, v)
@@ -102,10 +102,10 @@ class Eagle3Layer(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.self_attn = Eagle3Attention(cfg)
-        self.mlp = LlamaMLP(cfg)
-        self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.hidden_norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = hf_llama().LlamaMLP(cfg)
+        self.input_layernorm = hf_llama().LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.hidden_norm = hf_llama().LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = hf_llama().LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
 
 class Eagle3Head(nn.Module):
@@ -123,9 +123,9 @@ class Eagle3Head(nn.Module):
         self.norm_before_residual = bool(getattr(cfg, "norm_before_residual", False))
         self.fc = nn.Linear(3 * h, h, bias=False)
         self.midlayer = Eagle3Layer(cfg)
-        self.norm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
+        self.norm = hf_llama().LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, draft_vocab_size, bias=False)
-        self.rotary_emb = LlamaRotaryEmbedding(cfg)
+        self.rotary_emb = hf_llama().LlamaRotaryEmbedding(cfg)
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.arange(cfg.vocab_size) < draft_vocab_size)  # the first ids until set
         self.embed_tokens: nn.Embedding | None = None  # only when a checkpoint ships its own

@@ -21,17 +21,26 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from engine.models.cache import KVBuffer
 from tuner.schema.config import UserError
 
 WEIGHTS = "model.safetensors"
+
+
+def hf_llama() -> ModuleType:
+    """transformers' Llama modeling module, imported on first use: it is a heavy import, and most
+    processes that import the heads' modules (the native step reads `aux_features`) never build a head."""
+    from transformers.models.llama import modeling_llama
+    return modeling_llama
+
+
 # SGLang loads an EAGLE-1 draft only as architecture LlamaForCausalLMEagle, whose fc has a bias, while
 # vLLM maps "LlamaForCausalLM" to its EAGLE model and would not know that name: the head keeps vLLM's
 # config.json and gets an SGLang view beside it (same weights, a zero fc.bias, SGLang's architecture).
@@ -59,7 +68,7 @@ class EagleAttention(nn.Module):
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q, k = hf_llama().apply_rotary_pos_emb(q, k, cos, sin)
         if isinstance(past, KVBuffer):  # drafting: the cache grows in place
             k, v = past.append(k, v)
         elif past is not None:  # training-time-test unrolling: a tuple, concatenated (autograd)
@@ -81,8 +90,8 @@ class EagleLayer(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.self_attn = EagleAttention(cfg)
-        self.mlp = LlamaMLP(cfg)
-        self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = hf_llama().LlamaMLP(cfg)
+        self.post_attention_layernorm = hf_llama().LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
 
 class EagleHead(nn.Module):
@@ -94,7 +103,7 @@ class EagleHead(nn.Module):
         h = cfg.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=fc_bias)
         self.layers = nn.ModuleList([EagleLayer(cfg)])
-        self.rotary_emb = LlamaRotaryEmbedding(cfg)
+        self.rotary_emb = hf_llama().LlamaRotaryEmbedding(cfg)
         # target ids of the draft vocabulary (None: the full vocabulary); not a weight of the layout
         self.register_buffer("draft_ids", None, persistent=False)
 
