@@ -26,7 +26,7 @@ from tuner.study.selection import describe, leader
 from tuner.schema.config import BestResult, Config, HeadBound, SearchConfig
 from tuner.schema.fit import check_study_fits
 from tuner.search.space import SearchSpace
-from tuner.study.studies import Budget, finished_count
+from tuner.study.studies import PROBE_PASSES, Budget, finished_count
 from tuner.study.workers import BudgetSpent, WorkerStudy, heartbeat_stopped
 
 Log = Callable[[str], None]
@@ -162,7 +162,10 @@ def drive(cfg: Config, run_dir: Path, open_study: Callable[[SearchSpace], optuna
     with ExitStack() as stack:
         if measure is None:
             measure = stack.enter_context(study_measure(cfg, engine, prompts, run_dir))
-            check_trial_fits(cfg, measure, prompts)  # refuse before the first trial what cannot fit
+            # refuse before the first trial what cannot fit; its passes judge the first trials' baselines
+            _, passes = check_trial_fits(cfg, measure, prompts)
+            if passes:
+                study.set_user_attr(PROBE_PASSES, passes)
         objective = Objective(study, space, measure, cfg.workload, cfg.search)
         total = budget_of(study, cfg.search).total(study.get_trials(deepcopy=False))
         with Progress(study, total, quiet=quiet, noise_rel=cfg.search.noise_rel) as progress:
