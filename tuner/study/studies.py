@@ -30,6 +30,7 @@ NOISE = "noise_rel_measured"  # study user attr: the spread of its baseline pass
 FLOOR = "noise_floor"  # study user attr: the spread of its first baseline passes (the machine as the study found it)
 ROSE = "noise_rose"  # study user attr: the highest recent spread that rose above the floor beyond chance
 CONFIRM_ROUND = "confirm_round"  # trial user attr: the confirmation round a head-to-head pair belongs to
+CHECK_SIDE = "check_side"  # study user attr: which tuning prompts the held-out check compares with, and why
 PROBE_PASSES = "probe_passes"  # study user attr: the baseline passes measured before trial 0 (the first history)
 REUSED = "reused_from"  # trial user attr: the earlier trial of the same point whose figures it took (not measured)
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
