@@ -840,14 +840,14 @@ def test_the_first_trials_dipped_baseline_is_judged_against_the_probes_passes(tm
 
 
 def test_the_probe_warms_up_then_measures_the_trials_prompts_at_every_level() -> None:
-    """check_trial_fits: one warm-up run on one prompt, then PROBE_HISTORY baseline passes of the
-    trials' prompts at every level, as a trial's baseline pass plays them; their per-pass means are
-    what it returns for the history, and the fastest level-one reading sizes the work."""
+    """check_trial_fits: one prompt twice (the faster sizes the work, and a search that cannot fit is
+    refused before anything longer runs), then PROBE_HISTORY baseline passes of the trials' prompts
+    at every level, as a trial's baseline pass plays them; their per-pass means are the history."""
     from tuner.study.limits import PROBE_HISTORY, check_trial_fits
 
     cfg = load_config([*(c for c in CFG if not c.startswith("workload.concurrency")), "workload.concurrency=[1,2]"])
     calls: list[tuple[str, str, int]] = []
-    reads = iter([5.0, 9.0, 15.0, 11.0, 17.0])
+    reads = iter([5.0, 7.0, 9.0, 15.0, 11.0, 17.0])
 
     def measure(spec: SpecConfig, split: str, level: int) -> Sample:
         calls.append((spec.method, split, level))
@@ -856,5 +856,6 @@ def test_the_probe_warms_up_then_measures_the_trials_prompts_at_every_level() ->
     prompts = {"tune": ["a", "b"]}
     work, passes = check_trial_fits(cfg, measure, prompts)
     assert PROBE_HISTORY == 2 and prompts["probe"] == ["a"]
-    assert calls == [("off", "probe", 1), ("off", "tune", 1), ("off", "tune", 2), ("off", "tune", 1), ("off", "tune", 2)]
-    assert passes == [12.0, 14.0] and work is not None and work.tok_s == 11.0
+    assert calls == [("off", "probe", 1), ("off", "probe", 1), ("off", "tune", 1), ("off", "tune", 2),
+                     ("off", "tune", 1), ("off", "tune", 2)]
+    assert passes == [12.0, 14.0] and work is not None and work.tok_s == 7.0

@@ -4,11 +4,12 @@
 bounded by its own `engine.<kind>.startup_timeout_s` and runs with the trial's clock paused
 (`startup_excluded`), so a 30-150 s vLLM start never eats a trial's measuring time.
 
-Before the first trial, `check_trial_fits` plays one tuning prompt on the baseline (the first run
-pays warm-up costs), then the trials' prompts twice (the study's first baseline history), and refuses, in one line, a search whose trials cannot fit: tuning
+Before the first trial, `check_trial_fits` plays one tuning prompt on the baseline (twice: the
+first run pays warm-up costs) and refuses, in one line, a search whose trials cannot fit: tuning
 prompts x new tokens x runs per repeat (the configuration and its adjacent baseline) x
 concurrency levels x `search.repeats_min`, at the measured speed. Repeats beyond `repeats_min` are sized on the fly: a trial stops repeating when
-the next repeat would not fit (`next_repeat_fits`), and completes with the repeats it has.
+the next repeat would not fit (`next_repeat_fits`), and completes with the repeats it has. Then it
+plays the trials' prompts twice, the study's first baseline history (Objective.outlier_history).
 """
 
 from __future__ import annotations
@@ -206,22 +207,25 @@ def check_trial_fits(cfg: Config, measure: Any, prompts: dict[str, list[Any]]) -
     return (the trial's least work, the baseline passes measured on the trials' prompts).
 
     `measure` is the study's MeasureFn; it reads `prompts[split]` when called, so the probe is
-    one more split of the same dict. One tuning prompt first (the first run of a process pays
-    one-off warm-up costs), then PROBE_HISTORY passes of the trials' prompts at every level, as a
-    trial's baseline pass plays them (their tok/s, the mean over the levels, are the study's first
-    baseline history); the fastest level-one reading sizes the work. On a launched engine this
-    starts the baseline server (outside any trial clock), which trial 0 then reuses. A probe that
-    fails (a server that does not start, failed requests) checks nothing: trial 0 then records that
-    failure like any other.
+    one more split of the same dict. One tuning prompt twice (the first run of a process pays
+    one-off warm-up costs: the faster sizes the work), the refusal before anything longer runs;
+    then PROBE_HISTORY passes of the trials' prompts at every level, as a trial's baseline pass
+    plays them (their tok/s, the mean over the levels, are the study's first baseline history). On
+    a launched engine this starts the baseline server (outside any trial clock), which trial 0 then
+    reuses. A probe that fails (a server that does not start, failed requests) checks nothing:
+    trial 0 then records that failure like any other.
     """
     prompts["probe"] = prompts["tune"][:1]
     off = SpecConfig(method="off")
     levels = cfg.workload.levels
     try:
-        first = measure(off, "probe", levels[0]).tok_s
-        passes = [[measure(off, "tune", c).tok_s for c in levels] for _ in range(PROBE_HISTORY)]
+        tok_s = max(measure(off, "probe", levels[0]).tok_s for _ in range(2))
     except Exception:
         return None, []
-    work = trial_work(cfg, len(prompts["tune"]), max(first, *(p[0] for p in passes)))
+    work = trial_work(cfg, len(prompts["tune"]), tok_s)
     fits_or_refuse(cfg, work)
+    try:
+        passes = [[measure(off, "tune", c).tok_s for c in levels] for _ in range(PROBE_HISTORY)]
+    except Exception:
+        return work, []
     return work, [sum(p) / len(p) for p in passes]
