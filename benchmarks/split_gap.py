@@ -342,6 +342,8 @@ def main() -> None:
             with open(args.save, "w") as f:
                 json.dump(recs, f)
         nt, nh = (int(x) for x in args.sides.split(",")[0].split("/"))
+        if len(recs) < nt + nh:
+            raise SystemExit(f"{len(recs)} prompts measured before the time limit: a split needs {nt + nh}")
         rows = matched_rows(recs, nt, nh, args.draws)
         print(f"{args.workload}: {len(recs)} prompts measured; {nt} tuning / {nh} held-out a draw, {args.draws} draws")
         for r in rows:
