@@ -268,7 +268,7 @@ def _proxy(tau: float, prompt: int = 150, answer: int = 120) -> "PromptProxy":
     return PromptProxy(prompt, answer, tuple(round(answer / (tau * (1 + 0.05 * k))) for k in range(len(PROXY_DEPTHS))))
 
 
-def test_the_checks_tuning_side_is_matched_to_the_heldout_prompts() -> None:
+def test_the_checks_tuning_side_is_matched_to_the_heldout_prompts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Session 28's finding, planted: the held-out prompts' tau lies below the first tuning prompts'
     (today's check side, 1.9-2.3 against 1.5-1.7) and they are shorter. The matched side takes the
     tuning prompts that answer alike, so the sides' tau and context agree within a few percent where
@@ -289,6 +289,16 @@ def test_the_checks_tuning_side_is_matched_to_the_heldout_prompts() -> None:
     assert abs(side_context(side) / side_context(held) - 1) < 0.1 < abs(side_context(first) / side_context(held) - 1)
     assert mismatch(side, held) < mismatch(first, held) / 5
     assert matched_check(tune[:3], held, 3) == [0, 1, 2]  # nothing to choose from
+    # the nearest of every set of 3; past EXHAUSTIVE_SETS a swap descent, near it and as deterministic
+    import itertools
+
+    import tuner.projection.profiling as P
+
+    best = min(itertools.combinations(range(len(tune)), 3), key=lambda c: mismatch([tune[i] for i in c], held))
+    assert pick == list(best)
+    monkeypatch.setattr(P, "EXHAUSTIVE_SETS", 0)
+    descent = matched_check(tune, held, 3)
+    assert descent == matched_check(tune, held, 3) and mismatch([tune[i] for i in descent], held) < 0.02
 
 
 def test_the_study_compares_the_heldout_prompts_with_the_matched_tuning_prompts(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -298,9 +308,9 @@ def test_the_study_compares_the_heldout_prompts_with_the_matched_tuning_prompts(
     import tuner.study.measurer as M
     from engine.measure.workloads import load_prompts
 
-    cfg = load_config(["model=tiny-random", "+workload=code", "workload.num_prompts=6", "workload.num_heldout=2"])
+    cfg = load_config(["model=tiny-random", "+workload=code", "workload.num_prompts=8", "workload.num_heldout=3"])
     tune, held = load_prompts(cfg.workload, "tune"), load_prompts(cfg.workload, "heldout")
-    taus = [2.4, 2.2, 1.5, 2.3, 1.6, 2.1] + [1.55, 1.6]
+    taus = [2.4, 2.2, 1.5, 2.3, 1.6, 2.1] + [1.55, 1.6, 2.1]  # the first 2 x 3 tuning prompts are the candidates
     asked: list[list[str]] = []
 
     def proxies(cfg_, engine, prompts):
@@ -308,11 +318,11 @@ def test_the_study_compares_the_heldout_prompts_with_the_matched_tuning_prompts(
         return [_proxy(t) for t in taus]
 
     monkeypatch.setattr(M, "check_proxies", proxies)
-    prompts = {"tune": tune[:2], "heldout": held, CHECK: tune[:2]}
+    prompts = {"tune": tune[:2], "heldout": held, CHECK: tune[:3]}
     line = M.match_check_side(cfg, object(), prompts)
-    assert asked == [[p.id for p in tune + held]]
-    assert [p.id for p in prompts[CHECK]] == [tune[2].id, tune[4].id]
+    assert asked == [[p.id for p in tune[:6] + held]]
+    assert [p.id for p in prompts[CHECK]] == [tune[1].id, tune[2].id, tune[4].id]  # the nearest three, by brute force
     assert not {p.id for p in prompts[CHECK]} & {p.id for p in held}
-    assert line.startswith("2 of 6 tuning prompts matched to the 2 held-out ones (tuning prompts 2, 4)")
-    kept = {"tune": tune[:2], "heldout": held, CHECK: tune[:2]}
-    assert "needs the built-in engine" in M.match_check_side(cfg, None, kept) and kept[CHECK] == tune[:2]
+    assert line.startswith("3 of 6 tuning prompts matched to the 3 held-out ones (tuning prompts 1, 2, 4)")
+    kept = {"tune": tune[:2], "heldout": held, CHECK: tune[:3]}
+    assert "needs the built-in engine" in M.match_check_side(cfg, None, kept) and kept[CHECK] == tune[:3]

@@ -100,9 +100,15 @@ def check_proxies(cfg: Config, engine: Engine, prompts: list[Prompt]) -> list[Pr
     return out
 
 
+# Tuning prompts the check side is chosen among, per prompt it plays: 6 of 12 by default, and a
+# large split pays answers for twice the check's prompts, not for every tuning prompt.
+CHECK_CANDIDATES = 2
+
+
 def match_check_side(cfg: Config, engine: Engine | None, prompts: dict[str, list[Prompt]]) -> str:
-    """Choose the held-out check's tuning side (prompts[CHECK]) among the tuning prompts: the
-    check_prompt_count of them matched to the held-out prompts (tuner.projection.profiling.matched_check)
+    """Choose the held-out check's tuning side (prompts[CHECK]) among the first CHECK_CANDIDATES x
+    check_prompt_count tuning prompts (their answers cost a generation each): as many as the check
+    plays, matched to the held-out prompts (tuner.projection.profiling.matched_check)
     on their answers' PromptProxy, so that the two sides' prompts differ as little as a split can make
     them in what drives a speedup. Needs the built-in engine (the answers); a launched server keeps
     the first tuning prompts. Returns one line for the log (and best.yaml heldout_check.check_side)."""
@@ -114,7 +120,8 @@ def match_check_side(cfg: Config, engine: Engine | None, prompts: dict[str, list
         return "no held-out prompts"
     if engine is None:
         return f"the first {n} tuning prompts (matching them to the held-out ones needs the built-in engine's answers)"
-    tune = load_prompts(w, "tune", request_encoder(cfg, engine), cfg.model.max_context if user_requests(cfg) else None)
+    ctx = cfg.model.max_context if user_requests(cfg) else None
+    tune = load_prompts(w, "tune", request_encoder(cfg, engine), ctx)[: CHECK_CANDIDATES * n]
     if n >= len(tune):
         return f"all {len(tune)} tuning prompts"
     proxies = check_proxies(cfg, engine, [*tune, *prompts["heldout"]])
