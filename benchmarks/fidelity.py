@@ -36,11 +36,12 @@ held-out); the last line printed is one JSON object with `max_regret`,
 0.05). `max_heldout_gap_beyond_interval` is the largest distance between 0 and a run's gap interval
 (0 when the interval holds 0): how far held-out lies from tuning beyond what the choice of prompts
 and the timing explain (tuner.study.selection.heldout_excess). It is no substitute for the goal:
-with 6 prompts a side the interval is 40-70% wide, so it reads 0 unless the gap is gross. The
-check's two sides are two fixed sets of 6 HumanEval prompts whose tau differs by 20% under ngram d4
-(greedy, so in every run alike) and two random sets of 6 differ by 15% on average
-(benchmarks/split_gap.py): the raw gap mostly measures which prompts the split dealt, however long
-they are timed. `max_heldout_gap_width` is the widest interval (what the check could resolve). Usage:
+with 6 prompts a side the interval is 40-70% wide, so it reads 0 unless the gap is gross. Two
+random sets of 6 HumanEval prompts differ in tau by 15% on average (benchmarks/split_gap.py), so
+the check's tuning side is the set of tuning prompts matched to the held-out ones on their answers'
+replayed n-gram tau and context (tuner.study.measurer.match_check_side; each run's
+`check.check_side` says which): with the first tuning prompts the raw gap mostly measured which
+prompts the split dealt. `max_heldout_gap_width` is the widest interval (what the check could resolve). Usage:
 
     python benchmarks/fidelity.py                       # SmolLM2, 3 seeds, quiet and loaded
     python benchmarks/fidelity.py --search default --depth-max 6 --ref-rounds 8   # larger, longer

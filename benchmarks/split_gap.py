@@ -24,12 +24,20 @@ within 5%, and the gap of the workload's own seeded split (the first num_prompts
 prompts of its order, as every study of the workload sees them). Then, for what would reach 5%, a
 bootstrap of random splits of more prompts a side than the pool holds (--needed, drawn with
 replacement). The last line is one JSON object. --save / --load keep the per-prompt figures (the
-statistics and counts, no prompt text) so the analysis reruns without generating. Usage:
+statistics and counts, no prompt text) so the analysis reruns without generating.
+
+--matched compares the held-out check's two ways of choosing its tuning side: the first tuning
+prompts (before) and the study's matched ones (tuner.projection.profiling.matched_check, on each
+prompt's greedy answer replayed under n-gram chains). Each prompt's answer is generated once and its
+decode timed under off, ngram d2 and d3; per random draw of a split, each side's tau (d1-d4), off's
+tok/s and the d2 / d3 speedups are read as the check reads them (ratios of sums), and the gap of
+held-out against the check's tuning side summarised. Usage:
 
     python benchmarks/split_gap.py                     # code workload, 80 prompts, 2000 draws
     python benchmarks/split_gap.py --workload chat --pool 60
     python benchmarks/split_gap.py --max-new-tokens 32 --sides 6/6,24/24   # more prompts at fewer tokens
     python benchmarks/split_gap.py --load figures.json --sides 12/6     # the analysis alone
+    python benchmarks/split_gap.py --matched --pool 36 --sides 12/6 --time-limit-s 420   # the check side, timed
 """
 
 from __future__ import annotations
@@ -208,6 +216,101 @@ def default_gap(recs: list[Record], n_tune: int, n_held: int, design: Design, ta
     return gap(tune, held, n_held, tau_key)
 
 
+# ---- the study's matched check side (tuner.projection.profiling.matched_check), timed ----------
+
+TIMED = ("off", "d2", "d3")  # what each prompt's decode is timed under: off and the usual winners
+
+
+def timed_records(workload: str, n: int, deadline: float | None = None) -> list[Record]:
+    """Each of the pool's first n prompts (the workload's seeded order) with what the study's
+    matching reads (its PromptProxy: prompt and answer tokens, replayed forwards at PROXY_DEPTHS),
+    the replayed forwards of chains d1-d4 (exact under greedy: the answer is every configuration's),
+    and its decode timed once under each of TIMED (tokens after the first, seconds after the first
+    token: a study's passes find the prompt's prefill cached), the order rotating from prompt to
+    prompt so drift spreads over all three. No prompt text is kept. Stops at `deadline` (time.time())."""
+    import time
+
+    from engine.drafters.ngram import replayed_forwards
+    from tuner.projection.profiling import PROXY_DEPTHS
+
+    cfg = load_config([f"+workload={workload}"])
+    eng = open_engine(cfg)
+    pool = _pool(cfg.workload)
+    random.Random(cfg.workload.seed).shuffle(pool)
+    params = sampling_params(cfg.workload, seed=cfg.seed)
+    specs = {"off": SpecConfig(method="off"), "d2": SpecConfig(method="ngram", depth=2, topk=1, budget=3),
+             "d3": SpecConfig(method="ngram", depth=3, topk=1, budget=4),
+             "d8": SpecConfig(method="ngram", depth=8, topk=1, budget=9)}
+    out: list[Record] = []
+    for i, p in enumerate(pool[:n]):
+        if deadline is not None and time.time() > deadline:
+            break
+        ids = encode(eng, p, cfg.workload.chat_template)
+        eng.set_spec(specs["d8"])
+        answer = list(eng.generate(ids, params).tokens)
+        rec: Record = {"id": p.id, "prompt_tokens": len(ids), "answer_tokens": len(answer),
+                       "proxy": [replayed_forwards(ids, answer, d) for d in PROXY_DEPTHS],
+                       "forwards": {f"d{d}": replayed_forwards(ids, answer, d) for d in (1, 2, 3, 4)}}
+        for k in TIMED[i % len(TIMED):] + TIMED[:i % len(TIMED)]:
+            eng.set_spec(specs[k])
+            s = eng.generate(ids, params).stats
+            rec[k] = (s.new_tokens - 1, s.total_s - s.ttft_s)
+        out.append(rec)
+    return out
+
+
+def _proxies(recs: list[Record]) -> list:
+    from tuner.projection.profiling import PromptProxy
+
+    return [PromptProxy(r["prompt_tokens"], r["answer_tokens"], tuple(r["proxy"])) for r in recs]  # type: ignore[arg-type]
+
+
+def side_figures(side: list[Record]) -> dict[str, float]:
+    """One side's figures as the check reads them: tau per chain (tokens over forwards), off's
+    tok/s and each timed chain's speedup (ratios of sums over the side's prompts)."""
+    tokens = sum(r["answer_tokens"] for r in side)  # type: ignore[misc]
+    out = {f"tau {k}": tokens / sum(r["forwards"][k] for r in side) for k in ("d1", "d2", "d3", "d4")}  # type: ignore[index]
+    secs = {k: sum(r[k][1] for r in side) for k in TIMED}  # type: ignore[index]
+    toks = {k: sum(r[k][0] for r in side) for k in TIMED}  # type: ignore[index]
+    out["off tok/s"] = toks["off"] / secs["off"]
+    for k in TIMED[1:]:
+        out[f"speedup {k}"] = (toks[k] / secs[k]) / out["off tok/s"]
+    return out
+
+
+def check_sides(recs: list[Record], n_tune: int, n_held: int, design: str) -> tuple[list[Record], list[Record]]:
+    """The check's two sides of one split (the first n_tune tuning, the next n_held held out):
+    'first' (before: the first n_held tuning prompts) or 'matched' (the study's rule now)."""
+    from tuner.projection.profiling import matched_check
+
+    tune, held = recs[:n_tune], recs[n_tune:n_tune + n_held]
+    if design == "first":
+        return tune[:n_held], held
+    return [tune[i] for i in matched_check(_proxies(tune), _proxies(held), n_held)], held
+
+
+def matched_rows(recs: list[Record], n_tune: int, n_held: int, draws: int) -> list[dict[str, object]]:
+    """Per design, over `draws` random draws of n_tune + n_held prompts (and the workload's own
+    seeded split, the first prompts): the mean, p90 and max of |held-out / check's tuning side - 1|
+    for every figure of side_figures."""
+    rng = random.Random(0)
+    subs = [recs[:n_tune + n_held]] + [rng.sample(recs, n_tune + n_held) for _ in range(draws)]
+    rows = []
+    for design in ("first", "matched"):
+        gaps: dict[str, list[float]] = {}
+        for sub in subs:
+            c, h = check_sides(sub, n_tune, n_held, design)
+            fc, fh = side_figures(c), side_figures(h)
+            for k in fc:
+                gaps.setdefault(k, []).append(abs(fh[k] / fc[k] - 1))
+        for k, g in gaps.items():
+            rest = sorted(g[1:])
+            rows.append({"design": design, "figure": k, "seeded_split": g[0], "mean": statistics.fmean(rest),
+                         "p90": rest[int(0.9 * len(rest))], "max": rest[-1],
+                         "within_5pct": sum(x <= 0.05 for x in rest) / len(rest)})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workload", default="code")
@@ -221,7 +324,33 @@ def main() -> None:
     ap.add_argument("--load", default=None, help="read the per-prompt figures from a --save file instead of generating")
     ap.add_argument("--needed", default="6,12,24,48,96,192,384",
                     help="prompts a side for the bootstrap of what would reach 5%% (random split, with replacement)")
+    ap.add_argument("--matched", action="store_true",
+                    help="the study's matched check side against the first tuning prompts: each prompt's answer "
+                         "replayed and its decode timed under off, d2 and d3 (--pool prompts; --sides' first entry)")
+    ap.add_argument("--time-limit-s", type=float, default=None, help="--matched: stop measuring prompts after this")
     args = ap.parse_args()
+    if args.matched:
+        import time
+
+        deadline = time.time() + args.time_limit_s if args.time_limit_s else None
+        if args.load:
+            with open(args.load) as f:
+                recs = json.load(f)
+        else:
+            recs = timed_records(args.workload, args.pool, deadline)
+        if args.save:
+            with open(args.save, "w") as f:
+                json.dump(recs, f)
+        nt, nh = (int(x) for x in args.sides.split(",")[0].split("/"))
+        if len(recs) < nt + nh:
+            raise SystemExit(f"{len(recs)} prompts measured before the time limit: a split needs {nt + nh}")
+        rows = matched_rows(recs, nt, nh, args.draws)
+        print(f"{args.workload}: {len(recs)} prompts measured; {nt} tuning / {nh} held-out a draw, {args.draws} draws")
+        for r in rows:
+            print(f"  {r['design']:8s} {r['figure']:12s} |gap| seeded split {r['seeded_split']:.3f}, draws mean "
+                  f"{r['mean']:.3f} p90 {r['p90']:.3f} max {r['max']:.3f}, within 5% in {r['within_5pct']:.0%}")
+        print(json.dumps({"workload": args.workload, "prompts": len(recs), "tune": nt, "heldout": nh, "rows": rows}))
+        return
     if args.load:
         with open(args.load) as f:
             recs = json.load(f)

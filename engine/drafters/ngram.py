@@ -93,3 +93,27 @@ class NgramTrieDrafter(Drafter):
         if s.ngram_match == "prob":
             return best_first_tree(ids[-1], node, s.depth, s.topk, s.budget)[0]
         return bfs_tree(ids[-1], node, s.depth, s.topk, s.budget)
+
+
+def replayed_forwards(prompt_ids: list[int], answer_ids: list[int], depth: int) -> int:
+    """Target forwards a greedy n-gram chain of `depth` (topk 1) takes to commit `answer_ids` after
+    `prompt_ids`, counted as the engine counts them (GenStats.target_forwards): the prompt's forward
+    gives the first token, then each step drafts what NgramDrafter would and commits the draft's
+    longest prefix that the answer continues with plus the target's own token. Exact for greedy
+    decoding (the answer is then every configuration's output); for a sampled answer a proxy of how
+    much of it repeats what came before."""
+    if not answer_ids:
+        return 0
+    drafter = NgramDrafter(SpecConfig(method="ngram", depth=depth, topk=1, budget=depth + 1))
+    drafter.reset(prompt_ids)
+    ids, pos, end, forwards = [*prompt_ids, answer_ids[0]], 1, len(answer_ids), 1
+    while pos < end:
+        draft = drafter.lookup(ids)
+        k = 0
+        while k < len(draft) and pos + k < end and draft[k] == answer_ids[pos + k]:
+            k += 1
+        step = min(k + 1, end - pos)
+        ids += answer_ids[pos:pos + step]
+        pos += step
+        forwards += 1
+    return forwards

@@ -63,6 +63,22 @@ def test_greedy_identical(engine: Engine, prompts, reference, spec: SpecConfig) 
         engine.set_spec(SpecConfig(method="off"))
 
 
+@pytest.mark.parametrize("depth", [2, 4, 8])
+def test_replayed_forwards_are_the_engines_own(engine: Engine, prompts, reference, depth: int) -> None:
+    """The held-out check matches its sides on answers replayed under n-gram chains
+    (engine.drafters.ngram.replayed_forwards): on a real answer, with drafts accepted, the replay
+    counts exactly the target forwards the engine takes for that chain."""
+    from engine.drafters.ngram import replayed_forwards
+
+    engine.set_spec(SpecConfig(method="ngram", depth=depth, topk=1, budget=depth + 1))
+    try:
+        res = engine.generate(prompts[0], SamplingParams(max_new_tokens=N_NEW))
+    finally:
+        engine.set_spec(SpecConfig(method="off"))
+    assert res.tokens == reference[0] and res.stats.accepted_tokens > 0
+    assert replayed_forwards(prompts[0], reference[0], depth) == res.stats.target_forwards
+
+
 def test_draft_model_of_the_same_checkpoint(engine: Engine, prompts, reference) -> None:
     """The converted checkpoint as its own draft model: a real HF draft load (tokenizer check passes)
     whose drafts are almost always accepted."""

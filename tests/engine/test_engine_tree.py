@@ -183,3 +183,26 @@ def test_greedy_argmax_is_torchs_first_maximum_in_every_layout() -> None:
             assert [argmax_token(row) for row in t] == t.argmax(dim=-1).tolist()
     assert argmax_rows(x)[:5] == [int(x[0].argmax()), 10, 0, 3000, 4095]
     assert isinstance(argmax_token(x[0]), int)
+
+
+@pytest.mark.parametrize("depth", [1, 3, 8])
+def test_replayed_forwards_count_as_the_engine_counts(engine, depth: int) -> None:
+    """The held-out check's proxy (tuner.projection.profiling.PromptProxy) replays a greedy answer
+    under an n-gram chain: it counts the target forwards the engine itself takes (the prompt's
+    forward gives the first token). Planted answers check the drafts it accepts; on the real model,
+    whose answers repeat, tests/engine/test_engine_smollm2.py checks it against the engine with
+    accepted drafts (a random model's answers repeat nothing)."""
+    from engine.api import SamplingParams
+    from engine.drafters.ngram import replayed_forwards
+
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    engine.set_spec(SpecConfig(method="ngram", depth=depth, topk=1, budget=depth + 1))
+    try:
+        got = engine.generate(prompt, SamplingParams(max_new_tokens=24, temperature=0.0))
+    finally:
+        engine.set_spec(SpecConfig(method="off"))
+    assert replayed_forwards(prompt, got.tokens, depth) == got.stats.target_forwards
+    # one forward a token with nothing to look up, none for no answer
+    assert replayed_forwards([1], [2, 3, 4], depth) == 3 and replayed_forwards([1], [], depth) == 0
+    # after the prompt's forward gives 1, the 2-gram (9, 1) seen before drafts 2, 3, 9, 1: all accepted
+    assert replayed_forwards([9, 1, 2, 3, 9], [1, 2, 3, 9, 1], depth) == 1 + -(-4 // (depth + 1))

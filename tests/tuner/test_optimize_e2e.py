@@ -82,8 +82,15 @@ def test_quick_study_end_to_end(tmp_path: Path, engine, capsys) -> None:
     assert best.provenance.study == "s" and best.provenance.model == "tiny-random"
     assert best.heldout is not None and best.heldout.output_tokens_per_s > 0
     assert best.baseline is not None and best.metrics is not None
+    # the check compared the held-out prompts with the tuning prompts matched to them (their answers
+    # generated once, before the trials), and the trials' first pairs had the probe's passes behind them
+    if best.heldout_check is not None:
+        assert best.heldout_check.check_side.startswith("2 of 3 tuning prompts matched to the 2 held-out ones")
+    with sqlite3.connect(run_dir / "study.db") as db:
+        probe = db.execute("select value_json from study_user_attributes where key='probe_passes'").fetchall()
+    assert len(yaml.safe_load(probe[0][0])) == 2
     # the engine was given (nothing loaded) and no head trained: the phases the run had, in order
-    assert list(best.phases_s) == ["trials", "confirmation", "held-out"]
+    assert list(best.phases_s) == ["check side", "trials", "confirmation", "held-out"]
     assert best.phases_s["trials"] > 0 and best.phases_s["held-out"] > 0
     html = (run_dir / "report.html").read_text()
     assert "history.png" in html and best.spec.key() in html
@@ -117,7 +124,7 @@ def test_winner_is_off_when_speculation_cannot_help(tmp_path: Path, engine) -> N
     assert "slowdown trap" in best.reason and "Acceptance too low" in best.reason
     assert best.speedup == 1.0 and best.heldout_speedup == 1.0
     # an empty cache: the head's answers and training are phases of this run, timed apart
-    assert list(best.phases_s)[:3] == ["eagle answers", "eagle training", "trials"]
+    assert list(best.phases_s)[:4] == ["eagle answers", "eagle training", "check side", "trials"]
     assert best.phases_s["eagle training"] > 0
 
 

@@ -22,7 +22,7 @@ from tuner.schema.config import Config, SpecConfig
 from tuner.search.space import SearchSpace
 from tuner.study.objective import Objective, Sample, spec_attrs
 from tuner.study.selection import confirm, leader, pick_winner
-from tuner.study.studies import ROLE, ROSE, make_pruner
+from tuner.study.studies import PROBE_PASSES, ROLE, ROSE, make_pruner
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -814,3 +814,48 @@ def test_the_noisy_round_takes_in_a_trial_left_out_against_the_leaders_lucky_pai
     assert "taken in once the round placed the best: ngram d2 k1 b3" in lines[-1]
     win = pick_winner(study.trials, cfg.search.noise_rel, [1])
     assert win.spec == ng(2), win.reason
+
+
+@pytest.mark.parametrize("probe", [True, False])
+def test_the_first_trials_dipped_baseline_is_judged_against_the_probes_passes(tmp_path: Path, probe: bool) -> None:
+    """A quick study (one pair a trial): trial 1's pair has only trial 0's single pass behind it,
+    fewer than OUTLIER_HISTORY, so its baseline, dipped to half (5 against 10 tok/s), went unjudged
+    and read ngram d3 at 2.8x (below tau 3.0: the tau rule cannot see it). The baseline passes
+    measured before trial 0 (study attr PROBE_PASSES, check_trial_fits) are its history now: the
+    pair is measured again and reads 1.4x."""
+    cfg = load_config([*CFG, "search.repeats_min=1", "search.repeats_max=1"])
+    measure = Planted(lambda spec, n: (14.0, 3.0), base_script=[10.0, 5.0, 10.0])
+    study, objective = study_of(tmp_path, cfg, measure, [ng(3)], share=False)
+    if probe:
+        study.set_user_attr(PROBE_PASSES, [10.1, 9.9])
+    objective.run_one()
+    objective.run_one()
+    t = study.trials[1]
+    if probe:
+        (why,) = t.user_attrs["remeasured"]
+        assert "paired baseline 5.0 tok/s is an outlier" in why and "over the last 3 passes" in why
+        assert t.user_attrs["ratios"] == [1.4]
+    else:  # the control: without them the dip decides the trial
+        assert "remeasured" not in t.user_attrs and t.user_attrs["ratios"] == [2.8]
+
+
+def test_the_probe_warms_up_then_measures_the_trials_prompts_at_every_level() -> None:
+    """check_trial_fits: one prompt twice (the faster sizes the work, and a search that cannot fit is
+    refused before anything longer runs), then PROBE_HISTORY baseline passes of the trials' prompts
+    at every level, as a trial's baseline pass plays them; their per-pass means are the history."""
+    from tuner.study.limits import PROBE_HISTORY, check_trial_fits
+
+    cfg = load_config([*(c for c in CFG if not c.startswith("workload.concurrency")), "workload.concurrency=[1,2]"])
+    calls: list[tuple[str, str, int]] = []
+    reads = iter([5.0, 7.0, 9.0, 15.0, 11.0, 17.0])
+
+    def measure(spec: SpecConfig, split: str, level: int) -> Sample:
+        calls.append((spec.method, split, level))
+        return Sample(next(reads), 1.0)
+
+    prompts = {"tune": ["a", "b"]}
+    work, passes = check_trial_fits(cfg, measure, prompts)
+    assert PROBE_HISTORY == 2 and prompts["probe"] == ["a"]
+    assert calls == [("off", "probe", 1), ("off", "probe", 1), ("off", "tune", 1), ("off", "tune", 2),
+                     ("off", "tune", 1), ("off", "tune", 2)]
+    assert passes == [12.0, 14.0] and work is not None and work.tok_s == 7.0

@@ -3,14 +3,19 @@ the whole config, so the engine (engine.measure.profile) receives only explicit 
 
 - The tuning prompts: the first `search.trial_prompts` prompts of a split (all when null). Trials,
   acceptance profiles and guided search all play these. The winner's held-out check compares the
-  held-out prompts with as many tuning prompts (`check_prompt_count`).
+  held-out prompts with as many tuning prompts (`check_prompt_count`), those matched to the held-out
+  prompts on what drives a speedup (`matched_check`: the greedy answers' replayed n-gram tau and the
+  context decoded over), so that the check's gap measures the winner, not which prompts each side holds.
 - The precision: FP8-rounded weights when the deployment serves FP8 or the built-in engine is set
   to emulate it, since acceptance changes with the weights' rounding.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tuner.schema.config import Config, SpecConfig, UserError
@@ -45,6 +50,83 @@ def check_prompt_count(cfg: Config) -> int:
     w = cfg.workload
     trial = cfg.search.trial_prompts if cfg.search.trial_prompts is not None else w.num_prompts
     return min(w.num_prompts, max(w.num_heldout, trial))
+
+
+# The n-gram chains whose replayed tau a check side is matched on: short, middle and long drafts, so
+# the sides agree on how much of the answers repeats however far the winner drafts.
+PROXY_DEPTHS = (2, 4, 8)
+# How much a mismatch of the context decoded over counts against one of tau (both on logs): off's
+# step costs more on a longer context, and on this workload's held-out prompts, about a third
+# shorter, off ran a few percent faster (docs/results.md, issue 39): about a quarter of the
+# context's ratio reaches the speed.
+CONTEXT_WEIGHT = 0.25
+
+
+@dataclass(frozen=True)
+class PromptProxy:
+    """What one prompt's greedy answer says of the speedup it gives, before any timing: its prompt
+    and answer tokens and the target forwards n-gram chains of PROXY_DEPTHS take to commit the
+    answer (engine.drafters.ngram.replayed_forwards). Counts only: no text."""
+
+    prompt_tokens: int
+    answer_tokens: int
+    forwards: tuple[int, ...]
+
+
+def side_tau(side: Sequence[PromptProxy], k: int) -> float:
+    """Tokens per target forward of a set of prompts under the chain of PROXY_DEPTHS[k] (as the
+    check reads tau: total tokens over total forwards; 1.0 for answers of no tokens)."""
+    forwards = sum(p.forwards[k] for p in side)
+    return sum(p.answer_tokens for p in side) / forwards if forwards else 1.0
+
+
+def side_context(side: Sequence[PromptProxy]) -> float:
+    """The mean context a set of prompts' answer tokens are decoded over (prompt plus half the answer,
+    weighted by answer tokens; at least one token)."""
+    tokens = sum(p.answer_tokens for p in side)
+    ctx = sum(p.answer_tokens * (p.prompt_tokens + p.answer_tokens / 2) for p in side) / max(1, tokens)
+    return max(1.0, ctx)
+
+
+def mismatch(a: Sequence[PromptProxy], b: Sequence[PromptProxy]) -> float:
+    """How far two sets of prompts lie apart on what drives a speedup: the mean |log tau ratio| over
+    PROXY_DEPTHS plus CONTEXT_WEIGHT x |log context ratio|; 0 for sets alike."""
+    taus = [abs(math.log(side_tau(a, k) / side_tau(b, k))) for k in range(len(PROXY_DEPTHS))]
+    return sum(taus) / len(taus) + CONTEXT_WEIGHT * abs(math.log(side_context(a) / side_context(b)))
+
+
+# Sets of tuning prompts matched_check compares one by one at most (924 at the default 6 of 12,
+# 12,870 at 8 of 16); beyond, a swap descent, which can stop at a set a little off the nearest.
+EXHAUSTIVE_SETS = 20_000
+
+
+def matched_check(tune: Sequence[PromptProxy], held: Sequence[PromptProxy], n: int) -> list[int]:
+    """The indices (ascending) of `n` tuning prompts whose set lies nearest the held-out set
+    (`mismatch`), the first such set in lexicographic order: every set compared while there are at
+    most EXHAUSTIVE_SETS, else from the first n the best single swap of a chosen prompt for an
+    unchosen one while it lowers the mismatch. Deterministic."""
+    chosen = list(range(min(n, len(tune))))
+    if len(chosen) == len(tune) or not held:
+        return chosen
+    if math.comb(len(tune), len(chosen)) <= EXHAUSTIVE_SETS:
+        best_set = min(itertools.combinations(range(len(tune)), len(chosen)),
+                       key=lambda c: mismatch([tune[i] for i in c], held))  # min keeps the first of equals
+        return list(best_set)
+    cost = mismatch([tune[i] for i in chosen], held)
+    while True:
+        best: tuple[float, int, int] | None = None
+        for a in range(len(chosen)):
+            for j in range(len(tune)):
+                if j in chosen:
+                    continue
+                trial = chosen[:a] + [j] + chosen[a + 1:]
+                c = mismatch([tune[i] for i in trial], held)
+                if c < cost - 1e-12 and (best is None or c < best[0]):
+                    best = (c, a, j)
+        if best is None:
+            return sorted(chosen)
+        cost, a, j = best
+        chosen[a] = j
 
 
 def profile_config(cfg: Config, specs: Sequence[SpecConfig], split: str = "tune", n_prompts: int | None = None,

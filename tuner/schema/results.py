@@ -185,6 +185,8 @@ class HeldoutCheck(_Strict):
     # holds: the interval holds 0 and excludes a held-out speedup of 1.0 (speculation still pays);
     # below / above: the interval lies on one side of 0; inconclusive: it holds 0 and 1.0x alike
     verdict: Literal["holds", "below", "above", "inconclusive"] | None = None
+    # which tuning prompts the check compared with and why (tuner.study.measurer.match_check_side)
+    check_side: str | None = None
 
 
 class HeadPilot(_Strict):

@@ -19,14 +19,14 @@ from optuna.trial import TrialState
 
 from engine.heartbeat import INTERVAL_S, Heartbeat
 from tuner.study.limits import check_trial_fits
-from tuner.study.measurer import (LAUNCHED, get_drafts, needs_head, open_engine, study_measure, study_prompts,
-                                  without_methods)
+from tuner.study.measurer import (LAUNCHED, get_drafts, match_check_side, needs_head, open_engine, study_measure,
+                                  study_prompts, without_methods)
 from tuner.study.objective import MeasureFn, Objective, TrialOutcome
 from tuner.study.selection import describe, leader
 from tuner.schema.config import BestResult, Config, HeadBound, SearchConfig
 from tuner.schema.fit import check_study_fits
 from tuner.search.space import SearchSpace
-from tuner.study.studies import Budget, finished_count
+from tuner.study.studies import CHECK_SIDE, PROBE_PASSES, Budget, finished_count
 from tuner.study.workers import BudgetSpent, WorkerStudy, heartbeat_stopped
 
 Log = Callable[[str], None]
@@ -159,15 +159,24 @@ def drive(cfg: Config, run_dir: Path, open_study: Callable[[SearchSpace], optuna
         before_work()
     study = open_study(space)
     prompts = study_prompts(cfg, engine)
+    t0 = time.monotonic()
+    check_side = match_check_side(cfg, engine, prompts)
+    study.set_user_attr(CHECK_SIDE, check_side)
+    if engine is not None and cfg.workload.num_heldout > 0:
+        phases["check side"] = round(time.monotonic() - t0, 1)
     with ExitStack() as stack:
         if measure is None:
             measure = stack.enter_context(study_measure(cfg, engine, prompts, run_dir))
-            check_trial_fits(cfg, measure, prompts)  # refuse before the first trial what cannot fit
+            # refuse before the first trial what cannot fit; its passes judge the first trials' baselines
+            _, passes = check_trial_fits(cfg, measure, prompts)
+            if passes:
+                study.set_user_attr(PROBE_PASSES, passes)
         objective = Objective(study, space, measure, cfg.workload, cfg.search)
         total = budget_of(study, cfg.search).total(study.get_trials(deepcopy=False))
         with Progress(study, total, quiet=quiet, noise_rel=cfg.search.noise_rel) as progress:
             for line in intro(study):
                 progress.log(line)
+            progress.log(f"held-out check's tuning side: {check_side}")
             lean = getattr(engine, "lean", None)
             if getattr(lean, "native", None) is not None:
                 progress.log("target forward: the native step, one C++ call a step (engine.builtin.native_step)")

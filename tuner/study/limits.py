@@ -8,7 +8,8 @@ Before the first trial, `check_trial_fits` plays one tuning prompt on the baseli
 first run pays warm-up costs) and refuses, in one line, a search whose trials cannot fit: tuning
 prompts x new tokens x runs per repeat (the configuration and its adjacent baseline) x
 concurrency levels x `search.repeats_min`, at the measured speed. Repeats beyond `repeats_min` are sized on the fly: a trial stops repeating when
-the next repeat would not fit (`next_repeat_fits`), and completes with the repeats it has.
+the next repeat would not fit (`next_repeat_fits`), and completes with the repeats it has. Then it
+plays the trials' prompts twice, the study's first baseline history (Objective.outlier_history).
 """
 
 from __future__ import annotations
@@ -195,19 +196,36 @@ def fits_or_refuse(cfg: Config, work: TrialWork) -> None:
         f"{math.ceil(work.seconds * 1.25)}{fewer} (or fewer workload.max_new_tokens)")
 
 
-def check_trial_fits(cfg: Config, measure: Any, prompts: dict[str, list[Any]]) -> TrialWork | None:
-    """Measure the baseline on one tuning prompt and refuse a search whose trials cannot fit.
+# Baseline passes on the trials' prompts measured before trial 0, after the warm-up run: the
+# history a study's first pairs are judged against (Objective.outlier_history). Two, so that with
+# trial 0's single pass of a quick study the first trial's pair already has OUTLIER_HISTORY behind it.
+PROBE_HISTORY = 2
+
+
+def check_trial_fits(cfg: Config, measure: Any, prompts: dict[str, list[Any]]) -> tuple[TrialWork | None, list[float]]:
+    """Measure the baseline before the first trial, refuse a search whose trials cannot fit, and
+    return (the trial's least work, the baseline passes measured on the trials' prompts).
 
     `measure` is the study's MeasureFn; it reads `prompts[split]` when called, so the probe is
-    one more split of the same dict. On a launched engine this starts the baseline server (outside
-    any trial clock), which trial 0 then reuses. A probe that fails (a server that does not start,
-    failed requests) checks nothing: trial 0 then records that failure like any other.
+    one more split of the same dict. One tuning prompt twice (the first run of a process pays
+    one-off warm-up costs: the faster sizes the work), the refusal before anything longer runs;
+    then PROBE_HISTORY passes of the trials' prompts at every level, as a trial's baseline pass
+    plays them (their tok/s, the mean over the levels, are the study's first baseline history). On
+    a launched engine this starts the baseline server (outside any trial clock), which trial 0 then
+    reuses. A probe that fails (a server that does not start, failed requests) checks nothing:
+    trial 0 then records that failure like any other.
     """
     prompts["probe"] = prompts["tune"][:1]
-    try:  # twice, the faster counts: the first run of a process also pays one-off warm-up costs
-        tok_s = max(measure(SpecConfig(method="off"), "probe", cfg.workload.levels[0]).tok_s for _ in range(2))
+    off = SpecConfig(method="off")
+    levels = cfg.workload.levels
+    try:
+        tok_s = max(measure(off, "probe", levels[0]).tok_s for _ in range(2))
     except Exception:
-        return None
+        return None, []
     work = trial_work(cfg, len(prompts["tune"]), tok_s)
     fits_or_refuse(cfg, work)
-    return work
+    try:
+        passes = [[measure(off, "tune", c).tok_s for c in levels] for _ in range(PROBE_HISTORY)]
+    except Exception:
+        return work, []
+    return work, [sum(p) / len(p) for p in passes]

@@ -17,7 +17,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tuner.projection.profiling import CHECK, check_prompt_count, tuning_prompts
+from tuner.projection.profiling import (CHECK, PROXY_DEPTHS, PromptProxy, check_prompt_count, matched_check,
+                                        mismatch, side_context, side_tau, tuning_prompts)
 from tuner.schema.compose import packaged_workloads
 from tuner.study.limits import startup_excluded
 from tuner.study.objective import Sample, Split
@@ -57,6 +58,84 @@ def study_prompts(cfg: Config, engine: Engine | None = None) -> dict[str, list[P
         raise UserError(f"workload.arrival=trace: the requests of workload '{w.name}' carry no arrival timestamps "
                         "(a request log's `timestamp`); use workload.arrival=poisson or constant")
     return out
+
+
+def check_proxies(cfg: Config, engine: Engine, prompts: list[Prompt]) -> list[PromptProxy]:
+    """Each prompt's PromptProxy: its answer generated once by `engine` (an n-gram chain: under
+    greedy decoding every configuration's answer, at the cost of a drafting pass), replayed under
+    the chains of PROXY_DEPTHS. Cached in the cache directory by the model, the engine's settings,
+    the prompts' token ids and the sampling (counts only: no text), so a study pays it once."""
+    import hashlib
+    import json
+
+    from engine.drafters.ngram import replayed_forwards
+    from engine.measure.workloads import encode, params_of, sampling_params
+    from engine.models.machine import cache_root
+
+    w = cfg.workload
+    ids = [encode(engine, p, w.chat_template) for p in prompts]
+    params = [params_of(p, sampling_params(w, seed=cfg.seed)) for p in prompts]
+    timed = auto_weights_timed(cfg)
+    key = hashlib.sha256(json.dumps({
+        "model": cfg.model.model_dump(mode="json"), "engine": cfg.engine.builtin.model_dump(mode="json"),
+        "weights": timed[0] if timed is not None else cfg.engine.builtin.weights, "ids": ids,
+        "params": [repr(x) for x in params], "depths": PROXY_DEPTHS}, sort_keys=True).encode()).hexdigest()[:24]
+    path = cache_root(cfg.cache_dir) / "check_proxy" / f"{key}.json"
+    try:
+        return [PromptProxy(p, a, tuple(f)) for p, a, f in json.loads(path.read_text())]
+    except (OSError, ValueError, TypeError):
+        pass
+    before = engine.spec
+    try:
+        engine.set_spec(SpecConfig(method="ngram", depth=max(PROXY_DEPTHS), topk=1, budget=max(PROXY_DEPTHS) + 1))
+        answers = [list(engine.generate(x, pa).tokens) for x, pa in zip(ids, params)]
+    finally:
+        engine.set_spec(before)
+    out = [PromptProxy(len(x), len(a), tuple(replayed_forwards(x, a, d) for d in PROXY_DEPTHS))
+           for x, a in zip(ids, answers)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps([[p.prompt_tokens, p.answer_tokens, list(p.forwards)] for p in out]))
+    tmp.replace(path)
+    return out
+
+
+# Tuning prompts the check side is chosen among, per prompt it plays: 6 of 12 by default, and a
+# large split pays answers for twice the check's prompts, not for every tuning prompt.
+CHECK_CANDIDATES = 2
+
+
+def match_check_side(cfg: Config, engine: Engine | None, prompts: dict[str, list[Prompt]]) -> str:
+    """Choose the held-out check's tuning side (prompts[CHECK]) among the first CHECK_CANDIDATES x
+    check_prompt_count tuning prompts (their answers cost a generation each): as many as the check
+    plays, matched to the held-out prompts (tuner.projection.profiling.matched_check)
+    on their answers' PromptProxy, so that the two sides' prompts differ as little as a split can make
+    them in what drives a speedup. Needs the built-in engine (the answers); a launched server keeps
+    the first tuning prompts. Returns one line for the log (and best.yaml heldout_check.check_side)."""
+    from engine.measure.workloads import load_prompts
+
+    w = cfg.workload
+    n = check_prompt_count(cfg)
+    if w is None or w.num_heldout == 0 or not prompts.get("heldout"):
+        return "no held-out prompts"
+    if engine is None:
+        return f"the first {n} tuning prompts (matching them to the held-out ones needs the built-in engine's answers)"
+    ctx = cfg.model.max_context if user_requests(cfg) else None
+    tune = load_prompts(w, "tune", request_encoder(cfg, engine), ctx)[: CHECK_CANDIDATES * n]
+    if n >= len(tune):
+        return f"all {len(tune)} tuning prompts"
+    proxies = check_proxies(cfg, engine, [*tune, *prompts["heldout"]])
+    t, h = proxies[:len(tune)], proxies[len(tune):]
+    pick = matched_check(t, h, n)
+    prompts[CHECK] = [tune[i] for i in pick]
+    taus = " / ".join(f"{side_tau([t[i] for i in pick], k):.2f}" for k in range(len(PROXY_DEPTHS)))
+    held = " / ".join(f"{side_tau(h, k):.2f}" for k in range(len(PROXY_DEPTHS)))
+    first = mismatch(t[:n], h)
+    return (f"{n} of {len(tune)} tuning prompts matched to the {len(h)} held-out ones (tuning prompts "
+            f"{', '.join(str(i) for i in pick)}): replayed n-gram tau at depths "
+            f"{', '.join(map(str, PROXY_DEPTHS))} {taus} against {held}, context {side_context([t[i] for i in pick]):.0f} "
+            f"against {side_context(h):.0f} tokens; mismatch {mismatch([t[i] for i in pick], h):.3f} "
+            f"(the first {n}: {first:.3f})")
 
 
 def per_prompt(requests: list[tuple[int, float]], n: int) -> list[tuple[int, float]] | None:

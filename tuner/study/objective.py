@@ -28,7 +28,7 @@ from engine.measure.stats import f95, geomean, log_interval, log_spread, robust_
 from tuner.study.limits import TrialClock, TrialTimeout, active_clock, next_repeat_fits
 from tuner.schema.config import Level, Rate, SearchConfig, SpecConfig, WorkloadConfig, level_name
 from tuner.search.space import SearchSpace
-from tuner.study.studies import CONFIRM_ROUND, FAIL_REASON, FLOOR, NOISE, REUSED, ROLE, ROSE, role
+from tuner.study.studies import CONFIRM_ROUND, FAIL_REASON, FLOOR, NOISE, PROBE_PASSES, REUSED, ROLE, ROSE, role
 
 OFF = SpecConfig(method="off")
 ENGINE_VERSION = "engine_version"  # trial user attr: the launched engine's release that measured it
@@ -253,7 +253,7 @@ class Objective:
         before = self._shareable(split) if shared else None
         reused = False  # whether the first pair took that pass as its baseline
         starts0, startup0 = server.startups() if server is not None else (0, 0.0)
-        history = self.baseline_history(trial) if split == "tune" and not is_off else []
+        history = self.outlier_history(trial) if split == "tune" and not is_off else []
         own = self.spec_history(spec, trial) if split == "tune" and not is_off else []
         passes = first  # pairs measured, re-measurements included: the order alternates over all of them
         figures: dict[str, Any] = {}
@@ -385,7 +385,7 @@ class Objective:
         # The trials' baselines played other prompts than the check's sides; an off pass's tok/s
         # differs little between sets of prompts of one workload (no drafts: no tau in it), far less
         # than the outlier band (3 noise bands), so the study's recent passes are the machine's norm.
-        history = self.baseline_history()
+        history = self.outlier_history()
         seen: list[float] = []  # the check's own baseline passes, retries too, in the order measured
         order = 0
         for r in range(max(pairs_max, 1)):
@@ -426,6 +426,13 @@ class Objective:
             out += t.user_attrs.get("tok_s_samples", []) if role(t) == "baseline" else t.user_attrs.get(
                 "baseline_passes", t.user_attrs.get("baseline_samples", []))
         return out
+
+    def outlier_history(self, trial: optuna.Trial | None = None) -> list[float]:
+        """What a paired baseline pass is judged against (`implausible`): the baseline passes the
+        study measured before trial 0 (study attr PROBE_PASSES, tuner.study.limits.check_trial_fits),
+        then its baseline history. A study's first pairs otherwise have fewer than OUTLIER_HISTORY
+        passes behind them, and a baseline that dipped in trial 1 or 2 could prune or win unjudged."""
+        return [*self.study.user_attrs.get(PROBE_PASSES, []), *self.baseline_history(trial)]
 
     def spec_history(self, spec: SpecConfig, trial: optuna.Trial | None = None) -> list[float]:
         """Every pass of `spec` measured on the tuning prompts so far (tok/s, mean over the levels per

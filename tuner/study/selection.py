@@ -30,7 +30,7 @@ from tuner.schema.config import (ArmLevel, Arms, BestResult, Config, Figures, Le
 from tuner.schema.results import HeldoutCheck, SplitSpeedup
 from tuner.projection.profiling import CHECK, check_prompt_count
 from tuner.study.storage import mask_url, storage_url
-from tuner.study.studies import CONFIRM_ROUND, NOISE, REUSED, counted, role
+from tuner.study.studies import CHECK_SIDE, CONFIRM_ROUND, NOISE, REUSED, counted, role
 
 HELDOUT_PAIRS = 2  # spec/baseline pairs of a part's (mixed workload) or the baseline's held-out figures
 # The held-out check at the noise floor measures one pair a side. Its gap's interval is mostly which
@@ -874,7 +874,8 @@ def heldout_check(cfg: Config, objective: Objective, spec: SpecConfig) -> tuple[
     return HeldoutCheck(pairs=got["heldout"]["repeats"], tuning=tune, heldout=held, gap=gap, gap_ci_low=lo,
                         gap_ci_high=hi, verdict=verdict(lo, hi, tune.speedup),
                         pair_noise=round(noise[0], 4) if one and noise is not None else None,
-                        remeasured=again or None), got["heldout"]
+                        remeasured=again or None,
+                        check_side=objective.study.user_attrs.get(CHECK_SIDE)), got["heldout"]
 
 
 def heldout_excess(c: HeldoutCheck) -> float | None:
