@@ -217,6 +217,9 @@ def test_measured_bound_on_the_engine(engine, one_torch_thread) -> None:
     assert set(quick.step_ms) == {"eagle d1 k1 b2", "eagle d2 k1 b3"} and quick.tau == 2.4, "a budget's: d1, d2 alone"
     assert quick.bounds["eagle d2 k1 b3"] == pytest.approx(2.4 * quick.off_step_ms / quick.step_ms["eagle d2 k1 b3"],
                                                            rel=1e-2)
+    rounds = measure_reference(load_config([*BASE, "workload.max_new_tokens=12", "search.trial_prompts=2"]), engine)
+    assert rounds is not None and 2 <= len(rounds) <= REFERENCE_ROUNDS_MAX and min(rounds) > 0, "the rival's rounds"
+    assert engine.spec.method == "off", "left as it was found"
 
     from engine.drafters import untrained_drafter
 
