@@ -124,6 +124,9 @@ class Engine:
         self._given = False  # whether the drafter was handed in (set_drafter), not made from the spec
         self.cache_dir: str | None = None  # where measured facts are cached (engine.models.machine)
         self._costs: dict[tuple[int, int], dict] = {}  # step-cost curves timed: (max_batch, rows) -> curve
+        # the most requests its callers ever decode together, when fewer than max_batch (a study of closed-loop
+        # concurrency levels, tuner.study.measurer.study_measure): the curve's larger batch sizes are never read
+        self.batch_cap: int | None = None
         # what adaptive control learnt, per (max_batch, schedule): every scheduler `batcher` makes
         # for a schedule goes on from where the last one left off, as one server's scheduler would
         self._controls: dict[tuple[int, tuple[tuple[int, int, str], ...]], Control] = {}
@@ -182,8 +185,10 @@ class Engine:
 
     def step_costs(self, max_batch: int, rows: int) -> StepCost:
         """The step-cost curve of adaptive speculation (engine.decode.stepcost) for batches of up to
-        `max_batch` requests of up to `rows` rows each: timed once per machine and forward (cached
-        on disk), a fresh copy of its online figures per call."""
+        `max_batch` requests (at most `batch_cap` when set) of up to `rows` rows each: timed once per
+        machine and forward (cached on disk), a fresh copy of its online figures per call."""
+        if self.batch_cap is not None:
+            max_batch = min(max_batch, self.batch_cap)
         if self.lean is None:
             raise UserError("spec.adaptive=true needs engine.builtin.forward=lean (its step-cost curve is timed "
                             "over the lean forward); allowed: forward=lean, or spec.adaptive=false")

@@ -119,26 +119,33 @@ def _publish(final: Path, build) -> Path:
 
 
 class _ReadOnce:
-    """Within its scope, every `gguf.GGUFReader` of one file (path, size, mtime) is the first one built.
+    """Within its scope, every `gguf.GGUFReader` of one file (path, size, mtime) is the first one built,
+    and every `gguf.get_tensor_name_map` of one (architecture, block count) the first one built.
 
     transformers parses the whole GGUF file again for each of its reads (the tokenizer's config, the
     model's config, the tensors): three parses, each walking the 49,152-token vocabulary and its
     merges element by element in Python, 15-17 s each on the loaded 2-core AVX2 EPYC (docs/results.md),
     the largest part of an empty cache's model conversion. A reader only maps the file read-only and
-    describes it, so one serves them all. The scope nests and restores gguf's own class on leaving."""
+    describes it, so one serves them all. Mapping the tensors' names, transformers builds gguf's name
+    map of the architecture again for every module of the model, a few hundred for SmolLM2, each
+    expanding every tensor kind of every block (the conversion's largest part once the file is parsed
+    once); the map is only read after it is built, so the first serves every module. The scope nests
+    and restores gguf's own class and function on leaving."""
 
     def __init__(self) -> None:
         self.depth = 0
         self.original: Any = None
+        self.original_map: Any = None
         self.readers: dict[tuple, Any] = {}
+        self.maps: dict[tuple, Any] = {}
 
     def __enter__(self) -> "_ReadOnce":
         import gguf
 
         with _LOCK:
             if self.depth == 0:
-                self.original = gguf.GGUFReader
-                original, readers = self.original, self.readers
+                self.original, self.original_map = gguf.GGUFReader, gguf.get_tensor_name_map
+                original, readers, original_map, maps = self.original, self.readers, self.original_map, self.maps
 
                 def reader(path: Any, mode: str = "r") -> Any:
                     if mode != "r":
@@ -149,7 +156,12 @@ class _ReadOnce:
                         readers[key] = original(path, mode)
                     return readers[key]
 
-                gguf.GGUFReader = reader
+                def name_map(arch: Any, n_blocks: int) -> Any:
+                    if (arch, n_blocks) not in maps:
+                        maps[(arch, n_blocks)] = original_map(arch, n_blocks)
+                    return maps[(arch, n_blocks)]
+
+                gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
             self.depth += 1
         return self
 
@@ -159,8 +171,9 @@ class _ReadOnce:
         with _LOCK:
             self.depth -= 1
             if self.depth == 0:
-                gguf.GGUFReader = self.original
+                gguf.GGUFReader, gguf.get_tensor_name_map = self.original, self.original_map
                 self.readers.clear()
+                self.maps.clear()
 
 
 _read_once = _ReadOnce()

@@ -1007,3 +1007,40 @@ def test_a_server_scrape_shows_what_the_controller_prices(engine: Engine, off) -
     plain = Metrics("m")
     plain.adaptive(BatchEngine(engine, max_batch=2, schedule=schedule_of(SpecConfig(method="off"), 2)))
     assert "spectune:adaptive" not in generate_latest(plain.registry).decode()
+
+
+def test_a_capped_engine_times_the_curve_up_to_its_cap_and_prices_small_batches_alike(engine: Engine,
+                                                                                   monkeypatch) -> None:
+    """An engine whose callers decode at most 2 requests together (a study of concurrency [1, 2]) times its
+    curve up to batch 2 whatever max_batch asks; at batch sizes up to the cap the curve without the larger
+    sizes prices every step and every row as the whole curve does, so the adaptive answer is the same."""
+    from engine.decode import loop
+
+    asked: list[tuple[int, int]] = []
+
+    def timed(forward, max_batch, rows, signature, cache_dir=None):
+        asked.append((max_batch, rows))
+        return StepCost({b: pts for b, pts in FULL.items() if b <= max_batch}, rows)
+
+    monkeypatch.setattr(loop, "step_cost", timed)
+    monkeypatch.setattr(engine, "_costs", {})
+    monkeypatch.setattr(engine, "batch_cap", 2)
+    capped = engine.step_costs(8, 9)
+    assert asked == [(2, 9)] and sorted(capped.curves) == [1, 2]
+    engine.step_costs(8, 5)
+    assert asked == [(2, 9)], "fewer rows at the same cap: the curve already timed"
+    whole = StepCost.from_json(StepCost(FULL, 9).to_json())  # as the engine keeps every curve
+    for b in (1, 2):
+        for x in range(0, 17):
+            assert capped.step_s(b, x) == whole.step_s(b, x) and capped.rows_s(b, x) == whole.rows_s(b, x)
+        assert capped.table(b, 0, 16) == whole.table(b, 0, 16)
+    monkeypatch.setattr(engine, "batch_cap", None)
+    engine.step_costs(8, 9)
+    assert asked[-1] == (8, 9), "uncapped: every batch size up to max_batch"
+
+
+# a curve of the four batch sizes max_batch 8 times: seconds by extra rows
+FULL = {1: [(0, 0.0135), (1, 0.0169), (2, 0.0195), (4, 0.0317), (8, 0.0628)],
+        2: [(0, 0.0163), (1, 0.0197), (4, 0.0375), (8, 0.0700), (16, 0.0950)],
+        4: [(0, 0.0200), (4, 0.0420), (16, 0.0990), (32, 0.1500)],
+        8: [(0, 0.0260), (8, 0.0600), (32, 0.1600), (64, 0.2600)]}

@@ -144,6 +144,38 @@ def test_a_gguf_file_is_parsed_once_within_the_conversion(tmp_path, monkeypatch)
     assert len(built) == 5, "outside the scope every read parses"
 
 
+def test_the_tensor_name_map_is_built_once_within_the_conversion(monkeypatch) -> None:
+    """transformers maps the GGUF's tensor names with gguf's name map of the architecture, built again for
+    every module of the model: within the conversion's scope the first map of an (architecture, block
+    count) serves every module, the names it gives are the same, and leaving restores gguf's function."""
+    import gguf
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+    from engine.models.target import _read_once
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=64))
+    real, built = gguf.get_tensor_name_map, []
+
+    def counted(arch, n_blocks):
+        built.append((arch, n_blocks))
+        return real(arch, n_blocks)
+
+    monkeypatch.setattr(gguf, "get_tensor_name_map", counted)
+    plain = get_gguf_hf_weights_map(model, TensorProcessor())
+    modules = len(built)
+    assert modules > 10 and len(plain) == len(model.state_dict()), "one map per module without the scope"
+    built.clear()
+    with _read_once:
+        assert get_gguf_hf_weights_map(model, TensorProcessor()) == plain, "the same names"
+        with _read_once:  # nested: the outer scope's maps
+            assert get_gguf_hf_weights_map(model, TensorProcessor()) == plain
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 3) is not gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    assert built == [(gguf.MODEL_ARCH.LLAMA, 2), (gguf.MODEL_ARCH.LLAMA, 3)], "one map per architecture and depth"
+    assert gguf.get_tensor_name_map is counted, "gguf's own function again after the scope"
+
+
 def test_the_checkpoint_converts_while_the_kernels_build(tmp_path, monkeypatch) -> None:
     """A cold engine load starts the native kernels' build on its threads and converts the GGUF while they
     build; the target's load (whose weights: auto waits for the built kernels) comes after. Before, the

@@ -190,3 +190,21 @@ def test_every_suffix_pass_on_a_launched_server_meets_an_empty_cache(tmp_path) -
             assert by_pid[pid] == n
     assert all("suffix" in " ".join(json.loads(r)["argv"]) for r in record.read_text().splitlines()
                if json.loads(r)["pid"] in served)
+
+
+def test_a_study_of_closed_loop_levels_times_the_step_cost_curve_to_its_largest_level(setup, tmp_path) -> None:
+    """engine.builtin.max_batch 8 against concurrency [1, 2]: an adaptive trial timed the curve at batch
+    sizes 4 and 8 that no pass reads (three quarters of its timing in the main command): within the
+    study the engine's curve stops at 2, and leaving gives the engine back its own cap. Request rates
+    and a capacity search queue up to max_batch: no cap."""
+    from tuner.study.measurer import closed_loop_batch, study_measure
+
+    cfg, engine, prompts = setup
+    assert closed_loop_batch(load_config(["model=tiny-random", "+workload=code"])) == 2
+    assert closed_loop_batch(load_config(["model=tiny-random", "+workload=code", "workload.concurrency=[4,1]"])) == 4
+    assert closed_loop_batch(load_config(["model=tiny-random", "+workload=code", "workload.request_rate=[2.0]"])) is None
+    study = load_config(["model=tiny-random", "+workload=code", "workload.max_new_tokens=16"])
+    assert engine.batch_cap is None
+    with study_measure(study, engine, prompts, tmp_path):
+        assert engine.batch_cap == 2
+    assert engine.batch_cap is None, "the engine's own again after the study"

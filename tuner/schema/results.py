@@ -206,7 +206,7 @@ class HeadPilot(_Strict):
     tau: dict[str, float]
     bounds: dict[str, float]
     bound: float  # the best of them
-    beat: float  # what it had to reach: 1.0 or the reference's agreeing rounds' highest, grown by noise_rel (headbound.to_beat)
+    beat: float  # what it had to reach: 1.0 or the reference's upper confidence bound, grown by noise_rel (headbound.to_beat)
     seconds: float  # its answers, training and measurement
 
 
@@ -230,6 +230,10 @@ class HeadBound(_Strict):
     reference: str | None = None
     reference_speedup: float | None = None  # its lowest round that another round confirms (headbound.reference_figure)
     reference_rounds: list[float] = []  # every round's speedup, in the order measured
+    # the one-sided upper confidence bound of its agreeing rounds and their spread on logs (floored at the
+    # study's noise figure), what the bar is read on (headbound.rival_upper)
+    reference_upper: float | None = None
+    reference_spread: float | None = None
     # the training budget's ceiling (headbound.budget_tau): the answer tokens the config trains on at most,
     # the most tau a head trained on them reaches (the published tau beyond the measured table), and the best
     # any searched draft could reach at that tau (headbound.ceiling); the pilot runs only when it clears the rival

@@ -48,10 +48,12 @@ A head's answers and training take minutes. Cheaper measurements come first.
    every study measures (tuner.search.space.NGRAM_CHAIN_DEFAULT) is timed against off on the trials'
    prompts in `REFERENCE_ROUNDS` interleaved rounds, and its lowest round that another round confirms
    (`reference_figure`: within `REFERENCE_BANDS` noise bands; rounds are added, up to
-   `REFERENCE_ROUNDS_MAX`, until two agree), when above 1.0, is the rival. A bound must clear the
-   highest of the rival's agreeing rounds by one noise band (`to_beat`): a bound is the best a full
-   head could reach, and one within the noise of the rival would at best tie a chain that needs no
-   training (on the 2-core AVX2 EPYC the pilot's bound and the rival read 1.47x / 1.40x, 1.48x /
+   `REFERENCE_ROUNDS_MAX`, until two agree), when above 1.0, is the rival; within a round off and the
+   chain alternate prompt by prompt. A bound must clear the rival's one-sided upper confidence bound
+   (its agreeing rounds' geometric mean + `Z` standard errors, their spread never taken below the
+   study's noise figure: `rival_upper`) by one noise band for the bound's own noise (`to_beat`): a
+   bound is the best a full head could reach, and one within the noise of the rival would at best tie
+   a chain that needs no training (on the 2-core AVX2 EPYC the pilot's bound and the rival read 1.47x / 1.40x, 1.48x /
    1.56x and 1.18x / 1.49x in three runs, while a full head measured 0.39-0.70x there). One
    round's load spike once read the chain at 0.36x against ~1.5x and had the full head trained
    (answers and training, ~7 minutes) on a machine where it could not win. The rival is measured
@@ -111,7 +113,7 @@ PILOT_SHARE = 0.25  # of train.prompts answered for the pilot
 PILOT_EVAL = 0.25  # of the pilot's prompts held back: its acceptance is measured on their answers
 PILOT_MIN_PROMPTS = 8  # a pilot of fewer would measure its acceptance on one or two answers
 GROWTH = 2.0  # the full budget's acceptance at any depth is at most this times the pilot's (docs/results.md)
-Z = 2.0  # the one-sided upper confidence bound on a pilot's acceptance: mean + Z standard errors (Wilson)
+Z = 2.0  # one-sided upper confidence bounds: mean + Z standard errors (a pilot's acceptance, Wilson; the rival)
 NODES = 64  # the pilot's most often accepted tree nodes kept (engine.heads.evaluate.chain_acceptance)
 BOUND_FILE = "bound.json"
 
@@ -243,7 +245,8 @@ def reference_figure(ratios: list[float], band: float) -> float | None:
 
 def measure_reference(cfg: Config, engine: Engine) -> list[float] | None:
     """The reference chain's speedup over off on the trials' prompts, one request at a time, one
-    interleaved round after another: REFERENCE_ROUNDS rounds, then more while no two agree
+    interleaved round after another (within a round off and the chain alternate prompt by prompt):
+    REFERENCE_ROUNDS rounds, then more while no two agree
     (reference_figure), REFERENCE_ROUNDS_MAX at most; every round's ratio (None without a reference)."""
     from engine.measure.workloads import encode, sampling_params
     from tuner.projection.profiling import tuning_prompts
@@ -254,20 +257,28 @@ def measure_reference(cfg: Config, engine: Engine) -> list[float] | None:
     prompts = [encode(engine, p, cfg.workload.chat_template) for p in tuning_prompts(cfg)]
     params = replace(sampling_params(cfg.workload, seed=cfg.seed), temperature=0.0)
 
-    def per_token(spec: SpecConfig, run: SamplingParams = params) -> float:
-        """Decode seconds per generated token over the prompts (each prompt's prefill excluded)."""
+    def decode(spec: SpecConfig, ids: list[int], run: SamplingParams = params) -> tuple[float, int]:
+        """(decode seconds, decoded tokens) of one prompt (its prefill excluded)."""
         engine.set_spec(spec)
-        runs = [engine.generate(ids, run).stats for ids in prompts]
-        return sum(s.total_s - s.ttft_s for s in runs) / max(sum(s.new_tokens - 1 for s in runs), 1)
+        s = engine.generate(ids, run).stats
+        return s.total_s - s.ttft_s, s.new_tokens - 1
 
     off = SpecConfig(method="off")
     for spec in (off, ref):  # a short untimed pass each: the first steps' one-time costs
-        per_token(spec, replace(params, max_new_tokens=4))
+        for ids in prompts:
+            decode(spec, ids, replace(params, max_new_tokens=4))
     band = REFERENCE_BANDS * cfg.search.noise_rel
     ratios: list[float] = []
     while len(ratios) < REFERENCE_ROUNDS or (reference_figure(ratios, band) is None
                                              and len(ratios) < REFERENCE_ROUNDS_MAX):
-        ratios.append(round(per_token(off) / per_token(ref), 3))
+        seconds, tokens = {off.key(): 0.0, ref.key(): 0.0}, {off.key(): 0, ref.key(): 0}
+        for ids in prompts:  # off and the chain prompt by prompt: a drift of the machine's speed falls on both
+            for spec in (off, ref):
+                s, n = decode(spec, ids)
+                seconds[spec.key()] += s
+                tokens[spec.key()] += n
+        per_token = {k: seconds[k] / max(tokens[k], 1) for k in seconds}
+        ratios.append(round(per_token[off.key()] / per_token[ref.key()], 3))
     engine.set_spec(off)
     return ratios
 
@@ -281,17 +292,31 @@ def reference_of(cfg: Config, ratios: list[float] | None) -> float | None:
     return round(min(ratios) if got is None else got, 3)
 
 
-def to_beat(cfg: Config, ratios: list[float] | None) -> float:
-    """What a head's bound must reach to be trained: the highest of the reference's rounds that agree
-    with its figure (reference_of; within REFERENCE_BANDS bands), or speculation off's 1.0 when higher,
-    grown by one noise band (search.noise_rel): a bound within the rival's noise would at best tie a
-    chain that needs no training (the module's docstring, item 4)."""
-    top = 1.0
+def rival_upper(cfg: Config, ratios: list[float] | None) -> tuple[float, float] | None:
+    """(upper, spread) of the rival from its rounds' speedups, or None without a figure (reference_of): the
+    one-sided upper confidence bound of the geometric mean of the rounds that agree with its figure (within
+    REFERENCE_BANDS bands), exp(mean log + Z x spread / sqrt(n)), where the spread is their standard
+    deviation on logs, never below the study's noise figure log(1 + search.noise_rel): rounds that agree by
+    chance do not make the rival exact, and a single round (none agree) gets that figure's band."""
     figure = reference_of(cfg, ratios)
-    if ratios and figure is not None:
-        band = REFERENCE_BANDS * cfg.search.noise_rel
-        top = max(top, max(r for r in ratios if figure <= r <= figure * (1 + band)))
-    return round(top * (1 + cfg.search.noise_rel), 3)
+    if not ratios or figure is None:
+        return None
+    band = REFERENCE_BANDS * cfg.search.noise_rel
+    logs = [math.log(r) for r in ratios if figure <= r <= figure * (1 + band)]
+    mean = sum(logs) / len(logs)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1)) if len(logs) > 1 else 0.0
+    spread = max(sd, math.log1p(cfg.search.noise_rel))
+    return round(math.exp(mean + Z * spread / math.sqrt(len(logs))), 3), round(spread, 4)
+
+
+def to_beat(cfg: Config, ratios: list[float] | None) -> float:
+    """What a head's bound must reach to be trained: the rival's upper confidence bound (rival_upper), or
+    speculation off's 1.0 when higher, grown by one noise band (search.noise_rel) for the bound's own
+    noise. A bound is the most a full head could reach, so one within the rival's noise would at best tie
+    a chain that needs no training (the module's docstring, item 4); and a bar read on the rival's upper
+    bound, not on one of its rounds, does not fall when both quick rounds happen to read it low."""
+    up = rival_upper(cfg, ratios)
+    return round(max(1.0, up[0] if up is not None else 1.0) * (1 + cfg.search.noise_rel), 3)
 
 
 def budget_tokens(cfg: Config) -> int:
@@ -480,6 +505,8 @@ def with_reference(cfg: Config, reference: float | None, rounds: list[float] | N
     out: dict = {"reference_speedup": reference, "reference": None if reference is None else reference_key(cfg)}
     if rounds is not None:
         out["reference_rounds"] = rounds
+    if (up := rival_upper(cfg, rounds)) is not None:
+        out["reference_upper"], out["reference_spread"] = up
     return out
 
 
@@ -515,14 +542,19 @@ def describe(b: HeadBound) -> str:
                  f"{p.acceptance[0]:.2f} at depth 1 ({p.tree_acceptance[0]:.2f} within its top {p.topk}) over "
                  f"{p.positions} unseen positions; a full head at most {p.growth:g}x that: best "
                  + ", ".join(f"{k} tau {p.tau[k]:.2f} -> {v:.2f}x" for k, v in top) + ref)
-    off = b.reference is None or (b.reference_speedup or 0.0) <= 1.0
+    upper = b.reference_upper if b.reference_upper is not None else b.reference_speedup
+    off = b.reference is None or (upper or 0.0) <= 1.0
+    if b.reference_upper is not None and b.reference_spread is not None:
+        bar = (f"{b.reference}'s upper bound {b.reference_upper:.2f}x (its agreeing rounds' mean + {Z:g} standard "
+               f"errors at a spread of {b.reference_spread:.1%})")
+    else:  # a decision kept before the bar was read on the upper bound
+        bar = f"the highest of {b.reference}'s agreeing rounds"
+    bar = "speculation off" if off else bar
     if b.pilot is None and b.beat is not None:  # the budget's ceiling against to_beat's bar
-        bar = "speculation off" if off else f"the highest of {b.reference}'s agreeing rounds"
         rival = f"{bar} by one noise band ({b.beat:.2f}x)"
     elif b.pilot is None:
         rival = "speculation off" if off else f"{b.reference} ({b.reference_speedup:.2f}x)"
     else:  # to_beat's bar
-        bar = "speculation off" if off else f"the highest of {b.reference}'s agreeing rounds"
         rival = f"{bar} by one noise band ({b.pilot.beat:.2f}x)"
     verdict = ("trained: a head could win" if b.trained else
                f"{b.method} left out of the search: no head of this shape trained on this budget can beat "

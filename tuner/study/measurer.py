@@ -438,7 +438,23 @@ def study_measure(cfg: Config, engine: Engine | None, prompts: dict[Split, list[
         return
     if engine is None:
         raise ValueError("engine.kind=builtin: the study's built-in engine must be loaded first (open_engine)")
-    yield make_measure(engine, cfg, prompts)
+    # adaptive trials time the engine's step-cost curve at every batch size up to engine.builtin.max_batch,
+    # most of it at sizes a study of a few requests in flight never reads: capped for the study's duration
+    old, engine.batch_cap = engine.batch_cap, closed_loop_batch(cfg)
+    try:
+        yield make_measure(engine, cfg, prompts)
+    finally:
+        engine.batch_cap = old
+
+
+def closed_loop_batch(cfg: Config) -> int | None:
+    """The most requests a study of cfg decodes together on the built-in engine where that is known
+    before it runs: the largest concurrency level when every level is closed-loop and no capacity is
+    searched (request rates queue up to engine.builtin.max_batch); None otherwise."""
+    levels = cfg.workload.levels
+    if cfg.search.capacity or not levels or any(isinstance(x, Rate) for x in levels):
+        return None
+    return max(x for x in levels if isinstance(x, int))
 
 
 def train_job(cfg: Config) -> TrainJob:
