@@ -150,7 +150,7 @@ def drive(cfg: Config, run_dir: Path, open_study: Callable[[SearchSpace], optuna
     t0 = time.monotonic()
     if engine is None and measure is None and cfg.engine.kind not in LAUNCHED:
         engine = open_engine(cfg)
-        phases["engine load"] = round(time.monotonic() - t0, 1)
+        phases["engine load"] = round(time.monotonic() - t0, 3)
     bounds: list[HeadBound] = []  # heads bounded before training; one that cannot win here is left out
     drafts = get_drafts(cfg, engine, quiet, phases, bounds)
     cfg = without_methods(cfg, bounds)
@@ -163,7 +163,7 @@ def drive(cfg: Config, run_dir: Path, open_study: Callable[[SearchSpace], optuna
     check_side = match_check_side(cfg, engine, prompts)
     study.set_user_attr(CHECK_SIDE, check_side)
     if engine is not None and cfg.workload.num_heldout > 0:
-        phases["check side"] = round(time.monotonic() - t0, 1)
+        phases["check side"] = round(time.monotonic() - t0, 3)
     with ExitStack() as stack:
         if measure is None:
             measure = stack.enter_context(study_measure(cfg, engine, prompts, run_dir))
@@ -191,7 +191,7 @@ def drive(cfg: Config, run_dir: Path, open_study: Callable[[SearchSpace], optuna
                 on_trial = Widener(study, space, cfg, run_dir, progress, progress.log, ROLE)
             t0 = time.monotonic()
             ran = run_trials(study, objective, cfg.search, on_trial)
-            phases["trials"] = round(time.monotonic() - t0, 1)
+            phases["trials"] = round(time.monotonic() - t0, 3)
             best = finish(study, objective, ran, progress.log)
             if best is not None:
                 best.phases_s = {**phases, **best.phases_s}

@@ -987,7 +987,7 @@ def compute_best(cfg: Config, study: optuna.Study, run_dir: Path, objective: Obj
     best = best_result(cfg, study, run_dir, win, objective)
     if best.heldout_check is not None:
         log(describe_check(best.heldout_check))
-    best.phases_s = {"confirmation": round(t1 - t0, 1), "held-out": round(time.monotonic() - t1, 1)}
+    best.phases_s = {"confirmation": round(t1 - t0, 3), "held-out": round(time.monotonic() - t1, 3)}
     if best.arms is not None:
         log(describe_arms(best.arms))
     if cfg.search.capacity:
@@ -999,6 +999,6 @@ def compute_best(cfg: Config, study: optuna.Study, run_dir: Path, objective: Obj
             base_tok_s = best.baseline.output_tokens_per_s if best.baseline is not None else None
             t2 = time.monotonic()
             best.capacity = measure_capacity(cfg, objective.measure, best.spec, base_tok_s, log)
-            best.phases_s["capacity"] = round(time.monotonic() - t2, 1)
+            best.phases_s["capacity"] = round(time.monotonic() - t2, 3)
             log(describe(best.capacity, best.spec.key()))
     return best
