@@ -21,10 +21,10 @@ import subprocess, sys, time
 
 def test_child_burns_cpu():
     subprocess.run([sys.executable, "-c",
-                    "import time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.6: pass"], check=True)
+                    "import time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.3: pass"], check=True)
 
 def test_sleeps():
-    time.sleep(0.6)
+    time.sleep(0.3)
 
 def test_quick():
     pass
@@ -56,8 +56,8 @@ def test_rows_count_reaped_children_and_tell_waiting_from_working(tmp_path: Path
     assert sorted(by) == ["test_child_burns_cpu", "test_quick", "test_quick_too", "test_sleeps"]
     assert {r["worker"] for r in rows} == {"main"} and {r["file"] for r in rows} == {"test_sample.py"}
     burn, sleep = by["test_child_burns_cpu"], by["test_sleeps"]
-    assert float(burn["cpu_s"]) >= 0.55  # the child's CPU (a parent only waiting has next to none)
-    assert float(sleep["wall_s"]) >= 0.6 and float(sleep["cpu_s"]) < 0.3  # waiting is wall, not CPU
+    assert float(burn["cpu_s"]) >= 0.28  # the child's CPU (a parent only waiting has next to none)
+    assert float(sleep["wall_s"]) >= 0.3 and float(sleep["cpu_s"]) < 0.2  # waiting is wall, not CPU
     starts = [float(r["start"]) for r in rows]
     assert starts == sorted(starts)  # one process: rows in the order the tests ran
     assert float(by["test_sleeps"]["start"]) >= float(burn["start"]) + float(burn["wall_s"]) - 0.01
