@@ -15,7 +15,7 @@ from __future__ import annotations
 import csv
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
 
 import pytest
@@ -55,20 +55,20 @@ def _cpu() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
     path = _path(item.config)
     if path is None:
-        yield
-        return
+        return (yield)
     start, t0, cpu0 = time.time(), time.perf_counter(), _cpu()
-    yield
+    result = yield
     wall, cpu = time.perf_counter() - t0, _cpu() - cpu0
     file = os.path.relpath(item.path, item.config.rootpath)
     row = [_worker(item.config) or "main", file, item.name, f"{start:.3f}", f"{wall:.3f}", f"{cpu:.3f}"]
     # one short line a write: appends from both workers do not interleave
     with path.open("a", newline="") as f:
         csv.writer(f).writerow(row)
+    return result
 
 
 def read(path: Path) -> list[dict[str, str]]:
