@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+# `--timeline PATH`: each test's worker, wall and CPU seconds, and each worker's share (tests/timeline.py)
+pytest_plugins = ("timeline",)
+
 _CONVERTER = pytest.StashKey["subprocess.Popen | None"]()
 
 

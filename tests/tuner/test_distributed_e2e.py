@@ -35,8 +35,7 @@ TIMEOUT_S = 420
 pytestmark = pytest.mark.slow  # worker processes and a real PostgreSQL server: tens of seconds a test
 
 
-def _trials(url: str, name: str) -> list[optuna.trial.FrozenTrial]:
-    storage = st.open_storage(url)
+def _trials(storage: optuna.storages.BaseStorage, name: str) -> list[optuna.trial.FrozenTrial]:
     if name not in optuna.study.get_all_study_names(storage):
         return []
     return optuna.load_study(study_name=name, storage=storage).get_trials()
@@ -45,14 +44,17 @@ def _trials(url: str, name: str) -> list[optuna.trial.FrozenTrial]:
 def _kill_mid_trial(url: str, name: str, victim: Callable[[int], bool], procs: list[subprocess.Popen]) -> int:
     """SIGKILL the first worker pid for which `victim` holds seen running a trial; the trial's number. The worker is frozen
     (SIGSTOP) and the trial read again before the kill: a trial that finished between the first
-    read and the kill would otherwise count as killed."""
+    read and the kill would otherwise count as killed. One storage for every read: each read still
+    asks the server (or reads the journal's new lines), where opening an RDBStorage at every poll (an
+    engine, a connection, the schema's check) took CPU from the workers starting beside it."""
+    storage = st.open_storage(url)
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
-        for t in _trials(url, name):
+        for t in _trials(storage, name):
             pid = int(str(t.user_attrs.get(WORKER, ":0")).rsplit(":", 1)[1])
             if t.state == TrialState.RUNNING and pid and victim(pid):
                 os.kill(pid, signal.SIGSTOP)
-                if next(u for u in _trials(url, name) if u.number == t.number).state == TrialState.RUNNING:
+                if next(u for u in _trials(storage, name) if u.number == t.number).state == TrialState.RUNNING:
                     os.kill(pid, signal.SIGKILL)
                     return t.number
                 os.kill(pid, signal.SIGCONT)
@@ -108,7 +110,7 @@ def test_three_workers_share_a_postgres_study_and_survive_a_kill(tmp_path: Path)
                     p.kill()
             rcs = sorted(p.returncode for p in procs)
             assert rcs == [-signal.SIGKILL, 0, 0], outs
-            _check_study(_trials(server.url, "e2e"), budget, killed)
+            _check_study(_trials(st.open_storage(server.url), "e2e"), budget, killed)
 
             # One surviving worker re-measured the winner on the held-out prompts and stored it.
             stored = optuna.load_study(study_name="e2e", storage=server.url).user_attrs[w.BEST_ATTR]
@@ -156,7 +158,7 @@ def test_local_workers_over_a_journal_file_survive_a_kill(tmp_path: Path) -> Non
     assert parent.returncode == 0, out
     run_dir = tmp_path / "j"
     assert out.strip().splitlines()[-1] == str(run_dir)
-    trials = [t for t in _trials(url, "j") if t.user_attrs.get("role") != "confirm"]  # not the confirmation pairs
+    trials = [t for t in _trials(st.open_storage(url), "j") if t.user_attrs.get("role") != "confirm"]  # not the confirmation pairs
     assert len(trials) == n_points + 1, [(t.number, t.state.name) for t in trials]
     # finished: a bound may prune a grid point once noise gives it a second repeat
     assert all(t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL) for t in trials), [t.state.name for t in trials]
