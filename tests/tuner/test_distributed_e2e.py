@@ -69,7 +69,10 @@ def _check_study(trials: list[optuna.trial.FrozenTrial], budget: int, killed: in
     # a point the sampler proposed again (reused_from) is not counted in it either
     started = [t for t in trials if t.state != TrialState.WAITING and t.user_attrs.get("role") != "confirm"
                and "reused_from" not in t.user_attrs]
-    assert len(started) == budget
+    # or fewer, when the sampler had proposed measured points as often as the budget has trials (a tiny
+    # space: the study ends rather than loop; Budget.spent)
+    reused = [t for t in trials if "reused_from" in t.user_attrs]
+    assert len(started) == budget or (len(started) < budget and len(reused) >= budget), (len(started), len(reused))
     assert not [t for t in trials if t.state == TrialState.RUNNING]
     by_number = {t.number: t for t in trials}
     assert by_number[killed].state == TrialState.FAIL
