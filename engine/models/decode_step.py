@@ -279,7 +279,8 @@ static void forward(const float* embed, const long* tok, const long* posi, long 
       }
       PART(P_SILU);
       linear_rows(R, a, I, w2, tmp.data(), ldh, h, I, s[3], xbuf);
-      for (long u = 0; u < R * h; ++u) x[u] += tmp[(u / h) * ldh + u % h];
+      for (long r = 0; r < R; ++r)  /* row by row: no division per element, the same adds */
+        for (long i = 0; i < h; ++i) x[r * h + i] += tmp[r * ldh + i];
       PART(P_NORM);
     }
 #pragma omp for schedule(static) nowait

@@ -130,12 +130,16 @@ def pack_weights(weights: list[torch.Tensor], formats: list[str] | None = None) 
     if not onednn:
         return False
     with_smallm = few and smallm.library() is not None
+    fresh = []  # the few-row copies made here: placed together on 2 MB pages (smallm.on_huge_pages)
     with torch.no_grad():
         for w, fmt in zip(weights, formats or ["fp32"] * len(weights)):
             if getattr(w, "_onednn_packed", None) is None:
                 w._onednn_packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
             if with_smallm and getattr(w, "_smallm_packed", None) is None:
-                w._smallm_packed, w._smallm_scale = smallm.pack(w, fmt)
+                w._smallm_packed, w._smallm_scale = smallm.pack(w, fmt, huge=False)
+                fresh.append(w)
+    for w, placed in zip(fresh, smallm.on_huge_pages([w._smallm_packed for w in fresh])):
+        w._smallm_packed = placed
     return True
 
 

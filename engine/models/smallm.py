@@ -965,33 +965,43 @@ def k_group(how: int) -> int:
 HUGE_PAGE = 2 << 20
 
 
-def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """t's values in memory the kernel is asked to back with 2 MB pages (transparent huge pages,
-    madvise), where t spans at least one such page and the platform offers it; else t. A decode step
-    streams every packed weight once: on 4 KB pages that is a TLB miss every 4 KB of the read
-    on 2 MB pages one every 2 MB. Where the kernel keeps THP off the advice is
-    ignored and the pages stay 4 KB (the values are the same)."""
-    nbytes = t.numel() * t.element_size()
-    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return t
+def on_huge_pages(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors' values, in order, in one buffer the kernel is asked to back with 2 MB pages
+    (transparent huge pages, madvise), each at a 4 KB boundary, where together they span at least one
+    such page and the platform offers it; else the tensors. A decode step streams every packed weight
+    once: on 4 KB pages that is a TLB miss every 4 KB of the read, on 2 MB pages one every 2 MB. One
+    buffer for all of a model's weights, not one each: a weight under 2 MB (most decoder weights of a
+    small model at bf16 or fp8) has no whole page of its own, so it stayed on 4 KB pages. Where the
+    kernel keeps THP off the advice is ignored and the pages stay 4 KB (the values are the same)."""
+    sizes = [t.numel() * t.element_size() for t in ts]
+    starts = [sum(-(-n // 4096) * 4096 for n in sizes[:i]) for i in range(len(sizes))]
+    total = starts[-1] + sizes[-1] if ts else 0
+    if total < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return ts
     # private anonymous memory (Python's default for -1 is shared, shmem, which THP's madvise mode leaves
-    # on 4 KB pages), page-aligned; kept alive by the tensor below
-    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # on 4 KB pages), aligned to 2 MB; kept alive by the views below
+    buf = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     off = -ctypes.addressof(ctypes.c_char.from_buffer(buf)) % HUGE_PAGE
-    buf.madvise(mmap.MADV_HUGEPAGE, off, nbytes - nbytes % mmap.PAGESIZE)
-    out = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=off)
-    out.copy_(t.reshape(-1).view(torch.uint8))
-    return out.view(t.dtype).view(t.shape)
+    buf.madvise(mmap.MADV_HUGEPAGE, off, total - total % mmap.PAGESIZE)
+    whole = torch.frombuffer(buf, dtype=torch.uint8, count=total, offset=off)
+    out = []
+    for t, at, n in zip(ts, starts, sizes):
+        part = whole[at:at + n]
+        part.copy_(t.reshape(-1).view(torch.uint8))
+        out.append(part.view(t.dtype).view(t.shape))
+    return out
 
 
-def pack(w: torch.Tensor, weights: str = "fp32", lib: ctypes.CDLL | None = None) -> tuple[torch.Tensor, float]:
+def pack(w: torch.Tensor, weights: str = "fp32", lib: ctypes.CDLL | None = None,
+         huge: bool = True) -> tuple[torch.Tensor, float]:
     """w [N, K] fp32 as [ceil(N / BW), K, BW] in the `weights` format (fp32 | bf16 | fp8): each block
     of BW output columns contiguous, k-major; and the scale the kernel multiplies y by (fp8: vLLM's
     per-tensor scale, engine.models.fp8; else 1). w must hold values of that format already (the
     engine rounds its weights once when it loads them), so the copy is exact. The block's layout is
     the one `lib`, the kernel that reads it (default: this process's), states (`layout`): in k-pairs
     (K padded to even with zeros) where it multiplies bf16 pairs or widens two bf16 k-rows from one load,
-    in k-quads (K padded to a multiple of 4) where it widens four e4m3 k-rows from one load."""
+    in k-quads (K padded to a multiple of 4) where it widens four e4m3 k-rows from one load. `huge`: the
+    copy on 2 MB pages of its own (`on_huge_pages`; False where the caller places several together)."""
     lib = lib or _built()
     vw, nb = divmod(lib.block_shape(), 100)
     bw = vw * nb
@@ -1015,7 +1025,9 @@ def pack(w: torch.Tensor, weights: str = "fp32", lib: ctypes.CDLL | None = None)
         packed = packed.reshape(-1, kp // 4, 4 * bw)[:, :, quad_order(bw)].reshape(-1, kp, bw)
     elif how >= 2:
         packed = packed.reshape(-1, kp // 2, 2 * bw)[:, :, pair_order(weights, vw, nb)].reshape(-1, kp, bw)
-    packed = on_huge_pages(packed.contiguous())
+    packed = packed.contiguous()
+    if huge:
+        packed = on_huge_pages([packed])[0]
     return packed.view(DTYPES[weights]), scale
 
 

@@ -468,6 +468,26 @@ def test_the_few_row_kernel_builds_here_and_is_timed_by_the_calibration() -> Non
     assert torch.equal(w._smallm_packed[1, :, 0], w[smallm.BW])  # block 1, column 0: output row BW, k-major
 
 
+def test_packed_copies_lie_together_on_2mb_pages_with_their_own_values() -> None:
+    """pack_weights places the few-row copies it makes in one buffer (smallm.on_huge_pages): in order,
+    each at a 4 KB boundary, the buffer at a 2 MB one, so weights under 2 MB get huge pages too; each
+    copy holds what `pack` makes of its weight (an overlap or a wrong offset would overwrite one)."""
+    from engine.models import smallm
+
+    assert smallm.library() is not None, smallm.error()
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(192, 2000 + 8 * i, generator=g) for i in range(3)]  # over 2 MB together, each less
+    fmts = ["fp32", "bf16", "fp8"]
+    assert pack_weights(ws, fmts)
+    at = [w._smallm_packed.data_ptr() for w in ws]
+    sizes = [w._smallm_packed.numel() * w._smallm_packed.element_size() for w in ws]
+    assert at[0] % smallm.HUGE_PAGE == 0 and max(sizes) < smallm.HUGE_PAGE <= sum(sizes)
+    assert at[1:] == [a + -(-n // 4096) * 4096 for a, n in zip(at, sizes[:-1])]
+    for w, fmt in zip(ws, fmts):
+        alone, scale = smallm.pack(w, fmt)
+        assert w._smallm_scale == scale and torch.equal(w._smallm_packed.view(torch.uint8), alone.view(torch.uint8))
+
+
 def test_the_compiled_one_row_linear_equals_f_linear() -> None:
     """Inside a compiled graph a one-row CPU linear is a product and a sum (what inductor fuses into
     one pass over the weight); it must stay the same product."""
