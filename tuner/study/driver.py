@@ -170,7 +170,7 @@ def drive(cfg: Config, run_dir: Path, open_study: Callable[[SearchSpace], optuna
             # refuse before the first trial what cannot fit; its passes judge the first trials' baselines
             t0 = time.monotonic()
             _, passes = check_trial_fits(cfg, measure, prompts)
-            phases["fit probe"] = round(time.monotonic() - t0, 1)
+            phases["fit probe"] = round(time.monotonic() - t0, 3)
             if passes:
                 study.set_user_attr(PROBE_PASSES, passes)
         objective = Objective(study, space, measure, cfg.workload, cfg.search)
