@@ -671,7 +671,7 @@ class BatchEngine:
             try:
                 out[i] = self.submit(prompts[i], each[i], tok, done)
             except UserError as exc:
-                r = Request(list(prompts[i]), each[i], error=str(exc))
+                r = Request(list(prompts[i]), each[i], error=str(exc), exception=exc)
                 out[i] = r
                 done(r)
 

@@ -208,3 +208,58 @@ def test_a_study_of_closed_loop_levels_times_the_step_cost_curve_to_its_largest_
     with study_measure(study, engine, prompts, tmp_path):
         assert engine.batch_cap == 2
     assert engine.batch_cap is None, "the engine's own again after the study"
+
+
+def test_the_check_sides_answers_are_each_prompts_lone_answer_decoded_together(setup, tmp_path, monkeypatch) -> None:
+    """check_proxies answers the candidate and held-out prompts in one closed loop of
+    engine.builtin.max_batch clients, speculation off: each proxy is the one of that prompt's own
+    greedy answer generated alone (prompt order kept though shorter answers finish first), the
+    engine's spec is given back, a second call reads the cache, and a failed answer raises."""
+    from engine.api import SamplingParams
+    from engine.decode.batch import Request
+    from engine.drafters.ngram import replayed_forwards
+    from engine.measure.workloads import encode, params_of, sampling_params
+    from tuner.projection.profiling import PROXY_DEPTHS, PromptProxy
+    from tuner.study.measurer import check_proxies
+
+    _, engine, _ = setup
+    cfg = load_config(["model=tiny-random", "+workload=code", "workload.max_new_tokens=16", "spec.method=off",
+                       "engine.builtin.max_batch=3", f"cache_dir={tmp_path}"])
+    monkeypatch.setattr(engine, "max_batch", cfg.engine.builtin.max_batch)
+    # answers of unlike lengths: a later prompt finishes before an earlier one
+    prompts = [Prompt(f"p{i}", text, "x", params=SamplingParams(max_new_tokens=n))
+               for i, (text, n) in enumerate([("def fib(n):", 14), ("a b c d a b", 3), ("import os", 9),
+                                              ("x = [1, 2, 3]", 5), ("class A:", 12)])]
+    ids = [encode(engine, p, cfg.workload.chat_template) for p in prompts]
+    engine.set_spec(SpecConfig(method="off"))
+    want = []
+    for x, p in zip(ids, prompts):
+        answer = list(engine.generate(x, params_of(p, sampling_params(cfg.workload, seed=cfg.seed))).tokens)
+        want.append(PromptProxy(len(x), len(answer), tuple(replayed_forwards(x, answer, d) for d in PROXY_DEPTHS)))
+    assert len({w.answer_tokens for w in want}) > 2
+    chain = SpecConfig(method="ngram", depth=3, topk=1, budget=4)
+    engine.set_spec(chain)
+    together, real = [], engine.batcher
+
+    def spy():
+        b = real()
+        loop = b.closed_loop
+        b.closed_loop = lambda ps, params, concurrency: together.append(
+            ([s.key() for _, _, s in b.schedule], concurrency)) or loop(ps, params, concurrency)
+        return b
+
+    monkeypatch.setattr(engine, "batcher", spy)
+    monkeypatch.setattr(engine, "generate", lambda *a, **k: pytest.fail("answered one at a time"))
+    assert check_proxies(cfg, engine, prompts) == want
+    assert together == [([SpecConfig(method="off").key()], 3)] and engine.spec == chain
+    monkeypatch.setattr(engine, "batcher", lambda: pytest.fail("answered again"))
+    assert check_proxies(cfg, engine, prompts) == want  # from the cache
+
+    class Failing:
+        def closed_loop(self, ps, params, concurrency):
+            return [Request(list(x), p, error="ValueError: planted", exception=ValueError("planted")) for x, p in
+                    zip(ps, params)]
+
+    monkeypatch.setattr(engine, "batcher", Failing)
+    with pytest.raises(ValueError, match="planted"):
+        check_proxies(cfg, engine, prompts[:2])

@@ -90,7 +90,7 @@ def test_quick_study_end_to_end(tmp_path: Path, engine, capsys) -> None:
         probe = db.execute("select value_json from study_user_attributes where key='probe_passes'").fetchall()
     assert len(yaml.safe_load(probe[0][0])) == 2
     # the engine was given (nothing loaded) and no head trained: the phases the run had, in order
-    assert list(best.phases_s) == ["check side", "trials", "confirmation", "held-out"]
+    assert list(best.phases_s) == ["check side", "fit probe", "trials", "confirmation", "held-out"]
     assert best.phases_s["trials"] > 0 and best.phases_s["held-out"] > 0
     html = (run_dir / "report.html").read_text()
     assert "history.png" in html and best.spec.key() in html
@@ -124,7 +124,7 @@ def test_winner_is_off_when_speculation_cannot_help(tmp_path: Path, engine) -> N
     assert "slowdown trap" in best.reason and "Acceptance too low" in best.reason
     assert best.speedup == 1.0 and best.heldout_speedup == 1.0
     # an empty cache: the head's answers and training are phases of this run, timed apart
-    assert list(best.phases_s)[:4] == ["eagle answers", "eagle training", "check side", "trials"]
+    assert list(best.phases_s)[:5] == ["eagle answers", "eagle training", "check side", "fit probe", "trials"]
     assert best.phases_s["eagle training"] > 0
 
 

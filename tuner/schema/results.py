@@ -266,6 +266,7 @@ class BestResult(_Strict):
     skipped_requests: int = 0  # the user's requests the engine refused as such (counted, not played)
     arms: Arms | None = None  # search.adaptive: adaptive against the best static schedule and off, per level
     # wall seconds of each phase of the run that wrote it, in order (engine load, a draft's answers
-    # and training when made in that run, trials, confirmation round, held-out check)
+    # and training when made in that run, the check side's answers, the fit probe and its baseline
+    # passes, trials, confirmation round, held-out check)
     phases_s: dict[str, float] = {}
     head_bounds: list[HeadBound] = []  # a head's bound measured before training it (tuner.study.headbound)

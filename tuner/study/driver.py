@@ -168,7 +168,9 @@ def drive(cfg: Config, run_dir: Path, open_study: Callable[[SearchSpace], optuna
         if measure is None:
             measure = stack.enter_context(study_measure(cfg, engine, prompts, run_dir))
             # refuse before the first trial what cannot fit; its passes judge the first trials' baselines
+            t0 = time.monotonic()
             _, passes = check_trial_fits(cfg, measure, prompts)
+            phases["fit probe"] = round(time.monotonic() - t0, 3)
             if passes:
                 study.set_user_attr(PROBE_PASSES, passes)
         objective = Objective(study, space, measure, cfg.workload, cfg.search)

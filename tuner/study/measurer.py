@@ -61,8 +61,9 @@ def study_prompts(cfg: Config, engine: Engine | None = None) -> dict[str, list[P
 
 
 def check_proxies(cfg: Config, engine: Engine, prompts: list[Prompt]) -> list[PromptProxy]:
-    """Each prompt's PromptProxy: its answer generated once by `engine` (an n-gram chain: under
-    greedy decoding every configuration's answer, at the cost of a drafting pass), replayed under
+    """Each prompt's PromptProxy: its answer generated once by `engine` (speculation off, every
+    prompt in one closed loop of engine.builtin.max_batch clients: a greedy answer is the target's
+    whatever decodes beside it, and a step reads the weights once for all its rows), replayed under
     the chains of PROXY_DEPTHS. Cached in the cache directory by the model, the engine's settings,
     the prompts' token ids and the sampling (counts only: no text), so a study pays it once."""
     import hashlib
@@ -87,10 +88,16 @@ def check_proxies(cfg: Config, engine: Engine, prompts: list[Prompt]) -> list[Pr
         pass
     before = engine.spec
     try:
-        engine.set_spec(SpecConfig(method="ngram", depth=max(PROXY_DEPTHS), topk=1, budget=max(PROXY_DEPTHS) + 1))
-        answers = [list(engine.generate(x, pa).tokens) for x, pa in zip(ids, params)]
+        engine.set_spec(SpecConfig(method="off"))
+        reqs = engine.batcher().closed_loop(ids, params, concurrency=engine.max_batch)
     finally:
         engine.set_spec(before)
+    for r in reqs:  # as a lone generation would: a failed answer fails the study before its trials
+        if r.exception is not None:
+            raise r.exception
+        if r.error is not None:
+            raise RuntimeError(r.error)
+    answers = [list(r.result.tokens) for r in reqs]
     out = [PromptProxy(len(x), len(a), tuple(replayed_forwards(x, a, d) for d in PROXY_DEPTHS))
            for x, a in zip(ids, answers)]
     path.parent.mkdir(parents=True, exist_ok=True)
