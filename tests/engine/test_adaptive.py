@@ -809,19 +809,26 @@ def test_below_the_pay_floor_nothing_pays_and_just_above_it_something_does(seed:
     assert choose([[floor * 1.01 + 0.01] * n], tokens, step, draft_s, MARGIN)[0] > 0
 
 
-def test_the_engine_learns_the_time_its_steps_spend_outside_the_forward(engine: Engine, off, monkeypatch) -> None:
-    """10 ms of every step spent after the forward (as a server's streaming would; several of the
-    tiny model's forwards), each forward 5 ms on a planted clock: the step cost's overhead at that
-    batch size is the 10 ms, not the forward's nor the step's whole time."""
-    prompts, ref = off
+def _two_places_on_a_planted_clock(engine: Engine, monkeypatch) -> tuple[PlantedClock, BatchEngine]:
+    """An adaptive n-gram scheduler of two places on a planted clock: every forward 5 ms, and 10 ms
+    of every step spent after it (as a server's streaming would; several of the tiny model's
+    forwards), over a planted curve of the same 5 ms step."""
     spec = SpecConfig(method="ngram", depth=3, ngram_min=1, ngram_max=3, adaptive=True)
     monkeypatch.setattr(engine, "step_costs", lambda *a: StepCost({1: [(0, 0.005), (16, 0.009)],
                                                                    2: [(0, 0.005), (32, 0.013)]}, max_rows=4))
     clock = PlantedClock(lambda batch, extra: 0.005)
     clock.plant(monkeypatch, engine)
-    be = BatchEngine(engine, max_batch=2, schedule=schedule_of(spec, 2))
-    real = BatchEngine._retire_finished
-    monkeypatch.setattr(BatchEngine, "_retire_finished", lambda self: clock.advance(0.01) or real(self))
+    retire = BatchEngine._retire_finished
+    monkeypatch.setattr(BatchEngine, "_retire_finished", lambda self: clock.advance(0.01) or retire(self))
+    return clock, BatchEngine(engine, max_batch=2, schedule=schedule_of(spec, 2))
+
+
+def test_the_engine_learns_the_time_its_steps_spend_outside_the_forward(engine: Engine, off, monkeypatch) -> None:
+    """10 ms of every step spent after the forward (as a server's streaming would; several of the
+    tiny model's forwards), each forward 5 ms on a planted clock: the step cost's overhead at that
+    batch size is the 10 ms, not the forward's nor the step's whole time."""
+    prompts, ref = off
+    _, be = _two_places_on_a_planted_clock(engine, monkeypatch)
     reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=2)
     assert [r.result.tokens for r in reqs] == ref
     assert be.cost.overhead_s(2) == pytest.approx(0.01)
@@ -833,14 +840,8 @@ def test_the_engine_learns_what_drafting_at_all_adds_to_a_step(engine: Engine, o
     steps the controller priced and left without rows against those that ran rows), and greedy
     output is still speculation off's."""
     prompts, ref = off
-    spec = SpecConfig(method="ngram", depth=3, ngram_min=1, ngram_max=3, adaptive=True)
-    monkeypatch.setattr(engine, "step_costs", lambda *a: StepCost({1: [(0, 0.005), (16, 0.009)],
-                                                                   2: [(0, 0.005), (32, 0.013)]}, max_rows=4))
-    clock = PlantedClock(lambda batch, extra: 0.005)
-    clock.plant(monkeypatch, engine)
-    be = BatchEngine(engine, max_batch=2, schedule=schedule_of(spec, 2))
-    retire, learn = BatchEngine._retire_finished, BatchEngine._learn
-    monkeypatch.setattr(BatchEngine, "_retire_finished", lambda self: clock.advance(0.01) or retire(self))
+    clock, be = _two_places_on_a_planted_clock(engine, monkeypatch)
+    learn = BatchEngine._learn
 
     def learning(self, spec, verified):
         if any(tree.size > 1 for _, tree in verified):
