@@ -19,7 +19,8 @@ of a cell plays the same requests in the same order.
 Noise on a shared machine comes in bursts of seconds to minutes, so each cell (workload, level) is
 measured in short interleaved rounds: every configuration once per round, in the order A B C ...
 then ... C B A, so that the configurations of a cell are measured within seconds of each other and
-linear drift cancels over each pair of rounds. Before its first round each configuration plays one
+linear drift cancels over each pair of rounds. Adaptive plays between off and the deepest chain
+(`round_order`), so each of its ratios pairs passes played back to back. Before its first round each configuration plays one
 wave of the level, and every prompt at least once (not measured: the adaptive engine's estimates
 and step cost settle at each batch size as a server's would, and every prompt's prefix is cached,
 as every later round finds it). Each pass also reports its mean requests in flight over N (the
@@ -88,6 +89,19 @@ def specs(method: str, depths: list[int]) -> list[SpecConfig]:
     bound = max(depths)
     return ([SpecConfig(method="off")] + [SpecConfig(method=method, depth=d, topk=1, budget=d + 1) for d in depths]
             + [SpecConfig(method=method, depth=bound, topk=1, budget=bound + 1, adaptive=True)])
+
+
+def round_order(specs_: list[SpecConfig], r: int) -> list[str]:
+    """The configurations' keys in the order round `r` plays them: adaptive between off and the
+    deepest static chain (the shallower chains before off), reversed every other round. Each of
+    adaptive's two ratios then compares passes played back to back, and the order between them
+    alternates, so a burst of another process's work or a drift over the round weighs on both
+    sides of each ratio: where adaptive drafts nothing (off in effect), off against it compares
+    the same steps seconds apart rather than a round apart."""
+    static = [s.key() for s in specs_ if s.method != "off" and not s.adaptive]
+    adaptive = next(s.key() for s in specs_ if s.adaptive)
+    order = [*static[:-1], "off", adaptive, static[-1]]
+    return order if r % 2 == 0 else order[::-1]
 
 
 def requests_at(prompts: int, waves: int, level: int) -> int:
@@ -188,7 +202,7 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
                 for k in keys:
                     measure(targets[k], wave[:max(c, len(ps))], params, c, warmup=0, repeats=1)
                 for r in range(rounds):
-                    for k in (keys if r % 2 == 0 else keys[::-1]):
+                    for k in round_order(specs_, r):
                         s = measure(targets[k], wave, params, c, warmup=0, repeats=1)
                         if s.errors:
                             raise RuntimeError(f"{k}, {w} at concurrency {c}: {s.errors[0]}")

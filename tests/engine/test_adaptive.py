@@ -647,6 +647,24 @@ def test_the_benchmarks_goals_are_read_while_the_level_is_held() -> None:
     assert cell["in_flight"] == {"off": 1.0, "best_static": 0.9, "adaptive": 0.9}
 
 
+def test_each_round_plays_adaptive_between_off_and_the_deepest_chain() -> None:
+    """benchmarks/adaptive.py's rounds: every configuration once a round, adaptive's passes back to
+    back with off's and with the deepest chain's (its two ratios' sides seconds apart), the order
+    reversed every other round (a drift over a round falls on each side of a ratio alike)."""
+    bench = _adaptive_benchmark()
+    for depths in ([2, 4], [2, 4, 8], [3]):
+        grid = bench.specs("ngram", depths)
+        keys = [s.key() for s in grid]
+        adaptive, deepest = keys[-1], keys[-2]
+        for r in range(4):
+            order = bench.round_order(grid, r)
+            assert sorted(order) == sorted(keys)
+            i = order.index(adaptive)
+            assert {order[i - 1], order[i + 1]} == {"off", deepest}
+            assert order == bench.round_order(grid, r + 1)[::-1]
+        assert bench.round_order(grid, 0).index("off") < bench.round_order(grid, 0).index(adaptive)
+
+
 def test_adaptive_needs_the_lean_forward(engine: Engine, monkeypatch) -> None:
     monkeypatch.setattr(engine, "lean", None)  # the config refuses forward=hf first (tests/tuner/test_config.py)
     with pytest.raises(UserError, match="spec.adaptive=true needs engine.builtin.forward=lean"):
