@@ -665,6 +665,20 @@ def test_each_round_plays_adaptive_between_off_and_the_deepest_chain() -> None:
         assert bench.round_order(grid, 0).index("off") < bench.round_order(grid, 0).index(adaptive)
 
 
+def test_a_pass_grows_by_whole_waves_until_the_fastest_configuration_lasts_pass_s() -> None:
+    """benchmarks/adaptive.py's pass size: at 2 in flight a warm-up of 6 requests that the fastest
+    configuration played in 0.9 s (0.3 s a wave of 2) grows 6 requests to 14 waves (28) for 4 s; the
+    slower configurations' warm-ups do not shrink it; a pass already long enough, or no warm-up
+    time, keeps requests_at's count."""
+    bench = _adaptive_benchmark()
+    assert bench.lasting(6, 2, [(6, 1.8), (6, 0.9), (6, 1.2)], 4.0) == 28
+    assert bench.lasting(6, 2, [(6, 0.9)], 4.0) % 2 == 0  # whole waves of the level
+    assert bench.lasting(64, 32, [(32, 2.5)], 4.0) == 64  # 2 waves of 2.5 s already last 5 s
+    assert bench.lasting(6, 1, [(6, 1.5)], 0.0) == 6
+    assert bench.lasting(6, 1, [(6, 0.0)], 4.0) == 6
+    assert bench.lasting(6, 1, [(6, 1.5)], 4.0) == 16  # 0.25 s a request: 16 for 4 s
+
+
 def test_adaptive_needs_the_lean_forward(engine: Engine, monkeypatch) -> None:
     monkeypatch.setattr(engine, "lean", None)  # the config refuses forward=hf first (tests/tuner/test_config.py)
     with pytest.raises(UserError, match="spec.adaptive=true needs engine.builtin.forward=lean"):
