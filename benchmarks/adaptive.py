@@ -19,7 +19,10 @@ of a cell plays the same requests in the same order.
 Noise on a shared machine comes in bursts of seconds to minutes, so each cell (workload, level) is
 measured in short interleaved rounds: every configuration once per round, in the order A B C ...
 then ... C B A, so that the configurations of a cell are measured within seconds of each other and
-linear drift cancels over each pair of rounds. Before its first round each configuration plays one
+linear drift cancels over each pair of rounds. Adaptive plays between off and the deepest chain
+(`round_order`), so each of its ratios pairs passes played back to back. A pass lasts at least
+`--pass-s` seconds (whole waves more, sized from the cell's warm-up: `lasting`): on a fast host a
+pass of a few requests at 1 or 2 in flight lasts a second, and one burst moves it 10-20%. Before its first round each configuration plays one
 wave of the level, and every prompt at least once (not measured: the adaptive engine's estimates
 and step cost settle at each batch size as a server's would, and every prompt's prefix is cached,
 as every later round finds it). Each pass also reports its mean requests in flight over N (the
@@ -59,6 +62,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import statistics
@@ -90,9 +94,34 @@ def specs(method: str, depths: list[int]) -> list[SpecConfig]:
             + [SpecConfig(method=method, depth=bound, topk=1, budget=bound + 1, adaptive=True)])
 
 
+def round_order(specs_: list[SpecConfig], r: int) -> list[str]:
+    """The configurations' keys in the order round `r` plays them: adaptive between off and the
+    deepest static chain (the shallower chains before off), reversed every other round. Each of
+    adaptive's two ratios then compares passes played back to back, and the order between them
+    alternates, so a burst of another process's work or a drift over the round weighs on both
+    sides of each ratio: where adaptive drafts nothing (off in effect), off against it compares
+    the same steps seconds apart rather than a round apart."""
+    static = [s.key() for s in specs_ if s.method != "off" and not s.adaptive]
+    adaptive = next(s.key() for s in specs_ if s.adaptive)
+    order = [*static[:-1], "off", adaptive, static[-1]]
+    return order if r % 2 == 0 else order[::-1]
+
+
 def requests_at(prompts: int, waves: int, level: int) -> int:
     """Requests a pass plays at `level` in flight: at least `waves` waves of the level."""
     return max(prompts, waves * level)
+
+
+def lasting(requests: int, level: int, warmups: list[tuple[int, float]], pass_s: float) -> int:
+    """Requests a round's pass plays: `requests` (requests_at), grown by whole waves of the level
+    until the fastest configuration's warm-up pass (its requests and wall seconds, `warmups`)
+    says its pass lasts at least `pass_s` seconds. A pass of a second or two (a few requests at 1
+    or 2 in flight on a fast host) is moved 10-20% by one burst of another process's work, where
+    the same burst is a few percent of a longer pass."""
+    wave_s = min((wall * level / n for n, wall in warmups if n > 0 and wall > 0), default=0.0)
+    if wave_s <= 0 or requests * wave_s / level >= pass_s:
+        return requests
+    return max(requests, level * math.ceil(pass_s / wave_s))
 
 
 def in_flight(m: Measurement, level: int) -> float:
@@ -157,14 +186,15 @@ def controller_state(url: str, batch: int) -> dict[str, Any]:
 def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], prompts: int, max_new_tokens: int,
         rounds: int, waves: int = 2, texts: dict[tuple[str, str, int, int], list[str]] | None = None,
         states: dict[tuple[str, int], dict[str, Any]] | None = None,
-        rows: list[dict[str, Any]] | None = None, weights: str = "fp32") -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] | None = None, weights: str = "fp32", pass_s: float = 0.0) -> list[dict[str, Any]]:
     """Rows (workload, config, level, round, tok/s, tau, requests, in flight): every configuration's
     server up at once, each cell measured in `rounds` interleaved rounds of `requests_at` requests
+    (grown to last `pass_s`: `lasting`)
     (see the module's docstring). `texts`, when given, receives each pass's answers by (workload,
     config, level, round), to compare, never to print; `states` the adaptive server's controller
     after each cell's rounds (`controller_state`), by (workload, level); `rows`, when given, receives
     each row as it is measured (a run stopped early keeps them); `weights`: every server's
-    engine.builtin.weights."""
+    engine.builtin.weights; `pass_s`: each round's passes last at least about this long (`lasting`)."""
     over = [f"engine.builtin.max_batch={max(levels)}", f"serve.queue_size={4 * max(levels)}",
             f"engine.builtin.weights={weights}"]
     loads = {}
@@ -180,15 +210,16 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
         for w, (ps, params, chat) in loads.items():
             targets = {k: HttpTarget(u, model, chat) for k, u in urls.items()}
             for c in levels:
-                wave = [ps[i % len(ps)] for i in range(requests_at(len(ps), waves, c))]
+                first = [ps[i % len(ps)] for i in range(max(c, len(ps)))]
                 # one wave at this level first, not measured, and every prompt at least once: a prompt
                 # first met in the first round was prefilled there and cached for the later rounds,
                 # so the first round ran slower for every configuration (code at 2 in flight, the first
                 # level of the workload: 24.6-35.9 tok/s against 62.3-94.3 in the next rounds)
-                for k in keys:
-                    measure(targets[k], wave[:max(c, len(ps))], params, c, warmup=0, repeats=1)
+                warm = [measure(targets[k], first, params, c, warmup=0, repeats=1).runs[0] for k in keys]
+                n = lasting(requests_at(len(ps), waves, c), c, [(len(first), m.wall_s) for m in warm], pass_s)
+                wave = [ps[i % len(ps)] for i in range(n)]
                 for r in range(rounds):
-                    for k in (keys if r % 2 == 0 else keys[::-1]):
+                    for k in round_order(specs_, r):
                         s = measure(targets[k], wave, params, c, warmup=0, repeats=1)
                         if s.errors:
                             raise RuntimeError(f"{k}, {w} at concurrency {c}: {s.errors[0]}")
@@ -321,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="every server's weights (auto resolves per max_batch: the levels would change the format)")
     ap.add_argument("--waves", type=int, default=2,
                     help="a level of N plays max(prompts, waves x N) requests, N in flight until the last wave")
+    ap.add_argument("--pass-s", type=float, default=4.0,
+                    help="each pass plays whole waves more until it lasts about this long (its cell's warm-up says)")
     args = ap.parse_args(argv)
     try:
         levels = sorted({int(x) for x in args.levels.split(",") if x})
@@ -338,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompts < 1 or args.max_new_tokens < 1 or args.rounds < 1 or args.waves < 1:
         print("--prompts, --max-new-tokens, --rounds and --waves must be >= 1", file=sys.stderr)
         return 2
+    if args.pass_s < 0:
+        print(f"--pass-s={args.pass_s}: must be >= 0 (0: passes of requests_at alone)", file=sys.stderr)
+        return 2
     load = os.getloadavg()[0]
     grid = specs(args.method, depths)
     texts: dict[tuple[str, str, int, int], list[str]] = {}
@@ -349,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupted)
     try:
         run(grid, workloads, levels, args.prompts, args.max_new_tokens, args.rounds, args.waves, texts, states, rows,
-            args.weights)
+            args.weights, args.pass_s)
     except KeyboardInterrupt:
         print(f"\nstopped early: {len(rows)} passes measured; the table and JSON hold the finished rounds",
               file=sys.stderr)
@@ -361,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     differ = greedy_differences(texts)
 
     print(f"\nload average {load:.1f} at the start; {args.prompts} prompts per workload, {args.max_new_tokens} new "
-          f"tokens, {args.weights}, T=0, {args.rounds} round(s) of max(prompts, {args.waves} x level) requests; adaptive = "
+          f"tokens, {args.weights}, T=0, {args.rounds} round(s) of max(prompts, {args.waves} x level) requests, whole waves "
+          f"more until a pass lasts {args.pass_s:g} s; adaptive = "
           f"{grid[-1].key()}; {wall:.0f} s")
     print(f"{'workload':<8} {'c':>3} {'off':>8} {'best static':>24} {'tok/s':>8} {'adaptive':>9} "
           f"{'vs static [95%]':>22} {'vs off [95%]':>22} {'in flight':>16}")
@@ -389,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{h['adaptive_vs_off']:6.3f}x{_ci(h['adaptive_vs_off_ci']):<15}")
     out = {"levels": levels, "workloads": workloads, "depths": depths, "method": args.method, "rounds": args.rounds,
            "weights": args.weights,
-           "waves": args.waves, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "wall_s": round(wall),
+           "waves": args.waves, "pass_s": args.pass_s, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "wall_s": round(wall),
            "load_average": round(load, 2), "table": table,
            "greedy_identical": not differ, "greedy_differences": differ,
            "rows": rows,

@@ -647,6 +647,38 @@ def test_the_benchmarks_goals_are_read_while_the_level_is_held() -> None:
     assert cell["in_flight"] == {"off": 1.0, "best_static": 0.9, "adaptive": 0.9}
 
 
+def test_each_round_plays_adaptive_between_off_and_the_deepest_chain() -> None:
+    """benchmarks/adaptive.py's rounds: every configuration once a round, adaptive's passes back to
+    back with off's and with the deepest chain's (its two ratios' sides seconds apart), the order
+    reversed every other round (a drift over a round falls on each side of a ratio alike)."""
+    bench = _adaptive_benchmark()
+    for depths in ([2, 4], [2, 4, 8], [3]):
+        grid = bench.specs("ngram", depths)
+        keys = [s.key() for s in grid]
+        adaptive, deepest = keys[-1], keys[-2]
+        for r in range(4):
+            order = bench.round_order(grid, r)
+            assert sorted(order) == sorted(keys)
+            i = order.index(adaptive)
+            assert {order[i - 1], order[i + 1]} == {"off", deepest}
+            assert order == bench.round_order(grid, r + 1)[::-1]
+        assert bench.round_order(grid, 0).index("off") < bench.round_order(grid, 0).index(adaptive)
+
+
+def test_a_pass_grows_by_whole_waves_until_the_fastest_configuration_lasts_pass_s() -> None:
+    """benchmarks/adaptive.py's pass size: at 2 in flight a warm-up of 6 requests that the fastest
+    configuration played in 0.9 s (0.3 s a wave of 2) grows 6 requests to 14 waves (28) for 4 s; the
+    slower configurations' warm-ups do not shrink it; a pass already long enough, or no warm-up
+    time, keeps requests_at's count."""
+    bench = _adaptive_benchmark()
+    assert bench.lasting(6, 2, [(6, 1.8), (6, 0.9), (6, 1.2)], 4.0) == 28
+    assert bench.lasting(6, 2, [(6, 0.9)], 4.0) % 2 == 0  # whole waves of the level
+    assert bench.lasting(64, 32, [(32, 2.5)], 4.0) == 64  # 2 waves of 2.5 s already last 5 s
+    assert bench.lasting(6, 1, [(6, 1.5)], 0.0) == 6
+    assert bench.lasting(6, 1, [(6, 0.0)], 4.0) == 6
+    assert bench.lasting(6, 1, [(6, 1.5)], 4.0) == 16  # 0.25 s a request: 16 for 4 s
+
+
 def test_adaptive_needs_the_lean_forward(engine: Engine, monkeypatch) -> None:
     monkeypatch.setattr(engine, "lean", None)  # the config refuses forward=hf first (tests/tuner/test_config.py)
     with pytest.raises(UserError, match="spec.adaptive=true needs engine.builtin.forward=lean"):
@@ -809,19 +841,26 @@ def test_below_the_pay_floor_nothing_pays_and_just_above_it_something_does(seed:
     assert choose([[floor * 1.01 + 0.01] * n], tokens, step, draft_s, MARGIN)[0] > 0
 
 
-def test_the_engine_learns_the_time_its_steps_spend_outside_the_forward(engine: Engine, off, monkeypatch) -> None:
-    """10 ms of every step spent after the forward (as a server's streaming would; several of the
-    tiny model's forwards), each forward 5 ms on a planted clock: the step cost's overhead at that
-    batch size is the 10 ms, not the forward's nor the step's whole time."""
-    prompts, ref = off
+def _two_places_on_a_planted_clock(engine: Engine, monkeypatch) -> tuple[PlantedClock, BatchEngine]:
+    """An adaptive n-gram scheduler of two places on a planted clock: every forward 5 ms, and 10 ms
+    of every step spent after it (as a server's streaming would; several of the tiny model's
+    forwards), over a planted curve of the same 5 ms step."""
     spec = SpecConfig(method="ngram", depth=3, ngram_min=1, ngram_max=3, adaptive=True)
     monkeypatch.setattr(engine, "step_costs", lambda *a: StepCost({1: [(0, 0.005), (16, 0.009)],
                                                                    2: [(0, 0.005), (32, 0.013)]}, max_rows=4))
     clock = PlantedClock(lambda batch, extra: 0.005)
     clock.plant(monkeypatch, engine)
-    be = BatchEngine(engine, max_batch=2, schedule=schedule_of(spec, 2))
-    real = BatchEngine._retire_finished
-    monkeypatch.setattr(BatchEngine, "_retire_finished", lambda self: clock.advance(0.01) or real(self))
+    retire = BatchEngine._retire_finished
+    monkeypatch.setattr(BatchEngine, "_retire_finished", lambda self: clock.advance(0.01) or retire(self))
+    return clock, BatchEngine(engine, max_batch=2, schedule=schedule_of(spec, 2))
+
+
+def test_the_engine_learns_the_time_its_steps_spend_outside_the_forward(engine: Engine, off, monkeypatch) -> None:
+    """10 ms of every step spent after the forward (as a server's streaming would; several of the
+    tiny model's forwards), each forward 5 ms on a planted clock: the step cost's overhead at that
+    batch size is the 10 ms, not the forward's nor the step's whole time."""
+    prompts, ref = off
+    _, be = _two_places_on_a_planted_clock(engine, monkeypatch)
     reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=2)
     assert [r.result.tokens for r in reqs] == ref
     assert be.cost.overhead_s(2) == pytest.approx(0.01)
@@ -833,14 +872,8 @@ def test_the_engine_learns_what_drafting_at_all_adds_to_a_step(engine: Engine, o
     steps the controller priced and left without rows against those that ran rows), and greedy
     output is still speculation off's."""
     prompts, ref = off
-    spec = SpecConfig(method="ngram", depth=3, ngram_min=1, ngram_max=3, adaptive=True)
-    monkeypatch.setattr(engine, "step_costs", lambda *a: StepCost({1: [(0, 0.005), (16, 0.009)],
-                                                                   2: [(0, 0.005), (32, 0.013)]}, max_rows=4))
-    clock = PlantedClock(lambda batch, extra: 0.005)
-    clock.plant(monkeypatch, engine)
-    be = BatchEngine(engine, max_batch=2, schedule=schedule_of(spec, 2))
-    retire, learn = BatchEngine._retire_finished, BatchEngine._learn
-    monkeypatch.setattr(BatchEngine, "_retire_finished", lambda self: clock.advance(0.01) or retire(self))
+    clock, be = _two_places_on_a_planted_clock(engine, monkeypatch)
+    learn = BatchEngine._learn
 
     def learning(self, spec, verified):
         if any(tree.size > 1 for _, tree in verified):
