@@ -326,3 +326,67 @@ def test_the_study_compares_the_heldout_prompts_with_the_matched_tuning_prompts(
     assert line.startswith("3 of 6 tuning prompts matched to the 3 held-out ones (tuning prompts 1, 2, 4)")
     kept = {"tune": tune[:2], "heldout": held, CHECK: tune[:3]}
     assert "needs the built-in engine" in M.match_check_side(cfg, None, kept) and kept[CHECK] == tune[:3]
+
+
+def test_the_pairs_noise_sizes_the_checks_pairs_as_the_spread_sizes_a_trials_repeats() -> None:
+    """One pair a side while a pair's log ratio strays no more than two passes at search.noise_rel
+    would make it; above that (noise / that)^2 pairs, at most twice search.repeats_max; nothing to
+    size by when the noise is known on too few degrees of freedom or the baseline spread rose."""
+    from tuner.study.selection import PAIR_NOISE_MIN_DF, check_pairs
+
+    search = load_config([*CFG, "search=default"]).search  # repeats_max 2, noise_rel 0.05
+    at = math.sqrt(2) * search.noise_rel
+    assert check_pairs((0.045, 20), search, search.repeats_max) == 1  # session 29's quiet study
+    assert check_pairs((at, 20), search, search.repeats_max) == 1
+    assert check_pairs((0.079, 20), search, search.repeats_max) == 2  # session 29's loaded study
+    assert check_pairs((at * math.sqrt(3), 20), search, search.repeats_max) == 3
+    assert check_pairs((0.2, 20), search, search.repeats_max) == 2 * search.repeats_max
+    assert check_pairs((0.2, PAIR_NOISE_MIN_DF - 1), search, search.repeats_max) is None
+    assert check_pairs((0.045, 20), search, search.repeats_max + 1) is None
+    assert check_pairs(None, search, search.repeats_max) is None
+
+
+def test_above_the_floor_the_check_measures_more_pairs_and_its_interval_carries_their_noise() -> None:
+    """Trials whose pairs strayed 10% (a loaded machine): the check measures two pairs a side, not
+    one. Its intervals are the prompts' (every pair kept) widened by the pair noise pooled over the
+    trials' pairs and the check's own, for two pairs: a bootstrap over the two pairs alone shows half
+    their variance and would read narrower."""
+    from engine.measure.stats import t95
+    from tuner.study.selection import pair_noise, pooled_noise, widen
+
+    cfg = load_config(CFG)  # quick: repeats_max 1, so two pairs at most
+    n = cfg.workload.num_heldout
+    calls: list[str] = []
+    xs = {CHECK: [1.5, 1.2, 1.8, 1.4, 1.6, 1.3], "heldout": [1.4, 1.5, 1.3, 1.6, 1.2, 1.5]}
+
+    def measure(spec: SpecConfig, split: str, level: int) -> Sample:
+        calls.append(split)
+        k = sum(1 for c in calls if c == split)  # the spec of the second pair reads 8% slower on each side
+        slow = 1.08 if spec.method != "off" and k > 2 else 1.0
+        pp = [(100, slow / (x if spec.method != "off" else 1.0)) for x in xs[split]]
+        return Sample(100 * n / sum(s for _, s in pp), 2.0, per_prompt=pp)
+
+    spread = 0.1
+    study = optuna.create_study(direction="maximize")
+    for _ in range(3):
+        for spec, centre in ((D3, 1.3), (SpecConfig(method="ngram", depth=5, topk=1, budget=6), 1.1)):
+            study.add_trial(_trial(spec, [centre * math.exp(spread), centre * math.exp(-spread)]))
+    trials_noise = pair_noise(study.trials)
+    objective = Objective(study, SearchSpace.from_config(cfg), measure, cfg.workload, cfg.search)
+    check, _ = heldout_check(cfg, objective, D3)
+    assert check.pairs == 2 and len(calls) == 8  # two pairs a side, not one
+    # each side's two ratios differ by the planted 8%: the check's own pairs' share of the noise
+    noise, df = pooled_noise(trials_noise, [[1.0, 1 / 1.08], [1.0, 1 / 1.08]])
+    assert noise < trials_noise[0] and df == trials_noise[1] + 2  # the check's own pairs agreed better
+    assert check.pair_noise == pytest.approx(noise, abs=1e-4)
+    assert "2 pairs each, interleaved, sized by the pair noise" in describe_check(check)
+    # the interval: the prompts' with both pairs kept, widened for two pairs of that noise
+    per_side = [[[([(100, (1.08 if j else 1.0) / x) for x in xs[sp]], [(100, 1.0)] * n)] for j in range(2)]
+                for sp in (CHECK, "heldout")]
+    prompts_only = gap_interval(per_side[0], per_side[1], check.gap, seed=cfg.seed, resample_pairs=False)
+    lo, hi = widen(prompts_only[0], prompts_only[1], check.gap, noise, df, pairs=2)
+    assert (check.gap_ci_low, check.gap_ci_high) == pytest.approx((lo, hi))
+    boot = gap_interval(per_side[0], per_side[1], check.gap, seed=cfg.seed)
+    assert check.gap_ci_low < boot[0] and check.gap_ci_high > boot[1]
+    half = math.exp(t95(df + 1) * noise / math.sqrt(2))
+    assert check.tuning.ci_high / check.tuning.speedup == pytest.approx(half)
