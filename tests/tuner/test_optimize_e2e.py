@@ -91,7 +91,8 @@ def test_quick_study_end_to_end(tmp_path: Path, engine, capsys) -> None:
     assert len(yaml.safe_load(probe[0][0])) == 2
     # the engine was given (nothing loaded) and no head trained: the phases the run had, in order
     assert list(best.phases_s) == ["check side", "trials", "confirmation", "held-out"]
-    assert best.phases_s["trials"] > 0 and best.phases_s["held-out"] > 0
+    # (the held-out phase of tiny-random can round to 0.0 s on a fast host; best.heldout above says it ran)
+    assert best.phases_s["trials"] > 0 and best.phases_s["held-out"] >= 0
     html = (run_dir / "report.html").read_text()
     assert "history.png" in html and best.spec.key() in html
 
