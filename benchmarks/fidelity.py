@@ -34,10 +34,13 @@
    tau), and the wall time. Goals (issue 39): regret <= 0.03 and held-out within 5% of tuning in
    every run.
 
-Runs go seed by seed, each condition in turn; --time-limit-s starts no run that the longest so far
-would carry past the limit. Prints one line per run (with its phases: trials, confirmation,
-held-out); the last line printed is one JSON object with `max_regret` (against the quiet reference:
-`regret_reference`), `max_regret_loaded_reference`, `loaded_best_quiet_regret`, `max_heldout_gap`, `max_heldout_gap_beyond_interval`, `max_heldout_gap_width`,
+Runs go seed by seed (from --first-seed), each condition in turn; --time-limit-s starts no run that
+the longest so far (before any: --first-run-s) would carry past the limit. Right after the reference
+it prints one JSON line of the reference's pairs alone (what --reference-from reads, should the run
+be cut short). Prints one line per run (with its phases: trials, confirmation, held-out); the
+last line printed is one JSON object with `max_regret` (against the quiet reference:
+`regret_reference`), `max_regret_loaded_reference`, `loaded_best_quiet_regret`,
+`max_heldout_gap`, `max_heldout_gap_beyond_interval`, `max_heldout_gap_width`,
 `max_heldout_gap_at_equal_tau`, `heldout_verdicts` and `runs`.
 
 `max_heldout_gap` is the issue's figure: the largest |held-out / tuning - 1| over the runs (goal
@@ -255,6 +258,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--runs", type=int, default=3, help="studies per condition (quiet, loaded), one seed each")
+    ap.add_argument("--first-seed", type=int, default=0,
+                    help="the first run's search.seed (the runs take the next ones): other seeds than an earlier run's")
     ap.add_argument("--search", default="quick", help="the study's search option (conf/search): quick, default")
     ap.add_argument("--depth-max", type=int, default=4, help="the space: n-gram chains of depth 1..N")
     ap.add_argument("--n-trials", type=int, default=6)
@@ -271,6 +276,8 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for the reference and every study (e.g. search.confirm=always)")
     ap.add_argument("--run-dir", type=Path, default=None)
+    ap.add_argument("--first-run-s", type=float, default=0.0,
+                    help="with --time-limit-s: how long the first run is taken to last before any has run")
     ap.add_argument("--time-limit-s", type=float, default=None,
                     help="start no run that the longest run so far would carry past this many seconds "
                          "from the start (the runs left are listed in the last line's `skipped`)")
@@ -302,13 +309,18 @@ def main() -> None:
         for k, reasons in ref_why.items():
             print(f"{cond} reference {k}: {len(reasons)} pair(s) measured again or left out: {'; '.join(reasons)}",
                   flush=True)
+    # the reference alone, at once: a later run can take it (--reference-from) should this one be cut short
+    print(json.dumps({"reference_pairs": measured["quiet"][0], "reference_remeasured": measured["quiet"][1],
+                      **({"loaded_reference_pairs": measured["loaded"][0],
+                          "loaded_reference_remeasured": measured["loaded"][1]} if "loaded" in measured else {})}),
+          flush=True)
     runs: list[dict] = []
     skipped: list[str] = []
     # seed by seed, each condition in turn: a time limit then cuts the same seeds from every condition,
     # and a drift of the machine over the benchmark falls on both conditions alike
-    for seed in range(args.runs):
+    for seed in range(args.first_seed, args.first_seed + args.runs):
         for cond in args.conditions.split(","):
-            longest = max((float(x["wall_s"]) for x in runs), default=0.0)
+            longest = max((float(x["wall_s"]) for x in runs), default=args.first_run_s)
             if args.time_limit_s is not None and time.monotonic() - started + longest > args.time_limit_s:
                 skipped.append(f"{cond} seed {seed}")
                 continue
