@@ -33,15 +33,17 @@ from tuner.study.storage import mask_url, storage_url
 from tuner.study.studies import CHECK_SIDE, CONFIRM_ROUND, NOISE, REUSED, counted, role
 
 HELDOUT_PAIRS = 2  # spec/baseline pairs of a part's (mixed workload) or the baseline's held-out figures
-# The held-out check at the noise floor measures one pair a side. Its gap's interval is mostly which
-# prompts each side holds (gap_interval resamples them); a second pair re-measures the same prompts
-# and adds only the pairs' own noise, which the study's trials have already measured over many pairs
+# The held-out check's gap interval is mostly which prompts each side holds (gap_interval resamples
+# them); the pairs add their own noise, which the study's trials have measured over many pairs
 # (pair_noise) far better than a bootstrap over two pairs does (two resampled pairs show half their
-# variance). That noise widens the one pair's intervals; the second pair cost as long as the first.
-PAIR_NOISE_MIN_DF = 4  # pooled degrees of freedom of pair_noise before one pair a side stands on it
-# Above the floor that noise costs pairs, as the spread costs a trial repeats (Objective.repeats_for):
-# one pair a side while a pair's log ratio strays no more than two passes at search.noise_rel each
-# would make it (sqrt(2) x noise_rel), (noise / that)^2 pairs above it, at most twice search.repeats_max.
+# variance): that noise, pooled with the check's own pairs, widens the check's intervals.
+PAIR_NOISE_MIN_DF = 4  # pooled degrees of freedom of pair_noise before the check's intervals stand on it
+# That noise sizes the check's pairs as the spread sizes a trial's repeats (Objective.repeats_for): two
+# a side while a pair's log ratio strays no more than two passes at search.noise_rel each would make it
+# (sqrt(2) x noise_rel), 2 x (noise / that)^2 above it, at most twice search.repeats_max. Never one: one
+# pair a side is one draw of the machine's state per side, and the trials' pair noise (their passes
+# are shorter) did not show what that draw costs the gap, quiet or loaded (docs/results.md, session 30).
+CHECK_PAIRS_MIN = 2
 CONFIRM_TOP = 3  # the best configurations by pessimistic bound that the confirmation round measures
 CONFIRM_PAIRS_MAX = 6  # head-to-head pairs per contender at most (rounds; 2 at the noise floor: CONFIRM_FLOOR)
 CONFIRM_FLOOR = 2  # rounds when only pruned trials brought the round on at the floor: a head-to-head interval
@@ -832,16 +834,17 @@ def pair_noise(trials: list[FrozenTrial]) -> tuple[float, int] | None:
 
 def check_pairs(noise: tuple[float, int] | None, search: SearchConfig, repeats_max: int) -> int | None:
     """Pairs a side the held-out check measures when the study's trials measured how far a pair's
-    ratio strays (`noise`, its spread and degrees of freedom: pair_noise): 1 while it is at most
-    what two passes at search.noise_rel each make it (sqrt(2) x noise_rel), else (noise / that)^2
-    rounded up, at most twice search.repeats_max, as the spread sizes a trial's repeats. None when
+    ratio strays (`noise`, its spread and degrees of freedom: pair_noise): CHECK_PAIRS_MIN while it
+    is at most what two passes at search.noise_rel each make it (sqrt(2) x noise_rel), else
+    CHECK_PAIRS_MIN x (noise / that)^2 rounded up, at most twice search.repeats_max (and never fewer
+    than CHECK_PAIRS_MIN), as the spread sizes a trial's repeats. None when
     that noise is not known well enough (fewer than PAIR_NOISE_MIN_DF degrees of freedom) or the
     baseline spread rose during the study (repeats_max above search.repeats_max): then the check
     repeats until its own intervals are tight, as a trial does."""
     if noise is None or noise[1] < PAIR_NOISE_MIN_DF or repeats_max > search.repeats_max:
         return None
-    n = math.ceil((noise[0] / (math.sqrt(2) * search.noise_rel)) ** 2 - 1e-9)
-    return max(1, min(n, 2 * search.repeats_max))
+    n = math.ceil(CHECK_PAIRS_MIN * (noise[0] / (math.sqrt(2) * search.noise_rel)) ** 2 - 1e-9)
+    return max(CHECK_PAIRS_MIN, min(n, 2 * search.repeats_max))
 
 
 def pooled_noise(noise: tuple[float, int], ratios: list[list[float]]) -> tuple[float, int]:
@@ -881,7 +884,7 @@ def heldout_check(cfg: Config, objective: Objective, spec: SpecConfig) -> tuple[
     pairs, `gap_interval`, and its `verdict`) and the held-out split's figures.
 
     When the study's trials measured the pairs' noise (`pair_noise`, PAIR_NOISE_MIN_DF or more) and
-    the baseline spread did not rise, that noise sizes the pairs a side (`check_pairs`: one at the
+    the baseline spread did not rise, that noise sizes the pairs a side (`check_pairs`: two at the
     floor, more above it, as a trial's repeats are), and the intervals are the prompts' (pairs kept
     as measured) widened by that noise pooled with the check's own pairs' (`pooled_noise`, `widen`):
     two pairs resampled show half their variance. Else, as a trial may take now (more pairs when the
@@ -960,9 +963,7 @@ def describe_check(c: HeldoutCheck) -> str:
     def rel(g: float) -> str:
         return f"{abs(g):.1%} {'below' if g < 0 else 'above'}"
 
-    pairs = (f"1 pair each, interleaved, the trials' pair noise {c.pair_noise:.1%}"
-             if c.pair_noise is not None and c.pairs == 1 else
-             f"{c.pairs} pairs each, interleaved, sized by the pair noise {c.pair_noise:.1%} (the trials' and the "
+    pairs = (f"{c.pairs} pairs each, interleaved, sized by the pair noise {c.pair_noise:.1%} (the trials' and the "
              f"check's own)" if c.pair_noise is not None else f"{c.pairs} pairs each, interleaved")
     line = (f"held-out check: held-out {one(c.heldout)} on {c.heldout.prompts} prompts against tuning {one(c.tuning)} "
             f"on {c.tuning.prompts} ({pairs}): {rel(c.gap)}")
