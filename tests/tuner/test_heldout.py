@@ -177,12 +177,13 @@ def _trial(spec: SpecConfig, ratios: list[float]) -> optuna.trial.FrozenTrial:
                                                             "speedup": math.prod(ratios) ** (1 / len(ratios))})
 
 
-def test_at_the_floor_the_check_measures_one_pair_a_side_widened_by_the_trials_pair_noise() -> None:
+def test_at_the_floor_the_check_measures_two_pairs_a_side_widened_by_the_pooled_pair_noise() -> None:
     """The trials measured how far one pair's ratio strays (pooled per configuration): with that
-    known and the noise at its floor the check measures one pair a side instead of two, and its
-    intervals carry that noise; when the noise rose, or the trials measured too few pairs, it
-    measures as many pairs as before."""
-    from tuner.study.selection import pair_noise
+    known and the noise at its floor the check measures two pairs a side (never one: one pair is one
+    draw of the machine's state), and its intervals carry that noise pooled with the check's own
+    pairs'; when the noise rose, or the trials measured too few pairs, it measures until its own
+    intervals are tight, two pairs at least."""
+    from tuner.study.selection import pair_noise, pooled_noise, widen
 
     cfg = load_config(CFG)
     n = cfg.workload.num_heldout
@@ -211,14 +212,18 @@ def test_at_the_floor_the_check_measures_one_pair_a_side_widened_by_the_trials_p
     noise, df = pair_noise(study.trials)
     # pooled per configuration: 6 ratios each at +-0.05 about its own centre, 5 degrees of freedom each
     assert df == 10 and noise == pytest.approx(math.sqrt(12 * spread ** 2 / 10), rel=1e-6)
-    assert check.pairs == 1 and len(calls) == 4 and check.pair_noise == pytest.approx(noise, abs=1e-4)
-    assert check.tuning.ci_low < check.tuning.speedup < check.tuning.ci_high  # one pair, yet an interval
+    # the check's own two pairs a side agree exactly: they add degrees of freedom, no spread
+    pooled, pooled_df = pooled_noise((noise, df), [[1.0, 1.0], [1.0, 1.0]])
+    assert pooled_df == df + 2 and pooled == pytest.approx(noise * math.sqrt(df / (df + 2)))
+    assert check.pairs == 2 and len(calls) == 8 and check.pair_noise == pytest.approx(pooled, abs=1e-4)
+    assert check.tuning.ci_low < check.tuning.speedup < check.tuning.ci_high  # the pairs agree, yet an interval
     # the interval over prompts alone is narrower: the pairs' noise is added to it
-    per_side = [[[([(100, 1.0 / x) for x in xs], [(100, 1.0)] * n)]] for xs in
+    per_side = [[[([(100, 1.0 / x) for x in xs], [(100, 1.0)] * n)]] * 2 for xs in
                 ([1.5, 1.2, 1.8, 1.4, 1.6, 1.3], [1.4, 1.5, 1.3, 1.6, 1.2, 1.5])]
-    lo, hi = gap_interval(per_side[0], per_side[1], check.gap, seed=cfg.seed)
+    lo, hi = gap_interval(per_side[0], per_side[1], check.gap, seed=cfg.seed, resample_pairs=False)
     assert check.gap_ci_low < lo < check.gap < hi < check.gap_ci_high
-    assert "(1 pair each, interleaved, the trials' pair noise 5.5%)" in describe_check(check)
+    assert (check.gap_ci_low, check.gap_ci_high) == pytest.approx(widen(lo, hi, check.gap, pooled, pooled_df, pairs=2))
+    assert f"(2 pairs each, interleaved, sized by the pair noise {pooled:.1%}" in describe_check(check)
     # too few pairs measured to know their noise, or the noise rose: two pairs (or more) as before
     # (the planted figures agree: tight after two)
     for trials, repeats_max in ((1, cfg.search.repeats_max), (3, cfg.search.repeats_max + 1)):
@@ -226,9 +231,9 @@ def test_at_the_floor_the_check_measures_one_pair_a_side_widened_by_the_trials_p
         assert check.pairs == 2 and len(calls) == 8 and check.pair_noise is None
 
 
-def test_a_load_spike_in_the_checks_single_pair_is_measured_again() -> None:
-    """At the floor the check measures one pair a side, so one baseline pass that dipped (a load
-    spike beside it) would decide its gap. The pass is judged against the study's recent baseline
+def test_a_load_spike_in_the_checks_first_pair_is_measured_again() -> None:
+    """At the floor the check measures two pairs a side, so one baseline pass that dipped (a load
+    spike beside it) would weigh half its gap. The pass is judged against the study's recent baseline
     passes, as a trial's is, and measured again: the check reads the planted gap (none), and says
     why it measured again. On the old rule (the check's own passes only: none before its first
     pair) the spike made the held-out side read far faster than the tuning side."""
@@ -254,8 +259,8 @@ def test_a_load_spike_in_the_checks_single_pair_is_measured_again() -> None:
             study.add_trial(_trial(spec, [centre * math.exp(spread), centre * math.exp(-spread)]))
     objective = Objective(study, SearchSpace.from_config(cfg), measure, cfg.workload, cfg.search)
     check, _ = heldout_check(cfg, objective, D3)
-    assert check.pairs == 1 and check.pair_noise is not None  # the one-pair check
-    assert offs == {CHECK: 1, "heldout": 2}  # the dipped pass measured again, nothing else
+    assert check.pairs == 2 and check.pair_noise is not None  # sized by the trials' pair noise
+    assert offs == {CHECK: 2, "heldout": 3}  # the dipped pass measured again, nothing else
     assert check.gap == pytest.approx(0.0, abs=1e-9) and check.heldout.speedup == pytest.approx(1.5)
     assert check.remeasured and check.remeasured[0].startswith("held-out: pair 1: paired baseline 24.0 tok/s")
     assert "a pair measured again as implausible" in describe_check(check)
@@ -326,3 +331,70 @@ def test_the_study_compares_the_heldout_prompts_with_the_matched_tuning_prompts(
     assert line.startswith("3 of 6 tuning prompts matched to the 3 held-out ones (tuning prompts 1, 2, 4)")
     kept = {"tune": tune[:2], "heldout": held, CHECK: tune[:3]}
     assert "needs the built-in engine" in M.match_check_side(cfg, None, kept) and kept[CHECK] == tune[:3]
+
+
+def test_the_pairs_noise_sizes_the_checks_pairs_as_the_spread_sizes_a_trials_repeats() -> None:
+    """Two pairs a side while a pair's log ratio strays no more than two passes at search.noise_rel
+    would make it; above that 2 x (noise / that)^2 pairs, at most twice search.repeats_max, never
+    fewer than two; nothing to size by when the noise is known on too few degrees of freedom or the
+    baseline spread rose."""
+    from tuner.study.selection import CHECK_PAIRS_MIN, PAIR_NOISE_MIN_DF, check_pairs
+
+    search = load_config([*CFG, "search=default"]).search  # repeats_max 2, noise_rel 0.05
+    at = math.sqrt(2) * search.noise_rel
+    assert CHECK_PAIRS_MIN == 2
+    assert check_pairs((0.0, 20), search, search.repeats_max) == 2
+    assert check_pairs((at, 20), search, search.repeats_max) == 2
+    assert check_pairs((at * math.sqrt(1.5), 20), search, search.repeats_max) == 3
+    assert check_pairs((0.2, 20), search, search.repeats_max) == 2 * search.repeats_max
+    quick = load_config(CFG).search  # repeats_max 1: two at most, and never fewer
+    assert check_pairs((0.2, 20), quick, quick.repeats_max) == check_pairs((0.0, 20), quick, quick.repeats_max) == 2
+    assert check_pairs((0.2, PAIR_NOISE_MIN_DF - 1), search, search.repeats_max) is None
+    assert check_pairs((0.045, 20), search, search.repeats_max + 1) is None
+    assert check_pairs(None, search, search.repeats_max) is None
+
+
+def test_above_the_floor_the_check_measures_more_pairs_and_its_interval_carries_their_noise() -> None:
+    """Trials whose pairs strayed 10% (a loaded machine): the check measures two pairs a side, not
+    one. Its intervals are the prompts' (every pair kept) widened by the pair noise pooled over the
+    trials' pairs and the check's own, for two pairs: a bootstrap over the two pairs alone shows half
+    their variance and would read narrower."""
+    from engine.measure.stats import t95
+    from tuner.study.selection import pair_noise, pooled_noise, widen
+
+    cfg = load_config(CFG)  # quick: repeats_max 1, so two pairs at most
+    n = cfg.workload.num_heldout
+    calls: list[str] = []
+    xs = {CHECK: [1.5, 1.2, 1.8, 1.4, 1.6, 1.3], "heldout": [1.4, 1.5, 1.3, 1.6, 1.2, 1.5]}
+
+    def measure(spec: SpecConfig, split: str, level: int) -> Sample:
+        calls.append(split)
+        k = sum(1 for c in calls if c == split)  # the spec of the second pair reads 8% slower on each side
+        slow = 1.08 if spec.method != "off" and k > 2 else 1.0
+        pp = [(100, slow / (x if spec.method != "off" else 1.0)) for x in xs[split]]
+        return Sample(100 * n / sum(s for _, s in pp), 2.0, per_prompt=pp)
+
+    spread = 0.1
+    study = optuna.create_study(direction="maximize")
+    for _ in range(3):
+        for spec, centre in ((D3, 1.3), (SpecConfig(method="ngram", depth=5, topk=1, budget=6), 1.1)):
+            study.add_trial(_trial(spec, [centre * math.exp(spread), centre * math.exp(-spread)]))
+    trials_noise = pair_noise(study.trials)
+    objective = Objective(study, SearchSpace.from_config(cfg), measure, cfg.workload, cfg.search)
+    check, _ = heldout_check(cfg, objective, D3)
+    assert check.pairs == 2 and len(calls) == 8  # two pairs a side, not one
+    # each side's two ratios differ by the planted 8%: the check's own pairs' share of the noise
+    noise, df = pooled_noise(trials_noise, [[1.0, 1 / 1.08], [1.0, 1 / 1.08]])
+    assert noise < trials_noise[0] and df == trials_noise[1] + 2  # the check's own pairs agreed better
+    assert check.pair_noise == pytest.approx(noise, abs=1e-4)
+    assert "2 pairs each, interleaved, sized by the pair noise" in describe_check(check)
+    # the interval: the prompts' with both pairs kept, widened for two pairs of that noise
+    per_side = [[[([(100, (1.08 if j else 1.0) / x) for x in xs[sp]], [(100, 1.0)] * n)] for j in range(2)]
+                for sp in (CHECK, "heldout")]
+    prompts_only = gap_interval(per_side[0], per_side[1], check.gap, seed=cfg.seed, resample_pairs=False)
+    lo, hi = widen(prompts_only[0], prompts_only[1], check.gap, noise, df, pairs=2)
+    assert (check.gap_ci_low, check.gap_ci_high) == pytest.approx((lo, hi))
+    boot = gap_interval(per_side[0], per_side[1], check.gap, seed=cfg.seed)
+    assert check.gap_ci_low < boot[0] and check.gap_ci_high > boot[1]
+    half = math.exp(t95(df + 1) * noise / math.sqrt(2))
+    assert check.tuning.ci_high / check.tuning.speedup == pytest.approx(half)

@@ -26,19 +26,24 @@ from engine.measure.stats import geomean, log_interval, ratio_bounds, t95, t_one
 from tuner.study.objective import ENGINE_VERSION, OFF, OUTLIER_BANDS, Objective, spec_of
 from tuner.schema.engine_command import measured_server
 from tuner.schema.config import (ArmLevel, Arms, BestResult, Config, Figures, Level, PartResult, Provenance, Rate,
-                                 SpecConfig, level_name, measured_weights, weights_reason)
+                                 SearchConfig, SpecConfig, level_name, measured_weights, weights_reason)
 from tuner.schema.results import HeldoutCheck, SplitSpeedup
 from tuner.projection.profiling import CHECK, check_prompt_count
 from tuner.study.storage import mask_url, storage_url
 from tuner.study.studies import CHECK_SIDE, CONFIRM_ROUND, NOISE, REUSED, counted, role
 
 HELDOUT_PAIRS = 2  # spec/baseline pairs of a part's (mixed workload) or the baseline's held-out figures
-# The held-out check at the noise floor measures one pair a side. Its gap's interval is mostly which
-# prompts each side holds (gap_interval resamples them); a second pair re-measures the same prompts
-# and adds only the pairs' own noise, which the study's trials have already measured over many pairs
+# The held-out check's gap interval is mostly which prompts each side holds (gap_interval resamples
+# them); the pairs add their own noise, which the study's trials have measured over many pairs
 # (pair_noise) far better than a bootstrap over two pairs does (two resampled pairs show half their
-# variance). That noise widens the one pair's intervals; the second pair cost as long as the first.
-PAIR_NOISE_MIN_DF = 4  # pooled degrees of freedom of pair_noise before one pair a side stands on it
+# variance): that noise, pooled with the check's own pairs, widens the check's intervals.
+PAIR_NOISE_MIN_DF = 4  # pooled degrees of freedom of pair_noise before the check's intervals stand on it
+# That noise sizes the check's pairs as the spread sizes a trial's repeats (Objective.repeats_for): two
+# a side while a pair's log ratio strays no more than two passes at search.noise_rel each would make it
+# (sqrt(2) x noise_rel), 2 x (noise / that)^2 above it, at most twice search.repeats_max. Never one: one
+# pair a side is one draw of the machine's state per side, and the trials' pair noise (their passes
+# are shorter) did not show what that draw costs the gap, quiet or loaded (docs/results.md, session 30).
+CHECK_PAIRS_MIN = 2
 CONFIRM_TOP = 3  # the best configurations by pessimistic bound that the confirmation round measures
 CONFIRM_PAIRS_MAX = 6  # head-to-head pairs per contender at most (rounds; 2 at the noise floor: CONFIRM_FLOOR)
 CONFIRM_FLOOR = 2  # rounds when only pruned trials brought the round on at the floor: a head-to-head interval
@@ -755,13 +760,15 @@ def _side_log_speedup(side: SidePasses, prompts: list[int], pairs: list[int]) ->
 
 
 def gap_interval(tuning: SidePasses, heldout: SidePasses, gap: float, seed: int = 0,
-                 draws: int = GAP_DRAWS) -> tuple[float, float] | None:
+                 draws: int = GAP_DRAWS, resample_pairs: bool = True) -> tuple[float, float] | None:
     """The 95% interval of the check's gap (held-out / tuning - 1) over which prompts each side holds
-    and which pairs it measured: each draw resamples, independently per side, its prompts and its
-    pairs with replacement, and recomputes both speedups from the per-prompt figures; the interval
-    is the measured `gap` moved by the draws' 2.5th and 97.5th percentiles around the full sample's
-    (on logs). None when a pass recorded no per-prompt figures or a side holds fewer than two prompts
-    that every pass played to the end.
+    and which pairs it measured: each draw resamples, independently per side, its prompts and (with
+    `resample_pairs`) its pairs with replacement, and recomputes both speedups from the per-prompt
+    figures; the interval is the measured `gap` moved by the draws' 2.5th and 97.5th percentiles
+    around the full sample's (on logs). None when a pass recorded no per-prompt figures or a side
+    holds fewer than two prompts that every pass played to the end. Without `resample_pairs` every
+    draw keeps all the pairs as measured: the interval is the prompts' alone, for a caller that adds
+    the pairs' noise as measured over many more pairs (`widen`).
 
     The gap's sampling error is mostly the prompts': one prompt's tau under an n-gram chain differs
     widely from another's, so two small sets differ however long they are timed
@@ -785,7 +792,7 @@ def gap_interval(tuning: SidePasses, heldout: SidePasses, gap: float, seed: int 
         d = []
         for side, k in zip(sides, kept):
             prompts = [k[rng.randrange(len(k))] for _ in k]
-            pairs = [rng.randrange(len(side)) for _ in side]
+            pairs = [rng.randrange(len(side)) for _ in side] if resample_pairs else list(range(len(side)))
             d.append(_side_log_speedup(side, prompts, pairs))
         shifts.append((d[1] - d[0]) - (full[1] - full[0]))
     shifts.sort()
@@ -825,6 +832,36 @@ def pair_noise(trials: list[FrozenTrial]) -> tuple[float, int] | None:
     return (math.sqrt(ss / df), df) if df else None
 
 
+def check_pairs(noise: tuple[float, int] | None, search: SearchConfig, repeats_max: int) -> int | None:
+    """Pairs a side the held-out check measures when the study's trials measured how far a pair's
+    ratio strays (`noise`, its spread and degrees of freedom: pair_noise): CHECK_PAIRS_MIN while it
+    is at most what two passes at search.noise_rel each make it (sqrt(2) x noise_rel), else
+    CHECK_PAIRS_MIN x (noise / that)^2 rounded up, at most twice search.repeats_max (and never fewer
+    than CHECK_PAIRS_MIN), as the spread sizes a trial's repeats. None when
+    that noise is not known well enough (fewer than PAIR_NOISE_MIN_DF degrees of freedom) or the
+    baseline spread rose during the study (repeats_max above search.repeats_max): then the check
+    repeats until its own intervals are tight, as a trial does."""
+    if noise is None or noise[1] < PAIR_NOISE_MIN_DF or repeats_max > search.repeats_max:
+        return None
+    n = math.ceil(CHECK_PAIRS_MIN * (noise[0] / (math.sqrt(2) * search.noise_rel)) ** 2 - 1e-9)
+    return max(CHECK_PAIRS_MIN, min(n, 2 * search.repeats_max))
+
+
+def pooled_noise(noise: tuple[float, int], ratios: list[list[float]]) -> tuple[float, int]:
+    """The trials' pair noise (spread of a pair's log ratio, degrees of freedom) pooled with the
+    check's own pairs: each list of `ratios` (one side's, two pairs or more) adds its logs' squared
+    deviations about their own mean, and their count less one."""
+    ss, df = noise[0] ** 2 * noise[1], noise[1]
+    for rs in ratios:
+        if len(rs) < 2 or any(r <= 0 for r in rs):
+            continue
+        logs = [math.log(r) for r in rs]
+        m = statistics.fmean(logs)
+        ss += sum((v - m) ** 2 for v in logs)
+        df += len(logs) - 1
+    return math.sqrt(ss / df), df
+
+
 def pair_half_width(noise: float, df: int) -> float:
     """The half-width, on logs, of one pair's 95% interval when a pair's log ratio strays by `noise`
     (estimated on `df` degrees of freedom)."""
@@ -846,34 +883,40 @@ def heldout_check(cfg: Config, objective: Objective, spec: SpecConfig) -> tuple[
     interleaved pair by pair (Objective.check): the check (the gap, its interval over prompts and
     pairs, `gap_interval`, and its `verdict`) and the held-out split's figures.
 
-    While the noise stays at its floor and the study's trials measured the pairs' noise
-    (`pair_noise`, PAIR_NOISE_MIN_DF or more), one pair a side, whose speedups' intervals and the
-    gap's are that noise (`widen`); else, as a trial may take now (more pairs when the noise rose,
-    at least two: an interval of their own), until both speedup intervals are tight."""
+    When the study's trials measured the pairs' noise (`pair_noise`, PAIR_NOISE_MIN_DF or more) and
+    the baseline spread did not rise, that noise sizes the pairs a side (`check_pairs`: two at the
+    floor, more above it, as a trial's repeats are), and the intervals are the prompts' (pairs kept
+    as measured) widened by that noise pooled with the check's own pairs' (`pooled_noise`, `widen`):
+    two pairs resampled show half their variance. Else, as a trial may take now (more pairs when the
+    noise rose, at least two), until both speedup intervals are tight, with intervals of their own."""
     noise = pair_noise(objective.study.get_trials(deepcopy=False))
-    one = noise is not None and noise[1] >= PAIR_NOISE_MIN_DF and objective.repeats_max <= cfg.search.repeats_max
-    got = objective.check(spec, [CHECK, "heldout"], 1 if one else max(2, objective.repeats_max))
+    sized = check_pairs(noise, cfg.search, objective.repeats_max)
+    got = objective.check(spec, [CHECK, "heldout"], sized or max(2, objective.repeats_max))
+    if sized is not None and noise is not None:
+        noise = pooled_noise(noise, [got[CHECK]["ratios"], got["heldout"]["ratios"]])
 
     def side(split: str, n: int) -> SplitSpeedup:
         f = got[split]
         lo, hi = f["speedup_ci_low"], f["speedup_ci_high"]
-        if one and noise is not None:  # one pair: no interval of its own
-            half = pair_half_width(*noise)
+        if sized is not None and noise is not None:  # the pairs' noise as the study and the check measured it
+            half = pair_half_width(*noise) / math.sqrt(f["repeats"])
             lo, hi = f["speedup"] * math.exp(-half), f["speedup"] * math.exp(half)
         return SplitSpeedup(prompts=n, speedup=f["speedup"], ci_low=lo, ci_high=hi, tau=f["tau"],
                             tok_s=f["tok_s"], baseline_tok_s=f["baseline_tok_s"])
 
     tune, held = side(CHECK, check_prompt_count(cfg)), side("heldout", cfg.workload.num_heldout)
     gap = held.speedup / tune.speedup - 1 if tune.speedup > 0 else 0.0
-    ci = gap_interval(got[CHECK].pop("per_prompt"), got["heldout"].pop("per_prompt"), gap, seed=cfg.seed)
-    if ci is not None and one and noise is not None:
-        ci = widen(ci[0], ci[1], gap, noise[0], noise[1])
+    pairs = got["heldout"]["repeats"]
+    ci = gap_interval(got[CHECK].pop("per_prompt"), got["heldout"].pop("per_prompt"), gap, seed=cfg.seed,
+                      resample_pairs=sized is None)
+    if ci is not None and sized is not None and noise is not None:
+        ci = widen(ci[0], ci[1], gap, noise[0], noise[1], pairs=min(got[CHECK]["repeats"], pairs))
     lo, hi = ci if ci is not None else (None, None)
     again = [f"{name}: {why}" for name, sp in (("tuning", CHECK), ("held-out", "heldout"))
              for why in got[sp].get("remeasured", [])]
-    return HeldoutCheck(pairs=got["heldout"]["repeats"], tuning=tune, heldout=held, gap=gap, gap_ci_low=lo,
+    return HeldoutCheck(pairs=pairs, tuning=tune, heldout=held, gap=gap, gap_ci_low=lo,
                         gap_ci_high=hi, verdict=verdict(lo, hi, tune.speedup),
-                        pair_noise=round(noise[0], 4) if one and noise is not None else None,
+                        pair_noise=round(noise[0], 4) if sized is not None and noise is not None else None,
                         remeasured=again or None,
                         check_side=objective.study.user_attrs.get(CHECK_SIDE)), got["heldout"]
 
@@ -920,8 +963,8 @@ def describe_check(c: HeldoutCheck) -> str:
     def rel(g: float) -> str:
         return f"{abs(g):.1%} {'below' if g < 0 else 'above'}"
 
-    pairs = (f"1 pair each, interleaved, the trials' pair noise {c.pair_noise:.1%}" if c.pair_noise is not None
-             else f"{c.pairs} pairs each, interleaved")
+    pairs = (f"{c.pairs} pairs each, interleaved, sized by the pair noise {c.pair_noise:.1%} (the trials' and the "
+             f"check's own)" if c.pair_noise is not None else f"{c.pairs} pairs each, interleaved")
     line = (f"held-out check: held-out {one(c.heldout)} on {c.heldout.prompts} prompts against tuning {one(c.tuning)} "
             f"on {c.tuning.prompts} ({pairs}): {rel(c.gap)}")
     if c.gap_ci_low is not None and c.gap_ci_high is not None:
