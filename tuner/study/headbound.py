@@ -214,8 +214,8 @@ def measure_bound(cfg: Config, engine: Engine, method: str, tau: float | None = 
     engine.set_spec(off)
     off_s = best[off.key()][0]
     points = {c.key(): round(min(c.depth + 1, tau) * off_s / best[c.key()][0], 3) for c in chains}
-    ms = {c.key(): tuple(round(x * 1e3, 2) for x in best[c.key()]) for c in drafts}
-    return HeadBound(method=method, tau=tau, off_step_ms=round(off_s * 1e3, 2),
+    ms = {c.key(): tuple(round(x * 1e3, 3) for x in best[c.key()]) for c in drafts}
+    return HeadBound(method=method, tau=tau, off_step_ms=round(off_s * 1e3, 3),
                      step_ms={k: v[0] for k, v in ms.items()}, draft_ms={k: v[1] for k, v in ms.items()},
                      verify_ms={k: v[2] for k, v in ms.items()},
                      bounds=points, bound=max(points.values()), trained=max(points.values()) >= 1.0)
