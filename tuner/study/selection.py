@@ -191,19 +191,26 @@ def candidates(trials: list[FrozenTrial], noise_rel: float | None = None) -> lis
     return [Candidate.of(specs[k], ts, band) for k, ts in groups.items()]
 
 
-def round_band(rounds: list[list[float]], noise_rel: float) -> float:
-    """How far (on logs) a trial pair may read from the median of its configuration's round pairs and
-    still be pooled with them: OUTLIER_BANDS noise bands, as a pass is judged in a trial (the noise:
-    search.noise_rel, or the spread of the round's own pairs about each configuration's mean when
-    larger: a loaded round's pairs wander more, and so may a trial pair)."""
+def _log_deviations(groups: list[list[float]]) -> tuple[float, int]:
+    """The squared deviations of each group's log ratios about their own mean, summed, and their degrees
+    of freedom (each group's count less one); groups of fewer than two ratios, or with one <= 0, add none."""
     ss, df = 0.0, 0
-    for rs in rounds:
+    for rs in groups:
         if len(rs) < 2 or any(r <= 0 for r in rs):
             continue
         logs = [math.log(r) for r in rs]
         m = statistics.fmean(logs)
         ss += sum((v - m) ** 2 for v in logs)
         df += len(logs) - 1
+    return ss, df
+
+
+def round_band(rounds: list[list[float]], noise_rel: float) -> float:
+    """How far (on logs) a trial pair may read from the median of its configuration's round pairs and
+    still be pooled with them: OUTLIER_BANDS noise bands, as a pass is judged in a trial (the noise:
+    search.noise_rel, or the spread of the round's own pairs about each configuration's mean when
+    larger: a loaded round's pairs wander more, and so may a trial pair)."""
+    ss, df = _log_deviations(rounds)
     return OUTLIER_BANDS * max(noise_rel, math.sqrt(ss / df) if df else 0.0)
 
 
@@ -851,14 +858,8 @@ def pooled_noise(noise: tuple[float, int], ratios: list[list[float]]) -> tuple[f
     """The trials' pair noise (spread of a pair's log ratio, degrees of freedom) pooled with the
     check's own pairs: each list of `ratios` (one side's, two pairs or more) adds its logs' squared
     deviations about their own mean, and their count less one."""
-    ss, df = noise[0] ** 2 * noise[1], noise[1]
-    for rs in ratios:
-        if len(rs) < 2 or any(r <= 0 for r in rs):
-            continue
-        logs = [math.log(r) for r in rs]
-        m = statistics.fmean(logs)
-        ss += sum((v - m) ** 2 for v in logs)
-        df += len(logs) - 1
+    ss, df = _log_deviations(ratios)
+    ss, df = ss + noise[0] ** 2 * noise[1], df + noise[1]
     return math.sqrt(ss / df), df
 
 
