@@ -13,6 +13,7 @@ import pytest
 
 from engine.api import GenResult, GenStats, SamplingParams
 from engine.measure.runner import arrival_times, run_http, run_inprocess
+from engine.measure import runner as runner_module
 from engine.measure.workloads import Prompt
 from helpers import engine_for, serving
 from tuner.schema.compose import load_config
@@ -115,8 +116,10 @@ def test_the_batch_sizes_the_engine_ran_in_process(batched) -> None:
     assert set(one.batch_sizes) == {1} and one.texts == burst.texts[:1]  # alone; greedy: the same text
 
 
-def test_open_loop_over_http_samples_the_servers_batch(batched) -> None:
+def test_open_loop_over_http_samples_the_servers_batch(batched, monkeypatch) -> None:
     cfg, eng = batched
+    # tiny-random's six requests can end within a few gauge periods on a fast host: sample ten times as often
+    monkeypatch.setattr(runner_module, "GAUGE_PERIOD_S", runner_module.GAUGE_PERIOD_S / 10)
     seen = []
     with serving(cfg, eng) as url:
         # The gauges are sampled every 100 ms: on a loaded machine a pass may catch only its single-request
