@@ -1,0 +1,99 @@
+"""benchmarks/engine_speed.py's bandwidth accounting on planted readings: each AR pass lies between
+two copy readings and is judged against them (this host's copy reading jumps between two levels
+within a run, so a run-wide figure judges a pass by a level it did not run at); the levels are told
+apart by the widest gap between sorted readings."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+
+def _engine_speed():  # benchmarks/ is no package: loaded by its path
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "engine_speed.py"
+    spec = importlib.util.spec_from_file_location("engine_speed_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+ES = _engine_speed()
+
+
+def test_two_copy_levels_are_split_at_their_gap_and_one_level_is_one() -> None:
+    readings = [36.2, 57.1, 35.1, 58.9, 38.3, 55.6]
+    bound = ES.copy_level_bound(readings)
+    assert 38.3 < bound < 55.6
+    assert [ES.copy_level(r, bound) for r in readings] == ["high" if r > 50 else "low" for r in readings]
+    assert ES.copy_level_bound([55.6, 57.1, 58.9, 56.0]) is None  # a level's own spread is no gap
+    assert ES.copy_level_bound([40.0]) is None
+    assert ES.copy_level(57.1, None) == "one"
+
+
+def _pass(gb_read: float, seconds: float, before: float, after: float, ttft: float = 0.0) -> dict:
+    return {"tokens": 128, "seconds": seconds, "ttft": ttft, "before": before, "after": after, "bytes": gb_read * 1e9}
+
+
+def test_each_pass_is_judged_against_the_readings_beside_it() -> None:
+    """Three passes at 80% of the bandwidth of their own time, two on the low level and one on the
+    high: 80% each, whatever level; a run-wide median reading (36) would call the high pass 127%."""
+    passes = [_pass(28.8, 1.0, 36.0, 36.0), _pass(46.0, 1.0, 57.0, 58.0), _pass(28.0, 1.0, 34.0, 36.0)]
+    got = ES.pass_shares(passes, ES.copy_level_bound([36.0, 36.0, 57.0, 58.0, 34.0, 36.0]))
+    assert got["share"] == pytest.approx(0.8, abs=1e-3)
+    assert [p["share"] for p in got["passes"]] == pytest.approx([0.8, 0.8, 0.8], abs=1e-3)
+    assert got["levels"] == {"low": {"passes": 2, "share": 0.8}, "high": {"passes": 1, "share": 0.8}}
+
+
+def test_a_pass_during_which_the_level_changed_has_no_level() -> None:
+    passes = [_pass(30.0, 1.0, 36.0, 36.0), _pass(30.0, 1.0, 36.0, 58.0), _pass(45.0, 1.0, 58.0, 58.0)]
+    got = ES.pass_shares(passes, 47.0)
+    assert got["levels"]["switched"] == {"passes": 1, "share": round(30 / 47, 3)}  # the mean of its two
+    assert got["levels"]["low"]["passes"] == got["levels"]["high"]["passes"] == 1
+
+
+def test_the_decoding_share_leaves_out_the_prompts_forward() -> None:
+    got = ES.pass_shares([_pass(20.0, 1.0, 40.0, 40.0, ttft=0.2)], None)
+    assert got["share"] == 0.5 and got["decode_share"] == 0.625
+    assert got["levels"] == {"one": {"passes": 1, "share": 0.5}}
+
+
+def test_every_ar_pass_lies_between_two_readings_and_back_to_back_passes_share_one() -> None:
+    """A planted run order: an HF row, two AR rows back to back, an n-gram row, on two prompts; each
+    copy reading returns the next number. The AR passes get the readings right before and after
+    them, the second AR pass starts from the first one's closing reading, the n-gram row takes none,
+    and a closing reading ends the run."""
+    clock = iter(range(1, 100))
+    readings: list[float] = []
+    order: list[str] = []
+
+    def run(name):
+        def fn(prompt, n):
+            order.append(name)
+            return [7] * n, 2.0, n, 0.5
+        return fn
+
+    names = ["hf", "ar fp32", "ar fp8", "ngram"]
+    runs = {n: run(n) for n in names}
+    acc = {n: {"tokens": 0, "seconds": 0.0, "forwards": 0, "outputs": [], "ttft": 0.0, "kv_positions": 0.0}
+           for n in names}
+    passes = ES.play([[1, 2, 3], [4, 5]], runs, 4, acc, {"ar fp32", "ar fp8"}, lambda: float(next(clock)),
+                     readings, lambda name: 100 if name == "ar fp32" else 25, lambda name: 1)
+    assert order == names * 2
+    assert [(p["before"], p["after"]) for p in passes["ar fp32"]] == [(1, 2), (4, 5)]
+    assert [(p["before"], p["after"]) for p in passes["ar fp8"]] == [(2, 3), (5, 6)]
+    assert readings == [1, 2, 3, 4, 5, 6, 7]
+    # bytes: the row's weights per forward plus the KV positions attended (prompt + half the new tokens)
+    assert [p["bytes"] for p in passes["ar fp8"]] == [25 * 4 + 4 * (3 + 2), 25 * 4 + 4 * (2 + 2)]
+    assert acc["ngram"]["tokens"] == 8 and acc["ar fp32"]["ttft"] == 1.0
+
+
+def test_a_run_ending_on_an_ar_pass_ends_on_its_closing_reading() -> None:
+    clock = iter(range(1, 100))
+    readings: list[float] = []
+    runs = {n: (lambda p, n: ([1] * n, 1.0, n, 0.1)) for n in ("ngram", "ar")}
+    acc = {n: {"tokens": 0, "seconds": 0.0, "forwards": 0, "outputs": [], "ttft": 0.0, "kv_positions": 0.0}
+           for n in runs}
+    passes = ES.play([[1], [2]], runs, 2, acc, {"ar"}, lambda: float(next(clock)), readings, lambda n: 1, lambda n: 1)
+    assert [(p["before"], p["after"]) for p in passes["ar"]] == [(1, 2), (3, 4)] and readings == [1, 2, 3, 4]
