@@ -533,7 +533,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{summary['builtin_ar_vs_hf_ar']:.2f}x HF AR (>= 1.5x); best speculative {summary['best_spec_vs_hf_ar']:.2f}x HF AR"
           + (f"; verifying 16 tokens {summary['verify16_over_ar']:.2f}x an AR step (<= 1.25x)" if not args.no_curve else ""))
     print("goals per format (AR of the limit, each pass against the copy readings beside it, median of passes; "
-          ">= 80%): " + ", ".join(f"{w} {v['ar_of_limit_per_pass']:.0%}" for w, v in summary["weights"].items())
+          ">= 80%): " + ", ".join(f"{w} {v['ar_of_limit_per_pass']:.0%} ("
+                                  + ", ".join(f"{lv} {x['share']:.0%}" for lv, x in v["ar_of_limit_per_level"].items())
+                                  + ")" for w, v in summary["weights"].items())
           + "; at the run's median copy reading / at its highest: "
           + ", ".join(f"{w} {v['ar_of_limit']:.0%} / {v['ar_of_limit_at_highest_copy']:.0%}"
                       for w, v in summary["weights"].items()))
