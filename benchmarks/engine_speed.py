@@ -289,7 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     over = [f"model={args.model}", f"engine.builtin.dtype={args.dtype}", f"engine.builtin.device={args.device}",
-            "spec.method=off", f"engine.builtin.linear_plan={args.linear_plan}", "engine.builtin.weights=fp32"]
+            "spec.method=off", f"engine.builtin.linear_plan={args.linear_plan}", "engine.builtin.weights=fp32",
+            # every row pays its prompt's forward: with the prefix cache the warm-up's prompt and every row
+            # after a format's first on a prompt skipped it, and n-gram rows then ran without the prompt's
+            # forward that their AR row paid
+            "engine.builtin.prefix_cache_tokens=0"]
     # HF rows run transformers' model as loaded, without the engine's oneDNN linears (a second copy)
     plain = open_engine(load_config([*over, "engine.builtin.onednn_linears=false"]))
     hf_ar_rows = {args.dtype: "HF generate, autoregressive"}
@@ -321,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     for w in formats:
         if w == "fp32":
             continue
-        eng = open_engine(load_config([*over[:-1], f"engine.builtin.weights={w}", "engine.builtin.forward=lean",
+        eng = open_engine(load_config([*(o for o in over if o != "engine.builtin.weights=fp32"),
+                                       f"engine.builtin.weights={w}", "engine.builtin.forward=lean",
                                        "engine.builtin.compile=false"]))
         if eng.lean.native is None:
             raise UserError(f"--weights {w}: the native step does not run here ({native_step_refusal(eng.model)})")
@@ -388,10 +393,10 @@ def main(argv: list[str] | None = None) -> int:
     print("copy readings in order (GB/s, level): " + ", ".join(f"{r:.1f} {copy_level(r, bound)}" for r in readings)
           + ("; one level" if bound is None else f"; levels split at {bound:.1f}"), file=sys.stderr)
     print(f"copy bandwidth: {bw_start:.1f} GB/s at the start{'' if args.remeasure_bandwidth else ' (cached, not counted)'}; "
-          f"median of {len(readings)} readings of this run ({'start, ' if args.remeasure_bandwidth else ''}before each "
-          f"native AR row of each prompt, end) {bw:.1f}, "
+          f"median of {len(readings)} readings of this run ({'start, ' if args.remeasure_bandwidth else ''}before and "
+          f"after each native AR pass, end) {bw:.1f}, "
           f"lowest {bw_low:.1f}, highest {bw_high:.1f} (spread {(bw_high - bw_low) / bw:.0%} of the median): "
-          f"the median is the limit", file=sys.stderr)
+          f"the goal judges each AR pass by the readings beside it", file=sys.stderr)
     # decode: after the first token (the prompt's forward, compute-bound, is what TTFT measures)
     rows = [(name, {**a, "tok_s": a["tokens"] / a["seconds"],
                     "decode_tok_s": None if a["ttft"] is None else
