@@ -52,8 +52,10 @@ def test_every_sequence_attends_over_exactly_its_own_positions(head_dim: int, th
     slots, n_kv, g, cap = 6, 3, 3, 96
     heads = n_kv * g
     k, v = torch.randn(slots, n_kv, cap, head_dim), torch.randn(slots, n_kv, cap, head_dim)
-    # (slot, rows, length, visible): a decode row, a tree, a chain, a long decode, a row at position 0
-    seqs = [(4, 1, 37, None), (0, 5, 61, TREE), (2, 3, 9, None), (5, 1, 90, None), (1, 1, 1, None)]
+    # (slot, rows, length, visible): a decode row, a tree, a chain, a long decode, a row at position 0, a
+    # two-row chain; with 3 heads a kv head their 3, 15, 9, 6 query rows end the weighted sums' blocks
+    # of 4 with each of the remainders 3, 1 and 2
+    seqs = [(4, 1, 37, None), (0, 5, 61, TREE), (2, 3, 9, None), (5, 1, 90, None), (1, 1, 1, None), (3, 2, 20, None)]
     rows = 2 + sum(n for _, n, _, _ in seqs)  # two rows of the step (a prompt's, say) stay out of the call
     qkv = torch.randn(rows, heads + 2 * n_kv, head_dim)  # q a strided view of the step's fused q/k/v rows
     q = qkv[:, :heads]
