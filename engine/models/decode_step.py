@@ -72,17 +72,18 @@ extern "C" void step_parts(unsigned long long* out, int threads) {
 #endif
 
 /* y[r, :N] = x[r] . W^T for R rows over the blocks of the packed W [Npad / BW, K, BW], split over the
-   team by bytes (blocks_share); a barrier ends it. Each block is read from memory once: up to 8 rows in one
+   team by bytes and the tail by who asks first (blocks_share; `next` the call's own counter, zero
+   before it); a barrier ends it. Each block is read from memory once: up to 8 rows in one
    pass; more rows in passes of at most PASS_ROWS (balanced) over the block while it is still in this
    core's cache. Past one pass the block is compute-bound, and 8 rows' accumulators and weights do not
    fit the registers (measured: 8 five-row chains 80 -> 72 ms in passes of 7). */
 template <typename W>
 static void linear_rows(long R, const float* x, long ldx, const W* wp, float* y, long ldy, long N, long K, float scale,
-                        std::vector<float>& buf) {
+                        std::vector<float>& buf, long* next) {
   long blocks = (N + BW - 1) / BW;
   long passes = R <= 8 ? 1 : (R + PASS_ROWS - 1) / PASS_ROWS, per = (R + passes - 1) / passes, ld;
   const void* xa = activations<W>(R, x, ldx, K, buf, ld);  /* this thread's copy: no barrier */
-  blocks_share(R, per, xa, ld, wp, y, ldy, blocks, K, scale);
+  blocks_share(R, per, xa, ld, wp, y, ldy, blocks, K, scale, next);
   PART_LINEAR();
 #pragma omp barrier
   PART(P_BARRIER);
@@ -206,6 +207,7 @@ static void forward(const float* embed, const long* tok, const long* posi, long 
       }
   }
   std::vector<float> po(po_n), pm(pm_n), ps(pm_n);
+  std::vector<long> next(4 * L + 1, 0);  /* each linear's tail counter (blocks_share): 4 a layer, the lm_head */
   float scale = 1.f / sqrtf((float)D);
 #pragma omp parallel num_threads(threads)
   {
@@ -226,7 +228,7 @@ static void forward(const float* embed, const long* tok, const long* posi, long 
       if (aux && first) memcpy(aux + l * R * h, x.data(), R * h * sizeof(float));
       for (long r = 0; r < R; ++r) rms_norm(x.data() + r * h, ln1, hn.data() + r * h, h, eps);
       PART(P_NORM);
-      linear_rows(R, hn.data(), h, wqkv, qkv.data(), ldq, nq, h, s[0], xbuf);
+      linear_rows(R, hn.data(), h, wqkv, qkv.data(), ldq, nq, h, s[0], xbuf, &next[4 * l]);
 #pragma omp for schedule(dynamic, 1) nowait
       for (size_t i = 0; i < chunks.size(); ++i) {
         const Chunk& c = chunks[i];
@@ -261,7 +263,8 @@ static void forward(const float* embed, const long* tok, const long* posi, long 
         i = e;
       }
       PART(P_MERGE);
-      linear_rows(R, att.data(), H * D, wo, tmp.data(), ldh, h, H * D, s[1], xbuf);
+      linear_rows(R, att.data(), H * D, wo, tmp.data(), ldh, h, H * D, s[1], xbuf,
+                  &next[4 * l + 1]);
       for (long r = 0; r < R; ++r) {
         float* xr = x.data() + r * h;
         const float* t = tmp.data() + r * ldh;
@@ -269,7 +272,8 @@ static void forward(const float* embed, const long* tok, const long* posi, long 
         rms_norm(xr, ln2, hn.data() + r * h, h, eps);
       }
       PART(P_NORM);
-      linear_rows(R, hn.data(), h, w13, gu.data(), ld13, 2 * I, h, s[2], xbuf);
+      linear_rows(R, hn.data(), h, w13, gu.data(), ld13, 2 * I, h, s[2], xbuf,
+                  &next[4 * l + 2]);
       float* a = own_act ? own.data() : act.data();
       if (own_act) {
         for (long r = 0; r < R; ++r) silu_mul(gu.data() + r * ld13, gu.data() + r * ld13 + I, a + r * I, I);
@@ -278,7 +282,7 @@ static void forward(const float* embed, const long* tok, const long* posi, long 
         for (long r = 0; r < R; ++r) silu_mul(gu.data() + r * ld13, gu.data() + r * ld13 + I, a + r * I, I);
       }
       PART(P_SILU);
-      linear_rows(R, a, I, w2, tmp.data(), ldh, h, I, s[3], xbuf);
+      linear_rows(R, a, I, w2, tmp.data(), ldh, h, I, s[3], xbuf, &next[4 * l + 3]);
       for (long r = 0; r < R; ++r)  /* row by row: no division per element, the same adds */
         for (long i = 0; i < h; ++i) x[r * h + i] += tmp[r * ldh + i];
       PART(P_NORM);
@@ -287,7 +291,7 @@ static void forward(const float* embed, const long* tok, const long* posi, long 
     for (long r = 0; r < R; ++r) rms_norm(x.data() + r * h, norm, hidden + r * h, h, eps);
     for (long i = 0; i < P; ++i) rms_norm(x.data() + pick[i] * h, norm, hp.data() + i * h, h, eps);
     PART(P_NORM);
-    linear_rows(P, hp.data(), h, lm, logits, ldl, V, h, lms, xbuf);
+    linear_rows(P, hp.data(), h, lm, logits, ldl, V, h, lms, xbuf, &next[4 * L]);
   }
 }
 

@@ -755,43 +755,10 @@ struct Denormals {
 };
 #endif
 
-/* This thread's share of y[r, b BW ..] = x[r] . block b for R rows (in passes of `per` rows, at most 8)
-   over the `blocks` packed blocks of wp, x as `activations` gave it: the team splits the blocks by
-   bytes, and where they do not divide evenly the block at a boundary between two threads goes half to
-   each (Part; 9 blocks of 64 columns over 2 threads were 5 and 4, one thread idle for a ninth of the
-   read). Every column sums in the same order whoever computes it. No barrier. */
+/* y[r, b BW ..] = x[r] . block b for blocks run0 .. run0 + run - 1 (whole ones), R rows in passes of `per`. */
 template <typename W>
-static inline void blocks_share(long R, long per, const void* xa, long ld, const W* wp, float* y, long ldy, long blocks,
-                                long K, float scale) {
-#ifdef E4M3_BITS
-  Denormals keep(std::is_same_v<W, e4m3_t>);
-#endif
-  constexpr long HALVES = NB % 2 == 0 ? 2 : 1;  /* the units a block splits into */
-  long units = blocks * HALVES, T = omp_get_num_threads(), t = omp_get_thread_num();
-  long run0 = 0, run = 0;  /* whole blocks not yet computed: run0 .. run0 + run - 1 */
-  for (long u = units * t / T, end = units * (t + 1) / T; u < end;) {
-    long b = u / HALVES;
-    int h = HALVES == 1 || (u % 2 == 0 && u + 1 < end) ? 0 : 1 + (int)(u % 2);  /* whole, first or second half */
-    u += h ? 1 : HALVES;
-    if constexpr (!Dot<W>::value) {
-      if (h == 0) {  /* gathered (consecutive: a thread's whole blocks are), then side by side */
-        if (run == 0) run0 = b;
-        ++run;
-        continue;
-      }
-    }
-    const W* wb = wp + b * block_elems<W>(K);
-    for (long r0 = 0; r0 < R; r0 += per) {
-      long m = R - r0 < per ? R - r0 : per;
-      const void* xr = act_row<W>(xa, ld, r0);
-      float* yr = y + r0 * ldy + b * BW;
-      if constexpr (HALVES == 2) {
-        if (h == 1) { block_mh<1>(m, xr, ld, wb, yr, ldy, K, scale); continue; }
-        if (h == 2) { block_mh<2>(m, xr, ld, wb, yr, ldy, K, scale); continue; }
-      }
-      block_m(m, xr, ld, wb, yr, ldy, K, scale);
-    }
-  }
+static inline void whole_blocks(long R, long per, const void* xa, long ld, const W* wp, float* y, long ldy, long run0,
+                                long run, long K, float scale) {
   /* the gathered blocks CHUNK at a time, every pass of rows over a chunk before the next: a pass after
      the first reads the chunk from the core's cache, not from memory (12: whole groups of 4, 3 and 2).
      bf16 and e4m3 chunks that more than one pass reads are widened into fp32 once (this thread's
@@ -800,7 +767,12 @@ static inline void blocks_share(long R, long per, const void* xa, long ld, const
      packed chunk, and y gets the weight's scale once as before: the same results. */
   constexpr long CHUNK = 12;
   const long elems = block_elems<W>(K);
-  if constexpr (!Dot<W>::value)
+  if constexpr (Dot<W>::value) {
+    for (long b = run0; b < run0 + run; ++b)
+      for (long r0 = 0; r0 < R; r0 += per)
+        block_m(R - r0 < per ? R - r0 : per, act_row<W>(xa, ld, r0), ld, wp + b * block_elems<W>(K),
+                y + r0 * ldy + b * BW, ldy, K, scale);
+  } else {
     for (long c = 0; c < run; c += CHUNK) {
 #ifndef WIDEN_PER_PASS
       if constexpr (!std::is_same_v<W, float>) {
@@ -827,18 +799,76 @@ static inline void blocks_share(long R, long per, const void* xa, long ld, const
                  y + r0 * ldy + (run0 + c) * BW, ldy, K, scale);
       }
     }
+  }
+}
+
+/* This thread's share of y[r, b BW ..] = x[r] . block b for R rows (in passes of `per` rows, at most 8)
+   over the `blocks` packed blocks of wp, x as `activations` gave it. The team splits the first blocks
+   by bytes, and where they do not divide evenly the block at a boundary between two threads goes half
+   to each (Part; 9 blocks of 64 columns over 2 threads were 5 and 4, one thread idle for a ninth of
+   the read). The last blocks / TAIL_SHARE go a piece at a time to whichever thread asks first,
+   from the team's counter `next` (zero before the call, one counter per call): a thread whose core
+   streams slower (one shared with other work) then leaves the faster ones less to wait for at the
+   barrier. Every column sums in the same order whoever computes it. No barrier. */
+#ifndef TAIL_SHARE
+#define TAIL_SHARE 8  /* the tail is blocks / TAIL_SHARE; 0: no tail */
+#endif
+template <typename W>
+static inline void blocks_share(long R, long per, const void* xa, long ld, const W* wp, float* y, long ldy, long blocks,
+                                long K, float scale, long* next) {
+#ifdef E4M3_BITS
+  Denormals keep(std::is_same_v<W, e4m3_t>);
+#endif
+  constexpr long HALVES = NB % 2 == 0 ? 2 : 1;  /* the units a block splits into */
+  long T = omp_get_num_threads(), t = omp_get_thread_num();
+#if TAIL_SHARE
+  const long tail = T > 1 ? blocks / TAIL_SHARE : 0;
+#else
+  const long tail = 0;
+#endif
+  const long units = (blocks - tail) * HALVES;
+  long run0 = 0, run = 0;  /* whole blocks not yet computed: run0 .. run0 + run - 1 */
+  for (long u = units * t / T, end = units * (t + 1) / T; u < end;) {
+    long b = u / HALVES;
+    int h = HALVES == 1 || (u % 2 == 0 && u + 1 < end) ? 0 : 1 + (int)(u % 2);  /* whole, first or second half */
+    u += h ? 1 : HALVES;
+    if constexpr (!Dot<W>::value) {
+      if (h == 0) {  /* gathered (consecutive: a thread's whole blocks are), then side by side */
+        if (run == 0) run0 = b;
+        ++run;
+        continue;
+      }
+    }
+    const W* wb = wp + b * block_elems<W>(K);
+    for (long r0 = 0; r0 < R; r0 += per) {
+      long m = R - r0 < per ? R - r0 : per;
+      const void* xr = act_row<W>(xa, ld, r0);
+      float* yr = y + r0 * ldy + b * BW;
+      if constexpr (HALVES == 2) {
+        if (h == 1) { block_mh<1>(m, xr, ld, wb, yr, ldy, K, scale); continue; }
+        if (h == 2) { block_mh<2>(m, xr, ld, wb, yr, ldy, K, scale); continue; }
+      }
+      block_m(m, xr, ld, wb, yr, ldy, K, scale);
+    }
+  }
+  whole_blocks(R, per, xa, ld, wp, y, ldy, run0, run, K, scale);
+  /* the tail, a piece at a time (a few pieces a thread: each is one atomic add on a line the team shares) */
+  const long piece = tail / (4 * T) > 1 ? tail / (4 * T) : 1;
+  for (long b; tail && (b = blocks - tail + __atomic_fetch_add(next, piece, __ATOMIC_RELAXED)) < blocks;)
+    whole_blocks(R, per, xa, ld, wp, y, ldy, b, blocks - b < piece ? blocks - b : piece, K, scale);
 }
 """
 
 _SOURCE = native.VECTORS + BLOCK_SOURCE + r"""
 template <typename W>
 static void run(const float* x, const W* wp, float* y, long M, long N, long K, float scale, int threads) {
+  long next = 0;  /* blocks_share's tail counter */
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> buf;
     long ld;
     const void* xa = activations<W>(M, x, K, K, buf, ld);
-    blocks_share(M, M, xa, ld, wp, y, N, N / BW, K, scale);
+    blocks_share(M, M, xa, ld, wp, y, N, N / BW, K, scale, &next);
   }
 }
 

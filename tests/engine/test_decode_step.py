@@ -94,8 +94,10 @@ def test_long_context_in_chunks_and_any_thread_count(pair) -> None:
     """After a context long enough that each kv head's attention splits into two chunks of positions
     (the rows just written in the last one), one row, a chain and a branching tree equal the torch
     path; and the step at 2 threads (the tiny model's 64-column linears then split by half blocks,
-    the chunks go to either thread) is bit-identical to the step at 1, cache entries included: a
-    lost chunk, a wrong merge or a half block computed twice or not at all would differ."""
+    the last eighth of the lm_head's blocks go to whichever thread asks first, the chunks go to
+    either thread) is bit-identical to the step at 1, cache entries included: a lost chunk, a wrong
+    merge, a half block computed twice or not at all, or a tail block left out (a counter shared by
+    two linears) would differ."""
     rng = random.Random(4)
     prompt = [rng.randrange(49152) for _ in range(150)]
     tree = _tree(rng, 7)
@@ -432,7 +434,8 @@ def test_a_row_alone_is_the_row_among_others(vw: int, nb: int, extra: list[str],
     """Batch invariance of the block both kernels share, at AVX2's layout (8 lanes) and AVX-512's, at
     each format: each of k rows (k = 1..8, one pass) is bit-identical to the same row computed alone,
     at 1 and 2 threads, over an odd and an even K. 11 blocks make the side-by-side blocks of 1-6 rows
-    (block_g) end in a shorter group, and at 2 threads split a 4-vector block into halves. A lone
+    (block_g) end in a shorter group, and at 2 threads split a 4-vector block into halves and leave
+    1 block to whichever thread asks first (blocks_share's tail). A lone
     row summed in another order than the rows of a chain (two chains of alternate k-rows, another
     contraction) differs in the last bits."""
     from engine.models import native, smallm
@@ -505,3 +508,28 @@ def test_greedy_speculation_is_its_precisions_ar_at_8_lanes(eight_lanes, weights
             eng.set_spec(spec)
             outs.append(eng.generate(prompt, SamplingParams(max_new_tokens=32)).tokens)
         assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 32
+
+
+def test_every_linears_tail_is_computed_at_8_lanes(eight_lanes) -> None:
+    """At AVX2's layout the tiny model's linears are 8 or more blocks each, so each one's last eighth
+    goes to whichever thread asks first (blocks_share's tail, one counter per linear): a decode row,
+    a chain and a prompt at 2 threads are bit-identical to the same steps at 1. A counter shared by
+    two linears (the second's tail then left out) or a tail block dropped would differ."""
+    eng = open_engine(load_config([*TINY, "engine.builtin.weights=fp32"]))
+    fw = eng.forward
+    assert fw.native is not None and eng.lean.model.blocks[0].w2._smallm_packed.shape[0] >= 8
+    rng = random.Random(5)
+    prompt = [rng.randrange(49152) for _ in range(40)]
+    threads = torch.get_num_threads()
+    got = []
+    with torch.inference_mode():
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            try:
+                cache = fw.new_cache(64)
+                outs = [fw.step(cache, prompt)] + [fw.step(cache, t) for t in ([5], [7, 8, 9])]
+            finally:
+                torch.set_num_threads(threads)
+            got.append([(x.clone(), logits.clone()) for x, logits, _ in outs])
+    for (x1, l1), (x2, l2) in zip(*got):
+        assert torch.equal(x1, x2) and torch.equal(l1, l2)
