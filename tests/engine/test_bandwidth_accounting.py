@@ -43,20 +43,21 @@ def test_each_pass_is_judged_against_the_readings_beside_it() -> None:
     got = ES.pass_shares(passes, ES.copy_level_bound([36.0, 36.0, 57.0, 58.0, 34.0, 36.0]))
     assert got["share"] == pytest.approx(0.8, abs=1e-3)
     assert [p["share"] for p in got["passes"]] == pytest.approx([0.8, 0.8, 0.8], abs=1e-3)
-    assert got["levels"] == {"low": {"passes": 2, "share": 0.8}, "high": {"passes": 1, "share": 0.8}}
+    assert got["levels"] == {"low": {"passes": 2, "share": 0.8, "decode_share": 0.8},
+                             "high": {"passes": 1, "share": 0.8, "decode_share": 0.8}}
 
 
 def test_a_pass_during_which_the_level_changed_has_no_level() -> None:
     passes = [_pass(30.0, 1.0, 36.0, 36.0), _pass(30.0, 1.0, 36.0, 58.0), _pass(45.0, 1.0, 58.0, 58.0)]
     got = ES.pass_shares(passes, 47.0)
-    assert got["levels"]["switched"] == {"passes": 1, "share": round(30 / 47, 3)}  # the mean of its two
+    assert got["levels"]["switched"] == {"passes": 1, "share": round(30 / 47, 3), "decode_share": round(30 / 47, 3)}
     assert got["levels"]["low"]["passes"] == got["levels"]["high"]["passes"] == 1
 
 
 def test_the_decoding_share_leaves_out_the_prompts_forward() -> None:
     got = ES.pass_shares([_pass(20.0, 1.0, 40.0, 40.0, ttft=0.2)], None)
     assert got["share"] == 0.5 and got["decode_share"] == 0.625
-    assert got["levels"] == {"one": {"passes": 1, "share": 0.5}}
+    assert got["levels"] == {"one": {"passes": 1, "share": 0.5, "decode_share": 0.625}}
 
 
 def test_every_ar_pass_lies_between_two_readings_and_back_to_back_passes_share_one() -> None:
