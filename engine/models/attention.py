@@ -9,8 +9,7 @@ One task is one (sequence, kv head), over torch's OpenMP threads: the scores of 
 against 16 keys at a time (the block read from memory once, then from L1 for every query row; each
 dot product kept as a vector of partial sums, and one transposing reduction summing 16 of them at
 once), the masked softmax per query row, then the values weighted by 4 query rows at a time (their
-accumulators in registers, each value row loaded once per 4), the last 1-3 rows in a block of their
-own. A row sees the sequence's committed
+accumulators in registers, each value row loaded once per 4). A row sees the sequence's committed
 prefix and, within its own tree, the nodes its `visible` matrix marks (causal when there is none).
 """
 
@@ -107,25 +106,6 @@ static inline vf exp_le0(vf x) {
   return x < splat(-87.f) ? splat(0.f) : r;
 }
 
-/* po[b] = sum_t w[b Lp + t] V[t] for B query rows over len value rows: their accumulators stay in
-   registers while each value row is loaded once for all B. A row's sums do not depend on B. */
-template <int D, int B>
-static inline void weigh_values(const float* w, long Lp, const float* V, long len, float* po) {
-  vf acc[B][D / VW] = {};
-  for (long t = 0; t < len; ++t) {
-    const float* vt = V + t * D;
-    vf vv[D / VW];
-    for (int i = 0; i < D / VW; ++i) vv[i] = *(const vfu*)(vt + i * VW);
-    _Pragma("GCC unroll 4")
-    for (int b = 0; b < B; ++b) {
-      float x = w[b * Lp + t];
-      for (int i = 0; i < D / VW; ++i) acc[b][i] += x * vv[i];
-    }
-  }
-  for (int b = 0; b < B; ++b)
-    for (int i = 0; i < D / VW; ++i) *(vfu*)(po + b * D + i * VW) = acc[b][i];
-}
-
 /* Attention of the n x g query rows of one sequence over one kv head, positions [c0, c1) of its L: query
    qi (row qi / g, head h g + qi % g) at q + (start + qi / g) * q_row + (h g + qi % g) * D; K / V this kv
    head's [capacity, D] (capacity a multiple of VW: the last block of scores reads up to VW - 1
@@ -140,7 +120,9 @@ static void attend_range(const float* q, long q_row, long start, long h, long g,
                          float* pm, float* ps, std::vector<float>& sc) {
   long p = L - n, Q = n * g;
   long len = c1 - c0, Lp = (len + VW - 1) / VW * VW;  /* rows of scores padded to whole vectors with -inf */
-  sc.resize(Q * Lp);
+  long Qp = (Q + QB - 1) / QB * QB;
+  sc.resize(Qp * Lp);
+  for (long i = Q * Lp; i < Qp * Lp; ++i) sc[i] = 0.f;
   /* scores, VW positions at a time: each position's dot product stays a vector of partial sums
      (D / VW fused multiply-adds), and one transposing reduction sums VW of them at once */
   for (long t0 = 0; t0 < len; t0 += VW) {
@@ -182,14 +164,22 @@ static void attend_range(const float* q, long q_row, long start, long h, long g,
       ps[qi] = hsum(vs);
     }
   }
-  /* the weighted values, QB query rows at a time and the rest in one block of their own (SmolLM2's
-     decode row is 3 query rows: a block of 4 weighed a padding row too) */
-  long q0 = 0;
-  for (; q0 + QB <= Q; q0 += QB) weigh_values<D, QB>(sc.data() + q0 * Lp, Lp, V + c0 * D, len, po + q0 * D);
-  switch (Q - q0) {
-    case 3: weigh_values<D, 3>(sc.data() + q0 * Lp, Lp, V + c0 * D, len, po + q0 * D); break;
-    case 2: weigh_values<D, 2>(sc.data() + q0 * Lp, Lp, V + c0 * D, len, po + q0 * D); break;
-    case 1: weigh_values<D, 1>(sc.data() + q0 * Lp, Lp, V + c0 * D, len, po + q0 * D); break;
+  /* the weighted values, QB query rows at a time: their accumulators stay in registers while each
+     value row is loaded once per block (rows past Q carry zero weights) */
+  for (long q0 = 0; q0 < Q; q0 += QB) {
+    vf acc[QB][D / VW] = {};
+    for (long t = 0; t < len; ++t) {
+      const float* vt = V + (c0 + t) * D;
+      vf vv[D / VW];
+      for (int i = 0; i < D / VW; ++i) vv[i] = *(const vfu*)(vt + i * VW);
+      _Pragma("GCC unroll 4")
+      for (int b = 0; b < QB; ++b) {
+        float w = sc[(q0 + b) * Lp + t];
+        for (int i = 0; i < D / VW; ++i) acc[b][i] += w * vv[i];
+      }
+    }
+    for (int b = 0; b < QB && q0 + b < Q; ++b)
+      for (int i = 0; i < D / VW; ++i) *(vfu*)(po + (q0 + b) * D + i * VW) = acc[b][i];
   }
 }
 
