@@ -142,8 +142,12 @@ def test_a_side_of_the_checks_pass_is_drawn_from_its_prompts() -> None:
     from engine.measure.runner import RequestRecord, _measurement
     from tuner.study.objective import side_sample
 
-    x = Sample(30.0, 1.5, per_prompt=[(10, 1.0), (20, 1.0), (30, 1.0)], per_prompt_forwards=[10, 5, 20])
+    x = Sample(30.0, 1.5, per_prompt=[(10, 1.0), (20, 1.0), (30, 1.0)], per_prompt_forwards=[10, 5, 20],
+               ttft_p99_ms=40.0, tpot_p99_ms=9.0, itl_p99_ms=12.0, draft_mb=3.0, goodput=2.0, wall_s=3.0)
     a, b = side_sample(x, [0, 2]), side_sample(x, [1])
+    # latencies and the draft's memory are the pass's (a step's time is the level's, not a prompt's);
+    # goodput is not split by prompt: none
+    assert (a.ttft_p99_ms, a.tpot_p99_ms, a.itl_p99_ms, a.draft_mb) == (40.0, 9.0, 12.0, 3.0) and a.goodput is None
     assert a.per_prompt == [(10, 1.0), (30, 1.0)] and a.tok_s == pytest.approx(30.0 * 20 / 20)
     assert b.tok_s == pytest.approx(30.0 * 20 / 20) and side_sample(x, [0]).tok_s == pytest.approx(15.0)
     assert a.tau == pytest.approx(40 / 30) and b.tau == pytest.approx(4.0) and b.per_prompt_forwards == [5]
@@ -358,6 +362,50 @@ def test_prompt_by_prompt_a_machine_that_drifts_during_a_pass_leaves_no_gap() ->
 
     assert abs(gap(*interleaved)) < 0.002
     assert gap(list(range(n)), list(range(n, 2 * n))) > 0.03
+
+
+def test_a_prompts_timing_noise_sizes_the_checks_pairs_a_whole_pass_moving_does_not() -> None:
+    """Bursts of other work fall on some prompts of a pass and not on others: that noise does not
+    cancel in the gap, so the check measures more pairs while it is high (at most GAP_PAIRS_MAX),
+    sized by each prompt's tok/s from pass to pass (a greedy answer is the same tokens every pass)
+    beyond what moved the whole pass; a quiet machine, or one whose passes move as a whole (that
+    cancels in the gap), keeps two."""
+    from tuner.study.objective import GAP_PAIRS_MAX, GAP_TIMING_REL, gap_pairs, prompt_timing_noise
+
+    cfg = load_config(CFG)
+    n = cfg.workload.num_heldout
+
+    def run(jitter: float, whole: float) -> tuple[int, float | None]:
+        count = [0]
+
+        def measure(spec: SpecConfig, split: str, level: int) -> Sample:
+            count[0] += 1
+            k = count[0]
+            pp = [(100, (1.0 / (1.5 if spec.method != "off" else 1.0)) * (1 + whole * (k % 2))
+                   * (1 + jitter * (1 if (i + k) % 2 else -1))) for i in range(2 * n)]
+            return Sample(100 * len(pp) / sum(x for _, x in pp), 2.0, per_prompt=pp)
+
+        objective = Objective(_study_with_pair_noise(), SearchSpace.from_config(cfg), measure, cfg.workload, cfg.search)
+        check, _ = heldout_check(cfg, objective, D3)
+        return check.pairs, check.timing_noise
+
+    assert run(0.0, 0.0) == (2, 0.0)
+    pairs, noise = run(0.0, 0.10)  # every other pass 10% slower as a whole: cancels in the gap
+    assert pairs == 2 and noise == pytest.approx(0.0, abs=1e-12)
+    pairs, noise = run(0.01, 0.0)  # a little: two pairs still
+    assert pairs == 2 and 0 < noise < 0.02
+    pairs, noise = run(0.05, 0.0)  # bursts on every other prompt: as many pairs as allowed
+    assert pairs == GAP_PAIRS_MAX and noise > 0.04
+    # the rule: a side of n prompts carries 2 noise^2 / n per pair; k pairs bring the half-width to GAP_TIMING_REL
+    from engine.measure.stats import t95
+
+    k = gap_pairs((0.03, 40), [6, 6])
+    assert k == math.ceil(4 * 0.03 ** 2 / 6 * (t95(41) / GAP_TIMING_REL) ** 2)
+    assert gap_pairs((0.03, 40), [12, 12]) < k and gap_pairs((0.0, 40), [6, 6]) == 0
+    # the residuals: each prompt's own mean and each pass's taken out
+    flat = [[Sample(1.0, per_prompt=[(10, 1.0), (20, 1.0)])], [Sample(1.0, per_prompt=[(10, 2.0), (20, 2.0)])]]
+    noise, df = prompt_timing_noise(flat)
+    assert noise == pytest.approx(0.0, abs=1e-12) and df == 1 and prompt_timing_noise(flat[:1]) is None
 
 
 def test_the_checks_baselines_are_judged_against_their_own_prompts_not_the_trials() -> None:

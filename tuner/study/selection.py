@@ -919,7 +919,7 @@ def heldout_check(cfg: Config, objective: Objective, spec: SpecConfig) -> tuple[
     return HeldoutCheck(pairs=pairs, tuning=tune, heldout=held, gap=gap, gap_ci_low=lo,
                         gap_ci_high=hi, verdict=verdict(lo, hi, tune.speedup),
                         pair_noise=round(noise[0], 4) if sized is not None and noise is not None else None,
-                        remeasured=again or None,
+                        remeasured=again or None, timing_noise=got["heldout"]["timing_noise"],
                         check_side=objective.study.user_attrs.get(CHECK_SIDE)), got["heldout"]
 
 
@@ -968,6 +968,8 @@ def describe_check(c: HeldoutCheck) -> str:
     pairs = f"{c.pairs} pairs, both sides in each pass, prompt by prompt"
     if c.pair_noise is not None:
         pairs += f", sized by the pair noise {c.pair_noise:.1%} (the trials' and the check's own)"
+    if c.timing_noise is not None:
+        pairs += f", a prompt's timing noise {c.timing_noise:.1%}"
     line = (f"held-out check: held-out {one(c.heldout)} on {c.heldout.prompts} prompts against tuning {one(c.tuning)} "
             f"on {c.tuning.prompts} ({pairs}): {rel(c.gap)}")
     if c.gap_ci_low is not None and c.gap_ci_high is not None:
