@@ -177,12 +177,13 @@ def side_sample(x: Sample, at: list[int]) -> Sample:
     the engine's at that level, not a prompt's, and the pass interleaves both sides' requests."""
     pp = x.per_prompt
     if pp is None or max(at, default=-1) >= len(pp):
-        raise RuntimeError(f"the held-out check's pass needs per-prompt figures for positions up to {max(at, default=0)}; "
-                           f"it recorded {0 if pp is None else len(pp)}")
+        raise RuntimeError(f"the held-out check's pass needs per-prompt figures for positions up to "
+                           f"{max(at, default=0)}; it recorded {0 if pp is None else len(pp)}")
     mine = [pp[i] for i in at]
     tokens, seconds = sum(t for t, _ in mine), sum(s for _, s in mine)
     all_tokens, all_seconds = sum(t for t, _ in pp), sum(s for _, s in pp)
-    rate = (tokens / seconds) / (all_tokens / all_seconds) if seconds > 0 and all_tokens > 0 and all_seconds > 0 else 0.0
+    whole = all_tokens / all_seconds if all_seconds > 0 else 0.0
+    rate = (tokens / seconds) / whole if seconds > 0 and whole > 0 else 0.0
     fw = x.per_prompt_forwards
     forwards = sum(fw[i] for i in at) if fw is not None and len(fw) == len(pp) else 0
     return replace(x, tok_s=x.tok_s * rate, tau=tokens / forwards if forwards else None, per_prompt=mine,
@@ -489,7 +490,7 @@ class Objective:
             timing = prompt_timing_noise(*runs)
             done = r >= max(pairs_max, 1) or r >= 2 and all(self._tight(got[sd][2]) for sd in sides)
             if done and (timing is None or r >= min(GAP_PAIRS_MAX, gap_pairs(timing, [len(a) for a in sides.values()]))):
-                break
+                break  # tight (or at pairs_max) and the gap's timing share narrow enough (or GAP_PAIRS_MAX)
         out: dict[str, dict[str, Any]] = {}
         for sd, (spec_s, base_s, ratios) in got.items():
             out[sd] = self._figures(spec_s, base_s, ratios)
