@@ -840,7 +840,8 @@ def pair_noise(trials: list[FrozenTrial]) -> tuple[float, int] | None:
 
 
 def check_pairs(noise: tuple[float, int] | None, search: SearchConfig, repeats_max: int) -> int | None:
-    """Pairs a side the held-out check measures when the study's trials measured how far a pair's
+    """Pairs the held-out check measures at least (the prompts' timing noise may ask for more:
+    Objective.check) when the study's trials measured how far a pair's
     ratio strays (`noise`, its spread and degrees of freedom: pair_noise): CHECK_PAIRS_MIN while it
     is at most what two passes at search.noise_rel each make it (sqrt(2) x noise_rel), else
     CHECK_PAIRS_MIN x (noise / that)^2 rounded up, at most twice search.repeats_max (and never fewer
@@ -886,11 +887,14 @@ def heldout_check(cfg: Config, objective: Objective, spec: SpecConfig) -> tuple[
     the held-out split's figures.
 
     When the study's trials measured the pairs' noise (`pair_noise`, PAIR_NOISE_MIN_DF or more) and
-    the baseline spread did not rise, that noise sizes the pairs a side (`check_pairs`: two at the
-    floor, more above it, as a trial's repeats are), and the intervals are the prompts' (pairs kept
-    as measured) widened by that noise pooled with the check's own pairs' (`pooled_noise`, `widen`):
-    two pairs resampled show half their variance. Else, as a trial may take now (more pairs when the
-    noise rose, at least two), until both speedup intervals are tight, with intervals of their own."""
+    the baseline spread did not rise, that noise sizes the pairs (`check_pairs`: two at the floor,
+    more above it, as a trial's repeats are), and the intervals are the prompts' (pairs kept as
+    measured) widened by that noise pooled with the check's own pairs' (`pooled_noise`, `widen`):
+    two pairs resampled show half their variance. `widen` takes the sides' pair noise as
+    independent; in one pass they share each pass's state, so the gap's interval errs wide. Else, as
+    a trial may take now (more pairs when the noise rose, at least two), until both speedup
+    intervals are tight, with intervals of their own. Either way the prompts' own timing noise may
+    ask for more pairs (Objective.check, best.yaml `timing_noise`)."""
     noise = pair_noise(objective.study.get_trials(deepcopy=False))
     sized = check_pairs(noise, cfg.search, objective.repeats_max)
     at_tune, at_held = check_order(check_prompt_count(cfg), cfg.workload.num_heldout)
