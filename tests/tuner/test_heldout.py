@@ -364,50 +364,6 @@ def test_prompt_by_prompt_a_machine_that_drifts_during_a_pass_leaves_no_gap() ->
     assert gap(list(range(n)), list(range(n, 2 * n))) > 0.03
 
 
-def test_a_prompts_timing_noise_sizes_the_checks_pairs_a_whole_pass_moving_does_not() -> None:
-    """Bursts of other work fall on some prompts of a pass and not on others: that noise does not
-    cancel in the gap, so the check measures more pairs while it is high (at most GAP_PAIRS_MAX),
-    sized by each prompt's tok/s from pass to pass (a greedy answer is the same tokens every pass)
-    beyond what moved the whole pass; a quiet machine, or one whose passes move as a whole (that
-    cancels in the gap), keeps two."""
-    from tuner.study.objective import GAP_PAIRS_MAX, GAP_TIMING_REL, gap_pairs, prompt_timing_noise
-
-    cfg = load_config(CFG)
-    n = cfg.workload.num_heldout
-
-    def run(jitter: float, whole: float) -> tuple[int, float | None]:
-        count = [0]
-
-        def measure(spec: SpecConfig, split: str, level: int) -> Sample:
-            count[0] += 1
-            k = count[0]
-            pp = [(100, (1.0 / (1.5 if spec.method != "off" else 1.0)) * (1 + whole * (k % 2))
-                   * (1 + jitter * (1 if (i + k) % 2 else -1))) for i in range(2 * n)]
-            return Sample(100 * len(pp) / sum(x for _, x in pp), 2.0, per_prompt=pp)
-
-        objective = Objective(_study_with_pair_noise(), SearchSpace.from_config(cfg), measure, cfg.workload, cfg.search)
-        check, _ = heldout_check(cfg, objective, D3)
-        return check.pairs, check.timing_noise
-
-    assert run(0.0, 0.0) == (2, 0.0)
-    pairs, noise = run(0.0, 0.10)  # every other pass 10% slower as a whole: cancels in the gap
-    assert pairs == 2 and noise == pytest.approx(0.0, abs=1e-12)
-    pairs, noise = run(0.01, 0.0)  # a little: two pairs still
-    assert pairs == 2 and 0 < noise < 0.02
-    pairs, noise = run(0.05, 0.0)  # bursts on every other prompt: as many pairs as allowed
-    assert pairs == GAP_PAIRS_MAX and noise > 0.04
-    # the rule: a side of n prompts carries 2 noise^2 / n per pair; k pairs bring the half-width to GAP_TIMING_REL
-    from engine.measure.stats import t95
-
-    k = gap_pairs((0.03, 40), [6, 6])
-    assert k == math.ceil(4 * 0.03 ** 2 / 6 * (t95(41) / GAP_TIMING_REL) ** 2)
-    assert gap_pairs((0.03, 40), [12, 12]) < k and gap_pairs((0.0, 40), [6, 6]) == 0
-    # the residuals: each prompt's own mean and each pass's taken out
-    flat = [[Sample(1.0, per_prompt=[(10, 1.0), (20, 1.0)])], [Sample(1.0, per_prompt=[(10, 2.0), (20, 2.0)])]]
-    noise, df = prompt_timing_noise(flat)
-    assert noise == pytest.approx(0.0, abs=1e-12) and df == 1 and prompt_timing_noise(flat[:1]) is None
-
-
 def test_the_checks_baselines_are_judged_against_their_own_prompts_not_the_trials() -> None:
     """Off runs at another speed on the check's prompts than on the trials' (on one host 137-143
     tok/s against 109-110: other lengths, other answers). Judged against the trials' passes, as

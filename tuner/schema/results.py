@@ -166,7 +166,7 @@ class SplitSpeedup(_Strict):
 class HeldoutCheck(_Strict):
     """Does the winner's speedup hold on prompts the study never tuned on? The held-out prompts
     against as many tuning prompts, both in each pass, prompt by prompt, until both intervals are
-    tight and the prompts' timing noise allows; `gap` = held-out / tuning - 1 (negative: slower held out)."""
+    tight; `gap` = held-out / tuning - 1 (negative: slower held out)."""
 
     pairs: int  # pairs per set of prompts
     tuning: SplitSpeedup
@@ -187,9 +187,6 @@ class HeldoutCheck(_Strict):
     verdict: Literal["holds", "below", "above", "inconclusive"] | None = None
     # which tuning prompts the check compared with and why (tuner.study.measurer.match_check_side)
     check_side: str | None = None
-    # how far one prompt's tok/s strayed from pass to pass under one configuration (log spread;
-    # tuner.study.objective.prompt_timing_noise): the timing's share of the gap, which sized the pairs
-    timing_noise: float | None = None
 
 
 class HeadPilot(_Strict):

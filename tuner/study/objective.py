@@ -24,7 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 import optuna
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
-from engine.measure.stats import f95, geomean, log_interval, log_spread, robust_log_spread, t95, tight
+from engine.measure.stats import f95, geomean, log_interval, log_spread, robust_log_spread, tight
 from tuner.study.limits import TrialClock, TrialTimeout, active_clock, next_repeat_fits
 from tuner.schema.config import Level, Rate, SearchConfig, SpecConfig, WorkloadConfig, level_name
 from tuner.search.space import SearchSpace
@@ -52,13 +52,6 @@ NOISE_WINDOW = 6
 # soon after it (the sampler's ask between them); anything that ran longer between them (a guided
 # sampler's profiling, say) leaves the pass too far from the pair: a fresh one is measured.
 SHARE_WITHIN_S = 5.0
-# The held-out check's gap as the timing leaves it: a greedy answer is the same tokens in every pass
-# of one configuration, so a prompt's tok/s from pass to pass moves with the machine alone (a burst
-# of other work that falls on some prompts of a pass and not on others). That spread
-# (prompt_timing_noise) sizes the check's pairs beyond two until the timing's share of the gap's 95%
-# interval is at most GAP_TIMING_REL each side (gap_pairs), at most GAP_PAIRS_MAX pairs.
-GAP_TIMING_REL = 0.025
-GAP_PAIRS_MAX = 6
 
 
 @dataclass
@@ -189,41 +182,6 @@ def side_sample(x: Sample, at: list[int]) -> Sample:
     return replace(x, tok_s=x.tok_s * rate, tau=tokens / forwards if forwards else None, per_prompt=mine,
                    per_prompt_forwards=[fw[i] for i in at] if fw is not None and len(fw) == len(pp) else None,
                    goodput=None, wall_s=None, batch_sizes=None)
-
-
-def prompt_timing_noise(*runs: list[list[Sample]]) -> tuple[float, int] | None:
-    """How far one prompt's tok/s strays from pass to pass under one configuration, beyond what
-    moved the whole pass (that falls on both sides of the check alike and cancels in its gap): each
-    run (the passes of one configuration, each its Samples per level) gives each prompt's log of
-    tokens over seconds per pass; what is left of them after each prompt's mean and each pass's
-    mean (two-way residuals), pooled over levels and runs. (spread, degrees of freedom: (passes - 1)
-    x (prompts - 1) each), or None before any prompt was played twice."""
-    ss, df = 0.0, 0
-    for passes in runs:
-        for lv in range(len(passes[0]) if len(passes) >= 2 else 0):
-            pps = [p[lv].per_prompt for p in passes]
-            if any(pp is None for pp in pps):
-                continue
-            n = min(len(pp) for pp in pps if pp is not None)
-            keep = [i for i in range(n) if all(pp[i][0] > 0 and pp[i][1] > 0 for pp in pps if pp is not None)]
-            if len(keep) < 2:
-                continue
-            logs = [[math.log(pp[i][0] / pp[i][1]) for i in keep] for pp in pps if pp is not None]
-            rows = [statistics.fmean(x) for x in logs]
-            cols = [statistics.fmean(x[j] for x in logs) for j in range(len(keep))]
-            grand = statistics.fmean(rows)
-            ss += sum((x[j] - rows[k] - cols[j] + grand) ** 2 for k, x in enumerate(logs) for j in range(len(keep)))
-            df += (len(logs) - 1) * (len(keep) - 1)
-    return (math.sqrt(ss / df), df) if df else None
-
-
-def gap_pairs(noise: tuple[float, int], sides: list[int]) -> int:
-    """The pairs after which the timing's share of the check's gap has a 95% half-width (on logs, t
-    on the noise's degrees of freedom) of GAP_TIMING_REL: per pair, a side of n prompts carries
-    2 x noise^2 / n of it (its spec's pass and its baseline's), the gap the sum over both sides,
-    and k pairs a k-th of that."""
-    var = sum(2 * noise[0] ** 2 / n for n in sides if n > 0)
-    return math.ceil(var * (t95(noise[1] + 1) / GAP_TIMING_REL) ** 2 - 1e-9)
 
 
 @dataclass
@@ -448,9 +406,7 @@ class Objective:
         load that comes or goes, a slower minute) falls on both sides alike and cancels in their
         gap; played side after side, it fell on one. Pairs go on until every side's speedup
         interval is tight (search.ci_rel_width, as a trial's) after at least two, at most
-        `pairs_max` (one when it is 1), and then while the prompts' timing noise measured so far
-        asks for more (`prompt_timing_noise`, `gap_pairs`; at most GAP_PAIRS_MAX): on a quiet
-        machine two, on a loaded one, whose bursts fall on some prompts and not others, more.
+        `pairs_max` (one when it is 1).
 
         Plausibility holds as in a trial (the pass as a whole: tau, its baseline, its spec pass),
         but a baseline pass is judged against the baseline's earlier passes on these prompts, the
@@ -458,9 +414,8 @@ class Objective:
         speed on other prompts (their lengths, their answers'), so the trials' passes cannot place
         its centre. Each side's figures are drawn from the per-prompt tokens, seconds and forwards
         (`side_sample`). Returns each side's figures (Objective._figures, with `remeasured` /
-        `implausible`, the pass's, when they apply, `timing_noise` (prompt_timing_noise's spread,
-        None with one pair) and `per_prompt`: per pair and level, the spec's and the baseline's
-        Sample.per_prompt on that side)."""
+        `implausible`, the pass's, when they apply, and `per_prompt`: per pair and level, the spec's
+        and the baseline's Sample.per_prompt on that side)."""
         got: dict[str, tuple[list[list[Sample]], list[list[Sample]], list[float]]] = {
             sd: ([], [], []) for sd in sides}
         spread = self.outlier_history()  # the machine's noise as the study's baseline passes spread
@@ -468,8 +423,6 @@ class Objective:
         passes: list[float] = []  # the check's spec passes: the spec's own on these prompts
         retried: list[str] = []
         kept: list[str] = []
-        runs: tuple[list[list[Sample]], list[list[Sample]]] = ([], [])  # every pair's spec and baseline pass
-        timing: tuple[float, int] | None = None
         order = r = 0
         while True:
             s, b, _, again, still, used = self.plausible_pair(spec, split, r + order, list(seen), passes, seen,
@@ -477,8 +430,6 @@ class Objective:
             order += used - 1  # a retry shifts the order of what follows, as in a trial
             r += 1
             passes.append(_mean_tok(s))
-            runs[0].append(s)
-            runs[1].append(b)
             retried += [f"pair {r}: {why}" for why in again]
             if still is not None:
                 kept.append(f"pair {r}: {still}")
@@ -487,17 +438,14 @@ class Objective:
                 spec_s.append([side_sample(x, at) for x in s])
                 base_s.append([side_sample(y, at) for y in b])
                 ratios.append(geomean([x.tok_s / max(y.tok_s, 1e-12) for x, y in zip(spec_s[-1], base_s[-1])]))
-            timing = prompt_timing_noise(*runs)
-            done = r >= max(pairs_max, 1) or r >= 2 and all(self._tight(got[sd][2]) for sd in sides)
-            if done and (timing is None or r >= min(GAP_PAIRS_MAX, gap_pairs(timing, [len(a) for a in sides.values()]))):
-                break  # tight (or at pairs_max) and the gap's timing share narrow enough (or GAP_PAIRS_MAX)
+            if r >= max(pairs_max, 1) or r >= 2 and all(self._tight(got[sd][2]) for sd in sides):
+                break
         out: dict[str, dict[str, Any]] = {}
         for sd, (spec_s, base_s, ratios) in got.items():
             out[sd] = self._figures(spec_s, base_s, ratios)
             # per pair, per level: the spec's and the baseline's per-prompt (tokens, seconds), for the
             # check's interval over prompts (tuner.study.selection.gap_interval); kept in memory only
             out[sd]["per_prompt"] = [[(x.per_prompt, y.per_prompt) for x, y in zip(s, b)] for s, b in zip(spec_s, base_s)]
-            out[sd]["timing_noise"] = timing[0] if timing is not None else None
             if retried:
                 out[sd]["remeasured"] = retried
             if kept:

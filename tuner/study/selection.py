@@ -840,8 +840,7 @@ def pair_noise(trials: list[FrozenTrial]) -> tuple[float, int] | None:
 
 
 def check_pairs(noise: tuple[float, int] | None, search: SearchConfig, repeats_max: int) -> int | None:
-    """Pairs the held-out check measures at least (the prompts' timing noise may ask for more:
-    Objective.check) when the study's trials measured how far a pair's
+    """Pairs the held-out check measures when the study's trials measured how far a pair's
     ratio strays (`noise`, its spread and degrees of freedom: pair_noise): CHECK_PAIRS_MIN while it
     is at most what two passes at search.noise_rel each make it (sqrt(2) x noise_rel), else
     CHECK_PAIRS_MIN x (noise / that)^2 rounded up, at most twice search.repeats_max (and never fewer
@@ -893,8 +892,7 @@ def heldout_check(cfg: Config, objective: Objective, spec: SpecConfig) -> tuple[
     two pairs resampled show half their variance. `widen` takes the sides' pair noise as
     independent; in one pass they share each pass's state, so the gap's interval errs wide. Else, as
     a trial may take now (more pairs when the noise rose, at least two), until both speedup
-    intervals are tight, with intervals of their own. Either way the prompts' own timing noise may
-    ask for more pairs (Objective.check, best.yaml `timing_noise`)."""
+    intervals are tight, with intervals of their own."""
     noise = pair_noise(objective.study.get_trials(deepcopy=False))
     sized = check_pairs(noise, cfg.search, objective.repeats_max)
     at_tune, at_held = check_order(check_prompt_count(cfg), cfg.workload.num_heldout)
@@ -923,7 +921,7 @@ def heldout_check(cfg: Config, objective: Objective, spec: SpecConfig) -> tuple[
     return HeldoutCheck(pairs=pairs, tuning=tune, heldout=held, gap=gap, gap_ci_low=lo,
                         gap_ci_high=hi, verdict=verdict(lo, hi, tune.speedup),
                         pair_noise=round(noise[0], 4) if sized is not None and noise is not None else None,
-                        remeasured=again or None, timing_noise=got["heldout"]["timing_noise"],
+                        remeasured=again or None,
                         check_side=objective.study.user_attrs.get(CHECK_SIDE)), got["heldout"]
 
 
@@ -972,8 +970,6 @@ def describe_check(c: HeldoutCheck) -> str:
     pairs = f"{c.pairs} pairs, both sides in each pass, prompt by prompt"
     if c.pair_noise is not None:
         pairs += f", sized by the pair noise {c.pair_noise:.1%} (the trials' and the check's own)"
-    if c.timing_noise is not None:
-        pairs += f", a prompt's timing noise {c.timing_noise:.1%}"
     line = (f"held-out check: held-out {one(c.heldout)} on {c.heldout.prompts} prompts against tuning {one(c.tuning)} "
             f"on {c.tuning.prompts} ({pairs}): {rel(c.gap)}")
     if c.gap_ci_low is not None and c.gap_ci_high is not None:
