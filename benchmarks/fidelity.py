@@ -330,7 +330,8 @@ def main() -> None:
             ci = (f" [{c['gap_ci_low']:+.1%}, {c['gap_ci_high']:+.1%}] over prompts and pairs: {c['verdict']}, "
                   f"beyond it {r['heldout_gap_beyond']:.1%}" if c is not None and c.get("gap_ci_low") is not None else "")
             check = (f"held-out {_interval(c['heldout'])} against tuning {_interval(c['tuning'])} on "
-                     f"{c['tuning']['prompts']} prompts ({c['pairs']} pairs each): gap {c['gap']:+.1%}{ci}"
+                     f"{c['tuning']['prompts']} prompts ({c['pairs']} pairs, both sides in each pass): "
+                     f"gap {c['gap']:+.1%}{ci}"
                      + (f" (tau {c['heldout']['tau']:.2f} / {c['tuning']['tau']:.2f}: {r['tau_gap']:+.1%}; at equal tau "
                         f"{r['gap_at_equal_tau']:.1%})" if r["tau_gap"] is not None else "")
                      + (f" (off {c['heldout']['baseline_tok_s']:.1f} / {c['tuning']['baseline_tok_s']:.1f} tok/s)"

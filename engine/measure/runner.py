@@ -59,6 +59,7 @@ class RequestRecord:
     error: str | None = None
     queue_s: float | None = None  # arrival to admission (in process)
     sent_s: float | None = None  # arrival, seconds from the pass's start
+    forwards: int | None = None  # target forwards of this request (in process; a server counts none per request)
 
     @property
     def tpot_s(self) -> float | None:
@@ -102,6 +103,9 @@ class Measurement:
     # (output tokens, end-to-end seconds) of each request in prompt order, (0, 0.0) for a failed one:
     # what a per-prompt figure (the held-out check's interval over prompts) is drawn from
     requests: list[tuple[int, float]] = field(default_factory=list)
+    # target forwards of each request in prompt order (0 for a failed one), in process only (a server's
+    # counters sum over every request): a part of a pass's own tau (the held-out check's sides)
+    request_forwards: list[int] = field(default_factory=list)
     # (sent at, output tokens, each streamed chunk's time) of each finished request, seconds from the
     # pass's start: how many were in flight when, and what they delivered meanwhile
     timeline: list[tuple[float, int, list[float]]] = field(default_factory=list)
@@ -112,6 +116,7 @@ class Measurement:
             d.pop("texts")
         d.pop("latencies")
         d.pop("requests")
+        d.pop("request_forwards")
         d.pop("timeline")
         return d
 
@@ -149,6 +154,8 @@ def _measurement(records: list[RequestRecord], wall_s: float, concurrency: int, 
         errors=[f"{r.prompt_id}: {r.error}" for r in records if r.error is not None],
         latencies=[(None if r.ttft_s is None else r.ttft_s * 1e3, None if (t := r.tpot_s) is None else t * 1e3) for r in ok],
         requests=[(r.output_tokens, r.e2e_s or 0.0) if r.error is None else (0, 0.0) for r in records],
+        request_forwards=([r.forwards or 0 if r.error is None else 0 for r in records]
+                          if any(r.forwards is not None for r in records) else []),
         timeline=[(r.sent_s, r.output_tokens, list(accumulate([r.sent_s + r.ttft_s, *r.itl_s])))
                   for r in ok if r.sent_s is not None and r.ttft_s is not None],
         **extra)
@@ -235,6 +242,7 @@ def run_inprocess(engine: TextEngine, prompts: Sequence[Prompt], params: Samplin
             continue
         st = res.stats
         rec.output_tokens = st.new_tokens
+        rec.forwards = st.target_forwards
         rec.text = res.text
         rec.e2e_s = ends[i] - arrivals[i]
         rec.ttft_s = (stamps[i][0] if stamps[i] else ends[i]) - arrivals[i]

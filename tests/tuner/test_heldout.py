@@ -13,7 +13,7 @@ import optuna
 import pytest
 
 from engine.measure.workloads import Prompt
-from tuner.projection.profiling import CHECK
+from tuner.projection.profiling import CHECK, CHECK_PASS, check_order, check_prompt_count
 from tuner.schema.compose import load_config
 from tuner.schema.config import SpecConfig
 from tuner.search.space import SearchSpace
@@ -86,16 +86,33 @@ def test_the_verdict_follows_the_interval() -> None:
     assert heldout_excess(heldout_check_of([1.1, 2.9, 1.5, 2.2, 0.9, 1.8], [1.5, 1.8, 2.0, 1.2, 2.5, 1.4])) == 0.0
 
 
+def one_pass(cfg, side_of):
+    """A planted MeasureFn of the check's pass (CHECK_PASS): each side's per-prompt (tokens, seconds),
+    `side_of(spec, side)` for side CHECK and "heldout", laid out in the order check_order plays them;
+    tok/s the pass's tokens over its seconds (one request in flight)."""
+    at_t, at_h = check_order(check_prompt_count(cfg), cfg.workload.num_heldout)
+
+    def measure(spec: SpecConfig, split: str, level: int) -> Sample:
+        assert split == CHECK_PASS
+        pp: list = [None] * (len(at_t) + len(at_h))
+        for at, side in ((at_t, CHECK), (at_h, "heldout")):
+            xs = side_of(spec, side)
+            assert len(xs) == len(at)
+            for i, x in zip(at, xs):
+                pp[i] = x
+        return Sample(sum(t for t, _ in pp) / sum(s for _, s in pp), 2.0, per_prompt=pp)
+
+    return measure
+
+
 def heldout_check_of(tune: list[float], held: list[float]):
     """The check run end to end through Objective.check over planted per-prompt figures."""
     cfg = load_config(CFG)
-    n = cfg.workload.num_heldout
 
-    def measure(spec: SpecConfig, split: str, level: int) -> Sample:
-        xs = tune if split == CHECK else held
-        assert len(xs) == n
-        pp = [(100, 1.0 / (x if spec.method != "off" else 1.0)) for x in xs]
-        return Sample(100 * n / sum(s for _, s in pp), 2.0, per_prompt=pp)
+    def side_of(spec: SpecConfig, side: str) -> list[tuple[int, float]]:
+        return [(100, 1.0 / (x if spec.method != "off" else 1.0)) for x in (tune if side == CHECK else held)]
+
+    measure = one_pass(cfg, side_of)
 
     study = optuna.create_study(direction="maximize")
     objective = Objective(study, SearchSpace.from_config(cfg), measure, cfg.workload, cfg.search)
@@ -114,6 +131,46 @@ def test_the_check_reports_its_interval_and_verdict() -> None:
 def test_per_prompt_sums_the_requests_that_played_each_prompt() -> None:
     assert per_prompt([(10, 1.0), (20, 2.0), (30, 3.0)], 2) == [(40, 4.0), (20, 2.0)]
     assert per_prompt([], 3) is None
+
+
+def test_a_side_of_the_checks_pass_is_drawn_from_its_prompts() -> None:
+    """A side of the check's pass: its prompts' per-prompt figures, tok/s the pass's scaled by its
+    tokens over seconds against the pass's, tau its tokens over its target forwards (none where the
+    engine counted forwards over the pass only); a pass without per-prompt figures for every
+    position is refused, never split by guess. The Measurer passes each request's forwards on, summed
+    per prompt as its tokens and seconds are."""
+    from engine.measure.runner import RequestRecord, _measurement
+    from tuner.study.objective import side_sample
+
+    x = Sample(30.0, 1.5, per_prompt=[(10, 1.0), (20, 1.0), (30, 1.0)], per_prompt_forwards=[10, 5, 20],
+               ttft_p99_ms=40.0, tpot_p99_ms=9.0, itl_p99_ms=12.0, draft_mb=3.0, goodput=2.0, wall_s=3.0)
+    a, b = side_sample(x, [0, 2]), side_sample(x, [1])
+    # latencies and the draft's memory are the pass's (a step's time is the level's, not a prompt's);
+    # goodput is not split by prompt: none
+    assert (a.ttft_p99_ms, a.tpot_p99_ms, a.itl_p99_ms, a.draft_mb) == (40.0, 9.0, 12.0, 3.0) and a.goodput is None
+    assert a.per_prompt == [(10, 1.0), (30, 1.0)] and a.tok_s == pytest.approx(30.0 * 20 / 20)
+    assert b.tok_s == pytest.approx(30.0 * 20 / 20) and side_sample(x, [0]).tok_s == pytest.approx(15.0)
+    assert a.tau == pytest.approx(40 / 30) and b.tau == pytest.approx(4.0) and b.per_prompt_forwards == [5]
+    assert side_sample(Sample(30.0, 1.5, per_prompt=x.per_prompt), [1]).tau is None  # a server's pass
+    with pytest.raises(RuntimeError, match="per-prompt figures for positions up to 3"):
+        side_sample(x, [1, 3])
+    with pytest.raises(RuntimeError, match="it recorded 0"):
+        side_sample(Sample(30.0), [0])
+
+    recs = [RequestRecord("a", 10, e2e_s=1.0, forwards=4), RequestRecord("b", 6, e2e_s=1.0, forwards=3),
+            RequestRecord("a", 8, e2e_s=1.0, forwards=2), RequestRecord("b", error="boom")]
+    m = _measurement(recs, 2.0, 2, None, [])
+    assert m.request_forwards == [4, 3, 2, 0] and "request_forwards" not in m.to_dict()
+    assert _measurement([RequestRecord("a", 10, e2e_s=1.0)], 1.0, 1, None, []).request_forwards == []
+
+    class Played(_Run):
+        def run(self, prompts, params, concurrency, arrivals_s=None, rate=None):
+            super().run(prompts, params, concurrency)
+            return _measurement(recs[:3], 2.0, 2, None, [])
+
+    cfg = load_config(CFG)
+    got = Measurer(lambda spec: Played(), cfg, {"tune": [Prompt("a", "a", "x"), Prompt("b", "b", "x")]})(D3, "tune", 2)
+    assert got.per_prompt == [(18, 2.0), (6, 1.0)] and got.per_prompt_forwards == [6, 3]
 
 
 class _Run:
@@ -189,11 +246,15 @@ def test_at_the_floor_the_check_measures_two_pairs_a_side_widened_by_the_pooled_
     n = cfg.workload.num_heldout
     calls: list[str] = []
 
+    def side_of(spec: SpecConfig, side: str) -> list[tuple[int, float]]:
+        xs = [1.5, 1.2, 1.8, 1.4, 1.6, 1.3] if side == CHECK else [1.4, 1.5, 1.3, 1.6, 1.2, 1.5]
+        return [(100, 1.0 / (x if spec.method != "off" else 1.0)) for x in xs]
+
+    planted = one_pass(cfg, side_of)
+
     def measure(spec: SpecConfig, split: str, level: int) -> Sample:
         calls.append(split)
-        xs = [1.5, 1.2, 1.8, 1.4, 1.6, 1.3] if split == CHECK else [1.4, 1.5, 1.3, 1.6, 1.2, 1.5]
-        pp = [(100, 1.0 / (x if spec.method != "off" else 1.0)) for x in xs]
-        return Sample(100 * n / sum(s for _, s in pp), 2.0, per_prompt=pp)
+        return planted(spec, split, level)
 
     spread = 0.05  # each configuration's two pairs read exp(+-0.05) about its centre
     pairs = [(D3, [1.3 * math.exp(spread), 1.3 * math.exp(-spread)]),
@@ -215,7 +276,7 @@ def test_at_the_floor_the_check_measures_two_pairs_a_side_widened_by_the_pooled_
     # the check's own two pairs a side agree exactly: they add degrees of freedom, no spread
     pooled, pooled_df = pooled_noise((noise, df), [[1.0, 1.0], [1.0, 1.0]])
     assert pooled_df == df + 2 and pooled == pytest.approx(noise * math.sqrt(df / (df + 2)))
-    assert check.pairs == 2 and len(calls) == 8 and check.pair_noise == pytest.approx(pooled, abs=1e-4)
+    assert check.pairs == 2 and calls == [CHECK_PASS] * 4 and check.pair_noise == pytest.approx(pooled, abs=1e-4)
     assert check.tuning.ci_low < check.tuning.speedup < check.tuning.ci_high  # the pairs agree, yet an interval
     # the interval over prompts alone is narrower: the pairs' noise is added to it
     per_side = [[[([(100, 1.0 / x) for x in xs], [(100, 1.0)] * n)]] * 2 for xs in
@@ -223,47 +284,125 @@ def test_at_the_floor_the_check_measures_two_pairs_a_side_widened_by_the_pooled_
     lo, hi = gap_interval(per_side[0], per_side[1], check.gap, seed=cfg.seed, resample_pairs=False)
     assert check.gap_ci_low < lo < check.gap < hi < check.gap_ci_high
     assert (check.gap_ci_low, check.gap_ci_high) == pytest.approx(widen(lo, hi, check.gap, pooled, pooled_df, pairs=2))
-    assert f"(2 pairs each, interleaved, sized by the pair noise {pooled:.1%}" in describe_check(check)
+    assert f"(2 pairs, both sides in each pass, prompt by prompt, sized by the pair noise {pooled:.1%}" in describe_check(check)
     # too few pairs measured to know their noise, or the noise rose: two pairs (or more) as before
     # (the planted figures agree: tight after two)
     for trials, repeats_max in ((1, cfg.search.repeats_max), (3, cfg.search.repeats_max + 1)):
         check = run(trials=trials, repeats_max=repeats_max)[0]
-        assert check.pairs == 2 and len(calls) == 8 and check.pair_noise is None
+        assert check.pairs == 2 and len(calls) == 4 and check.pair_noise is None
 
 
-def test_a_load_spike_in_the_checks_first_pair_is_measured_again() -> None:
-    """At the floor the check measures two pairs a side, so one baseline pass that dipped (a load
-    spike beside it) would weigh half its gap. The pass is judged against the study's recent baseline
-    passes, as a trial's is, and measured again: the check reads the planted gap (none), and says
-    why it measured again. On the old rule (the check's own passes only: none before its first
-    pair) the spike made the held-out side read far faster than the tuning side."""
+def _study_with_pair_noise(baseline_tok_s: float = 40.0) -> optuna.Study:
+    """A study whose baseline ran at `baseline_tok_s` on its trials' prompts and whose trials measured
+    a pair noise at the floor (two configurations, three trials each, their pairs +-5%)."""
     from tuner.study.studies import ROLE
 
-    cfg = load_config(CFG)
-    n = cfg.workload.num_heldout
-    offs = {CHECK: 0, "heldout": 0}
-
-    def measure(spec: SpecConfig, split: str, level: int) -> Sample:
-        slow = 1.0
-        if spec.method == "off":
-            offs[split] += 1
-            slow = 1 / 0.6 if split == "heldout" and offs[split] == 1 else 1.0  # the spike: 0.6x the norm
-        pp = [(100, 2.5 * slow / (1.5 if spec.method != "off" else 1.0))] * n
-        return Sample(100 * n / sum(s for _, s in pp), 3.0, per_prompt=pp)
-
     study = optuna.create_study(direction="maximize")
-    study.add_trial(optuna.trial.create_trial(value=40.0, user_attrs={ROLE: "baseline", "tok_s_samples": [40.0] * 3}))
-    spread = 0.05
+    study.add_trial(optuna.trial.create_trial(value=baseline_tok_s, user_attrs={
+        ROLE: "baseline", "tok_s_samples": [baseline_tok_s] * 3}))
     for _ in range(3):
         for spec, centre in ((D3, 1.5), (SpecConfig(method="ngram", depth=5, topk=1, budget=6), 1.2)):
-            study.add_trial(_trial(spec, [centre * math.exp(spread), centre * math.exp(-spread)]))
-    objective = Objective(study, SearchSpace.from_config(cfg), measure, cfg.workload, cfg.search)
+            study.add_trial(_trial(spec, [centre * math.exp(0.05), centre * math.exp(-0.05)]))
+    return study
+
+
+def test_a_pass_the_machine_slowed_falls_on_both_sides_alike() -> None:
+    """Both sides play in one pass, so a pass the machine slowed (a load that came for its minute)
+    moves both sides' speedups alike and leaves their gap (none planted) untouched. Played side
+    after side, as before, the slowed pass was one side's and made a gap of its own."""
+    cfg = load_config(CFG)
+    passes: list[str] = []
+
+    def side_of(spec: SpecConfig, side: str) -> list[tuple[int, float]]:
+        slow = 1 / 0.85 if len(passes) == 3 else 1.0  # the second pair's baseline (off-spec): 0.85x
+        return [(100, slow * 2.5 / (1.5 if spec.method != "off" else 1.0))] * cfg.workload.num_heldout
+
+    planted = one_pass(cfg, side_of)
+
+    def measure(spec: SpecConfig, split: str, level: int) -> Sample:
+        passes.append(spec.method)
+        return planted(spec, split, level)
+
+    objective = Objective(_study_with_pair_noise(), SearchSpace.from_config(cfg), measure, cfg.workload, cfg.search)
     check, _ = heldout_check(cfg, objective, D3)
-    assert check.pairs == 2 and check.pair_noise is not None  # sized by the trials' pair noise
-    assert offs == {CHECK: 2, "heldout": 3}  # the dipped pass measured again, nothing else
-    assert check.gap == pytest.approx(0.0, abs=1e-9) and check.heldout.speedup == pytest.approx(1.5)
-    assert check.remeasured and check.remeasured[0].startswith("held-out: pair 1: paired baseline 24.0 tok/s")
-    assert "a pair measured again as implausible" in describe_check(check)
+    assert passes == ["ngram", "off", "off", "ngram"] and check.pairs == 2 and check.remeasured is None
+    assert check.gap == pytest.approx(0.0, abs=1e-12)
+    both = math.sqrt(1.5 * 1.5 / 0.85)  # the slowed baseline inflates the second pair's ratio on both sides
+    assert check.tuning.speedup == pytest.approx(both) and check.heldout.speedup == pytest.approx(both)
+
+
+def test_prompt_by_prompt_a_machine_that_drifts_during_a_pass_leaves_no_gap() -> None:
+    """The check's pass plays a tuning prompt and a held-out one next to each other, in turn, each
+    side first every other time (check_order). On a machine that slows steadily as it works (each
+    second of work 2% slower than the one before) both sides meet the same minutes and their gap
+    (none planted) stays near zero; the sides played
+    one after the other within the pass (a planted fault) read the held-out side several percent
+    faster: its baseline ran later, when the machine was slower, for longer than its spec did."""
+    cfg = load_config(CFG)
+    n = cfg.workload.num_heldout
+    interleaved = check_order(n, n)
+    assert interleaved == ([0, 3, 4, 7, 8, 11], [1, 2, 5, 6, 9, 10])  # t h h t t h ...: the same mean position
+    assert check_order(2, 4) == ([0, 3], [1, 2, 4, 5])  # the longer side's rest at the end
+
+    def gap(at_t: list[int], at_h: list[int]) -> float:
+        clock = [0.0]
+
+        def measure(spec: SpecConfig, split: str, level: int) -> Sample:
+            pp = []
+            for _ in range(2 * n):  # every prompt 1.5x under the spec, whichever side
+                secs = (1.0 / (1.5 if spec.method != "off" else 1.0)) * (1 + 0.02 * clock[0])
+                clock[0] += secs
+                pp.append((100, secs))
+            return Sample(100 * len(pp) / sum(x for _, x in pp), 2.0, per_prompt=pp)
+
+        objective = Objective(optuna.create_study(direction="maximize"), SearchSpace.from_config(cfg), measure,
+                              cfg.workload, cfg.search)
+        got = objective.check(D3, CHECK_PASS, {CHECK: at_t, "heldout": at_h}, 2)
+        return got["heldout"]["speedup"] / got[CHECK]["speedup"] - 1
+
+    assert abs(gap(*interleaved)) < 0.002
+    assert gap(list(range(n)), list(range(n, 2 * n))) > 0.03
+
+
+def test_the_checks_baselines_are_judged_against_their_own_prompts_not_the_trials() -> None:
+    """Off runs at another speed on the check's prompts than on the trials' (on one host 137-143
+    tok/s against 109-110: other lengths, other answers). Judged against the trials' passes, as
+    before, every check baseline read as an outlier and was measured again, up to three times a
+    pair, for nothing. Judged against the check's own passes on its prompts (the band the study's
+    spread), it measures two pairs, nothing again; a pass that dipped among the check's own is
+    still measured again."""
+    cfg = load_config(CFG)
+    study = _study_with_pair_noise(baseline_tok_s=110.0)
+    offs: list[float] = []
+    dip = [False]
+
+    def measure(spec: SpecConfig, split: str, level: int) -> Sample:
+        assert split == CHECK_PASS
+        off_s = 100 / 140.0
+        if spec.method == "off":
+            offs.append(140.0)
+            if dip[0] and len(offs) == 3:
+                offs[-1], off_s = 90.0, 100 / 90.0  # the third pair's baseline dipped
+        wander = 1.0 if spec.method == "off" or not dip[0] else (1.0, 1.0, 1.1, 1.05, 1.05)[len(offs) % 5]
+        secs = off_s / (1.5 * wander if spec.method != "off" else 1.0)
+        pp = [(100, secs)] * (2 * cfg.workload.num_heldout)
+        return Sample(100 / secs, 3.0, per_prompt=pp)
+
+    objective = Objective(study, SearchSpace.from_config(cfg), measure, cfg.workload, cfg.search)
+    b = [Sample(140.0, 1.0)]
+    # the old rule, planted: the study's passes place the centre, and 140 lies beyond 3 bands of 110
+    assert objective.implausible([Sample(210.0, 3.0)], b, objective.outlier_history()) is not None
+    check, _ = heldout_check(cfg, objective, D3)
+    assert offs == [140.0, 140.0] and check.pairs == 2 and check.remeasured is None
+    assert check.tuning.baseline_tok_s == pytest.approx(140.0) and check.gap == pytest.approx(0.0)
+    # more pairs (the spec's passes wander), the third pair's baseline dipped: measured again
+    offs.clear()
+    dip[0] = True
+    got = objective.check(D3, CHECK_PASS, dict(zip((CHECK, "heldout"), check_order(6, 6))), 4)
+    again = got["heldout"]["remeasured"]
+    assert again[0].startswith("pair 3: paired baseline 90.0 tok/s is an outlier against the baseline's passes on "
+                               "these prompts (median 140.0 tok/s")
+    assert offs[:4] == [140.0, 140.0, 90.0, 140.0] and 90.0 not in got[CHECK]["baseline_samples"]
 
 
 def _proxy(tau: float, prompt: int = 150, answer: int = 120) -> "PromptProxy":
@@ -328,6 +467,8 @@ def test_the_study_compares_the_heldout_prompts_with_the_matched_tuning_prompts(
     assert asked == [[p.id for p in tune[:6] + held]]
     assert [p.id for p in prompts[CHECK]] == [tune[1].id, tune[2].id, tune[4].id]  # the nearest three, by brute force
     assert not {p.id for p in prompts[CHECK]} & {p.id for p in held}
+    # the check's pass plays the matched side and the held-out prompts in turn (check_order)
+    assert [p.id for p in prompts[CHECK_PASS]] == [tune[1].id, held[0].id, held[1].id, tune[2].id, tune[4].id, held[2].id]
     assert line.startswith("3 of 6 tuning prompts matched to the 3 held-out ones (tuning prompts 1, 2, 4)")
     kept = {"tune": tune[:2], "heldout": held, CHECK: tune[:3]}
     assert "needs the built-in engine" in M.match_check_side(cfg, None, kept) and kept[CHECK] == tune[:3]
@@ -367,12 +508,15 @@ def test_above_the_floor_the_check_measures_more_pairs_and_its_interval_carries_
     calls: list[str] = []
     xs = {CHECK: [1.5, 1.2, 1.8, 1.4, 1.6, 1.3], "heldout": [1.4, 1.5, 1.3, 1.6, 1.2, 1.5]}
 
+    def side_of(spec: SpecConfig, side: str) -> list[tuple[int, float]]:
+        slow = 1.08 if spec.method != "off" and len(calls) > 2 else 1.0  # the second pair's spec: 8% slower
+        return [(100, slow / (x if spec.method != "off" else 1.0)) for x in xs[side]]
+
+    planted = one_pass(cfg, side_of)
+
     def measure(spec: SpecConfig, split: str, level: int) -> Sample:
         calls.append(split)
-        k = sum(1 for c in calls if c == split)  # the spec of the second pair reads 8% slower on each side
-        slow = 1.08 if spec.method != "off" and k > 2 else 1.0
-        pp = [(100, slow / (x if spec.method != "off" else 1.0)) for x in xs[split]]
-        return Sample(100 * n / sum(s for _, s in pp), 2.0, per_prompt=pp)
+        return planted(spec, split, level)
 
     spread = 0.1
     study = optuna.create_study(direction="maximize")
@@ -382,12 +526,12 @@ def test_above_the_floor_the_check_measures_more_pairs_and_its_interval_carries_
     trials_noise = pair_noise(study.trials)
     objective = Objective(study, SearchSpace.from_config(cfg), measure, cfg.workload, cfg.search)
     check, _ = heldout_check(cfg, objective, D3)
-    assert check.pairs == 2 and len(calls) == 8  # two pairs a side, not one
+    assert check.pairs == 2 and len(calls) == 4  # two pairs, not one
     # each side's two ratios differ by the planted 8%: the check's own pairs' share of the noise
     noise, df = pooled_noise(trials_noise, [[1.0, 1 / 1.08], [1.0, 1 / 1.08]])
     assert noise < trials_noise[0] and df == trials_noise[1] + 2  # the check's own pairs agreed better
     assert check.pair_noise == pytest.approx(noise, abs=1e-4)
-    assert "2 pairs each, interleaved, sized by the pair noise" in describe_check(check)
+    assert "2 pairs, both sides in each pass, prompt by prompt, sized by the pair noise" in describe_check(check)
     # the interval: the prompts' with both pairs kept, widened for two pairs of that noise
     per_side = [[[([(100, (1.08 if j else 1.0) / x) for x in xs[sp]], [(100, 1.0)] * n)] for j in range(2)]
                 for sp in (CHECK, "heldout")]

@@ -472,25 +472,32 @@ def test_a_reused_point_does_not_consume_the_budget(tmp_path: Path) -> None:
     assert not Budget.of(cfg.search).spent(study.trials)  # 3 measured of 4: one more to measure
 
 
-def test_the_heldout_check_compares_as_many_tuning_prompts_interleaved_until_both_are_tight(tmp_path: Path) -> None:
+def test_the_heldout_check_compares_as_many_tuning_prompts_in_one_pass_until_both_are_tight(tmp_path: Path) -> None:
     """The winner's held-out check measures the held-out prompts and as many tuning prompts (6 and
-    6, where trials play 2), a pair per set per round, the sets and the order within each pair
-    alternating, until both speedup intervals are tight, at most as many pairs as a trial may take
-    now: two each when the figures agree, three when the held-out ones wander and the noise rose (a
-    trial may then take 3). The gap is held-out over tuning, with both intervals."""
-    from tuner.projection.profiling import CHECK, check_prompt_count
+    6, where trials play 2) in one pass, prompt by prompt, against the baseline's pass of the same
+    prompts, the order within each pair alternating, until both speedup intervals are tight, at
+    most as many pairs as a trial may take now: two when the figures agree, three when the held-out
+    ones wander and the noise rose (a trial may then take 3). The gap is held-out over tuning, with
+    both intervals; each side's tau is its prompts' tokens over their target forwards."""
+    from tuner.projection.profiling import CHECK_PASS, check_order, check_prompt_count
     from tuner.study.selection import describe_check, gap_at_equal_tau, heldout_check, tau_gap
 
     cfg = load_config([*CFG, "search.ci_rel_width=0.10"])
     assert cfg.search.trial_prompts == 2 and check_prompt_count(cfg) == cfg.workload.num_heldout == 6
+    at_t, at_h = check_order(6, 6)
     calls: list[tuple[str, str]] = []
     wander = iter([13.0, 14.5, 12.8, 14.2])  # within 3 noise bands of its own passes
 
     def measure(spec: SpecConfig, split: str, level: int) -> Sample:
         calls.append((spec.method, split))
-        if spec.method == "off":
-            return Sample(10.0, 1.0)
-        return Sample(14.0 if split == CHECK else next(wander) if noisy else 13.0, 2.0)
+        pp: list = [None] * 12
+        fw: list = [None] * 12
+        held = 10.0 if spec.method == "off" else next(wander) if noisy else 13.0
+        for at, tok_s in ((at_t, 10.0 if spec.method == "off" else 14.0), (at_h, held)):
+            for i in at:  # 10 tokens a prompt; tau 2.0 under the spec (5 forwards), 1.0 off
+                pp[i], fw[i] = (10, 10 / tok_s), 10 if spec.method == "off" else 5
+        return Sample(120 / sum(x for _, x in pp), 1.0 if spec.method == "off" else 2.0, per_prompt=pp,
+                      per_prompt_forwards=fw)
 
     for noisy, pairs in ((False, 2), (True, 3)):
         calls.clear()
@@ -498,19 +505,19 @@ def test_the_heldout_check_compares_as_many_tuning_prompts_interleaved_until_bot
         objective.repeats_max = pairs  # what track_noise sets when the noise rose (2 at the floor)
         check, held = heldout_check(cfg, objective, ng(3))
         assert check.pairs == pairs and check.tuning.prompts == check.heldout.prompts == 6
-        assert calls[:8] == [("ngram", CHECK), ("off", CHECK), ("off", "heldout"), ("ngram", "heldout"),
-                             ("off", CHECK), ("ngram", CHECK), ("ngram", "heldout"), ("off", "heldout")]
-        assert len(calls) == 4 * pairs
+        assert calls[:4] == [("ngram", CHECK_PASS), ("off", CHECK_PASS), ("off", CHECK_PASS), ("ngram", CHECK_PASS)]
+        assert len(calls) == 2 * pairs
         assert check.tuning.speedup == pytest.approx(1.4) and held["speedup"] == check.heldout.speedup
         assert check.gap == pytest.approx(check.heldout.speedup / 1.4 - 1)
-        # each side's tok/s, the winner's and off's, measured in the same minutes
+        # each side's tok/s, the winner's and off's, in the same passes
         assert check.tuning.tok_s == pytest.approx(14.0) and check.tuning.baseline_tok_s == pytest.approx(10.0)
         assert check.heldout.baseline_tok_s == pytest.approx(10.0) and check.heldout.tok_s == pytest.approx(held["tok_s"])
     assert check.heldout.ci_low < check.heldout.speedup < check.heldout.ci_high
     line = describe_check(check)
     assert line.startswith("held-out check: held-out ") and "on 6 prompts against tuning 1.400x" in line
-    assert "(3 pairs each, interleaved)" in line
+    assert "(3 pairs, both sides in each pass, prompt by prompt)" in line
     # the prompts' own tau taken out: held-out tau 2.0 as the tuning prompts' -> the gap is all timing
+    assert check.tuning.tau == check.heldout.tau == pytest.approx(2.0)
     assert tau_gap(check) == pytest.approx(0.0) and gap_at_equal_tau(check) == pytest.approx(check.gap)
     lower = check.model_copy(update={"heldout": check.heldout.model_copy(update={"tau": 1.6})})
     assert tau_gap(lower) == pytest.approx(-0.2)

@@ -41,6 +41,25 @@ def tuning_prompts(cfg: Config, split: str = "tune", n: int | None = None, encod
 
 # The split of the tuning prompts the winner's held-out check compares with (study_prompts)
 CHECK = "tune-check"
+# The split the held-out check plays: its tuning prompts and the held-out ones in one pass, in turn
+# (check_order), so that whatever the machine does during a pass falls on both sides alike
+CHECK_PASS = "check-pass"
+
+
+def check_order(n_tune: int, n_heldout: int) -> tuple[list[int], list[int]]:
+    """Where the held-out check's pass (CHECK_PASS) plays each side's prompts: the i-th of each side
+    next to each other, the tuning one first for even i, the held-out one first for odd i (t h h t
+    t h ...: a machine that drifts steadily over the pass gives both sides the same mean position),
+    the longer side's rest at the end; the positions of the tuning prompts and those of the
+    held-out prompts, each in its side's order."""
+    tune: list[int] = []
+    held: list[int] = []
+    for i in range(max(n_tune, n_heldout)):
+        couple = ((tune, n_tune), (held, n_heldout))
+        for side, n in couple if i % 2 == 0 else couple[::-1]:
+            if i < n:
+                side.append(len(tune) + len(held))
+    return tune, held
 
 
 def check_prompt_count(cfg: Config) -> int:

@@ -165,8 +165,8 @@ class SplitSpeedup(_Strict):
 
 class HeldoutCheck(_Strict):
     """Does the winner's speedup hold on prompts the study never tuned on? The held-out prompts
-    against as many tuning prompts, measured in the same minutes (interleaved pairs) until both
-    intervals are tight; `gap` = held-out / tuning - 1 (negative: slower held out)."""
+    against as many tuning prompts, both in each pass, prompt by prompt, until both intervals are
+    tight; `gap` = held-out / tuning - 1 (negative: slower held out)."""
 
     pairs: int  # pairs per set of prompts
     tuning: SplitSpeedup

@@ -17,8 +17,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tuner.projection.profiling import (CHECK, PROXY_DEPTHS, PromptProxy, check_prompt_count, matched_check,
-                                        mismatch, side_context, side_tau, tuning_prompts)
+from tuner.projection.profiling import (CHECK, CHECK_PASS, PROXY_DEPTHS, PromptProxy, check_order, check_prompt_count,
+                                        matched_check, mismatch, side_context, side_tau, tuning_prompts)
 from tuner.schema.compose import packaged_workloads
 from tuner.study.limits import startup_excluded
 from tuner.study.objective import Sample, Split
@@ -40,7 +40,7 @@ LAUNCHED = ("vllm", "sglang")
 def study_prompts(cfg: Config, engine: Engine | None = None) -> dict[str, list[Prompt]]:
     """The prompts a study measures: the tuning prompts for trials (tuner.projection.profiling),
     every held-out prompt for the winner's re-measurement and as many tuning prompts to compare
-    them with (split CHECK), and for a mix each part's own
+    them with (split CHECK; both in turn in the check's pass, CHECK_PASS: with_check_pass), and for a mix each part's own
     (`part_split(label)`), on which the winner's tau and speedup per part are measured. The user's
     requests are tokenised here (`request_encoder`) for their budgets and the context check."""
     from engine.measure.workloads import load_prompts, mix_prompts, part_labels
@@ -52,6 +52,7 @@ def study_prompts(cfg: Config, engine: Engine | None = None) -> dict[str, list[P
     split = "heldout" if cfg.workload.num_heldout > 0 else "tune"
     for label in part_labels(cfg.workload):
         out[part_split(label)] = mix_prompts(cfg.workload, split, enc, ctx, only=label)
+    with_check_pass(out)
     w = cfg.workload
     # rates replayed from a trace need every request's timestamp: refused before any trial
     if w.request_rate and w.arrival == "trace" and any(p.arrival_s is None for ps in out.values() for p in ps):
@@ -135,6 +136,7 @@ def match_check_side(cfg: Config, engine: Engine | None, prompts: dict[str, list
     t, h = proxies[:len(tune)], proxies[len(tune):]
     pick = matched_check(t, h, n)
     prompts[CHECK] = [tune[i] for i in pick]
+    with_check_pass(prompts)
     taus = " / ".join(f"{side_tau([t[i] for i in pick], k):.2f}" for k in range(len(PROXY_DEPTHS)))
     held = " / ".join(f"{side_tau(h, k):.2f}" for k in range(len(PROXY_DEPTHS)))
     first = mismatch(t[:n], h)
@@ -143,6 +145,17 @@ def match_check_side(cfg: Config, engine: Engine | None, prompts: dict[str, list
             f"{', '.join(map(str, PROXY_DEPTHS))} {taus} against {held}, context {side_context([t[i] for i in pick]):.0f} "
             f"against {side_context(h):.0f} tokens; mismatch {mismatch([t[i] for i in pick], h):.3f} "
             f"(the first {n}: {first:.3f})")
+
+
+def with_check_pass(prompts: dict[str, list[Prompt]]) -> None:
+    """Set prompts[CHECK_PASS], what the held-out check plays in one pass: the check's tuning
+    prompts (prompts[CHECK]) and the held-out ones in turn, one prompt at a time (check_order)."""
+    tune, held = prompts.get(CHECK, []), prompts.get("heldout", [])
+    at_t, at_h = check_order(len(tune), len(held))
+    both: list[Prompt] = [*tune, *held]
+    for i, p in [*zip(at_t, tune), *zip(at_h, held)]:
+        both[i] = p
+    prompts[CHECK_PASS] = both
 
 
 def per_prompt(requests: list[tuple[int, float]], n: int) -> list[tuple[int, float]] | None:
@@ -337,12 +350,14 @@ class Measurer:
             mem = target_draft_memory(target, prompts, w.max_new_tokens, w.chat_template)
             self._draft_mb[key] = None if mem is None else mem["total_mb"]
         slo = self.cfg.workload.slo
+        forwards = per_prompt([(f, 0.0) for f in m.request_forwards], len(prompts)) if m.request_forwards else None
         return Sample(m.output_tokens_per_s, m.tau, m.ttft_p99_ms, m.tpot_p99_ms, self._draft_mb[key],
                       itl_p50_ms=m.itl_p50_ms, itl_p99_ms=m.itl_p99_ms,
                       goodput=m.goodput(slo.ttft_p99_ms, slo.tpot_p99_ms), wall_s=m.wall_s,
                       ttft_p50_ms=m.ttft_p50_ms, tpot_p50_ms=m.tpot_p50_ms, queue_p50_ms=m.queue_p50_ms,
                       queue_p99_ms=m.queue_p99_ms, waiting_mean=m.waiting_mean, batch_sizes=m.batch_sizes or None,
-                      per_prompt=per_prompt(m.requests, len(prompts)))
+                      per_prompt=per_prompt(m.requests, len(prompts)),
+                      per_prompt_forwards=[f for f, _ in forwards] if forwards else None)
 
     def _warm_prefix(self, target: LoadTarget, spec: SpecConfig, split: Split) -> None:
         """Before the first timed pass on `split`, an untimed pass of one new token per prompt under

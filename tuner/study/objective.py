@@ -18,7 +18,7 @@ import math
 import statistics
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
 import optuna
@@ -76,6 +76,9 @@ class Sample:
     # per prompt of the split, in its order: (output tokens, end-to-end seconds) summed over the
     # requests that played it; what the held-out check's interval over prompts resamples
     per_prompt: list[tuple[int, float]] | None = None
+    # per prompt, in the same order: target forwards summed over its requests (in process only: a
+    # server counts forwards over every request), what a part of the pass's tau is drawn from
+    per_prompt_forwards: list[int] | None = None
 
 
 # Which prompts a pass plays: "tune", "heldout", the held-out check's tuning prompts
@@ -156,6 +159,29 @@ def _level_figures(level: Level, spec: list[Sample], base: list[Sample]) -> dict
                 sizes[str(n)] = sizes.get(str(n), 0) + k  # str keys: user attrs are JSON
         out[f"{who}batch_sizes"] = dict(sorted(sizes.items(), key=lambda kv: int(kv[0])))
     return out
+
+
+def side_sample(x: Sample, at: list[int]) -> Sample:
+    """The part of pass `x` that played the prompts at positions `at` (a side of the held-out check's
+    pass): their per-prompt figures; tok/s the pass's scaled by their tokens over seconds against the
+    whole pass's (the pass's rate at its level, on these prompts); tau their tokens over their target
+    forwards, None where the engine counts forwards over the pass only (a launched server). The
+    latencies (TTFT, TPOT, ITL percentiles) and the draft's memory are the pass's: a step's time is
+    the engine's at that level, not a prompt's, and the pass interleaves both sides' requests."""
+    pp = x.per_prompt
+    if pp is None or max(at, default=-1) >= len(pp):
+        raise RuntimeError(f"the held-out check's pass needs per-prompt figures for positions up to "
+                           f"{max(at, default=0)}; it recorded {0 if pp is None else len(pp)}")
+    mine = [pp[i] for i in at]
+    tokens, seconds = sum(t for t, _ in mine), sum(s for _, s in mine)
+    all_tokens, all_seconds = sum(t for t, _ in pp), sum(s for _, s in pp)
+    whole = all_tokens / all_seconds if all_seconds > 0 else 0.0
+    rate = (tokens / seconds) / whole if seconds > 0 and whole > 0 else 0.0
+    fw = x.per_prompt_forwards
+    forwards = sum(fw[i] for i in at) if fw is not None and len(fw) == len(pp) else 0
+    return replace(x, tok_s=x.tok_s * rate, tau=tokens / forwards if forwards else None, per_prompt=mine,
+                   per_prompt_forwards=[fw[i] for i in at] if fw is not None and len(fw) == len(pp) else None,
+                   goodput=None, wall_s=None, batch_sizes=None)
 
 
 @dataclass
@@ -317,7 +343,8 @@ class Objective:
         return figures
 
     def plausible_pair(self, spec: SpecConfig, split: Split, order: int, history: list[float],
-                       own: list[float] | None = None, seen: list[float] | None = None, shared: bool = False
+                       own: list[float] | None = None, seen: list[float] | None = None, shared: bool = False,
+                       spread: list[float] | None = None
                        ) -> tuple[list[Sample], list[Sample], float, list[str], str | None, int]:
         """One pair (`order` even: spec first) measured again while it is implausible (`implausible`
         against the baseline passes `history` and the spec's own earlier passes `own`), up to
@@ -331,7 +358,8 @@ class Objective:
         kept one does), and a retry is judged against `history` plus the attempts before it, so a
         machine that moved is recognised from its recent passes. `shared`: a first attempt baseline
         first takes the last pass measured as its baseline when that was the baseline's on `split`
-        (Objective.evaluate); it is not appended to `seen` (it was seen when it was measured)."""
+        (Objective.evaluate); it is not appended to `seen` (it was seen when it was measured).
+        `spread`: `implausible`'s, when `history` holds passes on other prompts than the study's."""
         retried: list[str] = []
         bases: list[float] = []
         for attempt in range(PLAUSIBILITY_RETRIES + 1):
@@ -341,15 +369,16 @@ class Objective:
             else:
                 s, b = self.measure_pair(spec, split, order + attempt)
             ratio = geomean([self._score(x) / max(self._score(y), self._floor(y)) for x, y in zip(s, b)])
-            still = self.implausible(s, b, history + bases, own)
+            still = self.implausible(s, b, history + bases, own, spread)
             bases.append(_mean_tok(b))
             if seen is not None and tail is None:
                 seen.append(bases[-1])
             if (still is not None and attempt == PLAUSIBILITY_RETRIES
-                    and self.implausible(s, b, history + bases[:-1]) is None):
+                    and self.implausible(s, b, history + bases[:-1], spread=spread) is None):
                 retried.append(f"{still}; so after every retry: the pair counts")
                 return s, b, ratio, retried, None, attempt + 1
-            if still is not None and attempt == PLAUSIBILITY_RETRIES and self._moved(bases, s, b, history):
+            if (still is not None and attempt == PLAUSIBILITY_RETRIES
+                    and self._moved(bases, s, b, history if spread is None else spread)):
                 # every retry's baseline read the same away from the history: the machine's state
                 # changed (a load ended or began) and stayed; the pair, measured back to back, holds
                 retried.append(f"{still}; every retry's baseline read alike: the machine changed, the pair counts")
@@ -368,50 +397,59 @@ class Objective:
         return (no_history is None and len(bases) > 1 and min(bases) > 0
                 and math.log(max(bases) / min(bases)) <= noise)
 
-    def check(self, spec: SpecConfig, splits: list[Split], pairs_max: int) -> dict[Split, dict[str, Any]]:
-        """The winner's held-out check: `spec` on each of `splits` (the held-out prompts, and as
-        many tuning prompts to compare with), a pair per split per round, the splits and the order
-        within each pair alternating (spec-off off-spec | off-spec spec-off ...), so drift cancels
-        and both figures are measured over the same minutes. Rounds go on until every split's
-        speedup interval is tight (search.ci_rel_width, as a trial's) after at least two pairs, at
-        most `pairs_max` (one round when it is 1). Plausibility holds as in a trial: each pair's
-        baseline is judged against the study's baseline history followed by the check's own baseline
-        passes, so that a load spike in the check's single pair is measured again, as a trial's
-        would be, instead of deciding the check. Returns each split's figures
-        (Objective._figures, with `remeasured` / `implausible` when they apply, and `per_prompt`:
-        per pair and level, the spec's and the baseline's Sample.per_prompt)."""
-        got: dict[Split, tuple[list[list[Sample]], list[list[Sample]], list[float], list[str], list[str]]] = {
-            sp: ([], [], [], [], []) for sp in splits}
-        # The trials' baselines played other prompts than the check's sides; an off pass's tok/s
-        # differs little between sets of prompts of one workload (no drafts: no tau in it), far less
-        # than the outlier band (3 noise bands), so the study's recent passes are the machine's norm.
-        history = self.outlier_history()
+    def check(self, spec: SpecConfig, split: Split, sides: dict[str, list[int]], pairs_max: int
+              ) -> dict[str, dict[str, Any]]:
+        """The winner's held-out check: `spec` against the baseline on `split`, one pass that plays
+        both sides' prompts in turn (the held-out prompts and as many tuning prompts,
+        tuner.projection.profiling.check_order; `sides`: each side's positions in the pass), pairs
+        in alternating order (spec-off, off-spec, ...). Whatever the machine does during a pass (a
+        load that comes or goes, a slower minute) falls on both sides alike and cancels in their
+        gap; played side after side, it fell on one. Pairs go on until every side's speedup
+        interval is tight (search.ci_rel_width, as a trial's) after at least two, at most
+        `pairs_max` (one when it is 1).
+
+        Plausibility holds as in a trial (the pass as a whole: tau, its baseline, its spec pass),
+        but a baseline pass is judged against the baseline's earlier passes on these prompts, the
+        noise band the study's baseline passes (`implausible`'s `spread`): off runs at another
+        speed on other prompts (their lengths, their answers'), so the trials' passes cannot place
+        its centre. Each side's figures are drawn from the per-prompt tokens, seconds and forwards
+        (`side_sample`). Returns each side's figures (Objective._figures, with `remeasured` /
+        `implausible`, the pass's, when they apply, and `per_prompt`: per pair and level, the spec's
+        and the baseline's Sample.per_prompt on that side)."""
+        got: dict[str, tuple[list[list[Sample]], list[list[Sample]], list[float]]] = {
+            sd: ([], [], []) for sd in sides}
+        spread = self.outlier_history()  # the machine's noise as the study's baseline passes spread
         seen: list[float] = []  # the check's own baseline passes, retries too, in the order measured
-        order = 0
-        for r in range(max(pairs_max, 1)):
-            for i, sp in enumerate(splits):
-                spec_s, base_s, ratios, retried, kept = got[sp]
-                s, b, ratio, again, still, used = self.plausible_pair(
-                    spec, sp, r + i + order, history + seen, [_mean_tok(x) for x in spec_s], seen)
-                order += used - 1  # a retry shifts the order of what follows, as in a trial
-                spec_s.append(s)
-                base_s.append(b)
-                ratios.append(ratio)
-                retried += [f"pair {r + 1}: {why}" for why in again]
-                if still is not None:
-                    kept.append(f"pair {r + 1}: {still}")
-            if r + 1 >= 2 and all(self._tight(got[sp][2]) for sp in splits):
+        passes: list[float] = []  # the check's spec passes: the spec's own on these prompts
+        retried: list[str] = []
+        kept: list[str] = []
+        order = r = 0
+        while True:
+            s, b, _, again, still, used = self.plausible_pair(spec, split, r + order, list(seen), passes, seen,
+                                                              spread=spread)
+            order += used - 1  # a retry shifts the order of what follows, as in a trial
+            r += 1
+            passes.append(_mean_tok(s))
+            retried += [f"pair {r}: {why}" for why in again]
+            if still is not None:
+                kept.append(f"pair {r}: {still}")
+            for sd, at in sides.items():
+                spec_s, base_s, ratios = got[sd]
+                spec_s.append([side_sample(x, at) for x in s])
+                base_s.append([side_sample(y, at) for y in b])
+                ratios.append(geomean([x.tok_s / max(y.tok_s, 1e-12) for x, y in zip(spec_s[-1], base_s[-1])]))
+            if r >= max(pairs_max, 1) or r >= 2 and all(self._tight(got[sd][2]) for sd in sides):
                 break
-        out: dict[Split, dict[str, Any]] = {}
-        for sp, (spec_s, base_s, ratios, retried, kept) in got.items():
-            out[sp] = self._figures(spec_s, base_s, ratios)
+        out: dict[str, dict[str, Any]] = {}
+        for sd, (spec_s, base_s, ratios) in got.items():
+            out[sd] = self._figures(spec_s, base_s, ratios)
             # per pair, per level: the spec's and the baseline's per-prompt (tokens, seconds), for the
             # check's interval over prompts (tuner.study.selection.gap_interval); kept in memory only
-            out[sp]["per_prompt"] = [[(x.per_prompt, y.per_prompt) for x, y in zip(s, b)] for s, b in zip(spec_s, base_s)]
+            out[sd]["per_prompt"] = [[(x.per_prompt, y.per_prompt) for x, y in zip(s, b)] for s, b in zip(spec_s, base_s)]
             if retried:
-                out[sp]["remeasured"] = retried
+                out[sd]["remeasured"] = retried
             if kept:
-                out[sp]["implausible"] = "; ".join(kept)
+                out[sd]["implausible"] = "; ".join(kept)
         return out
 
     def baseline_history(self, trial: optuna.Trial | None = None) -> list[float]:
@@ -454,7 +492,7 @@ class Objective:
         return max(self.search.noise_rel, robust_log_spread(history) or 0.0)
 
     def implausible(self, s: list[Sample], b: list[Sample], history: list[float],
-                    own: list[float] | None = None) -> str | None:
+                    own: list[float] | None = None, spread: list[float] | None = None) -> str | None:
         """Why one pair (spec samples `s`, baseline samples `b`, per level) cannot be believed, or None.
 
         A speedup of output tok/s can never exceed tau (tokens per target forward: a speculative
@@ -466,19 +504,26 @@ class Objective:
         the median of the same configuration's earlier passes (`own`, OWN_HISTORY or more; the band
         is the baseline's, a property of the machine): a spec pass that dipped deflates the ratio
         as a dipped baseline inflates it, and would cost the configuration its rank.
+
+        `spread`: the baseline passes whose spread is the machine's noise when `history` holds the
+        passes on other prompts than the study's (the held-out check's pass): an off pass's tok/s
+        depends on the prompts (their lengths, their answers'), so only passes on the same prompts
+        place the centre, and with the band known from `spread` OWN_HISTORY of them do, as a
+        configuration's own passes do.
         """
-        noise = self.noise(history)
+        noise = self.noise(history if spread is None else spread)
         if self.search.objective == "speed":  # a goodput ratio may exceed tau (requests meeting SLOs)
             for c, x, y in zip(self.levels, s, b):
                 ratio = x.tok_s / max(y.tok_s, 1e-12)
                 if x.tau is not None and ratio > x.tau * (1 + noise):
                     return (f"speedup {ratio:.3f}x at {level_name(c)} exceeds tau {x.tau:.2f} x (1 + noise "
                             f"{noise:.2f}): a speedup cannot exceed tau")
-        if len(history) >= OUTLIER_HISTORY:
+        if len(history) >= (OUTLIER_HISTORY if spread is None else OWN_HISTORY):
             recent = history[-OUTLIER_WINDOW:]
             mid, now = statistics.median(recent), _mean_tok(b)
             if mid > 0 and now > 0 and abs(math.log(now / mid)) > OUTLIER_BANDS * noise:
-                return (f"paired baseline {now:.1f} tok/s is an outlier against the study's baseline history "
+                whose = "the study's baseline history" if spread is None else "the baseline's passes on these prompts"
+                return (f"paired baseline {now:.1f} tok/s is an outlier against {whose} "
                         f"(median {mid:.1f} tok/s over the last {len(recent)} passes, noise {noise:.2f})")
         if own is not None and len(own) >= OWN_HISTORY:
             mid, now = statistics.median(own), _mean_tok(s)

@@ -28,7 +28,7 @@ from tuner.schema.engine_command import measured_server
 from tuner.schema.config import (ArmLevel, Arms, BestResult, Config, Figures, Level, PartResult, Provenance, Rate,
                                  SearchConfig, SpecConfig, level_name, measured_weights, weights_reason)
 from tuner.schema.results import HeldoutCheck, SplitSpeedup
-from tuner.projection.profiling import CHECK, check_prompt_count
+from tuner.projection.profiling import CHECK, CHECK_PASS, check_order, check_prompt_count
 from tuner.study.storage import mask_url, storage_url
 from tuner.study.studies import CHECK_SIDE, CONFIRM_ROUND, NOISE, REUSED, counted, role
 
@@ -840,7 +840,7 @@ def pair_noise(trials: list[FrozenTrial]) -> tuple[float, int] | None:
 
 
 def check_pairs(noise: tuple[float, int] | None, search: SearchConfig, repeats_max: int) -> int | None:
-    """Pairs a side the held-out check measures when the study's trials measured how far a pair's
+    """Pairs the held-out check measures when the study's trials measured how far a pair's
     ratio strays (`noise`, its spread and degrees of freedom: pair_noise): CHECK_PAIRS_MIN while it
     is at most what two passes at search.noise_rel each make it (sqrt(2) x noise_rel), else
     CHECK_PAIRS_MIN x (noise / that)^2 rounded up, at most twice search.repeats_max (and never fewer
@@ -881,18 +881,22 @@ def widen(low: float, high: float, gap: float, noise: float, df: int, pairs: int
 
 def heldout_check(cfg: Config, objective: Objective, spec: SpecConfig) -> tuple[HeldoutCheck, dict[str, Any]]:
     """The winner on the held-out prompts against as many tuning prompts (check_prompt_count),
-    interleaved pair by pair (Objective.check): the check (the gap, its interval over prompts and
-    pairs, `gap_interval`, and its `verdict`) and the held-out split's figures.
+    both in one pass, prompt by prompt (Objective.check, tuner.projection.profiling.check_order):
+    the check (the gap, its interval over prompts and pairs, `gap_interval`, and its `verdict`) and
+    the held-out split's figures.
 
     When the study's trials measured the pairs' noise (`pair_noise`, PAIR_NOISE_MIN_DF or more) and
-    the baseline spread did not rise, that noise sizes the pairs a side (`check_pairs`: two at the
-    floor, more above it, as a trial's repeats are), and the intervals are the prompts' (pairs kept
-    as measured) widened by that noise pooled with the check's own pairs' (`pooled_noise`, `widen`):
-    two pairs resampled show half their variance. Else, as a trial may take now (more pairs when the
-    noise rose, at least two), until both speedup intervals are tight, with intervals of their own."""
+    the baseline spread did not rise, that noise sizes the pairs (`check_pairs`: two at the floor,
+    more above it, as a trial's repeats are), and the intervals are the prompts' (pairs kept as
+    measured) widened by that noise pooled with the check's own pairs' (`pooled_noise`, `widen`):
+    two pairs resampled show half their variance. `widen` takes the sides' pair noise as
+    independent; in one pass they share each pass's state, so the gap's interval errs wide. Else, as
+    a trial may take now (more pairs when the noise rose, at least two), until both speedup
+    intervals are tight, with intervals of their own."""
     noise = pair_noise(objective.study.get_trials(deepcopy=False))
     sized = check_pairs(noise, cfg.search, objective.repeats_max)
-    got = objective.check(spec, [CHECK, "heldout"], sized or max(2, objective.repeats_max))
+    at_tune, at_held = check_order(check_prompt_count(cfg), cfg.workload.num_heldout)
+    got = objective.check(spec, CHECK_PASS, {CHECK: at_tune, "heldout": at_held}, sized or max(2, objective.repeats_max))
     if sized is not None and noise is not None:
         noise = pooled_noise(noise, [got[CHECK]["ratios"], got["heldout"]["ratios"]])
 
@@ -913,8 +917,7 @@ def heldout_check(cfg: Config, objective: Objective, spec: SpecConfig) -> tuple[
     if ci is not None and sized is not None and noise is not None:
         ci = widen(ci[0], ci[1], gap, noise[0], noise[1], pairs=min(got[CHECK]["repeats"], pairs))
     lo, hi = ci if ci is not None else (None, None)
-    again = [f"{name}: {why}" for name, sp in (("tuning", CHECK), ("held-out", "heldout"))
-             for why in got[sp].get("remeasured", [])]
+    again = got["heldout"].get("remeasured", [])  # the pass's: both sides share it
     return HeldoutCheck(pairs=pairs, tuning=tune, heldout=held, gap=gap, gap_ci_low=lo,
                         gap_ci_high=hi, verdict=verdict(lo, hi, tune.speedup),
                         pair_noise=round(noise[0], 4) if sized is not None and noise is not None else None,
@@ -964,8 +967,9 @@ def describe_check(c: HeldoutCheck) -> str:
     def rel(g: float) -> str:
         return f"{abs(g):.1%} {'below' if g < 0 else 'above'}"
 
-    pairs = (f"{c.pairs} pairs each, interleaved, sized by the pair noise {c.pair_noise:.1%} (the trials' and the "
-             f"check's own)" if c.pair_noise is not None else f"{c.pairs} pairs each, interleaved")
+    pairs = f"{c.pairs} pairs, both sides in each pass, prompt by prompt"
+    if c.pair_noise is not None:
+        pairs += f", sized by the pair noise {c.pair_noise:.1%} (the trials' and the check's own)"
     line = (f"held-out check: held-out {one(c.heldout)} on {c.heldout.prompts} prompts against tuning {one(c.tuning)} "
             f"on {c.tuning.prompts} ({pairs}): {rel(c.gap)}")
     if c.gap_ci_low is not None and c.gap_ci_high is not None:
