@@ -60,6 +60,19 @@ def tuned_figures(p: Plan) -> tuple[Figures | None, str]:
     return b.metrics, "tuning"
 
 
+def tuned_tau(p: Plan) -> tuple[float | None, str]:
+    """The winner's measured tau the drift alert and the dashboard compare with, and on which prompts:
+    the held-out prompts', else the tuning prompts'. A launched server (vLLM, SGLang) counts target
+    forwards over a whole pass, and the held-out check's pass plays both sides' prompts in turn, so
+    its held-out side has no tau of its own; the trials' passes, one prompt set each, measured it."""
+    fig, which = tuned_figures(p)
+    if fig is None:
+        return None, which
+    if fig.tau is None and which == "held-out" and p.best is not None and p.best.metrics is not None:
+        return p.best.metrics.tau, "tuning"
+    return fig.tau, which
+
+
 def alert_rules(p: Plan) -> tuple[list[dict], list[str]]:
     """The alerting rules the winner's measurements support, and why any is left out: drift needs
     a measured tau above 1 of the very spec served, slowdown a TPOT p99 measured on this hardware."""
@@ -75,8 +88,10 @@ def alert_rules(p: Plan) -> tuple[list[dict], list[str]]:
     if not same_spec:
         skipped.append(f"no {DRIFT_ALERT} alert: the served spec '{p.served.spec.key()}' is not the measured winner "
                        f"'{p.best.spec.key()}', whose tau it would be compared with")
-    elif fig.tau is not None and fig.tau > 1.0 and p.served.spec.method != "off":
-        floor = a.tau_fraction * fig.tau
+    elif (tau := tuned_tau(p))[0] is None and p.served.spec.method != "off":
+        skipped.append(f"no {DRIFT_ALERT} alert: the winner has no measured tau to compare with")
+    elif tau[0] is not None and tau[0] > 1.0 and p.served.spec.method != "off":
+        floor = a.tau_fraction * tau[0]
         rules.append({
             "alert": DRIFT_ALERT,
             "expr": f"{tau_expr(p)} < {floor:.4g}",
@@ -86,7 +101,7 @@ def alert_rules(p: Plan) -> tuple[list[dict], list[str]]:
                 "summary": f"{p.cfg.deploy.name}: speculative acceptance fell below "
                            f"{a.tau_fraction:g} x the tuned tau",
                 "description": (f"Live tau (tokens per target forward, over {a.window}) is {{{{ $value | printf \"%.2f\" }}}}; "
-                                f"the winner measured {fig.tau:.3g} on the {which} prompts, alert below {floor:.3g} "
+                                f"the winner measured {tau[0]:.3g} on the {tau[1]} prompts, alert below {floor:.3g} "
                                 "(deploy.alerts.tau_fraction). The traffic may have shifted: re-tune on it "
                                 "(tuner optimize) or check the served spec."),
             },
@@ -155,10 +170,10 @@ def dashboard(p: Plan) -> dict:
     """The Grafana dashboard: tau live and tuned, acceptance per draft position, TPOT, running and
     waiting requests, and the K band in force."""
     d, s, w = p.cfg.deploy, selector(p), p.cfg.deploy.alerts.window
-    fig, which = tuned_figures(p)
+    tuned, which = tuned_tau(p)
     tau = [(tau_expr(p), "live tau")]
-    if fig is not None and fig.tau is not None:
-        tau.append((f"vector({fig.tau:.4g})", f"tuned tau ({which})"))
+    if tuned is not None:
+        tau.append((f"vector({tuned:.4g})", f"tuned tau ({which})"))
     if d.target == "sglang":
         accept = [(f"avg(sglang:spec_accept_rate{{{s}}})", "accepted / drafted tokens (SGLang has no per-position counts)")]
         tpot = [(f"histogram_quantile({q}, sum by (le) (rate(sglang:inter_token_latency_seconds_bucket{{{s}}}[{w}])))",

@@ -370,3 +370,31 @@ def test_keda_threshold_from_the_measured_capacity(tmp_path: Path) -> None:
     assert trig["query"].startswith("sum(vllm:num_requests_waiting{") and trig["threshold"] == "5"
     assert "the study recorded no measured capacity of the served configuration" in \
         (tmp_path / "o" / "scaledobject.yaml").read_text()
+
+
+@pytest.mark.parametrize("tuning_tau", [2.5, None])
+def test_drift_alert_without_a_held_out_tau(tuning_tau: float | None, tmp_path: Path) -> None:
+    """A launched server's held-out check counts forwards over a pass that plays both sides, so its
+    held-out figures carry no tau: the drift alert and the dashboard compare with the trials' tau and
+    say on which prompts; with no tau measured at all the render says why there is no drift alert."""
+    from deploy.monitoring import alert_rules, dashboard
+
+    cfg = load_config(ENGINES["vllm"])
+    run = tmp_path / "run"
+    save_config(cfg, run / "config.yaml")
+    best = BestResult(spec=cfg.spec, metrics=Figures(output_tokens_per_s=50.0, tau=tuning_tau, tpot_p99_ms=1.0),
+                      heldout=Figures(output_tokens_per_s=40.0, tau=None, tpot_p99_ms=500.0),
+                      provenance=Provenance(study="s", date="2026-12-01T00:00:00+00:00", model=cfg.model.name,
+                                            hardware="h200x1", engine="vllm", workload="chat"))
+    (run / "best.yaml").write_text(yaml.safe_dump(best.model_dump(mode="json")))
+    plan, _ = render_run(run, [], run / "k8s")
+    rules, skipped = alert_rules(plan)
+    drift = [r for r in rules if r["alert"] == "SpeculationAcceptanceDrift"]
+    panel = dashboard(plan)["panels"][0]["targets"]
+    if tuning_tau is None:
+        assert drift == [] and any("no measured tau" in s for s in skipped)
+        assert len(panel) == 1  # the live tau only
+    else:
+        assert drift[0]["expr"].endswith("< 2")  # 0.8 x the trials' 2.5
+        assert "measured 2.5 on the tuning prompts" in drift[0]["annotations"]["description"]
+        assert panel[1]["expr"] == "vector(2.5)" and panel[1]["legendFormat"] == "tuned tau (tuning)"

@@ -69,6 +69,14 @@ def test_check_passes_on_the_tuned_spec_and_fails_on_another(draft_dir: Path, tm
         assert rc == 0, out
         assert out[0].startswith("tau: ") and "within noise of the tuned" in out[0]
         assert out[-1].startswith(f"{url} performs as tuned in {run} (spec 'draft_model d3 k1 b4'")
+        # a launched server's study has no held-out tau (its check counts forwards over both sides' pass): said
+        no_tau = best.model_copy(update={"heldout": heldout.model_copy(update={"tau": None})})
+        (run / "best.yaml").write_text(yaml.safe_dump(no_tau.model_dump(mode="json")))
+        main(["check", "--url", url, "--against", str(run), "--repeats", "1", "--tolerance", "0.9"])
+        out = capsys.readouterr().out.splitlines()
+        assert out[0] == f"tau: not compared: {run}/best.yaml has no held-out tau", out
+        assert not any(ln.startswith("tau: ") and "tuned" in ln for ln in out), out
+        (run / "best.yaml").write_text(yaml.safe_dump(best.model_dump(mode="json")))
     with serve(["spec.method=off"]) as url:
         assert main(["check", "--url", url, "--against", str(run), "--repeats", "1", "--tolerance", "0.9"]) == 1
         out = capsys.readouterr().out.splitlines()
