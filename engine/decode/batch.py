@@ -214,6 +214,10 @@ class BatchEngine:
         self.active: list[Request] = []
         self._lock = threading.Lock()  # submit runs on other threads than step
         self.steps = 0
+        # steps by the sequences their forwards ran (0..max_batch): how full the batch was kept
+        # (engine.serving.metrics exposes it; benchmarks/adaptive.py reads it per pass)
+        self.occupancy = [0] * (max_batch + 1)
+        self._ran = 0  # sequences the step's forwards ran so far
         # adaptive bands: called with one record per step the controller sized (what it weighed and
         # chose, and the forward's seconds), for benchmarks/adaptive_engine.py --trace
         self.trace: Callable[[dict[str, Any]], None] | None = engine.trace
@@ -259,7 +263,7 @@ class BatchEngine:
         if self._last is not None and self.cost is not None:
             was, batch, busy, drafted = self._last
             self.cost.observe_overhead(batch, start - was - busy, drafted)
-        self._last, self._busy, self._decoded = None, 0.0, 0
+        self._last, self._busy, self._decoded, self._ran = None, 0.0, 0, 0
         self._priced = self._drafted = False
         self._retire_cancelled()
         fresh = self._admit()
@@ -272,6 +276,8 @@ class BatchEngine:
         elif self.active:
             self._forward(list(self.active), spec_for(self.schedule, len(self.active)))
         self.steps += 1
+        if self._ran:
+            self.occupancy[self._ran] += 1
         self._retire_finished()
         if self._decoded and self.active:  # a step follows at once (a loop waits only when idle)
             self._last = (start, self._decoded, self._busy, self._drafted if self._priced else None)
@@ -374,6 +380,7 @@ class BatchEngine:
             plans.append((req, tree, tokens, last_only))
         if not plans:
             return
+        self._ran += len(plans)
         dev = self.engine.device
         branching = [t is not None and not t.is_chain for _, t, _, _ in plans]
         t = time.perf_counter()

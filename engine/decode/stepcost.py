@@ -36,7 +36,8 @@ a price above their real cost keeps the drafts that would pay there from ever ru
 batch size also keeps a live table of the forward's seconds per count of draft rows (up to ROWS_LIVE), filled by the steps that ran with that many rows (the
 controller's choices and its probes, engine.decode.control): where a count was seen, the price of
 its rows over the step without rows moves from the fit's towards the table's, by the weight of
-its observations (ROWS_SEEN observations weigh as much as the fit), and so does the price of the
+its observations (ROWS_SEEN observations weigh as much as the fit; they fade as the batch size's
+steps go by without that count, at the online figures' rate), and so does the price of the
 step without rows. A count never run keeps the
 fit's price; `table(..., optimistic=True)` prices rows at no more than the curve's average row,
 what the probes weigh to decide whether a row could pay and so be
@@ -112,21 +113,34 @@ class _Live:
 
 class _Rows:
     """One batch size's live forward seconds per count of draft rows (0..ROWS_LIVE): each count's
-    mean over its own steps (the last 1 / FOLLOW of them once it has that many) and its count."""
+    mean over its own steps (the last 1 / FOLLOW of them once it has that many), its count, and
+    when it last ran (in this batch size's steps). A count's observations weigh less the longer it
+    has not run, at the rate the online figures forget (1 - FOLLOW a step): a count priced dear by
+    a few stalled steps is rarely chosen again, so its mean is rarely re-timed, and without the
+    fading it kept that price for good."""
 
     def __init__(self) -> None:
         self.t = [0.0] * (ROWS_LIVE + 1)
         self.n = [0] * (ROWS_LIVE + 1)
+        self.last = [0] * (ROWS_LIVE + 1)
+        self.clock = 0  # the steps observed at this batch size
 
     def add(self, rows: int, seconds: float) -> None:
+        self.clock += 1
         if 0 <= rows <= ROWS_LIVE:
             self.n[rows] += 1
+            self.last[rows] = self.clock
             self.t[rows] += max(1 / self.n[rows], FOLLOW) * (seconds - self.t[rows])
+
+    def seen(self, rows: int) -> float:
+        """The observations of `rows` draft rows, faded by the steps since that count last ran."""
+        return self.n[rows] * (1 - FOLLOW) ** (self.clock - self.last[rows])
 
     def base(self, fit: float) -> float:
         """The seconds of a step without draft rows: `fit` moved towards the table's by the weight of
         its observations."""
-        w = self.n[0] / (self.n[0] + ROWS_SEEN)
+        seen = self.seen(0)
+        w = seen / (seen + ROWS_SEEN)
         return (1 - w) * fit + w * self.t[0]
 
     def price(self, rows: int, fit: float) -> float:
@@ -134,7 +148,7 @@ class _Rows:
         the table's difference by the weight of the fewer observations of the two counts."""
         if rows > ROWS_LIVE or not self.n[rows] or not self.n[0]:
             return fit
-        seen = min(self.n[rows], self.n[0])
+        seen = min(self.seen(rows), self.seen(0))
         w = seen / (seen + ROWS_SEEN)
         return (1 - w) * fit + w * max(self.t[rows] - self.t[0], 0.0)
 

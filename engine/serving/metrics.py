@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.api import GenResult
 
@@ -50,8 +50,10 @@ class Metrics:
                   self.generation_tokens, self.prefix_queries, self.prefix_hits):
             m.labels(model_name=model_name)  # expose zeros before the first request
 
-    def adaptive(self, batch: BatchEngine) -> None:
-        """Expose adaptive control's state (`spec.adaptive`) of the scheduler `batch` at each scrape."""
+    def scheduler(self, batch: BatchEngine) -> None:
+        """Expose the scheduler `batch`'s state at each scrape: its steps by the sequences they ran
+        (spectune:steps), and adaptive control's state (`spec.adaptive`, spectune:adaptive_*)."""
+        self.registry.register(_Steps(self.model, batch))
         self.registry.register(_Controller(self.model, batch))
 
     def prefix_cache(self, queries: int, hits: int) -> None:
@@ -75,6 +77,24 @@ class Metrics:
         self.ttft.labels(m).observe(ttft_s)
         if st.new_tokens > 1:
             self.tpot.labels(m).observe((e2e_s - ttft_s) / (st.new_tokens - 1))
+
+
+class _Steps:
+    """spectune:steps_total{sequences}: the engine's steps by how many sequences their forwards ran,
+    read when /metrics is scraped. How full the batch was kept: under N clients that each send
+    their next request when the last one ends, a step below N means a place stood empty (a request
+    ended and its client's next had not joined yet)."""
+
+    def __init__(self, model: str, batch: BatchEngine) -> None:
+        self.model, self.batch = model, batch
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        c = CounterMetricFamily("spectune:steps", "Engine steps by the sequences their forwards ran",
+                                labels=["model_name", "sequences"])
+        for n, steps in enumerate(list(self.batch.occupancy)):
+            if steps:
+                c.add_metric([self.model, str(n)], steps)
+        yield c
 
 
 ROWS_SHOWN = (0, 1, 2, 4, 8, 16)  # the draft-row counts whose prices a scrape shows

@@ -499,6 +499,30 @@ def test_one_stalled_step_of_many_rows_does_not_price_rows_out() -> None:
     assert cheap[1] - cheap[0] == pytest.approx(0.00144, rel=0.05)
 
 
+def test_a_row_count_priced_dear_by_stalled_steps_fades_back_to_the_fit() -> None:
+    """A batch of one on a planted clock: a step takes 5 ms and 0.1 ms more per draft row. The
+    1-row count ran a few times, two of them stalled by another process: its live mean holds well
+    over a millisecond of rows, so the controller leaves it and the steps run without rows; as
+    they go by, the stale count weighs less and its price returns to the fit's (the planted
+    0.1 ms), where a node of 0.1 acceptance pays again. The count that keeps running
+    keeps its table price."""
+    curve = {1: [(0, 0.005), (16, 0.005 + 16 * 0.0001)]}
+    c = StepCost(curve, max_rows=17)
+    clock = lambda x: 0.005 + 0.0001 * x  # noqa: E731 - the planted forward
+    _run(c, 1, 40, clock, rows=[0])
+    _run(c, 1, 2, lambda x: 2 * clock(x), rows=[1])  # two stalled 1-row steps
+    _run(c, 1, 2, clock, rows=[1])
+    stale = c.table(1, 0, 2)
+    assert stale[1] - stale[0] > 0.0005  # what the stalls left: five times the planted row or more
+    gains = [[0.1]]
+    assert choose(gains, 1, stale.__getitem__, margin=MARGIN) == [0]
+    _run(c, 1, 100, clock, rows=[0])  # the controller's steps without rows
+    fresh = c.table(1, 0, 2)
+    assert fresh[1] - fresh[0] == pytest.approx(0.0001, abs=0.00005)
+    assert choose(gains, 1, fresh.__getitem__, margin=MARGIN) == [1]
+    assert fresh[0] == pytest.approx(0.005, rel=0.01)  # the count that ran: as it ran
+
+
 def test_probes_weigh_rows_at_no_more_than_the_average_row() -> None:
     """The bf16 curve at batch 8 jumps 3.45 ms at its first row, 1.68 ms a row on average over the
     first 16: priced at the jump even a certainly accepted node does not pay, so nothing would be
@@ -1021,10 +1045,10 @@ def test_a_server_scrape_shows_what_the_controller_prices(engine: Engine, off) -
     reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=2)
     assert [r.result.tokens for r in reqs] == ref
     metrics = Metrics("m")
-    metrics.adaptive(be)
+    metrics.scheduler(be)
     got = {}
     for line in generate_latest(metrics.registry).decode().splitlines():
-        if line.startswith("spectune:adaptive_"):
+        if line.startswith(("spectune:adaptive_", "spectune:steps_total")):
             name, value = line.rsplit(" ", 1)
             got[name] = float(value)
     price = be.cost.table(2, 0, 16)
@@ -1037,8 +1061,12 @@ def test_a_server_scrape_shows_what_the_controller_prices(engine: Engine, off) -
     key = spec.key()
     assert got[f'spectune:adaptive_acceptance{{model_name="m",position="1",spec="{key}"}}'] == \
         pytest.approx(be.accept[key].p[0])
+    # the steps by the sequences they ran: every step of this loop ran a forward; shown where any ran
+    assert sum(be.occupancy) == be.steps and be.occupancy[0] == 0 and be.occupancy[2] > 0
+    for n in (0, 1, 2):
+        assert got.get(f'spectune:steps_total{{model_name="m",sequences="{n}"}}', 0) == be.occupancy[n]
     plain = Metrics("m")
-    plain.adaptive(BatchEngine(engine, max_batch=2, schedule=schedule_of(SpecConfig(method="off"), 2)))
+    plain.scheduler(BatchEngine(engine, max_batch=2, schedule=schedule_of(SpecConfig(method="off"), 2)))
     assert "spectune:adaptive" not in generate_latest(plain.registry).decode()
 
 
