@@ -179,8 +179,9 @@ def controller_state(url: str, batch: int) -> dict[str, Any]:
     """The adaptive server's controller as its /metrics shows it (engine.serving.metrics,
     spectune:adaptive_*) at one batch size: ms of a step with n draft rows as the curve timed it,
     as the controller prices it (overhead included) and as the live forwards ran (with their
-    counts), the overhead, what drafting at all adds to a step (setup), the live level, the
-    drafting's ms per node and the acceptance estimate."""
+    counts), the overhead (in all, and of priced steps without and with draft rows), the
+    controller's own pricing, what drafting at all adds to a step (setup, the pricing included),
+    the live level, the drafting's ms per node and the acceptance estimate."""
     text = _scrape(url)
     out: dict[str, Any] = {"curve_ms": {}, "price_ms": {}, "forward_ms": {}, "forward_steps": {}, "acceptance": {}}
     for line in text.splitlines():
@@ -203,6 +204,10 @@ def controller_state(url: str, batch: int) -> dict[str, Any]:
             out["overhead_ms"] = round(v * 1e3, 2)
         elif name == "setup_seconds":
             out["setup_ms"] = round(v * 1e3, 2)
+        elif name == "kind_overhead_seconds":
+            out.setdefault("overhead_by_kind_ms", {})[lab["kind"]] = round(v * 1e3, 2)
+        elif name == "pricing_seconds":
+            out["pricing_ms"] = round(v * 1e3, 3)
         elif name == "forward_steps":
             out["forward_steps"][lab["rows"]] = int(v)
         elif name in ("curve_seconds", "price_seconds", "forward_seconds"):
@@ -334,6 +339,11 @@ def compare(rows: list[dict[str, Any]], specs_: list[SpecConfig], workloads: lis
                         "in_flight": {name: round(statistics.fmean(_by_round(rows, w, k, c, "in_flight").values()), 3)
                                       for name, k in (("off", "off"), ("best_static", held["best_static"]),
                                                       ("adaptive", adaptive))},
+                        # per pass: the engine's steps, and those below the level with the places they left empty
+                        "steps": {name: [round(statistics.fmean(_by_round(rows, w, k, c, f).values()), 1)
+                                         for f in ("steps", "short_steps", "empty_places")]
+                                  for name, k in (("off", "off"), ("best_static", held["best_static"]),
+                                                  ("adaptive", adaptive))},
                         "whole_pass": whole})
     return out
 
@@ -448,6 +458,11 @@ def main(argv: list[str] | None = None) -> int:
           "left to send; geometric means over the rounds; best static: the fastest chain of the grid at that level; "
           "ratios: per-round ratios' geometric mean and 95% interval; in flight: mean requests in flight over the "
           "level over whole passes, off/best static/adaptive)")
+    print("\nthe engine's steps per pass (means over the rounds): all of them / those that ran fewer sequences than the "
+          "level / the places those left empty")
+    for t in table:
+        print(f"{t['workload']:<8} {t['concurrency']:>3} " + "   ".join(
+            f"{name} {a:g} / {b:g} / {e:g}" for name, (a, b, e) in t["steps"].items()))
     print(f"greedy_identical: {not differ}" + "".join(
         f"\n  differs: {d['workload']} {d['config']} c={d['concurrency']} r{d['round']}: {d['requests']} of {d['of']}"
         for d in differ))

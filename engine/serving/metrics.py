@@ -105,7 +105,8 @@ class _Controller:
     spectune:adaptive_*: per batch size the engine has stepped at, the price of a step with 0-16
     draft rows (the step-cost curve as timed, the controller's price with the live figures and the
     step's overhead, and the forward's live mean per count of rows that ran, with how many steps
-    ran it) and what drafting at all adds to a step there; the live level over the curve, the
+    ran it), a priced step's overhead with and without draft rows, the controller's own pricing
+    and what drafting at all adds to a step there; the live level over the curve, the
     drafting's seconds per node and the batch's acceptance estimate at draft positions 1-3. What
     tells a mispriced row from a misestimated
     node in a served run (benchmarks/adaptive.py reads it per cell)."""
@@ -124,7 +125,10 @@ class _Controller:
             ("draft_seconds_per_node", "Drafting seconds per drafted node", ["model_name"]),
             ("overhead_seconds", "A step's seconds outside the forward and drafting", ["model_name", "batch"]),
             ("setup_seconds", "What a step that ran draft rows spent outside the forward and drafting beyond "
-             "one priced without", ["model_name", "batch"]),
+             "one without rows", ["model_name", "batch"]),
+            ("kind_overhead_seconds", "A priced step's seconds outside the forward and drafting: plain (no draft "
+             "rows), drafting", ["model_name", "batch", "kind"]),
+            ("pricing_seconds", "The controller's own seconds pricing a step in full", ["model_name", "batch"]),
             ("curve_seconds", "The timed curve's forward seconds with this many draft rows", ["model_name", "batch", "rows"]),
             ("price_seconds", "The controller's price of a step with this many draft rows", ["model_name", "batch", "rows"]),
             ("forward_seconds", "Live forwards' mean seconds with this many draft rows", ["model_name", "batch", "rows"]),
@@ -135,6 +139,11 @@ class _Controller:
         for b in sorted(set(cost.live) | set(cost.overhead)):  # (read while the engine thread steps: copies)
             g["overhead_seconds"].add_metric([m, str(b)], cost.overhead_s(b))
             g["setup_seconds"].add_metric([m, str(b)], cost.setup_s(b))
+            for kind, figures in (("plain", cost.plain), ("drafting", cost.drafting)):
+                if b in figures:
+                    g["kind_overhead_seconds"].add_metric([m, str(b), kind], figures[b])
+            if b in cost.pricing:
+                g["pricing_seconds"].add_metric([m, str(b)], cost.pricing[b])
             price = cost.table(b, 0, ROWS_SHOWN[-1])
             live = cost.rows.get(b)
             for n in ROWS_SHOWN:
