@@ -26,7 +26,12 @@ pass of a few requests at 1 or 2 in flight lasts a second, and one burst moves i
 wave of the level, and every prompt at least once (not measured: the adaptive engine's estimates
 and step cost settle at each batch size as a server's would, and every prompt's prefix is cached,
 as every later round finds it). Each pass also reports its mean requests in flight over N (the
-requests' seconds over the pass's, Little's law): how much of the pass ran at the level.
+requests' seconds over the pass's, Little's law): how much of the pass ran at the level; and,
+from the server's own count (spectune:steps_total, scraped before and after the pass), its engine
+steps by the sequences they ran: the steps below N and the places they left empty (a client's
+next request arriving while a step runs joins the step after it, so each request that ends apart
+from the others leaves its place empty for a step; a wave that ends together starts its next with
+the first request to arrive alone).
 
 The figures are the tok/s while the level was held (`steady_tok_s`): the tokens streamed until the
 first client had no request left to send, over that span; the whole pass's tok/s, drain included,
