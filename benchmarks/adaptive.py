@@ -26,7 +26,12 @@ pass of a few requests at 1 or 2 in flight lasts a second, and one burst moves i
 wave of the level, and every prompt at least once (not measured: the adaptive engine's estimates
 and step cost settle at each batch size as a server's would, and every prompt's prefix is cached,
 as every later round finds it). Each pass also reports its mean requests in flight over N (the
-requests' seconds over the pass's, Little's law): how much of the pass ran at the level.
+requests' seconds over the pass's, Little's law): how much of the pass ran at the level; and,
+from the server's own count (spectune:steps_total, scraped before and after the pass), its engine
+steps by the sequences they ran: the steps below N and the places they left empty (a client's
+next request arriving while a step runs joins the step after it, so each request that ends apart
+from the others leaves its place empty for a step; a wave that ends together starts its next with
+the first request to arrive alone).
 
 The figures are the tok/s while the level was held (`steady_tok_s`): the tokens streamed until the
 first client had no request left to send, over that span; the whole pass's tok/s, drain included,
@@ -147,14 +152,42 @@ def steady_tok_s(m: Measurement, level: int) -> float | None:
     return got / end
 
 
+def _scrape(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=60) as resp:
+        return resp.read().decode()
+
+
+def engine_steps(url: str) -> dict[int, int]:
+    """The server's steps so far by the sequences their forwards ran (spectune:steps_total)."""
+    out = {}
+    for line in _scrape(url).splitlines():
+        if line.startswith("spectune:steps_total{"):
+            head, value = line.rsplit(" ", 1)
+            out[int(head.split('sequences="')[1].split('"')[0])] = int(float(value))
+    return out
+
+
+def pass_steps(before: dict[int, int], after: dict[int, int]) -> dict[int, int]:
+    """A pass's engine steps by the sequences they ran (`engine_steps` scraped before and after it)."""
+    return {n: k - before.get(n, 0) for n, k in sorted(after.items()) if k > before.get(n, 0)}
+
+
+def short_steps(steps: dict[int, int], level: int) -> tuple[int, int, int]:
+    """(A pass's steps, those that ran fewer sequences than `level`, the places those left empty),
+    from `pass_steps`. A pass that loses nothing to admission runs below the level only while its
+    first requests join and its last ones drain."""
+    short = {n: k for n, k in steps.items() if n < level}
+    return sum(steps.values()), sum(short.values()), sum((level - n) * k for n, k in short.items())
+
+
 def controller_state(url: str, batch: int) -> dict[str, Any]:
     """The adaptive server's controller as its /metrics shows it (engine.serving.metrics,
     spectune:adaptive_*) at one batch size: ms of a step with n draft rows as the curve timed it,
     as the controller prices it (overhead included) and as the live forwards ran (with their
-    counts), the overhead, what drafting at all adds to a step (setup), the live level, the
-    drafting's ms per node and the acceptance estimate."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=60) as resp:
-        text = resp.read().decode()
+    counts), the overhead (in all, and of priced steps without and with draft rows), the
+    controller's own pricing, what drafting at all adds to a step (setup, the pricing included),
+    the live level, the drafting's ms per node and the acceptance estimate."""
+    text = _scrape(url)
     out: dict[str, Any] = {"curve_ms": {}, "price_ms": {}, "forward_ms": {}, "forward_steps": {}, "acceptance": {}}
     for line in text.splitlines():
         if not line.startswith("spectune:adaptive_"):
@@ -176,6 +209,10 @@ def controller_state(url: str, batch: int) -> dict[str, Any]:
             out["overhead_ms"] = round(v * 1e3, 2)
         elif name == "setup_seconds":
             out["setup_ms"] = round(v * 1e3, 2)
+        elif name == "kind_overhead_seconds":
+            out.setdefault("overhead_by_kind_ms", {})[lab["kind"]] = round(v * 1e3, 2)
+        elif name == "pricing_seconds":
+            out["pricing_ms"] = round(v * 1e3, 3)
         elif name == "forward_steps":
             out["forward_steps"][lab["rows"]] = int(v)
         elif name in ("curve_seconds", "price_seconds", "forward_seconds"):
@@ -220,20 +257,27 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
                 wave = [ps[i % len(ps)] for i in range(n)]
                 for r in range(rounds):
                     for k in round_order(specs_, r):
+                        before = engine_steps(urls[k])
                         s = measure(targets[k], wave, params, c, warmup=0, repeats=1)
                         if s.errors:
                             raise RuntimeError(f"{k}, {w} at concurrency {c}: {s.errors[0]}")
+                        by_size = pass_steps(before, engine_steps(urls[k]))
+                        steps, short, empty = short_steps(by_size, c)
                         occupied = in_flight(s.runs[0], c)
                         steady = steady_tok_s(s.runs[0], c)
                         rows.append({"workload": w, "config": k, "concurrency": c, "round": r,
                                      "tok_s": s.output_tokens_per_s, "steady_tok_s": steady, "tau": s.tau,
                                      "requests": len(wave),
-                                     "wall_s": round(s.runs[0].wall_s, 2), "in_flight": round(occupied, 3)})
+                                     "wall_s": round(s.runs[0].wall_s, 2), "in_flight": round(occupied, 3),
+                                     "steps": steps, "short_steps": short, "empty_places": empty,
+                                     "steps_by_sequences": by_size})
                         if texts is not None:
                             texts[(w, k, c, r)] = s.runs[0].texts
                         print(f"  {w:<5} {k:<24} c={c:<3} r{r} {s.output_tokens_per_s:7.1f} tok/s  tau "
                               f"{s.tau or 0:.2f}  {len(wave)} requests, {s.runs[0].wall_s:.1f} s, in flight "
-                              f"{occupied:.2f}, steady {steady or 0:.1f} tok/s", file=sys.stderr)
+                              f"{occupied:.2f}, steady {steady or 0:.1f} tok/s; steps {steps}, {short} below the level "
+                              f"({empty} places empty; at {c - 1}: {by_size.get(c - 1, 0)}, at {c - 2}: {by_size.get(c - 2, 0)})",
+                              file=sys.stderr)
                 if states is not None:
                     adaptive = next(x.key() for x in specs_ if x.adaptive)
                     try:
@@ -300,6 +344,11 @@ def compare(rows: list[dict[str, Any]], specs_: list[SpecConfig], workloads: lis
                         "in_flight": {name: round(statistics.fmean(_by_round(rows, w, k, c, "in_flight").values()), 3)
                                       for name, k in (("off", "off"), ("best_static", held["best_static"]),
                                                       ("adaptive", adaptive))},
+                        # per pass: the engine's steps, and those below the level with the places they left empty
+                        "steps": {name: [round(statistics.fmean(_by_round(rows, w, k, c, f).values()), 1)
+                                         for f in ("steps", "short_steps", "empty_places")]
+                                  for name, k in (("off", "off"), ("best_static", held["best_static"]),
+                                                  ("adaptive", adaptive))},
                         "whole_pass": whole})
     return out
 
@@ -414,6 +463,11 @@ def main(argv: list[str] | None = None) -> int:
           "left to send; geometric means over the rounds; best static: the fastest chain of the grid at that level; "
           "ratios: per-round ratios' geometric mean and 95% interval; in flight: mean requests in flight over the "
           "level over whole passes, off/best static/adaptive)")
+    print("\nthe engine's steps per pass (means over the rounds): all of them / those that ran fewer sequences than the "
+          "level / the places those left empty")
+    for t in table:
+        print(f"{t['workload']:<8} {t['concurrency']:>3} " + "   ".join(
+            f"{name} {a:g} / {b:g} / {e:g}" for name, (a, b, e) in t["steps"].items()))
     print(f"greedy_identical: {not differ}" + "".join(
         f"\n  differs: {d['workload']} {d['config']} c={d['concurrency']} r{d['round']}: {d['requests']} of {d['of']}"
         for d in differ))

@@ -25,7 +25,8 @@ drafting at most that many nodes or not at all; after drafting from the drafts' 
 draft cut to the nodes that pay. Every PROBE_EVERY steps one request may draft one node more
 (`control.probe`), verified whatever the cut, where the probes' budget pays for what it is expected
 to lose (`control.ProbeBudget`); between probe steps a batch whose best first node is below the
-last full choice's pay floor drafts nothing without pricing (`control.pay_floor`). Every verify
+last full choice's pay floor, or whose last full choice drafted nothing, drafts nothing without
+pricing (`control.pay_floor`). Every verify
 step then updates the estimates. What
 the controller learns (`Control`) outlives a scheduler: a server runs one scheduler for its life,
 and the engine hands the same `Control` to every scheduler of the same schedule (`Engine.batcher`),
@@ -214,12 +215,17 @@ class BatchEngine:
         self.active: list[Request] = []
         self._lock = threading.Lock()  # submit runs on other threads than step
         self.steps = 0
+        # steps by the sequences their forwards ran (0..max_batch): how full the batch was kept
+        # (engine.serving.metrics exposes it; benchmarks/adaptive.py reads it per pass)
+        self.occupancy = [0] * (max_batch + 1)
+        self._ran = 0  # sequences the step's forwards ran so far
         # adaptive bands: called with one record per step the controller sized (what it weighed and
         # chose, and the forward's seconds), for benchmarks/adaptive_engine.py --trace
         self.trace: Callable[[dict[str, Any]], None] | None = engine.trace
         self._record: dict[str, Any] | None = None
-        # per batch size, the last full choice's pay floor and step seconds (engine.decode.control.pay_floor)
-        self._floors: dict[int, tuple[float, float]] = {}
+        # per batch size, the last full choice's pay floor, step seconds and whether it drafted
+        # nothing (engine.decode.control.pay_floor)
+        self._floors: dict[int, tuple[float, float, bool]] = {}
 
     # ---- submission (any thread) --------------------------------------------------------------
 
@@ -259,7 +265,7 @@ class BatchEngine:
         if self._last is not None and self.cost is not None:
             was, batch, busy, drafted = self._last
             self.cost.observe_overhead(batch, start - was - busy, drafted)
-        self._last, self._busy, self._decoded = None, 0.0, 0
+        self._last, self._busy, self._decoded, self._ran = None, 0.0, 0, 0
         self._priced = self._drafted = False
         self._retire_cancelled()
         fresh = self._admit()
@@ -272,6 +278,8 @@ class BatchEngine:
         elif self.active:
             self._forward(list(self.active), spec_for(self.schedule, len(self.active)))
         self.steps += 1
+        if self._ran:
+            self.occupancy[self._ran] += 1
         self._retire_finished()
         if self._decoded and self.active:  # a step follows at once (a loop waits only when idle)
             self._last = (start, self._decoded, self._busy, self._drafted if self._priced else None)
@@ -374,6 +382,7 @@ class BatchEngine:
             plans.append((req, tree, tokens, last_only))
         if not plans:
             return
+        self._ran += len(plans)
         dev = self.engine.device
         branching = [t is not None and not t.is_chain for _, t, _, _ in plans]
         t = time.perf_counter()
@@ -465,14 +474,20 @@ class BatchEngine:
         budget = self.control.probes
         probing = self.steps % PROBE_EVERY == 0
         # decide before pricing: below the last full choice's pay floor at this batch size nothing
-        # pays (engine.decode.control.pay_floor); a probe step or a prompt's rows price everything.
+        # pays (engine.decode.control.pay_floor), nor where that choice drafted nothing (the
+        # estimates move only by what is verified, so the next steps would choose the same; the
+        # floor alone is loose there: a fixed cost of drafting spreads over every node the batch
+        # could draft). A probe step prices everything, and so does a step whose joining prompts
+        # add more than SLACK of the step (drafts weigh less against a longer step).
         # The screen reads each request's first index only, its pending drift unapplied (`first`):
         # `upper`'s first gain is that times the band ratio, within [0, 1]
-        floor = self._floors.get(batch) if extra == 0 and not probing else None
+        floor = self._floors.get(batch) if not probing else None
+        if floor is not None and extra and cost.step_s(batch, extra) - cost.step_s(batch, 0) > SLACK * floor[1]:
+            floor = None
         if floor is not None:
             t0 = batch_est.p[0] if nodes else 0.0
             first = max(e.first(t0) for e in est) * cal.first_ratio(batch_est) if nodes else 0.0
-            if min(max(first, 0.0), 1.0) < floor[0] * (1 - SLACK):
+            if floor[2] or min(max(first, 0.0), 1.0) < floor[0] * (1 - SLACK):
                 budget.earn(floor[1])
                 if self.trace is not None:
                     for e in est:
@@ -481,6 +496,7 @@ class BatchEngine:
                                               [0] * len(live), False, True, began)
                 return {id(r): (Tree.chain(r.state.ids[-1], []), 0.0) for r in live}
         self._priced = True
+        pricing = time.perf_counter()
         for e in est:
             e.settle(batch_est.p)
         gains = cal.upper(est, batch_est, nodes)
@@ -490,11 +506,12 @@ class BatchEngine:
         # expected rows of every node allowed (a lookup drafter's fill is often a fraction of a row)
         top = math.ceil(sum(len(g) * f for g, f in zip(gains, fills))) + 1
         table = cost.table(batch, extra, top)
-        if extra == 0:
-            self._floors[batch] = (pay_floor(batch, table, cost.draft_s, MARGIN), table[0])
+        paying = pay_floor(batch, table, cost.draft_s, MARGIN) if extra == 0 else None
         step_s = _interpolated(table)
         spread = [e.spread(g) for e, g in zip(est, gains)]
         limits = choose(gains, batch, step_s, cost.draft_s, MARGIN, fills, spread, DOUBT)
+        if paying is not None:  # what screens the next steps at this batch size, until a probe step
+            self._floors[batch] = (paying, table[0], not any(limits))
         probed = None
         budget.earn(table[0])
         if probing:  # one node beyond the choice, for what the estimates learn
@@ -510,6 +527,8 @@ class BatchEngine:
                 limits[probed] += 1
             else:
                 probed = None
+        if extra == 0:  # what pricing costs at this batch size (a prompt's rows make a step of their own kind)
+            cost.observe_pricing(batch, time.perf_counter() - pricing)
         if self.trace is not None:
             self._record = self._note(batch, extra, table[:9], gains, fills, list(limits), probed is not None, False,
                                       began)

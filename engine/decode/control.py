@@ -37,7 +37,11 @@ to find that out costs more than anything else the controller does. So each full
 yields the least gain per row at which any total of rows could pay (`pay_floor`: no node gains
 more than its request's first, so below it `choose` drafts nothing); for the next steps at that
 batch size, until the next probe step prices everything again, a batch whose best first node is
-below that floor (less SLACK, for what the prices move meanwhile) drafts nothing without pricing.
+below that floor (less SLACK, for what the prices move meanwhile) drafts nothing without pricing,
+and so does one whose last full choice drafted nothing (a fixed cost of drafting at all, the
+pricing's own included, spreads over every node the batch could draft in the floor, which then
+screens little; the estimates move only by what is verified, so the next choice would be the
+same). Joining prompts that add more than SLACK of the step's seconds price everything.
 
 Verification is untouched: any subset of a draft is verified losslessly, and the choice
 depends on past steps and draft sizes, never on the drafted tokens' values."""

@@ -36,7 +36,8 @@ a price above their real cost keeps the drafts that would pay there from ever ru
 batch size also keeps a live table of the forward's seconds per count of draft rows (up to ROWS_LIVE), filled by the steps that ran with that many rows (the
 controller's choices and its probes, engine.decode.control): where a count was seen, the price of
 its rows over the step without rows moves from the fit's towards the table's, by the weight of
-its observations (ROWS_SEEN observations weigh as much as the fit), and so does the price of the
+its observations (ROWS_SEEN observations weigh as much as the fit; they fade as the batch size's
+steps go by without that count, at the online figures' rate), and so does the price of the
 step without rows. A count never run keeps the
 fit's price; `table(..., optimistic=True)` prices rows at no more than the curve's average row,
 what the probes weigh to decide whether a row could pay and so be
@@ -112,21 +113,34 @@ class _Live:
 
 class _Rows:
     """One batch size's live forward seconds per count of draft rows (0..ROWS_LIVE): each count's
-    mean over its own steps (the last 1 / FOLLOW of them once it has that many) and its count."""
+    mean over its own steps (the last 1 / FOLLOW of them once it has that many), its count, and
+    when it last ran (in this batch size's steps). A count's observations weigh less the longer it
+    has not run, at the rate the online figures forget (1 - FOLLOW a step): a count priced dear by
+    a few stalled steps is rarely chosen again, so its mean is rarely re-timed, and without the
+    fading it kept that price for good."""
 
     def __init__(self) -> None:
         self.t = [0.0] * (ROWS_LIVE + 1)
         self.n = [0] * (ROWS_LIVE + 1)
+        self.last = [0] * (ROWS_LIVE + 1)
+        self.clock = 0  # the steps observed at this batch size
 
     def add(self, rows: int, seconds: float) -> None:
+        self.clock += 1
         if 0 <= rows <= ROWS_LIVE:
             self.n[rows] += 1
+            self.last[rows] = self.clock
             self.t[rows] += max(1 / self.n[rows], FOLLOW) * (seconds - self.t[rows])
+
+    def seen(self, rows: int) -> float:
+        """The observations of `rows` draft rows, faded by the steps since that count last ran."""
+        return self.n[rows] * (1 - FOLLOW) ** (self.clock - self.last[rows])
 
     def base(self, fit: float) -> float:
         """The seconds of a step without draft rows: `fit` moved towards the table's by the weight of
         its observations."""
-        w = self.n[0] / (self.n[0] + ROWS_SEEN)
+        seen = self.seen(0)
+        w = seen / (seen + ROWS_SEEN)
         return (1 - w) * fit + w * self.t[0]
 
     def price(self, rows: int, fit: float) -> float:
@@ -134,7 +148,7 @@ class _Rows:
         the table's difference by the weight of the fewer observations of the two counts."""
         if rows > ROWS_LIVE or not self.n[rows] or not self.n[0]:
             return fit
-        seen = min(self.n[rows], self.n[0])
+        seen = min(self.seen(rows), self.seen(0))
         w = seen / (seen + ROWS_SEEN)
         return (1 - w) * fit + w * max(self.t[rows] - self.t[0], 0.0)
 
@@ -162,6 +176,11 @@ class StepCost:
         # trees and learnt from). The difference is what drafting at all adds to a step (`setup_s`)
         self.plain: dict[int, float] = {}
         self.drafting: dict[int, float] = {}
+        # per batch size, the controller's own seconds pricing a step in full (the estimates' gains,
+        # every total of rows, the choice, the probe): part of both kinds above, and of drafting's
+        # cost, since a step screened out below the pay floor (the way the engine runs as off does)
+        # pays none of it (`pricing_s`)
+        self.pricing: dict[int, float] = {}
 
     def _at(self, batch: int, extra: float) -> float:
         pts = self.curves[batch]
@@ -240,12 +259,13 @@ class StepCost:
     def table(self, batch: int, extra: float, count: int, optimistic: bool = False) -> list[float]:
         """Seconds of a whole step with n = 0..count draft rows: `step_s(batch, extra + n)` (the fit
         computed once) plus the step's overhead beyond the forward: a priced step's without draft
-        rows (`overhead_s` until one was seen), and for n >= 1 what drafting at all adds to it
-        (`setup_s`). What the controller reads for every total of rows it weighs (a few hundred per
+        rows (`overhead_s` until one was seen) less its pricing (a step that is not priced, screened
+        out below the pay floor, pays none), and for n >= 1 what drafting at all adds to that
+        (`setup_s`, the pricing included). What the controller reads for every total of rows it weighs (a few hundred per
         step at batch 32). `optimistic`: no total's rows priced above the average row (what the
         probes weigh)."""
         plain = _nearest(self.plain, batch)
-        over = plain if plain is not None else self.overhead_s(batch)
+        over = max((plain if plain is not None else self.overhead_s(batch)) - self.pricing_s(batch), 0.0)
         setup = self.setup_s(batch)
         forward = self._forward_s(batch, extra, count, optimistic)
         return [over + t + (setup if n else 0.0) for n, t in enumerate(forward)]
@@ -256,17 +276,33 @@ class StepCost:
         got = _nearest(self.overhead, batch)
         return 0.0 if got is None else got
 
+    def pricing_s(self, batch: int) -> float:
+        """The controller's own seconds pricing a step in full at this batch size (the nearest batch
+        size observed where this one was not; 0 before any step was priced)."""
+        got = _nearest(self.pricing, batch)
+        return 0.0 if got is None else got
+
     def setup_s(self, batch: int) -> float:
         """What a priced step that ran draft rows spent outside the forward and the drafting beyond
-        one that ran none, at this batch size (the nearest batch size where both kinds were seen; 0
-        before they were): cutting the drafts, verifying them as trees, learning from them. A fixed
+        a step that is not priced: the pricing (`pricing_s`), and beyond one priced and left
+        without rows, at the nearest batch size where both kinds were seen (nothing more before
+        they were), cutting the drafts, verifying them as trees, learning from them. A fixed
         cost of drafting at all, whatever the rows: at a batch size where a few rows yield about
-        what they cost, it is what decides that the step is off's."""
+        what they cost, it is what decides that the step is off's (priced as sunk, the pricing
+        kept a batch drafting near break-even, every step paying it where off's pays nothing)."""
+        cut = 0.0
         both = [b for b in self.plain if b in self.drafting]
-        if not both:
-            return 0.0
-        b = min(both, key=lambda b: (abs(b - batch), b))
-        return max(self.drafting[b] - self.plain[b], 0.0)
+        if both:
+            b = min(both, key=lambda b: (abs(b - batch), b))
+            cut = max(self.drafting[b] - self.plain[b], 0.0)
+        return cut + self.pricing_s(batch)
+
+    def observe_pricing(self, batch: int, seconds: float) -> None:
+        """The controller's seconds pricing a step in full (at most STEP_CLIP's high multiple of
+        what it took so far at this batch size: a stall says little)."""
+        old = self.pricing.get(batch)
+        s = max(seconds, 0.0) if old is None else min(max(seconds, 0.0), STEP_CLIP[1] * old)
+        self.pricing[batch] = s if old is None else old + FOLLOW * (s - old)
 
     def observe_overhead(self, batch: int, seconds: float, drafted: bool | None = None) -> None:
         """A step's wall seconds, start to the next step's start, less its forward and drafting:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.api import GenResult
 
@@ -50,8 +50,10 @@ class Metrics:
                   self.generation_tokens, self.prefix_queries, self.prefix_hits):
             m.labels(model_name=model_name)  # expose zeros before the first request
 
-    def adaptive(self, batch: BatchEngine) -> None:
-        """Expose adaptive control's state (`spec.adaptive`) of the scheduler `batch` at each scrape."""
+    def scheduler(self, batch: BatchEngine) -> None:
+        """Expose the scheduler `batch`'s state at each scrape: its steps by the sequences they ran
+        (spectune:steps), and adaptive control's state (`spec.adaptive`, spectune:adaptive_*)."""
+        self.registry.register(_Steps(self.model, batch))
         self.registry.register(_Controller(self.model, batch))
 
     def prefix_cache(self, queries: int, hits: int) -> None:
@@ -77,6 +79,24 @@ class Metrics:
             self.tpot.labels(m).observe((e2e_s - ttft_s) / (st.new_tokens - 1))
 
 
+class _Steps:
+    """spectune:steps_total{sequences}: the engine's steps by how many sequences their forwards ran,
+    read when /metrics is scraped. How full the batch was kept: under N clients that each send
+    their next request when the last one ends, a step below N means a place stood empty (a request
+    ended and its client's next had not joined yet)."""
+
+    def __init__(self, model: str, batch: BatchEngine) -> None:
+        self.model, self.batch = model, batch
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        c = CounterMetricFamily("spectune:steps", "Engine steps by the sequences their forwards ran",
+                                labels=["model_name", "sequences"])
+        for n, steps in enumerate(list(self.batch.occupancy)):
+            if steps:
+                c.add_metric([self.model, str(n)], steps)
+        yield c
+
+
 ROWS_SHOWN = (0, 1, 2, 4, 8, 16)  # the draft-row counts whose prices a scrape shows
 
 
@@ -85,7 +105,8 @@ class _Controller:
     spectune:adaptive_*: per batch size the engine has stepped at, the price of a step with 0-16
     draft rows (the step-cost curve as timed, the controller's price with the live figures and the
     step's overhead, and the forward's live mean per count of rows that ran, with how many steps
-    ran it) and what drafting at all adds to a step there; the live level over the curve, the
+    ran it), a priced step's overhead with and without draft rows, the controller's own pricing
+    and what drafting at all adds to a step there; the live level over the curve, the
     drafting's seconds per node and the batch's acceptance estimate at draft positions 1-3. What
     tells a mispriced row from a misestimated
     node in a served run (benchmarks/adaptive.py reads it per cell)."""
@@ -104,7 +125,10 @@ class _Controller:
             ("draft_seconds_per_node", "Drafting seconds per drafted node", ["model_name"]),
             ("overhead_seconds", "A step's seconds outside the forward and drafting", ["model_name", "batch"]),
             ("setup_seconds", "What a step that ran draft rows spent outside the forward and drafting beyond "
-             "one priced without", ["model_name", "batch"]),
+             "one without rows", ["model_name", "batch"]),
+            ("kind_overhead_seconds", "A priced step's seconds outside the forward and drafting: plain (no draft "
+             "rows), drafting", ["model_name", "batch", "kind"]),
+            ("pricing_seconds", "The controller's own seconds pricing a step in full", ["model_name", "batch"]),
             ("curve_seconds", "The timed curve's forward seconds with this many draft rows", ["model_name", "batch", "rows"]),
             ("price_seconds", "The controller's price of a step with this many draft rows", ["model_name", "batch", "rows"]),
             ("forward_seconds", "Live forwards' mean seconds with this many draft rows", ["model_name", "batch", "rows"]),
@@ -115,6 +139,11 @@ class _Controller:
         for b in sorted(set(cost.live) | set(cost.overhead)):  # (read while the engine thread steps: copies)
             g["overhead_seconds"].add_metric([m, str(b)], cost.overhead_s(b))
             g["setup_seconds"].add_metric([m, str(b)], cost.setup_s(b))
+            for kind, figures in (("plain", cost.plain), ("drafting", cost.drafting)):
+                if b in figures:
+                    g["kind_overhead_seconds"].add_metric([m, str(b), kind], figures[b])
+            if b in cost.pricing:
+                g["pricing_seconds"].add_metric([m, str(b)], cost.pricing[b])
             price = cost.table(b, 0, ROWS_SHOWN[-1])
             live = cost.rows.get(b)
             for n in ROWS_SHOWN:

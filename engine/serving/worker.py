@@ -82,7 +82,7 @@ class Worker:
         self.queue_size = queue_size
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.batch = engine.batcher()
-        metrics.adaptive(self.batch)
+        metrics.scheduler(self.batch)
         self.thread = threading.Thread(target=self.run, name="spectune-engine", daemon=True)
         self.running_in: threading.Thread | None = None  # the thread running the loop, while it runs
 

@@ -400,7 +400,9 @@ def test_what_drafting_at_all_adds_to_a_step_is_priced_in_every_total_of_rows() 
     ran rows 9 ms (the cut, the trees' verification, the estimates' updates): the 4 ms are priced in
     every total of one row or more, never in the step without rows; steps it did not price (None)
     move neither; a batch size without both kinds takes the nearest one's; one stall among the
-    drafting steps moves the figure a bounded amount."""
+    drafting steps moves the figure a bounded amount. Once pricing a step is seen to take 2 ms of
+    those 5, a step that is not priced (screened out, as off's) is the step without rows, at 3 ms,
+    and drafting adds the 6 ms; the totals with rows still cost the drafting steps' 9."""
     c = StepCost(TIMED, max_rows=9)
     assert c.setup_s(8) == 0.0
     for _ in range(200):
@@ -411,8 +413,17 @@ def test_what_drafting_at_all_adds_to_a_step_is_priced_in_every_total_of_rows() 
     table = c.table(8, 0, 4)
     assert table[0] == pytest.approx(0.005 + c.step_s(8, 0), rel=1e-3)
     assert table[1:] == pytest.approx([0.009 + c.step_s(8, n) for n in range(1, 5)], rel=1e-3)
+    for _ in range(200):
+        c.observe_pricing(8, 0.002)
+    c.observe_pricing(8, 1.0)  # a stalled pricing moves it a bounded amount
+    assert c.pricing_s(8) < 0.002 * (1 + stepcost.FOLLOW * stepcost.STEP_CLIP[1])
+    c.observe_pricing(8, 0.002)
+    assert c.setup_s(8) == pytest.approx(0.006, rel=0.02) and c.setup_s(4) == c.setup_s(8)
+    table = c.table(8, 0, 4)
+    assert table[0] == pytest.approx(0.003 + c.step_s(8, 0), rel=1e-2)
+    assert table[1:] == pytest.approx([0.009 + c.step_s(8, n) for n in range(1, 5)], rel=1e-3)
     c.observe_overhead(8, 1e9, drafted=True)
-    assert c.setup_s(8) <= 0.004 + stepcost.FOLLOW * stepcost.STEP_CLIP[1] * c.overhead_s(8)
+    assert c.setup_s(8) <= 0.006 * 1.02 + stepcost.FOLLOW * stepcost.STEP_CLIP[1] * c.overhead_s(8)
 
 
 def test_a_few_rows_that_yield_about_their_cost_do_not_pay_for_drafting_at_all() -> None:
@@ -497,6 +508,30 @@ def test_one_stalled_step_of_many_rows_does_not_price_rows_out() -> None:
     assert after[4] - after[0] < 1.5 * (before[4] - before[0])
     cheap = c.table(16, 0, 4, optimistic=True)
     assert cheap[1] - cheap[0] == pytest.approx(0.00144, rel=0.05)
+
+
+def test_a_row_count_priced_dear_by_stalled_steps_fades_back_to_the_fit() -> None:
+    """A batch of one on a planted clock: a step takes 5 ms and 0.1 ms more per draft row. The
+    1-row count ran a few times, two of them stalled by another process: its live mean holds well
+    over a millisecond of rows, so the controller leaves it and the steps run without rows; as
+    they go by, the stale count weighs less and its price returns to the fit's (the planted
+    0.1 ms), where a node of 0.1 acceptance pays again. The count that keeps running
+    keeps its table price."""
+    curve = {1: [(0, 0.005), (16, 0.005 + 16 * 0.0001)]}
+    c = StepCost(curve, max_rows=17)
+    clock = lambda x: 0.005 + 0.0001 * x  # noqa: E731 - the planted forward
+    _run(c, 1, 40, clock, rows=[0])
+    _run(c, 1, 2, lambda x: 2 * clock(x), rows=[1])  # two stalled 1-row steps
+    _run(c, 1, 2, clock, rows=[1])
+    stale = c.table(1, 0, 2)
+    assert stale[1] - stale[0] > 0.0005  # what the stalls left: five times the planted row or more
+    gains = [[0.1]]
+    assert choose(gains, 1, stale.__getitem__, margin=MARGIN) == [0]
+    _run(c, 1, 100, clock, rows=[0])  # the controller's steps without rows
+    fresh = c.table(1, 0, 2)
+    assert fresh[1] - fresh[0] == pytest.approx(0.0001, abs=0.00005)
+    assert choose(gains, 1, fresh.__getitem__, margin=MARGIN) == [1]
+    assert fresh[0] == pytest.approx(0.005, rel=0.01)  # the count that ran: as it ran
 
 
 def test_probes_weigh_rows_at_no_more_than_the_average_row() -> None:
@@ -635,8 +670,9 @@ def test_the_benchmarks_goals_are_read_while_the_level_is_held() -> None:
     whole = dict(zip(keys, (100.0, 98.0, 95.0, 90.0)))
     held = dict(zip(keys, (100.0, 99.0, 101.0, 105.0)))
     rows = [{"workload": "chat", "config": k, "concurrency": 4, "round": r, "tok_s": whole[k] * (1 + r / 10),
-             "steady_tok_s": held[k] * (1 + r / 10), "in_flight": 1.0 if k == "off" else 0.9} for k in keys
-            for r in range(2)]
+             "steady_tok_s": held[k] * (1 + r / 10), "in_flight": 1.0 if k == "off" else 0.9,
+             "steps": 40 + r, "short_steps": 2 * r if k == "off" else 10 + r, "empty_places": 30 if k == "off" else 50}
+            for k in keys for r in range(2)]
     (cell,) = bench.compare(rows, grid, ["chat"], [4])
     assert cell["best_static"] == keys[2] and cell["whole_pass"]["best_static"] == keys[1]
     got = bench.summary([cell])
@@ -645,6 +681,21 @@ def test_the_benchmarks_goals_are_read_while_the_level_is_held() -> None:
     assert got["min_adaptive_vs_best_static"] == pytest.approx(105 / 101, abs=1e-3)
     assert got["min_whole_pass_adaptive_vs_best_static"] == pytest.approx(90 / 98, abs=1e-3)
     assert cell["in_flight"] == {"off": 1.0, "best_static": 0.9, "adaptive": 0.9}
+    assert cell["steps"] == {"off": [40.5, 1.0, 30.0], "best_static": [40.5, 10.5, 50.0], "adaptive": [40.5, 10.5, 50.0]}
+
+
+def test_a_pass_counts_its_steps_below_the_level_and_the_places_they_left_empty() -> None:
+    """benchmarks/adaptive.py reads the server's steps by the sequences they ran before and after a
+    pass: at level 4, a pass of 10 steps of 4, 3 of 3 and 1 of 1 (sizes that ran before the pass
+    are subtracted, sizes that did not run in it are left out) ran 4 steps below the level and left
+    3 + 3 places empty."""
+    bench = _adaptive_benchmark()
+    before = {4: 7, 3: 2, 2: 5}
+    after = {4: 17, 3: 5, 2: 5, 1: 1}
+    steps = bench.pass_steps(before, after)
+    assert steps == {1: 1, 3: 3, 4: 10}
+    assert bench.short_steps(steps, 4) == (14, 4, 6)
+    assert bench.short_steps(steps, 3) == (14, 1, 2)
 
 
 def test_each_round_plays_adaptive_between_off_and_the_deepest_chain() -> None:
@@ -867,25 +918,42 @@ def test_the_engine_learns_the_time_its_steps_spend_outside_the_forward(engine: 
 
 
 def test_the_engine_learns_what_drafting_at_all_adds_to_a_step(engine: Engine, off, monkeypatch) -> None:
-    """On a planted clock every step spends 10 ms after the forward and a step whose verify ran
-    drafts 4 ms more learning from them: the step cost's setup at that batch size is the 4 ms (the
-    steps the controller priced and left without rows against those that ran rows), and greedy
-    output is still speculation off's."""
+    """On a planted clock every step spends 10 ms after the forward, pricing a step in full 0.5 ms
+    more (its pay floor, on the way) and a step whose verify ran drafts 4 ms more learning from
+    them: the step cost learns the pricing's 0.5 ms, the priced steps without rows at 10.5 and with
+    rows at 14.5, and what drafting at all adds to a step that is not priced is the 4.5 ms (the
+    pricing and the learning). Where pricing takes 20 ms, more than the drafts gain, most steps are
+    screened out unpriced and fewer tokens are drafted. Greedy output is speculation off's."""
     prompts, ref = off
-    clock, be = _two_places_on_a_planted_clock(engine, monkeypatch)
-    learn = BatchEngine._learn
+    learn, floor = BatchEngine._learn, B.pay_floor
+    drafted, priced = {}, {}
+    for pricing_s in (0.0005, 0.02):
+        clock, be = _two_places_on_a_planted_clock(engine, monkeypatch)
 
-    def learning(self, spec, verified):
-        if any(tree.size > 1 for _, tree in verified):
-            clock.advance(0.004)
-        return learn(self, spec, verified)
+        def learning(self, spec, verified, clock=clock):
+            if any(tree.size > 1 for _, tree in verified):
+                clock.advance(0.004)
+            return learn(self, spec, verified)
 
-    monkeypatch.setattr(BatchEngine, "_learn", learning)
-    reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=2)
-    assert [r.result.tokens for r in reqs] == ref
-    assert 2 in be.cost.drafting and 2 in be.cost.plain  # both kinds of step ran at batch 2
-    assert be.cost.setup_s(2) == pytest.approx(0.004)
-    assert be.cost.plain[2] == pytest.approx(0.01)
+        def pricing(*args, clock=clock, pricing_s=pricing_s, **kwargs):
+            priced[pricing_s] = priced.get(pricing_s, 0) + 1
+            clock.advance(pricing_s)
+            return floor(*args, **kwargs)
+
+        monkeypatch.setattr(BatchEngine, "_learn", learning)
+        monkeypatch.setattr(B, "pay_floor", pricing)
+        reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=2)
+        assert [r.result.tokens for r in reqs] == ref
+        drafted[pricing_s] = sum(r.result.stats.drafted_tokens for r in reqs)
+        if pricing_s == 0.0005:
+            assert 2 in be.cost.drafting and 2 in be.cost.plain  # both kinds of step ran at batch 2
+            assert be.cost.pricing_s(2) == pytest.approx(0.0005)
+            assert be.cost.plain[2] == pytest.approx(0.0105) and be.cost.drafting[2] == pytest.approx(0.0145)
+            assert be.cost.setup_s(2) == pytest.approx(0.0045)
+            assert be.cost.table(2, 0, 1)[0] == pytest.approx(0.010 + be.cost.step_s(2, 0))
+        else:
+            assert priced[pricing_s] < be.steps / 2
+    assert drafted[0.02] < drafted[0.0005]
 
 
 def test_probes_learn_that_drafts_pay_where_the_prior_said_they_would_not(engine: Engine, off, monkeypatch) -> None:
@@ -1021,10 +1089,10 @@ def test_a_server_scrape_shows_what_the_controller_prices(engine: Engine, off) -
     reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=2)
     assert [r.result.tokens for r in reqs] == ref
     metrics = Metrics("m")
-    metrics.adaptive(be)
+    metrics.scheduler(be)
     got = {}
     for line in generate_latest(metrics.registry).decode().splitlines():
-        if line.startswith("spectune:adaptive_"):
+        if line.startswith(("spectune:adaptive_", "spectune:steps_total")):
             name, value = line.rsplit(" ", 1)
             got[name] = float(value)
     price = be.cost.table(2, 0, 16)
@@ -1037,8 +1105,12 @@ def test_a_server_scrape_shows_what_the_controller_prices(engine: Engine, off) -
     key = spec.key()
     assert got[f'spectune:adaptive_acceptance{{model_name="m",position="1",spec="{key}"}}'] == \
         pytest.approx(be.accept[key].p[0])
+    # the steps by the sequences they ran: every step of this loop ran a forward; shown where any ran
+    assert sum(be.occupancy) == be.steps and be.occupancy[0] == 0 and be.occupancy[2] > 0
+    for n in (0, 1, 2):
+        assert got.get(f'spectune:steps_total{{model_name="m",sequences="{n}"}}', 0) == be.occupancy[n]
     plain = Metrics("m")
-    plain.adaptive(BatchEngine(engine, max_batch=2, schedule=schedule_of(SpecConfig(method="off"), 2)))
+    plain.scheduler(BatchEngine(engine, max_batch=2, schedule=schedule_of(SpecConfig(method="off"), 2)))
     assert "spectune:adaptive" not in generate_latest(plain.registry).decode()
 
 
