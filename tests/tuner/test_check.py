@@ -75,7 +75,7 @@ def test_check_passes_on_the_tuned_spec_and_fails_on_another(draft_dir: Path, tm
         main(["check", "--url", url, "--against", str(run), "--repeats", "1", "--tolerance", "0.9"])
         out = capsys.readouterr().out.splitlines()
         assert out[0] == f"tau: not compared: {run}/best.yaml has no held-out tau", out
-        assert not any(ln.startswith("tau: ") and "tuned" in ln for ln in out), out
+        assert not any(ln.startswith("tau: ") and " the tuned " in ln for ln in out), out
         (run / "best.yaml").write_text(yaml.safe_dump(best.model_dump(mode="json")))
     with serve(["spec.method=off"]) as url:
         assert main(["check", "--url", url, "--against", str(run), "--repeats", "1", "--tolerance", "0.9"]) == 1
