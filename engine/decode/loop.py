@@ -195,9 +195,11 @@ class Engine:
         got = next((c for (b, r), c in self._costs.items() if b >= max_batch and r >= rows), None)
         if got is None:
             m = self.lean.model
-            # the native kernels' versions too: a curve timed with an older kernel is timed again
+            # the native kernels' versions too: a curve timed with an older kernel is timed again (and
+            # one timed while steps past a native call's rows took the torch path)
             signature = (f"{self.model_name}|{m.weights}|{m.dtype}|{m.device}|{len(m.blocks)} layers|"
-                         f"native {self.lean.native is not None}|compiled {self.lean.compiled}|"
+                         f"native {self.lean.native is not None} in calls of {decode_step.MAX_ROWS}|"
+                         f"compiled {self.lean.compiled}|"
                          f"kernels {decode_step.TAG} {smallm.TAG} {attention.TAG}")
             got = self._costs[(max_batch, rows)] = step_cost(self.lean, max_batch, rows, signature,
                                                              self.cache_dir).to_json()

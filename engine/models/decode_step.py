@@ -1,6 +1,7 @@
 """The native decode step: one C++ call runs a whole target forward of a few rows on CPU fp32, every
 decoder layer and the lm_head: a decode row, a chain or a draft tree of one sequence (batch 1), or
-the rows of several sequences (a batched step), up to MAX_ROWS rows in all.
+the rows of several sequences (a batched step), up to MAX_ROWS rows in all (a larger step runs as
+several calls: engine.models.forward.native_calls).
 
 Why: a one-row step of SmolLM2 is bound by reading its weights, and the compiled layer-by-layer
 step took well over that read time on the AMX Xeon (docs/results.md, "Figures behind the code"), the
@@ -28,7 +29,7 @@ import torch
 from engine.models import attention, native, smallm
 from engine.models.eagle3_head import aux_features
 
-MAX_ROWS = 160  # rows of one step: up to here it measured faster than the torch path (equal at 200-256 rows)
+MAX_ROWS = 160  # rows of one call: up to here it measured faster than the torch path (equal at 200-256 rows)
 
 _SOURCE = native.VECTORS + smallm.BLOCK_SOURCE + attention.TASK_SOURCE + r"""
 #include <math.h>

@@ -8,7 +8,9 @@ cache under the spectune cache dir. On CUDA every step is compiled at bucketed t
 to the bucket) under CUDA graphs ("reduce-overhead"), where launch overhead is what compiling
 removes. On CPU only the one-row decode step is compiled: there inductor's fused GEMV beats oneDNN,
 while for several rows the eager kernels are as fast and padding a tree to its bucket would only
-add rows. Steps of a few rows on CPU run as one C++ call where it can (engine.models.decode_step).
+add rows. Steps on CPU run as the C++ step where it can (engine.models.decode_step): one call, or
+for a step past its rows (a long prompt) several calls in pieces, so that every row sums in the
+one order that step has.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ class LeanForward:
     def __init__(self, model: LeanLlama, compile: bool = False, cache_dir: str | None = None,
                  native: bool = False) -> None:
         self.model = model
-        # steps of up to decode_step.MAX_ROWS rows as one C++ call (engine.models.decode_step), where it runs
+        # steps as C++ calls of up to decode_step.MAX_ROWS rows (engine.models.decode_step), where it runs
         self.native = decode_step.NativeStep.of(model) if native else None
         self.compiled = compile
         self.compile_s = 0.0
@@ -126,8 +128,10 @@ class LeanForward:
         rows = self.rows_for(n)
         if p + rows > cache.capacity:
             raise ValueError(f"KV cache full: {p}+{rows} > {cache.capacity}")
-        if self.native is not None and n <= decode_step.MAX_ROWS:
-            return self.native([cache], [tokens], [depths], [ancestors], [last_only], aux_layers)[0]
+        if self.native is not None:
+            got = self._native([cache], [tokens], [depths], [ancestors], [last_only], aux_layers)
+            if got is not None:
+                return got[0]
         pos = torch.arange(p, p + n, device=dev) if depths is None else torch.tensor(depths, device=dev) + p
         ids = torch.tensor(tokens, device=dev)
         if rows > n:  # padding rows: token 0 at the first free position, written past the tree
@@ -162,8 +166,10 @@ class LeanForward:
         triple per sequence."""
         if len(caches) == 1:
             return [self.step(caches[0], tokens[0], depths[0], ancestors[0], last_only[0], aux_layers)]
-        if self.native is not None and sum(map(len, tokens)) <= decode_step.MAX_ROWS:
-            return self.native(caches, tokens, depths, ancestors, last_only, aux_layers)
+        if self.native is not None:
+            got = self._native(caches, tokens, depths, ancestors, last_only, aux_layers)
+            if got is not None:
+                return got
         m = self.model
         dev = m.device
         seqs, pos, ids, pick = [], [], [], []
@@ -203,6 +209,37 @@ class LeanForward:
             out[i] = (x[s.start:s.stop], logits[li:li + nl], None if aux_t is None else aux_t[s.start:s.stop])
             li += nl
         return out
+
+    def _native(self, caches: list[KVCache], tokens: list[list[int]], depths: list[list[int] | None],
+                ancestors: list[torch.Tensor | None], last_only: list[bool], aux_layers: tuple[int, ...] | None
+                ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None:
+        """`step_batch` as native calls of at most decode_step.MAX_ROWS rows (`native_calls`): one call
+        when the rows fit, else a long prompt or chain cut into pieces that follow one another, and
+        sequences spread over calls. None when a branching tree alone has more rows than a call
+        takes (its rows see only their ancestors: it runs whole, on the torch path).
+
+        Why every row the native step can run goes through it: its rows are bit-identical in any
+        call (tests/engine/test_decode_step.py), while the torch path sums in other orders. A prompt
+        past MAX_ROWS on the torch path gave its last position other logits than the one-row step
+        that runs it when the prefix cache holds the rest, so a greedy near-tie could differ between
+        a prompt's first pass and every later one (docs/results.md, issue 40); and a decode row beside
+        such a prompt took the torch path's sums with it."""
+        calls = native_calls([len(t) for t in tokens], [d is None and a is None for d, a in zip(depths, ancestors)])
+        if calls is None:
+            return None
+        if len(calls) == 1:
+            return self.native(caches, tokens, depths, ancestors, last_only, aux_layers)
+        parts: list[list[tuple[bool, tuple]]] = [[] for _ in caches]
+        for call in calls:
+            # a piece before its sequence's last takes its last row's logits (a call gives each sequence
+            # at least one row of them), which are dropped: one lm_head row per piece
+            outs = self.native([caches[i] for i, _, _ in call], [tokens[i][a:b] for i, a, b in call],
+                               [depths[i] for i, _, _ in call], [ancestors[i] for i, _, _ in call],
+                               [last_only[i] or b < len(tokens[i]) for i, _, b in call], aux_layers)
+            for (i, _, b), out in zip(call, outs):
+                parts[i].append((b == len(tokens[i]) or not last_only[i], out))
+        return [(torch.cat([o[0] for _, o in ps]), torch.cat([o[1] for keep, o in ps if keep]),
+                 None if ps[0][1][2] is None else torch.cat([o[2] for _, o in ps])) for ps in parts]
 
     def _layers(self, layer: Callable[..., torch.Tensor], cache: KVCache, x: torch.Tensor, slots: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, length: int, n: int,
@@ -255,6 +292,33 @@ class LeanForward:
                     if cache.length + self.rows_for(n) <= cache.capacity:
                         self.step(cache, [0] * n)
         return time.perf_counter() - t
+
+
+def native_calls(rows: list[int], cuttable: list[bool], most: int = decode_step.MAX_ROWS
+                 ) -> list[list[tuple[int, int, int]]] | None:
+    """How a step of sequences of `rows` rows runs as calls of at most `most` rows: per call the
+    (sequence, first row, end row) it runs. A sequence of more than `most` rows that is `cuttable`
+    (a prompt or a chain: each row sees every row before it) is cut into equal pieces, each in a
+    later call than the piece before it (a call writes the keys the next piece attends to); the
+    pieces and the other sequences fill the calls in order. None when a sequence that cannot be cut
+    has more than `most` rows."""
+    calls: list[list[tuple[int, int, int]]] = []
+    call: list[tuple[int, int, int]] = []
+    used = 0
+    for i, (n, cut) in enumerate(zip(rows, cuttable)):
+        if n > most and not cut:
+            return None
+        k = max(1, -(-n // most))
+        bounds = [n * j // k for j in range(k + 1)]
+        for a, b in zip(bounds, bounds[1:]):
+            if call and (used + b - a > most or a > 0):
+                calls.append(call)
+                call, used = [], 0
+            call.append((i, a, b))
+            used += b - a
+    if call:
+        calls.append(call)
+    return calls
 
 
 _LEAN: dict[tuple, LeanForward] = {}

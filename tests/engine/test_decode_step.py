@@ -12,7 +12,7 @@ import torch
 
 from engine.api import SamplingParams
 from engine.models import decode_step
-from engine.models.forward import LeanForward, lean_forward, native_step_refusal
+from engine.models.forward import LeanForward, lean_forward, native_calls, native_step_refusal
 from engine.models.kvpool import KVPool
 from engine.models.llama import LeanLlama
 from engine.models.target import load_target
@@ -144,6 +144,76 @@ def test_a_verified_chain_is_its_rows_in_any_steps(pair) -> None:
         alone = torch.cat([fw.step(cache, [t])[1] for t in chain])
     assert torch.equal(together, pieces)
     assert torch.equal(together, alone)
+
+
+def test_native_calls_cut_prompts_and_keep_trees_whole() -> None:
+    """How a step past a call's rows is spread: every row of every sequence once, in order; no call
+    over its rows; a cut sequence's pieces in successive calls (a piece attends to the keys the one
+    before it wrote), near-equal; sequences that fit share calls; a tree past a call's rows cannot
+    be cut (None); a step that fits is one call."""
+    assert native_calls([1, 5, 9], [True, True, False], 16) == [[(0, 0, 1), (1, 0, 5), (2, 0, 9)]]
+    assert native_calls([1, 20], [True, False], 16) is None
+    rows, cut = [3, 37, 2, 16, 1], [True, True, False, True, True]
+    calls = native_calls(rows, cut, 16)
+    assert all(sum(b - a for _, a, b in c) <= 16 for c in calls)
+    assert all(len({i for i, _, _ in c}) == len(c) for c in calls)
+    for i, n in enumerate(rows):
+        where = [(k, a, b) for k, c in enumerate(calls) for j, a, b in c if j == i]
+        assert [k for k, _, _ in where] == sorted({k for k, _, _ in where}), i  # one piece a call, in order
+        assert where[0][1] == 0 and where[-1][2] == n and all(w[2] == x[1] for w, x in zip(where, where[1:])), i
+    assert [b - a for j, a, b in (p for c in calls for p in c) if j == 1] == [12, 12, 13]
+    assert calls[0] == [(0, 0, 3), (1, 0, 12)] and len(calls) == 5
+
+
+def test_a_long_prompt_is_its_rows_in_any_steps(pair) -> None:
+    """A prompt past a call's rows (native calls in pieces) writes bit for bit the keys and values,
+    hidden states and last logits that the same prompt gets as all but its last token and then that
+    token alone, which is what runs when the prefix cache holds the rest, and in steps of 50 rows;
+    and it stays within rounding of the torch path. The torch path's other summation order for the
+    long prompt (what ran before) made a greedy near-tie differ between a prompt's first pass and
+    every later pass at bf16."""
+    torch_fw, fw = pair
+    rng = random.Random(8)
+    prompt = [rng.randrange(49152) for _ in range(decode_step.MAX_ROWS + 41)]
+    with torch.inference_mode():
+        caches = [fw.new_cache(256) for _ in range(3)]
+        x, logits, _ = fw.step(caches[0], prompt, last_only=True)
+        head, _, _ = fw.step(caches[1], prompt[:-1], last_only=True)
+        last, alone, _ = fw.step(caches[1], prompt[-1:])
+        steps = [fw.step(caches[2], prompt[i:i + 50]) for i in range(0, len(prompt), 50)]
+        ref = torch_fw.new_cache(256)
+        xt, lt, _ = torch_fw.step(ref, prompt, last_only=True)
+    assert torch.equal(logits, alone) and torch.equal(logits, steps[-1][1][-1:])
+    assert torch.equal(x, torch.cat([head, last])) and torch.equal(x, torch.cat([h for h, _, _ in steps]))
+    n = len(prompt)
+    assert caches[0].length == caches[1].length == caches[2].length == n
+    for c in caches[1:]:
+        assert torch.equal(c.k[:, :, :n], caches[0].k[:, :, :n]) and torch.equal(c.v[:, :, :n], caches[0].v[:, :, :n])
+    assert torch.allclose(logits, lt, atol=_tol(pair)) and torch.allclose(x, xt, atol=_tol(pair))
+
+
+def test_a_row_beside_a_long_prompt_is_the_row_alone(pair) -> None:
+    """Batch invariance past a call's rows: a decode row and a 3-row chain beside another request's
+    prompt of more rows than a call takes (a prompt arriving while others decode) give bit for bit
+    what they give alone, and the prompt what it gives alone (hidden states and layer inputs too).
+    On the torch path, which such a step took before, every row of the step summed in its order."""
+    _, fw = pair
+    rng = random.Random(10)
+    prompts = [[rng.randrange(49152) for _ in range(n)] for n in (21, 30)]
+    long = [rng.randrange(49152) for _ in range(decode_step.MAX_ROWS + 7)]
+    rows = [[rng.randrange(49152)], [rng.randrange(49152) for _ in range(3)]]
+    with torch.inference_mode():
+        pool = KVPool(fw.model, 3, 256)
+        a, b, c = pool.acquire(256), pool.acquire(256), pool.acquire(256)
+        fw.step(a, prompts[0])
+        fw.step(b, prompts[1])
+        alone = [fw.step_batch([s], [t], [None], [None], [False], (1,))[0] for s, t in zip((a, b), rows)]
+        first = fw.step_batch([c], [long], [None], [None], [True], (1,))[0]
+        for s, n in zip((a, b, c), (21, 30, 0)):
+            s.crop(n)
+        together = fw.step_batch([a, c, b], [rows[0], long, rows[1]], [None] * 3, [None] * 3, [False, True, False], (1,))
+    for got, want in zip([together[0], together[2], together[1]], [*alone, first]):
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 def test_batched_rows_equal_torch_path(pair) -> None:

@@ -124,3 +124,37 @@ def test_least_recently_used_entries_go_past_the_bound(engine: Engine, prompts) 
     assert pc.held <= pc.max_tokens and [e.ids[0] for e in pc.entries.values()] == [7, 9]
     pc.store(variants[0][:MIN_REUSE + 2], cache, torch.zeros(n0, 8), None)  # covered by a longer entry
     assert len(pc.entries) == 2
+
+
+def test_a_long_prompt_decodes_alike_from_scratch_and_from_the_cache(engine: Engine, monkeypatch) -> None:
+    """A prompt of more rows than one native call takes (decode_step.MAX_ROWS): its first pass runs
+    it whole, the second copies all but its last token from the prefix cache and runs that token
+    alone; the first token's logits are bit-identical and so is the output. Before, the whole
+    prompt took the torch path (another summation order than the lone row's), so a near-tie at bf16
+    made a prompt's first pass differ from every later one (docs/results.md, issue 40)."""
+    import random
+
+    from engine.decode.loop import Decoding
+    from engine.models import decode_step
+
+    rng = random.Random(2)
+    prompt = [rng.randrange(49152) for _ in range(decode_step.MAX_ROWS + 30)]
+    first: list[torch.Tensor] = []
+    real = Decoding.absorb
+
+    def spy(self, tree, hidden, logits, aux):
+        if tree is None:
+            first.append(logits[-1].clone())
+        return real(self, tree, hidden, logits, aux)
+
+    monkeypatch.setattr(Decoding, "absorb", spy)
+    monkeypatch.setattr(engine, "prefix_cache", PrefixCache(4096))
+    engine.set_spec(SpecConfig(method="off"))
+    params = SamplingParams(max_new_tokens=8)
+    outs = []
+    for _ in range(2):
+        rows = _prefill_rows(engine, lambda: outs.append(engine.batcher().closed_loop([prompt], params, concurrency=1)[0]))
+        assert rows == ([len(prompt)] if len(outs) == 1 else [])  # the second pass: one row, no prompt forward
+    assert engine.prefix_cache.hits == len(prompt) - 1
+    assert torch.equal(first[0], first[1])
+    assert outs[0].result.tokens == outs[1].result.tokens and len(outs[0].result.tokens) == 8
