@@ -25,9 +25,10 @@ FAKE_SERVER = Path(__file__).with_name("fake_engine_server.py")
 
 
 class PlantedCost(StepCost):
-    """A step cost that stays as planted: no live step, drafting time or step overhead moves it, so
-    adaptive control chooses from the planted prices and the drafts it verifies alone, the same
-    choices under any load (a test's power must not depend on how busy the machine is)."""
+    """A step cost that stays as planted: no live step, drafting time, step overhead or the
+    controller's own pricing time moves it, so adaptive control chooses from the planted prices and
+    the drafts it verifies alone, the same choices under any load (a test's power must not depend
+    on how busy the machine is)."""
 
     def observe_step(self, batch: int, extra: int, seconds: float) -> None:
         pass
@@ -36,6 +37,9 @@ class PlantedCost(StepCost):
         pass
 
     def observe_overhead(self, batch: int, seconds: float, drafted: bool | None = None) -> None:
+        pass
+
+    def observe_pricing(self, batch: int, seconds: float) -> None:
         pass
 
 

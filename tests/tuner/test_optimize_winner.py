@@ -297,10 +297,18 @@ def test_itl_reaches_trial_attrs_trials_csv_and_best_yaml(tmp_path: Path) -> Non
                        "search.depth.min=2", "search.depth.max=2", "search.repeats_max=1", "search.n_trials=2",
                        "workload.num_heldout=1"])
 
+    from tuner.projection.profiling import CHECK_PASS, check_order, check_prompt_count
+
+    at_t, at_h = check_order(check_prompt_count(cfg), cfg.workload.num_heldout)
+
     def measure(spec: SpecConfig, split: str, concurrency: int) -> Sample:
         off = spec.method == "off"
-        return Sample(tok_s=20.0 if off else 30.0, tau=1.0 if off else 2.0, ttft_p99_ms=1.0, tpot_p99_ms=1.0,
-                      itl_p50_ms=4.0 if off else 6.0, itl_p99_ms=9.0 if off else 12.0)
+        tok_s = 20.0 if off else 30.0
+        # the held-out check's pass gives its per-prompt figures, which each side is drawn from
+        n = len(at_t) + len(at_h) if split == CHECK_PASS else 0
+        return Sample(tok_s=tok_s, tau=1.0 if off else 2.0, ttft_p99_ms=1.0, tpot_p99_ms=1.0,
+                      itl_p50_ms=4.0 if off else 6.0, itl_p99_ms=9.0 if off else 12.0,
+                      per_prompt=[(30, 30 / tok_s)] * n or None, per_prompt_forwards=[30 if off else 15] * n or None)
 
     space = SearchSpace.from_config(cfg)
     study = create_study(cfg, space, tmp_path, "itl")
