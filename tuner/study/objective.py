@@ -178,10 +178,10 @@ def side_sample(x: Sample, at: list[int]) -> Sample:
     whole = all_tokens / all_seconds if all_seconds > 0 else 0.0
     rate = (tokens / seconds) / whole if seconds > 0 and whole > 0 else 0.0
     fw = x.per_prompt_forwards
-    forwards = sum(fw[i] for i in at) if fw is not None and len(fw) == len(pp) else 0
+    my_fw = [fw[i] for i in at] if fw is not None and len(fw) == len(pp) else None
+    forwards = sum(my_fw) if my_fw is not None else 0
     return replace(x, tok_s=x.tok_s * rate, tau=tokens / forwards if forwards else None, per_prompt=mine,
-                   per_prompt_forwards=[fw[i] for i in at] if fw is not None and len(fw) == len(pp) else None,
-                   goodput=None, wall_s=None, batch_sizes=None)
+                   per_prompt_forwards=my_fw, goodput=None, wall_s=None, batch_sizes=None)
 
 
 @dataclass
