@@ -302,7 +302,7 @@ class StepCost:
         what it took so far at this batch size: a stall says little)."""
         old = self.pricing.get(batch)
         s = max(seconds, 0.0) if old is None else min(max(seconds, 0.0), STEP_CLIP[1] * old)
-        self.pricing[batch] = s if old is None else old + FOLLOW * (s - old)
+        _follow(self.pricing, batch, s)
 
     def observe_overhead(self, batch: int, seconds: float, drafted: bool | None = None) -> None:
         """A step's wall seconds, start to the next step's start, less its forward and drafting:
@@ -312,14 +312,12 @@ class StepCost:
         (None: a step it did not price, or not adaptive's)."""
         old = self.overhead.get(batch)
         s = min(max(seconds, 0.0), CLIP_HIGH * (self.curve_s(batch, 0) + (old or 0.0)))
-        self.overhead[batch] = s if old is None else old + FOLLOW * (s - old)
+        _follow(self.overhead, batch, s)
         if drafted is not None:
             # at most STEP_CLIP's high multiple of every step's: drafting steps stop where drafting
             # does not pay, so one stall among them would otherwise keep drafting priced out there
             s = min(s, STEP_CLIP[1] * self.overhead[batch])
-            kind = self.drafting if drafted else self.plain
-            old = kind.get(batch)
-            kind[batch] = s if old is None else old + FOLLOW * (s - old)
+            _follow(self.drafting if drafted else self.plain, batch, s)
 
     def observe_step(self, batch: int, extra: int, seconds: float) -> None:
         """A live step's time (taken as within [CLIP_LOW, CLIP_HIGH] x the curve and within
@@ -345,6 +343,12 @@ class StepCost:
     @classmethod
     def from_json(cls, got: dict[str, Any]) -> "StepCost":
         return cls({int(b): [(int(x), ms / 1e3) for x, ms in pts] for b, pts in got["ms"].items()}, got["max_rows"])
+
+
+def _follow(figures: dict[int, float], batch: int, seconds: float) -> None:
+    """Move a batch size's online figure toward `seconds` at FOLLOW (set it at its first)."""
+    old = figures.get(batch)
+    figures[batch] = seconds if old is None else old + FOLLOW * (seconds - old)
 
 
 def _nearest(by_batch: dict[int, float], batch: int) -> float | None:
