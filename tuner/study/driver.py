@@ -9,8 +9,8 @@ progress on stderr throughout.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +129,15 @@ class Progress:
         return int(self.bar.tasks[0].total or 0)
 
 
+@contextmanager
+def timed(phases: dict[str, float], name: str, keep: bool = True) -> Iterator[None]:
+    """Record the wall seconds of the block as phases[name] (best.yaml's phases_s), where `keep`."""
+    t0 = time.monotonic()
+    yield
+    if keep:
+        phases[name] = round(time.monotonic() - t0, 3)
+
+
 def drive(cfg: Config, run_dir: Path, open_study: Callable[[SearchSpace], optuna.Study], finish: Finish, *,
           quiet: bool = False, engine: Any = None, measure: MeasureFn | None = None,
           before_work: Callable[[], None] | None = None,
@@ -147,10 +156,9 @@ def drive(cfg: Config, run_dir: Path, open_study: Callable[[SearchSpace], optuna
     if before_work is not None and not head_first:
         before_work()
     phases: dict[str, float] = {}  # wall seconds per phase, in order: best.yaml's phases_s
-    t0 = time.monotonic()
     if engine is None and measure is None and cfg.engine.kind not in LAUNCHED:
-        engine = open_engine(cfg)
-        phases["engine load"] = round(time.monotonic() - t0, 3)
+        with timed(phases, "engine load"):
+            engine = open_engine(cfg)
     bounds: list[HeadBound] = []  # heads bounded before training; one that cannot win here is left out
     drafts = get_drafts(cfg, engine, quiet, phases, bounds)
     cfg = without_methods(cfg, bounds)
@@ -159,18 +167,15 @@ def drive(cfg: Config, run_dir: Path, open_study: Callable[[SearchSpace], optuna
         before_work()
     study = open_study(space)
     prompts = study_prompts(cfg, engine)
-    t0 = time.monotonic()
-    check_side = match_check_side(cfg, engine, prompts)
+    with timed(phases, "check side", keep=engine is not None and cfg.workload.num_heldout > 0):
+        check_side = match_check_side(cfg, engine, prompts)
     study.set_user_attr(CHECK_SIDE, check_side)
-    if engine is not None and cfg.workload.num_heldout > 0:
-        phases["check side"] = round(time.monotonic() - t0, 3)
     with ExitStack() as stack:
         if measure is None:
             measure = stack.enter_context(study_measure(cfg, engine, prompts, run_dir))
             # refuse before the first trial what cannot fit; its passes judge the first trials' baselines
-            t0 = time.monotonic()
-            _, passes = check_trial_fits(cfg, measure, prompts)
-            phases["fit probe"] = round(time.monotonic() - t0, 3)
+            with timed(phases, "fit probe"):
+                _, passes = check_trial_fits(cfg, measure, prompts)
             if passes:
                 study.set_user_attr(PROBE_PASSES, passes)
         objective = Objective(study, space, measure, cfg.workload, cfg.search)
@@ -191,9 +196,8 @@ def drive(cfg: Config, run_dir: Path, open_study: Callable[[SearchSpace], optuna
                 from tuner.study.studies import ROLE
 
                 on_trial = Widener(study, space, cfg, run_dir, progress, progress.log, ROLE)
-            t0 = time.monotonic()
-            ran = run_trials(study, objective, cfg.search, on_trial)
-            phases["trials"] = round(time.monotonic() - t0, 3)
+            with timed(phases, "trials"):
+                ran = run_trials(study, objective, cfg.search, on_trial)
             best = finish(study, objective, ran, progress.log)
             if best is not None:
                 best.phases_s = {**phases, **best.phases_s}
