@@ -9,7 +9,9 @@ rest being 30 compiled-graph calls and their guards, each linear's own OpenMP re
 rotations between them. Here one OpenMP region spans the step: the linears are the few-row kernel's
 blocks (engine.models.smallm) split over the threads by bytes, the attention is the decode attention
 kernel's range of positions (engine.models.attention) per kv head, in chunks of 128 positions merged
-afterwards (a few kv heads would leave a thread idle), and each thread computes the norms, residual adds and (up to 8 rows) the
+afterwards (a few kv heads would leave a thread idle; each chunk's thread fixed for the step, which
+prefetches the chunk's keys and values for the next layer as it reaches the attention's barrier: the
+next layer's linears then stream them in beside their weights), and each thread computes the norms, residual adds and (up to 8 rows) the
 activation itself, so a layer has 5 barriers (it had 10). Past 8 rows each weight block is read from
 memory once and the further rows pass over it while it is still in the core's cache (a bf16 or fp8
 block widened once into fp32 for all of them).
@@ -33,6 +35,7 @@ MAX_ROWS = 160  # rows of one call: up to here it measured faster than the torch
 
 _SOURCE = native.VECTORS + smallm.BLOCK_SOURCE + attention.TASK_SOURCE + r"""
 #include <math.h>
+#include <algorithm>
 #include <string.h>
 #include <omp.h>
 /* rows a pass over a block takes at most: 6 at 8 lanes, where 6 rows run two blocks side by side
@@ -139,6 +142,19 @@ static inline void silu_mul(const float* a, const float* b, float* out, long n) 
    [Q, D], row maxima and sums [Q] (Q = n g query rows) at offsets o / ms of the step's partials. */
 struct Chunk { long s, j, c0, c1, o, ms; };
 
+/* chunk c's committed keys and values at layer l into this core's caches (prefetches): issued by the
+   chunk's thread when it ends the layer before, as it reaches the barrier, so that the layer's
+   linears stream them in while they read their weights */
+static inline void kv_ahead(const Chunk& c, const long* meta, float* const* kp, float* const* vp, long l, long D) {
+  const long* m = meta + 6 * c.s;
+  long off = l * m[4] + c.j * m[5], end = c.c1 < m[2] ? c.c1 : m[2];
+  const char *k = (const char*)(kp[c.s] + off + c.c0 * D), *v = (const char*)(vp[c.s] + off + c.c0 * D);
+  for (long b = 0, n = (end - c.c0) * D * (long)sizeof(float); b < n; b += 64) {
+    __builtin_prefetch(k + b, 0, 2);
+    __builtin_prefetch(v + b, 0, 2);
+  }
+}
+
 /* the chunk's part of attention for the n x g query rows of sequence s over kv head j (attend_range):
    the queries (with bias, rotated) into qr; the keys and values of this step's rows whose positions
    fall in the chunk (with bias; keys rotated) first into the cache: no other task reads them. */
@@ -208,6 +224,22 @@ static void forward(const float* embed, const long* tok, const long* posi, long 
       }
   }
   std::vector<float> po(po_n), pm(pm_n), ps(pm_n);
+  /* each chunk's thread, fixed for the step (longest first, to the thread with the fewest positions
+     so far), so that a thread fetches its own chunks' keys and values ahead (kv_ahead); a chunk's
+     result does not depend on which thread computes it. Owners count modulo the team's size: a
+     smaller team than asked for still runs every chunk. */
+  std::vector<int> owner(chunks.size());
+  {
+    std::vector<long> order(chunks.size()), load(threads, 0);
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](long a, long b) {
+      return chunks[a].c1 - chunks[a].c0 > chunks[b].c1 - chunks[b].c0; });
+    for (long i : order) {
+      long t = std::min_element(load.begin(), load.end()) - load.begin();
+      owner[i] = t;
+      load[t] += chunks[i].c1 - chunks[i].c0;
+    }
+  }
   std::vector<long> next(4 * L + 1, 0);  /* each linear's tail counter (blocks_share): 4 a layer, the lm_head */
   float scale = 1.f / sqrtf((float)D);
 #pragma omp parallel num_threads(threads)
@@ -230,14 +262,17 @@ static void forward(const float* embed, const long* tok, const long* posi, long 
       for (long r = 0; r < R; ++r) rms_norm(x.data() + r * h, ln1, hn.data() + r * h, h, eps);
       PART(P_NORM);
       linear_rows(R, hn.data(), h, wqkv, qkv.data(), ldq, nq, h, s[0], xbuf, &next[4 * l]);
-#pragma omp for schedule(dynamic, 1) nowait
       for (size_t i = 0; i < chunks.size(); ++i) {
+        if (owner[i] % omp_get_num_threads() != omp_get_thread_num()) continue;
         const Chunk& c = chunks[i];
         const long* m = meta + 6 * c.s;
         long off = l * m[4] + c.j * m[5];
         attend_chunk<D>(c, m, qkv.data(), ldq, bqkv, H, KV, g, kp[c.s] + off, vp[c.s] + off, posi, cos, sin,
                         m[3] < 0 ? nullptr : vis + m[3], scale, po.data(), pm.data(), ps.data(), qr, sc);
       }
+      if (l + 1 < L)
+        for (size_t i = 0; i < chunks.size(); ++i)
+          if (owner[i] % omp_get_num_threads() == omp_get_thread_num()) kv_ahead(chunks[i], meta, kp, vp, l + 1, D);
       PART(P_ATTN);
 #pragma omp barrier
       PART(P_BARRIER);

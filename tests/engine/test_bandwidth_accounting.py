@@ -32,8 +32,10 @@ def test_two_copy_levels_are_split_at_their_gap_and_one_level_is_one() -> None:
     assert ES.copy_level(57.1, None) == "one"
 
 
-def _pass(gb_read: float, seconds: float, before: float, after: float, ttft: float = 0.0) -> dict:
-    return {"tokens": 128, "seconds": seconds, "ttft": ttft, "before": before, "after": after, "bytes": gb_read * 1e9}
+def _pass(gb_read: float, seconds: float, before: float, after: float, ttft: float = 0.0,
+          prompt_gb: float = 0.0) -> dict:
+    return {"tokens": 128, "seconds": seconds, "ttft": ttft, "before": before, "after": after,
+            "prompt_bytes": prompt_gb * 1e9, "decode_bytes": gb_read * 1e9}
 
 
 def test_each_pass_is_judged_against_the_readings_beside_it() -> None:
@@ -54,10 +56,13 @@ def test_a_pass_during_which_the_level_changed_has_no_level() -> None:
     assert got["levels"]["low"]["passes"] == got["levels"]["high"]["passes"] == 1
 
 
-def test_the_decoding_share_leaves_out_the_prompts_forward() -> None:
-    got = ES.pass_shares([_pass(20.0, 1.0, 40.0, 40.0, ttft=0.2)], None)
-    assert got["share"] == 0.5 and got["decode_share"] == 0.625
-    assert got["levels"] == {"one": {"passes": 1, "share": 0.5, "decode_share": 0.625}}
+def test_the_decoding_share_leaves_out_the_prompts_forward_its_bytes_and_its_seconds() -> None:
+    """20 GB decoded in 0.8 s and the prompt's 2 GB in 0.2 s at 40 GB/s: decoding 62.5%, the whole
+    pass 55%. Counting the prompt's bytes in the decoding share (a bug) reads 68.75%, leaving them
+    out of the whole pass 50%."""
+    got = ES.pass_shares([_pass(20.0, 1.0, 40.0, 40.0, ttft=0.2, prompt_gb=2.0)], None)
+    assert got["share"] == 0.55 and got["decode_share"] == 0.625
+    assert got["levels"] == {"one": {"passes": 1, "share": 0.55, "decode_share": 0.625}}
 
 
 def test_every_ar_pass_lies_between_two_readings_and_back_to_back_passes_share_one() -> None:
@@ -85,8 +90,12 @@ def test_every_ar_pass_lies_between_two_readings_and_back_to_back_passes_share_o
     assert [(p["before"], p["after"]) for p in passes["ar fp32"]] == [(1, 2), (4, 5)]
     assert [(p["before"], p["after"]) for p in passes["ar fp8"]] == [(2, 3), (5, 6)]
     assert readings == [1, 2, 3, 4, 5, 6, 7]
-    # bytes: the row's weights per forward plus the KV positions attended (prompt + half the new tokens)
-    assert [p["bytes"] for p in passes["ar fp8"]] == [25 * 4 + 4 * (3 + 2), 25 * 4 + 4 * (2 + 2)]
+    # the prompt's forward: the weights once and its prompt's KV positions written; each of the 3
+    # decoding forwards: the weights and the KV positions attended (prompt + half the new tokens; for
+    # AR exactly the mean of 3 + 1, 3 + 2, 3 + 3 on the first prompt)
+    assert [p["prompt_bytes"] for p in passes["ar fp8"]] == [25 + 3, 25 + 2]
+    assert [p["decode_bytes"] for p in passes["ar fp8"]] == [3 * (25 + (3 + 2)), 3 * (25 + (2 + 2))]
+    assert acc["ar fp8"]["kv_positions"] == 3 + 3 * 5 + 2 + 3 * 4
     assert acc["ngram"]["tokens"] == 8 and acc["ar fp32"]["ttft"] == 1.0
 
 
