@@ -87,6 +87,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: item.path not in slow)  # stable: collection order otherwise
 
 
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The held-out check's load signal (engine.measure.cpuload.mark) reads a quiet machine in every
+    test: how many pairs a check measures must not follow what else the suite's machine runs. Tests
+    of the signal plant their own (helpers.PlantedLoad) or read the real one (cpuload.tree_ticks)."""
+    import time
+
+    from engine.measure import cpuload
+
+    monkeypatch.setattr(cpuload, "mark", lambda: cpuload.CpuMark(time.monotonic(), 0, 0, None))
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread() -> Iterator[None]:
     """One intra-op thread for modules of tiny tensor ops: on a shared 2-core machine thread

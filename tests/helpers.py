@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from engine.decode.stepcost import StepCost
+from engine.measure.cpuload import CLK_TCK, CpuMark
 from tuner.study.objective import Sample
 from tuner.schema.config import SpecConfig
 
@@ -71,6 +72,23 @@ class PlantedClock:
             return out
 
         monkeypatch.setattr(engine.forward, "step_batch", step_batch)
+
+
+class PlantedLoad:
+    """engine.measure.cpuload.mark planted: the i-th interval (two marks: a check's pair) reads
+    `others[i]` cores kept busy by other processes (the last repeats; None: a machine that cannot be
+    read), one second long."""
+
+    def __init__(self, others: list[float | None]) -> None:
+        self.others, self.calls = list(others), 0
+
+    def __call__(self) -> CpuMark | None:
+        i, end = divmod(self.calls, 2)
+        self.calls += 1
+        share = self.others[min(i, len(self.others) - 1)]
+        if share is None:
+            return None
+        return CpuMark(float(self.calls), round(share * CLK_TCK) if end else 0, 0, None)
 
 
 def free_port() -> int:

@@ -44,6 +44,15 @@ PAIR_NOISE_MIN_DF = 4  # pooled degrees of freedom of pair_noise before the chec
 # pair a side is one draw of the machine's state per side, and the trials' pair noise (their passes
 # are shorter) did not show what that draw costs the gap, quiet or loaded (docs/results.md, session 30).
 CHECK_PAIRS_MIN = 2
+# Under load the check measures more pairs: two pairs a side hold the gap on a quiet machine, not under
+# fidelity's background load, where the gap strays more from pair to pair (docs/results.md, issue 39).
+# Whether a pair was contended is read from what other processes ran during it (engine.measure.cpuload),
+# not from timing noise, which read alike quiet and loaded: a pair during which they kept more than
+# LOAD_CORES cores busy does not count towards the pairs the check asked for, and pairs go on up to
+# CHECK_PAIRS_LOADED. LOAD_CORES: about half of what fidelity's background load takes beside a pass,
+# well above a quiet machine's own housekeeping.
+CHECK_PAIRS_LOADED = 6
+LOAD_CORES = 0.08
 CONFIRM_TOP = 3  # the best configurations by pessimistic bound that the confirmation round measures
 CONFIRM_PAIRS_MAX = 6  # head-to-head pairs per contender at most (rounds; 2 at the noise floor: CONFIRM_FLOOR)
 CONFIRM_FLOOR = 2  # rounds when only pruned trials brought the round on at the floor: a head-to-head interval
@@ -943,7 +952,8 @@ def heldout_check(cfg: Config, objective: Objective, spec: SpecConfig) -> tuple[
     noise = pair_noise(objective.study.get_trials(deepcopy=False))
     sized = check_pairs(noise, cfg.search, objective.repeats_max)
     at_tune, at_held = check_order(check_prompt_count(cfg), cfg.workload.num_heldout)
-    got = objective.check(spec, CHECK_PASS, {CHECK: at_tune, "heldout": at_held}, sized or max(2, objective.repeats_max))
+    got = objective.check(spec, CHECK_PASS, {CHECK: at_tune, "heldout": at_held}, sized or max(2, objective.repeats_max),
+                          loaded_max=CHECK_PAIRS_LOADED, load_cores=LOAD_CORES)
     if sized is not None and noise is not None:
         noise = pooled_noise(noise, [got[CHECK]["ratios"], got["heldout"]["ratios"]])
 
@@ -969,7 +979,9 @@ def heldout_check(cfg: Config, objective: Objective, spec: SpecConfig) -> tuple[
                         gap_ci_high=hi, verdict=verdict(lo, hi, tune.speedup),
                         pair_noise=round(noise[0], 4) if sized is not None and noise is not None else None,
                         remeasured=again or None,
-                        check_side=objective.study.user_attrs.get(CHECK_SIDE)), got["heldout"]
+                        check_side=objective.study.user_attrs.get(CHECK_SIDE),
+                        load_cores=got["heldout"].pop("load_cores", None),
+                        cpu_stall=got["heldout"].pop("cpu_stall", None)), got["heldout"]
 
 
 def heldout_excess(c: HeldoutCheck) -> float | None:
