@@ -96,11 +96,15 @@ BUSY_SHARE = 0.30  # of one core, in bursts
 BURST_S = 0.05  # one burst: short enough that every pass of a trial meets several
 
 
+def _name_load() -> None:
+    with contextlib.suppress(OSError, AttributeError):  # a name of its own in ps (comm), not the parent's "python"
+        ctypes.CDLL(None).prctl(15, b"fidelity-load", 0, 0, 0)  # PR_SET_NAME
+
+
 def background_load(seconds: float, parent: int) -> None:
     """Keep one core busy BUSY_SHARE of the time in bursts of BURST_S, for `seconds` at most or
     until the parent process is gone."""
-    with contextlib.suppress(OSError, AttributeError):  # a name of its own in ps (comm), not the parent's "python"
-        ctypes.CDLL(None).prctl(15, b"fidelity-load", 0, 0, 0)  # PR_SET_NAME
+    _name_load()
     end = time.monotonic() + seconds
     while time.monotonic() < end and _alive(parent):
         t0 = time.monotonic()
@@ -128,6 +132,7 @@ def start_load(seconds: float) -> int:
     middle = os.fork()
     if middle == 0:
         os.close(r)
+        _name_load()  # named before it leaves this tree: never a "python" of another's (a quiet run pauses those)
         pid = os.fork()
         if pid == 0:
             os.close(w)
