@@ -12,7 +12,7 @@
    the whole benchmark stays within minutes on 2 cores (docs/results.md); `--search default` for the default
    study's repeats and interval) runs --runs times (default 3), each with another search.seed,
    once quiet and once with a background load: a process of this script's own (started outside its process
-   tree, as other work on the machine runs: engine.measure.cpuload) that keeps one core
+   tree, as other work on the machine runs: engine.models.cpuload) that keeps one core
    busy about 30% of the time in short bursts, and stops by itself after --load-s seconds (or when
    this script ends). `--loaded-reference` measures the reference under that load too (its rounds
    alternating with the quiet ones): whether the load changes which configuration is best.
@@ -79,7 +79,7 @@ from pathlib import Path
 import optuna
 import yaml
 
-from engine.measure import cpuload
+from engine.models import cpuload
 from engine.measure.stats import geomean
 from tuner.run.session import optimize
 from tuner.schema.compose import load_config
@@ -126,7 +126,7 @@ def _alive(pid: int) -> bool:
 def start_load(seconds: float) -> int:
     """The background load, started outside this process tree (forked twice, the middle process
     gone at once), as a user's other work runs: the held-out check's load signal
-    (engine.measure.cpuload) counts this process tree as the study's own. Returns its pid."""
+    (engine.models.cpuload) counts this process tree as the study's own. Returns its pid."""
     parent = os.getpid()
     r, w = os.pipe()
     middle = os.fork()
@@ -164,7 +164,7 @@ def machine(args: argparse.Namespace, loaded: bool) -> Iterator[dict[str, float]
             ticks = cpuload.tree_ticks(pid)  # before the kill: the load is not ours to reap
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            out["core_share"] = ticks / cpuload.CLK_TCK / max(time.monotonic() - t0, 1e-9)
+            out["core_share"] = ticks / os.sysconf("SC_CLK_TCK") / max(time.monotonic() - t0, 1e-9)
 
 
 def space_overrides(args: argparse.Namespace) -> list[str]:
@@ -370,7 +370,6 @@ def main() -> None:
                      + (f" (off {c['heldout']['baseline_tok_s']:.1f} / {c['tuning']['baseline_tok_s']:.1f} tok/s)"
                         if c["heldout"].get("baseline_tok_s") and c["tuning"].get("baseline_tok_s") else "")
                      + (f", other processes per pair {' / '.join(_cores(x) for x in c['load_cores'])} cores"
-                        f" (CPU stall {' / '.join(_cores(x) for x in c.get('cpu_stall') or [])})"
                         if c.get("load_cores") else "")
                      if c is not None else "no held-out check")
             print(f"{cond:6s} seed {seed}: winner {r['winner']} (trials {r['tuning']:.3f}x, reference "

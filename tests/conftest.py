@@ -89,14 +89,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The held-out check's load signal (engine.measure.cpuload.mark) reads a quiet machine in every
-    test: how many pairs a check measures must not follow what else the suite's machine runs. Tests
-    of the signal plant their own (helpers.PlantedLoad) or read the real one (cpuload.tree_ticks)."""
-    import time
+    """The held-out check's load signal (engine.models.cpuload.others_cores) reads a quiet machine in
+    every test: how many pairs a check measures must not follow what else the suite's machine runs.
+    Tests of the signal plant their own (helpers.PlantedLoad) or undo this."""
+    from engine.models import cpuload
 
-    from engine.measure import cpuload
-
-    monkeypatch.setattr(cpuload, "mark", lambda: cpuload.CpuMark(time.monotonic(), 0, 0, None))
+    monkeypatch.setattr(cpuload, "others_cores", lambda mark: 0.0)
 
 
 @pytest.fixture(scope="module")

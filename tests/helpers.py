@@ -18,7 +18,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from engine.decode.stepcost import StepCost
-from engine.measure.cpuload import CLK_TCK, CpuMark
 from tuner.study.objective import Sample
 from tuner.schema.config import SpecConfig
 
@@ -75,20 +74,15 @@ class PlantedClock:
 
 
 class PlantedLoad:
-    """engine.measure.cpuload.mark planted: the i-th interval (two marks: a check's pair) reads
-    `others[i]` cores kept busy by other processes (the last repeats; None: a machine that cannot be
-    read), one second long."""
+    """engine.models.cpuload.others_cores planted: its i-th reading (a check's i-th pair) is `others[i]`
+    cores kept busy by other processes (the last repeats; None: a machine that cannot be read)."""
 
     def __init__(self, others: list[float | None]) -> None:
         self.others, self.calls = list(others), 0
 
-    def __call__(self) -> CpuMark | None:
-        i, end = divmod(self.calls, 2)
+    def __call__(self, mark: object) -> float | None:
         self.calls += 1
-        share = self.others[min(i, len(self.others) - 1)]
-        if share is None:
-            return None
-        return CpuMark(float(self.calls), round(share * CLK_TCK) if end else 0, 0, None)
+        return self.others[min(self.calls - 1, len(self.others) - 1)]
 
 
 def free_port() -> int:

@@ -553,14 +553,14 @@ def test_above_the_floor_the_check_measures_more_pairs_and_its_interval_carries_
 ])
 def test_the_check_adds_pairs_only_while_other_processes_load_the_machine(
         monkeypatch: pytest.MonkeyPatch, others: list[float | None], pairs: int) -> None:
-    """The check reads what other processes ran during each of its pairs (engine.measure.cpuload,
+    """The check reads what other processes ran during each of its pairs (engine.models.cpuload.others_cores,
     planted here), not the pairs' timing: two pairs on a quiet machine, as before; a pair during which
     they kept more than LOAD_CORES cores busy does not count towards them, and pairs go on up to
     CHECK_PAIRS_LOADED. The check records each pair's reading. The timing is the same in every case
     (the spec 1.5x throughout), so only the planted load can add pairs."""
     from helpers import PlantedLoad
 
-    from engine.measure import cpuload
+    from engine.models import cpuload
     from tuner.study.selection import CHECK_PAIRS_LOADED, LOAD_CORES
 
     assert LOAD_CORES == 0.08 and CHECK_PAIRS_LOADED == 6
@@ -572,10 +572,10 @@ def test_the_check_adds_pairs_only_while_other_processes_load_the_machine(
         return Sample(100 / secs, 3.0, per_prompt=[(100, secs)] * (2 * cfg.workload.num_heldout))
 
     planted = PlantedLoad(others)
-    monkeypatch.setattr(cpuload, "mark", planted)
+    monkeypatch.setattr(cpuload, "others_cores", planted)
     objective = Objective(study, SearchSpace.from_config(cfg), measure, cfg.workload, cfg.search)
     check, _ = heldout_check(cfg, objective, D3)
-    assert check.pairs == pairs and planted.calls == 2 * pairs
+    assert check.pairs == pairs and planted.calls == pairs
     seen = [others[min(i, len(others) - 1)] for i in range(pairs)]
     assert check.load_cores == (seen if None not in seen else [None] * pairs)
     assert check.gap == pytest.approx(0.0) and check.tuning.speedup == pytest.approx(1.5)

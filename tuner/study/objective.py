@@ -24,7 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 import optuna
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
-from engine.measure import cpuload
+from engine.models import cpuload
 from engine.measure.stats import f95, geomean, log_interval, log_spread, robust_log_spread, tight
 from tuner.study.limits import TrialClock, TrialTimeout, active_clock, next_repeat_fits
 from tuner.schema.config import Level, Rate, SearchConfig, SpecConfig, WorkloadConfig, level_name
@@ -409,7 +409,8 @@ class Objective:
         interval is tight (search.ci_rel_width, as a trial's) after at least two, at most
         `pairs_max` (one when it is 1). Under load it goes on: while fewer than that many of its
         pairs were quiet (other processes kept at most `load_cores` cores busy during the pair:
-        engine.measure.cpuload, read around each pair, retries included), up to `loaded_max` pairs;
+        engine.models.cpuload.others_cores, read around each pair, retries included), up to
+        `loaded_max` pairs;
         where the machine cannot be read, as many pairs as without load.
 
         Plausibility holds as in a trial (the pass as a whole: tau, its baseline, its spec pass),
@@ -419,8 +420,8 @@ class Objective:
         its centre. Each side's figures are drawn from the per-prompt tokens, seconds and forwards
         (`side_sample`). Returns each side's figures (Objective._figures, with `remeasured` /
         `implausible`, the pass's, when they apply, `per_prompt`: per pair and level, the spec's
-        and the baseline's Sample.per_prompt on that side, and `load_cores` and `cpu_stall`: per pair,
-        what other processes took of the CPUs and the share of the time a task waited for one)."""
+        and the baseline's Sample.per_prompt on that side, and `load_cores`: per pair, how many cores
+        other processes kept busy)."""
         got: dict[str, tuple[list[list[Sample]], list[list[Sample]], list[float]]] = {
             sd: ([], [], []) for sd in sides}
         spread = self.outlier_history()  # the machine's noise as the study's baseline passes spread
@@ -429,16 +430,13 @@ class Objective:
         retried: list[str] = []
         kept: list[str] = []
         loads: list[float | None] = []
-        stalls: list[float | None] = []
         order = r = 0
         while True:
-            m0 = cpuload.mark()
+            mark = cpuload.busy_mark()
             s, b, _, again, still, used = self.plausible_pair(spec, split, r + order, list(seen), passes, seen,
                                                               spread=spread)
-            m1 = cpuload.mark()
-            loads.append(round(cpuload.others_cores(m0, m1), 3) if m0 is not None and m1 is not None else None)
-            stall = cpuload.stall_share(m0, m1) if m0 is not None and m1 is not None else None
-            stalls.append(round(stall, 3) if stall is not None else None)
+            cores = cpuload.others_cores(mark)
+            loads.append(round(cores, 3) if cores is not None else None)
             order += used - 1  # a retry shifts the order of what follows, as in a trial
             r += 1
             passes.append(_mean_tok(s))
@@ -464,7 +462,7 @@ class Objective:
                 out[sd]["remeasured"] = retried
             if kept:
                 out[sd]["implausible"] = "; ".join(kept)
-            out[sd]["load_cores"], out[sd]["cpu_stall"] = loads, stalls
+            out[sd]["load_cores"] = loads
         return out
 
     def baseline_history(self, trial: optuna.Trial | None = None) -> list[float]:

@@ -46,8 +46,8 @@ PAIR_NOISE_MIN_DF = 4  # pooled degrees of freedom of pair_noise before the chec
 CHECK_PAIRS_MIN = 2
 # Under load the check measures more pairs: two pairs a side hold the gap on a quiet machine, not under
 # fidelity's background load, where the gap strays more from pair to pair (docs/results.md, issue 39).
-# Whether a pair was contended is read from what other processes ran during it (engine.measure.cpuload),
-# not from timing noise, which read alike quiet and loaded: a pair during which they kept more than
+# Whether a pair was contended is read from what other processes ran during it (engine.models.cpuload.
+# others_cores), not from timing noise, which read alike quiet and loaded: a pair during which they kept more than
 # LOAD_CORES cores busy does not count towards the pairs the check asked for, and pairs go on up to
 # CHECK_PAIRS_LOADED. LOAD_CORES: about half of what fidelity's background load takes beside a pass,
 # well above a quiet machine's own housekeeping.
@@ -980,8 +980,7 @@ def heldout_check(cfg: Config, objective: Objective, spec: SpecConfig) -> tuple[
                         pair_noise=round(noise[0], 4) if sized is not None and noise is not None else None,
                         remeasured=again or None,
                         check_side=objective.study.user_attrs.get(CHECK_SIDE),
-                        load_cores=got["heldout"].pop("load_cores", None),
-                        cpu_stall=got["heldout"].pop("cpu_stall", None)), got["heldout"]
+                        load_cores=got["heldout"].pop("load_cores", None)), got["heldout"]
 
 
 def heldout_excess(c: HeldoutCheck) -> float | None:
