@@ -271,7 +271,8 @@ def one_run(args: argparse.Namespace, engine: object, seed: int, loaded: bool, r
             "regret_loaded_reference": regret(refs["loaded"], key) if loaded and "loaded" in refs else None,
             "heldout_gap": gap, "heldout_gap_beyond": heldout_excess(c) if c is not None else None,
             "heldout_gap_width": width, "verdict": c.verdict if c is not None else None,
-            "tau_gap": tg, "gap_at_equal_tau": abs(eq) if eq is not None else None,
+            # signed: its size alone read as "the held-out prompts run faster at equal tau" in every run
+            "tau_gap": tg, "gap_at_equal_tau": eq,
             "check": c.model_dump(mode="json") if c is not None else None,
             "confirm_pairs": len(confirms), "reason": best.reason, "phases_s": best.phases_s,
             "load_core_share": round(load_share, 3),
@@ -366,7 +367,7 @@ def main() -> None:
                      f"{c['tuning']['prompts']} prompts ({c['pairs']} pairs, both sides in each pass): "
                      f"gap {c['gap']:+.1%}{ci}"
                      + (f" (tau {c['heldout']['tau']:.2f} / {c['tuning']['tau']:.2f}: {r['tau_gap']:+.1%}; at equal tau "
-                        f"{r['gap_at_equal_tau']:.1%})" if r["tau_gap"] is not None else "")
+                        f"{r['gap_at_equal_tau']:+.1%})" if r["tau_gap"] is not None else "")
                      + (f" (off {c['heldout']['baseline_tok_s']:.1f} / {c['tuning']['baseline_tok_s']:.1f} tok/s)"
                         if c["heldout"].get("baseline_tok_s") and c["tuning"].get("baseline_tok_s") else "")
                      + (f", other processes per pair {' / '.join(_cores(x) for x in c['load_cores'])} cores"
@@ -383,8 +384,8 @@ def main() -> None:
     if skipped:
         print(f"skipped (--time-limit-s {args.time_limit_s:g}): {', '.join(skipped)}", flush=True)
 
-    def most(key: str) -> float | None:
-        vals = [r[key] for r in runs if r[key] is not None]
+    def most(key: str) -> float | None:  # the largest size (gap_at_equal_tau is signed)
+        vals = [abs(r[key]) for r in runs if r[key] is not None]
         return max(vals) if vals else None
 
     loaded_best = (regret(refs["quiet"], max(refs["loaded"], key=lambda k: refs["loaded"][k]))

@@ -1008,8 +1008,9 @@ def gap_at_equal_tau(c: HeldoutCheck) -> float | None:
     when it carries a draft (an n-gram drafter proposes nothing where it finds no match, and that
     step costs what off's does), so speedup / tau is higher where tau is lower, as on this workload's
     held-out prompts, and it moves from pass to pass, either side of zero (benchmarks/heldout_sides.py,
-    docs/results.md). In benchmarks/fidelity.py it reads above zero in every run, before and
-    after the first pass's prefill was taken out of the check (Measurer._warm_prefix)."""
+    docs/results.md). benchmarks/fidelity.py once kept only its size, which read as "above zero in
+    every run"; signed, it falls either side of zero, and the matched sides' drafted-step share and
+    context agree (docs/results.md, issue 39, session 32)."""
     g = tau_gap(c)
     return (1 + c.gap) / (1 + g) - 1 if g is not None else None
 
