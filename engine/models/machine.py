@@ -7,14 +7,13 @@ import json
 import os
 import platform
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engine.models.cpuload import busy_mark, others_share  # noqa: F401 (timed_once reads them here; tests plant them here)
-
 import torch
+
+from engine.models.cpuload import busy_mark, others_share  # timed_once's; tests plant them here
 
 
 def cache_root(cache_dir: str | os.PathLike | None) -> Path:

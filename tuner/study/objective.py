@@ -407,11 +407,10 @@ class Objective:
         load that comes or goes, a slower minute) falls on both sides alike and cancels in their
         gap; played side after side, it fell on one. Pairs go on until every side's speedup
         interval is tight (search.ci_rel_width, as a trial's) after at least two, at most
-        `pairs_max` (one when it is 1). Under load it goes on: while fewer than that many of its
+        `pairs_max` (one when it is 1). Under load it goes on while fewer than that many of its
         pairs were quiet (other processes kept at most `load_cores` cores busy during the pair:
         engine.models.cpuload.others_cores, read around each pair, retries included), up to
-        `loaded_max` pairs;
-        where the machine cannot be read, as many pairs as without load.
+        `loaded_max` pairs; where the machine cannot be read, as many pairs as without load.
 
         Plausibility holds as in a trial (the pass as a whole: tau, its baseline, its spec pass),
         but a baseline pass is judged against the baseline's earlier passes on these prompts, the
