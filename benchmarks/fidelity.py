@@ -11,7 +11,8 @@
 2. The study (`tuner optimize search=--search` over the same space: `quick` by default, so that
    the whole benchmark stays within minutes on 2 cores (docs/results.md); `--search default` for the default
    study's repeats and interval) runs --runs times (default 3), each with another search.seed,
-   once quiet and once with a background load: a process of this script's own that keeps one core
+   once quiet and once with a background load: a process of this script's own (started outside its process
+   tree, as other work on the machine runs: engine.models.cpuload) that keeps one core
    busy about 30% of the time in short bursts, and stops by itself after --load-s seconds (or when
    this script ends). `--loaded-reference` measures the reference under that load too (its rounds
    alternating with the quiet ones): whether the load changes which configuration is best.
@@ -66,9 +67,8 @@ import argparse
 import contextlib
 import ctypes
 import json
-import multiprocessing
 import os
-import resource
+import signal
 import statistics
 import sys
 import tempfile
@@ -79,6 +79,7 @@ from pathlib import Path
 import optuna
 import yaml
 
+from engine.models import cpuload
 from engine.measure.stats import geomean
 from tuner.run.session import optimize
 from tuner.schema.compose import load_config
@@ -95,47 +96,75 @@ BUSY_SHARE = 0.30  # of one core, in bursts
 BURST_S = 0.05  # one burst: short enough that every pass of a trial meets several
 
 
+def _name_load() -> None:
+    with contextlib.suppress(OSError, AttributeError):  # a name of its own in ps (comm), not the parent's "python"
+        ctypes.CDLL(None).prctl(15, b"fidelity-load", 0, 0, 0)  # PR_SET_NAME
+
+
 def background_load(seconds: float, parent: int) -> None:
     """Keep one core busy BUSY_SHARE of the time in bursts of BURST_S, for `seconds` at most or
     until the parent process is gone."""
-    with contextlib.suppress(OSError, AttributeError):  # a name of its own in ps (comm), not the parent's "python"
-        ctypes.CDLL(None).prctl(15, b"fidelity-load", 0, 0, 0)  # PR_SET_NAME
+    _name_load()
     end = time.monotonic() + seconds
-    while time.monotonic() < end and os.getppid() == parent:
+    while time.monotonic() < end and _alive(parent):
         t0 = time.monotonic()
         while time.monotonic() - t0 < BURST_S:
             pass
         time.sleep(BURST_S * (1 - BUSY_SHARE) / BUSY_SHARE)
 
 
-def _children_cpu_s() -> float:
-    """CPU seconds of this process's ended and waited-for children (the background load, once joined)."""
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a reused pid of another user's
+        return False
+    return True
+
+
+def start_load(seconds: float) -> int:
+    """The background load, started outside this process tree (forked twice, the middle process
+    gone at once), as a user's other work runs: the held-out check's load signal
+    (engine.models.cpuload) counts this process tree as the study's own. Returns its pid."""
+    parent = os.getpid()
+    r, w = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        os.close(r)
+        _name_load()  # named before it leaves this tree: never a "python" of another's (a quiet run pauses those)
+        pid = os.fork()
+        if pid == 0:
+            os.close(w)
+            try:
+                background_load(seconds, parent)
+            finally:
+                os._exit(0)
+        os.write(w, str(pid).encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        pid = int(f.read())
+    os.waitpid(middle, 0)
+    return pid
 
 
 @contextlib.contextmanager
 def machine(args: argparse.Namespace, loaded: bool) -> Iterator[dict[str, float]]:
     """The machine as a condition: quiet, or with the background load running (started on entry,
-    ended on exit: terminated, killed when SIGTERM cannot end it, a stopped process keeps SIGTERM
-    pending). Yields a dict whose `core_share` is, on exit, the share of a core the load took (0 quiet):
-    a load that was stopped shows there."""
+    killed on exit: SIGKILL, which a stopped process takes too). Yields a dict whose `core_share`
+    is, on exit, the share of a core the load took (0 quiet): a load that was stopped shows there."""
     out = {"core_share": 0.0}
-    load = None
-    cpu0, t0 = _children_cpu_s(), time.monotonic()
-    if loaded:
-        load = multiprocessing.Process(target=background_load, args=(args.load_s, os.getpid()), daemon=True)
-        load.start()
+    pid = start_load(args.load_s) if loaded else None
+    t0 = time.monotonic()
     try:
         yield out
     finally:
-        if load is not None:
-            load.terminate()
-            load.join(5.0)
-            if load.is_alive():
-                load.kill()
-                load.join()
-            out["core_share"] = (_children_cpu_s() - cpu0) / max(time.monotonic() - t0, 1e-9)
+        if pid is not None:
+            ticks = cpuload.tree_ticks(pid)  # before the kill: the load is not ours to reap
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            out["core_share"] = ticks / os.sysconf("SC_CLK_TCK") / max(time.monotonic() - t0, 1e-9)
 
 
 def space_overrides(args: argparse.Namespace) -> list[str]:
@@ -242,11 +271,16 @@ def one_run(args: argparse.Namespace, engine: object, seed: int, loaded: bool, r
             "regret_loaded_reference": regret(refs["loaded"], key) if loaded and "loaded" in refs else None,
             "heldout_gap": gap, "heldout_gap_beyond": heldout_excess(c) if c is not None else None,
             "heldout_gap_width": width, "verdict": c.verdict if c is not None else None,
-            "tau_gap": tg, "gap_at_equal_tau": abs(eq) if eq is not None else None,
+            # signed: its size alone read as "the held-out prompts run faster at equal tau" in every run
+            "tau_gap": tg, "gap_at_equal_tau": eq,
             "check": c.model_dump(mode="json") if c is not None else None,
             "confirm_pairs": len(confirms), "reason": best.reason, "phases_s": best.phases_s,
             "load_core_share": round(load_share, 3),
             "wall_s": round(wall, 1)}
+
+
+def _cores(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def _interval(x: dict[str, object]) -> str:
@@ -333,9 +367,11 @@ def main() -> None:
                      f"{c['tuning']['prompts']} prompts ({c['pairs']} pairs, both sides in each pass): "
                      f"gap {c['gap']:+.1%}{ci}"
                      + (f" (tau {c['heldout']['tau']:.2f} / {c['tuning']['tau']:.2f}: {r['tau_gap']:+.1%}; at equal tau "
-                        f"{r['gap_at_equal_tau']:.1%})" if r["tau_gap"] is not None else "")
+                        f"{r['gap_at_equal_tau']:+.1%})" if r["tau_gap"] is not None else "")
                      + (f" (off {c['heldout']['baseline_tok_s']:.1f} / {c['tuning']['baseline_tok_s']:.1f} tok/s)"
                         if c["heldout"].get("baseline_tok_s") and c["tuning"].get("baseline_tok_s") else "")
+                     + (f", other processes per pair {' / '.join(_cores(x) for x in c['load_cores'])} cores"
+                        if c.get("load_cores") else "")
                      if c is not None else "no held-out check")
             print(f"{cond:6s} seed {seed}: winner {r['winner']} (trials {r['tuning']:.3f}x, reference "
                   f"{r['reference']:.3f}x), regret {r['regret']:.1%}"
@@ -348,8 +384,8 @@ def main() -> None:
     if skipped:
         print(f"skipped (--time-limit-s {args.time_limit_s:g}): {', '.join(skipped)}", flush=True)
 
-    def most(key: str) -> float | None:
-        vals = [r[key] for r in runs if r[key] is not None]
+    def most(key: str) -> float | None:  # the largest size (gap_at_equal_tau is signed)
+        vals = [abs(r[key]) for r in runs if r[key] is not None]
         return max(vals) if vals else None
 
     loaded_best = (regret(refs["quiet"], max(refs["loaded"], key=lambda k: refs["loaded"][k]))

@@ -87,6 +87,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: item.path not in slow)  # stable: collection order otherwise
 
 
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The held-out check's load signal (engine.models.cpuload.others_cores) reads a quiet machine in
+    every test: how many pairs a check measures must not follow what else the suite's machine runs.
+    Tests of the signal plant their own (helpers.PlantedLoad) or undo this."""
+    from engine.models import cpuload
+
+    monkeypatch.setattr(cpuload, "others_cores", lambda mark: 0.0)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread() -> Iterator[None]:
     """One intra-op thread for modules of tiny tensor ops: on a shared 2-core machine thread

@@ -73,6 +73,18 @@ class PlantedClock:
         monkeypatch.setattr(engine.forward, "step_batch", step_batch)
 
 
+class PlantedLoad:
+    """engine.models.cpuload.others_cores planted: its i-th reading (a check's i-th pair) is `others[i]`
+    cores kept busy by other processes (the last repeats; None: a machine that cannot be read)."""
+
+    def __init__(self, others: list[float | None]) -> None:
+        self.others, self.calls = list(others), 0
+
+    def __call__(self, mark: object) -> float | None:
+        self.calls += 1
+        return self.others[min(self.calls - 1, len(self.others) - 1)]
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as s:

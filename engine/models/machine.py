@@ -7,12 +7,13 @@ import json
 import os
 import platform
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from engine.models.cpuload import busy_mark, others_share  # timed_once's; tests plant them here
 
 
 def cache_root(cache_dir: str | os.PathLike | None) -> Path:
@@ -54,28 +55,6 @@ def measured_once(path: Path, key: str, measure: Callable[[Any], Any], remeasure
         tmp.write_text(json.dumps(known, indent=1))
         os.replace(tmp, path)
     return new
-
-
-def busy_mark() -> tuple[float, float, float] | None:
-    """Now on three clocks: wall seconds, the seconds the machine's CPUs have been busy (all of them,
-    /proc/stat) and this process's CPU seconds; None where /proc/stat cannot be read."""
-    try:
-        ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    idle = ticks[3] + ticks[4]  # idle and iowait
-    own = os.times()
-    return time.monotonic(), (sum(ticks) - idle) / os.sysconf("SC_CLK_TCK"), own.user + own.system
-
-
-def others_share(mark: tuple[float, float, float] | None) -> float | None:
-    """The share of the machine's CPUs (0: none, 1: all of them) that other processes kept busy since
-    `mark` (`busy_mark`); None where it cannot be told."""
-    now = busy_mark()
-    if mark is None or now is None or now[0] <= mark[0]:
-        return None
-    others = (now[1] - mark[1]) - (now[2] - mark[2])
-    return min(max(others / ((now[0] - mark[0]) * (os.cpu_count() or 1)), 0.0), 1.0)
 
 
 LOADED = 0.05  # a timing taken while others kept more of the CPUs busy is not cached (a tenth of a core on two)

@@ -36,14 +36,17 @@ def test_a_measurement_keep_refuses_is_returned_but_not_stored(tmp_path) -> None
 
 
 def test_the_others_share_is_the_machines_busy_time_less_this_processs(monkeypatch) -> None:
-    """Over 2 s on 4 CPUs the machine was busy 5 CPU-seconds, this process 2 of them: others 3 / 8."""
-    from engine.models import machine
+    """Over 2 s on 4 CPUs the machine was busy 5 CPU-seconds, this process 2 of them: others 3 / 8 of
+    the machine, 1.5 cores (what the held-out check reads)."""
+    from engine.models import cpuload, machine
 
     real = busy_mark()
     assert real is not None and real[1] > 0 and real[2] > 0  # this is Linux: /proc/stat and our times
-    monkeypatch.setattr(machine.os, "cpu_count", lambda: 4)
-    monkeypatch.setattr(machine, "busy_mark", lambda: (10.0, 105.0, 52.0))
+    monkeypatch.undo()  # the suite's quiet machine for the check (tests/conftest.py)
+    monkeypatch.setattr(cpuload.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(cpuload, "busy_mark", lambda: (10.0, 105.0, 52.0))
     assert machine.others_share((8.0, 100.0, 50.0)) == pytest.approx(3 / 8)
+    assert cpuload.others_cores((8.0, 100.0, 50.0)) == pytest.approx(1.5)
     assert machine.others_share((8.0, 104.0, 50.0)) == 0.0  # this process's time is never the others'
     assert machine.others_share(None) is None and machine.others_share((10.0, 100.0, 50.0)) is None
 

@@ -542,3 +542,40 @@ def test_above_the_floor_the_check_measures_more_pairs_and_its_interval_carries_
     assert check.gap_ci_low < boot[0] and check.gap_ci_high > boot[1]
     half = math.exp(t95(df + 1) * noise / math.sqrt(2))
     assert check.tuning.ci_high / check.tuning.speedup == pytest.approx(half)
+
+
+@pytest.mark.parametrize("others, pairs", [
+    ([0.0], 2),  # a quiet machine: the pairs the study's noise asked for, no more
+    ([0.3], 6),  # fidelity's background load throughout: every pair contended, up to CHECK_PAIRS_LOADED
+    ([0.0, 0.3, 0.0], 3),  # a load that came for one pair: one more pair, until two were quiet
+    ([0.08, 0.08], 2),  # at LOAD_CORES a pair still counts as quiet
+    ([None], 2),  # a machine that cannot be read: as many pairs as without load
+])
+def test_the_check_adds_pairs_only_while_other_processes_load_the_machine(
+        monkeypatch: pytest.MonkeyPatch, others: list[float | None], pairs: int) -> None:
+    """The check reads what other processes ran during each of its pairs (engine.models.cpuload.others_cores,
+    planted here), not the pairs' timing: two pairs on a quiet machine, as before; a pair during which
+    they kept more than LOAD_CORES cores busy does not count towards them, and pairs go on up to
+    CHECK_PAIRS_LOADED. The check records each pair's reading. The timing is the same in every case
+    (the spec 1.5x throughout), so only the planted load can add pairs."""
+    from helpers import PlantedLoad
+
+    from engine.models import cpuload
+    from tuner.study.selection import CHECK_PAIRS_LOADED, LOAD_CORES
+
+    assert LOAD_CORES == 0.08 and CHECK_PAIRS_LOADED == 6
+    cfg = load_config(CFG)
+    study = _study_with_pair_noise(baseline_tok_s=140.0)
+
+    def measure(spec: SpecConfig, split: str, level: int) -> Sample:
+        secs = (100 / 140.0) / (1.5 if spec.method != "off" else 1.0)
+        return Sample(100 / secs, 3.0, per_prompt=[(100, secs)] * (2 * cfg.workload.num_heldout))
+
+    planted = PlantedLoad(others)
+    monkeypatch.setattr(cpuload, "others_cores", planted)
+    objective = Objective(study, SearchSpace.from_config(cfg), measure, cfg.workload, cfg.search)
+    check, _ = heldout_check(cfg, objective, D3)
+    assert check.pairs == pairs and planted.calls == pairs
+    seen = [others[min(i, len(others) - 1)] for i in range(pairs)]
+    assert check.load_cores == (seen if None not in seen else [None] * pairs)
+    assert check.gap == pytest.approx(0.0) and check.tuning.speedup == pytest.approx(1.5)

@@ -187,6 +187,10 @@ class HeldoutCheck(_Strict):
     verdict: Literal["holds", "below", "above", "inconclusive"] | None = None
     # which tuning prompts the check compared with and why (tuner.study.measurer.match_check_side)
     check_side: str | None = None
+    # per pair: how many cores other processes kept busy while it was measured (engine.models.cpuload.
+    # others_cores; None where the machine could not be read): above tuner.study.selection.LOAD_CORES the
+    # pair was contended, and the check measured more pairs
+    load_cores: list[float | None] | None = None
 
 
 class HeadPilot(_Strict):

@@ -24,6 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 import optuna
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
+from engine.models import cpuload
 from engine.measure.stats import f95, geomean, log_interval, log_spread, robust_log_spread, tight
 from tuner.study.limits import TrialClock, TrialTimeout, active_clock, next_repeat_fits
 from tuner.schema.config import Level, Rate, SearchConfig, SpecConfig, WorkloadConfig, level_name
@@ -397,8 +398,8 @@ class Objective:
         return (no_history is None and len(bases) > 1 and min(bases) > 0
                 and math.log(max(bases) / min(bases)) <= noise)
 
-    def check(self, spec: SpecConfig, split: Split, sides: dict[str, list[int]], pairs_max: int
-              ) -> dict[str, dict[str, Any]]:
+    def check(self, spec: SpecConfig, split: Split, sides: dict[str, list[int]], pairs_max: int,
+              loaded_max: int = 0, load_cores: float = 0.0) -> dict[str, dict[str, Any]]:
         """The winner's held-out check: `spec` against the baseline on `split`, one pass that plays
         both sides' prompts in turn (the held-out prompts and as many tuning prompts,
         tuner.projection.profiling.check_order; `sides`: each side's positions in the pass), pairs
@@ -406,7 +407,10 @@ class Objective:
         load that comes or goes, a slower minute) falls on both sides alike and cancels in their
         gap; played side after side, it fell on one. Pairs go on until every side's speedup
         interval is tight (search.ci_rel_width, as a trial's) after at least two, at most
-        `pairs_max` (one when it is 1).
+        `pairs_max` (one when it is 1). Under load it goes on while fewer than that many of its
+        pairs were quiet (other processes kept at most `load_cores` cores busy during the pair:
+        engine.models.cpuload.others_cores, read around each pair, retries included), up to
+        `loaded_max` pairs; where the machine cannot be read, as many pairs as without load.
 
         Plausibility holds as in a trial (the pass as a whole: tau, its baseline, its spec pass),
         but a baseline pass is judged against the baseline's earlier passes on these prompts, the
@@ -414,8 +418,9 @@ class Objective:
         speed on other prompts (their lengths, their answers'), so the trials' passes cannot place
         its centre. Each side's figures are drawn from the per-prompt tokens, seconds and forwards
         (`side_sample`). Returns each side's figures (Objective._figures, with `remeasured` /
-        `implausible`, the pass's, when they apply, and `per_prompt`: per pair and level, the spec's
-        and the baseline's Sample.per_prompt on that side)."""
+        `implausible`, the pass's, when they apply, `per_prompt`: per pair and level, the spec's
+        and the baseline's Sample.per_prompt on that side, and `load_cores`: per pair, how many cores
+        other processes kept busy)."""
         got: dict[str, tuple[list[list[Sample]], list[list[Sample]], list[float]]] = {
             sd: ([], [], []) for sd in sides}
         spread = self.outlier_history()  # the machine's noise as the study's baseline passes spread
@@ -423,10 +428,14 @@ class Objective:
         passes: list[float] = []  # the check's spec passes: the spec's own on these prompts
         retried: list[str] = []
         kept: list[str] = []
+        loads: list[float | None] = []
         order = r = 0
         while True:
+            mark = cpuload.busy_mark()
             s, b, _, again, still, used = self.plausible_pair(spec, split, r + order, list(seen), passes, seen,
                                                               spread=spread)
+            cores = cpuload.others_cores(mark)
+            loads.append(round(cores, 3) if cores is not None else None)
             order += used - 1  # a retry shifts the order of what follows, as in a trial
             r += 1
             passes.append(_mean_tok(s))
@@ -438,7 +447,9 @@ class Objective:
                 spec_s.append([side_sample(x, at) for x in s])
                 base_s.append([side_sample(y, at) for y in b])
                 ratios.append(geomean([x.tok_s / max(y.tok_s, 1e-12) for x, y in zip(spec_s[-1], base_s[-1])]))
-            if r >= max(pairs_max, 1) or r >= 2 and all(self._tight(got[sd][2]) for sd in sides):
+            quiet = sum(1 for x in loads if x is not None and x <= load_cores)
+            settled = r >= loaded_max or loads[-1] is None or quiet >= min(r, max(pairs_max, 1))
+            if settled and (r >= max(pairs_max, 1) or r >= 2 and all(self._tight(got[sd][2]) for sd in sides)):
                 break
         out: dict[str, dict[str, Any]] = {}
         for sd, (spec_s, base_s, ratios) in got.items():
@@ -450,6 +461,7 @@ class Objective:
                 out[sd]["remeasured"] = retried
             if kept:
                 out[sd]["implausible"] = "; ".join(kept)
+            out[sd]["load_cores"] = loads
         return out
 
     def baseline_history(self, trial: optuna.Trial | None = None) -> list[float]:
