@@ -55,3 +55,33 @@ def test_the_real_counters_show_this_process_as_its_own(monkeypatch: pytest.Monk
     assert m1 is not None and m1[2] - m0[2] >= 0.1 and m1[0] > m0[0]
     got = cpuload.others_cores(m0)
     assert got is not None and 0.0 <= got <= (os.cpu_count() or 1) + 0.5
+
+
+STAT = """cpu  900 0 90 900 10 0 0 9 0 0
+cpu0 100 0 10 300 5 0 0 1 0 0
+cpu1 200 0 20 300 5 0 0 2 0 0
+cpu2 300 0 30 150 0 0 0 3 0 0
+cpu3 300 0 30 150 0 0 0 3 0 0
+intr 12345 0 0
+ctxt 999
+"""
+
+
+def test_only_the_cpus_this_process_may_run_on_are_read() -> None:
+    """Pinned to CPUs 0 and 1 (a container's cpuset, a taskset), the busy time is theirs alone: user,
+    system and steal, not idle or iowait, and never the summary line or another core's. Planted faults:
+    reading the summary `cpu` line (every core) or every `cpuN` line both give 999, not 333."""
+    assert cpuload.busy_ticks(STAT, {0, 1}) == (100 + 10 + 1) + (200 + 20 + 2)
+    assert cpuload.busy_ticks(STAT, {2}) == 333
+    assert cpuload.busy_ticks(STAT, {0, 1, 2, 3}) == 999  # every core: the summary line's busy time
+    assert cpuload.busy_ticks(STAT, set()) == 0
+
+
+def test_the_reading_follows_this_process_affinity() -> None:
+    """busy_mark reads the CPUs os.sched_getaffinity names (all the machine's where it is not pinned)."""
+    assert cpuload.cpus() == set(os.sched_getaffinity(0))
+    mark = cpuload.busy_mark()
+    assert mark is not None
+    stat = Path("/proc/stat").read_text()
+    hz = os.sysconf("SC_CLK_TCK")
+    assert mark[1] <= cpuload.busy_ticks(stat, cpuload.cpus()) / hz + 1e-9  # counters only grow

@@ -43,7 +43,7 @@ def test_the_others_share_is_the_machines_busy_time_less_this_processs(monkeypat
     real = busy_mark()
     assert real is not None and real[1] > 0 and real[2] > 0  # this is Linux: /proc/stat and our times
     monkeypatch.undo()  # the suite's quiet machine for the check (tests/conftest.py)
-    monkeypatch.setattr(cpuload.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(cpuload, "cpus", lambda: {0, 1, 2, 3})
     monkeypatch.setattr(cpuload, "busy_mark", lambda: (10.0, 105.0, 52.0))
     assert machine.others_share((8.0, 100.0, 50.0)) == pytest.approx(3 / 8)
     assert cpuload.others_cores((8.0, 100.0, 50.0)) == pytest.approx(1.5)
