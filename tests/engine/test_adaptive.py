@@ -130,6 +130,22 @@ def test_a_probe_goes_one_node_deeper_for_the_stalest_request_and_only_where_it_
     assert probe([0, 0], [[0.5], [0.5]], [[50], [51]], 2, linear_cost(2.0, 0.8), margin=MARGIN) == 1
 
 
+def test_a_probe_goes_where_the_drafter_yields_a_node() -> None:
+    """Eight requests that never drafted (their ages equal), the first one's lookup drafter finding
+    nothing (a fill of 0.05 of a row per node allowed), the others' half the time: the probe goes to
+    the second, not the first, whose probe would verify nothing and leave every index as stale
+    (by age alone the first was probed every time and the batch never learnt that its drafts pay);
+    a request twenty times staler than the others is probed even so, and without fills (every
+    node a row) the stalest goes first as before."""
+    gains, ages = [[0.7, 0.5]] * 8, [[30, 30]] * 8
+    fills = [0.05] + [0.5] * 7
+    step = linear_cost(8.0, 0.2)
+    assert probe([0] * 8, gains, ages, 8, step, rows=fills) == 1
+    assert probe([0] * 8, gains, [[600, 600]] + [[30, 30]] * 7, 8, step, rows=fills) == 0
+    assert probe([0] * 8, gains, [[30, 30]] * 7 + [[31, 31]], 8, step, rows=[0.5] * 8) == 7
+    assert probe([0] * 8, gains, ages, 8, step) == 0
+
+
 def test_a_probe_is_paid_for_from_a_share_of_the_steps_seconds() -> None:
     """A probe that adds half a token's time and is accepted a fifth of the time loses 0.3 of a
     token's time: over many steps the probes lose no more than PROBE_SHARE of the steps' seconds; a
