@@ -54,10 +54,10 @@ t-interval on their logs. Each round's best static is the chain the other rounds
 the highest geometric mean over every round but that one), never the round itself: the largest of
 several noisy figures is biased upward, so a best static chosen on the very rounds it is then judged
 on reads high, and adaptive against it reads low, even where adaptive and the chains are equal (by
-about half a pass's noise over the square root of the rounds, with two chains of equal speed). A round's ratio
-then divides two figures that its choice never saw; the ratios of a cell share data only through
-the choices, so their interval is the t-interval of the rounds' ratios as before. A cell needs two
-rounds to choose this way (`--rounds` >= 2). The last line is one JSON
+about half a pass's noise over the square root of the rounds, with two chains of equal speed). A
+round's ratio then divides two figures that its choice never saw; the ratios of a cell share data
+only through the choices, so their interval is the t-interval of the rounds' ratios as before. A
+cell needs two rounds to choose this way (`--rounds` >= 2). The last line is one JSON
 object with `min_adaptive_vs_best_static` and `min_adaptive_vs_off`, the minima over every level of
 both workloads while the level was held, each with the interval of the cell where it falls
 (`min_whole_pass_...`: the same over whole passes, drain included), and `greedy_identical`: whether every
@@ -346,9 +346,9 @@ def compare(rows: list[dict[str, Any]], specs_: list[SpecConfig], workloads: lis
             levels: list[int]) -> list[dict[str, Any]]:
     """Per workload and level that finished two rounds at least, on the tok/s while the level was
     held (`steady_tok_s`, the module's docstring says why): off, the best static configuration (each
-    round's chosen on the other rounds: `held_out_best`) and adaptive, the two ratios of adaptive with their intervals, and the three's mean
-    requests in flight over the level (over whole passes); `whole_pass`: the same on each whole
-    pass's tok/s, its drain included."""
+    round's chosen on the other rounds: `held_out_best`) and adaptive, the two ratios of adaptive with
+    their intervals, and the three's mean requests in flight over the level (over whole passes);
+    `whole_pass`: the same on each whole pass's tok/s, its drain included."""
     static = [s.key() for s in specs_ if s.method != "off" and not s.adaptive]
     adaptive = next(s.key() for s in specs_ if s.adaptive)
     out = []
