@@ -83,6 +83,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -134,6 +135,14 @@ def lasting(requests: int, level: int, warmups: list[tuple[int, float]], pass_s:
     if wave_s <= 0 or requests * wave_s / level >= pass_s:
         return requests
     return max(requests, level * math.ceil(pass_s / wave_s))
+
+
+def warm_walls(keys: list[str], play: Callable[[str], float], cold: bool) -> dict[str, float]:
+    """Each configuration's warm-up wave (`play(key)`: its wall seconds), not measured: what `lasting`
+    sizes the passes from. At a workload's first level (`cold`) every server meets its prompts
+    uncached, so the wave is played twice and sized from the second: sized from prefills that the
+    rounds never pay (their prefixes cached), the passes at that level lasted a fraction of pass_s."""
+    return {k: [play(k) for _ in range(2 if cold else 1)][-1] for k in keys}
 
 
 def in_flight(m: Measurement, level: int) -> float:
@@ -259,8 +268,9 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
                 # first met in the first round was prefilled there and cached for the later rounds,
                 # so the first round ran slower for every configuration (code at 2 in flight, the first
                 # level of the workload: 24.6-35.9 tok/s against 62.3-94.3 in the next rounds)
-                warm = [measure(targets[k], first, params, c, warmup=0, repeats=1).runs[0] for k in keys]
-                n = lasting(requests_at(len(ps), waves, c), c, [(len(first), m.wall_s) for m in warm], pass_s)
+                walls = warm_walls(keys, lambda k: measure(targets[k], first, params, c, warmup=0, repeats=1).runs[0].wall_s,
+                                   cold=c == levels[0])
+                n = lasting(requests_at(len(ps), waves, c), c, [(len(first), walls[k]) for k in keys], pass_s)
                 wave = [ps[i % len(ps)] for i in range(n)]
                 for r in range(rounds):
                     for k in round_order(specs_, r):

@@ -792,6 +792,25 @@ def test_a_pass_grows_by_whole_waves_until_the_fastest_configuration_lasts_pass_
     assert bench.lasting(6, 1, [(6, 1.5)], 4.0) == 16  # 0.25 s a request: 16 for 4 s
 
 
+def test_a_workloads_first_level_is_sized_from_a_cached_warm_up() -> None:
+    """benchmarks/adaptive.py's warm_walls: a server's first wave of a workload prefills its prompts
+    uncached (3 s), every later one finds them cached (1 s): at the workload's first level each
+    configuration plays the wave twice and the passes are sized from the second; at later levels
+    once."""
+    bench = _adaptive_benchmark()
+    played: dict[str, int] = {}
+
+    def play(k: str) -> float:
+        played[k] = played.get(k, 0) + 1
+        return 3.0 if played[k] == 1 else 1.0
+
+    assert bench.warm_walls(["off", "d2"], play, cold=True) == {"off": 1.0, "d2": 1.0}
+    assert played == {"off": 2, "d2": 2}
+    assert bench.warm_walls(["off", "d2"], play, cold=False) == {"off": 1.0, "d2": 1.0}
+    assert played == {"off": 3, "d2": 3}
+    assert bench.lasting(6, 2, [(6, 1.0)], 4.0) > bench.lasting(6, 2, [(6, 3.0)], 4.0)
+
+
 def test_adaptive_needs_the_lean_forward(engine: Engine, monkeypatch) -> None:
     monkeypatch.setattr(engine, "lean", None)  # the config refuses forward=hf first (tests/tuner/test_config.py)
     with pytest.raises(UserError, match="spec.adaptive=true needs engine.builtin.forward=lean"):
