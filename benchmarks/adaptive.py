@@ -50,7 +50,14 @@ holds both: a server that loses nothing drains by the formula and reads its true
 
 A cell's tok/s is the geometric mean over rounds; its ratios are geometric means of the per-round
 ratios (adaptive against off, against the best static, both measured in the same round), with a 95%
-t-interval on their logs. The best static is chosen on the same figure. The last line is one JSON
+t-interval on their logs. Each round's best static is the chain the other rounds chose (`held_out_best`:
+the highest geometric mean over every round but that one), never the round itself: the largest of
+several noisy figures is biased upward, so a best static chosen on the very rounds it is then judged
+on reads high, and adaptive against it reads low, even where adaptive and the chains are equal (by
+about half a pass's noise over the square root of the rounds, with two chains of equal speed). A
+round's ratio then divides two figures that its choice never saw; the ratios of a cell share data
+only through the choices, so their interval is the t-interval of the rounds' ratios as before. A
+cell needs two rounds to choose this way (`--rounds` >= 2). The last line is one JSON
 object with `min_adaptive_vs_best_static` and `min_adaptive_vs_off`, the minima over every level of
 both workloads while the level was held, each with the interval of the cell where it falls
 (`min_whole_pass_...`: the same over whole passes, drain included), and `greedy_identical`: whether every
@@ -76,6 +83,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -127,6 +135,14 @@ def lasting(requests: int, level: int, warmups: list[tuple[int, float]], pass_s:
     if wave_s <= 0 or requests * wave_s / level >= pass_s:
         return requests
     return max(requests, level * math.ceil(pass_s / wave_s))
+
+
+def warm_walls(keys: list[str], play: Callable[[str], float], cold: bool) -> dict[str, float]:
+    """Each configuration's warm-up wave (`play(key)`: its wall seconds), not measured: what `lasting`
+    sizes the passes from. At a workload's first level (`cold`) every server meets its prompts
+    uncached, so the wave is played twice and sized from the second: sized from prefills that the
+    rounds never pay (their prefixes cached), the passes at that level lasted a fraction of pass_s."""
+    return {k: [play(k) for _ in range(2 if cold else 1)][-1] for k in keys}
 
 
 def in_flight(m: Measurement, level: int) -> float:
@@ -252,8 +268,9 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
                 # first met in the first round was prefilled there and cached for the later rounds,
                 # so the first round ran slower for every configuration (code at 2 in flight, the first
                 # level of the workload: 24.6-35.9 tok/s against 62.3-94.3 in the next rounds)
-                warm = [measure(targets[k], first, params, c, warmup=0, repeats=1).runs[0] for k in keys]
-                n = lasting(requests_at(len(ps), waves, c), c, [(len(first), m.wall_s) for m in warm], pass_s)
+                walls = warm_walls(keys, lambda k: measure(targets[k], first, params, c, warmup=0, repeats=1).runs[0].wall_s,
+                                   cold=c == levels[0])
+                n = lasting(requests_at(len(ps), waves, c), c, [(len(first), walls[k]) for k in keys], pass_s)
                 wave = [ps[i % len(ps)] for i in range(n)]
                 for r in range(rounds):
                     for k in round_order(specs_, r):
@@ -299,19 +316,36 @@ def _ratio(num: dict[int, float], den: dict[int, float]) -> tuple[float, float |
     return center, lo, hi
 
 
+def held_out_best(tok: dict[str, dict[int, float]], static: list[str]) -> dict[int, str]:
+    """Per round, the static configuration of the highest geometric mean over the other rounds
+    (`tok[k][r]`: configuration k's figure in round r; ties to the first of `static`): the chain
+    that round's figures are judged against, chosen on figures independent of them (the module's
+    docstring says why). Needs two rounds at least."""
+    rounds = sorted(tok[static[0]])
+    if len(rounds) < 2:
+        raise ValueError("the best static is chosen on the other rounds: two rounds at least")
+    return {r: max(static, key=lambda k: log_interval([tok[k][q] for q in rounds if q != r])[0]) for r in rounds}
+
+
 def _cell(rows: list[dict[str, Any]], w: str, c: int, static: list[str], adaptive: str,
           field: str) -> dict[str, Any] | None:
-    """One cell's figures on `field` (tok/s or steady tok/s): off, the best static configuration (the
-    highest geometric mean over the rounds), adaptive, and adaptive's two ratios with their intervals;
-    None where a round has no figure."""
+    """One cell's figures on `field` (tok/s or steady tok/s): off, the best static configuration
+    (each round's chosen on the other rounds, `held_out_best`: its figure is the geometric mean of
+    the chosen chains' figures in the rounds they were chosen for; `best_static` names the chain
+    chosen in most rounds, `best_static_by_round` every round's), adaptive, and adaptive's two
+    ratios with their intervals; None where a round has no figure."""
     tok = {k: _by_round(rows, w, k, c, field) for k in ["off", *static, adaptive]}
     if any(v is None for got in tok.values() for v in got.values()):
         return None
     mean = {k: log_interval(list(v.values()))[0] for k, v in tok.items()}
-    best = max(static, key=lambda k: mean[k])
-    vs_best, vs_off = _ratio(tok[adaptive], tok[best]), _ratio(tok[adaptive], tok["off"])
+    chosen = held_out_best(tok, static)
+    judged = {r: tok[k][r] for r, k in chosen.items()}
+    best = max(static, key=lambda k: (sum(v == k for v in chosen.values()), mean[k]))
+    vs_best, vs_off = _ratio(tok[adaptive], judged), _ratio(tok[adaptive], tok["off"])
     return {"off": round(mean["off"], 2), "best_static": best,
-            "best_static_tok_s": round(mean[best], 2), "adaptive_tok_s": round(mean[adaptive], 2),
+            "best_static_by_round": [chosen[r] for r in sorted(chosen)],
+            "best_static_tok_s": round(log_interval(list(judged.values()))[0], 2),
+            "adaptive_tok_s": round(mean[adaptive], 2),
             "adaptive_vs_best_static": round(vs_best[0], 3),
             "adaptive_vs_best_static_ci": [None if x is None else round(x, 3) for x in vs_best[1:]],
             "adaptive_vs_off": round(vs_off[0], 3),
@@ -320,11 +354,11 @@ def _cell(rows: list[dict[str, Any]], w: str, c: int, static: list[str], adaptiv
 
 def compare(rows: list[dict[str, Any]], specs_: list[SpecConfig], workloads: list[str],
             levels: list[int]) -> list[dict[str, Any]]:
-    """Per workload and level, on the tok/s while the level was held (`steady_tok_s`, the module's
-    docstring says why): off, the best static configuration (the highest geometric mean over the
-    rounds) and adaptive, the two ratios of adaptive with their intervals, and the three's mean
-    requests in flight over the level (over whole passes); `whole_pass`: the same on each whole
-    pass's tok/s, its drain included."""
+    """Per workload and level that finished two rounds at least, on the tok/s while the level was
+    held (`steady_tok_s`, the module's docstring says why): off, the best static configuration (each
+    round's chosen on the other rounds: `held_out_best`) and adaptive, the two ratios of adaptive with
+    their intervals, and the three's mean requests in flight over the level (over whole passes);
+    `whole_pass`: the same on each whole pass's tok/s, its drain included."""
     static = [s.key() for s in specs_ if s.method != "off" and not s.adaptive]
     adaptive = next(s.key() for s in specs_ if s.adaptive)
     out = []
@@ -333,7 +367,7 @@ def compare(rows: list[dict[str, Any]], specs_: list[SpecConfig], workloads: lis
             # only the rounds every configuration finished (a run stopped early may end mid-round)
             done = set.intersection(*({r["round"] for r in rows if (r["workload"], r["config"], r["concurrency"]) ==
                                        (w, k, c)} for k in ["off", *static, adaptive]))
-            if not done:
+            if len(done) < 2:  # held_out_best chooses each round's best static on the others
                 continue
             kept = [r for r in rows if r["round"] in done]
             held = _cell(kept, w, c, static, adaptive, "steady_tok_s")
@@ -417,8 +451,12 @@ def main(argv: list[str] | None = None) -> int:
     if bad := [w for w in workloads if w not in WORKLOADS]:
         print(f"--workloads: {bad[0]} is not allowed (allowed: {', '.join(WORKLOADS)})", file=sys.stderr)
         return 2
-    if args.prompts < 1 or args.max_new_tokens < 1 or args.rounds < 1 or args.waves < 1:
-        print("--prompts, --max-new-tokens, --rounds and --waves must be >= 1", file=sys.stderr)
+    if args.prompts < 1 or args.max_new_tokens < 1 or args.waves < 1:
+        print("--prompts, --max-new-tokens and --waves must be >= 1", file=sys.stderr)
+        return 2
+    if args.rounds < 2:
+        print(f"--rounds={args.rounds}: must be >= 2 (each round's best static is chosen on the other rounds)",
+              file=sys.stderr)
         return 2
     if args.pass_s < 0:
         print(f"--pass-s={args.pass_s}: must be >= 0 (0: passes of requests_at alone)", file=sys.stderr)
@@ -441,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.monotonic() - began
     table = compare(rows, grid, workloads, levels)
     if not table:
-        print("no cell finished a round", file=sys.stderr)
+        print("no cell finished two rounds (each round's best static is chosen on the others)", file=sys.stderr)
         return 1
     differ = greedy_differences(texts)
 
@@ -453,14 +491,16 @@ def main(argv: list[str] | None = None) -> int:
           f"{'vs static [95%]':>22} {'vs off [95%]':>22} {'in flight':>16}")
     for t in table:
         f = t["in_flight"]
-        print(f"{t['workload']:<8} {t['concurrency']:>3} {t['off']:8.1f} {t['best_static']:>24} "
+        named = f"{t['best_static']} {t['best_static_by_round'].count(t['best_static'])}/{t['rounds']}"
+        print(f"{t['workload']:<8} {t['concurrency']:>3} {t['off']:8.1f} {named:>24} "
               f"{t['best_static_tok_s']:8.1f} {t['adaptive_tok_s']:9.1f} "
               f"{t['adaptive_vs_best_static']:6.3f}x{_ci(t['adaptive_vs_best_static_ci']):<15} "
               f"{t['adaptive_vs_off']:6.3f}x{_ci(t['adaptive_vs_off_ci']):<15} "
               f"{f['off']:.2f}/{f['best_static']:.2f}/{f['adaptive']:.2f}"
               + (f"  ({t['rounds']} of {args.rounds} rounds)" if t["rounds"] < args.rounds else ""))
     print("(output tok/s while the level was held: from the pass's start until the first client had no request "
-          "left to send; geometric means over the rounds; best static: the fastest chain of the grid at that level; "
+          "left to send; geometric means over the rounds; best static: each round judged against the chain of the "
+          "grid fastest over the other rounds (named: the one chosen in most rounds, with how many); "
           "ratios: per-round ratios' geometric mean and 95% interval; in flight: mean requests in flight over the "
           "level over whole passes, off/best static/adaptive)")
     print("\nthe engine's steps per pass (means over the rounds): all of them / those that ran fewer sequences than the "

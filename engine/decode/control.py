@@ -21,7 +21,8 @@ few percent that an estimate of a few samples cannot tell from a loss leaves the
 shallower draft's), while many nodes across a batch, whose errors average out, are doubted less each.
 
 Estimates learn only from what is drafted, so every PROBE_EVERY steps one request drafts one node
-beyond the choice (`probe`): the one whose next index went unverified longest, and only where that
+beyond the choice (`probe`): the one whose next index went unverified longest, weighed by how often
+its drafter yields a node (a probe that drafts nothing verifies nothing), and only where that
 node would pay if it were certainly accepted (where a row costs what a token yields, nothing is
 probed and off's steps stay off's). The probes bound what a stale estimate costs: a batch whose
 prior acceptance was too low to draft learns that its drafts pay. A probe has a price: the seconds
@@ -118,17 +119,22 @@ def probe(chosen: Sequence[int], gains: Sequence[Sequence[float]], ages: Sequenc
           rows: Sequence[float] | None = None) -> int | None:
     """The request to draft one node beyond `chosen` (its nodes from `choose` on the same
     arguments) this step, or None: among the requests that may draft deeper, the one whose next
-    index went unverified longest (`ages[i][r]`: steps since request i's index r + 1 was verified),
-    if that node would pay were it certainly accepted."""
+    index is expected to have gone unverified longest when verified (`ages[i][r]`: steps since
+    request i's index r + 1 was verified, times `rows[i]`, the share of its draft calls that yield
+    a node: a lookup drafter that finds nothing verifies nothing, and its index stays as stale),
+    if that node would pay were it certainly accepted. By age alone, a batch whose requests all
+    drafted nothing (their ages equal) probed its first request every time, and where that one's
+    drafter found nothing, nothing was ever verified: the estimates kept the prior's doubt and the
+    batch never drafted where the other requests' drafts paid."""
     w = [1] * len(gains) if rows is None else list(rows)
     n_rows = sum(k * wi for k, wi in zip(chosen, w))
     got = tokens + sum(sum(g[:k]) * wi for g, k, wi in zip(gains, chosen, w))
     base = step_s(0)
     now = _rate(got, n_rows, base, step_s, draft_s, margin)
-    best, best_age = None, -1
+    best, best_age = None, -1.0
     for i, (k, g) in enumerate(zip(chosen, gains)):
-        if k < len(g) and ages[i][k] > best_age:
-            best, best_age = i, ages[i][k]
+        if k < len(g) and ages[i][k] * w[i] > best_age:
+            best, best_age = i, ages[i][k] * w[i]
     if best is None or _rate(got + w[best], n_rows + w[best], base, step_s, draft_s, margin) <= now:
         return None
     return best
