@@ -579,3 +579,40 @@ def test_the_check_adds_pairs_only_while_other_processes_load_the_machine(
     seen = [others[min(i, len(others) - 1)] for i in range(pairs)]
     assert check.load_cores == (seen if None not in seen else [None] * pairs)
     assert check.gap == pytest.approx(0.0) and check.tuning.speedup == pytest.approx(1.5)
+
+
+def test_under_load_the_checks_re_measurements_are_capped_over_the_whole_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load throughout: the check goes on to CHECK_PAIRS_LOADED pairs, and every pair reads
+    implausible (a speedup above tau, planted). Each pair could be measured three times
+    (PLAUSIBILITY_RETRIES), 18 passes of off here; over the whole check at most CHECK_RETRIES
+    re-measurements are spent, then each pair is measured once and kept as it reads, flagged, and
+    best.yaml's check says why."""
+    from helpers import PlantedLoad
+
+    from engine.models import cpuload
+    from tuner.study.objective import CHECK_RETRIES, PLAUSIBILITY_RETRIES
+    from tuner.study.selection import CHECK_PAIRS_LOADED
+
+    assert CHECK_RETRIES == 4 and PLAUSIBILITY_RETRIES == 2
+    cfg = load_config(CFG)
+    study = _study_with_pair_noise(baseline_tok_s=140.0)
+    offs: list[float] = []
+
+    def measure(spec: SpecConfig, split: str, level: int) -> Sample:
+        secs = (100 / 140.0) / (1.0 if spec.method == "off" else 4.0)  # 4x at tau 3: implausible every time
+        if spec.method == "off":
+            offs.append(100 / secs)
+        return Sample(100 / secs, 3.0, per_prompt=[(100, secs)] * (2 * cfg.workload.num_heldout))
+
+    monkeypatch.setattr(cpuload, "others_cores", PlantedLoad([0.3]))
+    objective = Objective(study, SearchSpace.from_config(cfg), measure, cfg.workload, cfg.search)
+    check, _ = heldout_check(cfg, objective, D3)
+    assert check.pairs == CHECK_PAIRS_LOADED
+    assert len(offs) == CHECK_PAIRS_LOADED + CHECK_RETRIES  # one pass of off per pair measured
+    assert check.remeasured is not None and len(check.remeasured) == CHECK_RETRIES
+    flagged = (check.implausible or "").split("; pair ")
+    assert len(flagged) == CHECK_PAIRS_LOADED and all("cannot exceed tau" in f for f in flagged)
+    # pairs 1 and 2 spent the re-measurements; 3 to 6 were measured once
+    assert sum("the check's re-measurements were spent" in f for f in flagged) == CHECK_PAIRS_LOADED - 2
+    assert describe_check(check).endswith(
+        f"; {CHECK_PAIRS_LOADED} pairs counted as read, still implausible (best.yaml heldout_check.implausible says why)")

@@ -182,6 +182,9 @@ class HeldoutCheck(_Strict):
     # why a pair of the check was measured again (a baseline pass that was an outlier against the
     # study's recent baseline passes, a ratio above tau), per side: the check counts the re-measured pair
     remeasured: list[str] | None = None
+    # why pairs of the check still read implausible when kept (after their re-measurements, or once the
+    # check's were spent: tuner.study.objective.CHECK_RETRIES); the check counts them as they read
+    implausible: str | None = None
     # holds: the interval holds 0 and excludes a held-out speedup of 1.0 (speculation still pays);
     # below / above: the interval lies on one side of 0; inconclusive: it holds 0 and 1.0x alike
     verdict: Literal["holds", "below", "above", "inconclusive"] | None = None

@@ -38,6 +38,9 @@ K_BANDS = "k_bands"
 _CONSTRAINT_PREFIX = "constraints:"  # where Optuna keeps a trial's constraint values (its system attrs)
 # Re-measurements of an implausible pair before its figure is kept (flagged) as it is.
 PLAUSIBILITY_RETRIES = 2
+# Re-measurements across a whole held-out check (all its pairs): under a load that comes and goes,
+# each of its up to CHECK_PAIRS_LOADED pairs could otherwise be measured three times.
+CHECK_RETRIES = 2 * PLAUSIBILITY_RETRIES
 OUTLIER_HISTORY = 3  # baseline passes before one can be called an outlier (two say little of the spread)
 OUTLIER_WINDOW = 5  # the recent baseline passes an outlier is judged against: a glitch is one or two passes
 OUTLIER_BANDS = 3  # how many noise bands (on logs) from the median a pass, or a pair's ratio, is an outlier
@@ -345,11 +348,11 @@ class Objective:
 
     def plausible_pair(self, spec: SpecConfig, split: Split, order: int, history: list[float],
                        own: list[float] | None = None, seen: list[float] | None = None, shared: bool = False,
-                       spread: list[float] | None = None
+                       spread: list[float] | None = None, retries: int = PLAUSIBILITY_RETRIES
                        ) -> tuple[list[Sample], list[Sample], float, list[str], str | None, int]:
         """One pair (`order` even: spec first) measured again while it is implausible (`implausible`
         against the baseline passes `history` and the spec's own earlier passes `own`), up to
-        PLAUSIBILITY_RETRIES times: (spec samples, baseline samples, its ratio, why each retry was
+        `retries` times: (spec samples, baseline samples, its ratio, why each retry was
         measured, why the kept pair is still implausible or None, pairs measured). None too when
         the baseline moved and stayed (`_moved`): a load that ended or began shifts every later
         baseline, and a pair measured back to back still measures the configuration; and when the
@@ -363,7 +366,7 @@ class Objective:
         `spread`: `implausible`'s, when `history` holds passes on other prompts than the study's."""
         retried: list[str] = []
         bases: list[float] = []
-        for attempt in range(PLAUSIBILITY_RETRIES + 1):
+        for attempt in range(retries + 1):
             tail = self._shareable(split) if shared and attempt == 0 and order % 2 == 1 else None
             if tail is not None:
                 b, s = tail, self._at_levels(spec, split)
@@ -374,17 +377,18 @@ class Objective:
             bases.append(_mean_tok(b))
             if seen is not None and tail is None:
                 seen.append(bases[-1])
-            if (still is not None and attempt == PLAUSIBILITY_RETRIES
+            if (still is not None and attempt == retries
                     and self.implausible(s, b, history + bases[:-1], spread=spread) is None):
-                retried.append(f"{still}; so after every retry: the pair counts")
+                retried.append(f"{still}; so after every retry: the pair counts" if retries else
+                               f"{still}; so with no re-measurement left: the pair counts")
                 return s, b, ratio, retried, None, attempt + 1
-            if (still is not None and attempt == PLAUSIBILITY_RETRIES
+            if (still is not None and attempt == retries
                     and self._moved(bases, s, b, history if spread is None else spread)):
                 # every retry's baseline read the same away from the history: the machine's state
                 # changed (a load ended or began) and stayed; the pair, measured back to back, holds
                 retried.append(f"{still}; every retry's baseline read alike: the machine changed, the pair counts")
                 return s, b, ratio, retried, None, attempt + 1
-            if still is None or attempt == PLAUSIBILITY_RETRIES:
+            if still is None or attempt == retries:
                 return s, b, ratio, retried, still, attempt + 1
             retried.append(still)
         raise AssertionError("unreachable: the last attempt returns")
@@ -411,6 +415,8 @@ class Objective:
         pairs were quiet (other processes kept at most `load_cores` cores busy during the pair:
         engine.models.cpuload.others_cores, read around each pair, retries included), up to
         `loaded_max` pairs; where the machine cannot be read, as many pairs as without load.
+        Implausible pairs are measured again (`plausible_pair`) at most CHECK_RETRIES times over
+        the whole check; once those are spent, a pair is measured once and kept as it reads.
 
         Plausibility holds as in a trial (the pass as a whole: tau, its baseline, its spec pass),
         but a baseline pass is judged against the baseline's earlier passes on these prompts, the
@@ -430,10 +436,13 @@ class Objective:
         kept: list[str] = []
         loads: list[float | None] = []
         order = r = 0
+        budget = CHECK_RETRIES
         while True:
             mark = cpuload.busy_mark()
+            allowed = min(PLAUSIBILITY_RETRIES, budget)
             s, b, _, again, still, used = self.plausible_pair(spec, split, r + order, list(seen), passes, seen,
-                                                              spread=spread)
+                                                              spread=spread, retries=allowed)
+            budget -= used - 1
             cores = cpuload.others_cores(mark)
             loads.append(round(cores, 3) if cores is not None else None)
             order += used - 1  # a retry shifts the order of what follows, as in a trial
@@ -441,7 +450,8 @@ class Objective:
             passes.append(_mean_tok(s))
             retried += [f"pair {r}: {why}" for why in again]
             if still is not None:
-                kept.append(f"pair {r}: {still}")
+                spent = "" if allowed == PLAUSIBILITY_RETRIES else "; the check's re-measurements were spent"
+                kept.append(f"pair {r}: {still}{spent}")
             for sd, at in sides.items():
                 spec_s, base_s, ratios = got[sd]
                 spec_s.append([side_sample(x, at) for x in s])

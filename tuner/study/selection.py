@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -978,7 +979,7 @@ def heldout_check(cfg: Config, objective: Objective, spec: SpecConfig) -> tuple[
     return HeldoutCheck(pairs=pairs, tuning=tune, heldout=held, gap=gap, gap_ci_low=lo,
                         gap_ci_high=hi, verdict=verdict(lo, hi, tune.speedup),
                         pair_noise=round(noise[0], 4) if sized is not None and noise is not None else None,
-                        remeasured=again or None,
+                        remeasured=again or None, implausible=got["heldout"].get("implausible"),
                         check_side=objective.study.user_attrs.get(CHECK_SIDE),
                         load_cores=got["heldout"].pop("load_cores", None)), got["heldout"]
 
@@ -1038,6 +1039,10 @@ def describe_check(c: HeldoutCheck) -> str:
         line += f"; tau {c.heldout.tau:.2f} against {c.tuning.tau:.2f} ({rel(g)})"
     if c.remeasured:
         line += "; a pair measured again as implausible (best.yaml heldout_check.remeasured says why)"
+    if c.implausible:
+        n = len(re.findall(r"(?:^|; )pair \d+: ", c.implausible))  # Objective.check's "pair N: why" parts
+        line += (f"; {n} pair{'s' if n > 1 else ''} counted as read, still implausible "
+                 "(best.yaml heldout_check.implausible says why)")
     return line
 
 
