@@ -48,7 +48,8 @@ import torch
 
 from engine.api import GenResult, SamplingParams, TokenCallback
 from engine.decode.acceptance import BATCH_RATE, Acceptance, Calibration
-from engine.decode.control import DOUBT, MARGIN, PROBE_EVERY, SLACK, ProbeBudget, choose, pay_floor, probe, probe_loss
+from engine.decode.control import (DOUBT, MARGIN, PROBE_EVERY, SLACK, ProbeBudget, backoff, choose, pay_floor, probe,
+                                   probe_loss)
 from engine.decode.stepcost import StepCost
 from engine.drafters import Drafter, make_drafter
 from engine.drafters.lockstep import draft_together, lockstep_groups
@@ -230,6 +231,13 @@ class BatchEngine:
         # per batch size, the last full choice's pay floor, step seconds and whether it drafted
         # nothing (engine.decode.control.pay_floor)
         self._floors: dict[int, tuple[float, float, bool]] = {}
+        # per batch size, the steps between its probe steps (engine.decode.control.backoff), the step
+        # the next is due at, and whether the last probe found an accepted node; the probe in flight
+        # (its request, its node, the batch size)
+        self._every: dict[int, int] = {}
+        self._due: dict[int, int] = {}
+        self._found: dict[int, bool] = {}
+        self._probe: tuple[Request, int, int] | None = None
 
     # ---- submission (any thread) --------------------------------------------------------------
 
@@ -468,6 +476,12 @@ class BatchEngine:
             return est
         return est.catch_up(quiet)
 
+    def _probe_step(self, batch: int) -> bool:
+        """Whether this step is a probe step at `batch` requests (priced in full, a probe allowed):
+        every PROBE_EVERY steps until its first, then as engine.decode.control.backoff spaces them."""
+        due = self._due.get(batch)
+        return self.steps % PROBE_EVERY == 0 if due is None else self.steps >= due
+
     @staticmethod
     def _joining(reqs: list[Request]) -> int:
         """Rows beyond one per sequence that a step runs anyway: the prompts joining it."""
@@ -482,9 +496,9 @@ class BatchEngine:
         the step then runs exactly as off's (no drafter call, no tree but off's, the same forward,
         nothing learnt but the count of steps nobody drafted in). A step whose joining prompts add
         more than SLACK of the step prices everything (drafts weigh less against a longer step)."""
-        if self.steps % PROBE_EVERY == 0:
-            return False
         batch = len(reqs)
+        if self._probe_step(batch):
+            return False
         floor = self._floors.get(batch)
         if floor is None:
             return False
@@ -527,7 +541,7 @@ class BatchEngine:
         # costs its drafting alone when it is cut, and a draft the average would refuse may pay
         fills = [e.rows for e in est]
         budget = self.control.probes
-        probing = self.steps % PROBE_EVERY == 0
+        probing = self._probe_step(batch)
         self._priced = True
         pricing = time.perf_counter()
         for e in est:
@@ -545,7 +559,10 @@ class BatchEngine:
         limits = choose(gains, batch, step_s, cost.draft_s, MARGIN, fills, spread, DOUBT)
         if paying is not None:  # what screens the next steps at this batch size, until a probe step
             self._floors[batch] = (paying, table[0], not any(limits))
-        probed = None
+        drafts = any(limits)
+        # what the last probe at this batch size found: an accepted node (True), nothing (False)
+        last = self._found.pop(batch, None) if probing else None
+        probed, wait = None, 0
         budget.earn(table[0])
         if probing:  # one node beyond the choice, for what the estimates learn
             # rows priced at no more than the average row: a count of rows never run is measured
@@ -556,10 +573,17 @@ class BatchEngine:
             # paid for at the prices the choice weighed: what it is expected to lose comes out of the budget
             loss = (probe_loss(limits, gains, batch, step_s, probed, cost.draft_s, fills, MARGIN, spread, DOUBT)
                     if probed is not None else 0.0)
-            if probed is not None and budget.spend(loss):
+            if probed is None:
+                self._found[batch] = False  # no node would pay even if accepted: nothing to find
+            elif budget.spend(loss):
                 limits[probed] += 1
-            else:
-                probed = None
+            else:  # not paid for yet: the next probe step when the budget will have earned it
+                wait, probed = budget.wait(loss, table[0]), None
+        if probing or drafts:  # the next probe step (drafting again: at most PROBE_EVERY steps away)
+            every = self._every[batch] = backoff(self._every.get(batch, PROBE_EVERY), PROBE_EVERY, drafts,
+                                                 last is False)
+            due = self.steps + max(every, wait)
+            self._due[batch] = due if probing else min(self._due.get(batch, due), due)
         if extra == 0:  # what pricing costs at this batch size (a prompt's rows make a step of their own kind)
             cost.observe_pricing(batch, time.perf_counter() - pricing)
         if self.trace is not None:
@@ -598,6 +622,7 @@ class BatchEngine:
         keep = choose(real, batch, step_s, margin=MARGIN, spread=[e.spread(g) for e, g in zip(est, real)], doubt=DOUBT)
         if probed is not None:  # the probe is verified whatever the cut says
             keep[probed] = max(keep[probed], min(limits[probed], sizes[probed]))
+            self._probe = (live[probed], limits[probed], batch)  # its node, if accepted, is found (`_learn`)
         if self._record is not None:
             kept = [min(k, s) for k, s in zip(keep, sizes)]
             self._record.update(sizes=sizes, kept=kept, drafting_s=drafting_s,
@@ -624,6 +649,10 @@ class BatchEngine:
         the batch's from every request's; indices nobody verified drift back (engine.decode.acceptance)."""
         key = self._key(spec)
         batch, cal = self.accept[key], self.calib[key]
+        if self._probe is not None:
+            probed, node, size = self._probe
+            self._found[size] = any(req is probed and node in req.state.path for req, _ in verified)
+            self._probe = None
         if all(tree.size == 1 for _, tree in verified):
             # nobody drafted: the batch's estimate holds, so the requests' drift towards it is only
             # counted, once for the batch (`_estimate` catches an estimate up with the count, and

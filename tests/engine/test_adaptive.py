@@ -22,7 +22,8 @@ from engine.decode import stepcost
 from engine.models import machine
 from engine.decode.acceptance import PRIOR, Acceptance, Calibration
 from engine.decode.batch import BatchEngine, bounded, schedule_of
-from engine.decode.control import DOUBT, MARGIN, PROBE_EVERY, PROBE_SHARE, ProbeBudget, choose, pay_floor, probe, probe_loss
+from engine.decode.control import (DOUBT, MARGIN, PROBE_BACKOFF, PROBE_EVERY, PROBE_SHARE, ProbeBudget, backoff, choose,
+                                   pay_floor, probe, probe_loss)
 from engine.decode.loop import Engine
 from engine.decode.stepcost import StepCost
 from engine.drafters.draft_model import DraftModelDrafter
@@ -1123,6 +1124,40 @@ def test_probes_learn_that_drafts_pay_where_the_prior_said_they_would_not(engine
     assert drafted["no probes"] == 0 and drafted["costly"] == 0
     # more than the probes' own nodes: at most one every PROBE_EVERY steps, of at most one a token
     assert drafted["probes"] > len(prompts) * N_NEW // PROBE_EVERY
+
+
+def test_probe_steps_back_off_where_nothing_pays_and_come_back_where_drafts_pay(engine: Engine, off,
+                                                                               monkeypatch) -> None:
+    """Rows as dear as a whole step: nothing is probed (no node would pay even if accepted) and
+    each probe step's choice drafts nothing, so the steps between probe steps double, up to
+    PROBE_BACKOFF times PROBE_EVERY (a probe that found nothing backs off). The target drafting
+    itself at a fifth of a step per row: the probes find accepted nodes and the choices draft, and
+    the probe steps stay PROBE_EVERY apart. Greedy output is off's either way."""
+    assert backoff(4, 4, True, True) == 4 and backoff(8, 4, False, False) == 8
+    assert backoff(8, 4, False, True) == 16 and backoff(4 * PROBE_BACKOFF, 4, False, True) == 4 * PROBE_BACKOFF
+    budget = ProbeBudget()
+    budget.earn(1.0)  # PROBE_SHARE of a 1 s step
+    assert budget.wait(PROBE_SHARE, 1.0) == 0 and budget.wait(3.5 * PROBE_SHARE, 1.0) == 3
+    assert budget.wait(2.0, 1.0) == PROBE_EVERY * PROBE_BACKOFF  # more than the credit can ever hold
+    prompts, ref = off
+    _the_target_drafts(engine, monkeypatch)
+    spec = SpecConfig(method="draft_model", depth=3, draft_model="the target", adaptive=True)
+    real_probe = B.probe
+    gaps = {}
+    for name, per_row in (("costly", 1.0), ("cheap", 0.2)):
+        planted = PlantedCost({1: [(0, 1.0), (16, 1 + 16 * per_row)]}, max_rows=4)
+        monkeypatch.setattr(engine, "step_costs", lambda *a, planted=planted: planted)
+        be = BatchEngine(engine, max_batch=1, schedule=schedule_of(spec, 1))
+        at: list[int] = []
+        monkeypatch.setattr(B, "probe", lambda *a, be=be, at=at: at.append(be.steps) or real_probe(*a))
+        reqs = be.closed_loop(prompts + prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=1)
+        assert [r.result.tokens for r in reqs] == ref + ref
+        gaps[name] = [b - a for a, b in zip(at, at[1:])]
+    # (a prompt's step between two probe steps adds one: nothing is drafted beside a lone prompt)
+    assert len(gaps["costly"]) >= 5 and max(gaps["costly"]) <= PROBE_EVERY * PROBE_BACKOFF + 1
+    assert all(PROBE_EVERY * 2 ** i <= g <= PROBE_EVERY * 2 ** i + 1 for i, g in enumerate(gaps["costly"][:5]))
+    # (a probe step whose probe the budget cannot pay for yet puts the next where it will have)
+    assert len(gaps["cheap"]) >= 8 and max(gaps["cheap"]) < 2 * PROBE_EVERY
 
 
 def test_the_trace_reports_what_the_controller_chose_and_the_rows_that_ran(engine: Engine, off, monkeypatch) -> None:
