@@ -176,8 +176,8 @@ def backoff(every: int, first: int, drafted: bool, missed: bool) -> int:
     `missed`: a probe step whose choice drafts nothing after a probe that found nothing (its node
     not drafted or not accepted, or no node that would pay even if accepted); else `every` unchanged
     (a probe that found an accepted node keeps the pace: its evidence may make a draft pay). Where
-    nothing pays, the probes and the full pricing of their steps then cost as little as
-    1 / PROBE_BACKOFF of what they cost every PROBE_EVERY steps; where a probe's evidence makes a
+    nothing pays, probe steps (each priced in full) and their probes then come as rarely as every
+    PROBE_EVERY x PROBE_BACKOFF steps; where a probe's evidence makes a
     draft pay, the next choice drafts and the probes are PROBE_EVERY apart again."""
     if drafted:
         return first
