@@ -279,6 +279,7 @@ class BatchEngine:
             self.cost.observe_overhead(batch, start - was - busy, drafted)
         self._last, self._busy, self._decoded, self._ran = None, 0.0, 0, 0
         self._priced = self._drafted = False
+        self._probe = None  # (one whose step failed before its verification found nothing)
         self._retire_cancelled()
         fresh = self._admit()
         if self.prefill == "separate" and fresh:
