@@ -191,7 +191,10 @@ def side_by_side(engine, encoded: list[list[int]], params, level: int, spec: Spe
              "adaptive, drafted": [g for g in got["adaptive"] if g[3] > 0 and not g[4]],
              "off, admitting": [g for g in got["off"] if g[4]], "adaptive, admitting": [g for g in got["adaptive"] if g[4]]}
     for k, rows in kinds.items():
-        out[k] = {"steps": len(rows), "wall_ms": ms([g[0] for g in rows]), "forward_ms": ms([g[1] for g in rows]),
+        out[k] = {"steps": len(rows), "wall_ms": ms([g[0] for g in rows]),
+                  "wall_mean_ms": round(statistics.mean(g[0] for g in rows) * 1e3, 3) if rows else None,
+                  "outside_mean_ms": round(statistics.mean(g[0] - g[1] - g[2] for g in rows) * 1e3, 3) if rows else None,
+                  "forward_ms": ms([g[1] for g in rows]),
                   "outside_forward_ms": ms([g[0] - g[1] - g[2] for g in rows]), "drafting_ms": ms([g[2] for g in rows]),
                   "rows": round(statistics.mean([g[3] for g in rows]), 2) if rows else None,
                   "admitted": round(statistics.mean([g[4] for g in rows]), 2) if rows else None}

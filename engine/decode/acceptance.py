@@ -8,9 +8,10 @@ Each request starts from the batch's estimate over all requests, which itself st
 prior. An index a request does not verify in a step (it drafted fewer nodes, or none) drifts back
 towards the batch's estimate: without that, a request whose drafts stopped paying would never
 draft again to find out that they pay now. On a step where nobody drafted, that target held, so
-the step is only counted (`idle`) and the drift of a run of such steps applied at once when the
-estimate is next read in full or the batch's estimate is about to move (`settle`): most steps at a
-batch size where nothing pays move no estimate. The batch's estimate holds while nobody drafts (the
+the step is only counted, once for the whole batch (the scheduler's count, which an estimate
+catches up with as `idle` when it is next read: `catch_up`), and the drift of a run of such steps
+applied at once when the estimate is next read in full or the batch's estimate is about to move
+(`settle`): most steps at a batch size where nothing pays touch no estimate. The batch's estimate holds while nobody drafts (the
 engine's probes, engine.decode.batch, keep measuring it); on a step where someone drafted, the
 indices deeper than anyone verified drift towards the deepest verified one's estimate times the
 prior's ratio per level, so what the probes learn at shallow indices carries to the deeper ones.
@@ -59,6 +60,9 @@ class Acceptance:
         self.age = [0] * len(self.p)
         self.fill = fill  # 1 before anything is observed: every allowed node is a row
         self.idle = 0  # steps not yet applied in which nothing was verified and the drift's target held
+        # the scheduler's count of steps in which nobody drafted, when `idle` last caught up with it
+        # (`catch_up`): such a step touches no request's estimate (engine.decode.batch)
+        self.mark = 0
 
     def fork(self) -> "Acceptance":
         """A new request's estimate: this (the batch's) estimate, followed at the request's rate."""
@@ -84,6 +88,13 @@ class Acceptance:
             target = toward[r - 1] if toward is not None else self.p[past - 1] * PRIOR ** (r - past)
             self.p[r - 1] += DRIFT * (target - self.p[r - 1])
             self.age[r - 1] += 1
+
+    def catch_up(self, quiet: int) -> "Acceptance":
+        """Count the steps in which nobody drafted since the last call (`quiet`: the scheduler's
+        count of them so far) as `idle`; returns itself."""
+        self.idle += quiet - self.mark
+        self.mark = quiet
+        return self
 
     def settle(self, toward: list[float]) -> None:
         """Apply the `idle` steps' drift at once: each was `drift(0, toward)` with the same target,

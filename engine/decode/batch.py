@@ -26,7 +26,8 @@ draft cut to the nodes that pay. Every PROBE_EVERY steps one request may draft o
 (`control.probe`), verified whatever the cut, where the probes' budget pays for what it is expected
 to lose (`control.ProbeBudget`); between probe steps a batch whose best first node is below the
 last full choice's pay floor, or whose last full choice drafted nothing, drafts nothing without
-pricing (`control.pay_floor`). Every verify
+pricing (`control.pay_floor`); in the second case the step is exactly off's (`_screened`: no
+estimate read, the forward called as off calls it). Every verify
 step then updates the estimates. What
 the controller learns (`Control`) outlives a scheduler: a server runs one scheduler for its life,
 and the engine hands the same `Control` to every scheduler of the same schedule (`Engine.batcher`),
@@ -47,7 +48,8 @@ import torch
 
 from engine.api import GenResult, SamplingParams, TokenCallback
 from engine.decode.acceptance import BATCH_RATE, Acceptance, Calibration
-from engine.decode.control import DOUBT, MARGIN, PROBE_EVERY, SLACK, ProbeBudget, choose, pay_floor, probe, probe_loss
+from engine.decode.control import (DOUBT, MARGIN, PROBE_EVERY, SLACK, ProbeBudget, backoff, choose, pay_floor, probe,
+                                   probe_loss)
 from engine.decode.stepcost import StepCost
 from engine.drafters import Drafter, make_drafter
 from engine.drafters.lockstep import draft_together, lockstep_groups
@@ -132,6 +134,9 @@ class Control:
     accept: dict[str, Acceptance]
     calib: dict[str, Calibration]
     probes: ProbeBudget = field(default_factory=ProbeBudget)
+    # per adaptive spec, the steps so far in which nobody drafted: counted once for the batch, each
+    # request's estimate catching up with the count when it is next read (Acceptance.catch_up)
+    quiet: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def fresh(cls, engine: Any, schedule: Sequence[Band], max_batch: int, room: int) -> "Control":
@@ -139,7 +144,7 @@ class Control:
         adaptive = [s for _, _, s in schedule if s.adaptive and s.method != "off"]
         return cls(engine.step_costs(max_batch, room) if adaptive else None,
                    {s.key(): Acceptance(s.budget - 1, rate=BATCH_RATE) for s in adaptive},
-                   {s.key(): Calibration() for s in adaptive})
+                   {s.key(): Calibration() for s in adaptive}, quiet={s.key(): 0 for s in adaptive})
 
 
 @dataclass
@@ -226,6 +231,13 @@ class BatchEngine:
         # per batch size, the last full choice's pay floor, step seconds and whether it drafted
         # nothing (engine.decode.control.pay_floor)
         self._floors: dict[int, tuple[float, float, bool]] = {}
+        # per batch size, the steps between its probe steps (engine.decode.control.backoff), the step
+        # the next is due at, and whether the last probe found an accepted node; the probe in flight
+        # (its request, its node, the batch size)
+        self._every: dict[int, int] = {}
+        self._due: dict[int, int] = {}
+        self._found: dict[int, bool] = {}
+        self._probe: tuple[Request, int, int] | None = None
 
     # ---- submission (any thread) --------------------------------------------------------------
 
@@ -267,6 +279,7 @@ class BatchEngine:
             self.cost.observe_overhead(batch, start - was - busy, drafted)
         self._last, self._busy, self._decoded, self._ran = None, 0.0, 0, 0
         self._priced = self._drafted = False
+        self._probe = None  # (one whose step failed before its verification found nothing)
         self._retire_cancelled()
         fresh = self._admit()
         if self.prefill == "separate" and fresh:
@@ -359,7 +372,13 @@ class BatchEngine:
             except Exception as exc:  # noqa: BLE001 - a drafter that cannot be made fails its request only
                 req.fail(exc)
         live = [r for r in reqs if r.error is None]
-        if spec is not None and spec.adaptive and spec.method != "off":
+        # under an adaptive spec only the controller drafts: a request it leaves without a draft
+        # (and every request of a step screened out) plans off's row, its drafter not called
+        adaptive = spec is not None and spec.adaptive and spec.method != "off"
+        screened = adaptive and self._screened(live, spec)
+        if screened:
+            drafted = {}
+        elif adaptive:
             drafted = self._draft_adaptively(live, spec)
         else:
             drafted = self._draft_in_lockstep(live)
@@ -372,7 +391,7 @@ class BatchEngine:
                 tree, dt = drafted.get(id(req), (None, 0.0))
                 if isinstance(tree, Exception):
                     raise tree
-                tree, tokens, last_only = st.plan(tree, dt)
+                tree, tokens, last_only = st.plan(tree, dt, draft=not adaptive)
             except Exception as exc:  # noqa: BLE001 - a drafter crash fails its request only
                 req.fail(exc)
                 continue
@@ -398,7 +417,8 @@ class BatchEngine:
             return
         forward_s = time.perf_counter() - t
         self._busy += forward_s
-        if self.cost is not None and all(tree is not None for _, tree, _, _ in plans):  # decode rows only
+        # decode rows only; a screened step is off's, not one the controller priced or learns a price from
+        if self.cost is not None and not screened and all(tree is not None for _, tree, _, _ in plans):
             rows = sum(len(toks) - 1 for _, _, toks, _ in plans)
             self.cost.observe_step(len(plans), rows, forward_s)
             self._decoded, self._drafted = len(plans), rows > 0
@@ -446,11 +466,63 @@ class BatchEngine:
         return key if key is not None else spec.key()
 
     def _estimate(self, req: Request, spec: SpecConfig) -> Acceptance:
-        """The request's acceptance estimate under an adaptive spec (the batch's, when it starts)."""
+        """The request's acceptance estimate under an adaptive spec (the batch's, when it starts),
+        caught up with the steps in which nobody drafted (`Control.quiet`)."""
         key = self._key(spec)
-        if key not in req.accept:
-            req.accept[key] = self.accept[key].fork()
-        return req.accept[key]
+        quiet = self.control.quiet[key]
+        est = req.accept.get(key)
+        if est is None:
+            est = req.accept[key] = self.accept[key].fork()
+            est.mark = quiet
+            return est
+        return est.catch_up(quiet)
+
+    def _probe_step(self, batch: int) -> bool:
+        """Whether this step is a probe step at `batch` requests (priced in full, a probe allowed):
+        every PROBE_EVERY steps until its first, then as engine.decode.control.backoff spaces them."""
+        due = self._due.get(batch)
+        return self.steps % PROBE_EVERY == 0 if due is None else self.steps >= due
+
+    @staticmethod
+    def _joining(reqs: list[Request]) -> int:
+        """Rows beyond one per sequence that a step runs anyway: the prompts joining it."""
+        return sum(len(r.state.ids) - r.state.reused - 1 for r in reqs if not r.state.prefilled)
+
+    def _screened(self, reqs: list[Request], spec: SpecConfig) -> bool:
+        """Whether the step is off's without pricing anything (engine.decode.control.pay_floor):
+        between probe steps, at a batch size whose last full choice drafted nothing (the estimates
+        move only by what is verified, so the next steps would choose the same; the floor alone is
+        loose there: a fixed cost of drafting spreads over every node the batch could draft), or
+        whose best first node is below that choice's pay floor. The first case reads no estimate:
+        the step then runs exactly as off's (no drafter call, no tree but off's, the same forward,
+        nothing learnt but the count of steps nobody drafted in). A step whose joining prompts add
+        more than SLACK of the step prices everything (drafts weigh less against a longer step)."""
+        batch = len(reqs)
+        if self._probe_step(batch):
+            return False
+        floor = self._floors.get(batch)
+        if floor is None:
+            return False
+        cost, extra = self.cost, self._joining(reqs)
+        if extra and cost.step_s(batch, extra) - cost.step_s(batch, 0) > SLACK * floor[1]:
+            return False
+        key, nodes = self._key(spec), spec.budget - 1
+        batch_est, cal = self.accept[key], self.calib[key]
+        live = [r for r in reqs if r.state.will_draft] if not floor[2] or self.trace is not None else []
+        if not floor[2] and live and nodes:
+            # each request's first index only, its pending drift unapplied (`first`): `upper`'s
+            # first gain is that times the band ratio, within [0, 1]
+            first = max(self._estimate(r, spec).first(batch_est.p[0]) for r in live) * cal.first_ratio(batch_est)
+            if min(max(first, 0.0), 1.0) >= floor[0] * (1 - SLACK):
+                return False
+        self.control.probes.earn(floor[1])
+        if self.trace is not None:
+            est = [self._estimate(r, spec) for r in live]
+            for e in est:
+                e.settle(batch_est.p)
+            self._record = self._note(batch, extra, [floor[1]], cal.upper(est, batch_est, nodes),
+                                      [e.rows for e in est], [0] * len(live), False, True, time.perf_counter())
+        return True
 
     def _draft_adaptively(self, reqs: list[Request], spec: SpecConfig) -> dict[int, tuple[Tree | Exception, float]]:
         """`_draft_in_lockstep` under the controller (engine.decode.control): each request drafts at
@@ -460,9 +532,7 @@ class BatchEngine:
         live = [r for r in reqs if r.state.will_draft]
         if not live:
             return {}
-        batch = len(reqs)
-        # rows beyond one per sequence that the step runs anyway: the prompts joining it
-        extra = sum(len(r.state.ids) - r.state.reused - 1 for r in reqs if not r.state.prefilled)
+        batch, extra = len(reqs), self._joining(reqs)
         cost = self.cost
         est = [self._estimate(r, spec) for r in live]
         nodes = spec.budget - 1
@@ -472,29 +542,7 @@ class BatchEngine:
         # costs its drafting alone when it is cut, and a draft the average would refuse may pay
         fills = [e.rows for e in est]
         budget = self.control.probes
-        probing = self.steps % PROBE_EVERY == 0
-        # decide before pricing: below the last full choice's pay floor at this batch size nothing
-        # pays (engine.decode.control.pay_floor), nor where that choice drafted nothing (the
-        # estimates move only by what is verified, so the next steps would choose the same; the
-        # floor alone is loose there: a fixed cost of drafting spreads over every node the batch
-        # could draft). A probe step prices everything, and so does a step whose joining prompts
-        # add more than SLACK of the step (drafts weigh less against a longer step).
-        # The screen reads each request's first index only, its pending drift unapplied (`first`):
-        # `upper`'s first gain is that times the band ratio, within [0, 1]
-        floor = self._floors.get(batch) if not probing else None
-        if floor is not None and extra and cost.step_s(batch, extra) - cost.step_s(batch, 0) > SLACK * floor[1]:
-            floor = None
-        if floor is not None:
-            t0 = batch_est.p[0] if nodes else 0.0
-            first = max(e.first(t0) for e in est) * cal.first_ratio(batch_est) if nodes else 0.0
-            if floor[2] or min(max(first, 0.0), 1.0) < floor[0] * (1 - SLACK):
-                budget.earn(floor[1])
-                if self.trace is not None:
-                    for e in est:
-                        e.settle(batch_est.p)
-                    self._record = self._note(batch, extra, [floor[1]], cal.upper(est, batch_est, nodes), fills,
-                                              [0] * len(live), False, True, began)
-                return {id(r): (Tree.chain(r.state.ids[-1], []), 0.0) for r in live}
+        probing = self._probe_step(batch)
         self._priced = True
         pricing = time.perf_counter()
         for e in est:
@@ -512,7 +560,10 @@ class BatchEngine:
         limits = choose(gains, batch, step_s, cost.draft_s, MARGIN, fills, spread, DOUBT)
         if paying is not None:  # what screens the next steps at this batch size, until a probe step
             self._floors[batch] = (paying, table[0], not any(limits))
-        probed = None
+        drafts = any(limits)
+        # what the last probe at this batch size found: an accepted node (True), nothing (False)
+        last = self._found.pop(batch, None) if probing else None
+        probed, wait = None, 0
         budget.earn(table[0])
         if probing:  # one node beyond the choice, for what the estimates learn
             # rows priced at no more than the average row: a count of rows never run is measured
@@ -523,17 +574,24 @@ class BatchEngine:
             # paid for at the prices the choice weighed: what it is expected to lose comes out of the budget
             loss = (probe_loss(limits, gains, batch, step_s, probed, cost.draft_s, fills, MARGIN, spread, DOUBT)
                     if probed is not None else 0.0)
-            if probed is not None and budget.spend(loss):
+            if probed is None:
+                self._found[batch] = False  # no node would pay even if accepted: nothing to find
+            elif budget.spend(loss):
                 limits[probed] += 1
-            else:
-                probed = None
+            else:  # not paid for yet: the next probe step when the budget will have earned it
+                wait, probed = budget.wait(loss, table[0]), None
+        if probing or drafts:  # the next probe step (drafting again: at most PROBE_EVERY steps away)
+            every = self._every[batch] = backoff(self._every.get(batch, PROBE_EVERY), PROBE_EVERY, drafts,
+                                                 last is False)
+            due = self.steps + max(every, wait)
+            self._due[batch] = due if probing else min(self._due.get(batch, due), due)
         if extra == 0:  # what pricing costs at this batch size (a prompt's rows make a step of their own kind)
             cost.observe_pricing(batch, time.perf_counter() - pricing)
         if self.trace is not None:
             self._record = self._note(batch, extra, table[:9], gains, fills, list(limits), probed is not None, False,
                                       began)
         if not any(limits):  # nothing pays: the step is off's, no drafter call, no cut
-            return {id(r): (Tree.chain(r.state.ids[-1], []), 0.0) for r in live}
+            return {}
         drafting = [(r, n) for r, n in zip(live, limits) if n > 0]
         full = {id(r): r.state.drafter.spec for r, _ in drafting}
         for r, n in drafting:
@@ -565,15 +623,14 @@ class BatchEngine:
         keep = choose(real, batch, step_s, margin=MARGIN, spread=[e.spread(g) for e, g in zip(est, real)], doubt=DOUBT)
         if probed is not None:  # the probe is verified whatever the cut says
             keep[probed] = max(keep[probed], min(limits[probed], sizes[probed]))
+            self._probe = (live[probed], limits[probed], batch)  # its node, if accepted, is found (`_learn`)
         if self._record is not None:
             kept = [min(k, s) for k, s in zip(keep, sizes)]
             self._record.update(sizes=sizes, kept=kept, drafting_s=drafting_s,
                                 expected=sum(sum(g[:k]) for g, k in zip(real, kept)),
                                 control_s=time.perf_counter() - began - drafting_s)
         for r, k, size in zip(live, keep, sizes):
-            if id(r) not in out:  # the controller chose no draft
-                out[id(r)] = (Tree.chain(r.state.ids[-1], []), 0.0)
-            elif k < size:
+            if id(r) in out and k < size:  # (a request the controller chose no draft for plans off's row)
                 tree, dt = out[id(r)]
                 out[id(r)] = (tree.first(k + 1), dt)
         return out
@@ -593,17 +650,22 @@ class BatchEngine:
         the batch's from every request's; indices nobody verified drift back (engine.decode.acceptance)."""
         key = self._key(spec)
         batch, cal = self.accept[key], self.calib[key]
+        if self._probe is not None:
+            probed, node, size = self._probe
+            self._found[size] = any(req is probed and node in req.state.path for req, _ in verified)
+            self._probe = None
         if all(tree.size == 1 for _, tree in verified):
-            # nobody drafted: the batch's estimate holds, so each request's drift towards it is only
-            # counted (Acceptance.settle applies it when it is next read in full)
-            for req, _ in verified:
-                if req.state.drafter is not None:
-                    self._estimate(req, spec).idle += 1
+            # nobody drafted: the batch's estimate holds, so the requests' drift towards it is only
+            # counted, once for the batch (`_estimate` catches an estimate up with the count, and
+            # Acceptance.settle applies it when the estimate is next read in full)
+            if verified:
+                self.control.quiet[key] += 1
             return
+        quiet = self.control.quiet[key]
         for req in self.active:  # the batch's estimate is about to move: the counted drift first
             pending = req.accept.get(key)
             if pending is not None:
-                pending.settle(batch.p)
+                pending.catch_up(quiet).settle(batch.p)
         most = 0
         for req, tree in verified:
             if req.state.drafter is None:

@@ -33,6 +33,15 @@ nearly free a probe costs nothing and runs every PROBE_EVERY steps; where a row 
 token yields, probes run only as often as that share of the time pays for, so exploring costs less
 than the noise of any measurement of the engine.
 
+A probe that found nothing backs off (`backoff`): a probe step at a batch size whose full choice
+drafts nothing, after a probe there that found no accepted node (its node not drafted or not
+accepted, or no node that would pay even if accepted), doubles the steps to that batch size's next
+probe step, up to PROBE_BACKOFF times PROBE_EVERY; a probe that found one keeps the pace, and a
+choice that drafts brings it back to PROBE_EVERY. A probe step whose probe the budget cannot pay
+for yet puts the next one where it will have earned it (`ProbeBudget.wait`), so no step is priced
+in full for a probe it cannot run. Where nothing pays, probing then follows the evidence down to a
+small share of its budget and its steps' pricing to a small share of the steps.
+
 Most steps at a batch size where drafts do not pay draft nothing, and pricing every total of rows
 to find that out costs more than anything else the controller does. So each full choice also
 yields the least gain per row at which any total of rows could pay (`pay_floor`: no node gains
@@ -56,6 +65,7 @@ from operator import itemgetter
 MARGIN = 0.15  # the engine's pessimism on the cost of drafts (forward rows and drafting)
 DOUBT = 1.0  # standard errors of the drafts' expected tokens that a total of nodes must still pay after
 PROBE_EVERY = 4  # a probe at most every this many steps: at most a quarter of a row per step
+PROBE_BACKOFF = 16  # where nothing pays, a batch size's probe steps grow at most this many times further apart
 PROBE_SHARE = 0.005  # the share of the steps' seconds that the probes may be expected to lose
 SLACK = 0.1  # a batch is screened out below this much less than the last pay floor (prices move between steps)
 
@@ -160,6 +170,20 @@ def probe_loss(chosen: Sequence[int], gains: Sequence[Sequence[float]], tokens: 
     return max(extra - gain * w[i] * now / got, 0.0)
 
 
+def backoff(every: int, first: int, drafted: bool, missed: bool) -> int:
+    """The steps from a batch size's probe step to its next, after a full choice there: `first`
+    (PROBE_EVERY) once the choice drafts; else twice `every`, up to `first` x PROBE_BACKOFF, when
+    `missed`: a probe step whose choice drafts nothing after a probe that found nothing (its node
+    not drafted or not accepted, or no node that would pay even if accepted); else `every` unchanged
+    (a probe that found an accepted node keeps the pace: its evidence may make a draft pay). Where
+    nothing pays, probe steps (each priced in full) and their probes then come as rarely as every
+    PROBE_EVERY x PROBE_BACKOFF steps; where a probe's evidence makes a
+    draft pay, the next choice drafts and the probes are PROBE_EVERY apart again."""
+    if drafted:
+        return first
+    return min(2 * every, first * PROBE_BACKOFF) if missed else every
+
+
 class ProbeBudget:
     """The seconds the probes may still lose: PROBE_SHARE of every step's seconds, banked up to one
     step's worth (a stretch without probes does not buy a burst of them)."""
@@ -170,6 +194,14 @@ class ProbeBudget:
     def earn(self, step_s: float) -> None:
         """A step of `step_s` seconds ran."""
         self.credit = min(self.credit + PROBE_SHARE * step_s, step_s)
+
+    def wait(self, loss: float, step_s: float) -> int:
+        """The steps of `step_s` seconds until a probe expected to lose `loss` is paid for (at most
+        PROBE_EVERY x PROBE_BACKOFF: the credit is capped at one step's seconds)."""
+        short = loss - self.credit
+        if short <= 0:
+            return 0
+        return min(math.ceil(short / (PROBE_SHARE * step_s)), PROBE_EVERY * PROBE_BACKOFF)
 
     def spend(self, loss: float) -> bool:
         """Whether a probe expected to lose `loss` seconds is paid for (and if so, pay it)."""

@@ -334,12 +334,14 @@ class Decoding:
         """Whether the next `plan` drafts a tree (the prompt has run and there is a drafter)."""
         return self.prefilled and self.drafter is not None
 
-    def plan(self, drafted: Tree | None = None, draft_s: float = 0.0) -> tuple[Tree | None, list[int] | None, bool]:
+    def plan(self, drafted: Tree | None = None, draft_s: float = 0.0,
+             draft: bool = True) -> tuple[Tree | None, list[int] | None, bool]:
         """The next forward: (tree, tokens, last_only). The prompt first (tree None), then the drafted
         tree rooted at the last committed token; tokens None when the context is full (done).
         `drafted`: the tree when the caller drafted it with this request's drafter, ids, params and
         generator (engine.decode.batch drafts several requests in lockstep), `draft_s` the seconds
-        that took."""
+        that took. `draft` False: without `drafted`, the row speculation off runs (the drafter is not
+        called: adaptive control drafts only what it chose)."""
         if not self.prefilled:
             self._t = time.perf_counter()
             return None, self.ids[self.reused:], True
@@ -348,7 +350,7 @@ class Decoding:
         ids = self.ids
         if drafted is not None:
             tree, t = drafted, t - draft_s
-        elif self.drafter is not None:
+        elif self.drafter is not None and draft:
             tree = self.drafter.draft(ids, self.params, self.gen)
         else:
             tree = Tree([ids[-1]], [-1], [0])

@@ -22,7 +22,8 @@ from engine.decode import stepcost
 from engine.models import machine
 from engine.decode.acceptance import PRIOR, Acceptance, Calibration
 from engine.decode.batch import BatchEngine, bounded, schedule_of
-from engine.decode.control import DOUBT, MARGIN, PROBE_EVERY, PROBE_SHARE, ProbeBudget, choose, pay_floor, probe, probe_loss
+from engine.decode.control import (DOUBT, MARGIN, PROBE_BACKOFF, PROBE_EVERY, PROBE_SHARE, ProbeBudget, backoff, choose,
+                                   pay_floor, probe, probe_loss)
 from engine.decode.loop import Engine
 from engine.decode.stepcost import StepCost
 from engine.drafters.draft_model import DraftModelDrafter
@@ -894,6 +895,7 @@ def test_greedy_with_adaptive_control_equals_off(engine: Engine, off, spec: Spec
     def spy(reqs, s):
         out = real_draft(reqs, s)
         sizes.extend(t.size - 1 for t, _ in out.values() if isinstance(t, Tree))
+        sizes.extend(0 for r in reqs if r.state.will_draft and id(r) not in out)  # left without a draft: off's row
         return out
 
     be._draft_adaptively = spy
@@ -956,6 +958,72 @@ def test_a_step_where_nothing_pays_calls_no_drafter(engine: Engine, off, monkeyp
     # priced: the probe steps (a table and the probes' own), the first step at each batch size
     assert sum(extra == 0 for _, extra, _ in tables) <= 2 * (be.steps // PROBE_EVERY + 1) + 4
     assert be.steps > 3 * PROBE_EVERY  # (enough steps that pricing every one would fail the bound)
+
+
+def test_a_step_nobody_drafts_in_is_offs_forward(engine: Engine, off, monkeypatch) -> None:
+    """Rows as dear as a whole step, so adaptive control drafts nothing: step by step it calls the
+    forward speculation off calls, with the same arguments (each sequence's slot, committed length,
+    tokens, positions, mask and which logits), and its screened steps (between probe steps, at a
+    batch size whose last full choice drafted nothing) read no estimate, call no drafter and learn
+    no price: the step is off's. The requests' estimates then catch up with the steps nobody
+    drafted in as if each had been counted."""
+    prompts, ref = off
+    planted = PlantedCost({1: [(0, 1.0), (16, 17.0)], 4: [(0, 1.0), (64, 65.0)]}, max_rows=5)
+    monkeypatch.setattr(engine, "step_costs", lambda *a: planted)
+    real = engine.forward.step_batch
+    calls: list[tuple] = []
+
+    def spy(caches, tokens, depths, ancestors, last_only, aux_layers=None):
+        calls.append(([c.slot for c in caches], [c.length for c in caches], [list(t) for t in tokens], depths,
+                      [None if a is None else a.tolist() for a in ancestors], list(last_only), aux_layers))
+        return real(caches, tokens, depths, ancestors, last_only, aux_layers)
+
+    monkeypatch.setattr(engine.forward, "step_batch", spy)
+    runs = {}
+    for name, spec in (("off", SpecConfig(method="off")),
+                       ("adaptive", SpecConfig(method="ngram", depth=3, ngram_min=1, ngram_max=3, adaptive=True))):
+        calls.clear()
+        be = BatchEngine(engine, max_batch=4, schedule=schedule_of(spec, 4))
+        reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=4)
+        assert [r.result.tokens for r in reqs] == ref
+        runs[name] = (list(calls), be)
+    assert runs["adaptive"][0] == runs["off"][0]
+
+    # the same again, watching what a screened step touches
+    screened, touched = [], []
+    real_screened, real_estimate = BatchEngine._screened, BatchEngine._estimate
+    monkeypatch.setattr(BatchEngine, "_screened",
+                        lambda self, reqs, spec: real_screened(self, reqs, spec) and not screened.append(self.steps))
+    monkeypatch.setattr(BatchEngine, "_estimate",
+                        lambda self, req, spec: touched.append(self.steps) or real_estimate(self, req, spec))
+    monkeypatch.setattr(planted, "observe_step", lambda *a: touched.append(be.steps))
+    drafts = []
+    for d in ("ngram",):
+        cls = type(B.make_drafter(SpecConfig(method=d, depth=3), engine.target, 0))
+        real_draft = cls.draft
+        monkeypatch.setattr(cls, "draft", lambda self, *a, real_draft=real_draft: drafts.append(1) or real_draft(self, *a))
+    spec = SpecConfig(method="ngram", depth=3, ngram_min=1, ngram_max=3, adaptive=True)
+    be = BatchEngine(engine, max_batch=4, schedule=schedule_of(spec, 4))
+    reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=4)
+    assert [r.result.tokens for r in reqs] == ref
+    assert drafts == [] and len(screened) > be.steps // 2
+    assert not set(screened) & set(touched)
+    # the steps nobody drafted in are counted once each: every step with a decode row here
+    assert be.control.quiet[spec.key()] == sum(1 for c in runs["off"][0] if not all(c[5]))
+
+
+def test_an_estimate_catches_up_with_the_steps_nobody_drafted_in() -> None:
+    """An estimate read after k steps nobody drafted in (the scheduler's count) drifts as k steps'
+    drift applied one by one would; reading it again without another such step moves nothing."""
+    toward = [0.5, 0.25, 0.125]
+    stepped, counted = Acceptance(3, [0.1, 0.9, 0.0]), Acceptance(3, [0.1, 0.9, 0.0])
+    counted.mark = 5
+    for _ in range(7):
+        stepped.drift(0, toward)
+    counted.catch_up(12).settle(toward)
+    assert counted.p == pytest.approx(stepped.p, rel=1e-12) and counted.age == stepped.age == [7, 7, 7]
+    counted.catch_up(12).settle(toward)
+    assert counted.p == pytest.approx(stepped.p, rel=1e-12) and counted.mark == 12 and counted.idle == 0
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -1056,6 +1124,40 @@ def test_probes_learn_that_drafts_pay_where_the_prior_said_they_would_not(engine
     assert drafted["no probes"] == 0 and drafted["costly"] == 0
     # more than the probes' own nodes: at most one every PROBE_EVERY steps, of at most one a token
     assert drafted["probes"] > len(prompts) * N_NEW // PROBE_EVERY
+
+
+def test_probe_steps_back_off_where_nothing_pays_and_come_back_where_drafts_pay(engine: Engine, off,
+                                                                               monkeypatch) -> None:
+    """Rows as dear as a whole step: nothing is probed (no node would pay even if accepted) and
+    each probe step's choice drafts nothing, so the steps between probe steps double, up to
+    PROBE_BACKOFF times PROBE_EVERY (a probe that found nothing backs off). The target drafting
+    itself at a fifth of a step per row: the probes find accepted nodes and the choices draft, and
+    the probe steps stay PROBE_EVERY apart. Greedy output is off's either way."""
+    assert backoff(4, 4, True, True) == 4 and backoff(8, 4, False, False) == 8
+    assert backoff(8, 4, False, True) == 16 and backoff(4 * PROBE_BACKOFF, 4, False, True) == 4 * PROBE_BACKOFF
+    budget = ProbeBudget()
+    budget.earn(1.0)  # PROBE_SHARE of a 1 s step
+    assert budget.wait(PROBE_SHARE, 1.0) == 0 and budget.wait(3.5 * PROBE_SHARE, 1.0) == 3
+    assert budget.wait(2.0, 1.0) == PROBE_EVERY * PROBE_BACKOFF  # more than the credit can ever hold
+    prompts, ref = off
+    _the_target_drafts(engine, monkeypatch)
+    spec = SpecConfig(method="draft_model", depth=3, draft_model="the target", adaptive=True)
+    real_probe = B.probe
+    gaps = {}
+    for name, per_row in (("costly", 1.0), ("cheap", 0.2)):
+        planted = PlantedCost({1: [(0, 1.0), (16, 1 + 16 * per_row)]}, max_rows=4)
+        monkeypatch.setattr(engine, "step_costs", lambda *a, planted=planted: planted)
+        be = BatchEngine(engine, max_batch=1, schedule=schedule_of(spec, 1))
+        at: list[int] = []
+        monkeypatch.setattr(B, "probe", lambda *a, be=be, at=at: at.append(be.steps) or real_probe(*a))
+        reqs = be.closed_loop(prompts + prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=1)
+        assert [r.result.tokens for r in reqs] == ref + ref
+        gaps[name] = [b - a for a, b in zip(at, at[1:])]
+    # (a prompt's step between two probe steps adds one: nothing is drafted beside a lone prompt)
+    assert len(gaps["costly"]) >= 5 and max(gaps["costly"]) <= PROBE_EVERY * PROBE_BACKOFF + 1
+    assert all(PROBE_EVERY * 2 ** i <= g <= PROBE_EVERY * 2 ** i + 1 for i, g in enumerate(gaps["costly"][:5]))
+    # (a probe step whose probe the budget cannot pay for yet puts the next where it will have)
+    assert len(gaps["cheap"]) >= 8 and max(gaps["cheap"]) < 2 * PROBE_EVERY
 
 
 def test_the_trace_reports_what_the_controller_chose_and_the_rows_that_ran(engine: Engine, off, monkeypatch) -> None:
