@@ -24,7 +24,7 @@ from engine.models.hf_forward import HFCache, HFForward
 from engine.models.kvpool import KVCache
 from engine.models.target import ChatTokenizer, Target, hf_checkpoint_dir, load_target, resolve_device
 from engine.trees.tree import Tree
-from engine.trees.verify import argmax_rows, process_logits, verify
+from engine.trees.verify import argmax_token, process_logits, verify
 from tuner.schema.config import BuiltinEngineConfig, ModelConfig, SpecConfig, UserError
 
 
@@ -218,12 +218,10 @@ class Engine:
         """Token ids of a conversation through the model's chat template, ready for the assistant's turn."""
         return ChatTokenizer(self.tokenizer).encode_messages(messages)
 
-    def _pick(self, logits: torch.Tensor, row: int, params: SamplingParams, gen: torch.Generator | None) -> int:
-        """The token of row `row` of logits [n, V]: its argmax (argmax_rows: the step's own where it
-        took one) or a sample."""
+    def _pick(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
         if params.temperature <= 0:
-            return argmax_rows(logits)[row]
-        return int(torch.multinomial(process_logits(logits[row], params), 1, generator=gen))
+            return argmax_token(logits)
+        return int(torch.multinomial(process_logits(logits, params), 1, generator=gen))
 
     def start(self, prompt_ids: list[int], params: SamplingParams, on_tokens: TokenCallback | None,
               drafter: Drafter | None, cache: KVCache | HFCache) -> "Decoding":
@@ -376,7 +374,7 @@ class Decoding:
                 aux = None if aux is None or a0 is None else torch.cat([a0, aux])
                 self._reused = None
             self.prompt_features = (hidden, aux)
-            self.ids.append(e._pick(logits, -1, params, self.gen))
+            self.ids.append(e._pick(logits[-1], params, self.gen))
             self._observe_logits(self.ids[-2:-1], logits[-1:])
             self._observe(hidden, aux, None)
             self.prefilled = True
@@ -388,7 +386,7 @@ class Decoding:
         prefix = len(self.ids) - 1
         n = tree.size
         if n == 1:
-            path, bonus = [0], e._pick(logits, 0, params, self.gen)
+            path, bonus = [0], e._pick(logits[0], params, self.gen)
         else:
             path, bonus = verify(tree, logits, params, self.gen)
             self.cache.commit(prefix, path)

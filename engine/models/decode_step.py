@@ -187,69 +187,6 @@ static void attend_chunk(const Chunk& c, const long* m, const float* qkv, long l
   attend_range<D>(qr.data(), g * D, 0, 0, g, kc, vc, n, L, c.c0, c.c1, vis, scale, po + c.o, pm + c.ms, ps + c.ms, sc);
 }
 
-/* this thread's part of the argmax of each of the P rows of logits [P, ldl] (V columns): the first
-   largest of columns [V t / T, V (t + 1) / T), a NaN counting as larger than any number (as numpy's and
-   torch's argmax), into bm / bi [T, P]. Run right after the lm_head, whose blocks the team splits in
-   the same order, so most of a thread's part is its own output, still in its core's cache: read
-   afterwards by the caller it comes from memory (the whole step's weights streamed through the
-   caches since), and so does the interpreter's own state. */
-static void part_argmax(const float* logits, long ldl, long P, long V, float* bm, long* bi) {
-  long T = omp_get_num_threads(), t = omp_get_thread_num(), a = V * t / T, b = V * (t + 1) / T;
-  for (long i = 0; i < P; ++i) {
-    const float* row = logits + i * ldl;
-    vf vm = splat(-__builtin_inff());
-    vi nan = {};
-    long c = a;
-    for (; c + VW <= b; c += VW) {
-      vf x = *(const vfu*)(row + c);
-      vm = x > vm ? x : vm;
-      nan |= x != x;
-    }
-    float m = hmax(vm);
-    bool any_nan = false;
-    for (int l = 0; l < VW; ++l) any_nan |= nan[l] != 0;
-    for (; c < b; ++c) {
-      any_nan |= row[c] != row[c];
-      m = row[c] > m ? row[c] : m;
-    }
-    long at = a;
-    if (any_nan) {
-      while (row[at] == row[at]) ++at;
-      m = row[at];
-    } else {
-      while (at < b && row[at] != m) ++at;
-    }
-    bm[t * P + i] = m;
-    bi[t * P + i] = at < b ? at : a;
-  }
-}
-
-/* the team's parts (part_argmax) in column order: a later part wins only when larger, or the first NaN */
-static void merge_argmax(const float* bm, const long* bi, long P, int team, long* best) {
-  for (long i = 0; i < P; ++i) {
-    float m = bm[i];
-    long at = bi[i];
-    for (int t = 1; t < team; ++t) {
-      float c = bm[t * P + i];
-      if (m == m && (c > m || c != c)) m = c, at = bi[t * P + i];
-    }
-    best[i] = at;
-  }
-}
-
-/* best[i] = argmax of row i of logits [P, ldl] (V columns) over `threads` threads, as the step takes it */
-extern "C" void logits_argmax(const float* logits, long ldl, long P, long V, long* best, int threads) {
-  std::vector<float> bm(threads * P);
-  std::vector<long> bi(bm.size());
-  int team = threads;
-#pragma omp parallel num_threads(threads)
-  {
-    if (omp_get_thread_num() == 0) team = omp_get_num_threads();
-    part_argmax(logits, ldl, P, V, bm.data(), bi.data());
-  }
-  merge_argmax(bm.data(), bi.data(), P, team, best);
-}
-
 /* R rows of S sequences. meta per sequence (6 longs): first row, rows n, committed prefix p,
    offset of its n x n visibility bytes in vis (-1: causal), the cache's layer and head strides;
    its cache entry (layer l, kv head j, position t) at kp / vp[s] + l * lstride + j * hstride + t * D.
@@ -257,8 +194,7 @@ extern "C" void logits_argmax(const float* logits, long ldl, long P, long V, lon
    packed ones of element type W with scales ws per layer (wqkv, wo, w13, w2), the lm_head of LW.
    Row r is token tok[r] (its embedding row of `embed`) at rotary position posi[r] (its row of the
    cos / sin tables [>= positions, D]). Out: hidden [R, h] (final normed), logits
-   [P, ldl] of the rows `pick`, best [P] each of those rows' argmax (or null: not wanted), aux [L, R, h]
-   each layer's input (or null).
+   [P, ldl] of the rows `pick`, aux [L, R, h] each layer's input (or null).
 
    Barriers per layer: after each linear (4) and after the attention (the chunks' partials). Each thread
    keeps its own copy of the residual stream and computes the norms, residual adds, the merge of the
@@ -269,8 +205,8 @@ template <int D, typename W, typename LW>
 static void forward(const float* embed, const long* tok, const long* posi, long R, long S, const long* meta,
                     float* const* kp, float* const* vp, const void* const* w, const float* ws, long L, long h, long H, long KV, long I, const float* cos,
                     const float* sin, const unsigned char* vis, float eps, const float* norm, const void* lmv,
-                    float lms, long V, const long* pick, long P, float* hidden, float* logits, long ldl, long* best,
-                    float* aux, int threads) {
+                    float lms, long V, const long* pick, long P, float* hidden, float* logits, long ldl, float* aux,
+                    int threads) {
   const LW* lm = (const LW*)lmv;
   long g = H / KV, nq = (H + 2 * KV) * D, ldq = up(nq), ldh = up(h), ld13 = up(2 * I);
   bool own_act = R <= 8;  /* the activation on every thread (more rows: split, then a barrier) */
@@ -304,9 +240,6 @@ static void forward(const float* embed, const long* tok, const long* posi, long 
       load[t] += chunks[i].c1 - chunks[i].c0;
     }
   }
-  std::vector<float> bm(best ? threads * P : 0);  /* each thread's part of each row's argmax (part_argmax) */
-  std::vector<long> bi(bm.size());
-  int team = threads;
   std::vector<long> next(4 * L + 1, 0);  /* each linear's tail counter (blocks_share): 4 a layer, the lm_head */
   float scale = 1.f / sqrtf((float)D);
 #pragma omp parallel num_threads(threads)
@@ -314,7 +247,6 @@ static void forward(const float* embed, const long* tok, const long* posi, long 
     std::vector<float> sc, qr, xbuf, x(R * h), hn(R * h), att(R * H * D), own(own_act ? R * I : 0),
         hp(P * h);
     bool first = omp_get_thread_num() == 0;
-    if (first) team = omp_get_num_threads();
 #ifdef STEP_PARTS
     part_t0 = part_now();
     part_lin = 0;
@@ -396,9 +328,7 @@ static void forward(const float* embed, const long* tok, const long* posi, long 
     for (long i = 0; i < P; ++i) rms_norm(x.data() + pick[i] * h, norm, hp.data() + i * h, h, eps);
     PART(P_NORM);
     linear_rows(P, hp.data(), h, lm, logits, ldl, V, h, lms, xbuf, &next[4 * L]);
-    if (best) part_argmax(logits, ldl, P, V, bm.data(), bi.data());
   }
-  if (best) merge_argmax(bm.data(), bi.data(), P, team, best);
 }
 
 /* fmt: the decoder weights' format and the lm_head's: 0 fp32 and fp32, 1 bf16 and bf16, 2 e4m3 and bf16 */
@@ -407,10 +337,10 @@ extern "C" int decode_forward(const float* embed, const long* tok, const long* p
                               const void* const* w, const float* ws, int fmt, long L, long h, long H, long KV, long D,
                               long I, const float* cos, const float* sin, const unsigned char* vis, float eps,
                               const float* norm, const void* lm, float lms, long V, const long* pick, long P,
-                              float* hidden, float* logits, long ldl, long* best, float* aux, int threads) {
+                              float* hidden, float* logits, long ldl, float* aux, int threads) {
   if (R < 1 || S < 1 || P < 1) return 2;
 #define HEAD(DD, W, LW) case DD: forward<DD, W, LW>(embed, tok, posi, R, S, meta, kp, vp, w, ws, L, h, H, KV, I, cos, sin, vis, eps, \
-                                                    norm, lm, lms, V, pick, P, hidden, logits, ldl, best, aux, threads); return 0;
+                                                    norm, lm, lms, V, pick, P, hidden, logits, ldl, aux, threads); return 0;
 #define HEADS(W, LW) switch (D) { HEAD(16, W, LW) HEAD(32, W, LW) HEAD(64, W, LW) HEAD(128, W, LW) } return 1;
   switch (fmt) {
     case 0: HEADS(float, float)
@@ -429,11 +359,9 @@ extern "C" int decode_forward(const float* embed, const long* tok, const long* p
 def _bind(lib: ctypes.CDLL) -> None:
     p, n = ctypes.c_void_p, ctypes.c_long
     lib.decode_forward.argtypes = [p, p, p, n, n, p, p, p, p, p, ctypes.c_int, n, n, n, n, n, n, p, p, p, ctypes.c_float,
-                                   p, p, ctypes.c_float, n, p, n, p, p, n, p, p, ctypes.c_int]
+                                   p, p, ctypes.c_float, n, p, n, p, p, n, p, ctypes.c_int]
     lib.decode_forward.restype = ctypes.c_int
     lib.weight_formats.restype = ctypes.c_int
-    lib.logits_argmax.argtypes = [p, n, n, n, p, ctypes.c_int]
-    lib.logits_argmax.restype = None
 
 
 _NATIVE = native.Native("decode_step", _SOURCE, [f"-DVW={smallm.VW}", f"-DNB={smallm.NB}"], _bind)
@@ -525,8 +453,7 @@ class NativeStep:
         chain), attention causal or along ancestors[i] [n, n] bool, and gets logits of every row or,
         when last_only[i], of its last. Writes their keys and values after each prefix and sets each
         cache's length. Returns per sequence (final normed hidden [n, h], logits [n or 1, V], the
-        inputs of `aux_layers` concatenated [n, len*h] or None); each logits tensor carries its rows'
-        argmax as `greedy` (a list; engine.trees.verify.argmax_rows). The rows' tokens, positions and the
+        inputs of `aux_layers` concatenated [n, len*h] or None). The rows' tokens, positions and the
         sequences' layout go to the C++ step as plain integer arrays (a decode row's step is a few
         milliseconds: tensors built and indexed per call were a few percent of it)."""
         m = self.model
@@ -562,11 +489,10 @@ class NativeStep:
         logits = emb.new_empty(len(pick), self.width)
         aux = emb.new_empty(len(m.blocks), at, self.hidden_size) if aux_layers else None
         longs, ptrs = ctypes.c_long * at, ctypes.c_void_p * len(kp)
-        best = (ctypes.c_long * len(pick))()
         rc = self._fn(*self._weights, longs(*tok), longs(*posi), at, len(caches), (ctypes.c_long * len(meta))(*meta),
                       ptrs(*kp), ptrs(*vp), *self._layers, cos_t.data_ptr(), sin_t.data_ptr(),
                       None if vis_t is None else vis_t.data_ptr(), *self._head, (ctypes.c_long * len(pick))(*pick),
-                      len(pick), hidden.data_ptr(), logits.data_ptr(), self.width, best,
+                      len(pick), hidden.data_ptr(), logits.data_ptr(), self.width,
                       None if aux is None else aux.data_ptr(), torch.get_num_threads())
         if rc:
             raise ValueError(f"native decode step: head size {d} not built (code {rc})")
@@ -577,8 +503,6 @@ class NativeStep:
             n, nl = len(toks), 1 if last else len(toks)
             cache.length += n
             feats = aux_features(aux, aux_layers, slice(start, start + n))
-            lg = logits[li:li + nl]
-            lg.greedy = best[li:li + nl]  # its rows' argmax, taken in the step (verify.argmax_rows reads it)
-            out.append((hidden[start:start + n], lg, feats))
+            out.append((hidden[start:start + n], logits[li:li + nl], feats))
             start, li = start + n, li + nl
         return out

@@ -63,14 +63,9 @@ def accept_sampled(r: torch.Tensor, x: int, q: torch.Tensor, q_j: torch.Tensor, 
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     """The index of each row's largest logit ([N, V] -> N ints), the first of equal ones, as
-    `torch.argmax`. Logits of the native decode step carry it (`greedy`, taken in the step right
-    after the lm_head, while they were still in the cores' caches: read back here they come from
-    memory). Else on CPU fp32 through numpy's vectorised argmax: torch's runs element by element,
+    `torch.argmax`. On CPU fp32 through numpy's vectorised argmax: torch's runs element by element,
     an order of magnitude slower over a 49k vocabulary (docs/results.md), and it is paid on every
     token decoded and every verified row."""
-    greedy = getattr(logits, "greedy", None)
-    if greedy is not None:
-        return list(greedy)
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return logits.detach().numpy().argmax(axis=-1).tolist()
     return logits.argmax(dim=-1).tolist()

@@ -5,7 +5,6 @@ stays identical; native_step=true refuses, in one line, where it cannot run."""
 
 from __future__ import annotations
 
-import ctypes
 import random
 
 import pytest
@@ -89,60 +88,6 @@ def test_rows_equal_torch_path_and_cache(pair) -> None:
             assert torch.allclose(caches[0].v[:, :, :caches[0].length], caches[1].v[:, :, :caches[1].length], atol=_tol(pair))
             for c in caches:
                 c.crop(len(prompt))
-
-
-def test_the_steps_argmax_is_numpys_on_its_logits(pair) -> None:
-    """The argmax the step takes right after its lm_head (`greedy` on its logits, what greedy decoding
-    and verification read) equals numpy's on the logits it returns, for a decode row, a chain, a tree
-    and a prompt's last row, at 1 and 2 threads."""
-    _, fw = pair
-    rng = random.Random(4)
-    tree = _tree(rng, 9)
-    threads = torch.get_num_threads()
-    for n in (1, 2):
-        torch.set_num_threads(n)
-        try:
-            with torch.inference_mode():
-                cache = fw.new_cache(128)
-                outs = [fw.step(cache, [rng.randrange(49152) for _ in range(30)], last_only=True),
-                        fw.step(cache, [5]), fw.step(cache, [7, 8, 9]), fw.step(cache, tree.tokens, tree.depths, tree.ancestors())]
-        finally:
-            torch.set_num_threads(threads)
-        for _, logits, _ in outs:
-            assert logits.greedy == logits.numpy().argmax(-1).tolist() and len(logits.greedy) == logits.shape[0]
-
-
-@pytest.mark.parametrize("vw, nb", [(8, 1), (16, 4)])
-def test_logits_argmax_first_of_ties_and_nan_at_any_team(vw: int, nb: int) -> None:
-    """The step's argmax on planted rows, at AVX2's and AVX-512's vector widths and 1-3 threads: the
-    first of equal maxima when the later one lies in another thread's part, a NaN before any number
-    (the first NaN, as numpy and torch), the largest in the last column or past the last whole vector,
-    everything -inf, and a row stride past V (padding columns never read)."""
-    from engine.models import native, smallm
-
-    if vw == 16 and not native.avx512():
-        pytest.skip("16-lane vectors need AVX-512")
-    lib = native.Native("decode_step", decode_step._SOURCE, [f"-DVW={vw}", f"-DNB={nb}"], decode_step._bind).library()
-    assert lib is not None
-    V, ld = 1003, 1024
-    g = torch.Generator().manual_seed(3)
-    rows = torch.randn(7, ld, generator=g)
-    rows[:, V:] = 1e9  # padding: never read
-    rows[0, 10] = rows[0, 900] = 50.0  # a tie across the threads' parts: the first
-    rows[1, 700] = float("nan")
-    rows[1, 800] = float("nan")
-    rows[1, 5] = 99.0  # a NaN wins over any number, the first NaN
-    rows[2, V - 1] = 77.0  # the last column, past the last whole vector
-    rows[3, :V] = float("-inf")
-    rows[4, 1000] = 60.0
-    rows[4, 999] = 60.0  # a tie inside the tail after the vectors
-    rows[5, 512] = 40.0  # on the boundary of two threads' parts
-    expect = [10, 700, V - 1, 0, 999, 512, int(rows[6, :V].argmax())]
-    assert expect == rows[:, :V].numpy().argmax(-1).tolist()
-    for threads in (1, 2, 3):
-        best = (ctypes.c_long * 7)()
-        lib.logits_argmax(rows.data_ptr(), ld, 7, V, best, threads)
-        assert list(best) == expect, f"{threads} threads"
 
 
 def test_long_context_in_chunks_and_any_thread_count(pair) -> None:
