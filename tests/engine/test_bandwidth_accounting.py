@@ -32,6 +32,18 @@ def test_two_copy_levels_are_split_at_their_gap_and_one_level_is_one() -> None:
     assert ES.copy_level(57.1, None) == "one"
 
 
+def test_levels_closer_than_a_quarter_are_split_and_a_wide_level_alone_is_not() -> None:
+    """Planted on session 32's W1 run 1 (EPYC-512): 4 low readings at 32-34 GB/s and 30 high ones
+    from 41.7 to 55, a gap of 1.23x between the levels (the old 1.25x rule called it one level); and
+    one level spanning 1.3x in 30 readings, each a few percent above the last: no split."""
+    low = [32.1, 33.0, 33.8, 34.0]
+    high = [41.7 + 13.3 * i / 29 for i in range(30)]
+    bound = ES.copy_level_bound(high[:15] + low + high[15:])
+    assert bound is not None and 34.0 < bound < 41.7
+    assert ES.copy_level_bound(high) is None
+    assert ES.copy_level_bound([42.0, 44.0, 46.5, 49.0, 52.0, 55.0]) is None  # steps of 5-6%: one level
+
+
 def _pass(gb_read: float, seconds: float, before: float, after: float, ttft: float = 0.0,
           prompt_gb: float = 0.0) -> dict:
     return {"tokens": 128, "seconds": seconds, "ttft": ttft, "before": before, "after": after,
