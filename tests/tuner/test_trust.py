@@ -279,6 +279,23 @@ def test_contenders_are_the_best_by_lower_bound_and_pruned_trials_near_the_leade
     assert contenders(slow, 0.05) == []
 
 
+def test_a_configuration_pruned_once_and_completed_once_is_one_contender() -> None:
+    """A configuration with a pruned trial near the leader and a complete one of its own is both a
+    `_near` and a bound-ranked contender: it is measured once a round, not twice."""
+    from tuner.study.selection import candidates, contenders
+
+    def trial(spec: SpecConfig, ratios: list[float], state: TrialState = TrialState.COMPLETE):
+        t = _planted_trial(spec, ratios)
+        return create_trial(state=state, value=t.value if state == TrialState.COMPLETE else None,
+                            params={}, distributions={}, user_attrs=t.user_attrs)
+
+    trials = [trial(ng(1), [1.30, 1.32]), trial(ng(2), [1.28], TrialState.PRUNED), trial(ng(2), [1.27, 1.29]),
+              trial(ng(3), [1.26, 1.28])]
+    lead = next(c for c in candidates(trials, 0.05) if c.spec == ng(1))
+    keys = [s.key() for s, _ in contenders(trials, 0.05, lead)]
+    assert keys[0] == "ngram d1 k1 b2" and "ngram d2 k1 b3" in keys and len(keys) == len(set(keys))
+
+
 def test_no_confirmation_round_when_nothing_reads_like_a_winner(tmp_path: Path) -> None:
     cfg = load_config(CFG)
     measure = Planted(lambda spec, n: (10.0, 3.0))

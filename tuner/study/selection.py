@@ -427,8 +427,12 @@ def contenders(trials: list[FrozenTrial], noise_rel: float, lead: Candidate | No
         lead_lo = lead.bounds(noise_rel)[0]
         top = [c for c in _by_bound(trials, noise_rel) if c.spec.model_dump_json() not in taken]
         first = [(c.spec, c.ratios) for c in top[:1] if c.bounds(noise_rel)[0] > lead_lo]
-        rest = [(c.spec, c.ratios) for c in sorted(top, key=lambda c: -c.speedup) if not first or c.spec != first[0][0]]
-        ordered = first + near + rest
+        rest = [(c.spec, c.ratios) for c in sorted(top, key=lambda c: -c.speedup)]
+        # one entry per configuration: a pruned one near the leader is in `top` too when it has
+        # repeats of its own (search=quick's round measured ngram d3 twice a round)
+        seen: set[str] = set()
+        ordered = [(s, r) for s, r in first + near + rest
+                   if s.model_dump_json() not in seen and not seen.add(s.model_dump_json())]
         # those the trials' bounds tell apart from the winner left out before the cut to the field
         # (cutting first let one told apart take the place of one that is not)
         open_ = [ordered[i] for i in unresolved(ordered, lead.ratios, noise_rel)]
