@@ -616,3 +616,42 @@ def test_under_load_the_checks_re_measurements_are_capped_over_the_whole_check(m
     assert sum("the check's re-measurements were spent" in f for f in flagged) == CHECK_PAIRS_LOADED - 2
     assert describe_check(check).endswith(
         f"; {CHECK_PAIRS_LOADED} pairs counted as read, still implausible (best.yaml heldout_check.implausible says why)")
+
+
+@pytest.mark.parametrize("others, call_s, pairs, cut", [
+    ([0.3], 40.0, 3, True),  # a load throughout, 80 s pairs: a fourth would end past the 300 s limit
+    ([0.3], 1.0, 6, False),  # the same load, short pairs: up to CHECK_PAIRS_LOADED, as before
+    ([0.0], 400.0, 2, False),  # pairs each past the limit: never fewer than the two asked for
+])
+def test_the_checks_pairs_stop_where_one_more_would_not_fit_the_trial_limit(
+        monkeypatch: pytest.MonkeyPatch, others: list[float], call_s: float, pairs: int, cut: bool) -> None:
+    """Pairs past the first two are measured only while one more like the last fits in
+    search.trial_timeout_s (search=quick: 300 s), as a trial's repeats: a loaded check once took
+    507 s after a 39 s study. Each pass advances a planted clock by `call_s`; the check records the
+    limit that cut it and its line says so."""
+    import time as real_time
+
+    from helpers import PlantedLoad
+
+    from engine.models import cpuload
+    from tuner.study import objective as objective_module
+
+    cfg = load_config(CFG)
+    assert cfg.search.trial_timeout_s == 300
+    study = _study_with_pair_noise(baseline_tok_s=140.0)
+    offset = [0.0]
+    monotonic = real_time.monotonic
+    monkeypatch.setattr(objective_module.time, "monotonic", lambda: monotonic() + offset[0])
+
+    def measure(spec: SpecConfig, split: str, level: int) -> Sample:
+        offset[0] += call_s
+        secs = (100 / 140.0) / (1.5 if spec.method != "off" else 1.0)
+        return Sample(100 / secs, 3.0, per_prompt=[(100, secs)] * (2 * cfg.workload.num_heldout))
+
+    monkeypatch.setattr(cpuload, "others_cores", PlantedLoad(others))
+    objective = Objective(study, SearchSpace.from_config(cfg), measure, cfg.workload, cfg.search)
+    check, figures = heldout_check(cfg, objective, D3)
+    assert check.pairs == pairs
+    assert check.pairs_cut == ("search.trial_timeout_s=300" if cut else None)
+    assert "pairs_cut" not in figures
+    assert ("; pairs stopped at search.trial_timeout_s=300, as a trial's repeats" in describe_check(check)) == cut

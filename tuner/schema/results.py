@@ -194,6 +194,9 @@ class HeldoutCheck(_Strict):
     # others_cores; None where the machine could not be read): above tuner.study.selection.LOAD_CORES the
     # pair was contended, and the check measured more pairs
     load_cores: list[float | None] | None = None
+    # the limit that stopped the check's pairs before the pairs it asked for (search.trial_timeout_s, as
+    # a trial's repeats: tuner.study.objective.Objective.check), when one did
+    pairs_cut: str | None = None
 
 
 class HeadPilot(_Strict):

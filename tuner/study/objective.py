@@ -26,7 +26,7 @@ from optuna.trial import FrozenTrial, TrialState, create_trial
 
 from engine.models import cpuload
 from engine.measure.stats import f95, geomean, log_interval, log_spread, robust_log_spread, tight
-from tuner.study.limits import TrialClock, TrialTimeout, active_clock, next_repeat_fits
+from tuner.study.limits import REPEAT_MARGIN, TrialClock, TrialTimeout, active_clock, next_repeat_fits
 from tuner.schema.config import Level, Rate, SearchConfig, SpecConfig, WorkloadConfig, level_name
 from tuner.search.space import SearchSpace
 from tuner.study.studies import CONFIRM_ROUND, FAIL_REASON, FLOOR, NOISE, PROBE_PASSES, REUSED, ROLE, ROSE, role
@@ -416,7 +416,10 @@ class Objective:
         engine.models.cpuload.others_cores, read around each pair, retries included), up to
         `loaded_max` pairs; where the machine cannot be read, as many pairs as without load.
         Implausible pairs are measured again (`plausible_pair`) at most CHECK_RETRIES times over
-        the whole check; once those are spent, a pair is measured once and kept as it reads.
+        the whole check; once those are spent, a pair is measured once and kept as it reads. Pairs
+        past the first two are measured only while one more like the last fits in
+        search.trial_timeout_s, as a trial's repeats are: the check measures one configuration, and
+        under a heavy load its pairs, slower and more of them, otherwise took many times a trial.
 
         Plausibility holds as in a trial (the pass as a whole: tau, its baseline, its spec pass),
         but a baseline pass is judged against the baseline's earlier passes on these prompts, the
@@ -425,8 +428,8 @@ class Objective:
         its centre. Each side's figures are drawn from the per-prompt tokens, seconds and forwards
         (`side_sample`). Returns each side's figures (Objective._figures, with `remeasured` /
         `implausible`, the pass's, when they apply, `per_prompt`: per pair and level, the spec's
-        and the baseline's Sample.per_prompt on that side, and `load_cores`: per pair, how many cores
-        other processes kept busy)."""
+        and the baseline's Sample.per_prompt on that side, `load_cores`: per pair, how many cores
+        other processes kept busy, and `pairs_cut`, the limit that stopped the pairs, when one did)."""
         got: dict[str, tuple[list[list[Sample]], list[list[Sample]], list[float]]] = {
             sd: ([], [], []) for sd in sides}
         spread = self.outlier_history()  # the machine's noise as the study's baseline passes spread
@@ -437,7 +440,10 @@ class Objective:
         loads: list[float | None] = []
         order = r = 0
         budget = CHECK_RETRIES
+        cut: str | None = None
+        t0 = time.monotonic()
         while True:
+            pair_t0 = time.monotonic()
             mark = cpuload.busy_mark()
             allowed = min(PLAUSIBILITY_RETRIES, budget)
             s, b, _, again, still, used = self.plausible_pair(spec, split, r + order, list(seen), passes, seen,
@@ -461,6 +467,10 @@ class Objective:
             settled = r >= loaded_max or loads[-1] is None or quiet >= min(r, max(pairs_max, 1))
             if settled and (r >= max(pairs_max, 1) or r >= 2 and all(self._tight(got[sd][2]) for sd in sides)):
                 break
+            now = time.monotonic()
+            if r >= 2 and now - t0 + REPEAT_MARGIN * (now - pair_t0) > self.search.trial_timeout_s:
+                cut = f"search.trial_timeout_s={self.search.trial_timeout_s:g}"
+                break
         out: dict[str, dict[str, Any]] = {}
         for sd, (spec_s, base_s, ratios) in got.items():
             out[sd] = self._figures(spec_s, base_s, ratios)
@@ -472,6 +482,8 @@ class Objective:
             if kept:
                 out[sd]["implausible"] = "; ".join(kept)
             out[sd]["load_cores"] = loads
+            if cut is not None:
+                out[sd]["pairs_cut"] = cut
         return out
 
     def baseline_history(self, trial: optuna.Trial | None = None) -> list[float]:

@@ -985,7 +985,8 @@ def heldout_check(cfg: Config, objective: Objective, spec: SpecConfig) -> tuple[
                         pair_noise=round(noise[0], 4) if sized is not None and noise is not None else None,
                         remeasured=again or None, implausible=got["heldout"].get("implausible"),
                         check_side=objective.study.user_attrs.get(CHECK_SIDE),
-                        load_cores=got["heldout"].pop("load_cores", None)), got["heldout"]
+                        load_cores=got["heldout"].pop("load_cores", None),
+                        pairs_cut=got["heldout"].pop("pairs_cut", None)), got["heldout"]
 
 
 def heldout_excess(c: HeldoutCheck) -> float | None:
@@ -1041,6 +1042,8 @@ def describe_check(c: HeldoutCheck) -> str:
     g = tau_gap(c)
     if g is not None:
         line += f"; tau {c.heldout.tau:.2f} against {c.tuning.tau:.2f} ({rel(g)})"
+    if c.pairs_cut:
+        line += f"; pairs stopped at {c.pairs_cut}, as a trial's repeats"
     if c.remeasured:
         line += "; a pair measured again as implausible (best.yaml heldout_check.remeasured says why)"
     if c.implausible:
