@@ -47,9 +47,15 @@ def test_trial_loop_prints_while_a_long_trial_runs(capsys: pytest.CaptureFixture
         assert progress.heartbeat.tick()
         clock.t += 10
         assert not progress.heartbeat.tick()
+        # the trials are done and the winner is being chosen: the line says so, not "trials 0/10" alone
+        progress.after = "choosing the winner (confirmation round, held-out check)"
+        clock.t += 31
+        assert progress.heartbeat.tick()
     err = capsys.readouterr().err
-    (line,) = [ln for ln in err.splitlines() if "still working" in ln]
-    assert line.startswith("trials 0/10 | best - | still working: 45 s since the last line")
+    first, then = [ln for ln in err.splitlines() if "still working" in ln]
+    assert first.startswith("trials 0/10 | best - | still working: 45 s since the last line")
+    assert then.startswith("trials 0/10 done, choosing the winner (confirmation round, held-out check) | best - | "
+                           "still working: 41 s since the last line")
 
 
 def test_quiet_progress_has_no_heartbeat() -> None:

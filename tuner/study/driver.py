@@ -86,13 +86,17 @@ class Progress:
         self.task = self.bar.add_task("", total=n_trials, completed=finished_count(study))
         self.noise_rel = noise_rel
         self.best: str | None = None  # selection.describe of the leader by lower bound
+        # what runs once the trials are done (the confirmation round, the held-out check): without it the
+        # heartbeat read "trials N/N ... still working" for minutes, as though a trial hung
+        self.after: str | None = None
         self.heartbeat = Heartbeat(self._describe, interval=interval, clock=clock, poll=poll,
                                    active=not quiet and not self.console.is_terminal)
 
     def _describe(self) -> str:
         best = f"best {self.best}" if self.best is not None else "best -"
         since = self.heartbeat.clock() - self.heartbeat.last
-        return (f"trials {finished_count(self.study)}/{self.task_total} | {best} | still working: "
+        done = f" done, {self.after}" if self.after is not None else ""
+        return (f"trials {finished_count(self.study)}/{self.task_total}{done} | {best} | still working: "
                 f"{since:.0f} s since the last line, {self.heartbeat.elapsed():.0f} s in all")
 
     def __enter__(self) -> "Progress":
@@ -198,6 +202,7 @@ def drive(cfg: Config, run_dir: Path, open_study: Callable[[SearchSpace], optuna
                 on_trial = Widener(study, space, cfg, run_dir, progress, progress.log, ROLE)
             with timed(phases, "trials"):
                 ran = run_trials(study, objective, cfg.search, on_trial)
+            progress.after = "choosing the winner (confirmation round, held-out check)"
             best = finish(study, objective, ran, progress.log)
             if best is not None:
                 best.phases_s = {**phases, **best.phases_s}
