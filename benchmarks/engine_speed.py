@@ -23,7 +23,8 @@ prompt's forward, bound by its arithmetic, is TTFT's; the share with it, its byt
 beside) against the mean of the two readings beside the pass (the bandwidth the machine had at that time)
 and takes the median over a format's passes: a host whose copy reading jumps between levels (EPYC-512:
 two) then gives one figure per format whichever level a run lands on. Each reading is labelled with its
-level (`high` / `low` when the run's sorted readings show a gap wider than LEVEL_GAP, 1.15x, else `one`), and
+level (`high` / `low` when the widest gap between the run's sorted readings is wider than LEVEL_GAP, 1.10x, and
+(in logs) LEVEL_CONTRAST times every gap inside either level, else `one`), and
 each format's share is also given per level (a pass whose two readings differ in level: `switched`).
 For comparison with earlier runs: the share against the median of this run's readings (the cached
 figure counts only when re-measured) and against the highest (the lowest share any reading allows).
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import random
 import statistics
@@ -106,20 +108,30 @@ def copy_bandwidth(device: torch.device, cache_dir: str | None = None, remeasure
     return got
 
 
-# Readings whose sorted neighbours differ by more than this ratio are two copy levels. Within a level
-# of a run's 30-odd readings neighbours lie a few percent apart even where the level itself spans 1.3x;
-# this host's levels lie 1.18-1.5x apart at their closest readings, and 1.25 called a run with a 1.23x
-# gap one level (docs/results.md, issue 40)
-LEVEL_GAP = 1.15
+# Two copy levels: the widest gap between a run's sorted neighbouring readings, when it is wider than
+# LEVEL_GAP and, in logs, at least LEVEL_CONTRAST times every gap inside either side, each side holding
+# at least two readings. A fixed ratio alone sat close to the widest gap a lone reading made inside one
+# level on this host, and would call a one-level run with such a reading two levels; the levels' own
+# gap was always several times their inside gaps (docs/results.md, issue 40)
+LEVEL_GAP = 1.10
+LEVEL_CONTRAST = 2.0
 
 
 def copy_level_bound(readings: list[float]) -> float | None:
     """The boundary between a run's two copy levels: the middle of the widest gap between neighbouring
-    sorted readings when its upper side exceeds its lower by LEVEL_GAP, else None (one level)."""
+    sorted readings when it tells two levels apart (LEVEL_GAP, LEVEL_CONTRAST, two readings a side),
+    else None (one level)."""
     s = sorted(readings)
-    gaps = [(hi / lo, (lo + hi) / 2) for lo, hi in zip(s, s[1:])]
-    ratio, mid = max(gaps, default=(1.0, None))
-    return mid if ratio > LEVEL_GAP else None
+    gaps = [hi / lo for lo, hi in zip(s, s[1:])]
+    if not gaps:
+        return None
+    at = max(range(len(gaps)), key=gaps.__getitem__)
+    inside = max([*gaps[:at], *gaps[at + 1:]], default=1.0)
+    if gaps[at] <= LEVEL_GAP or at < 1 or at > len(gaps) - 2:
+        return None
+    if math.log(gaps[at]) < LEVEL_CONTRAST * math.log(inside):
+        return None
+    return (s[at] + s[at + 1]) / 2
 
 
 def copy_level(reading: float, bound: float | None) -> str:

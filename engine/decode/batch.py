@@ -59,6 +59,12 @@ from tuner.schema.config import SpecConfig, UserError
 Band = tuple[int, int, SpecConfig]
 
 
+# Greedy decode steps of a lone request with nothing drafted that one native call runs (`_greedy_run`):
+# the interpreter after each step of its own starts cold (docs/results.md, issue 40); a request
+# arriving meanwhile waits for the run, and the tokens stream in groups of up to this many
+GREEDY_RUN = 8
+
+
 def spec_for(schedule: Sequence[Band], active: int) -> SpecConfig:
     """The band's spec for `active` requests (bands are inclusive, contiguous from 1)."""
     for lo, hi, spec in schedule:
@@ -402,6 +408,8 @@ class BatchEngine:
         if not plans:
             return
         self._ran += len(plans)
+        if self._greedy_run(plans):
+            return
         dev = self.engine.device
         branching = [t is not None and not t.is_chain for _, t, _, _ in plans]
         t = time.perf_counter()
@@ -444,6 +452,36 @@ class BatchEngine:
             self.trace(rec)
         if spec is not None and self.accept and self._key(spec) in self.accept:
             self._learn(spec, [(req, tree) for req, tree, _, _ in plans if tree is not None and req.error is None])
+
+    def _greedy_run(self, plans: list[tuple[Request, Tree | None, list[int], bool]]) -> bool:
+        """A batch of one decoding greedily with nothing drafted runs up to GREEDY_RUN steps in one
+        native call (`LeanForward.greedy`): the tokens as many steps pick, committed as they would
+        be, streamed together. False where it does not apply: more requests or any waiting, a
+        prompt or a draft, sampling, a drafter fed the target's steps, a controller pricing steps,
+        no native step, or room for fewer than two steps."""
+        if len(plans) != 1 or self.waiting or self.cost is not None or self.aux_layers:
+            return False
+        req, tree, tokens, _ = plans[0]
+        st = req.state
+        run = getattr(self.engine.forward, "greedy", None)
+        if run is None or tree is None or tree.size != 1 or st.params.temperature > 0 or st.observers:
+            return False
+        k = min(GREEDY_RUN, st.params.max_new_tokens - len(st.stop.tokens), self.engine.max_context - st.prefix,
+                st.cache.capacity - st.cache.length)
+        if k < 2:
+            return False
+        stops = () if st.params.ignore_eos else tuple(sorted(self.engine.eos))
+        t = time.perf_counter()
+        try:
+            new = run(st.cache, tokens[0], k, stops)
+            if new is None:
+                return False
+            self._busy += time.perf_counter() - t
+            if st.absorb_run(new):
+                req.result = st.result()
+        except Exception as exc:  # noqa: BLE001 - the step's request fails; the scheduler goes on
+            req.fail(exc)
+        return True
 
     @property
     def cost(self) -> StepCost | None:

@@ -410,6 +410,18 @@ class Decoding:
         self.done = self.stop.push(new)
         return self.done
 
+    def absorb_run(self, tokens: list[int]) -> bool:
+        """Commit the greedy tokens of several one-row steps run in one call (`LeanForward.greedy`,
+        speculation off, nothing observing): what `absorb` commits after each of those steps, in
+        turn; returns True once generation ended."""
+        stats = self.stats
+        self.path = [0]
+        stats.target_forwards += len(tokens)
+        stats.verify_s += time.perf_counter() - self._t
+        self.ids.extend(tokens)
+        self.done = self.stop.push(tokens)
+        return self.done
+
     def add_observer(self, drafter: Drafter) -> None:
         """Feed `drafter` every committed feature from now on (before the prompt runs: all of them)."""
         if self.prefilled:

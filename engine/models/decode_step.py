@@ -353,6 +353,37 @@ extern "C" int decode_forward(const float* embed, const long* tok, const long* p
   }
   return 3;
 }
+
+/* Up to k greedy autoregressive steps of one sequence in one call (speculation off): each step is
+   decode_forward's one-row step (R = S = P = 1, the same arguments), and the first of its largest
+   logits (numpy's argmax: the first NaN where there is one) is the next step's token, at the next
+   position. It stops after k steps, or after a token of `stops`. The tokens go to out; returns the
+   steps run, or decode_forward's error code negated. Why: after each step's stream of every weight
+   through the caches, the interpreter that picks the token and makes the next call starts cold, a
+   cost a step run on from here does not pay (docs/results.md, issue 40). */
+extern "C" long decode_greedy(const float* embed, long tok0, long p, const long* strides, float* kp, float* vp,
+                              const void* const* w, const float* ws, int fmt, long L, long h, long H, long KV, long D,
+                              long I, const float* cos, const float* sin, float eps, const float* norm,
+                              const void* lm, float lms, long V, float* hidden, float* logits, long ldl, long k,
+                              const long* stops, long nstops, long* out, int threads) {
+  long tok = tok0, pos = p, meta[6] = {0, 1, p, -1, strides[0], strides[1]}, pick = 0;
+  float* const kps[1] = {kp};
+  float* const vps[1] = {vp};
+  for (long i = 0; i < k; ++i) {
+    meta[2] = p + i;
+    pos = p + i;
+    int rc = decode_forward(embed, &tok, &pos, 1, 1, meta, kps, vps, w, ws, fmt, L, h, H, KV, D, I, cos, sin, nullptr,
+                            eps, norm, lm, lms, V, &pick, 1, hidden, logits, ldl, nullptr, threads);
+    if (rc) return -rc;
+    long best = 0;
+    for (long v = 1; v < V && logits[best] == logits[best]; ++v)
+      if (logits[v] > logits[best] || logits[v] != logits[v]) best = v;
+    out[i] = tok = best;
+    for (long j = 0; j < nstops; ++j)
+      if (stops[j] == best) return i + 1;
+  }
+  return k;
+}
 """
 
 
@@ -361,6 +392,9 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.decode_forward.argtypes = [p, p, p, n, n, p, p, p, p, p, ctypes.c_int, n, n, n, n, n, n, p, p, p, ctypes.c_float,
                                    p, p, ctypes.c_float, n, p, n, p, p, n, p, ctypes.c_int]
     lib.decode_forward.restype = ctypes.c_int
+    lib.decode_greedy.argtypes = [p, n, n, p, p, p, p, p, ctypes.c_int, n, n, n, n, n, n, p, p, ctypes.c_float, p, p,
+                                  ctypes.c_float, n, p, p, n, n, p, n, p, ctypes.c_int]
+    lib.decode_greedy.restype = ctypes.c_long
     lib.weight_formats.restype = ctypes.c_int
 
 
@@ -426,6 +460,7 @@ class NativeStep:
         # what every call passes the same (pointers as c_void_p: ctypes converts nothing per call)
         vp, h = ctypes.c_void_p, self.embed.shape[1]
         self._fn = library().decode_forward
+        self._greedy = library().decode_greedy
         self._weights = (vp(self.embed.data_ptr()),)
         self._layers = (self._ptrs, self._scales, self.fmt, len(model.blocks), h, model.n_heads, model.n_kv,
                         model.head_dim, self.intermediate)
@@ -444,6 +479,33 @@ class NativeStep:
         if any(getattr(w, "_smallm_packed", None) is None for b in model.blocks for w in (b.wqkv, b.wo, b.w13, b.w2)):
             return None
         return cls(model) if library() is not None else None
+
+    def greedy(self, cache, token: int, k: int, stops: tuple[int, ...]) -> list[int]:
+        """Up to k greedy decode steps of one sequence in one C++ call (decode_greedy): `token` at the
+        cache's committed prefix p, then each step's greedy token at the next position, until k steps
+        or a token of `stops`. Returns the tokens chosen (the last one not yet run); the cache then
+        holds p + len(tokens) positions. Each step is `__call__`'s one-row step with the same
+        arguments, and the token argmax_rows' (the first of the largest logits), so the tokens are
+        those of as many calls."""
+        m, p = self.model, cache.length
+        if p + k > cache.capacity:
+            raise ValueError(f"KV cache full: {p}+{k} > {cache.capacity}")
+        kc, vc = cache.k, cache.v
+        ks = kc.stride()
+        if ks[3] != 1 or ks[2] != m.head_dim or ks != vc.stride():
+            raise ValueError("native decode step: a cache needs [layers, kv heads, capacity, d], d contiguous")
+        cos_t, sin_t = m.rope(p + k)
+        emb = self.embed
+        hidden, logits = emb.new_empty(1, self.hidden_size), emb.new_empty(1, self.width)
+        out, longs = (ctypes.c_long * k)(), ctypes.c_long
+        ran = self._greedy(self._weights[0], token, p, (longs * 2)(ks[0], ks[1]), kc.data_ptr(),
+                           vc.data_ptr(), *self._layers, cos_t.data_ptr(), sin_t.data_ptr(), *self._head,
+                           hidden.data_ptr(), logits.data_ptr(), self.width, k, (longs * len(stops))(*stops),
+                           len(stops), out, torch.get_num_threads())
+        if ran < 0:
+            raise ValueError(f"native decode step: head size {m.head_dim} not built (code {-ran})")
+        cache.length = p + ran
+        return out[:ran]
 
     def __call__(self, caches: list, ids: list[list[int]], depths: list[list[int] | None],
                  ancestors: list[torch.Tensor | None], last_only: list[bool], aux_layers: tuple[int, ...] | None

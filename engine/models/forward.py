@@ -154,6 +154,12 @@ class LeanForward:
         aux_t = aux_features(aux, aux_layers)
         return x, logits, aux_t
 
+    def greedy(self, cache: KVCache, token: int, k: int, stops: tuple[int, ...]) -> list[int] | None:
+        """Up to k greedy decode steps of one sequence in one native call, `token` first
+        (`NativeStep.greedy`): the tokens that k one-row `step`s and argmax_rows pick, stopping after
+        a token of `stops`; the cache then holds them all but the last. None without the native step."""
+        return None if self.native is None else self.native.greedy(cache, token, k, stops)
+
     def step_batch(self, caches: list[KVCache], tokens: list[list[int]], depths: list[list[int] | None],
                    ancestors: list[torch.Tensor | None], last_only: list[bool],
                    aux_layers: tuple[int, ...] | None = None

@@ -44,6 +44,32 @@ def test_levels_closer_than_a_quarter_are_split_and_a_wide_level_alone_is_not() 
     assert ES.copy_level_bound([42.0, 44.0, 46.5, 49.0, 52.0, 55.0]) is None  # steps of 5-6%: one level
 
 
+def test_levels_are_told_apart_by_their_gap_against_the_gaps_inside_them() -> None:
+    """Planted on session 33's readings (EPYC-512). W6 run 1: a low level at 33-36 GB/s holding a lone
+    29.1 reading (1.15x below it) and a high level 1.4x above: split at the 1.4x gap. W3: levels 1.19x
+    apart with gaps of up to 1.08x inside: split. Levels 1.12x apart with dense readings on both sides
+    (gaps of 1% inside) split, where the fixed 1.15x rule called them one. One level: that low level
+    alone (the fixed rule split its lone reading off as a level), the same with a 1.2x outlier at each
+    end, a level spanning 1.5x in steps of 6% with one of 12%, and two tight clusters 5% apart. Each
+    part of the rule has a case that fails without it: two readings a side (the lone reading),
+    LEVEL_CONTRAST (the 12% step; at 3 the W6 run), LEVEL_GAP (the clusters 5% apart)."""
+    low = [29.1, 33.5, 34.0, 34.6, 35.2, 35.8]
+    high = [50.1, 51.0, 52.4, 53.9, 54.8]
+    bound = ES.copy_level_bound(high[:2] + low + high[2:])
+    assert bound is not None and 35.8 < bound < 50.1
+    w3_low, w3_high = [38.0, 41.0, 42.0, 43.1], [51.3, 53.0, 55.2, 57.5, 59.6]
+    bound = ES.copy_level_bound(w3_low + w3_high)
+    assert bound is not None and 43.1 < bound < 51.3
+    dense = [40.0 * 1.01 ** i for i in range(10)]
+    close = [d * 1.12 * dense[-1] / dense[0] for d in dense]
+    bound = ES.copy_level_bound(dense + close)
+    assert bound is not None and dense[-1] < bound < close[0]
+    assert ES.copy_level_bound(low) is None
+    assert ES.copy_level_bound([28.0, *low[1:], 43.0]) is None
+    assert ES.copy_level_bound([40.0, 42.5, 45.0, 47.8, 53.5, 56.5, 60.0]) is None
+    assert ES.copy_level_bound([50.0, 50.2, 50.4, 53.0, 53.2, 53.4]) is None
+
+
 def _pass(gb_read: float, seconds: float, before: float, after: float, ttft: float = 0.0,
           prompt_gb: float = 0.0) -> dict:
     return {"tokens": 128, "seconds": seconds, "ttft": ttft, "before": before, "after": after,

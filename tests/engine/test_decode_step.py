@@ -580,6 +580,115 @@ def test_greedy_speculation_is_its_precisions_ar_at_8_lanes(eight_lanes, weights
         assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 32
 
 
+def _lane_forward(request, lanes: int, weights: str) -> LeanForward:
+    """A native LeanForward over the tiny target at `lanes` (8: AVX2's layout, forced on AVX-512)."""
+    from engine.models import native, smallm
+
+    if lanes == 16 and not native.avx512():
+        pytest.skip("16 lanes need AVX-512F")
+    if lanes == 8:
+        request.getfixturevalue("eight_lanes")
+    cfg = load_config([*TINY, f"engine.builtin.weights={weights}"])
+    fw = LeanForward(LeanLlama(load_target(cfg.model, cfg.engine.builtin).model), native=True)
+    assert fw.native is not None and fw.model.blocks[0].wo._smallm_packed.shape[-1] == smallm.BW
+    assert smallm.VW == lanes
+    return fw
+
+
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("lanes", [16, 8])
+def test_greedy_steps_in_one_call_are_the_steps_one_by_one(request, lanes: int, weights: str) -> None:
+    """LeanForward.greedy (decode_greedy: k one-row steps in one C++ call, each step's argmax the next
+    token): after a 40-token prompt, 12 steps give the tokens that 12 `step` calls and argmax_rows
+    give, and the same cache entries; with a stop token it ends right after that token's first
+    occurrence; and where every column block of the lm_head is the same (logits equal in every
+    block) it picks the first of equal logits, as argmax_rows does. A step at another position, a
+    token fed twice, the last of equal logits or a stop token passed over would differ."""
+    import ctypes
+
+    from engine.trees.verify import argmax_rows
+
+    fw = _lane_forward(request, lanes, weights)
+    rng = random.Random(12)
+    prompt = [rng.randrange(49152) for _ in range(40)]
+    with torch.inference_mode():
+        for tie in (False, True):
+            if tie:  # a copy of the packed lm_head with every block the first one
+                st = fw.native
+                st.lm = st.lm.clone()
+                st.lm[:] = st.lm[0]
+                st._head = (st._head[0], st._head[1], ctypes.c_void_p(st.lm.data_ptr()), *st._head[3:])
+            one, run, stopped = fw.new_cache(64), fw.new_cache(64), fw.new_cache(64)
+            first = argmax_rows(fw.step(one, prompt, last_only=True)[1])[0]
+            fw.step(run, prompt, last_only=True)
+            fw.step(stopped, prompt, last_only=True)
+            want, tok = [], first
+            for _ in range(12):
+                tok = argmax_rows(fw.step(one, [tok])[1])[0]
+                want.append(tok)
+            assert fw.greedy(run, first, 12, ()) == want, tie
+            assert run.length == one.length == 52
+            assert torch.equal(run.k[:, :, :52], one.k[:, :, :52]) and torch.equal(run.v[:, :, :52], one.v[:, :, :52])
+            if tie:
+                from engine.models import smallm
+
+                assert all(t < smallm.BW for t in want)
+                continue
+            at = next(i for i in range(3, 12) if want[i] not in want[:i])
+            assert fw.greedy(stopped, first, 12, (49151, want[at])) == want[:at + 1]
+            assert stopped.length == 40 + at + 1
+
+
+def test_a_lone_greedy_request_runs_its_steps_in_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode driver runs a lone greedy request's decode steps GREEDY_RUN at a time in one native
+    call (LeanForward.greedy) and commits what as many steps commit: against runs of one step, the
+    same tokens, finish reason and forward count, at an end-of-sequence token mid-run (stop), with
+    min_tokens past it (kept as text) and at max_new_tokens (29: runs of 8, 8, 8 and 4, never past
+    it); a sampled request and a drafting one never take it. A run not bounded by max_new_tokens,
+    forwards not counted, or the stop token passed over, would differ."""
+    from engine.decode import batch
+
+    eng = open_engine(load_config(TINY))
+    runs: list[int] = []
+    real = eng.forward.greedy
+
+    def counted(cache, token, k, stops):
+        out = real(cache, token, k, stops)
+        runs.append(len(out))
+        return out
+
+    monkeypatch.setattr(eng.forward, "greedy", counted)
+    prompt = eng.encode_prompt("a b c d a b c d", True)
+    plain = eng.generate(prompt, SamplingParams(max_new_tokens=29))
+    stop = plain.tokens[next(i for i in range(6, 29) if plain.tokens[i] not in plain.tokens[:i])]
+    assert len(plain.tokens) == 29 and runs == [8, 8, 8, 4] and batch.GREEDY_RUN == 8
+
+    full = batch.GREEDY_RUN
+
+    def both(params: SamplingParams):
+        got = []
+        for run in (full, 1):
+            monkeypatch.setattr(batch, "GREEDY_RUN", run)
+            runs.clear()
+            res = eng.generate(prompt, params)
+            got.append((res.tokens, res.finish_reason, res.stats.target_forwards, list(runs)))
+        assert got[0][:3] == got[1][:3] and got[1][3] == [], params
+        return got[0]
+
+    assert both(SamplingParams(max_new_tokens=29))[:3] == (plain.tokens, "length", 29)
+    monkeypatch.setattr(eng, "eos", {stop})
+    tokens, reason, forwards, used = both(SamplingParams(max_new_tokens=29))
+    assert reason == "stop" and tokens == plain.tokens[:plain.tokens.index(stop)] and used
+    at = len(tokens)
+    tokens, reason, _, _ = both(SamplingParams(max_new_tokens=29, min_tokens=at + 3))
+    assert tokens[at] == stop and len(tokens) > at + 1
+    runs.clear()
+    eng.generate(prompt, SamplingParams(max_new_tokens=12, temperature=0.8, seed=1))
+    eng.set_spec(SpecConfig(method="ngram", depth=4, topk=1, budget=5))
+    eng.generate(prompt, SamplingParams(max_new_tokens=12))
+    assert runs == []
+
+
 def test_every_linears_tail_is_computed_at_8_lanes(eight_lanes) -> None:
     """At AVX2's layout the tiny model's linears are 8 or more blocks each, so each one's last eighth
     goes to whichever thread asks first (blocks_share's tail, one counter per linear): a decode row,
