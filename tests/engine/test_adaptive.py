@@ -793,6 +793,20 @@ def test_a_pass_grows_by_whole_waves_until_the_fastest_configuration_lasts_pass_
     assert bench.lasting(6, 1, [(6, 1.5)], 4.0) == 16  # 0.25 s a request: 16 for 4 s
 
 
+def test_split_passes_play_more_rounds_in_the_same_requests() -> None:
+    """benchmarks/adaptive.py --split: at 1 in flight with 0.25 s a request, passes sized for 4 s
+    hold 16 requests, for 2 s 8, so a cell of 4 rounds plays 8 of the shorter passes (the same 64
+    requests per configuration); at 32 in flight, where two waves already last 5 s, passes cannot
+    be shorter and the cell keeps its 4 rounds; never fewer than asked."""
+    bench = _adaptive_benchmark()
+    warm = [(6, 1.5)]
+    full, half = bench.lasting(6, 1, warm, 4.0), bench.lasting(6, 1, warm, 2.0)
+    assert (full, half) == (16, 8) and bench.rounds_at(4, full, half) == 8
+    big = [(32, 2.5)]
+    assert bench.rounds_at(4, bench.lasting(64, 32, big, 4.0), bench.lasting(64, 32, big, 2.0)) == 4
+    assert bench.rounds_at(4, 14, 8) == 7 and bench.rounds_at(4, 10, 12) == 4
+
+
 def test_a_workloads_first_level_is_sized_from_a_cached_warm_up() -> None:
     """benchmarks/adaptive.py's warm_walls: a server's first wave of a workload prefills its prompts
     uncached (3 s), every later one finds them cached (1 s): at the workload's first level each
