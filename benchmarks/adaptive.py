@@ -86,6 +86,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
@@ -98,7 +99,8 @@ from concurrency import _tuner_serve  # noqa: E402
 from engine.decode.batch import band_of  # noqa: E402
 from engine.measure.runner import HttpTarget, Measurement, measure  # noqa: E402
 from engine.measure.stats import log_interval  # noqa: E402
-from engine.measure.workloads import load_prompts, sampling_params  # noqa: E402
+from engine.api import SamplingParams  # noqa: E402
+from engine.measure.workloads import Prompt, load_prompts, sampling_params  # noqa: E402
 from tuner.schema.compose import load_config  # noqa: E402
 from tuner.schema.config import SpecConfig  # noqa: E402
 
@@ -140,6 +142,23 @@ def lasting(requests: int, level: int, warmups: list[tuple[int, float]], pass_s:
     if wave_s <= 0 or requests * wave_s / level >= pass_s:
         return requests
     return max(requests, level * math.ceil(pass_s / wave_s))
+
+
+SPREAD = (0.5, 0.75, 1.0, 1.25, 1.5)  # --mixed-lengths: the answers' budgets over max-new-tokens, in turn
+
+
+def requests_of(ps: list[Prompt], n: int, params: SamplingParams, mixed: bool) -> list[Prompt]:
+    """A pass's `n` requests: the prompts in turn, each with the workload's sampling; `mixed`: the
+    i-th request's answer budget max-new-tokens x SPREAD[i % 5] (the same for every configuration,
+    a mean of max-new-tokens). With one budget for all, speculation off's requests of a wave end on
+    one step and the next wave's arrive together, while a drafting configuration's end apart and
+    each leaves its place empty until its client's next request joins (several steps where the
+    clients share the host's cores): a lockstep that served traffic of mixed lengths does not have."""
+    out = [ps[i % len(ps)] for i in range(n)]
+    if not mixed:
+        return out
+    return [replace(p, params=replace(params, max_new_tokens=max(1, round(params.max_new_tokens * SPREAD[i % len(SPREAD)]))))
+            for i, p in enumerate(out)]
 
 
 def rounds_at(rounds: int, full: int, split: int) -> int:
@@ -257,7 +276,7 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
         rounds: int, waves: int = 2, texts: dict[tuple[str, str, int, int], list[str]] | None = None,
         states: dict[tuple[str, int], dict[str, Any]] | None = None,
         rows: list[dict[str, Any]] | None = None, weights: str = "fp32", pass_s: float = 0.0,
-        split: int = 1) -> list[dict[str, Any]]:
+        split: int = 1, mixed: bool = False) -> list[dict[str, Any]]:
     """Rows (workload, config, level, round, tok/s, tau, requests, in flight): every configuration's
     server up at once, each cell measured in `rounds` interleaved rounds of `requests_at` requests
     (grown to last `pass_s`: `lasting`)
@@ -267,7 +286,7 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
     each row as it is measured (a run stopped early keeps them); `weights`: every server's
     engine.builtin.weights; `pass_s`: each round's passes last at least about this long (`lasting`);
     `split`: passes of pass_s / split instead, in as many more rounds as keep each cell's requests
-    (`rounds_at`)."""
+    (`rounds_at`); `mixed`: each request's answer budget from SPREAD in turn (`requests_of`)."""
     over = [f"engine.builtin.max_batch={max(levels)}", f"serve.queue_size={4 * max(levels)}",
             f"engine.builtin.weights={weights}"]
     loads = {}
@@ -283,7 +302,7 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
         for w, (ps, params, chat) in loads.items():
             targets = {k: HttpTarget(u, model, chat) for k, u in urls.items()}
             for c in levels:
-                first = [ps[i % len(ps)] for i in range(max(c, len(ps)))]
+                first = requests_of(ps, max(c, len(ps)), params, mixed)
                 # one wave at this level first, not measured, and every prompt at least once: a prompt
                 # first met in the first round was prefilled there and cached for the later rounds,
                 # so the first round ran slower for every configuration (code at 2 in flight, the first
@@ -294,7 +313,7 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
                 full = lasting(requests_at(len(ps), waves, c), c, timed, pass_s)
                 n = lasting(requests_at(len(ps), waves, c), c, timed, pass_s / split)
                 planned = rounds_at(rounds, full, n)
-                wave = [ps[i % len(ps)] for i in range(n)]
+                wave = requests_of(ps, n, params, mixed)
                 for r in range(planned):
                     for k in round_order(specs_, r):
                         before = engine_steps(urls[k])
@@ -462,6 +481,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="a level of N plays max(prompts, waves x N) requests, N in flight until the last wave")
     ap.add_argument("--pass-s", type=float, default=4.0,
                     help="each pass plays whole waves more until it lasts about this long (its cell's warm-up says)")
+    ap.add_argument("--mixed-lengths", action="store_true",
+                    help="each request's max-new-tokens x 0.5, 0.75, 1, 1.25, 1.5 in turn, the same for every "
+                         "configuration (requests_of): answers that end apart, as served traffic's do")
     ap.add_argument("--split", type=int, default=1,
                     help="passes of pass-s / split in as many more rounds as keep each cell's requests (rounds_at)")
     args = ap.parse_args(argv)
@@ -502,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupted)
     try:
         run(grid, workloads, levels, args.prompts, args.max_new_tokens, args.rounds, args.waves, texts, states, rows,
-            args.weights, args.pass_s, args.split)
+            args.weights, args.pass_s, args.split, args.mixed_lengths)
     except KeyboardInterrupt:
         print(f"\nstopped early: {len(rows)} passes measured; the table and JSON hold the finished rounds",
               file=sys.stderr)
@@ -517,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
           f"tokens, {args.weights}, T=0, {args.rounds} round(s) of max(prompts, {args.waves} x level) requests, whole waves "
           f"more until a pass lasts {args.pass_s:g} s"
           + (f" / {args.split}, in as many more rounds as keep each cell's requests" if args.split > 1 else "")
+          + (", answer budgets mixed (x0.5-1.5 in turn)" if args.mixed_lengths else "")
           + f"; adaptive = "
           f"{grid[-1].key()}; {wall:.0f} s")
     print(f"{'workload':<8} {'c':>3} {'off':>8} {'best static':>24} {'tok/s':>8} {'adaptive':>9} "
@@ -552,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{h['adaptive_vs_off']:6.3f}x{_ci(h['adaptive_vs_off_ci']):<15}")
     out = {"levels": levels, "workloads": workloads, "depths": depths, "method": args.method, "rounds": args.rounds,
            "weights": args.weights,
-           "waves": args.waves, "pass_s": args.pass_s, "split": args.split, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "wall_s": round(wall),
+           "waves": args.waves, "pass_s": args.pass_s, "split": args.split, "mixed_lengths": args.mixed_lengths, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "wall_s": round(wall),
            "load_average": round(load, 2), "table": table,
            "greedy_identical": not differ, "greedy_differences": differ,
            "rows": rows,

@@ -807,6 +807,25 @@ def test_split_passes_play_more_rounds_in_the_same_requests() -> None:
     assert bench.rounds_at(4, 14, 8) == 7 and bench.rounds_at(4, 10, 12) == 4
 
 
+def test_mixed_lengths_give_each_request_its_own_budget_the_same_for_every_configuration() -> None:
+    """benchmarks/adaptive.py --mixed-lengths: the prompts in turn, the i-th request's answer budget
+    max-new-tokens x 0.5, 0.75, 1, 1.25, 1.5 in turn (a mean of max-new-tokens over each five; six
+    prompts, so each prompt meets every budget), the same list on every call; without it the
+    workload's sampling for every request."""
+    from engine.measure.workloads import Prompt
+
+    bench = _adaptive_benchmark()
+    ps = [Prompt(id=str(i), text=f"p{i}", source="t") for i in range(6)]
+    params = SamplingParams(max_new_tokens=32)
+    got = bench.requests_of(ps, 30, params, True)
+    assert [p.id for p in got] == [str(i % 6) for i in range(30)]
+    budgets = [p.params.max_new_tokens for p in got]
+    assert budgets[:5] == [16, 24, 32, 40, 48] and sum(budgets) == 30 * 32
+    assert {(p.id, p.params.max_new_tokens) for p in got} == {(str(i), b) for i in range(6) for b in (16, 24, 32, 40, 48)}
+    assert got == bench.requests_of(ps, 30, params, True)
+    assert all(p.params is None for p in bench.requests_of(ps, 30, params, False))
+
+
 def test_a_workloads_first_level_is_sized_from_a_cached_warm_up() -> None:
     """benchmarks/adaptive.py's warm_walls: a server's first wave of a workload prefills its prompts
     uncached (3 s), every later one finds them cached (1 s): at the workload's first level each
