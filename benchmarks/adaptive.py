@@ -96,7 +96,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from concurrency import _tuner_serve  # noqa: E402
 
-from engine.decode.batch import band_of  # noqa: E402
 from engine.measure.runner import HttpTarget, Measurement, measure  # noqa: E402
 from engine.measure.stats import log_interval  # noqa: E402
 from engine.api import SamplingParams  # noqa: E402
@@ -252,9 +251,8 @@ def controller_state(url: str, batch: int) -> dict[str, Any]:
             out["level"] = round(v, 3)
         elif name == "draft_seconds_per_node":
             out["draft_ms_per_node"] = round(v * 1e3, 3)
-        elif name == "acceptance":  # the band the level's steps read (engine.decode.batch.band_of)
-            if lab.get("band") == str(band_of(batch)):
-                out["acceptance"][lab["position"]] = round(v, 3)
+        elif name == "acceptance":
+            out["acceptance"][lab["position"]] = round(v, 3)
         elif lab.get("batch") != str(batch):
             continue
         elif name == "overhead_seconds":

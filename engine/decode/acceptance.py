@@ -4,10 +4,8 @@ depth) lies on the accepted path, given that it was drafted and verified. Every 
 updates them; the controller (engine.decode.control) reads them as the expected tokens each
 further drafted node adds.
 
-Each request starts from the batch's estimate over all requests at its batch-size band (the power
-of two at or above the batch size: engine.decode.batch.band_of), which itself starts from a fixed
-prior: what one or two requests in flight verify, where nearly every node pays, is worth many
-samples, and shared with larger batches it let their requests start from that certainty. An index a request does not verify in a step (it drafted fewer nodes, or none) drifts back
+Each request starts from the batch's estimate over all requests, which itself starts from a fixed
+prior. An index a request does not verify in a step (it drafted fewer nodes, or none) drifts back
 towards the batch's estimate: without that, a request whose drafts stopped paying would never
 draft again to find out that they pay now. On a step where nobody drafted, that target held, so
 the step is only counted, once for the whole batch (the scheduler's count, which an estimate

@@ -123,30 +123,16 @@ def _interpolated(table: Sequence[float]) -> Callable[[float], float]:
     return step_s
 
 
-def band_of(batch: int) -> int:
-    """The batch-size band whose acceptance estimates a step of `batch` requests reads and feeds:
-    the power of two at or above it (1, 2, 4, 8, ...: the step-cost curve's timed sizes)."""
-    return 1 << (batch - 1).bit_length()
-
-
 @dataclass
 class Control:
     """What adaptive control learns while it runs: the step cost with its live figures
-    (engine.decode.stepcost), per adaptive spec and batch-size band (`band_of`) the batch's
-    acceptance estimate (each new request's starting point) and its drafters' confidence bands
-    (engine.decode.acceptance), and what the probes may still spend (engine.decode.control).
-
-    The estimates are kept per band because what a batch size verifies is not what another's
-    would: at one or two requests nearly every node pays and is verified, so their estimate is
-    worth many samples, and shared with a batch of 8 or 16 it let every request there start from
-    that certainty, where a fresh band starts from the doubted prior and drafts only what its own
-    probes find paying (benchmarks/adaptive.py served chat 8 and 16 after chat 1-4 drafting where
-    the same cells served alone did not). A band is made at its first step, from the prior."""
+    (engine.decode.stepcost), per adaptive spec the batch's acceptance estimate (each new
+    request's starting point) and its drafters' confidence bands (engine.decode.acceptance), and
+    what the probes may still spend (engine.decode.control)."""
 
     cost: StepCost | None
-    accept: dict[str, dict[int, Acceptance]]
-    calib: dict[str, dict[int, Calibration]]
-    nodes: dict[str, int] = field(default_factory=dict)  # per adaptive spec, its draft nodes (budget - 1)
+    accept: dict[str, Acceptance]
+    calib: dict[str, Calibration]
     probes: ProbeBudget = field(default_factory=ProbeBudget)
     # per adaptive spec, the steps so far in which nobody drafted: counted once for the batch, each
     # request's estimate catching up with the count when it is next read (Acceptance.catch_up)
@@ -157,18 +143,8 @@ class Control:
         """Nothing learnt yet: the step-cost curve as timed (once per machine and forward), the prior."""
         adaptive = [s for _, _, s in schedule if s.adaptive and s.method != "off"]
         return cls(engine.step_costs(max_batch, room) if adaptive else None,
-                   {s.key(): {} for s in adaptive}, {s.key(): {} for s in adaptive},
-                   nodes={s.key(): s.budget - 1 for s in adaptive}, quiet={s.key(): 0 for s in adaptive})
-
-    def batch(self, key: str, batch: int) -> tuple[Acceptance, Calibration]:
-        """The batch's acceptance estimate and confidence bands of spec `key` at `batch` requests
-        (its band's: `band_of`), made from the prior at the band's first step."""
-        band = band_of(batch)
-        est = self.accept[key].get(band)
-        if est is None:
-            est = self.accept[key][band] = Acceptance(self.nodes[key], rate=BATCH_RATE)
-            self.calib[key][band] = Calibration()
-        return est, self.calib[key][band]
+                   {s.key(): Acceptance(s.budget - 1, rate=BATCH_RATE) for s in adaptive},
+                   {s.key(): Calibration() for s in adaptive}, quiet={s.key(): 0 for s in adaptive})
 
 
 @dataclass
@@ -467,7 +443,7 @@ class BatchEngine:
             rec["accepted"] = sum(len(r.state.path) - 1 for r, tree, _, _ in plans if tree is not None and r.error is None)
             self.trace(rec)
         if spec is not None and self.accept and self._key(spec) in self.accept:
-            self._learn(spec, len(live), [(req, tree) for req, tree, _, _ in plans if tree is not None and req.error is None])
+            self._learn(spec, [(req, tree) for req, tree, _, _ in plans if tree is not None and req.error is None])
 
     @property
     def cost(self) -> StepCost | None:
@@ -475,23 +451,28 @@ class BatchEngine:
         return self.control.cost
 
     @property
-    def accept(self) -> dict[str, dict[int, Acceptance]]:
-        """Per adaptive spec and batch-size band, the batch's acceptance estimate (its `Control`'s)."""
+    def accept(self) -> dict[str, Acceptance]:
+        """Per adaptive spec, the batch's acceptance estimate (its `Control`'s)."""
         return self.control.accept
+
+    @property
+    def calib(self) -> dict[str, Calibration]:
+        """Per adaptive spec, its drafters' confidence bands (its `Control`'s)."""
+        return self.control.calib
 
     def _key(self, spec: SpecConfig) -> str:
         """`spec.key()`, once per schedule's spec."""
         key = self._keys.get(id(spec))
         return key if key is not None else spec.key()
 
-    def _estimate(self, req: Request, spec: SpecConfig, batch_est: Acceptance) -> Acceptance:
-        """The request's acceptance estimate under an adaptive spec (`batch_est`, the batch's at
-        its band, when it starts), caught up with the steps in which nobody drafted (`Control.quiet`)."""
+    def _estimate(self, req: Request, spec: SpecConfig) -> Acceptance:
+        """The request's acceptance estimate under an adaptive spec (the batch's, when it starts),
+        caught up with the steps in which nobody drafted (`Control.quiet`)."""
         key = self._key(spec)
         quiet = self.control.quiet[key]
         est = req.accept.get(key)
         if est is None:
-            est = req.accept[key] = batch_est.fork()
+            est = req.accept[key] = self.accept[key].fork()
             est.mark = quiet
             return est
         return est.catch_up(quiet)
@@ -526,17 +507,17 @@ class BatchEngine:
         if extra and cost.step_s(batch, extra) - cost.step_s(batch, 0) > SLACK * floor[1]:
             return False
         key, nodes = self._key(spec), spec.budget - 1
-        batch_est, cal = self.control.batch(key, batch)
+        batch_est, cal = self.accept[key], self.calib[key]
         live = [r for r in reqs if r.state.will_draft] if not floor[2] or self.trace is not None else []
         if not floor[2] and live and nodes:
             # each request's first index only, its pending drift unapplied (`first`): `upper`'s
             # first gain is that times the band ratio, within [0, 1]
-            first = max(self._estimate(r, spec, batch_est).first(batch_est.p[0]) for r in live) * cal.first_ratio(batch_est)
+            first = max(self._estimate(r, spec).first(batch_est.p[0]) for r in live) * cal.first_ratio(batch_est)
             if min(max(first, 0.0), 1.0) >= floor[0] * (1 - SLACK):
                 return False
         self.control.probes.earn(floor[1])
         if self.trace is not None:
-            est = [self._estimate(r, spec, batch_est) for r in live]
+            est = [self._estimate(r, spec) for r in live]
             for e in est:
                 e.settle(batch_est.p)
             self._record = self._note(batch, extra, [floor[1]], cal.upper(est, batch_est, nodes),
@@ -553,9 +534,9 @@ class BatchEngine:
             return {}
         batch, extra = len(reqs), self._joining(reqs)
         cost = self.cost
+        est = [self._estimate(r, spec) for r in live]
         nodes = spec.budget - 1
-        batch_est, cal = self.control.batch(self._key(spec), batch)
-        est = [self._estimate(r, spec, batch_est) for r in live]
+        batch_est, cal = self.accept[self._key(spec)], self.calib[self._key(spec)]
         # before drafting, each request's gains as its most confident drafts' (Calibration.upper):
         # the cut after drafting keeps only the nodes whose real confidence pays, so a node allowed
         # costs its drafting alone when it is cut, and a draft the average would refuse may pay
@@ -664,12 +645,11 @@ class BatchEngine:
                 "probe": probed, "kept": [0] * len(allowed), "screened": screened,
                 "control_s": time.perf_counter() - began, "drafting_s": 0.0}
 
-    def _learn(self, spec: SpecConfig, size: int, verified: list[tuple[Request, Tree]]) -> None:
-        """Update the acceptance estimates from a step of `size` requests' verifications: each
-        request's own, and the batch's at that size's band from every request's; indices nobody
-        verified drift back (engine.decode.acceptance)."""
+    def _learn(self, spec: SpecConfig, verified: list[tuple[Request, Tree]]) -> None:
+        """Update the acceptance estimates from a step's verifications: each request's own, and
+        the batch's from every request's; indices nobody verified drift back (engine.decode.acceptance)."""
         key = self._key(spec)
-        batch, cal = self.control.batch(key, size)
+        batch, cal = self.accept[key], self.calib[key]
         if self._probe is not None:
             probed, node, size = self._probe
             self._found[size] = any(req is probed and node in req.state.path for req, _ in verified)
@@ -690,7 +670,7 @@ class BatchEngine:
         for req, tree in verified:
             if req.state.drafter is None:
                 continue  # nothing drafted: nothing to learn
-            est = self._estimate(req, spec, batch)
+            est = self._estimate(req, spec)
             drafted = tree.size - 1
             est.update(drafted, req.state.path)
             est.drift(drafted, batch.p)

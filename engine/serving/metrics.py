@@ -133,8 +133,7 @@ class _Controller:
             ("price_seconds", "The controller's price of a step with this many draft rows", ["model_name", "batch", "rows"]),
             ("forward_seconds", "Live forwards' mean seconds with this many draft rows", ["model_name", "batch", "rows"]),
             ("forward_steps", "Live forwards run with this many draft rows", ["model_name", "batch", "rows"]),
-            ("acceptance", "The batch's acceptance estimate at a draft position, per batch-size band (the power of "
-             "two at or above the batch size)", ["model_name", "spec", "band", "position"]))}
+            ("acceptance", "The batch's acceptance estimate at a draft position", ["model_name", "spec", "position"]))}
         g["level"].add_metric([m], cost.level)
         g["draft_seconds_per_node"].add_metric([m], cost.draft_s)
         for b in sorted(set(cost.live) | set(cost.overhead)):  # (read while the engine thread steps: copies)
@@ -153,8 +152,7 @@ class _Controller:
                 if live is not None and live.n[n]:
                     g["forward_seconds"].add_metric([m, str(b), str(n)], live.t[n])
                     g["forward_steps"].add_metric([m, str(b), str(n)], live.n[n])
-        for key, bands in list(self.batch.accept.items()):
-            for band, est in sorted(bands.items()):
-                for r, p in enumerate(est.p[:3], start=1):
-                    g["acceptance"].add_metric([m, key, str(band), str(r)], p)
+        for key, est in list(self.batch.accept.items()):
+            for r, p in enumerate(est.p[:3], start=1):
+                g["acceptance"].add_metric([m, key, str(r)], p)
         yield from g.values()
