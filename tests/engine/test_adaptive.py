@@ -328,6 +328,29 @@ def test_rows_dearer_than_the_curve_are_learnt_from_the_steps_that_drafted() -> 
     assert choose(gains, 8, lambda n: c.step_s(8, n), margin=MARGIN) == [0] * 8
 
 
+def test_rows_beyond_those_the_recent_steps_ran_cost_the_curves_increments() -> None:
+    """Batch 8 on W7's served curve: its first 10 observed steps ran 8-24 draft rows at twice the
+    curve, then 30 steps of 0 or 1 rows (a probe's) ran as the curve says. Fitted on all of them,
+    8 rows were priced at three times the curve (the later steps' little variance does not
+    outweigh the first ones'); priced at the fit up to the most rows the recent steps ran and at the
+    curve's increments beyond, each row past the first costs the curve's increment, and 8 rows
+    under 1.7x the curve. Steps that ran 16 rows recently at twice the curve price 16 rows at it."""
+    curve = {8: list(zip([0, 1, 2, 4, 8, 16], [x * 1e-3 for x in (21.6, 24.98, 25.59, 27.86, 33.95, 44.13)]))}
+    c = StepCost(curve, max_rows=17)
+    for i in range(10):
+        x = (8, 16, 12, 24)[i % 4]
+        c.observe_step(8, x, 2 * c.curve_s(8, x))
+    _run(c, 8, 30, lambda x: c.curve_s(8, x), rows=[1, 0])
+    rows = lambda n: c.step_s(8, n) - c.step_s(8, 0)  # noqa: E731
+    curve_rows = lambda n: c.curve_s(8, n) - c.curve_s(8, 0)  # noqa: E731
+    assert c.live[8].fit(1.0)[1] > 2  # the fit's slope is still the first steps'
+    # past the rows the recent steps ran, the curve's increments (and the live table's faded word on 8 rows)
+    assert curve_rows(8) - curve_rows(2) <= rows(8) - rows(2) < 1.3 * (curve_rows(8) - curve_rows(2))
+    assert rows(8) < 1.7 * curve_rows(8)  # (the fit's slope extrapolated: three times)
+    _run(c, 8, 20, lambda x: c.curve_s(8, 0) + 2 * curve_rows(x), rows=[16, 0])
+    assert rows(16) == pytest.approx(2 * curve_rows(16), rel=0.15)
+
+
 def test_the_table_prices_every_total_as_step_s_does() -> None:
     """The controller reads one table per step (a call per total of rows cost ms at batch 32):
     each entry is what step_s says for that many draft rows, after live steps too."""
