@@ -22,7 +22,11 @@ then ... C B A, so that the configurations of a cell are measured within seconds
 linear drift cancels over each pair of rounds. Adaptive plays between off and the deepest chain
 (`round_order`), so each of its ratios pairs passes played back to back. A pass lasts at least
 `--pass-s` seconds (whole waves more, sized from the cell's warm-up: `lasting`): on a fast host a
-pass of a few requests at 1 or 2 in flight lasts a second, and one burst moves it 10-20%. Before its first round each configuration plays one
+pass of a few requests at 1 or 2 in flight lasts a second, and one burst moves it 10-20%. `--split K`
+plays passes of pass-s / K in as many more rounds as keep each cell's requests (`rounds_at`): the
+host's speed changes in steps that last seconds, and a ratio of two passes moves by a whole step
+when one falls between them, so shorter pairs, more of them, read steadier in the same time (at 1
+or 2 in flight, where a pass is memory-bound, most of all). Before its first round each configuration plays one
 wave of the level, and every prompt at least once (not measured: the adaptive engine's estimates
 and step cost settle at each batch size as a server's would, and every prompt's prefix is cached,
 as every later round finds it). Each pass also reports its mean requests in flight over N (the
@@ -82,6 +86,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
@@ -93,7 +98,8 @@ from concurrency import _tuner_serve  # noqa: E402
 
 from engine.measure.runner import HttpTarget, Measurement, measure  # noqa: E402
 from engine.measure.stats import log_interval  # noqa: E402
-from engine.measure.workloads import load_prompts, sampling_params  # noqa: E402
+from engine.api import SamplingParams  # noqa: E402
+from engine.measure.workloads import Prompt, load_prompts, sampling_params  # noqa: E402
 from tuner.schema.compose import load_config  # noqa: E402
 from tuner.schema.config import SpecConfig  # noqa: E402
 
@@ -135,6 +141,34 @@ def lasting(requests: int, level: int, warmups: list[tuple[int, float]], pass_s:
     if wave_s <= 0 or requests * wave_s / level >= pass_s:
         return requests
     return max(requests, level * math.ceil(pass_s / wave_s))
+
+
+SPREAD = (0.5, 0.75, 1.0, 1.25, 1.5)  # --mixed-lengths: the answers' budgets over max-new-tokens, in turn
+
+
+def requests_of(ps: list[Prompt], n: int, params: SamplingParams, mixed: bool) -> list[Prompt]:
+    """A pass's `n` requests: the prompts in turn, each with the workload's sampling; `mixed`: the
+    i-th request's answer budget max-new-tokens x SPREAD[i % 5] (the same for every configuration,
+    a mean of max-new-tokens). With one budget for all, speculation off's requests of a wave end on
+    one step and the next wave's arrive together, while a drafting configuration's end apart and
+    each leaves its place empty until its client's next request joins (several steps where the
+    clients share the host's cores): a lockstep that served traffic of mixed lengths does not have."""
+    out = [ps[i % len(ps)] for i in range(n)]
+    if not mixed:
+        return out
+    return [replace(p, params=replace(params, max_new_tokens=max(1, round(params.max_new_tokens * SPREAD[i % len(SPREAD)]))))
+            for i, p in enumerate(out)]
+
+
+def rounds_at(rounds: int, full: int, split: int) -> int:
+    """Rounds a cell plays when its passes are `split` requests instead of `full` (both from
+    `lasting`, for pass_s and pass_s over --split): as many as keep its requests, at least `rounds`.
+    The host's speed changes in steps that last seconds (docs/results.md: passes of off at 1 in
+    flight a third apart within one cell on an idle machine), so a ratio of two passes moves by a
+    whole step when one falls between them; shorter passes in more rounds put each pair closer together and average
+    more of them in the same time, the same for every configuration. Where the passes cannot be
+    shorter (their waves already last pass_s over split or more), the cell keeps `rounds`."""
+    return max(rounds, rounds * full // max(split, 1))
 
 
 def warm_walls(keys: list[str], play: Callable[[str], float], cold: bool) -> dict[str, float]:
@@ -239,7 +273,8 @@ def controller_state(url: str, batch: int) -> dict[str, Any]:
 def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], prompts: int, max_new_tokens: int,
         rounds: int, waves: int = 2, texts: dict[tuple[str, str, int, int], list[str]] | None = None,
         states: dict[tuple[str, int], dict[str, Any]] | None = None,
-        rows: list[dict[str, Any]] | None = None, weights: str = "fp32", pass_s: float = 0.0) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] | None = None, weights: str = "fp32", pass_s: float = 0.0,
+        split: int = 1, mixed: bool = False) -> list[dict[str, Any]]:
     """Rows (workload, config, level, round, tok/s, tau, requests, in flight): every configuration's
     server up at once, each cell measured in `rounds` interleaved rounds of `requests_at` requests
     (grown to last `pass_s`: `lasting`)
@@ -247,7 +282,9 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
     config, level, round), to compare, never to print; `states` the adaptive server's controller
     after each cell's rounds (`controller_state`), by (workload, level); `rows`, when given, receives
     each row as it is measured (a run stopped early keeps them); `weights`: every server's
-    engine.builtin.weights; `pass_s`: each round's passes last at least about this long (`lasting`)."""
+    engine.builtin.weights; `pass_s`: each round's passes last at least about this long (`lasting`);
+    `split`: passes of pass_s / split instead, in as many more rounds as keep each cell's requests
+    (`rounds_at`); `mixed`: each request's answer budget from SPREAD in turn (`requests_of`)."""
     over = [f"engine.builtin.max_batch={max(levels)}", f"serve.queue_size={4 * max(levels)}",
             f"engine.builtin.weights={weights}"]
     loads = {}
@@ -263,16 +300,19 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
         for w, (ps, params, chat) in loads.items():
             targets = {k: HttpTarget(u, model, chat) for k, u in urls.items()}
             for c in levels:
-                first = [ps[i % len(ps)] for i in range(max(c, len(ps)))]
+                first = requests_of(ps, max(c, len(ps)), params, mixed)
                 # one wave at this level first, not measured, and every prompt at least once: a prompt
                 # first met in the first round was prefilled there and cached for the later rounds,
                 # so the first round ran slower for every configuration (code at 2 in flight, the first
                 # level of the workload: 24.6-35.9 tok/s against 62.3-94.3 in the next rounds)
                 walls = warm_walls(keys, lambda k: measure(targets[k], first, params, c, warmup=0, repeats=1).runs[0].wall_s,
                                    cold=c == levels[0])
-                n = lasting(requests_at(len(ps), waves, c), c, [(len(first), walls[k]) for k in keys], pass_s)
-                wave = [ps[i % len(ps)] for i in range(n)]
-                for r in range(rounds):
+                timed = [(len(first), walls[k]) for k in keys]
+                full = lasting(requests_at(len(ps), waves, c), c, timed, pass_s)
+                n = lasting(requests_at(len(ps), waves, c), c, timed, pass_s / split)
+                planned = rounds_at(rounds, full, n)
+                wave = requests_of(ps, n, params, mixed)
+                for r in range(planned):
                     for k in round_order(specs_, r):
                         before = engine_steps(urls[k])
                         s = measure(targets[k], wave, params, c, warmup=0, repeats=1)
@@ -282,7 +322,7 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
                         steps, short, empty = short_steps(by_size, c)
                         occupied = in_flight(s.runs[0], c)
                         steady = steady_tok_s(s.runs[0], c)
-                        rows.append({"workload": w, "config": k, "concurrency": c, "round": r,
+                        rows.append({"workload": w, "config": k, "concurrency": c, "round": r, "planned_rounds": planned,
                                      "tok_s": s.output_tokens_per_s, "steady_tok_s": steady, "tau": s.tau,
                                      "requests": len(wave),
                                      "wall_s": round(s.runs[0].wall_s, 2), "in_flight": round(occupied, 3),
@@ -374,7 +414,9 @@ def compare(rows: list[dict[str, Any]], specs_: list[SpecConfig], workloads: lis
             whole = _cell(kept, w, c, static, adaptive, "tok_s")
             # every measured pass streamed (a pass with errors stops the run), so each has its held span
             assert held is not None and whole is not None
-            out.append({"workload": w, "concurrency": c, "rounds": len(done), **held,
+            planned = max(r.get("planned_rounds", 0) for r in rows if (r["workload"], r["concurrency"]) == (w, c))
+            out.append({"workload": w, "concurrency": c, "rounds": len(done), "planned_rounds": max(planned, len(done)),
+                        **held,
                         "in_flight": {name: round(statistics.fmean(_by_round(rows, w, k, c, "in_flight").values()), 3)
                                       for name, k in (("off", "off"), ("best_static", held["best_static"]),
                                                       ("adaptive", adaptive))},
@@ -437,6 +479,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="a level of N plays max(prompts, waves x N) requests, N in flight until the last wave")
     ap.add_argument("--pass-s", type=float, default=4.0,
                     help="each pass plays whole waves more until it lasts about this long (its cell's warm-up says)")
+    ap.add_argument("--mixed-lengths", action="store_true",
+                    help="each request's max-new-tokens x 0.5, 0.75, 1, 1.25, 1.5 in turn, the same for every "
+                         "configuration (requests_of): answers that end apart, as served traffic's do")
+    ap.add_argument("--split", type=int, default=1,
+                    help="passes of pass-s / split in as many more rounds as keep each cell's requests (rounds_at)")
     args = ap.parse_args(argv)
     try:
         levels = sorted({int(x) for x in args.levels.split(",") if x})
@@ -458,6 +505,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--rounds={args.rounds}: must be >= 2 (each round's best static is chosen on the other rounds)",
               file=sys.stderr)
         return 2
+    if args.split < 1:
+        print(f"--split={args.split}: must be >= 1 (1: passes of --pass-s)", file=sys.stderr)
+        return 2
     if args.pass_s < 0:
         print(f"--pass-s={args.pass_s}: must be >= 0 (0: passes of requests_at alone)", file=sys.stderr)
         return 2
@@ -472,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupted)
     try:
         run(grid, workloads, levels, args.prompts, args.max_new_tokens, args.rounds, args.waves, texts, states, rows,
-            args.weights, args.pass_s)
+            args.weights, args.pass_s, args.split, args.mixed_lengths)
     except KeyboardInterrupt:
         print(f"\nstopped early: {len(rows)} passes measured; the table and JSON hold the finished rounds",
               file=sys.stderr)
@@ -485,7 +535,10 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\nload average {load:.1f} at the start; {args.prompts} prompts per workload, {args.max_new_tokens} new "
           f"tokens, {args.weights}, T=0, {args.rounds} round(s) of max(prompts, {args.waves} x level) requests, whole waves "
-          f"more until a pass lasts {args.pass_s:g} s; adaptive = "
+          f"more until a pass lasts {args.pass_s:g} s"
+          + (f" / {args.split}, in as many more rounds as keep each cell's requests" if args.split > 1 else "")
+          + (", answer budgets mixed (x0.5-1.5 in turn)" if args.mixed_lengths else "")
+          + f"; adaptive = "
           f"{grid[-1].key()}; {wall:.0f} s")
     print(f"{'workload':<8} {'c':>3} {'off':>8} {'best static':>24} {'tok/s':>8} {'adaptive':>9} "
           f"{'vs static [95%]':>22} {'vs off [95%]':>22} {'in flight':>16}")
@@ -497,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{t['adaptive_vs_best_static']:6.3f}x{_ci(t['adaptive_vs_best_static_ci']):<15} "
               f"{t['adaptive_vs_off']:6.3f}x{_ci(t['adaptive_vs_off_ci']):<15} "
               f"{f['off']:.2f}/{f['best_static']:.2f}/{f['adaptive']:.2f}"
-              + (f"  ({t['rounds']} of {args.rounds} rounds)" if t["rounds"] < args.rounds else ""))
+              + (f"  ({t['rounds']} of {t['planned_rounds']} rounds)" if t["rounds"] < t["planned_rounds"] else ""))
     print("(output tok/s while the level was held: from the pass's start until the first client had no request "
           "left to send; geometric means over the rounds; best static: each round judged against the chain of the "
           "grid fastest over the other rounds (named: the one chosen in most rounds, with how many); "
@@ -520,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{h['adaptive_vs_off']:6.3f}x{_ci(h['adaptive_vs_off_ci']):<15}")
     out = {"levels": levels, "workloads": workloads, "depths": depths, "method": args.method, "rounds": args.rounds,
            "weights": args.weights,
-           "waves": args.waves, "pass_s": args.pass_s, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "wall_s": round(wall),
+           "waves": args.waves, "pass_s": args.pass_s, "split": args.split, "mixed_lengths": args.mixed_lengths, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "wall_s": round(wall),
            "load_average": round(load, 2), "table": table,
            "greedy_identical": not differ, "greedy_differences": differ,
            "rows": rows,

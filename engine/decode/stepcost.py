@@ -48,6 +48,7 @@ from __future__ import annotations
 import bisect
 import os
 import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -92,15 +93,23 @@ def batch_levels(max_batch: int) -> list[int]:
 
 class _Live:
     """One batch size's live steps, exponentially weighted: sums of 1, m, t, m^2 and m t, where m
-    and t are the curve's extra-row cost and the step's seconds, both over the curve's c0."""
+    and t are the curve's extra-row cost and the step's seconds, both over the curve's c0; and the
+    m of its last 1 / FOLLOW steps (`top`: the most rows its recent steps ran)."""
 
     def __init__(self) -> None:
         self.w = self.m = self.t = self.mm = self.mt = 0.0
+        self.recent: deque[float] = deque(maxlen=round(1 / FOLLOW))
 
     def add(self, m: float, t: float) -> None:
         k = 1 - FOLLOW
         self.w, self.m, self.t = k * self.w + FOLLOW, k * self.m + FOLLOW * m, k * self.t + FOLLOW * t
         self.mm, self.mt = k * self.mm + FOLLOW * m * m, k * self.mt + FOLLOW * m * t
+        self.recent.append(m)
+
+    @property
+    def top(self) -> float:
+        """The largest m of the last 1 / FOLLOW steps: beyond it the fit's slope is older steps' word."""
+        return max(self.recent, default=0.0)
 
     def fit(self, slope0: float) -> tuple[float, float]:
         """(a, b) of t = a + b m: least squares, b ridged towards slope0 and at least LOW_SLOPE x it."""
@@ -236,6 +245,13 @@ class StepCost:
         c0 = self.curve_s(batch, 0)
         live = self.live.get(batch)
         a, b = live.fit(1.0) if live is not None else (self.level, 1.0)
+        # beyond the most rows the recent live steps ran, each further row costs the curve's
+        # increment. The fit's weights fade per step observed at its batch size, and where most
+        # steps are screened out (not observed) its few later steps of 0-1 rows add too little
+        # variance to outweigh the first priced steps: a batch size first met with confident
+        # estimates drafted many rows there, and where those ran slow their slope priced eight rows
+        # at three times the curve long after (docs/results.md, session 34: code at 8)
+        top = c0 * (live.top if live is not None else 0.0)
         fit_base = c0 * max(a, 0.1)
         table = self.rows.get(batch)
         base = table.base(fit_base) if table is not None else fit_base
@@ -248,7 +264,8 @@ class StepCost:
                 avg = self._slope(batch, c0, x) * x
                 got = curve[x] = (max(self.curve_s(batch, x) - c0, avg), avg)
             m, avg = got
-            rows = c0 * max(a + b * m / c0, 0.1) - fit_base
+            seen = min(m, top)
+            rows = c0 * max(a + b * seen / c0, 0.1) - fit_base + (m - seen)
             if table is not None and x == int(x):  # only whole counts of rows ran
                 rows = table.price(int(x), rows)
             if optimistic:  # the curve's average row: the fit's slope may be one stall's

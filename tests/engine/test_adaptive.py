@@ -328,6 +328,29 @@ def test_rows_dearer_than_the_curve_are_learnt_from_the_steps_that_drafted() -> 
     assert choose(gains, 8, lambda n: c.step_s(8, n), margin=MARGIN) == [0] * 8
 
 
+def test_rows_beyond_those_the_recent_steps_ran_cost_the_curves_increments() -> None:
+    """Batch 8 on W7's served curve: its first 10 observed steps ran 8-24 draft rows at twice the
+    curve, then 30 steps of 0 or 1 rows (a probe's) ran as the curve says. Fitted on all of them,
+    8 rows were priced at three times the curve (the later steps' little variance does not
+    outweigh the first ones'); priced at the fit up to the most rows the recent steps ran and at the
+    curve's increments beyond, each row past the first costs the curve's increment, and 8 rows
+    under 1.7x the curve. Steps that ran 16 rows recently at twice the curve price 16 rows at it."""
+    curve = {8: list(zip([0, 1, 2, 4, 8, 16], [x * 1e-3 for x in (21.6, 24.98, 25.59, 27.86, 33.95, 44.13)]))}
+    c = StepCost(curve, max_rows=17)
+    for i in range(10):
+        x = (8, 16, 12, 24)[i % 4]
+        c.observe_step(8, x, 2 * c.curve_s(8, x))
+    _run(c, 8, 30, lambda x: c.curve_s(8, x), rows=[1, 0])
+    rows = lambda n: c.step_s(8, n) - c.step_s(8, 0)  # noqa: E731
+    curve_rows = lambda n: c.curve_s(8, n) - c.curve_s(8, 0)  # noqa: E731
+    assert c.live[8].fit(1.0)[1] > 2  # the fit's slope is still the first steps'
+    # past the rows the recent steps ran, the curve's increments (and the live table's faded word on 8 rows)
+    assert curve_rows(8) - curve_rows(2) <= rows(8) - rows(2) < 1.3 * (curve_rows(8) - curve_rows(2))
+    assert rows(8) < 1.7 * curve_rows(8)  # (the fit's slope extrapolated: three times)
+    _run(c, 8, 20, lambda x: c.curve_s(8, 0) + 2 * curve_rows(x), rows=[16, 0])
+    assert rows(16) == pytest.approx(2 * curve_rows(16), rel=0.15)
+
+
 def test_the_table_prices_every_total_as_step_s_does() -> None:
     """The controller reads one table per step (a call per total of rows cost ms at batch 32):
     each entry is what step_s says for that many draft rows, after live steps too."""
@@ -791,6 +814,39 @@ def test_a_pass_grows_by_whole_waves_until_the_fastest_configuration_lasts_pass_
     assert bench.lasting(6, 1, [(6, 1.5)], 0.0) == 6
     assert bench.lasting(6, 1, [(6, 0.0)], 4.0) == 6
     assert bench.lasting(6, 1, [(6, 1.5)], 4.0) == 16  # 0.25 s a request: 16 for 4 s
+
+
+def test_split_passes_play_more_rounds_in_the_same_requests() -> None:
+    """benchmarks/adaptive.py --split: at 1 in flight with 0.25 s a request, passes sized for 4 s
+    hold 16 requests, for 2 s 8, so a cell of 4 rounds plays 8 of the shorter passes (the same 64
+    requests per configuration); at 32 in flight, where two waves already last 5 s, passes cannot
+    be shorter and the cell keeps its 4 rounds; never fewer than asked."""
+    bench = _adaptive_benchmark()
+    warm = [(6, 1.5)]
+    full, half = bench.lasting(6, 1, warm, 4.0), bench.lasting(6, 1, warm, 2.0)
+    assert (full, half) == (16, 8) and bench.rounds_at(4, full, half) == 8
+    big = [(32, 2.5)]
+    assert bench.rounds_at(4, bench.lasting(64, 32, big, 4.0), bench.lasting(64, 32, big, 2.0)) == 4
+    assert bench.rounds_at(4, 14, 8) == 7 and bench.rounds_at(4, 10, 12) == 4
+
+
+def test_mixed_lengths_give_each_request_its_own_budget_the_same_for_every_configuration() -> None:
+    """benchmarks/adaptive.py --mixed-lengths: the prompts in turn, the i-th request's answer budget
+    max-new-tokens x 0.5, 0.75, 1, 1.25, 1.5 in turn (a mean of max-new-tokens over each five; six
+    prompts, so each prompt meets every budget), the same list on every call; without it the
+    workload's sampling for every request."""
+    from engine.measure.workloads import Prompt
+
+    bench = _adaptive_benchmark()
+    ps = [Prompt(id=str(i), text=f"p{i}", source="t") for i in range(6)]
+    params = SamplingParams(max_new_tokens=32)
+    got = bench.requests_of(ps, 30, params, True)
+    assert [p.id for p in got] == [str(i % 6) for i in range(30)]
+    budgets = [p.params.max_new_tokens for p in got]
+    assert budgets[:5] == [16, 24, 32, 40, 48] and sum(budgets) == 30 * 32
+    assert {(p.id, p.params.max_new_tokens) for p in got} == {(str(i), b) for i in range(6) for b in (16, 24, 32, 40, 48)}
+    assert got == bench.requests_of(ps, 30, params, True)
+    assert all(p.params is None for p in bench.requests_of(ps, 30, params, False))
 
 
 def test_a_workloads_first_level_is_sized_from_a_cached_warm_up() -> None:
