@@ -403,23 +403,22 @@ class Decoding:
         if any(d.wants_logits for d in self.observers):  # logits[path] copies rows: only for a drafter that reads them
             self._observe_logits([tree.tokens[i] for i in path], logits[path])
         self._observe(hidden, aux, path if len(path) > 1 else [0])
-        stats.target_forwards += 1
-        stats.verify_s += time.perf_counter() - self._t
-        new = [tree.tokens[i] for i in path[1:]] + [bonus]
-        self.ids.extend(new)
-        self.done = self.stop.push(new)
-        return self.done
+        return self._commit([tree.tokens[i] for i in path[1:]] + [bonus], 1)
 
     def absorb_run(self, tokens: list[int]) -> bool:
         """Commit the greedy tokens of several one-row steps run in one call (`LeanForward.greedy`,
         speculation off, nothing observing): what `absorb` commits after each of those steps, in
         turn; returns True once generation ended."""
-        stats = self.stats
         self.path = [0]
-        stats.target_forwards += len(tokens)
-        stats.verify_s += time.perf_counter() - self._t
-        self.ids.extend(tokens)
-        self.done = self.stop.push(tokens)
+        return self._commit(tokens, len(tokens))
+
+    def _commit(self, new: list[int], forwards: int) -> bool:
+        """Count `forwards` target forwards and their time, commit `new` and push it to the stopper;
+        returns True once generation ended."""
+        self.stats.target_forwards += forwards
+        self.stats.verify_s += time.perf_counter() - self._t
+        self.ids.extend(new)
+        self.done = self.stop.push(new)
         return self.done
 
     def add_observer(self, drafter: Drafter) -> None:
