@@ -93,10 +93,16 @@ static void linear_rows(long R, const float* x, long ldx, const W* wp, float* y,
   PART(P_BARRIER);
 }
 
-/* F.rms_norm: x * rsqrt(mean(x^2) + eps) * w */
+/* F.rms_norm: x * rsqrt(mean(x^2) + eps) * w. The squares (exact in double) are summed in 16 running
+   sums, then those in order: independent sums vectorise, where one sum waited on each add (a step
+   runs 2 L + 1 of these on every thread). */
 static inline void rms_norm(const float* x, const float* w, float* y, long h, float eps) {
-  double ss = 0;
-  for (long i = 0; i < h; ++i) ss += (double)x[i] * x[i];
+  double part[16] = {}, ss = 0;
+  long i = 0;
+  for (; i + 16 <= h; i += 16)
+    for (int j = 0; j < 16; ++j) part[j] += (double)x[i + j] * x[i + j];
+  for (; i < h; ++i) ss += (double)x[i] * x[i];
+  for (int j = 0; j < 16; ++j) ss += part[j];
   float r = 1.f / sqrtf((float)(ss / h) + eps);
   for (long i = 0; i < h; ++i) y[i] = x[i] * r * w[i];
 }
