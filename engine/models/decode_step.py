@@ -423,8 +423,8 @@ extern "C" int decode_forward(const float* embed, const long* tok, const long* p
 /* Up to k greedy autoregressive steps of one sequence in one call (speculation off): each step is
    decode_forward's one-row step (R = S = P = 1, the same arguments), and the first of its largest
    logits (numpy's argmax: the first NaN where there is one; first_max, taken inside the step's
-   region) is the next step's token, at the next position. It stops after k steps, or after a token of `stops`. The tokens go to out; returns the
-   steps run, or decode_forward's error code negated. Why: after each step's stream of every weight
+   region) is the next step's token, at the next position. It stops after k steps, or after a token
+   of `stops`. The tokens go to out; returns the steps run, or decode_forward's error code negated. Why: after each step's stream of every weight
    through the caches, the interpreter that picks the token and makes the next call starts cold, a
    cost a step run on from here does not pay (docs/results.md, issue 40). */
 extern "C" long decode_greedy(const float* embed, long tok0, long p, const long* strides, float* kp, float* vp,
