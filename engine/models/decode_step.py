@@ -93,12 +93,57 @@ static void linear_rows(long R, const float* x, long ldx, const W* wp, float* y,
   PART(P_BARRIER);
 }
 
-/* F.rms_norm: x * rsqrt(mean(x^2) + eps) * w */
+/* F.rms_norm: x * rsqrt(mean(x^2) + eps) * w. The squares (exact in double) are summed in 16 running
+   sums, then those in order: independent sums vectorise, where one sum waited on each add (a step
+   runs 2 L + 1 of these on every thread). */
 static inline void rms_norm(const float* x, const float* w, float* y, long h, float eps) {
-  double ss = 0;
-  for (long i = 0; i < h; ++i) ss += (double)x[i] * x[i];
+  double part[16] = {}, ss = 0;
+  long i = 0;
+  for (; i + 16 <= h; i += 16)
+    for (int j = 0; j < 16; ++j) part[j] += (double)x[i + j] * x[i + j];
+  for (; i < h; ++i) ss += (double)x[i] * x[i];
+  for (int j = 0; j < 16; ++j) ss += part[j];
   float r = 1.f / sqrtf((float)(ss / h) + eps);
   for (long i = 0; i < h; ++i) y[i] = x[i] * r * w[i];
+}
+
+/* numpy's argmax of v[a, b) (a < b): the first NaN where there is one, else the first of the largest.
+   One pass: each lane keeps its largest value and where it first saw it (strictly larger replaces),
+   then the lanes' winners by value, the earlier index among equals. */
+static long first_max(const float* v, long a, long b) {
+  vf m = splat(-__builtin_inff());
+  vi at, lane, nan = {};
+  for (int l = 0; l < VW; ++l) lane[l] = l;
+  at = lane + (int)a;
+  long i = a;
+  for (; i + VW <= b; i += VW) {
+    vf x = *(const vfu*)(v + i);
+    vi more = x > m;
+    m = more ? x : m;
+    at = more ? lane + (int)i : at;
+    nan |= x != x;
+  }
+  long best = at[0];
+  float top = m[0];
+  bool any = nan[0] != 0;
+  for (int l = 1; l < VW; ++l) {
+    if (m[l] > top || (m[l] == top && at[l] < best)) best = at[l], top = m[l];
+    any |= nan[l] != 0;
+  }
+  for (; i < b; ++i) {
+    if (v[i] > top) best = i, top = v[i];
+    any |= v[i] != v[i];
+  }
+  if (any)
+    for (long j = a; j < b; ++j)
+      if (v[j] != v[j]) return j;
+  return best;
+}
+
+/* of two candidates of first_max, `e` from an earlier slice than `l`: the one numpy's argmax takes */
+static inline long first_of(const float* v, long e, long l) {
+  if (v[e] != v[e]) return e;
+  return v[l] != v[l] || v[l] > v[e] ? l : e;
 }
 
 /* HF's rotation: x * cos + cat(-x[d/2:], x[:d/2]) * sin */
@@ -206,7 +251,7 @@ static void forward(const float* embed, const long* tok, const long* posi, long 
                     float* const* kp, float* const* vp, const void* const* w, const float* ws, long L, long h, long H, long KV, long I, const float* cos,
                     const float* sin, const unsigned char* vis, float eps, const float* norm, const void* lmv,
                     float lms, long V, const long* pick, long P, float* hidden, float* logits, long ldl, float* aux,
-                    int threads) {
+                    int threads, long* best) {
   const LW* lm = (const LW*)lmv;
   long g = H / KV, nq = (H + 2 * KV) * D, ldq = up(nq), ldh = up(h), ld13 = up(2 * I);
   bool own_act = R <= 8;  /* the activation on every thread (more rows: split, then a barrier) */
@@ -241,6 +286,7 @@ static void forward(const float* embed, const long* tok, const long* posi, long 
     }
   }
   std::vector<long> next(4 * L + 1, 0);  /* each linear's tail counter (blocks_share): 4 a layer, the lm_head */
+  std::vector<long> cand(threads, -1);  /* with `best`: each thread's argmax of its slice of the logits */
   float scale = 1.f / sqrtf((float)D);
 #pragma omp parallel num_threads(threads)
   {
@@ -328,19 +374,29 @@ static void forward(const float* embed, const long* tok, const long* posi, long 
     for (long i = 0; i < P; ++i) rms_norm(x.data() + pick[i] * h, norm, hp.data() + i * h, h, eps);
     PART(P_NORM);
     linear_rows(P, hp.data(), h, lm, logits, ldl, V, h, lms, xbuf, &next[4 * L]);
+    /* the one row's argmax, each thread over its slice (most of it the part of the lm_head it just
+       wrote, still in its cache), rather than one thread over all after the region */
+    long T = omp_get_num_threads(), t = omp_get_thread_num();
+    if (best && V * t / T < V * (t + 1) / T) cand[t] = first_max(logits, V * t / T, V * (t + 1) / T);
+  }
+  if (best) {  /* the slices' winners merged in slice order */
+    long b = -1;
+    for (long c : cand)
+      if (c >= 0) b = b < 0 ? c : first_of(logits, b, c);
+    *best = b;
   }
 }
 
-/* fmt: the decoder weights' format and the lm_head's: 0 fp32 and fp32, 1 bf16 and bf16, 2 e4m3 and bf16 */
-extern "C" int decode_forward(const float* embed, const long* tok, const long* posi, long R, long S, const long* meta,
-                              float* const* kp, float* const* vp,
-                              const void* const* w, const float* ws, int fmt, long L, long h, long H, long KV, long D,
-                              long I, const float* cos, const float* sin, const unsigned char* vis, float eps,
-                              const float* norm, const void* lm, float lms, long V, const long* pick, long P,
-                              float* hidden, float* logits, long ldl, float* aux, int threads) {
-  if (R < 1 || S < 1 || P < 1) return 2;
+/* fmt: the decoder weights' format and the lm_head's: 0 fp32 and fp32, 1 bf16 and bf16, 2 e4m3 and bf16.
+   best: null, or (P = 1) where the picked row's argmax goes (first_max) */
+static int step(const float* embed, const long* tok, const long* posi, long R, long S, const long* meta,
+                float* const* kp, float* const* vp, const void* const* w, const float* ws, int fmt, long L, long h,
+                long H, long KV, long D, long I, const float* cos, const float* sin, const unsigned char* vis,
+                float eps, const float* norm, const void* lm, float lms, long V, const long* pick, long P,
+                float* hidden, float* logits, long ldl, float* aux, int threads, long* best) {
+  if (R < 1 || S < 1 || P < 1 || (best && P != 1)) return 2;
 #define HEAD(DD, W, LW) case DD: forward<DD, W, LW>(embed, tok, posi, R, S, meta, kp, vp, w, ws, L, h, H, KV, I, cos, sin, vis, eps, \
-                                                    norm, lm, lms, V, pick, P, hidden, logits, ldl, aux, threads); return 0;
+                                                    norm, lm, lms, V, pick, P, hidden, logits, ldl, aux, threads, best); return 0;
 #define HEADS(W, LW) switch (D) { HEAD(16, W, LW) HEAD(32, W, LW) HEAD(64, W, LW) HEAD(128, W, LW) } return 1;
   switch (fmt) {
     case 0: HEADS(float, float)
@@ -354,11 +410,21 @@ extern "C" int decode_forward(const float* embed, const long* tok, const long* p
   return 3;
 }
 
+extern "C" int decode_forward(const float* embed, const long* tok, const long* posi, long R, long S, const long* meta,
+                              float* const* kp, float* const* vp,
+                              const void* const* w, const float* ws, int fmt, long L, long h, long H, long KV, long D,
+                              long I, const float* cos, const float* sin, const unsigned char* vis, float eps,
+                              const float* norm, const void* lm, float lms, long V, const long* pick, long P,
+                              float* hidden, float* logits, long ldl, float* aux, int threads) {
+  return step(embed, tok, posi, R, S, meta, kp, vp, w, ws, fmt, L, h, H, KV, D, I, cos, sin, vis, eps, norm, lm, lms, V,
+              pick, P, hidden, logits, ldl, aux, threads, nullptr);
+}
+
 /* Up to k greedy autoregressive steps of one sequence in one call (speculation off): each step is
    decode_forward's one-row step (R = S = P = 1, the same arguments), and the first of its largest
-   logits (numpy's argmax: the first NaN where there is one) is the next step's token, at the next
-   position. It stops after k steps, or after a token of `stops`. The tokens go to out; returns the
-   steps run, or decode_forward's error code negated. Why: after each step's stream of every weight
+   logits (numpy's argmax: the first NaN where there is one; first_max, taken inside the step's
+   region) is the next step's token, at the next position. It stops after k steps, or after a token
+   of `stops`. The tokens go to out; returns the steps run, or decode_forward's error code negated. Why: after each step's stream of every weight
    through the caches, the interpreter that picks the token and makes the next call starts cold, a
    cost a step run on from here does not pay (docs/results.md, issue 40). */
 extern "C" long decode_greedy(const float* embed, long tok0, long p, const long* strides, float* kp, float* vp,
@@ -372,12 +438,10 @@ extern "C" long decode_greedy(const float* embed, long tok0, long p, const long*
   for (long i = 0; i < k; ++i) {
     meta[2] = p + i;
     pos = p + i;
-    int rc = decode_forward(embed, &tok, &pos, 1, 1, meta, kps, vps, w, ws, fmt, L, h, H, KV, D, I, cos, sin, nullptr,
-                            eps, norm, lm, lms, V, &pick, 1, hidden, logits, ldl, nullptr, threads);
+    long best;
+    int rc = step(embed, &tok, &pos, 1, 1, meta, kps, vps, w, ws, fmt, L, h, H, KV, D, I, cos, sin, nullptr, eps, norm,
+                  lm, lms, V, &pick, 1, hidden, logits, ldl, nullptr, threads, &best);
     if (rc) return -rc;
-    long best = 0;
-    for (long v = 1; v < V && logits[best] == logits[best]; ++v)
-      if (logits[v] > logits[best] || logits[v] != logits[v]) best = v;
     out[i] = tok = best;
     for (long j = 0; j < nstops; ++j)
       if (stops[j] == best) return i + 1;

@@ -639,6 +639,57 @@ def test_greedy_steps_in_one_call_are_the_steps_one_by_one(request, lanes: int, 
             assert stopped.length == 40 + at + 1
 
 
+@pytest.mark.parametrize("weights", ["fp32", "fp8"])
+@pytest.mark.parametrize("lanes", [16, 8])
+def test_the_greedy_steps_argmax_over_the_threads_slices_is_numpys(request, lanes: int, weights: str) -> None:
+    """decode_greedy takes each step's argmax inside the step's region, every thread over its slice of
+    the logits, the slices' winners merged in order: at 1, 2 and 3 threads it is numpy's argmax of the
+    step's logits (argmax_rows). With a zero lm_head (every logit equal: in every lane, slice and
+    slice tail; 5 threads' slices end off whole vectors) the first; where two blocks past the middle
+    give NaN (slices after the first), the first NaN. The last of equal logits in a lane, among lanes,
+    in a slice's tail or among slices, or a larger number taken over an earlier NaN, would differ."""
+    import ctypes
+
+    from engine.models import smallm
+    from engine.trees.verify import argmax_rows
+
+    fw = _lane_forward(request, lanes, weights)
+    st = fw.native
+    lm0 = st.lm
+    rng = random.Random(40)
+    prompt = [rng.randrange(49152) for _ in range(20)]
+    blocks = lm0.shape[0]
+    nan_blocks = (blocks * 11 // 20, blocks * 9 // 10)  # in the second of 2 slices, the 3rd and 5th of 5
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        for case in ("tie", "nan"):
+            lm = lm0.clone()
+            if case == "tie":
+                lm.zero_()
+            else:
+                lm[list(nan_blocks)] = float("nan")
+            st.lm = lm
+            st._head = (st._head[0], st._head[1], ctypes.c_void_p(lm.data_ptr()), *st._head[3:])
+            for n in (1, 2, 5):
+                torch.set_num_threads(n)
+                try:
+                    one, run = fw.new_cache(32), fw.new_cache(32)
+                    first = argmax_rows(fw.step(one, prompt, last_only=True)[1])[0]
+                    fw.step(run, prompt, last_only=True)
+                    want, tok = [], first
+                    for _ in range(4):
+                        tok = argmax_rows(fw.step(one, [tok])[1])[0]
+                        want.append(tok)
+                    got = fw.greedy(run, first, 4, ())
+                finally:
+                    torch.set_num_threads(threads)
+                assert got == want, (case, n)
+                if case == "tie":
+                    assert want == [0] * 4
+                else:
+                    assert want == [nan_blocks[0] * smallm.BW] * 4
+
+
 def test_a_lone_greedy_request_runs_its_steps_in_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """The decode driver runs a lone greedy request's decode steps GREEDY_RUN at a time in one native
     call (LeanForward.greedy) and commits what as many steps commit: against runs of one step, the
