@@ -280,7 +280,7 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
         rounds: int, waves: int = 2, texts: dict[tuple[str, str, int, int], list[str]] | None = None,
         states: dict[tuple[str, int], dict[str, Any]] | None = None,
         rows: list[dict[str, Any]] | None = None, weights: str = "fp32", pass_s: float = 0.0,
-        split: int = 1, mixed: bool = False) -> list[dict[str, Any]]:
+        split: int = 1, mixed: bool = False, nice: int = 0) -> list[dict[str, Any]]:
     """Rows (workload, config, level, round, tok/s, tau, requests, in flight): every configuration's
     server up at once, each cell measured in `rounds` interleaved rounds of `requests_at` requests
     (grown to last `pass_s`: `lasting`)
@@ -290,7 +290,8 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
     each row as it is measured (a run stopped early keeps them); `weights`: every server's
     engine.builtin.weights; `pass_s`: each round's passes last at least about this long (`lasting`);
     `split`: passes of pass_s / split instead, in as many more rounds as keep each cell's requests
-    (`rounds_at`); `mixed`: each request's answer budget from SPREAD in turn (`requests_of`)."""
+    (`rounds_at`); `mixed`: each request's answer budget from SPREAD in turn (`requests_of`); `nice`:
+    every server that much below this load generator's CPU priority (concurrency._tuner_serve)."""
     over = [f"engine.builtin.max_batch={max(levels)}", f"serve.queue_size={4 * max(levels)}",
             f"engine.builtin.weights={weights}"]
     loads = {}
@@ -301,7 +302,7 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
     log_dir = tempfile.mkdtemp(prefix="spectune-adaptive-")
     rows = [] if rows is None else rows
     with contextlib.ExitStack() as stack:
-        urls = {s.key(): stack.enter_context(_tuner_serve(over, model, s, log_dir)) for s in specs_}
+        urls = {s.key(): stack.enter_context(_tuner_serve(over, model, s, log_dir, nice)) for s in specs_}
         keys = list(urls)
         for w, (ps, params, chat) in loads.items():
             targets = {k: HttpTarget(u, model, chat) for k, u in urls.items()}
@@ -382,7 +383,8 @@ def pool(cells: list[dict[str, Any]]) -> None:
         for c in cells:
             rs = c[key + "_rounds"]
             c[key + "_plain"], c[key + "_plain_ci"] = _interval(rs)
-            c[key], c[key + "_ci"] = _interval(held_in(rs, scale))
+            # no cell of three rounds or more: no noise to hold them by, so the rounds stand as they read
+            c[key], c[key + "_ci"] = _interval(held_in(rs, scale) if scale > 0 else rs)
 
 
 def held_out_best(tok: dict[str, dict[int, float]], static: list[str]) -> dict[int, str]:
@@ -512,6 +514,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mixed-lengths", action="store_true",
                     help="each request's max-new-tokens x 0.5, 0.75, 1, 1.25, 1.5 in turn, the same for every "
                          "configuration (requests_of): answers that end apart, as served traffic's do")
+    ap.add_argument("--nice-servers", type=int, default=0, metavar="N",
+                    help="run every server N steps of CPU priority below the load generator (0-19): on a host "
+                         "where both share the cores, a client whose request ended waits for no server's forward "
+                         "before it sends its next (reported beside the default, never instead)")
     ap.add_argument("--split", type=int, default=1,
                     help="passes of pass-s / split in as many more rounds as keep each cell's requests (rounds_at)")
     args = ap.parse_args(argv)
@@ -538,6 +544,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.split < 1:
         print(f"--split={args.split}: must be >= 1 (1: passes of --pass-s)", file=sys.stderr)
         return 2
+    if not 0 <= args.nice_servers <= 19:
+        print(f"--nice-servers={args.nice_servers}: must be in 0..19 (a niceness)", file=sys.stderr)
+        return 2
     if args.pass_s < 0:
         print(f"--pass-s={args.pass_s}: must be >= 0 (0: passes of requests_at alone)", file=sys.stderr)
         return 2
@@ -552,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupted)
     try:
         run(grid, workloads, levels, args.prompts, args.max_new_tokens, args.rounds, args.waves, texts, states, rows,
-            args.weights, args.pass_s, args.split, args.mixed_lengths)
+            args.weights, args.pass_s, args.split, args.mixed_lengths, args.nice_servers)
     except KeyboardInterrupt:
         print(f"\nstopped early: {len(rows)} passes measured; the table and JSON hold the finished rounds",
               file=sys.stderr)
@@ -568,6 +577,7 @@ def main(argv: list[str] | None = None) -> int:
           f"more until a pass lasts {args.pass_s:g} s"
           + (f" / {args.split}, in as many more rounds as keep each cell's requests" if args.split > 1 else "")
           + (", answer budgets mixed (x0.5-1.5 in turn)" if args.mixed_lengths else "")
+          + (f", servers niced {args.nice_servers} below the load generator" if args.nice_servers else "")
           + f"; adaptive = "
           f"{grid[-1].key()}; {wall:.0f} s")
     print(f"{'workload':<8} {'c':>3} {'off':>8} {'best static':>24} {'tok/s':>8} {'adaptive':>9} "
@@ -610,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{h['adaptive_vs_off_plain']:6.3f}x{_ci(h['adaptive_vs_off_plain_ci']):<15}")
     out = {"levels": levels, "workloads": workloads, "depths": depths, "method": args.method, "rounds": args.rounds,
            "weights": args.weights,
-           "waves": args.waves, "pass_s": args.pass_s, "split": args.split, "mixed_lengths": args.mixed_lengths, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "wall_s": round(wall),
+           "waves": args.waves, "pass_s": args.pass_s, "split": args.split, "mixed_lengths": args.mixed_lengths, "nice_servers": args.nice_servers, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "wall_s": round(wall),
            "load_average": round(load, 2), "table": table,
            "greedy_identical": not differ, "greedy_differences": differ,
            "rows": rows,

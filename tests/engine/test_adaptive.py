@@ -10,8 +10,11 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import random
 import statistics
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -1424,3 +1427,24 @@ def test_a_cells_rounds_pool_as_the_studys_confirmation_round_does() -> None:
     assert got["min_adaptive_vs_best_static_plain"] == two["adaptive_vs_best_static_plain"]
     assert got["min_adaptive_vs_best_static_plain_ci"] == two["adaptive_vs_best_static_plain_ci"]
     assert "min_whole_pass_adaptive_vs_off_plain" in got
+    # two rounds a cell: no noise to hold them by, so the rounds stand as they read (not all at their median)
+    (short,) = bench.compare([r for r in rows if r["concurrency"] == 2 and r["round"] < 2], grid, ["chat"], [2])
+    assert short["adaptive_vs_off_ci"] == short["adaptive_vs_off_plain_ci"] and short["adaptive_vs_off_ci"][0] < 1.19
+
+
+def test_a_niced_server_runs_below_the_load_generators_priority(tmp_path) -> None:
+    """benchmarks/adaptive.py --nice-servers: concurrency._tuner_serve's preexec_fn lowers the child's
+    priority by N before it starts (its threads inherit it) and still arms the death signal; N = 0
+    leaves the preexec_fn as it was."""
+    bench = _adaptive_benchmark()
+    conc = sys.modules["concurrency"]  # imported by benchmarks/adaptive.py from its own folder
+    armed = []
+    assert conc._niced(None, 0) is None and conc._niced(armed.append, 0) == armed.append
+    base = os.nice(0)
+    got = subprocess.run([sys.executable, "-c", "import os; print(os.nice(0))"], capture_output=True, text=True,
+                         preexec_fn=conc._niced(None, 5), check=True)
+    assert int(got.stdout) == min(base + 5, 19)
+    marker = tmp_path / "armed"
+    subprocess.run([sys.executable, "-c", "pass"], preexec_fn=conc._niced(marker.touch, 3), check=True)
+    assert marker.exists()
+    assert bench.main(["--nice-servers", "20"]) == 2
