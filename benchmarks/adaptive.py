@@ -52,9 +52,14 @@ too, and a server under sustained load at N has no end of pass). The drain's sha
 figure estimates that limit from a few. The planted closed loop in tests/engine/test_adaptive.py
 holds both: a server that loses nothing drains by the formula and reads its true rate while held.
 
-A cell's tok/s is the geometric mean over rounds; its ratios are geometric means of the per-round
-ratios (adaptive against off, against the best static, both measured in the same round), with a 95%
-t-interval on their logs. Each round's best static is the chain the other rounds chose (`held_out_best`:
+A cell's tok/s is the geometric mean over rounds; its ratios pool the per-round ratios (adaptive
+against off, against the best static, both measured in the same round) as the study's confirmation
+round pools a configuration's pairs (`pool`: each round's log held within CLIP_BANDS noise bands of
+the cell's median, the noise from every cell's rounds), with a 95% t-interval on the held logs; the
+plain geometric mean of every round as it read stands beside them (`..._plain`). On a shared host
+the speed steps between passes seconds apart now and then, and a round whose two passes fall on
+either side of a step reads 0.7 among rounds of 1.0: the plain mean lets it move the cell by
+several percent, the held one by the band. Each round's best static is the chain the other rounds chose (`held_out_best`:
 the highest geometric mean over every round but that one), never the round itself: the largest of
 several noisy figures is biased upward, so a best static chosen on the very rounds it is then judged
 on reads high, and adaptive against it reads low, even where adaptive and the chains are equal (by
@@ -63,8 +68,8 @@ round's ratio then divides two figures that its choice never saw; the ratios of 
 only through the choices, so their interval is the t-interval of the rounds' ratios as before. A
 cell needs two rounds to choose this way (`--rounds` >= 2). The last line is one JSON
 object with `min_adaptive_vs_best_static` and `min_adaptive_vs_off`, the minima over every level of
-both workloads while the level was held, each with the interval of the cell where it falls
-(`min_whole_pass_...`: the same over whole passes, drain included), and `greedy_identical`: whether every
+both workloads while the level was held (pooled as the study pools; `..._plain` beside them),
+each with the interval of the cell where it falls (`min_whole_pass_...`: the same over whole passes, drain included), and `greedy_identical`: whether every
 pass answered as speculation off did in the same cell and round (`greedy_differences` lists the
 passes that did not, with how many requests differ). After each cell's rounds the adaptive
 server's /metrics gives its controller's state at that batch size (`controller`: a step's ms as
@@ -102,6 +107,7 @@ from engine.api import SamplingParams  # noqa: E402
 from engine.measure.workloads import Prompt, load_prompts, sampling_params  # noqa: E402
 from tuner.schema.compose import load_config  # noqa: E402
 from tuner.schema.config import SpecConfig  # noqa: E402
+from tuner.study.selection import CLIP_BANDS, held_in, spread_without_furthest  # noqa: E402
 
 WORKLOADS = ("code", "chat")
 
@@ -274,7 +280,7 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
         rounds: int, waves: int = 2, texts: dict[tuple[str, str, int, int], list[str]] | None = None,
         states: dict[tuple[str, int], dict[str, Any]] | None = None,
         rows: list[dict[str, Any]] | None = None, weights: str = "fp32", pass_s: float = 0.0,
-        split: int = 1, mixed: bool = False) -> list[dict[str, Any]]:
+        split: int = 1, mixed: bool = False, nice: int = 0) -> list[dict[str, Any]]:
     """Rows (workload, config, level, round, tok/s, tau, requests, in flight): every configuration's
     server up at once, each cell measured in `rounds` interleaved rounds of `requests_at` requests
     (grown to last `pass_s`: `lasting`)
@@ -284,7 +290,8 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
     each row as it is measured (a run stopped early keeps them); `weights`: every server's
     engine.builtin.weights; `pass_s`: each round's passes last at least about this long (`lasting`);
     `split`: passes of pass_s / split instead, in as many more rounds as keep each cell's requests
-    (`rounds_at`); `mixed`: each request's answer budget from SPREAD in turn (`requests_of`)."""
+    (`rounds_at`); `mixed`: each request's answer budget from SPREAD in turn (`requests_of`); `nice`:
+    every server that much below this load generator's CPU priority (concurrency._tuner_serve)."""
     over = [f"engine.builtin.max_batch={max(levels)}", f"serve.queue_size={4 * max(levels)}",
             f"engine.builtin.weights={weights}"]
     loads = {}
@@ -295,7 +302,7 @@ def run(specs_: list[SpecConfig], workloads: list[str], levels: list[int], promp
     log_dir = tempfile.mkdtemp(prefix="spectune-adaptive-")
     rows = [] if rows is None else rows
     with contextlib.ExitStack() as stack:
-        urls = {s.key(): stack.enter_context(_tuner_serve(over, model, s, log_dir)) for s in specs_}
+        urls = {s.key(): stack.enter_context(_tuner_serve(over, model, s, log_dir, nice)) for s in specs_}
         keys = list(urls)
         for w, (ps, params, chat) in loads.items():
             targets = {k: HttpTarget(u, model, chat) for k, u in urls.items()}
@@ -350,10 +357,34 @@ def _by_round(rows: list[dict[str, Any]], w: str, k: str, c: int, field: str = "
     return {r["round"]: r[field] for r in rows if (r["workload"], r["config"], r["concurrency"]) == (w, k, c)}
 
 
-def _ratio(num: dict[int, float], den: dict[int, float]) -> tuple[float, float | None, float | None]:
-    """The geometric mean of the per-round ratios num/den, with its 95% interval (None: one round)."""
-    center, lo, hi, _, _ = log_interval([num[r] / den[r] for r in sorted(num) if r in den])
-    return center, lo, hi
+def _ratio(num: dict[int, float], den: dict[int, float]) -> list[float]:
+    """The per-round ratios num/den, in round order."""
+    return [num[r] / den[r] for r in sorted(num) if r in den]
+
+
+def _interval(ratios: list[float]) -> tuple[float, list[float | None]]:
+    """The geometric mean of `ratios`, rounded, with its 95% interval (None: one round)."""
+    center, lo, hi, _, _ = log_interval(ratios)
+    return round(center, 3), [None if x is None else round(x, 3) for x in (lo, hi)]
+
+
+def pool(cells: list[dict[str, Any]]) -> None:
+    """Each cell's two ratios of adaptive, pooled over its rounds as the study pools a configuration's
+    pairs in its confirmation round (tuner.study.selection.clipped_mean, issue 39): each round's log
+    held within CLIP_BANDS noise bands of the cell's median, the noise the spread of every cell's
+    rounds about its own mean with each cell's furthest round left out (`spread_without_furthest`);
+    the interval over the held rounds. A round where the host's speed stepped between two passes
+    back to back (a ratio of 0.7 among rounds of 1.0) then weighs as a round at the band's edge, not
+    as a third of a cell of six. Sets `adaptive_vs_best_static` and `adaptive_vs_off` (with `_ci`) to
+    that pooling and keeps the plain geometric mean of every round beside them (`..._plain`), from
+    each cell's `..._rounds`."""
+    for key in ("adaptive_vs_best_static", "adaptive_vs_off"):
+        scale = spread_without_furthest([c[key + "_rounds"] for c in cells])
+        for c in cells:
+            rs = c[key + "_rounds"]
+            c[key + "_plain"], c[key + "_plain_ci"] = _interval(rs)
+            # no cell of three rounds or more: no noise to hold them by, so the rounds stand as they read
+            c[key], c[key + "_ci"] = _interval(held_in(rs, scale) if scale > 0 else rs)
 
 
 def held_out_best(tok: dict[str, dict[int, float]], static: list[str]) -> dict[int, str]:
@@ -381,15 +412,13 @@ def _cell(rows: list[dict[str, Any]], w: str, c: int, static: list[str], adaptiv
     chosen = held_out_best(tok, static)
     judged = {r: tok[k][r] for r, k in chosen.items()}
     best = max(static, key=lambda k: (sum(v == k for v in chosen.values()), mean[k]))
-    vs_best, vs_off = _ratio(tok[adaptive], judged), _ratio(tok[adaptive], tok["off"])
     return {"off": round(mean["off"], 2), "best_static": best,
             "best_static_by_round": [chosen[r] for r in sorted(chosen)],
             "best_static_tok_s": round(log_interval(list(judged.values()))[0], 2),
             "adaptive_tok_s": round(mean[adaptive], 2),
-            "adaptive_vs_best_static": round(vs_best[0], 3),
-            "adaptive_vs_best_static_ci": [None if x is None else round(x, 3) for x in vs_best[1:]],
-            "adaptive_vs_off": round(vs_off[0], 3),
-            "adaptive_vs_off_ci": [None if x is None else round(x, 3) for x in vs_off[1:]]}
+            # the rounds' ratios; `pool` sets each cell's figures from them over the whole table
+            "adaptive_vs_best_static_rounds": [round(x, 4) for x in _ratio(tok[adaptive], judged)],
+            "adaptive_vs_off_rounds": [round(x, 4) for x in _ratio(tok[adaptive], tok["off"])]}
 
 
 def compare(rows: list[dict[str, Any]], specs_: list[SpecConfig], workloads: list[str],
@@ -426,18 +455,21 @@ def compare(rows: list[dict[str, Any]], specs_: list[SpecConfig], workloads: lis
                                   for name, k in (("off", "off"), ("best_static", held["best_static"]),
                                                   ("adaptive", adaptive))},
                         "whole_pass": whole})
+    pool(out)
+    pool([t["whole_pass"] for t in out])
     return out
 
 
 def summary(table: list[dict[str, Any]]) -> dict[str, Any]:
     """The JSON's minima over the table's cells: adaptive against the best static and against off
     while the level was held (the goals' figures), and the same over whole passes (`min_whole_pass_`),
-    each with its cell's interval."""
+    each with its cell's interval; each pooled as the study pools (`pool`) and plainly (`..._plain`)."""
     out: dict[str, Any] = {}
     for prefix, cells in (("min_", table), ("min_whole_pass_", [t["whole_pass"] for t in table])):
         for key in ("adaptive_vs_best_static", "adaptive_vs_off"):
-            worst = min(cells, key=lambda t: t[key])
-            out[prefix + key], out[prefix + key + "_ci"] = worst[key], worst[key + "_ci"]
+            for name in (key, key + "_plain"):
+                worst = min(cells, key=lambda t: t[name])
+                out[prefix + name], out[prefix + name + "_ci"] = worst[name], worst[name + "_ci"]
     return out
 
 
@@ -482,6 +514,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mixed-lengths", action="store_true",
                     help="each request's max-new-tokens x 0.5, 0.75, 1, 1.25, 1.5 in turn, the same for every "
                          "configuration (requests_of): answers that end apart, as served traffic's do")
+    ap.add_argument("--nice-servers", type=int, default=0, metavar="N",
+                    help="run every server N steps of CPU priority below the load generator (0-19): on a host "
+                         "where both share the cores, a client whose request ended waits for no server's forward "
+                         "before it sends its next (reported beside the default, never instead)")
     ap.add_argument("--split", type=int, default=1,
                     help="passes of pass-s / split in as many more rounds as keep each cell's requests (rounds_at)")
     args = ap.parse_args(argv)
@@ -508,6 +544,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.split < 1:
         print(f"--split={args.split}: must be >= 1 (1: passes of --pass-s)", file=sys.stderr)
         return 2
+    if not 0 <= args.nice_servers <= 19:
+        print(f"--nice-servers={args.nice_servers}: must be in 0..19 (a niceness)", file=sys.stderr)
+        return 2
     if args.pass_s < 0:
         print(f"--pass-s={args.pass_s}: must be >= 0 (0: passes of requests_at alone)", file=sys.stderr)
         return 2
@@ -522,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupted)
     try:
         run(grid, workloads, levels, args.prompts, args.max_new_tokens, args.rounds, args.waves, texts, states, rows,
-            args.weights, args.pass_s, args.split, args.mixed_lengths)
+            args.weights, args.pass_s, args.split, args.mixed_lengths, args.nice_servers)
     except KeyboardInterrupt:
         print(f"\nstopped early: {len(rows)} passes measured; the table and JSON hold the finished rounds",
               file=sys.stderr)
@@ -538,10 +577,12 @@ def main(argv: list[str] | None = None) -> int:
           f"more until a pass lasts {args.pass_s:g} s"
           + (f" / {args.split}, in as many more rounds as keep each cell's requests" if args.split > 1 else "")
           + (", answer budgets mixed (x0.5-1.5 in turn)" if args.mixed_lengths else "")
+          + (f", servers niced {args.nice_servers} below the load generator" if args.nice_servers else "")
           + f"; adaptive = "
           f"{grid[-1].key()}; {wall:.0f} s")
     print(f"{'workload':<8} {'c':>3} {'off':>8} {'best static':>24} {'tok/s':>8} {'adaptive':>9} "
-          f"{'vs static [95%]':>22} {'vs off [95%]':>22} {'in flight':>16}")
+          f"{'vs static [95%]':>22} {'vs off [95%]':>22} {'plain: static [95%]':>22} {'off [95%]':>22} "
+          f"{'in flight':>16}")
     for t in table:
         f = t["in_flight"]
         named = f"{t['best_static']} {t['best_static_by_round'].count(t['best_static'])}/{t['rounds']}"
@@ -549,12 +590,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{t['best_static_tok_s']:8.1f} {t['adaptive_tok_s']:9.1f} "
               f"{t['adaptive_vs_best_static']:6.3f}x{_ci(t['adaptive_vs_best_static_ci']):<15} "
               f"{t['adaptive_vs_off']:6.3f}x{_ci(t['adaptive_vs_off_ci']):<15} "
+              f"{t['adaptive_vs_best_static_plain']:6.3f}x{_ci(t['adaptive_vs_best_static_plain_ci']):<15} "
+              f"{t['adaptive_vs_off_plain']:6.3f}x{_ci(t['adaptive_vs_off_plain_ci']):<15} "
               f"{f['off']:.2f}/{f['best_static']:.2f}/{f['adaptive']:.2f}"
               + (f"  ({t['rounds']} of {t['planned_rounds']} rounds)" if t["rounds"] < t["planned_rounds"] else ""))
     print("(output tok/s while the level was held: from the pass's start until the first client had no request "
           "left to send; geometric means over the rounds; best static: each round judged against the chain of the "
           "grid fastest over the other rounds (named: the one chosen in most rounds, with how many); "
-          "ratios: per-round ratios' geometric mean and 95% interval; in flight: mean requests in flight over the "
+          f"ratios: per-round ratios' geometric mean and 95% interval, each round's log held within {CLIP_BANDS:g} "
+          "noise bands of the cell's median as the study's confirmation round pools (pool), and plain: every round "
+          "as it read; in flight: mean requests in flight over the "
           "level over whole passes, off/best static/adaptive)")
     print("\nthe engine's steps per pass (means over the rounds): all of them / those that ran fewer sequences than the "
           "level / the places those left empty")
@@ -570,10 +615,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{t['workload']:<8} {t['concurrency']:>3} {h['off']:8.1f} {h['best_static']:>24} "
               f"{h['best_static_tok_s']:8.1f} {h['adaptive_tok_s']:9.1f} "
               f"{h['adaptive_vs_best_static']:6.3f}x{_ci(h['adaptive_vs_best_static_ci']):<15} "
-              f"{h['adaptive_vs_off']:6.3f}x{_ci(h['adaptive_vs_off_ci']):<15}")
+              f"{h['adaptive_vs_off']:6.3f}x{_ci(h['adaptive_vs_off_ci']):<15} "
+              f"{h['adaptive_vs_best_static_plain']:6.3f}x{_ci(h['adaptive_vs_best_static_plain_ci']):<15} "
+              f"{h['adaptive_vs_off_plain']:6.3f}x{_ci(h['adaptive_vs_off_plain_ci']):<15}")
     out = {"levels": levels, "workloads": workloads, "depths": depths, "method": args.method, "rounds": args.rounds,
            "weights": args.weights,
-           "waves": args.waves, "pass_s": args.pass_s, "split": args.split, "mixed_lengths": args.mixed_lengths, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "wall_s": round(wall),
+           "waves": args.waves, "pass_s": args.pass_s, "split": args.split, "mixed_lengths": args.mixed_lengths, "nice_servers": args.nice_servers, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "wall_s": round(wall),
            "load_average": round(load, 2), "table": table,
            "greedy_identical": not differ, "greedy_differences": differ,
            "rows": rows,

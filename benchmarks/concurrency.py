@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from engine.measure.runner import HttpTarget, Summary, measure
@@ -58,10 +58,13 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _tuner_serve(overrides: list[str], model: str, spec: SpecConfig, log_dir: str) -> Iterator[str]:
+def _tuner_serve(overrides: list[str], model: str, spec: SpecConfig, log_dir: str, nice: int = 0) -> Iterator[str]:
     """`tuner serve` in its own process (as vLLM runs in its own): the server's event loop and engine
     thread never share a GIL with this load generator. Its arguments come from the one
-    SpecConfig-to-`tuner serve` mapping (tuner.schema.flags.builtin_args). Yields its base URL."""
+    SpecConfig-to-`tuner serve` mapping (tuner.schema.flags.builtin_args). `nice`: the server runs
+    at that much lower a CPU priority than this load generator (every thread of it: set before it
+    starts any), so a client woken by a finished request runs at once rather than after the
+    server's forward. Yields its base URL."""
     from engine.launch.health import healthy
     from engine.launch.process import death_signal, stop_process_group
     from tuner.schema.flags import builtin_args
@@ -72,7 +75,7 @@ def _tuner_serve(overrides: list[str], model: str, spec: SpecConfig, log_dir: st
                              *builtin_args(model, spec, host="127.0.0.1", port=port)],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             # a benchmark killed outright (no `finally`) must not leave its server behind
-                            preexec_fn=death_signal(os.getpid()))
+                            preexec_fn=_niced(death_signal(os.getpid()), nice))
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 900
@@ -84,6 +87,19 @@ def _tuner_serve(overrides: list[str], model: str, spec: SpecConfig, log_dir: st
     finally:
         stop_process_group(proc)
         log.close()
+
+
+def _niced(arm: Callable[[], None] | None, nice: int) -> Callable[[], None] | None:
+    """A preexec_fn that lowers the child's CPU priority by `nice`, then runs `arm` (if any)."""
+    if not nice:
+        return arm
+
+    def both() -> None:
+        os.nice(nice)
+        if arm is not None:
+            arm()
+
+    return both
 
 
 def run_builtin(overrides: list[str], specs: list[SpecConfig], levels: list[int], repeats: int,

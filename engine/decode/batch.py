@@ -628,6 +628,7 @@ class BatchEngine:
         if self.trace is not None:
             self._record = self._note(batch, extra, table[:9], gains, fills, list(limits), probed is not None, False,
                                       began)
+            self._record["spread"] = [v[:3] for v in spread]  # the gains' variances (their doubt)
         if not any(limits):  # nothing pays: the step is off's, no drafter call, no cut
             return {}
         drafting = [(r, n) for r, n in zip(live, limits) if n > 0]

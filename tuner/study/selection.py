@@ -237,10 +237,16 @@ def spread_without_furthest(groups: list[list[float]]) -> float:
 
 def clipped_mean(ratios: list[float], scale: float) -> float:
     """The geometric mean of `ratios` (all > 0), each log first held within CLIP_BANDS x `scale` of
-    their median: a pair that strays further counts as if it read at that bound."""
+    their median: a pair that strays further counts as if it read at that bound (`held_in`)."""
+    return math.exp(statistics.fmean(math.log(r) for r in held_in(ratios, scale)))
+
+
+def held_in(ratios: list[float], scale: float) -> list[float]:
+    """`ratios` (all > 0), each log held within CLIP_BANDS x `scale` of their median (what
+    `clipped_mean` averages; an interval on them is the clipped pooling's)."""
     logs = [math.log(r) for r in ratios]
     mid, band = statistics.median(logs), CLIP_BANDS * scale
-    return math.exp(statistics.fmean(mid + max(-band, min(band, v - mid)) for v in logs))
+    return [math.exp(mid + max(-band, min(band, v - mid))) for v in logs]
 
 
 def _log_deviations(groups: list[list[float]]) -> tuple[float, int]:
