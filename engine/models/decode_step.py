@@ -286,7 +286,7 @@ static void forward(const float* embed, const long* tok, const long* posi, long 
     }
   }
   std::vector<long> next(4 * L + 1, 0);  /* each linear's tail counter (blocks_share): 4 a layer, the lm_head */
-  std::vector<long> cand(threads, -1);  /* with `best`: each thread's argmax of its slice of the logits */
+  std::vector<long> cand(best ? threads : 0, -1);  /* with `best`: each thread's argmax of its slice of the logits */
   float scale = 1.f / sqrtf((float)D);
 #pragma omp parallel num_threads(threads)
   {
