@@ -203,6 +203,7 @@ class BatchEngine:
         self.given = drafter
         self.schedule: list[Band] = list(schedule) if schedule else [(1, max(max_batch, 1), engine.spec)]
         check_schedule(self.schedule, max_batch)
+        self._bounds: dict[tuple[int, int], SpecConfig] = {}  # (id of a schedule's spec, nodes) -> its bounded copy
         self._keys = {id(s): s.key() for _, _, s in self.schedule}  # key() per request and step adds up
         self.prefill = prefill
         self.kv_tokens = kv_tokens
@@ -498,6 +499,15 @@ class BatchEngine:
         """Per adaptive spec, its drafters' confidence bands (its `Control`'s)."""
         return self.control.calib
 
+    def _bounded(self, spec: SpecConfig, nodes: int) -> SpecConfig:
+        """`bounded(spec, nodes)`, made once per schedule's spec and count (a copy a drafting request
+        and step costs more than the drafting of a lookup drafter)."""
+        key = (id(spec), nodes)
+        got = self._bounds.get(key)
+        if got is None:
+            got = self._bounds[key] = bounded(spec, nodes)
+        return got
+
     def _key(self, spec: SpecConfig) -> str:
         """`spec.key()`, once per schedule's spec."""
         key = self._keys.get(id(spec))
@@ -634,7 +644,7 @@ class BatchEngine:
         drafting = [(r, n) for r, n in zip(live, limits) if n > 0]
         full = {id(r): r.state.drafter.spec for r, _ in drafting}
         for r, n in drafting:
-            r.state.drafter.spec = bounded(spec, n)
+            r.state.drafter.spec = self._bounded(spec, n)
         t = time.perf_counter()
         try:
             out = self._draft_in_lockstep([r for r, _ in drafting])

@@ -177,6 +177,10 @@ class StepCost:
         self.live: dict[int, _Live] = {}
         self.rows: dict[int, _Rows] = {}  # per batch size: the forward's seconds per count of draft rows
         self._rows_memo: dict[int, dict[float, float]] = {}  # per batch size: rows_s per count of rows
+        # the curve is fixed once timed: its interpolations are read several times a step (every
+        # observed step, every overhead), so each (batch, rows) is computed once
+        self._curve_memo: dict[tuple[int, float], float] = {}
+        self._rows_s_memo: dict[tuple[int, float], float] = {}
         # per batch size, the seconds of a step outside the forward and the drafting (verifying,
         # committing, streaming, the server's loop): what every step costs whatever its rows
         self.overhead: dict[int, float] = {}
@@ -203,6 +207,12 @@ class StepCost:
 
     def curve_s(self, batch: int, extra: float) -> float:
         """The timed curve alone, interpolated linearly in rows and between batch levels."""
+        got = self._curve_memo.get((batch, extra))
+        if got is None:
+            got = self._curve_memo[(batch, extra)] = self._curve_s(batch, extra)
+        return got
+
+    def _curve_s(self, batch: int, extra: float) -> float:
         lv = self.levels
         if batch <= lv[0]:
             return self._at(lv[0], extra) * batch / lv[0]
@@ -221,8 +231,12 @@ class StepCost:
         kernel is real at small batches, but a flat stretch that the lower envelope made of
         noisy timings is not: at batch 32 it priced a few draft rows as free, where every row
         costs about what a token yields, and the drafts cost more than they gained."""
-        c0 = self.curve_s(batch, 0)
-        return max(self.curve_s(batch, extra) - c0, self._slope(batch, c0, extra) * extra)
+        got = self._rows_s_memo.get((batch, extra))
+        if got is None:
+            c0 = self.curve_s(batch, 0)
+            got = self._rows_s_memo[(batch, extra)] = max(self.curve_s(batch, extra) - c0,
+                                                          self._slope(batch, c0, extra) * extra)
+        return got
 
     def _slope(self, batch: int, c0: float, extra: float) -> float:
         """The curve's average seconds per extra row from none to the first count it timed at this
