@@ -206,7 +206,8 @@ class StepCost:
         return y0 + (y1 - y0) * (extra - x0) / (x1 - x0)
 
     def curve_s(self, batch: int, extra: float) -> float:
-        """The timed curve alone, interpolated linearly in rows and between batch levels."""
+        """The timed curve alone, interpolated linearly in rows and, between batch levels, at the
+        same total of rows (`_curve_s`)."""
         got = self._curve_memo.get((batch, extra))
         if got is None:
             got = self._curve_memo[(batch, extra)] = self._curve_s(batch, extra)
@@ -221,9 +222,20 @@ class StepCost:
         j = bisect.bisect_left(lv, batch)
         if lv[j] == batch:
             return self._at(batch, extra)
+        # between two levels, at the same total of rows: a forward's seconds follow its total rows
+        # (the few-row kernel reads the weights once per pass of rows, so the step jumps where the
+        # total crosses a pass, whatever the sequences), plus a little per sequence. Blended at the
+        # same extra rows instead, batch 7 with 2 draft rows (9 rows: a pass more than 8) was priced
+        # at half what it ran at and 1 row (8 rows: no pass more) at more (docs/results.md, issue 36)
         b0, b1 = lv[j - 1], lv[j]
         w = (batch - b0) / (b1 - b0)
-        return (1 - w) * self._at(b0, extra) + w * self._at(b1, extra)
+        total = batch + extra
+        low = self._at(b0, total - b0)
+        # what the upper level's sequences add at the same total; where the total is below the
+        # upper level's sequences, what they add at its step without rows
+        more = (self._at(b1, total - b1) - low if total >= b1
+                else self._at(b1, 0) - self._at(b0, b1 - b0))
+        return low + w * more
 
     def rows_s(self, batch: int, extra: float) -> float:
         """The curve's seconds for `extra` rows beyond the step without them, at least the curve's

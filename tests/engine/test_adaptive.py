@@ -290,6 +290,26 @@ def test_the_curve_interpolates_in_rows_and_between_batch_levels() -> None:
     assert stalled.curves[1] == [(0, 1.0), (1, 1.2), (2, 1.2), (4, 1.5)]
 
 
+def test_between_levels_the_curve_follows_the_total_rows() -> None:
+    """A forward that reads the weights once per pass of 8 rows (4 ms a pass) plus 0.5 ms per
+    sequence, timed at batch 4 and 8 only: at batch 5-7 every count of draft rows is priced as the
+    forward runs it (its total rows' passes), so at batch 7 the first draft row (8 rows: no pass
+    more) costs little and the second (9 rows) a pass. Blended between the levels at the same
+    draft rows (the old interpolation), batch 7's first and second rows cost 3 ms each."""
+    def forward(batch: int, extra: int) -> float:
+        return 10.0 + 4.0 * math.ceil((batch + extra) / 8) + 0.5 * batch
+
+    c = StepCost({b: [(x, forward(b, x)) for x in range(17)] for b in (4, 8)}, max_rows=5)
+    for b in (5, 6, 7):
+        for x in range(9):
+            assert c.curve_s(b, x) == pytest.approx(forward(b, x), abs=1e-9), (b, x)
+    # the rows' price: the first at batch 7 at no more than the average row of the batch's window
+    # (rows_s's floor: 4 ms a pass over its 7 rows), the second a pass; the old blend: 3 ms each
+    assert c.rows_s(7, 1) == pytest.approx(4.0 / 7)
+    assert c.rows_s(7, 2) == pytest.approx(4.0)
+    assert c.rows_s(5, 4) == pytest.approx(4.0)  # 9 rows: a pass (the old blend: 3.2 ms)
+
+
 # a curve like the one timed at batch 8 on a loaded machine: a 40 ms step, 1 ms per extra row
 TIMED = {1: [(0, 0.020), (16, 0.028)], 8: [(0, 0.040), (64, 0.104)]}
 
