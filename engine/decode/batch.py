@@ -614,7 +614,7 @@ class BatchEngine:
                            MARGIN, fills)
             # paid for at the prices the choice weighed: what they are expected to lose comes out of the budget
             losses = probe_loss(limits, gains, batch, step_s, ranked, cost.draft_s, fills, MARGIN, spread, DOUBT)
-            n, loss = budget.afford(losses)
+            n, loss = budget.afford(losses, table[0])
             if not ranked:
                 self._found[batch] = False  # no node would pay even if accepted: nothing to find
             elif n:
@@ -626,7 +626,7 @@ class BatchEngine:
                 n_rows = sum(k * f for k, f in zip(limits, fills)) - more
                 pays = ((1 + MARGIN) * (step_s(n_rows + more) - step_s(n_rows) + cost.draft_s * more) / more
                         * batch / table[0])
-            else:  # not paid for yet: the next probe step when the budget will have earned it
+            else:  # not paid for yet: the next probe step when the budget will have earned it (if ever)
                 wait = budget.wait(loss, table[0])
         if probing or drafts:  # the next probe step (drafting again: at most PROBE_EVERY steps away)
             every = self._every[batch] = backoff(self._every.get(batch, PROBE_EVERY), PROBE_EVERY, drafts,

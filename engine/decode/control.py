@@ -221,21 +221,24 @@ class ProbeBudget:
         short = loss - self.credit
         if short <= 0:
             return 0
+        if loss > step_s:  # never
+            return PROBE_EVERY * PROBE_BACKOFF
         return min(math.ceil(short / (PROBE_SHARE * step_s)), PROBE_EVERY * PROBE_BACKOFF)
 
-    def afford(self, losses: Sequence[float]) -> tuple[int, float]:
-        """The run of probes to buy (`losses[k - 1]`: what its first k are expected to lose): the k
-        with the most probes per second lost (the most that lose nothing, if any do; ties to the
-        longer run), and its loss; paid if the credit holds it (else 0 probes: `wait` for the
-        loss). A run's doubt grows as the square root of its nodes while its rows grow with them,
-        so buying a little run at every probe step learnt a few times less per second lost than
-        buying the whole run when the credit had earned it."""
-        if not losses:
-            return 0, 0.0
+    def afford(self, losses: Sequence[float], step_s: float) -> tuple[int, float]:
+        """The run of probes to buy (`losses[k - 1]`: what its first k are expected to lose), among
+        those the credit can ever hold (a loss of at most `step_s`, one step's seconds): the k with
+        the least loss per probe (the longest that loses nothing, if any does; ties to the longer
+        run), and its loss; paid if the credit holds it (else 0 probes: `wait` for the loss). What
+        drafting at all adds to a step is paid once per run and a run's doubt grows as the square
+        root of its nodes, so where a row costs about what its node yields the whole run loses
+        less per node than a part of it bought at every probe step."""
         k, each = 0, math.inf
-        for n, loss in enumerate(losses, start=1):  # the least loss per probe, ties (to rounding) to the longer run
-            if loss / n <= each * (1 + 1e-9):
+        for n, loss in enumerate(losses, start=1):  # ties (to rounding) to the longer run
+            if loss <= step_s and loss / n <= each * (1 + 1e-9):
                 k, each = n, loss / n
+        if not k:
+            return 0, math.inf
         loss = losses[k - 1]
         if loss > self.credit:
             return 0, loss

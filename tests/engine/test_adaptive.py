@@ -171,7 +171,7 @@ def test_a_probe_is_paid_for_from_a_share_of_the_steps_seconds() -> None:
         for n in range(1000):
             budget.earn(step(0))
             if n % PROBE_EVERY == 0:
-                paid += budget.afford(probe_loss([0], [[gain]], 1, step, [0]))[0]
+                paid += budget.afford(probe_loss([0], [[gain]], 1, step, [0]), step(0))[0]
         assert want - 1 <= paid <= want + 1
 
 
@@ -190,14 +190,18 @@ def test_a_probe_run_shares_its_cost_and_is_bought_whole_where_it_learns_most_pe
     assert losses[3] < 2 * losses[0]
     budget = ProbeBudget()
     budget.credit = losses[0] * 1.01  # pays for one node, not for the four
-    assert budget.afford(losses) == (0, losses[3]) and budget.credit == pytest.approx(losses[0] * 1.01)
+    assert budget.afford(losses, step(0)) == (0, losses[3]) and budget.credit == pytest.approx(losses[0] * 1.01)
     budget.credit = losses[3]
-    assert budget.afford(losses) == (4, losses[3]) and budget.credit == pytest.approx(0.0)
+    assert budget.afford(losses, step(0)) == (4, losses[3]) and budget.credit == pytest.approx(0.0)
     linear = probe_loss([0] * 4, gains, 4, linear_cost(1.0, 0.3), [0, 1, 2, 3])
     assert linear == pytest.approx([0.3 - 0.7 * 0.25 * k for k in (1,)] + [k * (0.3 - 0.7 * 0.25) for k in (2, 3, 4)])
     budget.credit = 1.0
-    assert budget.afford(linear)[0] == 4  # (ties: the longer run)
-    assert budget.afford([0.5, 0.0, 0.3]) == (2, 0.0)  # a run that loses nothing is bought whatever else
+    assert budget.afford(linear, 1.0)[0] == 4  # (ties: the longer run)
+    assert budget.afford([0.5, 0.0, 0.3], 1.0) == (2, 0.0)  # a run that loses nothing is bought whatever else
+    # a run that loses more than a step's seconds is never paid for (the credit holds at most that)
+    budget.credit = 1.0
+    assert budget.afford([0.5, 0.6, 3.0], 1.0) == (2, 0.6)
+    assert budget.afford([2.0], 1.0) == (0, math.inf) and budget.wait(math.inf, 1.0) == PROBE_EVERY * PROBE_BACKOFF
 
 
 # ---- the estimates ------------------------------------------------------------------------------
