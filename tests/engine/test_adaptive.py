@@ -1243,7 +1243,9 @@ def test_probe_steps_back_off_where_nothing_pays_and_come_back_where_drafts_pay(
     each probe step's choice drafts nothing, so the steps between probe steps double, up to
     PROBE_BACKOFF times PROBE_EVERY (a probe that found nothing backs off). The target drafting
     itself at a fifth of a step per row: the probes find accepted nodes and the choices draft, and
-    the probe steps stay PROBE_EVERY apart. Greedy output is off's either way."""
+    the probe steps stay PROBE_EVERY apart. A drafter that finds nothing (a lookup without a
+    match) at the same price: its probes verify nothing, no evidence that drafts lose, and the
+    probe steps keep their pace. Greedy output is off's either way."""
     assert backoff(4, 4, True, True) == 4 and backoff(8, 4, False, False) == 8
     assert backoff(8, 4, False, True) == 16 and backoff(4 * PROBE_BACKOFF, 4, False, True) == 4 * PROBE_BACKOFF
     budget = ProbeBudget()
@@ -1251,11 +1253,11 @@ def test_probe_steps_back_off_where_nothing_pays_and_come_back_where_drafts_pay(
     assert budget.wait(PROBE_SHARE, 1.0) == 0 and budget.wait(3.5 * PROBE_SHARE, 1.0) == 3
     assert budget.wait(2.0, 1.0) == PROBE_EVERY * PROBE_BACKOFF  # more than the credit can ever hold
     prompts, ref = off
-    _the_target_drafts(engine, monkeypatch)
     spec = SpecConfig(method="draft_model", depth=3, draft_model="the target", adaptive=True)
     real_probe = B.probe
     gaps = {}
-    for name, per_row in (("costly", 1.0), ("cheap", 0.2)):
+    for name, per_row in (("costly", 1.0), ("cheap", 0.2), ("nothing found", 0.2)):
+        _the_target_drafts(engine, monkeypatch, empty=1 if name == "nothing found" else 0)
         planted = PlantedCost({1: [(0, 1.0), (16, 1 + 16 * per_row)]}, max_rows=4)
         monkeypatch.setattr(engine, "step_costs", lambda *a, planted=planted: planted)
         be = BatchEngine(engine, max_batch=1, schedule=schedule_of(spec, 1))
@@ -1269,6 +1271,7 @@ def test_probe_steps_back_off_where_nothing_pays_and_come_back_where_drafts_pay(
     assert all(PROBE_EVERY * 2 ** i <= g <= PROBE_EVERY * 2 ** i + 1 for i, g in enumerate(gaps["costly"][:5]))
     # (a probe step whose probe the budget cannot pay for yet puts the next where it will have)
     assert len(gaps["cheap"]) >= 8 and max(gaps["cheap"]) < 2 * PROBE_EVERY
+    assert len(gaps["nothing found"]) >= 8 and max(gaps["nothing found"]) < 2 * PROBE_EVERY
 
 
 COLD_STEPS = 48  # steps at batch 16 within which a cold controller must draft where drafts clearly pay (its
