@@ -22,9 +22,9 @@ A band whose spec is adaptive (`spec.adaptive`) sizes each request's draft every
 spec's depth and budget (engine.decode.control): before drafting from the requests' acceptance
 estimates (engine.decode.acceptance) and the step-cost curve (engine.decode.stepcost), drafters
 drafting at most that many nodes or not at all; after drafting from the drafts' real sizes, each
-draft cut to the nodes that pay. Every PROBE_EVERY steps one request may draft one node more
-(`control.probe`), verified whatever the cut, where the probes' budget pays for what it is expected
-to lose (`control.ProbeBudget`); between probe steps a batch whose best first node is below the
+draft cut to the nodes that pay. Every PROBE_EVERY steps the stalest requests may draft one node
+more each (`control.probe`), verified whatever the cut, as many as the probes' budget pays for
+what they are expected to lose (`control.ProbeBudget`); between probe steps a batch whose best first node is below the
 last full choice's pay floor, or whose last full choice drafted nothing, drafts nothing without
 pricing (`control.pay_floor`); in the second case the step is exactly off's (`_screened`: no
 estimate read, the forward called as off calls it). Every verify
@@ -239,12 +239,13 @@ class BatchEngine:
         # nothing (engine.decode.control.pay_floor)
         self._floors: dict[int, tuple[float, float, bool]] = {}
         # per batch size, the steps between its probe steps (engine.decode.control.backoff), the step
-        # the next is due at, and whether the last probe found an accepted node; the probe in flight
-        # (its request, its node, the batch size)
+        # the next is due at, and whether the last probe's accepted nodes paid for its rows;
+        # the probe in flight (its requests and their nodes, the accepted nodes that pay for them,
+        # the batch size)
         self._every: dict[int, int] = {}
         self._due: dict[int, int] = {}
         self._found: dict[int, bool] = {}
-        self._probe: tuple[Request, int, int] | None = None
+        self._probe: tuple[list[tuple[Request, int]], float, int] | None = None
 
     # ---- submission (any thread) --------------------------------------------------------------
 
@@ -609,25 +610,34 @@ class BatchEngine:
         if paying is not None:  # what screens the next steps at this batch size, until a probe step
             self._floors[batch] = (paying, table[0], not any(limits))
         drafts = any(limits)
-        # what the last probe at this batch size found: an accepted node (True), nothing (False)
+        # what the last probe at this batch size found: accepted nodes that paid for its rows (True),
+        # nothing (False), no evidence (None: its drafters drafted nothing)
         last = self._found.pop(batch, None) if probing else None
-        probed, wait = None, 0
+        probed: list[int] = []
+        wait, pays = 0, 0.0
         budget.earn(table[0])
-        if probing:  # one node beyond the choice, for what the estimates learn
+        if probing:  # a node each beyond the choice for the stalest requests, for what the estimates learn
             # rows priced at no more than the average row: a count of rows never run is measured
             # where it could pay at that price (the live table, engine.decode.stepcost, learns it)
             cheap = cost.table(batch, extra, top, optimistic=True)
-            probed = probe(limits, gains, [e.age for e in est], batch, _interpolated(cheap), cost.draft_s,
+            ranked = probe(limits, gains, [e.age for e in est], batch, _interpolated(cheap), cost.draft_s,
                            MARGIN, fills)
-            # paid for at the prices the choice weighed: what it is expected to lose comes out of the budget
-            loss = (probe_loss(limits, gains, batch, step_s, probed, cost.draft_s, fills, MARGIN, spread, DOUBT)
-                    if probed is not None else 0.0)
-            if probed is None:
+            # paid for at the prices the choice weighed: what they are expected to lose comes out of the budget
+            losses = probe_loss(limits, gains, batch, step_s, ranked, cost.draft_s, fills, MARGIN, spread, DOUBT)
+            n, loss = budget.afford(losses, table[0])
+            if not ranked:
                 self._found[batch] = False  # no node would pay even if accepted: nothing to find
-            elif budget.spend(loss):
-                limits[probed] += 1
-            else:  # not paid for yet: the next probe step when the budget will have earned it
-                wait, probed = budget.wait(loss, table[0]), None
+            elif n:
+                probed = ranked[:n]
+                for i in probed:
+                    limits[i] += 1
+                # the accepted tokens per probed row that pay for the rows (the step's seconds per token)
+                more = sum(fills[i] for i in probed)
+                n_rows = sum(k * f for k, f in zip(limits, fills)) - more
+                pays = ((1 + MARGIN) * (step_s(n_rows + more) - step_s(n_rows) + cost.draft_s * more) / more
+                        * batch / table[0])
+            else:  # not paid for yet: the next probe step when the budget will have earned it (if ever)
+                wait = budget.wait(loss, table[0])
         if probing or drafts:  # the next probe step (drafting again: at most PROBE_EVERY steps away)
             every = self._every[batch] = backoff(self._every.get(batch, PROBE_EVERY), PROBE_EVERY, drafts,
                                                  last is False)
@@ -636,7 +646,7 @@ class BatchEngine:
         if extra == 0:  # what pricing costs at this batch size (a prompt's rows make a step of their own kind)
             cost.observe_pricing(batch, time.perf_counter() - pricing)
         if self.trace is not None:
-            self._record = self._note(batch, extra, table[:9], gains, fills, list(limits), probed is not None, False,
+            self._record = self._note(batch, extra, table[:9], gains, fills, list(limits), len(probed), False,
                                       began)
             self._record["spread"] = [v[:3] for v in spread]  # the gains' variances (their doubt)
         if not any(limits):  # nothing pays: the step is off's, no drafter call, no cut
@@ -670,9 +680,13 @@ class BatchEngine:
         if sum(sizes) >= len(table):  # the real drafts hold more rows than the fills expected
             step_s = _interpolated(cost.table(batch, extra, sum(sizes)))
         keep = choose(real, batch, step_s, margin=MARGIN, spread=[e.spread(g) for e, g in zip(est, real)], doubt=DOUBT)
-        if probed is not None:  # the probe is verified whatever the cut says
-            keep[probed] = max(keep[probed], min(limits[probed], sizes[probed]))
-            self._probe = (live[probed], limits[probed], batch)  # its node, if accepted, is found (`_learn`)
+        for i in probed:  # the probes are verified whatever the cut says
+            keep[i] = max(keep[i], min(limits[i], sizes[i]))
+        # the probed nodes drafted (a lookup that found nothing verifies nothing): whether their
+        # accepted ones pay for them is what the probe found (`_learn`)
+        drawn = [(live[i], limits[i]) for i in probed if sizes[i] >= limits[i]]
+        if drawn:
+            self._probe = (drawn, pays * len(drawn), batch)
         if self._record is not None:
             kept = [min(k, s) for k, s in zip(keep, sizes)]
             self._record.update(sizes=sizes, kept=kept, drafting_s=drafting_s,
@@ -685,7 +699,7 @@ class BatchEngine:
         return out
 
     def _note(self, batch: int, extra: int, table: list[float], gains: list[list[float]], fills: list[float],
-              allowed: list[int], probed: bool, screened: bool, began: float) -> dict[str, Any]:
+              allowed: list[int], probed: int, screened: bool, began: float) -> dict[str, Any]:
         """A step's trace record as the controller left it (benchmarks/adaptive_engine.py --trace)."""
         cost = self.cost
         return {"batch": batch, "extra": extra, "table": table, "overhead": cost.overhead_s(batch),
@@ -700,8 +714,10 @@ class BatchEngine:
         key = self._key(spec)
         batch, cal = self.accept[key], self.calib[key]
         if self._probe is not None:
-            probed, node, size = self._probe
-            self._found[size] = any(req is probed and node in req.state.path for req, _ in verified)
+            probed, pays, size = self._probe
+            ran = {id(req) for req, _ in verified}
+            found = sum(node in req.state.path for req, node in probed if id(req) in ran)
+            self._found[size] = found >= pays
             self._probe = None
         if all(tree.size == 1 for _, tree in verified):
             # nobody drafted: the batch's estimate holds, so the requests' drift towards it is only

@@ -20,27 +20,35 @@ of nodes is weighed at its expected tokens less DOUBT standard errors of their s
 few percent that an estimate of a few samples cannot tell from a loss leaves the step off's (or the
 shallower draft's), while many nodes across a batch, whose errors average out, are doubted less each.
 
-Estimates learn only from what is drafted, so every PROBE_EVERY steps one request drafts one node
-beyond the choice (`probe`): the one whose next index went unverified longest, weighed by how often
-its drafter yields a node (a probe that drafts nothing verifies nothing), and only where that
-node would pay if it were certainly accepted (where a row costs what a token yields, nothing is
-probed and off's steps stay off's). The probes bound what a stale estimate costs: a batch whose
-prior acceptance was too low to draft learns that its drafts pay. A probe has a price: the seconds
-its row and drafting add to the step less what its expected tokens are worth, at the prices the
-choice weighs (the margin on the row, the doubt on the tokens: `probe_loss`), paid
-from a budget that grows by PROBE_SHARE of every step's seconds (`ProbeBudget`). Where a row is
-nearly free a probe costs nothing and runs every PROBE_EVERY steps; where a row costs about what a
-token yields, probes run only as often as that share of the time pays for, so exploring costs less
-than the noise of any measurement of the engine.
+Estimates learn only from what is drafted, so every PROBE_EVERY steps requests draft one node
+each beyond the choice (`probe`): those whose next index went unverified longest, weighed by how
+often their drafters yield a node (a probe that drafts nothing verifies nothing), and only where
+those nodes would pay if they were certainly accepted (where a row costs what a token yields,
+nothing is probed and off's steps stay off's). The probes bound what a stale estimate costs: a
+batch whose prior acceptance was too low to draft learns that its drafts pay. A probe has a price:
+the seconds its rows and drafting add to the step less what its expected tokens are worth, at the
+prices the choice weighs (the margin on the rows, the doubt on the tokens: `probe_loss`), paid
+from a budget that grows by PROBE_SHARE of every step's seconds (`ProbeBudget`); a probe step
+runs the run of the stalest requests' nodes with the most nodes per second lost, once the budget
+pays for it (`ProbeBudget.afford`). Where a
+row is nearly free probes cost nothing and run every PROBE_EVERY steps; where a row costs about
+what a token yields, probes run only as often as that share of the time pays for, so exploring
+costs less than the noise of any measurement of the engine. Where a row costs a fraction of a
+token's worth, one node a probe step paid for the whole of what drafting at all adds to a step
+and was doubted by its own estimate alone: a batch of 16 that started from the prior learnt one
+sample per probe step, too few to outweigh the prior's doubt before its requests ended. Several
+nodes share that cost and their sum is doubted less, so the same budget buys a sample per request.
 
 A probe that found nothing backs off (`backoff`): a probe step at a batch size whose full choice
-drafts nothing, after a probe there that found no accepted node (its node not drafted or not
-accepted, or no node that would pay even if accepted), doubles the steps to that batch size's next
-probe step, up to PROBE_BACKOFF times PROBE_EVERY; a probe that found one keeps the pace, and a
-choice that drafts brings it back to PROBE_EVERY. A probe step whose probe the budget cannot pay
-for yet puts the next one where it will have earned it (`ProbeBudget.wait`), so no step is priced
-in full for a probe it cannot run. Where nothing pays, probing then follows the evidence down to a
-small share of its budget and its steps' pricing to a small share of the steps.
+drafts nothing, after a probe there that found nothing (its accepted nodes fewer than its rows'
+price in tokens at the choice's prices, or no node that would pay even if accepted), doubles the
+steps to that batch size's next probe step, up to PROBE_BACKOFF times PROBE_EVERY; a probe whose
+accepted nodes paid for its rows keeps the pace, and so does one whose drafters drafted nothing
+(it found no evidence either way), and a choice that drafts brings it back to PROBE_EVERY. A probe
+step whose probes the budget cannot pay for yet puts the next one where it will have earned
+them (`ProbeBudget.wait`), so no step is priced in full for a probe it cannot run. Where
+nothing pays, probing then follows the evidence down to a small share of its budget and its
+steps' pricing to a small share of the steps.
 
 Most steps at a batch size where drafts do not pay draft nothing, and pricing every total of rows
 to find that out costs more than anything else the controller does. So each full choice also
@@ -126,56 +134,68 @@ def pay_floor(tokens: float, table: Sequence[float], draft_s: float = 0.0, margi
 
 def probe(chosen: Sequence[int], gains: Sequence[Sequence[float]], ages: Sequence[Sequence[int]], tokens: float,
           step_s: Callable[[float], float], draft_s: float = 0.0, margin: float = 0.0,
-          rows: Sequence[float] | None = None) -> int | None:
-    """The request to draft one node beyond `chosen` (its nodes from `choose` on the same
-    arguments) this step, or None: among the requests that may draft deeper, the one whose next
-    index is expected to have gone unverified longest when verified (`ages[i][r]`: steps since
-    request i's index r + 1 was verified, times `rows[i]`, the share of its draft calls that yield
-    a node: a lookup drafter that finds nothing verifies nothing, and its index stays as stale),
-    if that node would pay were it certainly accepted. By age alone, a batch whose requests all
-    drafted nothing (their ages equal) probed its first request every time, and where that one's
-    drafter found nothing, nothing was ever verified: the estimates kept the prior's doubt and the
-    batch never drafted where the other requests' drafts paid."""
+          rows: Sequence[float] | None = None) -> list[int]:
+    """The requests that may each draft one node beyond `chosen` (their nodes from `choose` on the
+    same arguments) this step, stalest first: among the requests that may draft deeper, ordered by
+    how long their next index is expected to have gone unverified when verified (`ages[i][r]`:
+    steps since request i's index r + 1 was verified, times `rows[i]`, the share of its draft calls
+    that yield a node: a lookup drafter that finds nothing verifies nothing, and its index stays as
+    stale), the longest run of them whose nodes would pay together were they certainly accepted
+    (none: where a row costs what a token yields). By age alone, a batch whose requests all drafted
+    nothing (their ages equal) probed its first request every time, and where that one's drafter
+    found nothing, nothing was ever verified. `probe_loss` prices each run's first nodes, and the
+    budget (`ProbeBudget.afford`) decides how many of them run: several where a row is cheap
+    against a token's worth, so that a probe step verifies several samples."""
     w = [1] * len(gains) if rows is None else list(rows)
     n_rows = sum(k * wi for k, wi in zip(chosen, w))
     got = tokens + sum(sum(g[:k]) * wi for g, k, wi in zip(gains, chosen, w))
     base = step_s(0)
     now = _rate(got, n_rows, base, step_s, draft_s, margin)
-    best, best_age = None, -1.0
-    for i, (k, g) in enumerate(zip(chosen, gains)):
-        if k < len(g) and ages[i][k] * w[i] > best_age:
-            best, best_age = i, ages[i][k] * w[i]
-    if best is None or _rate(got + w[best], n_rows + w[best], base, step_s, draft_s, margin) <= now:
-        return None
-    return best
+    order = sorted((i for i, (k, g) in enumerate(zip(chosen, gains)) if k < len(g)),
+                   key=lambda i: ages[i][chosen[i]] * w[i], reverse=True)  # stable: ties in request order
+    best, more = 0, 0
+    for n, i in enumerate(order, start=1):
+        more += w[i]
+        if _rate(got + more, n_rows + more, base, step_s, draft_s, margin) > now:
+            best = n
+    return order[:best]
 
 
 def probe_loss(chosen: Sequence[int], gains: Sequence[Sequence[float]], tokens: float, step_s: Callable[[float], float],
-               i: int, draft_s: float = 0.0, rows: Sequence[float] | None = None, margin: float = 0.0,
-               spread: Sequence[Sequence[float]] | None = None, doubt: float = 0.0) -> float:
-    """The seconds a probe of request i's next node beyond `chosen` is expected to lose at the prices
-    the choice weighed: what its rows and drafting add to the step (`margin` above `step_s`), less
-    its expected accepted tokens (`doubt` standard errors lower, `spread` as in `choose`) at the
-    step's seconds per token; 0 where it is expected to pay even so. Priced without the margin and
-    the doubt, a probe at a batch size where a node yields about what its row costs lost nothing
-    and ran every PROBE_EVERY steps: a quarter of the steps drafted where off was faster."""
+               probed: Sequence[int], draft_s: float = 0.0, rows: Sequence[float] | None = None, margin: float = 0.0,
+               spread: Sequence[Sequence[float]] | None = None, doubt: float = 0.0) -> list[float]:
+    """The seconds that probing the first 1, 2, ... of `probed` (requests, each one node beyond
+    `chosen`) is expected to lose at the prices the choice weighed: what their rows and drafting
+    add to the step (`margin` above `step_s`), less their expected accepted tokens (`doubt` standard
+    errors of their sum lower, `spread` as in `choose`) at the step's seconds per token; 0 where
+    they are expected to pay even so. Priced without the margin and the doubt, a probe at a batch
+    size where a node yields about what its row costs lost nothing and ran every PROBE_EVERY
+    steps: a quarter of the steps drafted where off was faster. Several nodes share what drafting
+    at all adds to a step and their sum is doubted less than each alone (as `choose` weighs them)."""
     w = [1] * len(gains) if rows is None else list(rows)
     n_rows = sum(k * wi for k, wi in zip(chosen, w))
     got = tokens + sum(sum(g[:k]) * wi for g, k, wi in zip(gains, chosen, w))
     now = step_s(n_rows) + draft_s * n_rows
-    extra = (1 + margin) * (step_s(n_rows + w[i]) + draft_s * (n_rows + w[i]) - now)
-    gain = gains[i][chosen[i]]
-    if spread is not None and doubt > 0:
-        gain -= doubt * math.sqrt(spread[i][chosen[i]])
-    return max(extra - gain * w[i] * now / got, 0.0)
+    doubted = spread is not None and doubt > 0
+    out, more, gain, var = [], 0, 0.0, 0.0
+    for i in probed:
+        more += w[i]
+        gain += gains[i][chosen[i]] * w[i]
+        if doubted:
+            var += spread[i][chosen[i]] * w[i] * w[i]
+        extra = (1 + margin) * (step_s(n_rows + more) + draft_s * (n_rows + more) - now)
+        sure = gain - doubt * math.sqrt(var) if doubted else gain
+        out.append(max(extra - sure * now / got, 0.0))
+    return out
 
 
 def backoff(every: int, first: int, drafted: bool, missed: bool) -> int:
     """The steps from a batch size's probe step to its next, after a full choice there: `first`
     (PROBE_EVERY) once the choice drafts; else twice `every`, up to `first` x PROBE_BACKOFF, when
-    `missed`: a probe step whose choice drafts nothing after a probe that found nothing (its node
-    not drafted or not accepted, or no node that would pay even if accepted); else `every` unchanged
-    (a probe that found an accepted node keeps the pace: its evidence may make a draft pay). Where
+    `missed`: a probe step whose choice drafts nothing after a probe that found nothing (its
+    accepted nodes fewer than its rows' price in tokens, or no node that would pay even if
+    accepted); else `every` unchanged (a probe whose accepted nodes paid for its rows keeps the
+    pace: its evidence may make a draft pay). Where
     nothing pays, probe steps (each priced in full) and their probes then come as rarely as every
     PROBE_EVERY x PROBE_BACKOFF steps; where a probe's evidence makes a
     draft pay, the next choice drafts and the probes are PROBE_EVERY apart again."""
@@ -201,12 +221,26 @@ class ProbeBudget:
         short = loss - self.credit
         if short <= 0:
             return 0
+        if loss > step_s:  # never
+            return PROBE_EVERY * PROBE_BACKOFF
         return min(math.ceil(short / (PROBE_SHARE * step_s)), PROBE_EVERY * PROBE_BACKOFF)
 
-    def spend(self, loss: float) -> bool:
-        """Whether a probe expected to lose `loss` seconds is paid for (and if so, pay it)."""
+    def afford(self, losses: Sequence[float], step_s: float) -> tuple[int, float]:
+        """The run of probes to buy (`losses[k - 1]`: what its first k are expected to lose), among
+        those the credit can ever hold (a loss of at most `step_s`, one step's seconds): the k with
+        the least loss per probe (the longest that loses nothing, if any does; ties to the longer
+        run), and its loss; paid if the credit holds it (else 0 probes: `wait` for the loss). What
+        drafting at all adds to a step is paid once per run and a run's doubt grows as the square
+        root of its nodes, so where a row costs about what its node yields the whole run loses
+        less per node than a part of it bought at every probe step."""
+        k, each = 0, math.inf
+        for n, loss in enumerate(losses, start=1):  # ties (to rounding) to the longer run
+            if loss <= step_s and loss / n <= each * (1 + 1e-9):
+                k, each = n, loss / n
+        if not k:
+            return 0, math.inf
+        loss = losses[k - 1]
         if loss > self.credit:
-            return False
+            return 0, loss
         self.credit -= loss
-        return True
-
+        return k, loss

@@ -125,13 +125,15 @@ def test_a_probe_goes_one_node_deeper_for_the_stalest_request_and_only_where_it_
     chosen = choose(gains, 3, step)
     assert chosen == [0, 0, 2]
     # request 2 drafts its whole bound; of the others, request 1's first index is the stalest
-    assert probe(chosen, gains, [[3, 0], [9, 0], [0, 0]], 3, step) == 1
-    assert probe(chosen, gains, [[9, 0], [3, 0], [0, 0]], 3, step) == 0
-    assert probe([1, 2], [[0.9], [0.9, 0.8]], [[5], [5, 5]], 2, step) is None  # nothing deeper to draft
+    assert probe(chosen, gains, [[3, 0], [9, 0], [0, 0]], 3, step) == [1, 0]
+    assert probe(chosen, gains, [[9, 0], [3, 0], [0, 0]], 3, step) == [0, 1]
+    assert probe([1, 2], [[0.9], [0.9, 0.8]], [[5], [5, 5]], 2, step) == []  # nothing deeper to draft
     # a row costs a token or more: a node certainly accepted would not pay, nothing is probed
-    assert probe([0, 0], [[0.5], [0.5]], [[50], [50]], 2, linear_cost(2.0, 1.0)) is None
-    assert probe([0, 0], [[0.5], [0.5]], [[50], [50]], 2, linear_cost(2.0, 0.9), margin=MARGIN) is None
-    assert probe([0, 0], [[0.5], [0.5]], [[50], [51]], 2, linear_cost(2.0, 0.8), margin=MARGIN) == 1
+    assert probe([0, 0], [[0.5], [0.5]], [[50], [50]], 2, linear_cost(2.0, 1.0)) == []
+    assert probe([0, 0], [[0.5], [0.5]], [[50], [50]], 2, linear_cost(2.0, 0.9), margin=MARGIN) == []
+    assert probe([0, 0], [[0.5], [0.5]], [[50], [51]], 2, linear_cost(2.0, 0.8), margin=MARGIN) == [1, 0]
+    # rows dearer past the first: only the run that would pay together if accepted
+    assert probe([0, 0], [[0.5], [0.5]], [[50], [51]], 2, lambda n: 2.0 + 0.5 * n + 2.0 * max(n - 1, 0)) == [1]
 
 
 def test_a_probe_goes_where_the_drafter_yields_a_node() -> None:
@@ -144,10 +146,10 @@ def test_a_probe_goes_where_the_drafter_yields_a_node() -> None:
     gains, ages = [[0.7, 0.5]] * 8, [[30, 30]] * 8
     fills = [0.05] + [0.5] * 7
     step = linear_cost(8.0, 0.2)
-    assert probe([0] * 8, gains, ages, 8, step, rows=fills) == 1
-    assert probe([0] * 8, gains, [[600, 600]] + [[30, 30]] * 7, 8, step, rows=fills) == 0
-    assert probe([0] * 8, gains, [[30, 30]] * 7 + [[31, 31]], 8, step, rows=[0.5] * 8) == 7
-    assert probe([0] * 8, gains, ages, 8, step) == 0
+    assert probe([0] * 8, gains, ages, 8, step, rows=fills) == [1, 2, 3, 4, 5, 6, 7, 0]
+    assert probe([0] * 8, gains, [[600, 600]] + [[30, 30]] * 7, 8, step, rows=fills)[0] == 0
+    assert probe([0] * 8, gains, [[30, 30]] * 7 + [[31, 31]], 8, step, rows=[0.5] * 8)[0] == 7
+    assert probe([0] * 8, gains, ages, 8, step) == list(range(8))
 
 
 def test_a_probe_is_paid_for_from_a_share_of_the_steps_seconds() -> None:
@@ -155,22 +157,51 @@ def test_a_probe_is_paid_for_from_a_share_of_the_steps_seconds() -> None:
     token's time: over many steps the probes lose no more than PROBE_SHARE of the steps' seconds; a
     probe expected to pay loses nothing and always runs."""
     step = linear_cost(1.0, 0.5)  # one token's time per step; a row: half of it
-    assert probe_loss([0], [[0.2]], 1, step, 0) == pytest.approx(0.5 - 0.2)
-    assert probe_loss([1], [[0.9, 0.2]], 1, step, 0) == pytest.approx(0.5 - 0.2 * 1.5 / 1.9)
-    assert probe_loss([0], [[0.9]], 1, step, 0) == 0.0
-    assert probe_loss([0], [[0.2]], 1, step, 0, draft_s=0.1) == pytest.approx(0.6 - 0.2)
-    assert probe_loss([0, 0], [[0.2], [0.2]], 2, step, 1, rows=[1.0, 0.5]) == pytest.approx(0.25 - 0.05)
+    assert probe_loss([0], [[0.2]], 1, step, [0]) == [pytest.approx(0.5 - 0.2)]
+    assert probe_loss([1], [[0.9, 0.2]], 1, step, [0]) == [pytest.approx(0.5 - 0.2 * 1.5 / 1.9)]
+    assert probe_loss([0], [[0.9]], 1, step, [0]) == [0.0]
+    assert probe_loss([0], [[0.2]], 1, step, [0], draft_s=0.1) == [pytest.approx(0.6 - 0.2)]
+    assert probe_loss([0, 0], [[0.2], [0.2]], 2, step, [1], rows=[1.0, 0.5]) == [pytest.approx(0.25 - 0.05)]
     # at the choice's prices: the row's half token 15% dearer, a 0.6 node's worth one standard error
     # (0.2: an estimate worth 6 samples) lower; free at the point estimates, it loses 0.175 of a token
-    assert probe_loss([0], [[0.6]], 1, step, 0) == 0.0
-    assert probe_loss([0], [[0.6]], 1, step, 0, margin=0.15, spread=[[0.04]], doubt=1.0) == pytest.approx(0.575 - 0.4)
+    assert probe_loss([0], [[0.6]], 1, step, [0]) == [0.0]
+    assert probe_loss([0], [[0.6]], 1, step, [0], margin=0.15, spread=[[0.04]], doubt=1.0) == [pytest.approx(0.575 - 0.4)]
     for gain, want in ((0.2, 1000 * PROBE_SHARE / 0.3), (0.9, 1000 / PROBE_EVERY)):
         budget, paid = ProbeBudget(), 0
         for n in range(1000):
             budget.earn(step(0))
             if n % PROBE_EVERY == 0:
-                paid += budget.spend(probe_loss([0], [[gain]], 1, step, 0))
+                paid += budget.afford(probe_loss([0], [[gain]], 1, step, [0]), step(0))[0]
         assert want - 1 <= paid <= want + 1
+
+
+def test_a_probe_run_shares_its_cost_and_is_bought_whole_where_it_learns_most_per_second() -> None:
+    """Four requests at the prior (0.7, one sample's worth: a variance of 0.21 a node), a row at 0.6
+    of a token's share of a four-token step and what drafting at all adds to a step (a token's
+    share) on the first row: one node loses 1.15 x 1.6 - (0.7 - 0.458) = 1.598 of a token's share,
+    the four together 1.15 x 3.4 - (2.8 - 0.917) = 2.027: the four are bought whole once the credit
+    holds their loss, not one at a time. Where the rows' price grows faster than their doubt falls
+    (no setup, doubt none), one node at a time learns as much per second."""
+    step = lambda n: 1.0 + (0.25 + 0.15 * n if n > 0 else 0.0)  # noqa: E731 - a token: 0.25 s
+    gains, spread = [[0.7]] * 4, [[0.21]] * 4
+    losses = probe_loss([0] * 4, gains, 4, step, [0, 1, 2, 3], margin=MARGIN, spread=spread, doubt=DOUBT)
+    assert losses[0] == pytest.approx(0.25 * (1.15 * 1.6 - (0.7 - math.sqrt(0.21))))
+    assert losses[3] == pytest.approx(0.25 * (1.15 * 3.4 - (2.8 - math.sqrt(0.84))))
+    assert losses[3] < 2 * losses[0]
+    budget = ProbeBudget()
+    budget.credit = losses[0] * 1.01  # pays for one node, not for the four
+    assert budget.afford(losses, step(0)) == (0, losses[3]) and budget.credit == pytest.approx(losses[0] * 1.01)
+    budget.credit = losses[3]
+    assert budget.afford(losses, step(0)) == (4, losses[3]) and budget.credit == pytest.approx(0.0)
+    linear = probe_loss([0] * 4, gains, 4, linear_cost(1.0, 0.3), [0, 1, 2, 3])
+    assert linear == pytest.approx([0.3 - 0.7 * 0.25 * k for k in (1,)] + [k * (0.3 - 0.7 * 0.25) for k in (2, 3, 4)])
+    budget.credit = 1.0
+    assert budget.afford(linear, 1.0)[0] == 4  # (ties: the longer run)
+    assert budget.afford([0.5, 0.0, 0.3], 1.0) == (2, 0.0)  # a run that loses nothing is bought whatever else
+    # a run that loses more than a step's seconds is never paid for (the credit holds at most that)
+    budget.credit = 1.0
+    assert budget.afford([0.5, 0.6, 3.0], 1.0) == (2, 0.6)
+    assert budget.afford([2.0], 1.0) == (0, math.inf) and budget.wait(math.inf, 1.0) == PROBE_EVERY * PROBE_BACKOFF
 
 
 # ---- the estimates ------------------------------------------------------------------------------
@@ -601,8 +632,9 @@ def test_a_row_count_priced_dear_by_stalled_steps_fades_back_to_the_fit() -> Non
 
 def test_probes_weigh_rows_at_no_more_than_the_average_row() -> None:
     """The bf16 curve at batch 8 jumps 3.45 ms at its first row, 1.68 ms a row on average over the
-    first 16: priced at the jump even a certainly accepted node does not pay, so nothing would be
-    probed and the jump never checked; the probes weigh the average row and go."""
+    first 16: priced at the jump even a certainly accepted node does not pay, so a lone node would
+    not be probed and the jump never checked; the probes weigh the average row and go (and a run of
+    the batch's nodes, sharing the jump, would pay at the jump too)."""
     ms = [(0, 20.3), (1, 23.75), (2, 26.42), (4, 26.99), (8, 35.14), (16, 47.16), (32, 73.94), (33, 77.94)]
     c = StepCost({8: [(x, v / 1e3) for x, v in ms]}, max_rows=9)
     gains, ages = [[0.7, 0.49]] * 8, [[5, 5]] * 8
@@ -610,8 +642,9 @@ def test_probes_weigh_rows_at_no_more_than_the_average_row() -> None:
     assert cheap[1] - cheap[0] == pytest.approx((0.03514 - 0.0203) / 8)  # the average over the batch's own rows
     assert all(a <= b for a, b in zip(cheap, real))
     assert choose(gains, 8, real.__getitem__, margin=MARGIN) == [0] * 8
-    assert probe([0] * 8, gains, ages, 8, real.__getitem__, margin=MARGIN) is None
-    assert probe([0] * 8, gains, ages, 8, cheap.__getitem__, margin=MARGIN) == 0
+    assert probe([0], gains[:1], ages[:1], 8, real.__getitem__, margin=MARGIN) == []
+    assert probe([0], gains[:1], ages[:1], 8, cheap.__getitem__, margin=MARGIN) == [0]
+    assert probe([0] * 8, gains, ages, 8, real.__getitem__, margin=MARGIN) == list(range(8))
 
 
 def test_the_curve_is_timed_once_and_cached(engine: Engine, tmp_path, monkeypatch) -> None:
@@ -944,11 +977,30 @@ def off(engine: Engine) -> tuple[list[list[int]], list[list[int]]]:
     return prompts, [engine.generate(p, SamplingParams(max_new_tokens=N_NEW)).tokens for p in prompts]
 
 
-def _the_target_drafts(engine: Engine, monkeypatch) -> None:
-    """method=draft_model drafts with the target itself (acceptance near 1 at greedy)."""
+def _the_target_drafts(engine: Engine, monkeypatch, wrong: int = 0, empty: int = 0) -> None:
+    """method=draft_model drafts with the target itself (acceptance near 1 at greedy); with `wrong`,
+    every `wrong`-th draft call of a request has its first token changed (rejected), with `empty`,
+    every `empty`-th yields nothing (as a lookup that found no match)."""
     real = B.make_drafter
-    monkeypatch.setattr(B, "make_drafter", lambda s, target, seed: DraftModelDrafter(s, engine.model)
-                        if s.method == "draft_model" else real(s, target, seed))
+
+    def make(s, target, seed):
+        if s.method != "draft_model":
+            return real(s, target, seed)
+        d = DraftModelDrafter(s, engine.model)
+        if wrong or empty:
+            draft, calls = d.draft, [0]
+
+            def planted(ids, params, generator=None):
+                calls[0] += 1
+                tree = draft(ids, params, generator)
+                if empty and calls[0] % empty == 0:
+                    return Tree.chain(tree.tokens[0], [])
+                if wrong and calls[0] % wrong == 0 and tree.size > 1:
+                    return Tree.chain(tree.tokens[0], [(tree.tokens[1] + 1) % d.vocab_size, *tree.tokens[2:]])
+                return tree
+            d.draft = planted
+        return d
+    monkeypatch.setattr(B, "make_drafter", make)
 
 
 @pytest.mark.parametrize("batch", [1, 2, 4])
@@ -1211,7 +1263,9 @@ def test_probe_steps_back_off_where_nothing_pays_and_come_back_where_drafts_pay(
     each probe step's choice drafts nothing, so the steps between probe steps double, up to
     PROBE_BACKOFF times PROBE_EVERY (a probe that found nothing backs off). The target drafting
     itself at a fifth of a step per row: the probes find accepted nodes and the choices draft, and
-    the probe steps stay PROBE_EVERY apart. Greedy output is off's either way."""
+    the probe steps stay PROBE_EVERY apart. A drafter that finds nothing (a lookup without a
+    match) at the same price: its probes verify nothing, no evidence that drafts lose, and the
+    probe steps keep their pace. Greedy output is off's either way."""
     assert backoff(4, 4, True, True) == 4 and backoff(8, 4, False, False) == 8
     assert backoff(8, 4, False, True) == 16 and backoff(4 * PROBE_BACKOFF, 4, False, True) == 4 * PROBE_BACKOFF
     budget = ProbeBudget()
@@ -1219,11 +1273,11 @@ def test_probe_steps_back_off_where_nothing_pays_and_come_back_where_drafts_pay(
     assert budget.wait(PROBE_SHARE, 1.0) == 0 and budget.wait(3.5 * PROBE_SHARE, 1.0) == 3
     assert budget.wait(2.0, 1.0) == PROBE_EVERY * PROBE_BACKOFF  # more than the credit can ever hold
     prompts, ref = off
-    _the_target_drafts(engine, monkeypatch)
     spec = SpecConfig(method="draft_model", depth=3, draft_model="the target", adaptive=True)
     real_probe = B.probe
     gaps = {}
-    for name, per_row in (("costly", 1.0), ("cheap", 0.2)):
+    for name, per_row in (("costly", 1.0), ("cheap", 0.2), ("nothing found", 0.2)):
+        _the_target_drafts(engine, monkeypatch, empty=1 if name == "nothing found" else 0)
         planted = PlantedCost({1: [(0, 1.0), (16, 1 + 16 * per_row)]}, max_rows=4)
         monkeypatch.setattr(engine, "step_costs", lambda *a, planted=planted: planted)
         be = BatchEngine(engine, max_batch=1, schedule=schedule_of(spec, 1))
@@ -1237,6 +1291,53 @@ def test_probe_steps_back_off_where_nothing_pays_and_come_back_where_drafts_pay(
     assert all(PROBE_EVERY * 2 ** i <= g <= PROBE_EVERY * 2 ** i + 1 for i, g in enumerate(gaps["costly"][:5]))
     # (a probe step whose probe the budget cannot pay for yet puts the next where it will have)
     assert len(gaps["cheap"]) >= 8 and max(gaps["cheap"]) < 2 * PROBE_EVERY
+    assert len(gaps["nothing found"]) >= 8 and max(gaps["nothing found"]) < 2 * PROBE_EVERY
+
+
+COLD_STEPS = 48  # steps at batch 16 within which a cold controller must draft where drafts clearly pay (its
+# first run of probes waits about 31 for PROBE_SHARE to pay its loss at the prior; single-node probes never drafted)
+SETUP = 0.7  # what drafting at all adds to a step, in tokens' shares (as a served batch of 16's, 2026-12-05)
+WRONG, EMPTY = 10, 5  # the planted drafter: a first node rejected every 10th draft call, nothing every 5th
+
+
+def test_a_cold_batch_of_16_learns_that_drafts_pay_within_a_bounded_number_of_steps(engine: Engine, off,
+                                                                                     monkeypatch) -> None:
+    """A batch of 16 that starts from the prior (nothing learnt at smaller batches first, as a
+    server started under load): a row at 0.6 of a token's share of the step, drafting at all adding
+    SETUP on top, and the target drafting itself with a first node rejected one draft call in ten
+    and nothing drafted one in five. At the prior's 0.7 acceptance, doubted as one sample's worth,
+    no total of nodes pays with the margin, while at the drafter's real acceptance the whole batch's
+    first nodes clearly do. A probe of one node a probe step paid the whole setup and was doubted
+    alone: even certainly accepted it would not pay, so nothing was probed, learnt or drafted. A run
+    of the batch's nodes shares the setup and its sum is doubted less: the probes learn a sample per
+    request and the choice drafts within COLD_STEPS of the first step at 16. Where a row costs more
+    than a token's share nothing is probed or drafted: every step is off's. Greedy output is off's
+    either way."""
+    prompts, ref = off
+    _the_target_drafts(engine, monkeypatch, wrong=WRONG, empty=EMPTY)
+    spec = SpecConfig(method="draft_model", depth=2, draft_model="the target", adaptive=True)
+    first, steps, drafted, allowed = {}, {}, {}, {}
+    for name, share in (("cheap", 0.6), ("costly", 1.2)):
+        # rows priced per token's share at every batch size (1 and 16 planted, between them
+        # interpolated), and drafting at all adding SETUP of a token's share at 16
+        planted = PlantedCost({1: [(0, 1.0), (16, 1 + 16 * share)], 16: [(0, 1.0), (64, 1 + 64 * share / 16)]},
+                              max_rows=3)
+        monkeypatch.setattr(planted, "setup_s", lambda batch: SETUP / 16)
+        monkeypatch.setattr(engine, "step_costs", lambda *a, planted=planted: planted)
+        recs: list[dict] = []
+        monkeypatch.setattr(engine, "trace", recs.append)
+        be = BatchEngine(engine, max_batch=16, schedule=schedule_of(spec, 16))
+        reqs = be.closed_loop(prompts * 16, SamplingParams(max_new_tokens=N_NEW), concurrency=16)
+        assert [r.result.tokens for r in reqs] == ref * 16
+        at16 = [r for r in recs if r["batch"] == 16 and not r["prefill"]]
+        # the first step at 16 whose choice drafted (more nodes allowed than the probes' own)
+        first[name] = next((k for k, r in enumerate(at16) if sum(r["allowed"]) > r["probe"]), None)
+        steps[name], drafted[name] = be.steps, sum(r.result.stats.drafted_tokens for r in reqs)
+        allowed[name] = sum(sum(r["allowed"]) for r in recs)
+    assert first["cheap"] is not None and first["cheap"] <= COLD_STEPS
+    # where nothing would pay even if accepted, no step allows a node: every step plans off's row
+    assert first["costly"] is None and allowed["costly"] == 0 and drafted["costly"] == 0
+    assert steps["cheap"] < steps["costly"]  # the drafts saved steps
 
 
 def test_the_trace_reports_what_the_controller_chose_and_the_rows_that_ran(engine: Engine, off, monkeypatch) -> None:
