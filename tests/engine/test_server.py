@@ -256,7 +256,10 @@ def test_full_queue_answers_429_and_recovers(engine, monkeypatch) -> None:
 
     def held(self, reqs, spec):
         started.set()
-        gate.wait(10)
+        # the test opens the gate itself after request 3; the timeout only keeps a broken run from
+        # hanging. At 10 s a suite whose other worker ran vLLM on both cores let request 1 go before
+        # request 3 was sent (the queue then had room: 200, not 429)
+        gate.wait(120)
         return real(self, reqs, spec)
 
     monkeypatch.setattr(BatchEngine, "_forward", held)
