@@ -49,7 +49,7 @@ import torch
 from engine.api import GenResult, SamplingParams, TokenCallback
 from engine.decode.acceptance import BATCH_RATE, Acceptance, Calibration
 from engine.decode.control import (DOUBT, MARGIN, PROBE_EVERY, SLACK, ProbeBudget, backoff, choose, pay_floor, probe,
-                                   probe_loss)
+                                   probe_loss, rows_price)
 from engine.decode.stepcost import StepCost
 from engine.drafters import Drafter, make_drafter
 from engine.drafters.lockstep import draft_together, lockstep_groups
@@ -634,8 +634,7 @@ class BatchEngine:
                 # the accepted tokens per probed row that pay for the rows (the step's seconds per token)
                 more = sum(fills[i] for i in probed)
                 n_rows = sum(k * f for k, f in zip(limits, fills)) - more
-                pays = ((1 + MARGIN) * (step_s(n_rows + more) - step_s(n_rows) + cost.draft_s * more) / more
-                        * batch / table[0])
+                pays = rows_price(step_s, n_rows, more, cost.draft_s, MARGIN) / more * batch / table[0]
             else:  # not paid for yet: the next probe step when the budget will have earned it (if ever)
                 wait = budget.wait(loss, table[0])
         if probing or drafts:  # the next probe step (drafting again: at most PROBE_EVERY steps away)

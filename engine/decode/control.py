@@ -161,6 +161,13 @@ def probe(chosen: Sequence[int], gains: Sequence[Sequence[float]], ages: Sequenc
     return order[:best]
 
 
+def rows_price(step_s: Callable[[float], float], n_rows: float, more: float, draft_s: float = 0.0,
+               margin: float = 0.0) -> float:
+    """The seconds that `more` draft rows beyond `n_rows` add to a step, their drafting included,
+    priced `margin` above the estimates (what a probe's rows cost, as the choice weighs them)."""
+    return (1 + margin) * (step_s(n_rows + more) - step_s(n_rows) + draft_s * more)
+
+
 def probe_loss(chosen: Sequence[int], gains: Sequence[Sequence[float]], tokens: float, step_s: Callable[[float], float],
                probed: Sequence[int], draft_s: float = 0.0, rows: Sequence[float] | None = None, margin: float = 0.0,
                spread: Sequence[Sequence[float]] | None = None, doubt: float = 0.0) -> list[float]:
@@ -183,7 +190,7 @@ def probe_loss(chosen: Sequence[int], gains: Sequence[Sequence[float]], tokens: 
         gain += gains[i][chosen[i]] * w[i]
         if doubted:
             var += spread[i][chosen[i]] * w[i] * w[i]
-        extra = (1 + margin) * (step_s(n_rows + more) + draft_s * (n_rows + more) - now)
+        extra = rows_price(step_s, n_rows, more, draft_s, margin)
         sure = gain - doubt * math.sqrt(var) if doubted else gain
         out.append(max(extra - sure * now / got, 0.0))
     return out

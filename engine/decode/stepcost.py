@@ -176,11 +176,11 @@ class StepCost:
         self.level = 1.0  # live steps less the curve's rows over the curve's step, all batch sizes, followed online
         self.live: dict[int, _Live] = {}
         self.rows: dict[int, _Rows] = {}  # per batch size: the forward's seconds per count of draft rows
-        self._rows_memo: dict[int, dict[float, float]] = {}  # per batch size: rows_s per count of rows
         # the curve is fixed once timed: its interpolations are read several times a step (every
-        # observed step, every overhead), so each (batch, rows) is computed once
+        # priced total, every observed step, every overhead), so each (batch, rows) is computed once:
+        # the step, and the rows' seconds (rows_s) with the curve's average rows (`_slope`) beside them
         self._curve_memo: dict[tuple[int, float], float] = {}
-        self._rows_s_memo: dict[tuple[int, float], float] = {}
+        self._rows_memo: dict[tuple[int, float], tuple[float, float]] = {}
         # per batch size, the seconds of a step outside the forward and the drafting (verifying,
         # committing, streaming, the server's loop): what every step costs whatever its rows
         self.overhead: dict[int, float] = {}
@@ -243,11 +243,15 @@ class StepCost:
         kernel is real at small batches, but a flat stretch that the lower envelope made of
         noisy timings is not: at batch 32 it priced a few draft rows as free, where every row
         costs about what a token yields, and the drafts cost more than they gained."""
-        got = self._rows_s_memo.get((batch, extra))
+        return self._rows(batch, extra)[0]
+
+    def _rows(self, batch: int, extra: float) -> tuple[float, float]:
+        """(`rows_s`, the curve's average row times `extra`), computed once per (batch, extra)."""
+        got = self._rows_memo.get((batch, extra))
         if got is None:
             c0 = self.curve_s(batch, 0)
-            got = self._rows_s_memo[(batch, extra)] = max(self.curve_s(batch, extra) - c0,
-                                                          self._slope(batch, c0, extra) * extra)
+            avg = self._slope(batch, c0, extra) * extra
+            got = self._rows_memo[(batch, extra)] = (max(self.curve_s(batch, extra) - c0, avg), avg)
         return got
 
     def _slope(self, batch: int, c0: float, extra: float) -> float:
@@ -281,15 +285,10 @@ class StepCost:
         fit_base = c0 * max(a, 0.1)
         table = self.rows.get(batch)
         base = table.base(fit_base) if table is not None else fit_base
-        curve = self._rows_memo.setdefault(batch, {})  # the curve's rows (rows_s) and average rows never change
         out = []
         for n in range(count + 1):
             x = extra + n
-            got = curve.get(x)
-            if got is None:
-                avg = self._slope(batch, c0, x) * x
-                got = curve[x] = (max(self.curve_s(batch, x) - c0, avg), avg)
-            m, avg = got
+            m, avg = self._rows(batch, x)
             seen = min(m, top)
             rows = c0 * max(a + b * seen / c0, 0.1) - fit_base + (m - seen)
             if table is not None and x == int(x):  # only whole counts of rows ran
