@@ -267,6 +267,8 @@ def controller_state(url: str, batch: int) -> dict[str, Any]:
             out["setup_ms"] = round(v * 1e3, 2)
         elif name == "kind_overhead_seconds":
             out.setdefault("overhead_by_kind_ms", {})[lab["kind"]] = round(v * 1e3, 2)
+        elif name == "kind_work_seconds":
+            out.setdefault("work_by_kind_ms", {})[lab["kind"]] = round(v * 1e3, 3)
         elif name == "pricing_seconds":
             out["pricing_ms"] = round(v * 1e3, 3)
         elif name == "forward_steps":

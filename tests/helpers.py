@@ -42,6 +42,9 @@ class PlantedCost(StepCost):
     def observe_pricing(self, batch: int, seconds: float) -> None:
         pass
 
+    def observe_work(self, batch: int, seconds: float, drafted: bool) -> None:
+        pass
+
 
 class PlantedClock:
     """The clock of the batch scheduler (engine.decode.batch) as planted: each target forward takes

@@ -218,6 +218,9 @@ class BatchEngine:
         self._busy, self._decoded = 0.0, 0
         self._priced = False  # the step's controller priced its rows in full (not screened out)
         self._drafted = False  # the step's decode forward ran draft rows
+        # the step's own seconds verifying and committing its decode rows, learning from them and
+        # cutting its drafts (StepCost.observe_work: what drafting at all adds, timed in this thread)
+        self._work = 0.0
         # one slot per batch place, its capacity grown to the longest request admitted so far; made
         # at the first admission, inside inference mode like every other cache the compiled step sees
         # (a tensor made outside it has other dispatch keys, and the compiled layer would recompile)
@@ -287,6 +290,7 @@ class BatchEngine:
             self.cost.observe_overhead(batch, start - was - busy, drafted)
         self._last, self._busy, self._decoded, self._ran = None, 0.0, 0, 0
         self._priced = self._drafted = False
+        self._work = 0.0
         self._probe = None  # (one whose step failed before its verification found nothing)
         self._retire_cancelled()
         fresh = self._admit()
@@ -302,6 +306,8 @@ class BatchEngine:
         if self._ran:
             self.occupancy[self._ran] += 1
         self._retire_finished()
+        if self._decoded and self._priced:
+            self.cost.observe_work(self._decoded, self._work, self._drafted)
         if self._decoded and self.active:  # a step follows at once (a loop waits only when idle)
             self._last = (start, self._decoded, self._busy, self._drafted if self._priced else None)
 
@@ -437,6 +443,7 @@ class BatchEngine:
             rec.update(forward_s=forward_s, rows=sum(len(toks) - 1 for _, _, toks, _ in plans),
                        prefill=any(tree is None for _, tree, _, _ in plans))
         pc = self.engine.prefix_cache
+        worked = time.perf_counter()
         for (req, tree, _, _), (hidden, logits, aux) in zip(plans, outs):
             try:
                 st = req.state
@@ -454,6 +461,7 @@ class BatchEngine:
             self.trace(rec)
         if spec is not None and self.accept and self._key(spec) in self.accept:
             self._learn(spec, [(req, tree) for req, tree, _, _ in plans if tree is not None and req.error is None])
+        self._work += time.perf_counter() - worked
 
     def _greedy_run(self, plans: list[tuple[Request, Tree | None, list[int], bool]]) -> bool:
         """A batch of one decoding greedily with nothing drafted runs up to GREEDY_RUN steps in one
@@ -669,7 +677,8 @@ class BatchEngine:
             for r, _ in drafting:
                 r.state.drafter.spec = full[id(r)]
         sizes = [out[id(r)][0].size - 1 if id(r) in out and isinstance(out[id(r)][0], Tree) else 0 for r in live]
-        drafting_s = time.perf_counter() - t
+        cut = time.perf_counter()
+        drafting_s = cut - t
         self._busy += drafting_s  # priced per node (draft_s), not as the step's overhead
         cost.observe_draft(drafting_s, sum(sizes))
         for e, n, size in zip(est, limits, sizes):
@@ -695,6 +704,7 @@ class BatchEngine:
             if id(r) in out and k < size:  # (a request the controller chose no draft for plans off's row)
                 tree, dt = out[id(r)]
                 out[id(r)] = (tree.first(k + 1), dt)
+        self._work += time.perf_counter() - cut
         return out
 
     def _note(self, batch: int, extra: int, table: list[float], gains: list[list[float]], fills: list[float],

@@ -6,8 +6,9 @@ processes kept the CPUs busy, `engine.models.machine.timed_once`); plus what the
 from the steps it actually runs: the drafter's seconds per drafted node and, per batch size, what a
 step without drafts and each further row really cost against the curve, and what a step spends
 outside the forward and the drafting: every step (`overhead_s`), and apart, what one that ran draft
-rows spent there beyond one the controller priced and left without (`setup_s`: the cut, the trees'
-verification, the estimates' updates), a fixed cost of drafting at all that rows do not scale.
+rows spent beyond one the controller priced and left without (`setup_s`: the cut, the trees'
+verification, the estimates' updates, timed in the engine's thread), a fixed cost of drafting at all
+that rows do not scale.
 
 The curve was timed once, at other contexts, perhaps under another load: the live figures, not the
 curve, price a step. Per batch size the live steps fit t = c0 (a + b m) by least squares (c0: the
@@ -186,9 +187,17 @@ class StepCost:
         self.overhead: dict[int, float] = {}
         # the same per batch size over the steps the controller priced in full, apart: those that ran
         # no draft row (`plain`) and those that ran some (`drafting`: their drafts cut, verified as
-        # trees and learnt from). The difference is what drafting at all adds to a step (`setup_s`)
+        # trees and learnt from)
         self.plain: dict[int, float] = {}
         self.drafting: dict[int, float] = {}
+        # per batch size and kind of priced step (ran draft rows or not), the engine's own seconds
+        # verifying, committing, learning and cutting, timed in its thread (`observe_work`): their
+        # difference is what drafting at all adds to a step (`setup_s`). Taken from the wall
+        # overheads above instead, it moved between runs of a served batch by several times
+        # itself (the server's own threads share the cores, so a step's wall overhead varies by
+        # more than drafting adds, and the few drafting steps where drafts barely pay set it),
+        # while in process the work timed here is the wall difference (docs/results.md, issue 36)
+        self.work: dict[bool, dict[int, float]] = {False: {}, True: {}}
         # per batch size, the controller's own seconds pricing a step in full (the estimates' gains,
         # every total of rows, the choice, the probe): part of both kinds above, and of drafting's
         # cost, since a step screened out below the pay floor (the way the engine runs as off does)
@@ -328,16 +337,27 @@ class StepCost:
         """What a priced step that ran draft rows spent outside the forward and the drafting beyond
         a step that is not priced: the pricing (`pricing_s`), and beyond one priced and left
         without rows, at the nearest batch size where both kinds were seen (nothing more before
-        they were), cutting the drafts, verifying them as trees, learning from them. A fixed
+        they were), cutting the drafts, verifying them as trees, learning from them (each kind's
+        seconds timed in the engine's thread: `observe_work`). A fixed
         cost of drafting at all, whatever the rows: at a batch size where a few rows yield about
         what they cost, it is what decides that the step is off's (priced as sunk, the pricing
         kept a batch drafting near break-even, every step paying it where off's pays nothing)."""
         cut = 0.0
-        both = [b for b in self.plain if b in self.drafting]
+        plain, drafting = self.work[False], self.work[True]
+        both = [b for b in plain if b in drafting]
         if both:
             b = min(both, key=lambda b: (abs(b - batch), b))
-            cut = max(self.drafting[b] - self.plain[b], 0.0)
+            cut = max(drafting[b] - plain[b], 0.0)
         return cut + self.pricing_s(batch)
+
+    def observe_work(self, batch: int, seconds: float, drafted: bool) -> None:
+        """A priced step's own seconds verifying and committing its rows, learning from them and
+        cutting its drafts (timed in the engine's thread; `drafted`: it ran draft rows), at most
+        STEP_CLIP's high multiple of what that kind took so far at this batch size (a stall says
+        little)."""
+        figures = self.work[drafted]
+        old = figures.get(batch)
+        _follow(figures, batch, max(seconds, 0.0) if old is None else min(max(seconds, 0.0), STEP_CLIP[1] * old))
 
     def observe_pricing(self, batch: int, seconds: float) -> None:
         """The controller's seconds pricing a step in full (at most STEP_CLIP's high multiple of

@@ -128,6 +128,8 @@ class _Controller:
              "one without rows", ["model_name", "batch"]),
             ("kind_overhead_seconds", "A priced step's seconds outside the forward and drafting: plain (no draft "
              "rows), drafting", ["model_name", "batch", "kind"]),
+            ("kind_work_seconds", "A priced step's own seconds verifying, committing, learning and cutting drafts, "
+             "timed in the engine's thread: plain (no draft rows), drafting", ["model_name", "batch", "kind"]),
             ("pricing_seconds", "The controller's own seconds pricing a step in full", ["model_name", "batch"]),
             ("curve_seconds", "The timed curve's forward seconds with this many draft rows", ["model_name", "batch", "rows"]),
             ("price_seconds", "The controller's price of a step with this many draft rows", ["model_name", "batch", "rows"]),
@@ -142,6 +144,9 @@ class _Controller:
             for kind, figures in (("plain", cost.plain), ("drafting", cost.drafting)):
                 if b in figures:
                     g["kind_overhead_seconds"].add_metric([m, str(b), kind], figures[b])
+            for kind, figures in (("plain", cost.work[False]), ("drafting", cost.work[True])):
+                if b in figures:
+                    g["kind_work_seconds"].add_metric([m, str(b), kind], figures[b])
             if b in cost.pricing:
                 g["pricing_seconds"].add_metric([m, str(b)], cost.pricing[b])
             price = cost.table(b, 0, ROWS_SHOWN[-1])

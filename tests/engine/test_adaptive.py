@@ -492,19 +492,23 @@ def test_the_step_overhead_makes_drafts_pay_that_the_forward_alone_would_not() -
 
 
 def test_what_drafting_at_all_adds_to_a_step_is_priced_in_every_total_of_rows() -> None:
-    """Steps the controller priced and left without rows spend 5 ms outside the forward, steps that
-    ran rows 9 ms (the cut, the trees' verification, the estimates' updates): the 4 ms are priced in
-    every total of one row or more, never in the step without rows; steps it did not price (None)
-    move neither; a batch size without both kinds takes the nearest one's; one stall among the
-    drafting steps moves the figure a bounded amount. Once pricing a step is seen to take 2 ms of
-    those 5, a step that is not priced (screened out, as off's) is the step without rows, at 3 ms,
-    and drafting adds the 6 ms; the totals with rows still cost the drafting steps' 9."""
+    """Steps the controller priced and left without rows spend 5 ms outside the forward, 1 ms of it
+    the engine's own verifying and learning; steps that ran rows spend 5 ms on those (the cut, the
+    trees' verification, the estimates' updates), timed in its thread: the 4 ms more are priced in
+    every total of one row or more, never in the step without rows; a batch size without both kinds
+    takes the nearest one's; one stall among the drafting steps moves the figure a bounded amount.
+    The wall overhead of the drafting steps (the server's threads share the cores) moves nothing.
+    Once pricing a step is seen to take 2 ms of those 5, a step that is not priced (screened out, as
+    off's) is the step without rows, at 3 ms, and drafting adds the 6 ms; the totals with rows
+    still cost 9."""
     c = StepCost(TIMED, max_rows=9)
     assert c.setup_s(8) == 0.0
     for _ in range(200):
         c.observe_overhead(8, 0.005, drafted=False)
-        c.observe_overhead(8, 0.009, drafted=True)
+        c.observe_overhead(8, 0.050, drafted=True)  # a wall overhead that varies with other threads' work
         c.observe_overhead(8, 0.050, drafted=None)  # screened steps: in the overhead, not in the split
+        c.observe_work(8, 0.001, drafted=False)
+        c.observe_work(8, 0.005, drafted=True)
     assert c.setup_s(8) == pytest.approx(0.004, rel=1e-3) and c.setup_s(4) == c.setup_s(8)
     table = c.table(8, 0, 4)
     assert table[0] == pytest.approx(0.005 + c.step_s(8, 0), rel=1e-3)
@@ -518,14 +522,14 @@ def test_what_drafting_at_all_adds_to_a_step_is_priced_in_every_total_of_rows() 
     table = c.table(8, 0, 4)
     assert table[0] == pytest.approx(0.003 + c.step_s(8, 0), rel=1e-2)
     assert table[1:] == pytest.approx([0.009 + c.step_s(8, n) for n in range(1, 5)], rel=1e-3)
-    c.observe_overhead(8, 1e9, drafted=True)
-    assert c.setup_s(8) <= 0.006 * 1.02 + stepcost.FOLLOW * stepcost.STEP_CLIP[1] * c.overhead_s(8)
+    c.observe_work(8, 1e9, drafted=True)
+    assert c.setup_s(8) <= 0.006 * 1.02 + stepcost.FOLLOW * stepcost.STEP_CLIP[1] * 0.005
 
 
 def test_a_few_rows_that_yield_about_their_cost_do_not_pay_for_drafting_at_all() -> None:
     """Batch 32, a 250 ms step whose rows cost 6 ms each: one confident node (0.95) per request pays
     on its row alone (0.95 x 250 / 32 = 7.4 ms against 6 ms x MARGIN), so some requests draft; once
-    the steps that drafted are seen to spend 4 ms more outside the forward than those that did not,
+    the steps that drafted are seen to spend 4 ms more of the engine's own work than those that did not,
     the few nodes that pay cannot carry it and the step is off's. At batch 1, where a node is worth
     a whole step, the same 4 ms changes nothing."""
     c = StepCost({1: [(0, 0.030), (8, 0.032)], 32: [(0, 0.250), (64, 0.250 + 64 * 0.006)]}, max_rows=5)
@@ -535,7 +539,8 @@ def test_a_few_rows_that_yield_about_their_cost_do_not_pay_for_drafting_at_all()
     for b in (1, 32):
         for _ in range(200):
             c.observe_overhead(b, 0.005, drafted=False)
-            c.observe_overhead(b, 0.009, drafted=True)
+            c.observe_work(b, 0.001, drafted=False)
+            c.observe_work(b, 0.005, drafted=True)
     assert choose(gains, 32, c.table(32, 0, 64).__getitem__, margin=MARGIN) == [0] * 32
     assert choose([[0.95, 0.9]], 1, c.table(1, 0, 2).__getitem__, margin=MARGIN) == [2]
 
@@ -1465,6 +1470,14 @@ def test_a_server_scrape_shows_what_the_controller_prices(engine: Engine, off) -
              if k.startswith('spectune:adaptive_forward_steps{batch="2"')}
     assert steps and steps == {n: be.cost.rows[2].n[n] for n in steps}
     assert got['spectune:adaptive_level{model_name="m"}'] == pytest.approx(be.cost.level)
+    # what drafting at all adds: the pricing plus the drafting steps' own work beyond the plain ones'
+    # the engine's own work per kind of priced step, and what drafting at all adds (StepCost.setup_s)
+    for drafted, kind in ((False, "plain"), (True, "drafting")):
+        for b in (1, 2):
+            name = f'spectune:adaptive_kind_work_seconds{{batch="{b}",kind="{kind}",model_name="m"}}'
+            assert got.get(name) == (pytest.approx(be.cost.work[drafted][b]) if b in be.cost.work[drafted] else None)
+    assert be.cost.work[False]
+    assert got['spectune:adaptive_setup_seconds{batch="2",model_name="m"}'] == pytest.approx(be.cost.setup_s(2))
     key = spec.key()
     assert got[f'spectune:adaptive_acceptance{{model_name="m",position="1",spec="{key}"}}'] == \
         pytest.approx(be.accept[key].p[0])
