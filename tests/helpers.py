@@ -58,6 +58,9 @@ class PlantedClock:
     def perf_counter(self) -> float:
         return self.now
 
+    def thread_time(self) -> float:  # the scheduler's own CPU seconds: as planted, all of its time
+        return self.now
+
     def advance(self, seconds: float) -> None:
         self.now += seconds
 

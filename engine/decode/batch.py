@@ -221,6 +221,11 @@ class BatchEngine:
         # the step's own seconds verifying and committing its decode rows, learning from them and
         # cutting its drafts (StepCost.observe_work: what drafting at all adds, timed in this thread)
         self._work = 0.0
+        # What the controller prices as its own cost (the pricing, the drafter's seconds per node,
+        # the work above) is this thread's CPU time (time.thread_time), not the wall clock: served,
+        # the HTTP thread wakes to stream each step's tokens and takes the GIL while this thread
+        # runs Python, so on the wall clock the drafting of a large batch was charged the streaming,
+        # which runs whether anything is drafted or not (docs/results.md, issue 36, session 37)
         # one slot per batch place, its capacity grown to the longest request admitted so far; made
         # at the first admission, inside inference mode like every other cache the compiled step sees
         # (a tensor made outside it has other dispatch keys, and the compiled layer would recompile)
@@ -443,7 +448,7 @@ class BatchEngine:
             rec.update(forward_s=forward_s, rows=sum(len(toks) - 1 for _, _, toks, _ in plans),
                        prefill=any(tree is None for _, tree, _, _ in plans))
         pc = self.engine.prefix_cache
-        worked = time.perf_counter()
+        worked = time.thread_time()
         for (req, tree, _, _), (hidden, logits, aux) in zip(plans, outs):
             try:
                 st = req.state
@@ -461,7 +466,7 @@ class BatchEngine:
             self.trace(rec)
         if spec is not None and self.accept and self._key(spec) in self.accept:
             self._learn(spec, [(req, tree) for req, tree, _, _ in plans if tree is not None and req.error is None])
-        self._work += time.perf_counter() - worked
+        self._work += time.thread_time() - worked
 
     def _greedy_run(self, plans: list[tuple[Request, Tree | None, list[int], bool]]) -> bool:
         """A batch of one decoding greedily with nothing drafted runs up to GREEDY_RUN steps in one
@@ -601,7 +606,7 @@ class BatchEngine:
         budget = self.control.probes
         probing = self._probe_step(batch)
         self._priced = True
-        pricing = time.perf_counter()
+        pricing = time.thread_time()  # the thread's CPU time (see __init__)
         for e in est:
             e.settle(batch_est.p)
         gains = cal.upper(est, batch_est, nodes)
@@ -651,7 +656,7 @@ class BatchEngine:
             due = self.steps + max(every, wait)
             self._due[batch] = due if probing else min(self._due.get(batch, due), due)
         if extra == 0:  # what pricing costs at this batch size (a prompt's rows make a step of their own kind)
-            cost.observe_pricing(batch, time.perf_counter() - pricing)
+            cost.observe_pricing(batch, time.thread_time() - pricing)
         if self.trace is not None:
             self._record = self._note(batch, extra, table[:9], gains, fills, list(limits), len(probed), False,
                                       began)
@@ -662,7 +667,7 @@ class BatchEngine:
         full = {id(r): r.state.drafter.spec for r, _ in drafting}
         for r, n in drafting:
             r.state.drafter.spec = self._bounded(spec, n)
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.thread_time()
         try:
             out = self._draft_in_lockstep([r for r, _ in drafting])
             for r, _ in drafting:  # the drafters that draft alone
@@ -677,10 +682,10 @@ class BatchEngine:
             for r, _ in drafting:
                 r.state.drafter.spec = full[id(r)]
         sizes = [out[id(r)][0].size - 1 if id(r) in out and isinstance(out[id(r)][0], Tree) else 0 for r in live]
-        cut = time.perf_counter()
-        drafting_s = cut - t
+        cut = time.thread_time()
+        drafting_s = time.perf_counter() - t
         self._busy += drafting_s  # priced per node (draft_s), not as the step's overhead
-        cost.observe_draft(drafting_s, sum(sizes))
+        cost.observe_draft(cut - cpu, sum(sizes))
         for e, n, size in zip(est, limits, sizes):
             e.observe_fill(n, size)
             batch_est.observe_fill(n, size)
@@ -704,7 +709,7 @@ class BatchEngine:
             if id(r) in out and k < size:  # (a request the controller chose no draft for plans off's row)
                 tree, dt = out[id(r)]
                 out[id(r)] = (tree.first(k + 1), dt)
-        self._work += time.perf_counter() - cut
+        self._work += time.thread_time() - cut
         return out
 
     def _note(self, batch: int, extra: int, table: list[float], gains: list[list[float]], fills: list[float],

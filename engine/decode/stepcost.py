@@ -394,7 +394,8 @@ class StepCost:
         self.rows.setdefault(batch, _Rows()).add(extra, t)
 
     def observe_draft(self, seconds: float, nodes: int) -> None:
-        """A step's drafting time over the nodes it drafted."""
+        """A step's drafting seconds (the engine thread's CPU time: engine.decode.batch) over the
+        nodes it drafted."""
         if nodes > 0:
             self.draft_s += FOLLOW * (seconds / nodes - self.draft_s)
 

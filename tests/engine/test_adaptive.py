@@ -27,7 +27,7 @@ from engine.decode.acceptance import PRIOR, Acceptance, Calibration
 from engine.decode.batch import BatchEngine, bounded, schedule_of
 from engine.decode.control import (DOUBT, MARGIN, PROBE_BACKOFF, PROBE_EVERY, PROBE_SHARE, ProbeBudget, backoff, choose,
                                    pay_floor, probe, probe_loss)
-from engine.decode.loop import Engine
+from engine.decode.loop import Decoding, Engine
 from engine.decode.stepcost import StepCost
 from engine.drafters.draft_model import DraftModelDrafter
 from engine.trees.tree import Tree
@@ -1200,6 +1200,37 @@ def test_the_engine_learns_the_time_its_steps_spend_outside_the_forward(engine: 
     reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=2)
     assert [r.result.tokens for r in reqs] == ref
     assert be.cost.overhead_s(2) == pytest.approx(0.01)
+
+
+def test_the_controller_prices_its_own_cpu_seconds_not_the_time_it_waited(engine: Engine, off, monkeypatch) -> None:
+    """Served, the HTTP thread streams each step's tokens while the engine thread drafts, and takes
+    the GIL from it: the wall clock of drafting then holds the streaming, which runs whether
+    anything is drafted or not. Here every draft call waits 20 ms off the CPU (as for the GIL) and
+    verifying each step's rows 20 ms more: the drafter's seconds per node and what drafting at all
+    adds are the engine thread's CPU seconds (well under the waits), while the step's wall time
+    outside the forward and the drafting still holds the waits (its overhead). Greedy output is off's."""
+    import time as _time
+
+    from engine.drafters.ngram import NgramDrafter
+
+    prompts, ref = off
+    draft, absorb = NgramDrafter.draft, Decoding.absorb
+    monkeypatch.setattr(NgramDrafter, "draft", lambda self, *a, **k: _time.sleep(0.02) or draft(self, *a, **k))
+    monkeypatch.setattr(Decoding, "absorb", lambda self, tree, *a: (tree is not None and tree.size > 1
+                                                                     and _time.sleep(0.02)) or absorb(self, tree, *a))
+    # rows nearly free: the repetitive prompts' drafts pay, so both kinds of priced step run
+    monkeypatch.setattr(engine, "step_costs", lambda *a: StepCost({1: [(0, 0.005), (16, 0.00505)],
+                                                                   2: [(0, 0.005), (32, 0.00505)]}, max_rows=4))
+    spec = SpecConfig(method="ngram", depth=3, ngram_min=1, ngram_max=3, adaptive=True)
+    be = BatchEngine(engine, max_batch=2, schedule=schedule_of(spec, 2))
+    reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=2)
+    assert [r.result.tokens for r in reqs] == ref
+    assert sum(r.result.stats.drafted_tokens for r in reqs) > 0
+    work = be.cost.work
+    assert 2 in work[True] and 2 in work[False]
+    assert be.cost.draft_s < 0.0005
+    assert work[True][2] - work[False][2] < 0.005
+    assert be.cost.setup_s(2) < 0.01
 
 
 def test_the_engine_learns_what_drafting_at_all_adds_to_a_step(engine: Engine, off, monkeypatch) -> None:
