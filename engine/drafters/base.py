@@ -32,6 +32,12 @@ class Drafter(ABC):
     def reset(self, prompt_ids: list[int]) -> None:  # noqa: B027 - optional hook
         """A new generation starts."""
 
+    def catch_up(self, ids: list[int]) -> None:  # noqa: B027 - optional hook
+        """Bring what the drafter keeps about the committed context (an index over it) up to `ids`,
+        as `draft` would first. Adaptive control (engine.decode.batch) calls it before timing
+        `draft`: it prices a drafter per drafted node, and the work of indexing a context last seen
+        many steps ago (a fresh request's whole prompt) is that context's, not a node's."""
+
     def observe(self, features: torch.Tensor) -> None:  # noqa: B027 - optional hook
         """Target features [m, h] (after the final norm) of the m newly committed positions."""
 

@@ -44,6 +44,9 @@ class NgramDrafter(Drafter):
                 self._next[(key, ids[j])] = self._next.get((key, ids[j]), 0) + 1
         self._indexed = len(ids)
 
+    def catch_up(self, ids: list[int]) -> None:
+        self._update(ids)
+
     def lookup(self, ids: list[int]) -> list[int]:
         """Up to `depth` tokens predicted to follow ids (the latest occurrence's continuation of
         the longest match); `last_conf`: the share of the match's occurrences followed by the first."""
@@ -83,9 +86,12 @@ class NgramTrieDrafter(Drafter):
         self._trie = CountTrie(self.spec.ngram_max + self.spec.depth)
         self._open, self._seen = [], 0
 
-    def draft(self, ids: list[int], params: SamplingParams, generator: torch.Generator | None = None) -> Tree:
+    def catch_up(self, ids: list[int]) -> None:
         self._open = self._trie.extend(self._open, ids[self._seen:])
         self._seen = len(ids)
+
+    def draft(self, ids: list[int], params: SamplingParams, generator: torch.Generator | None = None) -> Tree:
+        self.catch_up(ids)
         s = self.spec
         node, _ = self._trie.match(ids, s.ngram_min, s.ngram_max)
         if node is None:

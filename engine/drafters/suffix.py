@@ -156,11 +156,13 @@ class SuffixDrafter(Drafter):
         return best_first_tree(ids[-1], node, min(s.depth, s.suffix_tree_depth - n), s.topk, cap + 1,
                                s.suffix_min_prob)
 
-    def draft(self, ids: list[int], params: SamplingParams, generator: torch.Generator | None = None) -> Tree:
-        new = ids[self._seen:]
-        self._open = self._local.extend(self._open, new)
+    def catch_up(self, ids: list[int]) -> None:
+        self._open = self._local.extend(self._open, ids[self._seen:])
         self.cache.append(self._entry, ids[max(self._seen, self._prompt_len):])  # the response only
         self._seen = len(ids)
+
+    def draft(self, ids: list[int], params: SamplingParams, generator: torch.Generator | None = None) -> Tree:
+        self.catch_up(ids)
         local, local_score = self._tree(self._local, ids)
         if self._entry is None and self.spec.suffix_max_requests <= 0:
             return local

@@ -1233,6 +1233,38 @@ def test_the_controller_prices_its_own_cpu_seconds_not_the_time_it_waited(engine
     assert be.cost.setup_s(2) < 0.01
 
 
+def test_a_lookup_drafters_catch_up_with_its_context_is_not_priced_per_node(engine: Engine, off, monkeypatch) -> None:
+    """An n-gram drafter indexes the context it has not seen at its next lookup: a fresh request's
+    whole prompt, or every token since a request last drafted (under adaptive control, often many
+    steps). Planted here as 20 ms of CPU whenever more than 4 positions are indexed at once: the
+    engine catches the drafter up before timing its draft (Drafter.catch_up), so the seconds per
+    drafted node stay the lookups' own. Timed with the draft, a fresh request's prompt made one
+    node cost milliseconds, and the drafts that pay were priced out. Greedy output is off's."""
+    import time as _time
+
+    from engine.drafters.ngram import NgramDrafter
+
+    prompts, ref = off
+    update = NgramDrafter._update
+
+    def indexing(self, ids):
+        if len(ids) - self._indexed > 4:  # a prompt, or a context last seen several steps ago
+            until = _time.thread_time() + 0.02
+            while _time.thread_time() < until:
+                pass
+        return update(self, ids)
+
+    monkeypatch.setattr(NgramDrafter, "_update", indexing)
+    monkeypatch.setattr(engine, "step_costs", lambda *a: StepCost({1: [(0, 0.005), (16, 0.00505)],
+                                                                   2: [(0, 0.005), (32, 0.00505)]}, max_rows=4))
+    spec = SpecConfig(method="ngram", depth=3, ngram_min=1, ngram_max=3, adaptive=True)
+    be = BatchEngine(engine, max_batch=2, schedule=schedule_of(spec, 2))
+    reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=2)
+    assert [r.result.tokens for r in reqs] == ref
+    assert sum(r.result.stats.drafted_tokens for r in reqs) > 0
+    assert be.cost.draft_s < 0.0005
+
+
 def test_the_engine_learns_what_drafting_at_all_adds_to_a_step(engine: Engine, off, monkeypatch) -> None:
     """On a planted clock every step spends 10 ms after the forward, pricing a step in full 0.5 ms
     more (its pay floor, on the way) and a step whose verify ran drafts 4 ms more learning from

@@ -247,9 +247,8 @@ def test_wrong_method_is_405(server) -> None:
 
 def test_full_queue_answers_429_and_recovers(engine, monkeypatch) -> None:
     """queue_size=1, request 1 held inside the engine's step, request 2 waiting: request 3 gets 429."""
-    import time
-
     from engine.decode.batch import BatchEngine
+    from engine.serving.worker import Worker
 
     gate, started = threading.Event(), threading.Event()
     real = BatchEngine._forward
@@ -263,6 +262,17 @@ def test_full_queue_answers_429_and_recovers(engine, monkeypatch) -> None:
         return real(self, reqs, spec)
 
     monkeypatch.setattr(BatchEngine, "_forward", held)
+    # requests 1 and 2 both submitted before request 3 is sent: the waiting gauge alone read 1 from
+    # request 1's own submission (it is set again only after a step), so on a loaded suite request 3
+    # could reach the queue before request 2 did, be accepted, and wait on the held step
+    submitted = threading.Semaphore(0)
+    real_submit = Worker.submit
+
+    def counted(self, job) -> None:
+        real_submit(self, job)
+        submitted.release()
+
+    monkeypatch.setattr(Worker, "submit", counted)
     small = load_config(TINY_SERVER + ["serve.queue_size=1"])
     url, stop = serve_in_thread(engine, small.model, small.serve)
     try:
@@ -275,10 +285,8 @@ def test_full_queue_answers_429_and_recovers(engine, monkeypatch) -> None:
         t2 = threading.Thread(target=lambda: results.append(httpx.post(f"{url}/v1/completions", json=req,
                                                                        timeout=30).status_code))
         t2.start()
-        deadline = time.monotonic() + 30
-        while 'vllm:num_requests_waiting{model_name="tiny-random"} 1.0' not in httpx.get(f"{url}/metrics").text:
-            assert time.monotonic() < deadline, "request 2 never reached the queue"
-            time.sleep(0.02)
+        assert submitted.acquire(timeout=30) and submitted.acquire(timeout=30), "request 2 never reached the queue"
+        assert 'vllm:num_requests_waiting{model_name="tiny-random"} 1.0' in httpx.get(f"{url}/metrics").text
         r3 = httpx.post(f"{url}/v1/completions", json=req, timeout=30)
         assert r3.status_code == 429 and r3.json()["error"]["code"] == "queue_full"
         assert httpx.get(f"{url}/health").status_code == 200
