@@ -1202,6 +1202,21 @@ def test_the_engine_learns_the_time_its_steps_spend_outside_the_forward(engine: 
     assert be.cost.overhead_s(2) == pytest.approx(0.01)
 
 
+def _drafting_pair(engine: Engine, off, monkeypatch) -> BatchEngine:
+    """An adaptive n-gram scheduler of two places over a curve whose rows are nearly free, run on
+    the repetitive prompts (their drafts pay, so steps of both kinds are priced): greedy output is
+    off's and something was drafted. Returns the scheduler."""
+    prompts, ref = off
+    monkeypatch.setattr(engine, "step_costs", lambda *a: StepCost({1: [(0, 0.005), (16, 0.00505)],
+                                                                   2: [(0, 0.005), (32, 0.00505)]}, max_rows=4))
+    spec = SpecConfig(method="ngram", depth=3, ngram_min=1, ngram_max=3, adaptive=True)
+    be = BatchEngine(engine, max_batch=2, schedule=schedule_of(spec, 2))
+    reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=2)
+    assert [r.result.tokens for r in reqs] == ref
+    assert sum(r.result.stats.drafted_tokens for r in reqs) > 0
+    return be
+
+
 def test_the_controller_prices_its_own_cpu_seconds_not_the_time_it_waited(engine: Engine, off, monkeypatch) -> None:
     """Served, the HTTP thread streams each step's tokens while the engine thread drafts, and takes
     the GIL from it: the wall clock of drafting then holds the streaming, which runs whether
@@ -1213,19 +1228,11 @@ def test_the_controller_prices_its_own_cpu_seconds_not_the_time_it_waited(engine
 
     from engine.drafters.ngram import NgramDrafter
 
-    prompts, ref = off
     draft, absorb = NgramDrafter.draft, Decoding.absorb
     monkeypatch.setattr(NgramDrafter, "draft", lambda self, *a, **k: _time.sleep(0.02) or draft(self, *a, **k))
     monkeypatch.setattr(Decoding, "absorb", lambda self, tree, *a: (tree is not None and tree.size > 1
                                                                      and _time.sleep(0.02)) or absorb(self, tree, *a))
-    # rows nearly free: the repetitive prompts' drafts pay, so both kinds of priced step run
-    monkeypatch.setattr(engine, "step_costs", lambda *a: StepCost({1: [(0, 0.005), (16, 0.00505)],
-                                                                   2: [(0, 0.005), (32, 0.00505)]}, max_rows=4))
-    spec = SpecConfig(method="ngram", depth=3, ngram_min=1, ngram_max=3, adaptive=True)
-    be = BatchEngine(engine, max_batch=2, schedule=schedule_of(spec, 2))
-    reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=2)
-    assert [r.result.tokens for r in reqs] == ref
-    assert sum(r.result.stats.drafted_tokens for r in reqs) > 0
+    be = _drafting_pair(engine, off, monkeypatch)
     work = be.cost.work
     assert 2 in work[True] and 2 in work[False]
     assert be.cost.draft_s < 0.0005
@@ -1244,7 +1251,6 @@ def test_a_lookup_drafters_catch_up_with_its_context_is_not_priced_per_node(engi
 
     from engine.drafters.ngram import NgramDrafter
 
-    prompts, ref = off
     update = NgramDrafter._update
 
     def indexing(self, ids):
@@ -1255,13 +1261,7 @@ def test_a_lookup_drafters_catch_up_with_its_context_is_not_priced_per_node(engi
         return update(self, ids)
 
     monkeypatch.setattr(NgramDrafter, "_update", indexing)
-    monkeypatch.setattr(engine, "step_costs", lambda *a: StepCost({1: [(0, 0.005), (16, 0.00505)],
-                                                                   2: [(0, 0.005), (32, 0.00505)]}, max_rows=4))
-    spec = SpecConfig(method="ngram", depth=3, ngram_min=1, ngram_max=3, adaptive=True)
-    be = BatchEngine(engine, max_batch=2, schedule=schedule_of(spec, 2))
-    reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=2)
-    assert [r.result.tokens for r in reqs] == ref
-    assert sum(r.result.stats.drafted_tokens for r in reqs) > 0
+    be = _drafting_pair(engine, off, monkeypatch)
     assert be.cost.draft_s < 0.0005
 
 
