@@ -222,7 +222,7 @@ class BatchEngine:
         # cutting its drafts (StepCost.observe_work: what drafting at all adds, timed in this thread)
         self._work = 0.0
         # What the controller prices as its own cost (the pricing, the drafter's seconds per node,
-        # the work above) is this thread's CPU time (time.thread_time), not the wall clock: served,
+        # the work above) is this thread's CPU time on a CPU engine (`_own`), not the wall clock: served,
         # the HTTP thread wakes to stream each step's tokens and takes the GIL while this thread
         # runs Python, so on the wall clock the drafting of a large batch was charged the streaming,
         # which runs whether anything is drafted or not (docs/results.md, issue 36, session 37)
@@ -448,7 +448,7 @@ class BatchEngine:
             rec.update(forward_s=forward_s, rows=sum(len(toks) - 1 for _, _, toks, _ in plans),
                        prefill=any(tree is None for _, tree, _, _ in plans))
         pc = self.engine.prefix_cache
-        worked = time.thread_time()
+        worked = self._own()
         for (req, tree, _, _), (hidden, logits, aux) in zip(plans, outs):
             try:
                 st = req.state
@@ -466,7 +466,7 @@ class BatchEngine:
             self.trace(rec)
         if spec is not None and self.accept and self._key(spec) in self.accept:
             self._learn(spec, [(req, tree) for req, tree, _, _ in plans if tree is not None and req.error is None])
-        self._work += time.thread_time() - worked
+        self._work += self._own() - worked
 
     def _greedy_run(self, plans: list[tuple[Request, Tree | None, list[int], bool]]) -> bool:
         """A batch of one decoding greedily with nothing drafted runs up to GREEDY_RUN steps in one
@@ -512,6 +512,12 @@ class BatchEngine:
     def calib(self) -> dict[str, Calibration]:
         """Per adaptive spec, its drafters' confidence bands (its `Control`'s)."""
         return self.control.calib
+
+    def _own(self) -> float:
+        """The clock the controller times its own seconds by (see __init__): this thread's CPU time
+        on a CPU engine; the wall clock on an accelerator, where the thread waits for the device's
+        work (a drafter's forwards, the verify's copies back) off the CPU."""
+        return time.thread_time() if self.engine.device.type == "cpu" else time.perf_counter()
 
     def _bounded(self, spec: SpecConfig, nodes: int) -> SpecConfig:
         """`bounded(spec, nodes)`, made once per schedule's spec and count (a copy a drafting request
@@ -606,7 +612,7 @@ class BatchEngine:
         budget = self.control.probes
         probing = self._probe_step(batch)
         self._priced = True
-        pricing = time.thread_time()  # the thread's CPU time (see __init__)
+        pricing = self._own()
         for e in est:
             e.settle(batch_est.p)
         gains = cal.upper(est, batch_est, nodes)
@@ -656,7 +662,7 @@ class BatchEngine:
             due = self.steps + max(every, wait)
             self._due[batch] = due if probing else min(self._due.get(batch, due), due)
         if extra == 0:  # what pricing costs at this batch size (a prompt's rows make a step of their own kind)
-            cost.observe_pricing(batch, time.thread_time() - pricing)
+            cost.observe_pricing(batch, self._own() - pricing)
         if self.trace is not None:
             self._record = self._note(batch, extra, table[:9], gains, fills, list(limits), len(probed), False,
                                       began)
@@ -672,7 +678,7 @@ class BatchEngine:
                 r.state.drafter.catch_up(r.state.ids)
             except Exception:  # noqa: BLE001, S110 - its draft call below raises it and fails its request only
                 pass
-        t, cpu = time.perf_counter(), time.thread_time()
+        t, cpu = time.perf_counter(), self._own()
         try:
             out = self._draft_in_lockstep([r for r, _ in drafting])
             for r, _ in drafting:  # the drafters that draft alone
@@ -687,7 +693,7 @@ class BatchEngine:
             for r, _ in drafting:
                 r.state.drafter.spec = full[id(r)]
         sizes = [out[id(r)][0].size - 1 if id(r) in out and isinstance(out[id(r)][0], Tree) else 0 for r in live]
-        cut = time.thread_time()
+        cut = self._own()
         drafting_s = time.perf_counter() - t
         self._busy += drafting_s  # priced per node (draft_s), not as the step's overhead
         cost.observe_draft(cut - cpu, sum(sizes))
@@ -714,7 +720,7 @@ class BatchEngine:
             if id(r) in out and k < size:  # (a request the controller chose no draft for plans off's row)
                 tree, dt = out[id(r)]
                 out[id(r)] = (tree.first(k + 1), dt)
-        self._work += time.thread_time() - cut
+        self._work += self._own() - cut
         return out
 
     def _note(self, batch: int, extra: int, table: list[float], gains: list[list[float]], fills: list[float],

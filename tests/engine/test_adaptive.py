@@ -1240,6 +1240,17 @@ def test_the_controller_prices_its_own_cpu_seconds_not_the_time_it_waited(engine
     assert be.cost.setup_s(2) < 0.01
 
 
+def test_the_controllers_own_seconds_are_cpu_time_on_a_cpu_engine_and_wall_time_on_an_accelerator(
+        engine: Engine, monkeypatch) -> None:
+    """On an accelerator the engine thread waits for the device's work (a drafter's forwards, the
+    verify's copies back) off the CPU, so there the controller's own seconds stay on the wall clock."""
+    be = BatchEngine(engine, max_batch=2)
+    monkeypatch.setattr(B, "time", SimpleNamespace(thread_time=lambda: 1.0, perf_counter=lambda: 2.0))
+    assert be._own() == 1.0  # the test engine runs on the CPU
+    monkeypatch.setattr(be, "engine", SimpleNamespace(device=SimpleNamespace(type="cuda")))
+    assert be._own() == 2.0
+
+
 def test_a_lookup_drafters_catch_up_with_its_context_is_not_priced_per_node(engine: Engine, off, monkeypatch) -> None:
     """An n-gram drafter indexes the context it has not seen at its next lookup: a fresh request's
     whole prompt, or every token since a request last drafted (under adaptive control, often many
