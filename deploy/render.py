@@ -6,6 +6,7 @@ line wrapping, no timestamps except the provenance date that comes from best.yam
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -93,8 +94,16 @@ def render(cfg: Config, best: BestResult | None, out: Path,
     one does not (e.g. hpa.yaml after deploy.hpa.enabled=false) are removed; other files are kept.
     `override`: serve the winner with spec.* overrides applied (deploy.winner.served_spec)."""
     r = build(cfg, best, override)
-    files = write_docs(r.docs, out, comments=r.comments)
-    (out / README).write_text(readme(r, list(r.plan.prerequisites)))
+    new = not out.exists()
+    try:
+        files = write_docs(r.docs, out, comments=r.comments)
+        (out / README).write_text(readme(r, list(r.plan.prerequisites)))
+    except BaseException:
+        # a render into a new directory that is interrupted (Ctrl-C) or fails while writing leaves
+        # nothing: a half-written set of manifests must not be there to `kubectl apply -k`
+        if new and out.is_dir():
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     return r.plan, files
 
 

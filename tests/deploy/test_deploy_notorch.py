@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from deploy.render import render
 from tuner.schema.compose import load_config
 
@@ -59,3 +61,28 @@ def test_block_hook_really_blocks_torch(tmp_path: Path) -> None:
     script = SCRIPT.split("from pathlib import Path")[0] + "import torch\n"
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "blocked in this test: torch" in r.stderr
+
+
+def test_an_interrupted_render_into_a_new_directory_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
+    """Ctrl-C after the first manifest was written: a new output directory is removed (a half-written
+    set must not be applied); an existing one keeps what it held."""
+    written = []
+    real = Path.write_text
+
+    def interrupted(self, text, *args, **kwargs):
+        if written:
+            raise KeyboardInterrupt
+        written.append(self)
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        render(load_config(OVERRIDES), None, tmp_path / "new" / "k8s")
+    assert written and not (tmp_path / "new" / "k8s").exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    real(kept / "notes.txt", "mine")
+    written.clear()
+    with pytest.raises(KeyboardInterrupt):
+        render(load_config(OVERRIDES), None, kept)
+    assert (kept / "notes.txt").read_text() == "mine"
