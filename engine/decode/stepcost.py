@@ -355,16 +355,12 @@ class StepCost:
         cutting its drafts (timed in the engine's thread; `drafted`: it ran draft rows), at most
         STEP_CLIP's high multiple of what that kind took so far at this batch size (a stall says
         little)."""
-        figures = self.work[drafted]
-        old = figures.get(batch)
-        _follow(figures, batch, max(seconds, 0.0) if old is None else min(max(seconds, 0.0), STEP_CLIP[1] * old))
+        _follow_clipped(self.work[drafted], batch, seconds)
 
     def observe_pricing(self, batch: int, seconds: float) -> None:
         """The controller's seconds pricing a step in full (at most STEP_CLIP's high multiple of
         what it took so far at this batch size: a stall says little)."""
-        old = self.pricing.get(batch)
-        s = max(seconds, 0.0) if old is None else min(max(seconds, 0.0), STEP_CLIP[1] * old)
-        _follow(self.pricing, batch, s)
+        _follow_clipped(self.pricing, batch, seconds)
 
     def observe_overhead(self, batch: int, seconds: float, drafted: bool | None = None) -> None:
         """A step's wall seconds, start to the next step's start, less its forward and drafting:
@@ -412,6 +408,14 @@ def _follow(figures: dict[int, float], batch: int, seconds: float) -> None:
     """Move a batch size's online figure toward `seconds` at FOLLOW (set it at its first)."""
     old = figures.get(batch)
     figures[batch] = seconds if old is None else old + FOLLOW * (seconds - old)
+
+
+def _follow_clipped(figures: dict[int, float], batch: int, seconds: float) -> None:
+    """`_follow`, the observation taken as at most STEP_CLIP's high multiple of the figure so far (a
+    stall says little); the first sets it."""
+    old = figures.get(batch)
+    s = max(seconds, 0.0)
+    _follow(figures, batch, s if old is None else min(s, STEP_CLIP[1] * old))
 
 
 def _nearest(by_batch: dict[int, float], batch: int) -> float | None:
