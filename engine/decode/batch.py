@@ -576,7 +576,8 @@ class BatchEngine:
             return False
         key, nodes = self._key(spec), spec.budget - 1
         batch_est, cal = self.accept[key], self.calib[key]
-        live = [r for r in reqs if r.state.will_draft] if not floor[2] or self.trace is not None else []
+        live = [r for r in reqs if r.state.will_draft and r.state.nodes_left] \
+            if not floor[2] or self.trace is not None else []
         if not floor[2] and live and nodes:
             # each request's first index only, its pending drift unapplied (`first`): `upper`'s
             # first gain is that times the band ratio, within [0, 1]
@@ -615,7 +616,10 @@ class BatchEngine:
         pricing = self._own()
         for e in est:
             e.settle(batch_est.p)
-        gains = cal.upper(est, batch_est, nodes)
+        # no node past what its request may still commit (its max_new_tokens, the context): a draft
+        # beyond them is verified for nothing, and in the last steps of requests of a batch of 16-32
+        # with a deep bound those were rows the controller counted as gains
+        gains = [g[:r.state.nodes_left] for g, r in zip(cal.upper(est, batch_est, nodes), live)]
         # every total of draft rows the controller weighs, priced once (a call per total costs a
         # few ms a step at batch 32, more than the rows it saves); between totals (the expected
         # rows of drafters that do not always fill their nodes) linearly. The totals go up to the

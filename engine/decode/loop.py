@@ -330,6 +330,14 @@ class Decoding:
         return self.reused if not self.prefilled else len(self.ids) - 1
 
     @property
+    def nodes_left(self) -> int:
+        """The most draft nodes whose acceptance could still add a token: a step commits its
+        accepted nodes and one token more, at most the tokens left before max_new_tokens, and a
+        tree that would overrun the context is not verified at all (`plan`)."""
+        room = min(self.params.max_new_tokens - len(self.stop.tokens), self.engine.max_context - self.prefix)
+        return max(room - 1, 0)
+
+    @property
     def will_draft(self) -> bool:
         """Whether the next `plan` drafts a tree (the prompt has run and there is a drafter)."""
         return self.prefilled and self.drafter is not None

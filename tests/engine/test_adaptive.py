@@ -1059,7 +1059,28 @@ def test_only_drafters_that_read_features_are_fed_them(engine: Engine, off) -> N
     assert st.feeds == [eagle]
 
 
-def test_drafts_stop_when_the_step_is_costly_and_go_full_when_cheap(engine: Engine, off, monkeypatch) -> None:
+def _drafts_and_room(be: BatchEngine) -> list[tuple[int, int]]:
+    """Spy on `be`'s controller: per request and adaptive step, (the nodes its request could still
+    commit before the step, the nodes drafted for it)."""
+    seen: list[tuple[int, int]] = []
+    real = be._draft_adaptively
+
+    def spy(reqs, s):
+        room = {id(r): r.state.nodes_left for r in reqs if r.state.will_draft}
+        out = real(reqs, s)
+        seen.extend((room[i], t.size - 1 if isinstance(t, Tree) else 0) for i, (t, _) in out.items())
+        seen.extend((n, 0) for i, n in room.items() if i not in out)
+        return out
+
+    be._draft_adaptively = spy
+    return seen
+
+
+@pytest.mark.parametrize("n_new", [N_NEW, 7])
+def test_drafts_stop_when_the_step_is_costly_and_go_full_when_cheap(engine: Engine, off, monkeypatch,
+                                                                     n_new: int) -> None:
+    """Cheap rows and drafts that are always accepted: the whole depth at every step, but never a
+    node past what the request may still commit (its max_new_tokens), which is verified for nothing."""
     prompts, ref = off
     _the_target_drafts(engine, monkeypatch)
     spec = SpecConfig(method="draft_model", depth=4, draft_model="the target", adaptive=True)
@@ -1068,11 +1089,13 @@ def test_drafts_stop_when_the_step_is_costly_and_go_full_when_cheap(engine: Engi
         planted = PlantedCost({1: [(0, 1.0), (16, 1 + 16 * per_row)]}, max_rows=5)
         monkeypatch.setattr(engine, "step_costs", lambda *a, planted=planted: planted)
         be = BatchEngine(engine, max_batch=1, schedule=schedule_of(spec, 1))
-        reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=N_NEW), concurrency=1)
-        assert [r.result.tokens for r in reqs] == ref
-        drafted[name] = [(r.result.stats.drafted_tokens, r.result.stats.draft_steps) for r in reqs]
-    assert all(d == 0 for d, _ in drafted["costly"])
-    assert all(d == 4 * s and s > 0 for d, s in drafted["cheap"])  # the whole depth at every step
+        seen = _drafts_and_room(be)
+        reqs = be.closed_loop(prompts, SamplingParams(max_new_tokens=n_new), concurrency=1)
+        assert [r.result.tokens for r in reqs] == [t[:n_new] for t in ref]
+        drafted[name] = seen
+    assert all(n == 0 for _, n in drafted["costly"])
+    assert drafted["cheap"] and all(n == min(4, room) for room, n in drafted["cheap"])
+    assert any(0 < room < 4 for room, _ in drafted["cheap"])  # (the budget did bind)
 
 
 def test_a_step_where_nothing_pays_calls_no_drafter(engine: Engine, off, monkeypatch) -> None:
