@@ -576,7 +576,7 @@ class BatchEngine:
             return False
         key, nodes = self._key(spec), spec.budget - 1
         batch_est, cal = self.accept[key], self.calib[key]
-        live = [r for r in reqs if r.state.will_draft and r.state.nodes_left] \
+        live = [r for r in reqs if r.state.will_draft and r.state.depth_left] \
             if not floor[2] or self.trace is not None else []
         if not floor[2] and live and nodes:
             # each request's first index only, its pending drift unapplied (`first`): `upper`'s
@@ -598,7 +598,11 @@ class BatchEngine:
         most the nodes expected to pay (none: no draft call), then each draft is cut to the nodes
         that pay given every draft's real size."""
         began = time.perf_counter()
-        live = [r for r in reqs if r.state.will_draft]
+        # a request with one token left (its last step: no draft node could add one) plans off's row, as one without a
+        # drafter: a probe step where nobody has a node left is no probe that found nothing, and
+        # stays due (the backoff doubled on such steps, and where requests end every 32 steps the
+        # probes came back to the same last steps, so a batch of one never drafted again)
+        live = [r for r in reqs if r.state.will_draft and r.state.depth_left]
         if not live:
             return {}
         batch, extra = len(reqs), self._joining(reqs)
@@ -616,10 +620,12 @@ class BatchEngine:
         pricing = self._own()
         for e in est:
             e.settle(batch_est.p)
-        # no node past what its request may still commit (its max_new_tokens, the context): a draft
-        # beyond them is verified for nothing, and in the last steps of requests of a batch of 16-32
-        # with a deep bound those were rows the controller counted as gains
-        gains = [g[:r.state.nodes_left] for g, r in zip(cal.upper(est, batch_est, nodes), live)]
+        # a chain's nodes past what its request may still commit (its max_new_tokens, the context)
+        # are verified for nothing, and in the last steps of a batch's requests they were rows the
+        # controller counted as gains (a tree's siblings within that depth may each be the one accepted)
+        gains = cal.upper(est, batch_est, nodes)
+        if spec.topk == 1:
+            gains = [g[:r.state.depth_left] for g, r in zip(gains, live)]
         # every total of draft rows the controller weighs, priced once (a call per total costs a
         # few ms a step at batch 32, more than the rows it saves); between totals (the expected
         # rows of drafters that do not always fill their nodes) linearly. The totals go up to the

@@ -330,9 +330,9 @@ class Decoding:
         return self.reused if not self.prefilled else len(self.ids) - 1
 
     @property
-    def nodes_left(self) -> int:
-        """The most draft nodes whose acceptance could still add a token: a step commits its
-        accepted nodes and one token more, at most the tokens left before max_new_tokens, and a
+    def depth_left(self) -> int:
+        """The deepest draft node whose acceptance could still add a token: a step commits the
+        accepted path and one token more, at most the tokens left before max_new_tokens, and a
         tree that would overrun the context is not verified at all (`plan`)."""
         room = min(self.params.max_new_tokens - len(self.stop.tokens), self.engine.max_context - self.prefix)
         return max(room - 1, 0)

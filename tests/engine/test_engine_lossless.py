@@ -474,7 +474,9 @@ def _batch_counts(engine, n: int, adaptive: bool = False, planted: bool = False,
         if planted:  # more than a node a step: the trees' siblings, where the sibling rule decides, are verified
             assert drafted > steps
     assert all(r.error is None for r in reqs)
-    assert sum(q.result.stats.accepted_tokens for q in reqs) > len(reqs) // 2  # the drafts really are verified
+    # the drafts really are verified (under adaptive control a request of 3 tokens drafts at its
+    # second step alone: at its last, with one token left, no node could add one)
+    assert sum(q.result.stats.accepted_tokens for q in reqs) > len(reqs) // (4 if adaptive else 2)
     return _counts(engine, prompt, BATCH_PARAMS, [q.result.tokens for q in reqs])
 
 
