@@ -556,6 +556,16 @@ class BatchEngine:
         """Rows beyond one per sequence that a step runs anyway: the prompts joining it."""
         return sum(len(r.state.ids) - r.state.reused - 1 for r in reqs if not r.state.prefilled)
 
+    @staticmethod
+    def _live(reqs: list[Request]) -> list[Request]:
+        """The requests the controller weighs: those that draft and have a node left to gain. One
+        with one token left (its last step: no draft node could add one) plans off's row, as one
+        without a drafter, so a probe step where nobody has a node left is no probe that found
+        nothing and stays due (counted as one, the backoff doubled on such steps, and where requests
+        end every 32 steps the probes came back to the same last steps: a batch of one never drafted
+        again)."""
+        return [r for r in reqs if r.state.will_draft and r.state.depth_left]
+
     def _screened(self, reqs: list[Request], spec: SpecConfig) -> bool:
         """Whether the step is off's without pricing anything (engine.decode.control.pay_floor):
         between probe steps, at a batch size whose last full choice drafted nothing (the estimates
@@ -576,8 +586,7 @@ class BatchEngine:
             return False
         key, nodes = self._key(spec), spec.budget - 1
         batch_est, cal = self.accept[key], self.calib[key]
-        live = [r for r in reqs if r.state.will_draft and r.state.depth_left] \
-            if not floor[2] or self.trace is not None else []
+        live = self._live(reqs) if not floor[2] or self.trace is not None else []
         if not floor[2] and live and nodes:
             # each request's first index only, its pending drift unapplied (`first`): `upper`'s
             # first gain is that times the band ratio, within [0, 1]
@@ -598,11 +607,7 @@ class BatchEngine:
         most the nodes expected to pay (none: no draft call), then each draft is cut to the nodes
         that pay given every draft's real size."""
         began = time.perf_counter()
-        # a request with one token left (its last step: no draft node could add one) plans off's row, as one without a
-        # drafter: a probe step where nobody has a node left is no probe that found nothing, and
-        # stays due (the backoff doubled on such steps, and where requests end every 32 steps the
-        # probes came back to the same last steps, so a batch of one never drafted again)
-        live = [r for r in reqs if r.state.will_draft and r.state.depth_left]
+        live = self._live(reqs)
         if not live:
             return {}
         batch, extra = len(reqs), self._joining(reqs)
