@@ -787,6 +787,88 @@ def test_the_benchmarks_goals_are_read_while_the_level_is_held() -> None:
     assert cell["steps"] == {"off": [40.5, 1.0, 30.0], "best_static": [40.5, 10.5, 50.0], "adaptive": [40.5, 10.5, 50.0]}
 
 
+
+def _bench_run(bench, ratios: list[float], **settings) -> dict:
+    """A run's JSON as benchmarks/adaptive.py prints it, for one cell (code, 8 in flight): off at 100
+    tok/s, d2 and d4 at 110 and 105, adaptive at d2's figure times each round's ratio."""
+    grid = bench.specs("ngram", [2, 4])
+    keys = [s.key() for s in grid]
+    rows = [{"workload": "code", "config": k, "concurrency": 8, "round": r, "planned_rounds": len(ratios),
+             "tok_s": tok, "steady_tok_s": tok, "in_flight": 1.0, "steps": 40, "short_steps": 0, "empty_places": 0}
+            for r, x in enumerate(ratios)
+            for k, tok in zip(keys, (100.0, 110.0, 105.0, 110.0 * x))]
+    base = {"levels": [8], "workloads": ["code"], "depths": [2, 4], "method": "ngram", "weights": "fp32", "waves": 2,
+            "pass_s": 4.0, "split": 2, "mixed_lengths": False, "nice_servers": 0, "prompts": 6,
+            "max_new_tokens": 32, "rounds": len(ratios), "wall_s": 100, "load_average": 0.5, "rows": rows,
+            "greedy_identical": True, "greedy_differences": [], "controller": []}
+    return base | settings
+
+
+def test_runs_of_one_command_pool_their_rounds_as_one_runs() -> None:
+    """benchmarks/adaptive.py --pool: two runs of one cell (rounds 0-2 each) pool into six rounds,
+    the second run's numbered 3-5, so the cell's ratio is the geometric mean of all six rounds' and
+    its interval narrower than either run's; a greedy difference keeps its pooled round; runs that
+    differ in a setting that changes what a pass measures do not pool, the setting named."""
+    bench = _adaptive_benchmark()
+    a, b = _bench_run(bench, [0.96, 1.0, 0.98]), _bench_run(bench, [1.02, 0.99, 1.01])
+    b["greedy_differences"] = [{"workload": "code", "config": "x", "concurrency": 8, "round": 1, "requests": 1, "of": 16}]
+    rows, differ = bench.pooled_runs([a, b])
+    assert sorted({r["round"] for r in rows}) == [0, 1, 2, 3, 4, 5] and len(rows) == len(a["rows"]) * 2
+    assert [d["round"] for d in differ] == [4]
+    grid = bench.specs("ngram", [2, 4])
+    (cell,) = bench.compare(rows, grid, ["code"], [8])
+    assert cell["rounds"] == 6
+    assert cell["adaptive_vs_best_static_plain"] == pytest.approx(
+        math.exp(statistics.fmean(math.log(x) for x in (0.96, 1.0, 0.98, 1.02, 0.99, 1.01))), abs=1e-3)
+    (alone,) = bench.compare(a["rows"], grid, ["code"], [8])
+    width = lambda c: c["adaptive_vs_best_static_plain_ci"][1] - c["adaptive_vs_best_static_plain_ci"][0]  # noqa: E731
+    assert width(cell) < width(alone)
+    with pytest.raises(ValueError, match=r"run 2: mixed_lengths=True where run 1 has False"):
+        bench.pooled_runs([a, _bench_run(bench, [1.0, 1.0], mixed_lengths=True)])
+    # the rounds may differ: more rounds of one command are what pooling adds
+    assert len(bench.pooled_runs([a, _bench_run(bench, [1.0, 1.0])])[0]) == len(a["rows"]) * 5 // 3
+
+
+def test_a_cell_is_below_a_goal_only_where_its_whole_interval_is() -> None:
+    """below_goal: a cell at 0.96 [0.93, 0.99] against the best static is below 0.97 beyond its
+    noise; one at 0.96 [0.92, 1.00] and one at 0.99 [0.98, 1.00] against off are not (1.0 lies in
+    both intervals), one at 0.99 [0.985, 0.995] is; a cell of one round has no interval."""
+    bench = _adaptive_benchmark()
+    cell = lambda w, c, s, o: {"workload": w, "concurrency": c, "adaptive_vs_best_static_ci": s,  # noqa: E731
+                               "adaptive_vs_off_ci": o}
+    table = [cell("code", 1, [0.93, 0.99], [1.5, 1.7]), cell("chat", 8, [0.92, 1.0], [0.98, 1.0]),
+             cell("chat", 32, [0.95, 1.1], [0.985, 0.995]), cell("code", 32, [None, None], [None, None])]
+    assert bench.below_goal(table) == {"adaptive_vs_best_static": ["code 1"], "adaptive_vs_off": ["chat 32"]}
+
+
+def test_pool_prints_the_pooled_table_and_a_bad_output_is_one_line(tmp_path, capsys) -> None:
+    """benchmarks/adaptive.py --pool OUTPUT...: the saved outputs (progress lines, then the JSON line)
+    of two runs print one table and a JSON line whose minimum pools both runs' rounds, with the
+    runs and rounds counted; a file with no run's JSON, a missing file and runs of two commands
+    each exit 2 with one line naming the cause."""
+    bench = _adaptive_benchmark()
+    paths = []
+    for i, ratios in enumerate(([0.96, 1.0, 0.98], [1.02, 0.99, 1.01])):
+        p = tmp_path / f"w{i}.out"
+        p.write_text("  code  off  c=8  r0  100.0 tok/s\n" + json.dumps(_bench_run(bench, ratios)) + "\nrc 0\n")
+        paths.append(str(p))
+    assert bench.main(["--pool", *paths]) == 0
+    out = capsys.readouterr().out
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["runs"] == 2 and got["rounds"] == 6 and len(got["table"]) == 1 and got["table"][0]["rounds"] == 6
+    assert got["min_adaptive_vs_best_static_plain"] == pytest.approx(0.993, abs=1e-3)
+    assert got["below_goal"] == {"adaptive_vs_best_static": [], "adaptive_vs_off": []}
+    assert "the rounds of 2 runs pooled" in out
+    (tmp_path / "none.out").write_text("stopped\n")
+    other = tmp_path / "other.out"
+    other.write_text(json.dumps(_bench_run(bench, [1.0, 1.0], max_new_tokens=64)) + "\n")
+    for argv, cause in (([str(tmp_path / "none.out")], "no run's JSON line"),
+                        ([str(tmp_path / "missing.out")], "No such file"),
+                        ([paths[0], str(other)], "max_new_tokens=64")):
+        assert bench.main(["--pool", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert cause in err and len(err.splitlines()) == 1
+
 def test_each_rounds_best_static_is_chosen_on_the_other_rounds() -> None:
     """benchmarks/adaptive.py's held_out_best: three rounds, d2 100 / 100 / 130 tok/s and d4 110 / 110 /
     100: over all rounds d2 leads (109.1 against 106.6), but rounds 0 and 1 are judged against d2 (the
