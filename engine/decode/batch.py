@@ -438,11 +438,15 @@ class BatchEngine:
             return
         forward_s = time.perf_counter() - t
         self._busy += forward_s
-        # decode rows only; a screened step is off's, not one the controller priced or learns a price from
-        if self.cost is not None and not screened and all(tree is not None for _, tree, _, _ in plans):
+        # decode rows only. A screened step is off's forward, timed as every other: what a step
+        # without rows costs now, and with each one the older steps' rows weigh less. Left out, a
+        # batch size that stopped drafting learnt from its few probe steps alone, and a slope set by
+        # a few slow drafting steps (served at 8, the first) priced its rows out for a dozen passes
+        if self.cost is not None and all(tree is not None for _, tree, _, _ in plans):
             rows = sum(len(toks) - 1 for _, _, toks, _ in plans)
             self.cost.observe_step(len(plans), rows, forward_s)
-            self._decoded, self._drafted = len(plans), rows > 0
+            if not screened:  # (a screened step's overhead is not a priced step's)
+                self._decoded, self._drafted = len(plans), rows > 0
         rec, self._record = self._record, None
         if rec is not None:
             rec.update(forward_s=forward_s, rows=sum(len(toks) - 1 for _, _, toks, _ in plans),
@@ -573,7 +577,8 @@ class BatchEngine:
         loose there: a fixed cost of drafting spreads over every node the batch could draft), or
         whose best first node is below that choice's pay floor. The first case reads no estimate:
         the step then runs exactly as off's (no drafter call, no tree but off's, the same forward,
-        nothing learnt but the count of steps nobody drafted in). A step whose joining prompts add
+        nothing learnt but the count of steps nobody drafted in and the forward's seconds, a step
+        without rows to the step cost's live fit). A step whose joining prompts add
         more than SLACK of the step prices everything (drafts weigh less against a longer step)."""
         batch = len(reqs)
         if self._probe_step(batch):

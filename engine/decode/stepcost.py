@@ -285,11 +285,11 @@ class StepCost:
         live = self.live.get(batch)
         a, b = live.fit(1.0) if live is not None else (self.level, 1.0)
         # beyond the most rows the recent live steps ran, each further row costs the curve's
-        # increment. The fit's weights fade per step observed at its batch size, and where most
-        # steps are screened out (not observed) its few later steps of 0-1 rows add too little
-        # variance to outweigh the first priced steps: a batch size first met with confident
-        # estimates drafted many rows there, and where those ran slow their slope priced eight rows
-        # at three times the curve long after (docs/results.md, session 34: code at 8)
+        # increment. The fit's weights fade per step observed at its batch size: a batch size first
+        # met with confident estimates drafted many rows there, and where those ran slow their slope
+        # priced eight rows at three times the curve long after (docs/results.md, session 34: code
+        # at 8). Its screened steps, timed as steps without rows (engine.decode.batch), now fade
+        # that slope within a pass; observed alone, its few probe steps took a dozen passes
         top = c0 * (live.top if live is not None else 0.0)
         fit_base = c0 * max(a, 0.1)
         table = self.rows.get(batch)

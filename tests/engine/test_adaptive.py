@@ -1233,9 +1233,10 @@ def test_a_step_nobody_drafts_in_is_offs_forward(engine: Engine, off, monkeypatc
     """Rows as dear as a whole step, so adaptive control drafts nothing: step by step it calls the
     forward speculation off calls, with the same arguments (each sequence's slot, committed length,
     tokens, positions, mask and which logits), and its screened steps (between probe steps, at a
-    batch size whose last full choice drafted nothing) read no estimate, call no drafter and learn
-    no price: the step is off's. The requests' estimates then catch up with the steps nobody
-    drafted in as if each had been counted."""
+    batch size whose last full choice drafted nothing) read no estimate and call no drafter: the
+    step is off's, its forward timed as a step without draft rows (what keeps the batch size's
+    prices current while it drafts nothing). The requests' estimates then catch up with the steps
+    nobody drafted in as if each had been counted."""
     prompts, ref = off
     planted = PlantedCost({1: [(0, 1.0), (16, 17.0)], 4: [(0, 1.0), (64, 65.0)]}, max_rows=5)
     monkeypatch.setattr(engine, "step_costs", lambda *a: planted)
@@ -1265,7 +1266,10 @@ def test_a_step_nobody_drafts_in_is_offs_forward(engine: Engine, off, monkeypatc
                         lambda self, reqs, spec: real_screened(self, reqs, spec) and not screened.append(self.steps))
     monkeypatch.setattr(BatchEngine, "_estimate",
                         lambda self, req, spec: touched.append(self.steps) or real_estimate(self, req, spec))
-    monkeypatch.setattr(planted, "observe_step", lambda *a: touched.append(be.steps))
+    timed: dict[int, int] = {}
+    real_observe = planted.observe_step
+    monkeypatch.setattr(planted, "observe_step",
+                        lambda batch, rows, s: timed.__setitem__(be.steps, rows) or real_observe(batch, rows, s))
     drafts = []
     for d in ("ngram",):
         cls = type(B.make_drafter(SpecConfig(method=d, depth=3), engine.target, 0))
@@ -1277,6 +1281,7 @@ def test_a_step_nobody_drafts_in_is_offs_forward(engine: Engine, off, monkeypatc
     assert [r.result.tokens for r in reqs] == ref
     assert drafts == [] and len(screened) > be.steps // 2
     assert not set(screened) & set(touched)
+    assert set(screened) <= set(timed) and all(timed[s] == 0 for s in screened)
     # the steps nobody drafted in are counted once each: every step with a decode row here
     assert be.control.quiet[spec.key()] == sum(1 for c in runs["off"][0] if not all(c[5]))
 
@@ -1648,6 +1653,43 @@ def test_the_engines_schedulers_of_one_schedule_go_on_from_what_control_learnt(e
     assert engine.batcher().accept[other.key()].p == [PRIOR ** r for r in range(1, 3)]
     engine.set_spec(SpecConfig(method="off"))
 
+
+
+STALLS = 6  # the drafting steps at batch 2 that stalled before the run, each at twice the curve
+ROW = 0.3e-3  # a draft row's seconds: 0.3 of a token's share of the step
+
+
+def test_a_batch_size_whose_first_drafting_steps_stalled_drafts_again(engine: Engine, off, monkeypatch) -> None:
+    """A row at 0.3 of a token's share of the step (the drafts of the target drafting itself pay
+    wherever they run) and forwards timed on a planted clock at the curve; but the batch size's
+    first steps (as a server's under another process's burst) were STALLS of six draft rows at
+    twice the curve among steps without rows at the curve: the live fit reads the rows as dear as
+    the whole stalled step, over a token's share, and the choice drafts nothing. Its steps are then
+    off's, screened out between probe steps; timed as steps without rows, they weigh the stalled
+    ones down, the rows are priced as the curve again and the batch drafts: the last third of the
+    requests drafts nearly as many nodes as without the stalls. (Screened steps that taught
+    nothing left the probe steps alone to forget the stalls, a few a request, and the last third
+    drafted a fraction of that.) Greedy output is off's."""
+    prompts, ref = off
+    _the_target_drafts(engine, monkeypatch)
+    curve = {1: [(0, 1e-3), (16, 1e-3 + 16 * ROW)], 2: [(0, 2e-3), (32, 2e-3 + 32 * ROW)]}
+    monkeypatch.setattr(engine, "step_costs", lambda *a: StepCost(curve, max_rows=4))
+    planted = StepCost(curve, max_rows=4)
+    PlantedClock(lambda batch, extra: planted.curve_s(batch, extra)).plant(monkeypatch, engine)
+    spec = SpecConfig(method="draft_model", depth=3, draft_model="the target", adaptive=True)
+    late = {}
+    for stalls in (0, STALLS):
+        be = BatchEngine(engine, max_batch=2, schedule=schedule_of(spec, 2))
+        for _ in range(stalls):
+            be.cost.observe_step(2, 0, planted.curve_s(2, 0))
+            be.cost.observe_step(2, 6, 2 * planted.curve_s(2, 6))
+        if stalls:
+            # six rows, with the margin, dearer than the six tokens they could add
+            assert (1 + MARGIN) * (be.cost.step_s(2, 6) - be.cost.step_s(2, 0)) > 6 * 1e-3
+        reqs = be.closed_loop(prompts * 12, SamplingParams(max_new_tokens=N_NEW), concurrency=2)
+        assert [r.result.tokens for r in reqs] == ref * 12
+        late[stalls] = sum(r.result.stats.drafted_tokens for r in reqs[-len(reqs) // 3:])
+    assert late[0] > 0 and late[STALLS] >= 0.8 * late[0]
 
 def test_a_server_scrape_shows_what_the_controller_prices(engine: Engine, off) -> None:
     """/metrics (engine.serving.metrics) reads adaptive control's state at the scrape: per batch size
