@@ -553,18 +553,17 @@ def read_run(path: str) -> dict[str, Any]:
     raise ValueError(f"--pool {path}: no run's JSON line in it (the last line of benchmarks/adaptive.py's output)")
 
 
-def report(rows: list[dict[str, Any]], grid: list[SpecConfig], settings: dict[str, Any], wall: float, load: float,
+def report(rows: list[dict[str, Any]], grid: list[SpecConfig], cfg: dict[str, Any], wall: float, load: float,
            differ: list[dict[str, Any]], controller: list[dict[str, Any]], runs: int = 1) -> int:
-    """Print the table of `rows` (compare) and the JSON line: `settings` (SAME and the rounds), the
+    """Print the table of `rows` (compare) and the JSON line: `cfg` (the settings SAME names, the rounds), the
     passes, the controller's states, the minima (summary) and the cells below a goal (below_goal)."""
-    table = compare(rows, grid, settings["workloads"], settings["levels"])
+    table = compare(rows, grid, cfg["workloads"], cfg["levels"])
     if not table:
         print("no cell finished two rounds (each round's best static is chosen on the others)", file=sys.stderr)
         return 1
-    cfg = settings
-    print(f"\nload average {load:.1f} at the start; {cfg['prompts']} prompts per workload, {cfg['max_new_tokens']} new "
-          f"tokens, {cfg['weights']}, T=0, {cfg['rounds']} round(s) of max(prompts, {cfg['waves']} x level) requests, whole "
-          f"waves more until a pass lasts {cfg['pass_s']:g} s"
+    print(f"\nload average {load:.1f} at the start; {cfg['prompts']} prompts per workload, {cfg['max_new_tokens']} "
+          f"new tokens, {cfg['weights']}, T=0, {cfg['rounds']} round(s) of max(prompts, {cfg['waves']} x level) "
+          f"requests, whole waves more until a pass lasts {cfg['pass_s']:g} s"
           + (f" / {cfg['split']}, in as many more rounds as keep each cell's requests" if cfg["split"] > 1 else "")
           + (", answer budgets mixed (x0.5-1.5 in turn)" if cfg["mixed_lengths"] else "")
           + (f", servers niced {cfg['nice_servers']} below the load generator" if cfg["nice_servers"] else "")
@@ -612,7 +611,7 @@ def report(rows: list[dict[str, Any]], grid: list[SpecConfig], settings: dict[st
     print("\ncells whose 95% interval lies wholly below the goal: " + "; ".join(
         f"{key.replace('adaptive_vs_', 'vs ').replace('_', ' ')} ({GOALS[key]:g}): {', '.join(cells) or 'none'}"
         for key, cells in goals.items()))
-    out = {**settings, "runs": runs, "wall_s": round(wall), "load_average": round(load, 2), "table": table,
+    out = {**cfg, "runs": runs, "wall_s": round(wall), "load_average": round(load, 2), "table": table,
            "greedy_identical": not differ, "greedy_differences": differ, "rows": rows, "controller": controller,
            **summary(table), "below_goal": goals}
     print(json.dumps(out))
@@ -633,6 +632,7 @@ def pool_outputs(paths: list[str]) -> int:
     grid = specs(first["method"], first["depths"])
     return report(rows, grid, settings, sum(r["wall_s"] for r in runs), max(r["load_average"] for r in runs), differ,
                   [c for r in runs for c in r["controller"]], runs=len(runs))
+
 
 def _interrupted(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
@@ -713,10 +713,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nstopped early: {len(rows)} passes measured; the table and JSON hold the finished rounds",
               file=sys.stderr)
     wall = time.monotonic() - began
-    settings = {"levels": levels, "workloads": workloads, "depths": depths, "method": args.method,
-                "rounds": args.rounds, "weights": args.weights, "waves": args.waves, "pass_s": args.pass_s,
-                "split": args.split, "mixed_lengths": args.mixed_lengths, "nice_servers": args.nice_servers,
-                "prompts": args.prompts, "max_new_tokens": args.max_new_tokens}
+    # the settings SAME names, as parsed (what pooling later checks), and the rounds
+    settings = {k: getattr(args, k) for k in SAME} | {"levels": levels, "workloads": workloads, "depths": depths,
+                                                      "rounds": args.rounds}
     return report(rows, grid, settings, wall, load, greedy_differences(texts),
                   [{"workload": w, "concurrency": c, **st} for (w, c), st in states.items()])
 
